@@ -1,0 +1,25 @@
+"""routecore: the hot path of LLM request routing, in Rust, driven from Python.
+
+Token-budget pool routing with a self-calibrating bytes-per-token estimate
+(Chen et al. 2026), and the pieces a router around it needs.
+"""
+
+from routecore._core import (
+    Calibrator,
+    Pool,
+    RouteDecision,
+    TokenBudgetRouter,
+    __version__,
+    classify,
+    parse_openai_request,
+)
+
+__all__ = [
+    "Calibrator",
+    "Pool",
+    "RouteDecision",
+    "TokenBudgetRouter",
+    "__version__",
+    "classify",
+    "parse_openai_request",
+]

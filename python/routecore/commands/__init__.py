@@ -1,0 +1,1 @@
+"""Subcommands of the ``routecore`` command (see ``routecore.cli``)."""

@@ -1,0 +1,451 @@
+//! Token-budget pool dispatch (Chen et al. 2026, Algorithm 1), for N pools.
+//!
+//! `L_total = ceil(prompt_bytes / c*) + max_output_tokens` with `c*` the
+//! calibrator's conservative ratio for the request's category. Then:
+//!
+//! 1. Hard constraint: a pool whose `max_context` is below `L_total` is never
+//!    chosen. If no pool holds `L_total` the request is rejected, not routed.
+//! 2. Budget: the target is the pool with the smallest budget that holds
+//!    `L_total` (pools ordered by budget, then max_context). If no budget holds
+//!    it but some pool's max_context does, the target is the pool with the
+//!    largest max_context (the paper's long pool, whose budget is its window).
+//! 3. Spillover: a pool is *overloaded* when its in-flight count is above its
+//!    `queue_limit` (strictly: `in_flight > queue_limit`). When the target is
+//!    overloaded and another pool that holds `L_total` is not, the request
+//!    spills to the least loaded such pool (fewest in flight; ties to the pool
+//!    earlier in budget order). That pool may be larger or smaller than the
+//!    target, as in the paper, but always satisfies the hard constraint.
+//!
+//! The router counts in-flight requests per pool: every routed request adds one
+//! to its pool, `complete` removes one, and telemetry may overwrite the count.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::calibrate::{Calibrator, MAX_PROMPT_BYTES};
+use crate::error::{invalid, unknown, Result};
+
+/// Largest `max_output_tokens` / context a request or pool may name: 2^30
+/// tokens (about a billion) is far beyond any model and marks corrupt input.
+pub const MAX_TOKENS: u64 = 1 << 30;
+
+/// One pool of model instances that share a context window.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pool {
+    pub name: String,
+    /// The window every instance in the pool is configured with (vLLM's
+    /// max_model_len). Requests with a larger L_total are never sent here.
+    pub max_context: u64,
+    /// The largest L_total the pool is meant for (B_short for the short pool);
+    /// defaults to `max_context`; must not exceed it.
+    pub budget: u64,
+    /// Spill to another pool while more than this many requests are in flight.
+    pub queue_limit: Option<u64>,
+}
+
+impl Pool {
+    pub fn new(
+        name: &str,
+        max_context: i64,
+        budget: Option<i64>,
+        queue_limit: Option<i64>,
+    ) -> Result<Self> {
+        if name.is_empty() || name.len() > 256 {
+            return Err(invalid("pool name must be 1 to 256 bytes"));
+        }
+        let max_context = check_tokens("max_context", max_context)?;
+        let budget = match budget {
+            Some(b) => check_tokens("budget", b)?,
+            None => max_context,
+        };
+        if budget > max_context {
+            return Err(invalid(format!(
+                "pool {name:?}: budget {budget} exceeds max_context {max_context}"
+            )));
+        }
+        let queue_limit = match queue_limit {
+            Some(q) if q < 0 => return Err(invalid(format!("queue_limit must be >= 0, got {q}"))),
+            q => q.map(|q| q as u64),
+        };
+        Ok(Self {
+            name: name.to_owned(),
+            max_context,
+            budget,
+            queue_limit,
+        })
+    }
+}
+
+fn check_tokens(what: &str, v: i64) -> Result<u64> {
+    if v < 1 || v as u64 > MAX_TOKENS {
+        return Err(invalid(format!(
+            "{what} must be in [1, {MAX_TOKENS}], got {v}"
+        )));
+    }
+    Ok(v as u64)
+}
+
+/// Why a decision came out as it did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The smallest pool whose budget holds L_total.
+    Budget,
+    /// No budget holds L_total; the largest window does.
+    LargestContext,
+    /// The target was overloaded; moved to the least loaded pool that holds it.
+    Spillover,
+    /// No pool's max_context holds L_total.
+    TooLong,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Budget => "budget",
+            Reason::LargestContext => "largest-context",
+            Reason::Spillover => "spillover",
+            Reason::TooLong => "exceeds-max-context",
+        }
+    }
+}
+
+/// One routing decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    /// Index of the chosen pool (in the order the pools were given), or None.
+    pub pool: Option<usize>,
+    pub est_input_tokens: u64,
+    pub est_output_tokens: u64,
+    pub est_total_tokens: u64,
+    pub spilled: bool,
+    pub reason: Reason,
+}
+
+/// The request fields routing needs, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    pub prompt_bytes: u64,
+    pub category: Option<usize>,
+    pub max_output_tokens: u64,
+}
+
+impl Request {
+    pub fn new(prompt_bytes: i64, category: Option<usize>, max_output_tokens: i64) -> Result<Self> {
+        if prompt_bytes < 0 || prompt_bytes as u64 > MAX_PROMPT_BYTES {
+            return Err(invalid(format!(
+                "prompt_bytes must be in [0, {MAX_PROMPT_BYTES}], got {prompt_bytes}"
+            )));
+        }
+        Ok(Self {
+            prompt_bytes: prompt_bytes as u64,
+            category,
+            max_output_tokens: check_tokens("max_output_tokens", max_output_tokens)?,
+        })
+    }
+}
+
+pub struct TokenBudgetRouter {
+    pools: Vec<Pool>,
+    /// Pool indices by (budget, max_context) ascending.
+    order: Vec<usize>,
+    in_flight: Vec<AtomicU64>,
+    calibrator: Arc<RwLock<Calibrator>>,
+}
+
+impl TokenBudgetRouter {
+    pub fn new(pools: Vec<Pool>, calibrator: Arc<RwLock<Calibrator>>) -> Result<Self> {
+        if pools.is_empty() {
+            return Err(invalid("at least one pool is required"));
+        }
+        for (i, p) in pools.iter().enumerate() {
+            if pools[..i].iter().any(|q| q.name == p.name) {
+                return Err(invalid(format!("duplicate pool name {:?}", p.name)));
+            }
+        }
+        let mut order: Vec<usize> = (0..pools.len()).collect();
+        order.sort_by_key(|&i| (pools[i].budget, pools[i].max_context));
+        let in_flight = pools.iter().map(|_| AtomicU64::new(0)).collect();
+        Ok(Self {
+            pools,
+            order,
+            in_flight,
+            calibrator,
+        })
+    }
+
+    pub fn pools(&self) -> &[Pool] {
+        &self.pools
+    }
+
+    pub fn calibrator(&self) -> &Arc<RwLock<Calibrator>> {
+        &self.calibrator
+    }
+
+    /// The calibrator, read-locked. A poisoned lock is still usable: the
+    /// calibrator is updated only after every check passed, so it is consistent.
+    pub fn read_calibrator(&self) -> RwLockReadGuard<'_, Calibrator> {
+        self.calibrator.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn write_calibrator(&self) -> RwLockWriteGuard<'_, Calibrator> {
+        self.calibrator.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn pool_index(&self, name: &str) -> Result<usize> {
+        self.pools
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or_else(|| unknown("pool", name))
+    }
+
+    fn check_index(&self, pool: usize) -> Result<usize> {
+        if pool < self.pools.len() {
+            Ok(pool)
+        } else {
+            Err(unknown("pool index", pool.to_string()))
+        }
+    }
+
+    pub fn in_flight(&self, pool: usize) -> Result<u64> {
+        Ok(self.in_flight[self.check_index(pool)?].load(Ordering::Relaxed))
+    }
+
+    /// Telemetry: the pool's in-flight count as measured elsewhere.
+    pub fn set_in_flight(&self, pool: usize, n: u64) -> Result<()> {
+        self.in_flight[self.check_index(pool)?].store(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Ends one in-flight request on `pool`. Refused when none is in flight.
+    pub fn complete(&self, pool: usize) -> Result<()> {
+        let counter = &self.in_flight[self.check_index(pool)?];
+        counter
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .map(|_| ())
+            .map_err(|_| {
+                invalid(format!(
+                    "complete: pool {:?} has no request in flight",
+                    self.pools[pool].name
+                ))
+            })
+    }
+
+    fn overloaded(&self, pool: usize) -> bool {
+        match self.pools[pool].queue_limit {
+            Some(limit) => self.in_flight[pool].load(Ordering::Relaxed) > limit,
+            None => false,
+        }
+    }
+
+    /// The pool for a request of `total` tokens, without counting it.
+    pub fn choose(&self, total: u64) -> (Option<usize>, bool, Reason) {
+        let fits = |i: &usize| self.pools[*i].max_context >= total;
+        let target = self
+            .order
+            .iter()
+            .copied()
+            .find(|&i| self.pools[i].budget >= total)
+            .map(|i| (i, Reason::Budget))
+            .or_else(|| {
+                self.order
+                    .iter()
+                    .copied()
+                    .filter(fits)
+                    .max_by_key(|&i| self.pools[i].max_context)
+                    .map(|i| (i, Reason::LargestContext))
+            });
+        let Some((target, reason)) = target else {
+            return (None, false, Reason::TooLong);
+        };
+        if !self.overloaded(target) {
+            return (Some(target), false, reason);
+        }
+        let alternate = self
+            .order
+            .iter()
+            .copied()
+            .filter(|&i| i != target && fits(&i) && !self.overloaded(i))
+            .min_by_key(|&i| self.in_flight[i].load(Ordering::Relaxed));
+        match alternate {
+            Some(i) => (Some(i), true, Reason::Spillover),
+            None => (Some(target), false, reason),
+        }
+    }
+
+    /// Routes one request and counts it in flight on the chosen pool.
+    pub fn route(&self, req: Request) -> Decision {
+        let est_input_tokens = self
+            .read_calibrator()
+            .estimate_tokens_id(req.prompt_bytes, req.category);
+        self.route_estimated(est_input_tokens, req.max_output_tokens)
+    }
+
+    /// Routes a request whose input tokens are already estimated (or known).
+    pub fn route_estimated(&self, est_input_tokens: u64, max_output_tokens: u64) -> Decision {
+        let total = est_input_tokens.saturating_add(max_output_tokens);
+        let (pool, spilled, reason) = self.choose(total);
+        if let Some(i) = pool {
+            self.in_flight[i].fetch_add(1, Ordering::Relaxed);
+        }
+        Decision {
+            pool,
+            est_input_tokens,
+            est_output_tokens: max_output_tokens,
+            est_total_tokens: total,
+            spilled,
+            reason,
+        }
+    }
+
+    /// Routes a batch in order, exactly as `route` one by one would; the
+    /// calibrator is read once for the whole batch. Returns pool indices,
+    /// -1 for a rejected request.
+    pub fn route_many(&self, requests: &[Request]) -> Vec<i64> {
+        let cal = self.read_calibrator();
+        requests
+            .iter()
+            .map(|r| {
+                let est = cal.estimate_tokens_id(r.prompt_bytes, r.category);
+                self.route_estimated(est, r.max_output_tokens)
+                    .pool
+                    .map_or(-1, |i| i as i64)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn router(pools: &[(&str, i64, Option<i64>, Option<i64>)]) -> TokenBudgetRouter {
+        let pools = pools
+            .iter()
+            .map(|&(n, c, b, q)| Pool::new(n, c, b, q).expect("pool"))
+            .collect();
+        let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+        TokenBudgetRouter::new(pools, Arc::new(RwLock::new(cal))).expect("router")
+    }
+
+    fn req(bytes: i64, out: i64) -> Request {
+        Request::new(bytes, None, out).expect("request")
+    }
+
+    #[test]
+    fn total_budget_not_prompt_length() {
+        let r = router(&[("short", 8192, None, None), ("long", 65536, None, None)]);
+        // 200 tokens of prompt (800 bytes at 4.0) with max_tokens 8192: 8392 > 8192.
+        let d = r.route(req(800, 8192));
+        assert_eq!(
+            (d.pool, d.est_input_tokens, d.est_total_tokens),
+            (Some(1), 200, 8392)
+        );
+        let d = r.route(req(800, 7992));
+        assert_eq!((d.pool, d.est_total_tokens), (Some(0), 8192));
+    }
+
+    #[test]
+    fn hard_constraint_and_rejection() {
+        // A short pool with a budget of 4096 but a window of 8192; a 16K long pool.
+        let r = router(&[
+            ("long", 16384, None, None),
+            ("short", 8192, Some(4096), None),
+        ]);
+        // 1000 + 3000 tokens fit the short budget; 2000 + 3000 fit its window but
+        // not its budget, so they go long.
+        assert_eq!(r.route(req(4000, 3000)).pool, Some(1));
+        assert_eq!(r.route(req(8000, 3000)).pool, Some(0));
+        let d = r.route(req(4 * 16384, 1));
+        assert_eq!((d.pool, d.reason), (None, Reason::TooLong));
+        assert_eq!(r.in_flight(0).expect("pool"), 1);
+        assert_eq!(r.in_flight(1).expect("pool"), 1);
+    }
+
+    #[test]
+    fn largest_context_when_no_budget_holds() {
+        let r = router(&[
+            ("a", 8192, Some(2048), None),
+            ("b", 32768, Some(4096), None),
+        ]);
+        let d = r.route(req(4 * 6000, 100));
+        assert_eq!((d.pool, d.reason), (Some(1), Reason::LargestContext));
+    }
+
+    #[test]
+    fn spillover_both_ways_only_when_target_holds() {
+        let r = router(&[
+            ("short", 8192, Some(4096), Some(2)),
+            ("long", 65536, None, Some(2)),
+        ]);
+        for _ in 0..3 {
+            assert_eq!(r.route(req(400, 100)).pool, Some(0));
+        }
+        // Short is above its limit (3 > 2): a small request spills up to long.
+        let d = r.route(req(400, 100));
+        assert_eq!(
+            (d.pool, d.spilled, d.reason),
+            (Some(1), true, Reason::Spillover)
+        );
+        // Long gets loaded past its limit; a request that fits short spills down,
+        // one that does not fit short stays long although long is overloaded.
+        r.set_in_flight(0, 0).expect("pool");
+        r.set_in_flight(1, 3).expect("pool");
+        let d = r.route(req(24_000, 100)); // 6,100 tokens: over short's budget, in its window
+        assert_eq!((d.pool, d.spilled), (Some(0), true));
+        let d = r.route(req(40_000, 100)); // 10,100 tokens: only long holds it
+        assert_eq!(
+            (d.pool, d.spilled, d.reason),
+            (Some(1), false, Reason::Budget)
+        );
+        // Short overloaded too: nowhere to spill, the target keeps it.
+        r.set_in_flight(0, 3).expect("pool");
+        let d = r.route(req(24_000, 100));
+        assert_eq!(
+            (d.pool, d.spilled, d.reason),
+            (Some(1), false, Reason::Budget)
+        );
+    }
+
+    #[test]
+    fn complete_and_batch_equivalence() {
+        let r = router(&[
+            ("s", 4096, None, Some(3)),
+            ("m", 16384, None, Some(5)),
+            ("l", 65536, None, None),
+        ]);
+        assert!(r.complete(0).is_err());
+        let reqs: Vec<Request> = (0..200)
+            .map(|i| req((i * 977) % 200_000, 1 + (i * 131) % 3000))
+            .collect();
+        let one_by_one: Vec<i64> = reqs
+            .iter()
+            .map(|q| r.route(*q).pool.map_or(-1, |p| p as i64))
+            .collect();
+        let r2 = router(&[
+            ("s", 4096, None, Some(3)),
+            ("m", 16384, None, Some(5)),
+            ("l", 65536, None, None),
+        ]);
+        assert_eq!(r2.route_many(&reqs), one_by_one);
+        for p in 0..3 {
+            assert_eq!(r.in_flight(p), r2.in_flight(p));
+        }
+        r.complete(2).expect("in flight");
+    }
+
+    #[test]
+    fn invalid_construction() {
+        assert!(Pool::new("x", 0, None, None).is_err());
+        assert!(Pool::new("x", 100, Some(200), None).is_err());
+        assert!(Pool::new("", 100, None, None).is_err());
+        assert!(Pool::new("x", 100, None, Some(-1)).is_err());
+        assert!(Request::new(-1, None, 10).is_err());
+        assert!(Request::new(10, None, 0).is_err());
+        let p = Pool::new("x", 100, None, None).expect("pool");
+        let cal = Arc::new(RwLock::new(
+            Calibrator::new(0.95, 1.0, 4.0, 4).expect("cal"),
+        ));
+        assert!(TokenBudgetRouter::new(vec![p.clone(), p], cal.clone()).is_err());
+        assert!(TokenBudgetRouter::new(vec![], cal).is_err());
+    }
+}

@@ -1,0 +1,195 @@
+//! Traffic category of a prompt from byte-level statistics, no tokenizer:
+//! "prose", "code", "cjk" or "mixed". These are the calibrator's categories in
+//! the token-budget paper (its Table 4), whose bytes-per-token ratios differ
+//! (about 4.5, 3.5, 2.0 and 3.8).
+//!
+//! Only a bounded sample is read: the first and last [`SAMPLE_BYTES`]/2 bytes of
+//! a longer prompt, so classifying a 100 MB prompt costs the same as 64 KiB.
+//!
+//! Signals, over the sample's characters and lines:
+//! - script: CJK characters (Han, kana, Hangul, CJK and full-width punctuation)
+//!   against Latin letters and letters of other scripts;
+//! - code: the share of non-blank characters that are code punctuation
+//!   (`{}[]();=<>_*&|#$\`), and the share of non-blank lines that look like
+//!   code (end in `;`, `{`, `}`, `)`, `:` or `,`; hold `==`, `!=`, `=>`, `->`,
+//!   `::`, `&&`, `||`; or start with a common keyword), weighted up when the
+//!   lines are indented.
+//!
+//! Rules, in order: CJK share >= 0.6 -> "cjk"; CJK share >= 0.1 or other
+//! scripts >= 0.3 -> "mixed"; strong code signals -> "code"; weak code signals
+//! (prose with embedded snippets) -> "mixed"; otherwise "prose". An empty or
+//! letter-less text is "prose", the cold-start category.
+
+pub const SAMPLE_BYTES: usize = 64 * 1024;
+
+pub const CATEGORIES: [&str; 4] = ["prose", "code", "cjk", "mixed"];
+
+fn is_cjk(c: char) -> bool {
+    matches!(c as u32,
+        0x3000..=0x303F   // CJK symbols and punctuation
+        | 0x3040..=0x30FF // Hiragana, Katakana
+        | 0x3400..=0x4DBF // CJK extension A
+        | 0x4E00..=0x9FFF // CJK unified ideographs
+        | 0xAC00..=0xD7AF // Hangul syllables
+        | 0x1100..=0x11FF // Hangul jamo
+        | 0xF900..=0xFAFF // CJK compatibility ideographs
+        | 0xFF00..=0xFFEF // half- and full-width forms
+        | 0x20000..=0x2FA1F)
+}
+
+fn is_code_punct(c: char) -> bool {
+    matches!(
+        c,
+        '{' | '}'
+            | '['
+            | ']'
+            | '('
+            | ')'
+            | ';'
+            | '='
+            | '<'
+            | '>'
+            | '_'
+            | '*'
+            | '&'
+            | '|'
+            | '#'
+            | '$'
+            | '\\'
+    )
+}
+
+const KEYWORDS: [&str; 24] = [
+    "def ", "class ", "import ", "from ", "return", "fn ", "let ", "const ", "var ", "function",
+    "if (", "for (", "while (", "#include", "#define", "public ", "private ", "static ",
+    "package ", "use ", "struct ", "impl ", "func ", "@",
+];
+
+fn code_line(line: &str) -> bool {
+    let t = line.trim();
+    if t.is_empty() {
+        return false;
+    }
+    let ends = t.ends_with([';', '{', '}', ')', ':', ',']);
+    let ops = ["==", "!=", "=>", "->", "::", "&&", "||"]
+        .iter()
+        .any(|op| t.contains(op));
+    let kw = KEYWORDS.iter().any(|k| t.starts_with(k));
+    ends || ops || kw
+}
+
+/// The sample of `bytes` that is classified: all of it up to SAMPLE_BYTES,
+/// else the head and tail halves, decoded lossily.
+fn sample(bytes: &[u8]) -> String {
+    if bytes.len() <= SAMPLE_BYTES {
+        return String::from_utf8_lossy(bytes).into_owned();
+    }
+    let half = SAMPLE_BYTES / 2;
+    let mut s = String::from_utf8_lossy(&bytes[..half]).into_owned();
+    s.push('\n');
+    s.push_str(&String::from_utf8_lossy(&bytes[bytes.len() - half..]));
+    s
+}
+
+/// The category of a prompt given as UTF-8 bytes (invalid sequences tolerated).
+pub fn classify(bytes: &[u8]) -> &'static str {
+    let text = sample(bytes);
+    let (mut cjk, mut latin, mut other, mut punct, mut visible) =
+        (0usize, 0usize, 0usize, 0usize, 0usize);
+    for c in text.chars() {
+        if c.is_whitespace() {
+            continue;
+        }
+        visible += 1;
+        if is_cjk(c) {
+            cjk += 1;
+        } else if c.is_ascii_alphabetic() || ('\u{C0}'..='\u{24F}').contains(&c) {
+            latin += 1;
+        } else if c.is_alphabetic() {
+            other += 1;
+        } else if is_code_punct(c) {
+            punct += 1;
+        }
+    }
+    let letters = cjk + latin + other;
+    if letters == 0 {
+        return "prose";
+    }
+    let cjk_share = cjk as f64 / letters as f64;
+    let other_share = other as f64 / letters as f64;
+    if cjk_share >= 0.6 {
+        return "cjk";
+    }
+    if cjk_share >= 0.1 || other_share >= 0.3 {
+        return "mixed";
+    }
+    let (mut lines, mut code_lines, mut indented) = (0usize, 0usize, 0usize);
+    for line in text.lines() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        lines += 1;
+        if code_line(line) {
+            code_lines += 1;
+        }
+        if line.starts_with("  ") || line.starts_with('\t') {
+            indented += 1;
+        }
+    }
+    let line_share = code_lines as f64 / lines.max(1) as f64;
+    let indent_share = indented as f64 / lines.max(1) as f64;
+    let punct_share = punct as f64 / visible.max(1) as f64;
+    let score = line_share + 0.5 * indent_share;
+    if (score >= 0.45 && punct_share >= 0.03) || punct_share >= 0.12 {
+        "code"
+    } else if score >= 0.2 && punct_share >= 0.02 {
+        "mixed"
+    } else {
+        "prose"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scripts_and_code() {
+        assert_eq!(classify(b""), "prose");
+        assert_eq!(classify(b"12345 !!! ..."), "prose");
+        assert_eq!(
+            classify(
+                "The quick brown fox jumps over the lazy dog. It was not amused, and said so."
+                    .as_bytes()
+            ),
+            "prose"
+        );
+        assert_eq!(
+            classify("今日は良い天気ですね。明日も晴れるでしょう。".as_bytes()),
+            "cjk"
+        );
+        assert_eq!(
+            classify(
+                "请把这段 English text 翻译成中文, please keep the formatting and names."
+                    .as_bytes()
+            ),
+            "mixed"
+        );
+        assert_eq!(
+            classify("Привет, как дела? Всё хорошо, спасибо.".as_bytes()),
+            "mixed"
+        );
+        let code = b"fn main() {\n    let x = vec![1, 2, 3];\n    for i in &x {\n        println!(\"{}\", i);\n    }\n}\n";
+        assert_eq!(classify(code), "code");
+    }
+
+    #[test]
+    fn huge_input_reads_a_bounded_sample() {
+        let mut big = "def f(x):\n    return x == 1\n"
+            .repeat(100_000)
+            .into_bytes();
+        big.extend(std::iter::repeat_n(b'a', 10));
+        assert_eq!(sample(&big).len(), SAMPLE_BYTES + 1);
+        assert_eq!(classify(&big), "code");
+    }
+}

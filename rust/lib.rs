@@ -1,0 +1,34 @@
+//! routecore: the hot path of LLM request routing.
+//!
+//! Pure-Rust modules hold the algorithms and know nothing of Python; the
+//! `python` feature adds the pyo3 bindings in `py/` and the `_core` module
+//! below, which only registers what `py/` defines.
+
+pub mod budget;
+pub mod calibrate;
+pub mod classify;
+pub mod error;
+pub mod openai;
+pub mod snapshot;
+
+#[cfg(feature = "python")]
+mod py;
+
+#[cfg(feature = "python")]
+#[pyo3::pymodule(gil_used = false)]
+mod _core {
+    #[pymodule_export]
+    use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
+    #[pymodule_export]
+    use crate::py::calibrate::PyCalibrator;
+    #[pymodule_export]
+    use crate::py::classify::classify;
+    #[pymodule_export]
+    use crate::py::openai::parse_openai_request;
+    use pyo3::prelude::*;
+
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        m.add("__version__", env!("CARGO_PKG_VERSION"))
+    }
+}

@@ -1,0 +1,328 @@
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyString;
+
+use super::calibrate::PyCalibrator;
+use super::int_array;
+use crate::budget::{Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS};
+use crate::calibrate::DEFAULT_MAX_CATEGORIES;
+
+/// A pool of model instances sharing one context window.
+///
+/// ``max_context``: the instances' window (vLLM ``max_model_len``); requests
+/// whose estimated L_total exceeds it are never sent here. ``budget``: the
+/// largest L_total the pool is meant for (B_short for a short pool; defaults to
+/// ``max_context``). ``queue_limit``: while more than this many requests are in
+/// flight, requests spill to another pool that can hold them.
+#[pyclass(frozen, name = "Pool", module = "routecore")]
+pub struct PyPool {
+    pub inner: Pool,
+}
+
+#[pymethods]
+impl PyPool {
+    #[new]
+    #[pyo3(signature = (name, max_context, budget=None, queue_limit=None))]
+    fn new(
+        name: &str,
+        max_context: i64,
+        budget: Option<i64>,
+        queue_limit: Option<i64>,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            inner: Pool::new(name, max_context, budget, queue_limit)?,
+        })
+    }
+    #[getter]
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+    #[getter]
+    fn max_context(&self) -> u64 {
+        self.inner.max_context
+    }
+    #[getter]
+    fn budget(&self) -> u64 {
+        self.inner.budget
+    }
+    #[getter]
+    fn queue_limit(&self) -> Option<u64> {
+        self.inner.queue_limit
+    }
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        let q = p.queue_limit.map_or("None".to_owned(), |q| q.to_string());
+        format!(
+            "Pool(name={:?}, max_context={}, budget={}, queue_limit={q})",
+            p.name, p.max_context, p.budget
+        )
+    }
+}
+
+/// One routing decision.
+///
+/// ``pool`` is the chosen pool's name (None when rejected) and ``index`` its
+/// position in the router's pool list (-1 when rejected). ``est_*_tokens`` are
+/// the estimates it was made on; ``spilled`` is True when load moved it off its
+/// budget pool; ``reason`` is one of "budget", "largest-context", "spillover",
+/// "exceeds-max-context".
+#[pyclass(frozen, name = "RouteDecision", module = "routecore")]
+pub struct PyRouteDecision {
+    #[pyo3(get)]
+    pool: Option<Py<PyString>>,
+    decision: Decision,
+}
+
+#[pymethods]
+impl PyRouteDecision {
+    #[getter]
+    fn index(&self) -> i64 {
+        self.decision.pool.map_or(-1, |i| i as i64)
+    }
+    #[getter]
+    fn rejected(&self) -> bool {
+        self.decision.pool.is_none()
+    }
+    #[getter]
+    fn est_input_tokens(&self) -> u64 {
+        self.decision.est_input_tokens
+    }
+    #[getter]
+    fn est_output_tokens(&self) -> u64 {
+        self.decision.est_output_tokens
+    }
+    #[getter]
+    fn est_total_tokens(&self) -> u64 {
+        self.decision.est_total_tokens
+    }
+    #[getter]
+    fn spilled(&self) -> bool {
+        self.decision.spilled
+    }
+    #[getter]
+    fn reason(&self) -> &'static str {
+        self.decision.reason.as_str()
+    }
+    fn __repr__(&self) -> String {
+        let d = &self.decision;
+        format!(
+            "RouteDecision(pool={}, est_total_tokens={}, spilled={}, reason={:?})",
+            d.pool.map_or("None".to_owned(), |i| i.to_string()),
+            d.est_total_tokens,
+            d.spilled,
+            d.reason.as_str()
+        )
+    }
+}
+
+/// Token-budget pool routing (Chen et al. 2026, Algorithm 1) over N pools.
+///
+/// ``L_total = ceil(prompt_bytes / c*) + max_output_tokens`` with ``c*`` the
+/// calibrator's conservative bytes-per-token ratio for the category. The
+/// request goes to the smallest pool whose budget holds L_total; a pool whose
+/// max_context is below L_total is never chosen; a request no pool holds is
+/// rejected. When the chosen pool has more than ``queue_limit`` requests in
+/// flight, the request spills to the least loaded pool that holds it and is
+/// not overloaded. ``route`` counts the request in flight on its pool;
+/// ``complete`` ends it.
+///
+/// >>> router = TokenBudgetRouter([Pool("short", 8192), Pool("long", 65536)])
+/// >>> router.route(800, "prose", 8192).pool   # 200 prompt tokens + 8192 out
+/// 'long'
+#[pyclass(frozen, name = "TokenBudgetRouter", module = "routecore")]
+pub struct PyTokenBudgetRouter {
+    inner: TokenBudgetRouter,
+    calibrator: Py<PyCalibrator>,
+    pools: Vec<Py<PyPool>>,
+    names: Vec<Py<PyString>>,
+}
+
+impl PyTokenBudgetRouter {
+    fn pool_arg(&self, pool: &Bound<'_, PyAny>) -> PyResult<usize> {
+        if let Ok(name) = pool.extract::<&str>() {
+            return Ok(self.inner.pool_index(name)?);
+        }
+        let i: i64 = pool.extract()?;
+        if i < 0 || i as usize >= self.names.len() {
+            return Err(PyValueError::new_err(format!(
+                "pool index {i} out of range"
+            )));
+        }
+        Ok(i as usize)
+    }
+
+    fn decision(&self, py: Python<'_>, decision: Decision) -> PyRouteDecision {
+        PyRouteDecision {
+            pool: decision.pool.map(|i| self.names[i].clone_ref(py)),
+            decision,
+        }
+    }
+}
+
+#[pymethods]
+impl PyTokenBudgetRouter {
+    #[new]
+    #[pyo3(signature = (pools, calibrator=None))]
+    fn new(
+        py: Python<'_>,
+        pools: Vec<Py<PyPool>>,
+        calibrator: Option<Py<PyCalibrator>>,
+    ) -> PyResult<Self> {
+        let calibrator = match calibrator {
+            Some(c) => c,
+            None => Py::new(
+                py,
+                PyCalibrator {
+                    inner: std::sync::Arc::new(std::sync::RwLock::new(
+                        crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, DEFAULT_MAX_CATEGORIES)?,
+                    )),
+                },
+            )?,
+        };
+        let specs = pools.iter().map(|p| p.get().inner.clone()).collect();
+        let inner = TokenBudgetRouter::new(specs, calibrator.get().inner.clone())?;
+        let names = inner
+            .pools()
+            .iter()
+            .map(|p| PyString::new(py, &p.name).unbind())
+            .collect();
+        Ok(Self {
+            inner,
+            calibrator,
+            pools,
+            names,
+        })
+    }
+
+    /// Routes one request and counts it in flight on the chosen pool.
+    fn route(
+        &self,
+        py: Python<'_>,
+        prompt_bytes: i64,
+        category: &str,
+        max_output_tokens: i64,
+    ) -> PyResult<PyRouteDecision> {
+        let req = Request::new(prompt_bytes, None, max_output_tokens)?;
+        let est = self
+            .inner
+            .read_calibrator()
+            .estimate_tokens(req.prompt_bytes, category);
+        Ok(self.decision(py, self.inner.route_estimated(est, req.max_output_tokens)))
+    }
+
+    /// Routes a request whose prompt length in tokens is known exactly (a
+    /// prompt given as token ids): no estimate, the calibrator is not read.
+    fn route_tokens(
+        &self,
+        py: Python<'_>,
+        prompt_tokens: i64,
+        max_output_tokens: i64,
+    ) -> PyResult<PyRouteDecision> {
+        if prompt_tokens < 0 || prompt_tokens as u64 > MAX_TOKENS {
+            return Err(PyValueError::new_err(format!(
+                "prompt_tokens must be in [0, {MAX_TOKENS}], got {prompt_tokens}"
+            )));
+        }
+        let req = Request::new(0, None, max_output_tokens)?;
+        Ok(self.decision(
+            py,
+            self.inner
+                .route_estimated(prompt_tokens as u64, req.max_output_tokens),
+        ))
+    }
+
+    /// Routes a batch exactly as ``route`` one by one would (in-flight counts
+    /// included). Arrays of any integer dtype; ``category_ids`` come from
+    /// ``category_id``. Returns pool indices as int64, -1 for rejected. The
+    /// arrays are copied before routing, so the caller may reuse them at once.
+    fn route_many<'py>(
+        &self,
+        py: Python<'py>,
+        prompt_bytes: &Bound<'py, PyAny>,
+        category_ids: &Bound<'py, PyAny>,
+        max_output_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let bytes = int_array(prompt_bytes, "prompt_bytes")?;
+        let cats = int_array(category_ids, "category_ids")?;
+        let outs = int_array(max_output_tokens, "max_output_tokens")?;
+        if bytes.len() != cats.len() || bytes.len() != outs.len() {
+            return Err(PyValueError::new_err(format!(
+                "arrays differ in length: {}, {}, {}",
+                bytes.len(),
+                cats.len(),
+                outs.len()
+            )));
+        }
+        let n_categories = self.inner.read_calibrator().categories().len() as i64;
+        let result = py.detach(|| -> crate::error::Result<Vec<i64>> {
+            let reqs = bytes
+                .iter()
+                .zip(&cats)
+                .zip(&outs)
+                .map(|((&b, &c), &o)| {
+                    if c < 0 || c >= n_categories {
+                        return Err(crate::error::invalid(format!(
+                            "category id {c} is not one of the {n_categories} ids from category_id()"
+                        )));
+                    }
+                    Request::new(b, Some(c as usize), o)
+                })
+                .collect::<crate::error::Result<Vec<_>>>()?;
+            Ok(self.inner.route_many(&reqs))
+        })?;
+        Ok(result.into_pyarray(py))
+    }
+
+    /// The dense id of a category name for ``route_many`` (registered if new).
+    fn category_id(&self, name: &str) -> PyResult<usize> {
+        Ok(self.inner.write_calibrator().intern(name)?)
+    }
+
+    /// Feeds a response's ``usage.prompt_tokens`` to the calibrator.
+    fn feedback(&self, prompt_bytes: i64, category: &str, prompt_tokens: i64) -> PyResult<()> {
+        Ok(self
+            .inner
+            .write_calibrator()
+            .observe(category, prompt_bytes, prompt_tokens)?)
+    }
+
+    /// Ends one in-flight request on ``pool`` (name or index).
+    fn complete(&self, pool: &Bound<'_, PyAny>) -> PyResult<()> {
+        Ok(self.inner.complete(self.pool_arg(pool)?)?)
+    }
+
+    /// Requests in flight on ``pool`` (name or index).
+    fn in_flight(&self, pool: &Bound<'_, PyAny>) -> PyResult<u64> {
+        Ok(self.inner.in_flight(self.pool_arg(pool)?)?)
+    }
+
+    /// Telemetry: overwrite ``pool``'s in-flight count with a measured value.
+    fn set_in_flight(&self, pool: &Bound<'_, PyAny>, count: i64) -> PyResult<()> {
+        if count < 0 {
+            return Err(PyValueError::new_err(format!(
+                "count must be >= 0, got {count}"
+            )));
+        }
+        Ok(self
+            .inner
+            .set_in_flight(self.pool_arg(pool)?, count as u64)?)
+    }
+
+    /// The pools, in the order given.
+    #[getter]
+    fn pools(&self, py: Python<'_>) -> Vec<Py<PyPool>> {
+        self.pools.iter().map(|p| p.clone_ref(py)).collect()
+    }
+
+    /// The shared calibrator (the object passed in, if any).
+    #[getter]
+    fn calibrator(&self, py: Python<'_>) -> Py<PyCalibrator> {
+        self.calibrator.clone_ref(py)
+    }
+
+    fn __repr__(&self) -> String {
+        let names: Vec<&str> = self.inner.pools().iter().map(|p| p.name.as_str()).collect();
+        format!("TokenBudgetRouter(pools={names:?})")
+    }
+}
