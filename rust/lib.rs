@@ -9,6 +9,7 @@ pub mod calibrate;
 pub mod classify;
 pub mod error;
 pub mod openai;
+pub mod rng;
 pub mod snapshot;
 
 #[cfg(feature = "python")]
