@@ -4,6 +4,7 @@
 //! `python` feature adds the pyo3 bindings in `py/` and the `_core` module
 //! below, which only registers what `py/` defines.
 
+pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
