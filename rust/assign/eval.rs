@@ -280,7 +280,7 @@ pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> 
     };
     let mut servers: Vec<Server> = (0..n).map(|_| Server::default()).collect();
     let mut finish = vec![f64::NAN; prompts.len()];
-    let mut rng = Rng::new(cfg.seed ^ 0x5eed_0f_7a11);
+    let mut rng = Rng::new(cfg.seed ^ 0x5eed_7a11);
     let mut next_rr = 0usize;
     let mut next = 0usize;
     let mut tick = 0u64;
