@@ -20,6 +20,8 @@ mod py;
 #[pyo3::pymodule(gil_used = false)]
 mod _core {
     #[pymodule_export]
+    use crate::py::assign::{assign_eval, PyBatchScheduler, PyInstance, PyKnnEstimator};
+    #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]
     use crate::py::calibrate::PyCalibrator;

@@ -5,21 +5,29 @@ Token-budget pool routing with a self-calibrating bytes-per-token estimate
 """
 
 from routecore._core import (
+    BatchScheduler,
     Calibrator,
+    Instance,
+    KnnEstimator,
     Pool,
     RouteDecision,
     TokenBudgetRouter,
     __version__,
+    assign_eval,
     classify,
     parse_openai_request,
 )
 
 __all__ = [
+    "BatchScheduler",
     "Calibrator",
+    "Instance",
+    "KnnEstimator",
     "Pool",
     "RouteDecision",
     "TokenBudgetRouter",
     "__version__",
+    "assign_eval",
     "classify",
     "parse_openai_request",
 ]

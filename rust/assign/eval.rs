@@ -320,6 +320,53 @@ pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> 
     Ok(measure(&prompts, &instances, &job, &finish, fleet.len()))
 }
 
+/// The policy set the evaluation compares, as `(name, family, policy)`:
+/// the four presets, a sweep of the scheduler (quality weight `w`, the rest
+/// split evenly between latency and cost), the decoupled router over the same
+/// quality weights (the rest on cost; `w = 1` is quality argmax), round-robin
+/// and random. The sweeps trace the two frontiers.
+pub fn policies() -> Result<Vec<(String, &'static str, Policy)>> {
+    let mut out = Vec::new();
+    for (name, _) in super::PRESETS {
+        out.push((
+            name.to_owned(),
+            "preset",
+            Policy::Scheduler(Weights::preset(name)?),
+        ));
+    }
+    for w in SWEEP {
+        let rest = (1.0 - w) / 2.0;
+        out.push((
+            format!("scheduler q={w:.2}"),
+            "scheduler sweep",
+            Policy::Scheduler(Weights::new(w, rest, rest)?),
+        ));
+    }
+    for w in SWEEP.into_iter().chain([1.0]) {
+        out.push((
+            format!("decoupled q={w:.2}"),
+            "decoupled sweep",
+            Policy::Decoupled {
+                quality: w,
+                cost: 1.0 - w,
+            },
+        ));
+    }
+    out.push(("round-robin".to_owned(), "dispatcher", Policy::RoundRobin));
+    out.push(("random".to_owned(), "dispatcher", Policy::Random));
+    Ok(out)
+}
+
+const SWEEP: [f64; 5] = [0.95, 0.9, 0.7, 0.5, 0.2];
+
+/// Runs every policy of `policies()` on the same workload.
+pub fn evaluate(cfg: &EvalConfig) -> Result<Vec<(String, &'static str, Outcome)>> {
+    policies()?
+        .into_iter()
+        .map(|(name, family, p)| Ok((name, family, run(cfg, &PAPER_FLEET, p)?)))
+        .collect()
+}
+
 fn scheduler_choice(
     sched: &BatchScheduler,
     batch: &[Prompt],

@@ -2,6 +2,7 @@
 //! work longer than a few microseconds, and maps core errors to exceptions in
 //! exactly one place (`From<Error> for PyErr`).
 
+pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
@@ -65,4 +66,40 @@ pub fn text_bytes<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8
     } else {
         Err(PyTypeError::new_err(format!("{what} must be str or bytes")))
     }
+}
+
+/// An array-like of real numbers (float, int or unsigned dtype; bools,
+/// complex, objects and strings refused) as a row-major Vec of `T` ("float64"
+/// or "float32", named by `dtype`) and its shape, which must have `ndim`
+/// dimensions. An array already of that dtype is read without a round trip
+/// through `numpy.asarray`.
+pub fn real_array<T: numpy::Element + Copy>(
+    obj: &Bound<'_, PyAny>,
+    ndim: usize,
+    dtype: &str,
+    what: &str,
+) -> PyResult<(Vec<T>, Vec<usize>)> {
+    let arr = if let Ok(a) = obj.extract::<numpy::PyReadonlyArrayDyn<'_, T>>() {
+        a
+    } else {
+        let np = obj.py().import("numpy")?;
+        let arr = np.call_method1("asarray", (obj,))?;
+        let dtype_obj = arr.getattr("dtype")?;
+        let kind: String = dtype_obj.getattr("kind")?.extract()?;
+        if !matches!(kind.as_str(), "f" | "i" | "u") {
+            return Err(PyValueError::new_err(format!(
+                "{what} must hold real numbers, got dtype {}",
+                dtype_obj.str()?
+            )));
+        }
+        arr.call_method1("astype", (dtype,))?.extract()?
+    };
+    let view = arr.as_array();
+    if view.ndim() != ndim {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be {ndim}-D, got {} dimensions",
+            view.ndim()
+        )));
+    }
+    Ok((view.iter().copied().collect(), view.shape().to_vec()))
 }
