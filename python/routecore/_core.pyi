@@ -111,11 +111,12 @@ def parse_openai_request(body: str | bytes, default_max_tokens: int = 4096) -> d
 
 # --- batched model and instance assignment, RouteBalance (capability 6) ------
 
+@final
 class Instance:
     """One serving instance of a model: decode speed, per-token prices, slots."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         name: str,
         model: str,
         tpot_s: float,
@@ -123,7 +124,7 @@ class Instance:
         price_out_per_mtok: float,
         max_batch: int,
         prefill_s_per_token: float | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def name(self) -> str: ...
     @property
@@ -143,16 +144,17 @@ class Instance:
         self, in_tokens: float, out_len: float, pending_decode: float, batch_size: int
     ) -> float: ...
 
+@final
 class BatchScheduler:
     """RouteBalance's batched assignment of requests to model instances."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         instances: list[Instance],
         weights: str | tuple[float, float, float] | None = None,
         lpt_key: Literal["max", "mean", "min"] = "max",
         budget_fallback: Literal["reject", "cheapest"] = "reject",
-    ) -> None: ...
+    ) -> Self: ...
     def assign(
         self,
         quality: npt.ArrayLike,
@@ -191,10 +193,11 @@ class BatchScheduler:
     def from_bytes(data: bytes) -> BatchScheduler: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
 
+@final
 class KnnEstimator:
     """Per-model quality and output length by distance-weighted cosine kNN."""
 
-    def __init__(self, k: int = 8) -> None: ...
+    def __new__(cls, k: int = 8) -> Self: ...
     def fit(
         self, embeddings: npt.ArrayLike, quality: npt.ArrayLike, out_len: npt.ArrayLike
     ) -> None: ...
