@@ -418,8 +418,9 @@ fn decoupled_choice(
                 .map(|m| instances[rep[m]].cost(p.in_tokens as f64, p.out_len[m]))
                 .collect();
             let max_cost = cost.iter().copied().fold(0.0, f64::max);
-            let score =
-                |m: usize| w_quality * p.quality[m] + w_cost * super::relief(cost[m], max_cost);
+            let score = |m: usize| {
+                w_quality * p.quality[m] + w_cost - super::slope(w_cost, max_cost) * cost[m]
+            };
             let model = (0..models).fold(0, |b, m| if score(m) > score(b) { m } else { b });
             let i = (0..instances.len())
                 .filter(|&i| model_of[i] == model)

@@ -103,18 +103,33 @@ impl Instance {
 
     /// Predicted serving cost in USD of `in_tokens` in and `out_len` out.
     pub fn cost(&self, in_tokens: f64, out_len: f64) -> f64 {
-        (in_tokens * self.price_in_per_mtok + out_len * self.price_out_per_mtok) / 1e6
+        self.cost_micro_usd(in_tokens, out_len) / 1e6
+    }
+
+    /// The cost in micro-USD (no division on the hot path).
+    fn cost_micro_usd(&self, in_tokens: f64, out_len: f64) -> f64 {
+        in_tokens * self.price_in_per_mtok + out_len * self.price_out_per_mtok
+    }
+
+    /// Seconds a new request waits for a decode slot: `pending / max(batch,
+    /// 1) * tpot` when no slot is free (`batch >= max_batch`), else 0.
+    pub fn wait(&self, pending: f64, batch: u64) -> f64 {
+        if batch >= self.max_batch {
+            pending / batch.max(1) as f64 * self.tpot_s
+        } else {
+            0.0
+        }
     }
 
     /// Predicted end-to-end latency in seconds on this instance given its
     /// pending decode tokens and current batch size.
     pub fn latency(&self, in_tokens: f64, out_len: f64, pending: f64, batch: u64) -> f64 {
-        let wait = if batch >= self.max_batch {
-            pending / batch.max(1) as f64 * self.tpot_s
-        } else {
-            0.0
-        };
-        in_tokens * self.prefill_s_per_token + wait + out_len * self.tpot_s
+        self.service_s(in_tokens, out_len) + self.wait(pending, batch)
+    }
+
+    /// Prefill plus own decode, without waiting.
+    fn service_s(&self, in_tokens: f64, out_len: f64) -> f64 {
+        in_tokens * self.prefill_s_per_token + out_len * self.tpot_s
     }
 }
 
@@ -383,12 +398,13 @@ impl BatchScheduler {
         let mut load = load.clone();
         let mut recency = self.lock();
         let mut chosen = vec![-1i64; b];
-        let mut scratch = Scratch::new(self.instances.len());
+        let mut scratch = Scratch::new(&self.instances, &load);
         for r in self.lpt_order(batch.out_len) {
             if let Some(i) = self.choose(batch, r, &load, &recency.last, &mut scratch) {
                 let m = self.models.len();
                 load.pending[i] += batch.out_len[r * m + self.model_of[i]];
                 load.batch[i] += 1;
+                scratch.wait[i] = self.instances[i].wait(load.pending[i], load.batch[i]);
                 recency.clock += 1;
                 let clock = recency.clock;
                 recency.last[i] = clock;
@@ -411,44 +427,54 @@ impl BatchScheduler {
         let len = &batch.out_len[r * m..(r + 1) * m];
         let tokens = batch.in_tokens[r] as f64;
         let budget = batch.budget.map_or(f64::INFINITY, |x| x[r]);
+        let n = self.instances.len();
+        let (insts, model_of) = (&self.instances[..n], &self.model_of[..n]);
+        let (cost, lat, ok, wait) = (
+            &mut s.cost[..n],
+            &mut s.lat[..n],
+            &mut s.ok[..n],
+            &s.wait[..n],
+        );
         let (mut max_lat, mut max_cost, mut any) = (0.0f64, 0.0f64, false);
-        for (i, inst) in self.instances.iter().enumerate() {
-            let out = len[self.model_of[i]];
-            s.cost[i] = inst.cost(tokens, out);
-            s.ok[i] = s.cost[i] <= budget;
-            if s.ok[i] {
-                s.lat[i] = inst.latency(tokens, out, load.pending[i], load.batch[i]);
-                max_lat = max_lat.max(s.lat[i]);
-                max_cost = max_cost.max(s.cost[i]);
+        for i in 0..n {
+            let out = len[model_of[i]];
+            cost[i] = insts[i].cost_micro_usd(tokens, out);
+            lat[i] = insts[i].service_s(tokens, out) + wait[i];
+            ok[i] = budget == f64::INFINITY || cost[i] / 1e6 <= budget;
+            if ok[i] {
+                max_lat = max_lat.max(lat[i]);
+                max_cost = max_cost.max(cost[i]);
                 any = true;
             }
         }
-        let better = |i: usize, j: usize, vi: f64, vj: f64| {
-            if (vi - vj).abs() > TIE_EPS {
-                return vi > vj;
-            }
-            (load.batch[i], last[i]) < (load.batch[j], last[j])
+        if !any && self.fallback == BudgetFallback::Reject {
+            return None;
+        }
+        // w_l (1 - lat / max_lat) + w_c (1 - cost / max_cost), one division
+        // each; without candidates (the `Cheapest` fallback) the lowest cost
+        let w = &self.weights;
+        let (kq, kl, kc, base) = if any {
+            let (kl, kc) = (slope(w.latency, max_lat), slope(w.cost, max_cost));
+            (w.quality, kl, kc, w.latency + w.cost)
+        } else {
+            (0.0, 0.0, 1.0, 0.0)
         };
-        let mut best: Option<(usize, f64)> = None;
-        for i in 0..self.instances.len() {
-            let value = if any {
-                if !s.ok[i] {
-                    continue;
-                }
-                let w = &self.weights;
-                w.quality * q[self.model_of[i]]
-                    + w.latency * relief(s.lat[i], max_lat)
-                    + w.cost * relief(s.cost[i], max_cost)
-            } else if self.fallback == BudgetFallback::Cheapest {
-                -s.cost[i]
-            } else {
-                return None;
-            };
-            if best.is_none_or(|(j, vj)| better(i, j, value, vj)) {
-                best = Some((i, value));
+        let (mut best, mut best_value) = (usize::MAX, f64::NEG_INFINITY);
+        for i in 0..n {
+            if any && !ok[i] {
+                continue;
+            }
+            let value = kq * q[model_of[i]] + base - kl * lat[i] - kc * cost[i];
+            // better by more than TIE_EPS, or tied and less busy / less recent
+            let wins = best == usize::MAX
+                || value > best_value + TIE_EPS
+                || (value >= best_value - TIE_EPS
+                    && (load.batch[i], last[i]) < (load.batch[best], last[best]));
+            if wins {
+                (best, best_value) = (i, value);
             }
         }
-        best.map(|(i, _)| i)
+        Some(best)
     }
 
     /// A snapshot of the configuration and the recency state.
@@ -518,27 +544,37 @@ impl BatchScheduler {
     }
 }
 
-/// `1 - x / max`, or 1 when the maximum is 0.
-fn relief(x: f64, max: f64) -> f64 {
+/// `w / max`, or 0 when the maximum is 0 (then every term is 0 and counts 1).
+fn slope(w: f64, max: f64) -> f64 {
     if max > 0.0 {
-        1.0 - x / max
+        w / max
     } else {
-        1.0
+        0.0
     }
 }
 
+/// Per-instance working values of one `assign` call.
 struct Scratch {
+    /// Micro-USD.
     cost: Vec<f64>,
     lat: Vec<f64>,
     ok: Vec<bool>,
+    /// `Instance::wait` under the dead-reckoned load.
+    wait: Vec<f64>,
 }
 
 impl Scratch {
-    fn new(n: usize) -> Self {
+    fn new(instances: &[Instance], load: &Load) -> Self {
+        let n = instances.len();
         Self {
             cost: vec![0.0; n],
             lat: vec![0.0; n],
             ok: vec![false; n],
+            wait: instances
+                .iter()
+                .zip(load.pending.iter().zip(&load.batch))
+                .map(|(inst, (&p, &b))| inst.wait(p, b))
+                .collect(),
         }
     }
 }

@@ -105,5 +105,10 @@ pub fn real_array<T: numpy::Element + Copy>(
             view.ndim()
         )));
     }
-    Ok((view.iter().copied().collect(), view.shape().to_vec()))
+    // a contiguous array is one copy; iterating a dynamic-rank view is slow
+    let data = match view.as_slice() {
+        Some(s) => s.to_vec(),
+        None => view.iter().copied().collect(),
+    };
+    Ok((data, view.shape().to_vec()))
 }
