@@ -266,6 +266,10 @@ pub struct BatchScheduler {
     instances: Vec<Instance>,
     models: Vec<String>,
     model_of: Vec<usize>,
+    /// Instances that predict alike (same model, speeds and prices) share a
+    /// class: cost and service time are computed once per class per request.
+    classes: Vec<Class>,
+    class_of: Vec<usize>,
     weights: Weights,
     lpt_key: LptKey,
     fallback: BudgetFallback,
@@ -303,11 +307,26 @@ impl BatchScheduler {
             };
             model_of.push(m);
         }
+        let mut classes: Vec<Class> = Vec::new();
+        let mut class_of = Vec::with_capacity(instances.len());
+        for (inst, &model) in instances.iter().zip(&model_of) {
+            let class = Class::of(inst, model);
+            let c = match classes.iter().position(|k| *k == class) {
+                Some(c) => c,
+                None => {
+                    classes.push(class);
+                    classes.len() - 1
+                }
+            };
+            class_of.push(c);
+        }
         let n = instances.len();
         Ok(Self {
             instances,
             models,
             model_of,
+            classes,
+            class_of,
             weights,
             lpt_key,
             fallback,
@@ -347,13 +366,15 @@ impl BatchScheduler {
     /// The batch's LPT order: indices by descending key, equal keys in batch order.
     pub fn lpt_order(&self, out_len: &[f64]) -> Vec<usize> {
         let m = self.models.len();
-        let keys: Vec<f64> = out_len
+        // descending key as an order-preserving integer, then the index, in
+        // one u128: an unstable sort of distinct integers gives the stable order
+        let mut keyed: Vec<u128> = out_len
             .chunks_exact(m)
-            .map(|r| self.lpt_key.key(r))
+            .enumerate()
+            .map(|(i, r)| (u128::from(!ordered_bits(self.lpt_key.key(r))) << 64) | i as u128)
             .collect();
-        let mut order: Vec<usize> = (0..keys.len()).collect();
-        order.sort_by(|&a, &b| keys[b].total_cmp(&keys[a]));
-        order
+        keyed.sort_unstable();
+        keyed.into_iter().map(|k| k as u64 as usize).collect()
     }
 
     fn check(&self, batch: &Batch<'_>, load: &Load) -> Result<usize> {
@@ -398,7 +419,7 @@ impl BatchScheduler {
         let mut load = load.clone();
         let mut recency = self.lock();
         let mut chosen = vec![-1i64; b];
-        let mut scratch = Scratch::new(&self.instances, &load);
+        let mut scratch = Scratch::new(self.classes.len(), &self.instances, &load);
         for r in self.lpt_order(batch.out_len) {
             if let Some(i) = self.choose(batch, r, &load, &recency.last, &mut scratch) {
                 let m = self.models.len();
@@ -427,44 +448,49 @@ impl BatchScheduler {
         let len = &batch.out_len[r * m..(r + 1) * m];
         let tokens = batch.in_tokens[r] as f64;
         let budget = batch.budget.map_or(f64::INFINITY, |x| x[r]);
-        let n = self.instances.len();
-        let (insts, model_of) = (&self.instances[..n], &self.model_of[..n]);
-        let (cost, lat, ok, wait) = (
-            &mut s.cost[..n],
-            &mut s.lat[..n],
-            &mut s.ok[..n],
-            &s.wait[..n],
-        );
         let (mut max_lat, mut max_cost, mut any) = (0.0f64, 0.0f64, false);
-        for i in 0..n {
-            let out = len[model_of[i]];
-            cost[i] = insts[i].cost_micro_usd(tokens, out);
-            lat[i] = insts[i].service_s(tokens, out) + wait[i];
-            ok[i] = budget == f64::INFINITY || cost[i] / 1e6 <= budget;
-            if ok[i] {
-                max_lat = max_lat.max(lat[i]);
-                max_cost = max_cost.max(cost[i]);
+        for (c, k) in self.classes.iter().enumerate() {
+            let out = len[k.model];
+            s.cost[c] = k.inst.cost_micro_usd(tokens, out);
+            s.service[c] = k.inst.service_s(tokens, out);
+            s.ok[c] = budget == f64::INFINITY || s.cost[c] / 1e6 <= budget;
+            if s.ok[c] {
+                max_cost = larger(max_cost, s.cost[c]);
                 any = true;
             }
         }
         if !any && self.fallback == BudgetFallback::Reject {
             return None;
         }
-        // w_l (1 - lat / max_lat) + w_c (1 - cost / max_cost), one division
-        // each; without candidates (the `Cheapest` fallback) the lowest cost
+        let n = self.instances.len();
+        let (class_of, lat, wait) = (&self.class_of[..n], &mut s.lat[..n], &s.wait[..n]);
+        for i in 0..n {
+            let c = class_of[i];
+            lat[i] = s.service[c] + wait[i];
+            if s.ok[c] {
+                max_lat = larger(max_lat, lat[i]);
+            }
+        }
+        // w_q q + w_l (1 - lat / max_lat) + w_c (1 - cost / max_cost) as a
+        // per-class part minus a latency slope; without candidates (the
+        // `Cheapest` fallback) the value is minus the cost
         let w = &self.weights;
-        let (kq, kl, kc, base) = if any {
-            let (kl, kc) = (slope(w.latency, max_lat), slope(w.cost, max_cost));
-            (w.quality, kl, kc, w.latency + w.cost)
-        } else {
-            (0.0, 0.0, 1.0, 0.0)
-        };
+        let (kl, kc) = (slope(w.latency, max_lat), slope(w.cost, max_cost));
+        for (c, k) in self.classes.iter().enumerate() {
+            s.part[c] = if any {
+                w.quality * q[k.model] + w.latency + w.cost - kc * s.cost[c]
+            } else {
+                -s.cost[c]
+            };
+        }
+        let kl = if any { kl } else { 0.0 };
         let (mut best, mut best_value) = (usize::MAX, f64::NEG_INFINITY);
         for i in 0..n {
-            if any && !ok[i] {
+            let c = class_of[i];
+            if any && !s.ok[c] {
                 continue;
             }
-            let value = kq * q[model_of[i]] + base - kl * lat[i] - kc * cost[i];
+            let value = s.part[c] - kl * lat[i];
             // better by more than TIE_EPS, or tied and less busy / less recent
             let wins = best == usize::MAX
                 || value > best_value + TIE_EPS
@@ -544,6 +570,26 @@ impl BatchScheduler {
     }
 }
 
+/// The larger of two numbers known not to be NaN: one `maxsd`, unlike
+/// `f64::max`, whose NaN handling lengthens the scoring loop's critical path.
+fn larger(a: f64, b: f64) -> f64 {
+    if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+/// The bits of `x` as an integer in the same order as `f64::total_cmp`.
+fn ordered_bits(x: f64) -> u64 {
+    let b = x.to_bits();
+    if b >> 63 == 1 {
+        !b
+    } else {
+        b | (1 << 63)
+    }
+}
+
 /// `w / max`, or 0 when the maximum is 0 (then every term is 0 and counts 1).
 fn slope(w: f64, max: f64) -> f64 {
     if max > 0.0 {
@@ -553,23 +599,47 @@ fn slope(w: f64, max: f64) -> f64 {
     }
 }
 
-/// Per-instance working values of one `assign` call.
+/// What the score needs of an instance besides its load.
+#[derive(Debug, Clone, PartialEq)]
+struct Class {
+    model: usize,
+    inst: Instance,
+}
+
+impl Class {
+    fn of(inst: &Instance, model: usize) -> Self {
+        Self {
+            model,
+            inst: Instance {
+                name: String::new(),
+                model: String::new(),
+                ..inst.clone()
+            },
+        }
+    }
+}
+
+/// Working values of one `assign` call.
 struct Scratch {
-    /// Micro-USD.
+    /// Per class: micro-USD cost, prefill + decode seconds, within budget,
+    /// the score's per-class part.
     cost: Vec<f64>,
-    lat: Vec<f64>,
+    service: Vec<f64>,
     ok: Vec<bool>,
-    /// `Instance::wait` under the dead-reckoned load.
+    part: Vec<f64>,
+    /// Per instance: latency, and `Instance::wait` under the dead-reckoned load.
+    lat: Vec<f64>,
     wait: Vec<f64>,
 }
 
 impl Scratch {
-    fn new(instances: &[Instance], load: &Load) -> Self {
-        let n = instances.len();
+    fn new(classes: usize, instances: &[Instance], load: &Load) -> Self {
         Self {
-            cost: vec![0.0; n],
-            lat: vec![0.0; n],
-            ok: vec![false; n],
+            cost: vec![0.0; classes],
+            service: vec![0.0; classes],
+            ok: vec![false; classes],
+            part: vec![0.0; classes],
+            lat: vec![0.0; instances.len()],
             wait: instances
                 .iter()
                 .zip(load.pending.iter().zip(&load.batch))

@@ -114,8 +114,13 @@ fn weights_arg(weights: Option<&Bound<'_, PyAny>>) -> PyResult<Weights> {
     Ok(Weights::new(q, l, c)?)
 }
 
+/// A 1-D array-like of non-negative integers; an int64 array is read directly.
 fn u64s(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
-    int_array(obj, what)?
+    let values = match obj.extract::<numpy::PyReadonlyArray1<'_, i64>>() {
+        Ok(a) => a.as_array().to_vec(),
+        Err(_) => int_array(obj, what)?,
+    };
+    values
         .into_iter()
         .map(|v| u64::try_from(v).map_err(|_| invalid(format!("{what} must be >= 0, got {v}"))))
         .collect::<crate::error::Result<_>>()
