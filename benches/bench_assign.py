@@ -102,7 +102,7 @@ def test_knn_routecore(benchmark):
     est = KnnEstimator(k=K)
     est.fit(train, quality, lens)
     q, ln = benchmark(est.predict, queries)
-    want_q, want_l = baseline.knn_predict(train, quality, lens, queries, K)
+    want_q, want_l = baseline.Knn(K, train, quality, lens).predict(queries)
     np.testing.assert_allclose(q, want_q, rtol=1e-4)
     np.testing.assert_allclose(ln, want_l, rtol=1e-4)
 
@@ -110,5 +110,5 @@ def test_knn_routecore(benchmark):
 @pytest.mark.benchmark(group="KnnEstimator.predict: 32 queries over 10,000 x 384")
 def test_knn_numpy(benchmark):
     train, quality, lens, queries = knn_data()
-    q, _ = benchmark(baseline.knn_predict, train, quality, lens, queries, K)
+    q, _ = benchmark(baseline.Knn(K, train, quality, lens).predict, queries)
     assert q.shape == (Q, 4)

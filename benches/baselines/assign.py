@@ -59,12 +59,22 @@ class BatchScheduler:
         return chosen
 
 
-def knn_predict(train, quality, out_len, queries, k):
-    """Distance-weighted cosine kNN in NumPy: one matrix product, argpartition."""
-    train = train / np.linalg.norm(train, axis=1, keepdims=True)
-    queries = queries / np.linalg.norm(queries, axis=1, keepdims=True)
-    sims = queries @ train.T
-    top = np.argpartition(-sims, k - 1, axis=1)[:, :k]
-    w = 1.0 / (1.0 - np.take_along_axis(sims, top, axis=1).astype(np.float64) + 1e-6)
-    w /= w.sum(axis=1, keepdims=True)
-    return np.einsum("bk,bkm->bm", w, quality[top]), np.einsum("bk,bkm->bm", w, out_len[top])
+class Knn:
+    """Distance-weighted cosine kNN in NumPy: rows normalised at fit; predict
+    is one matrix product, an argpartition and a weighted mean."""
+
+    def __init__(self, k, train, quality, out_len):
+        self.k = k
+        self.train = train / np.linalg.norm(train, axis=1, keepdims=True)
+        self.quality, self.out_len = quality, out_len
+
+    def predict(self, queries):
+        queries = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+        sims = queries @ self.train.T
+        top = np.argpartition(-sims, self.k - 1, axis=1)[:, : self.k]
+        w = 1.0 / (1.0 - np.take_along_axis(sims, top, axis=1).astype(np.float64) + 1e-6)
+        w /= w.sum(axis=1, keepdims=True)
+        return (
+            np.einsum("bk,bkm->bm", w, self.quality[top]),
+            np.einsum("bk,bkm->bm", w, self.out_len[top]),
+        )

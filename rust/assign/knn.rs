@@ -55,10 +55,17 @@ fn normalise(x: &mut [f32], dim: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Dot product with eight independent accumulators, so it vectorises.
+/// Lanes of independent partial sums in `dot`: four AVX registers, so the
+/// adds of one chunk do not wait on the previous chunk's.
+const LANES: usize = 32;
+
+/// Dot product with `LANES` independent accumulators, so it vectorises. The
+/// summation order is fixed by the source, so every instruction set gives
+/// the same result.
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let tail: f32 = ca
         .remainder()
         .iter()
@@ -66,11 +73,53 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| x * y)
         .sum();
     for (x, y) in ca.zip(cb) {
-        for j in 0..8 {
+        for j in 0..LANES {
             acc[j] += x[j] * y[j];
         }
     }
     acc.iter().sum::<f32>() + tail
+}
+
+/// Keeps `(sim, row)` in `top` if it is among the `k` best, best first;
+/// equal similarities keep the lower (earlier) row.
+#[inline(always)]
+fn offer(top: &mut Vec<(f32, usize)>, k: usize, sim: f32, row: usize) {
+    if top.len() == k && top.last().is_some_and(|&(s, _)| sim <= s) {
+        return;
+    }
+    let at = top.partition_point(|&(s, _)| s >= sim);
+    top.insert(at, (sim, row));
+    top.truncate(k);
+}
+
+/// Per query, the `k` most similar `(similarity, row)`, best first. Rows
+/// outer, queries inner, so the training matrix is read once.
+#[inline(always)]
+fn scan_portable(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32, usize)>> {
+    let mut top: Vec<Vec<(f32, usize)>> = vec![Vec::with_capacity(k + 1); qs.len() / dim];
+    for (row, e) in emb.chunks_exact(dim).enumerate() {
+        for (t, q) in top.iter_mut().zip(qs.chunks_exact(dim)) {
+            offer(t, k, dot(e, q), row);
+        }
+    }
+    top
+}
+
+/// `scan_portable` compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn scan_avx2(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32, usize)>> {
+    scan_portable(emb, qs, dim, k)
+}
+
+/// `scan_portable` with the widest vectors the CPU has.
+fn scan(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32, usize)>> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { scan_avx2(emb, qs, dim, k) };
+    }
+    scan_portable(emb, qs, dim, k)
 }
 
 impl KnnIndex {
@@ -158,18 +207,7 @@ impl KnnIndex {
         let b = qs.len() / self.dim;
         let k = self.k.min(self.len());
         // per query: the k best (similarity, row), best first
-        let mut top: Vec<Vec<(f32, usize)>> = vec![Vec::with_capacity(k + 1); b];
-        for (row, e) in self.emb.chunks_exact(self.dim).enumerate() {
-            for (t, q) in top.iter_mut().zip(qs.chunks_exact(self.dim)) {
-                let sim = dot(e, q);
-                if t.len() == k && t.last().is_some_and(|&(s, _)| sim <= s) {
-                    continue;
-                }
-                let at = t.partition_point(|&(s, _)| s >= sim);
-                t.insert(at, (sim, row));
-                t.truncate(k);
-            }
-        }
+        let top = scan(&self.emb, &qs, self.dim, k);
         let m = self.models;
         let mut quality = vec![0.0; b * m];
         let mut out_len = vec![0.0; b * m];
