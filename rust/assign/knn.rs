@@ -59,9 +59,10 @@ fn normalise(x: &mut [f32], dim: usize, what: &str) -> Result<()> {
 /// adds of one chunk do not wait on the previous chunk's.
 const LANES: usize = 32;
 
-/// Dot product with `LANES` independent accumulators, so it vectorises. The
-/// summation order is fixed by the source, so every instruction set gives
-/// the same result.
+/// Dot product with `LANES` independent accumulators, so it vectorises, and
+/// fused multiply-adds (one instruction with FMA hardware, a correctly
+/// rounded library call without). The summation order is fixed by the
+/// source, so every instruction set gives the same result.
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
@@ -74,7 +75,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         .sum();
     for (x, y) in ca.zip(cb) {
         for j in 0..LANES {
-            acc[j] += x[j] * y[j];
+            acc[j] = x[j].mul_add(y[j], acc[j]);
         }
     }
     acc.iter().sum::<f32>() + tail
@@ -105,9 +106,9 @@ fn scan_portable(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32,
     top
 }
 
-/// `scan_portable` compiled for AVX2.
+/// `scan_portable` compiled for AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn scan_avx2(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32, usize)>> {
     scan_portable(emb, qs, dim, k)
 }
@@ -115,8 +116,8 @@ unsafe fn scan_avx2(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f
 /// `scan_portable` with the widest vectors the CPU has.
 fn scan(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32, usize)>> {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports AVX2 and FMA, checked just above.
         return unsafe { scan_avx2(emb, qs, dim, k) };
     }
     scan_portable(emb, qs, dim, k)
