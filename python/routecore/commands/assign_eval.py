@@ -59,6 +59,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     styles = {
@@ -92,6 +93,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_ylabel("mean quality")
         ax.grid(alpha=0.3)
     axes[0].set_xscale("log")
+    axes[0].xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+    axes[0].xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axes[0].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes[1].ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     axes[0].legend(fontsize=8, loc="lower right")
     fig.suptitle("Batched model+instance assignment on the RouteBalance fleet")
     fig.tight_layout()
