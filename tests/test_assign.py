@@ -275,6 +275,10 @@ def test_knn_matches_brute_force():
     est = KnnEstimator(k=5)
     est.fit(emb, quality, lens)
     got_q, got_l = est.predict(queries)
+    # one query at a time gives exactly the batched rows
+    for j in range(len(queries)):
+        one_q, one_l = est.predict(queries[j : j + 1])
+        assert np.array_equal(one_q[0], got_q[j]) and np.array_equal(one_l[0], got_l[j])
     for j, x in enumerate(queries):
         sims = [float(np.dot(e, x) / np.linalg.norm(e) / np.linalg.norm(x)) for e in emb]
         top = sorted(range(len(emb)), key=lambda r: -sims[r])[:5]
