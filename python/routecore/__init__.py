@@ -7,9 +7,14 @@ Token-budget pool routing with a self-calibrating bytes-per-token estimate
 from routecore._core import (
     Calibrator,
     Pool,
+    PrefixCacheRouter,
+    PrefixIndex,
     RouteDecision,
     TokenBudgetRouter,
+    VtcRouter,
     __version__,
+    block_hashes,
+    block_hashes_many,
     classify,
     parse_openai_request,
 )
@@ -22,4 +27,9 @@ __all__ = [
     "__version__",
     "classify",
     "parse_openai_request",
+    "PrefixCacheRouter",
+    "PrefixIndex",
+    "block_hashes",
+    "block_hashes_many",
+    "VtcRouter",
 ]
