@@ -121,10 +121,11 @@ def block_hashes_many(
     seed: int = 0,
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]: ...
 
+@final
 class PrefixIndex:
     """Block hash -> the pods that hold it, for prefix-cache-aware routing."""
 
-    def __init__(self, capacity_blocks: int = 200000, ttl_s: float | None = None) -> None: ...
+    def __new__(cls, capacity_blocks: int = 200000, ttl_s: float | None = None) -> Self: ...
     def record(self, hashes: npt.NDArray[np.uint64], pod: str, now: float = 0.0) -> None: ...
     def match_prefix(self, hashes: npt.NDArray[np.uint64], now: float = 0.0) -> dict[str, int]: ...
     def remove_pod(self, pod: str) -> int: ...
@@ -141,18 +142,19 @@ class PrefixIndex:
     def from_bytes(data: bytes) -> PrefixIndex: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
 
+@final
 class PrefixCacheRouter:
     """Prefix-cache-aware routing (the AIBrix algorithm) over named pods."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         pods: list[str],
         block_size: int = 16,
         imbalance_abs_count: int = 16,
         std_factor: float = 2.0,
         index: PrefixIndex | None = None,
         seed: int = 0,
-    ) -> None: ...
+    ) -> Self: ...
     def route(
         self,
         tokens: npt.ArrayLike | bytes | str,
@@ -191,11 +193,12 @@ class PrefixCacheRouter:
 
 # --- VTC fairness routing (capability 5) -------------------------------------
 
+@final
 class VtcRouter:
     """VTC fairness routing (AIBrix ``vtc-basic``, after Sheng et al.)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         pods: list[str],
         window_s: float = 300.0,
         input_weight: float = 1.0,
@@ -206,7 +209,7 @@ class VtcRouter:
         utilization_weight: float = 1.0,
         max_pod_load: float = 100.0,
         max_users: int = 100000,
-    ) -> None: ...
+    ) -> Self: ...
     def route(
         self,
         user: str,

@@ -28,8 +28,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 ///     h_0 = xxh3_64(le8(seed)    + block_0, seed)
 ///     h_i = xxh3_64(le8(h_{i-1}) + block_i, seed)
 ///
-/// >>> block_hashes(b"abcdefgh", 4).shape
-/// (2,)
+///     >>> block_hashes(b"abcdefgh", 4).shape
+///     (2,)
 #[pyfunction]
 #[pyo3(signature = (tokens, block_size, seed=0))]
 pub fn block_hashes<'py>(
@@ -70,6 +70,9 @@ pub fn block_hashes_many<'py>(
     Ok((hashes.into_pyarray(py), out.into_pyarray(py)))
 }
 
+// The signature's default is written as a literal (for the text signature).
+const _: () = assert!(DEFAULT_CAPACITY_BLOCKS == 200_000);
+
 /// Block hash -> the pods that hold it, for prefix-cache-aware routing.
 ///
 /// Holds at most ``capacity_blocks`` hashes, evicting the least recently
@@ -78,11 +81,12 @@ pub fn block_hashes_many<'py>(
 /// block is recorded last, so shared prefixes are evicted last. Thread-safe;
 /// share one index between routers by passing it to ``PrefixCacheRouter``.
 ///
-/// >>> ix = PrefixIndex(1000)
-/// >>> h = block_hashes(b"system prompt, then a question", 8)
-/// >>> ix.record(h, "pod-a")
-/// >>> ix.match_prefix(h[:2])
-/// {'pod-a': 2}
+///     >>> ix = PrefixIndex(1000)
+///     >>> h = block_hashes(b"system prompt, then a question", 8)
+///     >>> ix.record(h, "pod-a")
+///     >>> ix.match_prefix(h[:2])
+///     {'pod-a': 2}
+
 #[pyclass(frozen, name = "PrefixIndex", module = "routecore")]
 pub struct PyPrefixIndex {
     inner: Arc<Mutex<PrefixIndex>>,
@@ -91,7 +95,7 @@ pub struct PyPrefixIndex {
 #[pymethods]
 impl PyPrefixIndex {
     #[new]
-    #[pyo3(signature = (capacity_blocks=DEFAULT_CAPACITY_BLOCKS as i64, ttl_s=None))]
+    #[pyo3(signature = (capacity_blocks=200_000, ttl_s=None))]
     fn new(capacity_blocks: i64, ttl_s: Option<f64>) -> PyResult<Self> {
         let capacity = size_arg(capacity_blocks, "capacity_blocks")?;
         Ok(Self {
@@ -196,11 +200,11 @@ impl PyPrefixIndex {
 /// pod, in ``pods`` order) for callers that measure load themselves. Use
 /// ``block_size=16`` for token ids and 128 for bytes (AIBrix's defaults).
 ///
-/// >>> r = PrefixCacheRouter(["a", "b"], block_size=4)
-/// >>> r.route(b"You are helpful. Hi!")
-/// ('a', 0.0)
-/// >>> r.route(b"You are helpful. Bye", running=[0, 0])
-/// ('a', 0.8)
+///     >>> r = PrefixCacheRouter(["a", "b"], block_size=4)
+///     >>> r.route(b"You are helpful. Hi!")
+///     ('a', 0.0)
+///     >>> r.route(b"You are helpful. Bye", running=[0, 0])
+///     ('a', 0.8)
 #[pyclass(frozen, name = "PrefixCacheRouter", module = "routecore")]
 pub struct PyPrefixCacheRouter {
     config: PrefixConfig,

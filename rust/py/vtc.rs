@@ -7,6 +7,9 @@ use pyo3::types::{PyBytes, PyTuple};
 use super::{int_array, reduce, size_arg};
 use crate::vtc::{VtcConfig, VtcRouter, DEFAULT_MAX_USERS};
 
+// The signature's default is written as a literal (for the text signature).
+const _: () = assert!(DEFAULT_MAX_USERS == 100_000);
+
 /// VTC fairness routing (AIBrix ``vtc-basic``, after Sheng et al.).
 ///
 /// Each user's service is ``input_weight * input + output_weight * output``
@@ -20,11 +23,12 @@ use crate::vtc::{VtcConfig, VtcRouter, DEFAULT_MAX_USERS};
 /// ties). At most ``max_users`` users are held. Time (``now``, seconds) is
 /// passed in. ``running``, where accepted, first overwrites every pod's count.
 ///
-/// >>> r = VtcRouter(["p0", "p1"])
-/// >>> r.route("alice", 100, 200)
-/// 'p0'
-/// >>> r.user_tokens("alice")
-/// 500.0
+///     >>> r = VtcRouter(["p0", "p1"])
+///     >>> r.route("alice", 100, 200)
+///     'p0'
+///     >>> r.user_tokens("alice")
+///     500.0
+
 #[pyclass(frozen, name = "VtcRouter", module = "routecore")]
 pub struct PyVtcRouter {
     inner: Mutex<VtcRouter>,
@@ -49,7 +53,7 @@ impl PyVtcRouter {
         fairness_weight=1.0,
         utilization_weight=1.0,
         max_pod_load=100.0,
-        max_users=DEFAULT_MAX_USERS as i64,
+        max_users=100_000,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
