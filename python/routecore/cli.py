@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 from routecore import __version__
 from routecore.commands import calibration_study, route
+from routecore.commands import prefix_eval
 
 COMMANDS = [route, calibration_study]
+COMMANDS.append(prefix_eval)
 
 
 def build_parser() -> argparse.ArgumentParser:
