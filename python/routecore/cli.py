@@ -12,8 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from routecore import __version__
-from routecore.commands import calibration_study, route
-from routecore.commands import prefix_eval
+from routecore.commands import calibration_study, prefix_eval, route
 
 COMMANDS = [route, calibration_study]
 COMMANDS.append(prefix_eval)
