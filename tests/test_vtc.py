@@ -113,8 +113,7 @@ def test_bad_input_leaves_state_unchanged():
 def test_route_many_equals_route_one_by_one(requests, running):
     one, many = VtcRouter(["p0", "p1", "p2"]), VtcRouter(["p0", "p1", "p2"])
     singles = [
-        one.route(u, i, o, running if k == 0 else None, 5.0)
-        for k, (u, i, o) in enumerate(requests)
+        one.route(u, i, o, running if k == 0 else None, 5.0) for k, (u, i, o) in enumerate(requests)
     ]
     users, ins, outs = zip(*requests)
     idx = many.route_many(list(users), np.array(ins), np.array(outs), running, 5.0)
@@ -155,7 +154,7 @@ def light_share(policy, steps=400, pods=4, heavy_requests=24, light_users=6, rat
             pod = int(np.argmin(counts))
         running.append([user, pod, 200.0])
 
-    for k in range(heavy_requests):
+    for _ in range(heavy_requests):
         submit("heavy", 0.0)
     for k in range(light_users):
         submit(f"light{k}", 0.0)
