@@ -125,13 +125,25 @@ fn chain<'a, T: 'a>(
     out: &mut Vec<u64>,
     fill: impl Fn(&mut [u8], &[T]),
 ) {
-    let mut buf = vec![0u8; 8 + block_bytes];
+    // Two buffers: block i + 1 is copied in while block i is hashed, as
+    // only the first 8 bytes wait for the previous hash.
+    let mut bufs = [vec![0u8; 8 + block_bytes], vec![0u8; 8 + block_bytes]];
+    let mut blocks = blocks.peekable();
+    if let Some(first) = blocks.peek() {
+        fill(&mut bufs[0][8..], first);
+    }
     let mut prev = seed;
-    for block in blocks {
-        buf[..8].copy_from_slice(&prev.to_le_bytes());
-        fill(&mut buf[8..], block);
-        prev = xxh3_64_with_seed(&buf, seed);
+    let mut cur = 0;
+    while blocks.next().is_some() {
+        let [a, b] = &mut bufs;
+        let (this, next) = if cur == 0 { (a, b) } else { (b, a) };
+        if let Some(block) = blocks.peek() {
+            fill(&mut next[8..], block);
+        }
+        this[..8].copy_from_slice(&prev.to_le_bytes());
+        prev = xxh3_64_with_seed(this, seed);
         out.push(prev);
+        cur ^= 1;
     }
 }
 
