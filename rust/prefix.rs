@@ -1099,6 +1099,44 @@ mod tests {
         assert!(PrefixIndex::from_bytes(&long).is_err());
     }
 
+    #[test]
+    fn more_than_64_pods_use_the_overflow_list() {
+        let names: Vec<String> = (0..70).map(|i| format!("p{i}")).collect();
+        let config = PrefixConfig::new(4, 1000, 2.0, 0).expect("config");
+        let index = Arc::new(Mutex::new(PrefixIndex::new(1000, None).expect("index")));
+        let mut r = PrefixCacheRouter::new(&names, config, index).expect("router");
+        let p = hashes(Tokens::Ids(&ids(12)));
+        let mut running = vec![1i64; 70];
+        running[66] = 0;
+        assert_eq!(
+            r.route_hashes(&p, Some(&running), 0.0).expect("route").pod,
+            66
+        );
+        running[66] = 1;
+        running[3] = 0;
+        let half = &p[..2];
+        // p66 (id 66, in the overflow list) holds both blocks: it beats the
+        // least-loaded p3.
+        assert_eq!(
+            r.route_hashes(half, Some(&running), 0.0)
+                .expect("route")
+                .pod,
+            66
+        );
+        let mut ix = lock(r.index()).clone();
+        assert_eq!(ix.match_prefix(&p, 0.0), Ok(vec![("p66".into(), 3)]));
+        let back = PrefixIndex::from_bytes(&ix.to_bytes()).expect("restore");
+        assert_eq!(back.dump(), ix.dump());
+        ix.record(half, "p3", 1.0).expect("record");
+        assert_eq!(
+            ix.match_prefix(&p, 1.0),
+            Ok(vec![("p3".into(), 2), ("p66".into(), 3)])
+        );
+        assert_eq!(ix.remove_pod("p66"), Ok(3));
+        assert_eq!(ix.match_prefix(&p, 1.0), Ok(vec![("p3".into(), 2)]));
+        assert_eq!(ix.len(), 2);
+    }
+
     fn hashes(tokens: Tokens<'_>) -> Vec<u64> {
         block_hashes(tokens, 4, 0).expect("hashes")
     }
