@@ -394,17 +394,38 @@ impl PrefixIndex {
     }
 
     fn push_front(&mut self, slot: u32) {
-        let old = self.head;
+        self.place_after(NIL, slot, false);
+    }
+
+    /// Puts `slot` right after `cursor` in recency order (at the front when
+    /// `cursor` is NIL); `linked` says whether it is in the list now. A slot
+    /// already in that place is left alone, so touching a prompt that is
+    /// already the most recent costs one comparison per block.
+    fn place_after(&mut self, cursor: u32, slot: u32, linked: bool) {
+        let next_of = |ix: &Self| match cursor {
+            NIL => ix.head,
+            c => ix.entries[c as usize].next,
+        };
+        if slot == cursor || (linked && next_of(self) == slot) {
+            return;
+        }
+        if linked {
+            self.unlink(slot);
+        }
+        let next = next_of(self);
         {
             let e = &mut self.entries[slot as usize];
-            e.prev = NIL;
-            e.next = old;
+            e.prev = cursor;
+            e.next = next;
         }
-        match old {
+        match cursor {
+            NIL => self.head = slot,
+            c => self.entries[c as usize].next = slot,
+        }
+        match next {
             NIL => self.tail = slot,
-            o => self.entries[o as usize].prev = slot,
+            n => self.entries[n as usize].prev = slot,
         }
-        self.head = slot;
     }
 
     fn drop_entry(&mut self, slot: u32) {
@@ -513,49 +534,35 @@ impl PrefixIndex {
             .collect())
     }
 
-    /// Records that pod `id` holds every block of `hashes`. The blocks are
-    /// touched last to first, so a prompt's first block (the most shared) is
-    /// the most recent and the last to be evicted. `found` holds the live
-    /// slots of the leading blocks, as `match_into` walked them, so those need
-    /// no second hash lookup.
+    /// Records that pod `id` holds every block of `hashes`, which become the
+    /// most recent in prompt order: the first block (the most shared) is the
+    /// most recent and the last to be evicted. Only the first `capacity`
+    /// blocks are recorded (the later ones would evict each other). `found`
+    /// holds the live slots of the leading blocks, as `match_into` walked
+    /// them, so those need no second hash lookup.
     fn record_id(&mut self, hashes: &[u64], found: &[u32], id: u32, now: f64) {
         while self.tail != NIL && self.expired(self.tail, now) {
             self.drop_entry(self.tail);
         }
-        // Inserting the other blocks evicts at most `hashes.len()` entries:
-        // with the found ones moved to the front first, none of them can be
-        // evicted when the capacity holds the whole prompt.
-        let found = if self.capacity >= hashes.len() {
-            found
-        } else {
-            &[]
-        };
-        if self.map.len() + hashes.len() - found.len() > self.capacity {
-            for &slot in found.iter().rev() {
-                self.unlink(slot);
-                self.push_front(slot);
-            }
-        }
-        for &h in hashes[found.len()..].iter().rev() {
-            let slot = match self.lookup(h, now) {
-                Some(slot) => {
-                    self.unlink(slot);
-                    slot
-                }
-                None => self.insert(h, now),
+        let hashes = &hashes[..hashes.len().min(self.capacity)];
+        let found = &found[..found.len().min(hashes.len())];
+        // The blocks placed so far form the front of the list; an insertion
+        // at capacity evicts the tail, which is never one of them, as fewer
+        // than `hashes.len() <= capacity` are placed.
+        let mut cursor = NIL;
+        for (j, &h) in hashes.iter().enumerate() {
+            let (slot, linked) = match found.get(j) {
+                Some(&slot) => (slot, true),
+                None => match self.lookup(h, now) {
+                    Some(slot) => (slot, true),
+                    None => (self.insert(h, now), false),
+                },
             };
+            self.place_after(cursor, slot, linked);
             let e = &mut self.entries[slot as usize];
             e.last = now;
             e.pods.add(id);
-            self.push_front(slot);
-        }
-        // The found blocks come first in the prompt: most recent.
-        for &slot in found.iter().rev() {
-            self.unlink(slot);
-            let e = &mut self.entries[slot as usize];
-            e.last = now;
-            e.pods.add(id);
-            self.push_front(slot);
+            cursor = slot;
         }
     }
 
