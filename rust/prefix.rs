@@ -1107,6 +1107,24 @@ mod tests {
     }
 
     #[test]
+    fn routing_keeps_a_prompt_most_recent_in_prompt_order() {
+        let mut r = router(&["a", "b"], 16);
+        let p = hashes(Tokens::Ids(&ids(20)));
+        let q = hashes(Tokens::Ids(&[7; 12]));
+        r.route_hashes(&p, None, 1.0).expect("route");
+        r.route_hashes(&q, None, 2.0).expect("route");
+        // p again: its blocks are found by matching and moved to the front.
+        r.route_hashes(&p, None, 3.0).expect("route");
+        let order: Vec<u64> = lock(r.index()).dump().iter().map(|e| e.0).collect();
+        assert_eq!(order, [p.clone(), q].concat());
+        // A capacity below the prompt keeps its first blocks.
+        let mut ix = PrefixIndex::new(3, None).expect("index");
+        ix.record(&p, "a", 0.0).expect("record");
+        let order: Vec<u64> = ix.dump().iter().map(|e| e.0).collect();
+        assert_eq!(order, p[..3].to_vec());
+    }
+
+    #[test]
     fn more_than_64_pods_use_the_overflow_list() {
         let names: Vec<String> = (0..70).map(|i| format!("p{i}")).collect();
         let config = PrefixConfig::new(4, 1000, 2.0, 0).expect("config");
