@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 
 from routecore import __version__
-from routecore.commands import assign_eval, calibration_study, route
+from routecore.commands import assign_eval, calibration_study, prefix_eval, route
 
-COMMANDS = [route, calibration_study, assign_eval]
+COMMANDS = [route, calibration_study, assign_eval, prefix_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:
