@@ -10,6 +10,7 @@ pub mod classify;
 pub mod error;
 pub mod openai;
 pub mod rng;
+pub mod sim;
 pub mod snapshot;
 
 #[cfg(feature = "python")]
