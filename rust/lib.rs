@@ -27,6 +27,8 @@ mod _core {
     use crate::py::classify::classify;
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
+    #[pymodule_export]
+    use crate::py::sim::{simulate, PySimPool, PySimReport};
     use pyo3::prelude::*;
 
     #[pymodule_init]

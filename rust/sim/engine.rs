@@ -26,6 +26,14 @@
 //! `max_num_seqs * ceil(max_context / 16)` blocks can therefore never preempt a
 //! request that fits its `max_context`: the token-budget paper's
 //! "failure-free by construction".
+//!
+//! Fast-forward: when every running sequence is decoding and the free blocks
+//! hold all of them to their last token, the next iterations are identical
+//! until the first of them finishes, so they are planned as one stretch of `k`
+//! iterations of the same `t_iter`. A request dispatched to the instance
+//! during the stretch cuts it at the next iteration boundary
+//! ([`Instance::interrupt`]), where it would have been admitted anyway: the
+//! outcome is the iteration-by-iteration one, in far fewer events.
 
 use std::collections::VecDeque;
 
@@ -45,6 +53,9 @@ pub struct EngineLimits {
     pub max_num_seqs: usize,
     pub kv_blocks: u64,
     pub chunk: u64,
+    /// Plan identical decode iterations as one stretch (same outcome, fewer
+    /// events); off only to check that equivalence.
+    pub fast_forward: bool,
 }
 
 /// Something that happened to a request during an iteration.
@@ -71,6 +82,14 @@ struct Seq {
     blocks: u64,
 }
 
+/// A planned run of identical decode iterations.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Stretch {
+    start: f64,
+    dt: f64,
+    iterations: u64,
+}
+
 /// One engine. Requests are identified by the caller's index.
 #[derive(Debug, Clone)]
 pub struct Instance {
@@ -85,6 +104,9 @@ pub struct Instance {
     pub slot_seconds: f64,
     /// Events of the iteration under way, stamped with its end time.
     pub pending: Vec<Event>,
+    stretch: Option<Stretch>,
+    /// End of the single iteration under way, whose sequences leave then.
+    iteration_end: Option<f64>,
 }
 
 impl Instance {
@@ -98,6 +120,8 @@ impl Instance {
             preemptions: 0,
             slot_seconds: 0.0,
             pending: Vec::new(),
+            stretch: None,
+            iteration_end: None,
         }
     }
 
@@ -131,10 +155,11 @@ impl Instance {
         }
     }
 
-    /// Plans and applies one iteration starting at `now`; returns its duration,
-    /// or None when there is nothing to run. The iteration's events go to
-    /// `pending`, stamped with its end. Slot occupancy inside `window` is added
-    /// to `slot_seconds`.
+    /// Plans one iteration (or a stretch) starting at `now`; returns its
+    /// duration, or None when there is nothing to run. Admissions and
+    /// preemptions happen now; sequences leave at the end, in `end_iteration`.
+    /// Events go to `pending`. Slot occupancy inside `window` is added to
+    /// `slot_seconds`.
     pub fn step(&mut self, now: f64, timing: &dyn TimingModel, window: (f64, f64)) -> Option<f64> {
         // 1. Admission.
         while let Some(head) = self.waiting.front() {
@@ -150,6 +175,11 @@ impl Instance {
                     time: now,
                 });
                 self.running.push(s);
+            }
+        }
+        if self.limits.fast_forward {
+            if let Some(dt) = self.plan_stretch(now, timing) {
+                return Some(dt);
             }
         }
         // 2. Decode reservation, preempting the newest when blocks run out.
@@ -200,9 +230,19 @@ impl Instance {
             prefill_tokens,
         });
         let end = now + dt;
-        let overlap = (end.min(window.1) - now.max(window.0)).max(0.0);
+        self.occupy(now, end, window);
+        self.iteration_end = Some(end);
+        Some(dt)
+    }
+
+    fn occupy(&mut self, start: f64, end: f64, window: (f64, f64)) {
+        let overlap = (end.min(window.1) - start.max(window.0)).max(0.0);
         self.slot_seconds += overlap * self.running.len() as f64;
-        // Sequences whose prefill is still going did not sample; the rest did.
+    }
+
+    /// First tokens and finished sequences of an iteration ending at `end`.
+    /// Sequences still prefilling did not sample.
+    fn release(&mut self, end: f64) {
         let pending = &mut self.pending;
         let free = &mut self.free_blocks;
         self.running.retain(|s| {
@@ -225,6 +265,66 @@ impl Instance {
             }
             true
         });
-        Some(dt)
+    }
+
+    /// A stretch of identical decode iterations from `now`, if the batch is
+    /// all decoding and the free blocks hold every sequence to its end.
+    /// Returns its length in seconds.
+    fn plan_stretch(&mut self, now: f64, timing: &dyn TimingModel) -> Option<f64> {
+        let mut need = 0;
+        let mut iterations = u64::MAX;
+        for s in &self.running {
+            if s.prefilled < s.prompt {
+                return None;
+            }
+            need += blocks_for(s.input + s.output - 1) - s.blocks;
+            iterations = iterations.min(s.output - s.generated);
+        }
+        if self.running.is_empty() || need > self.free_blocks {
+            return None;
+        }
+        let dt = timing.iteration_time(Batch {
+            n_active: self.running.len(),
+            prefill_tokens: 0,
+        });
+        self.stretch = Some(Stretch {
+            start: now,
+            dt,
+            iterations,
+        });
+        Some(dt * iterations as f64)
+    }
+
+    /// A request was queued at `now` during a stretch: cut the stretch at the
+    /// first iteration boundary at or after `now`. Returns the new end time
+    /// when the stretch was shortened.
+    pub fn interrupt(&mut self, now: f64) -> Option<f64> {
+        let st = self.stretch.as_mut()?;
+        let done = ((now - st.start) / st.dt).ceil().max(1.0) as u64;
+        if done >= st.iterations {
+            return None;
+        }
+        st.iterations = done;
+        Some(st.start + st.dt * done as f64)
+    }
+
+    /// At the end of the iteration or stretch under way: applies it, records
+    /// first tokens, and lets finished sequences leave with their blocks.
+    pub fn end_iteration(&mut self, window: (f64, f64)) {
+        if let Some(end) = self.iteration_end.take() {
+            self.release(end);
+        }
+        let Some(st) = self.stretch.take() else {
+            return;
+        };
+        let end = st.start + st.dt * st.iterations as f64;
+        self.occupy(st.start, end, window);
+        for s in &mut self.running {
+            s.generated += st.iterations;
+            let blocks = blocks_for(s.input + s.generated - 1);
+            self.free_blocks -= blocks - s.blocks;
+            s.blocks = blocks;
+        }
+        self.release(end);
     }
 }

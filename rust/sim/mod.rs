@@ -123,11 +123,12 @@ impl PoolConfig {
         })
     }
 
-    fn limits(&self) -> EngineLimits {
+    fn limits(&self, fast_forward: bool) -> EngineLimits {
         EngineLimits {
             max_num_seqs: self.max_num_seqs,
             kv_blocks: self.kv_blocks,
             chunk: self.chunk,
+            fast_forward,
         }
     }
 }
@@ -189,6 +190,8 @@ pub struct SimConfig {
     pub seed: u64,
     /// Fraction of requests, by arrival, left out of the figures (0.2).
     pub warmup: f64,
+    /// See [`EngineLimits::fast_forward`]; true but in the equivalence test.
+    pub fast_forward: bool,
 }
 
 /// What happened to each request (NaN where it does not apply) and to each pool.
@@ -373,6 +376,10 @@ pub fn simulate(
     Fleet::new(requests, config)?.run(router, progress)
 }
 
+/// Scheduled iteration ends: (time bits, instance, version). An entry whose
+/// version is not the instance's current one was superseded.
+type Heap = BinaryHeap<Reverse<(u64, usize, u64)>>;
+
 struct Fleet<'a> {
     requests: &'a [SimRequest],
     config: &'a SimConfig,
@@ -380,6 +387,7 @@ struct Fleet<'a> {
     /// Index of the first instance of each pool (and the total at the end).
     first: Vec<usize>,
     pool_of: Vec<usize>,
+    version: Vec<u64>,
     cursor: Vec<usize>,
     rng: Rng,
     window: (f64, f64),
@@ -395,7 +403,7 @@ impl<'a> Fleet<'a> {
         let mut pool_of = Vec::new();
         for (p, pool) in config.pools.iter().enumerate() {
             for _ in 0..pool.instances {
-                instances.push(Instance::new(pool.limits()));
+                instances.push(Instance::new(pool.limits(config.fast_forward)));
                 pool_of.push(p);
             }
             first.push(instances.len());
@@ -412,6 +420,7 @@ impl<'a> Fleet<'a> {
             config,
             instances,
             first,
+            version: vec![0; pool_of.len()],
             pool_of,
             cursor: vec![0; config.pools.len()],
             rng: Rng::new(config.seed),
@@ -463,25 +472,21 @@ impl<'a> Fleet<'a> {
         lo + pick
     }
 
-    fn start(&mut self, i: usize, now: f64, heap: &mut BinaryHeap<Reverse<(u64, usize)>>) {
-        let timing = self.config.pools[self.pool_of[i]].timing.clone();
+    fn start(&mut self, i: usize, now: f64, heap: &mut Heap) {
+        let timing = self.config.pools[self.pool_of[i]].timing.as_ref();
         let inst = &mut self.instances[i];
-        match inst.step(now, timing.as_ref(), self.window) {
+        match inst.step(now, timing, self.window) {
             Some(dt) => {
                 inst.busy = true;
+                self.version[i] += 1;
                 // Non-negative f64 order as their bits do.
-                heap.push(Reverse(((now + dt).to_bits(), i)));
+                heap.push(Reverse(((now + dt).to_bits(), i, self.version[i])));
             }
             None => inst.busy = false,
         }
     }
 
-    fn arrive(
-        &mut self,
-        k: usize,
-        router: &mut dyn FleetRouter,
-        heap: &mut BinaryHeap<Reverse<(u64, usize)>>,
-    ) -> Result<()> {
+    fn arrive(&mut self, k: usize, router: &mut dyn FleetRouter, heap: &mut Heap) -> Result<()> {
         let r = self.requests[k];
         let Some(routed) = router.route(&r)? else {
             self.report.rejected[k] = true;
@@ -502,11 +507,18 @@ impl<'a> Fleet<'a> {
         self.routed[k] = Some(routed);
         let i = self.dispatch(routed.pool);
         self.instances[i].enqueue(k, routed.input_tokens, r.output_tokens);
-        if !self.instances[i].busy {
+        let inst = &mut self.instances[i];
+        let wake = if inst.busy {
+            inst.interrupt(r.arrival)
+        } else {
             // Wake the instance at this time, after every arrival of the same
             // instant: a simultaneous burst shares the first iteration.
-            self.instances[i].busy = true;
-            heap.push(Reverse((r.arrival.to_bits(), i)));
+            inst.busy = true;
+            Some(r.arrival)
+        };
+        if let Some(t) = wake {
+            self.version[i] += 1;
+            heap.push(Reverse((t.to_bits(), i, self.version[i])));
         }
         Ok(())
     }
@@ -539,11 +551,11 @@ impl<'a> Fleet<'a> {
     }
 
     fn run(mut self, router: &mut dyn FleetRouter, progress: &AtomicU64) -> Result<SimReport> {
-        let mut heap: BinaryHeap<Reverse<(u64, usize)>> = BinaryHeap::new();
+        let mut heap = Heap::new();
         let mut next = 0;
         let mut events = Vec::new();
         loop {
-            let t_end = heap.peek().map(|Reverse((t, _))| f64::from_bits(*t));
+            let t_end = heap.peek().map(|Reverse((t, _, _))| f64::from_bits(*t));
             let t_arr = self.requests.get(next).map(|r| r.arrival);
             let arrival_first = match (t_arr, t_end) {
                 (None, None) => break,
@@ -557,7 +569,11 @@ impl<'a> Fleet<'a> {
                 if next % 1024 == 0 {
                     progress.store(next as u64, Ordering::Relaxed);
                 }
-            } else if let Some(Reverse((te, i))) = heap.pop() {
+            } else if let Some(Reverse((te, i, version))) = heap.pop() {
+                if version != self.version[i] {
+                    continue;
+                }
+                self.instances[i].end_iteration(self.window);
                 std::mem::swap(&mut events, &mut self.instances[i].pending);
                 for e in events.drain(..) {
                     self.handle(e, router)?;

@@ -37,6 +37,7 @@ fn config(pools: Vec<PoolConfig>, dispatch: Dispatch) -> SimConfig {
         dispatch,
         seed: 7,
         warmup: 0.0,
+        fast_forward: true,
     }
 }
 
@@ -273,4 +274,68 @@ fn percentile_interpolates() {
     assert!(close(percentile(&xs, 100.0), 4.0));
     assert!(close(percentile(&xs, 90.0), 3.7));
     assert!(percentile(&[f64::NAN], 50.0).is_nan());
+}
+
+#[test]
+fn fast_forward_changes_nothing() {
+    // Mixed lengths, arrivals that cut stretches, and a pool tight enough on
+    // blocks to preempt: stretches must reproduce every iteration's outcome.
+    let mut rng = Rng::new(11);
+    let mut work: Vec<SimRequest> = (0..3000)
+        .map(|_| req(0.0, 1 + rng.below(1500), 1 + rng.below(300)))
+        .collect();
+    set_arrivals(&mut work, Arrivals::Poisson(60.0), 2).expect("arrivals");
+    for blocks in [8 * 128, 3 * 128] {
+        let mut cfg = config(vec![pool("p", 3, 2048, 8, blocks)], Dispatch::LeastLoaded);
+        let fast = run(&work, &cfg, RouterKind::Homogeneous);
+        cfg.fast_forward = false;
+        let slow = run(&work, &cfg, RouterKind::Homogeneous);
+        for (k, (a, b)) in fast.e2e.iter().zip(&slow.e2e).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-6,
+                "{blocks} #{k} {:?}: {a} vs {b}",
+                work[k]
+            );
+        }
+        for (a, b) in fast.ttft.iter().zip(&slow.ttft) {
+            assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        }
+        assert_eq!(fast.pools[0].preemptions, slow.pools[0].preemptions);
+        let (u, v) = (
+            fast.pools[0].utilization_simulated,
+            slow.pools[0].utilization_simulated,
+        );
+        assert!((u - v).abs() < 1e-9 && u > 0.3, "{u} vs {v}");
+        if blocks < 8 * 128 {
+            assert!(fast.pools[0].preemptions > 0);
+        }
+    }
+}
+
+#[test]
+fn fast_forward_matches_on_small_random_fleets() {
+    // Two tight instances (3 slots, 12 blocks, 16-token chunks) and bursts of
+    // short requests: many cuts, preemptions and ties, checked exhaustively.
+    for seed in 0..500u64 {
+        let mut rng = Rng::new(seed);
+        let n = 2 + rng.below(20) as usize;
+        let mut w: Vec<SimRequest> = (0..n)
+            .map(|_| {
+                let t = rng.uniform() * 0.2;
+                let input = 1 + rng.below(40);
+                req(t, input, 1 + rng.below(12))
+            })
+            .collect();
+        w.sort_by(|a, b| a.arrival.total_cmp(&b.arrival));
+        let mut cfg = config(vec![pool("p", 2, 64, 3, 12)], Dispatch::LeastLoaded);
+        cfg.pools[0].chunk = 16;
+        let fast = run(&w, &cfg, RouterKind::Homogeneous);
+        cfg.fast_forward = false;
+        let slow = run(&w, &cfg, RouterKind::Homogeneous);
+        for k in 0..n {
+            assert!((fast.e2e[k] - slow.e2e[k]).abs() < 1e-9, "seed {seed}");
+            assert!((fast.ttft[k] - slow.ttft[k]).abs() < 1e-9, "seed {seed}");
+        }
+        assert_eq!(fast.pools[0].preemptions, slow.pools[0].preemptions);
+    }
 }
