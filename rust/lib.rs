@@ -9,8 +9,10 @@ pub mod calibrate;
 pub mod classify;
 pub mod error;
 pub mod openai;
+pub mod profile;
 pub mod rng;
 pub mod snapshot;
+pub mod workload;
 
 #[cfg(feature = "python")]
 mod py;
@@ -26,6 +28,10 @@ mod _core {
     use crate::py::classify::classify;
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
+    #[pymodule_export]
+    use crate::py::profile::{PyProfile, PyService};
+    #[pymodule_export]
+    use crate::py::workload::PyWorkload;
     use pyo3::prelude::*;
 
     #[pymodule_init]
