@@ -113,16 +113,17 @@ def parse_openai_request(body: str | bytes, default_max_tokens: int = 4096) -> d
 
 import os  # noqa: E402
 
+@final
 class Workload:
     """Input/output token pairs of a trace, or a weighted distribution from a CDF."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         input_tokens: npt.ArrayLike,
         output_tokens: npt.ArrayLike,
         arrival_s: npt.ArrayLike | None = None,
         categories: list[str] | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     @staticmethod
     def from_csv(
         path: str | os.PathLike[str],
@@ -155,6 +156,7 @@ class Workload:
     def category_names(self) -> list[str]: ...
     def __reduce__(self) -> tuple[Any, ...]: ...
 
+@final
 class Service:
     """One pool's service of a workload range (see ``Profile.service``)."""
 
@@ -173,11 +175,12 @@ class Service:
     @property
     def prefill_p99_s(self) -> float: ...
 
+@final
 class Profile:
     """A model on a GPU type: KV memory, slots and iteration timing."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         name: str,
         *,
         layers: int,
@@ -193,7 +196,7 @@ class Profile:
         c_chunk: int = 512,
         price_per_gpu_hour: float = 0.0,
         h_ref_tokens: int | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     @staticmethod
     def llama3_70b_a100() -> Profile: ...
     @staticmethod
@@ -243,4 +246,4 @@ class Profile:
         prefill_quantile: float = 0.99,
     ) -> Service: ...
     def __reduce__(self) -> tuple[Any, ...]: ...
-    def __eq__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
