@@ -9,9 +9,11 @@ pub mod calibrate;
 pub mod classify;
 pub mod error;
 pub mod openai;
+pub mod profile;
 pub mod rng;
 pub mod sim;
 pub mod snapshot;
+pub mod workload;
 
 #[cfg(feature = "python")]
 mod py;
@@ -27,6 +29,10 @@ mod _core {
     use crate::py::classify::classify;
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
+    #[pymodule_export]
+    use crate::py::profile::{PyProfile, PyService};
+    #[pymodule_export]
+    use crate::py::workload::PyWorkload;
     #[pymodule_export]
     use crate::py::sim::{simulate, PySimPool, PySimReport};
     use pyo3::prelude::*;

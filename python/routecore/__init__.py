@@ -7,12 +7,16 @@ Token-budget pool routing with a self-calibrating bytes-per-token estimate
 from routecore._core import (
     Calibrator,
     Pool,
+    Profile,
     RouteDecision,
+    Service,
     TokenBudgetRouter,
+    Workload,
     __version__,
     classify,
     parse_openai_request,
 )
+from routecore.profiles import load_profile
 
 __all__ = [
     "Calibrator",
@@ -22,4 +26,8 @@ __all__ = [
     "__version__",
     "classify",
     "parse_openai_request",
+    "Profile",
+    "Service",
+    "Workload",
+    "load_profile",
 ]

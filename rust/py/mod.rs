@@ -6,6 +6,8 @@ pub mod budget;
 pub mod calibrate;
 pub mod classify;
 pub mod openai;
+pub mod profile;
+pub mod workload;
 pub mod sim;
 
 use numpy::PyReadonlyArray1;
@@ -35,6 +37,11 @@ pub fn int_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
             "{what} must be 1-D, got {ndim} dimensions"
         )));
     }
+    let size: usize = arr.getattr("size")?.extract()?;
+    if size == 0 {
+        // `[]` arrives as float64; an empty array holds no value to misread.
+        return Ok(Vec::new());
+    }
     let dtype = arr.getattr("dtype")?;
     let kind: String = dtype.getattr("kind")?.extract()?;
     if kind != "i" && kind != "u" {
@@ -43,8 +50,7 @@ pub fn int_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
             dtype.str()?
         )));
     }
-    let size: usize = arr.getattr("size")?.extract()?;
-    if kind == "u" && size > 0 {
+    if kind == "u" {
         let max: u64 = arr.call_method0("max")?.extract()?;
         if max > i64::MAX as u64 {
             return Err(PyValueError::new_err(format!(
@@ -69,7 +75,7 @@ pub fn text_bytes<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8
 }
 
 /// A 1-D NumPy array (or anything `numpy.asarray` takes) of real numbers, as
-/// f64. Complex, object and string arrays are refused.
+/// f64. Bool, complex, object and string dtypes are refused; NaN is left to the core.
 pub fn float_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f64>> {
     let np = obj.py().import("numpy")?;
     let arr = np.call_method1("asarray", (obj,))?;
@@ -81,9 +87,9 @@ pub fn float_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f64>> {
     }
     let dtype = arr.getattr("dtype")?;
     let kind: String = dtype.getattr("kind")?.extract()?;
-    if !matches!(kind.as_str(), "f" | "i" | "u") {
+    if !matches!(kind.as_str(), "i" | "u" | "f") {
         return Err(PyValueError::new_err(format!(
-            "{what} must have a real dtype, got {}",
+            "{what} must have a real numeric dtype, got {}",
             dtype.str()?
         )));
     }
