@@ -32,9 +32,9 @@ mod _core {
     #[pymodule_export]
     use crate::py::profile::{PyProfile, PyService};
     #[pymodule_export]
-    use crate::py::workload::PyWorkload;
-    #[pymodule_export]
     use crate::py::sim::{simulate, PySimPool, PySimReport};
+    #[pymodule_export]
+    use crate::py::workload::PyWorkload;
     use pyo3::prelude::*;
 
     #[pymodule_init]

@@ -10,11 +10,14 @@ from routecore._core import (
     Profile,
     RouteDecision,
     Service,
+    SimPool,
+    SimReport,
     TokenBudgetRouter,
     Workload,
     __version__,
     classify,
     parse_openai_request,
+    simulate,
 )
 from routecore.profiles import load_profile
 
@@ -30,4 +33,7 @@ __all__ = [
     "Service",
     "Workload",
     "load_profile",
+    "SimPool",
+    "SimReport",
+    "simulate",
 ]

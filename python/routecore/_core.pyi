@@ -247,3 +247,85 @@ class Profile:
     ) -> Service: ...
     def __reduce__(self) -> tuple[Any, ...]: ...
     def __eq__(self, other: object, /) -> bool: ...
+
+# --- Fleet simulator (issue 4) ---
+
+from collections.abc import Callable, Sequence  # noqa: E402
+
+@final
+class SimPool:
+    """A pool of identical simulated instances (vLLM engines)."""
+
+    def __new__(
+        cls,
+        name: str,
+        instances: int,
+        max_context: int,
+        max_num_seqs: int,
+        kv_blocks: int | None = None,
+        chunk: int = 512,
+        w: float = 0.008,
+        h: float = 0.00065,
+        gpus_per_instance: int = 1,
+        budget: int | None = None,
+    ) -> Self: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def instances(self) -> int: ...
+    @property
+    def max_context(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def kv_blocks(self) -> int: ...
+    @property
+    def gpus(self) -> int: ...
+
+@final
+class SimReport:
+    """The outcome of ``simulate``: per-request arrays, per-pool figures, summaries."""
+
+    @property
+    def ttft(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def tpot(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def e2e(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def queue_wait(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def pool(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def measured(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def rejected(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def compressed(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def router_rejections(self) -> int: ...
+    @property
+    def window(self) -> tuple[float, float]: ...
+    @property
+    def makespan(self) -> float: ...
+    @property
+    def pools(self) -> list[dict[str, Any]]: ...
+    def summary(self) -> dict[str, dict[str, float]]: ...
+
+def simulate(
+    arrival_s: npt.ArrayLike,
+    input_tokens: npt.ArrayLike,
+    output_tokens: npt.ArrayLike,
+    pools: Sequence[SimPool],
+    *,
+    category: npt.ArrayLike | None = None,
+    categories: Sequence[tuple[str, float, bool]] | None = None,
+    router: str = "token-budget",
+    gamma: float = 1.5,
+    dispatch: str = "least-loaded",
+    arrivals: str = "trace",
+    rate: float | None = None,
+    seed: int = 0,
+    warmup: float = 0.2,
+    progress: Callable[[int, int], object] | None = None,
+) -> SimReport: ...

@@ -12,9 +12,10 @@ import sys
 from collections.abc import Sequence
 
 from routecore import __version__
-from routecore.commands import calibration_study, route
+from routecore.commands import calibration_study, route, simulate
 
 COMMANDS = [route, calibration_study]
+COMMANDS.append(simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,8 +7,8 @@ pub mod calibrate;
 pub mod classify;
 pub mod openai;
 pub mod profile;
-pub mod workload;
 pub mod sim;
+pub mod workload;
 
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};

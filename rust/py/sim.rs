@@ -191,7 +191,9 @@ impl PySimReport {
         self.report.makespan
     }
     /// One dict per pool: name, instances, gpus, max_context, requests
-    /// (measured, served), utilization_simulated, utilization_analytical,
+    /// (measured, served), utilization_simulated (fraction of slot-time busy),
+    /// utilization_analytical (FleetOpt Eq. 3-4 over the served requests),
+    /// utilization_consistent (the same at the occupancy it predicts),
     /// preemptions, rejections, compressed.
     #[getter]
     fn pools<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
@@ -207,6 +209,7 @@ impl PySimReport {
                 d.set_item("requests", p.requests)?;
                 d.set_item("utilization_simulated", p.utilization_simulated)?;
                 d.set_item("utilization_analytical", p.utilization_analytical)?;
+                d.set_item("utilization_consistent", p.utilization_consistent)?;
                 d.set_item("preemptions", p.preemptions)?;
                 d.set_item("rejections", p.rejections)?;
                 d.set_item("compressed", p.compressed)?;

@@ -228,6 +228,9 @@ pub struct PoolReport {
     pub requests: u64,
     pub utilization_simulated: f64,
     pub utilization_analytical: f64,
+    /// The same with `t_iter` taken at the occupancy it predicts (see
+    /// [`analytical_utilization`]).
+    pub utilization_consistent: f64,
     /// Over the whole run, warm-up included.
     pub preemptions: u64,
     pub rejections: u64,
@@ -611,17 +614,17 @@ impl<'a> Fleet<'a> {
                         input.div_ceil(pool.chunk) as f64 + self.requests[k].output_tokens as f64;
                 }
             }
-            let t_full = pool.timing.iteration_time(Batch {
-                n_active: pool.max_num_seqs,
-                prefill_tokens: 0,
-            });
-            let (sim, ana) = if span > 0.0 {
-                (
-                    slot_seconds / (slots * span),
-                    requests as f64 / span * iterations / requests.max(1) as f64 * t_full / slots,
-                )
+            let (ana, consistent) = if span > 0.0 && requests > 0 {
+                let iters = iterations / requests as f64;
+                let per_instance = requests as f64 / span / pool.instances as f64;
+                analytical_utilization(per_instance, iters, pool)
             } else {
                 (f64::NAN, f64::NAN)
+            };
+            let sim = if span > 0.0 {
+                slot_seconds / (slots * span)
+            } else {
+                f64::NAN
             };
             self.report.pools.push(PoolReport {
                 name: pool.name.clone(),
@@ -631,6 +634,7 @@ impl<'a> Fleet<'a> {
                 requests,
                 utilization_simulated: sim,
                 utilization_analytical: ana,
+                utilization_consistent: consistent,
                 preemptions: insts.iter().map(|i| i.preemptions).sum(),
                 rejections,
                 compressed,
@@ -638,6 +642,43 @@ impl<'a> Fleet<'a> {
         }
         Ok(self.report)
     }
+}
+
+/// FleetOpt's utilization of a pool (Eq. 3-4) for `rate` requests/s per
+/// instance of `iterations` = E[ceil(L_in / C_chunk) + L_out] each:
+/// `rho = rate * iterations * t_iter(n_max) / n_max`, every request charged the
+/// iteration time of a full batch. Second, the occupancy-consistent figure:
+/// by Little's law the mean occupancy `k` satisfies
+/// `k = rate * iterations * t_iter(k)`, solved by bisection on [0, n_max];
+/// `rho = k / n_max` (when no `k <= n_max` solves it the pool is overloaded and
+/// the first figure is returned for both).
+pub fn analytical_utilization(rate: f64, iterations: f64, pool: &PoolConfig) -> (f64, f64) {
+    let n_max = pool.max_num_seqs;
+    let t = |n: f64| {
+        pool.timing.iteration_time(Batch {
+            n_active: n.round() as usize,
+            prefill_tokens: 0,
+        })
+    };
+    let full = rate * iterations * t(n_max as f64) / n_max as f64;
+    if full >= 1.0 {
+        return (full, full);
+    }
+    // The timing model takes whole sequences: interpolate between them.
+    let t_at = |k: f64| {
+        let lo = k.floor();
+        t(lo) + (t(lo + 1.0) - t(lo)) * (k - lo)
+    };
+    let (mut lo, mut hi) = (0.0, n_max as f64);
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if rate * iterations * t_at(mid) > mid {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    (full, 0.5 * (lo + hi) / n_max as f64)
 }
 
 /// The `q`-th percentile (0..=100) of the finite values, linearly

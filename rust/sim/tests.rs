@@ -339,3 +339,20 @@ fn fast_forward_matches_on_small_random_fleets() {
         assert_eq!(fast.pools[0].preemptions, slow.pools[0].preemptions);
     }
 }
+
+#[test]
+fn analytical_utilization_by_hand() {
+    // 16 slots, 2 requests/s per instance of 150 iterations each.
+    // FleetOpt: 2 * 150 * (8 + 16 * 0.65) ms / 16 = 0.345.
+    // Consistent: k = 300 (0.008 + 0.00065 k) -> k = 2.4 / 0.805 = 2.981...
+    let p = pool("p", 1, 8192, 16, 8192);
+    let (full, consistent) = analytical_utilization(2.0, 150.0, &p);
+    assert!(close(full, 0.345));
+    assert!(
+        (consistent - 2.4 / 0.805 / 16.0).abs() < 1e-9,
+        "{consistent}"
+    );
+    // Overloaded: no occupancy solves it; both are the full-batch figure.
+    let (full, consistent) = analytical_utilization(20.0, 150.0, &p);
+    assert!(full > 1.0 && close(full, consistent));
+}
