@@ -3,6 +3,7 @@ the Azure 2023 trace, determinism, and refusals."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -262,3 +263,53 @@ def test_deterministic_for_a_seed_on_azure():
     np.testing.assert_array_equal(a.ttft, b.ttft)
     assert a.pools == b.pools
     assert not np.array_equal(a.ttft, c.ttft)
+
+
+# --- routecore simulate ---------------------------------------------------------
+
+
+def test_simulate_command_json(capsys):
+    from routecore.cli import main
+
+    assert main(["simulate", "--duration", "20", "--quiet", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    fleets = {f["name"]: f for f in out["fleets"]}
+    assert list(fleets) == ["homogeneous", "pool-routing", "fleetopt"]
+    keys = {"name", "gpus", "annual_cost_usd", "savings_vs_homogeneous", "ttft_p50_s",
+            "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "slo_attainment", "pools"}  # fmt: skip
+    pool_keys = {"name", "gpus", "max_context", "requests", "utilization_simulated",
+                 "utilization_analytical", "preemptions", "rejections"}  # fmt: skip
+    for f in fleets.values():
+        assert keys <= set(f)
+        assert f["gpus"] == sum(p["gpus"] for p in f["pools"])
+        assert f["annual_cost_usd"] == pytest.approx(f["gpus"] * 2.21 * 8760)
+        assert 0 <= f["slo_attainment"] <= 1
+        for p in f["pools"]:
+            assert pool_keys <= set(p)
+    assert fleets["homogeneous"]["savings_vs_homogeneous"] == 0
+    g = fleets["pool-routing"]["gpus"] / fleets["homogeneous"]["gpus"]
+    assert fleets["pool-routing"]["savings_vs_homogeneous"] == pytest.approx(1 - g)
+    # 20 s at 1,000 req/s, 20% warm-up: 16,000 measured requests per fleet.
+    for f in fleets.values():
+        assert sum(p["requests"] + p["rejections"] for p in f["pools"]) <= 16_000
+        assert sum(p["requests"] for p in f["pools"]) > 15_900
+    short = fleets["pool-routing"]["pools"][0]
+    assert short["max_context"] < 65536 and short["preemptions"] == 0
+
+
+def test_simulate_command_table_flags_and_plots(capsys, tmp_path):
+    from routecore.cli import main
+
+    args = ["simulate", "--duration", "5", "--quiet", "--fleet", "homogeneous",
+            "--fleet", "pool-routing", "--rate", "300", "--arrivals", "poisson",
+            "--dispatch", "round-robin", "--short-gpus", "30", "--long-gpus", "5",
+            "--seed", "3", "--plot", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "homogeneous" in out and "pool-routing" in out and "fleetopt" not in out
+    assert "1500 requests at 300 req/s" in out
+    assert " 35 " in out  # 30 short + 5 long GPUs
+    pngs = sorted(p.name for p in tmp_path.iterdir())
+    assert pngs == ["e2e_cdf.png", "tpot_cdf.png", "ttft_cdf.png", "utilization.png"]
+    assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    assert main(["simulate", "--duration", "0", "--quiet"]) == 2
