@@ -313,3 +313,12 @@ def test_simulate_command_table_flags_and_plots(capsys, tmp_path):
     assert pngs == ["e2e_cdf.png", "tpot_cdf.png", "ttft_cdf.png", "utilization.png"]
     assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
     assert main(["simulate", "--duration", "0", "--quiet"]) == 2
+
+
+def test_simulate_command_refuses_length_scaled_timing(tmp_path, capsys):
+    from routecore.cli import main
+
+    toml = tmp_path / "p.toml"
+    toml.write_text('preset = "llama3_70b_a100"\nh_ref_tokens = 4096\n')
+    assert main(["simulate", "--quiet", "--duration", "1", "--profile", str(toml)]) == 2
+    assert "h_ref_tokens" in capsys.readouterr().err

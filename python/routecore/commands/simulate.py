@@ -376,6 +376,11 @@ def plot(result: dict[str, Any], reports: dict[str, SimReport], out: str) -> lis
 def run(args: argparse.Namespace) -> int:
     w = load_trace(args.trace)
     profile = load_profile(args.profile) if args.profile else Profile.llama3_70b_a100()
+    if profile.h_ref_tokens is not None:
+        raise ValueError(
+            "the simulator's timing model is t_iter = W + H * n_active; profiles with "
+            "h_ref_tokens (length-scaled H) are not supported"
+        )
     if not (args.duration > 0 and args.rate > 0):
         raise ValueError("--duration and --rate must be > 0")
     n = math.ceil(args.rate * args.duration)
