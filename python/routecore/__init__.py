@@ -6,6 +6,9 @@ Token-budget pool routing with a self-calibrating bytes-per-token estimate
 
 from routecore._core import (
     Calibrator,
+    Candidate,
+    ErlangScan,
+    Plan,
     Pool,
     Profile,
     RouteDecision,
@@ -13,8 +16,15 @@ from routecore._core import (
     TokenBudgetRouter,
     Workload,
     __version__,
+    annual_cost_usd,
     classify,
+    erlang_b,
+    erlang_c,
+    g_dual,
+    p99_wait,
     parse_openai_request,
+    plan,
+    pool_routing_savings,
 )
 from routecore.profiles import load_profile
 
@@ -30,4 +40,14 @@ __all__ = [
     "Service",
     "Workload",
     "load_profile",
+    "Candidate",
+    "ErlangScan",
+    "Plan",
+    "annual_cost_usd",
+    "erlang_b",
+    "erlang_c",
+    "g_dual",
+    "p99_wait",
+    "plan",
+    "pool_routing_savings",
 ]
