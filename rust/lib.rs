@@ -9,7 +9,9 @@ pub mod calibrate;
 pub mod classify;
 pub mod error;
 pub mod openai;
+pub mod planner;
 pub mod profile;
+pub mod queueing;
 pub mod rng;
 pub mod sim;
 pub mod snapshot;
@@ -30,7 +32,13 @@ mod _core {
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
     #[pymodule_export]
+    use crate::py::planner::{
+        annual_cost_usd, g_dual, plan, pool_routing_savings, PyCandidate, PyPlan,
+    };
+    #[pymodule_export]
     use crate::py::profile::{PyProfile, PyService};
+    #[pymodule_export]
+    use crate::py::queueing::{erlang_b, erlang_c, p99_wait, PyErlangScan};
     #[pymodule_export]
     use crate::py::sim::{simulate, PySimPool, PySimReport};
     #[pymodule_export]

@@ -6,7 +6,9 @@ pub mod budget;
 pub mod calibrate;
 pub mod classify;
 pub mod openai;
+pub mod planner;
 pub mod profile;
+pub mod queueing;
 pub mod sim;
 pub mod workload;
 
