@@ -291,8 +291,7 @@ def test_simulate_command_json(capsys):
     assert fleets["pool-routing"]["savings_vs_homogeneous"] == pytest.approx(1 - g)
     # 20 s at 1,000 req/s, 20% warm-up: 16,000 measured requests per fleet.
     for f in fleets.values():
-        assert sum(p["requests"] + p["rejections"] for p in f["pools"]) <= 16_000
-        assert sum(p["requests"] for p in f["pools"]) > 15_900
+        assert 15_900 < sum(p["requests"] for p in f["pools"]) <= 16_000
     short = fleets["pool-routing"]["pools"][0]
     assert short["max_context"] < 65536 and short["preemptions"] == 0
 

@@ -376,6 +376,7 @@ def g_dual(alpha: float, arrival_rate: float, mu_short: float, mu_long: float) -
 def annual_cost_usd(
     gpus: float, price_per_gpu_hour: float, hours_per_year: float = 8760.0
 ) -> float: ...
+
 # --- Fleet simulator (issue 4) ---
 
 from collections.abc import Callable, Sequence  # noqa: E402

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from routecore._core import Profile, SimPool, SimReport, Workload, simulate
+from routecore._core import Profile, SimPool, SimReport, Workload, plan, simulate
 from routecore.profiles import load_profile
 
 NAME = "simulate"
@@ -51,6 +51,7 @@ class FleetSpec:
     name: str
     router: str
     gamma: float
+    b_short: int
     pools: list[PoolSpec] = field(default_factory=list)
 
     @property
@@ -99,13 +100,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="least-loaded",
         help="instance choice inside a pool (default least-loaded)",
     )
-    p.add_argument("--b-short", type=int, help="short-pool boundary B (default: planner's)")
-    p.add_argument("--gamma", type=float, help="compress-and-route band (default: planner's)")
+    p.add_argument("--b-short", type=int, help="short-pool boundary B (default: the planner's)")
+    p.add_argument("--gamma", type=float, help="compress-and-route band (default: the planner's)")
+    p.add_argument(
+        "--no-compress-code",
+        action="store_true",
+        help="never compress code (plan with p_c = 0 for it); default: p_c = 1, as FleetOpt "
+        "evaluates Azure",
+    )
     p.add_argument("--homogeneous-gpus", type=int, help="override the homogeneous size")
     p.add_argument("--short-gpus", type=int, help="override the short pools' size")
     p.add_argument("--long-gpus", type=int, help="override the long pools' size")
     p.add_argument("--rho-max", type=float, default=0.85, help="utilization cap (0.85)")
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="P99 TTFT target, s (2.0)")
+    p.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=2.0,
+        help="P99 TTFT target for the planner and per-request SLO, s (2.0, the token-budget "
+        "paper's)",
+    )
     p.add_argument("--slo-tpot", type=float, default=0.08, help="TPOT target, s (0.08)")
     p.add_argument("--warmup", type=float, default=0.2, help="warm-up fraction (0.2)")
     p.add_argument("--seed", type=int, default=42, help="seed (42)")
@@ -120,47 +133,48 @@ def load_trace(spec: str) -> Workload:
     return Workload.from_csv(spec)
 
 
-def pool_size(
-    profile: Profile,
-    w: Workload,
-    rate: float,
-    ctx: int,
-    lo: float,
-    hi: float,
-    rho_max: float,
-    gpus: int | None,
-    share: float | None = None,
-) -> PoolSpec:
-    """FleetOpt's utilization-capped size of a pool serving ``lo < L_total <= hi``
-    at context ``ctx``: ``n = ceil(lambda_p / (rho_max mu_gpu))`` (section 7.4,
-    the many-server regime where the Erlang-C term is negligible); its
-    analytical utilization is ``lambda_p / (n mu_gpu)``. ``share`` overrides the
-    traffic fraction (compress-and-route sends the band short)."""
-    svc = profile.service(w, ctx, lo, hi)
-    lam = rate * (svc.fraction if share is None else share)
-    n = gpus if gpus is not None else max(1, math.ceil(lam / (rho_max * svc.mu_gpu)))
-    return PoolSpec("", n, ctx, svc.n_slots, lam / (n * svc.mu_gpu))
-
-
 def plan_fleets(w: Workload, profile: Profile, args: argparse.Namespace) -> list[FleetSpec]:
-    """The three fleets. Sizes: the utilization-capped bound per pool."""
-    long_ctx = 65536
-    b = args.b_short or 4096
-    gamma = args.gamma or 2.0
-    big = float(2**62)
-    rate, rho = args.rate, args.rho_max
-    fleets = {}
-    homo = pool_size(profile, w, rate, long_ctx, 0.0, big, rho, args.homogeneous_gpus)
-    homo.name = "homogeneous"
-    fleets["homogeneous"] = FleetSpec("homogeneous", "homogeneous", 1.0, [homo])
-    for name, g in (("pool-routing", 1.0), ("fleetopt", gamma)):
-        edge = g * b
-        short = pool_size(profile, w, rate, b, 0.0, b, rho, args.short_gpus, share=w.cdf(edge))
-        long = pool_size(profile, w, rate, long_ctx, edge, big, rho, args.long_gpus)
-        short.name, long.name = "short", "long"
-        router = args.router or ("token-budget" if g == 1.0 else "compress-and-route")
-        fleets[name] = FleetSpec(name, router, g, [short, long])
-    return [fleets[n] for n in (args.fleet or FLEETS)]
+    """The three fleets, sized by the FleetOpt planner (``routecore.plan``) for
+    the trace at the rate and the P99 TTFT target: its homogeneous fleet, its
+    best pool-routing fleet (gamma = 1) and its optimum over (B_short, gamma)
+    with compress-and-route. ``--b-short`` / ``--gamma`` restrict the sweep;
+    the ``--*-gpus`` flags override sizes. Pools the plan gives 0 GPUs are left
+    out."""
+    p_c_by_category = {"code": 0.0} if args.no_compress_code else None
+    result = plan(
+        w, args.rate, args.slo_ttft, profile,
+        b_short=[args.b_short] if args.b_short else None,
+        gammas=sorted({1.0, args.gamma}) if args.gamma else None,
+        p_c_by_category=p_c_by_category, rho_max=args.rho_max,
+    )  # fmt: skip
+    chosen = {
+        "homogeneous": result.homogeneous,
+        "pool-routing": result.pool_routing,
+        "fleetopt": result.best,
+    }
+    fleets = []
+    for name in args.fleet or FLEETS:
+        c = chosen[name]
+        if c is None:
+            raise ValueError(f"the planner found no feasible {name} fleet; relax --slo-ttft")
+        pools = [
+            PoolSpec("short", args.short_gpus or c.n_short, c.context_short, c.slots_short,
+                     c.utilization_short * c.n_short / (args.short_gpus or c.n_short or 1)),
+            PoolSpec("long", args.long_gpus or c.n_long, c.context_long, c.slots_long,
+                     c.utilization_long * c.n_long / (args.long_gpus or c.n_long or 1)),
+        ]  # fmt: skip
+        if name == "homogeneous":
+            pools = [pools[1]]
+            pools[0].name = "homogeneous"
+            if args.homogeneous_gpus:
+                pools[0].utilization_analytical *= c.n_long / args.homogeneous_gpus
+                pools[0].gpus = args.homogeneous_gpus
+            router = "homogeneous"
+        else:
+            pools = [p for p in pools if p.gpus > 0]
+            router = args.router or ("compress-and-route" if c.gamma > 1 else "token-budget")
+        fleets.append(FleetSpec(name, router, c.gamma, c.b_short, pools))
+    return fleets
 
 
 class Progress:
@@ -219,7 +233,14 @@ def trace_arrays(w: Workload, n: int) -> Trace:
 def run_fleet(
     fleet: FleetSpec, trace: Trace, profile: Profile, args: argparse.Namespace
 ) -> SimReport:
-    categories = [(c, BYTES_PER_TOKEN.get(c, MIXED_BYTES_PER_TOKEN), True) for c in trace.names]
+    categories = [
+        (
+            c,
+            BYTES_PER_TOKEN.get(c, MIXED_BYTES_PER_TOKEN),
+            not (args.no_compress_code and c == "code"),
+        )
+        for c in trace.names
+    ]
     arrivals = args.arrivals if trace.arrival_s is not None else "poisson"
     arrival = trace.arrival_s if trace.arrival_s is not None else np.zeros(trace.category.size)
     pools = [
@@ -278,6 +299,7 @@ def fleet_result(
         "name": fleet.name,
         "router": fleet.router,
         "gamma": fleet.gamma,
+        "b_short": fleet.b_short,
         "gpus": fleet.gpus,
         "annual_cost_usd": cost,
         "savings_vs_homogeneous": savings,
