@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -152,6 +153,16 @@ def test_bad_input_is_refused(kwargs, match):
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
         rc.simulate(**base)
+
+
+def test_pool_pickles_and_reprs():
+    p = rc.SimPool("short", 3, 4096, 256, kv_blocks=70_000, chunk=256, w=0.01, h=0.001,
+                   gpus_per_instance=2, budget=3000)  # fmt: skip
+    q = pickle.loads(pickle.dumps(p))
+    assert repr(q) == repr(p) and q.gpus == 6 and q.kv_blocks == 70_000
+    assert "budget=3000" in repr(p) and "chunk=256" in repr(p)
+    r = rc.simulate([0.0], [100], [3], [p], router="homogeneous")
+    assert "served=1" in repr(r)
 
 
 def test_bad_pools_are_refused():
@@ -321,3 +332,23 @@ def test_simulate_command_refuses_length_scaled_timing(tmp_path, capsys):
     toml.write_text('preset = "llama3_70b_a100"\nh_ref_tokens = 4096\n')
     assert main(["simulate", "--quiet", "--duration", "1", "--profile", str(toml)]) == 2
     assert "h_ref_tokens" in capsys.readouterr().err
+
+
+def test_planned_pool_routing_fleet_against_its_analytical_utilization():
+    """The planner's pool-routing fleet on Azure: the short pool runs far below
+    its predicted utilization (batches far below n_max), the long pool far
+    above it (prefill-bound: one chunk per iteration, code prompts of ~4.7K
+    tokens); see README, Fleet simulator."""
+    w = rc.Workload.azure_2023()
+    c = rc.plan(w, 1000.0, 2.0).pool_routing
+    args, cats = azure(n=60_000)
+    pools = [
+        rc.SimPool("short", c.n_short, c.context_short, c.slots_short),
+        rc.SimPool("long", c.n_long, c.context_long, c.slots_long),
+    ]
+    r = rc.simulate(*args, pools, category=cats, categories=AZURE_CATEGORIES,
+                    router="token-budget", rate=1000.0)  # fmt: skip
+    short, long = r.pools
+    assert short["utilization_simulated"] < c.utilization_short / 3
+    assert long["utilization_simulated"] > 0.95 > c.utilization_long
+    assert short["preemptions"] == 0

@@ -90,6 +90,26 @@ impl PySimPool {
     fn gpus(&self) -> u64 {
         self.inner.instances as u64 * self.inner.gpus_per_instance
     }
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let me = slf.get();
+        let p = &me.inner;
+        let args = (
+            p.name.clone(),
+            p.instances,
+            p.max_context,
+            p.max_num_seqs,
+            p.kv_blocks,
+            p.chunk,
+            me.w,
+            me.h,
+            p.gpus_per_instance,
+            p.budget,
+        );
+        Ok((
+            slf.get_type().into_any(),
+            args.into_pyobject(slf.py())?.into_any(),
+        ))
+    }
     fn __repr__(&self) -> String {
         let p = &self.inner;
         format!(
