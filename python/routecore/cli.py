@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 
 from routecore import __version__
-from routecore.commands import calibration_study, route, simulate
+from routecore.commands import calibration_study, plan, route, simulate
 
-COMMANDS = [route, calibration_study]
+COMMANDS = [route, calibration_study, plan]
 COMMANDS.append(simulate)
 
 
