@@ -7,8 +7,13 @@ pub mod budget;
 pub mod calibrate;
 pub mod classify;
 pub mod openai;
+pub mod planner;
 pub mod prefix;
+pub mod profile;
+pub mod queueing;
+pub mod sim;
 pub mod vtc;
+pub mod workload;
 
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
@@ -189,4 +194,10 @@ pub fn reduce<'py, T: pyo3::PyClass>(
     let py = slf.py();
     let restore = slf.as_any().get_type().getattr("from_bytes")?;
     PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
+}
+
+/// A 1-D array-like of real numbers as f64 (see `real_array`); NaN is left
+/// to the core.
+pub fn float_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f64>> {
+    real_array::<f64>(obj, 1, "float64", what).map(|(data, _)| data)
 }
