@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 
 from routecore import __version__
-from routecore.commands import calibration_study, route
+from routecore.commands import calibration_study, compress, route
 
-COMMANDS = [route, calibration_study]
+COMMANDS = [route, calibration_study, compress]
 
 
 def build_parser() -> argparse.ArgumentParser:
