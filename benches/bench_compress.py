@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from baselines import compress as baseline
-
 from routecore import Compressor, Pool, TokenBudgetRouter
 
 LICENSES = Path("/usr/share/common-licenses")

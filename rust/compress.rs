@@ -164,19 +164,64 @@ impl Status {
     }
 }
 
+/// Sizes (by the estimate `ceil(bytes / bytes_per_token)`) and outcome of a
+/// compression.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Summary {
+    pub tokens_before: u64,
+    pub tokens_after: u64,
+    pub bytes_per_token: f64,
+    pub status: Status,
+}
+
+impl Summary {
+    /// The checks both entry points make first, for an input of `bytes`: the
+    /// ratio, the size before, and a final summary when the input stays as it
+    /// is (code, or already within the budget).
+    fn plan(
+        bytes: usize,
+        token_budget: i64,
+        category: &str,
+        bytes_per_token: Option<f64>,
+    ) -> Result<(Self, u64)> {
+        let budget = check_budget(token_budget)?;
+        let ratio = ratio_for(category, bytes_per_token)?;
+        let tokens_before = estimate(bytes as u64, ratio);
+        let status = if category == "code" {
+            Status::Code
+        } else if tokens_before <= budget {
+            Status::Fits
+        } else {
+            Status::Impossible
+        };
+        let summary = Self {
+            tokens_before,
+            tokens_after: tokens_before,
+            bytes_per_token: ratio,
+            status,
+        };
+        Ok((summary, max_bytes(budget, ratio)))
+    }
+
+    /// This summary for an output of `bytes`, compressed.
+    fn compressed(self, bytes: u64) -> Self {
+        Self {
+            tokens_after: estimate(bytes, self.bytes_per_token),
+            status: Status::Compressed,
+            ..self
+        }
+    }
+}
+
 /// The outcome of compressing one text.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Compression {
     pub text: String,
-    pub tokens_before: u64,
-    /// `ceil(bytes(text) / bytes_per_token)`.
-    pub tokens_after: u64,
     /// Indices of the sentences in `text`, ascending; all of them unless
     /// the status is `Compressed`.
     pub kept: Vec<usize>,
     pub sentences: usize,
-    pub bytes_per_token: f64,
-    pub status: Status,
+    pub summary: Summary,
 }
 
 /// The outcome of compressing an OpenAI request body.
@@ -184,12 +229,18 @@ pub struct Compression {
 pub struct RequestCompression {
     /// The new body (the original bytes unless the status is `Compressed`).
     pub body: Vec<u8>,
-    pub tokens_before: u64,
-    pub tokens_after: u64,
     /// Chat message indices (or completion prompt indices) whose text changed.
     pub compressed: Vec<usize>,
-    pub bytes_per_token: f64,
-    pub status: Status,
+    pub summary: Summary,
+}
+
+fn check_size(what: &str, bytes: usize) -> Result<()> {
+    if bytes > MAX_BODY_BYTES {
+        return Err(invalid(format!(
+            "{what} is {bytes} bytes, over the {MAX_BODY_BYTES}-byte limit"
+        )));
+    }
+    Ok(())
 }
 
 fn is_stop_word(w: &str) -> bool {
@@ -727,6 +778,13 @@ impl PartialOrd for Candidate {
     }
 }
 
+/// The kept sentences of `text`, in order, each with its trailing space.
+fn join(text: &str, spans: &[Span], kept: &[usize]) -> String {
+    kept.iter()
+        .map(|&i| &text[spans[i].start..spans[i].end])
+        .collect()
+}
+
 /// A validated compressor configuration; it holds no state between calls.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Compressor {
@@ -901,47 +959,28 @@ impl Compressor {
         category: Option<&str>,
         bytes_per_token: Option<f64>,
     ) -> Result<Compression> {
-        let budget = check_budget(token_budget)?;
-        if text.len() > MAX_BODY_BYTES {
-            return Err(invalid(format!(
-                "text is {} bytes, over the {MAX_BODY_BYTES}-byte limit",
-                text.len()
-            )));
-        }
+        check_size("text", text.len())?;
         let category = check_category(category)?.unwrap_or_else(|| classify(text.as_bytes()));
-        let ratio = ratio_for(category, bytes_per_token)?;
+        let (summary, limit) = Summary::plan(text.len(), token_budget, category, bytes_per_token)?;
         let spans = split_sentences(text);
-        let tokens_before = estimate(text.len() as u64, ratio);
-        let unchanged = |status| Compression {
-            text: text.to_owned(),
-            tokens_before,
-            tokens_after: tokens_before,
-            kept: (0..spans.len()).collect(),
-            sentences: spans.len(),
-            bytes_per_token: ratio,
-            status,
+        let selected = match summary.status {
+            Status::Impossible => self.select(text, &spans, limit),
+            _ => None,
         };
-        if category == "code" {
-            return Ok(unchanged(Status::Code));
-        }
-        if tokens_before <= budget {
-            return Ok(unchanged(Status::Fits));
-        }
-        let Some(kept) = self.select(text, &spans, max_bytes(budget, ratio)) else {
-            return Ok(unchanged(Status::Impossible));
+        let Some(kept) = selected else {
+            return Ok(Compression {
+                text: text.to_owned(),
+                kept: (0..spans.len()).collect(),
+                sentences: spans.len(),
+                summary,
+            });
         };
-        let out: String = kept
-            .iter()
-            .map(|&i| &text[spans[i].start..spans[i].end])
-            .collect();
+        let out = join(text, &spans, &kept);
         Ok(Compression {
-            tokens_after: estimate(out.len() as u64, ratio),
+            summary: summary.compressed(out.len() as u64),
             text: out,
-            tokens_before,
             kept,
             sentences: spans.len(),
-            bytes_per_token: ratio,
-            status: Status::Compressed,
         })
     }
 
@@ -956,43 +995,29 @@ impl Compressor {
         category: Option<&str>,
         bytes_per_token: Option<f64>,
     ) -> Result<RequestCompression> {
-        let budget = check_budget(token_budget)?;
         let category = check_category(category)?;
-        if body.len() > MAX_BODY_BYTES {
-            return Err(invalid(format!(
-                "request body is {} bytes, over the {MAX_BODY_BYTES}-byte limit",
-                body.len()
-            )));
-        }
+        check_size("request body", body.len())?;
         let mut v: Value =
             serde_json::from_slice(body).map_err(|e| invalid(format!("malformed JSON: {e}")))?;
         let slots = text_slots(&v)?;
         let all: String = slots.iter().map(|s| s.text.as_str()).collect();
         let category = category.unwrap_or_else(|| classify(all.as_bytes()));
-        let ratio = ratio_for(category, bytes_per_token)?;
-        let tokens_before = estimate(all.len() as u64, ratio);
-        let unchanged = |status| RequestCompression {
+        let (summary, limit) = Summary::plan(all.len(), token_budget, category, bytes_per_token)?;
+        let unchanged = || RequestCompression {
             body: body.to_vec(),
-            tokens_before,
-            tokens_after: tokens_before,
             compressed: Vec::new(),
-            bytes_per_token: ratio,
-            status,
+            summary,
         };
-        if category == "code" {
-            return Ok(unchanged(Status::Code));
+        if summary.status != Status::Impossible {
+            return Ok(unchanged());
         }
-        if tokens_before <= budget {
-            return Ok(unchanged(Status::Fits));
-        }
-        let limit = max_bytes(budget, ratio);
         let fixed: u64 = slots
             .iter()
             .filter(|s| !s.compressible)
             .map(|s| s.text.len() as u64)
             .sum();
         let Some(mut room) = limit.checked_sub(fixed) else {
-            return Ok(unchanged(Status::Impossible));
+            return Ok(unchanged());
         };
         let mut rest: u64 = slots
             .iter()
@@ -1007,12 +1032,9 @@ impl Compressor {
             let share = (room as u128 * size as u128 / rest.max(1) as u128) as u64;
             let spans = split_sentences(&slot.text);
             let Some(kept) = self.select(&slot.text, &spans, share) else {
-                return Ok(unchanged(Status::Impossible));
+                return Ok(unchanged());
             };
-            let out: String = kept
-                .iter()
-                .map(|&i| &slot.text[spans[i].start..spans[i].end])
-                .collect();
+            let out = join(&slot.text, &spans, &kept);
             room -= out.len() as u64;
             rest -= size;
             after += out.len() as u64;
@@ -1028,11 +1050,8 @@ impl Compressor {
         let body = serde_json::to_vec(&v).map_err(|e| invalid(format!("JSON: {e}")))?;
         Ok(RequestCompression {
             body,
-            tokens_before,
-            tokens_after: estimate(after, ratio),
             compressed,
-            bytes_per_token: ratio,
-            status: Status::Compressed,
+            summary: summary.compressed(after),
         })
     }
 }
@@ -1086,7 +1105,7 @@ pub fn route_request(
     };
     let c =
         compressor.compress_request(body, target as i64, Some(request.category), Some(ratio))?;
-    if c.status.succeeded() {
+    if c.summary.status.succeeded() {
         let decision = router.route_compressed(pool, est, out, target);
         let new_body = c.body.clone();
         return Ok(routed(decision, &new_body, Some(c)));
@@ -1325,8 +1344,8 @@ mod tests {
         let r = c
             .compress(&text, 400, Some("prose"), Some(4.0))
             .expect("valid");
-        assert_eq!(r.status, Status::Compressed);
-        assert!(r.tokens_after <= 400 && r.tokens_before > 400);
+        assert_eq!(r.summary.status, Status::Compressed);
+        assert!(r.summary.tokens_after <= 400 && r.summary.tokens_before > 400);
         assert_eq!(r.sentences, 40);
         assert_eq!(&r.kept[..3], &[0, 1, 2]);
         assert_eq!(&r.kept[r.kept.len() - 2..], &[38, 39]);
@@ -1338,7 +1357,7 @@ mod tests {
             .map(|&i| &text[spans[i].start..spans[i].end])
             .collect();
         assert_eq!(r.text, expected);
-        assert_eq!(r.tokens_after, estimate(r.text.len() as u64, 4.0));
+        assert_eq!(r.summary.tokens_after, estimate(r.text.len() as u64, 4.0));
     }
 
     #[test]
@@ -1346,22 +1365,25 @@ mod tests {
         let c = Compressor::default();
         let code = "fn main() {\n    let x = 1;\n    println!(\"{}\", x);\n}\n".repeat(50);
         let r = c.compress(&code, 10, None, None).expect("valid");
-        assert_eq!((r.status, r.text.as_str()), (Status::Code, code.as_str()));
+        assert_eq!(
+            (r.summary.status, r.text.as_str()),
+            (Status::Code, code.as_str())
+        );
         let r = c
             .compress(&prose(3), 1, Some("prose"), None)
             .expect("valid");
-        assert_eq!(r.status, Status::Impossible);
+        assert_eq!(r.summary.status, Status::Impossible);
         assert_eq!(r.text, prose(3));
         let r = c.compress("", 1, None, None).expect("valid");
         assert_eq!(
-            (r.status, r.sentences, r.tokens_after),
+            (r.summary.status, r.sentences, r.summary.tokens_after),
             (Status::Fits, 0, 0)
         );
         let one = "Just one sentence here.";
         let r = c.compress(one, 100, None, None).expect("valid");
-        assert_eq!((r.status, r.kept.clone()), (Status::Fits, vec![0]));
+        assert_eq!((r.summary.status, r.kept.clone()), (Status::Fits, vec![0]));
         let r = c.compress(one, 2, None, None).expect("valid");
-        assert_eq!(r.status, Status::Impossible);
+        assert_eq!(r.summary.status, Status::Impossible);
     }
 
     #[test]
@@ -1414,28 +1436,28 @@ mod tests {
         let r = c
             .compress_request(&bytes, 1200, Some("prose"), Some(4.0))
             .expect("valid");
-        assert_eq!(r.status, Status::Compressed);
+        assert_eq!(r.summary.status, Status::Compressed);
         assert_eq!(r.compressed, vec![1]);
-        assert!(r.tokens_after <= 1200 && r.tokens_before > 1200);
+        assert!(r.summary.tokens_after <= 1200 && r.summary.tokens_before > 1200);
         let out: Value = serde_json::from_slice(&r.body).expect("json");
         for i in [0, 2, 3] {
             assert_eq!(out["messages"][i], body["messages"][i]);
         }
         assert_eq!(out["max_tokens"], 100);
         let parsed = crate::openai::parse_request(&r.body, 16).expect("parses");
-        assert_eq!(estimate(parsed.prompt_bytes, 4.0), r.tokens_after);
+        assert_eq!(estimate(parsed.prompt_bytes, 4.0), r.summary.tokens_after);
         // The intact parts alone exceed a tiny budget.
         let r = c
             .compress_request(&bytes, 300, Some("prose"), Some(4.0))
             .expect("valid");
         assert_eq!(
-            (r.status, r.body.as_slice()),
+            (r.summary.status, r.body.as_slice()),
             (Status::Impossible, &bytes[..])
         );
         let r = c
             .compress_request(&bytes, 1200, Some("code"), Some(4.0))
             .expect("valid");
-        assert_eq!(r.status, Status::Code);
+        assert_eq!(r.summary.status, Status::Code);
         assert!(c.compress_request(b"{", 10, None, None).is_err());
         assert!(c
             .compress_request(b"{\"model\":1}", 10, None, None)
@@ -1467,7 +1489,7 @@ mod tests {
         assert_eq!(r.decision.action, Action::Compress);
         assert_eq!(r.decision.pool, Some(0));
         let comp = r.compression.expect("tried");
-        assert!(comp.tokens_after <= 900);
+        assert!(comp.summary.tokens_after <= 900);
         let parsed = parse_request(&r.body, 16).expect("parses");
         assert!(estimate(parsed.prompt_bytes, 4.0) + 100 <= 1000);
         // The same body with code is routed long, untouched.

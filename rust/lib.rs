@@ -27,7 +27,8 @@ mod _core {
     use crate::py::classify::classify;
     #[pymodule_export]
     use crate::py::compress::{
-        PyCompressionResult, PyCompressor, PyRequestCompression, PyRoutedRequest,
+        PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
+        PyRoutedRequest,
     };
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;

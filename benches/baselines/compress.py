@@ -260,10 +260,7 @@ def compress(
             tf_doc[term] = tf_doc.get(term, 0) + count
     idf = {term: math.log((1 + n) / (1 + d)) + 1 for term, d in df.items()}
     tfidf = scale(
-        [
-            sum(c * tf_doc[t] * idf[t] for t, c in s.items()) / (1 + sum(s.values()))
-            for s in terms
-        ]
+        [sum(c * tf_doc[t] * idf[t] for t, c in s.items()) / (1 + sum(s.values())) for s in terms]
     )
     tr = textrank(terms)
     position = scale([1 / math.sqrt(1 + min(i, n - 1 - i)) for i in range(n)])

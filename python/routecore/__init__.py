@@ -7,6 +7,7 @@ Token-budget pool routing with a self-calibrating bytes-per-token estimate
 from routecore._core import (
     Calibrator,
     CompressionResult,
+    CompressionSummary,
     Compressor,
     Pool,
     RequestCompression,
@@ -21,6 +22,7 @@ from routecore._core import (
 __all__ = [
     "Calibrator",
     "CompressionResult",
+    "CompressionSummary",
     "Compressor",
     "Pool",
     "RequestCompression",
