@@ -169,18 +169,24 @@ sentence = st.builds(
     st.lists(st.sampled_from(WORDS), min_size=1, max_size=12),
     st.sampled_from([". ", "! ", "? ", ".\n", ".\n\n", "\n- ", "。", "！"]),
 )
-texts = st.lists(st.one_of(sentence, st.text(max_size=30)), max_size=60).map("".join)
+# Mostly sentences (so most draws are long enough to compress), some noise.
+texts = st.one_of(
+    st.lists(st.one_of(sentence, sentence, sentence, st.text(max_size=20)), max_size=80),
+    st.lists(sentence, min_size=10, max_size=80),
+).map("".join)
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     text=texts,
-    budget=st.integers(1, 400),
+    share=st.floats(0.2, 1.1),
     ratio=st.one_of(st.none(), st.floats(0.5, 32.0)),
     keep=st.tuples(st.integers(0, 4), st.integers(0, 4)),
 )
-def test_budget_always_respected(text, budget, ratio, keep):
+def test_budget_always_respected(text, share, ratio, keep):
     c = Compressor(keep_first=keep[0], keep_last=keep[1])
+    size = c.compress(text, 2**30, bytes_per_token=ratio).tokens_before
+    budget = max(1, int(share * size))
     r = c.compress(text, budget, bytes_per_token=ratio)
     assert r.tokens_after == est(r.text, r.bytes_per_token)
     assert r.tokens_before == est(text, r.bytes_per_token)
@@ -267,6 +273,38 @@ def test_completion_prompt_and_bad_bodies():
         c.compress_request(raw, 0)
     with pytest.raises(TypeError):
         c.compress_request(3, 100)  # type: ignore[arg-type]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    docs=st.lists(texts, min_size=1, max_size=4),
+    roles=st.lists(st.sampled_from(["user", "assistant", "tool", "system"]), min_size=4),
+    share=st.floats(0.2, 1.1),
+    ratio=st.floats(1.0, 8.0),
+)
+def test_request_budget_always_respected(docs, roles, share, ratio):
+    messages = [{"role": role, "content": doc * 8} for role, doc in zip(roles, docs)]
+    messages.append({"role": "user", "content": "And the question is?"})
+    raw = json.dumps({"messages": messages})
+    c = Compressor()
+    budget = max(
+        1, int(share * c.compress_request(raw, 2**30, bytes_per_token=ratio).tokens_before)
+    )
+    r = c.compress_request(raw, budget, bytes_per_token=ratio)
+    sent = json.loads(r.body)["messages"]
+    after = parse_openai_request(r.body)["prompt_bytes"]
+    assert r.tokens_after == math.ceil(after / ratio)
+    assert r.tokens_before == math.ceil(parse_openai_request(raw)["prompt_bytes"] / ratio)
+    if r.succeeded:
+        assert r.tokens_after <= budget
+    else:
+        assert r.body == raw.encode()
+    for i, (m, out) in enumerate(zip(messages, sent)):
+        if i not in r.compressed_messages:
+            assert out == m
+        else:
+            assert m["role"] != "system" and i != len(messages) - 1
+            assert len(out["content"]) < len(m["content"])
 
 
 # --- router integration ---------------------------------------------------------
