@@ -360,73 +360,75 @@ fn is_cjk_terminal(c: char) -> bool {
     matches!(c, '。' | '！' | '？' | '．' | '｡')
 }
 
-/// A list item or heading starts at `k` (after indentation): `-`, `*`, `+`,
-/// `•` or `#` followed by a space, or digits / one letter then `.` or `)`.
-fn item_marker_at(cs: &[(usize, char)], k: usize) -> bool {
-    let at = |j: usize| cs.get(j).map(|&(_, c)| c);
-    match at(k) {
-        Some('-' | '*' | '+' | '•' | '#') => matches!(at(k + 1), Some(' ' | '\t' | '#')),
+/// The character starting at byte `k`, if any.
+fn char_at(text: &str, k: usize) -> Option<char> {
+    text.get(k..)?.chars().next()
+}
+
+/// Byte offset just past the run of characters from `k` that satisfy `f`.
+fn skip_while(text: &str, mut k: usize, f: impl Fn(char) -> bool) -> usize {
+    while let Some(c) = char_at(text, k).filter(|&c| f(c)) {
+        k += c.len_utf8();
+    }
+    k
+}
+
+fn is_blank(c: char) -> bool {
+    c == ' ' || c == '\t'
+}
+
+/// A list item or heading starts at byte `k` (after indentation): `-`, `*`,
+/// `+`, `•` or `#` followed by a space, or digits then `.` or `)` and a space.
+fn item_marker_at(text: &str, k: usize) -> bool {
+    let at = |j: usize| text.as_bytes().get(j).copied();
+    match char_at(text, k) {
+        Some(c @ ('-' | '*' | '+' | '•' | '#')) => {
+            matches!(at(k + c.len_utf8()), Some(b' ' | b'\t' | b'#'))
+        }
         Some(c) if c.is_ascii_digit() => {
-            let mut j = k;
-            while at(j).is_some_and(|c| c.is_ascii_digit()) {
-                j += 1;
-            }
-            matches!(at(j), Some('.' | ')')) && matches!(at(j + 1), Some(' ' | '\t'))
+            let j = skip_while(text, k, |c| c.is_ascii_digit());
+            matches!(at(j), Some(b'.' | b')')) && matches!(at(j + 1), Some(b' ' | b'\t'))
         }
         _ => false,
     }
 }
 
-/// If a fenced code block opens at line start `k`, the index just past its
-/// closing fence line (or the end of the text when it is never closed).
-fn fence_end(cs: &[(usize, char)], k: usize) -> Option<usize> {
-    let mut j = k;
-    while cs.get(j).is_some_and(|&(_, c)| c == ' ' || c == '\t') {
-        j += 1;
-    }
-    let fence = |j: usize| (0..3).all(|d| cs.get(j + d).is_some_and(|&(_, c)| c == '`'));
-    if !fence(j) {
+/// If a fenced code block opens at line start `k`, the byte offset just past
+/// its closing fence line (or the end of the text when it is never closed).
+fn fence_end(text: &str, k: usize) -> Option<usize> {
+    let fence = |j: usize| text.get(j..).is_some_and(|t| t.starts_with("```"));
+    let open = skip_while(text, k, is_blank);
+    if !fence(open) {
         return None;
     }
-    let mut line = j + 3;
-    loop {
-        while line < cs.len() && cs[line].1 != '\n' {
-            line += 1;
-        }
-        if line >= cs.len() {
-            return Some(cs.len());
-        }
-        line += 1;
-        let mut s = line;
-        while cs.get(s).is_some_and(|&(_, c)| c == ' ' || c == '\t') {
-            s += 1;
-        }
-        if fence(s) {
-            while line < cs.len() && cs[line].1 != '\n' {
-                line += 1;
-            }
-            return Some((line + 1).min(cs.len()));
+    let line_end = |j: usize| text[j..].find('\n').map(|n| j + n);
+    let mut line = open + 3;
+    while let Some(nl) = line_end(line) {
+        line = nl + 1;
+        if fence(skip_while(text, line, is_blank)) {
+            return Some(line_end(line).map_or(text.len(), |nl| nl + 1));
         }
     }
+    Some(text.len())
 }
 
-/// Whether the `.` at `k` ends a sentence: not after an abbreviation or a
+/// Whether the `.` at byte `k` ends a sentence: not after an abbreviation or a
 /// single-letter initial, not before a lower-case letter.
-fn period_ends_sentence(cs: &[(usize, char)], k: usize, text: &str) -> bool {
-    let mut s = k;
-    while s > 0 && !cs[s - 1].1.is_whitespace() && !is_closer(cs[s - 1].1) {
-        s -= 1;
-    }
-    let word = text[cs[s].0..cs[k].0].trim_start_matches(['(', '[', '"', '\'']);
+fn period_ends_sentence(text: &str, k: usize) -> bool {
+    let word_start = text[..k]
+        .char_indices()
+        .rev()
+        .find(|&(_, c)| c.is_whitespace() || is_closer(c))
+        .map_or(0, |(i, c)| i + c.len_utf8());
+    let word = text[word_start..k].trim_start_matches(['(', '[', '"', '\'']);
     if word.chars().count() == 1 && word.chars().all(char::is_alphabetic) {
         return false;
     }
     if is_abbreviation(&word.to_lowercase()) {
         return false;
     }
-    let next = cs[k + 1..]
-        .iter()
-        .map(|&(_, c)| c)
+    let next = text[k + 1..]
+        .chars()
         .find(|c| !c.is_whitespace() && !is_closer(*c));
     !next.is_some_and(char::is_lowercase)
 }
@@ -434,9 +436,7 @@ fn period_ends_sentence(cs: &[(usize, char)], k: usize, text: &str) -> bool {
 /// Splits `text` into sentence spans that tile it: every byte belongs to
 /// exactly one span, and a span ends with the white space that follows it.
 pub fn split_sentences(text: &str) -> Vec<Span> {
-    let cs: Vec<(usize, char)> = text.char_indices().collect();
-    let n = cs.len();
-    let byte_at = |k: usize| if k < n { cs[k].0 } else { text.len() };
+    let n = text.len();
     let mut spans: Vec<Span> = Vec::new();
     let mut start = 0usize;
     let push = |spans: &mut Vec<Span>, start: &mut usize, end: usize, pinned: bool| {
@@ -460,55 +460,60 @@ pub fn split_sentences(text: &str) -> Vec<Span> {
     };
     let mut k = 0;
     let mut line_start = true;
-    while k < n {
+    while let Some(c) = char_at(text, k) {
         if line_start {
-            if let Some(end) = fence_end(&cs, k) {
-                push(&mut spans, &mut start, byte_at(k), false);
-                push(&mut spans, &mut start, byte_at(end), true);
+            if let Some(end) = fence_end(text, k) {
+                push(&mut spans, &mut start, k, false);
+                push(&mut spans, &mut start, end, true);
                 k = end;
                 continue;
             }
         }
         line_start = false;
-        let c = cs[k].1;
         if c == '\n' {
             // Where the next line's text starts, and whether a blank line
             // lies between.
             let mut j = k + 1;
             let mut last_newline = k;
-            while j < n && cs[j].1.is_whitespace() {
-                if cs[j].1 == '\n' {
+            while let Some(d) = char_at(text, j).filter(|d| d.is_whitespace()) {
+                if d == '\n' {
                     last_newline = j;
                 }
-                j += 1;
+                j += d.len_utf8();
             }
             let blank = last_newline > k;
             if blank
                 || j >= n
-                || item_marker_at(&cs, j)
-                || fence_end(&cs, last_newline + 1).is_some()
+                || item_marker_at(text, j)
+                || fence_end(text, last_newline + 1).is_some()
             {
-                push(&mut spans, &mut start, byte_at(last_newline + 1), false);
+                push(&mut spans, &mut start, last_newline + 1, false);
                 k = last_newline + 1;
                 line_start = true;
-                continue;
+            } else {
+                k += 1;
             }
-            k += 1;
             continue;
         }
         let latin = matches!(c, '.' | '!' | '?' | '…');
         if !(latin || is_cjk_terminal(c)) {
-            k += 1;
+            // Skip to the next byte that can start a newline or a terminal:
+            // `\n . ! ?` or the lead byte of a 3- or 4-byte character (all
+            // of `…` and the CJK terminals); continuation bytes never match.
+            let from = k + c.len_utf8();
+            k = text.as_bytes()[from..]
+                .iter()
+                .position(|&b| matches!(b, b'\n' | b'.' | b'!' | b'?') || b >= 0xE2)
+                .map_or(n, |skip| from + skip);
             continue;
         }
-        let mut j = k + 1;
-        while j < n && (is_closer(cs[j].1) || matches!(cs[j].1, '.' | '!' | '?' | '…')) {
-            j += 1;
-        }
-        let followed_by_space = j >= n || cs[j].1.is_whitespace();
+        let j = skip_while(text, k + c.len_utf8(), |d| {
+            is_closer(d) || matches!(d, '.' | '!' | '?' | '…')
+        });
         let ends = if latin {
-            (followed_by_space || is_cjk(cs[j].1))
-                && (c != '.' || j > k + 1 || period_ends_sentence(&cs, k, text))
+            let next = char_at(text, j);
+            let spaced = next.is_none_or(|d| d.is_whitespace() || is_cjk(d));
+            spaced && (c != '.' || j > k + 1 || period_ends_sentence(text, k))
         } else {
             true
         };
@@ -517,27 +522,21 @@ pub fn split_sentences(text: &str) -> Vec<Span> {
             continue;
         }
         // Trailing white space up to the start of the next line's text.
-        let mut last_newline = None;
-        while j < n && cs[j].1.is_whitespace() {
-            if cs[j].1 == '\n' {
-                last_newline = Some(j);
-            }
-            j += 1;
-        }
-        let end = match last_newline {
-            Some(nl) if j < n => nl + 1,
-            _ => j,
+        let after = skip_while(text, j, char::is_whitespace);
+        let end = match text[j..after].rfind('\n') {
+            Some(nl) if after < n => j + nl + 1,
+            _ => after,
         };
-        push(&mut spans, &mut start, byte_at(end), false);
-        line_start = end > 0 && cs[end - 1].1 == '\n';
+        push(&mut spans, &mut start, end, false);
+        line_start = text[..end].ends_with('\n');
         k = end;
     }
-    push(&mut spans, &mut start, text.len(), false);
+    push(&mut spans, &mut start, n, false);
     if spans.is_empty() && !text.is_empty() {
         // White space only: one sentence.
         spans.push(Span {
             start: 0,
-            end: text.len(),
+            end: n,
             pinned: false,
         });
     }
