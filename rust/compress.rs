@@ -60,9 +60,8 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use xxhash_rust::xxh3::xxh3_64;
-
 use serde_json::Value;
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::budget::{Decision, TokenBudgetRouter, MAX_TOKENS};
 use crate::calibrate::{estimate, MAX_RATIO, MIN_RATIO};

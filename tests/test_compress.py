@@ -435,6 +435,22 @@ def test_route_cli_carries_out_compression(tmp_path: Path, capsys):
     assert json.loads(capsys.readouterr().out.splitlines()[0])["pool"] == "long"
 
 
+def test_compress_cli_writes_and_reports(tmp_path: Path, capsys):
+    src = tmp_path / "doc.txt"
+    src.write_text(numbered(60), encoding="utf-8")
+    out_dir = tmp_path / "out"
+    assert main(["compress", str(src), "--budget", "500", "--output-dir", str(out_dir)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    written = (out_dir / "doc.txt").read_text(encoding="utf-8")
+    assert report["status"] == "compressed" and report["tokens_after"] <= 500
+    assert report["tokens_after"] == est(written, 4.0)
+    assert report["rouge_l_recall"] == pytest.approx(
+        rouge_l_recall(numbered(60), written), abs=1e-4
+    )
+    assert main(["compress", str(src), "--reduction", "1.5"]) == 2
+    assert main(["compress", str(tmp_path / "missing.txt")]) == 2
+
+
 # --- fidelity -------------------------------------------------------------------
 
 
