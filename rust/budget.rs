@@ -424,13 +424,52 @@ impl TokenBudgetRouter {
         let cal = self.read_calibrator();
         requests
             .iter()
-            .map(|r| {
-                let est = cal.estimate_tokens_id(r.prompt_bytes, r.category);
-                self.route_with(est, r.max_output_tokens, compressible(&cal, r.category))
-                    .pool
-                    .map_or(-1, |i| i as i64)
-            })
+            .map(|r| self.route_locked(&cal, r))
             .collect()
+    }
+
+    /// `route_many` over parallel arrays (as NumPy hands them over), checked
+    /// whole before anything is routed: on an error no request is counted.
+    /// Category ids index the calibrator's categories.
+    pub fn route_arrays(
+        &self,
+        prompt_bytes: &[i64],
+        category_ids: &[i64],
+        max_output_tokens: &[i64],
+    ) -> Result<Vec<i64>> {
+        let n = prompt_bytes.len();
+        if category_ids.len() != n || max_output_tokens.len() != n {
+            return Err(invalid(format!(
+                "arrays differ in length: {n}, {}, {}",
+                category_ids.len(),
+                max_output_tokens.len()
+            )));
+        }
+        let cal = self.read_calibrator();
+        let n_categories = cal.categories().len() as i64;
+        let request = |i: usize| {
+            let c = category_ids[i];
+            if !(0..n_categories).contains(&c) {
+                return Err(invalid(format!(
+                    "category id {c} is not one of the {n_categories} ids from category_id()"
+                )));
+            }
+            Request::new(prompt_bytes[i], Some(c as usize), max_output_tokens[i])
+        };
+        for i in 0..n {
+            request(i)?;
+        }
+        (0..n)
+            .map(|i| Ok(self.route_locked(&cal, &request(i)?)))
+            .collect()
+    }
+
+    /// One request of a batch, with the calibrator already read-locked.
+    fn route_locked(&self, cal: &Calibrator, r: &Request) -> i64 {
+        let est = cal.estimate_tokens_id(r.prompt_bytes, r.category);
+        self.route_with(est, r.max_output_tokens, compressible(cal, r.category))
+            .pool
+            .map_or(-1, |i| i as i64)
     }
 }
 
@@ -556,6 +595,29 @@ mod tests {
             assert_eq!(r.in_flight(p), r2.in_flight(p));
         }
         r.complete(2).expect("in flight");
+    }
+
+    #[test]
+    fn route_arrays_equals_route_many_and_checks_first() {
+        let pools = &[("s", 4096, None, Some(3)), ("l", 65536, None, None)];
+        let (a, b) = (router(pools), router(pools));
+        let id = a.write_calibrator().intern("prose").expect("id");
+        b.write_calibrator().intern("prose").expect("id");
+        let bytes: Vec<i64> = (0..300).map(|i| (i * 977) % 100_000).collect();
+        let cats = vec![id as i64; 300];
+        let outs: Vec<i64> = (0..300).map(|i| 1 + (i * 131) % 3000).collect();
+        let reqs: Vec<Request> = (0..300)
+            .map(|i| Request::new(bytes[i], Some(id), outs[i]).expect("request"))
+            .collect();
+        assert_eq!(
+            a.route_arrays(&bytes, &cats, &outs),
+            Ok(b.route_many(&reqs))
+        );
+        let before = (a.in_flight(0), a.in_flight(1));
+        assert!(a.route_arrays(&[1, 2], &[0, 5], &[1, 1]).is_err());
+        assert!(a.route_arrays(&[1, -2], &[0, 0], &[1, 1]).is_err());
+        assert!(a.route_arrays(&[1], &[0, 0], &[1]).is_err());
+        assert_eq!((a.in_flight(0), a.in_flight(1)), before);
     }
 
     #[test]
