@@ -5,14 +5,20 @@ Token-budget pool routing with a self-calibrating bytes-per-token estimate
 """
 
 from routecore._core import (
+    Admission,
+    AdmissionController,
     Calibrator,
+    Entitlement,
     Pool,
     RouteDecision,
     TokenBudgetRouter,
+    TokenPool,
     __version__,
     classify,
     parse_openai_request,
+    priority_weight,
 )
+from routecore.admission import InMemoryAdmission, RedisAdmission, admission_from_config
 
 __all__ = [
     "Calibrator",
@@ -22,4 +28,12 @@ __all__ = [
     "__version__",
     "classify",
     "parse_openai_request",
+    "Admission",
+    "AdmissionController",
+    "Entitlement",
+    "TokenPool",
+    "priority_weight",
+    "InMemoryAdmission",
+    "RedisAdmission",
+    "admission_from_config",
 ]
