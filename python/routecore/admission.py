@@ -179,6 +179,7 @@ local function release(seq)
   redis.call('ZREM', P..':leases', seq)
   redis.call('ZREM', ek..':fl', seq)
   redis.call('HINCRBY', P..':pool', 'in_flight', -1)
+  redis.call('HINCRBY', ek, 'tokens_in_flight', '-'..tokens)
   if kv ~= '0' then
     redis.call('HINCRBY', ek, 'kv_in_flight', '-'..kv)
     redis.call('HINCRBY', P..':pool', 'kv_in_flight', '-'..kv)
@@ -190,19 +191,14 @@ local function purge(now)
     release(seq)
   end
 end
-local function expected_release(ek, pool, now)
-  local o = redis.call('ZRANGE', ek..':fl', 0, 0, 'WITHSCORES')
-  if #o == 0 then return nil end
-  local lat = redis.call('HGET', ek, 'latency')
-  local expected
-  if lat and lat ~= '' then
-    expected = tonumber(lat)
-  else
-    local info = redis.call('HGET', P..':tickets', o[1])
-    local _, tokens = string.match(info, '^(%d+)|(%d+)|')
-    expected = tonumber(tokens) / (pool.tps / pool.conc)
-  end
-  return math.max(tonumber(o[2]) + expected - now, 0)
+local function completion_rate(ek, pool)
+  local n = redis.call('ZCARD', ek..':fl')
+  if n == 0 then return 0 end
+  local v = redis.call('HMGET', ek, 'latency', 'tokens_in_flight')
+  local latency
+  if v[1] ~= '' then latency = tonumber(v[1])
+  else latency = tonumber(v[2]) / n / (pool.tps / pool.conc) end
+  return n / math.max(latency, MIN_RETRY)
 end
 local function refresh()
   local names = redis.call('SMEMBERS', P..':ents')
@@ -244,7 +240,7 @@ for _, e in ipairs(cfg.entitlements) do
   redis.call('HSETNX', ek, 'state', e.state)
   redis.call('HSETNX', ek, 'served_rate', f(e.tokens_per_s))
   for _, k in ipairs({'served_at', 'latency'}) do redis.call('HSETNX', ek, k, '') end
-  for _, k in ipairs({'debt', 'burst', 'kv_in_flight', 'window_tokens'}) do
+  for _, k in ipairs({'debt', 'burst', 'tokens_in_flight', 'kv_in_flight', 'window_tokens'}) do
     redis.call('HSETNX', ek, k, 0)
   end
 end
@@ -271,11 +267,9 @@ if e[1] ~= 'bound' then return {'403', e[1], '', '', w} end
 local kv = tokens * pool.kvpt
 local pool_room = pool.in_flight < pool.conc and pool.kv_in_flight + kv <= pool.kv
 local may_burst = pool_room and e[4] == '1'
-local retry
 if redis.call('ZCARD', ek..':fl') >= tonumber(e[2]) and not may_burst then
-  retry = expected_release(ek, pool, now)
-  if retry then retry = f(math.max(retry, MIN_RETRY)) else retry = '' end
-  return {'429', 'concurrency', retry, '', w}
+  local retry = 1 / completion_rate(ek, pool)
+  return {'429', 'concurrency', f(math.max(retry, MIN_RETRY)), '', w}
 end
 local wt = tonumber(e[6])
 for _, s in ipairs(redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - pool.window))) do
@@ -297,17 +291,18 @@ if excess > 0 and not may_burst then
   return {'429', 'token-budget', f(math.max(at + pool.window - now, MIN_RETRY)), '', w}
 end
 if not pool_room then
-  local lowest = math.huge
+  local lowest, rate = math.huge, 0
   for _, name in ipairs(redis.call('SMEMBERS', P..':ents')) do
     local ok = P..':e:'..name
-    local r = expected_release(ok, pool, now)
-    if r then
+    local r = completion_rate(ok, pool)
+    if r > 0 then
       lowest = math.min(lowest, tonumber(redis.call('HGET', ok, 'priority')))
-      if retry == nil or r < retry then retry = r end
+      rate = rate + r
     end
   end
   if tonumber(w) <= lowest then
-    if retry then retry = f(math.max(retry, MIN_RETRY)) else retry = '' end
+    local retry = ''
+    if rate > 0 then retry = f(math.max(1 / rate, MIN_RETRY)) end
     return {'429', 'pool-contention', retry, '', w}
   end
 end
@@ -318,6 +313,7 @@ redis.call('ZADD', ek..':fl', f(now), seq)
 redis.call('ZADD', ek..':win', f(now), seq)
 redis.call('HSET', ek..':wtok', seq, tokens)
 redis.call('HINCRBY', ek, 'window_tokens', tokens)
+redis.call('HINCRBY', ek, 'tokens_in_flight', tokens)
 redis.call('HINCRBY', P..':pool', 'in_flight', 1)
 if kv > 0 then
   redis.call('HINCRBY', ek, 'kv_in_flight', string.format('%d', kv))

@@ -12,9 +12,11 @@ import sys
 from collections.abc import Sequence
 
 from routecore import __version__
+from routecore.commands import admission_scenario as admission_scenario
 from routecore.commands import calibration_study, route
 
 COMMANDS = [route, calibration_study]
+COMMANDS.append(admission_scenario)
 
 
 def build_parser() -> argparse.ArgumentParser:
