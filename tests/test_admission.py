@@ -293,6 +293,11 @@ def test_admission_scenario_command(tmp_path, capsys):
     assert main(["admission-scenario", "2", "--every", "30", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("experiment 2") and "copilot" in out and "synth" in out
-    assert len(out.strip().splitlines()) == 2 + 2 + 300 // 30
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 + 2 + 300 // 30 + 1 + 1 + 3 + 1
+    assert lines[-1] == f"plot written to {png}"
+    # The summary's copilot row: never denied for low priority.
+    row = next(line for line in lines[::-1] if line.startswith("elastic-copilot"))
+    assert row.split()[2] == "0"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["admission-scenario", "1", "--every", "0"]) == 2

@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     timeline = admission_scenarios.run(scenario)
     print(scenario.name)
     print(admission_scenarios.table(timeline, args.every))
+    print()
+    print(admission_scenarios.summary(timeline))
     if args.plot:
         admission_scenarios.plot(timeline, scenario.name, args.plot)
         print(f"plot written to {args.plot}")
