@@ -1042,6 +1042,11 @@ mod tests {
         Entitlement::new(name, "t", "p", class, slo, tps, 1 << 20, conc, state).expect("ent")
     }
 
+    fn ticket(c: &mut AdmissionController, e: &str, input: i64, max: i64, now: f64) -> u64 {
+        let a = c.admit(e, input, Some(max), now).expect("admit");
+        a.ticket.expect("admitted")
+    }
+
     fn paper_pool() -> AdmissionController {
         AdmissionController::new(
             vec![pool(16)],
@@ -1151,16 +1156,8 @@ mod tests {
             10.0,
         )
         .expect("c");
-        let p1 = c
-            .admit("pre", 1, Some(1), 0.0)
-            .expect("a")
-            .ticket
-            .expect("t");
-        let p2 = c
-            .admit("pre", 1, Some(1), 1.0)
-            .expect("a")
-            .ticket
-            .expect("t");
+        let p1 = ticket(&mut c, "pre", 1, 1, 0.0);
+        let p2 = ticket(&mut c, "pre", 1, 1, 1.0);
         assert_eq!(c.evictions(1.0).expect("e"), Vec::<u64>::new());
         // Pool full; guaranteed (1000 / 3) beats preemptible (0.1 / 3).
         let g = c.admit("g", 1, Some(1), 2.0).expect("a");
@@ -1183,11 +1180,7 @@ mod tests {
             10.0,
         )
         .expect("c");
-        let t = c
-            .admit("e", 50, Some(50), 0.0)
-            .expect("a")
-            .ticket
-            .expect("t");
+        let t = ticket(&mut c, "e", 50, 50, 0.0);
         c.complete(t, 50, 50, 1.0, 1.0).expect("c");
         // Served rate starts at the baseline 100; + 100 tokens / 10 s = 110.
         let gap1 = (100.0 - 110.0) / 100.0;
@@ -1196,11 +1189,7 @@ mod tests {
         let s = c.stats("e").expect("s");
         assert!((s.served_tokens_per_s - 110.0).abs() < 1e-12);
         assert!((s.debt - d1).abs() < 1e-12 && (s.burst - b1).abs() < 1e-12);
-        let t = c
-            .admit("e", 50, Some(50), 10.0)
-            .expect("a")
-            .ticket
-            .expect("t");
+        let t = ticket(&mut c, "e", 50, 50, 10.0);
         c.complete(t, 50, 50, 1.0, 11.0).expect("c");
         let rate = 110.0 * (-1.0f64).exp() + 10.0;
         let d2 = 0.7 * d1 + 0.3 * (100.0 - rate) / 100.0;
@@ -1215,11 +1204,7 @@ mod tests {
     #[test]
     fn bad_input_changes_nothing() {
         let mut c = paper_pool();
-        let t = c
-            .admit("copilot", 5, Some(5), 1.0)
-            .expect("a")
-            .ticket
-            .expect("t");
+        let t = ticket(&mut c, "copilot", 5, 5, 1.0);
         let before = c.clone();
         assert!(c.admit("copilot", -1, Some(5), 2.0).is_err());
         assert!(c.admit("copilot", 1, Some(0), 2.0).is_err());
@@ -1254,11 +1239,7 @@ mod tests {
     #[test]
     fn snapshot_round_trip_is_exact() {
         let mut c = paper_pool();
-        let t = c
-            .admit("copilot", 5, Some(5), 1.0)
-            .expect("a")
-            .ticket
-            .expect("t");
+        let t = ticket(&mut c, "copilot", 5, 5, 1.0);
         c.admit("synth", 7, None, 1.5).expect("a");
         c.complete(t, 5, 3, 0.7, 2.0).expect("c");
         c.set_capacity("p", None, None, Some(8)).expect("cap");

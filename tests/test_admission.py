@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -301,3 +302,12 @@ def test_admission_scenario_command(tmp_path, capsys):
     assert row.split()[2] == "0"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["admission-scenario", "1", "--every", "0"]) == 2
+
+
+@pytest.mark.parametrize("number", [1, 2])
+def test_readme_tables_match_the_scenarios(number):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
+    timeline = admission_scenarios.run(admission_scenarios.experiment(number))
+    for line in admission_scenarios.summary(timeline).splitlines()[1:]:
+        name, admitted, low, other, peak = line.split()
+        assert f"| {name} | {admitted} | {low} | {other} | {peak} |" in readme

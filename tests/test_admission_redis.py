@@ -71,7 +71,7 @@ def test_redis_decides_as_the_rust_controller(redis_server, seed):
             red.set_capacity("p", concurrency=slots)
         assert mem.pool_in_flight("p") == red.pool_in_flight("p")
         for e in ENTS:
-            assert red.priority(e.name) == pytest.approx(mem.controller.priority(e.name))
+            assert red.priority(e.name) == pytest.approx(mem.priority(e.name))
     red.close()
 
 

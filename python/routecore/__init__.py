@@ -18,7 +18,12 @@ from routecore._core import (
     parse_openai_request,
     priority_weight,
 )
-from routecore.admission import InMemoryAdmission, RedisAdmission, admission_from_config
+from routecore.admission import (
+    AdmissionBackend,
+    InMemoryAdmission,
+    RedisAdmission,
+    admission_from_config,
+)
 
 __all__ = [
     "Calibrator",
@@ -33,6 +38,7 @@ __all__ = [
     "Entitlement",
     "TokenPool",
     "priority_weight",
+    "AdmissionBackend",
     "InMemoryAdmission",
     "RedisAdmission",
     "admission_from_config",

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from routecore._core import Admission, AdmissionController, Entitlement, TokenPool
 
@@ -41,8 +41,11 @@ MAX_POOLS = 256
 FAILURE_MODES = ("open", "closed")
 
 
-class AdmissionBackend(Protocol):
-    """What a gateway or server needs from an admission backend."""
+class AdmissionBackend:
+    """What a gateway or server needs from an admission backend; both backends
+    derive from it and supply ``_admit``, ``_complete`` and the rest."""
+
+    clock: Callable[[], float]
 
     def admit(
         self,
@@ -50,7 +53,13 @@ class AdmissionBackend(Protocol):
         input_tokens: int,
         max_tokens: int | None = None,
         now: float | None = None,
-    ) -> Admission: ...
+    ) -> Admission:
+        """Decides one request: ``admitted``, ``status`` (200; 401 unknown
+        entitlement, 403 not bound, 413 over the whole budget, 429 throttled,
+        503 state unreachable), ``reason``, ``retry_after_s``, ``ticket``.
+        ``max_tokens=None`` charges the default output bound; ``now`` defaults
+        to the backend's clock. Bad numbers raise ValueError."""
+        return self._admit(entitlement, input_tokens, max_tokens, self._now(now))
 
     def complete(
         self,
@@ -59,7 +68,27 @@ class AdmissionBackend(Protocol):
         actual_output: int,
         latency_s: float,
         now: float | None = None,
-    ) -> bool: ...
+    ) -> bool:
+        """Ends an admitted request with what it really used and updates served
+        rate, debt, burst and priority. True when this call released the ticket,
+        False when it is not in flight (None, done already, lease expired, or
+        the state is unreachable): completing twice never counts twice."""
+        if ticket is None:
+            return False
+        return self._complete(ticket, actual_input, actual_output, latency_s, self._now(now))
+
+    def _now(self, now: float | None) -> float:
+        return self.clock() if now is None else float(now)
+
+    def _admit(
+        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
+    ) -> Admission:
+        raise NotImplementedError
+
+    def _complete(
+        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
+    ) -> bool:
+        raise NotImplementedError
 
     def set_capacity(
         self,
@@ -67,17 +96,28 @@ class AdmissionBackend(Protocol):
         tokens_per_s: float | None = None,
         kv_bytes: int | None = None,
         concurrency: int | None = None,
-    ) -> None: ...
+    ) -> None:
+        """Changes a pool's capacity at run time (outage, recovery, scaling)."""
+        raise NotImplementedError
 
-    def set_state(self, entitlement: str, state: str) -> None: ...
+    def set_state(self, entitlement: str, state: str) -> None:
+        """Moves an entitlement to pending, bound, degraded or expired."""
+        raise NotImplementedError
 
-    def pool_in_flight(self, pool: str) -> int: ...
+    def pool_in_flight(self, pool: str) -> int:
+        """Requests in flight in ``pool``."""
+        raise NotImplementedError
 
-    def close(self) -> None: ...
+    def priority(self, entitlement: str) -> float:
+        """The entitlement's priority weight w_e now (equation 1)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Releases connections, if any."""
 
 
-class InMemoryAdmission:
-    """The in-process backend: a thin clock-supplying wrapper of ``AdmissionController``."""
+class InMemoryAdmission(AdmissionBackend):
+    """The in-process backend (the default): ``AdmissionController`` with a clock."""
 
     def __init__(
         self,
@@ -92,37 +132,16 @@ class InMemoryAdmission:
         )
         self.clock = clock
 
-    def admit(
-        self,
-        entitlement: str,
-        input_tokens: int,
-        max_tokens: int | None = None,
-        now: float | None = None,
+    def _admit(
+        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
     ) -> Admission:
-        """Decides one request (see ``AdmissionController.admit``)."""
-        return self.controller.admit(
-            entitlement, input_tokens, max_tokens, self.clock() if now is None else now
-        )
+        return self.controller.admit(entitlement, input_tokens, max_tokens, now)
 
-    def complete(
-        self,
-        ticket: int | None,
-        actual_input: int,
-        actual_output: int,
-        latency_s: float,
-        now: float | None = None,
+    def _complete(
+        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
     ) -> bool:
-        """Releases ``ticket``; False when it is not in flight."""
-        if ticket is None:
-            return False
         try:
-            self.controller.complete(
-                ticket,
-                actual_input,
-                actual_output,
-                latency_s,
-                self.clock() if now is None else now,
-            )
+            self.controller.complete(ticket, actual_input, actual_output, latency_s, now)
         except KeyError:
             return False
         return True
@@ -142,8 +161,8 @@ class InMemoryAdmission:
     def pool_in_flight(self, pool: str) -> int:
         return self.controller.pool_in_flight(pool)
 
-    def close(self) -> None:
-        """Nothing to release; present for the common interface."""
+    def priority(self, entitlement: str) -> float:
+        return self.controller.priority(entitlement)
 
 
 # The Lua below mirrors rust/admission.rs line by line; the equivalence test in
@@ -390,7 +409,7 @@ def _count(what: str, value: int, low: int) -> int:
     return value
 
 
-class RedisAdmission:
+class RedisAdmission(AdmissionBackend):
     """The shared backend: pool state in Redis, one atomic Lua script per decision.
 
     ``client``: a ``redis.Redis`` (or give ``url``). Keys live under
@@ -484,18 +503,12 @@ class RedisAdmission:
         seq_base = int(time.time() * 1000) * 1024
         self._configure_script(keys=[self._keys[pool]], args=[self._config[pool], seq_base])
 
-    def admit(
-        self,
-        entitlement: str,
-        input_tokens: int,
-        max_tokens: int | None = None,
-        now: float | None = None,
+    def _admit(
+        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
     ) -> Admission:
-        """Decides one request atomically in Redis (the checks of ``AdmissionController``)."""
         tokens = _count("input_tokens", input_tokens, 0) + (
             self.default_max_tokens if max_tokens is None else _count("max_tokens", max_tokens, 1)
         )
-        now = self.clock() if now is None else float(now)
         if now != now or now in (float("inf"), float("-inf")):
             raise ValueError(f"now must be a finite number, got {now}")
         pool = self._pool_of.get(entitlement)
@@ -522,25 +535,15 @@ class RedisAdmission:
             float(priority),
         )
 
-    def complete(
-        self,
-        ticket: int | None,
-        actual_input: int,
-        actual_output: int,
-        latency_s: float,
-        now: float | None = None,
+    def _complete(
+        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
     ) -> bool:
-        """Releases ``ticket`` and updates served rate, debt, burst and priority
-        in Redis; False when it is not in flight (or Redis is unreachable)."""
         actual = _count("actual_input", actual_input, 0) + _count("actual_output", actual_output, 0)
         if not latency_s >= 0 or latency_s == float("inf"):
             raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s}")
-        if ticket is None:
-            return False
         seq, index = divmod(ticket, MAX_POOLS)
         if index >= len(self._pools):
             return False
-        now = self.clock() if now is None else float(now)
         try:
             done = self._complete_script(
                 keys=[self._keys[self._pools[index]]],
@@ -589,14 +592,12 @@ class RedisAdmission:
         self._set_state_script(keys=[self._keys[pool]], args=[entitlement, state])
 
     def priority(self, entitlement: str) -> float:
-        """The entitlement's current priority weight w_e as stored in Redis."""
         pool = self._pool_of.get(entitlement)
         if pool is None:
             raise KeyError(f"unknown entitlement: {entitlement!r}")
         return float(self.client.hget(f"{self._keys[pool]}:e:{entitlement}", "priority"))
 
     def pool_in_flight(self, pool: str) -> int:
-        """Requests in flight in ``pool`` across all replicas."""
         value = self.client.hget(f"{self._keys[self._key_pool(pool)]}:pool", "in_flight")
         return int(value or 0)
 

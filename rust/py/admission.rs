@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use super::int_array;
+use super::{int_array, reduce_from_bytes};
 use crate::admission::{self, AdmissionController, Entitlement, ServiceClass, TokenPool};
 
 /// Two int64 arrays of one length.
@@ -451,10 +451,7 @@ impl PyAdmissionController {
     }
 
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        let py = slf.py();
-        let restore = slf.get_type().getattr("from_bytes")?;
-        let state = slf.get().to_bytes(py);
-        PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
+        reduce_from_bytes(slf, slf.get().to_bytes(slf.py()))
     }
 
     fn __repr__(&self) -> String {

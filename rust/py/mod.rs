@@ -71,3 +71,17 @@ pub fn text_bytes<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8
         Err(PyTypeError::new_err(format!("{what} must be str or bytes")))
     }
 }
+
+/// `__reduce__` for a class restored by its `from_bytes` static method from
+/// the snapshot `state`: pickling round-trips through the snapshot format.
+pub fn reduce_from_bytes<'py, T: pyo3::PyClass>(
+    slf: &Bound<'py, T>,
+    state: Bound<'py, PyBytes>,
+) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+    let py = slf.py();
+    let restore = slf.as_any().get_type().getattr("from_bytes")?;
+    pyo3::types::PyTuple::new(
+        py,
+        [restore, pyo3::types::PyTuple::new(py, [state])?.into_any()],
+    )
+}
