@@ -181,7 +181,7 @@ local function pool_get()
     clock = tonumber(v[10])}
 end
 local function tick(pool, now)
-  if pool.clock and pool.clock > now then return pool.clock end
+  if pool.clock and pool.clock >= now then return pool.clock end
   redis.call('HSET', P..':pool', 'clock', f(now))
   return now
 end
@@ -206,9 +206,9 @@ local function release(seq)
   return ent
 end
 local function purge(now)
-  for _, seq in ipairs(redis.call('ZRANGEBYSCORE', P..':leases', '-inf', f(now))) do
-    release(seq)
-  end
+  local dead = redis.call('ZRANGEBYSCORE', P..':leases', '-inf', f(now))
+  for _, seq in ipairs(dead) do release(seq) end
+  return #dead
 end
 local function completion_rate(ek, pool)
   local n = redis.call('ZCARD', ek..':fl')
@@ -275,8 +275,7 @@ local pool = pool_get()
 if not pool then return {'unconfigured'} end
 local ent, tokens = ARGV[1], tonumber(ARGV[2])
 local now = tick(pool, tonumber(ARGV[3]))
-purge(now)
-pool = pool_get()
+if purge(now) > 0 then pool = pool_get() end
 local ek = P..':e:'..ent
 local e = redis.call('HMGET', ek, 'state', 'conc', 'tps', 'burstable', 'priority',
   'window_tokens')
@@ -291,12 +290,13 @@ if redis.call('ZCARD', ek..':fl') >= tonumber(e[2]) and not may_burst then
   return {'429', 'concurrency', f(math.max(retry, MIN_RETRY)), '', w}
 end
 local wt = tonumber(e[6])
-for _, s in ipairs(redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - pool.window))) do
+local old = redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - pool.window))
+for _, s in ipairs(old) do
   wt = wt - tonumber(redis.call('HGET', ek..':wtok', s))
   redis.call('HDEL', ek..':wtok', s)
   redis.call('ZREM', ek..':win', s)
 end
-redis.call('HSET', ek, 'window_tokens', wt)
+if #old > 0 then redis.call('HSET', ek, 'window_tokens', wt) end
 local limit = tonumber(e[3]) * pool.window
 local excess = wt + tokens - limit
 if excess > 0 and not may_burst then
