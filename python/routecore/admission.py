@@ -30,6 +30,7 @@ outage either sheds load or protects availability, as configured.
 from __future__ import annotations
 
 import json
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -402,8 +403,9 @@ _CLASS = {  # weight, burst rights, has a baseline (accumulates debt): Table 1
 
 
 def _count(what: str, value: int, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
         raise TypeError(f"{what} must be an int")
+    value = operator.index(value)  # ints and NumPy integers; TypeError for floats
     if not low <= value <= MAX_TOKENS:
         raise ValueError(f"{what} must be in [{low}, {MAX_TOKENS}], got {value}")
     return value
