@@ -204,6 +204,12 @@ def test_snapshot_and_pickle_restore_exactly():
         assert back.stats("copilot") == ctl.stats("copilot")
     a, b = back.admit("synth", 1, 1, 3.0), ctl.admit("synth", 1, 1, 3.0)
     assert (a.status, a.ticket) == (b.status, b.ticket)
+    pool, ent = ctl.pools[0], ctl.entitlements[2]
+    assert repr(pickle.loads(pickle.dumps(pool))) == repr(pool)
+    back_ent = pickle.loads(pickle.dumps(ent))
+    assert (back_ent.name, back_ent.state, back_ent.slo_target_ms) == ("reports", "pending", 5e3)
+    adm = pickle.loads(pickle.dumps(a))
+    assert (adm.admitted, adm.status, adm.reason, adm.ticket) == (True, 200, "admitted", a.ticket)
     with pytest.raises(ValueError):
         AdmissionController.from_bytes(data[:-1])
     with pytest.raises(ValueError):

@@ -60,6 +60,22 @@ impl PyTokenPool {
     fn kv_bytes_per_token(&self) -> u64 {
         self.inner.kv_bytes_per_token
     }
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let p = &slf.get().inner;
+        let args = (
+            &p.name,
+            p.tokens_per_s,
+            p.kv_bytes,
+            p.concurrency,
+            p.kv_bytes_per_token,
+        );
+        Ok((
+            slf.as_any().get_type().into_any(),
+            args.into_pyobject(slf.py())?,
+        ))
+    }
     fn __repr__(&self) -> String {
         let p = &self.inner;
         format!(
@@ -144,6 +160,26 @@ impl PyEntitlement {
     fn state(&self) -> &'static str {
         self.inner.state.as_str()
     }
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let e = &slf.get().inner;
+        let args = (
+            &e.name,
+            &e.tenant,
+            &e.pool,
+            e.service_class.as_str(),
+            e.slo_target_ms,
+            e.tokens_per_s,
+            e.kv_bytes,
+            e.concurrency,
+            e.state.as_str(),
+        );
+        Ok((
+            slf.as_any().get_type().into_any(),
+            args.into_pyobject(slf.py())?,
+        ))
+    }
     fn __repr__(&self) -> String {
         let e = &self.inner;
         format!(
@@ -213,6 +249,23 @@ impl PyAdmission {
             ticket,
             priority,
         }
+    }
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let a = slf.get();
+        let args = (
+            a.admitted,
+            a.status,
+            &a.reason,
+            a.retry_after_s,
+            a.ticket,
+            a.priority,
+        );
+        Ok((
+            slf.as_any().get_type().into_any(),
+            args.into_pyobject(slf.py())?,
+        ))
     }
     fn __repr__(&self) -> String {
         let opt = |x: Option<String>| x.unwrap_or_else(|| "None".to_owned());
