@@ -70,9 +70,29 @@ def test_redis_decides_as_the_rust_controller(redis_server, seed):
             mem.set_capacity("p", concurrency=slots)
             red.set_capacity("p", concurrency=slots)
         assert mem.pool_in_flight("p") == red.pool_in_flight("p")
+        to_mem = {tb: ta for ta, tb, _ in live}
+        assert [to_mem[t] for t in red.evictions(now=now)] == mem.evictions(now=now)
         for e in ENTS:
             assert red.priority(e.name) == pytest.approx(mem.priority(e.name))
     red.close()
+
+
+def test_evictions_as_in_memory(redis_server):
+    pools = [TokenPool("p", 100.0, 2**30, 2)]
+    ents = [
+        Entitlement("g", "t", "p", "guaranteed", 100.0, 1e6, 2**20, 4),
+        Entitlement("pre", "t", "p", "preemptible", 100.0, 1e6, 2**20, 4),
+    ]
+    red = RedisAdmission(pools, ents, url=redis_server.url, prefix="evict")
+    p1 = red.admit("pre", 10, 40, now=0.0).ticket
+    p2 = red.admit("pre", 10, 40, now=1.0).ticket
+    assert red.evictions(now=1.0) == []
+    assert red.admit("g", 10, 40, now=2.0).admitted  # over capacity by one
+    assert red.evictions(now=2.0) == [p2]  # the youngest preemptible
+    assert red.complete(p2, 10, 5, 1.0, now=2.5)
+    assert red.evictions(now=2.5) == [] and p1 is not None
+    redis_server.kill()
+    assert red.evictions(now=3.0) == []
 
 
 def test_leaked_reservations_expire(redis_server):

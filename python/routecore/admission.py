@@ -78,6 +78,12 @@ class AdmissionBackend:
             return False
         return self._complete(ticket, actual_input, actual_output, latency_s, self._now(now))
 
+    def evictions(self, now: float | None = None) -> list[int]:
+        """Tickets of preemptible requests to terminate now because protected
+        classes need the capacity (lowest priority, then youngest, first).
+        Changes nothing: terminate them, then ``complete`` each."""
+        return self._evictions(self._now(now))
+
     def _now(self, now: float | None) -> float:
         return self.clock() if now is None else float(now)
 
@@ -89,6 +95,9 @@ class AdmissionBackend:
     def _complete(
         self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
     ) -> bool:
+        raise NotImplementedError
+
+    def _evictions(self, now: float) -> list[int]:
         raise NotImplementedError
 
     def set_capacity(
@@ -146,6 +155,9 @@ class InMemoryAdmission(AdmissionBackend):
         except KeyError:
             return False
         return True
+
+    def _evictions(self, now: float) -> list[int]:
+        return self.controller.evictions(now)
 
     def set_capacity(
         self,
@@ -393,6 +405,7 @@ return 1
 )
 
 _STATES = ("pending", "bound", "degraded", "expired")
+_PROTECTED = ("dedicated", "guaranteed")  # never shrunk (Table 1)
 _CLASS = {  # weight, burst rights, has a baseline (accumulates debt): Table 1
     "dedicated": (1000.0, 1, 1),
     "guaranteed": (1000.0, 0, 1),
@@ -465,6 +478,7 @@ class RedisAdmission(AdmissionBackend):
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._pools = [p.name for p in pools]
         self._pool_of = {e.name: e.pool for e in entitlements}
+        self._class_of = {e.name: e.service_class for e in entitlements}
         self._keys = {p.name: f"{prefix}:{{{p.name}}}" for p in pools}
         self._config = {
             p.name: json.dumps(
@@ -554,6 +568,36 @@ class RedisAdmission(AdmissionBackend):
         except self._errors:
             return False
         return bool(done)
+
+    def _evictions(self, now: float) -> list[int]:
+        """Read in one transaction per pool; [] while Redis is unreachable."""
+        out: list[int] = []
+        for index, pool in enumerate(self._pools):
+            key = self._keys[pool]
+            ents = [e for e, p in self._pool_of.items() if p == pool]
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hmget(f"{key}:pool", "in_flight", "concurrency")
+            for e in ents:
+                pipe.zrange(f"{key}:e:{e}:fl", 0, -1, withscores=True)
+                pipe.hget(f"{key}:e:{e}", "priority")
+            try:
+                (in_flight, concurrency), *rest = pipe.execute()
+            except self._errors:
+                return []
+            over = int(in_flight or 0) - int(float(concurrency or 0))
+            flights = dict(zip(ents, rest[0::2]))
+            priority = {e: float(w or 0) for e, w in zip(ents, rest[1::2])}
+            protected = any(flights[e] for e in ents if self._class_of[e] in _PROTECTED)
+            if over <= 0 or not protected:
+                continue
+            victims = sorted(
+                (priority[e], now - at, int(seq) * MAX_POOLS + index)
+                for e in ents
+                if self._class_of[e] == "preemptible"
+                for seq, at in flights[e]
+            )
+            out.extend(ticket for _, _, ticket in victims[:over])
+        return out
 
     def set_capacity(
         self,
