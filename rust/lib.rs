@@ -5,6 +5,7 @@
 //! below, which only registers what `py/` defines.
 
 pub mod admission;
+pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
@@ -23,6 +24,8 @@ mod _core {
     use crate::py::admission::{
         priority_weight, PyAdmission, PyAdmissionController, PyEntitlement, PyTokenPool,
     };
+    #[pymodule_export]
+    use crate::py::assign::{assign_eval, PyBatchScheduler, PyInstance, PyKnnEstimator};
     #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]

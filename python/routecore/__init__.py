@@ -7,13 +7,17 @@ Token-budget pool routing with a self-calibrating bytes-per-token estimate
 from routecore._core import (
     Admission,
     AdmissionController,
+    BatchScheduler,
     Calibrator,
     Entitlement,
+    Instance,
+    KnnEstimator,
     Pool,
     RouteDecision,
     TokenBudgetRouter,
     TokenPool,
     __version__,
+    assign_eval,
     classify,
     parse_openai_request,
     priority_weight,
@@ -26,11 +30,15 @@ from routecore.admission import (
 )
 
 __all__ = [
+    "BatchScheduler",
     "Calibrator",
+    "Instance",
+    "KnnEstimator",
     "Pool",
     "RouteDecision",
     "TokenBudgetRouter",
     "__version__",
+    "assign_eval",
     "classify",
     "parse_openai_request",
     "Admission",

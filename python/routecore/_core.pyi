@@ -109,6 +109,118 @@ class TokenBudgetRouter:
 def classify(text: str | bytes) -> Literal["prose", "code", "cjk", "mixed"]: ...
 def parse_openai_request(body: str | bytes, default_max_tokens: int = 4096) -> dict[str, Any]: ...
 
+# --- batched model and instance assignment, RouteBalance (capability 6) ------
+
+@final
+class Instance:
+    """One serving instance of a model: decode speed, per-token prices, slots."""
+
+    def __new__(
+        cls,
+        name: str,
+        model: str,
+        tpot_s: float,
+        price_in_per_mtok: float,
+        price_out_per_mtok: float,
+        max_batch: int,
+        prefill_s_per_token: float | None = None,
+    ) -> Self: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def tpot_s(self) -> float: ...
+    @property
+    def price_in_per_mtok(self) -> float: ...
+    @property
+    def price_out_per_mtok(self) -> float: ...
+    @property
+    def max_batch(self) -> int: ...
+    @property
+    def prefill_s_per_token(self) -> float: ...
+    def cost(self, in_tokens: float, out_len: float) -> float: ...
+    def latency(
+        self, in_tokens: float, out_len: float, pending_decode: float, batch_size: int
+    ) -> float: ...
+
+@final
+class BatchScheduler:
+    """RouteBalance's batched assignment of requests to model instances."""
+
+    def __new__(
+        cls,
+        instances: list[Instance],
+        weights: str | tuple[float, float, float] | None = None,
+        lpt_key: Literal["max", "mean", "min"] = "max",
+        budget_fallback: Literal["reject", "cheapest"] = "reject",
+    ) -> Self: ...
+    def assign(
+        self,
+        quality: npt.ArrayLike,
+        out_len: npt.ArrayLike,
+        in_tokens: npt.ArrayLike,
+        budget: npt.ArrayLike | None,
+        pending_decode: npt.ArrayLike,
+        batch_size: npt.ArrayLike,
+    ) -> npt.NDArray[np.int64]: ...
+    def assign_one(
+        self,
+        quality: npt.ArrayLike,
+        out_len: npt.ArrayLike,
+        in_tokens: int,
+        budget: float | None,
+        pending_decode: npt.ArrayLike,
+        batch_size: npt.ArrayLike,
+    ) -> int: ...
+    def lpt_order(self, out_len: npt.ArrayLike) -> npt.NDArray[np.int64]: ...
+    @staticmethod
+    def presets() -> list[tuple[str, tuple[float, float, float]]]: ...
+    @property
+    def instances(self) -> list[Instance]: ...
+    @property
+    def models(self) -> list[str]: ...
+    @property
+    def model_of(self) -> list[int]: ...
+    @property
+    def weights(self) -> tuple[float, float, float]: ...
+    @property
+    def lpt_key(self) -> str: ...
+    @property
+    def budget_fallback(self) -> str: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> BatchScheduler: ...
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
+
+@final
+class KnnEstimator:
+    """Per-model quality and output length by distance-weighted cosine kNN."""
+
+    def __new__(cls, k: int = 8) -> Self: ...
+    def fit(
+        self, embeddings: npt.ArrayLike, quality: npt.ArrayLike, out_len: npt.ArrayLike
+    ) -> None: ...
+    def predict(
+        self, embeddings: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def is_fitted(self) -> bool: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> KnnEstimator: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...
+
+def assign_eval(
+    rate: float = 8.0,
+    requests: int = 3000,
+    seed: int = 0,
+    max_batch: int = 16,
+    interval_s: float = 0.05,
+) -> list[dict[str, Any]]: ...
+
 # --- multi-tenant admission: token pools (capability 7) ----------------------
 
 @final

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 from routecore import __version__
 from routecore.commands import admission_scenario as admission_scenario
-from routecore.commands import calibration_study, route
+from routecore.commands import assign_eval, calibration_study, route
 
-COMMANDS = [route, calibration_study]
+COMMANDS = [route, calibration_study, assign_eval]
 COMMANDS.append(admission_scenario)
 
 

@@ -3,6 +3,7 @@
 //! exactly one place (`From<Error> for PyErr`).
 
 pub mod admission;
+pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
@@ -70,6 +71,47 @@ pub fn text_bytes<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8
     } else {
         Err(PyTypeError::new_err(format!("{what} must be str or bytes")))
     }
+}
+
+/// An array-like of real numbers (float, int or unsigned dtype; bools,
+/// complex, objects and strings refused) as a row-major Vec of `T` ("float64"
+/// or "float32", named by `dtype`) and its shape, which must have `ndim`
+/// dimensions. An array already of that dtype is read without a round trip
+/// through `numpy.asarray`.
+pub fn real_array<T: numpy::Element + Copy>(
+    obj: &Bound<'_, PyAny>,
+    ndim: usize,
+    dtype: &str,
+    what: &str,
+) -> PyResult<(Vec<T>, Vec<usize>)> {
+    let arr = if let Ok(a) = obj.extract::<numpy::PyReadonlyArrayDyn<'_, T>>() {
+        a
+    } else {
+        let np = obj.py().import("numpy")?;
+        let arr = np.call_method1("asarray", (obj,))?;
+        let dtype_obj = arr.getattr("dtype")?;
+        let kind: String = dtype_obj.getattr("kind")?.extract()?;
+        if !matches!(kind.as_str(), "f" | "i" | "u") {
+            return Err(PyValueError::new_err(format!(
+                "{what} must hold real numbers, got dtype {}",
+                dtype_obj.str()?
+            )));
+        }
+        arr.call_method1("astype", (dtype,))?.extract()?
+    };
+    let view = arr.as_array();
+    if view.ndim() != ndim {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be {ndim}-D, got {} dimensions",
+            view.ndim()
+        )));
+    }
+    // a contiguous array is one copy; iterating a dynamic-rank view is slow
+    let data = match view.as_slice() {
+        Some(s) => s.to_vec(),
+        None => view.iter().copied().collect(),
+    };
+    Ok((data, view.shape().to_vec()))
 }
 
 /// `__reduce__` for a class restored by its `from_bytes` static method from
