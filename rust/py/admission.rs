@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use super::{int_array, reduce_from_bytes};
+use super::{int_array, reduce};
 use crate::admission::{self, AdmissionController, Entitlement, ServiceClass, TokenPool};
 
 /// Two int64 arrays of one length.
@@ -504,7 +504,7 @@ impl PyAdmissionController {
     }
 
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        reduce_from_bytes(slf, slf.get().to_bytes(slf.py()))
+        reduce(slf, slf.get().to_bytes(slf.py()))
     }
 
     fn __repr__(&self) -> String {

@@ -114,16 +114,13 @@ pub fn real_array<T: numpy::Element + Copy>(
     Ok((data, view.shape().to_vec()))
 }
 
-/// `__reduce__` for a class restored by its `from_bytes` static method from
-/// the snapshot `state`: pickling round-trips through the snapshot format.
-pub fn reduce_from_bytes<'py, T: pyo3::PyClass>(
+/// ``(type(obj).from_bytes, (state,))``: pickling through the snapshot.
+pub fn reduce<'py, T: pyo3::PyClass>(
     slf: &Bound<'py, T>,
     state: Bound<'py, PyBytes>,
 ) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+    use pyo3::types::PyTuple;
     let py = slf.py();
     let restore = slf.as_any().get_type().getattr("from_bytes")?;
-    pyo3::types::PyTuple::new(
-        py,
-        [restore, pyo3::types::PyTuple::new(py, [state])?.into_any()],
-    )
+    PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
 }
