@@ -4,6 +4,7 @@
 //! `python` feature adds the pyo3 bindings in `py/` and the `_core` module
 //! below, which only registers what `py/` defines.
 
+pub mod admission;
 pub mod assign;
 pub mod budget;
 pub mod calibrate;
@@ -28,6 +29,10 @@ mod py;
 #[cfg(feature = "python")]
 #[pyo3::pymodule(gil_used = false)]
 mod _core {
+    #[pymodule_export]
+    use crate::py::admission::{
+        priority_weight, PyAdmission, PyAdmissionController, PyEntitlement, PyTokenPool,
+    };
     #[pymodule_export]
     use crate::py::assign::{assign_eval, PyBatchScheduler, PyInstance, PyKnnEstimator};
     #[pymodule_export]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from routecore import __version__
 from routecore.commands import (
+    admission_scenario,
     assign_eval,
     calibration_study,
     compress,
@@ -22,7 +23,16 @@ from routecore.commands import (
     simulate,
 )
 
-COMMANDS = [simulate, route, plan, compress, calibration_study, prefix_eval, assign_eval]
+COMMANDS = [
+    simulate,
+    route,
+    plan,
+    compress,
+    calibration_study,
+    prefix_eval,
+    assign_eval,
+    admission_scenario,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
