@@ -37,7 +37,7 @@ mod _core {
     #[pymodule_export]
     use crate::py::profile::{PyProfile, PyService};
     #[pymodule_export]
-    use crate::py::queueing::{erlang_b, erlang_c, p99_wait, PyErlangScan};
+    use crate::py::queueing::{erlang_b, erlang_c, erlang_c_many, p99_wait, PyErlangScan};
     #[pymodule_export]
     use crate::py::workload::PyWorkload;
     use pyo3::prelude::*;

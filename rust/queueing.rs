@@ -16,6 +16,10 @@
 //! the log domain, O(1) per step and stable (the relative error shrinks each step).
 
 use crate::error::{invalid, Result};
+use crate::snapshot::{Reader, Writer};
+
+const SCAN_MAGIC: &[u8; 4] = b"RCES";
+const SCAN_VERSION: u16 = 1;
 
 const LN_SQRT_2PI: f64 = 0.918_938_533_204_672_8;
 
@@ -133,6 +137,27 @@ pub fn erlang_c(servers: u64, offered_load: f64) -> Result<f64> {
     Ok(c_from_b(b, offered_load / c))
 }
 
+/// `erlang_c` over pairs of arrays of equal length; the first bad pair's error.
+pub fn erlang_c_many(servers: &[i64], offered_load: &[f64]) -> Result<Vec<f64>> {
+    if servers.len() != offered_load.len() {
+        return Err(invalid(format!(
+            "servers has {} entries but offered_load has {}",
+            servers.len(),
+            offered_load.len()
+        )));
+    }
+    servers
+        .iter()
+        .zip(offered_load)
+        .map(|(&c, &a)| {
+            if c < 1 {
+                return Err(invalid(format!("servers must be >= 1, got {c}")));
+            }
+            erlang_c(c as u64, a)
+        })
+        .collect()
+}
+
 /// The Kimura-style two-moment P99 queue wait of M/G/c used by FleetOpt (Eq. 6,
 /// after T. Kimura, "Two-moment approximations for the mean waiting time in
 /// the M/G/c queue", J. Oper. Res. Soc. Japan 37(3), 1994):
@@ -238,6 +263,31 @@ impl ErlangScan {
         }
     }
 
+    /// The scan's state as bytes; `from_bytes` restores it exactly.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut w = Writer::new(SCAN_MAGIC, SCAN_VERSION);
+        w.u64(self.servers).f64(self.load).f64(self.ln_inv_b);
+        w.finish()
+    }
+
+    /// Restores `to_bytes`; a snapshot error for anything else.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let mut r = Reader::new(bytes, SCAN_MAGIC, SCAN_VERSION, "ErlangScan")?;
+        let (servers, load, ln_inv_b) = (r.u64()?, r.f64()?, r.f64()?);
+        r.finish()?;
+        let valid = servers >= 1 && load.is_finite() && load > 0.0 && ln_inv_b >= 0.0;
+        if !valid || !ln_inv_b.is_finite() {
+            return Err(crate::error::Error::Snapshot(
+                "ErlangScan fields out of range".into(),
+            ));
+        }
+        Ok(Self {
+            load,
+            servers,
+            ln_inv_b,
+        })
+    }
+
     /// One more server, O(1).
     pub fn advance(&mut self) {
         self.servers += 1;
@@ -301,6 +351,18 @@ mod tests {
             }
         }
         assert_eq!(s.servers(), 2100);
+        let back = ErlangScan::from_bytes(&s.to_bytes()).expect("round trip");
+        assert_eq!(back.ln_inv_b.to_bits(), s.ln_inv_b.to_bits());
+        let bytes = s.to_bytes();
+        for cut in 0..bytes.len() {
+            assert!(ErlangScan::from_bytes(&bytes[..cut]).is_err());
+        }
+        let mut zero = ErlangScan::new(1, 1.0).expect("ok");
+        zero.servers = 0;
+        assert!(ErlangScan::from_bytes(&zero.to_bytes()).is_err());
+        assert_eq!(erlang_c_many(&[1, 2], &[0.3, 1.0]).map(|v| v.len()), Ok(2));
+        assert!(erlang_c_many(&[1, 0], &[0.3, 1.0]).is_err());
+        assert!(erlang_c_many(&[1], &[0.3, 1.0]).is_err());
         assert!(s.erlang_c() < 1e-300);
     }
 

@@ -1,13 +1,15 @@
 """Erlang B/C and the P99 wait against mpmath, hypothesis properties, errors."""
 
 import math
+import pickle
 
 import mpmath as mp
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routecore import ErlangScan, erlang_b, erlang_c, p99_wait
+from routecore import ErlangScan, erlang_b, erlang_c, erlang_c_many, p99_wait
 
 mp.mp.dps = 60
 
@@ -124,3 +126,36 @@ def test_bad_input_raises(call):
         call()
     with pytest.raises(OverflowError):
         erlang_c(-1, 1.0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40_000), st.floats(0.0, 0.999)), min_size=0, max_size=30))
+def test_many_equals_single(pairs):
+    cs = [c for c, _ in pairs]
+    loads = [rho * c for c, rho in pairs]
+    got = erlang_c_many(np.array(cs, dtype=np.int64), np.array(loads, dtype=np.float64))
+    assert got.tolist() == [erlang_c(c, a) for c, a in zip(cs, loads)]
+
+
+def test_many_errors():
+    with pytest.raises(ValueError):
+        erlang_c_many([1, 2], [0.5])
+    with pytest.raises(ValueError):
+        erlang_c_many([1, 0], [0.5, 0.5])
+    with pytest.raises(ValueError):
+        erlang_c_many([1.5], [0.5])
+    with pytest.raises(ValueError):
+        erlang_c_many([2], [2.0])
+
+
+def test_scan_snapshot_round_trip():
+    s = ErlangScan(100, 90.0)
+    s.advance(57)
+    for back in (ErlangScan.from_bytes(s.to_bytes()), pickle.loads(pickle.dumps(s))):
+        assert back.servers == 157 and back.erlang_c == s.erlang_c
+        back.advance()
+        assert s.servers == 157  # the copy is independent
+    data = s.to_bytes()
+    for bad in (b"", data[:-1], data + b"x", b"XXXX" + data[4:]):
+        with pytest.raises(ValueError):
+            ErlangScan.from_bytes(bad)
