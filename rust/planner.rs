@@ -27,7 +27,7 @@
 
 use std::sync::Arc;
 
-use crate::error::{invalid, Result};
+use crate::error::{invalid, non_negative, positive, Result};
 use crate::profile::{Profile, Service};
 use crate::queueing::p99_wait;
 use crate::workload::{RangeMoments, ServiceTable, Span, Workload};
@@ -83,18 +83,9 @@ impl PlanConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        let pos = |what: &str, v: f64| {
-            if v.is_finite() && v > 0.0 {
-                Ok(())
-            } else {
-                Err(invalid(format!(
-                    "{what} must be a finite number > 0, got {v}"
-                )))
-            }
-        };
-        pos("arrival_rate", self.arrival_rate)?;
-        pos("slo_ttft_s", self.slo_ttft_s)?;
-        pos("phi", self.phi)?;
+        positive("arrival_rate", self.arrival_rate)?;
+        positive("slo_ttft_s", self.slo_ttft_s)?;
+        positive("phi", self.phi)?;
         if !(self.rho_max > 0.0 && self.rho_max < 1.0) {
             return Err(invalid(format!(
                 "rho_max must be in (0, 1), got {}",
@@ -198,11 +189,7 @@ pub fn pool_routing_savings(alpha: f64, rho: f64) -> Result<f64> {
     if !(0.0..=1.0).contains(&alpha) {
         return Err(invalid(format!("alpha must be in [0, 1], got {alpha}")));
     }
-    if !(rho.is_finite() && rho > 0.0) {
-        return Err(invalid(format!(
-            "rho must be a finite number > 0, got {rho}"
-        )));
-    }
+    positive("rho", rho)?;
     Ok(alpha * (1.0 - 1.0 / rho))
 }
 
@@ -213,34 +200,17 @@ pub fn g_dual(alpha: f64, arrival_rate: f64, mu_short: f64, mu_long: f64) -> Res
     if !(0.0..=1.0).contains(&alpha) {
         return Err(invalid(format!("alpha must be in [0, 1], got {alpha}")));
     }
-    for (what, v) in [("mu_short", mu_short), ("mu_long", mu_long)] {
-        if !(v.is_finite() && v > 0.0) {
-            return Err(invalid(format!(
-                "{what} must be a finite number > 0, got {v}"
-            )));
-        }
-    }
-    if !(arrival_rate.is_finite() && arrival_rate >= 0.0) {
-        return Err(invalid(format!(
-            "arrival_rate must be a finite number >= 0, got {arrival_rate}"
-        )));
-    }
+    positive("mu_short", mu_short)?;
+    positive("mu_long", mu_long)?;
+    non_negative("arrival_rate", arrival_rate)?;
     Ok(alpha * arrival_rate / mu_short + (1.0 - alpha) * arrival_rate / mu_long)
 }
 
 /// `gpus * price_per_gpu_hour * hours_per_year`, USD.
 pub fn annual_cost_usd(gpus: f64, price_per_gpu_hour: f64, hours_per_year: f64) -> Result<f64> {
-    for (what, v) in [
-        ("gpus", gpus),
-        ("price_per_gpu_hour", price_per_gpu_hour),
-        ("hours_per_year", hours_per_year),
-    ] {
-        if !(v.is_finite() && v >= 0.0) {
-            return Err(invalid(format!(
-                "{what} must be a finite number >= 0, got {v}"
-            )));
-        }
-    }
+    non_negative("gpus", gpus)?;
+    non_negative("price_per_gpu_hour", price_per_gpu_hour)?;
+    non_negative("hours_per_year", hours_per_year)?;
     Ok(gpus * price_per_gpu_hour * hours_per_year)
 }
 

@@ -15,7 +15,7 @@
 //! `1 / B_c = 1 + (c / A) / B_{c-1}` (the classical Erlang-B recursion), kept in
 //! the log domain, O(1) per step and stable (the relative error shrinks each step).
 
-use crate::error::{invalid, Result};
+use crate::error::{invalid, non_negative, positive, Result};
 use crate::snapshot::{Reader, Writer};
 
 const SCAN_MAGIC: &[u8; 4] = b"RCES";
@@ -85,11 +85,7 @@ fn check(servers: u64, offered_load: f64) -> Result<()> {
     if servers == 0 {
         return Err(invalid("servers must be >= 1"));
     }
-    if !(offered_load.is_finite() && offered_load >= 0.0) {
-        return Err(invalid(format!(
-            "offered_load must be a finite number >= 0, got {offered_load}"
-        )));
-    }
+    non_negative("offered_load", offered_load)?;
     Ok(())
 }
 
@@ -168,20 +164,9 @@ pub fn p99_wait(servers: u64, service_rate: f64, cs2: f64, arrival_rate: f64) ->
     if servers == 0 {
         return Err(invalid("servers must be >= 1"));
     }
-    for (what, v) in [
-        ("service_rate", service_rate),
-        ("cs2", cs2),
-        ("arrival_rate", arrival_rate),
-    ] {
-        if !(v.is_finite() && v >= 0.0) {
-            return Err(invalid(format!(
-                "{what} must be a finite number >= 0, got {v}"
-            )));
-        }
-    }
-    if service_rate <= 0.0 {
-        return Err(invalid("service_rate must be > 0"));
-    }
+    positive("service_rate", service_rate)?;
+    non_negative("cs2", cs2)?;
+    non_negative("arrival_rate", arrival_rate)?;
     let capacity = servers as f64 * service_rate;
     if arrival_rate >= capacity {
         return Ok(f64::INFINITY);

@@ -172,3 +172,9 @@ def test_pickle_round_trip():
     assert list(back.input_tokens) == [10, 20]
     assert list(back.arrival_s) == [0.0, 0.5]
     assert list(back.categories) == ["x", "y"]
+
+
+@pytest.mark.parametrize("arrival", [[[1.0]], ["x"], [True], [1 + 2j]])
+def test_bad_arrival_arrays_are_refused(arrival):
+    with pytest.raises(ValueError, match="arrival_s"):
+        Workload([1], [1], arrival_s=arrival)

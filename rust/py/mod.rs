@@ -79,22 +79,37 @@ pub fn text_bytes<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8
 /// f64. Bool, complex, object and string dtypes are refused; NaN is left to the core.
 pub fn float_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f64>> {
     let np = obj.py().import("numpy")?;
-    let arr = np.call_method1("asarray", (obj,))?;
-    let ndim: usize = arr.getattr("ndim")?.extract()?;
-    if ndim != 1 {
-        return Err(PyValueError::new_err(format!(
-            "{what} must be 1-D, got {ndim} dimensions"
-        )));
-    }
-    let dtype = arr.getattr("dtype")?;
+    let dtype = np.call_method1("asarray", (obj,))?.getattr("dtype")?;
     let kind: String = dtype.getattr("kind")?.extract()?;
     if !matches!(kind.as_str(), "i" | "u" | "f") {
+        let got = dtype.str()?;
         return Err(PyValueError::new_err(format!(
-            "{what} must have a real numeric dtype, got {}",
-            dtype.str()?
+            "{what} must have a real numeric dtype, got {got}"
         )));
     }
-    let arr = arr.call_method1("astype", ("float64",))?;
-    let arr: PyReadonlyArray1<'_, f64> = arr.extract()?;
-    Ok(arr.as_array().to_vec())
+    let floats = np.call_method1("ascontiguousarray", (obj, "float64"))?;
+    let floats: PyReadonlyArray1<'_, f64> = floats
+        .extract()
+        .map_err(|_| PyValueError::new_err(format!("{what} must be 1-D")))?;
+    Ok(floats.as_array().to_vec())
+}
+
+/// `d[name] = src.name` for each listed field of `src` (the `as_dict` /
+/// `fields` of a binding class).
+macro_rules! set_fields {
+    ($d:expr, $src:expr; $($field:ident),* $(,)?) => {{
+        $( $d.set_item(stringify!($field), &$src.$field)?; )*
+    }};
+}
+pub(crate) use set_fields;
+
+/// `__reduce__` for a class that restores from `cls.from_bytes(state)`.
+pub fn reduce_from_bytes<'py, T: pyo3::PyClass>(
+    slf: &Bound<'py, T>,
+    state: Bound<'py, PyBytes>,
+) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+    let py = slf.py();
+    let restore = slf.as_any().get_type().getattr("from_bytes")?;
+    let args = pyo3::types::PyTuple::new(py, [state])?;
+    pyo3::types::PyTuple::new(py, [restore, args.into_any()])
 }

@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::py::{float_array, int_array};
+use crate::py::{float_array, int_array, reduce_from_bytes};
 use crate::queueing::{self, ErlangScan};
 
 /// Erlang B: the blocking probability of M/M/c/c (c = ``servers``) at offered
@@ -136,10 +136,7 @@ impl PyErlangScan {
     }
 
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        let py = slf.py();
-        let restore = slf.get_type().getattr("from_bytes")?;
-        let state = slf.get().to_bytes(py);
-        PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
+        reduce_from_bytes(slf, slf.get().to_bytes(slf.py()))
     }
 
     fn __repr__(&self) -> String {
