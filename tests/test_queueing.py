@@ -55,8 +55,11 @@ def test_by_hand():
     assert erlang_c(1, 0.3) == pytest.approx(0.3, rel=1e-14)
     assert erlang_b(2, 1.0) == pytest.approx(0.2, rel=1e-14)
     assert erlang_c(2, 1.0) == pytest.approx(1 / 3, rel=1e-14)
-    # Erlang B above the server count (A >= c + 1) uses the recursion.
+    # Erlang B above the server count (A >= c + 1): B = (A^2/2) / (1 + A + A^2/2)
     assert erlang_b(2, 10.0) == pytest.approx(50 / (1 + 10 + 50), rel=1e-14)
+    assert erlang_b(10**6, 2e6) == pytest.approx(float(ref_b(10**6, 2e6)), rel=1e-12)
+    # p99_wait answers beyond MAX_SERVERS in the many-server regime
+    assert p99_wait(2**50, 1.0, 1.0, 0.5 * 2**50) == 0.0
     assert erlang_c(10, 0.0) == 0.0
 
 
@@ -119,6 +122,8 @@ def test_p99_wait_kimura_by_hand():
         lambda: p99_wait(1, 1.0, 1.0, float("nan")),
         lambda: ErlangScan(0, 1.0),
         lambda: ErlangScan(1, 0.0),
+        lambda: erlang_c(2**40 + 1, 1.0),
+        lambda: ErlangScan(10, 1.0).advance(2**33),
     ],
 )
 def test_bad_input_raises(call):

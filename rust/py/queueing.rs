@@ -93,13 +93,21 @@ impl PyErlangScan {
         })
     }
 
-    /// Adds ``steps`` servers (default 1).
+    /// Adds ``steps`` servers (default 1; at most 2**32 per call).
     #[pyo3(signature = (steps=1))]
-    fn advance(&self, steps: u64) {
-        let mut s = self.get();
-        for _ in 0..steps {
-            s.advance();
+    fn advance(&self, py: Python<'_>, steps: u64) -> PyResult<()> {
+        if steps > 1 << 32 {
+            return Err(
+                crate::error::invalid(format!("steps must be at most 2**32, got {steps}")).into(),
+            );
         }
+        py.detach(|| {
+            let mut s = self.get();
+            for _ in 0..steps {
+                s.advance();
+            }
+        });
+        Ok(())
     }
 
     #[getter]
