@@ -178,3 +178,16 @@ def test_pickle_round_trip():
 def test_bad_arrival_arrays_are_refused(arrival):
     with pytest.raises(ValueError, match="arrival_s"):
         Workload([1], [1], arrival_s=arrival)
+
+
+def test_sample_draws_by_weight_and_is_seeded():
+    w = Workload.from_cdf([(1000, 0.9), (8000, 1.0)])
+    s = w.sample(50_000, seed=3)
+    assert len(s) == 50_000 and s.weights.tolist() == [1.0] * 50_000
+    assert s.cdf(1000) == pytest.approx(0.9, abs=0.01)
+    assert list(s.input_tokens[:100]) == list(w.sample(50_000, seed=3).input_tokens[:100])
+    boot = AZURE.sample(1000, seed=1)
+    assert set(boot.categories) <= {"code", "conversation"}
+    assert boot.arrival_s is None
+    with pytest.raises(ValueError):
+        w.sample(0)
