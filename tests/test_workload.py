@@ -1,6 +1,7 @@
 """Workload: the shipped Azure trace's published facts, exact range moments
 against direct NumPy sums, CSV loading and its errors, from_cdf."""
 
+import math
 import pickle
 
 import numpy as np
@@ -191,3 +192,25 @@ def test_sample_draws_by_weight_and_is_seeded():
     assert boot.arrival_s is None
     with pytest.raises(ValueError):
         w.sample(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 9000), st.integers(0, 500)), min_size=1, max_size=80),
+    st.integers(0, 9000),
+    st.floats(0.0, 1.0),
+)
+def test_prefill_quantile_property(rows, lo, q):
+    """The wavelet-matrix range quantile equals a sort of the range's chunk counts."""
+    rows = [(i, o) for i, o in rows if i + o > 0] or [(1, 1)]
+    inp, out = (np.array(x) for x in zip(*rows))
+    w = Workload(inp, out)
+    p = Profile.llama3_70b_a100()
+    s = p.service(w, 65536, lo, math.inf, prefill_quantile=q)
+    m = inp + out > lo
+    if not m.any():
+        assert s.prefill_p99_s == 0.0
+        return
+    chunks = np.sort(np.ceil(inp[m] / 512))
+    k = max(0, math.ceil(q * len(chunks) - 1e-9) - 1)
+    assert s.prefill_p99_s == pytest.approx(chunks[k] * s.t_iter_s, rel=1e-12, abs=1e-15)
