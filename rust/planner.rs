@@ -23,7 +23,8 @@
 //!   slots, and the cap holds exactly for every pool of every candidate.
 //! - Cost `n_s + phi n_l` GPUs at the profile's $/GPU-hour (Eq. 9); the
 //!   homogeneous fleet is one pool at `long_context` holding every request,
-//!   priced as long-pool GPUs.
+//!   priced as long-pool GPUs. Requests longer than `long_context` fit no
+//!   pool; they are counted in the long pool's traffic as if they did.
 
 use std::sync::Arc;
 
