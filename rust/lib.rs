@@ -4,16 +4,21 @@
 //! `python` feature adds the pyo3 bindings in `py/` and the `_core` module
 //! below, which only registers what `py/` defines.
 
+pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
 pub mod error;
 pub mod openai;
 pub mod planner;
+pub mod pods;
+pub mod prefix;
 pub mod profile;
 pub mod queueing;
 pub mod rng;
+pub mod sim;
 pub mod snapshot;
+pub mod vtc;
 pub mod workload;
 
 #[cfg(feature = "python")]
@@ -22,6 +27,8 @@ mod py;
 #[cfg(feature = "python")]
 #[pyo3::pymodule(gil_used = false)]
 mod _core {
+    #[pymodule_export]
+    use crate::py::assign::{assign_eval, PyBatchScheduler, PyInstance, PyKnnEstimator};
     #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]
@@ -35,9 +42,15 @@ mod _core {
         annual_cost_usd, g_dual, plan, pool_routing_savings, PyCandidate, PyPlan,
     };
     #[pymodule_export]
+    use crate::py::prefix::{block_hashes, block_hashes_many, PyPrefixCacheRouter, PyPrefixIndex};
+    #[pymodule_export]
     use crate::py::profile::{PyProfile, PyService};
     #[pymodule_export]
     use crate::py::queueing::{erlang_b, erlang_c, erlang_c_many, p99_wait, PyErlangScan};
+    #[pymodule_export]
+    use crate::py::sim::{simulate, PySimPool, PySimReport};
+    #[pymodule_export]
+    use crate::py::vtc::PyVtcRouter;
     #[pymodule_export]
     use crate::py::workload::PyWorkload;
     use pyo3::prelude::*;

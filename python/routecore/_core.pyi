@@ -109,6 +109,264 @@ class TokenBudgetRouter:
 def classify(text: str | bytes) -> Literal["prose", "code", "cjk", "mixed"]: ...
 def parse_openai_request(body: str | bytes, default_max_tokens: int = 4096) -> dict[str, Any]: ...
 
+# --- batched model and instance assignment, RouteBalance (capability 6) ------
+
+@final
+class Instance:
+    """One serving instance of a model: decode speed, per-token prices, slots."""
+
+    def __new__(
+        cls,
+        name: str,
+        model: str,
+        tpot_s: float,
+        price_in_per_mtok: float,
+        price_out_per_mtok: float,
+        max_batch: int,
+        prefill_s_per_token: float | None = None,
+    ) -> Self: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def tpot_s(self) -> float: ...
+    @property
+    def price_in_per_mtok(self) -> float: ...
+    @property
+    def price_out_per_mtok(self) -> float: ...
+    @property
+    def max_batch(self) -> int: ...
+    @property
+    def prefill_s_per_token(self) -> float: ...
+    def cost(self, in_tokens: float, out_len: float) -> float: ...
+    def latency(
+        self, in_tokens: float, out_len: float, pending_decode: float, batch_size: int
+    ) -> float: ...
+
+@final
+class BatchScheduler:
+    """RouteBalance's batched assignment of requests to model instances."""
+
+    def __new__(
+        cls,
+        instances: list[Instance],
+        weights: str | tuple[float, float, float] | None = None,
+        lpt_key: Literal["max", "mean", "min"] = "max",
+        budget_fallback: Literal["reject", "cheapest"] = "reject",
+    ) -> Self: ...
+    def assign(
+        self,
+        quality: npt.ArrayLike,
+        out_len: npt.ArrayLike,
+        in_tokens: npt.ArrayLike,
+        budget: npt.ArrayLike | None,
+        pending_decode: npt.ArrayLike,
+        batch_size: npt.ArrayLike,
+    ) -> npt.NDArray[np.int64]: ...
+    def assign_one(
+        self,
+        quality: npt.ArrayLike,
+        out_len: npt.ArrayLike,
+        in_tokens: int,
+        budget: float | None,
+        pending_decode: npt.ArrayLike,
+        batch_size: npt.ArrayLike,
+    ) -> int: ...
+    def lpt_order(self, out_len: npt.ArrayLike) -> npt.NDArray[np.int64]: ...
+    @staticmethod
+    def presets() -> list[tuple[str, tuple[float, float, float]]]: ...
+    @property
+    def instances(self) -> list[Instance]: ...
+    @property
+    def models(self) -> list[str]: ...
+    @property
+    def model_of(self) -> list[int]: ...
+    @property
+    def weights(self) -> tuple[float, float, float]: ...
+    @property
+    def lpt_key(self) -> str: ...
+    @property
+    def budget_fallback(self) -> str: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> BatchScheduler: ...
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
+
+@final
+class KnnEstimator:
+    """Per-model quality and output length by distance-weighted cosine kNN."""
+
+    def __new__(cls, k: int = 8) -> Self: ...
+    def fit(
+        self, embeddings: npt.ArrayLike, quality: npt.ArrayLike, out_len: npt.ArrayLike
+    ) -> None: ...
+    def predict(
+        self, embeddings: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def is_fitted(self) -> bool: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> KnnEstimator: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...
+
+def assign_eval(
+    rate: float = 8.0,
+    requests: int = 3000,
+    seed: int = 0,
+    max_batch: int = 16,
+    interval_s: float = 0.05,
+) -> list[dict[str, Any]]: ...
+
+# --- prefix-cache-aware routing (capability 4) -------------------------------
+
+def block_hashes(
+    tokens: npt.ArrayLike | bytes | str, block_size: int, seed: int = 0
+) -> npt.NDArray[np.uint64]: ...
+def block_hashes_many(
+    tokens: npt.ArrayLike | bytes | str,
+    offsets: npt.ArrayLike,
+    block_size: int,
+    seed: int = 0,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]: ...
+
+@final
+class PrefixIndex:
+    """Block hash -> the pods that hold it, for prefix-cache-aware routing."""
+
+    def __new__(cls, capacity_blocks: int = 200000, ttl_s: float | None = None) -> Self: ...
+    def record(self, hashes: npt.NDArray[np.uint64], pod: str, now: float = 0.0) -> None: ...
+    def match_prefix(self, hashes: npt.NDArray[np.uint64], now: float = 0.0) -> dict[str, int]: ...
+    def remove_pod(self, pod: str) -> int: ...
+    def expire(self, now: float) -> int: ...
+    def __len__(self) -> int: ...
+    @property
+    def capacity_blocks(self) -> int: ...
+    @property
+    def ttl_s(self) -> float | None: ...
+    @property
+    def pods(self) -> list[str]: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> PrefixIndex: ...
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
+
+@final
+class PrefixCacheRouter:
+    """Prefix-cache-aware routing (the AIBrix algorithm) over named pods."""
+
+    def __new__(
+        cls,
+        pods: list[str],
+        block_size: int = 16,
+        imbalance_abs_count: int = 16,
+        std_factor: float = 2.0,
+        index: PrefixIndex | None = None,
+        seed: int = 0,
+    ) -> Self: ...
+    def route(
+        self,
+        tokens: npt.ArrayLike | bytes | str,
+        running: npt.ArrayLike | None = None,
+        now: float = 0.0,
+    ) -> tuple[str, float]: ...
+    def route_many(
+        self,
+        tokens: npt.ArrayLike | bytes | str,
+        offsets: npt.ArrayLike,
+        running: npt.ArrayLike | None = None,
+        now: float = 0.0,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]: ...
+    def complete(self, pod: str) -> None: ...
+    def set_running(self, counts: npt.ArrayLike) -> None: ...
+    def add_pod(self, pod: str) -> None: ...
+    def remove_pod(self, pod: str) -> None: ...
+    @property
+    def pods(self) -> list[str]: ...
+    @property
+    def running(self) -> list[int]: ...
+    @property
+    def index(self) -> PrefixIndex: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def imbalance_abs_count(self) -> int: ...
+    @property
+    def std_factor(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> PrefixCacheRouter: ...
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
+
+# --- VTC fairness routing (capability 5) -------------------------------------
+
+@final
+class VtcRouter:
+    """VTC fairness routing (AIBrix ``vtc-basic``, after Sheng et al.)."""
+
+    def __new__(
+        cls,
+        pods: list[str],
+        window_s: float = 300.0,
+        input_weight: float = 1.0,
+        output_weight: float = 2.0,
+        min_tokens: float = 1000.0,
+        max_tokens: float = 8000.0,
+        fairness_weight: float = 1.0,
+        utilization_weight: float = 1.0,
+        max_pod_load: float = 100.0,
+        max_users: int = 100000,
+    ) -> Self: ...
+    def route(
+        self,
+        user: str,
+        input_tokens: int,
+        output_tokens: int,
+        running: npt.ArrayLike | None = None,
+        now: float = 0.0,
+    ) -> str: ...
+    def route_many(
+        self,
+        users: list[str],
+        input_tokens: npt.ArrayLike,
+        output_tokens: npt.ArrayLike,
+        running: npt.ArrayLike | None = None,
+        now: float = 0.0,
+    ) -> npt.NDArray[np.int64]: ...
+    def complete(
+        self,
+        pod: str,
+        user: str,
+        est_input_tokens: int,
+        est_output_tokens: int,
+        input_tokens: int,
+        output_tokens: int,
+        now: float = 0.0,
+    ) -> None: ...
+    def user_tokens(self, user: str, now: float = 0.0) -> float: ...
+    @property
+    def users(self) -> int: ...
+    def set_running(self, counts: npt.ArrayLike) -> None: ...
+    def add_pod(self, pod: str) -> None: ...
+    def remove_pod(self, pod: str) -> None: ...
+    @property
+    def pods(self) -> list[str]: ...
+    @property
+    def running(self) -> list[int]: ...
+    @property
+    def window_s(self) -> float: ...
+    @property
+    def max_users(self) -> int: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> VtcRouter: ...
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
+
 # --- Workloads and profiles (issue 3) ---
 
 import os  # noqa: E402
@@ -384,3 +642,86 @@ def g_dual(alpha: float, arrival_rate: float, mu_short: float, mu_long: float) -
 def annual_cost_usd(
     gpus: float, price_per_gpu_hour: float, hours_per_year: float = 8760.0
 ) -> float: ...
+
+# --- Fleet simulator (issue 4) ---
+
+from collections.abc import Callable, Sequence  # noqa: E402
+
+@final
+class SimPool:
+    """A pool of identical simulated instances (vLLM engines)."""
+
+    def __new__(
+        cls,
+        name: str,
+        instances: int,
+        max_context: int,
+        max_num_seqs: int,
+        kv_blocks: int | None = None,
+        chunk: int = 512,
+        w: float = 0.008,
+        h: float = 0.00065,
+        gpus_per_instance: int = 1,
+        budget: int | None = None,
+    ) -> Self: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def instances(self) -> int: ...
+    @property
+    def max_context(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def kv_blocks(self) -> int: ...
+    @property
+    def gpus(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
+
+@final
+class SimReport:
+    """The outcome of ``simulate``: per-request arrays, per-pool figures, summaries."""
+
+    @property
+    def ttft(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def tpot(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def e2e(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def queue_wait(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def pool(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def measured(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def rejected(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def compressed(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def router_rejections(self) -> int: ...
+    @property
+    def window(self) -> tuple[float, float]: ...
+    @property
+    def makespan(self) -> float: ...
+    @property
+    def pools(self) -> list[dict[str, Any]]: ...
+    def summary(self) -> dict[str, dict[str, float]]: ...
+
+def simulate(
+    arrival_s: npt.ArrayLike,
+    input_tokens: npt.ArrayLike,
+    output_tokens: npt.ArrayLike,
+    pools: Sequence[SimPool],
+    *,
+    category: npt.ArrayLike | None = None,
+    categories: Sequence[tuple[str, float, bool]] | None = None,
+    router: str = "token-budget",
+    gamma: float = 1.5,
+    dispatch: str = "least-loaded",
+    arrivals: str = "trace",
+    rate: float | None = None,
+    seed: int = 0,
+    warmup: float = 0.2,
+    progress: Callable[[int, int], object] | None = None,
+) -> SimReport: ...

@@ -12,9 +12,16 @@ import sys
 from collections.abc import Sequence
 
 from routecore import __version__
-from routecore.commands import calibration_study, plan, route
+from routecore.commands import (
+    assign_eval,
+    calibration_study,
+    plan,
+    prefix_eval,
+    route,
+    simulate,
+)
 
-COMMANDS = [route, calibration_study, plan]
+COMMANDS = [simulate, route, plan, calibration_study, prefix_eval, assign_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,21 +2,26 @@
 //! work longer than a few microseconds, and maps core errors to exceptions in
 //! exactly one place (`From<Error> for PyErr`).
 
+pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
 pub mod openai;
 pub mod planner;
+pub mod prefix;
 pub mod profile;
 pub mod queueing;
+pub mod sim;
+pub mod vtc;
 pub mod workload;
 
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::{PyBytes, PyString, PyTuple};
 
 use crate::error::Error;
+use crate::prefix::Tokens;
 
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
@@ -75,23 +80,126 @@ pub fn text_bytes<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8
     }
 }
 
-/// A 1-D NumPy array (or anything `numpy.asarray` takes) of real numbers, as
-/// f64. Bool, complex, object and string dtypes are refused; NaN is left to the core.
-pub fn float_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f64>> {
-    let np = obj.py().import("numpy")?;
-    let dtype = np.call_method1("asarray", (obj,))?.getattr("dtype")?;
-    let kind: String = dtype.getattr("kind")?.extract()?;
-    if !matches!(kind.as_str(), "i" | "u" | "f") {
-        let got = dtype.str()?;
+/// An array-like of real numbers (float, int or unsigned dtype; bools,
+/// complex, objects and strings refused) as a row-major Vec of `T` ("float64"
+/// or "float32", named by `dtype`) and its shape, which must have `ndim`
+/// dimensions. An array already of that dtype is read without a round trip
+/// through `numpy.asarray`.
+pub fn real_array<T: numpy::Element + Copy>(
+    obj: &Bound<'_, PyAny>,
+    ndim: usize,
+    dtype: &str,
+    what: &str,
+) -> PyResult<(Vec<T>, Vec<usize>)> {
+    let arr = if let Ok(a) = obj.extract::<numpy::PyReadonlyArrayDyn<'_, T>>() {
+        a
+    } else {
+        let np = obj.py().import("numpy")?;
+        let arr = np.call_method1("asarray", (obj,))?;
+        let dtype_obj = arr.getattr("dtype")?;
+        let kind: String = dtype_obj.getattr("kind")?.extract()?;
+        if !matches!(kind.as_str(), "f" | "i" | "u") {
+            return Err(PyValueError::new_err(format!(
+                "{what} must hold real numbers, got dtype {}",
+                dtype_obj.str()?
+            )));
+        }
+        arr.call_method1("astype", (dtype,))?.extract()?
+    };
+    let view = arr.as_array();
+    if view.ndim() != ndim {
         return Err(PyValueError::new_err(format!(
-            "{what} must have a real numeric dtype, got {got}"
+            "{what} must be {ndim}-D, got {} dimensions",
+            view.ndim()
         )));
     }
-    let floats = np.call_method1("ascontiguousarray", (obj, "float64"))?;
-    let floats: PyReadonlyArray1<'_, f64> = floats
-        .extract()
-        .map_err(|_| PyValueError::new_err(format!("{what} must be 1-D")))?;
-    Ok(floats.as_array().to_vec())
+    // a contiguous array is one copy; iterating a dynamic-rank view is slow
+    let data = match view.as_slice() {
+        Some(s) => s.to_vec(),
+        None => view.iter().copied().collect(),
+    };
+    Ok((data, view.shape().to_vec()))
+}
+
+/// A non-negative integer argument as `usize`; a clear ValueError otherwise.
+pub fn size_arg(v: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{what} must be >= 0, got {v}")))
+}
+
+/// Prompts at least this long (in tokens) are hashed with the interpreter
+/// released; shorter ones finish faster than the release and re-acquire.
+pub const DETACH_TOKENS: usize = 4096;
+
+/// Runs `f` with the interpreter released when `big`, else directly.
+pub fn detach_if<T: Send>(py: Python<'_>, big: bool, f: impl FnOnce() -> T + Send) -> T {
+    if big {
+        py.detach(f)
+    } else {
+        f()
+    }
+}
+
+/// A prompt argument: a NumPy uint32 array (read in place; do not mutate it
+/// during the call), any other integer array or sequence of token ids in
+/// [0, 2^32) (copied), or `str` / `bytes` for the character tokenizer (bytes
+/// of UTF-8).
+pub enum TokenArg<'py> {
+    Array(PyReadonlyArray1<'py, u32>),
+    Owned(Vec<u32>),
+    Text(Bound<'py, PyAny>),
+}
+
+impl<'py> TokenArg<'py> {
+    pub fn new(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+            return Ok(Self::Text(obj.clone()));
+        }
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, u32>>() {
+            if a.as_slice().is_ok() {
+                return Ok(Self::Array(a));
+            }
+            return Ok(Self::Owned(a.as_array().to_vec()));
+        }
+        let ids = int_array(obj, what)?;
+        if let Some(bad) = ids.iter().find(|&&t| !(0..=u32::MAX as i64).contains(&t)) {
+            return Err(PyValueError::new_err(format!(
+                "{what}: token id {bad} is outside [0, 2^32)"
+            )));
+        }
+        Ok(Self::Owned(ids.into_iter().map(|t| t as u32).collect()))
+    }
+
+    pub fn tokens(&self) -> PyResult<Tokens<'_>> {
+        Ok(match self {
+            Self::Array(a) => Tokens::Ids(a.as_slice()?),
+            Self::Owned(v) => Tokens::Ids(v),
+            Self::Text(obj) => Tokens::Bytes(text_bytes(obj, "tokens")?),
+        })
+    }
+}
+
+/// A 1-D uint64 NumPy array of block hashes (from `block_hashes`), copied.
+pub fn hash_array(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    let a: PyReadonlyArray1<'_, u64> = obj.extract().map_err(|_| {
+        PyTypeError::new_err("hashes must be a 1-D uint64 NumPy array (from block_hashes)")
+    })?;
+    Ok(a.as_array().to_vec())
+}
+
+/// ``(type(obj).from_bytes, (state,))``: pickling through the snapshot.
+pub fn reduce<'py, T: pyo3::PyClass>(
+    slf: &Bound<'py, T>,
+    state: Bound<'py, PyBytes>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = slf.py();
+    let restore = slf.as_any().get_type().getattr("from_bytes")?;
+    PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
+}
+
+/// A 1-D array-like of real numbers as f64 (see `real_array`); NaN is left
+/// to the core.
+pub fn float_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f64>> {
+    real_array::<f64>(obj, 1, "float64", what).map(|(data, _)| data)
 }
 
 /// `d[name] = src.name` for each listed field of `src` (the `as_dict` /
@@ -102,14 +210,3 @@ macro_rules! set_fields {
     }};
 }
 pub(crate) use set_fields;
-
-/// `__reduce__` for a class that restores from `cls.from_bytes(state)`.
-pub fn reduce_from_bytes<'py, T: pyo3::PyClass>(
-    slf: &Bound<'py, T>,
-    state: Bound<'py, PyBytes>,
-) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
-    let py = slf.py();
-    let restore = slf.as_any().get_type().getattr("from_bytes")?;
-    let args = pyo3::types::PyTuple::new(py, [state])?;
-    pyo3::types::PyTuple::new(py, [restore, args.into_any()])
-}

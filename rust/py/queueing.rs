@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::py::{float_array, int_array, reduce_from_bytes};
+use crate::py::{float_array, int_array, reduce};
 use crate::queueing::{self, ErlangScan};
 
 /// Erlang B: the blocking probability of M/M/c/c (c = ``servers``) at offered
@@ -144,7 +144,7 @@ impl PyErlangScan {
     }
 
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        reduce_from_bytes(slf, slf.get().to_bytes(slf.py()))
+        reduce(slf, slf.get().to_bytes(slf.py()))
     }
 
     fn __repr__(&self) -> String {
