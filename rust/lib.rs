@@ -8,6 +8,7 @@ pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
+pub mod compress;
 pub mod error;
 pub mod openai;
 pub mod planner;
@@ -35,6 +36,11 @@ mod _core {
     use crate::py::calibrate::PyCalibrator;
     #[pymodule_export]
     use crate::py::classify::classify;
+    #[pymodule_export]
+    use crate::py::compress::{
+        PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
+        PyRoutedRequest,
+    };
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
     #[pymodule_export]

@@ -4,7 +4,7 @@ from typing import Any, Literal, final
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import Self
+from typing_extensions import Self, disjoint_base
 
 __version__: str
 
@@ -82,12 +82,21 @@ class RouteDecision:
     def spilled(self) -> bool: ...
     @property
     def reason(self) -> str: ...
+    @property
+    def action(self) -> Literal["route", "compress", "reject"]: ...
+    @property
+    def compress_target_tokens(self) -> int | None: ...
 
 @final
 class TokenBudgetRouter:
     """Token-budget pool routing (Chen et al. 2026, Algorithm 1) over N pools."""
 
-    def __new__(cls, pools: list[Pool], calibrator: Calibrator | None = None) -> Self: ...
+    def __new__(
+        cls,
+        pools: list[Pool],
+        calibrator: Calibrator | None = None,
+        compress_band: float | None = None,
+    ) -> Self: ...
     def route(self, prompt_bytes: int, category: str, max_output_tokens: int) -> RouteDecision: ...
     def route_tokens(self, prompt_tokens: int, max_output_tokens: int) -> RouteDecision: ...
     def route_many(
@@ -105,6 +114,14 @@ class TokenBudgetRouter:
     def pools(self) -> list[Pool]: ...
     @property
     def calibrator(self) -> Calibrator: ...
+    def route_request(
+        self,
+        body: str | bytes,
+        compressor: Compressor | None = None,
+        default_max_tokens: int = 4096,
+    ) -> RoutedRequest: ...
+    @property
+    def compress_band(self) -> float | None: ...
 
 def classify(text: str | bytes) -> Literal["prose", "code", "cjk", "mixed"]: ...
 def parse_openai_request(body: str | bytes, default_max_tokens: int = 4096) -> dict[str, Any]: ...
@@ -366,6 +383,101 @@ class VtcRouter:
     @staticmethod
     def from_bytes(data: bytes) -> VtcRouter: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
+
+# --- compress-and-route (capability 8) ---------------------------------------
+
+@final
+class Compressor:
+    """Extractive prompt compression (FleetOpt section 5.2)."""
+
+    def __new__(
+        cls,
+        textrank: float = 0.2,
+        position: float = 0.4,
+        tfidf: float = 0.35,
+        novelty: float = 0.05,
+        keep_first: int = 3,
+        keep_last: int = 2,
+    ) -> Self: ...
+    def compress(
+        self,
+        text: str,
+        token_budget: int,
+        category: str | None = None,
+        bytes_per_token: float | None = None,
+    ) -> CompressionResult: ...
+    def compress_request(
+        self,
+        body: str | bytes,
+        token_budget: int,
+        category: str | None = None,
+        bytes_per_token: float | None = None,
+    ) -> RequestCompression: ...
+    @property
+    def textrank(self) -> float: ...
+    @property
+    def position(self) -> float: ...
+    @property
+    def tfidf(self) -> float: ...
+    @property
+    def novelty(self) -> float: ...
+    @property
+    def keep_first(self) -> int: ...
+    @property
+    def keep_last(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[float, float, float, float, int, int]]: ...
+
+@disjoint_base
+class CompressionSummary:
+    """Sizes and outcome shared by CompressionResult and RequestCompression."""
+
+    @property
+    def tokens_before(self) -> int: ...
+    @property
+    def tokens_after(self) -> int: ...
+    @property
+    def bytes_per_token(self) -> float: ...
+    @property
+    def status(self) -> Literal["fits", "compressed", "code", "impossible"]: ...
+    @property
+    def succeeded(self) -> bool: ...
+
+@final
+class CompressionResult(CompressionSummary):
+    """The outcome of ``Compressor.compress``."""
+
+    @property
+    def text(self) -> str: ...
+    @property
+    def kept_sentence_indices(self) -> list[int]: ...
+    @property
+    def sentences(self) -> int: ...
+
+@final
+class RequestCompression(CompressionSummary):
+    """The outcome of ``Compressor.compress_request``."""
+
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def compressed_messages(self) -> list[int]: ...
+
+@final
+class RoutedRequest:
+    """A request routed by ``TokenBudgetRouter.route_request``."""
+
+    @property
+    def decision(self) -> RouteDecision: ...
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def compression(self) -> RequestCompression | None: ...
+    @property
+    def category(self) -> str: ...
+    @property
+    def prompt_bytes(self) -> int: ...
+    @property
+    def max_output_tokens(self) -> int: ...
 
 # --- Workloads and profiles (issue 3) ---
 

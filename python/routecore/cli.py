@@ -15,13 +15,14 @@ from routecore import __version__
 from routecore.commands import (
     assign_eval,
     calibration_study,
+    compress,
     plan,
     prefix_eval,
     route,
     simulate,
 )
 
-COMMANDS = [simulate, route, plan, calibration_study, prefix_eval, assign_eval]
+COMMANDS = [simulate, route, plan, compress, calibration_study, prefix_eval, assign_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
+pub mod compress;
 pub mod openai;
 pub mod planner;
 pub mod prefix;
