@@ -433,8 +433,11 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
         let mut short_cache: Option<(f64, PoolPlan)> = None;
         for &gamma in &gammas {
             let gb = (gamma * b_f).floor();
-            let band = w.span(b_f, gb);
-            let tail = w.span(gb, f64::INFINITY);
+            let band = w.span_from(short_span.end, gb);
+            let tail = Span {
+                start: band.end,
+                end: w.len(),
+            };
             let mut beta = 0.0;
             let mut moved = 0.0;
             let mut m_long = ctx.table.moments_all(w, tail, la0, la1);
@@ -454,7 +457,10 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             let long_prefill_span = if tail.end > tail.start {
                 tail
             } else {
-                w.span(b_f, f64::INFINITY)
+                Span {
+                    start: short_span.end,
+                    end: w.len(),
+                }
             };
             let long_svc = ctx.service(long_prefill_span, ctx.long_slots, m_long);
             let short = match short_cache {

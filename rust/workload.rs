@@ -352,6 +352,16 @@ impl Workload {
         }
     }
 
+    /// The span `lo < L_total <= hi` given that `from` requests (in sorted
+    /// order) are known to have `L_total <= lo`: one binary search over the rest.
+    pub fn span_from(&self, from: usize, hi: f64) -> Span {
+        let rest = &self.sorted_total[from.min(self.len())..];
+        Span {
+            start: from,
+            end: from + rest.partition_point(|&t| (t as f64) <= hi),
+        }
+    }
+
     /// Weight of a span divided by the total weight.
     pub fn fraction(&self, span: Span) -> f64 {
         (self.cum_weight[span.end] - self.cum_weight[span.start]) / self.total_weight()
@@ -775,6 +785,7 @@ mod tests {
         assert!(w.quantile(1.5).is_err());
         let s = w.span(3.0, 10.0);
         assert_eq!((s.end - s.start), 3);
+        assert_eq!(w.span_from(1, 10.0), s);
         assert!((w.mean_tokens(s) - 8.0).abs() < 1e-12);
     }
 
