@@ -213,3 +213,12 @@ pub fn reduce<'py, T: pyo3::PyClass>(
 pub fn float_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f64>> {
     real_array::<f64>(obj, 1, "float64", what).map(|(data, _)| data)
 }
+
+/// `d[name] = src.name` for each listed field of `src` (the `as_dict` /
+/// `fields` of a binding class).
+macro_rules! set_fields {
+    ($d:expr, $src:expr; $($field:ident),* $(,)?) => {{
+        $( $d.set_item(stringify!($field), &$src.$field)?; )*
+    }};
+}
+pub(crate) use set_fields;
