@@ -232,6 +232,7 @@ impl TokenBudgetRouter {
         self.compress_target_by(total, output, |i| self.load(i))
     }
 
+    #[inline]
     fn compress_target_by(
         &self,
         total: u64,
@@ -303,6 +304,7 @@ impl TokenBudgetRouter {
 
     /// The whole decision for a request of `total` tokens under the given
     /// in-flight counts, without counting it.
+    #[inline]
     fn pick(
         &self,
         total: u64,
@@ -386,10 +388,12 @@ impl TokenBudgetRouter {
             })
     }
 
+    #[inline]
     fn load(&self, pool: usize) -> u64 {
         self.in_flight[pool].load(Ordering::Relaxed)
     }
 
+    #[inline]
     fn overloaded(&self, pool: usize, load: u64) -> bool {
         self.pools[pool]
             .queue_limit
@@ -401,6 +405,7 @@ impl TokenBudgetRouter {
         self.choose_by(total, |i| self.load(i))
     }
 
+    #[inline]
     fn choose_by(
         &self,
         total: u64,
