@@ -352,3 +352,22 @@ def test_planned_pool_routing_fleet_against_its_analytical_utilization():
     assert short["utilization_simulated"] < c.utilization_short / 3
     assert long["utilization_simulated"] > 0.95 > c.utilization_long
     assert short["preemptions"] == 0
+
+
+def test_fleet_verification_grows_only_the_pools_that_miss_the_slo(capsys):
+    """Appendix A's fleet verification: planned sizes are kept beside the
+    verified ones, pools only grow, and each verified pool meets the target."""
+    from routecore.cli import main
+
+    base = ["simulate", "--duration", "20", "--quiet", "--json", "--fleet", "pool-routing"]
+    assert main(base + ["--no-verify"]) == 0
+    planned = json.loads(capsys.readouterr().out)["fleets"][0]
+    assert planned["gpus"] == planned["gpus_planned"]
+    assert main(base + ["--verify-target", "0.99"]) == 0
+    verified = json.loads(capsys.readouterr().out)["fleets"][0]
+    assert verified["gpus_planned"] == planned["gpus"]
+    for before, after in zip(planned["pools"], verified["pools"]):
+        assert after["gpus"] >= before["gpus"] == after["gpus_planned"]
+    # The planner undersizes the prefill-bound long pool (see the README).
+    assert verified["gpus"] > planned["gpus"]
+    assert verified["slo_attainment"] >= 0.99 > planned["slo_attainment"]

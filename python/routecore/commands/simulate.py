@@ -44,6 +44,15 @@ class PoolSpec:
     max_context: int
     slots: int
     utilization_analytical: float
+    gpus_planned: int = 0
+
+    def __post_init__(self) -> None:
+        self.gpus_planned = self.gpus_planned or self.gpus
+
+    def resize(self, gpus: int) -> None:
+        """Sets the pool's size; the analytical utilization scales with it."""
+        self.utilization_analytical *= self.gpus / gpus
+        self.gpus = gpus
 
 
 @dataclass
@@ -57,6 +66,10 @@ class FleetSpec:
     @property
     def gpus(self) -> int:
         return sum(p.gpus for p in self.pools)
+
+    @property
+    def gpus_planned(self) -> int:
+        return sum(p.gpus_planned for p in self.pools)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,6 +133,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "paper's)",
     )
     p.add_argument("--slo-tpot", type=float, default=0.08, help="TPOT target, s (0.08)")
+    p.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fleet verification (the token-budget paper's Appendix A, on by default): "
+        "grow each pool whose requests meet the SLO less often than --verify-target by "
+        "10%% a round and simulate again, up to --verify-rounds; the table shows planned "
+        "and verified GPUs. --no-verify simulates the planner's sizes as they are",
+    )
+    p.add_argument("--verify-target", type=float, default=0.99, help="per-pool SLO (0.99)")
+    p.add_argument("--verify-rounds", type=int, default=15, help="rounds at most (15)")
     p.add_argument("--warmup", type=float, default=0.2, help="warm-up fraction (0.2)")
     p.add_argument("--seed", type=int, default=42, help="seed (42)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -264,6 +288,41 @@ def run_fleet(
     )  # fmt: skip
 
 
+def slo_met(report: SimReport, args: argparse.Namespace) -> np.ndarray:
+    """Per request: served with TTFT and TPOT (if any) within the SLO."""
+    return (report.ttft <= args.slo_ttft) & ~(report.tpot > args.slo_tpot)
+
+
+def pools_missing_slo(report: SimReport, args: argparse.Namespace) -> list[int]:
+    """Pools whose measured requests meet the SLO less often than the target."""
+    ok = slo_met(report, args)
+    missing = []
+    for i in range(len(report.pools)):
+        mine = report.measured & (report.pool == i)
+        if mine.any() and ok[mine].mean() < args.verify_target:
+            missing.append(i)
+    return missing
+
+
+def verify_fleet(
+    fleet: FleetSpec, trace: Trace, profile: Profile, args: argparse.Namespace, report: SimReport
+) -> SimReport:
+    """The token-budget paper's fleet verification (Appendix A, step 3): the
+    simulator checks the analytical sizing, and every pool that misses the
+    per-pool SLO target grows by 10% (at least one GPU) until none does or the
+    rounds run out. Returns the last report; the fleet keeps its planned sizes
+    in ``gpus_planned``."""
+    for _ in range(args.verify_rounds):
+        missing = pools_missing_slo(report, args)
+        if not missing:
+            break
+        for i in missing:
+            pool = fleet.pools[i]
+            pool.resize(pool.gpus + max(1, math.ceil(0.1 * pool.gpus)))
+        report = run_fleet(fleet, trace, profile, args)
+    return report
+
+
 def fleet_result(
     fleet: FleetSpec,
     report: SimReport,
@@ -272,16 +331,14 @@ def fleet_result(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     s = report.summary()
-    m = report.measured
-    ttft, tpot = report.ttft[m], report.tpot[m]
-    # A request meets the SLO when served with TTFT and TPOT (if any) in bounds.
-    ok = (ttft <= args.slo_ttft) & ~(tpot > args.slo_tpot)
+    ok = slo_met(report, args)[report.measured]
     pools = []
     for spec, sim in zip(fleet.pools, report.pools):
         pools.append(
             {
                 "name": spec.name,
                 "gpus": spec.gpus,
+                "gpus_planned": spec.gpus_planned,
                 "max_context": spec.max_context,
                 "slots": spec.slots,
                 "requests": sim["requests"],
@@ -301,6 +358,7 @@ def fleet_result(
         "gamma": fleet.gamma,
         "b_short": fleet.b_short,
         "gpus": fleet.gpus,
+        "gpus_planned": fleet.gpus_planned,
         "annual_cost_usd": cost,
         "savings_vs_homogeneous": savings,
         "ttft_p50_s": s["ttft"]["p50"],
@@ -320,13 +378,13 @@ def print_table(result: dict[str, Any]) -> None:
         f"TPOT <= {1000 * result['slo_tpot_s']:g} ms"
     )
     head = (
-        f"{'fleet':<13}{'GPUs':>6}{'cost $/yr':>13}{'savings':>9}{'TTFT p50':>10}"
+        f"{'fleet':<13}{'planned':>8}{'GPUs':>6}{'cost $/yr':>13}{'savings':>9}{'TTFT p50':>10}"
         f"{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'SLO':>8}{'preempt':>9}"
     )
     print(head)
     for f in result["fleets"]:
         print(
-            f"{f['name']:<13}{f['gpus']:>6}{f['annual_cost_usd']:>13,.0f}"
+            f"{f['name']:<13}{f['gpus_planned']:>8}{f['gpus']:>6}{f['annual_cost_usd']:>13,.0f}"
             f"{100 * f['savings_vs_homogeneous']:>8.1f}%{f['ttft_p50_s']:>9.3f}s"
             f"{f['ttft_p99_s']:>9.3f}s{1000 * f['tpot_p50_s']:>8.1f}ms"
             f"{1000 * f['tpot_p99_s']:>8.1f}ms{100 * f['slo_attainment']:>7.1f}%"
@@ -408,12 +466,13 @@ def run(args: argparse.Namespace) -> int:
     n = math.ceil(args.rate * args.duration)
     trace = trace_arrays(w, n)
     fleets = plan_fleets(w, profile, args)
-    baseline = next((f.gpus for f in fleets if f.name == "homogeneous"), None)
     reports: dict[str, SimReport] = {}
-    results = []
     for fleet in fleets:
         reports[fleet.name] = run_fleet(fleet, trace, profile, args)
-        results.append(fleet_result(fleet, reports[fleet.name], profile, baseline, args))
+        if args.verify:
+            reports[fleet.name] = verify_fleet(fleet, trace, profile, args, reports[fleet.name])
+    baseline = next((f.gpus for f in fleets if f.name == "homogeneous"), None)
+    results = [fleet_result(f, reports[f.name], profile, baseline, args) for f in fleets]
     result = {
         "trace": args.trace,
         "requests": n,
