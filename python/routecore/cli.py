@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 from routecore import __version__
 from routecore.commands import calibration_study, route
+from routecore.commands import serve as serve_command
 
 COMMANDS = [route, calibration_study]
+COMMANDS.append(serve_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,329 @@
+"""The ``routecore serve`` configuration: a YAML file, validated at start.
+
+Every error names the bad key (``pools[1].endpoints[0]: ...``) and never
+repeats an API key. See ``examples/routecore.yaml`` for a complete file::
+
+    server: {port, metrics_port, key_header, failure_mode, default_pool, grace_s}
+    limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens}
+    router: {policy}
+    admission: {backend, redis_url}
+    pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...]}]
+    tenants: [{name, api_keys: [...], expires_at, service_class, entitlement: {...}}]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from routecore._core import Pool
+
+FAILURE_MODES = ("open", "closed")
+POLICIES = ("least-request",)
+ADMISSION_BACKENDS = ("memory", "redis")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    port: int = 9002
+    metrics_port: int = 9090
+    host: str = "127.0.0.1"
+    #: The request header that carries the tenant's API key.
+    key_header: str = "x-api-key"
+    #: "open": on an internal failure route to ``default_pool``; "closed": answer 503.
+    failure_mode: str = "closed"
+    #: The pool for bodyless requests and fail-open routing (default: the first pool).
+    default_pool: str = ""
+    #: Seconds open streams get to finish at shutdown.
+    grace_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    #: Largest request body the ext_proc server accumulates (413 above).
+    max_body_bytes: int = 4 << 20
+    #: Largest gRPC message the server accepts.
+    max_message_bytes: int = 8 << 20
+    #: A request whose response never comes back is released after this long.
+    request_timeout_s: float = 600.0
+    #: The output bound assumed for requests that set no max_tokens.
+    default_max_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    #: How the endpoint inside the chosen pool is picked.
+    policy: str = "least-request"
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    backend: str = "memory"
+    redis_url: str = ""
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    name: str
+    max_context: int
+    budget: int | None = None
+    queue_limit: int | None = None
+    #: "ip:port" of every instance serving the pool (may be empty: 503 until filled).
+    endpoints: tuple[str, ...] = ()
+
+    def to_pool(self) -> Pool:
+        """The core's :class:`routecore.Pool` (which checks budget <= max_context)."""
+        return Pool(self.name, self.max_context, self.budget, self.queue_limit)
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    #: SHA-256 digests of the tenant's API keys (the keys themselves are not kept).
+    key_digests: tuple[bytes, ...] = field(repr=False)
+    #: Unix time after which the tenant's keys are refused with 403.
+    expires_at: float | None = None
+    service_class: str = "standard"
+    entitlement: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig
+    limits: Limits
+    router: RouterConfig
+    admission: AdmissionConfig
+    pools: tuple[PoolConfig, ...]
+    tenants: tuple[TenantConfig, ...]
+
+    def pool(self, name: str) -> PoolConfig:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(f"unknown pool {name!r}")
+
+    def key_index(self) -> dict[bytes, TenantConfig]:
+        """Tenant by API-key digest (see :func:`find_tenant`)."""
+        return {d: t for t in self.tenants for d in t.key_digests}
+
+
+def key_digest(key: str | bytes) -> bytes:
+    return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
+
+
+def find_tenant(index: dict[bytes, TenantConfig], key: str | bytes) -> TenantConfig | None:
+    """The tenant holding ``key``, or None.
+
+    The key is hashed first, so the lookup's timing depends on the digest, not
+    on how many leading characters of a real key were guessed; the final
+    comparison is constant-time (``hmac.compare_digest``).
+    """
+    digest = key_digest(key)
+    tenant = index.get(digest)
+    if tenant is None:
+        return None
+    return tenant if any(hmac.compare_digest(digest, d) for d in tenant.key_digests) else None
+
+
+def _section(raw: Any, where: str, allowed: set[str]) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"{where}.{key}: unknown key (expected one of {sorted(allowed)})")
+    return raw
+
+
+REQUIRED = object()
+
+
+def _int(raw: dict[str, Any], key: str, where: str, lo: int, hi: int, default: Any) -> Any:
+    if default is REQUIRED and key not in raw:
+        raise ConfigError(f"{where}.{key}: required")
+    v = raw.get(key, default)
+    if v is None and default is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ConfigError(f"{where}.{key}: expected an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _float(raw: dict[str, Any], key: str, where: str, lo: float, hi: float, default: Any) -> Any:
+    v = raw.get(key, default)
+    if v is None and default is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise ConfigError(f"{where}.{key}: expected a number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def _str(raw: dict[str, Any], key: str, where: str, default: str, choices=None) -> str:
+    v = raw.get(key, default)
+    if not isinstance(v, str) or (choices is not None and v not in choices):
+        expected = f"one of {list(choices)}" if choices is not None else "a string"
+        raise ConfigError(f"{where}.{key}: expected {expected}, got {v!r}")
+    return v
+
+
+def _endpoint(v: Any, where: str) -> str:
+    host, sep, port = v.rpartition(":") if isinstance(v, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{where}: expected 'ip:port', got {v!r}")
+    return v
+
+
+def _list(raw: dict[str, Any], key: str, where: str) -> list[Any]:
+    v = raw.get(key, [])
+    if not isinstance(v, list):
+        raise ConfigError(f"{where}.{key}: expected a list, got {type(v).__name__}")
+    return v
+
+
+def _pools(raw_list: list[Any]) -> tuple[PoolConfig, ...]:
+    if not raw_list:
+        raise ConfigError("pools: at least one pool is required")
+    pools, seen = [], set()
+    for i, raw in enumerate(raw_list):
+        where = f"pools[{i}]"
+        raw = _section(raw, where, {"name", "max_context", "budget", "queue_limit", "endpoints"})
+        name = _str(raw, "name", where, "")
+        if not name or name in seen:
+            raise ConfigError(f"{where}.name: expected a unique non-empty name, got {name!r}")
+        seen.add(name)
+        endpoints = [
+            _endpoint(e, f"{where}.endpoints[{j}]")
+            for j, e in enumerate(_list(raw, "endpoints", where))
+        ]
+        if len(set(endpoints)) != len(endpoints):
+            raise ConfigError(f"{where}.endpoints: an endpoint is listed twice")
+        pool = PoolConfig(
+            name=name,
+            max_context=_int(raw, "max_context", where, 1, 1 << 30, REQUIRED),
+            budget=_int(raw, "budget", where, 1, 1 << 30, None),
+            queue_limit=_int(raw, "queue_limit", where, 0, 1 << 30, None),
+            endpoints=tuple(endpoints),
+        )
+        try:
+            pool.to_pool()
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from e
+        pools.append(pool)
+    return tuple(pools)
+
+
+def _tenants(raw_list: list[Any]) -> tuple[TenantConfig, ...]:
+    tenants, names, digests = [], set(), set()
+    for i, raw in enumerate(raw_list):
+        where = f"tenants[{i}]"
+        raw = _section(
+            raw, where, {"name", "api_keys", "expires_at", "service_class", "entitlement"}
+        )
+        name = _str(raw, "name", where, "")
+        if not name or name in names:
+            raise ConfigError(f"{where}.name: expected a unique non-empty name, got {name!r}")
+        names.add(name)
+        keys = _list(raw, "api_keys", where)
+        if not keys:
+            raise ConfigError(f"{where}.api_keys: at least one key is required")
+        tenant_digests = []
+        for j, k in enumerate(keys):
+            if not isinstance(k, str) or not 8 <= len(k) <= 4096:
+                # The value is never echoed: it may be a real key with a typo.
+                raise ConfigError(f"{where}.api_keys[{j}]: expected a string of 8 to 4096 chars")
+            d = key_digest(k)
+            if d in digests:
+                raise ConfigError(f"{where}.api_keys[{j}]: key already belongs to a tenant")
+            digests.add(d)
+            tenant_digests.append(d)
+        entitlement = raw.get("entitlement", {})
+        if not isinstance(entitlement, dict):
+            raise ConfigError(f"{where}.entitlement: expected a mapping")
+        tenants.append(
+            TenantConfig(
+                name=name,
+                key_digests=tuple(tenant_digests),
+                expires_at=_float(raw, "expires_at", where, 0.0, 1e11, None),
+                service_class=_str(raw, "service_class", where, "standard"),
+                entitlement=dict(entitlement),
+            )
+        )
+    return tuple(tenants)
+
+
+def parse_config(raw: Any) -> Config:
+    """A validated :class:`Config` from the parsed YAML document."""
+    top = _section(raw, "config", {"server", "limits", "router", "admission", "pools", "tenants"})
+    s = _section(
+        top.get("server"),
+        "server",
+        {"port", "metrics_port", "host", "key_header", "failure_mode", "default_pool", "grace_s"},
+    )
+    pools = _pools(_list(top, "pools", "config"))
+    server = ServerConfig(
+        port=_int(s, "port", "server", 0, 65535, ServerConfig.port),
+        metrics_port=_int(s, "metrics_port", "server", 0, 65535, ServerConfig.metrics_port),
+        host=_str(s, "host", "server", ServerConfig.host),
+        key_header=_str(s, "key_header", "server", ServerConfig.key_header).lower(),
+        failure_mode=_str(s, "failure_mode", "server", "closed", FAILURE_MODES),
+        default_pool=_str(s, "default_pool", "server", pools[0].name, [p.name for p in pools]),
+        grace_s=_float(s, "grace_s", "server", 0.0, 3600.0, ServerConfig.grace_s),
+    )
+    if not server.key_header:
+        raise ConfigError("server.key_header: must not be empty")
+    lim = _section(
+        top.get("limits"),
+        "limits",
+        {"max_body_bytes", "max_message_bytes", "request_timeout_s", "default_max_tokens"},
+    )
+    limits = Limits(
+        max_body_bytes=_int(lim, "max_body_bytes", "limits", 1, 64 << 20, Limits.max_body_bytes),
+        max_message_bytes=_int(
+            lim, "max_message_bytes", "limits", 1024, 256 << 20, Limits.max_message_bytes
+        ),
+        request_timeout_s=_float(
+            lim, "request_timeout_s", "limits", 0.001, 86400.0, Limits.request_timeout_s
+        ),
+        default_max_tokens=_int(
+            lim, "default_max_tokens", "limits", 1, 1 << 30, Limits.default_max_tokens
+        ),
+    )
+    r = _section(top.get("router"), "router", {"policy"})
+    router = RouterConfig(policy=_str(r, "policy", "router", RouterConfig.policy, POLICIES))
+    a = _section(top.get("admission"), "admission", {"backend", "redis_url"})
+    admission = AdmissionConfig(
+        backend=_str(a, "backend", "admission", "memory", ADMISSION_BACKENDS),
+        redis_url=_str(a, "redis_url", "admission", ""),
+    )
+    if admission.backend == "redis" and not admission.redis_url:
+        raise ConfigError("admission.redis_url: required when admission.backend is 'redis'")
+    return Config(
+        server=server,
+        limits=limits,
+        router=router,
+        admission=admission,
+        pools=pools,
+        tenants=_tenants(_list(top, "tenants", "config")),
+    )
+
+
+def load_config(path: str | Path) -> Config:
+    """Reads and validates a YAML configuration file."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    try:
+        return parse_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
