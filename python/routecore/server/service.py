@@ -17,6 +17,8 @@ from routecore.server.engine import EngineHolder, Reject
 from routecore.server.gen import routecore_pb2 as pb
 from routecore.server.gen import routecore_pb2_grpc as pb_grpc
 
+#: The categories ``routecore.classify`` assigns (and the calibrator learns).
+CATEGORIES = ("prose", "code", "cjk", "mixed")
 #: Statuses that mean the request itself is bad (INVALID_ARGUMENT), not refused.
 BAD_REQUEST = (400, 413)
 
@@ -41,6 +43,11 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
                 outcome = engine.route_body(request.body, tenant, now)
             elif kind == "measured":
                 m = request.measured
+                if m.category not in CATEGORIES and not m.prompt_tokens:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"category must be one of {list(CATEGORIES)}, got {m.category!r}",
+                    )
                 outcome = engine.route_fields(
                     m.prompt_bytes,
                     m.category,

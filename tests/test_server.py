@@ -1,0 +1,491 @@
+"""End to end: the routecore server on 127.0.0.1 with real gRPC clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+import yaml
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from routecore.server.envoy_client import (
+    Conversation,
+    buffered,
+    chat_body,
+    header_map,
+    http_headers,
+    sse_chunks,
+    usage_body,
+)
+from routecore.server.gen import routecore_pb2 as rc
+from routecore.server.gen import routecore_pb2_grpc as rc_grpc
+from server_fixtures import LONG, SHORT, Running, base_config
+
+Mode = processing_mode_pb2.ProcessingMode
+KEY = {"x-api-key": "demo-key"}
+
+
+@pytest.fixture
+def serve(tmp_path):
+    started = []
+
+    def start(**overrides) -> Running:
+        r = Running(tmp_path / f"routecore{len(started)}.yaml", base_config(**overrides))
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+@pytest.fixture
+def server(serve) -> Running:
+    return serve()
+
+
+def converse(target: str, *args, **kwargs) -> Conversation:
+    async def go():
+        async with grpc.aio.insecure_channel(target) as channel:
+            return await buffered(pb_grpc.ExternalProcessorStub(channel), *args, **kwargs)
+
+    return asyncio.run(go())
+
+
+def stream_all(target: str, messages: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    """Sends every message, then reads every answer (for the streamed body modes)."""
+    with grpc.insecure_channel(target) as channel:
+        return list(pb_grpc.ExternalProcessorStub(channel).Process(iter(messages)))
+
+
+def settled(server: Running) -> None:
+    """Nothing left in flight anywhere."""
+    engine = server.engine
+    assert server.run(lambda: dict(engine.leases)) == {}
+    for pool in ("short", "long"):
+        assert server.run(engine.router.in_flight, pool) == 0
+    assert all(v == 0 for load in engine.endpoint_load.values() for v in load.values())
+
+
+def test_buffered_chat_conversation_routes_and_learns(server):
+    text = "hello world " * 50  # 600 bytes of prose
+    conv = converse(server.target, KEY, chat_body(text, 100), [usage_body(150, 20)])
+    routing = conv.routing
+    assert routing is not None and routing.WhichOneof("response") == "request_body"
+    headers = conv.routing_headers
+    assert headers["x-routecore-pool"] == "short"
+    assert headers["x-gateway-destination-endpoint"] in SHORT
+    assert routing.request_body.response.clear_route_cache
+    lb = routing.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert (
+        lb.fields["x-gateway-destination-endpoint"].string_value
+        == (headers["x-gateway-destination-endpoint"])
+    )
+    assert not routing.request_body.response.HasField("body_mutation")
+    # The first observation sets the category's ratio: 600 bytes / 150 tokens.
+    assert server.run(server.engine.router.calibrator.ratio, "prose") == pytest.approx(4.0)
+    assert server.run(server.engine.router.calibrator.count, "prose") == 1
+    settled(server)
+
+
+def test_long_prompt_goes_to_long_pool(server):
+    # ceil(40,000 / 4.0) + 100 = 10,100 tokens > 8,192: only the long pool holds it.
+    conv = converse(server.target, KEY, chat_body("a" * 40_000, 100), [usage_body(10_000, 1)])
+    assert conv.routing_headers == {
+        "x-gateway-destination-endpoint": LONG[0],
+        "x-routecore-pool": "long",
+    }
+    settled(server)
+
+
+def test_full_duplex_streamed_request_and_sse_response(server):
+    body = chat_body("stream me please " * 30, 50, stream=True)  # 510 bytes of text
+    chunks = [body[i : i + 100] for i in range(0, len(body), 100)]
+    duplex = pb.ProtocolConfiguration(
+        request_body_mode=Mode.FULL_DUPLEX_STREAMED, response_body_mode=Mode.FULL_DUPLEX_STREAMED
+    )
+    sse = sse_chunks(170, 3)
+    messages = [pb.ProcessingRequest(request_headers=http_headers(KEY), protocol_config=duplex)]
+    messages += [
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=c, end_of_stream=i == len(chunks) - 1))
+        for i, c in enumerate(chunks)
+    ]
+    messages.append(
+        pb.ProcessingRequest(
+            response_headers=http_headers({":status": "200", "content-type": "text/event-stream"})
+        )
+    )
+    messages += [
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=c, end_of_stream=i == len(sse) - 1))
+        for i, c in enumerate(sse)
+    ]
+    out = stream_all(server.target, messages)
+    kinds = [r.WhichOneof("response") for r in out]
+    # Headers wait for the body; then the body comes back whole, then the response passes.
+    assert kinds == ["request_headers", "request_body", "response_headers"] + [
+        "response_body"
+    ] * len(sse)
+    routing = out[0].request_headers.response
+    assert header_map(routing.header_mutation)["x-routecore-pool"] == "short"
+    assert routing.clear_route_cache
+    assert (
+        out[0]
+        .dynamic_metadata.fields["envoy.lb"]
+        .struct_value.fields["x-gateway-destination-endpoint"]
+        .string_value
+        in SHORT
+    )
+    echoed = out[1].request_body.response.body_mutation.streamed_response
+    assert echoed.body == body and echoed.end_of_stream
+    back = [r.response_body.response.body_mutation.streamed_response for r in out[3:]]
+    assert b"".join(s.body for s in back) == b"".join(sse)
+    assert [s.end_of_stream for s in back] == [False] * (len(sse) - 1) + [True]
+    # Usage from the last SSE event: 510 bytes / 170 tokens = 3.0.
+    assert server.run(server.engine.router.calibrator.ratio, "prose") == pytest.approx(3.0)
+    settled(server)
+
+
+def test_streamed_request_body_routes_on_last_chunk(server):
+    body = chat_body("chunked " * 40, 20)
+    half = len(body) // 2
+    messages = [
+        pb.ProcessingRequest(
+            request_headers=http_headers(KEY),
+            protocol_config=pb.ProtocolConfiguration(request_body_mode=Mode.STREAMED),
+        ),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body[:half])),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body[half:], end_of_stream=True)),
+    ]
+    out = stream_all(server.target, messages)
+    assert [r.WhichOneof("response") for r in out] == ["request_headers"] + ["request_body"] * 2
+    assert not out[1].request_body.response.HasField("header_mutation")
+    assert header_map(out[2].request_body.response.header_mutation)["x-routecore-pool"] == "short"
+    settled(server)
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "reason"),
+    [
+        ({}, 401, "unknown-key"),
+        ({"x-api-key": "not-a-real-key"}, 401, "unknown-key"),
+        ({"x-api-key": "demo-key-but-longer"}, 401, "unknown-key"),
+        ({"x-api-key": "expired-key"}, 403, "expired-key"),
+    ],
+)
+def test_unknown_or_expired_key_is_refused_and_never_logged(
+    server, caplog, headers, status, reason
+):
+    caplog.set_level(logging.DEBUG, logger="routecore.server")
+    conv = converse(server.target, headers, chat_body("hi"), [usage_body(1, 1)])
+    imm = conv.immediate
+    assert imm is not None and imm.status.code == status
+    assert json.loads(imm.body)["error"]["type"] == reason
+    assert len(conv.responses) == 1  # refused at the headers: the body is never read
+    assert any(r.getMessage() == "refused" for r in caplog.records)
+    for key in headers.values():
+        assert key not in caplog.text
+    settled(server)
+
+
+def test_malformed_and_oversize_bodies_do_not_break_the_server(server):
+    for body, status, reason in [
+        (b"{not json", 400, "malformed-body"),
+        (b'{"messages": 3}', 400, "malformed-body"),
+        (chat_body("x" * 300_000), 413, "body-too-large"),
+        (chat_body("a" * 190_000, 60_000), 400, "exceeds-max-context"),
+    ]:
+        conv = converse(server.target, KEY, body, [usage_body(1, 1)])
+        assert conv.immediate is not None, reason
+        assert conv.immediate.status.code == status
+        assert json.loads(conv.immediate.body)["error"]["type"] == reason
+    # The same server still routes.
+    assert converse(server.target, KEY, chat_body("fine"), [usage_body(3, 1)]).routing
+    settled(server)
+
+
+def test_oversize_streamed_body_is_refused_mid_stream(server):
+    duplex = pb.ProtocolConfiguration(request_body_mode=Mode.FULL_DUPLEX_STREAMED)
+    chunk = b"x" * 90_000
+    out = stream_all(
+        server.target,
+        [pb.ProcessingRequest(request_headers=http_headers(KEY), protocol_config=duplex)]
+        + [pb.ProcessingRequest(request_body=pb.HttpBody(body=chunk)) for _ in range(3)],
+    )
+    assert len(out) == 1 and out[0].immediate_response.status.code == 413
+    settled(server)
+
+
+def test_no_endpoint_is_503(serve):
+    config = base_config()
+    config["pools"][1]["endpoints"] = []
+    s = serve(pools=config["pools"])
+    conv = converse(s.target, KEY, chat_body("a" * 40_000), [usage_body(1, 1)])
+    assert conv.immediate.status.code == 503
+    assert json.loads(conv.immediate.body)["error"]["type"] == "no-endpoint"
+    settled(s)
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_failure_mode(serve, mode):
+    s = serve(server={"failure_mode": mode, "default_pool": "long"})
+
+    def broken(*args):
+        raise RuntimeError("backend down")
+
+    s.engine.route_body = broken
+    conv = converse(s.target, KEY, chat_body("hi"), [usage_body(1, 1)])
+    if mode == "open":
+        assert conv.routing_headers["x-routecore-pool"] == "long"
+    else:
+        assert conv.immediate.status.code == 503
+    settled(s)
+
+
+def test_bodyless_request_goes_to_default_pool(server):
+    conv = converse(server.target, KEY, None)
+    routing = conv.routing
+    assert routing.WhichOneof("response") == "request_headers"
+    assert conv.routing_headers["x-routecore-pool"] == "short"
+
+
+def test_request_that_never_returns_is_released_by_timeout(serve):
+    s = serve(limits={"request_timeout_s": 0.2})
+
+    async def hold():
+        async with grpc.aio.insecure_channel(s.target) as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(pb.ProcessingRequest(request_headers=http_headers(KEY)))
+            await call.read()
+            await call.write(
+                pb.ProcessingRequest(
+                    request_body=pb.HttpBody(body=chat_body("hi"), end_of_stream=True)
+                )
+            )
+            assert (await call.read()).request_body.response.clear_route_cache
+            assert s.run(s.engine.router.in_flight, "short") == 1
+            await asyncio.sleep(0.8)  # the stream stays open; the reaper releases it
+            assert s.run(s.engine.router.in_flight, "short") == 0
+            call.cancel()
+
+    asyncio.run(hold())
+    settled(s)
+    assert s.server.metrics.timeouts.labels("short")._value.get() == 1
+
+
+def test_least_request_spreads_held_requests(server):
+    engine = server.engine
+
+    def route_three():
+        return [engine.route_fields(400, "prose", 10, None, None, 0.0) for _ in range(3)]
+
+    leases = server.run(route_three)
+    assert [lease.endpoint for lease in leases] == [SHORT[0], SHORT[1], SHORT[0]]
+    server.run(engine.finish, leases[0], None, None, 1.0)
+    server.run(engine.finish, leases[0], None, None, 1.0)  # idempotent
+    assert engine.endpoint_load["short"] == {SHORT[0]: 1, SHORT[1]: 1}
+    for lease in leases[1:]:
+        server.run(engine.finish, lease, None, None, 1.0)
+    settled(server)
+
+
+def test_many_concurrent_streams(server):
+    n = 200
+
+    async def go():
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            return await asyncio.gather(
+                *(
+                    buffered(stub, KEY, chat_body(f"request {i} " * 20), [usage_body(50, 5)])
+                    for i in range(n)
+                )
+            )
+
+    convs = asyncio.run(go())
+    pools = [c.routing_headers.get("x-routecore-pool") for c in convs]
+    assert pools == ["short"] * n
+    assert server.server.metrics.decisions.labels("short")._value.get() == n
+    assert server.run(server.engine.router.calibrator.count, "prose") == n
+    settled(server)
+
+
+def test_health_and_metrics(server):
+    with grpc.insecure_channel(server.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in (
+            "",
+            "envoy.service.ext_proc.v3.ExternalProcessor",
+            "routecore.v1.RouteCore",
+        ):
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    converse(server.target, KEY, chat_body("metrics"), [usage_body(2, 1)])
+    converse(server.target, {"x-api-key": "expired-key"}, chat_body("x"), [])
+    url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert 'routecore_decisions_total{pool="short"} 1.0' in text
+    assert 'routecore_rejections_total{reason="expired-key",service_class="standard"} 1.0' in text
+    assert 'routecore_calibration_ratio{category="prose"} 3.5' in text  # 7 bytes / 2 tokens
+    assert "routecore_decision_seconds_count 1.0" in text
+    assert 'routecore_in_flight{endpoint="127.0.0.1:8001",pool="short"} 0.0' in text
+
+
+def test_routecore_service(server):
+    with grpc.insecure_channel(server.target) as channel:
+        stub = rc_grpc.RouteCoreStub(channel)
+        resp = stub.Route(rc.RouteRequest(body=chat_body("x" * 400, 50), api_key="demo-key"))
+        assert resp.admission.admitted and resp.admission.status == 200
+        assert resp.pool == "short" and resp.endpoint in SHORT
+        # Cold start 4 bytes/token: ceil(400 / 4) = 100 input tokens + 50 output.
+        assert (resp.est_input_tokens, resp.est_output_tokens) == (100, 50)
+        assert resp.est_total_tokens == 150 and resp.reason == "budget"
+        assert server.run(server.engine.router.in_flight, "short") == 1
+        stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id, prompt_tokens=80))
+        assert server.run(server.engine.router.calibrator.ratio, "prose") == 5.0
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id, prompt_tokens=80))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+        measured = rc.MeasuredRequest(prompt_bytes=0, category="code", max_output_tokens=9000)
+        resp = stub.Route(rc.RouteRequest(measured=measured, api_key="demo-key"))
+        assert resp.pool == "long" and resp.endpoint == LONG[0]
+        tokens = rc.MeasuredRequest(prompt_tokens=8100, max_output_tokens=100)  # 8,200 > 8,192
+        resp2 = stub.Route(rc.RouteRequest(measured=tokens, api_key="demo-key"))
+        assert resp2.pool == "long" and resp2.est_input_tokens == 8100
+        for r in (resp, resp2):
+            stub.Feedback(rc.FeedbackRequest(request_id=r.request_id))
+
+        refused = stub.Route(rc.RouteRequest(body=chat_body("x"), api_key="wrong-key"))
+        assert not refused.admission.admitted and refused.admission.status == 401
+        assert refused.pool == "" and refused.request_id == ""
+        for bad in (
+            rc.RouteRequest(body=b"{oops", api_key="demo-key"),
+            rc.RouteRequest(api_key="demo-key"),
+            rc.RouteRequest(
+                measured=rc.MeasuredRequest(category="klingon", max_output_tokens=5),
+                api_key="demo-key",
+            ),
+            rc.RouteRequest(measured=rc.MeasuredRequest(category="prose"), api_key="demo-key"),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Route(bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Plan(rc.PlanRequest(params_json="{}"))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    settled(server)
+
+
+def test_retry_after_header_rounds_up():
+    from routecore.server.engine import Reject
+    from routecore.server.extproc import immediate
+
+    imm = immediate(Reject(429, "over-entitlement", "slow down", 1.2)).immediate_response
+    assert imm.status.code == 429
+    assert header_map(imm.headers)["retry-after"] == str(math.ceil(1.2))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_sighup_reload_keeps_open_streams_and_stops_gracefully(tmp_path):
+    path = tmp_path / "routecore.yaml"
+    path.write_text(yaml.safe_dump(base_config()))
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "routecore.cli",
+        "serve",
+        "--config",
+        str(path),
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(free_port()),
+    ]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(target) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            held = stub.Process()  # a request in flight across the reload
+            await held.write(pb.ProcessingRequest(request_headers=http_headers(KEY)))
+            await held.read()
+            body = chat_body("before reload " * 10)
+            await held.write(
+                pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+            )
+            first = await held.read()
+            assert (
+                header_map(first.request_body.response.header_mutation)[
+                    "x-gateway-destination-endpoint"
+                ]
+                in SHORT
+            )
+
+            config = base_config()
+            config["pools"][0]["endpoints"] = ["127.0.0.1:9101"]
+            path.write_text(yaml.safe_dump(config))
+            proc.send_signal(signal.SIGHUP)
+            for _ in range(100):
+                conv = await buffered(stub, KEY, chat_body("after"), [usage_body(1, 1)])
+                if conv.routing_headers["x-gateway-destination-endpoint"] == "127.0.0.1:9101":
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("reload not applied")
+
+            path.write_text("pools: [oops")  # a broken file: the running config stays
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(0.3)
+            conv = await buffered(stub, KEY, chat_body("still"), [usage_body(1, 1)])
+            assert conv.routing_headers["x-gateway-destination-endpoint"] == "127.0.0.1:9101"
+
+            # The held stream finishes normally on the engine that routed it.
+            await held.write(
+                pb.ProcessingRequest(response_headers=http_headers({":status": "200"}))
+            )
+            assert (await held.read()).HasField("response_headers")
+            await held.write(
+                pb.ProcessingRequest(
+                    response_body=pb.HttpBody(body=usage_body(40, 2), end_of_stream=True)
+                )
+            )
+            assert (await held.read()).HasField("response_body")
+            await held.done_writing()
+
+    try:
+        asyncio.run(scenario())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    events = [
+        json.loads(line)["event"]
+        for line in proc.stderr.read().splitlines()
+        if line.startswith("{")
+    ]
+    assert events[0] == "started" and events[-1] == "stopped"
+    assert "reloaded" in events and "reload-failed" in events
