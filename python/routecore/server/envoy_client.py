@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -187,3 +188,84 @@ async def run_load(
         "p50_ms": latencies[len(latencies) // 2] * 1e3,
         "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3,
     }
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_report(
+    config: str, requests: int, concurrency: int = 32, rate: float | None = None
+) -> dict[str, dict[str, float]]:
+    """Starts ``routecore serve --config config`` in its own process and measures it.
+
+    Three runs of ``requests`` conversations each: closed loop with
+    ``concurrency`` workers (throughput), one at a time (added latency with no
+    queueing), and, when ``rate`` is given, open loop at ``rate`` requests/s.
+    Each run also reports the server process's CPU time per request.
+    """
+    import subprocess
+    import sys
+
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "routecore.cli",
+        "serve",
+        "--config",
+        config,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(free_port()),
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(cmd)
+    target = f"127.0.0.1:{port}"
+
+    def cpu_s() -> float:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    async def measure() -> dict[str, dict[str, float]]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 60)
+        runs = {"closed_loop": (concurrency, None), "sequential": (1, None)}
+        if rate is not None:
+            runs[f"paced_{rate:g}_rps"] = (max(concurrency, 64), rate)
+        report = {}
+        for name, (workers, r) in runs.items():
+            before = cpu_s()
+            result = await run_load(target, requests, workers, r)
+            result["server_cpu_ms_per_request"] = (cpu_s() - before) / requests * 1e3
+            report[name] = result
+        return report
+
+    try:
+        return asyncio.run(measure())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Load test a routecore ext_proc server.")
+    p.add_argument("--config", default="examples/routecore.yaml")
+    p.add_argument("--requests", type=int, default=20_000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--rate", type=float, default=1000.0)
+    a = p.parse_args()
+    print(json.dumps(load_report(a.config, a.requests, a.concurrency, a.rate), indent=2))
+
+
+if __name__ == "__main__":
+    main()
