@@ -12,13 +12,17 @@
 //! - code: the share of non-blank characters that are code punctuation
 //!   (`{}[]();=<>_*&|#$\`), and the share of non-blank lines that look like
 //!   code (end in `;`, `{`, `}`, `)`, `:` or `,`; hold `==`, `!=`, `=>`, `->`,
-//!   `::`, `&&`, `||`; or start with a common keyword), weighted up when the
-//!   lines are indented.
+//!   `::`, `&&`, `||`; or start with a common keyword). Indentation is not a
+//!   signal: licences and lists are indented too.
 //!
 //! Rules, in order: CJK share >= 0.6 -> "cjk"; CJK share >= 0.1 or other
-//! scripts >= 0.3 -> "mixed"; strong code signals -> "code"; weak code signals
-//! (prose with embedded snippets) -> "mixed"; otherwise "prose". An empty or
-//! letter-less text is "prose", the cold-start category.
+//! scripts >= 0.3 -> "mixed"; code lines >= 40% with punctuation >= 5%, or
+//! code lines >= 20% with punctuation >= 12% -> "code"; code lines >= 20% with
+//! punctuation >= 2.5% (prose with embedded snippets) -> "mixed"; otherwise
+//! "prose". An empty or letter-less text is "prose", the cold-start category.
+//! Measured on this machine's files: Python stdlib modules and C headers have
+//! 40-66% code lines and 7-19% punctuation; licence texts 7-17% and 0.5-3.7%;
+//! Markdown READMEs with snippets 14-33% and 1.5-7%.
 
 pub const SAMPLE_BYTES: usize = 64 * 1024;
 
@@ -123,26 +127,18 @@ pub fn classify(bytes: &[u8]) -> &'static str {
     if cjk_share >= 0.1 || other_share >= 0.3 {
         return "mixed";
     }
-    let (mut lines, mut code_lines, mut indented) = (0usize, 0usize, 0usize);
-    for line in text.lines() {
-        if line.trim().is_empty() {
-            continue;
-        }
+    let (mut lines, mut code_lines) = (0usize, 0usize);
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
         lines += 1;
         if code_line(line) {
             code_lines += 1;
         }
-        if line.starts_with("  ") || line.starts_with('\t') {
-            indented += 1;
-        }
     }
     let line_share = code_lines as f64 / lines.max(1) as f64;
-    let indent_share = indented as f64 / lines.max(1) as f64;
     let punct_share = punct as f64 / visible.max(1) as f64;
-    let score = line_share + 0.5 * indent_share;
-    if (score >= 0.45 && punct_share >= 0.03) || punct_share >= 0.12 {
+    if (line_share >= 0.4 && punct_share >= 0.05) || (line_share >= 0.2 && punct_share >= 0.12) {
         "code"
-    } else if score >= 0.2 && punct_share >= 0.02 {
+    } else if line_share >= 0.2 && punct_share >= 0.025 {
         "mixed"
     } else {
         "prose"

@@ -1,26 +1,26 @@
 # Type stubs for routecore._core, the Rust extension. Kept honest by
 # `python -m mypy.stubtest routecore._core` in the test command.
-from typing import Any, Literal
+from typing import Any, Literal, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self
 
 __version__: str
 
-Category = Literal["prose", "code", "cjk", "mixed"]
-
 # --- token-budget routing (capability 1) -------------------------------------
 
+@final
 class Calibrator:
     """Per-category bytes-per-token EMA learned from ``usage.prompt_tokens``."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         beta: float = 0.95,
         gamma: float = 1.0,
         cold_start: float = 4.0,
         max_categories: int = 1024,
-    ) -> None: ...
+    ) -> Self: ...
     def observe(self, category: str, prompt_bytes: int, prompt_tokens: int) -> None: ...
     def ratio(self, category: str) -> float: ...
     def sigma(self, category: str) -> float: ...
@@ -42,16 +42,17 @@ class Calibrator:
     def from_bytes(data: bytes) -> Calibrator: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
 
+@final
 class Pool:
     """A pool of model instances sharing one context window."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         name: str,
         max_context: int,
         budget: int | None = None,
         queue_limit: int | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def name(self) -> str: ...
     @property
@@ -61,6 +62,7 @@ class Pool:
     @property
     def queue_limit(self) -> int | None: ...
 
+@final
 class RouteDecision:
     """One routing decision."""
 
@@ -81,10 +83,11 @@ class RouteDecision:
     @property
     def reason(self) -> str: ...
 
+@final
 class TokenBudgetRouter:
     """Token-budget pool routing (Chen et al. 2026, Algorithm 1) over N pools."""
 
-    def __init__(self, pools: list[Pool], calibrator: Calibrator | None = None) -> None: ...
+    def __new__(cls, pools: list[Pool], calibrator: Calibrator | None = None) -> Self: ...
     def route(self, prompt_bytes: int, category: str, max_output_tokens: int) -> RouteDecision: ...
     def route_tokens(self, prompt_tokens: int, max_output_tokens: int) -> RouteDecision: ...
     def route_many(
@@ -103,5 +106,5 @@ class TokenBudgetRouter:
     @property
     def calibrator(self) -> Calibrator: ...
 
-def classify(text: str | bytes) -> Category: ...
+def classify(text: str | bytes) -> Literal["prose", "code", "cjk", "mixed"]: ...
 def parse_openai_request(body: str | bytes, default_max_tokens: int = 4096) -> dict[str, Any]: ...

@@ -3,7 +3,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::calibrate::{Calibrator, DEFAULT_MAX_CATEGORIES, MAX_PROMPT_BYTES};
+use crate::calibrate::{Calibrator, MAX_PROMPT_BYTES};
 use crate::error::invalid;
 
 /// Per-category bytes-per-token EMA learned from ``usage.prompt_tokens``.
@@ -37,7 +37,7 @@ impl PyCalibrator {
 #[pymethods]
 impl PyCalibrator {
     #[new]
-    #[pyo3(signature = (beta=0.95, gamma=1.0, cold_start=4.0, max_categories=DEFAULT_MAX_CATEGORIES))]
+    #[pyo3(signature = (beta=0.95, gamma=1.0, cold_start=4.0, max_categories=1024))]
     fn new(beta: f64, gamma: f64, cold_start: f64, max_categories: usize) -> PyResult<Self> {
         let cal = Calibrator::new(beta, gamma, cold_start, max_categories)?;
         Ok(Self {

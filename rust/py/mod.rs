@@ -34,6 +34,11 @@ pub fn int_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
             "{what} must be 1-D, got {ndim} dimensions"
         )));
     }
+    let size: usize = arr.getattr("size")?.extract()?;
+    if size == 0 {
+        // `[]` arrives as float64; an empty array holds no value to misread.
+        return Ok(Vec::new());
+    }
     let dtype = arr.getattr("dtype")?;
     let kind: String = dtype.getattr("kind")?.extract()?;
     if kind != "i" && kind != "u" {
@@ -42,8 +47,7 @@ pub fn int_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
             dtype.str()?
         )));
     }
-    let size: usize = arr.getattr("size")?.extract()?;
-    if kind == "u" && size > 0 {
+    if kind == "u" {
         let max: u64 = arr.call_method0("max")?.extract()?;
         if max > i64::MAX as u64 {
             return Err(PyValueError::new_err(format!(

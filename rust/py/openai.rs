@@ -2,7 +2,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::text_bytes;
-use crate::openai::{parse_request, DEFAULT_MAX_OUTPUT_TOKENS};
+use crate::openai::parse_request;
 
 /// Reads the fields routing needs from an OpenAI request body (chat or
 /// completion), in Rust.
@@ -19,7 +19,7 @@ use crate::openai::{parse_request, DEFAULT_MAX_OUTPUT_TOKENS};
 /// >>> parse_openai_request(b'{"messages": [{"role": "user", "content": "hi"}]}')["prompt_bytes"]
 /// 2
 #[pyfunction]
-#[pyo3(signature = (body, default_max_tokens=DEFAULT_MAX_OUTPUT_TOKENS))]
+#[pyo3(signature = (body, default_max_tokens=4096))]
 pub fn parse_openai_request<'py>(
     py: Python<'py>,
     body: &Bound<'py, PyAny>,

@@ -1,0 +1,1 @@
+"""Plain-Python versions of routecore's algorithms, benchmarked beside routecore."""

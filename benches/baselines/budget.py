@@ -1,0 +1,59 @@
+"""Token-budget routing in plain Python: the same algorithm as routecore's
+Calibrator + TokenBudgetRouter (Chen et al. 2026, Algorithm 1), written the way
+a Python router would."""
+
+from __future__ import annotations
+
+import math
+
+
+class Calibrator:
+    def __init__(self, beta=0.95, gamma=1.0, cold_start=4.0):
+        self.beta, self.gamma, self.cold_start = beta, gamma, cold_start
+        self.stats: dict[str, list[float]] = {}  # category -> [ratio, sigma, count]
+
+    def observe(self, category, prompt_bytes, prompt_tokens):
+        c_obs = prompt_bytes / prompt_tokens
+        s = self.stats.setdefault(category, [self.cold_start, 0.0, 0])
+        s[2] += 1
+        w = max(1.0 / s[2], 1.0 - self.beta)
+        s[0] += w * (c_obs - s[0])
+        s[1] += w * (abs(c_obs - s[0]) - s[1])
+
+    def estimate_tokens(self, prompt_bytes, category):
+        s = self.stats.get(category)
+        ratio = self.cold_start if s is None else max(s[0] - self.gamma * s[1], 0.5)
+        return math.ceil(prompt_bytes / ratio)
+
+
+class TokenBudgetRouter:
+    def __init__(self, pools, calibrator=None):
+        # pools: list of (name, max_context, budget, queue_limit)
+        self.pools = pools
+        self.order = sorted(range(len(pools)), key=lambda i: (pools[i][2], pools[i][1]))
+        self.in_flight = [0] * len(pools)
+        self.calibrator = calibrator or Calibrator()
+
+    def _overloaded(self, i):
+        limit = self.pools[i][3]
+        return limit is not None and self.in_flight[i] > limit
+
+    def route(self, prompt_bytes, category, max_output_tokens):
+        total = self.calibrator.estimate_tokens(prompt_bytes, category) + max_output_tokens
+        pools = self.pools
+        target = next((i for i in self.order if pools[i][2] >= total), None)
+        if target is None:
+            fitting = [i for i in self.order if pools[i][1] >= total]
+            if not fitting:
+                return -1
+            target = max(fitting, key=lambda i: pools[i][1])
+        if self._overloaded(target):
+            alternates = [
+                i
+                for i in self.order
+                if i != target and pools[i][1] >= total and not self._overloaded(i)
+            ]
+            if alternates:
+                target = min(alternates, key=lambda i: self.in_flight[i])
+        self.in_flight[target] += 1
+        return target

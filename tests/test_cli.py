@@ -1,0 +1,79 @@
+"""The routecore command."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from routecore import __version__
+from routecore.cli import main
+
+
+def test_help_and_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"routecore {__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "route" in capsys.readouterr().out
+    assert main([]) == 2
+
+
+def test_console_script_runs():
+    out = subprocess.run(
+        [sys.executable, "-m", "routecore.cli", "--version"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and __version__ in out.stdout
+
+
+def test_route_the_embedded_sample(capsys):
+    assert main(["route"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 20
+    pools = [x["pool"] for x in lines]
+    assert pools.count("long") >= 3 and pools.count(None) == 1
+    by_line = {x["line"]: x for x in lines}
+    # The long-generation request: a short prompt, max_tokens 8192.
+    assert by_line[8]["pool"] == "long" and by_line[8]["est_output_tokens"] == 8192
+    assert by_line[15]["rejected"] and by_line[15]["reason"] == "exceeds-max-context"
+    # A prompt given as token ids routes on its exact length.
+    assert by_line[17]["est_input_tokens"] == 8
+
+
+def test_route_stdin_with_custom_pools_and_a_bad_line(monkeypatch, capsys, tmp_path):
+    import io
+
+    lines = [
+        json.dumps({"prompt": "x" * 400, "max_tokens": 50}),
+        "not json",
+        "",
+        json.dumps({"prompt": "x" * 40_000, "max_tokens": 50}),
+    ]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines)))
+    assert main(["route", "-", "--pool", "tiny:1024:512:8", "--pool", "big:32768"]) == 1
+    out = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x.get("pool") for x in out] == ["tiny", None, "big"]
+    assert "malformed JSON" in out[1]["error"]
+    f = tmp_path / "reqs.jsonl"
+    f.write_text(lines[0] + "\n")
+    assert main(["route", str(f)]) == 0
+
+
+@pytest.mark.parametrize("spec", ["short", "short:abc", ":100", "a:1:2:3:4", "a:100:200"])
+def test_bad_pool_specs(spec, capsys):
+    with pytest.raises(SystemExit):
+        main(["route", "--pool", spec])
+    assert "pool" in capsys.readouterr().err
+
+
+def test_missing_file_is_a_clear_error(capsys):
+    assert main(["route", "/nonexistent/requests.jsonl"]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_calibration_study_command(capsys):
+    assert main(["calibration-study", "--requests", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "| cjk | 2.01 |" in out
