@@ -16,6 +16,14 @@
 //!    earlier in budget order). That pool may be larger or smaller than the
 //!    target, as in the paper, but always satisfies the hard constraint.
 //!
+//! 4. Compress-and-route (FleetOpt section 5.1), only with a `compress_band`
+//!    gamma >= 1: a compressible request (any category but "code", known
+//!    text) whose `L_total` is in `(B, gamma * B]` for the pool with the largest
+//!    budget `B` below `L_total` is sent to that pool with action "compress" and
+//!    target `T_c = B - L_out` prompt tokens (`crate::compress` does the
+//!    cutting), unless that pool is overloaded, `T_c` < 1, or it is the pool
+//!    the request would go to anyway.
+//!
 //! The router counts in-flight requests per pool: every routed request adds one
 //! to its pool, `complete` removes one, and telemetry may overwrite the count.
 
@@ -96,6 +104,29 @@ pub enum Reason {
     Spillover,
     /// No pool's max_context holds L_total.
     TooLong,
+    /// Sent to a smaller pool once compressed to `compress_target_tokens`.
+    Compress,
+}
+
+/// What the caller does with a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Send the request, as it is, to the pool.
+    Route,
+    /// Compress the prompt to `compress_target_tokens`, then send it.
+    Compress,
+    /// No pool can take it.
+    Reject,
+}
+
+impl Action {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Route => "route",
+            Action::Compress => "compress",
+            Action::Reject => "reject",
+        }
+    }
 }
 
 impl Reason {
@@ -105,6 +136,7 @@ impl Reason {
             Reason::LargestContext => "largest-context",
             Reason::Spillover => "spillover",
             Reason::TooLong => "exceeds-max-context",
+            Reason::Compress => "compress",
         }
     }
 }
@@ -119,6 +151,9 @@ pub struct Decision {
     pub est_total_tokens: u64,
     pub spilled: bool,
     pub reason: Reason,
+    pub action: Action,
+    /// `T_c = B - L_out` when the action is `Compress`.
+    pub compress_target_tokens: Option<u64>,
 }
 
 /// The request fields routing needs, validated.
@@ -150,6 +185,7 @@ pub struct TokenBudgetRouter {
     order: Vec<usize>,
     in_flight: Vec<AtomicU64>,
     calibrator: Arc<RwLock<Calibrator>>,
+    compress_band: Option<f64>,
 }
 
 impl TokenBudgetRouter {
@@ -170,7 +206,81 @@ impl TokenBudgetRouter {
             order,
             in_flight,
             calibrator,
+            compress_band: None,
         })
+    }
+
+    /// Turns on compress-and-route with band `gamma` (finite, >= 1).
+    pub fn with_compress_band(mut self, gamma: f64) -> Result<Self> {
+        if !(gamma.is_finite() && gamma >= 1.0) {
+            return Err(invalid(format!(
+                "compress_band must be a finite number >= 1, got {gamma}"
+            )));
+        }
+        self.compress_band = Some(gamma);
+        Ok(self)
+    }
+
+    pub fn compress_band(&self) -> Option<f64> {
+        self.compress_band
+    }
+
+    /// The pool and target `T_c` a compressible request of `total` tokens,
+    /// `output` of them output, would be compressed for (see the module
+    /// docs), without counting it.
+    pub fn compress_target(&self, total: u64, output: u64) -> Option<(usize, u64)> {
+        let gamma = self.compress_band?;
+        let pool = self
+            .order
+            .iter()
+            .copied()
+            .rfind(|&i| self.pools[i].budget < total)?;
+        let budget = self.pools[pool].budget;
+        let in_band = total as f64 <= gamma * budget as f64;
+        let target = budget.checked_sub(output).filter(|&t| t >= 1)?;
+        let elsewhere = self.choose(total).0 != Some(pool);
+        (in_band && elsewhere && !self.overloaded(pool)).then_some((pool, target))
+    }
+
+    /// Counts a request compressed for `pool` (from `compress_target`).
+    pub fn route_compressed(
+        &self,
+        pool: usize,
+        est_input_tokens: u64,
+        max_output_tokens: u64,
+        target: u64,
+    ) -> Decision {
+        self.in_flight[pool].fetch_add(1, Ordering::Relaxed);
+        Decision {
+            pool: Some(pool),
+            est_input_tokens,
+            est_output_tokens: max_output_tokens,
+            est_total_tokens: est_input_tokens.saturating_add(max_output_tokens),
+            spilled: false,
+            reason: Reason::Compress,
+            action: Action::Compress,
+            compress_target_tokens: Some(target),
+        }
+    }
+
+    /// Routes a request, with compress-and-route when `compressible` and a
+    /// band is set; counts it in flight.
+    pub fn route_with(
+        &self,
+        est_input_tokens: u64,
+        max_output_tokens: u64,
+        compressible: bool,
+    ) -> Decision {
+        let total = est_input_tokens.saturating_add(max_output_tokens);
+        let compress = compressible
+            .then(|| self.compress_target(total, max_output_tokens))
+            .flatten();
+        match compress {
+            Some((pool, target)) => {
+                self.route_compressed(pool, est_input_tokens, max_output_tokens, target)
+            }
+            None => self.route_estimated(est_input_tokens, max_output_tokens),
+        }
     }
 
     pub fn pools(&self) -> &[Pool] {
@@ -274,10 +384,14 @@ impl TokenBudgetRouter {
 
     /// Routes one request and counts it in flight on the chosen pool.
     pub fn route(&self, req: Request) -> Decision {
-        let est_input_tokens = self
-            .read_calibrator()
-            .estimate_tokens_id(req.prompt_bytes, req.category);
-        self.route_estimated(est_input_tokens, req.max_output_tokens)
+        let (est_input_tokens, compressible) = {
+            let cal = self.read_calibrator();
+            (
+                cal.estimate_tokens_id(req.prompt_bytes, req.category),
+                compressible(&cal, req.category),
+            )
+        };
+        self.route_with(est_input_tokens, req.max_output_tokens, compressible)
     }
 
     /// Routes a request whose input tokens are already estimated (or known).
@@ -294,6 +408,12 @@ impl TokenBudgetRouter {
             est_total_tokens: total,
             spilled,
             reason,
+            action: if pool.is_some() {
+                Action::Route
+            } else {
+                Action::Reject
+            },
+            compress_target_tokens: None,
         }
     }
 
@@ -306,12 +426,17 @@ impl TokenBudgetRouter {
             .iter()
             .map(|r| {
                 let est = cal.estimate_tokens_id(r.prompt_bytes, r.category);
-                self.route_estimated(est, r.max_output_tokens)
+                self.route_with(est, r.max_output_tokens, compressible(&cal, r.category))
                     .pool
                     .map_or(-1, |i| i as i64)
             })
             .collect()
     }
+}
+
+/// Whether a category may be compressed: every category but "code".
+pub fn compressible(cal: &Calibrator, category: Option<usize>) -> bool {
+    category.and_then(|id| cal.categories().get(id).map(String::as_str)) != Some("code")
 }
 
 #[cfg(test)]
@@ -447,5 +572,63 @@ mod tests {
         ));
         assert!(TokenBudgetRouter::new(vec![p.clone(), p], cal.clone()).is_err());
         assert!(TokenBudgetRouter::new(vec![], cal).is_err());
+    }
+
+    #[test]
+    fn compress_band_sends_borderline_requests_short() {
+        let r = router(&[("short", 8192, None, None), ("long", 65536, None, None)])
+            .with_compress_band(1.5)
+            .expect("band");
+        // 10,000 prompt + 500 out = 10,500 in (8192, 12288]: compress to 8192 - 500.
+        let d = r.route_with(10_000, 500, true);
+        assert_eq!(
+            (d.pool, d.action, d.reason, d.compress_target_tokens),
+            (Some(0), Action::Compress, Reason::Compress, Some(7692))
+        );
+        assert_eq!(d.est_total_tokens, 10_500);
+        // Not compressible (code), above the band, or below the budget: plain routing.
+        assert_eq!(r.route_with(10_000, 500, false).pool, Some(1));
+        assert_eq!(r.route_with(11_789, 500, true).pool, Some(1));
+        assert_eq!(r.route_with(11_788, 500, true).action, Action::Compress);
+        let d = r.route_with(7_000, 500, true);
+        assert_eq!((d.pool, d.action), (Some(0), Action::Route));
+        // Output alone over the budget: no target.
+        assert_eq!(r.route_with(100, 8192, true).action, Action::Route);
+        assert_eq!(r.in_flight(0).expect("pool"), 3);
+        // An overloaded short pool takes no compressed request.
+        let r = router(&[("short", 8192, None, Some(0)), ("long", 65536, None, None)])
+            .with_compress_band(2.0)
+            .expect("band");
+        r.set_in_flight(0, 1).expect("pool");
+        assert_eq!(r.route_with(10_000, 500, true).action, Action::Route);
+        // Too long for every window, yet within the band of the largest budget.
+        let r = router(&[("only", 8192, None, None)])
+            .with_compress_band(1.5)
+            .expect("band");
+        let d = r.route_with(9_000, 100, true);
+        assert_eq!((d.pool, d.compress_target_tokens), (Some(0), Some(8092)));
+        assert_eq!(r.route_with(20_000, 100, true).action, Action::Reject);
+        for bad in [0.5, f64::NAN, f64::INFINITY] {
+            assert!(router(&[("x", 10, None, None)])
+                .with_compress_band(bad)
+                .is_err());
+        }
+    }
+
+    #[test]
+    fn code_category_is_never_compressed() {
+        let r = router(&[("short", 8192, None, None), ("long", 65536, None, None)])
+            .with_compress_band(1.5)
+            .expect("band");
+        let code = r.write_calibrator().intern("code").expect("id");
+        let prose = r.write_calibrator().intern("prose").expect("id");
+        let reqs = [
+            Request::new(40_000, Some(code), 500).expect("request"),
+            Request::new(40_000, Some(prose), 500).expect("request"),
+            Request::new(40_000, None, 500).expect("request"),
+        ];
+        assert_eq!(r.route_many(&reqs), vec![1, 0, 0]);
+        assert_eq!(r.route(reqs[0]).action, Action::Route);
+        assert_eq!(r.route(reqs[1]).action, Action::Compress);
     }
 }

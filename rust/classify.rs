@@ -28,7 +28,8 @@ pub const SAMPLE_BYTES: usize = 64 * 1024;
 
 pub const CATEGORIES: [&str; 4] = ["prose", "code", "cjk", "mixed"];
 
-fn is_cjk(c: char) -> bool {
+/// Han, kana, Hangul, CJK symbols and punctuation, full-width forms.
+pub fn is_cjk(c: char) -> bool {
     matches!(c as u32,
         0x3000..=0x303F   // CJK symbols and punctuation
         | 0x3040..=0x30FF // Hiragana, Katakana

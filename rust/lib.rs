@@ -7,6 +7,7 @@
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
+pub mod compress;
 pub mod error;
 pub mod openai;
 pub mod rng;
@@ -24,6 +25,10 @@ mod _core {
     use crate::py::calibrate::PyCalibrator;
     #[pymodule_export]
     use crate::py::classify::classify;
+    #[pymodule_export]
+    use crate::py::compress::{
+        PyCompressionResult, PyCompressor, PyRequestCompression, PyRoutedRequest,
+    };
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
     use pyo3::prelude::*;

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import yaml
+
 from routecore.server.app import Server
 
 SHORT = ["127.0.0.1:8001", "127.0.0.1:8002"]

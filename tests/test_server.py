@@ -19,6 +19,8 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_fixtures import LONG, SHORT, Running, base_config
+
 from routecore.server.envoy_client import (
     Conversation,
     buffered,
@@ -30,7 +32,6 @@ from routecore.server.envoy_client import (
 )
 from routecore.server.gen import routecore_pb2 as rc
 from routecore.server.gen import routecore_pb2_grpc as rc_grpc
-from server_fixtures import LONG, SHORT, Running, base_config
 
 Mode = processing_mode_pb2.ProcessingMode
 KEY = {"x-api-key": "demo-key"}
@@ -489,3 +490,57 @@ def test_serve_command_sighup_reload_keeps_open_streams_and_stops_gracefully(tmp
     ]
     assert events[0] == "started" and events[-1] == "stopped"
     assert "reloaded" in events and "reload-failed" in events
+
+
+def distinct_sentences(n: int) -> str:
+    words = ["river", "engine", "quiet", "market", "silver", "garden", "planet", "winter"]
+    return " ".join(
+        f"Sentence {i} talks about the {words[i % 8]} and the {words[(i * 3 + 1) % 8]} "
+        f"near place number {i * 7}."
+        for i in range(n)
+    )
+
+
+def test_compress_rewrites_body_and_content_length(serve):
+    s = serve(router={"compress_band": 1.5})
+    text = distinct_sentences(450)  # ~34 KB: ceil(bytes / 4) + 100 is in (8192, 1.5 * 8192]
+    est = math.ceil(len(text.encode()) / 4.0) + 100
+    assert 8192 < est <= 1.5 * 8192
+    question = "Summarise the document."
+    est += math.ceil(len(question) / 4.0)  # about 8,420
+    # The document is an earlier turn (the last user message is never compressed).
+    body = json.dumps(
+        {
+            "messages": [
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": "Read."},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 100,
+        }
+    ).encode()
+    conv = converse(s.target, KEY, body, [usage_body(7000, 100)])
+    headers = conv.routing_headers
+    assert headers["x-routecore-pool"] == "short"
+    new_body = conv.routing.request_body.response.body_mutation.body
+    assert len(new_body) < len(body)
+    assert headers["content-length"] == str(len(new_body))
+    messages = json.loads(new_body)["messages"]
+    content = messages[0]["content"]
+    assert messages[1:] == [
+        {"role": "assistant", "content": "Read."},
+        {"role": "user", "content": question},
+    ]
+    # Compressed to B - L_out = 8,092 tokens at 4 bytes a token, by whole sentences.
+    prompt_bytes = sum(len(m["content"].encode()) for m in messages)
+    assert math.ceil(prompt_bytes / 4.0) <= 8192 - 100
+    assert content.endswith(".") and len(content) < len(text)
+    assert content.startswith("Sentence 0 ")  # primacy kept
+    # The compressed prompt is not the one the calibrator would count: not learned.
+    assert s.run(s.engine.router.calibrator.count, "prose") == 0
+    with grpc.insecure_channel(s.target) as channel:
+        resp = rc_grpc.RouteCoreStub(channel).Route(rc.RouteRequest(body=body, api_key="demo-key"))
+    assert resp.pool == "short" and resp.compress_target_tokens == 8092
+    assert json.loads(resp.compressed_body)["messages"][0]["content"] == content
+    s.run(s.engine.finish, s.engine.lease(resp.request_id), None, None, 0.0)
+    settled(s)

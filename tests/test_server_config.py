@@ -14,9 +14,10 @@ from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401 - r
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import json_format
+from server_fixtures import base_config
+
 from routecore.config import ConfigError, find_tenant, load_config, parse_config
 from routecore.server.extproc import DESTINATION_HEADER
-from server_fixtures import base_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

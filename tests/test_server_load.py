@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from routecore.server.envoy_client import load_report
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"

@@ -6,8 +6,12 @@ Token-budget pool routing with a self-calibrating bytes-per-token estimate
 
 from routecore._core import (
     Calibrator,
+    CompressionResult,
+    Compressor,
     Pool,
+    RequestCompression,
     RouteDecision,
+    RoutedRequest,
     TokenBudgetRouter,
     __version__,
     classify,
@@ -16,8 +20,12 @@ from routecore._core import (
 
 __all__ = [
     "Calibrator",
+    "CompressionResult",
+    "Compressor",
     "Pool",
+    "RequestCompression",
     "RouteDecision",
+    "RoutedRequest",
     "TokenBudgetRouter",
     "__version__",
     "classify",

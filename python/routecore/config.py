@@ -5,7 +5,7 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
 
     server: {port, metrics_port, key_header, failure_mode, default_pool, grace_s}
     limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens}
-    router: {policy}
+    router: {policy, compress_band}
     admission: {backend, redis_url}
     pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...]}]
     tenants: [{name, api_keys: [...], expires_at, service_class, entitlement: {...}}]
@@ -61,6 +61,10 @@ class Limits:
 class RouterConfig:
     #: How the endpoint inside the chosen pool is picked.
     policy: str = "least-request"
+    #: Compress-and-route band gamma >= 1 (FleetOpt section 5): a prompt whose
+    #: L_total is within gamma * B of a smaller pool's budget B is compressed
+    #: to fit it. None: off.
+    compress_band: float | None = None
 
 
 @dataclass(frozen=True)
@@ -296,8 +300,11 @@ def parse_config(raw: Any) -> Config:
             lim, "default_max_tokens", "limits", 1, 1 << 30, Limits.default_max_tokens
         ),
     )
-    r = _section(top.get("router"), "router", {"policy"})
-    router = RouterConfig(policy=_str(r, "policy", "router", RouterConfig.policy, POLICIES))
+    r = _section(top.get("router"), "router", {"policy", "compress_band"})
+    router = RouterConfig(
+        policy=_str(r, "policy", "router", RouterConfig.policy, POLICIES),
+        compress_band=_float(r, "compress_band", "router", 1.0, 100.0, None),
+    )
     a = _section(top.get("admission"), "admission", {"backend", "redis_url"})
     admission = AdmissionConfig(
         backend=_str(a, "backend", "admission", "memory", ADMISSION_BACKENDS),

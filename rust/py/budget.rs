@@ -4,9 +4,11 @@ use pyo3::prelude::*;
 use pyo3::types::PyString;
 
 use super::calibrate::PyCalibrator;
-use super::int_array;
+use super::compress::{PyCompressor, PyRoutedRequest};
+use super::{int_array, text_bytes};
 use crate::budget::{Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS};
 use crate::calibrate::DEFAULT_MAX_CATEGORIES;
+use crate::compress::{route_request, Compressor};
 
 /// A pool of model instances sharing one context window.
 ///
@@ -66,7 +68,9 @@ impl PyPool {
 /// position in the router's pool list (-1 when rejected). ``est_*_tokens`` are
 /// the estimates it was made on; ``spilled`` is True when load moved it off its
 /// budget pool; ``reason`` is one of "budget", "largest-context", "spillover",
-/// "exceeds-max-context".
+/// "exceeds-max-context", "compress". ``action`` says what to do: "route"
+/// (send as it is), "compress" (compress the prompt to
+/// ``compress_target_tokens`` = B - L_out, then send to ``pool``) or "reject".
 #[pyclass(frozen, name = "RouteDecision", module = "routecore")]
 pub struct PyRouteDecision {
     #[pyo3(get)]
@@ -104,6 +108,14 @@ impl PyRouteDecision {
     fn reason(&self) -> &'static str {
         self.decision.reason.as_str()
     }
+    #[getter]
+    fn action(&self) -> &'static str {
+        self.decision.action.as_str()
+    }
+    #[getter]
+    fn compress_target_tokens(&self) -> Option<u64> {
+        self.decision.compress_target_tokens
+    }
     fn __repr__(&self) -> String {
         let d = &self.decision;
         format!(
@@ -126,6 +138,12 @@ impl PyRouteDecision {
 /// flight, the request spills to the least loaded pool that holds it and is
 /// not overloaded. ``route`` counts the request in flight on its pool;
 /// ``complete`` ends it.
+///
+/// ``compress_band`` (gamma >= 1) turns on compress-and-route (FleetOpt
+/// section 5.1): a request of any category but "code" whose L_total is in
+/// (B, gamma * B] of the pool with the largest budget B below it gets action
+/// "compress", pool that pool, and ``compress_target_tokens`` = B - L_out.
+/// ``route_request`` parses, routes and compresses an OpenAI body in one call.
 ///
 /// >>> router = TokenBudgetRouter([Pool("short", 8192), Pool("long", 65536)])
 /// >>> router.route(800, "prose", 8192).pool   # 200 prompt tokens + 8192 out
@@ -163,11 +181,12 @@ impl PyTokenBudgetRouter {
 #[pymethods]
 impl PyTokenBudgetRouter {
     #[new]
-    #[pyo3(signature = (pools, calibrator=None))]
+    #[pyo3(signature = (pools, calibrator=None, compress_band=None))]
     fn new(
         py: Python<'_>,
         pools: Vec<Py<PyPool>>,
         calibrator: Option<Py<PyCalibrator>>,
+        compress_band: Option<f64>,
     ) -> PyResult<Self> {
         let calibrator = match calibrator {
             Some(c) => c,
@@ -181,7 +200,10 @@ impl PyTokenBudgetRouter {
             )?,
         };
         let specs = pools.iter().map(|p| p.get().inner.clone()).collect();
-        let inner = TokenBudgetRouter::new(specs, calibrator.get().inner.clone())?;
+        let mut inner = TokenBudgetRouter::new(specs, calibrator.get().inner.clone())?;
+        if let Some(gamma) = compress_band {
+            inner = inner.with_compress_band(gamma)?;
+        }
         let names = inner
             .pools()
             .iter()
@@ -208,7 +230,44 @@ impl PyTokenBudgetRouter {
             .inner
             .read_calibrator()
             .estimate_tokens(req.prompt_bytes, category);
-        Ok(self.decision(py, self.inner.route_estimated(est, req.max_output_tokens)))
+        Ok(self.decision(
+            py,
+            self.inner
+                .route_with(est, req.max_output_tokens, category != "code"),
+        ))
+    }
+
+    /// Parses an OpenAI body (str or bytes), routes it and carries out
+    /// compress-and-route: when the decision is "compress", the body is
+    /// compressed with ``compressor`` (default ``Compressor()``) to the target,
+    /// counting with the calibrator's conservative ratio for its category. If
+    /// that fails the request is routed as it is (``action`` "route",
+    /// ``compression.status`` says why). Counts the request in flight.
+    #[pyo3(signature = (body, compressor=None, default_max_tokens=4096))]
+    fn route_request(
+        &self,
+        py: Python<'_>,
+        body: &Bound<'_, PyAny>,
+        compressor: Option<&Bound<'_, PyCompressor>>,
+        default_max_tokens: u64,
+    ) -> PyResult<PyRoutedRequest> {
+        let bytes = text_bytes(body, "body")?;
+        let compressor = compressor.map_or_else(Compressor::default, |c| c.get().inner);
+        let r = py.detach(|| route_request(&self.inner, &compressor, bytes, default_max_tokens))?;
+        Ok(PyRoutedRequest {
+            decision: Py::new(py, self.decision(py, r.decision))?,
+            body: r.body,
+            compression: r.compression,
+            category: r.request.category,
+            prompt_bytes: r.request.prompt_bytes,
+            max_output_tokens: r.request.max_output_tokens,
+        })
+    }
+
+    /// The compress-and-route band gamma, or None when off.
+    #[getter]
+    fn compress_band(&self) -> Option<f64> {
+        self.inner.compress_band()
     }
 
     /// Routes a request whose prompt length in tokens is known exactly (a

@@ -5,6 +5,7 @@
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
+pub mod compress;
 pub mod openai;
 
 use numpy::PyReadonlyArray1;

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from routecore._core import TokenBudgetRouter, parse_openai_request
+from routecore._core import Compressor, RouteDecision, TokenBudgetRouter
 from routecore.config import Config, TenantConfig, find_tenant
 from routecore.server.metrics import Metrics
 
@@ -53,8 +53,10 @@ class Lease:
     reason: str
     started: float
     deadline: float
-    #: The request body to forward when routing rewrote it, else None.
+    #: The request body to forward when routing rewrote it (compressed), else None.
     body: bytes | None = None
+    #: The prompt size the body was compressed to (0: not compressed).
+    compress_target_tokens: int = 0
     released: bool = field(default=False, repr=False)
 
 
@@ -63,7 +65,10 @@ class Engine:
         self.config = config
         self.metrics = metrics
         calibrator = previous.router.calibrator if previous is not None else None
-        self.router = TokenBudgetRouter([p.to_pool() for p in config.pools], calibrator)
+        self.router = TokenBudgetRouter(
+            [p.to_pool() for p in config.pools], calibrator, config.router.compress_band
+        )
+        self.compressor = Compressor()
         self.endpoints = {p.name: list(p.endpoints) for p in config.pools}
         self.endpoint_load = {p.name: dict.fromkeys(p.endpoints, 0) for p in config.pools}
         self.keys = config.key_index()
@@ -105,19 +110,23 @@ class Engine:
     # -- routing ------------------------------------------------------------
 
     def route_body(self, body: bytes, tenant: TenantConfig | None, now: float) -> Lease | Reject:
-        """Routes an OpenAI request body; a malformed body is a 400."""
+        """Routes an OpenAI request body (parse, route, compress: one Rust call).
+
+        A malformed body is a 400. Under ``router.compress_band`` a borderline
+        prompt is compressed to the smaller pool's budget and the lease carries
+        the rewritten body; the calibrator then does not learn from its usage
+        (the prompt it counted is not the one the model read).
+        """
         try:
-            req = parse_openai_request(body, self.config.limits.default_max_tokens)
+            r = self.router.route_request(
+                body, self.compressor, self.config.limits.default_max_tokens
+            )
         except ValueError as e:
             return self.refuse(tenant, 400, "malformed-body", f"invalid request body: {e}")
-        return self.route_fields(
-            req["prompt_bytes"],
-            req["category"],
-            req["max_output_tokens"],
-            req["prompt_tokens"],
-            tenant,
-            now,
-        )
+        d = r.decision
+        if d.action == "compress":
+            return self._place(d, tenant, 0, None, now, r.body)
+        return self._place(d, tenant, r.prompt_bytes, r.category, now)
 
     def route_fields(
         self,
@@ -136,6 +145,20 @@ class Engine:
                 d = self.router.route(prompt_bytes, category, max_output_tokens)
         except (ValueError, KeyError) as e:
             return self.refuse(tenant, 400, "invalid-request", str(e).strip("'\""))
+        return self._place(
+            d, tenant, prompt_bytes, category if prompt_tokens is None else None, now
+        )
+
+    def _place(
+        self,
+        d: RouteDecision,
+        tenant: TenantConfig | None,
+        prompt_bytes: int,
+        category: str | None,
+        now: float,
+        body: bytes | None = None,
+    ) -> Lease | Reject:
+        """The endpoint for a pool decision, or the refusal."""
         if d.pool is None:
             return self.refuse(
                 tenant,
@@ -149,18 +172,21 @@ class Engine:
             return self.refuse(tenant, 503, "no-endpoint", f"pool {d.pool!r} has no endpoint")
         if d.spilled:
             self.metrics.spillovers.labels(d.pool).inc()
-        return self._lease(
+        lease = self._lease(
             d.pool,
             endpoint,
             tenant,
             prompt_bytes,
-            category if prompt_tokens is None else None,
+            category,
             d.est_input_tokens,
             d.est_output_tokens,
             d.spilled,
             d.reason,
             now,
         )
+        lease.body = body
+        lease.compress_target_tokens = d.compress_target_tokens or 0
+        return lease
 
     def route_default(self, tenant: TenantConfig | None, now: float) -> Lease | Reject:
         """The default pool's least-loaded endpoint, without a budget decision.

@@ -80,6 +80,8 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
             spilled=outcome.spilled,
             reason=outcome.reason,
             admission=pb.Admission(admitted=True, status=200),
+            compress_target_tokens=outcome.compress_target_tokens,
+            compressed_body=outcome.body or b"",
         )
 
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext):  # noqa: N802

@@ -1,0 +1,310 @@
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+
+use super::budget::PyRouteDecision;
+use super::text_bytes;
+use crate::compress::{Compression, Compressor, RequestCompression, Weights};
+
+/// Extractive prompt compression (FleetOpt section 5.2).
+///
+/// Splits a prompt into sentences (Latin and CJK punctuation, abbreviations,
+/// list items, blank lines; a fenced code block is one unit, always kept),
+/// scores them by ``textrank * TextRank + position * Position + tfidf * TF-IDF
+/// + novelty * Novelty``, always keeps the first ``keep_first`` and last
+/// ``keep_last`` sentences, then keeps the others greedily by score while the
+/// output still fits, and returns them in their original order. The budget is
+/// checked with the conservative estimate ``ceil(bytes / bytes_per_token)``, so
+/// a successful result never exceeds it. Code is never compressed.
+///
+/// >>> c = Compressor()
+/// >>> r = c.compress("First. Second. Third. Fourth. Fifth. Sixth.", 9, bytes_per_token=4.0)
+/// >>> r.status, r.kept_sentence_indices
+/// ('compressed', [0, 1, 2, 4, 5])
+#[pyclass(frozen, name = "Compressor", module = "routecore")]
+pub struct PyCompressor {
+    pub inner: Compressor,
+}
+
+fn count(what: &str, v: i64) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{what} must be >= 0, got {v}")))
+}
+
+#[pymethods]
+impl PyCompressor {
+    #[new]
+    #[pyo3(signature = (textrank=0.20, position=0.40, tfidf=0.35, novelty=0.05, keep_first=3, keep_last=2))]
+    fn new(
+        textrank: f64,
+        position: f64,
+        tfidf: f64,
+        novelty: f64,
+        keep_first: i64,
+        keep_last: i64,
+    ) -> PyResult<Self> {
+        let weights = Weights {
+            textrank,
+            position,
+            tfidf,
+            novelty,
+        };
+        Ok(Self {
+            inner: Compressor::new(
+                weights,
+                count("keep_first", keep_first)?,
+                count("keep_last", keep_last)?,
+            )?,
+        })
+    }
+
+    /// Compresses ``text`` to at most ``token_budget`` tokens (estimated as
+    /// ``ceil(bytes / bytes_per_token)``). ``category`` defaults to
+    /// ``classify(text)``: "code" is returned unchanged. ``bytes_per_token``
+    /// defaults to a conservative ratio for the category (prose 4.0, mixed and
+    /// code 3.0, cjk 1.5); pass the calibrator's ``conservative_ratio`` to count
+    /// as the router does.
+    #[pyo3(signature = (text, token_budget, category=None, bytes_per_token=None))]
+    fn compress(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        token_budget: i64,
+        category: Option<&str>,
+        bytes_per_token: Option<f64>,
+    ) -> PyResult<PyCompressionResult> {
+        let inner = py.detach(|| {
+            self.inner
+                .compress(text, token_budget, category, bytes_per_token)
+        })?;
+        Ok(PyCompressionResult { inner })
+    }
+
+    /// Compresses an OpenAI chat or completion body (str or bytes) so its
+    /// prompt estimates within ``token_budget`` tokens, and returns the new
+    /// body. Only long content (documents, RAG context: earlier turns,
+    /// assistant and tool messages, text parts, a completion prompt; at least
+    /// 1 KiB and not code) is compressed; system and developer messages and
+    /// the last user message stay intact.
+    #[pyo3(signature = (body, token_budget, category=None, bytes_per_token=None))]
+    fn compress_request(
+        &self,
+        py: Python<'_>,
+        body: &Bound<'_, PyAny>,
+        token_budget: i64,
+        category: Option<&str>,
+        bytes_per_token: Option<f64>,
+    ) -> PyResult<PyRequestCompression> {
+        let bytes = text_bytes(body, "body")?;
+        let inner = py.detach(|| {
+            self.inner
+                .compress_request(bytes, token_budget, category, bytes_per_token)
+        })?;
+        Ok(PyRequestCompression { inner })
+    }
+
+    #[getter]
+    fn textrank(&self) -> f64 {
+        self.inner.weights().textrank
+    }
+    #[getter]
+    fn position(&self) -> f64 {
+        self.inner.weights().position
+    }
+    #[getter]
+    fn tfidf(&self) -> f64 {
+        self.inner.weights().tfidf
+    }
+    #[getter]
+    fn novelty(&self) -> f64 {
+        self.inner.weights().novelty
+    }
+    #[getter]
+    fn keep_first(&self) -> usize {
+        self.inner.keep_first()
+    }
+    #[getter]
+    fn keep_last(&self) -> usize {
+        self.inner.keep_last()
+    }
+
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let c = &slf.get().inner;
+        let w = c.weights();
+        let args = (
+            w.textrank,
+            w.position,
+            w.tfidf,
+            w.novelty,
+            c.keep_first(),
+            c.keep_last(),
+        )
+            .into_pyobject(py)?;
+        PyTuple::new(py, [slf.get_type().into_any(), args.into_any()])
+    }
+
+    fn __repr__(&self) -> String {
+        let w = self.inner.weights();
+        format!(
+            "Compressor(textrank={}, position={}, tfidf={}, novelty={}, keep_first={}, keep_last={})",
+            w.textrank,
+            w.position,
+            w.tfidf,
+            w.novelty,
+            self.inner.keep_first(),
+            self.inner.keep_last()
+        )
+    }
+}
+
+/// The outcome of ``Compressor.compress``.
+///
+/// ``text``: the output (the input itself unless ``status`` is
+/// "compressed"). ``status``: "fits" (already within the budget),
+/// "compressed", "code" (never compressed) or "impossible" (the first and
+/// last sentences alone exceed the budget). ``succeeded``: the output is
+/// within the budget. ``kept_sentence_indices``: 0-based, ascending.
+#[pyclass(frozen, name = "CompressionResult", module = "routecore")]
+pub struct PyCompressionResult {
+    inner: Compression,
+}
+
+#[pymethods]
+impl PyCompressionResult {
+    #[getter]
+    fn text(&self) -> &str {
+        &self.inner.text
+    }
+    #[getter]
+    fn tokens_before(&self) -> u64 {
+        self.inner.tokens_before
+    }
+    #[getter]
+    fn tokens_after(&self) -> u64 {
+        self.inner.tokens_after
+    }
+    #[getter]
+    fn kept_sentence_indices(&self) -> Vec<usize> {
+        self.inner.kept.clone()
+    }
+    #[getter]
+    fn sentences(&self) -> usize {
+        self.inner.sentences
+    }
+    #[getter]
+    fn bytes_per_token(&self) -> f64 {
+        self.inner.bytes_per_token
+    }
+    #[getter]
+    fn status(&self) -> &'static str {
+        self.inner.status.as_str()
+    }
+    #[getter]
+    fn succeeded(&self) -> bool {
+        self.inner.status.succeeded()
+    }
+    fn __repr__(&self) -> String {
+        let r = &self.inner;
+        format!(
+            "CompressionResult(status={:?}, tokens_before={}, tokens_after={}, kept={}/{})",
+            r.status.as_str(),
+            r.tokens_before,
+            r.tokens_after,
+            r.kept.len(),
+            r.sentences
+        )
+    }
+}
+
+/// The outcome of ``Compressor.compress_request``: ``body`` (bytes, the
+/// original unless ``status`` is "compressed"), prompt ``tokens_before`` and
+/// ``tokens_after`` by the estimate, ``compressed_messages`` (indices of the
+/// messages, or prompt items, whose text changed), ``status`` and
+/// ``succeeded`` as in ``CompressionResult``.
+#[pyclass(frozen, name = "RequestCompression", module = "routecore")]
+pub struct PyRequestCompression {
+    inner: RequestCompression,
+}
+
+#[pymethods]
+impl PyRequestCompression {
+    #[getter]
+    fn body<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.body)
+    }
+    #[getter]
+    fn tokens_before(&self) -> u64 {
+        self.inner.tokens_before
+    }
+    #[getter]
+    fn tokens_after(&self) -> u64 {
+        self.inner.tokens_after
+    }
+    #[getter]
+    fn compressed_messages(&self) -> Vec<usize> {
+        self.inner.compressed.clone()
+    }
+    #[getter]
+    fn bytes_per_token(&self) -> f64 {
+        self.inner.bytes_per_token
+    }
+    #[getter]
+    fn status(&self) -> &'static str {
+        self.inner.status.as_str()
+    }
+    #[getter]
+    fn succeeded(&self) -> bool {
+        self.inner.status.succeeded()
+    }
+    fn __repr__(&self) -> String {
+        let r = &self.inner;
+        format!(
+            "RequestCompression(status={:?}, tokens_before={}, tokens_after={}, compressed_messages={:?})",
+            r.status.as_str(),
+            r.tokens_before,
+            r.tokens_after,
+            r.compressed
+        )
+    }
+}
+
+/// A request routed by ``TokenBudgetRouter.route_request``: ``decision``,
+/// ``body`` (bytes to send to ``decision.pool``: compressed when
+/// ``decision.action`` is "compress"), ``compression`` (the outcome when
+/// compression was tried, else None), and what was read from the body:
+/// ``category``, ``prompt_bytes`` (of the original body), ``max_output_tokens``.
+#[pyclass(frozen, name = "RoutedRequest", module = "routecore")]
+pub struct PyRoutedRequest {
+    #[pyo3(get)]
+    pub decision: Py<PyRouteDecision>,
+    pub body: Vec<u8>,
+    pub compression: Option<RequestCompression>,
+    #[pyo3(get)]
+    pub category: &'static str,
+    #[pyo3(get)]
+    pub prompt_bytes: u64,
+    #[pyo3(get)]
+    pub max_output_tokens: u64,
+}
+
+#[pymethods]
+impl PyRoutedRequest {
+    #[getter]
+    fn body<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.body)
+    }
+    #[getter]
+    fn compression(&self) -> Option<PyRequestCompression> {
+        self.compression
+            .clone()
+            .map(|inner| PyRequestCompression { inner })
+    }
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "RoutedRequest(decision={}, category={:?}, body_bytes={})",
+            self.decision.bind(py).repr()?,
+            self.category,
+            self.body.len()
+        ))
+    }
+}
