@@ -10,8 +10,11 @@ pub mod classify;
 pub mod compress;
 pub mod error;
 pub mod openai;
+pub mod pods;
+pub mod prefix;
 pub mod rng;
 pub mod snapshot;
+pub mod vtc;
 
 #[cfg(feature = "python")]
 mod py;
@@ -31,6 +34,10 @@ mod _core {
     };
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
+    #[pymodule_export]
+    use crate::py::prefix::{block_hashes, block_hashes_many, PyPrefixCacheRouter, PyPrefixIndex};
+    #[pymodule_export]
+    use crate::py::vtc::PyVtcRouter;
     use pyo3::prelude::*;
 
     #[pymodule_init]

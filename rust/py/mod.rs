@@ -7,13 +7,16 @@ pub mod calibrate;
 pub mod classify;
 pub mod compress;
 pub mod openai;
+pub mod prefix;
+pub mod vtc;
 
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::{PyBytes, PyString, PyTuple};
 
 use crate::error::Error;
+use crate::prefix::Tokens;
 
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
@@ -70,4 +73,79 @@ pub fn text_bytes<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8
     } else {
         Err(PyTypeError::new_err(format!("{what} must be str or bytes")))
     }
+}
+
+/// A non-negative integer argument as `usize`; a clear ValueError otherwise.
+pub fn size_arg(v: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{what} must be >= 0, got {v}")))
+}
+
+/// Prompts at least this long (in tokens) are hashed with the interpreter
+/// released; shorter ones finish faster than the release and re-acquire.
+pub const DETACH_TOKENS: usize = 4096;
+
+/// Runs `f` with the interpreter released when `big`, else directly.
+pub fn detach_if<T: Send>(py: Python<'_>, big: bool, f: impl FnOnce() -> T + Send) -> T {
+    if big {
+        py.detach(f)
+    } else {
+        f()
+    }
+}
+
+/// A prompt argument: a NumPy uint32 array (read in place; do not mutate it
+/// during the call), any other integer array or sequence of token ids in
+/// [0, 2^32) (copied), or `str` / `bytes` for the character tokenizer (bytes
+/// of UTF-8).
+pub enum TokenArg<'py> {
+    Array(PyReadonlyArray1<'py, u32>),
+    Owned(Vec<u32>),
+    Text(Bound<'py, PyAny>),
+}
+
+impl<'py> TokenArg<'py> {
+    pub fn new(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+            return Ok(Self::Text(obj.clone()));
+        }
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, u32>>() {
+            if a.as_slice().is_ok() {
+                return Ok(Self::Array(a));
+            }
+            return Ok(Self::Owned(a.as_array().to_vec()));
+        }
+        let ids = int_array(obj, what)?;
+        if let Some(bad) = ids.iter().find(|&&t| !(0..=u32::MAX as i64).contains(&t)) {
+            return Err(PyValueError::new_err(format!(
+                "{what}: token id {bad} is outside [0, 2^32)"
+            )));
+        }
+        Ok(Self::Owned(ids.into_iter().map(|t| t as u32).collect()))
+    }
+
+    pub fn tokens(&self) -> PyResult<Tokens<'_>> {
+        Ok(match self {
+            Self::Array(a) => Tokens::Ids(a.as_slice()?),
+            Self::Owned(v) => Tokens::Ids(v),
+            Self::Text(obj) => Tokens::Bytes(text_bytes(obj, "tokens")?),
+        })
+    }
+}
+
+/// A 1-D uint64 NumPy array of block hashes (from `block_hashes`), copied.
+pub fn hash_array(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    let a: PyReadonlyArray1<'_, u64> = obj.extract().map_err(|_| {
+        PyTypeError::new_err("hashes must be a 1-D uint64 NumPy array (from block_hashes)")
+    })?;
+    Ok(a.as_array().to_vec())
+}
+
+/// ``(type(obj).from_bytes, (state,))``: pickling through the snapshot.
+pub fn reduce<'py, T: pyo3::PyClass>(
+    slf: &Bound<'py, T>,
+    state: Bound<'py, PyBytes>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = slf.py();
+    let restore = slf.as_any().get_type().getattr("from_bytes")?;
+    PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
 }

@@ -1,0 +1,1099 @@
+//! Prefix-cache-aware routing (AIBrix gateway routing algorithms, "Prefix
+//! Cache Aware"): chained block hashes, a bounded prefix index, and the router.
+//!
+//! # Block hashes
+//!
+//! A prompt is a sequence of tokens: `u32` token ids, or bytes (AIBrix's
+//! "character" tokenizer). It is cut into blocks of `block_size` tokens; only
+//! full blocks are hashed, a partial tail block is ignored. With `le8(x)` the
+//! 8 little-endian bytes of a `u64`, token ids written as 4 little-endian
+//! bytes each, and xxh3-64 with the given `seed` throughout:
+//!
+//! ```text
+//! h_0 = xxh3_64(le8(seed)    ++ block_0, seed)
+//! h_i = xxh3_64(le8(h_{i-1}) ++ block_i, seed)      for i >= 1
+//! ```
+//!
+//! so `h_i` names the whole prefix up to and including block `i`: equal
+//! prefixes give equal leading hashes and a changed token changes every later
+//! hash. Any language with xxh3 reproduces them (the tests do, in Python).
+//!
+//! # Prefix index
+//!
+//! `PrefixIndex` maps a block hash to the pods that hold the block. It keeps at
+//! most `capacity` hashes and evicts the least recently used; with a TTL a hash
+//! not recorded for longer than the TTL is dropped. Memory is bounded by
+//! `capacity * (entry + 4 bytes per pod holding it)` whatever the input.
+//!
+//! # Router
+//!
+//! The paper's pseudo-code, with its documented defaults:
+//!
+//! 1. If `max - min` running requests over the pods exceeds
+//!    `imbalance_abs_count`, route to the least-loaded pod.
+//! 2. Otherwise match the prompt's hashes from the first block on, per pod,
+//!    stopping at a pod's first miss. Order the pods that match at least one
+//!    block by matched blocks (descending; the same order as match percent),
+//!    then running requests (ascending), then pod order; take the first whose
+//!    running count is at or below `mean + std_factor * std` (population std
+//!    over all pods; "at or below", so equal loads keep prefix matching).
+//! 3. If nothing was chosen, the least-loaded pod (first on ties).
+//!
+//! The prompt's blocks are then recorded for the chosen pod, and the pod
+//! counts one more running request.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::error::{finite, invalid, non_negative, unknown, Error, Result};
+use crate::pods::{check_pod_name, PodSet, MAX_PODS};
+use crate::snapshot::{Reader, Writer};
+
+/// Largest block size, in tokens.
+pub const MAX_BLOCK_SIZE: usize = 1 << 16;
+/// AIBrix's default index size (AIBRIX_PREFIX_CACHE_BLOCK_NUMBER).
+pub const DEFAULT_CAPACITY_BLOCKS: usize = 200_000;
+/// Largest index capacity, in blocks.
+pub const MAX_CAPACITY_BLOCKS: usize = 1 << 26;
+
+/// A prompt's tokens: token ids, or the bytes of the character tokenizer.
+#[derive(Debug, Clone, Copy)]
+pub enum Tokens<'a> {
+    Ids(&'a [u32]),
+    Bytes(&'a [u8]),
+}
+
+impl<'a> Tokens<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Ids(t) => t.len(),
+            Tokens::Bytes(b) => b.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn slice(&self, start: usize, end: usize) -> Tokens<'a> {
+        match self {
+            Tokens::Ids(t) => Tokens::Ids(&t[start..end]),
+            Tokens::Bytes(b) => Tokens::Bytes(&b[start..end]),
+        }
+    }
+}
+
+fn check_block_size(block_size: usize) -> Result<usize> {
+    if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+        return Err(invalid(format!(
+            "block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}"
+        )));
+    }
+    Ok(block_size)
+}
+
+/// Appends the chained hashes of `tokens`' full blocks to `out`.
+fn extend_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64, out: &mut Vec<u64>) {
+    let unit = match tokens {
+        Tokens::Ids(_) => 4,
+        Tokens::Bytes(_) => 1,
+    };
+    let mut buf = vec![0u8; 8 + block_size * unit];
+    let mut prev = seed;
+    let mut hash_block = |fill: &dyn Fn(&mut [u8])| {
+        buf[..8].copy_from_slice(&prev.to_le_bytes());
+        fill(&mut buf[8..]);
+        prev = xxh3_64_with_seed(&buf, seed);
+        out.push(prev);
+    };
+    match tokens {
+        Tokens::Ids(ids) => {
+            for block in ids.chunks_exact(block_size) {
+                hash_block(&|dst: &mut [u8]| {
+                    for (d, id) in dst.chunks_exact_mut(4).zip(block) {
+                        d.copy_from_slice(&id.to_le_bytes());
+                    }
+                });
+            }
+        }
+        Tokens::Bytes(bytes) => {
+            for block in bytes.chunks_exact(block_size) {
+                hash_block(&|dst: &mut [u8]| dst.copy_from_slice(block));
+            }
+        }
+    }
+}
+
+/// The chained block hashes of one prompt (see the module docs).
+pub fn block_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64) -> Result<Vec<u64>> {
+    let block_size = check_block_size(block_size)?;
+    let mut out = Vec::with_capacity(tokens.len() / block_size);
+    extend_hashes(tokens, block_size, seed, &mut out);
+    Ok(out)
+}
+
+/// Checks ragged-batch offsets: `offsets[0] == 0`, non-decreasing, last equal
+/// to `len`. Returns them as `usize`.
+fn check_offsets(offsets: &[i64], len: usize) -> Result<Vec<usize>> {
+    if offsets.first() != Some(&0) || offsets.last() != Some(&(len as i64)) {
+        return Err(invalid(format!(
+            "offsets must start at 0 and end at the token count {len}"
+        )));
+    }
+    if offsets.windows(2).any(|w| w[1] < w[0]) {
+        return Err(invalid("offsets must be non-decreasing"));
+    }
+    Ok(offsets.iter().map(|&o| o as usize).collect())
+}
+
+/// Block hashes of many prompts in one flat token array: prompt `i` is
+/// `tokens[offsets[i]..offsets[i + 1]]`. Returns the flat hashes and their
+/// offsets (prompt `i`'s hashes are `hashes[out[i]..out[i + 1]]`).
+pub fn block_hashes_many(
+    tokens: Tokens<'_>,
+    offsets: &[i64],
+    block_size: usize,
+    seed: u64,
+) -> Result<(Vec<u64>, Vec<i64>)> {
+    let block_size = check_block_size(block_size)?;
+    let offsets = check_offsets(offsets, tokens.len())?;
+    let mut hashes = Vec::with_capacity(tokens.len() / block_size);
+    let mut out = Vec::with_capacity(offsets.len());
+    out.push(0);
+    for w in offsets.windows(2) {
+        extend_hashes(tokens.slice(w[0], w[1]), block_size, seed, &mut hashes);
+        out.push(hashes.len() as i64);
+    }
+    Ok((hashes, out))
+}
+
+/// Block hashes are xxh3 outputs, already uniform: the index uses them as
+/// their own hash-table hash.
+#[derive(Default)]
+struct BlockHasher(u64);
+
+impl Hasher for BlockHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = x;
+    }
+}
+
+const NIL: u32 = u32::MAX;
+/// Marks an index pod that has no slot in a router.
+const NO_SLOT: usize = usize::MAX;
+
+#[derive(Debug, Clone)]
+struct Entry {
+    hash: u64,
+    last: f64,
+    prev: u32,
+    next: u32,
+    pods: Vec<u32>,
+}
+
+/// Block hash -> the pods holding it, LRU-bounded, with an optional idle TTL.
+///
+/// Time is passed in by the caller (seconds, any epoch). Pods are interned to
+/// dense ids; a removed pod's id is reused.
+#[derive(Debug, Clone)]
+pub struct PrefixIndex {
+    capacity: usize,
+    ttl: Option<f64>,
+    map: HashMap<u64, u32, BuildHasherDefault<BlockHasher>>,
+    entries: Vec<Entry>,
+    free: Vec<u32>,
+    /// Most recently used entry.
+    head: u32,
+    /// Least recently used entry.
+    tail: u32,
+    pod_names: Vec<Option<String>>,
+    pod_ids: HashMap<String, u32>,
+    free_pods: Vec<u32>,
+}
+
+const INDEX_MAGIC: &[u8; 4] = b"RCPX";
+const ROUTER_MAGIC: &[u8; 4] = b"RCPR";
+const SNAPSHOT_VERSION: u16 = 1;
+
+impl PrefixIndex {
+    pub fn new(capacity: usize, ttl: Option<f64>) -> Result<Self> {
+        if capacity == 0 || capacity > MAX_CAPACITY_BLOCKS {
+            return Err(invalid(format!(
+                "capacity_blocks must be in [1, {MAX_CAPACITY_BLOCKS}], got {capacity}"
+            )));
+        }
+        if let Some(t) = ttl {
+            if non_negative("ttl_s", t)? == 0.0 {
+                return Err(invalid("ttl_s must be > 0 (or None for no TTL)"));
+            }
+        }
+        Ok(Self {
+            capacity,
+            ttl,
+            map: HashMap::default(),
+            entries: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            pod_names: Vec::new(),
+            pod_ids: HashMap::new(),
+            free_pods: Vec::new(),
+        })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    pub fn ttl(&self) -> Option<f64> {
+        self.ttl
+    }
+    /// Number of block hashes held.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+    /// Names of the pods that hold at least one block or were recorded.
+    pub fn pods(&self) -> Vec<String> {
+        self.pod_names.iter().flatten().cloned().collect()
+    }
+
+    fn pod_id(&self, name: &str) -> Option<u32> {
+        self.pod_ids.get(name).copied()
+    }
+
+    fn intern(&mut self, name: &str) -> Result<u32> {
+        if let Some(id) = self.pod_id(name) {
+            return Ok(id);
+        }
+        check_pod_name(name)?;
+        let id = match self.free_pods.pop() {
+            Some(id) => {
+                self.pod_names[id as usize] = Some(name.to_owned());
+                id
+            }
+            None => {
+                if self.pod_names.len() >= MAX_PODS {
+                    return Err(invalid(format!(
+                        "a prefix index holds at most {MAX_PODS} pods"
+                    )));
+                }
+                self.pod_names.push(Some(name.to_owned()));
+                (self.pod_names.len() - 1) as u32
+            }
+        };
+        self.pod_ids.insert(name.to_owned(), id);
+        Ok(id)
+    }
+
+    /// Refuses, changing nothing, when interning `names` would pass `MAX_PODS`.
+    fn check_room(&self, names: &[String]) -> Result<()> {
+        let new = names.iter().filter(|n| self.pod_id(n).is_none()).count();
+        if new > self.free_pods.len() + MAX_PODS - self.pod_names.len() {
+            return Err(invalid(format!(
+                "a prefix index holds at most {MAX_PODS} pods"
+            )));
+        }
+        Ok(())
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        let (prev, next) = {
+            let e = &self.entries[slot as usize];
+            (e.prev, e.next)
+        };
+        match prev {
+            NIL => self.head = next,
+            p => self.entries[p as usize].next = next,
+        }
+        match next {
+            NIL => self.tail = prev,
+            n => self.entries[n as usize].prev = prev,
+        }
+    }
+
+    fn push_front(&mut self, slot: u32) {
+        let old = self.head;
+        {
+            let e = &mut self.entries[slot as usize];
+            e.prev = NIL;
+            e.next = old;
+        }
+        match old {
+            NIL => self.tail = slot,
+            o => self.entries[o as usize].prev = slot,
+        }
+        self.head = slot;
+    }
+
+    fn drop_entry(&mut self, slot: u32) {
+        self.unlink(slot);
+        let e = &mut self.entries[slot as usize];
+        self.map.remove(&e.hash);
+        e.pods = Vec::new();
+        self.free.push(slot);
+    }
+
+    fn expired(&self, slot: u32, now: f64) -> bool {
+        self.ttl
+            .is_some_and(|ttl| now - self.entries[slot as usize].last > ttl)
+    }
+
+    /// Drops hashes idle longer than the TTL, from the least recent end, and
+    /// returns how many. With time passed in order this is every idle hash.
+    pub fn expire(&mut self, now: f64) -> Result<usize> {
+        let now = finite("now", now)?;
+        let mut n = 0;
+        while self.tail != NIL && self.expired(self.tail, now) {
+            self.drop_entry(self.tail);
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// The live entry for `hash`: an entry idle past the TTL is dropped.
+    fn lookup(&mut self, hash: u64, now: f64) -> Option<u32> {
+        let slot = *self.map.get(&hash)?;
+        if self.expired(slot, now) {
+            self.drop_entry(slot);
+            return None;
+        }
+        Some(slot)
+    }
+
+    /// Matches `hashes` from the first block on: `matched[slot_of[p]]` counts
+    /// the leading blocks index pod `p` holds, for pods mapped to a slot
+    /// (`matched` starts at zero). Stops at the first block no mapped pod
+    /// still matching holds.
+    fn match_into(&mut self, hashes: &[u64], now: f64, slot_of: &[usize], matched: &mut [usize]) {
+        for (i, &h) in hashes.iter().enumerate() {
+            let Some(slot) = self.lookup(h, now) else {
+                return;
+            };
+            let mut any = false;
+            for &p in &self.entries[slot as usize].pods {
+                if let Some(&s) = slot_of.get(p as usize) {
+                    if s != NO_SLOT && matched[s] == i {
+                        matched[s] = i + 1;
+                        any = true;
+                    }
+                }
+            }
+            if !any {
+                return;
+            }
+        }
+    }
+
+    /// Per pod, how many leading blocks of `hashes` it holds (pods with none
+    /// are left out), in pod-id order.
+    pub fn match_prefix(&mut self, hashes: &[u64], now: f64) -> Result<Vec<(String, usize)>> {
+        let now = finite("now", now)?;
+        let slot_of: Vec<usize> = (0..self.pod_names.len()).collect();
+        let mut matched = vec![0; slot_of.len()];
+        self.match_into(hashes, now, &slot_of, &mut matched);
+        Ok(self
+            .pod_names
+            .iter()
+            .zip(matched)
+            .filter_map(|(name, m)| match name {
+                Some(n) if m > 0 => Some((n.clone(), m)),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Records that pod `id` holds every block of `hashes`. The blocks are
+    /// touched last to first, so a prompt's first block (the most shared) is
+    /// the most recent and the last to be evicted.
+    fn record_id(&mut self, hashes: &[u64], id: u32, now: f64) {
+        while self.tail != NIL && self.expired(self.tail, now) {
+            self.drop_entry(self.tail);
+        }
+        for &h in hashes.iter().rev() {
+            let slot = match self.lookup(h, now) {
+                Some(slot) => {
+                    self.unlink(slot);
+                    slot
+                }
+                None => {
+                    if self.map.len() >= self.capacity {
+                        self.drop_entry(self.tail);
+                    }
+                    let entry = Entry {
+                        hash: h,
+                        last: now,
+                        prev: NIL,
+                        next: NIL,
+                        pods: Vec::with_capacity(1),
+                    };
+                    let slot = match self.free.pop() {
+                        Some(s) => {
+                            self.entries[s as usize] = entry;
+                            s
+                        }
+                        None => {
+                            self.entries.push(entry);
+                            (self.entries.len() - 1) as u32
+                        }
+                    };
+                    self.map.insert(h, slot);
+                    slot
+                }
+            };
+            let e = &mut self.entries[slot as usize];
+            e.last = now;
+            if !e.pods.contains(&id) {
+                e.pods.push(id);
+            }
+            self.push_front(slot);
+        }
+    }
+
+    /// Records that `pod` holds every block of `hashes` at time `now`.
+    pub fn record(&mut self, hashes: &[u64], pod: &str, now: f64) -> Result<()> {
+        let now = finite("now", now)?;
+        let id = self.intern(pod)?;
+        self.record_id(hashes, id, now);
+        Ok(())
+    }
+
+    /// Forgets `pod`: removes it from every block (a block no pod holds any
+    /// more is dropped). Returns how many blocks it held.
+    pub fn remove_pod(&mut self, pod: &str) -> Result<usize> {
+        let id = self.pod_id(pod).ok_or_else(|| unknown("pod", pod))?;
+        let mut held = 0;
+        let mut slot = self.head;
+        while slot != NIL {
+            let e = &mut self.entries[slot as usize];
+            let next = e.next;
+            if let Some(k) = e.pods.iter().position(|&p| p == id) {
+                e.pods.swap_remove(k);
+                held += 1;
+                if e.pods.is_empty() {
+                    self.drop_entry(slot);
+                }
+            }
+            slot = next;
+        }
+        self.pod_names[id as usize] = None;
+        self.pod_ids.remove(pod);
+        self.free_pods.push(id);
+        Ok(held)
+    }
+
+    fn write(&self, w: &mut Writer) {
+        w.u64(self.capacity as u64);
+        match self.ttl {
+            Some(t) => w.u8(1).f64(t),
+            None => w.u8(0).f64(0.0),
+        };
+        w.u64(self.pod_names.len() as u64);
+        for name in &self.pod_names {
+            match name {
+                Some(n) => w.u8(1).str(n),
+                None => w.u8(0),
+            };
+        }
+        w.u64(self.map.len() as u64);
+        let mut slot = self.tail;
+        while slot != NIL {
+            let e = &self.entries[slot as usize];
+            w.u64(e.hash).f64(e.last).u64(e.pods.len() as u64);
+            for &p in &e.pods {
+                w.u32(p);
+            }
+            slot = e.prev;
+        }
+    }
+
+    fn read(r: &mut Reader<'_>) -> Result<Self> {
+        let bad = |e: Error| Error::Snapshot(e.to_string());
+        let capacity = r.u64()? as usize;
+        let ttl = match (r.u8()?, r.f64()?) {
+            (0, _) => None,
+            (1, t) => Some(t),
+            (flag, _) => return Err(Error::Snapshot(format!("bad ttl flag {flag}"))),
+        };
+        let mut index = Self::new(capacity, ttl).map_err(bad)?;
+        let n_pods = r.count(1)?;
+        if n_pods > MAX_PODS {
+            return Err(Error::Snapshot(format!("{n_pods} pods")));
+        }
+        let mut live = Vec::with_capacity(n_pods);
+        for id in 0..n_pods {
+            match r.u8()? {
+                0 => {
+                    index.pod_names.push(None);
+                    live.push(false);
+                }
+                1 => {
+                    let name = r.str()?;
+                    check_pod_name(&name).map_err(bad)?;
+                    if index.pod_ids.insert(name.clone(), id as u32).is_some() {
+                        return Err(Error::Snapshot(format!("pod {name:?} twice")));
+                    }
+                    index.pod_names.push(Some(name));
+                    live.push(true);
+                }
+                flag => return Err(Error::Snapshot(format!("bad pod flag {flag}"))),
+            }
+        }
+        index.free_pods = (0..n_pods as u32)
+            .rev()
+            .filter(|&i| !live[i as usize])
+            .collect();
+        let n = r.count(24)?;
+        if n > capacity {
+            return Err(Error::Snapshot(format!(
+                "{n} blocks exceed capacity {capacity}"
+            )));
+        }
+        for _ in 0..n {
+            let hash = r.u64()?;
+            let last = finite("block time", r.f64()?).map_err(bad)?;
+            let k = r.count(4)?;
+            let mut pods = Vec::with_capacity(k);
+            for _ in 0..k {
+                let p = r.u32()?;
+                if !live.get(p as usize).copied().unwrap_or(false) || pods.contains(&p) {
+                    return Err(Error::Snapshot(format!("bad pod id {p} in a block")));
+                }
+                pods.push(p);
+            }
+            if pods.is_empty() || index.map.contains_key(&hash) {
+                return Err(Error::Snapshot("empty or repeated block".into()));
+            }
+            index.entries.push(Entry {
+                hash,
+                last,
+                prev: NIL,
+                next: NIL,
+                pods,
+            });
+            let slot = (index.entries.len() - 1) as u32;
+            index.map.insert(hash, slot);
+            index.push_front(slot);
+        }
+        Ok(index)
+    }
+
+    /// A snapshot of everything held, LRU order and times included.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut w = Writer::new(INDEX_MAGIC, SNAPSHOT_VERSION);
+        self.write(&mut w);
+        w.finish()
+    }
+
+    /// Restores a snapshot written by `to_bytes`.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let mut r = Reader::new(bytes, INDEX_MAGIC, SNAPSHOT_VERSION, "prefix index")?;
+        let index = Self::read(&mut r)?;
+        r.finish()?;
+        Ok(index)
+    }
+
+    /// Entries from most to least recent, as (hash, last time, pod names).
+    #[cfg(test)]
+    fn dump(&self) -> Vec<(u64, f64, Vec<String>)> {
+        let mut out = Vec::new();
+        let mut slot = self.head;
+        while slot != NIL {
+            let e = &self.entries[slot as usize];
+            let mut pods: Vec<String> = e
+                .pods
+                .iter()
+                .filter_map(|&p| self.pod_names[p as usize].clone())
+                .collect();
+            pods.sort();
+            out.push((e.hash, e.last, pods));
+            slot = e.next;
+        }
+        out
+    }
+}
+
+/// The router's settings (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefixConfig {
+    pub block_size: usize,
+    pub imbalance_abs_count: u64,
+    pub std_factor: f64,
+    pub seed: u64,
+}
+
+impl PrefixConfig {
+    pub fn new(
+        block_size: usize,
+        imbalance_abs_count: i64,
+        std_factor: f64,
+        seed: u64,
+    ) -> Result<Self> {
+        check_block_size(block_size)?;
+        if imbalance_abs_count < 0 {
+            return Err(invalid(format!(
+                "imbalance_abs_count must be >= 0, got {imbalance_abs_count}"
+            )));
+        }
+        Ok(Self {
+            block_size,
+            imbalance_abs_count: imbalance_abs_count as u64,
+            std_factor: non_negative("std_factor", std_factor)?,
+            seed,
+        })
+    }
+}
+
+/// One decision: the pod's index in the router and the prompt's blocks it
+/// held according to the index when it was chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefixDecision {
+    pub pod: usize,
+    pub matched_blocks: usize,
+    pub blocks: usize,
+}
+
+impl PrefixDecision {
+    /// `matched_blocks / blocks`, 0 for a prompt shorter than one block.
+    pub fn match_fraction(&self) -> f64 {
+        if self.blocks == 0 {
+            0.0
+        } else {
+            self.matched_blocks as f64 / self.blocks as f64
+        }
+    }
+}
+
+/// The prefix-cache-aware router over a set of pods and a (shareable) index.
+#[derive(Debug)]
+pub struct PrefixCacheRouter {
+    config: PrefixConfig,
+    pods: PodSet,
+    index: Arc<Mutex<PrefixIndex>>,
+}
+
+fn lock(index: &Mutex<PrefixIndex>) -> MutexGuard<'_, PrefixIndex> {
+    index.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl PrefixCacheRouter {
+    pub fn new<S: AsRef<str>>(
+        pods: &[S],
+        config: PrefixConfig,
+        index: Arc<Mutex<PrefixIndex>>,
+    ) -> Result<Self> {
+        Ok(Self {
+            config,
+            pods: PodSet::new(pods)?,
+            index,
+        })
+    }
+
+    pub fn config(&self) -> &PrefixConfig {
+        &self.config
+    }
+    pub fn pods(&self) -> &PodSet {
+        &self.pods
+    }
+    pub fn index(&self) -> &Arc<Mutex<PrefixIndex>> {
+        &self.index
+    }
+
+    fn choose(&self, index: &mut PrefixIndex, hashes: &[u64], now: f64) -> (usize, usize) {
+        let running = self.pods.running();
+        let n = running.len();
+        let mut slot_of = vec![NO_SLOT; index.pod_names.len()];
+        for (slot, name) in self.pods.names().iter().enumerate() {
+            if let Some(id) = index.pod_id(name) {
+                slot_of[id as usize] = slot;
+            }
+        }
+        let mut matched = vec![0usize; n];
+        index.match_into(hashes, now, &slot_of, &mut matched);
+        let least = self.pods.least_loaded().unwrap_or(0);
+        let min = running.iter().copied().min().unwrap_or(0);
+        let max = running.iter().copied().max().unwrap_or(0);
+        if max - min > self.config.imbalance_abs_count {
+            return (least, matched[least]);
+        }
+        let mean = running.iter().map(|&r| r as f64).sum::<f64>() / n as f64;
+        let var = running
+            .iter()
+            .map(|&r| (r as f64 - mean) * (r as f64 - mean))
+            .sum::<f64>()
+            / n as f64;
+        let limit = mean + self.config.std_factor * var.sqrt();
+        let mut candidates: Vec<usize> = (0..n).filter(|&i| matched[i] > 0).collect();
+        candidates.sort_by_key(|&i| (std::cmp::Reverse(matched[i]), running[i], i));
+        let pod = candidates
+            .into_iter()
+            .find(|&i| running[i] as f64 <= limit)
+            .unwrap_or(least);
+        (pod, matched[pod])
+    }
+
+    /// Routes one prompt given by its block hashes, records its blocks for the
+    /// chosen pod and counts it running there. `running`, if given, first
+    /// overwrites the pods' running counts (telemetry).
+    pub fn route_hashes(
+        &mut self,
+        hashes: &[u64],
+        running: Option<&[i64]>,
+        now: f64,
+    ) -> Result<PrefixDecision> {
+        let mut d = self.route_many_hashes(hashes, &[0, hashes.len() as i64], running, now)?;
+        d.pop().ok_or_else(|| invalid("no decision"))
+    }
+
+    /// Routes a batch (ragged hashes as from `hashes_many`) exactly as
+    /// `route_hashes` one by one would, `running` applied before the first.
+    pub fn route_many_hashes(
+        &mut self,
+        hashes: &[u64],
+        offsets: &[i64],
+        running: Option<&[i64]>,
+        now: f64,
+    ) -> Result<Vec<PrefixDecision>> {
+        let now = finite("now", now)?;
+        let offsets = check_offsets(offsets, hashes.len())?;
+        if self.pods.is_empty() {
+            return Err(invalid("the router has no pods"));
+        }
+        let index_arc = Arc::clone(&self.index);
+        let mut index = lock(&index_arc);
+        index.check_room(self.pods.names())?;
+        if let Some(r) = running {
+            self.pods.set_running(r)?;
+        }
+        let ids = self
+            .pods
+            .names()
+            .iter()
+            .map(|name| index.intern(name))
+            .collect::<Result<Vec<u32>>>()?;
+        let mut out = Vec::with_capacity(offsets.len().saturating_sub(1));
+        for w in offsets.windows(2) {
+            let h = &hashes[w[0]..w[1]];
+            let (pod, matched) = self.choose(&mut index, h, now);
+            index.record_id(h, ids[pod], now);
+            self.pods.start(pod);
+            out.push(PrefixDecision {
+                pod,
+                matched_blocks: matched,
+                blocks: h.len(),
+            });
+        }
+        Ok(out)
+    }
+
+    pub fn add_pod(&mut self, name: &str) -> Result<()> {
+        self.pods.add(name).map(|_| ())
+    }
+
+    /// Removes a pod from the router and its blocks from the index.
+    pub fn remove_pod(&mut self, name: &str) -> Result<()> {
+        self.pods.remove(name)?;
+        let mut index = lock(&self.index);
+        if index.pod_id(name).is_some() {
+            index.remove_pod(name)?;
+        }
+        Ok(())
+    }
+
+    pub fn complete(&mut self, name: &str) -> Result<()> {
+        self.pods.complete(name)
+    }
+
+    pub fn set_running(&mut self, counts: &[i64]) -> Result<()> {
+        self.pods.set_running(counts)
+    }
+
+    /// Settings, pods, running counts and the index.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut w = Writer::new(ROUTER_MAGIC, SNAPSHOT_VERSION);
+        let c = &self.config;
+        w.u64(c.block_size as u64)
+            .u64(c.imbalance_abs_count)
+            .f64(c.std_factor)
+            .u64(c.seed);
+        self.pods.write(&mut w);
+        lock(&self.index).write(&mut w);
+        w.finish()
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let bad = |e: Error| Error::Snapshot(e.to_string());
+        let mut r = Reader::new(bytes, ROUTER_MAGIC, SNAPSHOT_VERSION, "prefix cache router")?;
+        let block_size = r.u64()?;
+        let imbalance = r.u64()?;
+        let std_factor = r.f64()?;
+        let seed = r.u64()?;
+        if block_size > MAX_BLOCK_SIZE as u64 || imbalance > i64::MAX as u64 {
+            return Err(Error::Snapshot("bad settings".into()));
+        }
+        let config = PrefixConfig::new(block_size as usize, imbalance as i64, std_factor, seed)
+            .map_err(bad)?;
+        let pods = PodSet::read(&mut r)?;
+        let index = PrefixIndex::read(&mut r)?;
+        r.finish()?;
+        Ok(Self {
+            config,
+            pods,
+            index: Arc::new(Mutex::new(index)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(n: u32) -> Vec<u32> {
+        (0..n).map(|i| i.wrapping_mul(2_654_435_761)).collect()
+    }
+
+    #[test]
+    fn hashes_follow_the_documented_chain() {
+        let t = ids(10);
+        let h = block_hashes(Tokens::Ids(&t), 4, 7).expect("hashes");
+        assert_eq!(h.len(), 2, "the partial tail block is ignored");
+        let mut b0 = 7u64.to_le_bytes().to_vec();
+        t[..4]
+            .iter()
+            .for_each(|x| b0.extend_from_slice(&x.to_le_bytes()));
+        let h0 = xxh3_64_with_seed(&b0, 7);
+        let mut b1 = h0.to_le_bytes().to_vec();
+        t[4..8]
+            .iter()
+            .for_each(|x| b1.extend_from_slice(&x.to_le_bytes()));
+        assert_eq!(h, vec![h0, xxh3_64_with_seed(&b1, 7)]);
+
+        let text = b"abcdefgh";
+        let hb = block_hashes(Tokens::Bytes(text), 3, 0).expect("hashes");
+        let mut c0 = 0u64.to_le_bytes().to_vec();
+        c0.extend_from_slice(b"abc");
+        assert_eq!(hb.len(), 2);
+        assert_eq!(hb[0], xxh3_64_with_seed(&c0, 0));
+
+        let mut t2 = t.clone();
+        t2[1] ^= 1;
+        let h2 = block_hashes(Tokens::Ids(&t2), 4, 7).expect("hashes");
+        assert!(h2[0] != h[0] && h2[1] != h[1]);
+        assert!(block_hashes(Tokens::Ids(&t), 0, 0).is_err());
+        assert!(block_hashes(Tokens::Ids(&t), MAX_BLOCK_SIZE + 1, 0).is_err());
+    }
+
+    #[test]
+    fn batched_hashes_equal_single() {
+        let t = ids(50);
+        let offsets = [0i64, 9, 9, 30, 50];
+        let (flat, out) = block_hashes_many(Tokens::Ids(&t), &offsets, 4, 3).expect("many");
+        assert_eq!(out.len(), offsets.len());
+        for (w, o) in offsets.windows(2).zip(out.windows(2)) {
+            let one =
+                block_hashes(Tokens::Ids(&t[w[0] as usize..w[1] as usize]), 4, 3).expect("one");
+            assert_eq!(&flat[o[0] as usize..o[1] as usize], one.as_slice());
+        }
+        for bad in [&[1i64, 50][..], &[0, 51], &[0, 30, 20, 50], &[]] {
+            assert!(block_hashes_many(Tokens::Ids(&t), bad, 4, 3).is_err());
+        }
+    }
+
+    #[test]
+    fn index_is_lru_bounded_and_expires() {
+        let mut ix = PrefixIndex::new(3, Some(10.0)).expect("index");
+        ix.record(&[1, 2], "a", 0.0).expect("record");
+        ix.record(&[3], "b", 1.0).expect("record");
+        // Recorded last to first: 1 is more recent than 2.
+        let order: Vec<u64> = ix.dump().iter().map(|e| e.0).collect();
+        assert_eq!(order, vec![3, 1, 2]);
+        ix.record(&[4], "b", 2.0).expect("record");
+        assert_eq!(ix.len(), 3, "capacity holds");
+        let order: Vec<u64> = ix.dump().iter().map(|e| e.0).collect();
+        assert_eq!(order, vec![4, 3, 1], "the least recent (2) is evicted");
+        ix.record(&[1], "b", 5.0).expect("record");
+        assert_eq!(
+            ix.match_prefix(&[1, 3], 5.0),
+            Ok(vec![("a".into(), 1), ("b".into(), 2)])
+        );
+        // At t = 12.5 blocks 3 (t=1) and 4 (t=2) are idle > 10 s, 1 (t=5) is not.
+        assert_eq!(ix.expire(12.5), Ok(2));
+        assert_eq!(ix.len(), 1);
+        // A lookup past the TTL is a miss.
+        assert_eq!(ix.match_prefix(&[1], 15.1), Ok(vec![]));
+        assert!(ix.is_empty());
+        assert!(PrefixIndex::new(0, None).is_err());
+        assert!(PrefixIndex::new(1, Some(0.0)).is_err());
+        assert!(PrefixIndex::new(1, Some(f64::NAN)).is_err());
+        assert!(ix.record(&[1], "a", f64::NAN).is_err());
+        assert!(ix.record(&[1], "", 0.0).is_err());
+    }
+
+    #[test]
+    fn remove_pod_and_snapshot_round_trip() {
+        let mut ix = PrefixIndex::new(100, None).expect("index");
+        ix.record(&[1, 2, 3], "a", 1.0).expect("record");
+        ix.record(&[1, 2], "b", 2.0).expect("record");
+        assert_eq!(
+            ix.match_prefix(&[1, 2, 3], 3.0),
+            Ok(vec![("a".into(), 3), ("b".into(), 2)])
+        );
+        let bytes = ix.to_bytes();
+        let back = PrefixIndex::from_bytes(&bytes).expect("restore");
+        assert_eq!(back.dump(), ix.dump());
+        assert_eq!(back.to_bytes(), bytes);
+        assert_eq!(ix.remove_pod("a"), Ok(3));
+        assert_eq!(ix.len(), 2, "block 3 had only pod a");
+        assert_eq!(ix.remove_pod("a"), Err(unknown("pod", "a")));
+        assert_eq!(ix.pods(), vec!["b".to_owned()]);
+        ix.record(&[9], "c", 4.0).expect("record");
+        let bytes = ix.to_bytes();
+        assert_eq!(
+            PrefixIndex::from_bytes(&bytes).expect("restore").dump(),
+            ix.dump()
+        );
+        for cut in 0..bytes.len() {
+            assert!(PrefixIndex::from_bytes(&bytes[..cut]).is_err());
+        }
+        let mut long = bytes.clone();
+        long.push(0);
+        assert!(PrefixIndex::from_bytes(&long).is_err());
+    }
+
+    fn hashes(tokens: Tokens<'_>) -> Vec<u64> {
+        block_hashes(tokens, 4, 0).expect("hashes")
+    }
+
+    fn router(pods: &[&str], imbalance: i64) -> PrefixCacheRouter {
+        let config = PrefixConfig::new(4, imbalance, 2.0, 0).expect("config");
+        let index = Arc::new(Mutex::new(PrefixIndex::new(1000, None).expect("index")));
+        PrefixCacheRouter::new(pods, config, index).expect("router")
+    }
+
+    #[test]
+    fn routes_to_the_longest_match_within_the_load_guard() {
+        let mut r = router(&["a", "b", "c"], 16);
+        let p1 = hashes(Tokens::Ids(&ids(16)));
+        // Nothing cached: least-loaded, first on ties.
+        let d = r.route_hashes(&p1, Some(&[0, 0, 0]), 0.0).expect("route");
+        assert_eq!((d.pod, d.matched_blocks, d.blocks), (0, 0, 4));
+        // Equal loads: prefix matching still applies (at or below the limit).
+        let d = r.route_hashes(&p1, Some(&[2, 2, 2]), 0.0).expect("route");
+        assert_eq!((d.pod, d.match_fraction()), (0, 1.0));
+        // Loads [3, 0, 0]: mean 1, std sqrt(2), limit 1 + 2 sqrt(2) = 3.83 >= 3.
+        assert_eq!(
+            r.route_hashes(&p1, Some(&[3, 0, 0]), 0.0)
+                .expect("route")
+                .pod,
+            0
+        );
+        // Loads [5, 0, 0, ...]: with 3 pods the limit is 5/3 + 2*2.357 = 6.38;
+        // with 9 pods mean 5/9, std 1.571, limit 3.70 < 5: the hot spot is avoided.
+        let mut r9 = router(&["a", "b", "c", "d", "e", "f", "g", "h", "i"], 16);
+        r9.route_hashes(&p1, None, 0.0).expect("route");
+        let d = r9
+            .route_hashes(&p1, Some(&[5, 0, 0, 0, 0, 0, 0, 0, 0]), 0.0)
+            .expect("route");
+        assert_eq!((d.pod, d.matched_blocks), (1, 0));
+        // b gets p1's first 2 blocks (the imbalance guard sends them there).
+        let p2 = hashes(Tokens::Ids(&ids(8)));
+        assert_eq!(
+            r.route_hashes(&p2, Some(&[20, 0, 1]), 0.0)
+                .expect("route")
+                .pod,
+            1
+        );
+        // A longer match wins over a shorter one (a: 4 blocks, b: 2).
+        assert_eq!(
+            r.route_hashes(&p1, Some(&[1, 0, 0]), 0.0)
+                .expect("route")
+                .pod,
+            0
+        );
+        // Equal matches (2 blocks each): the less loaded.
+        let d = r.route_hashes(&p2, Some(&[2, 1, 0]), 0.0).expect("route");
+        assert_eq!((d.pod, d.matched_blocks), (1, 2));
+        // Imbalance (max - min = 17 > 16) skips matching: least-loaded.
+        let d = r.route_hashes(&p1, Some(&[0, 17, 1]), 0.0).expect("route");
+        assert_eq!((d.pod, d.matched_blocks), (0, 4));
+        let d = r.route_hashes(&p1, Some(&[17, 1, 0]), 0.0).expect("route");
+        assert_eq!(d.pod, 2);
+    }
+
+    #[test]
+    fn batch_equals_one_by_one_and_errors_change_nothing() {
+        let prompts: Vec<Vec<u32>> = (0..12).map(|i| ids(4 * (i % 5) + 3)).collect();
+        let mut flat = Vec::new();
+        let mut offsets = vec![0i64];
+        for p in &prompts {
+            flat.extend_from_slice(p);
+            offsets.push(flat.len() as i64);
+        }
+        let mut one = router(&["a", "b", "c"], 2);
+        let mut many = router(&["a", "b", "c"], 2);
+        let singles: Vec<PrefixDecision> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let running: &[i64] = &[1, 0, 2];
+                let h = hashes(Tokens::Ids(p));
+                one.route_hashes(&h, (i == 0).then_some(running), 1.0)
+                    .expect("route")
+            })
+            .collect();
+        let (h, o) = block_hashes_many(Tokens::Ids(&flat), &offsets, 4, 0).expect("hashes");
+        let batch = many
+            .route_many_hashes(&h, &o, Some(&[1, 0, 2]), 1.0)
+            .expect("many");
+        assert_eq!(batch, singles);
+        assert_eq!(one.to_bytes(), many.to_bytes());
+
+        let before = one.to_bytes();
+        let h = hashes(Tokens::Ids(&ids(8)));
+        assert!(one.route_hashes(&h, Some(&[1, 2]), 0.0).is_err());
+        assert!(one.route_hashes(&h, Some(&[1, -2, 0]), 0.0).is_err());
+        assert!(one.route_hashes(&h, None, f64::INFINITY).is_err());
+        assert!(one.complete("zz").is_err());
+        assert!(one.add_pod("a").is_err());
+        assert_eq!(one.to_bytes(), before);
+        let mut empty = router(&[], 2);
+        assert!(empty.route_hashes(&h, None, 0.0).is_err());
+    }
+
+    #[test]
+    fn pods_come_and_go_and_snapshots_restore() {
+        let mut r = router(&["a", "b"], 16);
+        let p = hashes(Tokens::Ids(&ids(12)));
+        assert_eq!(r.route_hashes(&p, None, 0.0).expect("route").pod, 0);
+        r.add_pod("c").expect("add");
+        assert_eq!(r.pods().running(), &[1, 0, 0]);
+        assert_eq!(r.route_hashes(&p, None, 0.0).expect("route").pod, 0);
+        r.remove_pod("a").expect("remove");
+        assert!(lock(r.index()).pod_id("a").is_none());
+        let d = r.route_hashes(&p, None, 0.0).expect("route");
+        assert_eq!((d.pod, d.matched_blocks), (0, 0), "a's blocks left with it");
+        r.complete("b").expect("complete");
+        assert!(r.complete("b").is_err());
+        let bytes = r.to_bytes();
+        let back = PrefixCacheRouter::from_bytes(&bytes).expect("restore");
+        assert_eq!(back.to_bytes(), bytes);
+        assert_eq!(back.pods(), r.pods());
+        assert_eq!(back.config(), r.config());
+        for cut in 0..bytes.len() {
+            assert!(PrefixCacheRouter::from_bytes(&bytes[..cut]).is_err());
+        }
+        assert!(PrefixConfig::new(0, 1, 1.0, 0).is_err());
+        assert!(PrefixConfig::new(4, -1, 1.0, 0).is_err());
+        assert!(PrefixConfig::new(4, 1, -1.0, 0).is_err());
+    }
+}

@@ -1,0 +1,677 @@
+//! VTC fairness routing: AIBrix's `vtc-basic` (after Sheng et al., "Fairness
+//! in Serving Large Language Models", OSDI 2024).
+//!
+//! Each user's service is a weighted token count over a sliding window:
+//! `input_weight * input_tokens + output_weight * output_tokens`, charged with
+//! the estimated tokens when a request is routed and corrected by the actual
+//! usage when it completes (a correction never takes a count below zero).
+//!
+//! The window of `window_s` seconds is kept as `WINDOW_BUCKETS` buckets of
+//! `window_s / WINDOW_BUCKETS` seconds: a user's count at time `now` is the sum
+//! of the buckets of the last `WINDOW_BUCKETS` bucket periods, the current one
+//! included, so old buckets expire a period at a time. Users whose window is
+//! empty are forgotten; at most `max_users` are held (beyond that the least
+//! recently active user is forgotten), so memory is bounded.
+//!
+//! Routing a request of user `u` over pods `0..n` (the paper leaves the
+//! normalisation open; this is AIBrix's released form):
+//!
+//! ```text
+//! lo, hi     = the smallest and largest count over active users
+//!              (min_tokens and max_tokens while no user is active)
+//! bucket     = max(min_tokens, (lo + hi) / 2)
+//! x          = min(count(u) / bucket, n - 1)            the user's "ideal" pod
+//! fairness_i = |i - x|
+//! util_i     = min(running_i / max_pod_load, 1)
+//! score_i    = fairness_weight * fairness_i + utilization_weight * util_i
+//! ```
+//!
+//! and the lowest score wins (the lowest index on ties; AIBrix adds a random
+//! jitter of up to 0.1, left out so decisions are reproducible). Heavy users
+//! are steered towards the high-index pods and light users towards the low
+//! ones, so a heavy user's backlog does not crowd every pod; the utilization
+//! term moves requests off a pod as it fills.
+//!
+//! Time is passed in explicitly (seconds); it never runs backwards: an earlier
+//! `now` than one already seen counts as the latest.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use crate::budget::MAX_TOKENS;
+use crate::error::{finite, invalid, non_negative, positive, Error, Result};
+use crate::pods::PodSet;
+use crate::snapshot::{Reader, Writer};
+
+/// Buckets per window.
+pub const WINDOW_BUCKETS: i64 = 10;
+/// Default bound on users held.
+pub const DEFAULT_MAX_USERS: usize = 100_000;
+/// Largest `max_users`.
+pub const MAX_USERS: usize = 10_000_000;
+/// Longest user name, in bytes.
+pub const MAX_USER_NAME_BYTES: usize = 256;
+
+const MAGIC: &[u8; 4] = b"RCVT";
+const SNAPSHOT_VERSION: u16 = 1;
+
+/// The router's settings, with AIBrix's names (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VtcConfig {
+    pub window_s: f64,
+    pub input_weight: f64,
+    pub output_weight: f64,
+    pub min_tokens: f64,
+    pub max_tokens: f64,
+    pub fairness_weight: f64,
+    pub utilization_weight: f64,
+    pub max_pod_load: f64,
+    pub max_users: usize,
+}
+
+impl VtcConfig {
+    /// Checks every field: a positive window, load and `min_tokens`,
+    /// `max_tokens >= min_tokens`, non-negative weights, 1 to `MAX_USERS` users.
+    pub fn check(self) -> Result<Self> {
+        positive("window_s", self.window_s)?;
+        non_negative("input_weight", self.input_weight)?;
+        non_negative("output_weight", self.output_weight)?;
+        positive("min_tokens", self.min_tokens)?;
+        finite("max_tokens", self.max_tokens)?;
+        if self.max_tokens < self.min_tokens {
+            return Err(invalid(format!(
+                "max_tokens ({}) must be >= min_tokens ({})",
+                self.max_tokens, self.min_tokens
+            )));
+        }
+        non_negative("fairness_weight", self.fairness_weight)?;
+        non_negative("utilization_weight", self.utilization_weight)?;
+        positive("max_pod_load", self.max_pod_load)?;
+        if self.max_users == 0 || self.max_users > MAX_USERS {
+            return Err(invalid(format!(
+                "max_users must be in [1, {MAX_USERS}], got {}",
+                self.max_users
+            )));
+        }
+        Ok(self)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct User {
+    /// (bucket id, weighted tokens), oldest first, at most `WINDOW_BUCKETS`.
+    buckets: VecDeque<(i64, f64)>,
+    /// `sum()`, kept for the multiset of totals.
+    total: f64,
+}
+
+impl User {
+    /// The sum of the buckets, never below zero.
+    fn sum(&self) -> f64 {
+        let s = self.raw_sum();
+        // Not `max`: -0.0 must not reach the multiset (its bits sort last).
+        if s > 0.0 {
+            s
+        } else {
+            0.0
+        }
+    }
+    fn raw_sum(&self) -> f64 {
+        self.buckets.iter().map(|&(_, t)| t).sum()
+    }
+}
+
+/// Counts of non-negative floats, ordered: the bits of a non-negative f64
+/// order as the number does.
+type Multiset = BTreeMap<u64, u32>;
+
+fn multiset_add(m: &mut Multiset, x: f64) {
+    *m.entry(x.to_bits()).or_insert(0) += 1;
+}
+
+fn multiset_remove(m: &mut Multiset, x: f64) {
+    if let Some(c) = m.get_mut(&x.to_bits()) {
+        *c -= 1;
+        if *c == 0 {
+            m.remove(&x.to_bits());
+        }
+    }
+}
+
+fn check_user(user: &str) -> Result<()> {
+    if user.is_empty() || user.len() > MAX_USER_NAME_BYTES {
+        return Err(invalid(format!(
+            "user name must be 1 to {MAX_USER_NAME_BYTES} bytes, got {} bytes",
+            user.len()
+        )));
+    }
+    Ok(())
+}
+
+fn check_tokens(what: &str, v: i64) -> Result<f64> {
+    if v < 0 || v as u64 > MAX_TOKENS {
+        return Err(invalid(format!(
+            "{what} must be in [0, {MAX_TOKENS}], got {v}"
+        )));
+    }
+    Ok(v as f64)
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct VtcRouter {
+    config: VtcConfig,
+    pods: PodSet,
+    users: HashMap<String, User>,
+    totals: Multiset,
+    /// The latest bucket id seen.
+    bucket: i64,
+}
+
+impl VtcRouter {
+    pub fn new<S: AsRef<str>>(pods: &[S], config: VtcConfig) -> Result<Self> {
+        Ok(Self {
+            config: config.check()?,
+            pods: PodSet::new(pods)?,
+            users: HashMap::new(),
+            totals: Multiset::new(),
+            bucket: i64::MIN,
+        })
+    }
+
+    pub fn config(&self) -> &VtcConfig {
+        &self.config
+    }
+    pub fn pods(&self) -> &PodSet {
+        &self.pods
+    }
+    /// Users with a non-empty window (as of the latest time seen).
+    pub fn users_len(&self) -> usize {
+        self.users.len()
+    }
+
+    fn bucket_of(&self, now: f64) -> i64 {
+        // `as` saturates: times beyond i64 bucket ids are the last bucket.
+        (now / (self.config.window_s / WINDOW_BUCKETS as f64)).floor() as i64
+    }
+
+    /// Moves the window to `now`: expires old buckets, forgets idle users.
+    fn advance(&mut self, now: f64) {
+        let b = self.bucket_of(now);
+        if b <= self.bucket {
+            return;
+        }
+        self.bucket = b;
+        let oldest = b.saturating_sub(WINDOW_BUCKETS - 1);
+        self.totals.clear();
+        self.users.retain(|_, u| {
+            while u.buckets.front().is_some_and(|&(id, _)| id < oldest) {
+                u.buckets.pop_front();
+            }
+            // Corrections may outlive the charges they corrected: the
+            // count stays at zero rather than going negative.
+            let deficit = u.raw_sum();
+            if let Some((_, t)) = u.buckets.back_mut().filter(|_| deficit < 0.0) {
+                *t -= deficit;
+            }
+            u.total = u.sum();
+            !u.buckets.is_empty()
+        });
+        for u in self.users.values() {
+            multiset_add(&mut self.totals, u.total);
+        }
+    }
+
+    /// Adds `tokens` (may be negative: a correction) to `user` in the current
+    /// bucket; the user's count never goes below zero.
+    fn charge(&mut self, user: &str, tokens: f64) {
+        let bucket = self.bucket;
+        if !self.users.contains_key(user) {
+            if tokens <= 0.0 {
+                return;
+            }
+            if self.users.len() >= self.config.max_users {
+                self.forget_least_recent();
+            }
+            self.users.insert(
+                user.to_owned(),
+                User {
+                    buckets: VecDeque::new(),
+                    total: 0.0,
+                },
+            );
+            multiset_add(&mut self.totals, 0.0);
+        }
+        let Some(u) = self.users.get_mut(user) else {
+            return;
+        };
+        let tokens = tokens.max(-u.total);
+        match u.buckets.back_mut() {
+            Some((id, t)) if *id == bucket => *t += tokens,
+            _ => u.buckets.push_back((bucket, tokens)),
+        }
+        let old = u.total;
+        u.total = u.sum();
+        let new = u.total;
+        multiset_remove(&mut self.totals, old);
+        multiset_add(&mut self.totals, new);
+    }
+
+    fn forget_least_recent(&mut self) {
+        let victim = self
+            .users
+            .iter()
+            .min_by(|a, b| {
+                let last = |u: &User| u.buckets.back().map_or(i64::MIN, |&(id, _)| id);
+                (last(a.1), a.0).cmp(&(last(b.1), b.0))
+            })
+            .map(|(name, u)| (name.clone(), u.total));
+        if let Some((name, total)) = victim {
+            self.users.remove(&name);
+            multiset_remove(&mut self.totals, total);
+        }
+    }
+
+    /// The user's weighted token count in the window at `now`.
+    pub fn user_tokens(&mut self, user: &str, now: f64) -> Result<f64> {
+        let now = finite("now", now)?;
+        self.advance(now);
+        Ok(self.users.get(user).map_or(0.0, |u| u.total))
+    }
+
+    /// The pod for `user` now, without charging (see the module docs).
+    fn choose(&self, user: &str) -> usize {
+        let c = &self.config;
+        let count = self.users.get(user).map_or(0.0, |u| u.total);
+        let (lo, hi) = match (self.totals.keys().next(), self.totals.keys().next_back()) {
+            (Some(&lo), Some(&hi)) => (f64::from_bits(lo), f64::from_bits(hi)),
+            _ => (c.min_tokens, c.max_tokens),
+        };
+        let bucket = c.min_tokens.max((lo + hi) / 2.0);
+        let n = self.pods.len();
+        let x = (count / bucket).min((n - 1) as f64);
+        let mut best = (f64::INFINITY, 0);
+        for (i, &r) in self.pods.running().iter().enumerate() {
+            let fairness = (i as f64 - x).abs();
+            let util = (r as f64 / c.max_pod_load).min(1.0);
+            let score = c.fairness_weight * fairness + c.utilization_weight * util;
+            if score < best.0 {
+                best = (score, i);
+            }
+        }
+        best.1
+    }
+
+    /// Routes a batch of requests one after the other (each charged and
+    /// counted running before the next is routed); `running`, if given,
+    /// first overwrites the pods' running counts. Returns pod indices.
+    pub fn route_many<S: AsRef<str>>(
+        &mut self,
+        users: &[S],
+        input_tokens: &[i64],
+        output_tokens: &[i64],
+        running: Option<&[i64]>,
+        now: f64,
+    ) -> Result<Vec<usize>> {
+        let now = finite("now", now)?;
+        if users.len() != input_tokens.len() || users.len() != output_tokens.len() {
+            return Err(invalid(format!(
+                "users, input_tokens and output_tokens differ in length: {}, {}, {}",
+                users.len(),
+                input_tokens.len(),
+                output_tokens.len()
+            )));
+        }
+        if self.pods.is_empty() {
+            return Err(invalid("the router has no pods"));
+        }
+        let mut charges = Vec::with_capacity(users.len());
+        for ((user, &i), &o) in users.iter().zip(input_tokens).zip(output_tokens) {
+            check_user(user.as_ref())?;
+            let i = check_tokens("input_tokens", i)?;
+            let o = check_tokens("output_tokens", o)?;
+            charges.push(self.config.input_weight * i + self.config.output_weight * o);
+        }
+        if let Some(r) = running {
+            self.pods.set_running(r)?;
+        }
+        self.advance(now);
+        Ok(users
+            .iter()
+            .zip(charges)
+            .map(|(user, charge)| {
+                let pod = self.choose(user.as_ref());
+                self.charge(user.as_ref(), charge);
+                self.pods.start(pod);
+                pod
+            })
+            .collect())
+    }
+
+    /// Routes one request: charges `user` its estimated weighted tokens and
+    /// counts it running on the chosen pod, whose index is returned.
+    pub fn route(
+        &mut self,
+        user: &str,
+        input_tokens: i64,
+        output_tokens: i64,
+        running: Option<&[i64]>,
+        now: f64,
+    ) -> Result<usize> {
+        let pods = self.route_many(&[user], &[input_tokens], &[output_tokens], running, now)?;
+        pods.first().copied().ok_or_else(|| invalid("no decision"))
+    }
+
+    /// Ends a request on `pod` and corrects `user`'s charge from the estimate
+    /// (`est_*`, what `route` was given) to the actual usage.
+    #[allow(clippy::too_many_arguments)]
+    pub fn complete(
+        &mut self,
+        pod: &str,
+        user: &str,
+        est_input_tokens: i64,
+        est_output_tokens: i64,
+        input_tokens: i64,
+        output_tokens: i64,
+        now: f64,
+    ) -> Result<()> {
+        let now = finite("now", now)?;
+        check_user(user)?;
+        let ei = check_tokens("est_input_tokens", est_input_tokens)?;
+        let eo = check_tokens("est_output_tokens", est_output_tokens)?;
+        let i = check_tokens("input_tokens", input_tokens)?;
+        let o = check_tokens("output_tokens", output_tokens)?;
+        self.pods.complete(pod)?;
+        self.advance(now);
+        let c = &self.config;
+        let delta = c.input_weight * (i - ei) + c.output_weight * (o - eo);
+        self.charge(user, delta);
+        Ok(())
+    }
+
+    pub fn add_pod(&mut self, name: &str) -> Result<()> {
+        self.pods.add(name).map(|_| ())
+    }
+    pub fn remove_pod(&mut self, name: &str) -> Result<()> {
+        self.pods.remove(name)
+    }
+    pub fn set_running(&mut self, counts: &[i64]) -> Result<()> {
+        self.pods.set_running(counts)
+    }
+
+    /// Settings, pods, running counts and every user's buckets (users in name
+    /// order, so equal states give equal bytes).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let c = &self.config;
+        let mut w = Writer::new(MAGIC, SNAPSHOT_VERSION);
+        for x in [
+            c.window_s,
+            c.input_weight,
+            c.output_weight,
+            c.min_tokens,
+            c.max_tokens,
+            c.fairness_weight,
+            c.utilization_weight,
+            c.max_pod_load,
+        ] {
+            w.f64(x);
+        }
+        w.u64(c.max_users as u64);
+        self.pods.write(&mut w);
+        w.u64(self.bucket as u64);
+        let mut names: Vec<&String> = self.users.keys().collect();
+        names.sort();
+        w.u64(names.len() as u64);
+        for name in names {
+            let u = &self.users[name];
+            w.str(name).u64(u.buckets.len() as u64);
+            for &(id, t) in &u.buckets {
+                w.u64(id as u64).f64(t);
+            }
+        }
+        w.finish()
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let bad = |e: Error| Error::Snapshot(e.to_string());
+        let mut r = Reader::new(bytes, MAGIC, SNAPSHOT_VERSION, "VTC router")?;
+        let mut f = [0.0; 8];
+        for x in &mut f {
+            *x = r.f64()?;
+        }
+        let config = VtcConfig {
+            window_s: f[0],
+            input_weight: f[1],
+            output_weight: f[2],
+            min_tokens: f[3],
+            max_tokens: f[4],
+            fairness_weight: f[5],
+            utilization_weight: f[6],
+            max_pod_load: f[7],
+            max_users: usize::try_from(r.u64()?).unwrap_or(usize::MAX),
+        };
+        let pods = PodSet::read(&mut r)?;
+        let mut router = Self::new(pods.names(), config).map_err(bad)?;
+        router.pods = pods;
+        router.bucket = r.u64()? as i64;
+        let n = r.count(20)?;
+        if n > config.max_users {
+            return Err(Error::Snapshot(format!("{n} users exceed max_users")));
+        }
+        for _ in 0..n {
+            let name = r.str()?;
+            check_user(&name).map_err(bad)?;
+            let k = r.count(16)?;
+            if k == 0 || k > WINDOW_BUCKETS as usize {
+                return Err(Error::Snapshot(format!("user {name:?} has {k} buckets")));
+            }
+            let mut buckets = VecDeque::with_capacity(k);
+            for _ in 0..k {
+                let id = r.u64()? as i64;
+                let t = finite("bucket tokens", r.f64()?).map_err(bad)?;
+                if buckets.back().is_some_and(|&(prev, _)| prev >= id) || id > router.bucket {
+                    return Err(Error::Snapshot("bucket ids out of order".into()));
+                }
+                buckets.push_back((id, t));
+            }
+            let mut user = User {
+                buckets,
+                total: 0.0,
+            };
+            user.total = user.sum();
+            multiset_add(&mut router.totals, user.total);
+            if router.users.insert(name, user).is_some() {
+                return Err(Error::Snapshot("a user appears twice".into()));
+            }
+        }
+        r.finish()?;
+        Ok(router)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> VtcConfig {
+        VtcConfig {
+            window_s: 300.0,
+            input_weight: 1.0,
+            output_weight: 2.0,
+            min_tokens: 1000.0,
+            max_tokens: 8000.0,
+            fairness_weight: 1.0,
+            utilization_weight: 1.0,
+            max_pod_load: 100.0,
+            max_users: DEFAULT_MAX_USERS,
+        }
+    }
+
+    fn router() -> VtcRouter {
+        VtcRouter::new(&["p0", "p1", "p2"], config()).expect("router")
+    }
+
+    #[test]
+    fn scores_worked_by_hand() {
+        let mut r = router();
+        // No active user: bucket = max(1000, (1000 + 8000) / 2) = 4500, x = 0.
+        assert_eq!(r.route("a", 100, 200, None, 0.0), Ok(0));
+        assert_eq!(r.user_tokens("a", 0.0), Ok(500.0));
+        // Only a (500) active: bucket = max(1000, 500) = 1000, x = 0.5;
+        // scores: p0 0.5 + 1/100 = 0.51, p1 0.5 + 0 = 0.5, p2 1.5.
+        assert_eq!(r.route("a", 100, 200, None, 1.0), Ok(1));
+        // b has 0: x = 0; p0 0 + 0.01 beats p1 1 + 0.01.
+        assert_eq!(r.route("b", 100, 200, None, 2.0), Ok(0));
+        // a (1000) with totals {500, 1000}: bucket 1000, x = 1: p1 0.01 wins.
+        assert_eq!(r.route("a", 0, 0, None, 3.0), Ok(1));
+        // A heavy user maps to the last pod: x = min(20000 / 10250, 2) = 1.95.
+        assert_eq!(r.route("h", 20_000, 0, None, 4.0), Ok(0));
+        assert_eq!(r.route("h", 0, 0, None, 5.0), Ok(2));
+        // Utilization moves a request off a full pod: p0 at 100 running
+        // scores 0 + 1, p1 scores |1 - 0| + 0 = 1: a tie, the lower index.
+        assert_eq!(r.route("z", 0, 0, Some(&[100, 0, 0]), 6.0), Ok(0));
+        assert_eq!(r.route("z", 0, 0, Some(&[101, 0, 0]), 6.0), Ok(0));
+        assert_eq!(r.route("z", 0, 0, Some(&[100, 0, 0]), 6.0), Ok(0));
+        let mut uw = VtcRouter::new(
+            &["p0", "p1"],
+            VtcConfig {
+                utilization_weight: 2.0,
+                ..config()
+            },
+        )
+        .expect("router");
+        assert_eq!(uw.route("z", 0, 0, Some(&[60, 0]), 0.0), Ok(1));
+        assert_eq!(uw.pods().running(), &[60, 1]);
+    }
+
+    #[test]
+    fn window_expires_and_completion_corrects() {
+        let mut r = router();
+        assert_eq!(r.route("a", 100, 100, None, 0.0), Ok(0));
+        assert_eq!(r.user_tokens("a", 269.9), Ok(300.0));
+        // At t = 300 the window holds buckets 1..=10; bucket 0 expired.
+        assert_eq!(r.user_tokens("a", 300.0), Ok(0.0));
+        assert_eq!(r.users_len(), 0);
+        r.route("a", 100, 100, None, 301.0).expect("route");
+        r.complete("p0", "a", 100, 100, 100, 400, 302.0)
+            .expect("complete");
+        assert_eq!(r.user_tokens("a", 302.0), Ok(900.0));
+        assert_eq!(r.pods().running(), &[1, 0, 0]);
+        // a (900) alone: bucket 1000, x = 0.9: p1 (0.1) beats p0 (0.91).
+        assert_eq!(r.route("a", 0, 1000, None, 303.0), Ok(1));
+        r.complete("p1", "a", 0, 1000, 0, 0, 303.0)
+            .expect("complete");
+        // 900 + 2000 - 2000.
+        assert_eq!(r.user_tokens("a", 303.0), Ok(900.0));
+        assert_eq!(r.route("a", 0, 0, None, 304.0), Ok(1));
+        r.complete("p1", "a", 0, 5000, 0, 0, 304.0)
+            .expect("complete");
+        assert_eq!(r.user_tokens("a", 304.0), Ok(0.0), "never below zero");
+        // A correction for a user no longer held is not a new charge.
+        r.set_running(&[1, 0, 0]).expect("set");
+        r.complete("p0", "ghost", 500, 0, 0, 0, 305.0)
+            .expect("complete");
+        assert_eq!(r.user_tokens("ghost", 305.0), Ok(0.0));
+    }
+
+    #[test]
+    fn bounded_users_and_errors_change_nothing() {
+        let mut r = VtcRouter::new(
+            &["p0", "p1"],
+            VtcConfig {
+                max_users: 2,
+                ..config()
+            },
+        )
+        .expect("router");
+        r.route("a", 10, 0, None, 0.0).expect("route");
+        r.route("b", 10, 0, None, 40.0).expect("route");
+        r.route("c", 10, 0, None, 80.0).expect("route");
+        assert_eq!(r.users_len(), 2);
+        assert_eq!(r.user_tokens("a", 80.0), Ok(0.0), "least recent forgotten");
+        assert_eq!(r.user_tokens("b", 80.0), Ok(10.0));
+
+        let before = r.to_bytes();
+        assert!(r.route("", 1, 1, None, 90.0).is_err());
+        assert!(r.route(&"u".repeat(257), 1, 1, None, 90.0).is_err());
+        assert!(r.route("a", -1, 1, None, 90.0).is_err());
+        assert!(r.route("a", 1, 1 << 31, None, 90.0).is_err());
+        assert!(r.route("a", 1, 1, None, f64::NAN).is_err());
+        assert!(r.route("a", 1, 1, Some(&[1]), 90.0).is_err());
+        assert!(r
+            .route_many(&["a", "b"], &[1, 1], &[1], None, 90.0)
+            .is_err());
+        assert!(r
+            .route_many(&["a", ""], &[1, 1], &[1, 1], None, 90.0)
+            .is_err());
+        assert!(r.complete("p9", "a", 1, 1, 1, 1, 90.0).is_err());
+        assert!(
+            r.complete("p1", "a", 1, 1, 1, 1, 90.0).is_err(),
+            "none running"
+        );
+        assert!(r.complete("p0", "a", 1, -1, 1, 1, 90.0).is_err());
+        assert_eq!(r.to_bytes(), before);
+        for bad in [
+            VtcConfig {
+                window_s: 0.0,
+                ..config()
+            },
+            VtcConfig {
+                input_weight: -1.0,
+                ..config()
+            },
+            VtcConfig {
+                min_tokens: 0.0,
+                ..config()
+            },
+            VtcConfig {
+                max_tokens: 10.0,
+                ..config()
+            },
+            VtcConfig {
+                max_pod_load: f64::NAN,
+                ..config()
+            },
+            VtcConfig {
+                max_users: 0,
+                ..config()
+            },
+        ] {
+            assert!(VtcRouter::new(&["p"], bad).is_err());
+        }
+        let mut empty = VtcRouter::new::<&str>(&[], config()).expect("router");
+        assert!(empty.route("a", 1, 1, None, 0.0).is_err());
+    }
+
+    #[test]
+    fn batch_equals_one_by_one_and_snapshots_restore() {
+        let users = ["h", "a", "h", "b", "h", "h", "c", "a", "h", "b"];
+        let ins = [900, 10, 800, 20, 900, 700, 5, 10, 950, 30];
+        let outs = [300, 5, 200, 5, 100, 300, 1, 2, 300, 4];
+        let mut one = router();
+        let singles: Vec<usize> = (0..users.len())
+            .map(|i| {
+                let running: &[i64] = &[3, 1, 0];
+                one.route(users[i], ins[i], outs[i], (i == 0).then_some(running), 7.0)
+                    .expect("route")
+            })
+            .collect();
+        let mut many = router();
+        let batch = many
+            .route_many(&users, &ins, &outs, Some(&[3, 1, 0]), 7.0)
+            .expect("many");
+        assert_eq!(batch, singles);
+        assert_eq!(one, many);
+        assert!(singles.contains(&2) && singles.contains(&0));
+
+        let bytes = one.to_bytes();
+        let back = VtcRouter::from_bytes(&bytes).expect("restore");
+        assert_eq!(back, one);
+        assert_eq!(back.to_bytes(), bytes);
+        for cut in 0..bytes.len() {
+            assert!(VtcRouter::from_bytes(&bytes[..cut]).is_err());
+        }
+        one.add_pod("p3").expect("add");
+        one.remove_pod("p0").expect("remove");
+        assert_eq!(one.pods().names(), &["p1", "p2", "p3"]);
+        assert!(one.remove_pod("p0").is_err());
+    }
+}
