@@ -4,6 +4,7 @@
 //! `python` feature adds the pyo3 bindings in `py/` and the `_core` module
 //! below, which only registers what `py/` defines.
 
+pub mod admission;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
@@ -22,6 +23,10 @@ mod py;
 #[cfg(feature = "python")]
 #[pyo3::pymodule(gil_used = false)]
 mod _core {
+    #[pymodule_export]
+    use crate::py::admission::{
+        priority_weight, PyAdmission, PyAdmissionController, PyEntitlement, PyTokenPool,
+    };
     #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]

@@ -5,9 +5,12 @@ Token-budget pool routing with a self-calibrating bytes-per-token estimate
 """
 
 from routecore._core import (
+    Admission,
+    AdmissionController,
     Calibrator,
     CompressionResult,
     Compressor,
+    Entitlement,
     Pool,
     RequestCompression,
     PrefixCacheRouter,
@@ -16,12 +19,15 @@ from routecore._core import (
     RoutedRequest,
     TokenBudgetRouter,
     VtcRouter,
+    TokenPool,
     __version__,
     block_hashes,
     block_hashes_many,
     classify,
     parse_openai_request,
+    priority_weight,
 )
+from routecore.admission import InMemoryAdmission, RedisAdmission, admission_from_config
 
 __all__ = [
     "Calibrator",
@@ -40,4 +46,12 @@ __all__ = [
     "block_hashes",
     "block_hashes_many",
     "VtcRouter",
+    "Admission",
+    "AdmissionController",
+    "Entitlement",
+    "TokenPool",
+    "priority_weight",
+    "InMemoryAdmission",
+    "RedisAdmission",
+    "admission_from_config",
 ]

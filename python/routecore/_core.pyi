@@ -369,4 +369,146 @@ class VtcRouter:
     def to_bytes(self) -> bytes: ...
     @staticmethod
     def from_bytes(data: bytes) -> VtcRouter: ...
+# --- multi-tenant admission: token pools (capability 7) ----------------------
+
+@final
+class TokenPool:
+    """A token pool's capacity in inference-native units."""
+
+    def __new__(
+        cls,
+        name: str,
+        tokens_per_s: float,
+        kv_bytes: int,
+        concurrency: int,
+        kv_bytes_per_token: int = 0,
+    ) -> Self: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def tokens_per_s(self) -> float: ...
+    @property
+    def kv_bytes(self) -> int: ...
+    @property
+    def concurrency(self) -> int: ...
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+@final
+class Entitlement:
+    """A tenant's baseline share of one pool, with a service class and a state."""
+
+    def __new__(
+        cls,
+        name: str,
+        tenant: str,
+        pool: str,
+        service_class: str,
+        slo_target_ms: float,
+        tokens_per_s: float,
+        kv_bytes: int,
+        concurrency: int,
+        state: str = "bound",
+    ) -> Self: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def pool(self) -> str: ...
+    @property
+    def service_class(self) -> str: ...
+    @property
+    def slo_target_ms(self) -> float: ...
+    @property
+    def tokens_per_s(self) -> float: ...
+    @property
+    def kv_bytes(self) -> int: ...
+    @property
+    def concurrency(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+
+@final
+class Admission:
+    """One admission decision (status 200 admitted; 401, 403, 413, 429, 503 rejected)."""
+
+    def __new__(
+        cls,
+        admitted: bool,
+        status: int,
+        reason: str,
+        retry_after_s: float | None = None,
+        ticket: int | None = None,
+        priority: float = 0.0,
+    ) -> Self: ...
+    @property
+    def admitted(self) -> bool: ...
+    @property
+    def status(self) -> int: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def retry_after_s(self) -> float | None: ...
+    @property
+    def ticket(self) -> int | None: ...
+    @property
+    def priority(self) -> float: ...
+
+def priority_weight(
+    service_class: str,
+    slo_target_ms: float,
+    pool_mean_slo_ms: float,
+    burst: float = 0.0,
+    debt: float = 0.0,
+) -> float: ...
+
+@final
+class AdmissionController:
+    """Multi-tenant admission control over token pools (Cunningham 2026)."""
+
+    def __new__(
+        cls,
+        pools: list[TokenPool],
+        entitlements: list[Entitlement],
+        default_max_tokens: int = 4096,
+        window_s: float = 60.0,
+    ) -> Self: ...
+    def admit(
+        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
+    ) -> Admission: ...
+    def admit_many(
+        self,
+        entitlement_ids: npt.ArrayLike,
+        input_tokens: npt.ArrayLike,
+        max_tokens: npt.ArrayLike | None,
+        now: float,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+    def entitlement_id(self, name: str) -> int: ...
+    def complete(
+        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
+    ) -> None: ...
+    def evictions(self, now: float) -> list[int]: ...
+    def priority(self, entitlement: str) -> float: ...
+    def stats(self, entitlement: str) -> dict[str, float]: ...
+    def pool_in_flight(self, pool: str) -> int: ...
+    def set_state(self, entitlement: str, state: str) -> None: ...
+    def set_capacity(
+        self,
+        pool: str,
+        tokens_per_s: float | None = None,
+        kv_bytes: int | None = None,
+        concurrency: int | None = None,
+    ) -> None: ...
+    @property
+    def pools(self) -> list[TokenPool]: ...
+    @property
+    def entitlements(self) -> list[Entitlement]: ...
+    @property
+    def default_max_tokens(self) -> int: ...
+    @property
+    def window_s(self) -> float: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> AdmissionController: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...

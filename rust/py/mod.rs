@@ -2,6 +2,7 @@
 //! work longer than a few microseconds, and maps core errors to exceptions in
 //! exactly one place (`From<Error> for PyErr`).
 
+pub mod admission;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;

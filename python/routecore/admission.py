@@ -1,0 +1,635 @@
+"""Token-pool admission with one interface over two backends.
+
+``InMemoryAdmission`` (the default) keeps the state in this process, in the
+Rust ``AdmissionController``. ``RedisAdmission`` keeps it in Redis so that
+many gateway replicas share one pool without ever over-admitting: every
+decision is one Lua script that checks and reserves atomically, with the same
+checks, priority, debt and burst as the Rust controller. Choose one with
+``admission_from_config``.
+
+Both backends answer::
+
+    admission = backend.admit(entitlement, input_tokens, max_tokens=None, now=None)
+    # admission.admitted, .status (200/401/403/413/429/503), .reason,
+    # .retry_after_s (seconds or None), .ticket (int or None)
+    backend.complete(admission.ticket, actual_input, actual_output, latency_s, now=None)
+
+``now`` defaults to the backend's clock (``time.monotonic`` in memory,
+``time.time`` for Redis, which replicas share). ``complete`` returns True when
+it released the ticket and False when the ticket is not in flight (None, done
+already, or its Redis lease expired): completing twice never counts twice.
+
+Redis specifics (see ``RedisAdmission``): keys ``{prefix}:{<pool>}:...`` per
+pool and entitlement, all of one pool in one hash slot; a reservation whose
+replica died mid-request is released after ``lease_s``; when Redis cannot be
+reached, ``failure_mode="closed"`` (the default) rejects with 503 and
+``failure_mode="open"`` admits without a ticket (unaccounted), so a Redis
+outage either sheds load or protects availability, as configured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from routecore._core import Admission, AdmissionController, Entitlement, TokenPool
+
+MAX_TOKENS = 1 << 30
+MAX_POOLS = 256
+FAILURE_MODES = ("open", "closed")
+
+
+class AdmissionBackend(Protocol):
+    """What a gateway or server needs from an admission backend."""
+
+    def admit(
+        self,
+        entitlement: str,
+        input_tokens: int,
+        max_tokens: int | None = None,
+        now: float | None = None,
+    ) -> Admission: ...
+
+    def complete(
+        self,
+        ticket: int | None,
+        actual_input: int,
+        actual_output: int,
+        latency_s: float,
+        now: float | None = None,
+    ) -> bool: ...
+
+    def set_capacity(
+        self,
+        pool: str,
+        tokens_per_s: float | None = None,
+        kv_bytes: int | None = None,
+        concurrency: int | None = None,
+    ) -> None: ...
+
+    def set_state(self, entitlement: str, state: str) -> None: ...
+
+    def pool_in_flight(self, pool: str) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class InMemoryAdmission:
+    """The in-process backend: a thin clock-supplying wrapper of ``AdmissionController``."""
+
+    def __init__(
+        self,
+        pools: Sequence[TokenPool],
+        entitlements: Sequence[Entitlement],
+        default_max_tokens: int = 4096,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.controller = AdmissionController(
+            list(pools), list(entitlements), default_max_tokens, window_s
+        )
+        self.clock = clock
+
+    def admit(
+        self,
+        entitlement: str,
+        input_tokens: int,
+        max_tokens: int | None = None,
+        now: float | None = None,
+    ) -> Admission:
+        """Decides one request (see ``AdmissionController.admit``)."""
+        return self.controller.admit(
+            entitlement, input_tokens, max_tokens, self.clock() if now is None else now
+        )
+
+    def complete(
+        self,
+        ticket: int | None,
+        actual_input: int,
+        actual_output: int,
+        latency_s: float,
+        now: float | None = None,
+    ) -> bool:
+        """Releases ``ticket``; False when it is not in flight."""
+        if ticket is None:
+            return False
+        try:
+            self.controller.complete(
+                ticket,
+                actual_input,
+                actual_output,
+                latency_s,
+                self.clock() if now is None else now,
+            )
+        except KeyError:
+            return False
+        return True
+
+    def set_capacity(
+        self,
+        pool: str,
+        tokens_per_s: float | None = None,
+        kv_bytes: int | None = None,
+        concurrency: int | None = None,
+    ) -> None:
+        self.controller.set_capacity(pool, tokens_per_s, kv_bytes, concurrency)
+
+    def set_state(self, entitlement: str, state: str) -> None:
+        self.controller.set_state(entitlement, state)
+
+    def pool_in_flight(self, pool: str) -> int:
+        return self.controller.pool_in_flight(pool)
+
+    def close(self) -> None:
+        """Nothing to release; present for the common interface."""
+
+
+# The Lua below mirrors rust/admission.rs line by line; the equivalence test in
+# tests/test_admission_redis.py runs one request sequence through both.
+_PRELUDE = """
+local P = KEYS[1]
+local MIN_RETRY = 0.05
+local function f(x) return string.format('%.17g', x) end
+local function pool_get()
+  local v = redis.call('HMGET', P..':pool', 'tokens_per_s', 'kv_bytes', 'concurrency',
+    'kv_per_token', 'mean_slo', 'window_s', 'lease_s', 'in_flight', 'kv_in_flight', 'clock')
+  if not v[1] then return nil end
+  return {tps = tonumber(v[1]), kv = tonumber(v[2]), conc = tonumber(v[3]),
+    kvpt = tonumber(v[4]), mean = tonumber(v[5]), window = tonumber(v[6]),
+    lease = tonumber(v[7]), in_flight = tonumber(v[8]), kv_in_flight = tonumber(v[9]),
+    clock = tonumber(v[10])}
+end
+local function tick(pool, now)
+  if pool.clock and pool.clock > now then return pool.clock end
+  redis.call('HSET', P..':pool', 'clock', f(now))
+  return now
+end
+local function weight(e)
+  return tonumber(e.weight) / (1 + 2 * tonumber(e.slo) / e.mean)
+    / (1 + tonumber(e.burst)) * (1 + 4 * tonumber(e.debt))
+end
+local function release(seq)
+  local info = redis.call('HGET', P..':tickets', seq)
+  if not info then return nil end
+  local kv, tokens, ent = string.match(info, '^(%d+)|(%d+)|(.*)$')
+  local ek = P..':e:'..ent
+  redis.call('HDEL', P..':tickets', seq)
+  redis.call('ZREM', P..':leases', seq)
+  redis.call('ZREM', ek..':fl', seq)
+  redis.call('HINCRBY', P..':pool', 'in_flight', -1)
+  if kv ~= '0' then
+    redis.call('HINCRBY', ek, 'kv_in_flight', '-'..kv)
+    redis.call('HINCRBY', P..':pool', 'kv_in_flight', '-'..kv)
+  end
+  return ent
+end
+local function purge(now)
+  for _, seq in ipairs(redis.call('ZRANGEBYSCORE', P..':leases', '-inf', f(now))) do
+    release(seq)
+  end
+end
+local function expected_release(ek, pool, now)
+  local o = redis.call('ZRANGE', ek..':fl', 0, 0, 'WITHSCORES')
+  if #o == 0 then return nil end
+  local lat = redis.call('HGET', ek, 'latency')
+  local expected
+  if lat and lat ~= '' then
+    expected = tonumber(lat)
+  else
+    local info = redis.call('HGET', P..':tickets', o[1])
+    local _, tokens = string.match(info, '^(%d+)|(%d+)|')
+    expected = tonumber(tokens) / (pool.tps / pool.conc)
+  end
+  return math.max(tonumber(o[2]) + expected - now, 0)
+end
+local function refresh()
+  local names = redis.call('SMEMBERS', P..':ents')
+  table.sort(names)
+  local sum, n = 0, 0
+  for _, name in ipairs(names) do
+    local v = redis.call('HMGET', P..':e:'..name, 'state', 'slo')
+    if v[1] == 'bound' then sum = sum + tonumber(v[2]); n = n + 1 end
+  end
+  local mean = 1
+  if n > 0 then mean = sum / n end
+  redis.call('HSET', P..':pool', 'mean_slo', f(mean))
+  for _, name in ipairs(names) do
+    local ek = P..':e:'..name
+    local v = redis.call('HMGET', ek, 'weight', 'slo', 'burst', 'debt')
+    local w = weight({weight = v[1], slo = v[2], burst = v[3], debt = v[4], mean = mean})
+    redis.call('HSET', ek, 'priority', f(w))
+  end
+end
+"""
+
+_CONFIGURE = (
+    _PRELUDE
+    + """
+local cfg = cjson.decode(ARGV[1])
+local pk = P..':pool'
+redis.call('HSET', pk, 'tokens_per_s', f(cfg.tokens_per_s), 'kv_bytes', f(cfg.kv_bytes),
+  'concurrency', f(cfg.concurrency), 'kv_per_token', f(cfg.kv_bytes_per_token),
+  'window_s', f(cfg.window_s), 'lease_s', f(cfg.lease_s))
+redis.call('HSETNX', pk, 'in_flight', 0)
+redis.call('HSETNX', pk, 'kv_in_flight', 0)
+redis.call('SET', P..':seq', ARGV[2], 'NX')
+for _, e in ipairs(cfg.entitlements) do
+  local ek = P..':e:'..e.name
+  redis.call('SADD', P..':ents', e.name)
+  redis.call('HSET', ek, 'weight', f(e.weight), 'burstable', e.burstable,
+    'baseline', e.baseline, 'slo', f(e.slo_target_ms), 'tps', f(e.tokens_per_s),
+    'kv', f(e.kv_bytes), 'conc', f(e.concurrency))
+  redis.call('HSETNX', ek, 'state', e.state)
+  redis.call('HSETNX', ek, 'served_rate', f(e.tokens_per_s))
+  for _, k in ipairs({'served_at', 'latency'}) do redis.call('HSETNX', ek, k, '') end
+  for _, k in ipairs({'debt', 'burst', 'kv_in_flight', 'window_tokens'}) do
+    redis.call('HSETNX', ek, k, 0)
+  end
+end
+refresh()
+return 1
+"""
+)
+
+_ADMIT = (
+    _PRELUDE
+    + """
+local pool = pool_get()
+if not pool then return {'unconfigured'} end
+local ent, tokens = ARGV[1], tonumber(ARGV[2])
+local now = tick(pool, tonumber(ARGV[3]))
+purge(now)
+pool = pool_get()
+local ek = P..':e:'..ent
+local e = redis.call('HMGET', ek, 'state', 'conc', 'tps', 'burstable', 'priority',
+  'window_tokens')
+if not e[1] then return {'401', 'unknown-entitlement', '', '', '0'} end
+local w = e[5]
+if e[1] ~= 'bound' then return {'403', e[1], '', '', w} end
+local kv = tokens * pool.kvpt
+local pool_room = pool.in_flight < pool.conc and pool.kv_in_flight + kv <= pool.kv
+local may_burst = pool_room and e[4] == '1'
+local retry
+if redis.call('ZCARD', ek..':fl') >= tonumber(e[2]) and not may_burst then
+  retry = expected_release(ek, pool, now)
+  if retry then retry = f(math.max(retry, MIN_RETRY)) else retry = '' end
+  return {'429', 'concurrency', retry, '', w}
+end
+local wt = tonumber(e[6])
+for _, s in ipairs(redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - pool.window))) do
+  wt = wt - tonumber(redis.call('HGET', ek..':wtok', s))
+  redis.call('HDEL', ek..':wtok', s)
+  redis.call('ZREM', ek..':win', s)
+end
+redis.call('HSET', ek, 'window_tokens', wt)
+local limit = tonumber(e[3]) * pool.window
+local excess = wt + tokens - limit
+if excess > 0 and not may_burst then
+  if tokens > limit then return {'413', 'exceeds-token-budget', '', '', w} end
+  local charges = redis.call('ZRANGE', ek..':win', 0, -1, 'WITHSCORES')
+  local freed, at = 0, now
+  for k = 1, #charges, 2 do
+    freed = freed + tonumber(redis.call('HGET', ek..':wtok', charges[k]))
+    if freed >= excess then at = tonumber(charges[k + 1]); break end
+  end
+  return {'429', 'token-budget', f(math.max(at + pool.window - now, MIN_RETRY)), '', w}
+end
+if not pool_room then
+  local lowest = math.huge
+  for _, name in ipairs(redis.call('SMEMBERS', P..':ents')) do
+    local ok = P..':e:'..name
+    local r = expected_release(ok, pool, now)
+    if r then
+      lowest = math.min(lowest, tonumber(redis.call('HGET', ok, 'priority')))
+      if retry == nil or r < retry then retry = r end
+    end
+  end
+  if tonumber(w) <= lowest then
+    if retry then retry = f(math.max(retry, MIN_RETRY)) else retry = '' end
+    return {'429', 'pool-contention', retry, '', w}
+  end
+end
+local seq = string.format('%d', redis.call('INCR', P..':seq'))
+redis.call('HSET', P..':tickets', seq, string.format('%d|%d|', kv, tokens)..ent)
+redis.call('ZADD', P..':leases', f(now + pool.lease), seq)
+redis.call('ZADD', ek..':fl', f(now), seq)
+redis.call('ZADD', ek..':win', f(now), seq)
+redis.call('HSET', ek..':wtok', seq, tokens)
+redis.call('HINCRBY', ek, 'window_tokens', tokens)
+redis.call('HINCRBY', P..':pool', 'in_flight', 1)
+if kv > 0 then
+  redis.call('HINCRBY', ek, 'kv_in_flight', string.format('%d', kv))
+  redis.call('HINCRBY', P..':pool', 'kv_in_flight', string.format('%d', kv))
+end
+return {'200', 'admitted', '', seq, w}
+"""
+)
+
+_COMPLETE = (
+    _PRELUDE
+    + """
+local pool = pool_get()
+if not pool then return 0 end
+local seq, actual, latency = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local info = redis.call('HGET', P..':tickets', seq)
+if not info then return 0 end
+local now = tick(pool, tonumber(ARGV[4]))
+purge(now)
+if redis.call('HEXISTS', P..':tickets', seq) == 0 then return 0 end
+local ent = string.match(info, '^%d+|%d+|(.*)$')
+local ek = P..':e:'..ent
+local v = redis.call('HMGET', ek, 'served_rate', 'served_at', 'tps', 'kv', 'conc', 'debt',
+  'burst', 'latency', 'baseline', 'weight', 'slo', 'kv_in_flight')
+local tps = tonumber(v[3])
+local decay = 1
+if v[2] ~= '' then decay = math.exp(-(now - tonumber(v[2])) / pool.window) end
+local rate = tonumber(v[1]) * decay + actual / pool.window
+local function over(used, base) return math.max(used / base - 1, 0) end
+local delta = over(rate, tps) + over(tonumber(v[12]), tonumber(v[4]))
+  + over(redis.call('ZCARD', ek..':fl'), tonumber(v[5]))
+local burst = 0.9 * tonumber(v[7]) + (1 - 0.9) * delta
+local debt = tonumber(v[6])
+if v[9] == '1' then debt = 0.7 * debt + (1 - 0.7) * (tps - rate) / tps end
+if v[8] ~= '' then latency = 0.7 * tonumber(v[8]) + (1 - 0.7) * latency end
+local old = redis.call('HGET', ek..':wtok', seq)
+if old then
+  redis.call('HSET', ek..':wtok', seq, actual)
+  redis.call('HINCRBY', ek, 'window_tokens', actual - tonumber(old))
+end
+release(seq)
+local w = weight({weight = v[10], slo = v[11], burst = burst, debt = debt, mean = pool.mean})
+redis.call('HSET', ek, 'served_rate', f(rate), 'served_at', f(now), 'burst', f(burst),
+  'debt', f(debt), 'latency', f(latency), 'priority', f(w))
+return 1
+"""
+)
+
+_SET_STATE = (
+    _PRELUDE
+    + """
+if redis.call('EXISTS', P..':e:'..ARGV[1]) == 0 then return 0 end
+redis.call('HSET', P..':e:'..ARGV[1], 'state', ARGV[2])
+refresh()
+return 1
+"""
+)
+
+_STATES = ("pending", "bound", "degraded", "expired")
+_CLASS = {  # weight, burst rights, has a baseline (accumulates debt): Table 1
+    "dedicated": (1000.0, 1, 1),
+    "guaranteed": (1000.0, 0, 1),
+    "elastic": (100.0, 1, 1),
+    "spot": (1.0, 1, 0),
+    "preemptible": (0.1, 1, 0),
+}
+
+
+def _count(what: str, value: int, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int")
+    if not low <= value <= MAX_TOKENS:
+        raise ValueError(f"{what} must be in [{low}, {MAX_TOKENS}], got {value}")
+    return value
+
+
+class RedisAdmission:
+    """The shared backend: pool state in Redis, one atomic Lua script per decision.
+
+    ``client``: a ``redis.Redis`` (or give ``url``). Keys live under
+    ``{prefix}:{<pool>}``, one hash slot per pool. ``lease_s``: a reservation not
+    completed within this many seconds (its replica died mid-request) is
+    released by the next call on its pool. ``failure_mode``: ``"closed"``
+    rejects with 503 while Redis is unreachable (Retry-After
+    ``unavailable_retry_s``); ``"open"`` admits without a ticket, unaccounted.
+    Completions that cannot reach Redis return False; the lease releases them.
+    If Redis comes back empty, the configuration is written again on first use;
+    tickets restart from the clock (ms * 1024), so no old ticket can match a new one.
+    """
+
+    def __init__(
+        self,
+        pools: Sequence[TokenPool],
+        entitlements: Sequence[Entitlement],
+        *,
+        url: str | None = None,
+        client: Any = None,
+        prefix: str = "routecore",
+        default_max_tokens: int = 4096,
+        window_s: float = 60.0,
+        lease_s: float = 300.0,
+        failure_mode: str = "closed",
+        unavailable_retry_s: float = 1.0,
+        socket_timeout_s: float = 0.5,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        import redis
+
+        # The Rust controller checks the configuration exactly as in memory.
+        AdmissionController(list(pools), list(entitlements), default_max_tokens, window_s)
+        if failure_mode not in FAILURE_MODES:
+            raise ValueError(f"failure_mode must be 'open' or 'closed', got {failure_mode!r}")
+        if not lease_s > 0 or not unavailable_retry_s > 0:
+            raise ValueError("lease_s and unavailable_retry_s must be > 0")
+        if len(pools) > MAX_POOLS:
+            raise ValueError(f"at most {MAX_POOLS} pools")
+        if client is None:
+            client = redis.Redis.from_url(
+                url or "redis://127.0.0.1:6379/0",
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+            )
+        self.client = client
+        self.failure_mode = failure_mode
+        self.unavailable_retry_s = unavailable_retry_s
+        self.default_max_tokens = default_max_tokens
+        self.clock = clock
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self._pools = [p.name for p in pools]
+        self._pool_of = {e.name: e.pool for e in entitlements}
+        self._keys = {p.name: f"{prefix}:{{{p.name}}}" for p in pools}
+        self._config = {
+            p.name: json.dumps(
+                {
+                    "tokens_per_s": p.tokens_per_s,
+                    "kv_bytes": p.kv_bytes,
+                    "concurrency": p.concurrency,
+                    "kv_bytes_per_token": p.kv_bytes_per_token,
+                    "window_s": window_s,
+                    "lease_s": lease_s,
+                    "entitlements": [
+                        {
+                            "name": e.name,
+                            "weight": _CLASS[e.service_class][0],
+                            "burstable": _CLASS[e.service_class][1],
+                            "baseline": _CLASS[e.service_class][2],
+                            "slo_target_ms": e.slo_target_ms,
+                            "tokens_per_s": e.tokens_per_s,
+                            "kv_bytes": e.kv_bytes,
+                            "concurrency": e.concurrency,
+                            "state": e.state,
+                        }
+                        for e in entitlements
+                        if e.pool == p.name
+                    ],
+                }
+            )
+            for p in pools
+        }
+        self._configure_script = client.register_script(_CONFIGURE)
+        self._admit_script = client.register_script(_ADMIT)
+        self._complete_script = client.register_script(_COMPLETE)
+        self._set_state_script = client.register_script(_SET_STATE)
+        for pool in self._pools:
+            self._configure(pool)
+
+    def _configure(self, pool: str) -> None:
+        seq_base = int(time.time() * 1000) * 1024
+        self._configure_script(keys=[self._keys[pool]], args=[self._config[pool], seq_base])
+
+    def admit(
+        self,
+        entitlement: str,
+        input_tokens: int,
+        max_tokens: int | None = None,
+        now: float | None = None,
+    ) -> Admission:
+        """Decides one request atomically in Redis (the checks of ``AdmissionController``)."""
+        tokens = _count("input_tokens", input_tokens, 0) + (
+            self.default_max_tokens if max_tokens is None else _count("max_tokens", max_tokens, 1)
+        )
+        now = self.clock() if now is None else float(now)
+        if now != now or now in (float("inf"), float("-inf")):
+            raise ValueError(f"now must be a finite number, got {now}")
+        pool = self._pool_of.get(entitlement)
+        if pool is None:
+            return Admission(False, 401, "unknown-entitlement")
+        key = self._keys[pool]
+        try:
+            out = self._admit_script(keys=[key], args=[entitlement, tokens, repr(now)])
+            if out[0] == b"unconfigured":
+                self._configure(pool)
+                out = self._admit_script(keys=[key], args=[entitlement, tokens, repr(now)])
+        except self._errors:
+            if self.failure_mode == "open":
+                return Admission(True, 200, "fail-open")
+            return Admission(False, 503, "admission-unavailable", self.unavailable_retry_s)
+        status, reason, retry, seq, priority = (x.decode() for x in out)
+        ticket = int(seq) * MAX_POOLS + self._pools.index(pool) if seq else None
+        return Admission(
+            status == "200",
+            int(status),
+            reason,
+            float(retry) if retry else None,
+            ticket,
+            float(priority),
+        )
+
+    def complete(
+        self,
+        ticket: int | None,
+        actual_input: int,
+        actual_output: int,
+        latency_s: float,
+        now: float | None = None,
+    ) -> bool:
+        """Releases ``ticket`` and updates served rate, debt, burst and priority
+        in Redis; False when it is not in flight (or Redis is unreachable)."""
+        actual = _count("actual_input", actual_input, 0) + _count("actual_output", actual_output, 0)
+        if not latency_s >= 0 or latency_s == float("inf"):
+            raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s}")
+        if ticket is None:
+            return False
+        seq, index = divmod(ticket, MAX_POOLS)
+        if index >= len(self._pools):
+            return False
+        now = self.clock() if now is None else float(now)
+        try:
+            done = self._complete_script(
+                keys=[self._keys[self._pools[index]]],
+                args=[str(seq), actual, repr(float(latency_s)), repr(now)],
+            )
+        except self._errors:
+            return False
+        return bool(done)
+
+    def set_capacity(
+        self,
+        pool: str,
+        tokens_per_s: float | None = None,
+        kv_bytes: int | None = None,
+        concurrency: int | None = None,
+    ) -> None:
+        """Changes a pool's capacity for every replica at once."""
+        spec = TokenPool(
+            pool,
+            1.0 if tokens_per_s is None else tokens_per_s,
+            1 if kv_bytes is None else kv_bytes,
+            1 if concurrency is None else concurrency,
+        )
+        fields: dict[str, str] = {}
+        if tokens_per_s is not None:
+            fields["tokens_per_s"] = repr(spec.tokens_per_s)
+        if kv_bytes is not None:
+            fields["kv_bytes"] = str(spec.kv_bytes)
+        if concurrency is not None:
+            fields["concurrency"] = str(spec.concurrency)
+        if fields:
+            self.client.hset(f"{self._keys[self._key_pool(pool)]}:pool", mapping=fields)
+
+    def _key_pool(self, pool: str) -> str:
+        if pool not in self._keys:
+            raise KeyError(f"unknown pool: {pool!r}")
+        return pool
+
+    def set_state(self, entitlement: str, state: str) -> None:
+        """Moves an entitlement to ``state`` for every replica at once."""
+        if state not in _STATES:
+            raise ValueError(f"state must be one of {', '.join(_STATES)}; got {state!r}")
+        pool = self._pool_of.get(entitlement)
+        if pool is None:
+            raise KeyError(f"unknown entitlement: {entitlement!r}")
+        self._set_state_script(keys=[self._keys[pool]], args=[entitlement, state])
+
+    def priority(self, entitlement: str) -> float:
+        """The entitlement's current priority weight w_e as stored in Redis."""
+        pool = self._pool_of.get(entitlement)
+        if pool is None:
+            raise KeyError(f"unknown entitlement: {entitlement!r}")
+        return float(self.client.hget(f"{self._keys[pool]}:e:{entitlement}", "priority"))
+
+    def pool_in_flight(self, pool: str) -> int:
+        """Requests in flight in ``pool`` across all replicas."""
+        value = self.client.hget(f"{self._keys[self._key_pool(pool)]}:pool", "in_flight")
+        return int(value or 0)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def admission_from_config(config: Mapping[str, Any]) -> InMemoryAdmission | RedisAdmission:
+    """A backend from a configuration mapping (e.g. parsed YAML/JSON)::
+
+    {"backend": "memory" | "redis",          # default "memory"
+     "pools": [{"name", "tokens_per_s", "kv_bytes", "concurrency",
+                "kv_bytes_per_token"?}],
+     "entitlements": [{"name", "tenant", "pool", "service_class",
+                       "slo_target_ms", "tokens_per_s", "kv_bytes",
+                       "concurrency", "state"?}],
+     "default_max_tokens"?: 4096, "window_s"?: 60.0,
+     "redis"?: {"url", "prefix", "lease_s", "failure_mode": "open" | "closed",
+                "unavailable_retry_s", "socket_timeout_s"}}
+    """
+    pools = [TokenPool(**p) for p in config.get("pools", [])]
+    entitlements = [Entitlement(**e) for e in config.get("entitlements", [])]
+    common = {
+        "default_max_tokens": config.get("default_max_tokens", 4096),
+        "window_s": config.get("window_s", 60.0),
+    }
+    backend = config.get("backend", "memory")
+    if backend == "memory":
+        return InMemoryAdmission(pools, entitlements, **common)
+    if backend == "redis":
+        return RedisAdmission(pools, entitlements, **common, **config.get("redis", {}))
+    raise ValueError(f"backend must be 'memory' or 'redis', got {backend!r}")

@@ -1,0 +1,466 @@
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use super::int_array;
+use crate::admission::{self, AdmissionController, Entitlement, ServiceClass, TokenPool};
+
+/// Two int64 arrays of one length.
+type Int64Pair<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>);
+
+/// A token pool's capacity in inference-native units: token throughput
+/// (``tokens_per_s``), KV cache (``kv_bytes``) and concurrent sequences
+/// (``concurrency``). ``kv_bytes_per_token`` (the paper's ``c = 2 L H_kv d_h
+/// b``) turns a request's tokens into KV bytes; 0 leaves KV out of admission.
+#[pyclass(frozen, name = "TokenPool", module = "routecore")]
+pub struct PyTokenPool {
+    inner: TokenPool,
+}
+
+#[pymethods]
+impl PyTokenPool {
+    #[new]
+    #[pyo3(signature = (name, tokens_per_s, kv_bytes, concurrency, kv_bytes_per_token=0))]
+    fn new(
+        name: &str,
+        tokens_per_s: f64,
+        kv_bytes: i64,
+        concurrency: i64,
+        kv_bytes_per_token: i64,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            inner: TokenPool::new(
+                name,
+                tokens_per_s,
+                kv_bytes,
+                concurrency,
+                kv_bytes_per_token,
+            )?,
+        })
+    }
+    #[getter]
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+    #[getter]
+    fn tokens_per_s(&self) -> f64 {
+        self.inner.tokens_per_s
+    }
+    #[getter]
+    fn kv_bytes(&self) -> u64 {
+        self.inner.kv_bytes
+    }
+    #[getter]
+    fn concurrency(&self) -> u64 {
+        self.inner.concurrency
+    }
+    #[getter]
+    fn kv_bytes_per_token(&self) -> u64 {
+        self.inner.kv_bytes_per_token
+    }
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        format!(
+            "TokenPool(name={:?}, tokens_per_s={}, kv_bytes={}, concurrency={}, kv_bytes_per_token={})",
+            p.name, p.tokens_per_s, p.kv_bytes, p.concurrency, p.kv_bytes_per_token
+        )
+    }
+}
+
+/// A tenant's baseline share of one pool (``tokens_per_s``, ``kv_bytes``,
+/// ``concurrency``) with a service class (dedicated, guaranteed, elastic,
+/// spot, preemptible: weights 1000, 1000, 100, 1, 0.1), an SLO target in ms
+/// and a state (pending, bound, degraded, expired; only bound is admitted).
+#[pyclass(frozen, name = "Entitlement", module = "routecore")]
+pub struct PyEntitlement {
+    inner: Entitlement,
+}
+
+#[pymethods]
+impl PyEntitlement {
+    #[new]
+    #[pyo3(signature = (name, tenant, pool, service_class, slo_target_ms, tokens_per_s, kv_bytes, concurrency, state="bound"))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        name: &str,
+        tenant: &str,
+        pool: &str,
+        service_class: &str,
+        slo_target_ms: f64,
+        tokens_per_s: f64,
+        kv_bytes: i64,
+        concurrency: i64,
+        state: &str,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            inner: Entitlement::new(
+                name,
+                tenant,
+                pool,
+                service_class,
+                slo_target_ms,
+                tokens_per_s,
+                kv_bytes,
+                concurrency,
+                state,
+            )?,
+        })
+    }
+    #[getter]
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+    #[getter]
+    fn tenant(&self) -> &str {
+        &self.inner.tenant
+    }
+    #[getter]
+    fn pool(&self) -> &str {
+        &self.inner.pool
+    }
+    #[getter]
+    fn service_class(&self) -> &'static str {
+        self.inner.service_class.as_str()
+    }
+    #[getter]
+    fn slo_target_ms(&self) -> f64 {
+        self.inner.slo_target_ms
+    }
+    #[getter]
+    fn tokens_per_s(&self) -> f64 {
+        self.inner.tokens_per_s
+    }
+    #[getter]
+    fn kv_bytes(&self) -> u64 {
+        self.inner.kv_bytes
+    }
+    #[getter]
+    fn concurrency(&self) -> u64 {
+        self.inner.concurrency
+    }
+    #[getter]
+    fn state(&self) -> &'static str {
+        self.inner.state.as_str()
+    }
+    fn __repr__(&self) -> String {
+        let e = &self.inner;
+        format!(
+            "Entitlement(name={:?}, pool={:?}, service_class={:?}, state={:?})",
+            e.name,
+            e.pool,
+            e.service_class.as_str(),
+            e.state.as_str()
+        )
+    }
+}
+
+/// One admission decision: ``admitted``; the HTTP ``status`` (200 admitted,
+/// 401 unknown entitlement, 403 not bound, 413 larger than the whole token
+/// budget, 429 throttled, 503 admission state unreachable and failing
+/// closed); ``reason``; ``retry_after_s`` (seconds, from the state; None when
+/// retrying cannot help); ``ticket`` for ``complete`` (None when rejected);
+/// ``priority``, the entitlement's weight w_e when decided.
+#[pyclass(frozen, name = "Admission", module = "routecore")]
+pub struct PyAdmission {
+    #[pyo3(get)]
+    admitted: bool,
+    #[pyo3(get)]
+    status: u16,
+    #[pyo3(get)]
+    reason: String,
+    #[pyo3(get)]
+    retry_after_s: Option<f64>,
+    #[pyo3(get)]
+    ticket: Option<u64>,
+    #[pyo3(get)]
+    priority: f64,
+}
+
+impl From<admission::Admission> for PyAdmission {
+    fn from(a: admission::Admission) -> Self {
+        Self {
+            admitted: a.admitted,
+            status: a.status,
+            reason: a.reason.to_owned(),
+            retry_after_s: a.retry_after_s,
+            ticket: a.ticket,
+            priority: a.priority,
+        }
+    }
+}
+
+#[pymethods]
+impl PyAdmission {
+    /// Built by the controllers; public so other backends (Redis) return the
+    /// same type.
+    #[new]
+    #[pyo3(signature = (admitted, status, reason, retry_after_s=None, ticket=None, priority=0.0))]
+    fn new(
+        admitted: bool,
+        status: u16,
+        reason: String,
+        retry_after_s: Option<f64>,
+        ticket: Option<u64>,
+        priority: f64,
+    ) -> Self {
+        Self {
+            admitted,
+            status,
+            reason,
+            retry_after_s,
+            ticket,
+            priority,
+        }
+    }
+    fn __repr__(&self) -> String {
+        let opt = |x: Option<String>| x.unwrap_or_else(|| "None".to_owned());
+        format!(
+            "Admission(admitted={}, status={}, reason={:?}, retry_after_s={}, ticket={})",
+            if self.admitted { "True" } else { "False" },
+            self.status,
+            self.reason,
+            opt(self.retry_after_s.map(|r| r.to_string())),
+            opt(self.ticket.map(|t| t.to_string())),
+        )
+    }
+}
+
+/// The priority weight w_e of equation 1: ``w_class / (1 + 2 * slo /
+/// pool_mean_slo) / (1 + burst) * (1 + 4 * debt)``.
+#[pyfunction]
+#[pyo3(signature = (service_class, slo_target_ms, pool_mean_slo_ms, burst=0.0, debt=0.0))]
+pub fn priority_weight(
+    service_class: &str,
+    slo_target_ms: f64,
+    pool_mean_slo_ms: f64,
+    burst: f64,
+    debt: f64,
+) -> PyResult<f64> {
+    let class = ServiceClass::parse(service_class)?;
+    crate::error::positive("slo_target_ms", slo_target_ms)?;
+    crate::error::positive("pool_mean_slo_ms", pool_mean_slo_ms)?;
+    crate::error::non_negative("burst", burst)?;
+    crate::error::finite("debt", debt)?;
+    Ok(admission::priority_weight(
+        class,
+        slo_target_ms,
+        pool_mean_slo_ms,
+        burst,
+        debt,
+    ))
+}
+
+/// Multi-tenant admission control over token pools (Cunningham 2026).
+///
+/// ``admit`` runs the paper's checks in order (state, default output bound,
+/// concurrency, token budget over a rolling ``window_s``, pool contention)
+/// and returns an ``Admission``; ``complete`` releases the ticket with the
+/// real token counts and latency and updates served rate, debt, burst and
+/// priority. Time ``now`` is explicit seconds. Bad numbers raise ValueError
+/// and change nothing; an unknown entitlement is a 401 decision.
+///
+/// >>> pool = TokenPool("p", 240.0, 2**30, 16)
+/// >>> e = Entitlement("copilot", "acme", "p", "elastic", 500.0, 75.0, 2**28, 5)
+/// >>> ctl = AdmissionController([pool], [e])
+/// >>> a = ctl.admit("copilot", 100, 50, now=0.0)
+/// >>> a.admitted, a.status
+/// (True, 200)
+/// >>> ctl.complete(a.ticket, 100, 42, 0.8, now=0.8)
+#[pyclass(frozen, name = "AdmissionController", module = "routecore")]
+pub struct PyAdmissionController {
+    inner: Arc<Mutex<AdmissionController>>,
+}
+
+impl PyAdmissionController {
+    fn lock(&self) -> MutexGuard<'_, AdmissionController> {
+        // Every core call checks before it changes: a poisoned state is consistent.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyAdmissionController {
+    #[new]
+    #[pyo3(signature = (pools, entitlements, default_max_tokens=4096, window_s=60.0))]
+    fn new(
+        pools: Vec<Py<PyTokenPool>>,
+        entitlements: Vec<Py<PyEntitlement>>,
+        default_max_tokens: i64,
+        window_s: f64,
+    ) -> PyResult<Self> {
+        let pools = pools.iter().map(|p| p.get().inner.clone()).collect();
+        let ents = entitlements.iter().map(|e| e.get().inner.clone()).collect();
+        let c = AdmissionController::new(pools, ents, default_max_tokens, window_s)?;
+        Ok(Self {
+            inner: Arc::new(Mutex::new(c)),
+        })
+    }
+
+    /// Decides one request. ``max_tokens=None`` charges the default output bound.
+    #[pyo3(signature = (entitlement, input_tokens, max_tokens, now))]
+    fn admit(
+        &self,
+        entitlement: &str,
+        input_tokens: i64,
+        max_tokens: Option<i64>,
+        now: f64,
+    ) -> PyResult<PyAdmission> {
+        Ok(self
+            .lock()
+            .admit(entitlement, input_tokens, max_tokens, now)?
+            .into())
+    }
+
+    /// ``admit`` for a batch at one instant, in order, exactly as one by one.
+    /// ``entitlement_ids`` from ``entitlement_id``; ``max_tokens=None``: all
+    /// default. Returns ``(status, ticket)`` int64 arrays, ticket -1 when
+    /// rejected. Everything is checked first: an error admits nothing. The
+    /// arrays are copied first, so the caller may reuse them at once.
+    #[pyo3(signature = (entitlement_ids, input_tokens, max_tokens, now))]
+    fn admit_many<'py>(
+        &self,
+        py: Python<'py>,
+        entitlement_ids: &Bound<'py, PyAny>,
+        input_tokens: &Bound<'py, PyAny>,
+        max_tokens: Option<&Bound<'py, PyAny>>,
+        now: f64,
+    ) -> PyResult<Int64Pair<'py>> {
+        let ids = int_array(entitlement_ids, "entitlement_ids")?;
+        let inputs = int_array(input_tokens, "input_tokens")?;
+        let maxes = max_tokens.map(|m| int_array(m, "max_tokens")).transpose()?;
+        let decided = py.detach(|| self.lock().admit_many(&ids, &inputs, maxes.as_deref(), now))?;
+        let status: Vec<i64> = decided.iter().map(|a| i64::from(a.status)).collect();
+        let tickets: Vec<i64> = decided
+            .iter()
+            .map(|a| a.ticket.map_or(-1, |t| t as i64))
+            .collect();
+        Ok((status.into_pyarray(py), tickets.into_pyarray(py)))
+    }
+
+    /// The dense id of an entitlement for ``admit_many``; KeyError if unknown.
+    fn entitlement_id(&self, name: &str) -> PyResult<usize> {
+        Ok(self.lock().entitlement_id(name)?)
+    }
+
+    /// Ends an admitted request with its real token counts and latency.
+    /// KeyError for a ticket that is not in flight.
+    fn complete(
+        &self,
+        ticket: u64,
+        actual_input: i64,
+        actual_output: i64,
+        latency_s: f64,
+        now: f64,
+    ) -> PyResult<()> {
+        Ok(self
+            .lock()
+            .complete(ticket, actual_input, actual_output, latency_s, now)?)
+    }
+
+    /// Tickets of preemptible requests to terminate now because protected
+    /// classes need the capacity (lowest priority, then youngest first).
+    /// Changes nothing: terminate them, then ``complete`` each.
+    fn evictions(&self, now: f64) -> PyResult<Vec<u64>> {
+        Ok(self.lock().evictions(now)?)
+    }
+
+    /// The entitlement's priority weight w_e now (equation 1).
+    fn priority(&self, entitlement: &str) -> PyResult<f64> {
+        Ok(self.lock().priority(entitlement)?)
+    }
+
+    /// ``in_flight``, ``window_tokens``, ``served_tokens_per_s``, ``debt``,
+    /// ``burst`` and ``priority`` of one entitlement.
+    fn stats<'py>(&self, py: Python<'py>, entitlement: &str) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.lock().stats(entitlement)?;
+        let d = PyDict::new(py);
+        d.set_item("in_flight", s.in_flight)?;
+        d.set_item("window_tokens", s.window_tokens)?;
+        d.set_item("served_tokens_per_s", s.served_tokens_per_s)?;
+        d.set_item("debt", s.debt)?;
+        d.set_item("burst", s.burst)?;
+        d.set_item("priority", s.priority)?;
+        Ok(d)
+    }
+
+    /// Requests in flight in ``pool``.
+    fn pool_in_flight(&self, pool: &str) -> PyResult<u64> {
+        Ok(self.lock().pool_in_flight(pool)?)
+    }
+
+    /// Moves an entitlement to ``state`` (pending, bound, degraded, expired).
+    fn set_state(&self, entitlement: &str, state: &str) -> PyResult<()> {
+        Ok(self.lock().set_state(entitlement, state)?)
+    }
+
+    /// Changes a pool's capacity at run time (outage, recovery, scaling).
+    #[pyo3(signature = (pool, tokens_per_s=None, kv_bytes=None, concurrency=None))]
+    fn set_capacity(
+        &self,
+        pool: &str,
+        tokens_per_s: Option<f64>,
+        kv_bytes: Option<i64>,
+        concurrency: Option<i64>,
+    ) -> PyResult<()> {
+        Ok(self
+            .lock()
+            .set_capacity(pool, tokens_per_s, kv_bytes, concurrency)?)
+    }
+
+    /// The pools with their current capacity.
+    #[getter]
+    fn pools(&self) -> Vec<PyTokenPool> {
+        self.lock()
+            .pools()
+            .map(|p| PyTokenPool { inner: p.clone() })
+            .collect()
+    }
+
+    /// The entitlements with their current state.
+    #[getter]
+    fn entitlements(&self) -> Vec<PyEntitlement> {
+        self.lock()
+            .entitlements()
+            .map(|e| PyEntitlement { inner: e.clone() })
+            .collect()
+    }
+
+    #[getter]
+    fn default_max_tokens(&self) -> u64 {
+        self.lock().default_max_tokens()
+    }
+
+    #[getter]
+    fn window_s(&self) -> f64 {
+        self.lock().window_s()
+    }
+
+    /// A snapshot of everything; ``from_bytes`` restores it exactly.
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.lock().to_bytes())
+    }
+
+    /// Restores a snapshot written by ``to_bytes``; ValueError if invalid.
+    #[staticmethod]
+    fn from_bytes(data: &[u8]) -> PyResult<Self> {
+        Ok(Self {
+            inner: Arc::new(Mutex::new(AdmissionController::from_bytes(data)?)),
+        })
+    }
+
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let restore = slf.get_type().getattr("from_bytes")?;
+        let state = slf.get().to_bytes(py);
+        PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.lock();
+        let pools: Vec<&str> = c.pools().map(|p| p.name.as_str()).collect();
+        let ents: Vec<&str> = c.entitlements().map(|e| e.name.as_str()).collect();
+        format!("AdmissionController(pools={pools:?}, entitlements={ents:?})")
+    }
+}
