@@ -76,7 +76,7 @@ def settled(server: Running) -> None:
     assert server.run(lambda: dict(engine.leases)) == {}
     for pool in ("short", "long"):
         assert server.run(engine.router.in_flight, pool) == 0
-    assert all(v == 0 for load in engine.endpoint_load.values() for v in load.values())
+    assert all(v == 0 for c in engine.choosers.values() for v in c.load.values())
 
 
 def test_buffered_chat_conversation_routes_and_learns(server):
@@ -294,7 +294,7 @@ def test_least_request_spreads_held_requests(server):
     assert [lease.endpoint for lease in leases] == [SHORT[0], SHORT[1], SHORT[0]]
     server.run(engine.finish, leases[0], None, None, 1.0)
     server.run(engine.finish, leases[0], None, None, 1.0)  # idempotent
-    assert engine.endpoint_load["short"] == {SHORT[0]: 1, SHORT[1]: 1}
+    assert engine.choosers["short"].load == {SHORT[0]: 1, SHORT[1]: 1}
     for lease in leases[1:]:
         server.run(engine.finish, lease, None, None, 1.0)
     settled(server)
@@ -339,7 +339,7 @@ def test_health_and_metrics(server):
     url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     assert 'routecore_decisions_total{pool="short"} 1.0' in text
-    assert 'routecore_rejections_total{reason="expired-key",service_class="standard"} 1.0' in text
+    assert 'routecore_rejections_total{reason="expired-key",service_class="none"} 1.0' in text
     assert 'routecore_calibration_ratio{category="prose"} 3.5' in text  # 7 bytes / 2 tokens
     assert "routecore_decision_seconds_count 1.0" in text
     assert 'routecore_in_flight{endpoint="127.0.0.1:8001",pool="short"} 0.0' in text
@@ -543,4 +543,81 @@ def test_compress_rewrites_body_and_content_length(serve):
     assert resp.pool == "short" and resp.compress_target_tokens == 8092
     assert json.loads(resp.compressed_body)["messages"][0]["content"] == content
     s.run(s.engine.finish, s.engine.lease(resp.request_id), None, None, 0.0)
+    settled(s)
+
+
+ADMISSION = {
+    "pools": [{"name": "gpu", "tokens_per_s": 1000.0, "kv_bytes": 10**9, "concurrency": 1}],
+    "entitlements": [
+        {
+            "name": "demo-std",
+            "tenant": "demo",
+            "pool": "gpu",
+            "service_class": "guaranteed",
+            "slo_target_ms": 1000.0,
+            "tokens_per_s": 1000.0,
+            "kv_bytes": 10**9,
+            "concurrency": 1,
+        }
+    ],
+}
+
+
+def test_admission_rejects_with_429_and_retry_after_then_admits_after_completion(serve):
+    config = base_config()
+    config["tenants"][0]["entitlement"] = "demo-std"
+    s = serve(admission=ADMISSION, tenants=config["tenants"])
+
+    async def go():
+        async with grpc.aio.insecure_channel(s.target) as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            held = stub.Process()  # takes the entitlement's one concurrency slot
+            await held.write(pb.ProcessingRequest(request_headers=http_headers(KEY)))
+            await held.read()
+            await held.write(
+                pb.ProcessingRequest(
+                    request_body=pb.HttpBody(body=chat_body("first"), end_of_stream=True)
+                )
+            )
+            assert (await held.read()).request_body.response.clear_route_cache
+            refused = await buffered(stub, KEY, chat_body("second"), [usage_body(1, 1)])
+            imm = refused.immediate
+            assert imm.status.code == 429
+            assert json.loads(imm.body)["error"]["type"] == "concurrency"
+            assert int(header_map(imm.headers)["retry-after"]) >= 1
+            # The refused request left nothing counted in flight.
+            assert s.run(s.engine.router.in_flight, "short") == 1
+            await held.write(pb.ProcessingRequest(response_headers=http_headers({})))
+            await held.read()
+            await held.write(
+                pb.ProcessingRequest(
+                    response_body=pb.HttpBody(body=usage_body(2, 1), end_of_stream=True)
+                )
+            )
+            await held.read()
+            await held.done_writing()
+            again = await buffered(stub, KEY, chat_body("third"), [usage_body(2, 1)])
+            assert again.routing is not None
+
+    asyncio.run(go())
+    assert s.server.metrics.rejections.labels("guaranteed", "concurrency")._value.get() == 1
+    assert s.run(s.engine.admission.pool_in_flight, "gpu") == 0
+    settled(s)
+
+
+@pytest.mark.parametrize("policy", ["prefix", "vtc"])
+def test_prefix_and_vtc_policies_route_and_release(serve, policy):
+    s = serve(router={"policy": policy, "prefix_block_size": 16})
+    system = "You are a careful assistant. " * 20
+    convs = [
+        converse(s.target, KEY, chat_body(system + f"question {i}"), [usage_body(160, 5)])
+        for i in range(6)
+    ]
+    endpoints = {c.routing_headers["x-gateway-destination-endpoint"] for c in convs}
+    assert endpoints <= set(SHORT)
+    if policy == "prefix":
+        # Requests share a long prefix and none are in flight together: one pod holds it.
+        assert len(endpoints) == 1
+    chooser = s.engine.choosers["short"]
+    assert s.run(lambda: list(chooser.router.running)) == [0, 0]
     settled(s)

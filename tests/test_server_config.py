@@ -20,6 +20,16 @@ from routecore.config import ConfigError, find_tenant, load_config, parse_config
 from routecore.server.extproc import DESTINATION_HEADER
 
 ROOT = Path(__file__).resolve().parent.parent
+ENTITLEMENT = {
+    "name": "e",
+    "tenant": "demo",
+    "pool": "gpu",
+    "service_class": "spot",
+    "slo_target_ms": 1000.0,
+    "tokens_per_s": 10.0,
+    "kv_bytes": 1,
+    "concurrency": 1,
+}
 
 
 def test_example_config_loads():
@@ -57,7 +67,7 @@ def bad(path: str, value):
         (bad("limits.request_timeout_s", float("nan")), "limits.request_timeout_s"),
         (bad("limits.max_body_bytes", True), "limits.max_body_bytes"),
         (bad("router.policy", "random"), "router.policy"),
-        (bad("admission.backend", "redis"), "admission.redis_url"),
+        (bad("admission.backend", "redis"), "admission.redis.url"),
         (bad("pools", []), "pools: at least one pool"),
         (bad("pools.0.max_context", "big"), "pools[0].max_context"),
         (bad("pools.0.budget", 10_000), 'pools[0]: pool "short": budget 10000 exceeds'),
@@ -71,6 +81,13 @@ def bad(path: str, value):
         (bad("tenants.0.expires_at", "soon"), "tenants[0].expires_at"),
         (bad("tenants.0.entitlement", 5), "tenants[0].entitlement"),
         ([1, 2], "config: expected a mapping"),
+        (
+            bad("admission.entitlements", [{**ENTITLEMENT, "service_class": "gold"}]),
+            "admission.entitlements[0]: service_class must be one of",
+        ),
+        (bad("admission.entitlements", [ENTITLEMENT]), "admission: "),  # no pool "gpu"
+        (bad("admission.pools", [{"name": "gpu"}]), "admission.pools[0]"),
+        (bad("admission.redis", {"host": "x"}), "admission.redis.host: unknown key"),
     ],
 )
 def test_bad_config_names_the_key_and_never_the_api_key(config, message):

@@ -225,6 +225,7 @@ class RoutedRequest:
     def prompt_bytes(self) -> int: ...
     @property
     def max_output_tokens(self) -> int: ...
+
 # --- prefix-cache-aware routing (capability 4) -------------------------------
 
 def block_hashes(
@@ -369,6 +370,7 @@ class VtcRouter:
     def to_bytes(self) -> bytes: ...
     @staticmethod
     def from_bytes(data: bytes) -> VtcRouter: ...
+
 # --- multi-tenant admission: token pools (capability 7) ----------------------
 
 @final

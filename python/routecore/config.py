@@ -5,10 +5,10 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
 
     server: {port, metrics_port, key_header, failure_mode, default_pool, grace_s}
     limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens}
-    router: {policy, compress_band}
-    admission: {backend, redis_url}
+    router: {policy, compress_band, prefix_block_size}
+    admission: {backend, pools, entitlements, default_max_tokens, window_s, redis}
     pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...]}]
-    tenants: [{name, api_keys: [...], expires_at, service_class, entitlement: {...}}]
+    tenants: [{name, api_keys: [...], expires_at, entitlement}]
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from routecore._core import Pool
+from routecore._core import Entitlement, Pool, TokenPool
+from routecore.admission import admission_from_config
+from routecore.server.endpoints import POLICIES
 
 FAILURE_MODES = ("open", "closed")
-POLICIES = ("least-request",)
 ADMISSION_BACKENDS = ("memory", "redis")
 
 
@@ -65,12 +66,23 @@ class RouterConfig:
     #: L_total is within gamma * B of a smaller pool's budget B is compressed
     #: to fit it. None: off.
     compress_band: float | None = None
+    #: Bytes (or token ids) per block hash under ``policy: prefix``.
+    prefix_block_size: int = 128
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
+    """Token-pool admission (``routecore.admission_from_config``); off without entitlements."""
+
     backend: str = "memory"
-    redis_url: str = ""
+    #: The mapping handed to ``admission_from_config`` (pools, entitlements, ...).
+    spec: dict[str, Any] = field(default_factory=dict)
+    #: Service class by entitlement name.
+    service_classes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def entitlements(self) -> tuple[str, ...]:
+        return tuple(self.service_classes)
 
 
 @dataclass(frozen=True)
@@ -94,8 +106,11 @@ class TenantConfig:
     key_digests: tuple[bytes, ...] = field(repr=False)
     #: Unix time after which the tenant's keys are refused with 403.
     expires_at: float | None = None
-    service_class: str = "standard"
-    entitlement: dict[str, Any] = field(default_factory=dict)
+    #: The service class of the tenant's entitlement ("none" without one): a metrics label.
+    service_class: str = "none"
+    #: The admission entitlement the tenant's requests are charged to (None: not admitted
+    #: through admission control).
+    entitlement: str | None = None
 
 
 @dataclass(frozen=True)
@@ -224,13 +239,11 @@ def _pools(raw_list: list[Any]) -> tuple[PoolConfig, ...]:
     return tuple(pools)
 
 
-def _tenants(raw_list: list[Any]) -> tuple[TenantConfig, ...]:
+def _tenants(raw_list: list[Any], admission: AdmissionConfig) -> tuple[TenantConfig, ...]:
     tenants, names, digests = [], set(), set()
     for i, raw in enumerate(raw_list):
         where = f"tenants[{i}]"
-        raw = _section(
-            raw, where, {"name", "api_keys", "expires_at", "service_class", "entitlement"}
-        )
+        raw = _section(raw, where, {"name", "api_keys", "expires_at", "entitlement"})
         name = _str(raw, "name", where, "")
         if not name or name in names:
             raise ConfigError(f"{where}.name: expected a unique non-empty name, got {name!r}")
@@ -248,19 +261,57 @@ def _tenants(raw_list: list[Any]) -> tuple[TenantConfig, ...]:
                 raise ConfigError(f"{where}.api_keys[{j}]: key already belongs to a tenant")
             digests.add(d)
             tenant_digests.append(d)
-        entitlement = raw.get("entitlement", {})
-        if not isinstance(entitlement, dict):
-            raise ConfigError(f"{where}.entitlement: expected a mapping")
+        entitlement = raw.get("entitlement")
+        if entitlement is not None and entitlement not in admission.entitlements:
+            raise ConfigError(
+                f"{where}.entitlement: {entitlement!r} is not an admission.entitlements name"
+            )
         tenants.append(
             TenantConfig(
                 name=name,
                 key_digests=tuple(tenant_digests),
                 expires_at=_float(raw, "expires_at", where, 0.0, 1e11, None),
-                service_class=_str(raw, "service_class", where, "standard"),
-                entitlement=dict(entitlement),
+                service_class=admission.service_classes.get(entitlement, "none"),
+                entitlement=entitlement,
             )
         )
     return tuple(tenants)
+
+
+def _admission(raw: Any) -> AdmissionConfig:
+    """Checks every admission pool and entitlement by building it (the core validates)."""
+    a = _section(
+        raw,
+        "admission",
+        {"backend", "pools", "entitlements", "default_max_tokens", "window_s", "redis"},
+    )
+    backend = _str(a, "backend", "admission", "memory", ADMISSION_BACKENDS)
+    classes = {}
+    for key, cls in (("pools", TokenPool), ("entitlements", Entitlement)):
+        for i, item in enumerate(_list(a, key, "admission")):
+            if not isinstance(item, dict):
+                raise ConfigError(f"admission.{key}[{i}]: expected a mapping")
+            try:
+                cls(**item)
+            except (TypeError, ValueError, KeyError) as e:
+                raise ConfigError(f"admission.{key}[{i}]: {e}") from e
+            if key == "entitlements":
+                classes[item["name"]] = item["service_class"]
+    redis = _section(
+        a.get("redis"),
+        "admission.redis",
+        {"url", "prefix", "lease_s", "failure_mode", "unavailable_retry_s", "socket_timeout_s"},
+    )
+    if backend == "redis" and not redis.get("url"):
+        raise ConfigError("admission.redis.url: required when admission.backend is 'redis'")
+    _int(a, "default_max_tokens", "admission", 1, 1 << 30, 4096)
+    _float(a, "window_s", "admission", 0.001, 86400.0, 60.0)
+    try:  # cross-references (an entitlement's pool) are checked by a trial build in memory
+        if classes:
+            admission_from_config({**a, "backend": "memory"}).close()
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"admission: {e}") from e
+    return AdmissionConfig(backend=backend, spec=dict(a), service_classes=classes)
 
 
 def parse_config(raw: Any) -> Config:
@@ -300,25 +351,20 @@ def parse_config(raw: Any) -> Config:
             lim, "default_max_tokens", "limits", 1, 1 << 30, Limits.default_max_tokens
         ),
     )
-    r = _section(top.get("router"), "router", {"policy", "compress_band"})
+    r = _section(top.get("router"), "router", {"policy", "compress_band", "prefix_block_size"})
     router = RouterConfig(
-        policy=_str(r, "policy", "router", RouterConfig.policy, POLICIES),
+        policy=_str(r, "policy", "router", RouterConfig.policy, tuple(POLICIES)),
         compress_band=_float(r, "compress_band", "router", 1.0, 100.0, None),
+        prefix_block_size=_int(r, "prefix_block_size", "router", 1, 1 << 20, 128),
     )
-    a = _section(top.get("admission"), "admission", {"backend", "redis_url"})
-    admission = AdmissionConfig(
-        backend=_str(a, "backend", "admission", "memory", ADMISSION_BACKENDS),
-        redis_url=_str(a, "redis_url", "admission", ""),
-    )
-    if admission.backend == "redis" and not admission.redis_url:
-        raise ConfigError("admission.redis_url: required when admission.backend is 'redis'")
+    admission = _admission(top.get("admission"))
     return Config(
         server=server,
         limits=limits,
         router=router,
         admission=admission,
         pools=pools,
-        tenants=_tenants(_list(top, "tenants", "config")),
+        tenants=_tenants(_list(top, "tenants", "config"), admission),
     )
 
 

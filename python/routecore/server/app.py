@@ -130,6 +130,8 @@ class Server:
             await self._server.stop(grace)
         if self._reaper is not None:
             self._reaper.cancel()
+        for engine in (self.holder.engine, *self.holder.retired):
+            engine.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -5,12 +5,16 @@ authenticates the tenant, parses the request in Rust, chooses the pool with
 the core's :class:`~routecore.TokenBudgetRouter` and the endpoint inside it,
 and hands out a :class:`Lease` that stays in flight until :meth:`Engine.finish`
 (the response came back) or :meth:`Engine.reap` (it never did, and the
-request timeout passed). Every method takes the time (``time.monotonic()``
-seconds) explicitly. The engine is used from one event loop thread.
+request timeout passed). A tenant with an ``entitlement`` is admitted by the
+admission backend (``routecore.admission_from_config``) and its ticket is
+completed with the real usage at the end. Every method takes the time (``time.monotonic()``
+seconds) explicitly; the admission backend keeps its own clock (Redis
+replicas share wall-clock time). The engine is used from one event loop thread.
 
 A SIGHUP reload builds a new engine that takes over the learned calibrator;
 leases handed out before the reload are finished by the engine that issued
-them, so open streams run to completion.
+them, so open streams run to completion. An in-memory admission backend
+starts afresh with the new entitlements; a Redis one keeps its state.
 """
 
 from __future__ import annotations
@@ -20,9 +24,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from routecore._core import Compressor, RouteDecision, TokenBudgetRouter
+from routecore.admission import admission_from_config
 from routecore.config import Config, TenantConfig, find_tenant
+from routecore.server.endpoints import POLICIES, Request
 from routecore.server.metrics import Metrics
+
+#: The VTC user of requests from no tenant (when no tenants are configured).
+ANONYMOUS = "anonymous"
 
 
 @dataclass(frozen=True)
@@ -43,21 +54,34 @@ class Lease:
     pool: str
     endpoint: str
     tenant: TenantConfig | None
-    #: Prompt bytes and category, to feed the calibrator (category None: token ids).
+    #: What the endpoint chooser and admission were told.
+    request: Request
+    #: Prompt bytes and category, to feed the calibrator (category None: not learned from).
     prompt_bytes: int
     category: str | None
-    est_input_tokens: int
-    est_output_tokens: int
-    est_total_tokens: int
     spilled: bool
     reason: str
     started: float
     deadline: float
+    #: The admission ticket to complete (None: not under admission control).
+    ticket: int | None = None
     #: The request body to forward when routing rewrote it (compressed), else None.
     body: bytes | None = None
     #: The prompt size the body was compressed to (0: not compressed).
     compress_target_tokens: int = 0
     released: bool = field(default=False, repr=False)
+
+    @property
+    def est_input_tokens(self) -> int:
+        return self.request.est_input_tokens
+
+    @property
+    def est_output_tokens(self) -> int:
+        return self.request.est_output_tokens
+
+    @property
+    def est_total_tokens(self) -> int:
+        return self.request.est_input_tokens + self.request.est_output_tokens
 
 
 class Engine:
@@ -69,8 +93,14 @@ class Engine:
             [p.to_pool() for p in config.pools], calibrator, config.router.compress_band
         )
         self.compressor = Compressor()
-        self.endpoints = {p.name: list(p.endpoints) for p in config.pools}
-        self.endpoint_load = {p.name: dict.fromkeys(p.endpoints, 0) for p in config.pools}
+        chooser = POLICIES[config.router.policy]
+        self.choosers = {
+            p.name: chooser(list(p.endpoints), config.router.prefix_block_size)
+            for p in config.pools
+        }
+        self.admission = (
+            admission_from_config(config.admission.spec) if config.admission.entitlements else None
+        )
         self.keys = config.key_index()
         self.leases: OrderedDict[str, Lease] = OrderedDict()
         self._ids = itertools.count(1)
@@ -103,7 +133,7 @@ class Engine:
         message: str,
         retry_after_s: float = 0.0,
     ) -> Reject:
-        service_class = tenant.service_class if tenant is not None else ""
+        service_class = tenant.service_class if tenant is not None else "none"
         self.metrics.rejections.labels(service_class, reason).inc()
         return Reject(status, reason, message, retry_after_s)
 
@@ -125,8 +155,8 @@ class Engine:
             return self.refuse(tenant, 400, "malformed-body", f"invalid request body: {e}")
         d = r.decision
         if d.action == "compress":
-            return self._place(d, tenant, 0, None, now, r.body)
-        return self._place(d, tenant, r.prompt_bytes, r.category, now)
+            return self._place(d, tenant, 0, None, now, r.body, r.body)
+        return self._place(d, tenant, r.prompt_bytes, r.category, now, body)
 
     def route_fields(
         self,
@@ -136,6 +166,7 @@ class Engine:
         prompt_tokens: int | None,
         tenant: TenantConfig | None,
         now: float,
+        token_ids: np.ndarray | None = None,
     ) -> Lease | Reject:
         """Routes a request given its measured fields (bad values are a 400)."""
         try:
@@ -145,9 +176,22 @@ class Engine:
                 d = self.router.route(prompt_bytes, category, max_output_tokens)
         except (ValueError, KeyError) as e:
             return self.refuse(tenant, 400, "invalid-request", str(e).strip("'\""))
-        return self._place(
-            d, tenant, prompt_bytes, category if prompt_tokens is None else None, now
-        )
+        learn = category if prompt_tokens is None else None
+        return self._place(d, tenant, prompt_bytes, learn, now, token_ids)
+
+    def route_default(self, tenant: TenantConfig | None, now: float) -> Lease | Reject:
+        """The default pool, without a budget decision (nothing is known of the request).
+
+        Used for bodyless requests and, under ``failure_mode: open``, when
+        routing failed.
+        """
+        pool = self.config.server.default_pool
+        self.router.set_in_flight(pool, self.router.in_flight(pool) + 1)
+        return self._admit(pool, self._request(None, tenant, 1, 1), tenant, 0, None, now)
+
+    @staticmethod
+    def _request(key, tenant: TenantConfig | None, est_in: int, est_out: int) -> Request:
+        return Request(key, tenant.name if tenant is not None else ANONYMOUS, est_in, est_out)
 
     def _place(
         self,
@@ -156,9 +200,10 @@ class Engine:
         prompt_bytes: int,
         category: str | None,
         now: float,
+        key: bytes | np.ndarray | None,
         body: bytes | None = None,
     ) -> Lease | Reject:
-        """The endpoint for a pool decision, or the refusal."""
+        """Admits a pool decision on an endpoint of its pool, or refuses it."""
         if d.pool is None:
             return self.refuse(
                 tenant,
@@ -166,66 +211,59 @@ class Engine:
                 d.reason,
                 f"request needs {d.est_total_tokens} tokens, more than any pool's context",
             )
-        endpoint = self.choose_endpoint(d.pool)
-        if endpoint is None:
-            self.router.complete(d.pool)
-            return self.refuse(tenant, 503, "no-endpoint", f"pool {d.pool!r} has no endpoint")
-        if d.spilled:
-            self.metrics.spillovers.labels(d.pool).inc()
-        lease = self._lease(
-            d.pool,
-            endpoint,
-            tenant,
-            prompt_bytes,
-            category,
-            d.est_input_tokens,
-            d.est_output_tokens,
-            d.spilled,
-            d.reason,
-            now,
-        )
-        lease.body = body
-        lease.compress_target_tokens = d.compress_target_tokens or 0
+        req = self._request(key, tenant, d.est_input_tokens, d.est_output_tokens)
+        lease = self._admit(d.pool, req, tenant, prompt_bytes, category, now)
+        if isinstance(lease, Lease):
+            lease.spilled, lease.reason, lease.body = d.spilled, d.reason, body
+            lease.compress_target_tokens = d.compress_target_tokens or 0
+            if d.spilled:
+                self.metrics.spillovers.labels(d.pool).inc()
         return lease
 
-    def route_default(self, tenant: TenantConfig | None, now: float) -> Lease | Reject:
-        """The default pool's least-loaded endpoint, without a budget decision.
-
-        Used for bodyless requests and, under ``failure_mode: open``, when
-        routing failed.
-        """
-        pool = self.config.server.default_pool
-        endpoint = self.choose_endpoint(pool)
+    def _admit(
+        self,
+        pool: str,
+        req: Request,
+        tenant: TenantConfig | None,
+        prompt_bytes: int,
+        category: str | None,
+        now: float,
+    ) -> Lease | Reject:
+        """Chooses the endpoint and runs admission; on refusal undoes both counts."""
+        chooser = self.choosers[pool]
+        endpoint = chooser.choose(req, now)
         if endpoint is None:
+            self.router.complete(pool)
             return self.refuse(tenant, 503, "no-endpoint", f"pool {pool!r} has no endpoint")
-        self.router.set_in_flight(pool, self.router.in_flight(pool) + 1)
-        return self._lease(pool, endpoint, tenant, 0, None, 0, 0, False, "default", now)
-
-    def choose_endpoint(self, pool: str) -> str | None:
-        """The endpoint with the fewest requests in flight (least-request)."""
-        load = self.endpoint_load[pool]
-        if not load:
-            return None
-        return min(load, key=load.__getitem__)
-
-    def _lease(
-        self, pool, endpoint, tenant, prompt_bytes, category, est_in, est_out, spilled, reason, now
-    ) -> Lease:
-        self.endpoint_load[pool][endpoint] += 1
+        ticket = None
+        if self.admission is not None and tenant is not None and tenant.entitlement:
+            a = self.admission.admit(
+                tenant.entitlement, req.est_input_tokens, req.est_output_tokens
+            )
+            if not a.admitted:
+                chooser.release(endpoint, req, None, now)
+                self.router.complete(pool)
+                return self.refuse(
+                    tenant,
+                    a.status,
+                    a.reason,
+                    f"not admitted: {a.reason}",
+                    a.retry_after_s or 0.0,
+                )
+            ticket = a.ticket
         lease = Lease(
             request_id=f"{self._prefix}-{next(self._ids)}",
             pool=pool,
             endpoint=endpoint,
             tenant=tenant,
+            request=req,
             prompt_bytes=prompt_bytes,
             category=category,
-            est_input_tokens=est_in,
-            est_output_tokens=est_out,
-            est_total_tokens=est_in + est_out,
-            spilled=spilled,
-            reason=reason,
+            spilled=False,
+            reason="default",
             started=now,
             deadline=now + self.config.limits.request_timeout_s,
+            ticket=ticket,
         )
         self.leases[lease.request_id] = lease
         self.metrics.decisions.labels(pool).inc()
@@ -237,18 +275,23 @@ class Engine:
     def finish(
         self, lease: Lease, prompt_tokens: int | None, completion_tokens: int | None, now: float
     ) -> None:
-        """Releases ``lease`` (idempotent) and learns from the usage, when known."""
+        """Releases ``lease`` (idempotent) and learns from the usage when known:
+        the calibrator, the endpoint chooser's state and the admission ticket."""
         if lease.released:
             return
         lease.released = True
         self.leases.pop(lease.request_id, None)
         self.router.complete(lease.pool)
-        load = self.endpoint_load[lease.pool]
-        load[lease.endpoint] -= 1
+        req = lease.request
+        usage = (prompt_tokens, completion_tokens or 0) if prompt_tokens else None
+        self.choosers[lease.pool].release(lease.endpoint, req, usage, now)
         self.metrics.in_flight.labels(lease.pool, lease.endpoint).dec()
-        if prompt_tokens and lease.category is not None and lease.prompt_bytes > 0:
+        if lease.ticket is not None and self.admission is not None:
+            actual = usage if usage is not None else (req.est_input_tokens, 0)
+            self.admission.complete(lease.ticket, actual[0], actual[1], now - lease.started)
+        if usage and lease.category is not None and lease.prompt_bytes > 0:
             try:
-                self.router.feedback(lease.prompt_bytes, lease.category, prompt_tokens)
+                self.router.feedback(lease.prompt_bytes, lease.category, usage[0])
             except ValueError:
                 return  # absurd usage from a backend: not learned from
             ratio = self.router.calibrator.ratio(lease.category)
@@ -272,6 +315,10 @@ class Engine:
             n += 1
         return n
 
+    def close(self) -> None:
+        if self.admission is not None:
+            self.admission.close()
+
 
 class EngineHolder:
     """The current engine, swapped on reload, and the retired ones still holding leases."""
@@ -287,8 +334,13 @@ class EngineHolder:
         self.engine = Engine(config, self.metrics, previous=old)
         if old.leases:
             self.retired.append(old)
+        else:
+            old.close()
 
     def reap(self, now: float) -> int:
         n = self.engine.reap(now) + sum(e.reap(now) for e in self.retired)
+        for e in self.retired:
+            if not e.leases:
+                e.close()
         self.retired = [e for e in self.retired if e.leases]
         return n

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import numpy as np
 
 from routecore.server.engine import EngineHolder, Reject
 from routecore.server.gen import routecore_pb2 as pb
@@ -48,6 +49,9 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"category must be one of {list(CATEGORIES)}, got {m.category!r}",
                     )
+                token_ids = (
+                    np.array(request.token_ids, dtype=np.uint32) if request.token_ids else None
+                )
                 outcome = engine.route_fields(
                     m.prompt_bytes,
                     m.category,
@@ -55,6 +59,7 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
                     m.prompt_tokens or None,
                     tenant,
                     now,
+                    token_ids,
                 )
             else:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set body or measured")
