@@ -134,7 +134,7 @@ class Engine:
         retry_after_s: float = 0.0,
     ) -> Reject:
         service_class = tenant.service_class if tenant is not None else "none"
-        self.metrics.rejections.labels(service_class, reason).inc()
+        self.metrics.child(self.metrics.rejections, service_class, reason).inc()
         return Reject(status, reason, message, retry_after_s)
 
     # -- routing ------------------------------------------------------------
@@ -217,7 +217,7 @@ class Engine:
             lease.spilled, lease.reason, lease.body = d.spilled, d.reason, body
             lease.compress_target_tokens = d.compress_target_tokens or 0
             if d.spilled:
-                self.metrics.spillovers.labels(d.pool).inc()
+                self.metrics.child(self.metrics.spillovers, d.pool).inc()
         return lease
 
     def _admit(
@@ -266,8 +266,8 @@ class Engine:
             ticket=ticket,
         )
         self.leases[lease.request_id] = lease
-        self.metrics.decisions.labels(pool).inc()
-        self.metrics.in_flight.labels(pool, endpoint).inc()
+        self.metrics.child(self.metrics.decisions, pool).inc()
+        self.metrics.child(self.metrics.in_flight, pool, endpoint).inc()
         return lease
 
     # -- completion -----------------------------------------------------------
@@ -285,7 +285,7 @@ class Engine:
         req = lease.request
         usage = (prompt_tokens, completion_tokens or 0) if prompt_tokens else None
         self.choosers[lease.pool].release(lease.endpoint, req, usage, now)
-        self.metrics.in_flight.labels(lease.pool, lease.endpoint).dec()
+        self.metrics.child(self.metrics.in_flight, lease.pool, lease.endpoint).dec()
         if lease.ticket is not None and self.admission is not None:
             actual = usage if usage is not None else (req.est_input_tokens, 0)
             self.admission.complete(lease.ticket, actual[0], actual[1], now - lease.started)
@@ -295,7 +295,7 @@ class Engine:
             except ValueError:
                 return  # absurd usage from a backend: not learned from
             ratio = self.router.calibrator.ratio(lease.category)
-            self.metrics.calibration_ratio.labels(lease.category).set(ratio)
+            self.metrics.child(self.metrics.calibration_ratio, lease.category).set(ratio)
 
     def lease(self, request_id: str) -> Lease | None:
         return self.leases.get(request_id)
@@ -310,7 +310,7 @@ class Engine:
             lease = next(iter(self.leases.values()))
             if lease.deadline > now:
                 break
-            self.metrics.timeouts.labels(lease.pool).inc()
+            self.metrics.child(self.metrics.timeouts, lease.pool).inc()
             self.finish(lease, None, None, now)
             n += 1
         return n

@@ -92,7 +92,7 @@ def routing_mutation(lease: Lease) -> pb.HeaderMutation:
 
 def lb_metadata(lease: Lease) -> struct_pb2.Struct:
     md = struct_pb2.Struct()
-    md.update({LB_NAMESPACE: {DESTINATION_HEADER: lease.endpoint}})
+    md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = lease.endpoint
     return md
 
 
@@ -229,7 +229,7 @@ class Conversation:
             outcome = engine.route_body(bytes(self.body), self.tenant, time.monotonic())
         except Exception:
             mode = engine.config.server.failure_mode
-            engine.metrics.failures.labels(mode).inc()
+            engine.metrics.child(engine.metrics.failures, mode).inc()
             log(logging.ERROR, "route-failed", exc_info=True, failure_mode=mode)
             if mode == "open":
                 outcome = engine.route_default(self.tenant, time.monotonic())

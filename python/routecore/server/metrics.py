@@ -11,6 +11,7 @@ LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict = {}
         r = self.registry
         self.decisions = Counter(
             "routecore_decisions", "Requests routed, per pool", ["pool"], registry=r
@@ -54,6 +55,14 @@ class Metrics:
             ["mode"],
             registry=r,
         )
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, cached: the lookup is on every request's path."""
+        key = (metric._name, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         """Starts the /metrics HTTP server; returns (server, thread)."""
