@@ -621,3 +621,16 @@ def test_prefix_and_vtc_policies_route_and_release(serve, policy):
     chooser = s.engine.choosers["short"]
     assert s.run(lambda: list(chooser.router.running)) == [0, 0]
     settled(s)
+
+
+def test_grpc_message_size_limit(serve):
+    s = serve(limits={"max_message_bytes": 4096})
+    big = pb.ProcessingRequest(
+        request_body=pb.HttpBody(body=chat_body("x" * 8000), end_of_stream=True)
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        stream_all(s.target, [pb.ProcessingRequest(request_headers=http_headers(KEY)), big])
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # The server is unharmed and nothing was left in flight.
+    assert converse(s.target, KEY, chat_body("small"), [usage_body(2, 1)]).routing
+    settled(s)
