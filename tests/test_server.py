@@ -7,9 +7,7 @@ import json
 import logging
 import math
 import signal
-import socket
 import subprocess
-import sys
 import urllib.request
 
 import grpc
@@ -25,8 +23,10 @@ from routecore.server.envoy_client import (
     Conversation,
     buffered,
     chat_body,
+    free_port,
     header_map,
     http_headers,
+    serve_command,
     sse_chunks,
     usage_body,
 )
@@ -68,6 +68,29 @@ def stream_all(target: str, messages: list[pb.ProcessingRequest]) -> list[pb.Pro
     """Sends every message, then reads every answer (for the streamed body modes)."""
     with grpc.insecure_channel(target) as channel:
         return list(pb_grpc.ExternalProcessorStub(channel).Process(iter(messages)))
+
+
+async def hold(stub: pb_grpc.ExternalProcessorStub, text: str):
+    """Starts a BUFFERED conversation and stops once it is routed: the request
+    stays in flight. Returns the call and the routing answer."""
+    call = stub.Process()
+    await call.write(pb.ProcessingRequest(request_headers=http_headers(KEY)))
+    await call.read()
+    body = pb.HttpBody(body=chat_body(text), end_of_stream=True)
+    await call.write(pb.ProcessingRequest(request_body=body))
+    return call, await call.read()
+
+
+async def finish_held(call, usage: bytes) -> list[pb.ProcessingResponse]:
+    """Sends the response of a held conversation (headers, then a JSON body)."""
+    await call.write(pb.ProcessingRequest(response_headers=http_headers({":status": "200"})))
+    out = [await call.read()]
+    await call.write(
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=usage, end_of_stream=True))
+    )
+    out.append(await call.read())
+    await call.done_writing()
+    return out
 
 
 def settled(server: Running) -> None:
@@ -263,23 +286,16 @@ def test_bodyless_request_goes_to_default_pool(server):
 def test_request_that_never_returns_is_released_by_timeout(serve):
     s = serve(limits={"request_timeout_s": 0.2})
 
-    async def hold():
+    async def scenario():
         async with grpc.aio.insecure_channel(s.target) as channel:
-            call = pb_grpc.ExternalProcessorStub(channel).Process()
-            await call.write(pb.ProcessingRequest(request_headers=http_headers(KEY)))
-            await call.read()
-            await call.write(
-                pb.ProcessingRequest(
-                    request_body=pb.HttpBody(body=chat_body("hi"), end_of_stream=True)
-                )
-            )
-            assert (await call.read()).request_body.response.clear_route_cache
+            call, routed = await hold(pb_grpc.ExternalProcessorStub(channel), "hi")
+            assert routed.request_body.response.clear_route_cache
             assert s.run(s.engine.router.in_flight, "short") == 1
             await asyncio.sleep(0.8)  # the stream stays open; the reaper releases it
             assert s.run(s.engine.router.in_flight, "short") == 0
             call.cancel()
 
-    asyncio.run(hold())
+    asyncio.run(scenario())
     settled(s)
     assert s.server.metrics.timeouts.labels("short")._value.get() == 1
 
@@ -400,43 +416,19 @@ def test_retry_after_header_rounds_up():
     assert header_map(imm.headers)["retry-after"] == str(math.ceil(1.2))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_command_sighup_reload_keeps_open_streams_and_stops_gracefully(tmp_path):
     path = tmp_path / "routecore.yaml"
     path.write_text(yaml.safe_dump(base_config()))
     port = free_port()
     target = f"127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "routecore.cli",
-        "serve",
-        "--config",
-        str(path),
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(free_port()),
-    ]
+    cmd = serve_command(str(path), port, free_port())
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
 
     async def scenario():
         async with grpc.aio.insecure_channel(target) as channel:
             await asyncio.wait_for(channel.channel_ready(), 30)
             stub = pb_grpc.ExternalProcessorStub(channel)
-            held = stub.Process()  # a request in flight across the reload
-            await held.write(pb.ProcessingRequest(request_headers=http_headers(KEY)))
-            await held.read()
-            body = chat_body("before reload " * 10)
-            await held.write(
-                pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
-            )
-            first = await held.read()
+            held, first = await hold(stub, "before reload " * 10)  # in flight across the reload
             assert (
                 header_map(first.request_body.response.header_mutation)[
                     "x-gateway-destination-endpoint"
@@ -463,17 +455,11 @@ def test_serve_command_sighup_reload_keeps_open_streams_and_stops_gracefully(tmp
             assert conv.routing_headers["x-gateway-destination-endpoint"] == "127.0.0.1:9101"
 
             # The held stream finishes normally on the engine that routed it.
-            await held.write(
-                pb.ProcessingRequest(response_headers=http_headers({":status": "200"}))
-            )
-            assert (await held.read()).HasField("response_headers")
-            await held.write(
-                pb.ProcessingRequest(
-                    response_body=pb.HttpBody(body=usage_body(40, 2), end_of_stream=True)
-                )
-            )
-            assert (await held.read()).HasField("response_body")
-            await held.done_writing()
+            answers = await finish_held(held, usage_body(40, 2))
+            assert [a.WhichOneof("response") for a in answers] == [
+                "response_headers",
+                "response_body",
+            ]
 
     try:
         asyncio.run(scenario())
@@ -571,15 +557,9 @@ def test_admission_rejects_with_429_and_retry_after_then_admits_after_completion
     async def go():
         async with grpc.aio.insecure_channel(s.target) as channel:
             stub = pb_grpc.ExternalProcessorStub(channel)
-            held = stub.Process()  # takes the entitlement's one concurrency slot
-            await held.write(pb.ProcessingRequest(request_headers=http_headers(KEY)))
-            await held.read()
-            await held.write(
-                pb.ProcessingRequest(
-                    request_body=pb.HttpBody(body=chat_body("first"), end_of_stream=True)
-                )
-            )
-            assert (await held.read()).request_body.response.clear_route_cache
+            # The first request takes the entitlement's one concurrency slot.
+            held, routed = await hold(stub, "first")
+            assert routed.request_body.response.clear_route_cache
             refused = await buffered(stub, KEY, chat_body("second"), [usage_body(1, 1)])
             imm = refused.immediate
             assert imm.status.code == 429
@@ -587,15 +567,7 @@ def test_admission_rejects_with_429_and_retry_after_then_admits_after_completion
             assert int(header_map(imm.headers)["retry-after"]) >= 1
             # The refused request left nothing counted in flight.
             assert s.run(s.engine.router.in_flight, "short") == 1
-            await held.write(pb.ProcessingRequest(response_headers=http_headers({})))
-            await held.read()
-            await held.write(
-                pb.ProcessingRequest(
-                    response_body=pb.HttpBody(body=usage_body(2, 1), end_of_stream=True)
-                )
-            )
-            await held.read()
-            await held.done_writing()
+            await finish_held(held, usage_body(2, 1))
             again = await buffered(stub, KEY, chat_body("third"), [usage_body(2, 1)])
             assert again.routing is not None
 

@@ -198,6 +198,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_command(config: str, port: int, metrics_port: int, *extra: str) -> list[str]:
+    """The command line that runs ``routecore serve`` with this interpreter."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "routecore.cli",
+        "serve",
+        "--config",
+        config,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        *extra,
+    ]
+
+
 def load_report(
     config: str, requests: int, concurrency: int = 32, rate: float | None = None
 ) -> dict[str, dict[str, float]]:
@@ -209,23 +228,9 @@ def load_report(
     Each run also reports the server process's CPU time per request.
     """
     import subprocess
-    import sys
 
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "routecore.cli",
-        "serve",
-        "--config",
-        config,
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(free_port()),
-        "--log-level",
-        "warning",
-    ]
+    cmd = serve_command(config, port, free_port(), "--log-level", "warning")
     proc = subprocess.Popen(cmd)
     target = f"127.0.0.1:{port}"
 
