@@ -222,6 +222,14 @@ def test_unknown_or_expired_key_is_refused_and_never_logged(
     settled(server)
 
 
+def test_body_without_headers_is_refused_when_keys_are_required(server):
+    # An Envoy configured with request_header_mode SKIP never shows the key.
+    body = pb.ProcessingRequest(request_body=pb.HttpBody(body=chat_body("hi"), end_of_stream=True))
+    out = stream_all(server.target, [body])
+    assert len(out) == 1 and out[0].immediate_response.status.code == 401
+    settled(server)
+
+
 def test_malformed_and_oversize_bodies_do_not_break_the_server(server):
     for body, status, reason in [
         (b"{not json", 400, "malformed-body"),

@@ -156,6 +156,7 @@ class Conversation:
         self.request_mode = Mode.BUFFERED
         self.response_mode = Mode.NONE
         self.tenant = None
+        self.authenticated = False
         self.body = bytearray()
         self.lease: Lease | None = None
         self.routed = False
@@ -194,7 +195,7 @@ class Conversation:
         auth = self.engine.authenticate(key, time.time())
         if isinstance(auth, Reject):
             return self.refuse(auth)
-        self.tenant = auth
+        self.tenant, self.authenticated = auth, True
         if headers.end_of_stream:  # no body to route on: the default pool
             self.routed = True
             return self.answer(self.engine.route_default(self.tenant, time.monotonic()), False)
@@ -205,6 +206,11 @@ class Conversation:
     def on_request_body(self, chunk: bytes, end: bool) -> list[pb.ProcessingResponse]:
         if self.routed:  # chunks after routing pass through (duplex: echoed back)
             return self.pass_body(chunk, end, request=True)
+        if not self.authenticated:  # Envoy skipped the headers: there is no key to check
+            auth = self.engine.authenticate(None, time.time())
+            if isinstance(auth, Reject):
+                return self.refuse(auth)
+            self.authenticated = True
         if len(self.body) + len(chunk) > self.limits.max_body_bytes:
             return self.refuse(
                 self.engine.refuse(
