@@ -11,11 +11,15 @@ pub mod classify;
 pub mod compress;
 pub mod error;
 pub mod openai;
+pub mod planner;
 pub mod pods;
 pub mod prefix;
+pub mod profile;
+pub mod queueing;
 pub mod rng;
 pub mod snapshot;
 pub mod vtc;
+pub mod workload;
 
 #[cfg(feature = "python")]
 mod py;
@@ -40,9 +44,19 @@ mod _core {
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
     #[pymodule_export]
+    use crate::py::planner::{
+        annual_cost_usd, g_dual, plan, pool_routing_savings, PyCandidate, PyPlan,
+    };
+    #[pymodule_export]
     use crate::py::prefix::{block_hashes, block_hashes_many, PyPrefixCacheRouter, PyPrefixIndex};
     #[pymodule_export]
+    use crate::py::profile::{PyProfile, PyService};
+    #[pymodule_export]
+    use crate::py::queueing::{erlang_b, erlang_c, p99_wait, PyErlangScan};
+    #[pymodule_export]
     use crate::py::vtc::PyVtcRouter;
+    #[pymodule_export]
+    use crate::py::workload::PyWorkload;
     use pyo3::prelude::*;
 
     #[pymodule_init]

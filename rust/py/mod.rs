@@ -8,8 +8,12 @@ pub mod calibrate;
 pub mod classify;
 pub mod compress;
 pub mod openai;
+pub mod planner;
 pub mod prefix;
+pub mod profile;
+pub mod queueing;
 pub mod vtc;
+pub mod workload;
 
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
@@ -149,4 +153,28 @@ pub fn reduce<'py, T: pyo3::PyClass>(
     let py = slf.py();
     let restore = slf.as_any().get_type().getattr("from_bytes")?;
     PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
+}
+
+/// A 1-D NumPy array (or anything `numpy.asarray` takes) of real numbers, as
+/// f64. Bool, complex, object and string dtypes are refused; NaN is left to the core.
+pub fn float_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f64>> {
+    let np = obj.py().import("numpy")?;
+    let arr = np.call_method1("asarray", (obj,))?;
+    let ndim: usize = arr.getattr("ndim")?.extract()?;
+    if ndim != 1 {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be 1-D, got {ndim} dimensions"
+        )));
+    }
+    let dtype = arr.getattr("dtype")?;
+    let kind: String = dtype.getattr("kind")?.extract()?;
+    if !matches!(kind.as_str(), "i" | "u" | "f") {
+        return Err(PyValueError::new_err(format!(
+            "{what} must have a real numeric dtype, got {}",
+            dtype.str()?
+        )));
+    }
+    let arr = arr.call_method1("astype", ("float64",))?;
+    let arr: PyReadonlyArray1<'_, f64> = arr.extract()?;
+    Ok(arr.as_array().to_vec())
 }

@@ -1,0 +1,588 @@
+//! The FleetOpt offline planner (Chen et al. 2026, Algorithm 1) and the
+//! pool-routing cost model of the token-budget paper (Eq. 6-8).
+//!
+//! For every candidate short-pool boundary `B` and compression bandwidth
+//! `gamma`:
+//!
+//! - `alpha = F(B)`, per category `beta_k = F_k(gamma B) - F_k(B)` (the
+//!   borderline band), `alpha' = alpha + sum_k beta_k p_c,k` (Eq. 1, 14);
+//!   `lambda_s = alpha' lambda`, `lambda_l = (1 - alpha') lambda`.
+//! - The short pool runs at context `B` (`n_max = slots(B)`) and is
+//!   calibrated on the requests with `L_total <= B` (Algorithm 1, line 5);
+//!   compressed borderline requests are assumed to cost like them.
+//! - The long pool runs at `long_context` and is recalibrated on the
+//!   post-compression mix: every request with `L_total > gamma B` plus the
+//!   uncompressed share `1 - p_c,k` of each category's band (line 6; with
+//!   `p_c = 1` exactly the paper's `(gamma B, inf)`). Its prefill P99 is taken
+//!   over `(gamma B, inf)` (over `(B, inf)` when that is empty).
+//! - Each pool gets the smallest GPU count n with
+//!   `n >= lambda_p / (rho_max mu_gpu)` (the utilization cap) and
+//!   `W99(n n_max, 1 / E[S], Cs^2, lambda_p) <= T_slo - T_prefill,99 - t_iter`
+//!   (Eq. 8, 11). W99 falls with n, so the search starts at the cap and
+//!   doubles, then bisects: a few Erlang-C evaluations even for millions of
+//!   slots, and the cap holds exactly for every pool of every candidate.
+//! - Cost `n_s + phi n_l` GPUs at the profile's $/GPU-hour (Eq. 9); the
+//!   homogeneous fleet is one pool at `long_context` holding every request,
+//!   priced as long-pool GPUs.
+
+use std::sync::Arc;
+
+use crate::error::{invalid, Result};
+use crate::profile::{Profile, Service};
+use crate::queueing::p99_wait;
+use crate::workload::{RangeMoments, ServiceTable, Span, Workload};
+
+/// Hours in a year, for annual cost.
+pub const HOURS_PER_YEAR: f64 = 8760.0;
+
+/// The default candidate boundaries: powers of two and their 1.5x between 256
+/// and 49,152 tokens, kept when below the long context and when they give
+/// more slots per GPU than the long pool.
+pub const DEFAULT_B_SHORT: [u64; 15] = [
+    256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152,
+];
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanConfig {
+    /// Fleet arrival rate lambda, requests per second.
+    pub arrival_rate: f64,
+    /// P99 TTFT target, seconds.
+    pub slo_ttft_s: f64,
+    /// Utilization cap per pool (0.85 in FleetOpt).
+    pub rho_max: f64,
+    /// Candidate short-pool boundaries (empty: `DEFAULT_B_SHORT`).
+    pub b_short: Vec<u64>,
+    /// Compression bandwidths (empty: 1.0, 1.1, ..., 2.0).
+    pub gammas: Vec<f64>,
+    /// Context window of the long pool (and the homogeneous fleet), tokens.
+    pub long_context: u64,
+    /// Compressibility of borderline requests whose category is not listed.
+    pub p_c: f64,
+    /// Per-category compressibility, e.g. `("code", 0.0)`.
+    pub p_c_by_category: Vec<(String, f64)>,
+    /// Cost of a long-pool GPU relative to a short-pool GPU.
+    pub phi: f64,
+    /// Quantile of prefill time subtracted from the SLO (0.99).
+    pub prefill_quantile: f64,
+}
+
+impl PlanConfig {
+    pub fn new(arrival_rate: f64, slo_ttft_s: f64) -> Self {
+        Self {
+            arrival_rate,
+            slo_ttft_s,
+            rho_max: 0.85,
+            b_short: Vec::new(),
+            gammas: Vec::new(),
+            long_context: 65_536,
+            p_c: 1.0,
+            p_c_by_category: Vec::new(),
+            phi: 1.0,
+            prefill_quantile: 0.99,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let pos = |what: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(invalid(format!(
+                    "{what} must be a finite number > 0, got {v}"
+                )))
+            }
+        };
+        pos("arrival_rate", self.arrival_rate)?;
+        pos("slo_ttft_s", self.slo_ttft_s)?;
+        pos("phi", self.phi)?;
+        if !(self.rho_max > 0.0 && self.rho_max < 1.0) {
+            return Err(invalid(format!(
+                "rho_max must be in (0, 1), got {}",
+                self.rho_max
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.prefill_quantile) {
+            return Err(invalid(format!(
+                "prefill_quantile must be in [0, 1], got {}",
+                self.prefill_quantile
+            )));
+        }
+        if self.long_context == 0 {
+            return Err(invalid("long_context must be >= 1"));
+        }
+        let unit = |what: &str, v: f64| {
+            if (0.0..=1.0).contains(&v) {
+                Ok(())
+            } else {
+                Err(invalid(format!("{what} must be in [0, 1], got {v}")))
+            }
+        };
+        unit("p_c", self.p_c)?;
+        for (name, v) in &self.p_c_by_category {
+            unit(&format!("p_c for category {name:?}"), *v)?;
+        }
+        for &g in &self.gammas {
+            if !(g.is_finite() && (1.0..=1e3).contains(&g)) {
+                return Err(invalid(format!("gamma must be in [1, 1000], got {g}")));
+            }
+        }
+        if self.b_short.len() > 10_000 || self.gammas.len() > 10_000 {
+            return Err(invalid(
+                "at most 10,000 b_short and 10,000 gamma candidates",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One pool of a candidate fleet.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolPlan {
+    /// GPUs: 0 with no traffic (or no slot fits a request at this context);
+    /// when prefill alone breaks the SLO, the cap-sized count.
+    pub gpus: u64,
+    /// Whether the pool meets the SLO (a pool with no traffic does).
+    pub feasible: bool,
+    pub context: u64,
+    pub n_slots: u64,
+    pub arrival_rate: f64,
+    pub mu_gpu: f64,
+    pub cs2: f64,
+    /// `arrival_rate / (gpus * mu_gpu)`.
+    pub utilization: f64,
+    pub t_iter_s: f64,
+    pub prefill_p99_s: f64,
+    pub p99_wait_s: f64,
+    /// `p99_wait_s + prefill_p99_s + t_iter_s` (0 with no traffic).
+    pub p99_ttft_s: f64,
+}
+
+/// One (B_short, gamma) fleet. The homogeneous fleet has `b_short = 0`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    pub b_short: u64,
+    pub gamma: f64,
+    pub alpha: f64,
+    pub beta: f64,
+    pub alpha_prime: f64,
+    pub short: PoolPlan,
+    pub long: PoolPlan,
+    pub feasible: bool,
+    pub gpus: u64,
+    pub annual_cost_usd: f64,
+    pub savings_vs_homogeneous: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub homogeneous: Candidate,
+    pub sweep: Vec<Candidate>,
+    /// Index into `sweep` of the cheapest feasible candidate.
+    pub best: Option<usize>,
+    /// Index into `sweep` of the cheapest feasible candidate at gamma = 1.
+    pub pool_routing: Option<usize>,
+}
+
+impl Plan {
+    /// The sweep entry at (`b_short`, `gamma`), gamma matched to 1e-9.
+    pub fn candidate(&self, b_short: u64, gamma: f64) -> Option<&Candidate> {
+        self.sweep
+            .iter()
+            .find(|c| c.b_short == b_short && (c.gamma - gamma).abs() < 1e-9)
+    }
+}
+
+/// `alpha (1 - 1/rho)`: the fraction of GPUs pool routing saves (token-budget
+/// paper Eq. 7), rho = short-pool over long-pool throughput per GPU.
+pub fn pool_routing_savings(alpha: f64, rho: f64) -> Result<f64> {
+    if !(0.0..=1.0).contains(&alpha) {
+        return Err(invalid(format!("alpha must be in [0, 1], got {alpha}")));
+    }
+    if !(rho.is_finite() && rho > 0.0) {
+        return Err(invalid(format!(
+            "rho must be a finite number > 0, got {rho}"
+        )));
+    }
+    Ok(alpha * (1.0 - 1.0 / rho))
+}
+
+/// `alpha lambda / mu_s + (1 - alpha) lambda / mu_l`: the corrected dual-pool
+/// fleet size (token-budget paper Eq. 8), mu_l measured on the long pool's own
+/// traffic.
+pub fn g_dual(alpha: f64, arrival_rate: f64, mu_short: f64, mu_long: f64) -> Result<f64> {
+    if !(0.0..=1.0).contains(&alpha) {
+        return Err(invalid(format!("alpha must be in [0, 1], got {alpha}")));
+    }
+    for (what, v) in [("mu_short", mu_short), ("mu_long", mu_long)] {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(invalid(format!(
+                "{what} must be a finite number > 0, got {v}"
+            )));
+        }
+    }
+    if !(arrival_rate.is_finite() && arrival_rate >= 0.0) {
+        return Err(invalid(format!(
+            "arrival_rate must be a finite number >= 0, got {arrival_rate}"
+        )));
+    }
+    Ok(alpha * arrival_rate / mu_short + (1.0 - alpha) * arrival_rate / mu_long)
+}
+
+/// `gpus * price_per_gpu_hour * hours_per_year`, USD.
+pub fn annual_cost_usd(gpus: f64, price_per_gpu_hour: f64, hours_per_year: f64) -> Result<f64> {
+    for (what, v) in [
+        ("gpus", gpus),
+        ("price_per_gpu_hour", price_per_gpu_hour),
+        ("hours_per_year", hours_per_year),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(invalid(format!(
+                "{what} must be a finite number >= 0, got {v}"
+            )));
+        }
+    }
+    Ok(gpus * price_per_gpu_hour * hours_per_year)
+}
+
+/// The smallest n >= 1 with `arrival_rate / (n mu_gpu) <= rho_max`.
+fn utilization_floor(arrival_rate: f64, mu_gpu: f64, rho_max: f64) -> u64 {
+    let mut n = (arrival_rate / (rho_max * mu_gpu)).ceil().max(1.0) as u64;
+    // Guard the float division: step until the cap holds as computed.
+    while arrival_rate / (n as f64 * mu_gpu) > rho_max {
+        n += 1;
+    }
+    while n > 1 && arrival_rate / ((n - 1) as f64 * mu_gpu) <= rho_max {
+        n -= 1;
+    }
+    n
+}
+
+/// Sizes one pool for `arrival_rate` given its service.
+fn size_pool(
+    arrival_rate: f64,
+    svc: &Service,
+    context: u64,
+    rho_max: f64,
+    slo: f64,
+) -> Result<PoolPlan> {
+    let mut pool = PoolPlan {
+        gpus: 0,
+        feasible: true,
+        context,
+        n_slots: svc.n_slots,
+        arrival_rate,
+        mu_gpu: svc.mu_gpu,
+        cs2: svc.cs2,
+        utilization: 0.0,
+        t_iter_s: svc.t_iter_s,
+        prefill_p99_s: svc.prefill_p99_s,
+        p99_wait_s: 0.0,
+        p99_ttft_s: 0.0,
+    };
+    if arrival_rate <= 0.0 || svc.mean_s <= 0.0 {
+        return Ok(pool);
+    }
+    if svc.n_slots == 0 {
+        pool.feasible = false;
+        return Ok(pool);
+    }
+    let budget = slo - svc.prefill_p99_s - svc.t_iter_s;
+    let mu_slot = 1.0 / svc.mean_s;
+    let wait = |n: u64| -> Result<f64> {
+        let servers = n
+            .checked_mul(svc.n_slots)
+            .ok_or_else(|| invalid("fleet size overflows"))?;
+        p99_wait(servers, mu_slot, svc.cs2, arrival_rate)
+    };
+    let lo = utilization_floor(arrival_rate, svc.mu_gpu, rho_max);
+    let mut n = lo;
+    let mut w = wait(lo)?;
+    if budget < 0.0 {
+        // Prefill alone breaks the SLO: no GPU count helps. Report the
+        // cap-sized pool and its TTFT, marked infeasible.
+        pool.feasible = false;
+    } else if w > budget {
+        // W99 falls with n: double until it fits, then bisect (lo fails, hi fits).
+        let (mut bad, mut hi) = (lo, lo.saturating_mul(2));
+        let mut w_hi = wait(hi)?;
+        while w_hi > budget {
+            bad = hi;
+            hi = hi
+                .checked_mul(2)
+                .ok_or_else(|| invalid("fleet size overflows"))?;
+            w_hi = wait(hi)?;
+        }
+        while hi - bad > 1 {
+            let mid = bad + (hi - bad) / 2;
+            let w_mid = wait(mid)?;
+            if w_mid <= budget {
+                hi = mid;
+                w_hi = w_mid;
+            } else {
+                bad = mid;
+            }
+        }
+        n = hi;
+        w = w_hi;
+    }
+    pool.gpus = n;
+    pool.utilization = arrival_rate / (n as f64 * svc.mu_gpu);
+    pool.p99_wait_s = w;
+    pool.p99_ttft_s = w + svc.prefill_p99_s + svc.t_iter_s;
+    Ok(pool)
+}
+
+struct Ctx<'a> {
+    w: &'a Workload,
+    profile: &'a Profile,
+    cfg: &'a PlanConfig,
+    table: Arc<ServiceTable>,
+    p_c: Vec<f64>,
+    long_slots: u64,
+}
+
+impl Ctx<'_> {
+    /// Service of moments `m`; prefill P99 and mean length from `prefill_span`.
+    fn service(&self, prefill_span: Span, n_slots: u64, m: RangeMoments) -> Service {
+        let q = self.cfg.prefill_quantile;
+        self.profile
+            .service_from(self.w, prefill_span, n_slots, m, &self.table, q)
+    }
+
+    fn cost(&self, short_gpus: u64, long_gpus: u64) -> f64 {
+        (short_gpus as f64 + self.cfg.phi * long_gpus as f64)
+            * self.profile.price_per_gpu_hour
+            * HOURS_PER_YEAR
+    }
+}
+
+/// Runs the sweep. Errors on invalid configuration or profile.
+pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
+    cfg.validate()?;
+    profile.validate()?;
+    let names = w.category_names();
+    for (name, _) in &cfg.p_c_by_category {
+        if !names.iter().any(|n| n == name) {
+            return Err(crate::error::unknown("category", name.clone()));
+        }
+    }
+    let p_c: Vec<f64> = (0..w.category_channels())
+        .map(|k| {
+            names
+                .get(k)
+                .and_then(|n| cfg.p_c_by_category.iter().find(|(c, _)| c == n))
+                .map_or(cfg.p_c, |(_, v)| *v)
+        })
+        .collect();
+    let ctx = Ctx {
+        w,
+        profile,
+        cfg,
+        table: w.service_table(profile.c_chunk)?,
+        p_c,
+        long_slots: profile.slots(cfg.long_context)?,
+    };
+    let lam = cfg.arrival_rate;
+    let everything = w.span(f64::NEG_INFINITY, f64::INFINITY);
+
+    // Homogeneous: one pool at the long context holding every request.
+    let (a0, a1) = profile.service_coefficients(ctx.long_slots);
+    let m_all = ctx.table.moments_all(w, everything, a0, a1);
+    let homo_svc = ctx.service(everything, ctx.long_slots, m_all);
+    let homo_pool = size_pool(
+        lam,
+        &homo_svc,
+        cfg.long_context,
+        cfg.rho_max,
+        cfg.slo_ttft_s,
+    )?;
+    let homo_cost = ctx.cost(0, homo_pool.gpus);
+    let empty_short = PoolPlan {
+        gpus: 0,
+        feasible: true,
+        context: 0,
+        n_slots: 0,
+        arrival_rate: 0.0,
+        mu_gpu: 0.0,
+        cs2: 0.0,
+        utilization: 0.0,
+        t_iter_s: 0.0,
+        prefill_p99_s: 0.0,
+        p99_wait_s: 0.0,
+        p99_ttft_s: 0.0,
+    };
+    let homogeneous = Candidate {
+        b_short: 0,
+        gamma: 1.0,
+        alpha: 0.0,
+        beta: 0.0,
+        alpha_prime: 0.0,
+        short: empty_short,
+        long: homo_pool,
+        feasible: homo_pool.feasible,
+        gpus: homo_pool.gpus,
+        annual_cost_usd: homo_cost,
+        savings_vs_homogeneous: 0.0,
+    };
+
+    let b_list: Vec<u64> = if cfg.b_short.is_empty() {
+        DEFAULT_B_SHORT
+            .iter()
+            .copied()
+            .filter(|&b| b < cfg.long_context)
+            .filter(|&b| profile.slots(b).is_ok_and(|s| s > ctx.long_slots))
+            .collect()
+    } else {
+        for &b in &cfg.b_short {
+            if b == 0 || b >= cfg.long_context {
+                return Err(invalid(format!(
+                    "b_short must be in [1, long_context = {}), got {b}",
+                    cfg.long_context
+                )));
+            }
+        }
+        cfg.b_short.clone()
+    };
+    let gammas: Vec<f64> = if cfg.gammas.is_empty() {
+        (10..=20).map(|k| k as f64 / 10.0).collect()
+    } else {
+        cfg.gammas.clone()
+    };
+
+    let (la0, la1) = profile.service_coefficients(ctx.long_slots);
+    let mut sweep = Vec::with_capacity(b_list.len() * gammas.len());
+    for &b in &b_list {
+        let b_f = b as f64;
+        let short_span = w.span(f64::NEG_INFINITY, b_f);
+        let alpha = w.fraction(short_span);
+        let n_short = profile.slots(b)?;
+        let (s0, s1) = profile.service_coefficients(n_short);
+        let m_short = ctx.table.moments_all(w, short_span, s0, s1);
+        let short_svc = ctx.service(short_span, n_short, m_short);
+        let mut short_cache: Option<(f64, PoolPlan)> = None;
+        for &gamma in &gammas {
+            let gb = (gamma * b_f).floor();
+            let band = w.span(b_f, gb);
+            let tail = w.span(gb, f64::INFINITY);
+            let mut beta = 0.0;
+            let mut moved = 0.0;
+            let mut m_long = ctx.table.moments_all(w, tail, la0, la1);
+            for (k, &pc) in ctx.p_c.iter().enumerate() {
+                let bk = w.category_fraction(band, k);
+                beta += bk;
+                moved += bk * pc;
+                if pc < 1.0 && bk > 0.0 {
+                    let mut mk = ctx.table.moments(w, band, k, la0, la1);
+                    mk.weight *= 1.0 - pc;
+                    m_long = m_long.merge(mk);
+                }
+            }
+            let alpha_prime = (alpha + moved).min(1.0);
+            let lam_s = alpha_prime * lam;
+            let lam_l = (1.0 - alpha_prime) * lam;
+            let long_prefill_span = if tail.end > tail.start {
+                tail
+            } else {
+                w.span(b_f, f64::INFINITY)
+            };
+            let long_svc = ctx.service(long_prefill_span, ctx.long_slots, m_long);
+            let short = match short_cache {
+                Some((l, p)) if l == lam_s => p,
+                _ => {
+                    let p = size_pool(lam_s, &short_svc, b, cfg.rho_max, cfg.slo_ttft_s)?;
+                    short_cache = Some((lam_s, p));
+                    p
+                }
+            };
+            let long = size_pool(
+                lam_l,
+                &long_svc,
+                cfg.long_context,
+                cfg.rho_max,
+                cfg.slo_ttft_s,
+            )?;
+            let cost = ctx.cost(short.gpus, long.gpus);
+            sweep.push(Candidate {
+                b_short: b,
+                gamma,
+                alpha,
+                beta,
+                alpha_prime,
+                short,
+                long,
+                feasible: short.feasible && long.feasible,
+                gpus: short.gpus + long.gpus,
+                annual_cost_usd: cost,
+                savings_vs_homogeneous: if homo_cost > 0.0 {
+                    1.0 - cost / homo_cost
+                } else {
+                    0.0
+                },
+            });
+        }
+    }
+    let cheapest = |only_gamma_one: bool| {
+        sweep
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.feasible && (!only_gamma_one || (c.gamma - 1.0).abs() < 1e-9))
+            .min_by(|(_, a), (_, b)| a.annual_cost_usd.total_cmp(&b.annual_cost_usd))
+            .map(|(i, _)| i)
+    };
+    let best = cheapest(false);
+    let pool_routing = cheapest(true);
+    Ok(Plan {
+        homogeneous,
+        sweep,
+        best,
+        pool_routing,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closed_forms_from_the_papers() {
+        // Token-budget paper, Section 3: alpha 0.80, rho 4 -> 60 %.
+        let s = pool_routing_savings(0.80, 4.0).expect("ok");
+        assert!((s - 0.60).abs() < 1e-15);
+        // Eq. 8 worked: 917/13.5 + 83/0.37 = 67.9 + 224.3 = 292.2.
+        let g = g_dual(0.917, 1000.0, 13.5, 0.37).expect("ok");
+        assert!((g - (917.0 / 13.5 + 83.0 / 0.37)).abs() < 1e-9);
+        assert_eq!(g.round(), 292.0);
+        // FleetOpt Table 3: 284 GPUs at $2.21 for 8,760 h = $5,498 K.
+        let c = annual_cost_usd(284.0, 2.21, HOURS_PER_YEAR).expect("ok");
+        assert_eq!((c / 1000.0).round(), 5498.0);
+        assert!(pool_routing_savings(1.5, 4.0).is_err());
+        assert!(g_dual(0.5, 1.0, 0.0, 1.0).is_err());
+    }
+
+    #[test]
+    fn utilization_floor_is_exact() {
+        assert_eq!(utilization_floor(85.0, 1.0, 0.85), 100);
+        assert_eq!(utilization_floor(85.01, 1.0, 0.85), 101);
+        assert_eq!(utilization_floor(1e-9, 1.0, 0.85), 1);
+    }
+
+    #[test]
+    fn small_fleet_needs_more_than_the_cap() {
+        // One slot per GPU, mean service 1 s, lambda 0.5: the cap says 1 GPU
+        // (rho 0.5) but M/M/1 W99 = ln(50) s > 1 s, so more GPUs are needed.
+        let svc = Service {
+            n_slots: 1,
+            fraction: 1.0,
+            mean_s: 1.0,
+            cs2: 1.0,
+            mu_gpu: 1.0,
+            t_iter_s: 0.0,
+            prefill_p99_s: 0.0,
+        };
+        let p = size_pool(0.5, &svc, 1, 0.85, 1.0).expect("ok");
+        assert!(p.gpus > 1);
+        assert!(p.p99_wait_s <= 1.0);
+        let fewer = p99_wait(p.gpus - 1, 1.0, 1.0, 0.5).expect("ok");
+        assert!(fewer > 1.0);
+    }
+}

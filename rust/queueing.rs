@@ -1,0 +1,353 @@
+//! M/M/c and M/G/c waiting: Erlang B and C, and the two-moment P99 wait that
+//! FleetOpt sizes pools with.
+//!
+//! Erlang B is the Poisson ratio `B(c, A) = P(X = c) / P(X <= c)`, X ~
+//! Poisson(A). `P(X > c) = P(X = c) sum_{n >= 1} prod_{i=1..n} A / (c + i)`
+//! (a series whose terms shrink at least by `A / (c + 1) < 1` each) and
+//! `1 / B = (1 - P(X > c)) / P(X = c)`, where `ln P(X = c)` comes from Loader's
+//! saddle-point form `-stirlerr(c) - bd0(c, A) - ln(2 pi c) / 2` (C. Loader,
+//! "Fast and accurate computation of binomial probabilities", 2000), accurate
+//! to ~1e-15 relative where `lgamma` would lose digits at large c. Erlang C
+//! then is `C = B / (1 - rho (1 - B))`, `rho = A / c`. Nothing overflows: when
+//! `1 / P(X = c)` is beyond f64, B underflows to 0 and so does C.
+//!
+//! `ErlangScan` is the incremental form for sizing that scans c upward:
+//! `1 / B_c = 1 + (c / A) / B_{c-1}` (the classical Erlang-B recursion), kept in
+//! the log domain, O(1) per step and stable (the relative error shrinks each step).
+
+use crate::error::{invalid, Result};
+
+const LN_SQRT_2PI: f64 = 0.918_938_533_204_672_8;
+
+/// `ln(n!) - (n + 1/2) ln n + n - ln sqrt(2 pi)`: the error of Stirling's formula.
+fn stirlerr(n: f64) -> f64 {
+    if n < 16.0 {
+        // ln(n!) by summation is exact to a few ulps at these sizes (n integer).
+        let ln_fact: f64 = (2..=n as u64).map(|k| (k as f64).ln()).sum();
+        return ln_fact - (n + 0.5) * n.ln() + n - LN_SQRT_2PI;
+    }
+    const S0: f64 = 1.0 / 12.0;
+    const S1: f64 = 1.0 / 360.0;
+    const S2: f64 = 1.0 / 1260.0;
+    const S3: f64 = 1.0 / 1680.0;
+    const S4: f64 = 1.0 / 1188.0;
+    let nn = n * n;
+    (S0 - (S1 - (S2 - (S3 - S4 / nn) / nn) / nn) / nn) / n
+}
+
+/// `x ln(x / m) + m - x`, without cancellation when x is near m.
+fn bd0(x: f64, m: f64) -> f64 {
+    if (x - m).abs() < 0.1 * (x + m) {
+        let v = (x - m) / (x + m);
+        let mut s = (x - m) * v;
+        let mut ej = 2.0 * x * v;
+        let v2 = v * v;
+        let mut j = 1.0;
+        loop {
+            ej *= v2;
+            let s1 = s + ej / (2.0 * j + 1.0);
+            if s1 == s {
+                return s1;
+            }
+            s = s1;
+            j += 1.0;
+        }
+    }
+    x * (x / m).ln() + m - x
+}
+
+/// `ln P(X = c)` for X ~ Poisson(a), c >= 1, a > 0.
+fn ln_poisson_pmf(c: f64, a: f64) -> f64 {
+    -stirlerr(c) - bd0(c, a) - 0.5 * (std::f64::consts::TAU * c).ln()
+}
+
+/// `P(X > c) = P(X = c) * sum_{n >= 1} prod_{i=1..n} a / (c + i)` for a < c + 1,
+/// summed until a term adds less than 1e-17 to it: since `P(X <= c) >= 1/2`
+/// here, that is below the last bit of `P(X <= c)` (and costs no terms at all
+/// when `P(X = c)` is astronomically small, the many-server regime).
+fn poisson_above(c: f64, a: f64, pmf: f64) -> f64 {
+    let (mut term, mut sum, mut i) = (pmf, 0.0, 1.0);
+    loop {
+        term *= a / (c + i);
+        sum += term;
+        if term <= 1e-17 {
+            return sum;
+        }
+        i += 1.0;
+    }
+}
+
+fn check(servers: u64, offered_load: f64) -> Result<()> {
+    if servers == 0 {
+        return Err(invalid("servers must be >= 1"));
+    }
+    if !(offered_load.is_finite() && offered_load >= 0.0) {
+        return Err(invalid(format!(
+            "offered_load must be a finite number >= 0, got {offered_load}"
+        )));
+    }
+    Ok(())
+}
+
+/// `ln(1 / B(c, A))` (>= 0), for c >= 1 and 0 < A.
+fn ln_inv_erlang_b(c: f64, a: f64) -> f64 {
+    let ln_pmf = ln_poisson_pmf(c, a);
+    // 1/B = P(X <= c) / P(X = c) = (1 - P(X > c)) / P(X = c).
+    -ln_pmf + (-poisson_above(c, a, ln_pmf.exp())).ln_1p()
+}
+
+/// Erlang B, the blocking probability of M/M/c/c with offered load A = lambda / mu.
+pub fn erlang_b(servers: u64, offered_load: f64) -> Result<f64> {
+    check(servers, offered_load)?;
+    if offered_load == 0.0 {
+        return Ok(0.0);
+    }
+    let (c, a) = (servers as f64, offered_load);
+    if a >= c + 1.0 {
+        // The series needs A < c + 1; the recursion from B_0 = 1 is exact here
+        // and costs O(c), with c < A (small next to the load).
+        let mut inv_b = 1.0f64;
+        for k in 1..=servers {
+            inv_b = 1.0 + (k as f64 / a) * inv_b;
+        }
+        return Ok(1.0 / inv_b);
+    }
+    Ok((-ln_inv_erlang_b(c, a)).exp())
+}
+
+fn c_from_b(b: f64, rho: f64) -> f64 {
+    b / (1.0 - rho * (1.0 - b))
+}
+
+/// Erlang C: the probability that an arrival waits in M/M/c with offered load
+/// A = lambda / mu < c (an `InvalidArgument` at or above c). 0 when A = 0.
+pub fn erlang_c(servers: u64, offered_load: f64) -> Result<f64> {
+    check(servers, offered_load)?;
+    let c = servers as f64;
+    if offered_load >= c {
+        return Err(invalid(format!(
+            "offered_load ({offered_load}) must be below servers ({servers}): the queue is unstable"
+        )));
+    }
+    let b = erlang_b(servers, offered_load)?;
+    Ok(c_from_b(b, offered_load / c))
+}
+
+/// The Kimura-style two-moment P99 queue wait of M/G/c used by FleetOpt (Eq. 6,
+/// after T. Kimura, "Two-moment approximations for the mean waiting time in
+/// the M/G/c queue", J. Oper. Res. Soc. Japan 37(3), 1994):
+/// `W99 = ln(C / 0.01) (1 + Cs^2) / (2 (c mu - lambda))`, 0 when `C <= 0.01`;
+/// C is Erlang C at `A = lambda / mu`. The M/M/c tail `P(W > t) = C e^{-(c mu - lambda) t}`
+/// scaled by `(1 + Cs^2) / 2`. `+inf` when `lambda >= c mu` (unstable).
+pub fn p99_wait(servers: u64, service_rate: f64, cs2: f64, arrival_rate: f64) -> Result<f64> {
+    if servers == 0 {
+        return Err(invalid("servers must be >= 1"));
+    }
+    for (what, v) in [
+        ("service_rate", service_rate),
+        ("cs2", cs2),
+        ("arrival_rate", arrival_rate),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(invalid(format!(
+                "{what} must be a finite number >= 0, got {v}"
+            )));
+        }
+    }
+    if service_rate <= 0.0 {
+        return Err(invalid("service_rate must be > 0"));
+    }
+    let capacity = servers as f64 * service_rate;
+    if arrival_rate >= capacity {
+        return Ok(f64::INFINITY);
+    }
+    let load = arrival_rate / service_rate;
+    if load > 0.0 && erlang_c_bound(servers as f64, load) <= 0.005 {
+        // C <= bound <= 0.01: the many-server regime, no series needed.
+        return Ok(0.0);
+    }
+    let c = erlang_c(servers, load)?;
+    Ok(wait_from_c(c, capacity - arrival_rate, cs2))
+}
+
+/// An upper bound on Erlang C for 0 < A < c in O(1): `C <= B / (1 - rho)` and
+/// `B = P(X = c) / P(X <= c) <= 2 P(X = c)`, since the Poisson median is at
+/// most `ceil(A) <= c` so `P(X <= c) >= 1/2`.
+fn erlang_c_bound(c: f64, a: f64) -> f64 {
+    2.0 * ln_poisson_pmf(c, a).exp() / (1.0 - a / c)
+}
+
+fn wait_from_c(c: f64, drain: f64, cs2: f64) -> f64 {
+    if c <= 0.01 {
+        0.0
+    } else {
+        (c / 0.01).ln() * (1.0 + cs2) / (2.0 * drain)
+    }
+}
+
+/// Erlang B and C for c = c0, c0 + 1, ... at a fixed offered load, each
+/// step O(1) by the recursion `1 / B_c = 1 + (c / A) / B_{c-1}` in log form.
+#[derive(Debug, Clone)]
+pub struct ErlangScan {
+    load: f64,
+    servers: u64,
+    /// ln(1 / B) at `servers`.
+    ln_inv_b: f64,
+}
+
+impl ErlangScan {
+    /// Starts at `servers` (>= 1) with offered load `offered_load` (> 0).
+    pub fn new(servers: u64, offered_load: f64) -> Result<Self> {
+        check(servers, offered_load)?;
+        if offered_load == 0.0 {
+            return Err(invalid("offered_load must be > 0 for a scan"));
+        }
+        let b = erlang_b(servers, offered_load)?;
+        let ln_inv_b = if b > 0.0 {
+            -b.ln()
+        } else {
+            ln_inv_erlang_b(servers as f64, offered_load)
+        };
+        Ok(Self {
+            load: offered_load,
+            servers,
+            ln_inv_b,
+        })
+    }
+
+    pub fn servers(&self) -> u64 {
+        self.servers
+    }
+
+    pub fn offered_load(&self) -> f64 {
+        self.load
+    }
+
+    /// Erlang B at the current server count.
+    pub fn erlang_b(&self) -> f64 {
+        (-self.ln_inv_b).exp()
+    }
+
+    /// Erlang C at the current server count; 1 when the load is at or above it.
+    pub fn erlang_c(&self) -> f64 {
+        let rho = self.load / self.servers as f64;
+        if rho >= 1.0 {
+            1.0
+        } else {
+            c_from_b(self.erlang_b(), rho)
+        }
+    }
+
+    /// One more server, O(1).
+    pub fn advance(&mut self) {
+        self.servers += 1;
+        // ln(1 + e^x) with x = ln(c / A) + ln(1/B_{c-1}) >= ln(c / A).
+        let x = (self.servers as f64 / self.load).ln() + self.ln_inv_b;
+        self.ln_inv_b = if x > 0.0 {
+            x + (-x).exp().ln_1p()
+        } else {
+            x.exp().ln_1p()
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recursion_b(c: u64, a: f64) -> f64 {
+        let mut inv_b = 1.0f64;
+        for k in 1..=c {
+            inv_b = 1.0 + (k as f64 / a) * inv_b;
+        }
+        1.0 / inv_b
+    }
+
+    fn rel(a: f64, b: f64) -> f64 {
+        ((a - b) / b).abs()
+    }
+
+    #[test]
+    fn matches_the_recursion() {
+        for &(c, a) in &[
+            (1u64, 0.5),
+            (2, 1.0),
+            (5, 4.9),
+            (10, 3.0),
+            (16, 13.6),
+            (50, 40.0),
+            (100, 99.0),
+            (300, 250.0),
+        ] {
+            let b = erlang_b(c, a).expect("ok");
+            assert!(rel(b, recursion_b(c, a)) < 1e-12, "B({c}, {a})");
+            let rho = a / c as f64;
+            let direct = recursion_b(c, a) / (1.0 - rho * (1.0 - recursion_b(c, a)));
+            assert!(rel(erlang_c(c, a).expect("ok"), direct) < 1e-12);
+        }
+        // M/M/1: C = rho. M/M/2 at A = 1: C = 1/3.
+        assert!(rel(erlang_c(1, 0.3).expect("ok"), 0.3) < 1e-14);
+        assert!(rel(erlang_c(2, 1.0).expect("ok"), 1.0 / 3.0) < 1e-14);
+    }
+
+    #[test]
+    fn scan_steps_like_fresh_evaluations() {
+        let mut s = ErlangScan::new(100, 150.0).expect("ok");
+        for _ in 0..2000 {
+            s.advance();
+            let fresh = erlang_b(s.servers(), 150.0).expect("ok");
+            if fresh > 1e-300 {
+                assert!(rel(s.erlang_b(), fresh) < 1e-11, "c = {}", s.servers());
+            }
+        }
+        assert_eq!(s.servers(), 2100);
+        assert!(s.erlang_c() < 1e-300);
+    }
+
+    #[test]
+    fn large_and_near_saturation_are_finite() {
+        for &(c, rho) in &[
+            (32_768u64, 0.85),
+            (32_768, 0.999),
+            (1_000_000, 0.9999),
+            (1_000_000, 0.5),
+        ] {
+            let v = erlang_c(c, rho * c as f64).expect("ok");
+            assert!(
+                v.is_finite() && (0.0..1.0).contains(&v),
+                "C({c}, {rho}) = {v}"
+            );
+        }
+        assert!(erlang_c(10, 10.0).is_err());
+        assert!(erlang_c(0, 1.0).is_err());
+        assert!(erlang_c(10, f64::NAN).is_err());
+        assert_eq!(erlang_c(10, 0.0), Ok(0.0));
+    }
+
+    #[test]
+    fn the_bound_holds() {
+        for &(c, rho) in &[
+            (1u64, 0.5),
+            (3, 0.9),
+            (10, 0.3),
+            (100, 0.85),
+            (4000, 0.99),
+            (1 << 20, 0.999),
+        ] {
+            let a = rho * c as f64;
+            let exact = erlang_c(c, a).expect("ok");
+            assert!(exact <= erlang_c_bound(c as f64, a), "C({c}, {a})");
+        }
+    }
+
+    #[test]
+    fn p99_wait_by_hand() {
+        // M/M/1, mu = 1, lambda = 0.5: C = 0.5, W99 = ln(50) * (1 + 1) / (2 * 0.5).
+        let w = p99_wait(1, 1.0, 1.0, 0.5).expect("ok");
+        assert!(rel(w, 50f64.ln() * 2.0) < 1e-14);
+        assert_eq!(p99_wait(100, 1.0, 1.0, 10.0), Ok(0.0));
+        assert_eq!(p99_wait(1, 1.0, 1.0, 1.0), Ok(f64::INFINITY));
+        assert!(p99_wait(1, 0.0, 1.0, 0.5).is_err());
+        assert!(p99_wait(1, 1.0, -1.0, 0.5).is_err());
+    }
+}

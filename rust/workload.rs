@@ -1,0 +1,866 @@
+//! Workloads: the request-length distribution a fleet is planned for.
+//!
+//! A `Workload` is a list of requests, each with input (prompt) tokens, output
+//! tokens, a weight (1 for a trace row), an optional arrival time and a
+//! category. It answers, exactly and fast:
+//!
+//! - the CDF `F(x)` of total tokens `L_total = L_in + L_out` and its quantiles;
+//! - the moments of any per-request quantity of the form
+//!   `S = k * (a0 + a1 * L_total)` with `k = ceil(L_in / C_chunk) + L_out`
+//!   (FleetOpt Eq. 4 with a constant or a length-scaled iteration time),
+//!   restricted to any total-token range `(lo, hi]` and category, from
+//!   prefix sums over the requests sorted by total tokens: every range costs two
+//!   binary searches and a few subtractions, O(log n), never Monte Carlo;
+//! - weighted quantiles of the prefill chunk count `ceil(L_in / C_chunk)` over
+//!   any such range, from a wavelet matrix (O(log n + log max_chunks)).
+//!
+//! Requests are stored in the order given; `order` sorts them by total tokens.
+
+use std::sync::{Arc, Mutex};
+
+use crate::error::{invalid, Result};
+
+/// Largest token count of one request (input or output) the core accepts.
+pub const MAX_REQUEST_TOKENS: u64 = 1 << 32;
+/// Most distinct category labels a workload may carry.
+pub const MAX_CATEGORIES: usize = 256;
+/// Most breakpoints (and most distinct token lengths) `from_cdf` expands.
+pub const MAX_CDF_TOKENS: u64 = 1 << 22;
+
+/// Indices into the total-token-sorted order: requests `start..end` have
+/// `lo < L_total <= hi`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub start: usize,
+    pub end: usize,
+}
+
+#[derive(Debug)]
+pub struct Workload {
+    input: Vec<u64>,
+    output: Vec<u64>,
+    weight: Vec<f64>,
+    arrival_s: Option<Vec<f64>>,
+    category_names: Vec<String>,
+    category: Vec<u32>,
+    /// Request indices sorted by total tokens (stable).
+    order: Vec<u32>,
+    sorted_total: Vec<u64>,
+    /// Prefix sums of weight over `order`, length n + 1.
+    cum_weight: Vec<f64>,
+    /// Prefix sums of weight per category over `order`, each length n + 1.
+    cum_weight_by_category: Vec<Vec<f64>>,
+    /// Prefix sums of weight * total tokens over `order`.
+    cum_tokens: Vec<f64>,
+    tables: Mutex<Vec<Arc<ServiceTable>>>,
+}
+
+/// The weighted moments of one range of a workload.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RangeMoments {
+    /// Sum of weights in the range.
+    pub weight: f64,
+    /// E[S] over the range (0 when empty).
+    pub mean: f64,
+    /// E[S^2] over the range (0 when empty).
+    pub second: f64,
+}
+
+impl RangeMoments {
+    pub const EMPTY: RangeMoments = RangeMoments {
+        weight: 0.0,
+        mean: 0.0,
+        second: 0.0,
+    };
+
+    /// The moments of the union of two disjoint ranges (the mixture).
+    pub fn merge(self, other: RangeMoments) -> RangeMoments {
+        let weight = self.weight + other.weight;
+        if weight <= 0.0 {
+            return RangeMoments::EMPTY;
+        }
+        let (a, b) = (self.weight / weight, other.weight / weight);
+        RangeMoments {
+            weight,
+            mean: a * self.mean + b * other.mean,
+            second: a * self.second + b * other.second,
+        }
+    }
+
+    /// `Var[S] / E[S]^2`, the squared coefficient of variation (0 when empty).
+    pub fn cs2(&self) -> f64 {
+        if self.mean > 0.0 {
+            ((self.second - self.mean * self.mean) / (self.mean * self.mean)).max(0.0)
+        } else {
+            0.0
+        }
+    }
+}
+
+fn check_tokens(what: &str, i: usize, v: i64) -> Result<u64> {
+    if v < 0 || v as u64 > MAX_REQUEST_TOKENS {
+        return Err(invalid(format!(
+            "{what}[{i}] must be in [0, {MAX_REQUEST_TOKENS}], got {v}"
+        )));
+    }
+    Ok(v as u64)
+}
+
+impl Workload {
+    /// A workload from per-request token counts (each in `[0, 2^32]`, total >= 1),
+    /// optional arrival times in seconds (finite, >= 0, non-decreasing) and
+    /// optional category labels (at most `MAX_CATEGORIES` distinct ones).
+    pub fn new(
+        input: &[i64],
+        output: &[i64],
+        arrival_s: Option<&[f64]>,
+        categories: Option<&[String]>,
+    ) -> Result<Self> {
+        let n = input.len();
+        let ones = vec![1.0; n];
+        Self::build(input, output, &ones, arrival_s, categories)
+    }
+
+    fn build(
+        input: &[i64],
+        output: &[i64],
+        weight: &[f64],
+        arrival_s: Option<&[f64]>,
+        categories: Option<&[String]>,
+    ) -> Result<Self> {
+        let n = input.len();
+        if n == 0 {
+            return Err(invalid("a workload needs at least one request"));
+        }
+        if n > u32::MAX as usize {
+            return Err(invalid(format!("at most {} requests, got {n}", u32::MAX)));
+        }
+        if output.len() != n {
+            return Err(invalid(format!(
+                "input_tokens has {n} entries but output_tokens has {}",
+                output.len()
+            )));
+        }
+        let mut inp = Vec::with_capacity(n);
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            let a = check_tokens("input_tokens", i, input[i])?;
+            let b = check_tokens("output_tokens", i, output[i])?;
+            if a + b == 0 {
+                return Err(invalid(format!(
+                    "request {i} has no tokens (input + output must be >= 1)"
+                )));
+            }
+            inp.push(a);
+            out.push(b);
+        }
+        let arrival = match arrival_s {
+            None => None,
+            Some(t) => {
+                if t.len() != n {
+                    return Err(invalid(format!(
+                        "arrival_s has {} entries for {n} requests",
+                        t.len()
+                    )));
+                }
+                let mut prev = 0.0;
+                for (i, &x) in t.iter().enumerate() {
+                    if !x.is_finite() || x < prev {
+                        return Err(invalid(format!(
+                            "arrival_s must be finite, >= 0 and non-decreasing; arrival_s[{i}] = {x}"
+                        )));
+                    }
+                    prev = x;
+                }
+                Some(t.to_vec())
+            }
+        };
+        let (category_names, category) = match categories {
+            None => (Vec::new(), vec![0u32; n]),
+            Some(labels) => {
+                if labels.len() != n {
+                    return Err(invalid(format!(
+                        "categories has {} entries for {n} requests",
+                        labels.len()
+                    )));
+                }
+                let mut names: Vec<String> = Vec::new();
+                let mut ids = Vec::with_capacity(n);
+                for (i, label) in labels.iter().enumerate() {
+                    if label.is_empty() {
+                        return Err(invalid(format!("categories[{i}] is empty")));
+                    }
+                    let id = match names.iter().position(|x| x == label) {
+                        Some(id) => id,
+                        None => {
+                            if names.len() == MAX_CATEGORIES {
+                                return Err(invalid(format!(
+                                    "at most {MAX_CATEGORIES} distinct categories"
+                                )));
+                            }
+                            names.push(label.clone());
+                            names.len() - 1
+                        }
+                    };
+                    ids.push(id as u32);
+                }
+                (names, ids)
+            }
+        };
+        let total: Vec<u64> = inp.iter().zip(&out).map(|(a, b)| a + b).collect();
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        order.sort_by_key(|&i| total[i as usize]);
+        let sorted_total: Vec<u64> = order.iter().map(|&i| total[i as usize]).collect();
+        let n_cat = category_names.len().max(1);
+        let mut cum_weight = Vec::with_capacity(n + 1);
+        let mut cum_tokens = Vec::with_capacity(n + 1);
+        let mut by_cat = vec![Vec::with_capacity(n + 1); n_cat];
+        let (mut w_sum, mut t_sum) = (0.0, 0.0);
+        let mut cat_sum = vec![0.0; n_cat];
+        cum_weight.push(0.0);
+        cum_tokens.push(0.0);
+        for c in by_cat.iter_mut() {
+            c.push(0.0);
+        }
+        for &i in &order {
+            let i = i as usize;
+            w_sum += weight[i];
+            t_sum += weight[i] * total[i] as f64;
+            cat_sum[category[i] as usize] += weight[i];
+            cum_weight.push(w_sum);
+            cum_tokens.push(t_sum);
+            for (c, s) in by_cat.iter_mut().zip(&cat_sum) {
+                c.push(*s);
+            }
+        }
+        Ok(Self {
+            input: inp,
+            output: out,
+            weight: weight.to_vec(),
+            arrival_s: arrival,
+            category_names,
+            category,
+            order,
+            sorted_total,
+            cum_weight,
+            cum_weight_by_category: by_cat,
+            cum_tokens,
+            tables: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The distribution given by a piecewise-linear CDF of total tokens.
+    ///
+    /// `points` are `(tokens, F)` breakpoints, tokens strictly increasing
+    /// integers >= 1, F non-decreasing in [0, 1] ending at 1; `F(0) = 0`. The
+    /// mass `F(t_k) - F(t_{k-1})` spreads uniformly over the integer lengths
+    /// `t_{k-1} + 1 ..= t_k` (linear interpolation of the CDF, the way the
+    /// FleetOpt planner's public implementation samples it), so the workload
+    /// holds one weighted request per integer length. Each length `L` splits
+    /// into `L_in = max(1, floor(input_fraction * L))` and `L_out = L - L_in`.
+    pub fn from_cdf(points: &[(i64, f64)], input_fraction: f64) -> Result<Self> {
+        if points.is_empty() {
+            return Err(invalid("a CDF needs at least one breakpoint"));
+        }
+        if !(input_fraction.is_finite() && input_fraction > 0.0 && input_fraction <= 1.0) {
+            return Err(invalid(format!(
+                "input_fraction must be in (0, 1], got {input_fraction}"
+            )));
+        }
+        let (mut prev_t, mut prev_f) = (0i64, 0.0f64);
+        for &(t, f) in points {
+            if t <= prev_t || t as u64 > MAX_CDF_TOKENS {
+                return Err(invalid(format!(
+                    "CDF tokens must be strictly increasing integers in [1, {MAX_CDF_TOKENS}], got {t} after {prev_t}"
+                )));
+            }
+            if !(f.is_finite() && (prev_f..=1.0).contains(&f)) {
+                return Err(invalid(format!(
+                    "CDF values must be non-decreasing in [0, 1], got {f} after {prev_f}"
+                )));
+            }
+            prev_t = t;
+            prev_f = f;
+        }
+        if (prev_f - 1.0).abs() > 1e-9 {
+            return Err(invalid(format!("the CDF must end at 1, got {prev_f}")));
+        }
+        let (mut input, mut output, mut weight) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut prev_t, mut prev_f) = (0i64, 0.0f64);
+        for &(t, f) in points {
+            let mass = f - prev_f;
+            if mass > 0.0 {
+                let w = mass / (t - prev_t) as f64;
+                for len in prev_t + 1..=t {
+                    let l_in = ((input_fraction * len as f64).floor() as i64).max(1);
+                    input.push(l_in);
+                    output.push(len - l_in);
+                    weight.push(w);
+                }
+            }
+            prev_t = t;
+            prev_f = f;
+        }
+        Self::build(&input, &output, &weight, None, None)
+    }
+
+    pub fn len(&self) -> usize {
+        self.input.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.input.is_empty()
+    }
+
+    pub fn input_tokens(&self) -> &[u64] {
+        &self.input
+    }
+
+    pub fn output_tokens(&self) -> &[u64] {
+        &self.output
+    }
+
+    pub fn weights(&self) -> &[f64] {
+        &self.weight
+    }
+
+    pub fn arrival_s(&self) -> Option<&[f64]> {
+        self.arrival_s.as_deref()
+    }
+
+    /// Distinct category labels in first-seen order (empty if none were given).
+    pub fn category_names(&self) -> &[String] {
+        &self.category_names
+    }
+
+    /// Per-request category ids into `category_names` (all 0 if none were given).
+    pub fn category_ids(&self) -> &[u32] {
+        &self.category
+    }
+
+    pub fn total_weight(&self) -> f64 {
+        self.cum_weight[self.len()]
+    }
+
+    /// The requests with `lo < L_total <= hi`, as a span of the sorted order.
+    pub fn span(&self, lo: f64, hi: f64) -> Span {
+        let start = self.sorted_total.partition_point(|&t| (t as f64) <= lo);
+        let end = self.sorted_total.partition_point(|&t| (t as f64) <= hi);
+        Span {
+            start,
+            end: end.max(start),
+        }
+    }
+
+    /// Weight of a span divided by the total weight.
+    pub fn fraction(&self, span: Span) -> f64 {
+        (self.cum_weight[span.end] - self.cum_weight[span.start]) / self.total_weight()
+    }
+
+    /// Weight fraction of category `category` in a span.
+    pub fn category_fraction(&self, span: Span, category: usize) -> f64 {
+        let c = &self.cum_weight_by_category[category];
+        (c[span.end] - c[span.start]) / self.total_weight()
+    }
+
+    /// Number of category channels (1 when the workload has no labels).
+    pub fn category_channels(&self) -> usize {
+        self.cum_weight_by_category.len()
+    }
+
+    /// `F(x)`: the weight fraction of requests with `L_total <= x`.
+    pub fn cdf(&self, x: f64) -> f64 {
+        self.fraction(self.span(f64::NEG_INFINITY, x))
+    }
+
+    /// The smallest total `x` in the workload with `F(x) >= q`, q in [0, 1].
+    pub fn quantile(&self, q: f64) -> Result<u64> {
+        if !(q.is_finite() && (0.0..=1.0).contains(&q)) {
+            return Err(invalid(format!("q must be in [0, 1], got {q}")));
+        }
+        let target = q * self.total_weight();
+        // First sorted position whose cumulative weight reaches the target,
+        // with a relative tolerance so q = 1 lands on the largest request.
+        let tol = 1e-12 * self.total_weight();
+        let pos = self.cum_weight[1..].partition_point(|&c| c < target - tol);
+        Ok(self.sorted_total[pos.min(self.len() - 1)])
+    }
+
+    /// Weighted mean total tokens of a span (0 when empty).
+    pub fn mean_tokens(&self, span: Span) -> f64 {
+        let w = self.cum_weight[span.end] - self.cum_weight[span.start];
+        if w > 0.0 {
+            (self.cum_tokens[span.end] - self.cum_tokens[span.start]) / w
+        } else {
+            0.0
+        }
+    }
+
+    /// The prefix-sum table for chunk size `c_chunk` (built once, then shared).
+    pub fn service_table(&self, c_chunk: u64) -> Result<Arc<ServiceTable>> {
+        if c_chunk == 0 {
+            return Err(invalid("c_chunk must be >= 1"));
+        }
+        let mut tables = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = tables.iter().find(|t| t.c_chunk == c_chunk) {
+            return Ok(Arc::clone(t));
+        }
+        let table = Arc::new(ServiceTable::new(self, c_chunk));
+        tables.push(Arc::clone(&table));
+        Ok(table)
+    }
+}
+
+/// Column names `Workload::from_csv_text` reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CsvColumns<'a> {
+    pub input: &'a str,
+    pub output: &'a str,
+    /// Arrival times: seconds as numbers, or `YYYY-MM-DD HH:MM:SS[.fraction]`
+    /// timestamps (UTC); rebased so the earliest arrival is at 0 s.
+    pub arrival: Option<&'a str>,
+    pub category: Option<&'a str>,
+}
+
+/// Seconds since 1970-01-01 of a `YYYY-MM-DD[ T]HH:MM:SS[.fraction]` stamp.
+fn parse_timestamp(s: &str) -> Option<f64> {
+    let s = s.trim();
+    let (date, time) = s.split_once([' ', 'T'])?;
+    let mut d = date.split('-');
+    let y: i64 = d.next()?.parse().ok()?;
+    let m: i64 = d.next()?.parse().ok()?;
+    let day: i64 = d.next()?.parse().ok()?;
+    if d.next().is_some() || !(1..=12).contains(&m) || !(1..=31).contains(&day) {
+        return None;
+    }
+    let mut t = time.split(':');
+    let hh: i64 = t.next()?.parse().ok()?;
+    let mm: i64 = t.next()?.parse().ok()?;
+    let ss: f64 = t.next()?.parse().ok()?;
+    if t.next().is_some() || !(0..24).contains(&hh) || !(0..60).contains(&mm) {
+        return None;
+    }
+    if !(0.0..61.0).contains(&ss) {
+        return None;
+    }
+    // Days from civil (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days as f64 * 86_400.0 + (hh * 3600 + mm * 60) as f64 + ss)
+}
+
+impl Workload {
+    /// A workload from CSV text with a header row (comma-separated, no quoted
+    /// fields). Token columns hold non-negative integers. With an arrival
+    /// column the rows are ordered by arrival (stable) and rebased to start
+    /// at 0 s. Errors name the missing column or the line and value at fault.
+    pub fn from_csv_text(text: &str, cols: &CsvColumns<'_>) -> Result<Self> {
+        let mut lines = text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty());
+        let (_, header) = lines.next().ok_or_else(|| invalid("the CSV is empty"))?;
+        let names: Vec<&str> = header
+            .split(',')
+            .map(|h| h.trim().trim_start_matches('\u{feff}'))
+            .collect();
+        let find = |col: &str| {
+            names.iter().position(|h| *h == col).ok_or_else(|| {
+                invalid(format!(
+                    "the CSV has no column {col:?} (columns: {})",
+                    names.join(", ")
+                ))
+            })
+        };
+        let i_in = find(cols.input)?;
+        let i_out = find(cols.output)?;
+        let i_arr = cols.arrival.map(find).transpose()?;
+        let i_cat = cols.category.map(find).transpose()?;
+        let (mut input, mut output, mut arrival, mut cats) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (n, line) in lines {
+            let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+            if fields.len() != names.len() {
+                return Err(invalid(format!(
+                    "line {}: {} fields, the header has {}",
+                    n + 1,
+                    fields.len(),
+                    names.len()
+                )));
+            }
+            let int = |i: usize, col: &str| -> Result<i64> {
+                fields[i]
+                    .parse::<i64>()
+                    .ok()
+                    .filter(|v| *v >= 0)
+                    .ok_or_else(|| {
+                        invalid(format!(
+                            "line {}: column {col:?} must be a non-negative integer, got {:?}",
+                            n + 1,
+                            fields[i]
+                        ))
+                    })
+            };
+            input.push(int(i_in, cols.input)?);
+            output.push(int(i_out, cols.output)?);
+            if let Some(i) = i_arr {
+                let v = fields[i]
+                    .parse::<f64>()
+                    .ok()
+                    .or_else(|| parse_timestamp(fields[i]));
+                match v {
+                    Some(t) if t.is_finite() => arrival.push(t),
+                    _ => {
+                        return Err(invalid(format!(
+                            "line {}: column {:?} must be seconds or a YYYY-MM-DD HH:MM:SS timestamp, got {:?}",
+                            n + 1,
+                            cols.arrival.unwrap_or_default(),
+                            fields[i]
+                        )))
+                    }
+                }
+            }
+            if let Some(i) = i_cat {
+                cats.push(fields[i].to_string());
+            }
+        }
+        if i_arr.is_some() {
+            let mut idx: Vec<usize> = (0..input.len()).collect();
+            idx.sort_by(|&a, &b| arrival[a].total_cmp(&arrival[b]));
+            let t0 = idx.first().map_or(0.0, |&i| arrival[i]);
+            let pick = |v: &[i64]| idx.iter().map(|&i| v[i]).collect::<Vec<_>>();
+            let (inp, out) = (pick(&input), pick(&output));
+            let arr: Vec<f64> = idx.iter().map(|&i| arrival[i] - t0).collect();
+            let cat: Vec<String> = if i_cat.is_some() {
+                idx.iter().map(|&i| cats[i].clone()).collect()
+            } else {
+                Vec::new()
+            };
+            return Self::new(&inp, &out, Some(&arr), i_cat.map(|_| cat.as_slice()));
+        }
+        Self::new(&input, &output, None, i_cat.map(|_| cats.as_slice()))
+    }
+}
+
+/// Per-chunk-size prefix sums over the sorted order of a workload, per
+/// category: `w k`, `w k L`, `w k^2`, `w k^2 L`, `w k^2 L^2` with
+/// `k = ceil(L_in / C_chunk) + L_out` and `L = L_total`; and a weighted
+/// wavelet matrix over the prefill chunk counts `ceil(L_in / C_chunk)`.
+#[derive(Debug)]
+pub struct ServiceTable {
+    pub c_chunk: u64,
+    sums: Vec<Vec<[f64; 5]>>,
+    chunks: WaveletMatrix,
+}
+
+impl ServiceTable {
+    fn new(w: &Workload, c_chunk: u64) -> Self {
+        let n = w.len();
+        let mut sums = vec![Vec::with_capacity(n + 1); w.category_channels()];
+        for s in sums.iter_mut() {
+            s.push([0.0; 5]);
+        }
+        let mut acc = vec![[0.0f64; 5]; w.category_channels()];
+        let mut prefill = Vec::with_capacity(n);
+        let mut weights = Vec::with_capacity(n);
+        for &i in &w.order {
+            let i = i as usize;
+            let chunks = w.input[i].div_ceil(c_chunk);
+            let k = (chunks + w.output[i]) as f64;
+            let l = (w.input[i] + w.output[i]) as f64;
+            let wt = w.weight[i];
+            let a = &mut acc[w.category[i] as usize];
+            a[0] += wt * k;
+            a[1] += wt * k * l;
+            a[2] += wt * k * k;
+            a[3] += wt * k * k * l;
+            a[4] += wt * k * k * l * l;
+            for (s, a) in sums.iter_mut().zip(&acc) {
+                s.push(*a);
+            }
+            prefill.push(chunks);
+            weights.push(wt);
+        }
+        Self {
+            c_chunk,
+            sums,
+            chunks: WaveletMatrix::new(&prefill, &weights),
+        }
+    }
+
+    /// Moments of `S = k (a0 + a1 L)` over a span and one category channel,
+    /// given that channel's weight in the span.
+    pub fn moments(
+        &self,
+        w: &Workload,
+        span: Span,
+        category: usize,
+        a0: f64,
+        a1: f64,
+    ) -> RangeMoments {
+        let c = &w.cum_weight_by_category[category];
+        let weight = c[span.end] - c[span.start];
+        if weight <= 0.0 {
+            return RangeMoments::EMPTY;
+        }
+        let s = &self.sums[category];
+        let d: Vec<f64> = (0..5).map(|j| s[span.end][j] - s[span.start][j]).collect();
+        RangeMoments {
+            weight,
+            mean: (a0 * d[0] + a1 * d[1]) / weight,
+            second: (a0 * a0 * d[2] + 2.0 * a0 * a1 * d[3] + a1 * a1 * d[4]) / weight,
+        }
+    }
+
+    /// Moments of `S = k (a0 + a1 L)` over a span, all categories together.
+    pub fn moments_all(&self, w: &Workload, span: Span, a0: f64, a1: f64) -> RangeMoments {
+        (0..w.category_channels()).fold(RangeMoments::EMPTY, |m, c| {
+            m.merge(self.moments(w, span, c, a0, a1))
+        })
+    }
+
+    /// The weighted `q`-quantile of the prefill chunk count over a span: the
+    /// smallest `p` such that requests with `ceil(L_in / C) <= p` hold at least
+    /// `q` of the span's weight. 0 for an empty span.
+    pub fn prefill_chunks_quantile(&self, span: Span, q: f64) -> u64 {
+        self.chunks.quantile(span.start, span.end, q)
+    }
+}
+
+/// A wavelet matrix over non-negative integers with weights: the weighted
+/// quantile of any index range in O(bits) steps (Claude, Navarro and Ordonez,
+/// "The wavelet matrix", 2015; the weights ride along as per-level prefix sums).
+#[derive(Debug)]
+struct WaveletMatrix {
+    /// Per level, from the top bit down: prefix counts of zero bits (len n+1),
+    /// prefix weights of zero-bit entries (len n+1), the number of zeros, and
+    /// prefix weights of all entries in this level's order (len n+1).
+    levels: Vec<Level>,
+}
+
+#[derive(Debug)]
+struct Level {
+    zeros: Vec<u32>,
+    zero_weight: Vec<f64>,
+    all_weight: Vec<f64>,
+    n_zeros: usize,
+}
+
+impl WaveletMatrix {
+    fn new(values: &[u64], weights: &[f64]) -> Self {
+        let max = values.iter().copied().max().unwrap_or(0);
+        let bits = (64 - max.leading_zeros()).max(1) as usize;
+        let mut cur: Vec<(u64, f64)> = values
+            .iter()
+            .copied()
+            .zip(weights.iter().copied())
+            .collect();
+        let mut levels = Vec::with_capacity(bits);
+        for b in (0..bits).rev() {
+            let n = cur.len();
+            let mut zeros = Vec::with_capacity(n + 1);
+            let mut zero_weight = Vec::with_capacity(n + 1);
+            let mut all_weight = Vec::with_capacity(n + 1);
+            let (mut z, mut zw, mut aw) = (0u32, 0.0, 0.0);
+            zeros.push(0);
+            zero_weight.push(0.0);
+            all_weight.push(0.0);
+            for &(v, w) in &cur {
+                if v >> b & 1 == 0 {
+                    z += 1;
+                    zw += w;
+                }
+                aw += w;
+                zeros.push(z);
+                zero_weight.push(zw);
+                all_weight.push(aw);
+            }
+            let (lo, hi): (Vec<_>, Vec<_>) = cur.iter().partition(|&&(v, _)| v >> b & 1 == 0);
+            cur = lo.into_iter().chain(hi).collect();
+            levels.push(Level {
+                zeros,
+                zero_weight,
+                all_weight,
+                n_zeros: z as usize,
+            });
+        }
+        Self { levels }
+    }
+
+    fn quantile(&self, mut l: usize, mut r: usize, q: f64) -> u64 {
+        let Some(top) = self.levels.first() else {
+            return 0;
+        };
+        let total = top.all_weight[r] - top.all_weight[l];
+        if r <= l || total <= 0.0 {
+            return 0;
+        }
+        let mut target = (q.clamp(0.0, 1.0) * total).max(f64::MIN_POSITIVE);
+        let tol = 1e-12 * total;
+        let mut value = 0u64;
+        for lev in &self.levels {
+            let zl = lev.zeros[l] as usize;
+            let zr = lev.zeros[r] as usize;
+            let w0 = lev.zero_weight[r] - lev.zero_weight[l];
+            value <<= 1;
+            if target <= w0 + tol && zr > zl {
+                l = zl;
+                r = zr;
+            } else {
+                target -= w0;
+                value |= 1;
+                l = lev.n_zeros + (l - zl);
+                r = lev.n_zeros + (r - zr);
+            }
+        }
+        value
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> Workload {
+        // totals: 10, 3, 7, 20, 7
+        Workload::new(&[8, 1, 5, 16, 6], &[2, 2, 2, 4, 1], None, None).expect("valid")
+    }
+
+    #[test]
+    fn cdf_quantile_and_spans() {
+        let w = small();
+        assert_eq!(w.len(), 5);
+        assert_eq!(w.cdf(2.0), 0.0);
+        assert_eq!(w.cdf(3.0), 0.2);
+        assert_eq!(w.cdf(7.0), 0.6);
+        assert_eq!(w.cdf(100.0), 1.0);
+        assert_eq!(w.quantile(0.0), Ok(3));
+        assert_eq!(w.quantile(0.2), Ok(3));
+        assert_eq!(w.quantile(0.21), Ok(7));
+        assert_eq!(w.quantile(0.6), Ok(7));
+        assert_eq!(w.quantile(1.0), Ok(20));
+        assert!(w.quantile(1.5).is_err());
+        let s = w.span(3.0, 10.0);
+        assert_eq!((s.end - s.start), 3);
+        assert!((w.mean_tokens(s) - 8.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn range_moments_match_direct_sums() {
+        let w = small();
+        let t = w.service_table(4).expect("table");
+        // k = ceil(in/4) + out: [2+2, 1+2, 2+2, 4+4, 2+1] = [4, 3, 4, 8, 3]
+        // totals [10, 3, 7, 20, 7]. Range (3, 10] holds requests 0, 2, 4.
+        let s = w.span(3.0, 10.0);
+        let (a0, a1) = (0.5, 0.01);
+        let m = t.moments_all(&w, s, a0, a1);
+        let direct: Vec<f64> = [(4.0, 10.0), (4.0, 7.0), (3.0, 7.0)]
+            .iter()
+            .map(|(k, l)| k * (a0 + a1 * l))
+            .collect();
+        let mean = direct.iter().sum::<f64>() / 3.0;
+        let second = direct.iter().map(|x| x * x).sum::<f64>() / 3.0;
+        assert!((m.mean - mean).abs() < 1e-12);
+        assert!((m.second - second).abs() < 1e-12);
+        assert_eq!(m.weight, 3.0);
+        // prefill chunks in that range: [2, 2, 2]; over all: [2, 1, 2, 4, 2]
+        assert_eq!(t.prefill_chunks_quantile(s, 0.99), 2);
+        let all = w.span(0.0, 1e9);
+        assert_eq!(t.prefill_chunks_quantile(all, 0.2), 1);
+        assert_eq!(t.prefill_chunks_quantile(all, 0.5), 2);
+        assert_eq!(t.prefill_chunks_quantile(all, 0.99), 4);
+        assert_eq!(t.prefill_chunks_quantile(w.span(50.0, 60.0), 0.99), 0);
+        // the table is built once per chunk size
+        assert!(Arc::ptr_eq(&t, &w.service_table(4).expect("table")));
+    }
+
+    #[test]
+    fn categories_split_the_weight() {
+        let cats: Vec<String> = ["a", "b", "a", "b", "b"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let w = Workload::new(&[8, 1, 5, 16, 6], &[2, 2, 2, 4, 1], None, Some(&cats)).expect("ok");
+        assert_eq!(w.category_names(), ["a".to_string(), "b".to_string()]);
+        let s = w.span(3.0, 10.0);
+        assert!((w.category_fraction(s, 0) - 0.4).abs() < 1e-12);
+        assert!((w.category_fraction(s, 1) - 0.2).abs() < 1e-12);
+        let t = w.service_table(4).expect("table");
+        let merged = t
+            .moments(&w, s, 0, 1.0, 0.0)
+            .merge(t.moments(&w, s, 1, 1.0, 0.0));
+        assert!((merged.mean - 11.0 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn from_cdf_spreads_mass_uniformly() {
+        let w = Workload::from_cdf(&[(4, 0.5), (8, 1.0)], 0.8).expect("ok");
+        assert_eq!(w.len(), 8);
+        assert!((w.cdf(2.0) - 0.25).abs() < 1e-12);
+        assert!((w.cdf(6.0) - 0.75).abs() < 1e-12);
+        assert_eq!(w.quantile(0.5), Ok(4));
+        assert_eq!(w.input_tokens()[7], 6); // floor(0.8 * 8)
+        assert_eq!(w.output_tokens()[7], 2);
+        assert_eq!(w.input_tokens()[0], 1); // max(1, floor(0.8))
+        assert!(Workload::from_cdf(&[(4, 0.5)], 0.8).is_err());
+        assert!(Workload::from_cdf(&[(4, 0.5), (4, 1.0)], 0.8).is_err());
+        assert!(Workload::from_cdf(&[(4, 0.6), (8, 0.5)], 0.8).is_err());
+        assert!(Workload::from_cdf(&[(4, 1.0)], 0.0).is_err());
+    }
+
+    #[test]
+    fn bad_input_is_refused() {
+        assert!(Workload::new(&[], &[], None, None).is_err());
+        assert!(Workload::new(&[1], &[1, 2], None, None).is_err());
+        assert!(Workload::new(&[-1], &[1], None, None).is_err());
+        assert!(Workload::new(&[0], &[0], None, None).is_err());
+        assert!(Workload::new(&[1, 1], &[1, 1], Some(&[1.0, 0.5]), None).is_err());
+        assert!(Workload::new(&[1], &[1], Some(&[f64::NAN]), None).is_err());
+        assert!(Workload::new(&[1], &[1], None, Some(&[String::new()])).is_err());
+        assert!(Workload::new(&[1 << 40], &[1], None, None).is_err());
+    }
+
+    #[test]
+    fn csv_columns_timestamps_and_errors() {
+        let cols = CsvColumns {
+            input: "ContextTokens",
+            output: "GeneratedTokens",
+            arrival: Some("TIMESTAMP"),
+            category: Some("category"),
+        };
+        let text = "TIMESTAMP,ContextTokens,GeneratedTokens,category\n\
+                    2023-11-16 18:15:47.5,100,10,code\n\
+                    2023-11-16 18:15:46.0,200,20,conversation\n";
+        let w = Workload::from_csv_text(text, &cols).expect("ok");
+        assert_eq!(w.input_tokens(), [200, 100]);
+        assert_eq!(w.arrival_s(), Some(&[0.0, 1.5][..]));
+        assert_eq!(
+            w.category_names(),
+            ["conversation".to_string(), "code".to_string()]
+        );
+        assert_eq!(parse_timestamp("1970-01-02 00:00:01"), Some(86_401.0));
+        assert_eq!(parse_timestamp("2000-03-01T00:00:00"), Some(951_868_800.0));
+        let missing = Workload::from_csv_text("a,b\n1,2\n", &cols).expect_err("missing");
+        assert!(missing.to_string().contains("ContextTokens"));
+        let plain = CsvColumns {
+            arrival: None,
+            category: None,
+            ..cols.clone()
+        };
+        for bad in [
+            "ContextTokens,GeneratedTokens\n-1,2\n",
+            "ContextTokens,GeneratedTokens\nx,2\n",
+            "ContextTokens,GeneratedTokens\n1\n",
+            "",
+        ] {
+            assert!(Workload::from_csv_text(bad, &plain).is_err(), "{bad:?}");
+        }
+        let bad_time = "TIMESTAMP,ContextTokens,GeneratedTokens,category\nyesterday,1,1,a\n";
+        assert!(Workload::from_csv_text(bad_time, &cols).is_err());
+    }
+}
