@@ -19,6 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_fixtures import LONG, SHORT, Running, base_config
 
+from routecore import Profile, Workload, plan
 from routecore.server.envoy_client import (
     Conversation,
     buffered,
@@ -409,10 +410,34 @@ def test_routecore_service(server):
             with pytest.raises(grpc.RpcError) as e:
                 stub.Route(bad)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Plan(rc.PlanRequest(params_json="{}"))
-        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        for bad in [
+            "{}",
+            "[1]",
+            "{oops",
+            '{"arrival_rate": 1, "slo_ttft_s": 1, "colour": 1}',
+            '{"arrival_rate": 1, "slo_ttft_s": 1, "profile": "tpu"}',
+            '{"arrival_rate": -1, "slo_ttft_s": 0.5, "workload": "azure-2023"}',
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Plan(rc.PlanRequest(params_json=bad))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
     settled(server)
+
+
+def test_plan_through_grpc_equals_the_library(server):
+    params = {
+        "workload": {"input_tokens": [900, 100, 3000], "output_tokens": [100, 50, 1000]},
+        "arrival_rate": 10.0,
+        "slo_ttft_s": 0.5,
+        "profile": "llama3-70b-a100",
+    }
+    with grpc.insecure_channel(server.target) as channel:
+        resp = rc_grpc.RouteCoreStub(channel).Plan(rc.PlanRequest(params_json=json.dumps(params)))
+    got = json.loads(resp.plan_json)
+    direct = plan(Workload([900, 100, 3000], [100, 50, 1000]), 10.0, 0.5, Profile.llama3_70b_a100())
+    assert got["best"] == json.loads(json.dumps(direct.best.as_dict()))
+    assert got["homogeneous"]["gpus"] == direct.homogeneous.gpus
+    assert got["best"]["gpus"] <= got["homogeneous"]["gpus"]
 
 
 def test_retry_after_header_rounds_up():

@@ -71,7 +71,7 @@ class RouteCoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Plan(self, request, context):
-        """Fleet planning (the planner); UNIMPLEMENTED in builds without it.
+        """Fleet planning: routecore.plan (FleetOpt) on a JSON object of its arguments.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
