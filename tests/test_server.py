@@ -181,6 +181,26 @@ def test_full_duplex_streamed_request_and_sse_response(server):
     settled(server)
 
 
+def test_duplex_body_ended_by_trailers_is_routed(server):
+    duplex = pb.ProtocolConfiguration(request_body_mode=Mode.FULL_DUPLEX_STREAMED)
+    body = chat_body("trailers end this body")
+    out = stream_all(
+        server.target,
+        [
+            pb.ProcessingRequest(request_headers=http_headers(KEY), protocol_config=duplex),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body)),
+            pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+        ],
+    )
+    kinds = [r.WhichOneof("response") for r in out]
+    assert kinds == ["request_headers", "request_body", "request_trailers"]
+    assert header_map(out[0].request_headers.response.header_mutation)["x-routecore-pool"] == (
+        "short"
+    )
+    assert out[1].request_body.response.body_mutation.streamed_response.body == body
+    settled(server)
+
+
 def test_streamed_request_body_routes_on_last_chunk(server):
     body = chat_body("chunked " * 40, 20)
     half = len(body) // 2

@@ -173,8 +173,10 @@ class Conversation:
             return self.on_request_headers(req.request_headers)
         if kind == "request_body":
             return self.on_request_body(req.request_body.body, req.request_body.end_of_stream)
-        if kind == "request_trailers":
-            out = [] if self.routed else self.route_now()
+        if kind == "request_trailers":  # the body ended without end_of_stream
+            out = [] if self.routed else self.on_request_body(b"", True)
+            if self.done:
+                return out
             return out + [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             return self.on_response_headers(req.response_headers)
