@@ -105,7 +105,7 @@ def settled(server: Running) -> None:
 
 def test_buffered_chat_conversation_routes_and_learns(server):
     text = "hello world " * 50  # 600 bytes of prose
-    conv = converse(server.target, KEY, chat_body(text, 100), [usage_body(150, 20)])
+    conv = converse(server.target, KEY, chat_body(text, 100), [usage_body(120, 20)])
     routing = conv.routing
     assert routing is not None and routing.WhichOneof("response") == "request_body"
     headers = conv.routing_headers
@@ -118,8 +118,8 @@ def test_buffered_chat_conversation_routes_and_learns(server):
         == (headers["x-gateway-destination-endpoint"])
     )
     assert not routing.request_body.response.HasField("body_mutation")
-    # The first observation sets the category's ratio: 600 bytes / 150 tokens.
-    assert server.run(server.engine.router.calibrator.ratio, "prose") == pytest.approx(4.0)
+    # The first observation sets the category's ratio: 600 bytes / 120 tokens.
+    assert server.run(server.engine.router.calibrator.ratio, "prose") == pytest.approx(5.0)
     assert server.run(server.engine.router.calibrator.count, "prose") == 1
     settled(server)
 
@@ -198,6 +198,28 @@ def test_duplex_body_ended_by_trailers_is_routed(server):
         "short"
     )
     assert out[1].request_body.response.body_mutation.streamed_response.body == body
+    settled(server)
+
+
+def test_buffered_request_with_streamed_sse_response(server):
+    text = "tell me a story " * 25  # 400 bytes
+    sse = sse_chunks(80, 7)
+    conv = converse(
+        server.target,
+        KEY,
+        chat_body(text, 50, stream=True),
+        sse,
+        {":status": "200", "content-type": "text/event-stream; charset=utf-8"},
+    )
+    assert conv.routing_headers["x-routecore-pool"] == "short"
+    # Every chunk is answered (and passes unchanged): headers, body, then one per chunk.
+    assert [r.WhichOneof("response") for r in conv.responses[2:]] == (
+        ["response_headers"] + ["response_body"] * len(sse)
+    )
+    assert all(not r.response_body.HasField("response") for r in conv.responses[3:])
+    # Usage from the SSE event: 400 bytes / 80 tokens.
+    assert server.run(server.engine.router.calibrator.count, "prose") == 1
+    assert server.run(server.engine.router.calibrator.ratio, "prose") == pytest.approx(5.0)
     settled(server)
 
 
