@@ -51,7 +51,12 @@ class Running:
             await server.start()
             return server
 
-        self.server: Server = self.call(make())
+        try:
+            self.server: Server = self.call(make())
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+            raise
         self.target = f"127.0.0.1:{self.server.port}"
 
     def call(self, coro):

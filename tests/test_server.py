@@ -482,6 +482,25 @@ def test_plan_through_grpc_equals_the_library(server):
     assert got["best"]["gpus"] <= got["homogeneous"]["gpus"]
 
 
+def test_state_file_keeps_the_calibrator_across_restarts(tmp_path):
+    state = tmp_path / "routecore.state"
+    config = base_config(server={"state_file": str(state)})
+    first = Running(tmp_path / "a.yaml", config)
+    try:
+        converse(first.target, KEY, chat_body("x" * 600), [usage_body(120, 1)])
+    finally:
+        first.stop()
+    second = Running(tmp_path / "b.yaml", config)
+    try:
+        assert second.run(second.engine.router.calibrator.count, "prose") == 1
+        assert second.run(second.engine.router.calibrator.ratio, "prose") == 5.0
+    finally:
+        second.stop()
+    state.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="state_file"):
+        Running(tmp_path / "c.yaml", config)
+
+
 def test_retry_after_header_rounds_up():
     from routecore.server.engine import Reject
     from routecore.server.extproc import immediate

@@ -3,7 +3,8 @@
 Every error names the bad key (``pools[1].endpoints[0]: ...``) and never
 repeats an API key. See ``examples/routecore.yaml`` for a complete file::
 
-    server: {port, metrics_port, key_header, failure_mode, default_pool, grace_s}
+    server: {port, metrics_port, host, key_header, failure_mode, default_pool, grace_s,
+             state_file}
     limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens}
     router: {policy, compress_band, prefix_block_size}
     admission: {backend, pools, entitlements, default_max_tokens, window_s, redis}
@@ -44,6 +45,9 @@ class ServerConfig:
     default_pool: str = ""
     #: Seconds open streams get to finish at shutdown.
     grace_s: float = 5.0
+    #: Where the learned calibrator is kept across restarts ("" = not kept): read at
+    #: start, written (atomically) at shutdown.
+    state_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -320,7 +324,16 @@ def parse_config(raw: Any) -> Config:
     s = _section(
         top.get("server"),
         "server",
-        {"port", "metrics_port", "host", "key_header", "failure_mode", "default_pool", "grace_s"},
+        {
+            "port",
+            "metrics_port",
+            "host",
+            "key_header",
+            "failure_mode",
+            "default_pool",
+            "grace_s",
+            "state_file",
+        },
     )
     pools = _pools(_list(top, "pools", "config"))
     server = ServerConfig(
@@ -331,6 +344,7 @@ def parse_config(raw: Any) -> Config:
         failure_mode=_str(s, "failure_mode", "server", "closed", FAILURE_MODES),
         default_pool=_str(s, "default_pool", "server", pools[0].name, [p.name for p in pools]),
         grace_s=_float(s, "grace_s", "server", 0.0, 3600.0, ServerConfig.grace_s),
+        state_file=_str(s, "state_file", "server", ""),
     )
     if not server.key_header:
         raise ConfigError("server.key_header: must not be empty")

@@ -15,6 +15,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from routecore._core import Calibrator
 from routecore.config import ConfigError, load_config
 from routecore.server.engine import EngineHolder
 from routecore.server.extproc import ExternalProcessor
@@ -52,7 +53,14 @@ class Server:
         self.metrics_port = s.metrics_port if metrics_port is None else metrics_port
         self.serve_metrics = serve_metrics
         self.metrics = Metrics()
-        self.holder = EngineHolder(self.config, self.metrics)
+        self.state_file = Path(s.state_file) if s.state_file else None
+        calibrator = None
+        if self.state_file is not None and self.state_file.exists():
+            try:
+                calibrator = Calibrator.from_bytes(self.state_file.read_bytes())
+            except ValueError as e:
+                raise ConfigError(f"server.state_file {self.state_file}: {e}") from e
+        self.holder = EngineHolder(self.config, self.metrics, calibrator)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._metrics_server = None
@@ -132,6 +140,10 @@ class Server:
             self._reaper.cancel()
         for engine in (self.holder.engine, *self.holder.retired):
             engine.close()
+        if self.state_file is not None:
+            tmp = self.state_file.with_name(self.state_file.name + ".tmp")
+            tmp.write_bytes(self.holder.engine.router.calibrator.to_bytes())
+            tmp.replace(self.state_file)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from routecore._core import Compressor, RouteDecision, TokenBudgetRouter
+from routecore._core import Calibrator, Compressor, RouteDecision, TokenBudgetRouter
 from routecore.admission import admission_from_config
 from routecore.config import Config, TenantConfig, find_tenant
 from routecore.server.endpoints import POLICIES, Request
@@ -85,10 +85,11 @@ class Lease:
 
 
 class Engine:
-    def __init__(self, config: Config, metrics: Metrics, previous: Engine | None = None) -> None:
+    def __init__(
+        self, config: Config, metrics: Metrics, calibrator: Calibrator | None = None
+    ) -> None:
         self.config = config
         self.metrics = metrics
-        calibrator = previous.router.calibrator if previous is not None else None
         self.router = TokenBudgetRouter(
             [p.to_pool() for p in config.pools], calibrator, config.router.compress_band
         )
@@ -323,15 +324,17 @@ class Engine:
 class EngineHolder:
     """The current engine, swapped on reload, and the retired ones still holding leases."""
 
-    def __init__(self, config: Config, metrics: Metrics) -> None:
+    def __init__(
+        self, config: Config, metrics: Metrics, calibrator: Calibrator | None = None
+    ) -> None:
         self.metrics = metrics
-        self.engine = Engine(config, metrics)
+        self.engine = Engine(config, metrics, calibrator)
         self.retired: list[Engine] = []
 
     def reload(self, config: Config) -> None:
         """Routes new requests with ``config``; open leases finish where they began."""
         old = self.engine
-        self.engine = Engine(config, self.metrics, previous=old)
+        self.engine = Engine(config, self.metrics, old.router.calibrator)
         if old.leases:
             self.retired.append(old)
         else:
