@@ -555,9 +555,15 @@ def test_serve_command_sighup_reload_keeps_open_streams_and_stops_gracefully(tmp
                 "response_body",
             ]
 
+            # Graceful shutdown: a stream open at SIGTERM still finishes (grace_s = 1).
+            last, _ = await hold(stub, "at shutdown")
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            answers = await finish_held(last, usage_body(3, 1))
+            assert answers[-1].HasField("response_body")
+
     try:
         asyncio.run(scenario())
-        proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
         if proc.poll() is None:
