@@ -706,3 +706,31 @@ def test_grpc_message_size_limit(serve):
     # The server is unharmed and nothing was left in flight.
     assert converse(s.target, KEY, chat_body("small"), [usage_body(2, 1)]).routing
     settled(s)
+
+
+def test_admission_in_redis_is_shared_by_two_servers(serve, redis_server):
+    config = base_config()
+    config["tenants"][0]["entitlement"] = "demo-std"
+    admission = {**ADMISSION, "backend": "redis", "redis": {"url": redis_server.url}}
+    a = serve(admission=admission, tenants=config["tenants"])
+    b = serve(admission=admission, tenants=config["tenants"])
+
+    async def go():
+        async with (
+            grpc.aio.insecure_channel(a.target) as ca,
+            grpc.aio.insecure_channel(b.target) as cb,
+        ):
+            held, routed = await hold(pb_grpc.ExternalProcessorStub(ca), "replica a")
+            assert routed.request_body.response.clear_route_cache
+            # The one concurrency slot is taken on replica a: replica b refuses.
+            other = await buffered(pb_grpc.ExternalProcessorStub(cb), KEY, chat_body("b"), [])
+            assert other.immediate.status.code == 429
+            await finish_held(held, usage_body(3, 1))
+            again = await buffered(
+                pb_grpc.ExternalProcessorStub(cb), KEY, chat_body("b"), [usage_body(1, 1)]
+            )
+            assert again.routing is not None
+
+    asyncio.run(go())
+    settled(a)
+    settled(b)
