@@ -16,9 +16,10 @@
 //!    more characters that are not English stop words, and character bigrams
 //!    of CJK runs.
 //!    - TextRank (Mihalcea and Tarau 2004): PageRank (d = 0.85) over the graph
-//!      whose edge weight is `|S_i ∩ S_j| / (ln(1 + |S_i|) + ln(1 + |S_j|))`
-//!      (distinct terms). Terms in more than [`TEXTRANK_MAX_DF`] sentences add
-//!      no edges, which keeps the graph linear in the text's length.
+//!      whose edge weight is the cosine of the sentences' distinct-term sets,
+//!      `|S_i ∩ S_j| / sqrt(|S_i| |S_j|)`. Mihalcea and Tarau divide the
+//!      overlap by `ln|S_i| + ln|S_j|` instead; the cosine form factorises,
+//!      so the ranking never builds the n^2 graph (see `textrank`).
 //!    - Position: `1 / sqrt(1 + min(i, n - 1 - i))`, primacy and recency.
 //!    - TF-IDF: the mean over the sentence's terms of `tf_doc(t) * idf(t)`,
 //!      `idf(t) = ln((1 + n) / (1 + df(t))) + 1`, sentences as documents:
@@ -57,8 +58,10 @@
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use serde_json::Value;
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::budget::{Decision, TokenBudgetRouter, MAX_TOKENS};
 use crate::calibrate::{estimate, MAX_RATIO, MIN_RATIO};
@@ -66,8 +69,6 @@ use crate::classify::{classify, is_cjk};
 use crate::error::{finite, invalid, non_negative, Result};
 use crate::openai::{parse_request, ParsedRequest, MAX_BODY_BYTES};
 
-/// Terms in more sentences than this add no TextRank edges.
-pub const TEXTRANK_MAX_DF: usize = 256;
 /// Contents of an OpenAI body shorter than this are never compressed.
 pub const MIN_DOCUMENT_BYTES: usize = 1024;
 const DAMPING: f64 = 0.85;
@@ -162,19 +163,64 @@ impl Status {
     }
 }
 
+/// Sizes (by the estimate `ceil(bytes / bytes_per_token)`) and outcome of a
+/// compression.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Summary {
+    pub tokens_before: u64,
+    pub tokens_after: u64,
+    pub bytes_per_token: f64,
+    pub status: Status,
+}
+
+impl Summary {
+    /// The checks both entry points make first, for an input of `bytes`: the
+    /// ratio, the size before, and a final summary when the input stays as it
+    /// is (code, or already within the budget).
+    fn plan(
+        bytes: usize,
+        token_budget: i64,
+        category: &str,
+        bytes_per_token: Option<f64>,
+    ) -> Result<(Self, u64)> {
+        let budget = check_budget(token_budget)?;
+        let ratio = ratio_for(category, bytes_per_token)?;
+        let tokens_before = estimate(bytes as u64, ratio);
+        let status = if category == "code" {
+            Status::Code
+        } else if tokens_before <= budget {
+            Status::Fits
+        } else {
+            Status::Impossible
+        };
+        let summary = Self {
+            tokens_before,
+            tokens_after: tokens_before,
+            bytes_per_token: ratio,
+            status,
+        };
+        Ok((summary, max_bytes(budget, ratio)))
+    }
+
+    /// This summary for an output of `bytes`, compressed.
+    fn compressed(self, bytes: u64) -> Self {
+        Self {
+            tokens_after: estimate(bytes, self.bytes_per_token),
+            status: Status::Compressed,
+            ..self
+        }
+    }
+}
+
 /// The outcome of compressing one text.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Compression {
     pub text: String,
-    pub tokens_before: u64,
-    /// `ceil(bytes(text) / bytes_per_token)`.
-    pub tokens_after: u64,
     /// Indices of the sentences in `text`, ascending; all of them unless
     /// the status is `Compressed`.
     pub kept: Vec<usize>,
     pub sentences: usize,
-    pub bytes_per_token: f64,
-    pub status: Status,
+    pub summary: Summary,
 }
 
 /// The outcome of compressing an OpenAI request body.
@@ -182,12 +228,18 @@ pub struct Compression {
 pub struct RequestCompression {
     /// The new body (the original bytes unless the status is `Compressed`).
     pub body: Vec<u8>,
-    pub tokens_before: u64,
-    pub tokens_after: u64,
     /// Chat message indices (or completion prompt indices) whose text changed.
     pub compressed: Vec<usize>,
-    pub bytes_per_token: f64,
-    pub status: Status,
+    pub summary: Summary,
+}
+
+fn check_size(what: &str, bytes: usize) -> Result<()> {
+    if bytes > MAX_BODY_BYTES {
+        return Err(invalid(format!(
+            "{what} is {bytes} bytes, over the {MAX_BODY_BYTES}-byte limit"
+        )));
+    }
+    Ok(())
 }
 
 fn is_stop_word(w: &str) -> bool {
@@ -307,73 +359,75 @@ fn is_cjk_terminal(c: char) -> bool {
     matches!(c, '。' | '！' | '？' | '．' | '｡')
 }
 
-/// A list item or heading starts at `k` (after indentation): `-`, `*`, `+`,
-/// `•` or `#` followed by a space, or digits / one letter then `.` or `)`.
-fn item_marker_at(cs: &[(usize, char)], k: usize) -> bool {
-    let at = |j: usize| cs.get(j).map(|&(_, c)| c);
-    match at(k) {
-        Some('-' | '*' | '+' | '•' | '#') => matches!(at(k + 1), Some(' ' | '\t' | '#')),
+/// The character starting at byte `k`, if any.
+fn char_at(text: &str, k: usize) -> Option<char> {
+    text.get(k..)?.chars().next()
+}
+
+/// Byte offset just past the run of characters from `k` that satisfy `f`.
+fn skip_while(text: &str, mut k: usize, f: impl Fn(char) -> bool) -> usize {
+    while let Some(c) = char_at(text, k).filter(|&c| f(c)) {
+        k += c.len_utf8();
+    }
+    k
+}
+
+fn is_blank(c: char) -> bool {
+    c == ' ' || c == '\t'
+}
+
+/// A list item or heading starts at byte `k` (after indentation): `-`, `*`,
+/// `+`, `•` or `#` followed by a space, or digits then `.` or `)` and a space.
+fn item_marker_at(text: &str, k: usize) -> bool {
+    let at = |j: usize| text.as_bytes().get(j).copied();
+    match char_at(text, k) {
+        Some(c @ ('-' | '*' | '+' | '•' | '#')) => {
+            matches!(at(k + c.len_utf8()), Some(b' ' | b'\t' | b'#'))
+        }
         Some(c) if c.is_ascii_digit() => {
-            let mut j = k;
-            while at(j).is_some_and(|c| c.is_ascii_digit()) {
-                j += 1;
-            }
-            matches!(at(j), Some('.' | ')')) && matches!(at(j + 1), Some(' ' | '\t'))
+            let j = skip_while(text, k, |c| c.is_ascii_digit());
+            matches!(at(j), Some(b'.' | b')')) && matches!(at(j + 1), Some(b' ' | b'\t'))
         }
         _ => false,
     }
 }
 
-/// If a fenced code block opens at line start `k`, the index just past its
-/// closing fence line (or the end of the text when it is never closed).
-fn fence_end(cs: &[(usize, char)], k: usize) -> Option<usize> {
-    let mut j = k;
-    while cs.get(j).is_some_and(|&(_, c)| c == ' ' || c == '\t') {
-        j += 1;
-    }
-    let fence = |j: usize| (0..3).all(|d| cs.get(j + d).is_some_and(|&(_, c)| c == '`'));
-    if !fence(j) {
+/// If a fenced code block opens at line start `k`, the byte offset just past
+/// its closing fence line (or the end of the text when it is never closed).
+fn fence_end(text: &str, k: usize) -> Option<usize> {
+    let fence = |j: usize| text.get(j..).is_some_and(|t| t.starts_with("```"));
+    let open = skip_while(text, k, is_blank);
+    if !fence(open) {
         return None;
     }
-    let mut line = j + 3;
-    loop {
-        while line < cs.len() && cs[line].1 != '\n' {
-            line += 1;
-        }
-        if line >= cs.len() {
-            return Some(cs.len());
-        }
-        line += 1;
-        let mut s = line;
-        while cs.get(s).is_some_and(|&(_, c)| c == ' ' || c == '\t') {
-            s += 1;
-        }
-        if fence(s) {
-            while line < cs.len() && cs[line].1 != '\n' {
-                line += 1;
-            }
-            return Some((line + 1).min(cs.len()));
+    let line_end = |j: usize| text[j..].find('\n').map(|n| j + n);
+    let mut line = open + 3;
+    while let Some(nl) = line_end(line) {
+        line = nl + 1;
+        if fence(skip_while(text, line, is_blank)) {
+            return Some(line_end(line).map_or(text.len(), |nl| nl + 1));
         }
     }
+    Some(text.len())
 }
 
-/// Whether the `.` at `k` ends a sentence: not after an abbreviation or a
+/// Whether the `.` at byte `k` ends a sentence: not after an abbreviation or a
 /// single-letter initial, not before a lower-case letter.
-fn period_ends_sentence(cs: &[(usize, char)], k: usize, text: &str) -> bool {
-    let mut s = k;
-    while s > 0 && !cs[s - 1].1.is_whitespace() && !is_closer(cs[s - 1].1) {
-        s -= 1;
-    }
-    let word = text[cs[s].0..cs[k].0].trim_start_matches(['(', '[', '"', '\'']);
+fn period_ends_sentence(text: &str, k: usize) -> bool {
+    let word_start = text[..k]
+        .char_indices()
+        .rev()
+        .find(|&(_, c)| c.is_whitespace() || is_closer(c))
+        .map_or(0, |(i, c)| i + c.len_utf8());
+    let word = text[word_start..k].trim_start_matches(['(', '[', '"', '\'']);
     if word.chars().count() == 1 && word.chars().all(char::is_alphabetic) {
         return false;
     }
     if is_abbreviation(&word.to_lowercase()) {
         return false;
     }
-    let next = cs[k + 1..]
-        .iter()
-        .map(|&(_, c)| c)
+    let next = text[k + 1..]
+        .chars()
         .find(|c| !c.is_whitespace() && !is_closer(*c));
     !next.is_some_and(char::is_lowercase)
 }
@@ -381,9 +435,7 @@ fn period_ends_sentence(cs: &[(usize, char)], k: usize, text: &str) -> bool {
 /// Splits `text` into sentence spans that tile it: every byte belongs to
 /// exactly one span, and a span ends with the white space that follows it.
 pub fn split_sentences(text: &str) -> Vec<Span> {
-    let cs: Vec<(usize, char)> = text.char_indices().collect();
-    let n = cs.len();
-    let byte_at = |k: usize| if k < n { cs[k].0 } else { text.len() };
+    let n = text.len();
     let mut spans: Vec<Span> = Vec::new();
     let mut start = 0usize;
     let push = |spans: &mut Vec<Span>, start: &mut usize, end: usize, pinned: bool| {
@@ -407,55 +459,60 @@ pub fn split_sentences(text: &str) -> Vec<Span> {
     };
     let mut k = 0;
     let mut line_start = true;
-    while k < n {
+    while let Some(c) = char_at(text, k) {
         if line_start {
-            if let Some(end) = fence_end(&cs, k) {
-                push(&mut spans, &mut start, byte_at(k), false);
-                push(&mut spans, &mut start, byte_at(end), true);
+            if let Some(end) = fence_end(text, k) {
+                push(&mut spans, &mut start, k, false);
+                push(&mut spans, &mut start, end, true);
                 k = end;
                 continue;
             }
         }
         line_start = false;
-        let c = cs[k].1;
         if c == '\n' {
             // Where the next line's text starts, and whether a blank line
             // lies between.
             let mut j = k + 1;
             let mut last_newline = k;
-            while j < n && cs[j].1.is_whitespace() {
-                if cs[j].1 == '\n' {
+            while let Some(d) = char_at(text, j).filter(|d| d.is_whitespace()) {
+                if d == '\n' {
                     last_newline = j;
                 }
-                j += 1;
+                j += d.len_utf8();
             }
             let blank = last_newline > k;
             if blank
                 || j >= n
-                || item_marker_at(&cs, j)
-                || fence_end(&cs, last_newline + 1).is_some()
+                || item_marker_at(text, j)
+                || fence_end(text, last_newline + 1).is_some()
             {
-                push(&mut spans, &mut start, byte_at(last_newline + 1), false);
+                push(&mut spans, &mut start, last_newline + 1, false);
                 k = last_newline + 1;
                 line_start = true;
-                continue;
+            } else {
+                k += 1;
             }
-            k += 1;
             continue;
         }
         let latin = matches!(c, '.' | '!' | '?' | '…');
         if !(latin || is_cjk_terminal(c)) {
-            k += 1;
+            // Skip to the next byte that can start a newline or a terminal:
+            // `\n . ! ?` or the lead byte of a 3- or 4-byte character (all
+            // of `…` and the CJK terminals); continuation bytes never match.
+            let from = k + c.len_utf8();
+            k = text.as_bytes()[from..]
+                .iter()
+                .position(|&b| matches!(b, b'\n' | b'.' | b'!' | b'?') || b >= 0xE2)
+                .map_or(n, |skip| from + skip);
             continue;
         }
-        let mut j = k + 1;
-        while j < n && (is_closer(cs[j].1) || matches!(cs[j].1, '.' | '!' | '?' | '…')) {
-            j += 1;
-        }
-        let followed_by_space = j >= n || cs[j].1.is_whitespace();
+        let j = skip_while(text, k + c.len_utf8(), |d| {
+            is_closer(d) || matches!(d, '.' | '!' | '?' | '…')
+        });
         let ends = if latin {
-            (followed_by_space || is_cjk(cs[j].1))
-                && (c != '.' || j > k + 1 || period_ends_sentence(&cs, k, text))
+            let next = char_at(text, j);
+            let spaced = next.is_none_or(|d| d.is_whitespace() || is_cjk(d));
+            spaced && (c != '.' || j > k + 1 || period_ends_sentence(text, k))
         } else {
             true
         };
@@ -464,72 +521,94 @@ pub fn split_sentences(text: &str) -> Vec<Span> {
             continue;
         }
         // Trailing white space up to the start of the next line's text.
-        let mut last_newline = None;
-        while j < n && cs[j].1.is_whitespace() {
-            if cs[j].1 == '\n' {
-                last_newline = Some(j);
-            }
-            j += 1;
-        }
-        let end = match last_newline {
-            Some(nl) if j < n => nl + 1,
-            _ => j,
+        let after = skip_while(text, j, char::is_whitespace);
+        let end = match text[j..after].rfind('\n') {
+            Some(nl) if after < n => j + nl + 1,
+            _ => after,
         };
-        push(&mut spans, &mut start, byte_at(end), false);
-        line_start = end > 0 && cs[end - 1].1 == '\n';
+        push(&mut spans, &mut start, end, false);
+        line_start = text[..end].ends_with('\n');
         k = end;
     }
-    push(&mut spans, &mut start, text.len(), false);
+    push(&mut spans, &mut start, n, false);
     if spans.is_empty() && !text.is_empty() {
         // White space only: one sentence.
         spans.push(Span {
             start: 0,
-            end: text.len(),
+            end: n,
             pinned: false,
         });
     }
     spans
 }
 
-/// Term ids of each sentence: distinct ids with their counts, plus the
-/// document-wide counts and the number of distinct terms.
+/// Term ids of each sentence: distinct ids with their counts.
 struct Terms {
     /// Per sentence: (term id, count), sorted by id.
     sentences: Vec<Vec<(u32, u32)>>,
     n_terms: usize,
 }
 
+/// A hasher for keys that are already hashes (xxh3-64 of a term): the key
+/// itself is the hash.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Dense ids for terms, keyed by the xxh3-64 hash of the term's UTF-8 (two
+/// different terms share an id with probability about 2^-64 per pair).
+#[derive(Default)]
+struct Interner(HashMap<u64, u32, BuildHasherDefault<Prehashed>>);
+
+impl Interner {
+    fn id(&mut self, term: &[u8]) -> u32 {
+        let next = self.0.len() as u32;
+        *self.0.entry(xxh3_64(term)).or_insert(next)
+    }
+}
+
 fn terms(text: &str, spans: &[Span]) -> Terms {
-    let mut ids: HashMap<String, u32> = HashMap::new();
+    let mut ids = Interner::default();
     let mut word = String::new();
     let mut sentences = Vec::with_capacity(spans.len());
     let mut occurrences: Vec<u32> = Vec::new();
-    let id_of = |w: &str, ids: &mut HashMap<String, u32>| -> u32 {
-        if let Some(&id) = ids.get(w) {
-            return id;
+    let flush = |word: &mut String, occ: &mut Vec<u32>, ids: &mut Interner| {
+        if word.chars().nth(1).is_some() && !is_stop_word(word) {
+            occ.push(ids.id(word.as_bytes()));
         }
-        let id = ids.len() as u32;
-        ids.insert(w.to_owned(), id);
-        id
+        word.clear();
     };
     for span in spans {
         occurrences.clear();
         let mut prev_cjk: Option<char> = None;
-        let flush = |word: &mut String, occ: &mut Vec<u32>, ids: &mut HashMap<String, u32>| {
-            if word.chars().nth(1).is_some() && !is_stop_word(word) {
-                occ.push(id_of(word, ids));
-            }
-            word.clear();
-        };
         for c in text[span.start..span.end].chars() {
-            if c.is_alphabetic() && is_cjk(c) {
+            if c.is_ascii() {
+                prev_cjk = None;
+                if c.is_ascii_alphanumeric() {
+                    word.push(c.to_ascii_lowercase());
+                } else {
+                    flush(&mut word, &mut occurrences, &mut ids);
+                }
+            } else if c.is_alphabetic() && is_cjk(c) {
                 flush(&mut word, &mut occurrences, &mut ids);
                 if let Some(p) = prev_cjk {
                     let mut bigram = [0u8; 8];
                     let a = p.encode_utf8(&mut bigram).len();
                     let b = c.encode_utf8(&mut bigram[a..]).len();
-                    let s = std::str::from_utf8(&bigram[..a + b]).unwrap_or_default();
-                    occurrences.push(id_of(s, &mut ids));
+                    occurrences.push(ids.id(&bigram[..a + b]));
                 }
                 prev_cjk = Some(c);
             } else if c.is_alphanumeric() {
@@ -553,7 +632,7 @@ fn terms(text: &str, spans: &[Span]) -> Terms {
     }
     Terms {
         sentences,
-        n_terms: ids.len(),
+        n_terms: ids.0.len(),
     }
 }
 
@@ -566,64 +645,62 @@ fn scale_to_max(xs: &mut [f64]) {
 }
 
 /// TextRank over the sentence-similarity graph (see the module docs).
-fn textrank(t: &Terms, df: &[u32]) -> Vec<f64> {
+///
+/// With `A` the sentence-by-term incidence matrix (distinct terms) and
+/// `D = diag(|S_i|)`, the similarity matrix is `W = D^-1/2 A A^T D^-1/2`
+/// without its diagonal. `W` is never formed: `W x` is computed as
+/// `D^-1/2 (A (A^T (D^-1/2 x))) - x`, linear in the number of terms, so the
+/// whole ranking costs `O(iterations * terms)` however many sentences share a
+/// word.
+fn textrank(t: &Terms) -> Vec<f64> {
     let n = t.sentences.len();
-    let mut postings: Vec<Vec<u32>> = vec![Vec::new(); t.n_terms];
-    for (i, s) in t.sentences.iter().enumerate() {
-        for &(term, _) in s {
-            if (df[term as usize] as usize) <= TEXTRANK_MAX_DF {
-                postings[term as usize].push(i as u32);
-            }
-        }
-    }
-    let size: Vec<f64> = t
+    let inv_sqrt: Vec<f64> = t
         .sentences
         .iter()
-        .map(|s| (1.0 + s.len() as f64).ln())
+        .map(|s| {
+            if s.is_empty() {
+                0.0
+            } else {
+                1.0 / (s.len() as f64).sqrt()
+            }
+        })
         .collect();
-    // Sparse symmetric adjacency, row by row.
-    let mut overlap = vec![0u32; n];
-    let mut touched: Vec<usize> = Vec::new();
-    let mut edges: Vec<Vec<(u32, f64)>> = Vec::with_capacity(n);
-    for (i, s) in t.sentences.iter().enumerate() {
-        for &(term, _) in s {
-            for &j in &postings[term as usize] {
-                let j = j as usize;
-                if j != i {
-                    if overlap[j] == 0 {
-                        touched.push(j);
-                    }
-                    overlap[j] += 1;
-                }
+    let mut by_term = vec![0.0; t.n_terms];
+    // y -> W y (diagonal removed), into `out`.
+    let mut product = |y: &[f64], out: &mut [f64]| {
+        by_term.iter_mut().for_each(|x| *x = 0.0);
+        for (i, s) in t.sentences.iter().enumerate() {
+            let v = y[i] * inv_sqrt[i];
+            for &(term, _) in s {
+                by_term[term as usize] += v;
             }
         }
-        let row = touched
-            .drain(..)
-            .map(|j| {
-                let w = overlap[j] as f64 / (size[i] + size[j]);
-                overlap[j] = 0;
-                (j as u32, w)
-            })
-            .collect();
-        edges.push(row);
-    }
-    let out: Vec<f64> = edges
-        .iter()
-        .map(|row| row.iter().map(|&(_, w)| w).sum())
-        .collect();
-    let mut rank = vec![1.0; n];
-    let mut next = vec![0.0; n];
-    for _ in 0..TEXTRANK_ITERATIONS {
-        for (i, row) in edges.iter().enumerate() {
-            // Symmetric graph: the in-edges of i are its out-edges.
-            let inflow: f64 = row
-                .iter()
-                .map(|&(j, w)| w / out[j as usize] * rank[j as usize])
-                .sum();
-            next[i] = (1.0 - DAMPING) + DAMPING * inflow;
+        for (i, s) in t.sentences.iter().enumerate() {
+            let sum: f64 = s.iter().map(|&(term, _)| by_term[term as usize]).sum();
+            let self_loop = if s.is_empty() { 0.0 } else { y[i] };
+            out[i] = (sum * inv_sqrt[i] - self_loop).max(0.0);
         }
-        let delta: f64 = rank.iter().zip(&next).map(|(a, b)| (a - b).abs()).sum();
-        std::mem::swap(&mut rank, &mut next);
+    };
+    let mut degree = vec![0.0; n];
+    product(&vec![1.0; n], &mut degree);
+    let mut rank = vec![1.0; n];
+    let mut scaled = vec![0.0; n];
+    let mut inflow = vec![0.0; n];
+    for _ in 0..TEXTRANK_ITERATIONS {
+        for i in 0..n {
+            scaled[i] = if degree[i] > 0.0 {
+                rank[i] / degree[i]
+            } else {
+                0.0
+            };
+        }
+        product(&scaled, &mut inflow);
+        let mut delta = 0.0;
+        for i in 0..n {
+            let next = (1.0 - DAMPING) + DAMPING * inflow[i];
+            delta += (next - rank[i]).abs();
+            rank[i] = next;
+        }
         if delta < TEXTRANK_TOLERANCE * n as f64 {
             break;
         }
@@ -662,7 +739,7 @@ fn base_scores(t: &Terms, w: &Weights) -> Vec<f64> {
         .collect();
     scale_to_max(&mut tfidf);
     let tr = if w.textrank > 0.0 {
-        textrank(t, &df)
+        textrank(t)
     } else {
         vec![0.0; n]
     };
@@ -697,6 +774,13 @@ impl PartialOrd for Candidate {
     fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
         Some(self.cmp(other))
     }
+}
+
+/// The kept sentences of `text`, in order, each with its trailing space.
+fn join(text: &str, spans: &[Span], kept: &[usize]) -> String {
+    kept.iter()
+        .map(|&i| &text[spans[i].start..spans[i].end])
+        .collect()
 }
 
 /// A validated compressor configuration; it holds no state between calls.
@@ -873,47 +957,28 @@ impl Compressor {
         category: Option<&str>,
         bytes_per_token: Option<f64>,
     ) -> Result<Compression> {
-        let budget = check_budget(token_budget)?;
-        if text.len() > MAX_BODY_BYTES {
-            return Err(invalid(format!(
-                "text is {} bytes, over the {MAX_BODY_BYTES}-byte limit",
-                text.len()
-            )));
-        }
+        check_size("text", text.len())?;
         let category = check_category(category)?.unwrap_or_else(|| classify(text.as_bytes()));
-        let ratio = ratio_for(category, bytes_per_token)?;
+        let (summary, limit) = Summary::plan(text.len(), token_budget, category, bytes_per_token)?;
         let spans = split_sentences(text);
-        let tokens_before = estimate(text.len() as u64, ratio);
-        let unchanged = |status| Compression {
-            text: text.to_owned(),
-            tokens_before,
-            tokens_after: tokens_before,
-            kept: (0..spans.len()).collect(),
-            sentences: spans.len(),
-            bytes_per_token: ratio,
-            status,
+        let selected = match summary.status {
+            Status::Impossible => self.select(text, &spans, limit),
+            _ => None,
         };
-        if category == "code" {
-            return Ok(unchanged(Status::Code));
-        }
-        if tokens_before <= budget {
-            return Ok(unchanged(Status::Fits));
-        }
-        let Some(kept) = self.select(text, &spans, max_bytes(budget, ratio)) else {
-            return Ok(unchanged(Status::Impossible));
+        let Some(kept) = selected else {
+            return Ok(Compression {
+                text: text.to_owned(),
+                kept: (0..spans.len()).collect(),
+                sentences: spans.len(),
+                summary,
+            });
         };
-        let out: String = kept
-            .iter()
-            .map(|&i| &text[spans[i].start..spans[i].end])
-            .collect();
+        let out = join(text, &spans, &kept);
         Ok(Compression {
-            tokens_after: estimate(out.len() as u64, ratio),
+            summary: summary.compressed(out.len() as u64),
             text: out,
-            tokens_before,
             kept,
             sentences: spans.len(),
-            bytes_per_token: ratio,
-            status: Status::Compressed,
         })
     }
 
@@ -928,43 +993,29 @@ impl Compressor {
         category: Option<&str>,
         bytes_per_token: Option<f64>,
     ) -> Result<RequestCompression> {
-        let budget = check_budget(token_budget)?;
         let category = check_category(category)?;
-        if body.len() > MAX_BODY_BYTES {
-            return Err(invalid(format!(
-                "request body is {} bytes, over the {MAX_BODY_BYTES}-byte limit",
-                body.len()
-            )));
-        }
+        check_size("request body", body.len())?;
         let mut v: Value =
             serde_json::from_slice(body).map_err(|e| invalid(format!("malformed JSON: {e}")))?;
         let slots = text_slots(&v)?;
         let all: String = slots.iter().map(|s| s.text.as_str()).collect();
         let category = category.unwrap_or_else(|| classify(all.as_bytes()));
-        let ratio = ratio_for(category, bytes_per_token)?;
-        let tokens_before = estimate(all.len() as u64, ratio);
-        let unchanged = |status| RequestCompression {
+        let (summary, limit) = Summary::plan(all.len(), token_budget, category, bytes_per_token)?;
+        let unchanged = || RequestCompression {
             body: body.to_vec(),
-            tokens_before,
-            tokens_after: tokens_before,
             compressed: Vec::new(),
-            bytes_per_token: ratio,
-            status,
+            summary,
         };
-        if category == "code" {
-            return Ok(unchanged(Status::Code));
+        if summary.status != Status::Impossible {
+            return Ok(unchanged());
         }
-        if tokens_before <= budget {
-            return Ok(unchanged(Status::Fits));
-        }
-        let limit = max_bytes(budget, ratio);
         let fixed: u64 = slots
             .iter()
             .filter(|s| !s.compressible)
             .map(|s| s.text.len() as u64)
             .sum();
         let Some(mut room) = limit.checked_sub(fixed) else {
-            return Ok(unchanged(Status::Impossible));
+            return Ok(unchanged());
         };
         let mut rest: u64 = slots
             .iter()
@@ -979,12 +1030,9 @@ impl Compressor {
             let share = (room as u128 * size as u128 / rest.max(1) as u128) as u64;
             let spans = split_sentences(&slot.text);
             let Some(kept) = self.select(&slot.text, &spans, share) else {
-                return Ok(unchanged(Status::Impossible));
+                return Ok(unchanged());
             };
-            let out: String = kept
-                .iter()
-                .map(|&i| &slot.text[spans[i].start..spans[i].end])
-                .collect();
+            let out = join(&slot.text, &spans, &kept);
             room -= out.len() as u64;
             rest -= size;
             after += out.len() as u64;
@@ -1000,11 +1048,8 @@ impl Compressor {
         let body = serde_json::to_vec(&v).map_err(|e| invalid(format!("JSON: {e}")))?;
         Ok(RequestCompression {
             body,
-            tokens_before,
-            tokens_after: estimate(after, ratio),
             compressed,
-            bytes_per_token: ratio,
-            status: Status::Compressed,
+            summary: summary.compressed(after),
         })
     }
 }
@@ -1058,7 +1103,7 @@ pub fn route_request(
     };
     let c =
         compressor.compress_request(body, target as i64, Some(request.category), Some(ratio))?;
-    if c.status.succeeded() {
+    if c.summary.status.succeeded() {
         let decision = router.route_compressed(pool, est, out, target);
         let new_body = c.body.clone();
         return Ok(routed(decision, &new_body, Some(c)));
@@ -1297,8 +1342,8 @@ mod tests {
         let r = c
             .compress(&text, 400, Some("prose"), Some(4.0))
             .expect("valid");
-        assert_eq!(r.status, Status::Compressed);
-        assert!(r.tokens_after <= 400 && r.tokens_before > 400);
+        assert_eq!(r.summary.status, Status::Compressed);
+        assert!(r.summary.tokens_after <= 400 && r.summary.tokens_before > 400);
         assert_eq!(r.sentences, 40);
         assert_eq!(&r.kept[..3], &[0, 1, 2]);
         assert_eq!(&r.kept[r.kept.len() - 2..], &[38, 39]);
@@ -1310,7 +1355,7 @@ mod tests {
             .map(|&i| &text[spans[i].start..spans[i].end])
             .collect();
         assert_eq!(r.text, expected);
-        assert_eq!(r.tokens_after, estimate(r.text.len() as u64, 4.0));
+        assert_eq!(r.summary.tokens_after, estimate(r.text.len() as u64, 4.0));
     }
 
     #[test]
@@ -1318,22 +1363,25 @@ mod tests {
         let c = Compressor::default();
         let code = "fn main() {\n    let x = 1;\n    println!(\"{}\", x);\n}\n".repeat(50);
         let r = c.compress(&code, 10, None, None).expect("valid");
-        assert_eq!((r.status, r.text.as_str()), (Status::Code, code.as_str()));
+        assert_eq!(
+            (r.summary.status, r.text.as_str()),
+            (Status::Code, code.as_str())
+        );
         let r = c
             .compress(&prose(3), 1, Some("prose"), None)
             .expect("valid");
-        assert_eq!(r.status, Status::Impossible);
+        assert_eq!(r.summary.status, Status::Impossible);
         assert_eq!(r.text, prose(3));
         let r = c.compress("", 1, None, None).expect("valid");
         assert_eq!(
-            (r.status, r.sentences, r.tokens_after),
+            (r.summary.status, r.sentences, r.summary.tokens_after),
             (Status::Fits, 0, 0)
         );
         let one = "Just one sentence here.";
         let r = c.compress(one, 100, None, None).expect("valid");
-        assert_eq!((r.status, r.kept.clone()), (Status::Fits, vec![0]));
+        assert_eq!((r.summary.status, r.kept.clone()), (Status::Fits, vec![0]));
         let r = c.compress(one, 2, None, None).expect("valid");
-        assert_eq!(r.status, Status::Impossible);
+        assert_eq!(r.summary.status, Status::Impossible);
     }
 
     #[test]
@@ -1363,14 +1411,7 @@ mod tests {
         // Sentence 1 shares terms with every other; it ranks first.
         let text = "Alpha beta. Alpha beta gamma delta epsilon. Gamma delta. Epsilon zeta.";
         let spans = split_sentences(text);
-        let t = terms(text, &spans);
-        let mut df = vec![0u32; t.n_terms];
-        for s in &t.sentences {
-            for &(term, _) in s {
-                df[term as usize] += 1;
-            }
-        }
-        let r = textrank(&t, &df);
+        let r = textrank(&terms(text, &spans));
         assert_eq!(r[1], 1.0);
         assert!(r.iter().enumerate().all(|(i, &x)| i == 1 || x < 1.0));
     }
@@ -1393,28 +1434,28 @@ mod tests {
         let r = c
             .compress_request(&bytes, 1200, Some("prose"), Some(4.0))
             .expect("valid");
-        assert_eq!(r.status, Status::Compressed);
+        assert_eq!(r.summary.status, Status::Compressed);
         assert_eq!(r.compressed, vec![1]);
-        assert!(r.tokens_after <= 1200 && r.tokens_before > 1200);
+        assert!(r.summary.tokens_after <= 1200 && r.summary.tokens_before > 1200);
         let out: Value = serde_json::from_slice(&r.body).expect("json");
         for i in [0, 2, 3] {
             assert_eq!(out["messages"][i], body["messages"][i]);
         }
         assert_eq!(out["max_tokens"], 100);
         let parsed = crate::openai::parse_request(&r.body, 16).expect("parses");
-        assert_eq!(estimate(parsed.prompt_bytes, 4.0), r.tokens_after);
+        assert_eq!(estimate(parsed.prompt_bytes, 4.0), r.summary.tokens_after);
         // The intact parts alone exceed a tiny budget.
         let r = c
             .compress_request(&bytes, 300, Some("prose"), Some(4.0))
             .expect("valid");
         assert_eq!(
-            (r.status, r.body.as_slice()),
+            (r.summary.status, r.body.as_slice()),
             (Status::Impossible, &bytes[..])
         );
         let r = c
             .compress_request(&bytes, 1200, Some("code"), Some(4.0))
             .expect("valid");
-        assert_eq!(r.status, Status::Code);
+        assert_eq!(r.summary.status, Status::Code);
         assert!(c.compress_request(b"{", 10, None, None).is_err());
         assert!(c
             .compress_request(b"{\"model\":1}", 10, None, None)
@@ -1446,7 +1487,7 @@ mod tests {
         assert_eq!(r.decision.action, Action::Compress);
         assert_eq!(r.decision.pool, Some(0));
         let comp = r.compression.expect("tried");
-        assert!(comp.tokens_after <= 900);
+        assert!(comp.summary.tokens_after <= 900);
         let parsed = parse_request(&r.body, 16).expect("parses");
         assert!(estimate(parsed.prompt_bytes, 4.0) + 100 <= 1000);
         // The same body with code is routed long, untouched.
@@ -1462,5 +1503,39 @@ mod tests {
         assert_eq!(router.in_flight(0), Ok(1));
         assert!(route_request(&router, &c, b"[]", 16).is_err());
         assert_eq!(router.in_flight(1), Ok(1));
+    }
+
+    #[test]
+    fn factorised_textrank_equals_the_explicit_graph() {
+        let text = prose(30) + "Empty?! 12. Another sentence about topic3 and more.";
+        let spans = split_sentences(&text);
+        let t = terms(&text, &spans);
+        let n = t.sentences.len();
+        let w = |i: usize, j: usize| {
+            let (a, b) = (&t.sentences[i], &t.sentences[j]);
+            if i == j || a.is_empty() || b.is_empty() {
+                return 0.0;
+            }
+            let common = a.iter().filter(|x| b.iter().any(|y| y.0 == x.0)).count();
+            common as f64 / ((a.len() * b.len()) as f64).sqrt()
+        };
+        let degree: Vec<f64> = (0..n).map(|i| (0..n).map(|j| w(i, j)).sum()).collect();
+        let mut rank = vec![1.0; n];
+        for _ in 0..200 {
+            rank = (0..n)
+                .map(|i| {
+                    let inflow: f64 = (0..n)
+                        .filter(|&j| degree[j] > 0.0)
+                        .map(|j| w(j, i) / degree[j] * rank[j])
+                        .sum();
+                    (1.0 - DAMPING) + DAMPING * inflow
+                })
+                .collect();
+        }
+        let max = rank.iter().copied().fold(0.0, f64::max);
+        let fast = textrank(&t);
+        for i in 0..n {
+            assert!((fast[i] - rank[i] / max).abs() < 1e-4, "{i}");
+        }
     }
 }

@@ -5,6 +5,7 @@
 //! below, which only registers what `py/` defines.
 
 pub mod admission;
+pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
@@ -17,6 +18,7 @@ pub mod prefix;
 pub mod profile;
 pub mod queueing;
 pub mod rng;
+pub mod sim;
 pub mod snapshot;
 pub mod vtc;
 pub mod workload;
@@ -32,6 +34,8 @@ mod _core {
         priority_weight, PyAdmission, PyAdmissionController, PyEntitlement, PyTokenPool,
     };
     #[pymodule_export]
+    use crate::py::assign::{assign_eval, PyBatchScheduler, PyInstance, PyKnnEstimator};
+    #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]
     use crate::py::calibrate::PyCalibrator;
@@ -39,7 +43,8 @@ mod _core {
     use crate::py::classify::classify;
     #[pymodule_export]
     use crate::py::compress::{
-        PyCompressionResult, PyCompressor, PyRequestCompression, PyRoutedRequest,
+        PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
+        PyRoutedRequest,
     };
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
@@ -53,6 +58,8 @@ mod _core {
     use crate::py::profile::{PyProfile, PyService};
     #[pymodule_export]
     use crate::py::queueing::{erlang_b, erlang_c, p99_wait, PyErlangScan};
+    #[pymodule_export]
+    use crate::py::sim::{simulate, PySimPool, PySimReport};
     #[pymodule_export]
     use crate::py::vtc::PyVtcRouter;
     #[pymodule_export]

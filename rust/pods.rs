@@ -85,8 +85,8 @@ impl PodSet {
         Ok(())
     }
 
-    /// Overwrites every count (one per pod, in pod order) from telemetry.
-    pub fn set_running(&mut self, counts: &[i64]) -> Result<()> {
+    /// Checks counts for `set_running` without setting them.
+    pub fn check_running(&self, counts: &[i64]) -> Result<()> {
         if counts.len() != self.names.len() {
             return Err(invalid(format!(
                 "running has {} counts for {} pods",
@@ -99,6 +99,12 @@ impl PodSet {
                 "running counts must be in [0, {MAX_RUNNING}], got {c}"
             )));
         }
+        Ok(())
+    }
+
+    /// Overwrites every count (one per pod, in pod order) from telemetry.
+    pub fn set_running(&mut self, counts: &[i64]) -> Result<()> {
+        self.check_running(counts)?;
         for (r, &c) in self.running.iter_mut().zip(counts) {
             *r = c as u64;
         }

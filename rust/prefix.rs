@@ -95,33 +95,55 @@ fn check_block_size(block_size: usize) -> Result<usize> {
 
 /// Appends the chained hashes of `tokens`' full blocks to `out`.
 fn extend_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64, out: &mut Vec<u64>) {
-    let unit = match tokens {
-        Tokens::Ids(_) => 4,
-        Tokens::Bytes(_) => 1,
-    };
-    let mut buf = vec![0u8; 8 + block_size * unit];
-    let mut prev = seed;
-    let mut hash_block = |fill: &dyn Fn(&mut [u8])| {
-        buf[..8].copy_from_slice(&prev.to_le_bytes());
-        fill(&mut buf[8..]);
-        prev = xxh3_64_with_seed(&buf, seed);
-        out.push(prev);
-    };
     match tokens {
-        Tokens::Ids(ids) => {
-            for block in ids.chunks_exact(block_size) {
-                hash_block(&|dst: &mut [u8]| {
-                    for (d, id) in dst.chunks_exact_mut(4).zip(block) {
-                        d.copy_from_slice(&id.to_le_bytes());
-                    }
-                });
-            }
+        Tokens::Ids(ids) => chain(
+            ids.chunks_exact(block_size),
+            4 * block_size,
+            seed,
+            out,
+            |dst, block| {
+                for (d, id) in dst.chunks_exact_mut(4).zip(block) {
+                    d.copy_from_slice(&id.to_le_bytes());
+                }
+            },
+        ),
+        Tokens::Bytes(bytes) => chain(
+            bytes.chunks_exact(block_size),
+            block_size,
+            seed,
+            out,
+            |dst, block| dst.copy_from_slice(block),
+        ),
+    }
+}
+
+/// The hash chain over `blocks`, each written as `block_bytes` bytes by `fill`.
+fn chain<'a, T: 'a>(
+    blocks: impl Iterator<Item = &'a [T]>,
+    block_bytes: usize,
+    seed: u64,
+    out: &mut Vec<u64>,
+    fill: impl Fn(&mut [u8], &[T]),
+) {
+    // Two buffers: block i + 1 is copied in while block i is hashed, as
+    // only the first 8 bytes wait for the previous hash.
+    let mut bufs = [vec![0u8; 8 + block_bytes], vec![0u8; 8 + block_bytes]];
+    let mut blocks = blocks.peekable();
+    if let Some(first) = blocks.peek() {
+        fill(&mut bufs[0][8..], first);
+    }
+    let mut prev = seed;
+    let mut cur = 0;
+    while blocks.next().is_some() {
+        let [a, b] = &mut bufs;
+        let (this, next) = if cur == 0 { (a, b) } else { (b, a) };
+        if let Some(block) = blocks.peek() {
+            fill(&mut next[8..], block);
         }
-        Tokens::Bytes(bytes) => {
-            for block in bytes.chunks_exact(block_size) {
-                hash_block(&|dst: &mut [u8]| dst.copy_from_slice(block));
-            }
-        }
+        this[..8].copy_from_slice(&prev.to_le_bytes());
+        prev = xxh3_64_with_seed(this, seed);
+        out.push(prev);
+        cur ^= 1;
     }
 }
 
@@ -191,13 +213,56 @@ const NIL: u32 = u32::MAX;
 /// Marks an index pod that has no slot in a router.
 const NO_SLOT: usize = usize::MAX;
 
+/// The pods holding one block: ids below 64 as bits of `low` (no allocation
+/// for the common fleet), larger ids in `high`.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct PodBits {
+    low: u64,
+    high: Vec<u32>,
+}
+
+impl PodBits {
+    fn holds(&self, id: u32) -> bool {
+        if id < 64 {
+            self.low >> id & 1 == 1
+        } else {
+            self.high.contains(&id)
+        }
+    }
+    fn add(&mut self, id: u32) {
+        if id < 64 {
+            self.low |= 1 << id;
+        } else if !self.high.contains(&id) {
+            self.high.push(id);
+        }
+    }
+    /// Removes `id`; false if it was not there.
+    fn remove(&mut self, id: u32) -> bool {
+        let held = self.holds(id);
+        if id < 64 {
+            self.low &= !(1 << id);
+        } else {
+            self.high.retain(|&p| p != id);
+        }
+        held
+    }
+    fn is_empty(&self) -> bool {
+        self.low == 0 && self.high.is_empty()
+    }
+    fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..64)
+            .filter(|&b| self.low >> b & 1 == 1)
+            .chain(self.high.iter().copied())
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Entry {
     hash: u64,
     last: f64,
     prev: u32,
     next: u32,
-    pods: Vec<u32>,
+    pods: PodBits,
 }
 
 /// Block hash -> the pods holding it, LRU-bounded, with an optional idle TTL.
@@ -296,15 +361,21 @@ impl PrefixIndex {
         Ok(id)
     }
 
-    /// Refuses, changing nothing, when interning `names` would pass `MAX_PODS`.
-    fn check_room(&self, names: &[String]) -> Result<()> {
-        let new = names.iter().filter(|n| self.pod_id(n).is_none()).count();
+    /// The ids of `names`, interning the new ones; refused, changing nothing,
+    /// when that would pass `MAX_PODS`.
+    fn ids_for(&mut self, names: &[String]) -> Result<Vec<u32>> {
+        let known: Vec<Option<u32>> = names.iter().map(|n| self.pod_id(n)).collect();
+        let new = known.iter().filter(|id| id.is_none()).count();
         if new > self.free_pods.len() + MAX_PODS - self.pod_names.len() {
             return Err(invalid(format!(
                 "a prefix index holds at most {MAX_PODS} pods"
             )));
         }
-        Ok(())
+        names
+            .iter()
+            .zip(known)
+            .map(|(name, id)| id.map_or_else(|| self.intern(name), Ok))
+            .collect()
     }
 
     fn unlink(&mut self, slot: u32) {
@@ -323,24 +394,45 @@ impl PrefixIndex {
     }
 
     fn push_front(&mut self, slot: u32) {
-        let old = self.head;
+        self.place_after(NIL, slot, false);
+    }
+
+    /// Puts `slot` right after `cursor` in recency order (at the front when
+    /// `cursor` is NIL); `linked` says whether it is in the list now. A slot
+    /// already in that place is left alone, so touching a prompt that is
+    /// already the most recent costs one comparison per block.
+    fn place_after(&mut self, cursor: u32, slot: u32, linked: bool) {
+        let next_of = |ix: &Self| match cursor {
+            NIL => ix.head,
+            c => ix.entries[c as usize].next,
+        };
+        if slot == cursor || (linked && next_of(self) == slot) {
+            return;
+        }
+        if linked {
+            self.unlink(slot);
+        }
+        let next = next_of(self);
         {
             let e = &mut self.entries[slot as usize];
-            e.prev = NIL;
-            e.next = old;
+            e.prev = cursor;
+            e.next = next;
         }
-        match old {
+        match cursor {
+            NIL => self.head = slot,
+            c => self.entries[c as usize].next = slot,
+        }
+        match next {
             NIL => self.tail = slot,
-            o => self.entries[o as usize].prev = slot,
+            n => self.entries[n as usize].prev = slot,
         }
-        self.head = slot;
     }
 
     fn drop_entry(&mut self, slot: u32) {
         self.unlink(slot);
         let e = &mut self.entries[slot as usize];
         self.map.remove(&e.hash);
-        e.pods = Vec::new();
+        e.pods = PodBits::default();
         self.free.push(slot);
     }
 
@@ -371,27 +463,56 @@ impl PrefixIndex {
         Some(slot)
     }
 
-    /// Matches `hashes` from the first block on: `matched[slot_of[p]]` counts
-    /// the leading blocks index pod `p` holds, for pods mapped to a slot
-    /// (`matched` starts at zero). Stops at the first block no mapped pod
-    /// still matching holds.
-    fn match_into(&mut self, hashes: &[u64], now: f64, slot_of: &[usize], matched: &mut [usize]) {
-        for (i, &h) in hashes.iter().enumerate() {
-            let Some(slot) = self.lookup(h, now) else {
-                return;
+    /// Matches `hashes` from the first block on: `matched[slot_of[p]]` becomes
+    /// the number of leading blocks index pod `p` holds, for every pod mapped
+    /// to a slot. Walks the blocks while some mapped pod still matches, and
+    /// leaves the slots it walked in `found`.
+    fn match_into(
+        &mut self,
+        hashes: &[u64],
+        now: f64,
+        slot_of: &[usize],
+        matched: &mut [usize],
+        found: &mut Vec<u32>,
+    ) {
+        found.clear();
+        let mut alive_low = 0u64;
+        let mut alive_high = Vec::new();
+        for (id, _) in slot_of.iter().enumerate().filter(|(_, &s)| s != NO_SLOT) {
+            if id < 64 {
+                alive_low |= 1 << id;
+            } else {
+                alive_high.push(id as u32);
+            }
+        }
+        let mut i = 0;
+        while i < hashes.len() && (alive_low != 0 || !alive_high.is_empty()) {
+            let Some(slot) = self.lookup(hashes[i], now) else {
+                break;
             };
-            let mut any = false;
-            for &p in &self.entries[slot as usize].pods {
-                if let Some(&s) = slot_of.get(p as usize) {
-                    if s != NO_SLOT && matched[s] == i {
-                        matched[s] = i + 1;
-                        any = true;
-                    }
+            found.push(slot);
+            let bits = &self.entries[slot as usize].pods;
+            let mut dropped = alive_low & !bits.low;
+            alive_low &= bits.low;
+            while dropped != 0 {
+                matched[slot_of[dropped.trailing_zeros() as usize]] = i;
+                dropped &= dropped - 1;
+            }
+            alive_high.retain(|&p| {
+                let keep = bits.holds(p);
+                if !keep {
+                    matched[slot_of[p as usize]] = i;
                 }
-            }
-            if !any {
-                return;
-            }
+                keep
+            });
+            i += 1;
+        }
+        while alive_low != 0 {
+            matched[slot_of[alive_low.trailing_zeros() as usize]] = i;
+            alive_low &= alive_low - 1;
+        }
+        for p in alive_high {
+            matched[slot_of[p as usize]] = i;
         }
     }
 
@@ -401,7 +522,7 @@ impl PrefixIndex {
         let now = finite("now", now)?;
         let slot_of: Vec<usize> = (0..self.pod_names.len()).collect();
         let mut matched = vec![0; slot_of.len()];
-        self.match_into(hashes, now, &slot_of, &mut matched);
+        self.match_into(hashes, now, &slot_of, &mut matched, &mut Vec::new());
         Ok(self
             .pod_names
             .iter()
@@ -413,58 +534,69 @@ impl PrefixIndex {
             .collect())
     }
 
-    /// Records that pod `id` holds every block of `hashes`. The blocks are
-    /// touched last to first, so a prompt's first block (the most shared) is
-    /// the most recent and the last to be evicted.
-    fn record_id(&mut self, hashes: &[u64], id: u32, now: f64) {
+    /// Records that pod `id` holds every block of `hashes`, which become the
+    /// most recent in prompt order: the first block (the most shared) is the
+    /// most recent and the last to be evicted. Only the first `capacity`
+    /// blocks are recorded (the later ones would evict each other). `found`
+    /// holds the live slots of the leading blocks, as `match_into` walked
+    /// them, so those need no second hash lookup.
+    fn record_id(&mut self, hashes: &[u64], found: &[u32], id: u32, now: f64) {
         while self.tail != NIL && self.expired(self.tail, now) {
             self.drop_entry(self.tail);
         }
-        for &h in hashes.iter().rev() {
-            let slot = match self.lookup(h, now) {
-                Some(slot) => {
-                    self.unlink(slot);
-                    slot
-                }
-                None => {
-                    if self.map.len() >= self.capacity {
-                        self.drop_entry(self.tail);
-                    }
-                    let entry = Entry {
-                        hash: h,
-                        last: now,
-                        prev: NIL,
-                        next: NIL,
-                        pods: Vec::with_capacity(1),
-                    };
-                    let slot = match self.free.pop() {
-                        Some(s) => {
-                            self.entries[s as usize] = entry;
-                            s
-                        }
-                        None => {
-                            self.entries.push(entry);
-                            (self.entries.len() - 1) as u32
-                        }
-                    };
-                    self.map.insert(h, slot);
-                    slot
-                }
+        let hashes = &hashes[..hashes.len().min(self.capacity)];
+        let found = &found[..found.len().min(hashes.len())];
+        // The blocks placed so far form the front of the list; an insertion
+        // at capacity evicts the tail, which is never one of them, as fewer
+        // than `hashes.len() <= capacity` are placed.
+        let mut cursor = NIL;
+        for (j, &h) in hashes.iter().enumerate() {
+            let (slot, linked) = match found.get(j) {
+                Some(&slot) => (slot, true),
+                None => match self.lookup(h, now) {
+                    Some(slot) => (slot, true),
+                    None => (self.insert(h, now), false),
+                },
             };
+            self.place_after(cursor, slot, linked);
             let e = &mut self.entries[slot as usize];
             e.last = now;
-            if !e.pods.contains(&id) {
-                e.pods.push(id);
-            }
-            self.push_front(slot);
+            e.pods.add(id);
+            cursor = slot;
         }
+    }
+
+    /// A new, unlinked entry for `hash`, evicting the least recent at capacity.
+    fn insert(&mut self, hash: u64, now: f64) -> u32 {
+        if self.map.len() >= self.capacity {
+            self.drop_entry(self.tail);
+        }
+        let entry = Entry {
+            hash,
+            last: now,
+            prev: NIL,
+            next: NIL,
+            pods: PodBits::default(),
+        };
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.entries[s as usize] = entry;
+                s
+            }
+            None => {
+                self.entries.push(entry);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        self.map.insert(hash, slot);
+        slot
     }
 
     /// Records that `pod` holds every block of `hashes` at time `now`.
     pub fn record(&mut self, hashes: &[u64], pod: &str, now: f64) -> Result<()> {
         let now = finite("now", now)?;
         let id = self.intern(pod)?;
-        self.record_id(hashes, id, now);
+        self.record_id(hashes, &[], id, now);
         Ok(())
     }
 
@@ -477,8 +609,7 @@ impl PrefixIndex {
         while slot != NIL {
             let e = &mut self.entries[slot as usize];
             let next = e.next;
-            if let Some(k) = e.pods.iter().position(|&p| p == id) {
-                e.pods.swap_remove(k);
+            if e.pods.remove(id) {
                 held += 1;
                 if e.pods.is_empty() {
                     self.drop_entry(slot);
@@ -509,8 +640,8 @@ impl PrefixIndex {
         let mut slot = self.tail;
         while slot != NIL {
             let e = &self.entries[slot as usize];
-            w.u64(e.hash).f64(e.last).u64(e.pods.len() as u64);
-            for &p in &e.pods {
+            w.u64(e.hash).f64(e.last).u64(e.pods.ids().count() as u64);
+            for p in e.pods.ids() {
                 w.u32(p);
             }
             slot = e.prev;
@@ -563,13 +694,13 @@ impl PrefixIndex {
             let hash = r.u64()?;
             let last = finite("block time", r.f64()?).map_err(bad)?;
             let k = r.count(4)?;
-            let mut pods = Vec::with_capacity(k);
+            let mut pods = PodBits::default();
             for _ in 0..k {
                 let p = r.u32()?;
-                if !live.get(p as usize).copied().unwrap_or(false) || pods.contains(&p) {
+                if !live.get(p as usize).copied().unwrap_or(false) || pods.holds(p) {
                     return Err(Error::Snapshot(format!("bad pod id {p} in a block")));
                 }
-                pods.push(p);
+                pods.add(p);
             }
             if pods.is_empty() || index.map.contains_key(&hash) {
                 return Err(Error::Snapshot("empty or repeated block".into()));
@@ -612,8 +743,8 @@ impl PrefixIndex {
             let e = &self.entries[slot as usize];
             let mut pods: Vec<String> = e
                 .pods
-                .iter()
-                .filter_map(|&p| self.pod_names[p as usize].clone())
+                .ids()
+                .filter_map(|p| self.pod_names[p as usize].clone())
                 .collect();
             pods.sort();
             out.push((e.hash, e.last, pods));
@@ -709,17 +840,20 @@ impl PrefixCacheRouter {
         &self.index
     }
 
-    fn choose(&self, index: &mut PrefixIndex, hashes: &[u64], now: f64) -> (usize, usize) {
+    /// The pod for a prompt, and how many of its blocks that pod holds.
+    /// `slot_of` maps index pod ids to this router's pods.
+    fn choose(
+        &self,
+        index: &mut PrefixIndex,
+        hashes: &[u64],
+        now: f64,
+        slot_of: &[usize],
+        found: &mut Vec<u32>,
+    ) -> (usize, usize) {
         let running = self.pods.running();
         let n = running.len();
-        let mut slot_of = vec![NO_SLOT; index.pod_names.len()];
-        for (slot, name) in self.pods.names().iter().enumerate() {
-            if let Some(id) = index.pod_id(name) {
-                slot_of[id as usize] = slot;
-            }
-        }
         let mut matched = vec![0usize; n];
-        index.match_into(hashes, now, &slot_of, &mut matched);
+        index.match_into(hashes, now, slot_of, &mut matched, found);
         let least = self.pods.least_loaded().unwrap_or(0);
         let min = running.iter().copied().min().unwrap_or(0);
         let max = running.iter().copied().max().unwrap_or(0);
@@ -771,21 +905,23 @@ impl PrefixCacheRouter {
         }
         let index_arc = Arc::clone(&self.index);
         let mut index = lock(&index_arc);
-        index.check_room(self.pods.names())?;
+        if let Some(r) = running {
+            self.pods.check_running(r)?;
+        }
+        let ids = index.ids_for(self.pods.names())?;
         if let Some(r) = running {
             self.pods.set_running(r)?;
         }
-        let ids = self
-            .pods
-            .names()
-            .iter()
-            .map(|name| index.intern(name))
-            .collect::<Result<Vec<u32>>>()?;
+        let mut slot_of = vec![NO_SLOT; index.pod_names.len()];
+        for (slot, &id) in ids.iter().enumerate() {
+            slot_of[id as usize] = slot;
+        }
         let mut out = Vec::with_capacity(offsets.len().saturating_sub(1));
+        let mut found = Vec::new();
         for w in offsets.windows(2) {
             let h = &hashes[w[0]..w[1]];
-            let (pod, matched) = self.choose(&mut index, h, now);
-            index.record_id(h, ids[pod], now);
+            let (pod, matched) = self.choose(&mut index, h, now, &slot_of, &mut found);
+            index.record_id(h, &found, ids[pod], now);
             self.pods.start(pod);
             out.push(PrefixDecision {
                 pod,
@@ -968,6 +1104,62 @@ mod tests {
         let mut long = bytes.clone();
         long.push(0);
         assert!(PrefixIndex::from_bytes(&long).is_err());
+    }
+
+    #[test]
+    fn routing_keeps_a_prompt_most_recent_in_prompt_order() {
+        let mut r = router(&["a", "b"], 16);
+        let p = hashes(Tokens::Ids(&ids(20)));
+        let q = hashes(Tokens::Ids(&[7; 12]));
+        r.route_hashes(&p, None, 1.0).expect("route");
+        r.route_hashes(&q, None, 2.0).expect("route");
+        // p again: its blocks are found by matching and moved to the front.
+        r.route_hashes(&p, None, 3.0).expect("route");
+        let order: Vec<u64> = lock(r.index()).dump().iter().map(|e| e.0).collect();
+        assert_eq!(order, [p.clone(), q].concat());
+        // A capacity below the prompt keeps its first blocks.
+        let mut ix = PrefixIndex::new(3, None).expect("index");
+        ix.record(&p, "a", 0.0).expect("record");
+        let order: Vec<u64> = ix.dump().iter().map(|e| e.0).collect();
+        assert_eq!(order, p[..3].to_vec());
+    }
+
+    #[test]
+    fn more_than_64_pods_use_the_overflow_list() {
+        let names: Vec<String> = (0..70).map(|i| format!("p{i}")).collect();
+        let config = PrefixConfig::new(4, 1000, 2.0, 0).expect("config");
+        let index = Arc::new(Mutex::new(PrefixIndex::new(1000, None).expect("index")));
+        let mut r = PrefixCacheRouter::new(&names, config, index).expect("router");
+        let p = hashes(Tokens::Ids(&ids(12)));
+        let mut running = vec![1i64; 70];
+        running[66] = 0;
+        assert_eq!(
+            r.route_hashes(&p, Some(&running), 0.0).expect("route").pod,
+            66
+        );
+        running[66] = 1;
+        running[3] = 0;
+        let half = &p[..2];
+        // p66 (id 66, in the overflow list) holds both blocks: it beats the
+        // least-loaded p3.
+        assert_eq!(
+            r.route_hashes(half, Some(&running), 0.0)
+                .expect("route")
+                .pod,
+            66
+        );
+        let mut ix = lock(r.index()).clone();
+        assert_eq!(ix.match_prefix(&p, 0.0), Ok(vec![("p66".into(), 3)]));
+        let back = PrefixIndex::from_bytes(&ix.to_bytes()).expect("restore");
+        assert_eq!(back.dump(), ix.dump());
+        ix.record(half, "p3", 1.0).expect("record");
+        assert_eq!(
+            ix.match_prefix(&p, 1.0),
+            Ok(vec![("p3".into(), 2), ("p66".into(), 3)])
+        );
+        assert_eq!(ix.remove_pod("p66"), Ok(3));
+        assert_eq!(ix.match_prefix(&p, 1.0), Ok(vec![("p3".into(), 2)]));
+        assert_eq!(ix.len(), 2);
     }
 
     fn hashes(tokens: Tokens<'_>) -> Vec<u64> {

@@ -4,7 +4,7 @@ from typing import Any, Literal, final
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import Self
+from typing_extensions import Self, disjoint_base
 
 __version__: str
 
@@ -126,105 +126,117 @@ class TokenBudgetRouter:
 def classify(text: str | bytes) -> Literal["prose", "code", "cjk", "mixed"]: ...
 def parse_openai_request(body: str | bytes, default_max_tokens: int = 4096) -> dict[str, Any]: ...
 
-# --- compress-and-route (capability 8) ---------------------------------------
+# --- batched model and instance assignment, RouteBalance (capability 6) ------
 
 @final
-class Compressor:
-    """Extractive prompt compression (FleetOpt section 5.2)."""
+class Instance:
+    """One serving instance of a model: decode speed, per-token prices, slots."""
 
     def __new__(
         cls,
-        textrank: float = 0.2,
-        position: float = 0.4,
-        tfidf: float = 0.35,
-        novelty: float = 0.05,
-        keep_first: int = 3,
-        keep_last: int = 2,
+        name: str,
+        model: str,
+        tpot_s: float,
+        price_in_per_mtok: float,
+        price_out_per_mtok: float,
+        max_batch: int,
+        prefill_s_per_token: float | None = None,
     ) -> Self: ...
-    def compress(
+    @property
+    def name(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def tpot_s(self) -> float: ...
+    @property
+    def price_in_per_mtok(self) -> float: ...
+    @property
+    def price_out_per_mtok(self) -> float: ...
+    @property
+    def max_batch(self) -> int: ...
+    @property
+    def prefill_s_per_token(self) -> float: ...
+    def cost(self, in_tokens: float, out_len: float) -> float: ...
+    def latency(
+        self, in_tokens: float, out_len: float, pending_decode: float, batch_size: int
+    ) -> float: ...
+
+@final
+class BatchScheduler:
+    """RouteBalance's batched assignment of requests to model instances."""
+
+    def __new__(
+        cls,
+        instances: list[Instance],
+        weights: str | tuple[float, float, float] | None = None,
+        lpt_key: Literal["max", "mean", "min"] = "max",
+        budget_fallback: Literal["reject", "cheapest"] = "reject",
+    ) -> Self: ...
+    def assign(
         self,
-        text: str,
-        token_budget: int,
-        category: str | None = None,
-        bytes_per_token: float | None = None,
-    ) -> CompressionResult: ...
-    def compress_request(
+        quality: npt.ArrayLike,
+        out_len: npt.ArrayLike,
+        in_tokens: npt.ArrayLike,
+        budget: npt.ArrayLike | None,
+        pending_decode: npt.ArrayLike,
+        batch_size: npt.ArrayLike,
+    ) -> npt.NDArray[np.int64]: ...
+    def assign_one(
         self,
-        body: str | bytes,
-        token_budget: int,
-        category: str | None = None,
-        bytes_per_token: float | None = None,
-    ) -> RequestCompression: ...
+        quality: npt.ArrayLike,
+        out_len: npt.ArrayLike,
+        in_tokens: int,
+        budget: float | None,
+        pending_decode: npt.ArrayLike,
+        batch_size: npt.ArrayLike,
+    ) -> int: ...
+    def lpt_order(self, out_len: npt.ArrayLike) -> npt.NDArray[np.int64]: ...
+    @staticmethod
+    def presets() -> list[tuple[str, tuple[float, float, float]]]: ...
     @property
-    def textrank(self) -> float: ...
+    def instances(self) -> list[Instance]: ...
     @property
-    def position(self) -> float: ...
+    def models(self) -> list[str]: ...
     @property
-    def tfidf(self) -> float: ...
+    def model_of(self) -> list[int]: ...
     @property
-    def novelty(self) -> float: ...
+    def weights(self) -> tuple[float, float, float]: ...
     @property
-    def keep_first(self) -> int: ...
+    def lpt_key(self) -> str: ...
     @property
-    def keep_last(self) -> int: ...
-    def __reduce__(self) -> tuple[Any, tuple[float, float, float, float, int, int]]: ...
+    def budget_fallback(self) -> str: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> BatchScheduler: ...
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
 
 @final
-class CompressionResult:
-    """The outcome of ``Compressor.compress``."""
+class KnnEstimator:
+    """Per-model quality and output length by distance-weighted cosine kNN."""
 
+    def __new__(cls, k: int = 8) -> Self: ...
+    def fit(
+        self, embeddings: npt.ArrayLike, quality: npt.ArrayLike, out_len: npt.ArrayLike
+    ) -> None: ...
+    def predict(
+        self, embeddings: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
     @property
-    def text(self) -> str: ...
+    def k(self) -> int: ...
     @property
-    def tokens_before(self) -> int: ...
-    @property
-    def tokens_after(self) -> int: ...
-    @property
-    def kept_sentence_indices(self) -> list[int]: ...
-    @property
-    def sentences(self) -> int: ...
-    @property
-    def bytes_per_token(self) -> float: ...
-    @property
-    def status(self) -> Literal["fits", "compressed", "code", "impossible"]: ...
-    @property
-    def succeeded(self) -> bool: ...
+    def is_fitted(self) -> bool: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> KnnEstimator: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...
 
-@final
-class RequestCompression:
-    """The outcome of ``Compressor.compress_request``."""
-
-    @property
-    def body(self) -> bytes: ...
-    @property
-    def tokens_before(self) -> int: ...
-    @property
-    def tokens_after(self) -> int: ...
-    @property
-    def compressed_messages(self) -> list[int]: ...
-    @property
-    def bytes_per_token(self) -> float: ...
-    @property
-    def status(self) -> Literal["fits", "compressed", "code", "impossible"]: ...
-    @property
-    def succeeded(self) -> bool: ...
-
-@final
-class RoutedRequest:
-    """A request routed by ``TokenBudgetRouter.route_request``."""
-
-    @property
-    def decision(self) -> RouteDecision: ...
-    @property
-    def body(self) -> bytes: ...
-    @property
-    def compression(self) -> RequestCompression | None: ...
-    @property
-    def category(self) -> str: ...
-    @property
-    def prompt_bytes(self) -> int: ...
-    @property
-    def max_output_tokens(self) -> int: ...
+def assign_eval(
+    rate: float = 8.0,
+    requests: int = 3000,
+    seed: int = 0,
+    max_batch: int = 16,
+    interval_s: float = 0.05,
+) -> list[dict[str, Any]]: ...
 
 # --- prefix-cache-aware routing (capability 4) -------------------------------
 
@@ -370,150 +382,102 @@ class VtcRouter:
     def to_bytes(self) -> bytes: ...
     @staticmethod
     def from_bytes(data: bytes) -> VtcRouter: ...
-
-# --- multi-tenant admission: token pools (capability 7) ----------------------
-
-@final
-class TokenPool:
-    """A token pool's capacity in inference-native units."""
-
-    def __new__(
-        cls,
-        name: str,
-        tokens_per_s: float,
-        kv_bytes: int,
-        concurrency: int,
-        kv_bytes_per_token: int = 0,
-    ) -> Self: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def tokens_per_s(self) -> float: ...
-    @property
-    def kv_bytes(self) -> int: ...
-    @property
-    def concurrency(self) -> int: ...
-    @property
-    def kv_bytes_per_token(self) -> int: ...
-
-@final
-class Entitlement:
-    """A tenant's baseline share of one pool, with a service class and a state."""
-
-    def __new__(
-        cls,
-        name: str,
-        tenant: str,
-        pool: str,
-        service_class: str,
-        slo_target_ms: float,
-        tokens_per_s: float,
-        kv_bytes: int,
-        concurrency: int,
-        state: str = "bound",
-    ) -> Self: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def tenant(self) -> str: ...
-    @property
-    def pool(self) -> str: ...
-    @property
-    def service_class(self) -> str: ...
-    @property
-    def slo_target_ms(self) -> float: ...
-    @property
-    def tokens_per_s(self) -> float: ...
-    @property
-    def kv_bytes(self) -> int: ...
-    @property
-    def concurrency(self) -> int: ...
-    @property
-    def state(self) -> str: ...
-
-@final
-class Admission:
-    """One admission decision (status 200 admitted; 401, 403, 413, 429, 503 rejected)."""
-
-    def __new__(
-        cls,
-        admitted: bool,
-        status: int,
-        reason: str,
-        retry_after_s: float | None = None,
-        ticket: int | None = None,
-        priority: float = 0.0,
-    ) -> Self: ...
-    @property
-    def admitted(self) -> bool: ...
-    @property
-    def status(self) -> int: ...
-    @property
-    def reason(self) -> str: ...
-    @property
-    def retry_after_s(self) -> float | None: ...
-    @property
-    def ticket(self) -> int | None: ...
-    @property
-    def priority(self) -> float: ...
-
-def priority_weight(
-    service_class: str,
-    slo_target_ms: float,
-    pool_mean_slo_ms: float,
-    burst: float = 0.0,
-    debt: float = 0.0,
-) -> float: ...
-
-@final
-class AdmissionController:
-    """Multi-tenant admission control over token pools (Cunningham 2026)."""
-
-    def __new__(
-        cls,
-        pools: list[TokenPool],
-        entitlements: list[Entitlement],
-        default_max_tokens: int = 4096,
-        window_s: float = 60.0,
-    ) -> Self: ...
-    def admit(
-        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
-    ) -> Admission: ...
-    def admit_many(
-        self,
-        entitlement_ids: npt.ArrayLike,
-        input_tokens: npt.ArrayLike,
-        max_tokens: npt.ArrayLike | None,
-        now: float,
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
-    def entitlement_id(self, name: str) -> int: ...
-    def complete(
-        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
-    ) -> None: ...
-    def evictions(self, now: float) -> list[int]: ...
-    def priority(self, entitlement: str) -> float: ...
-    def stats(self, entitlement: str) -> dict[str, float]: ...
-    def pool_in_flight(self, pool: str) -> int: ...
-    def set_state(self, entitlement: str, state: str) -> None: ...
-    def set_capacity(
-        self,
-        pool: str,
-        tokens_per_s: float | None = None,
-        kv_bytes: int | None = None,
-        concurrency: int | None = None,
-    ) -> None: ...
-    @property
-    def pools(self) -> list[TokenPool]: ...
-    @property
-    def entitlements(self) -> list[Entitlement]: ...
-    @property
-    def default_max_tokens(self) -> int: ...
-    @property
-    def window_s(self) -> float: ...
-    def to_bytes(self) -> bytes: ...
-    @staticmethod
-    def from_bytes(data: bytes) -> AdmissionController: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
+
+# --- compress-and-route (capability 8) ---------------------------------------
+
+@final
+class Compressor:
+    """Extractive prompt compression (FleetOpt section 5.2)."""
+
+    def __new__(
+        cls,
+        textrank: float = 0.2,
+        position: float = 0.4,
+        tfidf: float = 0.35,
+        novelty: float = 0.05,
+        keep_first: int = 3,
+        keep_last: int = 2,
+    ) -> Self: ...
+    def compress(
+        self,
+        text: str,
+        token_budget: int,
+        category: str | None = None,
+        bytes_per_token: float | None = None,
+    ) -> CompressionResult: ...
+    def compress_request(
+        self,
+        body: str | bytes,
+        token_budget: int,
+        category: str | None = None,
+        bytes_per_token: float | None = None,
+    ) -> RequestCompression: ...
+    @property
+    def textrank(self) -> float: ...
+    @property
+    def position(self) -> float: ...
+    @property
+    def tfidf(self) -> float: ...
+    @property
+    def novelty(self) -> float: ...
+    @property
+    def keep_first(self) -> int: ...
+    @property
+    def keep_last(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[float, float, float, float, int, int]]: ...
+
+@disjoint_base
+class CompressionSummary:
+    """Sizes and outcome shared by CompressionResult and RequestCompression."""
+
+    @property
+    def tokens_before(self) -> int: ...
+    @property
+    def tokens_after(self) -> int: ...
+    @property
+    def bytes_per_token(self) -> float: ...
+    @property
+    def status(self) -> Literal["fits", "compressed", "code", "impossible"]: ...
+    @property
+    def succeeded(self) -> bool: ...
+
+@final
+class CompressionResult(CompressionSummary):
+    """The outcome of ``Compressor.compress``."""
+
+    @property
+    def text(self) -> str: ...
+    @property
+    def kept_sentence_indices(self) -> list[int]: ...
+    @property
+    def sentences(self) -> int: ...
+
+@final
+class RequestCompression(CompressionSummary):
+    """The outcome of ``Compressor.compress_request``."""
+
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def compressed_messages(self) -> list[int]: ...
+
+@final
+class RoutedRequest:
+    """A request routed by ``TokenBudgetRouter.route_request``."""
+
+    @property
+    def decision(self) -> RouteDecision: ...
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def compression(self) -> RequestCompression | None: ...
+    @property
+    def category(self) -> str: ...
+    @property
+    def prompt_bytes(self) -> int: ...
+    @property
+    def max_output_tokens(self) -> int: ...
 
 # --- Workloads and profiles (issue 3) ---
 
@@ -782,3 +746,230 @@ def g_dual(alpha: float, arrival_rate: float, mu_short: float, mu_long: float) -
 def annual_cost_usd(
     gpus: float, price_per_gpu_hour: float, hours_per_year: float = 8760.0
 ) -> float: ...
+
+# --- Fleet simulator (issue 4) ---
+
+from collections.abc import Callable, Sequence  # noqa: E402
+
+@final
+class SimPool:
+    """A pool of identical simulated instances (vLLM engines)."""
+
+    def __new__(
+        cls,
+        name: str,
+        instances: int,
+        max_context: int,
+        max_num_seqs: int,
+        kv_blocks: int | None = None,
+        chunk: int = 512,
+        w: float = 0.008,
+        h: float = 0.00065,
+        gpus_per_instance: int = 1,
+        budget: int | None = None,
+    ) -> Self: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def instances(self) -> int: ...
+    @property
+    def max_context(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def kv_blocks(self) -> int: ...
+    @property
+    def gpus(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
+
+@final
+class SimReport:
+    """The outcome of ``simulate``: per-request arrays, per-pool figures, summaries."""
+
+    @property
+    def ttft(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def tpot(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def e2e(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def queue_wait(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def pool(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def measured(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def rejected(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def compressed(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def router_rejections(self) -> int: ...
+    @property
+    def window(self) -> tuple[float, float]: ...
+    @property
+    def makespan(self) -> float: ...
+    @property
+    def pools(self) -> list[dict[str, Any]]: ...
+    def summary(self) -> dict[str, dict[str, float]]: ...
+
+def simulate(
+    arrival_s: npt.ArrayLike,
+    input_tokens: npt.ArrayLike,
+    output_tokens: npt.ArrayLike,
+    pools: Sequence[SimPool],
+    *,
+    category: npt.ArrayLike | None = None,
+    categories: Sequence[tuple[str, float, bool]] | None = None,
+    router: str = "token-budget",
+    gamma: float = 1.5,
+    dispatch: str = "least-loaded",
+    arrivals: str = "trace",
+    rate: float | None = None,
+    seed: int = 0,
+    warmup: float = 0.2,
+    progress: Callable[[int, int], object] | None = None,
+) -> SimReport: ...
+
+# --- multi-tenant admission: token pools (capability 7) ----------------------
+
+@final
+class TokenPool:
+    """A token pool's capacity in inference-native units."""
+
+    def __new__(
+        cls,
+        name: str,
+        tokens_per_s: float,
+        kv_bytes: int,
+        concurrency: int,
+        kv_bytes_per_token: int = 0,
+    ) -> Self: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def tokens_per_s(self) -> float: ...
+    @property
+    def kv_bytes(self) -> int: ...
+    @property
+    def concurrency(self) -> int: ...
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+@final
+class Entitlement:
+    """A tenant's baseline share of one pool, with a service class and a state."""
+
+    def __new__(
+        cls,
+        name: str,
+        tenant: str,
+        pool: str,
+        service_class: str,
+        slo_target_ms: float,
+        tokens_per_s: float,
+        kv_bytes: int,
+        concurrency: int,
+        state: str = "bound",
+    ) -> Self: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def pool(self) -> str: ...
+    @property
+    def service_class(self) -> str: ...
+    @property
+    def slo_target_ms(self) -> float: ...
+    @property
+    def tokens_per_s(self) -> float: ...
+    @property
+    def kv_bytes(self) -> int: ...
+    @property
+    def concurrency(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+
+@final
+class Admission:
+    """One admission decision (status 200 admitted; 401, 403, 413, 429, 503 rejected)."""
+
+    def __new__(
+        cls,
+        admitted: bool,
+        status: int,
+        reason: str,
+        retry_after_s: float | None = None,
+        ticket: int | None = None,
+        priority: float = 0.0,
+    ) -> Self: ...
+    @property
+    def admitted(self) -> bool: ...
+    @property
+    def status(self) -> int: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def retry_after_s(self) -> float | None: ...
+    @property
+    def ticket(self) -> int | None: ...
+    @property
+    def priority(self) -> float: ...
+
+def priority_weight(
+    service_class: str,
+    slo_target_ms: float,
+    pool_mean_slo_ms: float,
+    burst: float = 0.0,
+    debt: float = 0.0,
+) -> float: ...
+
+@final
+class AdmissionController:
+    """Multi-tenant admission control over token pools (Cunningham 2026)."""
+
+    def __new__(
+        cls,
+        pools: list[TokenPool],
+        entitlements: list[Entitlement],
+        default_max_tokens: int = 4096,
+        window_s: float = 60.0,
+    ) -> Self: ...
+    def admit(
+        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
+    ) -> Admission: ...
+    def admit_many(
+        self,
+        entitlement_ids: npt.ArrayLike,
+        input_tokens: npt.ArrayLike,
+        max_tokens: npt.ArrayLike | None,
+        now: float,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+    def entitlement_id(self, name: str) -> int: ...
+    def complete(
+        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
+    ) -> None: ...
+    def evictions(self, now: float) -> list[int]: ...
+    def priority(self, entitlement: str) -> float: ...
+    def stats(self, entitlement: str) -> dict[str, float]: ...
+    def pool_in_flight(self, pool: str) -> int: ...
+    def set_state(self, entitlement: str, state: str) -> None: ...
+    def set_capacity(
+        self,
+        pool: str,
+        tokens_per_s: float | None = None,
+        kv_bytes: int | None = None,
+        concurrency: int | None = None,
+    ) -> None: ...
+    @property
+    def pools(self) -> list[TokenPool]: ...
+    @property
+    def entitlements(self) -> list[Entitlement]: ...
+    @property
+    def default_max_tokens(self) -> int: ...
+    @property
+    def window_s(self) -> float: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> AdmissionController: ...
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...

@@ -12,10 +12,18 @@ import sys
 from collections.abc import Sequence
 
 from routecore import __version__
-from routecore.commands import calibration_study, route
+from routecore.commands import (
+    assign_eval,
+    calibration_study,
+    compress,
+    plan,
+    prefix_eval,
+    route,
+    simulate,
+)
 from routecore.commands import serve as serve_command
 
-COMMANDS = [route, calibration_study]
+COMMANDS = [simulate, route, plan, compress, calibration_study, prefix_eval, assign_eval]
 COMMANDS.append(serve_command)
 
 

@@ -4,7 +4,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyString;
 
 use super::calibrate::PyCalibrator;
-use super::compress::{PyCompressor, PyRoutedRequest};
+use super::compress::{PyCompressor, PyRequestCompression, PyRoutedRequest};
 use super::{int_array, text_bytes};
 use crate::budget::{Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS};
 use crate::calibrate::DEFAULT_MAX_CATEGORIES;
@@ -257,7 +257,10 @@ impl PyTokenBudgetRouter {
         Ok(PyRoutedRequest {
             decision: Py::new(py, self.decision(py, r.decision))?,
             body: r.body,
-            compression: r.compression,
+            compression: r
+                .compression
+                .map(|c| PyRequestCompression::new(py, c))
+                .transpose()?,
             category: r.request.category,
             prompt_bytes: r.request.prompt_bytes,
             max_output_tokens: r.request.max_output_tokens,

@@ -1,10 +1,11 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
+use pyo3::PyClassInitializer;
 
 use super::budget::PyRouteDecision;
 use super::text_bytes;
-use crate::compress::{Compression, Compressor, RequestCompression, Weights};
+use crate::compress::{Compression, Compressor, RequestCompression, Summary, Weights};
 
 /// Extractive prompt compression (FleetOpt section 5.2).
 ///
@@ -71,12 +72,12 @@ impl PyCompressor {
         token_budget: i64,
         category: Option<&str>,
         bytes_per_token: Option<f64>,
-    ) -> PyResult<PyCompressionResult> {
-        let inner = py.detach(|| {
+    ) -> PyResult<Py<PyCompressionResult>> {
+        let c = py.detach(|| {
             self.inner
                 .compress(text, token_budget, category, bytes_per_token)
         })?;
-        Ok(PyCompressionResult { inner })
+        PyCompressionResult::new(py, c)
     }
 
     /// Compresses an OpenAI chat or completion body (str or bytes) so its
@@ -93,13 +94,13 @@ impl PyCompressor {
         token_budget: i64,
         category: Option<&str>,
         bytes_per_token: Option<f64>,
-    ) -> PyResult<PyRequestCompression> {
+    ) -> PyResult<Py<PyRequestCompression>> {
         let bytes = text_bytes(body, "body")?;
-        let inner = py.detach(|| {
+        let c = py.detach(|| {
             self.inner
                 .compress_request(bytes, token_budget, category, bytes_per_token)
         })?;
-        Ok(PyRequestCompression { inner })
+        PyRequestCompression::new(py, c)
     }
 
     #[getter]
@@ -157,114 +158,130 @@ impl PyCompressor {
     }
 }
 
-/// The outcome of ``Compressor.compress``.
-///
-/// ``text``: the output (the input itself unless ``status`` is
-/// "compressed"). ``status``: "fits" (already within the budget),
-/// "compressed", "code" (never compressed) or "impossible" (the first and
-/// last sentences alone exceed the budget). ``succeeded``: the output is
-/// within the budget. ``kept_sentence_indices``: 0-based, ascending.
-#[pyclass(frozen, name = "CompressionResult", module = "routecore")]
+/// Sizes and outcome shared by ``CompressionResult`` and
+/// ``RequestCompression``: prompt ``tokens_before`` and ``tokens_after`` by
+/// the estimate ``ceil(bytes / bytes_per_token)``; ``status``: "fits" (already
+/// within the budget), "compressed", "code" (never compressed) or
+/// "impossible" (what must stay exceeds the budget); ``succeeded``: the output
+/// is within the budget.
+#[pyclass(frozen, subclass, name = "CompressionSummary", module = "routecore")]
+pub struct PyCompressionSummary {
+    inner: Summary,
+}
+
+#[pymethods]
+impl PyCompressionSummary {
+    #[getter]
+    fn tokens_before(&self) -> u64 {
+        self.inner.tokens_before
+    }
+    #[getter]
+    fn tokens_after(&self) -> u64 {
+        self.inner.tokens_after
+    }
+    #[getter]
+    fn bytes_per_token(&self) -> f64 {
+        self.inner.bytes_per_token
+    }
+    #[getter]
+    fn status(&self) -> &'static str {
+        self.inner.status.as_str()
+    }
+    #[getter]
+    fn succeeded(&self) -> bool {
+        self.inner.status.succeeded()
+    }
+}
+
+impl PyCompressionSummary {
+    fn repr(&self, name: &str, extra: String) -> String {
+        let r = &self.inner;
+        format!(
+            "{name}(status={:?}, tokens_before={}, tokens_after={}, {extra})",
+            r.status.as_str(),
+            r.tokens_before,
+            r.tokens_after,
+        )
+    }
+}
+
+/// The outcome of ``Compressor.compress`` (see ``CompressionSummary``):
+/// ``text`` (the input itself unless ``status`` is "compressed") and
+/// ``kept_sentence_indices`` (0-based, ascending) of its ``sentences``.
+#[pyclass(frozen, extends = PyCompressionSummary, name = "CompressionResult", module = "routecore")]
 pub struct PyCompressionResult {
-    inner: Compression,
+    text: String,
+    kept: Vec<usize>,
+    sentences: usize,
+}
+
+impl PyCompressionResult {
+    fn new(py: Python<'_>, c: Compression) -> PyResult<Py<Self>> {
+        let base = PyCompressionSummary { inner: c.summary };
+        let this = Self {
+            text: c.text,
+            kept: c.kept,
+            sentences: c.sentences,
+        };
+        Py::new(py, PyClassInitializer::from(base).add_subclass(this))
+    }
 }
 
 #[pymethods]
 impl PyCompressionResult {
     #[getter]
     fn text(&self) -> &str {
-        &self.inner.text
-    }
-    #[getter]
-    fn tokens_before(&self) -> u64 {
-        self.inner.tokens_before
-    }
-    #[getter]
-    fn tokens_after(&self) -> u64 {
-        self.inner.tokens_after
+        &self.text
     }
     #[getter]
     fn kept_sentence_indices(&self) -> Vec<usize> {
-        self.inner.kept.clone()
+        self.kept.clone()
     }
     #[getter]
     fn sentences(&self) -> usize {
-        self.inner.sentences
+        self.sentences
     }
-    #[getter]
-    fn bytes_per_token(&self) -> f64 {
-        self.inner.bytes_per_token
-    }
-    #[getter]
-    fn status(&self) -> &'static str {
-        self.inner.status.as_str()
-    }
-    #[getter]
-    fn succeeded(&self) -> bool {
-        self.inner.status.succeeded()
-    }
-    fn __repr__(&self) -> String {
-        let r = &self.inner;
-        format!(
-            "CompressionResult(status={:?}, tokens_before={}, tokens_after={}, kept={}/{})",
-            r.status.as_str(),
-            r.tokens_before,
-            r.tokens_after,
-            r.kept.len(),
-            r.sentences
-        )
+    fn __repr__(slf: &Bound<'_, Self>) -> String {
+        let this = slf.get();
+        let extra = format!("kept={}/{}", this.kept.len(), this.sentences);
+        slf.as_super().get().repr("CompressionResult", extra)
     }
 }
 
-/// The outcome of ``Compressor.compress_request``: ``body`` (bytes, the
-/// original unless ``status`` is "compressed"), prompt ``tokens_before`` and
-/// ``tokens_after`` by the estimate, ``compressed_messages`` (indices of the
-/// messages, or prompt items, whose text changed), ``status`` and
-/// ``succeeded`` as in ``CompressionResult``.
-#[pyclass(frozen, name = "RequestCompression", module = "routecore")]
+/// The outcome of ``Compressor.compress_request`` (see
+/// ``CompressionSummary``): ``body`` (bytes, the original unless ``status`` is
+/// "compressed") and ``compressed_messages`` (indices of the messages, or
+/// prompt items, whose text changed).
+#[pyclass(frozen, extends = PyCompressionSummary, name = "RequestCompression", module = "routecore")]
 pub struct PyRequestCompression {
-    inner: RequestCompression,
+    body: Vec<u8>,
+    compressed: Vec<usize>,
+}
+
+impl PyRequestCompression {
+    pub fn new(py: Python<'_>, c: RequestCompression) -> PyResult<Py<Self>> {
+        let base = PyCompressionSummary { inner: c.summary };
+        let this = Self {
+            body: c.body,
+            compressed: c.compressed,
+        };
+        Py::new(py, PyClassInitializer::from(base).add_subclass(this))
+    }
 }
 
 #[pymethods]
 impl PyRequestCompression {
     #[getter]
     fn body<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &self.inner.body)
-    }
-    #[getter]
-    fn tokens_before(&self) -> u64 {
-        self.inner.tokens_before
-    }
-    #[getter]
-    fn tokens_after(&self) -> u64 {
-        self.inner.tokens_after
+        PyBytes::new(py, &self.body)
     }
     #[getter]
     fn compressed_messages(&self) -> Vec<usize> {
-        self.inner.compressed.clone()
+        self.compressed.clone()
     }
-    #[getter]
-    fn bytes_per_token(&self) -> f64 {
-        self.inner.bytes_per_token
-    }
-    #[getter]
-    fn status(&self) -> &'static str {
-        self.inner.status.as_str()
-    }
-    #[getter]
-    fn succeeded(&self) -> bool {
-        self.inner.status.succeeded()
-    }
-    fn __repr__(&self) -> String {
-        let r = &self.inner;
-        format!(
-            "RequestCompression(status={:?}, tokens_before={}, tokens_after={}, compressed_messages={:?})",
-            r.status.as_str(),
-            r.tokens_before,
-            r.tokens_after,
-            r.compressed
-        )
+    fn __repr__(slf: &Bound<'_, Self>) -> String {
+        let extra = format!("compressed_messages={:?}", slf.get().compressed);
+        slf.as_super().get().repr("RequestCompression", extra)
     }
 }
 
@@ -278,7 +295,8 @@ pub struct PyRoutedRequest {
     #[pyo3(get)]
     pub decision: Py<PyRouteDecision>,
     pub body: Vec<u8>,
-    pub compression: Option<RequestCompression>,
+    #[pyo3(get)]
+    pub compression: Option<Py<PyRequestCompression>>,
     #[pyo3(get)]
     pub category: &'static str,
     #[pyo3(get)]
@@ -292,12 +310,6 @@ impl PyRoutedRequest {
     #[getter]
     fn body<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.body)
-    }
-    #[getter]
-    fn compression(&self) -> Option<PyRequestCompression> {
-        self.compression
-            .clone()
-            .map(|inner| PyRequestCompression { inner })
     }
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(

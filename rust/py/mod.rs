@@ -3,6 +3,7 @@
 //! exactly one place (`From<Error> for PyErr`).
 
 pub mod admission;
+pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
@@ -12,6 +13,7 @@ pub mod planner;
 pub mod prefix;
 pub mod profile;
 pub mod queueing;
+pub mod sim;
 pub mod vtc;
 pub mod workload;
 
@@ -78,6 +80,47 @@ pub fn text_bytes<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8
     } else {
         Err(PyTypeError::new_err(format!("{what} must be str or bytes")))
     }
+}
+
+/// An array-like of real numbers (float, int or unsigned dtype; bools,
+/// complex, objects and strings refused) as a row-major Vec of `T` ("float64"
+/// or "float32", named by `dtype`) and its shape, which must have `ndim`
+/// dimensions. An array already of that dtype is read without a round trip
+/// through `numpy.asarray`.
+pub fn real_array<T: numpy::Element + Copy>(
+    obj: &Bound<'_, PyAny>,
+    ndim: usize,
+    dtype: &str,
+    what: &str,
+) -> PyResult<(Vec<T>, Vec<usize>)> {
+    let arr = if let Ok(a) = obj.extract::<numpy::PyReadonlyArrayDyn<'_, T>>() {
+        a
+    } else {
+        let np = obj.py().import("numpy")?;
+        let arr = np.call_method1("asarray", (obj,))?;
+        let dtype_obj = arr.getattr("dtype")?;
+        let kind: String = dtype_obj.getattr("kind")?.extract()?;
+        if !matches!(kind.as_str(), "f" | "i" | "u") {
+            return Err(PyValueError::new_err(format!(
+                "{what} must hold real numbers, got dtype {}",
+                dtype_obj.str()?
+            )));
+        }
+        arr.call_method1("astype", (dtype,))?.extract()?
+    };
+    let view = arr.as_array();
+    if view.ndim() != ndim {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be {ndim}-D, got {} dimensions",
+            view.ndim()
+        )));
+    }
+    // a contiguous array is one copy; iterating a dynamic-rank view is slow
+    let data = match view.as_slice() {
+        Some(s) => s.to_vec(),
+        None => view.iter().copied().collect(),
+    };
+    Ok((data, view.shape().to_vec()))
 }
 
 /// A non-negative integer argument as `usize`; a clear ValueError otherwise.
@@ -155,26 +198,8 @@ pub fn reduce<'py, T: pyo3::PyClass>(
     PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
 }
 
-/// A 1-D NumPy array (or anything `numpy.asarray` takes) of real numbers, as
-/// f64. Bool, complex, object and string dtypes are refused; NaN is left to the core.
+/// A 1-D array-like of real numbers as f64 (see `real_array`); NaN is left
+/// to the core.
 pub fn float_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f64>> {
-    let np = obj.py().import("numpy")?;
-    let arr = np.call_method1("asarray", (obj,))?;
-    let ndim: usize = arr.getattr("ndim")?.extract()?;
-    if ndim != 1 {
-        return Err(PyValueError::new_err(format!(
-            "{what} must be 1-D, got {ndim} dimensions"
-        )));
-    }
-    let dtype = arr.getattr("dtype")?;
-    let kind: String = dtype.getattr("kind")?.extract()?;
-    if !matches!(kind.as_str(), "i" | "u" | "f") {
-        return Err(PyValueError::new_err(format!(
-            "{what} must have a real numeric dtype, got {}",
-            dtype.str()?
-        )));
-    }
-    let arr = arr.call_method1("astype", ("float64",))?;
-    let arr: PyReadonlyArray1<'_, f64> = arr.extract()?;
-    Ok(arr.as_array().to_vec())
+    real_array::<f64>(obj, 1, "float64", what).map(|(data, _)| data)
 }

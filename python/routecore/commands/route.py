@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Iterable
 from importlib import resources
 
-from routecore._core import Pool, TokenBudgetRouter, parse_openai_request
+from routecore._core import Compressor, Pool, TokenBudgetRouter
 
 NAME = "route"
 HELP = (
@@ -53,6 +53,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=4096,
         help="output bound for requests that set none (default 4096)",
     )
+    p.add_argument(
+        "--compress-band",
+        type=float,
+        metavar="GAMMA",
+        help="compress-and-route: compress prose requests whose L_total is in "
+        "(B, GAMMA*B] of a smaller pool down to B - max_tokens and route them there",
+    )
+    p.add_argument(
+        "--bodies-out",
+        metavar="FILE",
+        help="write the body each request is sent with (compressed or not), one a line",
+    )
 
 
 def sample_lines() -> list[str]:
@@ -61,37 +73,51 @@ def sample_lines() -> list[str]:
     return text.splitlines()
 
 
-def route_lines(router: TokenBudgetRouter, lines: Iterable[str], default_max_tokens: int):
-    """Yields one result dict per non-blank line: a decision, or an error."""
+def route_lines(
+    router: TokenBudgetRouter,
+    lines: Iterable[str],
+    default_max_tokens: int,
+    compressor: Compressor | None = None,
+):
+    """Yields (result dict, body to send) per non-blank line: a decision with the
+    body it is sent with (compressed on a "compress" decision), or an error."""
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            req = parse_openai_request(line, default_max_tokens)
-            if req["prompt_tokens"] is not None:
-                d = router.route_tokens(req["prompt_tokens"], req["max_output_tokens"])
-            else:
-                d = router.route(req["prompt_bytes"], req["category"], req["max_output_tokens"])
+            routed = router.route_request(line, compressor, default_max_tokens)
         except ValueError as e:
-            yield {"line": n, "error": str(e)}
+            yield {"line": n, "error": str(e)}, None
             continue
-        yield {
+        d = routed.decision
+        result = {
             "line": n,
             "pool": d.pool,
             "rejected": d.rejected,
             "reason": d.reason,
-            "category": req["category"],
-            "prompt_bytes": req["prompt_bytes"],
+            "category": routed.category,
+            "prompt_bytes": routed.prompt_bytes,
             "est_input_tokens": d.est_input_tokens,
             "est_output_tokens": d.est_output_tokens,
             "est_total_tokens": d.est_total_tokens,
             "spilled": d.spilled,
+            "action": d.action,
         }
+        c = routed.compression
+        if c is not None:
+            result["compression"] = {
+                "status": c.status,
+                "target_tokens": d.compress_target_tokens,
+                "tokens_before": c.tokens_before,
+                "tokens_after": c.tokens_after,
+                "compressed_messages": c.compressed_messages,
+            }
+        yield result, routed.body
 
 
 def run(args: argparse.Namespace) -> int:
     pools = args.pool or [parse_pool(s) for s in DEFAULT_POOLS]
-    router = TokenBudgetRouter(pools)
+    router = TokenBudgetRouter(pools, compress_band=args.compress_band)
     if args.file is None:
         lines: Iterable[str] = sample_lines()
     elif args.file == "-":
@@ -99,9 +125,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         lines = open(args.file, encoding="utf-8")  # noqa: SIM115 - closed at exit
     counts: Counter[str] = Counter()
-    for result in route_lines(router, lines, args.default_max_tokens):
+    bodies = open(args.bodies_out, "wb") if args.bodies_out else None  # noqa: SIM115
+    for result, body in route_lines(router, lines, args.default_max_tokens):
         print(json.dumps(result))
         counts[result.get("pool") or ("error" if "error" in result else "rejected")] += 1
+        if result.get("action") == "compress":
+            counts["compressed"] += 1
+        if bodies is not None and body is not None:
+            bodies.write(body.rstrip(b"\n") + b"\n")
+    if bodies is not None:
+        bodies.close()
     summary = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
     print(f"routed {sum(counts.values())} requests ({summary})", file=sys.stderr)
     return 1 if counts["error"] else 0

@@ -1,0 +1,155 @@
+"""The fleet simulator's model in plain Python: one pool of vLLM-style
+continuous-batching instances stepped iteration by iteration (as the papers'
+own eval/simulator.py does), least-loaded dispatch with a rotating tie-break,
+the same rules as routecore's `sim` module: FCFS admission when a slot and the
+prompt's 16-token KV blocks are free, decode reservation that preempts the
+newest sequence, one prefill chunk of C tokens per iteration shared in
+admission order, t_iter = W + H * n_active, the first token sampled by the
+iteration that finishes the prompt."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+
+
+def blocks(tokens):
+    return -(-tokens // 16)
+
+
+class Seq:
+    __slots__ = ("req", "inp", "out", "gen", "prompt", "done", "blocks")
+
+    def __init__(self, req, inp, out):
+        self.req, self.inp, self.out = req, inp, out
+        self.gen, self.prompt, self.done, self.blocks = 0, inp, 0, 0
+
+
+class Instance:
+    def __init__(self, slots, kv_blocks, chunk):
+        self.slots, self.free, self.chunk = slots, kv_blocks, chunk
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.busy = False
+        self.leaving: list[Seq] = []
+
+    def load(self):
+        return len(self.running) + len(self.waiting)
+
+    def preempt_last(self):
+        s = self.running.pop()
+        self.free += s.blocks
+        s.blocks, s.done, s.prompt = 0, 0, s.inp + s.gen
+        self.waiting.appendleft(s)
+
+    def step(self, now, w, h, first_token, admitted):
+        """Plans one iteration at `now`; returns its duration or None."""
+        while self.waiting:
+            head = self.waiting[0]
+            need = blocks(head.prompt)
+            if len(self.running) >= self.slots or need > self.free:
+                break
+            self.waiting.popleft()
+            self.free -= need
+            head.blocks = need
+            if math.isnan(admitted[head.req]):
+                admitted[head.req] = now
+            self.running.append(head)
+        i = 0
+        while i < len(self.running):
+            s = self.running[i]
+            if s.done == s.prompt:
+                extra = blocks(s.inp + s.gen) - s.blocks
+                while extra > self.free and len(self.running) > i + 1:
+                    self.preempt_last()
+                if extra > self.free:
+                    self.preempt_last()
+                    break
+                self.free -= extra
+                s.blocks += extra
+            i += 1
+        budget, active = self.chunk, 0
+        for s in self.running:
+            if s.done < s.prompt:
+                if budget == 0:
+                    continue
+                take = min(budget, s.prompt - s.done)
+                s.done += take
+                budget -= take
+                if s.done < s.prompt:
+                    active += 1
+                    continue
+            active += 1
+            s.gen += 1
+        if active == 0:
+            return None
+        dt = w + h * active
+        end = now + dt
+        keep = []
+        for s in self.running:
+            if s.done == s.prompt:
+                if s.gen == 1 and s.prompt == s.inp:
+                    first_token[s.req] = end
+                if s.gen >= s.out:
+                    self.leaving.append(s)
+                    continue
+            keep.append(s)
+        self.pending = keep
+        return dt
+
+    def end(self, finished, now):
+        self.running = self.pending
+        for s in self.leaving:
+            self.free += s.blocks
+            finished[s.req] = now
+        self.leaving = []
+
+
+def simulate(arrival, inp, out, instances, slots, max_context, w=0.008, h=0.00065, chunk=512):
+    """Returns (ttft, e2e) lists, NaN for requests above max_context."""
+    n = len(arrival)
+    nan = float("nan")
+    first, finished, admitted = [nan] * n, [nan] * n, [nan] * n
+    pool = [Instance(slots, slots * blocks(max_context), chunk) for _ in range(instances)]
+    heap: list[tuple[float, int, int]] = []
+    version = [0] * instances
+    cursor = 0
+    k = 0
+    while k < n or heap:
+        if k < n and (not heap or arrival[k] <= heap[0][0]):
+            t = arrival[k]
+            if inp[k] + out[k] <= max_context:
+                start = cursor % instances
+                best, best_load = start, None
+                for j in range(instances):
+                    c = (start + j) % instances
+                    load = pool[c].load()
+                    if best_load is None or load < best_load:
+                        best, best_load = c, load
+                        if load == 0:
+                            break
+                cursor = best + 1
+                inst = pool[best]
+                inst.waiting.append(Seq(k, int(inp[k]), int(out[k])))
+                if not inst.busy:
+                    inst.busy = True
+                    inst.pending = inst.running
+                    version[best] += 1
+                    heapq.heappush(heap, (t, best, version[best]))
+            k += 1
+            continue
+        t, i, v = heapq.heappop(heap)
+        if v != version[i]:
+            continue
+        inst = pool[i]
+        inst.end(finished, t)
+        dt = inst.step(t, w, h, first, admitted)
+        if dt is None:
+            inst.busy = False
+        else:
+            version[i] += 1
+            heapq.heappush(heap, (t + dt, i, version[i]))
+    ttft = [f - a for f, a in zip(first, arrival)]
+    e2e = [f - a for f, a in zip(finished, arrival)]
+    return ttft, e2e

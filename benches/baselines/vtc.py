@@ -1,0 +1,57 @@
+"""Plain-Python VTC (vtc-basic) routing: per-user deques of window buckets and
+the same score as routecore.VtcRouter, with min / max over users computed on
+every call (the straightforward way)."""
+
+import math
+from collections import deque
+
+
+class VtcRouter:
+    BUCKETS = 10
+
+    def __init__(
+        self,
+        pods,
+        window_s=300.0,
+        input_weight=1.0,
+        output_weight=2.0,
+        min_tokens=1000.0,
+        max_tokens=8000.0,
+        fairness_weight=1.0,
+        utilization_weight=1.0,
+        max_pod_load=100.0,
+    ):
+        self.pods = list(pods)
+        self.running = [0] * len(self.pods)
+        self.width = window_s / self.BUCKETS
+        self.iw, self.ow = input_weight, output_weight
+        self.min_tokens, self.max_tokens = min_tokens, max_tokens
+        self.fw, self.uw, self.load = fairness_weight, utilization_weight, max_pod_load
+        self.users: dict[str, deque] = {}
+
+    def _count(self, buckets, oldest):
+        while buckets and buckets[0][0] < oldest:
+            buckets.popleft()
+        return sum(t for _, t in buckets)
+
+    def route(self, user, input_tokens, output_tokens, now=0.0):
+        bucket = math.floor(now / self.width)
+        oldest = bucket - self.BUCKETS + 1
+        counts = {u: self._count(b, oldest) for u, b in self.users.items()}
+        active = [c for u, c in counts.items() if self.users[u]]
+        lo, hi = (min(active), max(active)) if active else (self.min_tokens, self.max_tokens)
+        size = max(self.min_tokens, (lo + hi) / 2)
+        n = len(self.pods)
+        x = min(counts.get(user, 0.0) / size, n - 1)
+        scores = [
+            self.fw * abs(i - x) + self.uw * min(self.running[i] / self.load, 1.0) for i in range(n)
+        ]
+        pod = scores.index(min(scores))
+        b = self.users.setdefault(user, deque())
+        charge = self.iw * input_tokens + self.ow * output_tokens
+        if b and b[-1][0] == bucket:
+            b[-1][1] += charge
+        else:
+            b.append([bucket, charge])
+        self.running[pod] += 1
+        return self.pods[pod]

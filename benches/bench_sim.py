@@ -1,0 +1,53 @@
+"""Fleet simulator: routecore beside the plain-Python discrete-event simulator
+of the same model (benches/baselines/sim.py), same trace slice, same run; and
+the default ``routecore simulate`` end to end.
+
+Run: .venv/bin/python -m pytest benches/bench_sim.py
+"""
+
+import numpy as np
+import pytest
+
+from benches.baselines import sim as baseline
+from routecore import SimPool, Workload, simulate
+from routecore.cli import main
+from routecore.commands.simulate import trace_arrays
+
+N = 5_000
+RATE = 100.0  # requests/s on 22 instances of 16 slots at 64K (~0.8 of capacity)
+INSTANCES, SLOTS, CONTEXT = 22, 16, 65536
+
+
+def azure_slice():
+    t = trace_arrays(Workload.azure_2023(), N)
+    span = t.arrival_s[-1] - t.arrival_s[0]
+    # The trace's timestamps scaled to RATE, as simulate(rate=...) does.
+    arrival = (t.arrival_s - t.arrival_s[0]) * ((N - 1) / span / RATE)
+    return arrival, t.input_tokens, t.output_tokens
+
+
+@pytest.mark.benchmark(group="simulate: 5,000 Azure requests, one pool of 22")
+def test_simulate_routecore(benchmark):
+    arrival, inp, out = azure_slice()
+    pools = [SimPool("homogeneous", INSTANCES, CONTEXT, SLOTS)]
+    rep = benchmark(simulate, arrival, inp, out, pools, router="homogeneous", warmup=0.0)
+    # The same model: the plain-Python simulator gives the same latencies.
+    ttft, e2e = baseline.simulate(arrival.tolist(), inp.tolist(), out.tolist(), INSTANCES,
+                                  SLOTS, CONTEXT)  # fmt: skip
+    np.testing.assert_allclose(rep.e2e, e2e, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(rep.ttft, ttft, rtol=0, atol=1e-6)
+
+
+@pytest.mark.benchmark(group="simulate: 5,000 Azure requests, one pool of 22")
+def test_simulate_plain_python(benchmark):
+    arrival, inp, out = azure_slice()
+    args = (arrival.tolist(), inp.tolist(), out.tolist(), INSTANCES, SLOTS, CONTEXT)
+    ttft, e2e = benchmark.pedantic(baseline.simulate, args, rounds=3, iterations=1)
+    assert np.isfinite(e2e).all()
+
+
+@pytest.mark.benchmark(group="routecore simulate (default: 3 fleets, 120,000 requests each)")
+def test_simulate_command_default(benchmark, capsys):
+    code = benchmark.pedantic(main, (["simulate", "--quiet"],), rounds=3, iterations=1)
+    assert code == 0
+    assert "fleetopt" in capsys.readouterr().out

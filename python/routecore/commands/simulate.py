@@ -1,0 +1,434 @@
+"""``routecore simulate``: three fleets side by side in the fleet simulator.
+
+With no arguments: the Azure LLM inference trace 2023 at 1,000 req/s on
+Llama-3-70B / A100-80GB, as (1) a homogeneous 64K fleet, (2) token-budget pool
+routing and (3) the FleetOpt optimum with compress-and-route, each sized by the
+planner and then simulated request by request with routecore's own router in
+the loop. Prints a table (or ``--json``), draws ``--plot DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from routecore._core import Profile, SimPool, SimReport, Workload, plan, simulate
+from routecore.profiles import load_profile
+
+NAME = "simulate"
+HELP = (
+    "Simulate a homogeneous fleet, token-budget pool routing and the FleetOpt optimum "
+    "with compress-and-route on a trace (default: Azure 2023 at 1,000 req/s, "
+    "Llama-3-70B on A100) and compare GPUs, cost, latency and utilization."
+)
+
+FLEETS = ("homogeneous", "pool-routing", "fleetopt")
+# True bytes per token of each trace category (token-budget paper, Table 4:
+# English prose 4.48, source code 3.52; anything else "mixed", 3.81).
+BYTES_PER_TOKEN = {"conversation": 4.48, "code": 3.52}
+MIXED_BYTES_PER_TOKEN = 3.81
+HOURS_PER_YEAR = 8760.0
+
+
+@dataclass
+class PoolSpec:
+    name: str
+    gpus: int
+    max_context: int
+    slots: int
+    utilization_analytical: float
+
+
+@dataclass
+class FleetSpec:
+    name: str
+    router: str
+    gamma: float
+    b_short: int
+    pools: list[PoolSpec] = field(default_factory=list)
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.gpus for p in self.pools)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace",
+        default="azure-2023",
+        help="'azure-2023' (the shipped trace) or a CSV with ContextTokens and "
+        "GeneratedTokens columns (default azure-2023)",
+    )
+    p.add_argument("--rate", type=float, default=1000.0, help="requests/s (default 1000)")
+    p.add_argument(
+        "--arrivals",
+        choices=("trace", "poisson"),
+        default="trace",
+        help="the trace's own timestamps scaled to --rate, or a Poisson process "
+        "(default trace; poisson when the trace has no timestamps)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=120.0,
+        help="simulated seconds of arrivals: rate x DURATION requests, the trace repeated "
+        "end to end as needed (default 120, long enough for steady state)",
+    )
+    p.add_argument("--profile", help="profile TOML (default: Llama-3-70B on A100-80GB)")
+    p.add_argument(
+        "--fleet",
+        action="append",
+        choices=FLEETS,
+        help="a fleet to simulate (repeat; default all three)",
+    )
+    p.add_argument(
+        "--router",
+        choices=("token-budget", "compress-and-route"),
+        help="router in front of the two-pool fleets (default: token-budget for "
+        "pool-routing, compress-and-route for fleetopt)",
+    )
+    p.add_argument(
+        "--dispatch",
+        choices=("least-loaded", "round-robin", "random"),
+        default="least-loaded",
+        help="instance choice inside a pool (default least-loaded)",
+    )
+    p.add_argument("--b-short", type=int, help="short-pool boundary B (default: the planner's)")
+    p.add_argument("--gamma", type=float, help="compress-and-route band (default: the planner's)")
+    p.add_argument(
+        "--no-compress-code",
+        action="store_true",
+        help="never compress code (plan with p_c = 0 for it); default: p_c = 1, as FleetOpt "
+        "evaluates Azure",
+    )
+    p.add_argument("--homogeneous-gpus", type=int, help="override the homogeneous size")
+    p.add_argument("--short-gpus", type=int, help="override the short pools' size")
+    p.add_argument("--long-gpus", type=int, help="override the long pools' size")
+    p.add_argument("--rho-max", type=float, default=0.85, help="utilization cap (0.85)")
+    p.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=2.0,
+        help="P99 TTFT target for the planner and per-request SLO, s (2.0, the token-budget "
+        "paper's)",
+    )
+    p.add_argument("--slo-tpot", type=float, default=0.08, help="TPOT target, s (0.08)")
+    p.add_argument("--warmup", type=float, default=0.2, help="warm-up fraction (0.2)")
+    p.add_argument("--seed", type=int, default=42, help="seed (42)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="DIR", help="write latency CDFs and utilization PNGs")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def load_trace(spec: str) -> Workload:
+    if spec == "azure-2023":
+        return Workload.azure_2023()
+    return Workload.from_csv(spec)
+
+
+def plan_fleets(w: Workload, profile: Profile, args: argparse.Namespace) -> list[FleetSpec]:
+    """The three fleets, sized by the FleetOpt planner (``routecore.plan``) for
+    the trace at the rate and the P99 TTFT target: its homogeneous fleet, its
+    best pool-routing fleet (gamma = 1) and its optimum over (B_short, gamma)
+    with compress-and-route. ``--b-short`` / ``--gamma`` restrict the sweep;
+    the ``--*-gpus`` flags override sizes. Pools the plan gives 0 GPUs are left
+    out."""
+    p_c_by_category = {"code": 0.0} if args.no_compress_code else None
+    result = plan(
+        w, args.rate, args.slo_ttft, profile,
+        b_short=[args.b_short] if args.b_short else None,
+        gammas=sorted({1.0, args.gamma}) if args.gamma else None,
+        p_c_by_category=p_c_by_category, rho_max=args.rho_max,
+    )  # fmt: skip
+    chosen = {
+        "homogeneous": result.homogeneous,
+        "pool-routing": result.pool_routing,
+        "fleetopt": result.best,
+    }
+    fleets = []
+    for name in args.fleet or FLEETS:
+        c = chosen[name]
+        if c is None:
+            raise ValueError(f"the planner found no feasible {name} fleet; relax --slo-ttft")
+        pools = [
+            PoolSpec("short", args.short_gpus or c.n_short, c.context_short, c.slots_short,
+                     c.utilization_short * c.n_short / (args.short_gpus or c.n_short or 1)),
+            PoolSpec("long", args.long_gpus or c.n_long, c.context_long, c.slots_long,
+                     c.utilization_long * c.n_long / (args.long_gpus or c.n_long or 1)),
+        ]  # fmt: skip
+        if name == "homogeneous":
+            pools = [pools[1]]
+            pools[0].name = "homogeneous"
+            if args.homogeneous_gpus:
+                pools[0].utilization_analytical *= c.n_long / args.homogeneous_gpus
+                pools[0].gpus = args.homogeneous_gpus
+            router = "homogeneous"
+        else:
+            pools = [p for p in pools if p.gpus > 0]
+            router = args.router or ("compress-and-route" if c.gamma > 1 else "token-budget")
+        fleets.append(FleetSpec(name, router, c.gamma, c.b_short, pools))
+    return fleets
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label, self.enabled = label, enabled
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        print(f"\r{self.label:<14} [{bar:<30}] {100 * frac:5.1f}%", end="", file=sys.stderr)
+        if done >= total:
+            print(file=sys.stderr)
+
+
+@dataclass
+class Trace:
+    """The requests to simulate, as arrays: arrival times (None: Poisson), input
+    and output tokens, category index per request, and the category names."""
+
+    arrival_s: np.ndarray | None
+    input_tokens: np.ndarray
+    output_tokens: np.ndarray
+    category: np.ndarray
+    names: list[str]
+
+
+def trace_arrays(w: Workload, n: int) -> Trace:
+    """The first ``n`` requests of the workload, repeating it end to end when
+    ``n`` is larger (each copy shifted by the trace's span plus one mean gap,
+    so the arrival pattern repeats). Outputs of 0 tokens count as 1."""
+    copies = -(-n // len(w))
+    names = w.category_names or ["default"]
+    if w.categories is None:
+        cat = np.zeros(len(w), dtype=np.int64)
+    else:
+        index = {c: i for i, c in enumerate(names)}
+        cat = np.array([index[c] for c in w.categories], dtype=np.int64)
+    arrival = w.arrival_s
+    if arrival is not None:
+        span = float(arrival[-1] - arrival[0])
+        period = span + span / max(len(w) - 1, 1)
+        arrival = np.concatenate([arrival + k * period for k in range(copies)])[:n]
+    return Trace(
+        arrival,
+        np.tile(w.input_tokens, copies)[:n],
+        np.maximum(np.tile(w.output_tokens, copies)[:n], 1),
+        np.tile(cat, copies)[:n],
+        names,
+    )
+
+
+def run_fleet(
+    fleet: FleetSpec, trace: Trace, profile: Profile, args: argparse.Namespace
+) -> SimReport:
+    categories = [
+        (
+            c,
+            BYTES_PER_TOKEN.get(c, MIXED_BYTES_PER_TOKEN),
+            not (args.no_compress_code and c == "code"),
+        )
+        for c in trace.names
+    ]
+    arrivals = args.arrivals if trace.arrival_s is not None else "poisson"
+    arrival = trace.arrival_s if trace.arrival_s is not None else np.zeros(trace.category.size)
+    pools = [
+        SimPool(
+            p.name,
+            p.gpus,
+            p.max_context,
+            p.slots,
+            chunk=profile.c_chunk,
+            w=profile.w_s,
+            h=profile.h_s,
+            budget=p.max_context,
+        )  # fmt: skip
+        for p in fleet.pools
+    ]
+    return simulate(
+        arrival, trace.input_tokens, trace.output_tokens, pools, category=trace.category,
+        categories=categories, router=fleet.router, gamma=fleet.gamma, dispatch=args.dispatch,
+        arrivals=arrivals, rate=args.rate, seed=args.seed, warmup=args.warmup,
+        progress=Progress(fleet.name, not args.quiet),
+    )  # fmt: skip
+
+
+def fleet_result(
+    fleet: FleetSpec,
+    report: SimReport,
+    profile: Profile,
+    baseline_gpus: int | None,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    s = report.summary()
+    m = report.measured
+    ttft, tpot = report.ttft[m], report.tpot[m]
+    # A request meets the SLO when served with TTFT and TPOT (if any) in bounds.
+    ok = (ttft <= args.slo_ttft) & ~(tpot > args.slo_tpot)
+    pools = []
+    for spec, sim in zip(fleet.pools, report.pools):
+        pools.append(
+            {
+                "name": spec.name,
+                "gpus": spec.gpus,
+                "max_context": spec.max_context,
+                "slots": spec.slots,
+                "requests": sim["requests"],
+                "utilization_simulated": sim["utilization_simulated"],
+                "utilization_analytical": spec.utilization_analytical,
+                "utilization_consistent": sim["utilization_consistent"],
+                "preemptions": sim["preemptions"],
+                "rejections": sim["rejections"],
+                "compressed": sim["compressed"],
+            }
+        )
+    cost = fleet.gpus * profile.price_per_gpu_hour * HOURS_PER_YEAR
+    savings = 1.0 - fleet.gpus / baseline_gpus if baseline_gpus else 0.0
+    return {
+        "name": fleet.name,
+        "router": fleet.router,
+        "gamma": fleet.gamma,
+        "b_short": fleet.b_short,
+        "gpus": fleet.gpus,
+        "annual_cost_usd": cost,
+        "savings_vs_homogeneous": savings,
+        "ttft_p50_s": s["ttft"]["p50"],
+        "ttft_p99_s": s["ttft"]["p99"],
+        "tpot_p50_s": s["tpot"]["p50"],
+        "tpot_p99_s": s["tpot"]["p99"],
+        "slo_attainment": float(ok.mean()) if ok.size else float("nan"),
+        "router_rejections": report.router_rejections,
+        "pools": pools,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(
+        f"{result['trace']}: {result['requests']} requests at {result['rate']:g} req/s, "
+        f"{result['profile']}, SLO TTFT <= {result['slo_ttft_s']:g} s and "
+        f"TPOT <= {1000 * result['slo_tpot_s']:g} ms"
+    )
+    head = (
+        f"{'fleet':<13}{'GPUs':>6}{'cost $/yr':>13}{'savings':>9}{'TTFT p50':>10}"
+        f"{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'SLO':>8}{'preempt':>9}"
+    )
+    print(head)
+    for f in result["fleets"]:
+        print(
+            f"{f['name']:<13}{f['gpus']:>6}{f['annual_cost_usd']:>13,.0f}"
+            f"{100 * f['savings_vs_homogeneous']:>8.1f}%{f['ttft_p50_s']:>9.3f}s"
+            f"{f['ttft_p99_s']:>9.3f}s{1000 * f['tpot_p50_s']:>8.1f}ms"
+            f"{1000 * f['tpot_p99_s']:>8.1f}ms{100 * f['slo_attainment']:>7.1f}%"
+            f"{sum(p['preemptions'] for p in f['pools']):>9}"
+        )
+    print()
+    print(
+        f"{'fleet':<13}{'pool':<7}{'GPUs':>6}{'context':>9}{'requests':>10}"
+        f"{'util ana':>10}{'util sim':>10}{'error':>8}{'util@occ':>10}{'preempt':>9}{'reject':>8}"
+    )
+    for f in result["fleets"]:
+        for p in f["pools"]:
+            ana, sim = p["utilization_analytical"], p["utilization_simulated"]
+            err = (ana - sim) / sim if sim else float("nan")
+            print(
+                f"{f['name']:<13}{p['name']:<7}{p['gpus']:>6}{p['max_context']:>9}"
+                f"{p['requests']:>10}{ana:>10.3f}{sim:>10.3f}{100 * err:>7.1f}%"
+                f"{p['utilization_consistent']:>10.3f}{p['preemptions']:>9}{p['rejections']:>8}"
+            )
+    print(
+        "\nutil ana: FleetOpt's lambda / (n mu_gpu) with t_iter at full batch; util sim: "
+        "fraction of slot-time busy;\nutil@occ: the same formula with t_iter at the "
+        "occupancy it predicts."
+    )
+
+
+def plot(result: dict[str, Any], reports: dict[str, SimReport], out: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for metric, label in (("ttft", "TTFT (s)"), ("tpot", "TPOT (s)"), ("e2e", "latency (s)")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, rep in reports.items():
+            xs = np.sort(getattr(rep, metric)[rep.measured])
+            xs = xs[np.isfinite(xs)]
+            ax.plot(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        paths.append(d / f"{metric}_cdf.png")
+        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels, ana, sim = [], [], []
+    for f in result["fleets"]:
+        for p in f["pools"]:
+            labels.append(f"{f['name']}\n{p['name']}")
+            ana.append(p["utilization_analytical"])
+            sim.append(p["utilization_simulated"])
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, ana, 0.4, label="analytical")
+    ax.bar(x + 0.2, sim, 0.4, label="simulated")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_ylabel("utilization")
+    ax.legend()
+    paths.append(d / "utilization.png")
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    w = load_trace(args.trace)
+    profile = load_profile(args.profile) if args.profile else Profile.llama3_70b_a100()
+    if profile.h_ref_tokens is not None:
+        raise ValueError(
+            "the simulator's timing model is t_iter = W + H * n_active; profiles with "
+            "h_ref_tokens (length-scaled H) are not supported"
+        )
+    if not (args.duration > 0 and args.rate > 0):
+        raise ValueError("--duration and --rate must be > 0")
+    n = math.ceil(args.rate * args.duration)
+    trace = trace_arrays(w, n)
+    fleets = plan_fleets(w, profile, args)
+    baseline = next((f.gpus for f in fleets if f.name == "homogeneous"), None)
+    reports: dict[str, SimReport] = {}
+    results = []
+    for fleet in fleets:
+        reports[fleet.name] = run_fleet(fleet, trace, profile, args)
+        results.append(fleet_result(fleet, reports[fleet.name], profile, baseline, args))
+    result = {
+        "trace": args.trace,
+        "requests": n,
+        "duration_s": args.duration,
+        "rate": args.rate,
+        "profile": profile.name,
+        "slo_ttft_s": args.slo_ttft,
+        "slo_tpot_s": args.slo_tpot,
+        "fleets": results,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    if args.plot:
+        for path in plot(result, reports, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

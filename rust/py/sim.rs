@@ -1,0 +1,413 @@
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::Arc;
+use std::time::Duration;
+
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::{float_array, int_array};
+use crate::sim::engine::blocks_for;
+use crate::sim::timing::LinearTiming;
+use crate::sim::{
+    make_router, percentile, set_arrivals, simulate as run_simulation, Arrivals, Category,
+    Dispatch, PoolConfig, RouterKind, SimConfig, SimReport, SimRequest,
+};
+
+/// A pool of identical simulated instances (vLLM engines).
+///
+/// ``max_num_seqs``: sequence slots per instance. ``kv_blocks``: KV blocks of
+/// 16 tokens per instance; by default ``max_num_seqs * ceil(max_context / 16)``,
+/// which can never preempt. ``chunk``: prefill tokens per iteration (C_chunk).
+/// ``w`` and ``h`` (seconds): the timing model ``t_iter = w + h * n_active``
+/// (defaults: Llama-3-70B on A100, 8 ms and 0.65 ms). ``budget``: the
+/// token-budget router's budget for the pool (defaults to ``max_context``).
+#[pyclass(frozen, name = "SimPool", module = "routecore")]
+pub struct PySimPool {
+    inner: PoolConfig,
+    w: f64,
+    h: f64,
+}
+
+#[pymethods]
+impl PySimPool {
+    #[new]
+    #[pyo3(signature = (name, instances, max_context, max_num_seqs, kv_blocks=None, chunk=512,
+                        w=0.008, h=0.00065, gpus_per_instance=1, budget=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        name: &str,
+        instances: i64,
+        max_context: i64,
+        max_num_seqs: i64,
+        kv_blocks: Option<i64>,
+        chunk: i64,
+        w: f64,
+        h: f64,
+        gpus_per_instance: i64,
+        budget: Option<i64>,
+    ) -> PyResult<Self> {
+        let timing = Arc::new(LinearTiming::new(w, h)?);
+        let kv_blocks = kv_blocks.unwrap_or_else(|| {
+            max_num_seqs.saturating_mul(blocks_for(max_context.max(0) as u64) as i64)
+        });
+        let inner = PoolConfig::new(
+            name,
+            instances,
+            max_context,
+            max_num_seqs,
+            kv_blocks,
+            chunk,
+            gpus_per_instance,
+            budget,
+            timing,
+        )?;
+        Ok(Self { inner, w, h })
+    }
+    #[getter]
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+    #[getter]
+    fn instances(&self) -> usize {
+        self.inner.instances
+    }
+    #[getter]
+    fn max_context(&self) -> u64 {
+        self.inner.max_context
+    }
+    #[getter]
+    fn max_num_seqs(&self) -> usize {
+        self.inner.max_num_seqs
+    }
+    #[getter]
+    fn kv_blocks(&self) -> u64 {
+        self.inner.kv_blocks
+    }
+    #[getter]
+    fn gpus(&self) -> u64 {
+        self.inner.instances as u64 * self.inner.gpus_per_instance
+    }
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let me = slf.get();
+        let p = &me.inner;
+        let args = (
+            p.name.clone(),
+            p.instances,
+            p.max_context,
+            p.max_num_seqs,
+            p.kv_blocks,
+            p.chunk,
+            me.w,
+            me.h,
+            p.gpus_per_instance,
+            p.budget,
+        );
+        Ok((
+            slf.get_type().into_any(),
+            args.into_pyobject(slf.py())?.into_any(),
+        ))
+    }
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        format!(
+            "SimPool(name={:?}, instances={}, max_context={}, max_num_seqs={}, kv_blocks={}, \
+             chunk={}, w={}, h={}, gpus_per_instance={}, budget={})",
+            p.name,
+            p.instances,
+            p.max_context,
+            p.max_num_seqs,
+            p.kv_blocks,
+            p.chunk,
+            self.w,
+            self.h,
+            p.gpus_per_instance,
+            p.budget
+        )
+    }
+}
+
+/// The outcome of ``simulate``: per-request arrays (NaN where a value does not
+/// apply: rejected requests, TPOT of one-token outputs) in the order the
+/// requests were given, per-pool figures, and percentile summaries over the
+/// measured (post-warm-up) requests.
+#[pyclass(frozen, name = "SimReport", module = "routecore")]
+pub struct PySimReport {
+    report: SimReport,
+}
+
+fn f64s<'py>(py: Python<'py>, xs: &[f64]) -> Bound<'py, PyArray1<f64>> {
+    xs.to_vec().into_pyarray(py)
+}
+
+fn bools<'py>(py: Python<'py>, xs: &[bool]) -> Bound<'py, PyArray1<bool>> {
+    xs.to_vec().into_pyarray(py)
+}
+
+impl PySimReport {
+    fn measured_values(&self, xs: &[f64]) -> Vec<f64> {
+        xs.iter()
+            .zip(&self.report.measured)
+            .filter(|(_, &m)| m)
+            .map(|(&x, _)| x)
+            .collect()
+    }
+}
+
+#[pymethods]
+impl PySimReport {
+    /// Seconds from arrival to the first output token.
+    #[getter]
+    fn ttft<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
+        f64s(py, &self.report.ttft)
+    }
+    /// Seconds per output token after the first.
+    #[getter]
+    fn tpot<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
+        f64s(py, &self.report.tpot)
+    }
+    /// Seconds from arrival to the last output token.
+    #[getter]
+    fn e2e<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
+        f64s(py, &self.report.e2e)
+    }
+    /// Seconds from arrival to the first admission into a batch.
+    #[getter]
+    fn queue_wait<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
+        f64s(py, &self.report.queue_wait)
+    }
+    /// Pool index per request; -1 when the router rejected it.
+    #[getter]
+    fn pool<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        self.report.pool.clone().into_pyarray(py)
+    }
+    #[getter]
+    fn measured<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
+        bools(py, &self.report.measured)
+    }
+    #[getter]
+    fn rejected<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
+        bools(py, &self.report.rejected)
+    }
+    #[getter]
+    fn compressed<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
+        bools(py, &self.report.compressed)
+    }
+    /// Requests no pool could hold by the router's estimate.
+    #[getter]
+    fn router_rejections(&self) -> u64 {
+        self.report.router_rejections
+    }
+    /// The measurement window (first measured arrival, last arrival), seconds.
+    #[getter]
+    fn window(&self) -> (f64, f64) {
+        self.report.window
+    }
+    /// Simulated time at which the last request finished.
+    #[getter]
+    fn makespan(&self) -> f64 {
+        self.report.makespan
+    }
+    /// One dict per pool: name, instances, gpus, max_context, requests
+    /// (measured, served), utilization_simulated (fraction of slot-time busy),
+    /// utilization_analytical (FleetOpt Eq. 3-4 over the served requests),
+    /// utilization_consistent (the same at the occupancy it predicts),
+    /// preemptions, rejections, compressed.
+    #[getter]
+    fn pools<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.report
+            .pools
+            .iter()
+            .map(|p| {
+                let d = PyDict::new(py);
+                d.set_item("name", &p.name)?;
+                d.set_item("instances", p.instances)?;
+                d.set_item("gpus", p.gpus)?;
+                d.set_item("max_context", p.max_context)?;
+                d.set_item("requests", p.requests)?;
+                d.set_item("utilization_simulated", p.utilization_simulated)?;
+                d.set_item("utilization_analytical", p.utilization_analytical)?;
+                d.set_item("utilization_consistent", p.utilization_consistent)?;
+                d.set_item("preemptions", p.preemptions)?;
+                d.set_item("rejections", p.rejections)?;
+                d.set_item("compressed", p.compressed)?;
+                Ok(d)
+            })
+            .collect()
+    }
+    /// ``{metric: {"p50", "p90", "p99", "mean"}}`` for ttft, tpot, e2e and
+    /// queue_wait over the measured requests that were served.
+    fn summary<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        let r = &self.report;
+        for (name, xs) in [
+            ("ttft", &r.ttft),
+            ("tpot", &r.tpot),
+            ("e2e", &r.e2e),
+            ("queue_wait", &r.queue_wait),
+        ] {
+            let xs = self.measured_values(xs);
+            let finite: Vec<f64> = xs.iter().copied().filter(|x| x.is_finite()).collect();
+            let d = PyDict::new(py);
+            for q in [50, 90, 99] {
+                d.set_item(format!("p{q}"), percentile(&finite, q as f64))?;
+            }
+            let mean = if finite.is_empty() {
+                f64::NAN
+            } else {
+                finite.iter().sum::<f64>() / finite.len() as f64
+            };
+            d.set_item("mean", mean)?;
+            out.set_item(name, d)?;
+        }
+        Ok(out)
+    }
+    fn __repr__(&self) -> String {
+        let r = &self.report;
+        let served = r.e2e.iter().filter(|x| x.is_finite()).count();
+        format!(
+            "SimReport(requests={}, served={served}, pools={}, makespan={:.3})",
+            r.e2e.len(),
+            r.pools.len(),
+            r.makespan
+        )
+    }
+}
+
+/// Simulates a fleet of pools serving a workload, with a router in front.
+///
+/// The workload: ``arrival_s`` (seconds, sorted), ``input_tokens``,
+/// ``output_tokens`` and ``category`` (indices into ``categories``, default all
+/// 0) as equal-length arrays. ``categories``: ``(name, bytes_per_token,
+/// compressible)`` per category (default one English-prose category, 4.48).
+/// ``arrivals``: "trace" keeps the given times (scaled to mean ``rate``
+/// requests/s when ``rate`` is given), "poisson" draws a Poisson process at
+/// ``rate``. ``router``: "homogeneous" (one pool), "token-budget" or
+/// "compress-and-route" (band ``(B, gamma * B]``). ``dispatch`` inside a pool:
+/// "least-loaded", "round-robin" or "random". ``warmup``: leading fraction of
+/// requests left out of the figures. ``progress(done, total)`` is called about
+/// ten times a second from this thread while the simulation runs without the
+/// interpreter lock.
+#[pyfunction]
+#[pyo3(signature = (arrival_s, input_tokens, output_tokens, pools, *, category=None,
+                    categories=None, router="token-budget", gamma=1.5,
+                    dispatch="least-loaded", arrivals="trace", rate=None, seed=0,
+                    warmup=0.2, progress=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn simulate(
+    py: Python<'_>,
+    arrival_s: &Bound<'_, PyAny>,
+    input_tokens: &Bound<'_, PyAny>,
+    output_tokens: &Bound<'_, PyAny>,
+    pools: Vec<PyRef<'_, PySimPool>>,
+    category: Option<&Bound<'_, PyAny>>,
+    categories: Option<Vec<(String, f64, bool)>>,
+    router: &str,
+    gamma: f64,
+    dispatch: &str,
+    arrivals: &str,
+    rate: Option<f64>,
+    seed: u64,
+    warmup: f64,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<PySimReport> {
+    let times = float_array(arrival_s, "arrival_s")?;
+    let inputs = int_array(input_tokens, "input_tokens")?;
+    let outputs = int_array(output_tokens, "output_tokens")?;
+    let cats = match category {
+        Some(c) => int_array(c, "category")?,
+        None => vec![0; times.len()],
+    };
+    let n = times.len();
+    if inputs.len() != n || outputs.len() != n || cats.len() != n {
+        return Err(PyValueError::new_err(format!(
+            "arrival_s, input_tokens, output_tokens and category must have one length, got \
+             {n}, {}, {} and {}",
+            inputs.len(),
+            outputs.len(),
+            cats.len()
+        )));
+    }
+    let nonneg = |what: &str, v: i64| {
+        u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{what} must be >= 0, got {v}")))
+    };
+    let mut requests = Vec::with_capacity(n);
+    for i in 0..n {
+        requests.push(SimRequest {
+            arrival: times[i],
+            input_tokens: nonneg("input_tokens", inputs[i])?,
+            output_tokens: nonneg("output_tokens", outputs[i])?,
+            category: nonneg("category", cats[i])? as usize,
+        });
+    }
+    let categories = categories
+        .unwrap_or_else(|| vec![("prose".to_owned(), 4.48, true)])
+        .into_iter()
+        .map(|(name, bytes_per_token, compressible)| Category {
+            name,
+            bytes_per_token,
+            compressible,
+        })
+        .collect();
+    let config = SimConfig {
+        pools: pools.iter().map(|p| p.inner.clone()).collect(),
+        categories,
+        dispatch: Dispatch::parse(dispatch)?,
+        seed,
+        warmup,
+        fast_forward: true,
+    };
+    let kind = RouterKind::parse(router, gamma)?;
+    let arrivals = match (arrivals, rate) {
+        ("trace", None) => Arrivals::AsGiven,
+        ("trace", Some(r)) => Arrivals::Scaled(r),
+        ("poisson", Some(r)) => Arrivals::Poisson(r),
+        ("poisson", None) => return Err(PyValueError::new_err("poisson arrivals need a rate")),
+        (other, _) => {
+            return Err(PyValueError::new_err(format!(
+                "arrivals must be \"trace\" or \"poisson\", got {other:?}"
+            )))
+        }
+    };
+    let done = AtomicU64::new(0);
+    let (result, callback_error) = py.detach(|| {
+        std::thread::scope(|s| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let done = &done;
+            s.spawn(move || {
+                let mut run = || -> crate::error::Result<SimReport> {
+                    set_arrivals(&mut requests, arrivals, seed)?;
+                    let mut router = make_router(kind, &config)?;
+                    run_simulation(&requests, &config, router.as_mut(), done)
+                };
+                // The receiver outlives this thread inside the scope.
+                let _ = tx.send(run());
+            });
+            let mut callback_error = None;
+            loop {
+                match rx.recv_timeout(Duration::from_millis(100)) {
+                    Ok(result) => return (result, callback_error),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => {
+                        let lost = crate::error::invalid("the simulation thread panicked");
+                        return (Err(lost), callback_error);
+                    }
+                }
+                if let (Some(cb), None) = (&progress, &callback_error) {
+                    let d = done.load(Ordering::Relaxed);
+                    callback_error = Python::attach(|py| cb.call1(py, (d, n)).err());
+                }
+            }
+        })
+    });
+    let report = result?;
+    if let Some(e) = callback_error {
+        return Err(e);
+    }
+    if let Some(cb) = &progress {
+        cb.call1(py, (n, n))?;
+    }
+    Ok(PySimReport { report })
+}

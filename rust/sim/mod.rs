@@ -1,0 +1,699 @@
+//! Fleet simulator: a discrete-event simulation of pools of continuous-batching
+//! engines ([`engine`]) behind a router ([`router`]), after the token-budget
+//! paper's Appendix A and FleetOpt's validation (section 7.4).
+//!
+//! Events are request arrivals and iteration ends. An arrival is routed to a
+//! pool, rejected if `L_in + L_out` exceeds the pool's `max_context` (never
+//! truncated), else dispatched to an instance of the pool (least-loaded,
+//! round-robin or random) and queued there; an idle instance starts iterating.
+//! The first `warmup` fraction of requests (by arrival) is left out of the
+//! latency figures and of utilization, which is measured over the window from
+//! the first measured arrival to the last arrival.
+//!
+//! Utilization is the fraction of slot-time busy (sequences holding a slot over
+//! `instances * max_num_seqs` slots). The analytical figure beside it is
+//! FleetOpt's `rho = lambda_p / (n * mu_gpu)` with `mu_gpu = n_max / E[S]` and
+//! `E[S] = E[ceil(L_in / C_chunk) + L_out] * t_iter(n_max)` (Eq. 3-4), taken
+//! over the requests the pool actually served in the window.
+
+pub mod engine;
+pub mod router;
+pub mod timing;
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::budget::{Pool, MAX_TOKENS};
+use crate::error::{invalid, non_negative, positive, Result};
+use crate::rng::Rng;
+
+use engine::{blocks_for, EngineLimits, Event, Instance};
+use router::{Compress, FleetRouter, Homogeneous, Routed, TokenBudgetRouting};
+use timing::{Batch, TimingModel};
+
+/// One request of the workload.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimRequest {
+    /// Arrival time, seconds.
+    pub arrival: f64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// Index into the simulation's categories.
+    pub category: usize,
+}
+
+/// A traffic category: its name (the calibrator's), its true bytes-per-token
+/// ratio, and whether compress-and-route may compress it (code is excluded in
+/// FleetOpt section 5.2).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Category {
+    pub name: String,
+    pub bytes_per_token: f64,
+    pub compressible: bool,
+}
+
+/// A pool of identical instances.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    pub name: String,
+    pub instances: usize,
+    pub max_context: u64,
+    /// The token-budget router's budget for the pool (defaults to max_context).
+    pub budget: u64,
+    /// Sequence slots per instance (vLLM max_num_seqs).
+    pub max_num_seqs: usize,
+    /// KV blocks (16 tokens each) per instance.
+    pub kv_blocks: u64,
+    /// Prefill tokens per iteration (C_chunk).
+    pub chunk: u64,
+    pub gpus_per_instance: u64,
+    pub timing: Arc<dyn TimingModel>,
+}
+
+impl PoolConfig {
+    /// Checks every limit. The block budget must hold one sequence of
+    /// `max_context` tokens, so that every admissible request can run.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        name: &str,
+        instances: i64,
+        max_context: i64,
+        max_num_seqs: i64,
+        kv_blocks: i64,
+        chunk: i64,
+        gpus_per_instance: i64,
+        budget: Option<i64>,
+        timing: Arc<dyn TimingModel>,
+    ) -> Result<Self> {
+        // Pool::new checks the name, max_context and budget.
+        let pool = Pool::new(name, max_context, budget, None)?;
+        let count = |what: &str, v: i64, max: i64| -> Result<u64> {
+            if v < 1 || v > max {
+                return Err(invalid(format!(
+                    "pool {name:?}: {what} must be in [1, {max}], got {v}"
+                )));
+            }
+            Ok(v as u64)
+        };
+        let instances = count("instances", instances, 1 << 20)? as usize;
+        let max_num_seqs = count("max_num_seqs", max_num_seqs, 1 << 16)? as usize;
+        let kv_blocks = count("kv_blocks", kv_blocks, 1 << 32)?;
+        let chunk = count("chunk", chunk, MAX_TOKENS as i64)?;
+        let gpus_per_instance = count("gpus_per_instance", gpus_per_instance, 1 << 10)?;
+        if kv_blocks < blocks_for(pool.max_context) {
+            return Err(invalid(format!(
+                "pool {name:?}: kv_blocks {kv_blocks} cannot hold one sequence of max_context {} \
+                 ({} blocks of 16 tokens)",
+                pool.max_context,
+                blocks_for(pool.max_context)
+            )));
+        }
+        Ok(Self {
+            name: pool.name,
+            instances,
+            max_context: pool.max_context,
+            budget: pool.budget,
+            max_num_seqs,
+            kv_blocks,
+            chunk,
+            gpus_per_instance,
+            timing,
+        })
+    }
+
+    fn limits(&self, fast_forward: bool) -> EngineLimits {
+        EngineLimits {
+            max_num_seqs: self.max_num_seqs,
+            kv_blocks: self.kv_blocks,
+            chunk: self.chunk,
+            fast_forward,
+        }
+    }
+}
+
+/// How a pool picks the instance for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dispatch {
+    /// Fewest requests running or waiting; ties go to the first tied instance
+    /// after the previous choice, so equal loads are served in turn.
+    LeastLoaded,
+    RoundRobin,
+    /// Uniform over the pool's instances, from the seeded generator.
+    Random,
+}
+
+impl Dispatch {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "least-loaded" => Ok(Self::LeastLoaded),
+            "round-robin" => Ok(Self::RoundRobin),
+            "random" => Ok(Self::Random),
+            _ => Err(invalid(format!(
+                "dispatch must be least-loaded, round-robin or random, got {name:?}"
+            ))),
+        }
+    }
+}
+
+/// Which router stands in front of the fleet.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RouterKind {
+    /// One pool, everything to it.
+    Homogeneous,
+    /// routecore's token-budget router over the pools.
+    TokenBudget,
+    /// Token-budget routing plus compress-and-route with this gamma.
+    CompressAndRoute { gamma: f64 },
+}
+
+impl RouterKind {
+    pub fn parse(name: &str, gamma: f64) -> Result<Self> {
+        match name {
+            "homogeneous" => Ok(Self::Homogeneous),
+            "token-budget" => Ok(Self::TokenBudget),
+            "compress-and-route" => Ok(Self::CompressAndRoute { gamma }),
+            _ => Err(invalid(format!(
+                "router must be homogeneous, token-budget or compress-and-route, got {name:?}"
+            ))),
+        }
+    }
+}
+
+/// A simulation's settings besides the workload.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub pools: Vec<PoolConfig>,
+    pub categories: Vec<Category>,
+    pub dispatch: Dispatch,
+    pub seed: u64,
+    /// Fraction of requests, by arrival, left out of the figures (0.2).
+    pub warmup: f64,
+    /// See [`EngineLimits::fast_forward`]; true but in the equivalence test.
+    pub fast_forward: bool,
+}
+
+/// What happened to each request (NaN where it does not apply) and to each pool.
+#[derive(Debug, Clone, Default)]
+pub struct SimReport {
+    /// Pool index per request, -1 when the router rejected it.
+    pub pool: Vec<i64>,
+    pub ttft: Vec<f64>,
+    /// (e2e - ttft) / (L_out - 1); NaN for one-token outputs.
+    pub tpot: Vec<f64>,
+    pub e2e: Vec<f64>,
+    /// From arrival to the first admission into a batch.
+    pub queue_wait: Vec<f64>,
+    /// In the measurement window (after the warm-up).
+    pub measured: Vec<bool>,
+    pub rejected: Vec<bool>,
+    pub compressed: Vec<bool>,
+    pub pools: Vec<PoolReport>,
+    /// Requests no pool could hold, by the router's estimate.
+    pub router_rejections: u64,
+    /// Measurement window, seconds.
+    pub window: (f64, f64),
+    /// Simulated time at which the last request finished.
+    pub makespan: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolReport {
+    pub name: String,
+    pub instances: usize,
+    pub gpus: u64,
+    pub max_context: u64,
+    /// Measured requests the pool served (rejections excluded).
+    pub requests: u64,
+    pub utilization_simulated: f64,
+    pub utilization_analytical: f64,
+    /// The same with `t_iter` taken at the occupancy it predicts (see
+    /// [`analytical_utilization`]).
+    pub utilization_consistent: f64,
+    /// Over the whole run, warm-up included.
+    pub preemptions: u64,
+    pub rejections: u64,
+    pub compressed: u64,
+}
+
+/// Arrival times for `n` requests.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arrivals {
+    /// The requests' own times.
+    AsGiven,
+    /// The requests' own times, shifted to start at 0 and scaled so that the
+    /// mean rate is this many requests per second.
+    Scaled(f64),
+    /// A Poisson process at this rate (seeded), in the requests' order.
+    Poisson(f64),
+}
+
+/// Rewrites the requests' arrival times. Times must be finite, >= 0 and
+/// sorted.
+pub fn set_arrivals(requests: &mut [SimRequest], arrivals: Arrivals, seed: u64) -> Result<()> {
+    check_sorted(requests)?;
+    match arrivals {
+        Arrivals::AsGiven => {}
+        Arrivals::Scaled(rate) => {
+            positive("rate", rate)?;
+            let (Some(first), Some(last)) = (requests.first(), requests.last()) else {
+                return Ok(());
+            };
+            let (t0, span) = (first.arrival, last.arrival - first.arrival);
+            let n = requests.len() as f64;
+            // The trace's own rate is (n - 1) / span; scale it to `rate`.
+            let scale = if span > 0.0 {
+                (n - 1.0) / span / rate
+            } else {
+                0.0
+            };
+            for r in requests.iter_mut() {
+                r.arrival = (r.arrival - t0) * scale;
+            }
+        }
+        Arrivals::Poisson(rate) => {
+            positive("rate", rate)?;
+            let mut rng = Rng::new(seed ^ 0xA5A5_5A5A_0F0F_F0F0);
+            let mut t = 0.0;
+            for r in requests.iter_mut() {
+                t += rng.exponential(rate);
+                r.arrival = t;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_sorted(requests: &[SimRequest]) -> Result<()> {
+    if requests.windows(2).any(|w| w[1].arrival < w[0].arrival) {
+        return Err(invalid("arrival times must be sorted"));
+    }
+    Ok(())
+}
+
+/// Checks a workload against the categories.
+pub fn check_requests(requests: &[SimRequest], categories: &[Category]) -> Result<()> {
+    for (i, r) in requests.iter().enumerate() {
+        non_negative("arrival time", r.arrival)?;
+        if r.input_tokens < 1 || r.input_tokens > MAX_TOKENS {
+            return Err(invalid(format!(
+                "request {i}: input_tokens must be in [1, {MAX_TOKENS}], got {}",
+                r.input_tokens
+            )));
+        }
+        if r.output_tokens < 1 || r.output_tokens > MAX_TOKENS {
+            return Err(invalid(format!(
+                "request {i}: output_tokens must be in [1, {MAX_TOKENS}], got {}",
+                r.output_tokens
+            )));
+        }
+        if r.category >= categories.len() {
+            return Err(invalid(format!(
+                "request {i}: category {} is not among the {} categories",
+                r.category,
+                categories.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn check_config(config: &SimConfig) -> Result<()> {
+    if config.pools.is_empty() {
+        return Err(invalid("at least one pool is required"));
+    }
+    if config.categories.is_empty() {
+        return Err(invalid("at least one category is required"));
+    }
+    for c in &config.categories {
+        positive("bytes_per_token", c.bytes_per_token)?;
+    }
+    let w = non_negative("warmup", config.warmup)?;
+    if w >= 1.0 {
+        return Err(invalid(format!("warmup must be in [0, 1), got {w}")));
+    }
+    Ok(())
+}
+
+/// Builds the router of `kind` for the pools.
+pub fn make_router(kind: RouterKind, config: &SimConfig) -> Result<Box<dyn FleetRouter>> {
+    let pools = || -> Result<Vec<Pool>> {
+        config
+            .pools
+            .iter()
+            .map(|p| Pool::new(&p.name, p.max_context as i64, Some(p.budget as i64), None))
+            .collect()
+    };
+    Ok(match kind {
+        RouterKind::Homogeneous => {
+            if config.pools.len() != 1 {
+                return Err(invalid(format!(
+                    "the homogeneous router takes exactly one pool, got {}",
+                    config.pools.len()
+                )));
+            }
+            Box::new(Homogeneous)
+        }
+        RouterKind::TokenBudget => {
+            Box::new(TokenBudgetRouting::new(pools()?, &config.categories, None)?)
+        }
+        RouterKind::CompressAndRoute { gamma } => Box::new(TokenBudgetRouting::new(
+            pools()?,
+            &config.categories,
+            Some(Compress { gamma }),
+        )?),
+    })
+}
+
+/// Runs the simulation. `progress` counts processed arrivals as it goes.
+pub fn simulate(
+    requests: &[SimRequest],
+    config: &SimConfig,
+    router: &mut dyn FleetRouter,
+    progress: &AtomicU64,
+) -> Result<SimReport> {
+    check_config(config)?;
+    check_requests(requests, &config.categories)?;
+    check_sorted(requests)?;
+    Fleet::new(requests, config)?.run(router, progress)
+}
+
+/// Scheduled iteration ends: (time bits, instance, version). An entry whose
+/// version is not the instance's current one was superseded.
+type Heap = BinaryHeap<Reverse<(u64, usize, u64)>>;
+
+struct Fleet<'a> {
+    requests: &'a [SimRequest],
+    config: &'a SimConfig,
+    instances: Vec<Instance>,
+    /// Index of the first instance of each pool (and the total at the end).
+    first: Vec<usize>,
+    pool_of: Vec<usize>,
+    version: Vec<u64>,
+    cursor: Vec<usize>,
+    rng: Rng,
+    window: (f64, f64),
+    first_measured: usize,
+    routed: Vec<Option<Routed>>,
+    report: SimReport,
+}
+
+impl<'a> Fleet<'a> {
+    fn new(requests: &'a [SimRequest], config: &'a SimConfig) -> Result<Self> {
+        let mut first = vec![0];
+        let mut instances = Vec::new();
+        let mut pool_of = Vec::new();
+        for (p, pool) in config.pools.iter().enumerate() {
+            for _ in 0..pool.instances {
+                instances.push(Instance::new(pool.limits(config.fast_forward)));
+                pool_of.push(p);
+            }
+            first.push(instances.len());
+        }
+        let n = requests.len();
+        let first_measured = ((n as f64) * config.warmup).floor() as usize;
+        let window = match (requests.get(first_measured), requests.last()) {
+            (Some(a), Some(b)) => (a.arrival, b.arrival),
+            _ => (0.0, 0.0),
+        };
+        let nan = vec![f64::NAN; n];
+        Ok(Self {
+            requests,
+            config,
+            instances,
+            first,
+            version: vec![0; pool_of.len()],
+            pool_of,
+            cursor: vec![0; config.pools.len()],
+            rng: Rng::new(config.seed),
+            window,
+            first_measured,
+            routed: vec![None; n],
+            report: SimReport {
+                pool: vec![-1; n],
+                ttft: nan.clone(),
+                tpot: nan.clone(),
+                e2e: nan.clone(),
+                queue_wait: nan,
+                measured: (0..n).map(|i| i >= first_measured).collect(),
+                rejected: vec![false; n],
+                compressed: vec![false; n],
+                pools: Vec::new(),
+                router_rejections: 0,
+                window,
+                makespan: 0.0,
+            },
+        })
+    }
+
+    fn dispatch(&mut self, pool: usize) -> usize {
+        let (lo, hi) = (self.first[pool], self.first[pool + 1]);
+        let n = hi - lo;
+        let pick = match self.config.dispatch {
+            Dispatch::RoundRobin => self.cursor[pool] % n,
+            Dispatch::Random => self.rng.below(n as u64) as usize,
+            Dispatch::LeastLoaded => {
+                let start = self.cursor[pool] % n;
+                let mut best = start;
+                let mut best_load = usize::MAX;
+                for k in 0..n {
+                    let j = (start + k) % n;
+                    let load = self.instances[lo + j].load();
+                    if load < best_load {
+                        best_load = load;
+                        best = j;
+                        if load == 0 {
+                            break;
+                        }
+                    }
+                }
+                best
+            }
+        };
+        self.cursor[pool] = pick + 1;
+        lo + pick
+    }
+
+    fn start(&mut self, i: usize, now: f64, heap: &mut Heap) {
+        let timing = self.config.pools[self.pool_of[i]].timing.as_ref();
+        let inst = &mut self.instances[i];
+        match inst.step(now, timing, self.window) {
+            Some(dt) => {
+                inst.busy = true;
+                self.version[i] += 1;
+                // Non-negative f64 order as their bits do.
+                heap.push(Reverse(((now + dt).to_bits(), i, self.version[i])));
+            }
+            None => inst.busy = false,
+        }
+    }
+
+    fn arrive(&mut self, k: usize, router: &mut dyn FleetRouter, heap: &mut Heap) -> Result<()> {
+        let r = self.requests[k];
+        let Some(routed) = router.route(&r)? else {
+            self.report.rejected[k] = true;
+            self.report.router_rejections += 1;
+            return Ok(());
+        };
+        let pool = self
+            .config
+            .pools
+            .get(routed.pool)
+            .ok_or_else(|| invalid(format!("router chose pool {} of none", routed.pool)))?;
+        self.report.pool[k] = routed.pool as i64;
+        self.report.compressed[k] = routed.compressed;
+        if routed.input_tokens + r.output_tokens > pool.max_context {
+            self.report.rejected[k] = true;
+            return router.complete(&r, routed);
+        }
+        self.routed[k] = Some(routed);
+        let i = self.dispatch(routed.pool);
+        self.instances[i].enqueue(k, routed.input_tokens, r.output_tokens);
+        let inst = &mut self.instances[i];
+        let wake = if inst.busy {
+            inst.interrupt(r.arrival)
+        } else {
+            // Wake the instance at this time, after every arrival of the same
+            // instant: a simultaneous burst shares the first iteration.
+            inst.busy = true;
+            Some(r.arrival)
+        };
+        if let Some(t) = wake {
+            self.version[i] += 1;
+            heap.push(Reverse((t.to_bits(), i, self.version[i])));
+        }
+        Ok(())
+    }
+
+    fn handle(&mut self, event: Event, router: &mut dyn FleetRouter) -> Result<()> {
+        let rep = &mut self.report;
+        match event {
+            Event::Admitted { request, time } => {
+                if rep.queue_wait[request].is_nan() {
+                    rep.queue_wait[request] = time - self.requests[request].arrival;
+                }
+            }
+            Event::FirstToken { request, time } => {
+                rep.ttft[request] = time - self.requests[request].arrival;
+            }
+            Event::Finished { request, time } => {
+                let r = &self.requests[request];
+                let e2e = time - r.arrival;
+                rep.e2e[request] = e2e;
+                if r.output_tokens > 1 {
+                    rep.tpot[request] = (e2e - rep.ttft[request]) / (r.output_tokens - 1) as f64;
+                }
+                rep.makespan = rep.makespan.max(time);
+                if let Some(routed) = self.routed[request] {
+                    router.complete(r, routed)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run(mut self, router: &mut dyn FleetRouter, progress: &AtomicU64) -> Result<SimReport> {
+        let mut heap = Heap::new();
+        let mut next = 0;
+        let mut events = Vec::new();
+        loop {
+            let t_end = heap.peek().map(|Reverse((t, _, _))| f64::from_bits(*t));
+            let t_arr = self.requests.get(next).map(|r| r.arrival);
+            let arrival_first = match (t_arr, t_end) {
+                (None, None) => break,
+                (Some(ta), Some(te)) => ta <= te,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+            };
+            if arrival_first {
+                self.arrive(next, router, &mut heap)?;
+                next += 1;
+                if next % 1024 == 0 {
+                    progress.store(next as u64, Ordering::Relaxed);
+                }
+            } else if let Some(Reverse((te, i, version))) = heap.pop() {
+                if version != self.version[i] {
+                    continue;
+                }
+                self.instances[i].end_iteration(self.window);
+                std::mem::swap(&mut events, &mut self.instances[i].pending);
+                for e in events.drain(..) {
+                    self.handle(e, router)?;
+                }
+                self.start(i, f64::from_bits(te), &mut heap);
+            }
+        }
+        progress.store(self.requests.len() as u64, Ordering::Relaxed);
+        self.finish()
+    }
+
+    fn finish(mut self) -> Result<SimReport> {
+        let span = self.window.1 - self.window.0;
+        for (p, pool) in self.config.pools.iter().enumerate() {
+            let insts = &self.instances[self.first[p]..self.first[p + 1]];
+            let slot_seconds: f64 = insts.iter().map(|i| i.slot_seconds).sum();
+            let slots = (pool.instances * pool.max_num_seqs) as f64;
+            let mut requests = 0u64;
+            let mut iterations = 0.0;
+            let mut rejections = 0;
+            let mut compressed = 0;
+            for k in 0..self.requests.len() {
+                if self.report.pool[k] != p as i64 {
+                    continue;
+                }
+                if self.report.rejected[k] {
+                    rejections += 1;
+                    continue;
+                }
+                compressed += u64::from(self.report.compressed[k]);
+                if k >= self.first_measured {
+                    let input = self.routed[k].map_or(0, |r| r.input_tokens);
+                    requests += 1;
+                    iterations +=
+                        input.div_ceil(pool.chunk) as f64 + self.requests[k].output_tokens as f64;
+                }
+            }
+            let (ana, consistent) = if span > 0.0 && requests > 0 {
+                let iters = iterations / requests as f64;
+                let per_instance = requests as f64 / span / pool.instances as f64;
+                analytical_utilization(per_instance, iters, pool)
+            } else {
+                (f64::NAN, f64::NAN)
+            };
+            let sim = if span > 0.0 {
+                slot_seconds / (slots * span)
+            } else {
+                f64::NAN
+            };
+            self.report.pools.push(PoolReport {
+                name: pool.name.clone(),
+                instances: pool.instances,
+                gpus: pool.instances as u64 * pool.gpus_per_instance,
+                max_context: pool.max_context,
+                requests,
+                utilization_simulated: sim,
+                utilization_analytical: ana,
+                utilization_consistent: consistent,
+                preemptions: insts.iter().map(|i| i.preemptions).sum(),
+                rejections,
+                compressed,
+            });
+        }
+        Ok(self.report)
+    }
+}
+
+/// FleetOpt's utilization of a pool (Eq. 3-4) for `rate` requests/s per
+/// instance of `iterations` = E[ceil(L_in / C_chunk) + L_out] each:
+/// `rho = rate * iterations * t_iter(n_max) / n_max`, every request charged the
+/// iteration time of a full batch. Second, the occupancy-consistent figure:
+/// by Little's law the mean occupancy `k` satisfies
+/// `k = rate * iterations * t_iter(k)`, solved by bisection on [0, n_max];
+/// `rho = k / n_max` (when no `k <= n_max` solves it the pool is overloaded and
+/// the first figure is returned for both).
+pub fn analytical_utilization(rate: f64, iterations: f64, pool: &PoolConfig) -> (f64, f64) {
+    let n_max = pool.max_num_seqs;
+    let t = |n: f64| {
+        pool.timing.iteration_time(Batch {
+            n_active: n.round() as usize,
+            prefill_tokens: 0,
+        })
+    };
+    let full = rate * iterations * t(n_max as f64) / n_max as f64;
+    if full >= 1.0 {
+        return (full, full);
+    }
+    // The timing model takes whole sequences: interpolate between them.
+    let t_at = |k: f64| {
+        let lo = k.floor();
+        t(lo) + (t(lo + 1.0) - t(lo)) * (k - lo)
+    };
+    let (mut lo, mut hi) = (0.0, n_max as f64);
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if rate * iterations * t_at(mid) > mid {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    (full, 0.5 * (lo + hi) / n_max as f64)
+}
+
+/// The `q`-th percentile (0..=100) of the finite values, linearly
+/// interpolated between order statistics (NumPy's default); NaN when none.
+pub fn percentile(values: &[f64], q: f64) -> f64 {
+    let mut xs: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs.sort_by(f64::total_cmp);
+    let pos = (q / 100.0).clamp(0.0, 1.0) * (xs.len() - 1) as f64;
+    let lo = pos.floor() as usize;
+    let hi = pos.ceil() as usize;
+    xs[lo] + (xs[hi] - xs[lo]) * (pos - lo as f64)
+}
+
+#[cfg(test)]
+mod tests;
