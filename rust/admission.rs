@@ -19,9 +19,9 @@
 //! Classes with burst rights (dedicated, elastic, spot, preemptible) may pass
 //! checks 3 and 4 above their baseline while the pool has room; guaranteed may
 //! not. A rejection carries HTTP 429 and a Retry-After computed from the
-//! state: when the oldest blocking request is expected to finish (the
-//! entitlement's latency EWMA less its age) or when enough tokens leave the
-//! window.
+//! state: the expected time between completions of the blocking requests
+//! (Little's law: latency EWMA over requests in flight, for the entitlement
+//! or summed over the pool) or when enough tokens leave the window.
 //!
 //! Priority (equation 1): `w_e = w_class / (1 + a_slo * l_e / l_mean) /
 //! (1 + a_burst * b_e) * (1 + a_debt * d_e)`, `l_mean` the mean SLO target of
@@ -406,6 +406,7 @@ struct EntState {
     spec: Entitlement,
     pool: usize,
     in_flight: BTreeMap<u64, InFlight>,
+    tokens_in_flight: u64,
     kv_in_flight: u64,
     window: VecDeque<Charge>,
     window_tokens: u64,
@@ -483,6 +484,7 @@ impl AdmissionController {
                 spec: e,
                 pool,
                 in_flight: BTreeMap::new(),
+                tokens_in_flight: 0,
                 kv_in_flight: 0,
                 window: VecDeque::new(),
                 window_tokens: 0,
@@ -623,13 +625,18 @@ impl AdmissionController {
         }
     }
 
-    /// Seconds until the oldest of `e`'s requests in flight is expected to end.
-    fn expected_release(e: &EntState, pool: &TokenPool, now: f64) -> Option<f64> {
-        let oldest = e.in_flight.values().next()?;
-        let expected = e
+    /// Requests of `e` expected to finish per second, by Little's law:
+    /// in flight / latency, the latency being the EWMA of observed ones (before
+    /// any, the mean charge in flight over one slot's token rate).
+    fn completion_rate(e: &EntState, pool: &TokenPool) -> f64 {
+        let n = e.in_flight.len() as f64;
+        if n == 0.0 {
+            return 0.0;
+        }
+        let latency = e
             .latency_s
-            .unwrap_or(oldest.tokens as f64 / pool.slot_rate());
-        Some((oldest.admitted_at + expected - now).max(0.0))
+            .unwrap_or(e.tokens_in_flight as f64 / n / pool.slot_rate());
+        n / latency.max(MIN_RETRY_AFTER_S)
     }
 
     /// The request's token charge (`input + max_tokens`, the default output
@@ -711,8 +718,8 @@ impl AdmissionController {
         let may_burst = pool_room && e.spec.service_class.can_burst();
 
         if e.in_flight.len() as u64 >= e.spec.concurrency && !may_burst {
-            let retry = Self::expected_release(e, &pool.spec, now);
-            return Admission::rejected(429, "concurrency", retry, w);
+            let retry = 1.0 / Self::completion_rate(e, &pool.spec);
+            return Admission::rejected(429, "concurrency", Some(retry), w);
         }
 
         Self::expire_window(e, now, window_s);
@@ -737,14 +744,15 @@ impl AdmissionController {
         if !pool_room {
             let p = e.pool;
             let mut lowest = f64::INFINITY;
-            let mut retry: Option<f64> = None;
+            let mut rate = 0.0;
             for o in self.ents.iter().filter(|o| o.pool == p) {
-                if let Some(r) = Self::expected_release(o, &self.pools[p].spec, now) {
+                if !o.in_flight.is_empty() {
                     lowest = lowest.min(o.priority);
-                    retry = Some(retry.map_or(r, |x| x.min(r)));
+                    rate += Self::completion_rate(o, &self.pools[p].spec);
                 }
             }
             if w <= lowest {
+                let retry = (rate > 0.0).then(|| 1.0 / rate);
                 return Admission::rejected(429, "pool-contention", retry, w);
             }
         }
@@ -760,6 +768,7 @@ impl AdmissionController {
                 kv,
             },
         );
+        e.tokens_in_flight += tokens;
         e.kv_in_flight += kv;
         e.window.push_back(Charge {
             at: now,
@@ -827,6 +836,7 @@ impl AdmissionController {
         });
 
         if let Some(req) = e.in_flight.remove(&ticket) {
+            e.tokens_in_flight -= req.tokens;
             e.kv_in_flight -= req.kv;
             if let Ok(k) = e.window.binary_search_by_key(&ticket, |c| c.ticket) {
                 e.window_tokens = e.window_tokens - e.window[k].tokens + actual;
@@ -1004,6 +1014,7 @@ impl AdmissionController {
             e.debt = debt;
             e.burst = burst;
             e.latency_s = (!lat.is_nan()).then_some(lat);
+            e.tokens_in_flight = checked_sum(in_flight.values().map(|r| r.tokens))?;
             e.kv_in_flight = checked_sum(in_flight.values().map(|r| r.kv))?;
             e.window_tokens = checked_sum(window.iter().map(|c| c.tokens))?;
             let pool = &mut c.pools[e.pool];
@@ -1029,6 +1040,11 @@ mod tests {
 
     fn ent(name: &str, class: &str, slo: f64, tps: f64, conc: i64, state: &str) -> Entitlement {
         Entitlement::new(name, "t", "p", class, slo, tps, 1 << 20, conc, state).expect("ent")
+    }
+
+    fn ticket(c: &mut AdmissionController, e: &str, input: i64, max: i64, now: f64) -> u64 {
+        let a = c.admit(e, input, Some(max), now).expect("admit");
+        a.ticket.expect("admitted")
     }
 
     fn paper_pool() -> AdmissionController {
@@ -1110,20 +1126,21 @@ mod tests {
         assert!(second.admitted);
         let third = c.admit("g", 0, Some(10), 3.0).expect("a");
         assert!(third.admitted);
-        // Concurrency 2 reached; guaranteed may not burst. Retry-After: the
-        // oldest (admitted at 3.0) is expected to take the observed 1.5 s.
+        // Concurrency 2 reached; guaranteed may not burst. Retry-After: two
+        // requests of the observed 1.5 s latency end one per 0.75 s.
         let a = c.admit("g", 0, Some(1), 4.0).expect("a");
         assert_eq!((a.status, a.reason), (429, "concurrency"));
-        assert!((a.retry_after_s.expect("r") - 0.5).abs() < 1e-12);
+        assert!((a.retry_after_s.expect("r") - 0.75).abs() < 1e-12);
         // Spot fills the pool to 4; the next spot request loses to the lowest
         // priority in flight (spot's own): pool contention. No latency seen
-        // for spot yet: the guess is tokens / (240 tokens/s / 4 slots).
+        // for spot yet: the guess is 60 tokens / (240 tokens/s / 4 slots) =
+        // 1 s, so the pool completes 2 / 1.5 + 2 / 1 requests a second.
         assert!(c.admit("s", 30, Some(30), 4.0).expect("a").admitted);
         assert!(c.admit("s", 30, Some(30), 4.0).expect("a").admitted);
         let a = c.admit("s", 30, Some(30), 5.0).expect("a");
         assert_eq!((a.status, a.reason), (429, "pool-contention"));
-        let expect = (3.0_f64 + 1.5 - 5.0).max(4.0 + 60.0 / 60.0 - 5.0);
-        assert!((a.retry_after_s.expect("r") - expect.max(MIN_RETRY_AFTER_S)).abs() < 1e-12);
+        let expect = 1.0 / (2.0 / 1.5 + 2.0 / 1.0);
+        assert!((a.retry_after_s.expect("r") - expect).abs() < 1e-12);
         assert_eq!(c.pool_in_flight("p").expect("n"), 4);
     }
 
@@ -1139,16 +1156,8 @@ mod tests {
             10.0,
         )
         .expect("c");
-        let p1 = c
-            .admit("pre", 1, Some(1), 0.0)
-            .expect("a")
-            .ticket
-            .expect("t");
-        let p2 = c
-            .admit("pre", 1, Some(1), 1.0)
-            .expect("a")
-            .ticket
-            .expect("t");
+        let p1 = ticket(&mut c, "pre", 1, 1, 0.0);
+        let p2 = ticket(&mut c, "pre", 1, 1, 1.0);
         assert_eq!(c.evictions(1.0).expect("e"), Vec::<u64>::new());
         // Pool full; guaranteed (1000 / 3) beats preemptible (0.1 / 3).
         let g = c.admit("g", 1, Some(1), 2.0).expect("a");
@@ -1171,11 +1180,7 @@ mod tests {
             10.0,
         )
         .expect("c");
-        let t = c
-            .admit("e", 50, Some(50), 0.0)
-            .expect("a")
-            .ticket
-            .expect("t");
+        let t = ticket(&mut c, "e", 50, 50, 0.0);
         c.complete(t, 50, 50, 1.0, 1.0).expect("c");
         // Served rate starts at the baseline 100; + 100 tokens / 10 s = 110.
         let gap1 = (100.0 - 110.0) / 100.0;
@@ -1184,11 +1189,7 @@ mod tests {
         let s = c.stats("e").expect("s");
         assert!((s.served_tokens_per_s - 110.0).abs() < 1e-12);
         assert!((s.debt - d1).abs() < 1e-12 && (s.burst - b1).abs() < 1e-12);
-        let t = c
-            .admit("e", 50, Some(50), 10.0)
-            .expect("a")
-            .ticket
-            .expect("t");
+        let t = ticket(&mut c, "e", 50, 50, 10.0);
         c.complete(t, 50, 50, 1.0, 11.0).expect("c");
         let rate = 110.0 * (-1.0f64).exp() + 10.0;
         let d2 = 0.7 * d1 + 0.3 * (100.0 - rate) / 100.0;
@@ -1203,11 +1204,7 @@ mod tests {
     #[test]
     fn bad_input_changes_nothing() {
         let mut c = paper_pool();
-        let t = c
-            .admit("copilot", 5, Some(5), 1.0)
-            .expect("a")
-            .ticket
-            .expect("t");
+        let t = ticket(&mut c, "copilot", 5, 5, 1.0);
         let before = c.clone();
         assert!(c.admit("copilot", -1, Some(5), 2.0).is_err());
         assert!(c.admit("copilot", 1, Some(0), 2.0).is_err());
@@ -1242,11 +1239,7 @@ mod tests {
     #[test]
     fn snapshot_round_trip_is_exact() {
         let mut c = paper_pool();
-        let t = c
-            .admit("copilot", 5, Some(5), 1.0)
-            .expect("a")
-            .ticket
-            .expect("t");
+        let t = ticket(&mut c, "copilot", 5, 5, 1.0);
         c.admit("synth", 7, None, 1.5).expect("a");
         c.complete(t, 5, 3, 0.7, 2.0).expect("c");
         c.set_capacity("p", None, None, Some(8)).expect("cap");

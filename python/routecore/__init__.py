@@ -48,7 +48,12 @@ from routecore._core import (
     priority_weight,
     simulate,
 )
-from routecore.admission import InMemoryAdmission, RedisAdmission, admission_from_config
+from routecore.admission import (
+    AdmissionBackend,
+    InMemoryAdmission,
+    RedisAdmission,
+    admission_from_config,
+)
 from routecore.profiles import load_profile
 
 __all__ = [
@@ -78,6 +83,7 @@ __all__ = [
     "Entitlement",
     "TokenPool",
     "priority_weight",
+    "AdmissionBackend",
     "InMemoryAdmission",
     "RedisAdmission",
     "admission_from_config",

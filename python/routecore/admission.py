@@ -30,9 +30,10 @@ outage either sheds load or protects availability, as configured.
 from __future__ import annotations
 
 import json
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from routecore._core import Admission, AdmissionController, Entitlement, TokenPool
 
@@ -41,8 +42,11 @@ MAX_POOLS = 256
 FAILURE_MODES = ("open", "closed")
 
 
-class AdmissionBackend(Protocol):
-    """What a gateway or server needs from an admission backend."""
+class AdmissionBackend:
+    """What a gateway or server needs from an admission backend; both backends
+    derive from it and supply ``_admit``, ``_complete`` and the rest."""
+
+    clock: Callable[[], float]
 
     def admit(
         self,
@@ -50,7 +54,13 @@ class AdmissionBackend(Protocol):
         input_tokens: int,
         max_tokens: int | None = None,
         now: float | None = None,
-    ) -> Admission: ...
+    ) -> Admission:
+        """Decides one request: ``admitted``, ``status`` (200; 401 unknown
+        entitlement, 403 not bound, 413 over the whole budget, 429 throttled,
+        503 state unreachable), ``reason``, ``retry_after_s``, ``ticket``.
+        ``max_tokens=None`` charges the default output bound; ``now`` defaults
+        to the backend's clock. Bad numbers raise ValueError."""
+        return self._admit(entitlement, input_tokens, max_tokens, self._now(now))
 
     def complete(
         self,
@@ -59,7 +69,36 @@ class AdmissionBackend(Protocol):
         actual_output: int,
         latency_s: float,
         now: float | None = None,
-    ) -> bool: ...
+    ) -> bool:
+        """Ends an admitted request with what it really used and updates served
+        rate, debt, burst and priority. True when this call released the ticket,
+        False when it is not in flight (None, done already, lease expired, or
+        the state is unreachable): completing twice never counts twice."""
+        if ticket is None:
+            return False
+        return self._complete(ticket, actual_input, actual_output, latency_s, self._now(now))
+
+    def evictions(self, now: float | None = None) -> list[int]:
+        """Tickets of preemptible requests to terminate now because protected
+        classes need the capacity (lowest priority, then youngest, first).
+        Changes nothing: terminate them, then ``complete`` each."""
+        return self._evictions(self._now(now))
+
+    def _now(self, now: float | None) -> float:
+        return self.clock() if now is None else float(now)
+
+    def _admit(
+        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
+    ) -> Admission:
+        raise NotImplementedError
+
+    def _complete(
+        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
+    ) -> bool:
+        raise NotImplementedError
+
+    def _evictions(self, now: float) -> list[int]:
+        raise NotImplementedError
 
     def set_capacity(
         self,
@@ -67,17 +106,28 @@ class AdmissionBackend(Protocol):
         tokens_per_s: float | None = None,
         kv_bytes: int | None = None,
         concurrency: int | None = None,
-    ) -> None: ...
+    ) -> None:
+        """Changes a pool's capacity at run time (outage, recovery, scaling)."""
+        raise NotImplementedError
 
-    def set_state(self, entitlement: str, state: str) -> None: ...
+    def set_state(self, entitlement: str, state: str) -> None:
+        """Moves an entitlement to pending, bound, degraded or expired."""
+        raise NotImplementedError
 
-    def pool_in_flight(self, pool: str) -> int: ...
+    def pool_in_flight(self, pool: str) -> int:
+        """Requests in flight in ``pool``."""
+        raise NotImplementedError
 
-    def close(self) -> None: ...
+    def priority(self, entitlement: str) -> float:
+        """The entitlement's priority weight w_e now (equation 1)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Releases connections, if any."""
 
 
-class InMemoryAdmission:
-    """The in-process backend: a thin clock-supplying wrapper of ``AdmissionController``."""
+class InMemoryAdmission(AdmissionBackend):
+    """The in-process backend (the default): ``AdmissionController`` with a clock."""
 
     def __init__(
         self,
@@ -92,40 +142,22 @@ class InMemoryAdmission:
         )
         self.clock = clock
 
-    def admit(
-        self,
-        entitlement: str,
-        input_tokens: int,
-        max_tokens: int | None = None,
-        now: float | None = None,
+    def _admit(
+        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
     ) -> Admission:
-        """Decides one request (see ``AdmissionController.admit``)."""
-        return self.controller.admit(
-            entitlement, input_tokens, max_tokens, self.clock() if now is None else now
-        )
+        return self.controller.admit(entitlement, input_tokens, max_tokens, now)
 
-    def complete(
-        self,
-        ticket: int | None,
-        actual_input: int,
-        actual_output: int,
-        latency_s: float,
-        now: float | None = None,
+    def _complete(
+        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
     ) -> bool:
-        """Releases ``ticket``; False when it is not in flight."""
-        if ticket is None:
-            return False
         try:
-            self.controller.complete(
-                ticket,
-                actual_input,
-                actual_output,
-                latency_s,
-                self.clock() if now is None else now,
-            )
+            self.controller.complete(ticket, actual_input, actual_output, latency_s, now)
         except KeyError:
             return False
         return True
+
+    def _evictions(self, now: float) -> list[int]:
+        return self.controller.evictions(now)
 
     def set_capacity(
         self,
@@ -142,8 +174,8 @@ class InMemoryAdmission:
     def pool_in_flight(self, pool: str) -> int:
         return self.controller.pool_in_flight(pool)
 
-    def close(self) -> None:
-        """Nothing to release; present for the common interface."""
+    def priority(self, entitlement: str) -> float:
+        return self.controller.priority(entitlement)
 
 
 # The Lua below mirrors rust/admission.rs line by line; the equivalence test in
@@ -162,7 +194,7 @@ local function pool_get()
     clock = tonumber(v[10])}
 end
 local function tick(pool, now)
-  if pool.clock and pool.clock > now then return pool.clock end
+  if pool.clock and pool.clock >= now then return pool.clock end
   redis.call('HSET', P..':pool', 'clock', f(now))
   return now
 end
@@ -179,6 +211,7 @@ local function release(seq)
   redis.call('ZREM', P..':leases', seq)
   redis.call('ZREM', ek..':fl', seq)
   redis.call('HINCRBY', P..':pool', 'in_flight', -1)
+  redis.call('HINCRBY', ek, 'tokens_in_flight', '-'..tokens)
   if kv ~= '0' then
     redis.call('HINCRBY', ek, 'kv_in_flight', '-'..kv)
     redis.call('HINCRBY', P..':pool', 'kv_in_flight', '-'..kv)
@@ -186,23 +219,18 @@ local function release(seq)
   return ent
 end
 local function purge(now)
-  for _, seq in ipairs(redis.call('ZRANGEBYSCORE', P..':leases', '-inf', f(now))) do
-    release(seq)
-  end
+  local dead = redis.call('ZRANGEBYSCORE', P..':leases', '-inf', f(now))
+  for _, seq in ipairs(dead) do release(seq) end
+  return #dead
 end
-local function expected_release(ek, pool, now)
-  local o = redis.call('ZRANGE', ek..':fl', 0, 0, 'WITHSCORES')
-  if #o == 0 then return nil end
-  local lat = redis.call('HGET', ek, 'latency')
-  local expected
-  if lat and lat ~= '' then
-    expected = tonumber(lat)
-  else
-    local info = redis.call('HGET', P..':tickets', o[1])
-    local _, tokens = string.match(info, '^(%d+)|(%d+)|')
-    expected = tonumber(tokens) / (pool.tps / pool.conc)
-  end
-  return math.max(tonumber(o[2]) + expected - now, 0)
+local function completion_rate(ek, pool)
+  local n = redis.call('ZCARD', ek..':fl')
+  if n == 0 then return 0 end
+  local v = redis.call('HMGET', ek, 'latency', 'tokens_in_flight')
+  local latency
+  if v[1] ~= '' then latency = tonumber(v[1])
+  else latency = tonumber(v[2]) / n / (pool.tps / pool.conc) end
+  return n / math.max(latency, MIN_RETRY)
 end
 local function refresh()
   local names = redis.call('SMEMBERS', P..':ents')
@@ -244,7 +272,7 @@ for _, e in ipairs(cfg.entitlements) do
   redis.call('HSETNX', ek, 'state', e.state)
   redis.call('HSETNX', ek, 'served_rate', f(e.tokens_per_s))
   for _, k in ipairs({'served_at', 'latency'}) do redis.call('HSETNX', ek, k, '') end
-  for _, k in ipairs({'debt', 'burst', 'kv_in_flight', 'window_tokens'}) do
+  for _, k in ipairs({'debt', 'burst', 'tokens_in_flight', 'kv_in_flight', 'window_tokens'}) do
     redis.call('HSETNX', ek, k, 0)
   end
 end
@@ -260,8 +288,7 @@ local pool = pool_get()
 if not pool then return {'unconfigured'} end
 local ent, tokens = ARGV[1], tonumber(ARGV[2])
 local now = tick(pool, tonumber(ARGV[3]))
-purge(now)
-pool = pool_get()
+if purge(now) > 0 then pool = pool_get() end
 local ek = P..':e:'..ent
 local e = redis.call('HMGET', ek, 'state', 'conc', 'tps', 'burstable', 'priority',
   'window_tokens')
@@ -271,19 +298,18 @@ if e[1] ~= 'bound' then return {'403', e[1], '', '', w} end
 local kv = tokens * pool.kvpt
 local pool_room = pool.in_flight < pool.conc and pool.kv_in_flight + kv <= pool.kv
 local may_burst = pool_room and e[4] == '1'
-local retry
 if redis.call('ZCARD', ek..':fl') >= tonumber(e[2]) and not may_burst then
-  retry = expected_release(ek, pool, now)
-  if retry then retry = f(math.max(retry, MIN_RETRY)) else retry = '' end
-  return {'429', 'concurrency', retry, '', w}
+  local retry = 1 / completion_rate(ek, pool)
+  return {'429', 'concurrency', f(math.max(retry, MIN_RETRY)), '', w}
 end
 local wt = tonumber(e[6])
-for _, s in ipairs(redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - pool.window))) do
+local old = redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - pool.window))
+for _, s in ipairs(old) do
   wt = wt - tonumber(redis.call('HGET', ek..':wtok', s))
   redis.call('HDEL', ek..':wtok', s)
   redis.call('ZREM', ek..':win', s)
 end
-redis.call('HSET', ek, 'window_tokens', wt)
+if #old > 0 then redis.call('HSET', ek, 'window_tokens', wt) end
 local limit = tonumber(e[3]) * pool.window
 local excess = wt + tokens - limit
 if excess > 0 and not may_burst then
@@ -297,17 +323,18 @@ if excess > 0 and not may_burst then
   return {'429', 'token-budget', f(math.max(at + pool.window - now, MIN_RETRY)), '', w}
 end
 if not pool_room then
-  local lowest = math.huge
+  local lowest, rate = math.huge, 0
   for _, name in ipairs(redis.call('SMEMBERS', P..':ents')) do
     local ok = P..':e:'..name
-    local r = expected_release(ok, pool, now)
-    if r then
+    local r = completion_rate(ok, pool)
+    if r > 0 then
       lowest = math.min(lowest, tonumber(redis.call('HGET', ok, 'priority')))
-      if retry == nil or r < retry then retry = r end
+      rate = rate + r
     end
   end
   if tonumber(w) <= lowest then
-    if retry then retry = f(math.max(retry, MIN_RETRY)) else retry = '' end
+    local retry = ''
+    if rate > 0 then retry = f(math.max(1 / rate, MIN_RETRY)) end
     return {'429', 'pool-contention', retry, '', w}
   end
 end
@@ -318,6 +345,7 @@ redis.call('ZADD', ek..':fl', f(now), seq)
 redis.call('ZADD', ek..':win', f(now), seq)
 redis.call('HSET', ek..':wtok', seq, tokens)
 redis.call('HINCRBY', ek, 'window_tokens', tokens)
+redis.call('HINCRBY', ek, 'tokens_in_flight', tokens)
 redis.call('HINCRBY', P..':pool', 'in_flight', 1)
 if kv > 0 then
   redis.call('HINCRBY', ek, 'kv_in_flight', string.format('%d', kv))
@@ -377,6 +405,7 @@ return 1
 )
 
 _STATES = ("pending", "bound", "degraded", "expired")
+_PROTECTED = ("dedicated", "guaranteed")  # never shrunk (Table 1)
 _CLASS = {  # weight, burst rights, has a baseline (accumulates debt): Table 1
     "dedicated": (1000.0, 1, 1),
     "guaranteed": (1000.0, 0, 1),
@@ -387,14 +416,15 @@ _CLASS = {  # weight, burst rights, has a baseline (accumulates debt): Table 1
 
 
 def _count(what: str, value: int, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
         raise TypeError(f"{what} must be an int")
+    value = operator.index(value)  # ints and NumPy integers; TypeError for floats
     if not low <= value <= MAX_TOKENS:
         raise ValueError(f"{what} must be in [{low}, {MAX_TOKENS}], got {value}")
     return value
 
 
-class RedisAdmission:
+class RedisAdmission(AdmissionBackend):
     """The shared backend: pool state in Redis, one atomic Lua script per decision.
 
     ``client``: a ``redis.Redis`` (or give ``url``). Keys live under
@@ -448,6 +478,7 @@ class RedisAdmission:
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._pools = [p.name for p in pools]
         self._pool_of = {e.name: e.pool for e in entitlements}
+        self._class_of = {e.name: e.service_class for e in entitlements}
         self._keys = {p.name: f"{prefix}:{{{p.name}}}" for p in pools}
         self._config = {
             p.name: json.dumps(
@@ -488,18 +519,12 @@ class RedisAdmission:
         seq_base = int(time.time() * 1000) * 1024
         self._configure_script(keys=[self._keys[pool]], args=[self._config[pool], seq_base])
 
-    def admit(
-        self,
-        entitlement: str,
-        input_tokens: int,
-        max_tokens: int | None = None,
-        now: float | None = None,
+    def _admit(
+        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
     ) -> Admission:
-        """Decides one request atomically in Redis (the checks of ``AdmissionController``)."""
         tokens = _count("input_tokens", input_tokens, 0) + (
             self.default_max_tokens if max_tokens is None else _count("max_tokens", max_tokens, 1)
         )
-        now = self.clock() if now is None else float(now)
         if now != now or now in (float("inf"), float("-inf")):
             raise ValueError(f"now must be a finite number, got {now}")
         pool = self._pool_of.get(entitlement)
@@ -526,25 +551,15 @@ class RedisAdmission:
             float(priority),
         )
 
-    def complete(
-        self,
-        ticket: int | None,
-        actual_input: int,
-        actual_output: int,
-        latency_s: float,
-        now: float | None = None,
+    def _complete(
+        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
     ) -> bool:
-        """Releases ``ticket`` and updates served rate, debt, burst and priority
-        in Redis; False when it is not in flight (or Redis is unreachable)."""
         actual = _count("actual_input", actual_input, 0) + _count("actual_output", actual_output, 0)
         if not latency_s >= 0 or latency_s == float("inf"):
             raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s}")
-        if ticket is None:
-            return False
         seq, index = divmod(ticket, MAX_POOLS)
         if index >= len(self._pools):
             return False
-        now = self.clock() if now is None else float(now)
         try:
             done = self._complete_script(
                 keys=[self._keys[self._pools[index]]],
@@ -553,6 +568,36 @@ class RedisAdmission:
         except self._errors:
             return False
         return bool(done)
+
+    def _evictions(self, now: float) -> list[int]:
+        """Read in one transaction per pool; [] while Redis is unreachable."""
+        out: list[int] = []
+        for index, pool in enumerate(self._pools):
+            key = self._keys[pool]
+            ents = [e for e, p in self._pool_of.items() if p == pool]
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hmget(f"{key}:pool", "in_flight", "concurrency")
+            for e in ents:
+                pipe.zrange(f"{key}:e:{e}:fl", 0, -1, withscores=True)
+                pipe.hget(f"{key}:e:{e}", "priority")
+            try:
+                (in_flight, concurrency), *rest = pipe.execute()
+            except self._errors:
+                return []
+            over = int(in_flight or 0) - int(float(concurrency or 0))
+            flights = dict(zip(ents, rest[0::2]))
+            priority = {e: float(w or 0) for e, w in zip(ents, rest[1::2])}
+            protected = any(flights[e] for e in ents if self._class_of[e] in _PROTECTED)
+            if over <= 0 or not protected:
+                continue
+            victims = sorted(
+                (priority[e], now - at, int(seq) * MAX_POOLS + index)
+                for e in ents
+                if self._class_of[e] == "preemptible"
+                for seq, at in flights[e]
+            )
+            out.extend(ticket for _, _, ticket in victims[:over])
+        return out
 
     def set_capacity(
         self,
@@ -593,14 +638,12 @@ class RedisAdmission:
         self._set_state_script(keys=[self._keys[pool]], args=[entitlement, state])
 
     def priority(self, entitlement: str) -> float:
-        """The entitlement's current priority weight w_e as stored in Redis."""
         pool = self._pool_of.get(entitlement)
         if pool is None:
             raise KeyError(f"unknown entitlement: {entitlement!r}")
         return float(self.client.hget(f"{self._keys[pool]}:e:{entitlement}", "priority"))
 
     def pool_in_flight(self, pool: str) -> int:
-        """Requests in flight in ``pool`` across all replicas."""
         value = self.client.hget(f"{self._keys[self._key_pool(pool)]}:pool", "in_flight")
         return int(value or 0)
 

@@ -205,10 +205,9 @@ def table(timeline: list[Second], every: int = 10) -> str:
     """The timeline every ``every`` seconds: per entitlement in flight, admitted
     and denied (all reasons, summed over the interval), debt and priority."""
     names = list(timeline[0].in_flight)
-    short = [n.split("-")[-1][:8] for n in names]
     head = f"{'t':>4} {'slots':>5} {'run':>3} {'wait':>4}"
-    for s in short:
-        head += f" | {s:>8} {'adm':>4} {'deny':>4} {'debt':>6} {'w':>7}"
+    for n in names:
+        head += f" | {n:>15} {'adm':>4} {'deny':>4} {'debt':>6} {'w':>7}"
     lines = [head, "-" * len(head)]
     for k in range(0, len(timeline), every):
         chunk = timeline[k : k + every]
@@ -218,10 +217,26 @@ def table(timeline: list[Second], every: int = 10) -> str:
             adm = sum(s.admitted[n] for s in chunk)
             deny = sum(c for s in chunk for (e, _), c in s.denied.items() if e == n)
             row += (
-                f" | {last.in_flight[n]:>8} {adm:>4} {deny:>4}"
+                f" | {last.in_flight[n]:>15} {adm:>4} {deny:>4}"
                 f" {last.debt[n]:>6.3f} {last.priority[n]:>7.2f}"
             )
         lines.append(row)
+    return "\n".join(lines)
+
+
+def summary(timeline: list[Second]) -> str:
+    """Per entitlement over the whole run (the paper's Table 2): requests
+    admitted, denials for low priority (pool contention) and for other
+    reasons (concurrency, token budget), and the peak service debt."""
+    lines = [
+        f"{'entitlement':<16} {'admitted':>8} {'low-priority':>12} {'other':>6} {'peak debt':>9}"
+    ]
+    for n in timeline[0].in_flight:
+        low = sum(s.denied[(n, "pool-contention")] for s in timeline)
+        other = sum(c for s in timeline for (e, _), c in s.denied.items() if e == n) - low
+        adm = sum(s.admitted[n] for s in timeline)
+        peak = max(s.debt[n] for s in timeline)
+        lines.append(f"{n:<16} {adm:>8} {low:>12} {other:>6} {peak:>9.3f}")
     return "\n".join(lines)
 
 

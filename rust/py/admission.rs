@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use super::int_array;
+use super::{int_array, reduce};
 use crate::admission::{self, AdmissionController, Entitlement, ServiceClass, TokenPool};
 
 /// Two int64 arrays of one length.
@@ -59,6 +59,22 @@ impl PyTokenPool {
     #[getter]
     fn kv_bytes_per_token(&self) -> u64 {
         self.inner.kv_bytes_per_token
+    }
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let p = &slf.get().inner;
+        let args = (
+            &p.name,
+            p.tokens_per_s,
+            p.kv_bytes,
+            p.concurrency,
+            p.kv_bytes_per_token,
+        );
+        Ok((
+            slf.as_any().get_type().into_any(),
+            args.into_pyobject(slf.py())?,
+        ))
     }
     fn __repr__(&self) -> String {
         let p = &self.inner;
@@ -144,6 +160,26 @@ impl PyEntitlement {
     fn state(&self) -> &'static str {
         self.inner.state.as_str()
     }
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let e = &slf.get().inner;
+        let args = (
+            &e.name,
+            &e.tenant,
+            &e.pool,
+            e.service_class.as_str(),
+            e.slo_target_ms,
+            e.tokens_per_s,
+            e.kv_bytes,
+            e.concurrency,
+            e.state.as_str(),
+        );
+        Ok((
+            slf.as_any().get_type().into_any(),
+            args.into_pyobject(slf.py())?,
+        ))
+    }
     fn __repr__(&self) -> String {
         let e = &self.inner;
         format!(
@@ -213,6 +249,23 @@ impl PyAdmission {
             ticket,
             priority,
         }
+    }
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let a = slf.get();
+        let args = (
+            a.admitted,
+            a.status,
+            &a.reason,
+            a.retry_after_s,
+            a.ticket,
+            a.priority,
+        );
+        Ok((
+            slf.as_any().get_type().into_any(),
+            args.into_pyobject(slf.py())?,
+        ))
     }
     fn __repr__(&self) -> String {
         let opt = |x: Option<String>| x.unwrap_or_else(|| "None".to_owned());
@@ -451,10 +504,7 @@ impl PyAdmissionController {
     }
 
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        let py = slf.py();
-        let restore = slf.get_type().getattr("from_bytes")?;
-        let state = slf.get().to_bytes(py);
-        PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
+        reduce(slf, slf.get().to_bytes(slf.py()))
     }
 
     fn __repr__(&self) -> String {
