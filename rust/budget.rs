@@ -30,7 +30,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::calibrate::{Calibrator, MAX_PROMPT_BYTES};
+use crate::calibrate::{estimate, Calibrator, MAX_PROMPT_BYTES};
 use crate::error::{invalid, unknown, Result};
 
 /// Largest `max_output_tokens` / context a request or pool may name: 2^30
@@ -229,6 +229,16 @@ impl TokenBudgetRouter {
     /// `output` of them output, would be compressed for (see the module
     /// docs), without counting it.
     pub fn compress_target(&self, total: u64, output: u64) -> Option<(usize, u64)> {
+        self.compress_target_by(total, output, |i| self.load(i))
+    }
+
+    #[inline]
+    fn compress_target_by(
+        &self,
+        total: u64,
+        output: u64,
+        load: impl Fn(usize) -> u64 + Copy,
+    ) -> Option<(usize, u64)> {
         let gamma = self.compress_band?;
         let pool = self
             .order
@@ -238,8 +248,8 @@ impl TokenBudgetRouter {
         let budget = self.pools[pool].budget;
         let in_band = total as f64 <= gamma * budget as f64;
         let target = budget.checked_sub(output).filter(|&t| t >= 1)?;
-        let elsewhere = self.choose(total).0 != Some(pool);
-        (in_band && elsewhere && !self.overloaded(pool)).then_some((pool, target))
+        let elsewhere = self.choose_by(total, load).0 != Some(pool);
+        (in_band && elsewhere && !self.overloaded(pool, load(pool))).then_some((pool, target))
     }
 
     /// Counts a request compressed for `pool` (from `compress_target`).
@@ -272,14 +282,52 @@ impl TokenBudgetRouter {
         compressible: bool,
     ) -> Decision {
         let total = est_input_tokens.saturating_add(max_output_tokens);
-        let compress = compressible
-            .then(|| self.compress_target(total, max_output_tokens))
-            .flatten();
-        match compress {
-            Some((pool, target)) => {
-                self.route_compressed(pool, est_input_tokens, max_output_tokens, target)
+        let pick = self.pick(total, max_output_tokens, compressible, |i| self.load(i));
+        if let Some(i) = pick.pool {
+            self.in_flight[i].fetch_add(1, Ordering::Relaxed);
+        }
+        Decision {
+            pool: pick.pool,
+            est_input_tokens,
+            est_output_tokens: max_output_tokens,
+            est_total_tokens: total,
+            spilled: pick.spilled,
+            reason: pick.reason,
+            action: match (pick.pool, pick.compress_target) {
+                (None, _) => Action::Reject,
+                (Some(_), None) => Action::Route,
+                (Some(_), Some(_)) => Action::Compress,
+            },
+            compress_target_tokens: pick.compress_target,
+        }
+    }
+
+    /// The whole decision for a request of `total` tokens under the given
+    /// in-flight counts, without counting it.
+    #[inline]
+    fn pick(
+        &self,
+        total: u64,
+        output: u64,
+        compressible: bool,
+        load: impl Fn(usize) -> u64 + Copy,
+    ) -> Pick {
+        if compressible {
+            if let Some((pool, target)) = self.compress_target_by(total, output, load) {
+                return Pick {
+                    pool: Some(pool),
+                    spilled: false,
+                    reason: Reason::Compress,
+                    compress_target: Some(target),
+                };
             }
-            None => self.route_estimated(est_input_tokens, max_output_tokens),
+        }
+        let (pool, spilled, reason) = self.choose_by(total, load);
+        Pick {
+            pool,
+            spilled,
+            reason,
+            compress_target: None,
         }
     }
 
@@ -340,15 +388,29 @@ impl TokenBudgetRouter {
             })
     }
 
-    fn overloaded(&self, pool: usize) -> bool {
-        match self.pools[pool].queue_limit {
-            Some(limit) => self.in_flight[pool].load(Ordering::Relaxed) > limit,
-            None => false,
-        }
+    #[inline]
+    fn load(&self, pool: usize) -> u64 {
+        self.in_flight[pool].load(Ordering::Relaxed)
+    }
+
+    #[inline]
+    fn overloaded(&self, pool: usize, load: u64) -> bool {
+        self.pools[pool]
+            .queue_limit
+            .is_some_and(|limit| load > limit)
     }
 
     /// The pool for a request of `total` tokens, without counting it.
     pub fn choose(&self, total: u64) -> (Option<usize>, bool, Reason) {
+        self.choose_by(total, |i| self.load(i))
+    }
+
+    #[inline]
+    fn choose_by(
+        &self,
+        total: u64,
+        load: impl Fn(usize) -> u64 + Copy,
+    ) -> (Option<usize>, bool, Reason) {
         let fits = |i: &usize| self.pools[*i].max_context >= total;
         let target = self
             .order
@@ -367,15 +429,15 @@ impl TokenBudgetRouter {
         let Some((target, reason)) = target else {
             return (None, false, Reason::TooLong);
         };
-        if !self.overloaded(target) {
+        if !self.overloaded(target, load(target)) {
             return (Some(target), false, reason);
         }
         let alternate = self
             .order
             .iter()
             .copied()
-            .filter(|&i| i != target && fits(&i) && !self.overloaded(i))
-            .min_by_key(|&i| self.in_flight[i].load(Ordering::Relaxed));
+            .filter(|&i| i != target && fits(&i) && !self.overloaded(i, load(i)))
+            .min_by_key(|&i| load(i));
         match alternate {
             Some(i) => (Some(i), true, Reason::Spillover),
             None => (Some(target), false, reason),
@@ -394,44 +456,107 @@ impl TokenBudgetRouter {
         self.route_with(est_input_tokens, req.max_output_tokens, compressible)
     }
 
-    /// Routes a request whose input tokens are already estimated (or known).
+    /// Routes a request whose input tokens are already estimated (or known),
+    /// without compression.
     pub fn route_estimated(&self, est_input_tokens: u64, max_output_tokens: u64) -> Decision {
-        let total = est_input_tokens.saturating_add(max_output_tokens);
-        let (pool, spilled, reason) = self.choose(total);
-        if let Some(i) = pool {
-            self.in_flight[i].fetch_add(1, Ordering::Relaxed);
-        }
-        Decision {
-            pool,
-            est_input_tokens,
-            est_output_tokens: max_output_tokens,
-            est_total_tokens: total,
-            spilled,
-            reason,
-            action: if pool.is_some() {
-                Action::Route
-            } else {
-                Action::Reject
-            },
-            compress_target_tokens: None,
-        }
+        self.route_with(est_input_tokens, max_output_tokens, false)
     }
 
-    /// Routes a batch in order, exactly as `route` one by one would; the
-    /// calibrator is read once for the whole batch. Returns pool indices,
-    /// -1 for a rejected request.
+    /// Routes a batch in order, exactly as `route` one by one would from a
+    /// single thread. Returns pool indices, -1 for a rejected request. The
+    /// calibrator is read once, and the batch decides against the in-flight
+    /// counts at its start plus its own dispatches, which are published (one
+    /// atomic add per pool) when it ends.
     pub fn route_many(&self, requests: &[Request]) -> Vec<i64> {
         let cal = self.read_calibrator();
-        requests
-            .iter()
-            .map(|r| {
-                let est = cal.estimate_tokens_id(r.prompt_bytes, r.category);
-                self.route_with(est, r.max_output_tokens, compressible(&cal, r.category))
-                    .pool
-                    .map_or(-1, |i| i as i64)
-            })
-            .collect()
+        self.route_batch(&cal, requests.len(), |i| requests[i])
     }
+
+    /// `route_many` over parallel arrays (as NumPy hands them over), checked
+    /// whole before anything is routed: on an error no request is counted.
+    /// Category ids index the calibrator's categories.
+    pub fn route_arrays(
+        &self,
+        prompt_bytes: &[i64],
+        category_ids: &[i64],
+        max_output_tokens: &[i64],
+    ) -> Result<Vec<i64>> {
+        let n = prompt_bytes.len();
+        if category_ids.len() != n || max_output_tokens.len() != n {
+            return Err(invalid(format!(
+                "arrays differ in length: {n}, {}, {}",
+                category_ids.len(),
+                max_output_tokens.len()
+            )));
+        }
+        let cal = self.read_calibrator();
+        let n_categories = cal.categories().len() as i64;
+        for i in 0..n {
+            let c = category_ids[i];
+            if !(0..n_categories).contains(&c) {
+                return Err(invalid(format!(
+                    "category id {c} is not one of the {n_categories} ids from category_id()"
+                )));
+            }
+            Request::new(prompt_bytes[i], Some(c as usize), max_output_tokens[i])?;
+        }
+        // Every entry was checked above, so the casts below are exact.
+        Ok(self.route_batch(&cal, n, |i| Request {
+            prompt_bytes: prompt_bytes[i] as u64,
+            category: Some(category_ids[i] as usize),
+            max_output_tokens: max_output_tokens[i] as u64,
+        }))
+    }
+
+    fn route_batch(
+        &self,
+        cal: &Calibrator,
+        n: usize,
+        request: impl Fn(usize) -> Request,
+    ) -> Vec<i64> {
+        // Per category: the conservative ratio and whether it may be compressed.
+        let table: Vec<(f64, bool)> = (0..cal.categories().len())
+            .map(|id| {
+                (
+                    cal.conservative_ratio_id(Some(id)),
+                    compressible(cal, Some(id)),
+                )
+            })
+            .collect();
+        let cold = (cal.conservative_ratio_id(None), compressible(cal, None));
+        let start: Vec<u64> = (0..self.pools.len()).map(|i| self.load(i)).collect();
+        let mut loads = start.clone();
+        let chosen = (0..n)
+            .map(|i| {
+                let r = request(i);
+                let (ratio, may_compress) = r
+                    .category
+                    .and_then(|c| table.get(c).copied())
+                    .unwrap_or(cold);
+                let total = estimate(r.prompt_bytes, ratio).saturating_add(r.max_output_tokens);
+                let pick = self.pick(total, r.max_output_tokens, may_compress, |j| loads[j]);
+                match pick.pool {
+                    Some(j) => {
+                        loads[j] += 1;
+                        j as i64
+                    }
+                    None => -1,
+                }
+            })
+            .collect();
+        for (j, (now, before)) in loads.iter().zip(&start).enumerate() {
+            self.in_flight[j].fetch_add(now - before, Ordering::Relaxed);
+        }
+        chosen
+    }
+}
+
+/// A decision before it is counted.
+struct Pick {
+    pool: Option<usize>,
+    spilled: bool,
+    reason: Reason,
+    compress_target: Option<u64>,
 }
 
 /// Whether a category may be compressed: every category but "code".
@@ -556,6 +681,29 @@ mod tests {
             assert_eq!(r.in_flight(p), r2.in_flight(p));
         }
         r.complete(2).expect("in flight");
+    }
+
+    #[test]
+    fn route_arrays_equals_route_many_and_checks_first() {
+        let pools = &[("s", 4096, None, Some(3)), ("l", 65536, None, None)];
+        let (a, b) = (router(pools), router(pools));
+        let id = a.write_calibrator().intern("prose").expect("id");
+        b.write_calibrator().intern("prose").expect("id");
+        let bytes: Vec<i64> = (0..300).map(|i| (i * 977) % 100_000).collect();
+        let cats = vec![id as i64; 300];
+        let outs: Vec<i64> = (0..300).map(|i| 1 + (i * 131) % 3000).collect();
+        let reqs: Vec<Request> = (0..300)
+            .map(|i| Request::new(bytes[i], Some(id), outs[i]).expect("request"))
+            .collect();
+        assert_eq!(
+            a.route_arrays(&bytes, &cats, &outs),
+            Ok(b.route_many(&reqs))
+        );
+        let before = (a.in_flight(0), a.in_flight(1));
+        assert!(a.route_arrays(&[1, 2], &[0, 5], &[1, 1]).is_err());
+        assert!(a.route_arrays(&[1, -2], &[0, 0], &[1, 1]).is_err());
+        assert!(a.route_arrays(&[1], &[0, 0], &[1]).is_err());
+        assert_eq!((a.in_flight(0), a.in_flight(1)), before);
     }
 
     #[test]

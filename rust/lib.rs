@@ -57,7 +57,7 @@ mod _core {
     #[pymodule_export]
     use crate::py::profile::{PyProfile, PyService};
     #[pymodule_export]
-    use crate::py::queueing::{erlang_b, erlang_c, p99_wait, PyErlangScan};
+    use crate::py::queueing::{erlang_b, erlang_c, erlang_c_many, p99_wait, PyErlangScan};
     #[pymodule_export]
     use crate::py::sim::{simulate, PySimPool, PySimReport};
     #[pymodule_export]

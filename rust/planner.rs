@@ -23,11 +23,12 @@
 //!   slots, and the cap holds exactly for every pool of every candidate.
 //! - Cost `n_s + phi n_l` GPUs at the profile's $/GPU-hour (Eq. 9); the
 //!   homogeneous fleet is one pool at `long_context` holding every request,
-//!   priced as long-pool GPUs.
+//!   priced as long-pool GPUs. Requests longer than `long_context` fit no
+//!   pool; they are counted in the long pool's traffic as if they did.
 
 use std::sync::Arc;
 
-use crate::error::{invalid, Result};
+use crate::error::{invalid, non_negative, positive, Result};
 use crate::profile::{Profile, Service};
 use crate::queueing::p99_wait;
 use crate::workload::{RangeMoments, ServiceTable, Span, Workload};
@@ -83,18 +84,9 @@ impl PlanConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        let pos = |what: &str, v: f64| {
-            if v.is_finite() && v > 0.0 {
-                Ok(())
-            } else {
-                Err(invalid(format!(
-                    "{what} must be a finite number > 0, got {v}"
-                )))
-            }
-        };
-        pos("arrival_rate", self.arrival_rate)?;
-        pos("slo_ttft_s", self.slo_ttft_s)?;
-        pos("phi", self.phi)?;
+        positive("arrival_rate", self.arrival_rate)?;
+        positive("slo_ttft_s", self.slo_ttft_s)?;
+        positive("phi", self.phi)?;
         if !(self.rho_max > 0.0 && self.rho_max < 1.0) {
             return Err(invalid(format!(
                 "rho_max must be in (0, 1), got {}",
@@ -198,11 +190,7 @@ pub fn pool_routing_savings(alpha: f64, rho: f64) -> Result<f64> {
     if !(0.0..=1.0).contains(&alpha) {
         return Err(invalid(format!("alpha must be in [0, 1], got {alpha}")));
     }
-    if !(rho.is_finite() && rho > 0.0) {
-        return Err(invalid(format!(
-            "rho must be a finite number > 0, got {rho}"
-        )));
-    }
+    positive("rho", rho)?;
     Ok(alpha * (1.0 - 1.0 / rho))
 }
 
@@ -213,34 +201,17 @@ pub fn g_dual(alpha: f64, arrival_rate: f64, mu_short: f64, mu_long: f64) -> Res
     if !(0.0..=1.0).contains(&alpha) {
         return Err(invalid(format!("alpha must be in [0, 1], got {alpha}")));
     }
-    for (what, v) in [("mu_short", mu_short), ("mu_long", mu_long)] {
-        if !(v.is_finite() && v > 0.0) {
-            return Err(invalid(format!(
-                "{what} must be a finite number > 0, got {v}"
-            )));
-        }
-    }
-    if !(arrival_rate.is_finite() && arrival_rate >= 0.0) {
-        return Err(invalid(format!(
-            "arrival_rate must be a finite number >= 0, got {arrival_rate}"
-        )));
-    }
+    positive("mu_short", mu_short)?;
+    positive("mu_long", mu_long)?;
+    non_negative("arrival_rate", arrival_rate)?;
     Ok(alpha * arrival_rate / mu_short + (1.0 - alpha) * arrival_rate / mu_long)
 }
 
 /// `gpus * price_per_gpu_hour * hours_per_year`, USD.
 pub fn annual_cost_usd(gpus: f64, price_per_gpu_hour: f64, hours_per_year: f64) -> Result<f64> {
-    for (what, v) in [
-        ("gpus", gpus),
-        ("price_per_gpu_hour", price_per_gpu_hour),
-        ("hours_per_year", hours_per_year),
-    ] {
-        if !(v.is_finite() && v >= 0.0) {
-            return Err(invalid(format!(
-                "{what} must be a finite number >= 0, got {v}"
-            )));
-        }
-    }
+    non_negative("gpus", gpus)?;
+    non_negative("price_per_gpu_hour", price_per_gpu_hour)?;
+    non_negative("hours_per_year", hours_per_year)?;
     Ok(gpus * price_per_gpu_hour * hours_per_year)
 }
 
@@ -462,8 +433,11 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
         let mut short_cache: Option<(f64, PoolPlan)> = None;
         for &gamma in &gammas {
             let gb = (gamma * b_f).floor();
-            let band = w.span(b_f, gb);
-            let tail = w.span(gb, f64::INFINITY);
+            let band = w.span_from(short_span.end, gb);
+            let tail = Span {
+                start: band.end,
+                end: w.len(),
+            };
             let mut beta = 0.0;
             let mut moved = 0.0;
             let mut m_long = ctx.table.moments_all(w, tail, la0, la1);
@@ -483,7 +457,10 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             let long_prefill_span = if tail.end > tail.start {
                 tail
             } else {
-                w.span(b_f, f64::INFINITY)
+                Span {
+                    start: short_span.end,
+                    end: w.len(),
+                }
             };
             let long_svc = ctx.service(long_prefill_span, ctx.long_slots, m_long);
             let short = match short_cache {

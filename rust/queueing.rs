@@ -15,7 +15,11 @@
 //! `1 / B_c = 1 + (c / A) / B_{c-1}` (the classical Erlang-B recursion), kept in
 //! the log domain, O(1) per step and stable (the relative error shrinks each step).
 
-use crate::error::{invalid, Result};
+use crate::error::{invalid, non_negative, positive, Result};
+use crate::snapshot::{Reader, Writer};
+
+const SCAN_MAGIC: &[u8; 4] = b"RCES";
+const SCAN_VERSION: u16 = 1;
 
 const LN_SQRT_2PI: f64 = 0.918_938_533_204_672_8;
 
@@ -77,15 +81,18 @@ fn poisson_above(c: f64, a: f64, pmf: f64) -> f64 {
     }
 }
 
+/// Most servers the exact evaluation accepts (~1.1e12): near saturation its
+/// series costs O(sqrt(c)) terms. `p99_wait` answers larger systems in the
+/// many-server regime from the O(1) bound alone.
+pub const MAX_SERVERS: u64 = 1 << 40;
+
 fn check(servers: u64, offered_load: f64) -> Result<()> {
-    if servers == 0 {
-        return Err(invalid("servers must be >= 1"));
-    }
-    if !(offered_load.is_finite() && offered_load >= 0.0) {
+    if servers == 0 || servers > MAX_SERVERS {
         return Err(invalid(format!(
-            "offered_load must be a finite number >= 0, got {offered_load}"
+            "servers must be in [1, {MAX_SERVERS}], got {servers}"
         )));
     }
+    non_negative("offered_load", offered_load)?;
     Ok(())
 }
 
@@ -104,13 +111,18 @@ pub fn erlang_b(servers: u64, offered_load: f64) -> Result<f64> {
     }
     let (c, a) = (servers as f64, offered_load);
     if a >= c + 1.0 {
-        // The series needs A < c + 1; the recursion from B_0 = 1 is exact here
-        // and costs O(c), with c < A (small next to the load).
-        let mut inv_b = 1.0f64;
-        for k in 1..=servers {
-            inv_b = 1.0 + (k as f64 / a) * inv_b;
+        // 1/B = P(X <= c) / P(X = c) = sum_{j=0..c} prod_{i<j} (c - i) / A:
+        // positive terms shrinking by at most c / A < 1 each, no pmf needed.
+        let (mut term, mut sum, mut i) = (1.0f64, 1.0f64, 0.0f64);
+        while i < c {
+            term *= (c - i) / a;
+            sum += term;
+            if term <= 1e-17 * sum {
+                break;
+            }
+            i += 1.0;
         }
-        return Ok(1.0 / inv_b);
+        return Ok(1.0 / sum);
     }
     Ok((-ln_inv_erlang_b(c, a)).exp())
 }
@@ -133,6 +145,27 @@ pub fn erlang_c(servers: u64, offered_load: f64) -> Result<f64> {
     Ok(c_from_b(b, offered_load / c))
 }
 
+/// `erlang_c` over pairs of arrays of equal length; the first bad pair's error.
+pub fn erlang_c_many(servers: &[i64], offered_load: &[f64]) -> Result<Vec<f64>> {
+    if servers.len() != offered_load.len() {
+        return Err(invalid(format!(
+            "servers has {} entries but offered_load has {}",
+            servers.len(),
+            offered_load.len()
+        )));
+    }
+    servers
+        .iter()
+        .zip(offered_load)
+        .map(|(&c, &a)| {
+            if c < 1 {
+                return Err(invalid(format!("servers must be >= 1, got {c}")));
+            }
+            erlang_c(c as u64, a)
+        })
+        .collect()
+}
+
 /// The Kimura-style two-moment P99 queue wait of M/G/c used by FleetOpt (Eq. 6,
 /// after T. Kimura, "Two-moment approximations for the mean waiting time in
 /// the M/G/c queue", J. Oper. Res. Soc. Japan 37(3), 1994):
@@ -143,20 +176,9 @@ pub fn p99_wait(servers: u64, service_rate: f64, cs2: f64, arrival_rate: f64) ->
     if servers == 0 {
         return Err(invalid("servers must be >= 1"));
     }
-    for (what, v) in [
-        ("service_rate", service_rate),
-        ("cs2", cs2),
-        ("arrival_rate", arrival_rate),
-    ] {
-        if !(v.is_finite() && v >= 0.0) {
-            return Err(invalid(format!(
-                "{what} must be a finite number >= 0, got {v}"
-            )));
-        }
-    }
-    if service_rate <= 0.0 {
-        return Err(invalid("service_rate must be > 0"));
-    }
+    positive("service_rate", service_rate)?;
+    non_negative("cs2", cs2)?;
+    non_negative("arrival_rate", arrival_rate)?;
     let capacity = servers as f64 * service_rate;
     if arrival_rate >= capacity {
         return Ok(f64::INFINITY);
@@ -238,6 +260,31 @@ impl ErlangScan {
         }
     }
 
+    /// The scan's state as bytes; `from_bytes` restores it exactly.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut w = Writer::new(SCAN_MAGIC, SCAN_VERSION);
+        w.u64(self.servers).f64(self.load).f64(self.ln_inv_b);
+        w.finish()
+    }
+
+    /// Restores `to_bytes`; a snapshot error for anything else.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let mut r = Reader::new(bytes, SCAN_MAGIC, SCAN_VERSION, "ErlangScan")?;
+        let (servers, load, ln_inv_b) = (r.u64()?, r.f64()?, r.f64()?);
+        r.finish()?;
+        let valid = servers >= 1 && load.is_finite() && load > 0.0 && ln_inv_b >= 0.0;
+        if !valid || !ln_inv_b.is_finite() {
+            return Err(crate::error::Error::Snapshot(
+                "ErlangScan fields out of range".into(),
+            ));
+        }
+        Ok(Self {
+            load,
+            servers,
+            ln_inv_b,
+        })
+    }
+
     /// One more server, O(1).
     pub fn advance(&mut self) {
         self.servers += 1;
@@ -285,6 +332,12 @@ mod tests {
             let direct = recursion_b(c, a) / (1.0 - rho * (1.0 - recursion_b(c, a)));
             assert!(rel(erlang_c(c, a).expect("ok"), direct) < 1e-12);
         }
+        for &(c, a) in &[(1u64, 2.0), (5, 6.0), (40, 41.5), (300, 1000.0)] {
+            let b = erlang_b(c, a).expect("ok");
+            assert!(rel(b, recursion_b(c, a)) < 1e-12, "B({c}, {a})");
+        }
+        assert!(erlang_b(1 << 40, 1e13).is_ok_and(|b| b > 0.0 && b < 1.0));
+        assert!(erlang_c((1 << 40) + 1, 1.0).is_err());
         // M/M/1: C = rho. M/M/2 at A = 1: C = 1/3.
         assert!(rel(erlang_c(1, 0.3).expect("ok"), 0.3) < 1e-14);
         assert!(rel(erlang_c(2, 1.0).expect("ok"), 1.0 / 3.0) < 1e-14);
@@ -301,6 +354,18 @@ mod tests {
             }
         }
         assert_eq!(s.servers(), 2100);
+        let back = ErlangScan::from_bytes(&s.to_bytes()).expect("round trip");
+        assert_eq!(back.ln_inv_b.to_bits(), s.ln_inv_b.to_bits());
+        let bytes = s.to_bytes();
+        for cut in 0..bytes.len() {
+            assert!(ErlangScan::from_bytes(&bytes[..cut]).is_err());
+        }
+        let mut zero = ErlangScan::new(1, 1.0).expect("ok");
+        zero.servers = 0;
+        assert!(ErlangScan::from_bytes(&zero.to_bytes()).is_err());
+        assert_eq!(erlang_c_many(&[1, 2], &[0.3, 1.0]).map(|v| v.len()), Ok(2));
+        assert!(erlang_c_many(&[1, 0], &[0.3, 1.0]).is_err());
+        assert!(erlang_c_many(&[1], &[0.3, 1.0]).is_err());
         assert!(s.erlang_c() < 1e-300);
     }
 

@@ -352,6 +352,16 @@ impl Workload {
         }
     }
 
+    /// The span `lo < L_total <= hi` given that `from` requests (in sorted
+    /// order) are known to have `L_total <= lo`: one binary search over the rest.
+    pub fn span_from(&self, from: usize, hi: f64) -> Span {
+        let rest = &self.sorted_total[from.min(self.len())..];
+        Span {
+            start: from,
+            end: from + rest.partition_point(|&t| (t as f64) <= hi),
+        }
+    }
+
     /// Weight of a span divided by the total weight.
     pub fn fraction(&self, span: Span) -> f64 {
         (self.cum_weight[span.end] - self.cum_weight[span.start]) / self.total_weight()
@@ -394,6 +404,34 @@ impl Workload {
         } else {
             0.0
         }
+    }
+
+    /// `n` requests drawn with replacement in proportion to their weights
+    /// (seeded, `crate::rng`), unit weights, categories kept, no arrival
+    /// times: a trace-shaped sample of a `from_cdf` distribution, or a
+    /// bootstrap of a trace. `n` in [1, 10^8].
+    pub fn sample(&self, n: usize, seed: u64) -> Result<Workload> {
+        if n == 0 || n > 100_000_000 {
+            return Err(invalid(format!("n must be in [1, 100000000], got {n}")));
+        }
+        let mut rng = crate::rng::Rng::new(seed);
+        let total = self.total_weight();
+        let (mut input, mut output, mut labels) =
+            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::new());
+        for _ in 0..n {
+            let u = rng.uniform() * total;
+            let pos = self.cum_weight[1..]
+                .partition_point(|&c| c <= u)
+                .min(self.len() - 1);
+            let i = self.order[pos] as usize;
+            input.push(self.input[i] as i64);
+            output.push(self.output[i] as i64);
+            if !self.category_names.is_empty() {
+                labels.push(self.category_names[self.category[i] as usize].clone());
+            }
+        }
+        let cats = (!self.category_names.is_empty()).then_some(labels.as_slice());
+        Workload::new(&input, &output, None, cats)
     }
 
     /// The prefix-sum table for chunk size `c_chunk` (built once, then shared).
@@ -747,6 +785,7 @@ mod tests {
         assert!(w.quantile(1.5).is_err());
         let s = w.span(3.0, 10.0);
         assert_eq!((s.end - s.start), 3);
+        assert_eq!(w.span_from(1, 10.0), s);
         assert!((w.mean_tokens(s) - 8.0).abs() < 1e-12);
     }
 
@@ -811,6 +850,18 @@ mod tests {
         assert!(Workload::from_cdf(&[(4, 0.5), (4, 1.0)], 0.8).is_err());
         assert!(Workload::from_cdf(&[(4, 0.6), (8, 0.5)], 0.8).is_err());
         assert!(Workload::from_cdf(&[(4, 1.0)], 0.0).is_err());
+    }
+
+    #[test]
+    fn sample_follows_the_weights() {
+        let w = Workload::from_cdf(&[(4, 0.5), (8, 1.0)], 0.8).expect("ok");
+        let s = w.sample(20_000, 7).expect("ok");
+        assert_eq!(s.len(), 20_000);
+        assert!((s.cdf(4.0) - 0.5).abs() < 0.02);
+        assert!((s.cdf(2.0) - 0.25).abs() < 0.02);
+        let again = w.sample(20_000, 7).expect("ok");
+        assert_eq!(again.input_tokens(), s.input_tokens());
+        assert!(w.sample(0, 1).is_err());
     }
 
     #[test]

@@ -187,6 +187,7 @@ def test_per_category_compressibility():
         {"p_c": 1.5},
         {"phi": 0.0},
         {"prefill_quantile": 2.0},
+        {"b_short": list(range(1, 20_000)), "gammas": [1.0, 1.5, 2.0, 1.2, 1.3, 1.4]},
     ],
 )
 def test_bad_configuration_raises(kwargs):

@@ -1,13 +1,15 @@
 """Erlang B/C and the P99 wait against mpmath, hypothesis properties, errors."""
 
 import math
+import pickle
 
 import mpmath as mp
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routecore import ErlangScan, erlang_b, erlang_c, p99_wait
+from routecore import ErlangScan, erlang_b, erlang_c, erlang_c_many, p99_wait
 
 mp.mp.dps = 60
 
@@ -53,8 +55,11 @@ def test_by_hand():
     assert erlang_c(1, 0.3) == pytest.approx(0.3, rel=1e-14)
     assert erlang_b(2, 1.0) == pytest.approx(0.2, rel=1e-14)
     assert erlang_c(2, 1.0) == pytest.approx(1 / 3, rel=1e-14)
-    # Erlang B above the server count (A >= c + 1) uses the recursion.
+    # Erlang B above the server count (A >= c + 1): B = (A^2/2) / (1 + A + A^2/2)
     assert erlang_b(2, 10.0) == pytest.approx(50 / (1 + 10 + 50), rel=1e-14)
+    assert erlang_b(10**6, 2e6) == pytest.approx(float(ref_b(10**6, 2e6)), rel=1e-12)
+    # p99_wait answers beyond MAX_SERVERS in the many-server regime
+    assert p99_wait(2**50, 1.0, 1.0, 0.5 * 2**50) == 0.0
     assert erlang_c(10, 0.0) == 0.0
 
 
@@ -117,6 +122,8 @@ def test_p99_wait_kimura_by_hand():
         lambda: p99_wait(1, 1.0, 1.0, float("nan")),
         lambda: ErlangScan(0, 1.0),
         lambda: ErlangScan(1, 0.0),
+        lambda: erlang_c(2**40 + 1, 1.0),
+        lambda: ErlangScan(10, 1.0).advance(2**33),
     ],
 )
 def test_bad_input_raises(call):
@@ -124,3 +131,36 @@ def test_bad_input_raises(call):
         call()
     with pytest.raises(OverflowError):
         erlang_c(-1, 1.0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40_000), st.floats(0.0, 0.999)), min_size=0, max_size=30))
+def test_many_equals_single(pairs):
+    cs = [c for c, _ in pairs]
+    loads = [rho * c for c, rho in pairs]
+    got = erlang_c_many(np.array(cs, dtype=np.int64), np.array(loads, dtype=np.float64))
+    assert got.tolist() == [erlang_c(c, a) for c, a in zip(cs, loads)]
+
+
+def test_many_errors():
+    with pytest.raises(ValueError):
+        erlang_c_many([1, 2], [0.5])
+    with pytest.raises(ValueError):
+        erlang_c_many([1, 0], [0.5, 0.5])
+    with pytest.raises(ValueError):
+        erlang_c_many([1.5], [0.5])
+    with pytest.raises(ValueError):
+        erlang_c_many([2], [2.0])
+
+
+def test_scan_snapshot_round_trip():
+    s = ErlangScan(100, 90.0)
+    s.advance(57)
+    for back in (ErlangScan.from_bytes(s.to_bytes()), pickle.loads(pickle.dumps(s))):
+        assert back.servers == 157 and back.erlang_c == s.erlang_c
+        back.advance()
+        assert s.servers == 157  # the copy is independent
+    data = s.to_bytes()
+    for bad in (b"", data[:-1], data + b"x", b"XXXX" + data[4:]):
+        with pytest.raises(ValueError):
+            ErlangScan.from_bytes(bad)

@@ -1,6 +1,7 @@
 """Workload: the shipped Azure trace's published facts, exact range moments
 against direct NumPy sums, CSV loading and its errors, from_cdf."""
 
+import math
 import pickle
 
 import numpy as np
@@ -172,3 +173,44 @@ def test_pickle_round_trip():
     assert list(back.input_tokens) == [10, 20]
     assert list(back.arrival_s) == [0.0, 0.5]
     assert list(back.categories) == ["x", "y"]
+
+
+@pytest.mark.parametrize("arrival", [[[1.0]], ["x"], [True], [1 + 2j]])
+def test_bad_arrival_arrays_are_refused(arrival):
+    with pytest.raises(ValueError, match="arrival_s"):
+        Workload([1], [1], arrival_s=arrival)
+
+
+def test_sample_draws_by_weight_and_is_seeded():
+    w = Workload.from_cdf([(1000, 0.9), (8000, 1.0)])
+    s = w.sample(50_000, seed=3)
+    assert len(s) == 50_000 and s.weights.tolist() == [1.0] * 50_000
+    assert s.cdf(1000) == pytest.approx(0.9, abs=0.01)
+    assert list(s.input_tokens[:100]) == list(w.sample(50_000, seed=3).input_tokens[:100])
+    boot = AZURE.sample(1000, seed=1)
+    assert set(boot.categories) <= {"code", "conversation"}
+    assert boot.arrival_s is None
+    with pytest.raises(ValueError):
+        w.sample(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 9000), st.integers(0, 500)), min_size=1, max_size=80),
+    st.integers(0, 9000),
+    st.floats(0.0, 1.0),
+)
+def test_prefill_quantile_property(rows, lo, q):
+    """The wavelet-matrix range quantile equals a sort of the range's chunk counts."""
+    rows = [(i, o) for i, o in rows if i + o > 0] or [(1, 1)]
+    inp, out = (np.array(x) for x in zip(*rows))
+    w = Workload(inp, out)
+    p = Profile.llama3_70b_a100()
+    s = p.service(w, 65536, lo, math.inf, prefill_quantile=q)
+    m = inp + out > lo
+    if not m.any():
+        assert s.prefill_p99_s == 0.0
+        return
+    chunks = np.sort(np.ceil(inp[m] / 512))
+    k = max(0, math.ceil(q * len(chunks) - 1e-9) - 1)
+    assert s.prefill_p99_s == pytest.approx(chunks[k] * s.t_iter_s, rel=1e-12, abs=1e-15)

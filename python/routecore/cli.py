@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from routecore import __version__
-from routecore.commands import admission_scenario as admission_scenario
 from routecore.commands import (
+    admission_scenario,
     assign_eval,
     calibration_study,
     compress,
@@ -24,8 +24,16 @@ from routecore.commands import (
 )
 from routecore.commands import serve as serve_command
 
-COMMANDS = [simulate, route, plan, compress, calibration_study, prefix_eval, assign_eval]
-COMMANDS.append(admission_scenario)
+COMMANDS = [
+    simulate,
+    route,
+    plan,
+    compress,
+    calibration_study,
+    prefix_eval,
+    assign_eval,
+    admission_scenario,
+]
 COMMANDS.append(serve_command)
 
 

@@ -5,7 +5,7 @@ use pyo3::types::PyString;
 
 use super::calibrate::PyCalibrator;
 use super::compress::{PyCompressor, PyRequestCompression, PyRoutedRequest};
-use super::{int_array, text_bytes};
+use super::{int_view, text_bytes};
 use crate::budget::{Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS};
 use crate::calibrate::DEFAULT_MAX_CATEGORIES;
 use crate::compress::{route_request, Compressor};
@@ -305,34 +305,11 @@ impl PyTokenBudgetRouter {
         category_ids: &Bound<'py, PyAny>,
         max_output_tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let bytes = int_array(prompt_bytes, "prompt_bytes")?;
-        let cats = int_array(category_ids, "category_ids")?;
-        let outs = int_array(max_output_tokens, "max_output_tokens")?;
-        if bytes.len() != cats.len() || bytes.len() != outs.len() {
-            return Err(PyValueError::new_err(format!(
-                "arrays differ in length: {}, {}, {}",
-                bytes.len(),
-                cats.len(),
-                outs.len()
-            )));
-        }
-        let n_categories = self.inner.read_calibrator().categories().len() as i64;
-        let result = py.detach(|| -> crate::error::Result<Vec<i64>> {
-            let reqs = bytes
-                .iter()
-                .zip(&cats)
-                .zip(&outs)
-                .map(|((&b, &c), &o)| {
-                    if c < 0 || c >= n_categories {
-                        return Err(crate::error::invalid(format!(
-                            "category id {c} is not one of the {n_categories} ids from category_id()"
-                        )));
-                    }
-                    Request::new(b, Some(c as usize), o)
-                })
-                .collect::<crate::error::Result<Vec<_>>>()?;
-            Ok(self.inner.route_many(&reqs))
-        })?;
+        let bytes = int_view(prompt_bytes, "prompt_bytes")?;
+        let cats = int_view(category_ids, "category_ids")?;
+        let outs = int_view(max_output_tokens, "max_output_tokens")?;
+        let (bytes, cats, outs) = (bytes.as_slice()?, cats.as_slice()?, outs.as_slice()?);
+        let result = py.detach(|| self.inner.route_arrays(bytes, cats, outs))?;
         Ok(result.into_pyarray(py))
     }
 

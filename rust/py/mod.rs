@@ -37,6 +37,18 @@ impl From<Error> for PyErr {
 /// A 1-D NumPy array (or anything `numpy.asarray` takes) of any integer dtype,
 /// as i64. Floats, bools, objects and unsigned values above i64::MAX are refused.
 pub fn int_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
+    Ok(int_view(obj, what)?.as_array().to_vec())
+}
+
+/// `int_array` read in place: a contiguous int64 array is borrowed as it is
+/// (the caller must not mutate it during the call); any other integer array
+/// or sequence is converted once. Same checks as `int_array`.
+pub fn int_view<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<PyReadonlyArray1<'py, i64>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i64>>() {
+        if a.as_slice().is_ok() {
+            return Ok(a);
+        }
+    }
     let np = obj.py().import("numpy")?;
     let arr = np.call_method1("asarray", (obj,))?;
     let ndim: usize = arr.getattr("ndim")?.extract()?;
@@ -46,29 +58,27 @@ pub fn int_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
         )));
     }
     let size: usize = arr.getattr("size")?.extract()?;
-    if size == 0 {
-        // `[]` arrives as float64; an empty array holds no value to misread.
-        return Ok(Vec::new());
-    }
-    let dtype = arr.getattr("dtype")?;
-    let kind: String = dtype.getattr("kind")?.extract()?;
-    if kind != "i" && kind != "u" {
-        return Err(PyValueError::new_err(format!(
-            "{what} must have an integer dtype, got {}",
-            dtype.str()?
-        )));
-    }
-    if kind == "u" {
-        let max: u64 = arr.call_method0("max")?.extract()?;
-        if max > i64::MAX as u64 {
+    // `[]` arrives as float64; an empty array holds no value to misread.
+    if size > 0 {
+        let dtype = arr.getattr("dtype")?;
+        let kind: String = dtype.getattr("kind")?.extract()?;
+        if kind != "i" && kind != "u" {
             return Err(PyValueError::new_err(format!(
-                "{what} holds a value above 2^63 - 1"
+                "{what} must have an integer dtype, got {}",
+                dtype.str()?
             )));
         }
+        if kind == "u" {
+            let max: u64 = arr.call_method0("max")?.extract()?;
+            if max > i64::MAX as u64 {
+                return Err(PyValueError::new_err(format!(
+                    "{what} holds a value above 2^63 - 1"
+                )));
+            }
+        }
     }
-    let arr = arr.call_method1("astype", ("int64",))?;
-    let arr: PyReadonlyArray1<'_, i64> = arr.extract()?;
-    Ok(arr.as_array().to_vec())
+    np.call_method1("ascontiguousarray", (arr, "int64"))?
+        .extract()
 }
 
 /// The bytes of a `str` (UTF-8) or `bytes` argument.
@@ -203,3 +213,12 @@ pub fn reduce<'py, T: pyo3::PyClass>(
 pub fn float_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f64>> {
     real_array::<f64>(obj, 1, "float64", what).map(|(data, _)| data)
 }
+
+/// `d[name] = src.name` for each listed field of `src` (the `as_dict` /
+/// `fields` of a binding class).
+macro_rules! set_fields {
+    ($d:expr, $src:expr; $($field:ident),* $(,)?) => {{
+        $( $d.set_item(stringify!($field), &$src.$field)?; )*
+    }};
+}
+pub(crate) use set_fields;

@@ -4,6 +4,7 @@ use pyo3::types::PyDict;
 use crate::planner::{self, Candidate, PlanConfig};
 use crate::profile::Profile;
 use crate::py::profile::PyProfile;
+use crate::py::set_fields;
 use crate::py::workload::PyWorkload;
 
 /// One fleet of a plan: a short pool at ``b_short`` tokens and a long pool,
@@ -48,12 +49,6 @@ pub struct PyCandidate {
     p99_ttft_long_s: f64,
     annual_cost_usd: f64,
     savings_vs_homogeneous: f64,
-}
-
-macro_rules! as_dict {
-    ($self:ident, $d:ident; $($field:ident),* $(,)?) => {{
-        $( $d.set_item(stringify!($field), $self.$field)?; )*
-    }};
 }
 
 impl From<&Candidate> for PyCandidate {
@@ -101,7 +96,7 @@ impl PyCandidate {
     /// Every field as a plain dict (what ``routecore plan --json`` prints).
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        as_dict!(self, d;
+        set_fields!(d, self;
             b_short, gamma, alpha, beta, alpha_prime, n_short, n_long, gpus, feasible,
             feasible_short, feasible_long, slots_short, slots_long, context_short,
             context_long, arrival_rate_short, arrival_rate_long, mu_gpu_short, mu_gpu_long,

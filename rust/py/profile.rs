@@ -3,6 +3,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::error::invalid;
 use crate::profile::Profile;
+use crate::py::set_fields;
 use crate::py::workload::PyWorkload;
 
 /// A model on a GPU type: KV memory, slots and iteration timing.
@@ -149,20 +150,11 @@ impl PyProfile {
     fn fields<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let p = &self.inner;
         let d = PyDict::new(py);
-        d.set_item("name", &p.name)?;
-        d.set_item("layers", p.layers)?;
-        d.set_item("kv_heads", p.kv_heads)?;
-        d.set_item("head_dim", p.head_dim)?;
-        d.set_item("dtype_bytes", p.dtype_bytes)?;
-        d.set_item("gpu_memory_bytes", p.gpu_memory_bytes)?;
-        d.set_item("model_memory_bytes", p.model_memory_bytes)?;
-        d.set_item("w_s", p.w_s)?;
-        d.set_item("h_s", p.h_s)?;
-        d.set_item("utilization", p.utilization)?;
-        d.set_item("tensor_parallel", p.tensor_parallel)?;
-        d.set_item("c_chunk", p.c_chunk)?;
-        d.set_item("price_per_gpu_hour", p.price_per_gpu_hour)?;
-        d.set_item("h_ref_tokens", p.h_ref_tokens)?;
+        set_fields!(d, p;
+            name, layers, kv_heads, head_dim, dtype_bytes, gpu_memory_bytes,
+            model_memory_bytes, w_s, h_s, utilization, tensor_parallel, c_chunk,
+            price_per_gpu_hour, h_ref_tokens,
+        );
         Ok(d)
     }
 

@@ -1,7 +1,10 @@
 use std::sync::Mutex;
 
+use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
 
+use crate::py::{float_array, int_array, reduce};
 use crate::queueing::{self, ErlangScan};
 
 /// Erlang B: the blocking probability of M/M/c/c (c = ``servers``) at offered
@@ -24,6 +27,23 @@ pub fn erlang_b(servers: u64, offered_load: f64) -> PyResult<f64> {
 #[pyfunction]
 pub fn erlang_c(servers: u64, offered_load: f64) -> PyResult<f64> {
     Ok(queueing::erlang_c(servers, offered_load)?)
+}
+
+/// ``erlang_c`` element-wise over NumPy arrays of server counts and loads
+/// (equal lengths), as a float64 array; the first bad pair raises ValueError.
+///
+/// >>> erlang_c_many([1, 2], [0.3, 1.0]).round(12).tolist()
+/// [0.3, 0.333333333333]
+#[pyfunction]
+pub fn erlang_c_many<'py>(
+    py: Python<'py>,
+    servers: &Bound<'py, PyAny>,
+    offered_load: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyArray1<f64>>> {
+    let c = int_array(servers, "servers")?;
+    let a = float_array(offered_load, "offered_load")?;
+    let out = py.detach(|| queueing::erlang_c_many(&c, &a))?;
+    Ok(out.into_pyarray(py))
 }
 
 /// FleetOpt's Kimura-style two-moment P99 queue wait of M/G/c (Eq. 6, after
@@ -73,13 +93,21 @@ impl PyErlangScan {
         })
     }
 
-    /// Adds ``steps`` servers (default 1).
+    /// Adds ``steps`` servers (default 1; at most 2**32 per call).
     #[pyo3(signature = (steps=1))]
-    fn advance(&self, steps: u64) {
-        let mut s = self.get();
-        for _ in 0..steps {
-            s.advance();
+    fn advance(&self, py: Python<'_>, steps: u64) -> PyResult<()> {
+        if steps > 1 << 32 {
+            return Err(
+                crate::error::invalid(format!("steps must be at most 2**32, got {steps}")).into(),
+            );
         }
+        py.detach(|| {
+            let mut s = self.get();
+            for _ in 0..steps {
+                s.advance();
+            }
+        });
+        Ok(())
     }
 
     #[getter]
@@ -100,6 +128,23 @@ impl PyErlangScan {
     #[getter]
     fn erlang_c(&self) -> f64 {
         self.get().erlang_c()
+    }
+
+    /// The scan's state as bytes; ``from_bytes`` restores it exactly.
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.get().to_bytes())
+    }
+
+    /// Restores ``to_bytes``; ValueError for anything else.
+    #[staticmethod]
+    fn from_bytes(data: &[u8]) -> PyResult<Self> {
+        Ok(Self {
+            inner: Mutex::new(ErlangScan::from_bytes(data)?),
+        })
+    }
+
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        reduce(slf, slf.get().to_bytes(slf.py()))
     }
 
     fn __repr__(&self) -> String {

@@ -136,6 +136,15 @@ impl PyWorkload {
         ))
     }
 
+    /// ``n`` requests drawn with replacement in proportion to their weights
+    /// (seeded), unit weights, categories kept, no arrival times: a trace-like
+    /// sample of a ``from_cdf`` distribution, or a bootstrap of a trace.
+    #[pyo3(signature = (n, seed=0))]
+    fn sample(&self, py: Python<'_>, n: usize, seed: u64) -> PyResult<Self> {
+        let w = self.inner.clone();
+        Ok(Self::wrap(py.detach(|| w.sample(n, seed))?))
+    }
+
     fn __len__(&self) -> usize {
         self.inner.len()
     }
