@@ -142,3 +142,13 @@ def test_example_envoy_config_parses_with_xds_protos():
     assert upstream.type == cluster_pb2.Cluster.ORIGINAL_DST
     assert upstream.original_dst_lb_config.use_http_header
     assert upstream.original_dst_lb_config.http_header_name == DESTINATION_HEADER
+
+
+def test_serve_command_reports_a_bad_config(tmp_path, capsys):
+    from routecore.cli import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad("pools.0.max_context", 0)))
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "routecore serve: error:" in err and "pools[0].max_context" in err
