@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from routecore._core import AdmissionController, Entitlement, TokenPool
+from routecore._extras import pyplot
 
 SLOT_RATE = 15.0  # tokens/s per slot: 240 tokens/s over 16 slots
 POOL = "qwen3-8b"
@@ -243,10 +244,7 @@ def summary(timeline: list[Second]) -> str:
 def plot(timeline: list[Second], title: str, path: str) -> None:
     """Writes a PNG: in flight per entitlement with the pool's slots, denials
     per second, service debt and priority weight over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(timeline[0].in_flight)
     t = [s.t for s in timeline]

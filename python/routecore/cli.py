@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from routecore import __version__
+from routecore._extras import MissingExtra
 from routecore.commands import (
     admission_scenario,
     assign_eval,
@@ -22,6 +23,7 @@ from routecore.commands import (
     route,
     simulate,
 )
+from routecore.commands import serve as serve_command
 
 COMMANDS = [
     simulate,
@@ -33,6 +35,7 @@ COMMANDS = [
     assign_eval,
     admission_scenario,
 ]
+COMMANDS.append(serve_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except BrokenPipeError:
         return 0
-    except (ValueError, KeyError, OSError) as e:
+    except (ValueError, KeyError, OSError, MissingExtra) as e:
         print(f"routecore {args.command}: error: {e}", file=sys.stderr)
         return 2
 

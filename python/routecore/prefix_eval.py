@@ -30,13 +30,13 @@ mean running over pods, averaged over arrivals), per policy.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from routecore._core import PrefixCacheRouter, block_hashes_many
 
@@ -138,21 +138,24 @@ def generate_workload(
     )
 
 
+def _hash64(key: bytes) -> int:
+    """A 64-bit hash of ``key`` (BLAKE2b, from the standard library)."""
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
 class ConsistentHash:
-    """A hash ring with ``vnodes`` points per pod (xxh3-64 of ``pod#i``);
-    a key goes to the first point at or after its hash."""
+    """A hash ring with ``vnodes`` points per pod (a 64-bit hash of
+    ``pod-p#i``); a key goes to the first point at or after its hash."""
 
     def __init__(self, pods: int, vnodes: int = 100):
         points = sorted(
-            (xxhash.xxh3_64_intdigest(f"pod-{p}#{v}".encode()), p)
-            for p in range(pods)
-            for v in range(vnodes)
+            (_hash64(f"pod-{p}#{v}".encode()), p) for p in range(pods) for v in range(vnodes)
         )
         self.hashes = [h for h, _ in points]
         self.pods = [p for _, p in points]
 
     def pod(self, key: bytes) -> int:
-        i = int(np.searchsorted(self.hashes, xxhash.xxh3_64_intdigest(key)))
+        i = int(np.searchsorted(self.hashes, _hash64(key)))
         return self.pods[i % len(self.pods)]
 
 

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from routecore._core import assign_eval
+from routecore._extras import pyplot
 
 NAME = "assign-eval"
 HELP = (
@@ -55,10 +56,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     """Quality against mean latency and against cost, one line per sweep."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from routecore._core import Candidate, Plan, Profile, Workload, plan
+from routecore._extras import pyplot
 from routecore.planning import fleetopt_profile, fleetopt_workload, table3_rows
 from routecore.profiles import PRESETS, load_profile
 
@@ -152,12 +153,7 @@ def plan_json(result: Plan) -> dict[str, Any]:
 
 def plot_savings(result: Plan, path: str) -> None:
     """Savings against B_short per gamma (FleetOpt Figure 6), to a PNG."""
-    try:
-        import matplotlib
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise OSError("--plot needs matplotlib: pip install 'routecore[plot]'") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     gammas = sorted({c.gamma for c in result.sweep})

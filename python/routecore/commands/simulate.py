@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from routecore._core import Profile, SimPool, SimReport, Workload, plan, simulate
+from routecore._extras import pyplot
 from routecore.profiles import load_profile
 
 NAME = "simulate"
@@ -412,10 +413,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], reports: dict[str, SimReport], out: str) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,396 @@
+"""The ``routecore serve`` configuration: a YAML file, validated at start.
+
+Every error names the bad key (``pools[1].endpoints[0]: ...``) and never
+repeats an API key. See ``examples/routecore.yaml`` for a complete file::
+
+    server: {port, metrics_port, host, key_header, failure_mode, default_pool, grace_s,
+             state_file}
+    limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens}
+    router: {policy, compress_band, prefix_block_size}
+    admission: {backend, pools, entitlements, default_max_tokens, window_s, redis}
+    pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...]}]
+    tenants: [{name, api_keys: [...], expires_at, entitlement}]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from routecore._core import Entitlement, Pool, TokenPool
+from routecore.admission import admission_from_config
+from routecore.server.endpoints import POLICIES
+
+FAILURE_MODES = ("open", "closed")
+ADMISSION_BACKENDS = ("memory", "redis")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    port: int = 9002
+    metrics_port: int = 9090
+    host: str = "127.0.0.1"
+    #: The request header that carries the tenant's API key.
+    key_header: str = "x-api-key"
+    #: "open": on an internal failure route to ``default_pool``; "closed": answer 503.
+    failure_mode: str = "closed"
+    #: The pool for bodyless requests and fail-open routing (default: the first pool).
+    default_pool: str = ""
+    #: Seconds open streams get to finish at shutdown.
+    grace_s: float = 5.0
+    #: Where the learned calibrator is kept across restarts ("" = not kept): read at
+    #: start, written (atomically) at shutdown.
+    state_file: str = ""
+
+
+@dataclass(frozen=True)
+class Limits:
+    #: Largest request body the ext_proc server accumulates (413 above).
+    max_body_bytes: int = 4 << 20
+    #: Largest gRPC message the server accepts.
+    max_message_bytes: int = 8 << 20
+    #: A request whose response never comes back is released after this long.
+    request_timeout_s: float = 600.0
+    #: The output bound assumed for requests that set no max_tokens.
+    default_max_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    #: How the endpoint inside the chosen pool is picked.
+    policy: str = "least-request"
+    #: Compress-and-route band gamma >= 1 (FleetOpt section 5): a prompt whose
+    #: L_total is within gamma * B of a smaller pool's budget B is compressed
+    #: to fit it. None: off.
+    compress_band: float | None = None
+    #: Bytes (or token ids) per block hash under ``policy: prefix``.
+    prefix_block_size: int = 128
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Token-pool admission (``routecore.admission_from_config``); off without entitlements."""
+
+    backend: str = "memory"
+    #: The mapping handed to ``admission_from_config`` (pools, entitlements, ...).
+    spec: dict[str, Any] = field(default_factory=dict)
+    #: Service class by entitlement name.
+    service_classes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def entitlements(self) -> tuple[str, ...]:
+        return tuple(self.service_classes)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    name: str
+    max_context: int
+    budget: int | None = None
+    queue_limit: int | None = None
+    #: "ip:port" of every instance serving the pool (may be empty: 503 until filled).
+    endpoints: tuple[str, ...] = ()
+
+    def to_pool(self) -> Pool:
+        """The core's :class:`routecore.Pool` (which checks budget <= max_context)."""
+        return Pool(self.name, self.max_context, self.budget, self.queue_limit)
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    #: SHA-256 digests of the tenant's API keys (the keys themselves are not kept).
+    key_digests: tuple[bytes, ...] = field(repr=False)
+    #: Unix time after which the tenant's keys are refused with 403.
+    expires_at: float | None = None
+    #: The service class of the tenant's entitlement ("none" without one): a metrics label.
+    service_class: str = "none"
+    #: The admission entitlement the tenant's requests are charged to (None: not admitted
+    #: through admission control).
+    entitlement: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig
+    limits: Limits
+    router: RouterConfig
+    admission: AdmissionConfig
+    pools: tuple[PoolConfig, ...]
+    tenants: tuple[TenantConfig, ...]
+
+    def pool(self, name: str) -> PoolConfig:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(f"unknown pool {name!r}")
+
+    def key_index(self) -> dict[bytes, TenantConfig]:
+        """Tenant by API-key digest (see :func:`find_tenant`)."""
+        return {d: t for t in self.tenants for d in t.key_digests}
+
+
+def key_digest(key: str | bytes) -> bytes:
+    return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
+
+
+def find_tenant(index: dict[bytes, TenantConfig], key: str | bytes) -> TenantConfig | None:
+    """The tenant holding ``key``, or None.
+
+    The key is hashed first, so the lookup's timing depends on the digest, not
+    on how many leading characters of a real key were guessed; the final
+    comparison is constant-time (``hmac.compare_digest``).
+    """
+    digest = key_digest(key)
+    tenant = index.get(digest)
+    if tenant is None:
+        return None
+    return tenant if any(hmac.compare_digest(digest, d) for d in tenant.key_digests) else None
+
+
+def _section(raw: Any, where: str, allowed: set[str]) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"{where}.{key}: unknown key (expected one of {sorted(allowed)})")
+    return raw
+
+
+REQUIRED = object()
+
+
+def _int(raw: dict[str, Any], key: str, where: str, lo: int, hi: int, default: Any) -> Any:
+    if default is REQUIRED and key not in raw:
+        raise ConfigError(f"{where}.{key}: required")
+    v = raw.get(key, default)
+    if v is None and default is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ConfigError(f"{where}.{key}: expected an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _float(raw: dict[str, Any], key: str, where: str, lo: float, hi: float, default: Any) -> Any:
+    v = raw.get(key, default)
+    if v is None and default is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise ConfigError(f"{where}.{key}: expected a number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def _str(raw: dict[str, Any], key: str, where: str, default: str, choices=None) -> str:
+    v = raw.get(key, default)
+    if not isinstance(v, str) or (choices is not None and v not in choices):
+        expected = f"one of {list(choices)}" if choices is not None else "a string"
+        raise ConfigError(f"{where}.{key}: expected {expected}, got {v!r}")
+    return v
+
+
+def _endpoint(v: Any, where: str) -> str:
+    host, sep, port = v.rpartition(":") if isinstance(v, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{where}: expected 'ip:port', got {v!r}")
+    return v
+
+
+def _list(raw: dict[str, Any], key: str, where: str) -> list[Any]:
+    v = raw.get(key, [])
+    if not isinstance(v, list):
+        raise ConfigError(f"{where}.{key}: expected a list, got {type(v).__name__}")
+    return v
+
+
+def _pools(raw_list: list[Any]) -> tuple[PoolConfig, ...]:
+    if not raw_list:
+        raise ConfigError("pools: at least one pool is required")
+    pools, seen = [], set()
+    for i, raw in enumerate(raw_list):
+        where = f"pools[{i}]"
+        raw = _section(raw, where, {"name", "max_context", "budget", "queue_limit", "endpoints"})
+        name = _str(raw, "name", where, "")
+        if not name or name in seen:
+            raise ConfigError(f"{where}.name: expected a unique non-empty name, got {name!r}")
+        seen.add(name)
+        endpoints = [
+            _endpoint(e, f"{where}.endpoints[{j}]")
+            for j, e in enumerate(_list(raw, "endpoints", where))
+        ]
+        if len(set(endpoints)) != len(endpoints):
+            raise ConfigError(f"{where}.endpoints: an endpoint is listed twice")
+        pool = PoolConfig(
+            name=name,
+            max_context=_int(raw, "max_context", where, 1, 1 << 30, REQUIRED),
+            budget=_int(raw, "budget", where, 1, 1 << 30, None),
+            queue_limit=_int(raw, "queue_limit", where, 0, 1 << 30, None),
+            endpoints=tuple(endpoints),
+        )
+        try:
+            pool.to_pool()
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from e
+        pools.append(pool)
+    return tuple(pools)
+
+
+def _tenants(raw_list: list[Any], admission: AdmissionConfig) -> tuple[TenantConfig, ...]:
+    tenants, names, digests = [], set(), set()
+    for i, raw in enumerate(raw_list):
+        where = f"tenants[{i}]"
+        raw = _section(raw, where, {"name", "api_keys", "expires_at", "entitlement"})
+        name = _str(raw, "name", where, "")
+        if not name or name in names:
+            raise ConfigError(f"{where}.name: expected a unique non-empty name, got {name!r}")
+        names.add(name)
+        keys = _list(raw, "api_keys", where)
+        if not keys:
+            raise ConfigError(f"{where}.api_keys: at least one key is required")
+        tenant_digests = []
+        for j, k in enumerate(keys):
+            if not isinstance(k, str) or not 8 <= len(k) <= 4096:
+                # The value is never echoed: it may be a real key with a typo.
+                raise ConfigError(f"{where}.api_keys[{j}]: expected a string of 8 to 4096 chars")
+            d = key_digest(k)
+            if d in digests:
+                raise ConfigError(f"{where}.api_keys[{j}]: key already belongs to a tenant")
+            digests.add(d)
+            tenant_digests.append(d)
+        entitlement = raw.get("entitlement")
+        if entitlement is not None and entitlement not in admission.entitlements:
+            raise ConfigError(
+                f"{where}.entitlement: {entitlement!r} is not an admission.entitlements name"
+            )
+        tenants.append(
+            TenantConfig(
+                name=name,
+                key_digests=tuple(tenant_digests),
+                expires_at=_float(raw, "expires_at", where, 0.0, 1e11, None),
+                service_class=admission.service_classes.get(entitlement, "none"),
+                entitlement=entitlement,
+            )
+        )
+    return tuple(tenants)
+
+
+def _admission(raw: Any) -> AdmissionConfig:
+    """Checks every admission pool and entitlement by building it (the core validates)."""
+    a = _section(
+        raw,
+        "admission",
+        {"backend", "pools", "entitlements", "default_max_tokens", "window_s", "redis"},
+    )
+    backend = _str(a, "backend", "admission", "memory", ADMISSION_BACKENDS)
+    classes = {}
+    for key, cls in (("pools", TokenPool), ("entitlements", Entitlement)):
+        for i, item in enumerate(_list(a, key, "admission")):
+            if not isinstance(item, dict):
+                raise ConfigError(f"admission.{key}[{i}]: expected a mapping")
+            try:
+                cls(**item)
+            except (TypeError, ValueError, KeyError) as e:
+                raise ConfigError(f"admission.{key}[{i}]: {e}") from e
+            if key == "entitlements":
+                classes[item["name"]] = item["service_class"]
+    redis = _section(
+        a.get("redis"),
+        "admission.redis",
+        {"url", "prefix", "lease_s", "failure_mode", "unavailable_retry_s", "socket_timeout_s"},
+    )
+    if backend == "redis" and not redis.get("url"):
+        raise ConfigError("admission.redis.url: required when admission.backend is 'redis'")
+    _int(a, "default_max_tokens", "admission", 1, 1 << 30, 4096)
+    _float(a, "window_s", "admission", 0.001, 86400.0, 60.0)
+    try:  # cross-references (an entitlement's pool) are checked by a trial build in memory
+        if classes:
+            admission_from_config({**a, "backend": "memory"}).close()
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"admission: {e}") from e
+    return AdmissionConfig(backend=backend, spec=dict(a), service_classes=classes)
+
+
+def parse_config(raw: Any) -> Config:
+    """A validated :class:`Config` from the parsed YAML document."""
+    top = _section(raw, "config", {"server", "limits", "router", "admission", "pools", "tenants"})
+    s = _section(
+        top.get("server"),
+        "server",
+        {
+            "port",
+            "metrics_port",
+            "host",
+            "key_header",
+            "failure_mode",
+            "default_pool",
+            "grace_s",
+            "state_file",
+        },
+    )
+    pools = _pools(_list(top, "pools", "config"))
+    server = ServerConfig(
+        port=_int(s, "port", "server", 0, 65535, ServerConfig.port),
+        metrics_port=_int(s, "metrics_port", "server", 0, 65535, ServerConfig.metrics_port),
+        host=_str(s, "host", "server", ServerConfig.host),
+        key_header=_str(s, "key_header", "server", ServerConfig.key_header).lower(),
+        failure_mode=_str(s, "failure_mode", "server", "closed", FAILURE_MODES),
+        default_pool=_str(s, "default_pool", "server", pools[0].name, [p.name for p in pools]),
+        grace_s=_float(s, "grace_s", "server", 0.0, 3600.0, ServerConfig.grace_s),
+        state_file=_str(s, "state_file", "server", ""),
+    )
+    if not server.key_header:
+        raise ConfigError("server.key_header: must not be empty")
+    lim = _section(
+        top.get("limits"),
+        "limits",
+        {"max_body_bytes", "max_message_bytes", "request_timeout_s", "default_max_tokens"},
+    )
+    limits = Limits(
+        max_body_bytes=_int(lim, "max_body_bytes", "limits", 1, 64 << 20, Limits.max_body_bytes),
+        max_message_bytes=_int(
+            lim, "max_message_bytes", "limits", 1024, 256 << 20, Limits.max_message_bytes
+        ),
+        request_timeout_s=_float(
+            lim, "request_timeout_s", "limits", 0.001, 86400.0, Limits.request_timeout_s
+        ),
+        default_max_tokens=_int(
+            lim, "default_max_tokens", "limits", 1, 1 << 30, Limits.default_max_tokens
+        ),
+    )
+    r = _section(top.get("router"), "router", {"policy", "compress_band", "prefix_block_size"})
+    router = RouterConfig(
+        policy=_str(r, "policy", "router", RouterConfig.policy, tuple(POLICIES)),
+        compress_band=_float(r, "compress_band", "router", 1.0, 100.0, None),
+        prefix_block_size=_int(r, "prefix_block_size", "router", 1, 1 << 20, 128),
+    )
+    admission = _admission(top.get("admission"))
+    return Config(
+        server=server,
+        limits=limits,
+        router=router,
+        admission=admission,
+        pools=pools,
+        tenants=_tenants(_list(top, "tenants", "config"), admission),
+    )
+
+
+def load_config(path: str | Path) -> Config:
+    """Reads and validates a YAML configuration file."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    try:
+        return parse_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e

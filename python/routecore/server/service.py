@@ -1,0 +1,168 @@
+"""The ``routecore.v1.RouteCore`` gRPC service (proto/routecore/v1/routecore.proto).
+
+Refusals that are decisions (unknown key, no endpoint, admission) come back
+in ``RouteResponse.admission`` with the HTTP status a gateway would answer;
+requests that cannot be routed at all (malformed body, bad fields, too long
+for every pool) are ``INVALID_ARGUMENT``, and a Feedback for an unknown
+request id is ``NOT_FOUND``. ``Plan`` runs the FleetOpt planner
+(``routecore.plan``) off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import numpy as np
+
+from routecore._core import Profile, Workload, plan
+from routecore.server.engine import EngineHolder, Reject
+from routecore.server.gen import routecore_pb2 as pb
+from routecore.server.gen import routecore_pb2_grpc as pb_grpc
+
+#: The categories ``routecore.classify`` assigns (and the calibrator learns).
+CATEGORIES = ("prose", "code", "cjk", "mixed")
+#: Statuses that mean the request itself is bad (INVALID_ARGUMENT), not refused.
+BAD_REQUEST = (400, 413)
+
+
+class RouteCoreService(pb_grpc.RouteCoreServicer):
+    def __init__(self, holder: EngineHolder) -> None:
+        self.holder = holder
+
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        engine = self.holder.engine
+        start = time.perf_counter()
+        outcome = engine.authenticate(request.api_key, time.time())
+        if not isinstance(outcome, Reject):
+            tenant, now = outcome, time.monotonic()
+            kind = request.WhichOneof("request")
+            if kind == "body":
+                if len(request.body) > engine.config.limits.max_body_bytes:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"body exceeds {engine.config.limits.max_body_bytes} bytes",
+                    )
+                outcome = engine.route_body(request.body, tenant, now)
+            elif kind == "measured":
+                m = request.measured
+                if m.category not in CATEGORIES and not m.prompt_tokens:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"category must be one of {list(CATEGORIES)}, got {m.category!r}",
+                    )
+                token_ids = (
+                    np.array(request.token_ids, dtype=np.uint32) if request.token_ids else None
+                )
+                outcome = engine.route_fields(
+                    m.prompt_bytes,
+                    m.category,
+                    m.max_output_tokens,
+                    m.prompt_tokens or None,
+                    tenant,
+                    now,
+                    token_ids,
+                )
+            else:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set body or measured")
+        engine.metrics.decision_seconds.observe(time.perf_counter() - start)
+        if isinstance(outcome, Reject):
+            if outcome.status in BAD_REQUEST:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, outcome.message)
+            return pb.RouteResponse(
+                admission=pb.Admission(
+                    admitted=False,
+                    status=outcome.status,
+                    reason=outcome.reason,
+                    retry_after_s=outcome.retry_after_s,
+                )
+            )
+        return pb.RouteResponse(
+            request_id=outcome.request_id,
+            pool=outcome.pool,
+            endpoint=outcome.endpoint,
+            est_input_tokens=outcome.est_input_tokens,
+            est_output_tokens=outcome.est_output_tokens,
+            est_total_tokens=outcome.est_total_tokens,
+            spilled=outcome.spilled,
+            reason=outcome.reason,
+            admission=pb.Admission(admitted=True, status=200),
+            compress_target_tokens=outcome.compress_target_tokens,
+            compressed_body=outcome.body or b"",
+        )
+
+    async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        holder = self.holder
+        for engine in (holder.engine, *holder.retired):
+            lease = engine.lease(request.request_id)
+            if lease is not None:
+                engine.finish(
+                    lease,
+                    request.prompt_tokens or None,
+                    request.completion_tokens or None,
+                    time.monotonic(),
+                )
+                return pb.FeedbackResponse()
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND, f"no request in flight with id {request.request_id!r}"
+        )
+
+    async def Plan(self, request: pb.PlanRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            result = await asyncio.to_thread(plan_json, request.params_json)
+        except (ValueError, KeyError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan: {e}")
+        return pb.PlanResponse(plan_json=result)
+
+
+#: Profiles a Plan request may name.
+PROFILES = {
+    "llama3-70b-a100": Profile.llama3_70b_a100,
+    "qwen3-235b-mi300x": Profile.qwen3_235b_mi300x,
+}
+PLAN_OPTIONS = {
+    "b_short",
+    "gammas",
+    "p_c",
+    "p_c_by_category",
+    "phi",
+    "rho_max",
+    "long_context",
+    "prefill_quantile",
+}
+
+
+def plan_json(params_json: str) -> str:
+    """Runs ``routecore.plan`` on a JSON object of its arguments; returns the plan as JSON.
+
+    ``{"arrival_rate": req/s, "slo_ttft_s": s, "workload": "azure-2023" or
+    {"input_tokens": [...], "output_tokens": [...]}, "profile": a name of
+    PROFILES (default: the planner's), and any keyword option of plan}`` ->
+    ``{"homogeneous", "pool_routing", "best"}``, each a candidate's fields or null.
+    """
+    params = json.loads(params_json or "{}")
+    if not isinstance(params, dict):
+        raise ValueError("params_json must be a JSON object")
+    unknown = set(params) - PLAN_OPTIONS - {"arrival_rate", "slo_ttft_s", "workload", "profile"}
+    if unknown:
+        raise ValueError(f"unknown parameters {sorted(unknown)}")
+    workload = params.pop("workload", "azure-2023")
+    if workload == "azure-2023":
+        workload = Workload.azure_2023()
+    elif isinstance(workload, dict) and set(workload) == {"input_tokens", "output_tokens"}:
+        workload = Workload(workload["input_tokens"], workload["output_tokens"])
+    else:
+        raise ValueError('workload must be "azure-2023" or {input_tokens, output_tokens}')
+    profile = params.pop("profile", None)
+    if profile is not None:
+        if profile not in PROFILES:
+            raise ValueError(f"profile must be one of {sorted(PROFILES)}")
+        profile = PROFILES[profile]()
+    arrival_rate, slo = params.pop("arrival_rate", None), params.pop("slo_ttft_s", None)
+    if arrival_rate is None or slo is None:
+        raise ValueError("arrival_rate and slo_ttft_s are required")
+    p = plan(workload, arrival_rate, slo, profile, **params)
+    fleets = {"homogeneous": p.homogeneous, "pool_routing": p.pool_routing, "best": p.best}
+    return json.dumps({k: c.as_dict() if c is not None else None for k, c in fleets.items()})

@@ -1,0 +1,154 @@
+"""The serve configuration, the checked-in stubs and the example Envoy configuration."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from envoy.config.bootstrap.v3 import bootstrap_pb2
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401 - registers the type
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from google.protobuf import json_format
+from server_fixtures import base_config
+
+from routecore.config import ConfigError, find_tenant, load_config, parse_config
+from routecore.server.extproc import DESTINATION_HEADER
+
+ROOT = Path(__file__).resolve().parent.parent
+ENTITLEMENT = {
+    "name": "e",
+    "tenant": "demo",
+    "pool": "gpu",
+    "service_class": "spot",
+    "slo_target_ms": 1000.0,
+    "tokens_per_s": 10.0,
+    "kv_bytes": 1,
+    "concurrency": 1,
+}
+
+
+def test_example_config_loads():
+    config = load_config(ROOT / "examples/routecore.yaml")
+    assert [(p.name, p.max_context) for p in config.pools] == [("short", 8192), ("long", 65536)]
+    assert all(e.startswith("127.0.0.1:") for p in config.pools for e in p.endpoints)
+    assert config.server.key_header == "x-api-key"
+    assert find_tenant(config.key_index(), "demo-key").name == "demo"
+    assert find_tenant(config.key_index(), "demo-kez") is None
+    assert "demo-key" not in repr(config)
+
+
+def bad(path: str, value):
+    """base_config with the value at a dotted path (list indices as numbers) replaced."""
+    config = base_config()
+    *parents, last = path.split(".")
+    node = config
+    for p in parents:
+        node = node[int(p)] if p.isdigit() else node.setdefault(p, {})
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return config
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (bad("server.port", -1), "server.port"),
+        (bad("server.failure_mode", "sideways"), "server.failure_mode"),
+        (bad("server.default_pool", "medium"), "server.default_pool"),
+        (bad("server.colour", "red"), "server.colour: unknown key"),
+        (bad("limits.max_body_bytes", 0), "limits.max_body_bytes"),
+        (bad("limits.request_timeout_s", float("nan")), "limits.request_timeout_s"),
+        (bad("limits.max_body_bytes", True), "limits.max_body_bytes"),
+        (bad("router.policy", "random"), "router.policy"),
+        (bad("admission.backend", "redis"), "admission.redis.url"),
+        (bad("pools", []), "pools: at least one pool"),
+        (bad("pools.0.max_context", "big"), "pools[0].max_context"),
+        (bad("pools.0.budget", 10_000), 'pools[0]: pool "short": budget 10000 exceeds'),
+        (bad("pools.1.name", "short"), "pools[1].name"),
+        (bad("pools.0.endpoints", ["127.0.0.1"]), "pools[0].endpoints[0]"),
+        (bad("pools.0.endpoints", ["127.0.0.1:99999"]), "pools[0].endpoints[0]"),
+        (bad("pools.0.endpoints", ["127.0.0.1:1", "127.0.0.1:1"]), "listed twice"),
+        (bad("tenants.0.api_keys", []), "tenants[0].api_keys"),
+        (bad("tenants.0.api_keys", ["short"]), "tenants[0].api_keys[0]"),
+        (bad("tenants.1.api_keys", ["demo-key"]), "tenants[1].api_keys[0]: key already"),
+        (bad("tenants.0.expires_at", "soon"), "tenants[0].expires_at"),
+        (bad("tenants.0.entitlement", 5), "tenants[0].entitlement"),
+        ([1, 2], "config: expected a mapping"),
+        (
+            bad("admission.entitlements", [{**ENTITLEMENT, "service_class": "gold"}]),
+            "admission.entitlements[0]: service_class must be one of",
+        ),
+        (bad("admission.entitlements", [ENTITLEMENT]), "admission: "),  # no pool "gpu"
+        (bad("admission.pools", [{"name": "gpu"}]), "admission.pools[0]"),
+        (bad("admission.redis", {"host": "x"}), "admission.redis.host: unknown key"),
+    ],
+)
+def test_bad_config_names_the_key_and_never_the_api_key(config, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config(config)
+    assert message in str(e.value)
+    assert "demo-key" not in str(e.value)
+
+
+def test_load_config_reports_file_and_yaml_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("pools: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    path.write_text("pools: []\n")
+    with pytest.raises(ConfigError, match=f"{path}: pools"):
+        load_config(path)
+
+
+def test_checked_in_stubs_are_current(tmp_path):
+    gen = ROOT / "python/routecore/server/gen"
+    subprocess.run(["bash", str(ROOT / "scripts/gen-proto"), str(tmp_path)], check=True)
+    for name in ("routecore_pb2.py", "routecore_pb2.pyi", "routecore_pb2_grpc.py"):
+        assert (tmp_path / name).read_text() == (gen / name).read_text(), (
+            f"{name} is stale: run bash scripts/gen-proto"
+        )
+
+
+def test_example_envoy_config_parses_with_xds_protos():
+    raw = yaml.safe_load((ROOT / "examples/envoy.yaml").read_text())
+    bootstrap = json_format.ParseDict(raw, bootstrap_pb2.Bootstrap())
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    bootstrap.static_resources.listeners[0].filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    names = [f.name for f in hcm.http_filters]
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    ext_proc = ext_proc_pb2.ExternalProcessor()
+    assert hcm.http_filters[0].typed_config.Unpack(ext_proc)
+    mode = ext_proc.processing_mode
+    send = processing_mode_pb2.ProcessingMode.SEND
+    duplex = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    assert mode.request_header_mode == send and mode.request_trailer_mode == send
+    assert mode.request_body_mode == duplex and mode.response_body_mode == duplex
+    clusters = {c.name: c for c in bootstrap.static_resources.clusters}
+    grpc_cluster = clusters[ext_proc.grpc_service.envoy_grpc.cluster_name]
+    options = http_protocol_options_pb2.HttpProtocolOptions()
+    grpc_cluster.typed_extension_protocol_options[
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ].Unpack(options)
+    assert options.explicit_http_config.HasField("http2_protocol_options")
+    route = hcm.route_config.virtual_hosts[0].routes[0].route
+    upstream = clusters[route.cluster]
+    assert upstream.type == cluster_pb2.Cluster.ORIGINAL_DST
+    assert upstream.original_dst_lb_config.use_http_header
+    assert upstream.original_dst_lb_config.http_header_name == DESTINATION_HEADER
+
+
+def test_serve_command_reports_a_bad_config(tmp_path, capsys):
+    from routecore.cli import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad("pools.0.max_context", 0)))
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "routecore serve: error:" in err and "pools[0].max_context" in err
