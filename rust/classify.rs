@@ -24,6 +24,8 @@
 //! 40-66% code lines and 7-19% punctuation; licence texts 7-17% and 0.5-3.7%;
 //! Markdown READMEs with snippets 14-33% and 1.5-7%.
 
+use std::borrow::Cow;
+
 pub const SAMPLE_BYTES: usize = 64 * 1024;
 
 pub const CATEGORIES: [&str; 4] = ["prose", "code", "cjk", "mixed"];
@@ -70,73 +72,107 @@ const KEYWORDS: [&str; 24] = [
     "package ", "use ", "struct ", "impl ", "func ", "@",
 ];
 
-fn code_line(line: &str) -> bool {
-    let t = line.trim();
-    if t.is_empty() {
-        return false;
-    }
-    let ends = t.ends_with([';', '{', '}', ')', ':', ',']);
-    let ops = ["==", "!=", "=>", "->", "::", "&&", "||"]
-        .iter()
-        .any(|op| t.contains(op));
-    let kw = KEYWORDS.iter().any(|k| t.starts_with(k));
-    ends || ops || kw
+/// Whether two adjacent characters form a code operator (`==`, `!=`, `=>`,
+/// `->`, `::`, `&&`, `||`).
+fn operator(prev: char, c: char) -> bool {
+    matches!(
+        (prev, c),
+        ('=', '=') | ('!', '=') | ('=', '>') | ('-', '>') | (':', ':') | ('&', '&') | ('|', '|')
+    )
 }
 
 /// The sample of `bytes` that is classified: all of it up to SAMPLE_BYTES,
-/// else the head and tail halves, decoded lossily.
-fn sample(bytes: &[u8]) -> String {
+/// else the head and tail halves; decoded lossily, borrowed when valid UTF-8.
+fn sample(bytes: &[u8]) -> Cow<'_, str> {
     if bytes.len() <= SAMPLE_BYTES {
-        return String::from_utf8_lossy(bytes).into_owned();
+        return String::from_utf8_lossy(bytes);
     }
     let half = SAMPLE_BYTES / 2;
     let mut s = String::from_utf8_lossy(&bytes[..half]).into_owned();
     s.push('\n');
     s.push_str(&String::from_utf8_lossy(&bytes[bytes.len() - half..]));
-    s
+    Cow::Owned(s)
+}
+
+/// Character and line counts of a sample, gathered in one pass.
+#[derive(Default)]
+struct Counts {
+    cjk: usize,
+    latin: usize,
+    other: usize,
+    punct: usize,
+    visible: usize,
+    lines: usize,
+    code_lines: usize,
+}
+
+impl Counts {
+    fn of(text: &str) -> Self {
+        let mut n = Self::default();
+        for line in text.lines() {
+            let t = line.trim();
+            if t.is_empty() {
+                continue;
+            }
+            n.lines += 1;
+            let (mut op, mut prev) = (false, ' ');
+            for c in t.chars() {
+                op |= operator(prev, c);
+                prev = c;
+                n.count(c);
+            }
+            let ends = t.ends_with([';', '{', '}', ')', ':', ',']);
+            if op || ends || KEYWORDS.iter().any(|k| t.starts_with(k)) {
+                n.code_lines += 1;
+            }
+        }
+        n
+    }
+
+    fn count(&mut self, c: char) {
+        if c.is_ascii() {
+            if c.is_ascii_whitespace() {
+                return;
+            }
+            self.visible += 1;
+            if c.is_ascii_alphabetic() {
+                self.latin += 1;
+            } else if is_code_punct(c) {
+                self.punct += 1;
+            }
+            return;
+        }
+        if c.is_whitespace() {
+            return;
+        }
+        self.visible += 1;
+        if is_cjk(c) {
+            self.cjk += 1;
+        } else if ('\u{C0}'..='\u{24F}').contains(&c) {
+            self.latin += 1;
+        } else if c.is_alphabetic() {
+            self.other += 1;
+        }
+    }
 }
 
 /// The category of a prompt given as UTF-8 bytes (invalid sequences tolerated).
 pub fn classify(bytes: &[u8]) -> &'static str {
-    let text = sample(bytes);
-    let (mut cjk, mut latin, mut other, mut punct, mut visible) =
-        (0usize, 0usize, 0usize, 0usize, 0usize);
-    for c in text.chars() {
-        if c.is_whitespace() {
-            continue;
-        }
-        visible += 1;
-        if is_cjk(c) {
-            cjk += 1;
-        } else if c.is_ascii_alphabetic() || ('\u{C0}'..='\u{24F}').contains(&c) {
-            latin += 1;
-        } else if c.is_alphabetic() {
-            other += 1;
-        } else if is_code_punct(c) {
-            punct += 1;
-        }
-    }
-    let letters = cjk + latin + other;
+    let n = Counts::of(&sample(bytes));
+    let letters = n.cjk + n.latin + n.other;
     if letters == 0 {
         return "prose";
     }
-    let cjk_share = cjk as f64 / letters as f64;
-    let other_share = other as f64 / letters as f64;
+    let cjk_share = n.cjk as f64 / letters as f64;
+    let other_share = n.other as f64 / letters as f64;
     if cjk_share >= 0.6 {
         return "cjk";
     }
     if cjk_share >= 0.1 || other_share >= 0.3 {
         return "mixed";
     }
-    let (mut lines, mut code_lines) = (0usize, 0usize);
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        lines += 1;
-        if code_line(line) {
-            code_lines += 1;
-        }
-    }
-    let line_share = code_lines as f64 / lines.max(1) as f64;
-    let punct_share = punct as f64 / visible.max(1) as f64;
+    let line_share = n.code_lines as f64 / n.lines.max(1) as f64;
+    let punct_share = n.punct as f64 / n.visible.max(1) as f64;
     if (line_share >= 0.4 && punct_share >= 0.05) || (line_share >= 0.2 && punct_share >= 0.12) {
         "code"
     } else if line_share >= 0.2 && punct_share >= 0.025 {
