@@ -6,7 +6,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use super::{int_array, real_array};
+use super::{int_array, real_array, reduce};
 use crate::assign::eval::{evaluate, EvalConfig};
 use crate::assign::knn::{check_k, KnnIndex};
 use crate::assign::{
@@ -368,16 +368,6 @@ impl PyBatchScheduler {
             self.inner.budget_fallback().as_str()
         )
     }
-}
-
-/// `(type(obj).from_bytes, (state,))`, the pickle protocol's reduce value.
-fn reduce<'py, T: pyo3::PyClass>(
-    slf: &Bound<'py, T>,
-    state: Bound<'py, PyBytes>,
-) -> PyResult<Bound<'py, PyTuple>> {
-    let py = slf.py();
-    let restore = slf.as_any().get_type().getattr("from_bytes")?;
-    PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
 }
 
 /// Per-model quality and output length of a prompt, from its embedding, by

@@ -123,10 +123,7 @@ impl PyCalibrator {
     }
 
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        let py = slf.py();
-        let restore = slf.get_type().getattr("from_bytes")?;
-        let state = slf.get().to_bytes(py);
-        PyTuple::new(py, [restore, PyTuple::new(py, [state])?.into_any()])
+        super::reduce(slf, slf.get().to_bytes(slf.py()))
     }
 
     fn __repr__(&self) -> String {
