@@ -44,7 +44,7 @@ pub fn is_cjk(c: char) -> bool {
         | 0x20000..=0x2FA1F)
 }
 
-fn is_code_punct(c: char) -> bool {
+const fn is_code_punct(c: char) -> bool {
     matches!(
         c,
         '{' | '}'
@@ -72,20 +72,79 @@ const KEYWORDS: [&str; 24] = [
     "package ", "use ", "struct ", "impl ", "func ", "@",
 ];
 
-/// Whether two adjacent characters form a code operator (`==`, `!=`, `=>`,
+/// Whether two adjacent ASCII bytes form a code operator (`==`, `!=`, `=>`,
 /// `->`, `::`, `&&`, `||`).
-fn operator(prev: char, c: char) -> bool {
+fn operator(prev: u8, b: u8) -> bool {
     matches!(
-        (prev, c),
-        ('=', '=') | ('!', '=') | ('=', '>') | ('-', '>') | (':', ':') | ('&', '&') | ('|', '|')
+        (prev, b),
+        (b'=', b'=')
+            | (b'!', b'=')
+            | (b'=', b'>')
+            | (b'-', b'>')
+            | (b':', b':')
+            | (b'&', b'&')
+            | (b'|', b'|')
     )
 }
+
+const WHITESPACE: u8 = 0;
+const LETTER: u8 = 1;
+const PUNCT: u8 = 2;
+const OTHER: u8 = 3;
+const CLASS: u8 = 3;
+/// Flag: the byte is the second of some operator (`=`, `>`, `:`, `&`, `|`).
+const ENDS_OPERATOR: u8 = 4;
+
+/// The class of every ASCII byte (whitespace as `char::is_whitespace` says:
+/// tab to carriage return, space; Latin letter; code punctuation; other),
+/// with the `ENDS_OPERATOR` flag.
+const ASCII_CLASS: [u8; 128] = {
+    let mut t = [OTHER; 128];
+    let mut i = 0;
+    while i < 128 {
+        let b = i as u8;
+        let class = if matches!(b, 9..=13 | b' ') {
+            WHITESPACE
+        } else if b.is_ascii_alphabetic() {
+            LETTER
+        } else if is_code_punct(b as char) {
+            PUNCT
+        } else {
+            OTHER
+        };
+        let ends = matches!(b, b'=' | b'>' | b':' | b'&' | b'|');
+        t[i] = class | if ends { ENDS_OPERATOR } else { 0 };
+        i += 1;
+    }
+    t
+};
+
+/// Per byte, one count in the 16-bit field of its ASCII class (field k at
+/// bits 16k..16k+16); 0 for the bytes of non-ASCII characters. Summing these
+/// counts the classes in one register.
+const PACKED_CLASS: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut i = 0;
+    while i < 128 {
+        t[i] = 1 << (16 * (ASCII_CLASS[i] & CLASS) as u64);
+        i += 1;
+    }
+    t
+};
+
+/// Bytes summed into one packed accumulator before it is spilled: below
+/// 2^16, so no 16-bit field overflows.
+const PACKED_RUN: usize = 1 << 14;
 
 /// The sample of `bytes` that is classified: all of it up to SAMPLE_BYTES,
 /// else the head and tail halves; decoded lossily, borrowed when valid UTF-8.
 fn sample(bytes: &[u8]) -> Cow<'_, str> {
     if bytes.len() <= SAMPLE_BYTES {
-        return String::from_utf8_lossy(bytes);
+        // `from_utf8` validates valid text much faster than the lossy decoder.
+        return match std::str::from_utf8(bytes) {
+            Ok(s) => Cow::Borrowed(s),
+            Err(_) => String::from_utf8_lossy(bytes),
+        };
     }
     let half = SAMPLE_BYTES / 2;
     let mut s = String::from_utf8_lossy(&bytes[..half]).into_owned();
@@ -97,30 +156,58 @@ fn sample(bytes: &[u8]) -> Cow<'_, str> {
 /// Character and line counts of a sample, gathered in one pass.
 #[derive(Default)]
 struct Counts {
+    /// ASCII bytes by class (`WHITESPACE`, `LETTER`, `PUNCT`, `OTHER`).
+    ascii: [usize; 4],
     cjk: usize,
+    /// Non-ASCII Latin letters (U+00C0 to U+024F).
     latin: usize,
     other: usize,
-    punct: usize,
+    /// Visible non-ASCII characters.
     visible: usize,
     lines: usize,
     code_lines: usize,
 }
 
 impl Counts {
+    fn latin(&self) -> usize {
+        self.latin + self.ascii[LETTER as usize]
+    }
+    fn punct(&self) -> usize {
+        self.ascii[PUNCT as usize]
+    }
+    fn visible(&self) -> usize {
+        self.visible
+            + self.ascii[LETTER as usize]
+            + self.ascii[PUNCT as usize]
+            + self.ascii[OTHER as usize]
+    }
+}
+
+impl Counts {
     fn of(text: &str) -> Self {
         let mut n = Self::default();
+        for run in text.as_bytes().chunks(PACKED_RUN) {
+            let packed: u64 = run.iter().map(|&b| PACKED_CLASS[b as usize]).sum();
+            for (k, count) in n.ascii.iter_mut().enumerate() {
+                *count += ((packed >> (16 * k)) & 0xFFFF) as usize;
+            }
+        }
+        if !text.is_ascii() {
+            text.chars()
+                .filter(|c| !c.is_ascii())
+                .for_each(|c| n.count_non_ascii(c));
+        }
         for line in text.lines() {
             let t = line.trim();
             if t.is_empty() {
                 continue;
             }
             n.lines += 1;
-            let (mut op, mut prev) = (false, ' ');
-            for c in t.chars() {
-                op |= operator(prev, c);
-                prev = c;
-                n.count(c);
-            }
+            let op = t.as_bytes().windows(2).any(|w| {
+                w[1].is_ascii()
+                    && ASCII_CLASS[w[1] as usize] & ENDS_OPERATOR != 0
+                    && operator(w[0], w[1])
+            });
             let ends = t.ends_with([';', '{', '}', ')', ':', ',']);
             if op || ends || KEYWORDS.iter().any(|k| t.starts_with(k)) {
                 n.code_lines += 1;
@@ -129,19 +216,7 @@ impl Counts {
         n
     }
 
-    fn count(&mut self, c: char) {
-        if c.is_ascii() {
-            if c.is_ascii_whitespace() {
-                return;
-            }
-            self.visible += 1;
-            if c.is_ascii_alphabetic() {
-                self.latin += 1;
-            } else if is_code_punct(c) {
-                self.punct += 1;
-            }
-            return;
-        }
+    fn count_non_ascii(&mut self, c: char) {
         if c.is_whitespace() {
             return;
         }
@@ -159,7 +234,7 @@ impl Counts {
 /// The category of a prompt given as UTF-8 bytes (invalid sequences tolerated).
 pub fn classify(bytes: &[u8]) -> &'static str {
     let n = Counts::of(&sample(bytes));
-    let letters = n.cjk + n.latin + n.other;
+    let letters = n.cjk + n.latin() + n.other;
     if letters == 0 {
         return "prose";
     }
@@ -172,7 +247,7 @@ pub fn classify(bytes: &[u8]) -> &'static str {
         return "mixed";
     }
     let line_share = n.code_lines as f64 / n.lines.max(1) as f64;
-    let punct_share = n.punct as f64 / n.visible.max(1) as f64;
+    let punct_share = n.punct() as f64 / n.visible().max(1) as f64;
     if (line_share >= 0.4 && punct_share >= 0.05) || (line_share >= 0.2 && punct_share >= 0.12) {
         "code"
     } else if line_share >= 0.2 && punct_share >= 0.025 {
@@ -214,6 +289,24 @@ mod tests {
         );
         let code = b"fn main() {\n    let x = vec![1, 2, 3];\n    for i in &x {\n        println!(\"{}\", i);\n    }\n}\n";
         assert_eq!(classify(code), "code");
+    }
+
+    #[test]
+    fn ascii_table_agrees_with_the_char_predicates() {
+        for b in 0u8..128 {
+            let c = b as char;
+            let class = if c.is_whitespace() {
+                WHITESPACE
+            } else if c.is_alphabetic() {
+                LETTER
+            } else if is_code_punct(c) {
+                PUNCT
+            } else {
+                OTHER
+            };
+            assert_eq!(ASCII_CLASS[b as usize] & CLASS, class, "byte {b}");
+        }
+        assert_eq!(classify("x\u{0B}y".as_bytes()), classify(b"x y"));
     }
 
     #[test]
