@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from routecore._core import Admission, AdmissionController, Entitlement, TokenPool
+from routecore._extras import require
 
 MAX_TOKENS = 1 << 30
 MAX_POOLS = 256
@@ -454,7 +455,7 @@ class RedisAdmission(AdmissionBackend):
         socket_timeout_s: float = 0.5,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        import redis
+        (redis,) = require("redis", "redis")
 
         # The Rust controller checks the configuration exactly as in memory.
         AdmissionController(list(pools), list(entitlements), default_max_tokens, window_s)
