@@ -249,7 +249,7 @@ impl TokenBudgetRouter {
         let in_band = total as f64 <= gamma * budget as f64;
         let target = budget.checked_sub(output).filter(|&t| t >= 1)?;
         let elsewhere = self.choose_by(total, load).0 != Some(pool);
-        (in_band && elsewhere && !self.overloaded(pool, load(pool))).then_some((pool, target))
+        (in_band && elsewhere && !self.overloaded(pool, load)).then_some((pool, target))
     }
 
     /// Counts a request compressed for `pool` (from `compress_target`).
@@ -393,11 +393,12 @@ impl TokenBudgetRouter {
         self.in_flight[pool].load(Ordering::Relaxed)
     }
 
+    /// Above its queue limit; the load is read only for a pool that has one.
     #[inline]
-    fn overloaded(&self, pool: usize, load: u64) -> bool {
+    fn overloaded(&self, pool: usize, load: impl Fn(usize) -> u64) -> bool {
         self.pools[pool]
             .queue_limit
-            .is_some_and(|limit| load > limit)
+            .is_some_and(|limit| load(pool) > limit)
     }
 
     /// The pool for a request of `total` tokens, without counting it.
@@ -429,14 +430,14 @@ impl TokenBudgetRouter {
         let Some((target, reason)) = target else {
             return (None, false, Reason::TooLong);
         };
-        if !self.overloaded(target, load(target)) {
+        if !self.overloaded(target, load) {
             return (Some(target), false, reason);
         }
         let alternate = self
             .order
             .iter()
             .copied()
-            .filter(|&i| i != target && fits(&i) && !self.overloaded(i, load(i)))
+            .filter(|&i| i != target && fits(&i) && !self.overloaded(i, load))
             .min_by_key(|&i| load(i));
         match alternate {
             Some(i) => (Some(i), true, Reason::Spillover),
