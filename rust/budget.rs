@@ -560,9 +560,17 @@ struct Pick {
     compress_target: Option<u64>,
 }
 
-/// Whether a category may be compressed: every category but "code".
+/// Whether a category may be compressed: every category but "code" (code is
+/// never compressed; FleetOpt section 5.2's safety gate).
+pub fn compressible_category(name: &str) -> bool {
+    name != "code"
+}
+
+/// `compressible_category` for a category id (an unknown id is compressible).
 pub fn compressible(cal: &Calibrator, category: Option<usize>) -> bool {
-    category.and_then(|id| cal.categories().get(id).map(String::as_str)) != Some("code")
+    category
+        .and_then(|id| cal.categories().get(id))
+        .is_none_or(|name| compressible_category(name))
 }
 
 #[cfg(test)]

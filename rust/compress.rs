@@ -63,7 +63,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::budget::{Decision, TokenBudgetRouter, MAX_TOKENS};
+use crate::budget::{compressible_category, Decision, TokenBudgetRouter, MAX_TOKENS};
 use crate::calibrate::{estimate, MAX_RATIO, MIN_RATIO};
 use crate::classify::{classify, is_cjk};
 use crate::error::{finite, invalid, non_negative, Result};
@@ -186,7 +186,7 @@ impl Summary {
         let budget = check_budget(token_budget)?;
         let ratio = ratio_for(category, bytes_per_token)?;
         let tokens_before = estimate(bytes as u64, ratio);
-        let status = if category == "code" {
+        let status = if !compressible_category(category) {
             Status::Code
         } else if tokens_before <= budget {
             Status::Fits
@@ -1094,7 +1094,7 @@ pub fn route_request(
         (
             cal.estimate_tokens_id(request.prompt_bytes, id),
             cal.conservative_ratio_id(id),
-            request.category != "code",
+            compressible_category(request.category),
         )
     };
     let total = est.saturating_add(out);
@@ -1134,7 +1134,7 @@ fn lookup<'a>(v: &'a mut Value, path: &[PathStep]) -> Option<&'a mut Value> {
 }
 
 fn long_prose(text: &str) -> bool {
-    text.len() >= MIN_DOCUMENT_BYTES && classify(text.as_bytes()) != "code"
+    text.len() >= MIN_DOCUMENT_BYTES && compressible_category(classify(text.as_bytes()))
 }
 
 /// Every text the model reads in a chat or completion body, in order (the

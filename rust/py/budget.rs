@@ -6,7 +6,9 @@ use pyo3::types::PyString;
 use super::calibrate::PyCalibrator;
 use super::compress::{PyCompressor, PyRequestCompression, PyRoutedRequest};
 use super::{int_view, text_bytes};
-use crate::budget::{Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS};
+use crate::budget::{
+    compressible_category, Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS,
+};
 use crate::calibrate::DEFAULT_MAX_CATEGORIES;
 use crate::compress::{route_request, Compressor};
 
@@ -233,7 +235,7 @@ impl PyTokenBudgetRouter {
         Ok(self.decision(
             py,
             self.inner
-                .route_with(est, req.max_output_tokens, category != "code"),
+                .route_with(est, req.max_output_tokens, compressible_category(category)),
         ))
     }
 
