@@ -67,8 +67,6 @@ pub struct TokenBudgetRouting {
     categories: Vec<Category>,
     /// Calibrator id of each category.
     ids: Vec<usize>,
-    /// (B, gamma) when compressing; B is the smallest pool budget.
-    compress: Option<(u64, f64)>,
 }
 
 impl TokenBudgetRouting {
@@ -84,21 +82,17 @@ impl TokenBudgetRouting {
             .iter()
             .map(|c| cal.intern(&c.name))
             .collect::<Result<Vec<_>>>()?;
-        let compress = match compress {
-            None => None,
-            Some(Compress { gamma }) => {
-                if !(gamma.is_finite() && gamma >= 1.0) {
-                    return Err(invalid(format!("gamma must be >= 1, got {gamma}")));
-                }
-                let b = pools.iter().map(|p| p.budget).min().unwrap_or(0);
-                Some((b, gamma))
-            }
+        let router = TokenBudgetRouter::new(pools, Arc::new(RwLock::new(cal)))?;
+        // Compress-and-route is the router's own band rule (crate::budget):
+        // (B, gamma * B] of the largest budget below L_total, target B - L_out.
+        let router = match compress {
+            Some(Compress { gamma }) => router.with_compress_band(gamma)?,
+            None => router,
         };
         Ok(Self {
-            router: TokenBudgetRouter::new(pools, Arc::new(RwLock::new(cal)))?,
+            router,
             categories: categories.to_vec(),
             ids,
-            compress,
         })
     }
 
@@ -121,23 +115,14 @@ impl FleetRouter for TokenBudgetRouting {
             .router
             .read_calibrator()
             .estimate_tokens_id(req.prompt_bytes, req.category);
-        let total = est.saturating_add(request.output_tokens);
-        let mut input_tokens = request.input_tokens;
-        let mut compressed = false;
-        let decision = match self.compress {
-            Some((b, gamma))
-                if self.categories[request.category].compressible
-                    && total > b
-                    && total as f64 <= gamma * b as f64
-                    && request.output_tokens < b =>
-            {
-                let t_c = b - request.output_tokens;
-                input_tokens = input_tokens.min(t_c);
-                compressed = true;
-                self.router.route_estimated(t_c, request.output_tokens)
-            }
-            _ => self.router.route_estimated(est, request.output_tokens),
-        };
+        let compressible = self.categories[request.category].compressible;
+        let decision = self
+            .router
+            .route_with(est, request.output_tokens, compressible);
+        let compressed = decision.compress_target_tokens.is_some();
+        let input_tokens = decision
+            .compress_target_tokens
+            .map_or(request.input_tokens, |t_c| request.input_tokens.min(t_c));
         Ok(decision.pool.map(|pool| Routed {
             pool,
             input_tokens,
