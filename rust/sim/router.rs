@@ -86,7 +86,10 @@ impl TokenBudgetRouting {
         // Compress-and-route is the router's own band rule (crate::budget):
         // (B, gamma * B] of the largest budget below L_total, target B - L_out.
         let router = match compress {
-            Some(Compress { gamma }) => router.with_compress_band(gamma)?,
+            // The simulator's parameter is `gamma`: name it in the error.
+            Some(Compress { gamma }) => router
+                .with_compress_band(gamma)
+                .map_err(|_| invalid(format!("gamma must be a finite number >= 1, got {gamma}")))?,
             None => router,
         };
         Ok(Self {
