@@ -109,13 +109,18 @@ def test_leaked_reservations_expire(redis_server):
     red.close()
 
 
-def _hammer(url: str, seed: int, rounds: int) -> tuple[int, int, int]:
-    """One gateway replica: admit, hold briefly, complete; count what it saw."""
+def _hammer(url: str, seed: int, target: int) -> tuple[int, int, int]:
+    """One gateway replica: admit, hold briefly, complete, until ``target``
+    requests were admitted (at most 50 attempts each, so it always stops);
+    counts what it saw. How many attempts that takes depends on how the
+    processes share the cores, so the test counts admissions, not attempts."""
     red = RedisAdmission(HAMMER_POOLS, HAMMER_ENTS, url=url, prefix="hammer")
     probe = redis.Redis.from_url(url)
     rng = random.Random(seed)
     admitted, worst_g, worst_s = 0, 0, 0
-    for _ in range(rounds):
+    for _ in range(50 * target):
+        if admitted == target:
+            break
         name = rng.choice(["g", "s"])
         a = red.admit(name, 10, 10)
         if not a.admitted:
@@ -144,8 +149,8 @@ def test_processes_hammering_one_pool_never_over_admit(redis_server):
     RedisAdmission(HAMMER_POOLS, HAMMER_ENTS, url=redis_server.url, prefix="hammer")
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(6) as workers:
-        results = workers.starmap(_hammer, [(redis_server.url, k, 150) for k in range(6)])
-    assert sum(r[0] for r in results) > 300
+        results = workers.starmap(_hammer, [(redis_server.url, k, 60) for k in range(6)])
+    assert [r[0] for r in results] == [60] * 6  # every replica got all its requests in
     # Guaranteed never above its concurrency; spot (may burst) never above the pool.
     assert max(r[1] for r in results) <= 2
     assert max(r[2] for r in results) <= 4
