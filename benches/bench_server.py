@@ -1,20 +1,21 @@
-"""The ext_proc server's per-conversation work, in process (no network):
-routecore's ``Conversation`` beside a plain-Python processor, same run.
-
-The network figures (throughput, added latency through gRPC) come from the
-load driver: .venv/bin/python -m routecore.server.envoy_client --requests 20000
+"""One whole ext_proc conversation over loopback gRPC, the same synchronous
+grpcio client for both: routecore's Rust data plane (``routecore.DataPlane``)
+beside a plain-Python processor served by grpcio (``baselines/server.py``).
+The client's own cost is in both figures; the load client of
+``routecore client --load`` measures the server alone.
 
 Run: .venv/bin/python -m pytest benches/bench_server.py
 """
 
+import grpc
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from benches.baselines import server as baseline
+from routecore import DataPlane
 from routecore.config import parse_config
-from routecore.server.engine import EngineHolder
 from routecore.server.envoy_client import chat_body, http_headers, usage_body
-from routecore.server.extproc import Conversation, pb
-from routecore.server.metrics import Metrics
 
 SHORT = ["127.0.0.1:8001", "127.0.0.1:8002"]
 LONG = ["127.0.0.1:8011"]
@@ -42,27 +43,31 @@ def messages(text_bytes):
     ]
 
 
-@pytest.mark.parametrize("size", [1_000, 40_000])
-@pytest.mark.benchmark(group="ext_proc: one whole conversation, in process")
-def test_conversation_routecore(benchmark, size):
-    holder = EngineHolder(parse_config(CONFIG), Metrics())
+def run_conversations(benchmark, target, size):
     msgs = messages(size)
-
-    def run():
-        conv = Conversation(holder)
-        out = [r for m in msgs for r in conv.handle(m)]
-        conv.close()
-        return out
-
-    out = benchmark(run)
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        out = benchmark(lambda: list(stub.Process(iter(msgs))))
     assert len(out) == 4 and out[1].request_body.response.clear_route_cache
 
 
 @pytest.mark.parametrize("size", [1_000, 40_000])
-@pytest.mark.benchmark(group="ext_proc: one whole conversation, in process")
+@pytest.mark.benchmark(group="ext_proc: one whole conversation over loopback gRPC")
+def test_conversation_routecore(benchmark, size):
+    plane = DataPlane.start(parse_config(CONFIG).spec_json(), worker_threads=1)
+    try:
+        run_conversations(benchmark, f"127.0.0.1:{plane.port}", size)
+    finally:
+        plane.drain(0)
+
+
+@pytest.mark.parametrize("size", [1_000, 40_000])
+@pytest.mark.benchmark(group="ext_proc: one whole conversation over loopback gRPC")
 def test_conversation_plain_python(benchmark, size):
     pools = [("short", 8192, 8192, None), ("long", 65536, 65536, None)]
     p = baseline.Processor(pools, {"short": SHORT, "long": LONG}, {"demo-key": "demo"})
-    msgs = messages(size)
-    out = benchmark(p.conversation, msgs)
-    assert len(out) == 4 and out[1].request_body.response.clear_route_cache
+    server, port = baseline.serve(p)
+    try:
+        run_conversations(benchmark, f"127.0.0.1:{port}", size)
+    finally:
+        server.stop(0)

@@ -374,6 +374,13 @@ impl TokenBudgetRouter {
         Ok(())
     }
 
+    /// Counts one request in flight on `pool` without a decision (a request
+    /// sent to a fixed pool, e.g. a server's default pool).
+    pub fn start(&self, pool: usize) -> Result<()> {
+        self.in_flight[self.check_index(pool)?].fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Ends one in-flight request on `pool`. Refused when none is in flight.
     pub fn complete(&self, pool: usize) -> Result<()> {
         let counter = &self.in_flight[self.check_index(pool)?];

@@ -19,6 +19,8 @@ pub mod profile;
 pub mod queueing;
 pub mod rng;
 pub mod sim;
+#[cfg(feature = "server")]
+pub mod serve;
 pub mod snapshot;
 pub mod vtc;
 pub mod workload;
@@ -58,6 +60,9 @@ mod _core {
     use crate::py::profile::{PyProfile, PyService};
     #[pymodule_export]
     use crate::py::queueing::{erlang_b, erlang_c, erlang_c_many, p99_wait, PyErlangScan};
+    #[cfg(feature = "server")]
+    #[pymodule_export]
+    use crate::py::serve::PyDataPlane;
     #[pymodule_export]
     use crate::py::sim::{simulate, PySimPool, PySimReport};
     #[pymodule_export]

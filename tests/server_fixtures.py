@@ -47,7 +47,7 @@ class Running:
         self.thread.start()
 
         async def make() -> Server:
-            server = Server(path, port=0, metrics_port=0)
+            server = Server(path, port=0, metrics_port=0, api_port=0)
             await server.start()
             return server
 
@@ -58,6 +58,8 @@ class Running:
             self.thread.join(timeout=10)
             raise
         self.target = f"127.0.0.1:{self.server.port}"
+        #: The RouteCore API (its own port).
+        self.api_target = f"127.0.0.1:{self.server.api_port}"
 
     def call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
@@ -72,7 +74,13 @@ class Running:
 
     @property
     def engine(self):
-        return self.server.holder.engine
+        return self.server.engine
+
+    def metric(self, name: str, *labels: str) -> float:
+        """A data plane metric by name (without ``routecore_``) and label values."""
+        value = self.server.plane.metric(name, *labels)
+        assert value is not None, f"unknown metric {name}"
+        return value
 
     def stop(self) -> None:
         self.call(self.server.stop(0))

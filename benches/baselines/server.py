@@ -1,20 +1,44 @@
-"""One ext_proc conversation handled in plain Python: the same steps as
-routecore's ``Conversation`` (key lookup, body parse with ``json``, token-budget
-pool with the plain-Python router of ``baselines.budget``, least-request
-endpoint, the same protobuf answers, usage read back into the calibrator),
-written the way a Python processor would."""
+"""One ext_proc conversation handled in plain Python and served by grpcio: the
+same steps as routecore's data plane (key lookup, body parse with ``json``,
+token-budget pool with the plain-Python router of ``baselines.budget``,
+least-request endpoint, the same protobuf answers, usage read back into the
+calibrator), written the way a Python processor would."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+from concurrent import futures
 
+import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
 
 from benches.baselines.budget import TokenBudgetRouter
-from routecore.server.engine import Lease
-from routecore.server.extproc import lb_metadata, routing_mutation
+
+
+def header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+
+
+def routing_mutation(pool: str, endpoint: str) -> pb.HeaderMutation:
+    return pb.HeaderMutation(
+        set_headers=[
+            header("x-gateway-destination-endpoint", endpoint),
+            header("x-routecore-pool", pool),
+        ]
+    )
+
+
+def lb_metadata(endpoint: str) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.fields["envoy.lb"].struct_value.fields[
+        "x-gateway-destination-endpoint"
+    ].string_value = endpoint
+    return md
 
 
 class Processor:
@@ -44,26 +68,13 @@ class Processor:
                 endpoint = min(load, key=load.__getitem__)
                 load[endpoint] += 1
                 route = (pool, endpoint, prompt_bytes)
-                lease = Lease(
-                    "1",
-                    pool,
-                    endpoint,
-                    None,
-                    None,
-                    prompt_bytes,
-                    "prose",
-                    False,
-                    "budget",
-                    0.0,
-                    0.0,
-                )
                 common = pb.CommonResponse(
-                    header_mutation=routing_mutation(lease), clear_route_cache=True
+                    header_mutation=routing_mutation(pool, endpoint), clear_route_cache=True
                 )
                 out.append(
                     pb.ProcessingResponse(
                         request_body=pb.BodyResponse(response=common),
-                        dynamic_metadata=lb_metadata(lease),
+                        dynamic_metadata=lb_metadata(endpoint),
                     )
                 )
             elif kind == "response_headers":
@@ -76,3 +87,20 @@ class Processor:
                 self.router.calibrator.observe("prose", prompt_bytes, usage["prompt_tokens"])
                 out.append(pb.ProcessingResponse(response_body=pb.BodyResponse()))
         return out
+
+
+class Servicer(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, processor: Processor) -> None:
+        self.processor = processor
+
+    def Process(self, request_iterator, context):  # noqa: N802
+        yield from self.processor.conversation(list(request_iterator))
+
+
+def serve(processor: Processor) -> tuple[grpc.Server, int]:
+    """Serves ``processor`` on a free port of 127.0.0.1 (grpcio, one thread)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    pb_grpc.add_ExternalProcessorServicer_to_server(Servicer(processor), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port

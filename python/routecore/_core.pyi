@@ -984,3 +984,72 @@ class AdmissionController:
     @staticmethod
     def from_bytes(data: bytes) -> AdmissionController: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
+
+# --- the data plane of routecore serve (capability 9) ------------------------
+
+@final
+class DataPlane:
+    """The data plane of ``routecore serve``: Envoy's ext_proc (and
+    ``grpc.health.v1``) served from Rust on a tokio runtime owned by this
+    object, Prometheus metrics on their own port, structured JSON logs on
+    stderr. A conversation never enters the interpreter."""
+
+    @staticmethod
+    def start(
+        spec_json: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int | None = None,
+        worker_threads: int = 2,
+        calibrator: bytes | None = None,
+        log_level: int = 20,
+    ) -> DataPlane:
+        """Starts serving ``spec_json`` (``Config.spec_json()``); ValueError for a bad
+        spec or a port that cannot be bound."""
+    @property
+    def port(self) -> int:
+        """The gRPC port (ext_proc and health)."""
+    @property
+    def metrics_port(self) -> int | None:
+        """The metrics port, or None."""
+    def reload(self, spec_json: str) -> None:
+        """Swaps in a new configuration atomically; open streams finish on theirs."""
+    def drain(self, grace_s: float) -> None:
+        """Stops taking streams, gives open ones ``grace_s`` seconds, then stops."""
+    @staticmethod
+    def set_log_level(level: int) -> None:
+        """Sets the log level (a Python logging level number)."""
+    @property
+    def calibrator(self) -> Calibrator:
+        """The learned calibrator, live (shared with the data plane)."""
+    def route_body(self, body: bytes, api_key: bytes | None = None) -> dict[str, Any]:
+        """Routes an OpenAI request body (``api_key`` None: no tenant)."""
+    def route_fields(
+        self,
+        prompt_bytes: int,
+        category: str,
+        max_output_tokens: int,
+        prompt_tokens: int | None = None,
+        api_key: bytes | None = None,
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        """Routes a request by its measured fields."""
+    def finish(
+        self,
+        request_id: str,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+    ) -> bool:
+        """Releases a request with its usage; False when it is not in flight."""
+    def reap(self) -> int:
+        """Releases every request past its deadline now; returns how many."""
+    def leases(self) -> list[str]:
+        """The request ids in flight."""
+    def in_flight(self) -> dict[str, Any]:
+        """Everything requests in flight hold, summed over the live engines."""
+    def metric(self, name: str, *labels: str) -> float | None:
+        """A metric's current value by name (without ``routecore_``) and labels."""
+    def metrics_text(self) -> str:
+        """The Prometheus exposition text."""
+    def inject_fault(self, phase: str) -> None:
+        """Makes one phase of the next request fail (tests of the failure paths)."""

@@ -3,8 +3,8 @@
 Every error names the bad key (``pools[1].endpoints[0]: ...``) and never
 repeats an API key. See ``examples/routecore.yaml`` for a complete file::
 
-    server: {port, metrics_port, host, key_header, failure_mode, default_pool, grace_s,
-             state_file}
+    server: {port, api_port, metrics_port, host, key_header, failure_mode, default_pool,
+             grace_s, state_file, worker_threads}
     limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens}
     router: {policy, compress_band, prefix_block_size}
     admission: {backend, pools, entitlements, default_max_tokens, window_s, redis}
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from routecore._core import Entitlement, Pool, TokenPool
 from routecore.admission import admission_from_config
-from routecore.server.endpoints import POLICIES
-
+#: How the endpoint inside a pool is picked (``router.policy``), see the README.
+POLICIES = ("least-request", "prefix", "vtc")
 FAILURE_MODES = ("open", "closed")
 ADMISSION_BACKENDS = ("memory", "redis")
 
@@ -34,7 +35,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ServerConfig:
+    #: Envoy's ext_proc and grpc.health.v1 (the Rust data plane).
     port: int = 9002
+    #: The RouteCore API (Route / Feedback / Plan) and its grpc.health.v1.
+    api_port: int = 9003
     metrics_port: int = 9090
     host: str = "127.0.0.1"
     #: The request header that carries the tenant's API key.
@@ -48,6 +52,8 @@ class ServerConfig:
     #: Where the learned calibrator is kept across restarts ("" = not kept): read at
     #: start, written (atomically) at shutdown.
     state_file: str = ""
+    #: Threads of the data plane's runtime.
+    worker_threads: int = 2
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,53 @@ class Config:
             if p.name == name:
                 return p
         raise KeyError(f"unknown pool {name!r}")
+
+    def spec_json(self) -> str:
+        """The data plane's configuration (``routecore.DataPlane``), as JSON.
+
+        API keys travel as their SHA-256 digests only.
+        """
+        return json.dumps(
+            {
+                "server": {
+                    "key_header": self.server.key_header,
+                    "failure_mode": self.server.failure_mode,
+                    "default_pool": self.server.default_pool,
+                },
+                "limits": {
+                    "max_body_bytes": self.limits.max_body_bytes,
+                    "max_message_bytes": self.limits.max_message_bytes,
+                    "request_timeout_s": self.limits.request_timeout_s,
+                    "default_max_tokens": self.limits.default_max_tokens,
+                },
+                "router": {
+                    "policy": self.router.policy,
+                    "compress_band": self.router.compress_band,
+                    "prefix_block_size": self.router.prefix_block_size,
+                },
+                "pools": [
+                    {
+                        "name": p.name,
+                        "max_context": p.max_context,
+                        "budget": p.budget,
+                        "queue_limit": p.queue_limit,
+                        "endpoints": list(p.endpoints),
+                    }
+                    for p in self.pools
+                ],
+                "tenants": [
+                    {
+                        "name": t.name,
+                        "key_digests": [d.hex() for d in t.key_digests],
+                        "expires_at": t.expires_at,
+                        "service_class": t.service_class,
+                        "entitlement": t.entitlement,
+                    }
+                    for t in self.tenants
+                ],
+                "admission": self.admission.spec if self.admission.entitlements else None,
+            }
+        )
 
     def key_index(self) -> dict[bytes, TenantConfig]:
         """Tenant by API-key digest (see :func:`find_tenant`)."""
@@ -326,6 +379,7 @@ def parse_config(raw: Any) -> Config:
         "server",
         {
             "port",
+            "api_port",
             "metrics_port",
             "host",
             "key_header",
@@ -333,11 +387,13 @@ def parse_config(raw: Any) -> Config:
             "default_pool",
             "grace_s",
             "state_file",
+            "worker_threads",
         },
     )
     pools = _pools(_list(top, "pools", "config"))
     server = ServerConfig(
         port=_int(s, "port", "server", 0, 65535, ServerConfig.port),
+        api_port=_int(s, "api_port", "server", 0, 65535, ServerConfig.api_port),
         metrics_port=_int(s, "metrics_port", "server", 0, 65535, ServerConfig.metrics_port),
         host=_str(s, "host", "server", ServerConfig.host),
         key_header=_str(s, "key_header", "server", ServerConfig.key_header).lower(),
@@ -345,6 +401,7 @@ def parse_config(raw: Any) -> Config:
         default_pool=_str(s, "default_pool", "server", pools[0].name, [p.name for p in pools]),
         grace_s=_float(s, "grace_s", "server", 0.0, 3600.0, ServerConfig.grace_s),
         state_file=_str(s, "state_file", "server", ""),
+        worker_threads=_int(s, "worker_threads", "server", 1, 256, ServerConfig.worker_threads),
     )
     if not server.key_header:
         raise ConfigError("server.key_header: must not be empty")

@@ -13,6 +13,8 @@ pub mod planner;
 pub mod prefix;
 pub mod profile;
 pub mod queueing;
+#[cfg(feature = "server")]
+pub mod serve;
 pub mod sim;
 pub mod vtc;
 pub mod workload;

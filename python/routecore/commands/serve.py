@@ -10,28 +10,32 @@ from routecore._extras import require
 
 NAME = "serve"
 HELP = (
-    "Run the routecore gRPC server: the Envoy external processor, the RouteCore API "
-    "and grpc.health.v1, with Prometheus metrics on their own port. SIGHUP reloads "
-    "the configuration; SIGTERM stops gracefully. Needs the 'server' extra."
+    "Run the routecore server: the Envoy external processor and grpc.health.v1 "
+    "(the Rust data plane), the RouteCore API on its own port, and Prometheus "
+    "metrics on theirs. SIGHUP reloads the configuration; SIGTERM stops "
+    "gracefully. Needs the 'server' extra."
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML configuration (see examples/)")
-    p.add_argument("--port", type=int, help="gRPC port (default: server.port of the file)")
+    p.add_argument("--port", type=int, help="ext_proc port (default: server.port of the file)")
+    p.add_argument("--api-port", type=int, help="RouteCore API port (default: server.api_port)")
     p.add_argument("--metrics-port", type=int, help="metrics port (default: server.metrics_port)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def run(args: argparse.Namespace) -> int:
-    require("server", "grpc", "yaml", "prometheus_client", "envoy")
+    require("server", "grpc", "yaml")
     from routecore.server import logs
     from routecore.server.app import Server
 
     logs.setup(getattr(logging, args.log_level.upper()))
 
     async def main() -> None:
-        server = Server(args.config, port=args.port, metrics_port=args.metrics_port)
+        server = Server(
+            args.config, port=args.port, metrics_port=args.metrics_port, api_port=args.api_port
+        )
         await server.serve_forever()
 
     asyncio.run(main())

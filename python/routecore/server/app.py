@@ -1,6 +1,12 @@
-"""``routecore serve``: one grpc.aio server with the ext_proc processor, the
-RouteCore service and ``grpc.health.v1``, Prometheus metrics on their own
-port, SIGHUP reload and graceful shutdown.
+"""``routecore serve``: the control plane around the Rust data plane.
+
+Envoy's ext_proc, ``grpc.health.v1`` and the Prometheus metrics are served by
+:class:`routecore.DataPlane` (Rust, its own tokio runtime). This module reads
+and validates the configuration, starts the data plane, serves the RouteCore
+API (grpcio, on its own port, over the same Rust state), owns the signals
+(SIGHUP: validate, then swap the configuration atomically; SIGTERM: drain
+within the grace period) and the state file, and writes the control plane's
+log events.
 """
 
 from __future__ import annotations
@@ -8,35 +14,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from pathlib import Path
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from routecore._core import Calibrator
+from routecore._core import Calibrator, DataPlane
 from routecore.config import ConfigError, load_config
-from routecore.server.engine import EngineHolder
-from routecore.server.extproc import ExternalProcessor
+from routecore.server.engine import Engine
 from routecore.server.gen import routecore_pb2_grpc
-from routecore.server.logs import log
-from routecore.server.metrics import Metrics
+from routecore.server.logs import log, logger
 from routecore.server.service import RouteCoreService
 
-#: The services the health service reports on ("" is the server as a whole).
-SERVICES = (
-    "",
-    "envoy.service.ext_proc.v3.ExternalProcessor",
-    "routecore.v1.RouteCore",
-)
+#: The services the RouteCore API port's health service reports on.
+API_SERVICES = ("", "routecore.v1.RouteCore")
 
 
 class Server:
     """A routecore server for one configuration file.
 
-    ``port`` / ``metrics_port`` override the file's (0 picks a free port;
-    ``metrics_port=None`` with ``serve_metrics=False`` runs without metrics).
+    ``port`` / ``api_port`` / ``metrics_port`` override the file's (0 picks a
+    free port; ``serve_metrics=False`` runs without metrics).
     """
 
     def __init__(
@@ -45,82 +43,94 @@ class Server:
         port: int | None = None,
         metrics_port: int | None = None,
         serve_metrics: bool = True,
+        api_port: int | None = None,
     ) -> None:
         self.config_path = Path(config_path)
         self.config = load_config(self.config_path)
         s = self.config.server
         self.port = s.port if port is None else port
+        self.api_port = s.api_port if api_port is None else api_port
         self.metrics_port = s.metrics_port if metrics_port is None else metrics_port
         self.serve_metrics = serve_metrics
-        self.metrics = Metrics()
         self.state_file = Path(s.state_file) if s.state_file else None
-        calibrator = None
+        self.calibrator_state: bytes | None = None
         if self.state_file is not None and self.state_file.exists():
+            state = self.state_file.read_bytes()
             try:
-                calibrator = Calibrator.from_bytes(self.state_file.read_bytes())
+                Calibrator.from_bytes(state)
             except ValueError as e:
                 raise ConfigError(f"server.state_file {self.state_file}: {e}") from e
-        self.holder = EngineHolder(self.config, self.metrics, calibrator)
+            self.calibrator_state = state
+        self.plane: DataPlane | None = None
         self.health = health.aio.HealthServicer()
-        self._server: grpc.aio.Server | None = None
-        self._metrics_server = None
-        self._reaper: asyncio.Task | None = None
+        self._api: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
 
+    @property
+    def engine(self) -> Engine:
+        """A view of the data plane's routing state."""
+        assert self.plane is not None, "the server is not started"
+        return Engine(self.plane, [p.name for p in self.config.pools])
+
     async def start(self) -> None:
+        s = self.config.server
+        try:
+            self.plane = DataPlane.start(
+                self.config.spec_json(),
+                s.host,
+                self.port,
+                self.metrics_port if self.serve_metrics else None,
+                s.worker_threads,
+                self.calibrator_state,
+                logger.getEffectiveLevel(),
+            )
+        except ValueError as e:
+            raise OSError(str(e)) from e
+        self.port = self.plane.port
+        self.metrics_port = self.plane.metrics_port
         limit = self.config.limits.max_message_bytes
-        self._server = grpc.aio.server(
+        self._api = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
             ]
         )
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.holder), self._server
-        )
         routecore_pb2_grpc.add_RouteCoreServicer_to_server(
-            RouteCoreService(self.holder), self._server
+            RouteCoreService(self.plane, self.config.limits.max_body_bytes), self._api
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.port = self._server.add_insecure_port(f"{self.config.server.host}:{self.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.config.server.host}")
-        await self._server.start()
-        for name in SERVICES:
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._api)
+        try:
+            self.api_port = self._api.add_insecure_port(f"{s.host}:{self.api_port}")
+        except RuntimeError as e:
+            self.plane.drain(0)
+            raise OSError(f"cannot listen on {s.host}:{self.api_port}: {e}") from e
+        await self._api.start()
+        for name in API_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if self.serve_metrics:
-            self._metrics_server, _ = self.metrics.serve(self.metrics_port, self.config.server.host)
-            self.metrics_port = self._metrics_server.server_port
-        self._reaper = asyncio.create_task(self._reap_forever())
         log(
             logging.INFO,
             "started",
             port=self.port,
+            api_port=self.api_port,
             metrics_port=self.metrics_port,
             pools=[p.name for p in self.config.pools],
             tenants=len(self.config.tenants),
         )
 
-    async def _reap_forever(self) -> None:
-        """Releases requests whose response never came back, a few times per timeout."""
-        period = min(1.0, self.config.limits.request_timeout_s / 4)
-        while True:
-            await asyncio.sleep(period)
-            n = self.holder.reap(time.monotonic())
-            if n:
-                log(logging.WARNING, "requests-timed-out", count=n)
-
     def reload(self) -> bool:
         """Re-reads the configuration file; on error the running one is kept.
 
-        The listening ports and the message size limit stay as started.
+        The listening ports, the message size limit and the worker threads
+        stay as started.
         """
         try:
             config = load_config(self.config_path)
-        except (ConfigError, OSError) as e:
+            assert self.plane is not None
+            self.plane.reload(config.spec_json())
+        except (ConfigError, OSError, ValueError) as e:
             log(logging.ERROR, "reload-failed", error=str(e))
             return False
-        self.holder.reload(config)
         self.config = config
         log(
             logging.INFO,
@@ -134,19 +144,15 @@ class Server:
         """Stops taking new streams and gives open ones ``grace`` seconds to finish."""
         grace = self.config.server.grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
-        if self._server is not None:
-            await self._server.stop(grace)
-        if self._reaper is not None:
-            self._reaper.cancel()
-        for engine in (self.holder.engine, *self.holder.retired):
-            engine.close()
-        if self.state_file is not None:
+        plane = self.plane
+        stops = [self._api.stop(grace)] if self._api is not None else []
+        if plane is not None:
+            stops.append(asyncio.to_thread(plane.drain, grace))
+        await asyncio.gather(*stops)
+        if plane is not None and self.state_file is not None:
             tmp = self.state_file.with_name(self.state_file.name + ".tmp")
-            tmp.write_bytes(self.holder.engine.router.calibrator.to_bytes())
+            tmp.write_bytes(plane.calibrator.to_bytes())
             tmp.replace(self.state_file)
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
         log(logging.INFO, "stopped")
 
     async def serve_forever(self) -> None:

@@ -213,6 +213,8 @@ def serve_command(config: str, port: int, metrics_port: int, *extra: str) -> lis
         str(port),
         "--metrics-port",
         str(metrics_port),
+        "--api-port",
+        "0",
         *extra,
     ]
 

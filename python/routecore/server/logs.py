@@ -22,7 +22,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup(level: int = logging.INFO) -> None:
-    """Sends ``routecore.server`` logs to stderr as JSON lines."""
+    """Sends ``routecore.server`` logs to stderr as JSON lines (the Rust data
+    plane writes the same lines, at the level this logger has when it starts)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     logger.handlers[:] = [handler]

@@ -1,0 +1,308 @@
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::calibrate::Calibrator;
+use crate::py::calibrate::PyCalibrator;
+use crate::serve::config::Spec;
+use crate::serve::engine::{Engine, Outcome};
+use crate::serve::runtime::{DataPlane, Listen};
+
+/// The data plane of ``routecore serve``: Envoy's ext_proc (and
+/// ``grpc.health.v1``) served from Rust on a tokio runtime owned by this
+/// object, Prometheus metrics on their own port, structured JSON logs on
+/// stderr. A conversation never enters the interpreter.
+///
+/// Python is the control plane: it validates the configuration
+/// (``routecore.config``) and hands its JSON spec to :meth:`start` and
+/// :meth:`reload`, owns the signals and the state file, and serves the
+/// RouteCore API, which routes through :meth:`route_body` /
+/// :meth:`route_fields` / :meth:`finish` on the same state (calibrator,
+/// leases, admission). Every call that waits releases the interpreter.
+#[pyclass(frozen, name = "DataPlane", module = "routecore")]
+pub struct PyDataPlane {
+    inner: DataPlane,
+}
+
+fn outcome_dict<'py>(py: Python<'py>, outcome: Outcome) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    match outcome {
+        Ok(r) => {
+            d.set_item("admitted", true)?;
+            d.set_item("request_id", r.request_id)?;
+            d.set_item("pool", r.pool)?;
+            d.set_item("endpoint", r.endpoint)?;
+            d.set_item("est_input_tokens", r.est_input_tokens)?;
+            d.set_item("est_output_tokens", r.est_output_tokens)?;
+            d.set_item("spilled", r.spilled)?;
+            d.set_item("reason", r.reason)?;
+            d.set_item("compress_target_tokens", r.compress_target_tokens)?;
+            d.set_item("body", r.body.map(|b| PyBytes::new(py, &b)))?;
+        }
+        Err(rej) => {
+            d.set_item("admitted", false)?;
+            d.set_item("status", rej.status)?;
+            d.set_item("reason", rej.reason)?;
+            d.set_item("message", rej.message)?;
+            d.set_item("retry_after_s", rej.retry_after_s)?;
+        }
+    }
+    Ok(d)
+}
+
+impl PyDataPlane {
+    /// Authenticates (when `api_key` is given) and runs `route` under the
+    /// failure mode, timing the decision.
+    fn route<'py, F, Fut>(
+        &self,
+        py: Python<'py>,
+        api_key: Option<&[u8]>,
+        route: F,
+    ) -> PyResult<Bound<'py, PyDict>>
+    where
+        F: FnOnce(Arc<Engine>, Option<usize>) -> Fut + Send,
+        Fut: std::future::Future<Output = crate::error::Result<Outcome>> + Send,
+    {
+        let engine = self.inner.engine();
+        let metrics = Arc::clone(&self.inner.shared.metrics);
+        let outcome = py.detach(|| {
+            self.inner.block_on(async move {
+                let start = std::time::Instant::now();
+                let tenant = match api_key.map(|k| engine.authenticate(Some(k))) {
+                    Some(Err(rej)) => return Err(rej),
+                    Some(Ok(t)) => t,
+                    None => None,
+                };
+                let outcome = route(Arc::clone(&engine), tenant).await;
+                let outcome = engine.decide(tenant, outcome).await;
+                metrics
+                    .decision_seconds
+                    .observe(start.elapsed().as_secs_f64());
+                outcome
+            })
+        })?;
+        outcome_dict(py, outcome)
+    }
+}
+
+#[pymethods]
+impl PyDataPlane {
+    /// Starts serving ``spec_json`` (the JSON ``routecore.config`` produces) on
+    /// ``host:port`` (0: a free port) with metrics on ``metrics_port`` (None:
+    /// none), ``worker_threads`` runtime threads, the learned ``calibrator``
+    /// state (``Calibrator.to_bytes()``, None: cold start) and logs at the
+    /// Python logging level ``log_level``. ValueError for a bad spec or a
+    /// port that cannot be bound.
+    #[staticmethod]
+    #[pyo3(signature = (spec_json, host="127.0.0.1", port=0, metrics_port=None, worker_threads=2, calibrator=None, log_level=20))]
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        py: Python<'_>,
+        spec_json: &str,
+        host: &str,
+        port: u16,
+        metrics_port: Option<u16>,
+        worker_threads: usize,
+        calibrator: Option<&[u8]>,
+        log_level: u8,
+    ) -> PyResult<Self> {
+        crate::serve::logs::set_level(log_level);
+        let spec = Spec::from_json(spec_json)?;
+        let calibrator = match calibrator {
+            Some(b) => Calibrator::from_bytes(b)?,
+            None => Calibrator::new(0.95, 1.0, 4.0, 1024)?,
+        };
+        let listen = Listen {
+            host: host.into(),
+            port,
+            metrics_port,
+            worker_threads,
+        };
+        let inner = py.detach(|| DataPlane::start(spec, calibrator, &listen))?;
+        Ok(Self { inner })
+    }
+
+    /// The gRPC port (ext_proc and health).
+    #[getter]
+    fn port(&self) -> u16 {
+        self.inner.port
+    }
+
+    /// The metrics port, or None.
+    #[getter]
+    fn metrics_port(&self) -> Option<u16> {
+        self.inner.metrics_port
+    }
+
+    /// Swaps in a new configuration atomically: new streams use it, open
+    /// ones finish on the one they started with; in-memory admission keeps
+    /// its in-flight state. ValueError (and nothing changes) for a bad spec.
+    fn reload(&self, py: Python<'_>, spec_json: &str) -> PyResult<()> {
+        let spec = Spec::from_json(spec_json)?;
+        Ok(py.detach(|| self.inner.reload(spec))?)
+    }
+
+    /// Stops taking new streams, gives open ones ``grace_s`` seconds to
+    /// finish, then ends the rest (releasing what they hold) and stops.
+    fn drain(&self, py: Python<'_>, grace_s: f64) {
+        py.detach(|| self.inner.drain(grace_s));
+    }
+
+    /// Sets the log level (a Python logging level number).
+    #[staticmethod]
+    fn set_log_level(level: u8) {
+        crate::serve::logs::set_level(level);
+    }
+
+    /// The learned calibrator, live (shared with the data plane).
+    #[getter]
+    fn calibrator(&self) -> PyCalibrator {
+        PyCalibrator {
+            inner: Arc::clone(&self.inner.shared.calibrator),
+        }
+    }
+
+    /// Routes an OpenAI request body; ``api_key`` (bytes) authenticates the
+    /// tenant (None: no tenant, for trusted callers). Returns a dict:
+    /// ``admitted`` True with ``request_id, pool, endpoint, est_input_tokens,
+    /// est_output_tokens, spilled, reason, compress_target_tokens, body``
+    /// (the compressed body or None), or False with ``status, reason,
+    /// message, retry_after_s``.
+    #[pyo3(signature = (body, api_key=None))]
+    fn route_body<'py>(
+        &self,
+        py: Python<'py>,
+        body: &[u8],
+        api_key: Option<&[u8]>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        self.route(py, api_key, |engine, tenant| async move {
+            engine.route_body(body, tenant).await
+        })
+    }
+
+    /// Routes a request by its measured fields (``prompt_tokens`` when known
+    /// exactly, else ``prompt_bytes`` of ``category``); ``token_ids`` key the
+    /// prefix policy. Same result as :meth:`route_body`.
+    #[pyo3(signature = (prompt_bytes, category, max_output_tokens, prompt_tokens=None, api_key=None, token_ids=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn route_fields<'py>(
+        &self,
+        py: Python<'py>,
+        prompt_bytes: i64,
+        category: &str,
+        max_output_tokens: i64,
+        prompt_tokens: Option<i64>,
+        api_key: Option<&[u8]>,
+        token_ids: Option<Vec<u32>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        self.route(py, api_key, |engine, tenant| async move {
+            engine
+                .route_fields(
+                    prompt_bytes,
+                    category,
+                    max_output_tokens,
+                    prompt_tokens,
+                    tenant,
+                    token_ids.as_deref(),
+                )
+                .await
+        })
+    }
+
+    /// Releases the request ``request_id`` with its usage (None or 0 prompt
+    /// tokens: unknown; usage that cannot be real is ignored and counted).
+    /// False when it is not in flight (released already or unknown).
+    #[pyo3(signature = (request_id, prompt_tokens=None, completion_tokens=None))]
+    fn finish(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        prompt_tokens: Option<u64>,
+        completion_tokens: Option<u64>,
+    ) -> bool {
+        let usage = prompt_tokens.map(|p| (p, completion_tokens.unwrap_or(0)));
+        py.detach(|| self.inner.shared.release_request(request_id, usage))
+    }
+
+    /// Releases every request past its deadline now; returns how many.
+    fn reap(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.inner.shared.reap())
+    }
+
+    /// The request ids in flight.
+    fn leases(&self) -> Vec<String> {
+        self.inner.shared.lease_ids()
+    }
+
+    /// Everything requests in flight hold, summed over the live engines
+    /// (the current one and those open streams still use): ``{"leases": n,
+    /// "router": {pool: n}, "chooser": {pool: {endpoint: n}}, "running":
+    /// {pool: n}, "admission": n}``.
+    fn in_flight<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let mut router: HashMap<String, u64> = HashMap::new();
+        let mut chooser: HashMap<String, HashMap<String, u64>> = HashMap::new();
+        let mut running: HashMap<String, u64> = HashMap::new();
+        let mut admission = 0u64;
+        let mut seen = Vec::new();
+        for engine in self.inner.shared.engines() {
+            for (i, p) in engine.spec.pools.iter().enumerate() {
+                *router.entry(p.name.clone()).or_default() +=
+                    engine.router().in_flight(i).unwrap_or(0);
+                let (load, run) = engine.choosers[i].loads();
+                let per = chooser.entry(p.name.clone()).or_default();
+                for (e, n) in engine.choosers[i].endpoints().iter().zip(load) {
+                    *per.entry(e.clone()).or_default() += n;
+                }
+                *running.entry(p.name.clone()).or_default() += run.unwrap_or_default().iter().sum::<u64>();
+            }
+            if let Some(a) = engine.admission.as_ref() {
+                let ptr = Arc::as_ptr(a);
+                if !seen.contains(&ptr) {
+                    seen.push(ptr);
+                    admission += a.in_flight();
+                }
+            }
+        }
+        let d = PyDict::new(py);
+        d.set_item("leases", self.inner.shared.lease_count())?;
+        d.set_item("router", router)?;
+        d.set_item("chooser", chooser)?;
+        d.set_item("running", running)?;
+        d.set_item("admission", admission)?;
+        Ok(d)
+    }
+
+    /// The current value of a metric by its name without the ``routecore_``
+    /// prefix (e.g. ``"decisions"``) and its label values in order; None
+    /// for an unknown name.
+    #[pyo3(signature = (name, *labels))]
+    fn metric(&self, name: &str, labels: Vec<String>) -> Option<f64> {
+        let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+        self.inner.shared.metrics.value(name, &labels)
+    }
+
+    /// The Prometheus exposition text (what the metrics port serves).
+    fn metrics_text(&self) -> String {
+        self.inner.shared.metrics.text()
+    }
+
+    /// Makes one phase of the next request fail (``request_headers``,
+    /// ``routing``, ``admission``, ``response_headers``, ``response_body``,
+    /// ``finish``): for tests of the failure paths.
+    fn inject_fault(&self, phase: &str) -> PyResult<()> {
+        Ok(self.inner.shared.inject_fault(phase)?)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("DataPlane(port={})", self.inner.port)
+    }
+}
+
+impl Drop for PyDataPlane {
+    fn drop(&mut self) {
+        // A data plane dropped without drain() stops at once (a no-op after drain).
+        self.inner.drain(0.0);
+    }
+}

@@ -1,0 +1,927 @@
+//! The routing state behind both front ends (ext_proc in Rust, the RouteCore
+//! API through Python): tenants, pool and endpoint choice, admission, and the
+//! leases of requests in flight.
+//!
+//! One [`Engine`] is built from one configuration [`Spec`]. It authenticates
+//! the tenant (SHA-256 digests of the API keys, compared in constant time),
+//! parses and routes the request with the core's `route_request`
+//! (token-budget pool, compress-and-route), picks the endpoint inside the
+//! pool (least-request, prefix or VTC), asks admission, and records a
+//! [`Lease`] in the data plane's table ([`Shared`]) until the response ends,
+//! the stream drops or the reaper finds it past its deadline. Whoever removes
+//! a lease from the table releases it: exactly once, whatever the path.
+//!
+//! A reload builds a new engine sharing the calibrator, the metrics and the
+//! lease table; a lease is released by the engine that issued it.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::budget::{compressible_category, Action, Decision, Pool, Request, TokenBudgetRouter};
+use crate::calibrate::Calibrator;
+use crate::compress::{route_request, Compressor};
+use crate::error::{invalid, Error, Result};
+use crate::prefix::{
+    block_hashes, PrefixCacheRouter, PrefixConfig, PrefixIndex, Tokens, DEFAULT_CAPACITY_BLOCKS,
+};
+use crate::vtc::{VtcConfig, VtcRouter, DEFAULT_MAX_USERS};
+
+use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
+use super::config::{digest_from_hex, FailureMode, Policy, Spec};
+use super::metrics::{FCounter, FGauge, Metrics};
+use super::usage::{plausible, Usage};
+
+/// The VTC user of requests from no tenant (when no tenants are configured).
+pub const ANONYMOUS: &str = "anonymous";
+
+/// Phases a test can make fail once ([`Shared::inject_fault`]).
+pub const FAULT_PHASES: [&str; 6] = [
+    "request_headers",
+    "routing",
+    "admission",
+    "response_headers",
+    "response_body",
+    "finish",
+];
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A request refused: the HTTP status a gateway answers and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reject {
+    pub status: u16,
+    pub reason: String,
+    pub message: String,
+    pub retry_after_s: f64,
+}
+
+/// What a routed request was given (the answer to the front end).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    pub id: u64,
+    pub request_id: String,
+    pub pool: String,
+    pub endpoint: String,
+    pub est_input_tokens: u64,
+    pub est_output_tokens: u64,
+    pub spilled: bool,
+    pub reason: &'static str,
+    pub compress_target_tokens: u64,
+    /// The body to forward when routing rewrote it (compressed), else None.
+    pub body: Option<Vec<u8>>,
+}
+
+/// A routing outcome: routed, or refused (a decision, not a failure).
+pub type Outcome = std::result::Result<Routed, Reject>;
+
+/// One request in flight.
+#[derive(Debug)]
+pub struct Lease {
+    pool: usize,
+    endpoint: usize,
+    tenant: Option<usize>,
+    /// Whether the endpoint chooser's core router counted it (prefix with a key, vtc).
+    counted: bool,
+    est_input_tokens: u64,
+    est_output_tokens: u64,
+    /// Prompt bytes and category to feed the calibrator (None: not learned from).
+    learn: Option<(u64, &'static str)>,
+    started: Instant,
+    deadline: Instant,
+    ticket: Option<Ticket>,
+}
+
+/// What the endpoint choosers read from a request.
+#[derive(Debug, Clone, Copy)]
+pub enum Key<'a> {
+    None,
+    Bytes(&'a [u8]),
+    Ids(&'a [u32]),
+}
+
+struct ChooserState {
+    load: Vec<u64>,
+    prefix: Option<PrefixCacheRouter>,
+    vtc: Option<VtcRouter>,
+}
+
+/// Chooses the endpoint inside one pool: `router.policy` of the configuration.
+///
+/// - least-request: the endpoint with the fewest requests in flight (ties to
+///   the one listed first);
+/// - prefix: the core's `PrefixCacheRouter` over the request's token ids or
+///   body bytes (least-request when it has neither);
+/// - vtc: the core's `VtcRouter`, the tenant's name as the user, corrected
+///   with the real usage at the end.
+pub struct Chooser {
+    endpoints: Vec<String>,
+    block_size: usize,
+    state: Mutex<ChooserState>,
+}
+
+impl Chooser {
+    fn new(endpoints: &[String], policy: Policy, block_size: usize) -> Result<Self> {
+        let mut state = ChooserState {
+            load: vec![0; endpoints.len()],
+            prefix: None,
+            vtc: None,
+        };
+        if !endpoints.is_empty() {
+            match policy {
+                Policy::LeastRequest => {}
+                Policy::Prefix => {
+                    let index = PrefixIndex::new(DEFAULT_CAPACITY_BLOCKS, None)?;
+                    let config = PrefixConfig::new(block_size, 16, 2.0, 0)?;
+                    state.prefix = Some(PrefixCacheRouter::new(
+                        endpoints,
+                        config,
+                        Arc::new(Mutex::new(index)),
+                    )?);
+                }
+                Policy::Vtc => {
+                    let config = VtcConfig {
+                        window_s: 300.0,
+                        input_weight: 1.0,
+                        output_weight: 2.0,
+                        min_tokens: 1000.0,
+                        max_tokens: 8000.0,
+                        fairness_weight: 1.0,
+                        utilization_weight: 1.0,
+                        max_pod_load: 100.0,
+                        max_users: DEFAULT_MAX_USERS,
+                    };
+                    state.vtc = Some(VtcRouter::new(endpoints, config)?);
+                }
+            }
+        }
+        Ok(Self {
+            endpoints: endpoints.to_vec(),
+            block_size,
+            state: Mutex::new(state),
+        })
+    }
+
+    fn least(load: &[u64]) -> Option<usize> {
+        (0..load.len()).min_by_key(|&i| (load[i], i))
+    }
+
+    /// The endpoint for a request, counted in flight, and whether the core
+    /// router counted it too; None when the pool has no endpoint.
+    fn choose(
+        &self,
+        key: Key<'_>,
+        user: &str,
+        est_in: u64,
+        est_out: u64,
+        now: f64,
+    ) -> Result<Option<(usize, bool)>> {
+        let hashes = match key {
+            Key::None => None,
+            Key::Bytes(b) => Some(block_hashes(Tokens::Bytes(b), self.block_size, 0)?),
+            Key::Ids(t) => Some(block_hashes(Tokens::Ids(t), self.block_size, 0)?),
+        };
+        let mut st = lock(&self.state);
+        if st.load.is_empty() {
+            return Ok(None);
+        }
+        let st = &mut *st;
+        let (endpoint, counted) = if let Some(router) = st.vtc.as_mut() {
+            let tokens = |v: u64| v.min(i64::MAX as u64) as i64;
+            (
+                router.route(user, tokens(est_in), tokens(est_out), None, now)?,
+                true,
+            )
+        } else if let (Some(router), Some(h)) = (st.prefix.as_mut(), hashes.as_deref()) {
+            (router.route_hashes(h, None, now)?.pod, true)
+        } else {
+            (Self::least(&st.load).unwrap_or(0), false)
+        };
+        st.load[endpoint] += 1;
+        Ok(Some((endpoint, counted)))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn release(
+        &self,
+        endpoint: usize,
+        counted: bool,
+        user: &str,
+        est: (u64, u64),
+        usage: Option<Usage>,
+        now: f64,
+    ) -> Result<()> {
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        if let Some(n) = st.load.get_mut(endpoint) {
+            *n = n.saturating_sub(1);
+        }
+        if !counted {
+            return Ok(());
+        }
+        let name = &self.endpoints[endpoint];
+        if let Some(router) = st.vtc.as_mut() {
+            let t = |v: u64| v.min(crate::budget::MAX_TOKENS) as i64;
+            let actual = usage.unwrap_or((est.0, 0));
+            router.complete(
+                name,
+                user,
+                t(est.0),
+                t(est.1),
+                t(actual.0),
+                t(actual.1),
+                now,
+            )?;
+        } else if let Some(router) = st.prefix.as_mut() {
+            router.complete(name)?;
+        }
+        Ok(())
+    }
+
+    /// Requests in flight per endpoint, and the core router's running counts.
+    pub fn loads(&self) -> (Vec<u64>, Option<Vec<u64>>) {
+        let st = lock(&self.state);
+        let running = st
+            .prefix
+            .as_ref()
+            .map(|r| r.pods().running().to_vec())
+            .or_else(|| st.vtc.as_ref().map(|r| r.pods().running().to_vec()));
+        (st.load.clone(), running)
+    }
+
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+}
+
+struct Tenant {
+    name: String,
+    digests: Vec<[u8; 32]>,
+    expires_at: Option<f64>,
+    service_class: String,
+    entitlement: Option<String>,
+}
+
+struct PoolMetrics {
+    decisions: FCounter,
+    spillovers: FCounter,
+    timeouts: FCounter,
+    absurd_usage: FCounter,
+    in_flight: Vec<FGauge>,
+}
+
+/// What every engine of one data plane shares across reloads.
+pub struct Shared {
+    pub metrics: Arc<Metrics>,
+    pub calibrator: Arc<RwLock<Calibrator>>,
+    leases: Mutex<HashMap<u64, (Arc<Engine>, Lease)>>,
+    engines: Mutex<Vec<Weak<Engine>>>,
+    next_id: AtomicU64,
+    prefix: String,
+    epoch: Instant,
+    handle: tokio::runtime::Handle,
+    faults: Mutex<HashSet<&'static str>>,
+}
+
+impl Shared {
+    pub fn new(calibrator: Calibrator, handle: tokio::runtime::Handle) -> Self {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        Self {
+            metrics: Arc::new(Metrics::new()),
+            calibrator: Arc::new(RwLock::new(calibrator)),
+            leases: Mutex::new(HashMap::new()),
+            engines: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+            prefix: format!("{nanos:x}"),
+            epoch: Instant::now(),
+            handle,
+            faults: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Seconds on the data plane's monotonic clock (what the choosers are given).
+    pub fn now(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64()
+    }
+
+    pub fn request_id(&self, id: u64) -> String {
+        format!("{}-{id}", self.prefix)
+    }
+
+    fn parse_id(&self, request_id: &str) -> Option<u64> {
+        let (prefix, n) = request_id.rsplit_once('-')?;
+        (prefix == self.prefix).then(|| n.parse().ok()).flatten()
+    }
+
+    /// Makes `phase` fail once (tests of the failure paths).
+    pub fn inject_fault(&self, phase: &str) -> Result<()> {
+        let phase = FAULT_PHASES
+            .iter()
+            .find(|&&p| p == phase)
+            .ok_or_else(|| invalid(format!("phase must be one of {FAULT_PHASES:?}")))?;
+        lock(&self.faults).insert(*phase);
+        Ok(())
+    }
+
+    /// Fails when a fault was injected for `phase` (once).
+    pub fn fault(&self, phase: &'static str) -> Result<()> {
+        let mut faults = lock(&self.faults);
+        if !faults.is_empty() && faults.remove(phase) {
+            return Err(invalid(format!("injected failure in {phase}")));
+        }
+        Ok(())
+    }
+
+    /// Releases the lease `id` (false when it is not in flight: released
+    /// already). `usage` is learned from when it could be real.
+    pub fn release(&self, id: u64, usage: Option<Usage>) -> bool {
+        let found = lock(&self.leases).remove(&id);
+        match found {
+            Some((engine, lease)) => {
+                engine.finish(id, lease, usage, self);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// `release` by the request id the front end was given.
+    pub fn release_request(&self, request_id: &str, usage: Option<Usage>) -> bool {
+        self.parse_id(request_id)
+            .is_some_and(|id| self.release(id, usage))
+    }
+
+    /// Releases every lease past its deadline; returns how many.
+    pub fn reap(&self) -> usize {
+        let now = Instant::now();
+        let expired: Vec<(u64, Arc<Engine>, Lease)> = {
+            let mut leases = lock(&self.leases);
+            let ids: Vec<u64> = leases
+                .iter()
+                .filter(|(_, (_, l))| l.deadline <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| leases.remove(&id).map(|(e, l)| (id, e, l)))
+                .collect()
+        };
+        let n = expired.len();
+        for (id, engine, lease) in expired {
+            engine.pool_metrics[lease.pool].timeouts.inc();
+            engine.finish(id, lease, None, self);
+        }
+        if n > 0 {
+            tracing::warn!(count = n as u64, "requests-timed-out");
+        }
+        n
+    }
+
+    pub fn lease_ids(&self) -> Vec<String> {
+        lock(&self.leases)
+            .keys()
+            .map(|&id| self.request_id(id))
+            .collect()
+    }
+
+    pub fn lease_count(&self) -> usize {
+        lock(&self.leases).len()
+    }
+
+    /// Every engine still alive (the current one first when it is alive).
+    pub fn engines(&self) -> Vec<Arc<Engine>> {
+        let mut engines = lock(&self.engines);
+        engines.retain(|w| w.strong_count() > 0);
+        engines.iter().rev().filter_map(Weak::upgrade).collect()
+    }
+
+    fn register(&self, engine: &Arc<Engine>) {
+        lock(&self.engines).push(Arc::downgrade(engine));
+    }
+}
+
+pub struct Engine {
+    pub spec: Spec,
+    router: TokenBudgetRouter,
+    compressor: Compressor,
+    pub choosers: Vec<Chooser>,
+    tenants: Vec<Tenant>,
+    keys: HashMap<[u8; 32], usize>,
+    pub admission: Option<Arc<Admission>>,
+    default_pool: usize,
+    pool_metrics: Vec<PoolMetrics>,
+    timeout: Duration,
+    /// The request header carrying the API key, lower case, as bytes.
+    pub key_header: Vec<u8>,
+    shared: Weak<Shared>,
+}
+
+fn int(v: u64) -> i64 {
+    v.min(i64::MAX as u64) as i64
+}
+
+impl Engine {
+    /// Builds an engine; `previous` (a reload) hands over in-memory admission state.
+    pub fn build(
+        spec: Spec,
+        shared: &Arc<Shared>,
+        previous: Option<&Engine>,
+    ) -> Result<Arc<Self>> {
+        let pools = spec
+            .pools
+            .iter()
+            .map(|p| {
+                Pool::new(
+                    &p.name,
+                    int(p.max_context),
+                    p.budget.map(int),
+                    p.queue_limit.map(int),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut router = TokenBudgetRouter::new(pools, Arc::clone(&shared.calibrator))?;
+        if let Some(gamma) = spec.router.compress_band {
+            router = router.with_compress_band(gamma)?;
+        }
+        let choosers = spec
+            .pools
+            .iter()
+            .map(|p| Chooser::new(&p.endpoints, spec.router.policy, spec.router.prefix_block_size))
+            .collect::<Result<Vec<_>>>()?;
+        let mut tenants = Vec::new();
+        let mut keys = HashMap::new();
+        for (i, t) in spec.tenants.iter().enumerate() {
+            let digests = t
+                .key_digests
+                .iter()
+                .map(|d| digest_from_hex(d))
+                .collect::<Result<Vec<_>>>()?;
+            for d in &digests {
+                if keys.insert(*d, i).is_some() {
+                    return Err(invalid("tenants: a key belongs to two tenants"));
+                }
+            }
+            tenants.push(Tenant {
+                name: t.name.clone(),
+                digests,
+                expires_at: t.expires_at,
+                service_class: t.service_class.clone(),
+                entitlement: t.entitlement.clone(),
+            });
+        }
+        let admission = match &spec.admission {
+            Some(a) => {
+                let backend = Admission::from_spec(&AdmissionSpec::from_json(a)?)?;
+                if let Some(old) = previous.and_then(|p| p.admission.as_ref()) {
+                    backend.adopt(old)?;
+                }
+                Some(Arc::new(backend))
+            }
+            None => None,
+        };
+        let metrics = &shared.metrics;
+        let pool_metrics = spec
+            .pools
+            .iter()
+            .map(|p| PoolMetrics {
+                decisions: Metrics::pool(&metrics.decisions, &p.name),
+                spillovers: Metrics::pool(&metrics.spillovers, &p.name),
+                timeouts: Metrics::pool(&metrics.timeouts, &p.name),
+                absurd_usage: Metrics::pool(&metrics.absurd_usage, &p.name),
+                in_flight: p
+                    .endpoints
+                    .iter()
+                    .map(|e| metrics.in_flight_gauge(&p.name, e))
+                    .collect(),
+            })
+            .collect();
+        let default_pool = router.pool_index(&spec.server.default_pool)?;
+        let timeout = Duration::from_secs_f64(spec.limits.request_timeout_s);
+        let key_header = spec.server.key_header.to_ascii_lowercase().into_bytes();
+        let engine = Arc::new(Self {
+            spec,
+            router,
+            compressor: Compressor::default(),
+            choosers,
+            tenants,
+            keys,
+            admission,
+            default_pool,
+            pool_metrics,
+            timeout,
+            key_header,
+            shared: Arc::downgrade(shared),
+        });
+        shared.register(&engine);
+        Ok(engine)
+    }
+
+    fn shared(&self) -> Result<Arc<Shared>> {
+        self.shared
+            .upgrade()
+            .ok_or_else(|| invalid("the data plane is stopped"))
+    }
+
+    pub fn router(&self) -> &TokenBudgetRouter {
+        &self.router
+    }
+
+    pub fn failure_mode(&self) -> FailureMode {
+        self.spec.server.failure_mode
+    }
+
+    pub fn tenant_name(&self, tenant: Option<usize>) -> Option<&str> {
+        tenant.map(|t| self.tenants[t].name.as_str())
+    }
+
+    // -- tenants ------------------------------------------------------------
+
+    /// The tenant owning `key` (None when no tenants are configured). A
+    /// missing or unknown key is a 401, an expired one a 403. The key is
+    /// hashed first, so the lookup's timing depends on the digest, not on how
+    /// much of a real key was guessed; the final comparison is constant-time.
+    pub fn authenticate(&self, key: Option<&[u8]>) -> std::result::Result<Option<usize>, Reject> {
+        if self.tenants.is_empty() {
+            return Ok(None);
+        }
+        let found = key.filter(|k| !k.is_empty()).and_then(|k| {
+            let digest: [u8; 32] = Sha256::digest(k).into();
+            let &t = self.keys.get(&digest)?;
+            let ok = self.tenants[t]
+                .digests
+                .iter()
+                .fold(subtle::Choice::from(0), |acc, d| acc | d[..].ct_eq(&digest[..]));
+            bool::from(ok).then_some(t)
+        });
+        let Some(t) = found else {
+            return Err(self.refuse(None, 401, "unknown-key", "missing or unknown API key", 0.0));
+        };
+        if let Some(at) = self.tenants[t].expires_at {
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or(0.0);
+            if now >= at {
+                return Err(self.refuse(Some(t), 403, "expired-key", "API key expired", 0.0));
+            }
+        }
+        Ok(Some(t))
+    }
+
+    /// A refusal, counted per service class and reason.
+    pub fn refuse(
+        &self,
+        tenant: Option<usize>,
+        status: u16,
+        reason: &str,
+        message: impl Into<String>,
+        retry_after_s: f64,
+    ) -> Reject {
+        let class = tenant.map_or("none", |t| self.tenants[t].service_class.as_str());
+        if let Ok(shared) = self.shared() {
+            shared.metrics.reject(class, reason);
+        }
+        Reject {
+            status,
+            reason: reason.into(),
+            message: message.into(),
+            retry_after_s,
+        }
+    }
+
+    // -- routing ------------------------------------------------------------
+
+    /// Runs a routing step under `server.failure_mode`: when it fails, open
+    /// sends the request to the default pool (not put to admission again: the
+    /// failure is handled once), closed refuses with 503. The client never
+    /// sees the failure's detail; it is logged as `route-failed`.
+    pub async fn decide(
+        self: &Arc<Self>,
+        tenant: Option<usize>,
+        outcome: Result<Outcome>,
+    ) -> Outcome {
+        let err = match outcome {
+            Ok(o) => return o,
+            Err(e) => e,
+        };
+        let mode = self.failure_mode();
+        let name = match mode {
+            FailureMode::Open => "open",
+            FailureMode::Closed => "closed",
+        };
+        if let Ok(shared) = self.shared() {
+            shared.metrics.failure(name);
+        }
+        tracing::error!(error = %err, failure_mode = name, "route-failed");
+        if mode == FailureMode::Open {
+            match self.route_default(tenant, false).await {
+                Ok(o) => return o,
+                Err(e) => tracing::error!(error = %e, failure_mode = name, "route-failed"),
+            }
+        }
+        Err(self.refuse(tenant, 503, "internal-error", "routing failed", 0.0))
+    }
+
+    /// Routes an OpenAI request body (parse, route, compress: one core call).
+    /// A malformed body is a 400. A compressed prompt is not learned from
+    /// (the prompt the calibrator counted is not the one the model read).
+    pub async fn route_body(self: &Arc<Self>, body: &[u8], tenant: Option<usize>) -> Result<Outcome> {
+        let r = match route_request(
+            &self.router,
+            &self.compressor,
+            body,
+            self.spec.limits.default_max_tokens,
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                let message = format!("invalid request body: {e}");
+                return Ok(Err(self.refuse(tenant, 400, "malformed-body", message, 0.0)));
+            }
+        };
+        let d = r.decision;
+        if d.action == Action::Compress {
+            let new_body = r.body;
+            return self
+                .place(d, tenant, None, Key::Bytes(&new_body), Some(new_body.clone()))
+                .await;
+        }
+        let learn = (r.request.prompt_tokens.is_none()).then_some((r.request.prompt_bytes, r.request.category));
+        self.place(d, tenant, learn, Key::Bytes(body), None).await
+    }
+
+    /// Routes a request given its measured fields (bad values are a 400).
+    pub async fn route_fields(
+        self: &Arc<Self>,
+        prompt_bytes: i64,
+        category: &str,
+        max_output_tokens: i64,
+        prompt_tokens: Option<i64>,
+        tenant: Option<usize>,
+        token_ids: Option<&[u32]>,
+    ) -> Result<Outcome> {
+        let bad = |e: Error| Ok(Err(self.refuse(tenant, 400, "invalid-request", e.to_string(), 0.0)));
+        let req = match Request::new(prompt_bytes, None, max_output_tokens) {
+            Ok(r) => r,
+            Err(e) => return bad(e),
+        };
+        let key = token_ids.map_or(Key::None, Key::Ids);
+        if let Some(tokens) = prompt_tokens {
+            if tokens < 0 || tokens as u64 > crate::budget::MAX_TOKENS {
+                let e = invalid(format!(
+                    "prompt_tokens must be in [0, {}], got {tokens}",
+                    crate::budget::MAX_TOKENS
+                ));
+                return bad(e);
+            }
+            let d = self.router.route_estimated(tokens as u64, req.max_output_tokens);
+            return self.place(d, tenant, None, key, None).await;
+        }
+        let category: &'static str = match ["prose", "code", "cjk", "mixed"]
+            .into_iter()
+            .find(|&c| c == category)
+        {
+            Some(c) => c,
+            None => {
+                return bad(invalid(format!(
+                    "category must be one of ['prose', 'code', 'cjk', 'mixed'], got {category:?}"
+                )))
+            }
+        };
+        let est = self
+            .router
+            .read_calibrator()
+            .estimate_tokens(req.prompt_bytes, category);
+        let d = self
+            .router
+            .route_with(est, req.max_output_tokens, compressible_category(category));
+        self.place(d, tenant, Some((req.prompt_bytes, category)), key, None)
+            .await
+    }
+
+    /// The default pool, without a budget decision (nothing is known of the
+    /// request): bodyless requests and, under `failure_mode: open`, requests
+    /// whose routing failed (then `admit` is false).
+    pub async fn route_default(self: &Arc<Self>, tenant: Option<usize>, admit: bool) -> Result<Outcome> {
+        let pool = self.default_pool;
+        self.router.start(pool)?;
+        self.admit(pool, 1, 1, false, tenant, admit, None, Key::None, None)
+            .await
+    }
+
+    async fn place(
+        self: &Arc<Self>,
+        d: Decision,
+        tenant: Option<usize>,
+        learn: Option<(u64, &'static str)>,
+        key: Key<'_>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Outcome> {
+        let Some(pool) = d.pool else {
+            let message = format!(
+                "request needs {} tokens, more than any pool's context",
+                d.est_total_tokens
+            );
+            return Ok(Err(self.refuse(tenant, 400, d.reason.as_str(), message, 0.0)));
+        };
+        let mut outcome = self
+            .admit(
+                pool,
+                d.est_input_tokens,
+                d.est_output_tokens,
+                d.spilled,
+                tenant,
+                true,
+                learn,
+                key,
+                body,
+            )
+            .await?;
+        if let Ok(r) = outcome.as_mut() {
+            r.reason = d.reason.as_str();
+            r.compress_target_tokens = d.compress_target_tokens.unwrap_or(0);
+        }
+        Ok(outcome)
+    }
+
+    /// Chooses the endpoint and runs admission; on refusal or failure undoes both counts.
+    #[allow(clippy::too_many_arguments)]
+    async fn admit(
+        self: &Arc<Self>,
+        pool: usize,
+        est_in: u64,
+        est_out: u64,
+        spilled: bool,
+        tenant: Option<usize>,
+        admit: bool,
+        learn: Option<(u64, &'static str)>,
+        key: Key<'_>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Outcome> {
+        let shared = self.shared()?;
+        let now = shared.now();
+        let user = self.tenant_name(tenant).unwrap_or(ANONYMOUS);
+        let chooser = &self.choosers[pool];
+        let chosen = shared
+            .fault("routing")
+            .and_then(|()| chooser.choose(key, user, est_in, est_out, now));
+        let (endpoint, counted) = match chosen {
+            Ok(Some(c)) => c,
+            Ok(None) => {
+                self.router.complete(pool)?;
+                let message = format!("pool {:?} has no endpoint", self.spec.pools[pool].name);
+                return Ok(Err(self.refuse(tenant, 503, "no-endpoint", message, 0.0)));
+            }
+            Err(e) => {
+                let _ = self.router.complete(pool);
+                return Err(e);
+            }
+        };
+        let undo = || {
+            let _ = chooser.release(endpoint, counted, user, (est_in, est_out), None, now);
+            let _ = self.router.complete(pool);
+        };
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let request_id = shared.request_id(id);
+        let mut ticket = None;
+        let entitlement = tenant.and_then(|t| self.tenants[t].entitlement.as_deref());
+        if let (Some(admission), Some(ent), true) = (self.admission.as_ref(), entitlement, admit) {
+            if let Err(e) = shared.fault("admission") {
+                undo();
+                return Err(e);
+            }
+            match admission.admit(ent, est_in, Some(est_out), &request_id).await {
+                Verdict::Admitted { ticket: t } => ticket = t,
+                Verdict::Refused {
+                    status,
+                    reason,
+                    retry_after_s,
+                } => {
+                    undo();
+                    let message = format!("not admitted: {reason}");
+                    let retry = retry_after_s.unwrap_or(0.0);
+                    return Ok(Err(self.refuse(tenant, status, &reason, message, retry)));
+                }
+            }
+        }
+        let started = Instant::now();
+        let lease = Lease {
+            pool,
+            endpoint,
+            tenant,
+            counted,
+            est_input_tokens: est_in,
+            est_output_tokens: est_out,
+            learn,
+            started,
+            deadline: started + self.timeout,
+            ticket,
+        };
+        lock(&shared.leases).insert(id, (Arc::clone(self), lease));
+        let m = &self.pool_metrics[pool];
+        m.decisions.inc();
+        m.in_flight[endpoint].inc();
+        if spilled {
+            m.spillovers.inc();
+        }
+        Ok(Ok(Routed {
+            id,
+            request_id,
+            pool: self.spec.pools[pool].name.clone(),
+            endpoint: chooser.endpoints[endpoint].clone(),
+            est_input_tokens: est_in,
+            est_output_tokens: est_out,
+            spilled,
+            reason: "default",
+            compress_target_tokens: 0,
+            body,
+        }))
+    }
+
+    // -- completion -----------------------------------------------------------
+
+    /// Releases a lease taken out of the table: every step runs even when
+    /// another fails (logged as `release-failed`); usage that cannot be real
+    /// is ignored for learning (logged, counted) and the admission ticket is
+    /// completed with the estimate.
+    fn finish(&self, id: u64, lease: Lease, usage: Option<Usage>, shared: &Shared) {
+        let now = shared.now();
+        let m = &self.pool_metrics[lease.pool];
+        let usage = usage.filter(|u| u.0 > 0).and_then(|u| {
+            if plausible(u) {
+                return Some(u);
+            }
+            m.absurd_usage.inc();
+            tracing::warn!(
+                request_id = shared.request_id(id),
+                pool = self.spec.pools[lease.pool].name.as_str(),
+                endpoint = self.choosers[lease.pool].endpoints[lease.endpoint].as_str(),
+                prompt_tokens = u.0,
+                completion_tokens = u.1,
+                "absurd-usage"
+            );
+            None
+        });
+        let fail = |step: &str, e: Error| {
+            tracing::error!(request_id = shared.request_id(id), step, error = %e, "release-failed");
+        };
+        if let Err(e) = self.router.complete(lease.pool) {
+            fail("router", e);
+        }
+        let user = self.tenant_name(lease.tenant).unwrap_or(ANONYMOUS);
+        let est = (lease.est_input_tokens, lease.est_output_tokens);
+        if let Err(e) =
+            self.choosers[lease.pool].release(lease.endpoint, lease.counted, user, est, usage, now)
+        {
+            fail("chooser", e);
+        }
+        m.in_flight[lease.endpoint].dec();
+        if let (Some(ticket), Some(admission)) = (lease.ticket, self.admission.as_ref()) {
+            let admission = Arc::clone(admission);
+            let actual = usage.unwrap_or((lease.est_input_tokens, 0));
+            let latency = lease.started.elapsed().as_secs_f64();
+            shared.handle.spawn(async move {
+                admission.complete(ticket, actual.0, actual.1, latency).await;
+            });
+        }
+        if let Err(e) = shared.fault("finish").and_then(|()| self.learn(lease.learn, usage, shared)) {
+            fail("learn", e);
+        }
+    }
+
+    fn learn(
+        &self,
+        learn: Option<(u64, &'static str)>,
+        usage: Option<Usage>,
+        shared: &Shared,
+    ) -> Result<()> {
+        let (Some((bytes, category)), Some((prompt, _))) = (learn, usage) else {
+            return Ok(());
+        };
+        if bytes == 0 {
+            return Ok(());
+        }
+        let ratio = {
+            let mut cal = self.router.write_calibrator();
+            if cal.observe(category, int(bytes), int(prompt)).is_err() {
+                return Ok(()); // a ratio the calibrator refuses: not learned from
+            }
+            cal.stats(category).ratio
+        };
+        shared
+            .metrics
+            .calibration_ratio
+            .get_or_create(&super::metrics::CategoryLabel {
+                category: category.into(),
+            })
+            .set(ratio);
+        Ok(())
+    }
+}

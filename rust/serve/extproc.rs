@@ -1,0 +1,854 @@
+//! Envoy's `envoy.service.ext_proc.v3.ExternalProcessor`, on tonic with the
+//! `envoy-types` wire types.
+//!
+//! One gRPC stream is one HTTP request. Following the conventions of the
+//! Gateway API Inference Extension's endpoint picker:
+//!
+//! - Request headers: the tenant's API key is read from the key header
+//!   (`raw_value`, or `value` when that is empty: the same bytes either way;
+//!   401 / 403 as an ImmediateResponse when unknown or expired). In BUFFERED
+//!   and STREAMED body modes the headers are answered at once; in
+//!   FULL_DUPLEX_STREAMED the answer waits for the whole body, so that it can
+//!   carry the routing headers. Headers that end the stream route to the
+//!   default pool.
+//! - Request body: chunks are accumulated up to `limits.max_body_bytes` (413
+//!   above), parsed and routed (pool by token budget, endpoint inside it,
+//!   admission). The answer sets `x-gateway-destination-endpoint: ip:port`
+//!   and `x-routecore-pool` with `clear_route_cache`, and the `envoy.lb`
+//!   dynamic metadata `{x-gateway-destination-endpoint: ip:port}`; a
+//!   compressed body is sent as a body mutation with its `content-length`.
+//!   In STREAMED mode every chunk but the last is answered empty and the last
+//!   carries the routing; in FULL_DUPLEX_STREAMED the headers answer comes
+//!   first, then the body is sent back as `streamed_response` chunks.
+//! - Refusals (malformed body 400, context too long 400, oversize 413, no
+//!   endpoint 503, admission 429 with Retry-After, an internal failure under
+//!   `failure_mode: closed` 503) are an ImmediateResponse with a JSON error
+//!   body, and end the stream.
+//! - Response: usage is read from a JSON body or from the SSE event that
+//!   carries it ([`UsageReader`]); at the end of the response the lease is
+//!   released (calibrator fed, in-flight counts and the admission ticket
+//!   released). A stream that ends, fails or is cancelled before that
+//!   releases the lease without usage (the conversation's `Drop`); one that
+//!   stays open past `limits.request_timeout_s` is reaped.
+//! - What the protocol does not allow (request headers after other messages,
+//!   response headers twice) ends the stream with FAILED_PRECONDITION. Any
+//!   other failure never ends the stream: in the request phase it is a 503
+//!   (or the default pool under `failure_mode: open`), in the response phase
+//!   the rest of the response passes unchanged.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    body_mutation::Mutation, processing_request::Request as Msg,
+    processing_response::Response as Answer, BodyMutation, BodyResponse, CommonResponse,
+    HeaderMutation, HeadersResponse, HttpHeaders, ImmediateResponse, ProcessingRequest,
+    ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+};
+use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+use futures_util::{FutureExt, Stream};
+use tonic::{Request, Response, Status, Streaming};
+
+use super::engine::{Engine, Outcome, Reject, Routed, Shared};
+use super::usage::UsageReader;
+use crate::error::Result;
+
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+pub const POOL_HEADER: &str = "x-routecore-pool";
+pub const LB_NAMESPACE: &str = "envoy.lb";
+/// Size of the streamed_response chunks a body is sent back in (as the GIE does).
+pub const BODY_CHUNK: usize = 62_000;
+
+const FULL_DUPLEX: i32 = BodySendMode::FullDuplexStreamed as i32;
+const STREAMED: i32 = BodySendMode::Streamed as i32;
+const BUFFERED: i32 = BodySendMode::Buffered as i32;
+
+/// A message the ext_proc protocol does not allow at this point of the stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProtocolError(pub String);
+
+fn answer(a: Answer) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(a),
+        ..Default::default()
+    }
+}
+
+fn header(key: &str, value: &[u8]) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.into(),
+            raw_value: value.to_vec(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A header's value as bytes, whichever field carries it (Envoy sends `raw_value`).
+fn header_bytes(h: &HeaderValue) -> &[u8] {
+    if h.raw_value.is_empty() {
+        h.value.as_bytes()
+    } else {
+        &h.raw_value
+    }
+}
+
+fn find_header<'a>(headers: &'a HttpHeaders, name: &[u8]) -> Option<&'a [u8]> {
+    headers
+        .headers
+        .as_ref()?
+        .headers
+        .iter()
+        .find(|h| h.key.as_bytes().eq_ignore_ascii_case(name))
+        .map(header_bytes)
+}
+
+/// An OpenAI-style JSON error body.
+pub fn error_body(status: u16, reason: &str, message: &str) -> Vec<u8> {
+    serde_json::json!({"error": {"message": message, "type": reason, "code": status}})
+        .to_string()
+        .into_bytes()
+}
+
+/// The ImmediateResponse refusing a request (Retry-After in whole seconds, rounded up).
+pub fn immediate(rej: &Reject) -> ProcessingResponse {
+    let mut headers = vec![header("content-type", b"application/json")];
+    if rej.retry_after_s > 0.0 {
+        let secs = rej.retry_after_s.ceil() as u64;
+        headers.push(header("retry-after", secs.to_string().as_bytes()));
+    }
+    answer(Answer::ImmediateResponse(ImmediateResponse {
+        status: Some(HttpStatus {
+            code: i32::from(rej.status),
+        }),
+        headers: Some(HeaderMutation {
+            set_headers: headers,
+            ..Default::default()
+        }),
+        body: error_body(rej.status, &rej.reason, &rej.message),
+        details: rej.reason.clone(),
+        ..Default::default()
+    }))
+}
+
+fn lb_metadata(endpoint: &str) -> Struct {
+    let inner = Struct {
+        fields: [(
+            DESTINATION_HEADER.to_string(),
+            Value {
+                kind: Some(Kind::StringValue(endpoint.into())),
+            },
+        )]
+        .into(),
+    };
+    Struct {
+        fields: [(
+            LB_NAMESPACE.to_string(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]
+        .into(),
+    }
+}
+
+fn streamed(chunk: &[u8], end: bool, request: bool) -> ProcessingResponse {
+    let body = BodyResponse {
+        response: Some(CommonResponse {
+            body_mutation: Some(BodyMutation {
+                mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
+                    body: chunk.to_vec(),
+                    end_of_stream: end,
+                    ..Default::default()
+                })),
+            }),
+            ..Default::default()
+        }),
+    };
+    answer(if request {
+        Answer::RequestBody(body)
+    } else {
+        Answer::ResponseBody(body)
+    })
+}
+
+/// The state of one ext_proc stream (one HTTP request and its response).
+pub struct Conversation {
+    /// Pinned: a reload does not move this request.
+    engine: Arc<Engine>,
+    shared: Arc<Shared>,
+    request_mode: i32,
+    response_mode: i32,
+    tenant: Option<usize>,
+    authenticated: bool,
+    body: Vec<u8>,
+    lease: Option<u64>,
+    routed: bool,
+    usage: Option<UsageReader>,
+    /// The stream is answered for good (an ImmediateResponse was sent).
+    pub done: bool,
+    seen: u64,
+    responding: bool,
+    /// A failure in the response phase: the rest of the stream passes unchanged.
+    failed: bool,
+}
+
+impl Conversation {
+    pub fn new(engine: Arc<Engine>, shared: Arc<Shared>) -> Self {
+        Self {
+            engine,
+            shared,
+            request_mode: BUFFERED,
+            response_mode: BodySendMode::None as i32,
+            tenant: None,
+            authenticated: false,
+            body: Vec::new(),
+            lease: None,
+            routed: false,
+            usage: None,
+            done: false,
+            seen: 0,
+            responding: false,
+            failed: false,
+        }
+    }
+
+    /// Answers one message. Any failure other than a protocol error is
+    /// answered here (see the module doc).
+    pub async fn handle(
+        &mut self,
+        req: &ProcessingRequest,
+    ) -> std::result::Result<Vec<ProcessingResponse>, ProtocolError> {
+        self.check_order(req.request.as_ref())?;
+        if self.failed {
+            return Ok(self.passthrough(req.request.as_ref()));
+        }
+        let handled = AssertUnwindSafe(self.dispatch(req)).catch_unwind().await;
+        Ok(match handled {
+            Ok(Ok(out)) => out,
+            Ok(Err(e)) => self.fail(req.request.as_ref(), &e.to_string()),
+            Err(_) => self.fail(req.request.as_ref(), "panic"),
+        })
+    }
+
+    fn check_order(&mut self, msg: Option<&Msg>) -> std::result::Result<(), ProtocolError> {
+        self.seen += 1;
+        match msg {
+            Some(Msg::RequestHeaders(_)) if self.seen > 1 => Err(ProtocolError(
+                "request_headers after other messages of the stream".into(),
+            )),
+            Some(Msg::ResponseHeaders(_)) if self.responding => {
+                Err(ProtocolError("response_headers sent twice".into()))
+            }
+            Some(Msg::ResponseHeaders(_) | Msg::ResponseBody(_) | Msg::ResponseTrailers(_)) => {
+                self.responding = true;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    async fn dispatch(&mut self, req: &ProcessingRequest) -> Result<Vec<ProcessingResponse>> {
+        if let Some(pc) = &req.protocol_config {
+            self.request_mode = if pc.request_body_mode == 0 {
+                BUFFERED
+            } else {
+                pc.request_body_mode
+            };
+            self.response_mode = pc.response_body_mode;
+        }
+        match req.request.as_ref() {
+            Some(Msg::RequestHeaders(h)) => self.on_request_headers(h).await,
+            Some(Msg::RequestBody(b)) => self.on_request_body(&b.body, b.end_of_stream).await,
+            Some(Msg::RequestTrailers(_)) => {
+                // The body ended without end_of_stream.
+                let mut out = if self.routed {
+                    Vec::new()
+                } else {
+                    self.on_request_body(&[], true).await?
+                };
+                if !self.done {
+                    out.push(answer(Answer::RequestTrailers(TrailersResponse::default())));
+                }
+                Ok(out)
+            }
+            Some(Msg::ResponseHeaders(h)) => self.on_response_headers(h),
+            Some(Msg::ResponseBody(b)) => self.on_response_body(&b.body, b.end_of_stream),
+            Some(Msg::ResponseTrailers(_)) => {
+                self.finish();
+                Ok(vec![answer(Answer::ResponseTrailers(
+                    TrailersResponse::default(),
+                ))])
+            }
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// An unexpected failure: release, then refuse (request phase) or pass (response).
+    fn fail(&mut self, msg: Option<&Msg>, error: &str) -> Vec<ProcessingResponse> {
+        let mode = match self.engine.failure_mode() {
+            super::config::FailureMode::Open => "open",
+            super::config::FailureMode::Closed => "closed",
+        };
+        tracing::error!(error, failure_mode = mode, "stream-failed");
+        self.close();
+        self.shared.metrics.failure(mode);
+        if self.responding {
+            self.failed = true;
+            return self.passthrough(msg);
+        }
+        self.done = true;
+        let rej = self
+            .engine
+            .refuse(self.tenant, 503, "internal-error", "internal error", 0.0);
+        vec![immediate(&rej)]
+    }
+
+    /// The answer that lets `msg` pass unchanged.
+    fn passthrough(&self, msg: Option<&Msg>) -> Vec<ProcessingResponse> {
+        match msg {
+            Some(Msg::RequestBody(b)) => self.pass_body(&b.body, b.end_of_stream, true),
+            Some(Msg::ResponseBody(b)) => self.pass_body(&b.body, b.end_of_stream, false),
+            Some(Msg::RequestHeaders(_)) => {
+                vec![answer(Answer::RequestHeaders(HeadersResponse::default()))]
+            }
+            Some(Msg::ResponseHeaders(_)) => {
+                vec![answer(Answer::ResponseHeaders(HeadersResponse::default()))]
+            }
+            Some(Msg::RequestTrailers(_)) => {
+                vec![answer(Answer::RequestTrailers(TrailersResponse::default()))]
+            }
+            Some(Msg::ResponseTrailers(_)) => {
+                vec![answer(Answer::ResponseTrailers(TrailersResponse::default()))]
+            }
+            None => Vec::new(),
+        }
+    }
+
+    async fn on_request_headers(&mut self, headers: &HttpHeaders) -> Result<Vec<ProcessingResponse>> {
+        self.shared.fault("request_headers")?;
+        let key = find_header(headers, &self.engine.key_header);
+        match self.engine.authenticate(key) {
+            Err(rej) => return Ok(self.refuse(rej)),
+            Ok(t) => {
+                self.tenant = t;
+                self.authenticated = true;
+            }
+        }
+        if headers.end_of_stream {
+            // No body to route on: the default pool.
+            self.routed = true;
+            let engine = Arc::clone(&self.engine);
+            let start = Instant::now();
+            let outcome = engine.route_default(self.tenant, true).await;
+            let outcome = engine.decide(self.tenant, outcome).await;
+            self.shared
+                .metrics
+                .decision_seconds
+                .observe(start.elapsed().as_secs_f64());
+            return Ok(self.answer(outcome, false));
+        }
+        if self.request_mode == FULL_DUPLEX {
+            return Ok(Vec::new());
+        }
+        Ok(vec![answer(Answer::RequestHeaders(HeadersResponse::default()))])
+    }
+
+    async fn on_request_body(&mut self, chunk: &[u8], end: bool) -> Result<Vec<ProcessingResponse>> {
+        if self.routed {
+            // Chunks after routing pass through (duplex: echoed back).
+            return Ok(self.pass_body(chunk, end, true));
+        }
+        if !self.authenticated {
+            // Envoy skipped the headers: there is no key to check.
+            match self.engine.authenticate(None) {
+                Err(rej) => return Ok(self.refuse(rej)),
+                Ok(t) => {
+                    self.tenant = t;
+                    self.authenticated = true;
+                }
+            }
+        }
+        let limit = self.engine.spec.limits.max_body_bytes;
+        if (self.body.len() + chunk.len()) as u64 > limit {
+            let message = format!("request body exceeds {limit} bytes");
+            let rej = self
+                .engine
+                .refuse(self.tenant, 413, "body-too-large", message, 0.0);
+            return Ok(self.refuse(rej));
+        }
+        self.body.extend_from_slice(chunk);
+        if end || (self.request_mode != STREAMED && self.request_mode != FULL_DUPLEX) {
+            return Ok(self.route_now().await);
+        }
+        if self.request_mode == STREAMED {
+            return Ok(vec![answer(Answer::RequestBody(BodyResponse::default()))]);
+        }
+        Ok(Vec::new())
+    }
+
+    async fn route_now(&mut self) -> Vec<ProcessingResponse> {
+        self.routed = true;
+        let engine = Arc::clone(&self.engine);
+        let start = Instant::now();
+        let outcome = engine.route_body(&self.body, self.tenant).await;
+        let outcome = engine.decide(self.tenant, outcome).await;
+        self.shared
+            .metrics
+            .decision_seconds
+            .observe(start.elapsed().as_secs_f64());
+        self.answer(outcome, true)
+    }
+
+    fn answer(&mut self, outcome: Outcome, has_body: bool) -> Vec<ProcessingResponse> {
+        let routed: Routed = match outcome {
+            Err(rej) => return self.refuse(rej),
+            Ok(r) => r,
+        };
+        self.lease = Some(routed.id);
+        tracing::debug!(
+            request_id = routed.request_id.as_str(),
+            tenant = self.engine.tenant_name(self.tenant),
+            pool = routed.pool.as_str(),
+            endpoint = routed.endpoint.as_str(),
+            reason = routed.reason,
+            "routed"
+        );
+        let mut set_headers = vec![
+            header(DESTINATION_HEADER, routed.endpoint.as_bytes()),
+            header(POOL_HEADER, routed.pool.as_bytes()),
+        ];
+        if let Some(b) = &routed.body {
+            set_headers.push(header("content-length", b.len().to_string().as_bytes()));
+        }
+        let mut common = CommonResponse {
+            header_mutation: Some(HeaderMutation {
+                set_headers,
+                ..Default::default()
+            }),
+            clear_route_cache: true,
+            ..Default::default()
+        };
+        let md = Some(lb_metadata(&routed.endpoint));
+        if !has_body {
+            let mut r = answer(Answer::RequestHeaders(HeadersResponse {
+                response: Some(common),
+            }));
+            r.dynamic_metadata = md;
+            return vec![r];
+        }
+        let original = std::mem::take(&mut self.body);
+        if self.request_mode == FULL_DUPLEX {
+            let body = routed.body.as_deref().unwrap_or(&original);
+            let mut first = answer(Answer::RequestHeaders(HeadersResponse {
+                response: Some(common),
+            }));
+            first.dynamic_metadata = md;
+            let mut out = vec![first];
+            if body.is_empty() {
+                out.push(streamed(&[], true, true));
+            }
+            let n = body.len().div_ceil(BODY_CHUNK);
+            for (i, chunk) in body.chunks(BODY_CHUNK).enumerate() {
+                out.push(streamed(chunk, i + 1 == n, true));
+            }
+            return out;
+        }
+        if let Some(b) = routed.body {
+            common.body_mutation = Some(BodyMutation {
+                mutation: Some(Mutation::Body(b)),
+            });
+        }
+        let mut r = answer(Answer::RequestBody(BodyResponse {
+            response: Some(common),
+        }));
+        r.dynamic_metadata = md;
+        vec![r]
+    }
+
+    fn refuse(&mut self, rej: Reject) -> Vec<ProcessingResponse> {
+        tracing::info!(
+            status = rej.status,
+            reason = rej.reason.as_str(),
+            tenant = self.engine.tenant_name(self.tenant),
+            "refused"
+        );
+        self.done = true;
+        vec![immediate(&rej)]
+    }
+
+    fn pass_body(&self, chunk: &[u8], end: bool, request: bool) -> Vec<ProcessingResponse> {
+        let mode = if request {
+            self.request_mode
+        } else {
+            self.response_mode
+        };
+        if mode == FULL_DUPLEX {
+            return vec![streamed(chunk, end, request)];
+        }
+        vec![answer(if request {
+            Answer::RequestBody(BodyResponse::default())
+        } else {
+            Answer::ResponseBody(BodyResponse::default())
+        })]
+    }
+
+    fn on_response_headers(&mut self, headers: &HttpHeaders) -> Result<Vec<ProcessingResponse>> {
+        self.shared.fault("response_headers")?;
+        let sse = find_header(headers, b"content-type")
+            .is_some_and(|v| v.windows(17).any(|w| w == b"text/event-stream"));
+        self.usage = Some(UsageReader::new(sse, self.limit()));
+        if headers.end_of_stream {
+            self.finish();
+        }
+        Ok(vec![answer(Answer::ResponseHeaders(HeadersResponse::default()))])
+    }
+
+    fn limit(&self) -> usize {
+        usize::try_from(self.engine.spec.limits.max_body_bytes).unwrap_or(usize::MAX)
+    }
+
+    fn on_response_body(&mut self, chunk: &[u8], end: bool) -> Result<Vec<ProcessingResponse>> {
+        self.shared.fault("response_body")?;
+        let limit = self.limit();
+        self.usage
+            .get_or_insert_with(|| UsageReader::new(false, limit))
+            .feed(chunk, end);
+        if end {
+            self.finish();
+        }
+        Ok(self.pass_body(chunk, end, false))
+    }
+
+    /// Releases the lease, learning from the usage if the response carried it.
+    fn finish(&mut self) {
+        if let Some(id) = self.lease.take() {
+            let usage = self.usage.as_ref().and_then(UsageReader::usage);
+            self.shared.release(id, usage);
+        }
+    }
+
+    /// The stream ended: a request still in flight is released without usage.
+    pub fn close(&mut self) {
+        if let Some(id) = self.lease.take() {
+            self.shared.release(id, None);
+        }
+    }
+}
+
+impl Drop for Conversation {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// The current engine, swapped atomically on reload.
+pub type Current = Arc<RwLock<Arc<Engine>>>;
+
+pub fn current(c: &Current) -> Arc<Engine> {
+    Arc::clone(&c.read().unwrap_or_else(|e| e.into_inner()))
+}
+
+pub struct Processor {
+    pub current: Current,
+    pub shared: Arc<Shared>,
+}
+
+struct StreamState {
+    conv: Conversation,
+    inbound: Streaming<ProcessingRequest>,
+    pending: VecDeque<ProcessingResponse>,
+    ended: bool,
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = std::result::Result<ProcessingResponse, Status>> + Send>>;
+
+async fn next(mut st: StreamState) -> Option<(std::result::Result<ProcessingResponse, Status>, StreamState)> {
+    loop {
+        if let Some(r) = st.pending.pop_front() {
+            return Some((Ok(r), st));
+        }
+        if st.ended || st.conv.done {
+            return None;
+        }
+        // A client error or cancel ends the stream; dropping the state releases.
+        let msg = st.inbound.message().await.ok()??;
+        match st.conv.handle(&msg).await {
+            Ok(out) => st.pending.extend(out),
+            Err(ProtocolError(e)) => {
+                st.conv.close();
+                st.conv.shared.metrics.protocol_errors.inc();
+                tracing::warn!(error = e.as_str(), "protocol-error");
+                st.ended = true;
+                return Some((Err(Status::failed_precondition(e)), st));
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for Processor {
+    type ProcessStream = ResponseStream;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> std::result::Result<Response<Self::ProcessStream>, Status> {
+        let state = StreamState {
+            conv: Conversation::new(current(&self.current), Arc::clone(&self.shared)),
+            inbound: request.into_inner(),
+            pending: VecDeque::new(),
+            ended: false,
+        };
+        Ok(Response::new(Box::pin(futures_util::stream::unfold(
+            state, next,
+        ))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::config::Spec;
+    use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, ProtocolConfiguration};
+    use sha2::{Digest, Sha256};
+
+    const KEY: &[u8] = "demo-kéy".as_bytes();
+
+    fn spec() -> Spec {
+        let digest: String = Sha256::digest(KEY)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let json = serde_json::json!({
+            "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "short"},
+            "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
+                       "request_timeout_s": 30.0, "default_max_tokens": 100},
+            "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
+            "pools": [
+                {"name": "short", "max_context": 8192, "budget": null, "queue_limit": null,
+                 "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]},
+                {"name": "long", "max_context": 65536, "budget": null, "queue_limit": null,
+                 "endpoints": ["10.0.0.3:8000"]}
+            ],
+            "tenants": [{"name": "demo", "key_digests": [digest], "expires_at": null,
+                         "service_class": "none", "entitlement": null}],
+            "admission": null
+        });
+        Spec::from_json(&json.to_string()).expect("spec")
+    }
+
+    fn plane() -> (Arc<Shared>, Arc<Engine>) {
+        let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+        let engine = Engine::build(spec(), &shared, None).expect("engine");
+        (shared, engine)
+    }
+
+    fn headers(pairs: &[(&str, &[u8])], raw: bool, end: bool) -> ProcessingRequest {
+        let headers = pairs
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: (*k).into(),
+                raw_value: if raw { v.to_vec() } else { Vec::new() },
+                value: if raw { String::new() } else { String::from_utf8_lossy(v).into() },
+            })
+            .collect();
+        ProcessingRequest {
+            request: Some(Msg::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap { headers }),
+                end_of_stream: end,
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    fn body(b: &[u8], end: bool, response: bool) -> ProcessingRequest {
+        let b = HttpBody {
+            body: b.to_vec(),
+            end_of_stream: end,
+            ..Default::default()
+        };
+        ProcessingRequest {
+            request: Some(if response {
+                Msg::ResponseBody(b)
+            } else {
+                Msg::RequestBody(b)
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn chat(text: &str) -> Vec<u8> {
+        serde_json::json!({"messages": [{"role": "user", "content": text}], "max_tokens": 10})
+            .to_string()
+            .into_bytes()
+    }
+
+    fn routed_to(r: &ProcessingResponse) -> Option<String> {
+        let common = match r.response.as_ref()? {
+            Answer::RequestBody(b) => b.response.as_ref()?,
+            Answer::RequestHeaders(h) => h.response.as_ref()?,
+            _ => return None,
+        };
+        let h = common.header_mutation.as_ref()?.set_headers.iter().find(|h| {
+            h.header.as_ref().is_some_and(|h| h.key == DESTINATION_HEADER)
+        })?;
+        String::from_utf8(h.header.as_ref()?.raw_value.clone()).ok()
+    }
+
+    fn status(r: &ProcessingResponse) -> Option<i32> {
+        match r.response.as_ref()? {
+            Answer::ImmediateResponse(i) => i.status.as_ref().map(|s| s.code),
+            _ => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn buffered_conversation_routes_learns_and_releases_once() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        let out = c.handle(&headers(&[("x-api-key", KEY)], true, false)).await.expect("ok");
+        assert!(matches!(out[0].response, Some(Answer::RequestHeaders(_))));
+        let text = "hello world ".repeat(50);
+        let out = c.handle(&body(&chat(&text), true, false)).await.expect("ok");
+        assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.1:8000"));
+        assert_eq!(shared.lease_count(), 1);
+        let usage = br#"{"usage":{"prompt_tokens":120,"completion_tokens":2}}"#;
+        c.handle(&body(usage, true, true)).await.expect("ok");
+        assert_eq!(shared.lease_count(), 0);
+        assert_eq!(engine.router().in_flight(0).expect("pool"), 0);
+        assert_eq!(shared.calibrator.read().expect("cal").stats("prose").count, 1);
+        drop(c); // released already: nothing more to release
+        assert_eq!(engine.choosers[0].loads().0, vec![0, 0]);
+    }
+
+    #[tokio::test]
+    async fn key_in_value_or_raw_value_is_the_same_key() {
+        let (shared, engine) = plane();
+        for raw in [true, false] {
+            let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+            let out = c.handle(&headers(&[("X-Api-Key", KEY)], raw, true)).await.expect("ok");
+            assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.1:8000"), "raw {raw}");
+        }
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        let out = c.handle(&headers(&[("x-api-key", b"demo-key")], true, false)).await.expect("ok");
+        assert_eq!(status(&out[0]), Some(401));
+        assert!(c.done);
+    }
+
+    #[tokio::test]
+    async fn dropped_stream_releases_its_lease() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        c.handle(&headers(&[("x-api-key", KEY)], true, false)).await.expect("ok");
+        c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+        assert_eq!(shared.lease_count(), 1);
+        drop(c);
+        assert_eq!(shared.lease_count(), 0);
+        assert_eq!(engine.router().in_flight(0).expect("pool"), 0);
+    }
+
+    #[tokio::test]
+    async fn repeated_request_headers_are_a_protocol_error() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        let h = headers(&[("x-api-key", KEY)], true, true);
+        c.handle(&h).await.expect("ok");
+        assert!(c.handle(&h).await.is_err());
+        c.close();
+        assert_eq!(shared.lease_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn absurd_usage_is_counted_never_learned_and_releases() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        c.handle(&headers(&[("x-api-key", KEY)], true, false)).await.expect("ok");
+        c.handle(&body(&chat(&"x".repeat(400)), true, false)).await.expect("ok");
+        let usage = br#"{"usage":{"prompt_tokens":2147483648,"completion_tokens":1}}"#;
+        let out = c.handle(&body(usage, true, true)).await.expect("ok");
+        assert!(matches!(out[0].response, Some(Answer::ResponseBody(_))));
+        assert_eq!(shared.lease_count(), 0);
+        assert_eq!(shared.metrics.value("absurd_usage", &["short"]), Some(1.0));
+        assert_eq!(shared.calibrator.read().expect("cal").stats("prose").count, 0);
+    }
+
+    #[tokio::test]
+    async fn duplex_body_is_answered_with_headers_then_echoed() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        let mut h = headers(&[("x-api-key", KEY)], true, false);
+        h.protocol_config = Some(ProtocolConfiguration {
+            request_body_mode: FULL_DUPLEX,
+            ..Default::default()
+        });
+        assert!(c.handle(&h).await.expect("ok").is_empty());
+        let b = chat("stream me");
+        let (first, rest) = b.split_at(10);
+        assert!(c.handle(&body(first, false, false)).await.expect("ok").is_empty());
+        let out = c.handle(&body(rest, true, false)).await.expect("ok");
+        assert!(routed_to(&out[0]).is_some());
+        match out[1].response.as_ref() {
+            Some(Answer::RequestBody(r)) => {
+                let m = r.response.as_ref().and_then(|c| c.body_mutation.as_ref());
+                match m.and_then(|m| m.mutation.as_ref()) {
+                    Some(Mutation::StreamedResponse(s)) => {
+                        assert_eq!(s.body, b);
+                        assert!(s.end_of_stream);
+                    }
+                    other => panic!("not streamed: {other:?}"),
+                }
+            }
+            other => panic!("not a body: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn oversize_body_is_413_and_injected_failures_never_leak() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        c.handle(&headers(&[("x-api-key", KEY)], true, false)).await.expect("ok");
+        let out = c.handle(&body(&vec![b'x'; 20000], true, false)).await.expect("ok");
+        assert_eq!(status(&out[0]), Some(413));
+        for phase in ["routing", "response_headers", "response_body"] {
+            shared.inject_fault(phase).expect("phase");
+            let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+            c.handle(&headers(&[("x-api-key", KEY)], true, false)).await.expect("ok");
+            c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+            drop(c);
+            assert_eq!(shared.lease_count(), 0, "{phase}");
+            assert_eq!(engine.router().in_flight(0).expect("pool"), 0, "{phase}");
+        }
+    }
+
+    #[test]
+    fn retry_after_is_whole_seconds_rounded_up() {
+        let rej = Reject {
+            status: 429,
+            reason: "concurrency".into(),
+            message: "not admitted".into(),
+            retry_after_s: 1.2,
+        };
+        let Some(Answer::ImmediateResponse(imm)) = immediate(&rej).response else {
+            panic!("not immediate")
+        };
+        let retry = imm.headers.expect("headers").set_headers.into_iter().find_map(|h| {
+            h.header.filter(|h| h.key == "retry-after").map(|h| h.raw_value)
+        });
+        assert_eq!(retry.as_deref(), Some(&b"2"[..]));
+        let v: serde_json::Value = serde_json::from_slice(&imm.body).expect("json");
+        assert_eq!(v["error"]["type"], "concurrency");
+        assert_eq!(v["error"]["code"], 429);
+    }
+}

@@ -1,0 +1,110 @@
+//! Structured logs: one JSON object a line on stderr, the same shape as the
+//! Python control plane's (`{"ts", "level", "event", ...fields}`), through
+//! `tracing`. Python's logging setup decides the level ([`set_level`]).
+//! Nothing here ever receives an API key: callers log the tenant's name.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Once;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{Map, Value};
+use tracing::field::{Field, Visit};
+use tracing::subscriber::Interest;
+use tracing::{Event, Level, Metadata, Subscriber};
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+
+/// The lowest Python logging level that is written (10 debug ... 50 critical);
+/// above 50: nothing.
+static LEVEL: AtomicU8 = AtomicU8::new(20);
+static INSTALL: Once = Once::new();
+
+fn python_level(level: &Level) -> u8 {
+    match *level {
+        Level::ERROR => 40,
+        Level::WARN => 30,
+        Level::INFO => 20,
+        _ => 10,
+    }
+}
+
+fn level_name(level: &Level) -> &'static str {
+    match *level {
+        Level::ERROR => "error",
+        Level::WARN => "warning",
+        Level::INFO => "info",
+        _ => "debug",
+    }
+}
+
+/// Installs the JSON writer (once per process) and sets the level, a Python
+/// logging level number.
+pub fn set_level(python_level: u8) {
+    LEVEL.store(python_level, Ordering::Relaxed);
+    INSTALL.call_once(|| {
+        let subscriber = tracing_subscriber::registry().with(JsonLines);
+        // Another global subscriber (an embedding application's) keeps precedence.
+        let _ = tracing::subscriber::set_global_default(subscriber);
+    });
+}
+
+pub fn enabled(level: &Level) -> bool {
+    python_level(level) >= LEVEL.load(Ordering::Relaxed)
+}
+
+struct JsonLines;
+
+struct Fields(Map<String, Value>);
+
+impl Visit for Fields {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().into(), value.into());
+    }
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        self.0.insert(field.name().into(), value.into());
+    }
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        self.0.insert(field.name().into(), value.into());
+    }
+    fn record_f64(&mut self, field: &Field, value: f64) {
+        self.0.insert(field.name().into(), value.into());
+    }
+    fn record_bool(&mut self, field: &Field, value: bool) {
+        self.0.insert(field.name().into(), value.into());
+    }
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0
+            .insert(field.name().into(), format!("{value:?}").into());
+    }
+}
+
+impl<S: Subscriber> Layer<S> for JsonLines {
+    fn register_callsite(&self, _: &'static Metadata<'static>) -> Interest {
+        Interest::sometimes() // the level can change at run time
+    }
+
+    fn enabled(&self, meta: &Metadata<'_>, _: Context<'_, S>) -> bool {
+        // Only routecore's own events (not its libraries' debug output).
+        meta.target().starts_with("routecore") && enabled(meta.level())
+    }
+
+    fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
+        let meta = event.metadata();
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| (d.as_secs_f64() * 1e6).round() / 1e6)
+            .unwrap_or(0.0);
+        let mut entry = Map::new();
+        entry.insert("ts".into(), ts.into());
+        entry.insert("level".into(), level_name(meta.level()).into());
+        let mut fields = Fields(Map::new());
+        event.record(&mut fields);
+        if let Some(message) = fields.0.remove("message") {
+            entry.insert("event".into(), message);
+        }
+        entry.extend(fields.0);
+        let mut line = Value::Object(entry).to_string();
+        line.push('\n');
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    }
+}

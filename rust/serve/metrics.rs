@@ -1,0 +1,259 @@
+//! Prometheus metrics of one data plane, with the names and labels the Python
+//! server had, served on their own port by a small HTTP/1 listener.
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// Decision latency buckets, in seconds (50 us to 50 ms).
+pub const LATENCY_BUCKETS: [f64; 9] = [5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2];
+
+pub type FCounter = Counter<f64, AtomicU64>;
+pub type FGauge = Gauge<f64, AtomicU64>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabel {
+    pub pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabels {
+    pub endpoint: String,
+    pub pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectionLabels {
+    pub reason: String,
+    pub service_class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CategoryLabel {
+    pub category: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabel {
+    pub mode: String,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub decisions: Family<PoolLabel, FCounter>,
+    pub spillovers: Family<PoolLabel, FCounter>,
+    pub rejections: Family<RejectionLabels, FCounter>,
+    pub calibration_ratio: Family<CategoryLabel, FGauge>,
+    pub decision_seconds: Histogram,
+    pub in_flight: Family<EndpointLabels, FGauge>,
+    pub timeouts: Family<PoolLabel, FCounter>,
+    pub absurd_usage: Family<PoolLabel, FCounter>,
+    pub protocol_errors: FCounter,
+    pub failures: Family<ModeLabel, FCounter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let decisions = Family::default();
+        registry.register("routecore_decisions", "Requests routed, per pool", decisions.clone());
+        let spillovers = Family::default();
+        registry.register(
+            "routecore_spillovers",
+            "Requests spilled off their target pool",
+            spillovers.clone(),
+        );
+        let rejections = Family::default();
+        registry.register(
+            "routecore_rejections",
+            "Requests refused, per service class and reason",
+            rejections.clone(),
+        );
+        let calibration_ratio = Family::default();
+        registry.register(
+            "routecore_calibration_ratio",
+            "Learned bytes per token, per category",
+            calibration_ratio.clone(),
+        );
+        let decision_seconds = Histogram::new(LATENCY_BUCKETS);
+        registry.register(
+            "routecore_decision_seconds",
+            "Time to decide one request (parse, admit, choose pool and endpoint)",
+            decision_seconds.clone(),
+        );
+        let in_flight = Family::default();
+        registry.register(
+            "routecore_in_flight",
+            "Requests in flight, per pool and endpoint",
+            in_flight.clone(),
+        );
+        let timeouts = Family::default();
+        registry.register(
+            "routecore_timeouts",
+            "Requests released because their response never came back",
+            timeouts.clone(),
+        );
+        let absurd_usage = Family::default();
+        registry.register(
+            "routecore_absurd_usage",
+            "Responses whose usage cannot be real (ignored for learning), per pool",
+            absurd_usage.clone(),
+        );
+        let protocol_errors = FCounter::default();
+        registry.register(
+            "routecore_protocol_errors",
+            "ext_proc streams ended for breaking the protocol (e.g. repeated request headers)",
+            protocol_errors.clone(),
+        );
+        let failures = Family::default();
+        registry.register(
+            "routecore_failures",
+            "Internal failures, per failure mode applied (open or closed)",
+            failures.clone(),
+        );
+        Self {
+            registry,
+            decisions,
+            spillovers,
+            rejections,
+            calibration_ratio,
+            decision_seconds,
+            in_flight,
+            timeouts,
+            absurd_usage,
+            protocol_errors,
+            failures,
+        }
+    }
+
+    pub fn pool(family: &Family<PoolLabel, FCounter>, pool: &str) -> FCounter {
+        family.get_or_create_owned(&PoolLabel { pool: pool.into() })
+    }
+
+    pub fn in_flight_gauge(&self, pool: &str, endpoint: &str) -> FGauge {
+        self.in_flight.get_or_create_owned(&EndpointLabels {
+            endpoint: endpoint.into(),
+            pool: pool.into(),
+        })
+    }
+
+    pub fn reject(&self, service_class: &str, reason: &str) {
+        self.rejections
+            .get_or_create(&RejectionLabels {
+                reason: reason.into(),
+                service_class: service_class.into(),
+            })
+            .inc();
+    }
+
+    pub fn failure(&self, mode: &str) {
+        self.failures
+            .get_or_create(&ModeLabel { mode: mode.into() })
+            .inc();
+    }
+
+    /// The exposition text (OpenMetrics).
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+
+    /// The current value of a metric by its Python attribute name and labels
+    /// (in the Python label order), for tests and the control plane.
+    pub fn value(&self, name: &str, labels: &[&str]) -> Option<f64> {
+        let s = |i: usize| labels.get(i).map(|l| l.to_string());
+        let pool = |f: &Family<PoolLabel, FCounter>| {
+            Some(f.get_or_create(&PoolLabel { pool: s(0)? }).get())
+        };
+        match name {
+            "decisions" => pool(&self.decisions),
+            "spillovers" => pool(&self.spillovers),
+            "timeouts" => pool(&self.timeouts),
+            "absurd_usage" => pool(&self.absurd_usage),
+            "protocol_errors" => Some(self.protocol_errors.get()),
+            "rejections" => Some(
+                self.rejections
+                    .get_or_create(&RejectionLabels {
+                        service_class: s(0)?,
+                        reason: s(1)?,
+                    })
+                    .get(),
+            ),
+            "failures" => Some(self.failures.get_or_create(&ModeLabel { mode: s(0)? }).get()),
+            "calibration_ratio" => Some(
+                self.calibration_ratio
+                    .get_or_create(&CategoryLabel { category: s(0)? })
+                    .get(),
+            ),
+            "in_flight" => Some(
+                self.in_flight
+                    .get_or_create(&EndpointLabels {
+                        pool: s(0)?,
+                        endpoint: s(1)?,
+                    })
+                    .get(),
+            ),
+            _ => None,
+        }
+    }
+}
+
+/// Serves `GET /metrics` (any path) until `stop` turns true.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.changed() => return,
+        };
+        let Ok((stream, _)) = accepted else { continue };
+        let metrics = Arc::clone(&metrics);
+        tokio::spawn(async move {
+            let service = service_fn(move |_req: Request<hyper::body::Incoming>| {
+                let body = metrics.text();
+                async move {
+                    Response::builder()
+                        .header(
+                            "content-type",
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )
+                        .body(Full::new(Bytes::from(body)))
+                }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+/// Binds the metrics listener.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}

@@ -1,0 +1,14 @@
+//! The data plane (feature `server`): Envoy's ext_proc served by tonic on a
+//! tokio runtime owned by the extension. A conversation never enters the
+//! Python interpreter: parsing, admission, pool and endpoint choice,
+//! compression, usage reading, lease release, metrics and logs run here;
+//! Python is the control plane (configuration, signals, the RouteCore API).
+
+pub mod admission;
+pub mod config;
+pub mod engine;
+pub mod extproc;
+pub mod logs;
+pub mod metrics;
+pub mod runtime;
+pub mod usage;
