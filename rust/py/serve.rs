@@ -239,11 +239,12 @@ impl PyDataPlane {
     /// Everything requests in flight hold, summed over the live engines
     /// (the current one and those open streams still use): ``{"leases": n,
     /// "router": {pool: n}, "chooser": {pool: {endpoint: n}}, "running":
-    /// {pool: n}, "admission": n}``.
+    /// {pool: {endpoint: n}} (the prefix / VTC core routers' counts),
+    /// "admission": n}``.
     fn in_flight<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let mut router: HashMap<String, u64> = HashMap::new();
         let mut chooser: HashMap<String, HashMap<String, u64>> = HashMap::new();
-        let mut running: HashMap<String, u64> = HashMap::new();
+        let mut running: HashMap<String, HashMap<String, u64>> = HashMap::new();
         let mut admission = 0u64;
         let mut seen = Vec::new();
         for engine in self.inner.shared.engines() {
@@ -251,11 +252,15 @@ impl PyDataPlane {
                 *router.entry(p.name.clone()).or_default() +=
                     engine.router().in_flight(i).unwrap_or(0);
                 let (load, run) = engine.choosers[i].loads();
+                let endpoints = engine.choosers[i].endpoints();
                 let per = chooser.entry(p.name.clone()).or_default();
-                for (e, n) in engine.choosers[i].endpoints().iter().zip(load) {
+                for (e, n) in endpoints.iter().zip(load) {
                     *per.entry(e.clone()).or_default() += n;
                 }
-                *running.entry(p.name.clone()).or_default() += run.unwrap_or_default().iter().sum::<u64>();
+                let per = running.entry(p.name.clone()).or_default();
+                for (e, n) in endpoints.iter().zip(run.unwrap_or_default()) {
+                    *per.entry(e.clone()).or_default() += n;
+                }
             }
             if let Some(a) = engine.admission.as_ref() {
                 let ptr = Arc::as_ptr(a);

@@ -579,8 +579,16 @@ async fn next(mut st: StreamState) -> Option<(std::result::Result<ProcessingResp
         if st.ended || st.conv.done {
             return None;
         }
-        // A client error or cancel ends the stream; dropping the state releases.
-        let msg = st.inbound.message().await.ok()??;
+        // The end of the client's stream, a client error or a cancel ends the
+        // stream (with the error's status); dropping the state releases.
+        let msg = match st.inbound.message().await {
+            Ok(Some(msg)) => msg,
+            Ok(None) => return None,
+            Err(status) => {
+                st.ended = true;
+                return Some((Err(status), st));
+            }
+        };
         match st.conv.handle(&msg).await {
             Ok(out) => st.pending.extend(out),
             Err(ProtocolError(e)) => {

@@ -28,7 +28,7 @@ struct PoolSpec {
 }
 
 fn active() -> String {
-    "active".into()
+    "bound".into()
 }
 
 #[derive(Debug, Clone, Deserialize)]
