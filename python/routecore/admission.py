@@ -18,13 +18,19 @@ Both backends answer::
 ``time.time`` for Redis, which replicas share). ``complete`` returns True when
 it released the ticket and False when the ticket is not in flight (None, done
 already, or its Redis lease expired): completing twice never counts twice.
+Both backends may be called from several threads at once (e.g. a server's
+thread pool); bad numbers raise ValueError.
 
 Redis specifics (see ``RedisAdmission``): keys ``{prefix}:{<pool>}:...`` per
 pool and entitlement, all of one pool in one hash slot; a reservation whose
-replica died mid-request is released after ``lease_s``; when Redis cannot be
-reached, ``failure_mode="closed"`` (the default) rejects with 503 and
-``failure_mode="open"`` admits without a ticket (unaccounted), so a Redis
-outage either sheds load or protects availability, as configured.
+replica died mid-request is released after ``lease_s``. Construction never
+contacts Redis. Any Redis failure (down, stalled past ``socket_timeout_s``,
+an error reply such as OOM) goes through ``failure_mode``: ``"closed"`` (the
+default) rejects with 503, ``"open"`` admits without a ticket (unaccounted),
+so an outage either sheds load or protects availability, as configured; it is
+logged and counted in ``RedisAdmission.failures``, never raised. A reservation
+whose reply was lost (a stalled Redis runs the script after the client gave
+up) is voided by its request id as soon as Redis answers again.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from routecore._core import Admission, AdmissionController, Entitlement, TokenPool
@@ -73,6 +80,9 @@ class AdmissionBackend:
     derive from it and supply ``_admit``, ``_complete`` and the rest."""
 
     clock: Callable[[], float]
+    #: Failures of the shared state by kind (``FAILURE_KINDS``), for a metric;
+    #: empty in memory.
+    failures: Mapping[str, int] = MappingProxyType({})
 
     def admit(
         self,
@@ -109,6 +119,15 @@ class AdmissionBackend:
         classes need the capacity (lowest priority, then youngest, first).
         Changes nothing: terminate them, then ``complete`` each."""
         return self._evictions(self._now(now))
+
+    def reconcile(self, now: float | None = None) -> bool:
+        """Settles in the shared state what failed calls left behind; True when
+        nothing is left. Nothing to do in memory."""
+        return True
+
+    def pending(self) -> int:
+        """Failed calls whose effect is not yet settled in the shared state."""
+        return 0
 
     def _now(self, now: float | None) -> float:
         return self.clock() if now is None else float(now)
@@ -624,12 +643,14 @@ class RedisAdmission(AdmissionBackend):
         self._configure_script(keys=[self._keys[pool]], args=[self._config[pool], seq_base])
         self._configured.add(pool)
 
-    def _ready(self, pool: str, now: float) -> None:
+    def _ready(self, pool: str, now: float) -> bool:
         """Before a call on ``pool``: settle what failed calls left behind, then
-        write this instance's configuration once. Raises the Redis error."""
-        self._settle(pool, now, RECONCILE_BATCH)
+        write this instance's configuration once. Raises the Redis error; see
+        ``_settle`` for the result."""
+        settled = self._settle(pool, now, RECONCILE_BATCH)
         if pool not in self._configured:
             self._configure(pool)
+        return settled
 
     def _settle(self, pool: str, now: float, limit: int) -> bool:
         """Voids up to ``limit`` lost admits and replays up to ``limit`` failed
@@ -737,7 +758,7 @@ class RedisAdmission(AdmissionBackend):
             return Admission(False, 401, "unknown-entitlement")
         key = self._keys[pool]
         try:
-            self._ready(pool, now)
+            settled = self._ready(pool, now)
         except self._redis_errors as e:
             self._failed("admit", e)
             return self._unavailable()
@@ -764,7 +785,8 @@ class RedisAdmission(AdmissionBackend):
                 _defer(self._voids[pool], rid)
             self._failed("admit", e)
             return self._unavailable()
-        self._succeeded()
+        if settled:
+            self._succeeded()
         return decision
 
     def _complete(
@@ -779,14 +801,15 @@ class RedisAdmission(AdmissionBackend):
         pool = self._pools[index]
         args = (seq, actual, repr(float(latency_s)), repr(now))
         try:
-            self._settle(pool, now, RECONCILE_BATCH)
+            settled = self._settle(pool, now, RECONCILE_BATCH)
             done = self._complete_script(keys=[self._keys[pool]], args=[str(seq), *args[1:]])
         except self._redis_errors as e:
             with self._lock:  # replayed when Redis answers; a replay counts once
                 _defer(self._replays[pool], args)
             self._failed("complete", e)
             return False
-        self._succeeded()
+        if settled:
+            self._succeeded()
         return bool(done)
 
     def _evictions(self, now: float) -> list[int]:
