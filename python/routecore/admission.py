@@ -36,7 +36,6 @@ up) is voided by its request id as soon as Redis answers again.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import operator
 import secrets
@@ -47,7 +46,14 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from routecore._core import Admission, AdmissionController, Entitlement, TokenPool
+from routecore._core import (
+    Admission,
+    AdmissionController,
+    Entitlement,
+    TokenPool,
+    admission_lua,
+    admission_redis_config,
+)
 from routecore._extras import require
 
 MAX_TOKENS = 1 << 30
@@ -223,277 +229,14 @@ class InMemoryAdmission(AdmissionBackend):
         return self.controller.priority(entitlement)
 
 
-# The Lua below mirrors rust/admission.rs line by line; the equivalence test in
-# tests/test_admission_redis.py runs one request sequence through both.
-_PRELUDE = """
-local P = KEYS[1]
-local MIN_RETRY = 0.05
-local function f(x) return string.format('%.17g', x) end
-local function pool_get()
-  local v = redis.call('HMGET', P..':pool', 'tokens_per_s', 'kv_bytes', 'concurrency',
-    'kv_per_token', 'mean_slo', 'window_s', 'lease_s', 'in_flight', 'kv_in_flight', 'clock')
-  if not v[6] then return nil end -- window_s: written by the configure script only
-  return {tps = tonumber(v[1]), kv = tonumber(v[2]), conc = tonumber(v[3]),
-    kvpt = tonumber(v[4]), mean = tonumber(v[5]), window = tonumber(v[6]),
-    lease = tonumber(v[7]), in_flight = tonumber(v[8]), kv_in_flight = tonumber(v[9]),
-    clock = tonumber(v[10])}
-end
-local function tick(pool, now)
-  if pool.clock and pool.clock >= now then return pool.clock end
-  redis.call('HSET', P..':pool', 'clock', f(now))
-  return now
-end
-local function weight(e)
-  return tonumber(e.weight) / (1 + 2 * tonumber(e.slo) / e.mean)
-    / (1 + tonumber(e.burst)) * (1 + 4 * tonumber(e.debt))
-end
-local function release(seq)
-  local info = redis.call('HGET', P..':tickets', seq)
-  if not info then return nil end
-  local kv, tokens, ent = string.match(info, '^(%d+)|(%d+)|(.*)$')
-  local ek = P..':e:'..ent
-  redis.call('HDEL', P..':tickets', seq)
-  local rid = redis.call('HGET', P..':rid', seq)
-  if rid then redis.call('HDEL', P..':rid', seq, rid) end
-  redis.call('ZREM', P..':leases', seq)
-  redis.call('ZREM', ek..':fl', seq)
-  redis.call('HINCRBY', P..':pool', 'in_flight', -1)
-  redis.call('HINCRBY', ek, 'tokens_in_flight', '-'..tokens)
-  if kv ~= '0' then
-    redis.call('HINCRBY', ek, 'kv_in_flight', '-'..kv)
-    redis.call('HINCRBY', P..':pool', 'kv_in_flight', '-'..kv)
-  end
-  return ent
-end
-local function purge(now)
-  redis.call('ZREMRANGEBYSCORE', P..':void', '-inf', f(now))
-  local dead = redis.call('ZRANGEBYSCORE', P..':leases', '-inf', f(now))
-  for _, seq in ipairs(dead) do release(seq) end
-  return #dead
-end
-local function completion_rate(ek, pool)
-  local n = redis.call('ZCARD', ek..':fl')
-  if n == 0 then return 0 end
-  local v = redis.call('HMGET', ek, 'latency', 'tokens_in_flight')
-  local latency
-  if v[1] ~= '' then latency = tonumber(v[1])
-  else latency = tonumber(v[2]) / n / (pool.tps / pool.conc) end
-  return n / math.max(latency, MIN_RETRY)
-end
-local function refresh()
-  local names = redis.call('SMEMBERS', P..':ents')
-  table.sort(names)
-  local sum, n = 0, 0
-  for _, name in ipairs(names) do
-    local v = redis.call('HMGET', P..':e:'..name, 'state', 'slo')
-    if v[1] == 'bound' then sum = sum + tonumber(v[2]); n = n + 1 end
-  end
-  local mean = 1
-  if n > 0 then mean = sum / n end
-  redis.call('HSET', P..':pool', 'mean_slo', f(mean))
-  for _, name in ipairs(names) do
-    local ek = P..':e:'..name
-    local v = redis.call('HMGET', ek, 'weight', 'slo', 'burst', 'debt')
-    local w = weight({weight = v[1], slo = v[2], burst = v[3], debt = v[4], mean = mean})
-    redis.call('HSET', ek, 'priority', f(w))
-  end
-end
-"""
-
-_CONFIGURE = (
-    _PRELUDE
-    + """
-local cfg = cjson.decode(ARGV[1])
-local pk = P..':pool'
-redis.call('HSET', pk, 'tokens_per_s', f(cfg.tokens_per_s), 'kv_bytes', f(cfg.kv_bytes),
-  'concurrency', f(cfg.concurrency), 'kv_per_token', f(cfg.kv_bytes_per_token),
-  'window_s', f(cfg.window_s), 'lease_s', f(cfg.lease_s))
-redis.call('HSETNX', pk, 'in_flight', 0)
-redis.call('HSETNX', pk, 'kv_in_flight', 0)
-redis.call('SET', P..':seq', ARGV[2], 'NX')
-for _, e in ipairs(cfg.entitlements) do
-  local ek = P..':e:'..e.name
-  redis.call('SADD', P..':ents', e.name)
-  redis.call('HSET', ek, 'weight', f(e.weight), 'burstable', e.burstable,
-    'baseline', e.baseline, 'slo', f(e.slo_target_ms), 'tps', f(e.tokens_per_s),
-    'kv', f(e.kv_bytes), 'conc', f(e.concurrency))
-  redis.call('HSETNX', ek, 'state', e.state)
-  redis.call('HSETNX', ek, 'served_rate', f(e.tokens_per_s))
-  for _, k in ipairs({'served_at', 'latency'}) do redis.call('HSETNX', ek, k, '') end
-  for _, k in ipairs({'debt', 'burst', 'tokens_in_flight', 'kv_in_flight', 'window_tokens'}) do
-    redis.call('HSETNX', ek, k, 0)
-  end
-end
-refresh()
-return 1
-"""
-)
-
-_ADMIT = (
-    _PRELUDE
-    + """
-local pool = pool_get()
-if not pool then return {'unconfigured'} end
-local ent, tokens = ARGV[1], tonumber(ARGV[2])
-local now = tick(pool, tonumber(ARGV[3]))
-if purge(now) > 0 then pool = pool_get() end
-local ek = P..':e:'..ent
-local e = redis.call('HMGET', ek, 'state', 'conc', 'tps', 'burstable', 'priority',
-  'window_tokens')
-if not e[1] then return {'401', 'unknown-entitlement', '', '', '0'} end
-local w = e[5]
-local rid = ARGV[4]
-local again = redis.call('HGET', P..':rid', rid)
-if again then return {'200', 'admitted', '', again, w} end -- a client retry: same ticket
-if redis.call('ZSCORE', P..':void', rid) then return {'void'} end -- its client gave up
-if e[1] ~= 'bound' then return {'403', e[1], '', '', w} end
-local kv = tokens * pool.kvpt
-local pool_room = pool.in_flight < pool.conc and pool.kv_in_flight + kv <= pool.kv
-local may_burst = pool_room and e[4] == '1'
-if redis.call('ZCARD', ek..':fl') >= tonumber(e[2]) and not may_burst then
-  local retry = 1 / completion_rate(ek, pool)
-  return {'429', 'concurrency', f(math.max(retry, MIN_RETRY)), '', w}
-end
-local wt = tonumber(e[6])
-local old = redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - pool.window))
-for _, s in ipairs(old) do
-  wt = wt - tonumber(redis.call('HGET', ek..':wtok', s))
-  redis.call('HDEL', ek..':wtok', s)
-  redis.call('ZREM', ek..':win', s)
-end
-if #old > 0 then redis.call('HSET', ek, 'window_tokens', wt) end
-local limit = tonumber(e[3]) * pool.window
-local excess = wt + tokens - limit
-if excess > 0 and not may_burst then
-  if tokens > limit then return {'413', 'exceeds-token-budget', '', '', w} end
-  local charges = redis.call('ZRANGE', ek..':win', 0, -1, 'WITHSCORES')
-  local freed, at = 0, now
-  for k = 1, #charges, 2 do
-    freed = freed + tonumber(redis.call('HGET', ek..':wtok', charges[k]))
-    if freed >= excess then at = tonumber(charges[k + 1]); break end
-  end
-  return {'429', 'token-budget', f(math.max(at + pool.window - now, MIN_RETRY)), '', w}
-end
-if not pool_room then
-  local lowest, rate = math.huge, 0
-  for _, name in ipairs(redis.call('SMEMBERS', P..':ents')) do
-    local ok = P..':e:'..name
-    local r = completion_rate(ok, pool)
-    if r > 0 then
-      lowest = math.min(lowest, tonumber(redis.call('HGET', ok, 'priority')))
-      rate = rate + r
-    end
-  end
-  if tonumber(w) <= lowest then
-    local retry = ''
-    if rate > 0 then retry = f(math.max(1 / rate, MIN_RETRY)) end
-    return {'429', 'pool-contention', retry, '', w}
-  end
-end
-local seq = string.format('%d', redis.call('INCR', P..':seq'))
-redis.call('HSET', P..':tickets', seq, string.format('%d|%d|', kv, tokens)..ent)
-redis.call('HSET', P..':rid', seq, rid, rid, seq)
-redis.call('ZADD', P..':leases', f(now + pool.lease), seq)
-redis.call('ZADD', ek..':fl', f(now), seq)
-redis.call('ZADD', ek..':win', f(now), seq)
-redis.call('HSET', ek..':wtok', seq, tokens)
-redis.call('HINCRBY', ek, 'window_tokens', tokens)
-redis.call('HINCRBY', ek, 'tokens_in_flight', tokens)
-redis.call('HINCRBY', P..':pool', 'in_flight', 1)
-if kv > 0 then
-  redis.call('HINCRBY', ek, 'kv_in_flight', string.format('%d', kv))
-  redis.call('HINCRBY', P..':pool', 'kv_in_flight', string.format('%d', kv))
-end
-return {'200', 'admitted', '', seq, w}
-"""
-)
-
-_COMPLETE = (
-    _PRELUDE
-    + """
-local pool = pool_get()
-if not pool then return 0 end
-local seq, actual, latency = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local info = redis.call('HGET', P..':tickets', seq)
-if not info then return 0 end
-local now = tick(pool, tonumber(ARGV[4]))
-purge(now)
-if redis.call('HEXISTS', P..':tickets', seq) == 0 then return 0 end
-local ent = string.match(info, '^%d+|%d+|(.*)$')
-local ek = P..':e:'..ent
-local v = redis.call('HMGET', ek, 'served_rate', 'served_at', 'tps', 'kv', 'conc', 'debt',
-  'burst', 'latency', 'baseline', 'weight', 'slo', 'kv_in_flight')
-local tps = tonumber(v[3])
-local decay = 1
-if v[2] ~= '' then decay = math.exp(-(now - tonumber(v[2])) / pool.window) end
-local rate = tonumber(v[1]) * decay + actual / pool.window
-local function over(used, base) return math.max(used / base - 1, 0) end
-local delta = over(rate, tps) + over(tonumber(v[12]), tonumber(v[4]))
-  + over(redis.call('ZCARD', ek..':fl'), tonumber(v[5]))
-local burst = 0.9 * tonumber(v[7]) + (1 - 0.9) * delta
-local debt = tonumber(v[6])
-if v[9] == '1' then debt = 0.7 * debt + (1 - 0.7) * (tps - rate) / tps end
-if v[8] ~= '' then latency = 0.7 * tonumber(v[8]) + (1 - 0.7) * latency end
-local old = redis.call('HGET', ek..':wtok', seq)
-if old then
-  redis.call('HSET', ek..':wtok', seq, actual)
-  redis.call('HINCRBY', ek, 'window_tokens', actual - tonumber(old))
-end
-release(seq)
-local w = weight({weight = v[10], slo = v[11], burst = burst, debt = debt, mean = pool.mean})
-redis.call('HSET', ek, 'served_rate', f(rate), 'served_at', f(now), 'burst', f(burst),
-  'debt', f(debt), 'latency', f(latency), 'priority', f(w))
-return 1
-"""
-)
-
-_VOID = (
-    _PRELUDE
-    + """
-local pool = pool_get()
-if not pool then return 0 end
-local now = tick(pool, tonumber(ARGV[1]))
-local undone = 0
-for k = 2, #ARGV do
-  local rid = ARGV[k]
-  local seq = redis.call('HGET', P..':rid', rid)
-  local ent = seq and release(seq)
-  if ent then -- reserved: undo it, window charge included, as if never admitted
-    local ek = P..':e:'..ent
-    local tokens = redis.call('HGET', ek..':wtok', seq)
-    if tokens then
-      redis.call('HDEL', ek..':wtok', seq)
-      redis.call('ZREM', ek..':win', seq)
-      redis.call('HINCRBY', ek, 'window_tokens', '-'..tokens)
-    end
-    undone = undone + 1
-  else -- not (yet) reserved: a script still queued in Redis must not reserve it
-    redis.call('ZADD', P..':void', f(now + pool.lease), rid)
-  end
-end
-return undone
-"""
-)
-
-_SET_STATE = (
-    _PRELUDE
-    + """
-if redis.call('EXISTS', P..':e:'..ARGV[1]) == 0 then return 0 end
-redis.call('HSET', P..':e:'..ARGV[1], 'state', ARGV[2])
-refresh()
-return 1
-"""
-)
+# One script per operation, the same text and constants as the data plane's
+# Redis backend (rust/serve/admission/*.lua); the equivalence test in
+# tests/test_admission_redis.py runs one request sequence through it and the
+# Rust controller.
+_LUA = admission_lua()
 
 _STATES = ("pending", "bound", "degraded", "expired")
 _PROTECTED = ("dedicated", "guaranteed")  # never shrunk (Table 1)
-_CLASS = {  # weight, burst rights, has a baseline (accumulates debt): Table 1
-    "dedicated": (1000.0, 1, 1),
-    "guaranteed": (1000.0, 0, 1),
-    "elastic": (100.0, 1, 1),
-    "spot": (1.0, 1, 0),
-    "preemptible": (0.1, 1, 0),
-}
 
 
 def _count(what: str, value: int, low: int) -> int:
@@ -604,39 +347,12 @@ class RedisAdmission(AdmissionBackend):
         self._pool_of = {e.name: e.pool for e in entitlements}
         self._class_of = {e.name: e.service_class for e in entitlements}
         self._keys = {p.name: f"{prefix}:{{{p.name}}}" for p in pools}
-        self._config = {
-            p.name: json.dumps(
-                {
-                    "tokens_per_s": p.tokens_per_s,
-                    "kv_bytes": p.kv_bytes,
-                    "concurrency": p.concurrency,
-                    "kv_bytes_per_token": p.kv_bytes_per_token,
-                    "window_s": window_s,
-                    "lease_s": lease_s,
-                    "entitlements": [
-                        {
-                            "name": e.name,
-                            "weight": _CLASS[e.service_class][0],
-                            "burstable": _CLASS[e.service_class][1],
-                            "baseline": _CLASS[e.service_class][2],
-                            "slo_target_ms": e.slo_target_ms,
-                            "tokens_per_s": e.tokens_per_s,
-                            "kv_bytes": e.kv_bytes,
-                            "concurrency": e.concurrency,
-                            "state": e.state,
-                        }
-                        for e in entitlements
-                        if e.pool == p.name
-                    ],
-                }
-            )
-            for p in pools
-        }
-        self._configure_script = client.register_script(_CONFIGURE)
-        self._admit_script = client.register_script(_ADMIT)
-        self._complete_script = client.register_script(_COMPLETE)
-        self._void_script = client.register_script(_VOID)
-        self._set_state_script = client.register_script(_SET_STATE)
+        self._config = admission_redis_config(list(pools), list(entitlements), window_s, lease_s)
+        self._configure_script = client.register_script(_LUA["configure"])
+        self._admit_script = client.register_script(_LUA["admit"])
+        self._complete_script = client.register_script(_LUA["complete"])
+        self._void_script = client.register_script(_LUA["void"])
+        self._set_state_script = client.register_script(_LUA["set_state"])
 
     def _configure(self, pool: str) -> None:
         seq_base = int(time.time() * 1000) * 1024
