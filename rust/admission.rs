@@ -891,6 +891,60 @@ impl AdmissionController {
         Ok(out)
     }
 
+    /// Carries what `old` learned into this controller (a reload with a new
+    /// configuration): for every entitlement of both, by name, its requests in
+    /// flight, window charges, served rate, debt, burst and latency; the
+    /// ticket counter and clock move forward to `old`'s. Capacities and states
+    /// stay this controller's. Returns `(old ticket, new ticket)` for the
+    /// tickets whose number changed (the entitlement's index moved); requests
+    /// of entitlements this controller does not have are dropped.
+    pub fn carry_over(&mut self, old: &AdmissionController) -> Vec<(u64, u64)> {
+        let mut moved = Vec::new();
+        for o in &old.ents {
+            let Ok(i) = self.ent_index(&o.spec.name) else {
+                continue;
+            };
+            let renumber = |t: u64| (t & !(MAX_ENTITLEMENTS as u64 - 1)) | i as u64;
+            let e = &mut self.ents[i];
+            e.in_flight = o
+                .in_flight
+                .iter()
+                .map(|(&t, r)| (renumber(t), *r))
+                .collect();
+            moved.extend(
+                o.in_flight
+                    .keys()
+                    .filter(|&&t| renumber(t) != t)
+                    .map(|&t| (t, renumber(t))),
+            );
+            e.window = o
+                .window
+                .iter()
+                .map(|c| Charge {
+                    ticket: renumber(c.ticket),
+                    ..*c
+                })
+                .collect();
+            e.tokens_in_flight = o.tokens_in_flight;
+            e.kv_in_flight = o.kv_in_flight;
+            e.window_tokens = o.window_tokens;
+            e.served_rate = o.served_rate;
+            e.served_at = o.served_at;
+            e.debt = o.debt;
+            e.burst = o.burst;
+            e.latency_s = o.latency_s;
+            let pool = &mut self.pools[e.pool];
+            pool.in_flight += e.in_flight.len() as u64;
+            pool.kv_in_flight += e.kv_in_flight;
+        }
+        self.next_seq = self.next_seq.max(old.next_seq);
+        self.clock = self.clock.max(old.clock);
+        for p in 0..self.pools.len() {
+            self.refresh_pool(p);
+        }
+        moved
+    }
+
     const MAGIC: &'static [u8; 4] = b"RCAD";
     const VERSION: u16 = 1;
 
@@ -1257,6 +1311,39 @@ mod tests {
         let mut extra = bytes.clone();
         extra.push(0);
         assert!(AdmissionController::from_bytes(&extra).is_err());
+    }
+
+    #[test]
+    fn carry_over_keeps_requests_in_flight_under_new_tickets() {
+        let mut old = paper_pool();
+        let t = ticket(&mut old, "synth", 5, 5, 1.0);
+        let gone = ticket(&mut old, "copilot", 5, 5, 1.0);
+        // The new configuration drops copilot: synth moves from index 1 to 0.
+        let mut new = AdmissionController::new(
+            vec![pool(16)],
+            vec![
+                ent("synth", "elastic", 30_000.0, 75.0, 1, "bound"),
+                ent("reports", "elastic", 5_000.0, 75.0, 5, "bound"),
+            ],
+            4096,
+            60.0,
+        )
+        .expect("controller");
+        let moved = new.carry_over(&old);
+        assert_eq!(moved.len(), 1);
+        let (from, to) = moved[0];
+        assert_eq!(from, t);
+        assert_eq!(new.pool_in_flight("p").expect("n"), 1);
+        assert_eq!(new.stats("synth").expect("s").window_tokens, 10);
+        // synth's concurrency is now 1 and its request is still in flight.
+        let a = new.admit("synth", 1, Some(1), 2.0).expect("a");
+        assert!(a.admitted, "the pool has room: elastic may burst");
+        assert!(new.complete(to, 5, 5, 1.0, 3.0).is_ok());
+        assert!(new.complete(gone, 5, 5, 1.0, 3.0).is_err());
+        assert!(
+            a.ticket.expect("t") > to,
+            "new tickets never reuse old numbers"
+        );
     }
 
     /// `cargo test --release -- --ignored --nocapture admit_complete_timing`

@@ -18,6 +18,8 @@ pub mod prefix;
 pub mod profile;
 pub mod queueing;
 pub mod rng;
+#[cfg(feature = "server")]
+pub mod serve;
 pub mod sim;
 #[cfg(feature = "server")]
 pub mod serve;
@@ -35,6 +37,9 @@ mod _core {
     use crate::py::admission::{
         priority_weight, PyAdmission, PyAdmissionController, PyEntitlement, PyTokenPool,
     };
+    #[cfg(feature = "server")]
+    #[pymodule_export]
+    use crate::py::admission_lua::{admission_lua, admission_redis_config};
     #[pymodule_export]
     use crate::py::assign::{assign_eval, PyBatchScheduler, PyInstance, PyKnnEstimator};
     #[pymodule_export]

@@ -935,6 +935,13 @@ def priority_weight(
     debt: float = 0.0,
 ) -> float: ...
 
+def admission_lua() -> dict[str, str]: ...
+def admission_redis_config(
+    pools: list[TokenPool],
+    entitlements: list[Entitlement],
+    window_s: float,
+    lease_s: float,
+) -> dict[str, str]: ...
 @final
 class AdmissionController:
     """Multi-tenant admission control over token pools (Cunningham 2026)."""

@@ -16,7 +16,7 @@ type Int64Pair<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>);
 /// b``) turns a request's tokens into KV bytes; 0 leaves KV out of admission.
 #[pyclass(frozen, name = "TokenPool", module = "routecore")]
 pub struct PyTokenPool {
-    inner: TokenPool,
+    pub(crate) inner: TokenPool,
 }
 
 #[pymethods]
@@ -91,7 +91,7 @@ impl PyTokenPool {
 /// and a state (pending, bound, degraded, expired; only bound is admitted).
 #[pyclass(frozen, name = "Entitlement", module = "routecore")]
 pub struct PyEntitlement {
-    inner: Entitlement,
+    pub(crate) inner: Entitlement,
 }
 
 #[pymethods]

@@ -3,6 +3,8 @@
 //! exactly one place (`From<Error> for PyErr`).
 
 pub mod admission;
+#[cfg(feature = "server")]
+pub mod admission_lua;
 pub mod assign;
 pub mod budget;
 pub mod calibrate;

@@ -479,7 +479,7 @@ impl Engine {
         }
         let admission = match &spec.admission {
             Some(a) => {
-                let backend = Admission::from_spec(&AdmissionSpec::from_json(a)?)?;
+                let backend = Admission::from_spec(&AdmissionSpec::from_json(&a.to_string())?)?;
                 if let Some(old) = previous.and_then(|p| p.admission.as_ref()) {
                     backend.adopt(old)?;
                 }

@@ -1,15 +1,36 @@
-//! PLACEHOLDER until `dp-admission` lands its backends: the contract's
-//! interface over the in-memory controller only (dp-admission owns this file).
+//! Admission on the data plane: one interface over two backends.
+//!
+//! [`Admission::Memory`] keeps the state in this process (the
+//! [`AdmissionController`](crate::admission::AdmissionController) behind a
+//! mutex); [`Admission::Redis`] keeps it in Redis, shared by many replicas,
+//! one atomic Lua script per operation (the scripts in this directory, also
+//! used by the Python `RedisAdmission`). Both decide with the same checks,
+//! priority, debt and burst (rust/admission.rs).
+//!
+//! Neither ever fails a call: `admit` answers a [`Verdict`], and a backend
+//! failure (Redis down, stalled past `socket_timeout_s`, an error reply such
+//! as OOM) goes through [`FailureMode`], is counted in `failures()` and never
+//! shows an internal detail in the reason.
 
-use std::sync::Mutex;
+pub mod memory;
+pub mod redis;
+pub mod scripts;
+
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use serde::Deserialize;
 
 use crate::admission::{AdmissionController, Entitlement, TokenPool};
-use crate::error::{invalid, Result};
+use crate::budget::MAX_TOKENS;
+use crate::error::{invalid, Error};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+pub use memory::MemoryAdmission;
+pub use redis::RedisAdmission;
+
+/// What a backend failure does to a request: `Open` admits it unaccounted
+/// (no ticket), `Closed` refuses it with 503.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FailureMode {
     Open,
@@ -17,94 +38,111 @@ pub enum FailureMode {
     Closed,
 }
 
-#[derive(Debug, Clone, Deserialize)]
-struct PoolSpec {
-    name: String,
-    tokens_per_s: f64,
-    kv_bytes: i64,
-    concurrency: i64,
-    #[serde(default)]
-    kv_bytes_per_token: i64,
+/// Where the state lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    #[default]
+    Memory,
+    Redis,
 }
 
-fn active() -> String {
+/// A pool of the admission layer (`TokenPool`'s arguments).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSpec {
+    pub name: String,
+    pub tokens_per_s: f64,
+    pub kv_bytes: i64,
+    pub concurrency: i64,
+    #[serde(default)]
+    pub kv_bytes_per_token: i64,
+}
+
+/// An entitlement (`Entitlement`'s arguments).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EntitlementSpec {
+    pub name: String,
+    pub tenant: String,
+    pub pool: String,
+    pub service_class: String,
+    pub slo_target_ms: f64,
+    pub tokens_per_s: f64,
+    pub kv_bytes: i64,
+    pub concurrency: i64,
+    #[serde(default = "bound")]
+    pub state: String,
+}
+
+fn bound() -> String {
     "bound".into()
 }
 
-#[derive(Debug, Clone, Deserialize)]
-struct EntSpec {
-    name: String,
-    tenant: String,
-    pool: String,
-    service_class: String,
-    slo_target_ms: f64,
-    tokens_per_s: f64,
-    kv_bytes: i64,
-    concurrency: i64,
-    #[serde(default = "active")]
-    state: String,
+/// `admission.redis` of the configuration; defaults as the Python backend's.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisSpec {
+    pub url: String,
+    pub prefix: String,
+    /// A reservation not completed within this time (its replica died) is
+    /// released by the next call on its pool.
+    pub lease_s: f64,
+    pub failure_mode: FailureMode,
+    /// Retry-After of a 503 while Redis is unavailable (fail-closed).
+    pub unavailable_retry_s: f64,
+    /// Bound of every call: connecting, the script, settling lost replies.
+    pub socket_timeout_s: f64,
+}
+
+impl Default for RedisSpec {
+    fn default() -> Self {
+        Self {
+            url: "redis://127.0.0.1:6379/0".into(),
+            prefix: "routecore".into(),
+            lease_s: 300.0,
+            failure_mode: FailureMode::Closed,
+            unavailable_retry_s: 1.0,
+            socket_timeout_s: 0.5,
+        }
+    }
+}
+
+/// The `admission` section as the Python config layer hands it over
+/// (`AdmissionConfig.spec`, JSON): the keys of `admission_from_config`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionSpec {
+    #[serde(default)]
+    pub backend: Backend,
+    #[serde(default)]
+    pub pools: Vec<PoolSpec>,
+    #[serde(default)]
+    pub entitlements: Vec<EntitlementSpec>,
+    #[serde(default = "default_max_tokens")]
+    pub default_max_tokens: i64,
+    #[serde(default = "window_s")]
+    pub window_s: f64,
+    #[serde(default)]
+    pub redis: RedisSpec,
 }
 
 fn default_max_tokens() -> i64 {
     4096
 }
+
 fn window_s() -> f64 {
     60.0
 }
-fn memory() -> String {
-    "memory".into()
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct AdmissionSpec {
-    #[serde(default = "memory")]
-    backend: String,
-    #[serde(default)]
-    pools: Vec<PoolSpec>,
-    #[serde(default)]
-    entitlements: Vec<EntSpec>,
-    #[serde(default = "default_max_tokens")]
-    default_max_tokens: i64,
-    #[serde(default = "window_s")]
-    window_s: f64,
-}
 
 impl AdmissionSpec {
-    pub fn from_json(v: &serde_json::Value) -> Result<Self> {
-        serde_json::from_value(v.clone()).map_err(|e| invalid(format!("admission: {e}")))
+    pub fn from_json(json: &str) -> Result<Self, Error> {
+        serde_json::from_str(json).map_err(|e| invalid(format!("admission: {e}")))
     }
-}
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ticket(u64);
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum Verdict {
-    Admitted {
-        ticket: Option<Ticket>,
-    },
-    Refused {
-        status: u16,
-        reason: String,
-        retry_after_s: Option<f64>,
-    },
-}
-
-pub struct MemoryAdmission {
-    controller: Mutex<AdmissionController>,
-    epoch: Instant,
-}
-
-pub enum Admission {
-    Memory(MemoryAdmission),
-}
-
-impl Admission {
-    pub fn from_spec(spec: &AdmissionSpec) -> Result<Self> {
-        if spec.backend != "memory" {
-            return Err(invalid("admission.backend: only memory is built in yet"));
-        }
-        let pools = spec
+    /// The pools and entitlements, each checked as on construction.
+    pub fn parts(&self) -> Result<(Vec<TokenPool>, Vec<Entitlement>), Error> {
+        let pools = self
             .pools
             .iter()
             .map(|p| {
@@ -116,8 +154,8 @@ impl Admission {
                     p.kv_bytes_per_token,
                 )
             })
-            .collect::<Result<Vec<_>>>()?;
-        let ents = spec
+            .collect::<Result<Vec<_>, _>>()?;
+        let ents = self
             .entitlements
             .iter()
             .map(|e| {
@@ -133,49 +171,141 @@ impl Admission {
                     &e.state,
                 )
             })
-            .collect::<Result<Vec<_>>>()?;
-        let c = AdmissionController::new(pools, ents, spec.default_max_tokens, spec.window_s)?;
-        Ok(Admission::Memory(MemoryAdmission {
-            controller: Mutex::new(c),
-            epoch: Instant::now(),
-        }))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((pools, ents))
     }
 
-    fn memory(&self) -> (std::sync::MutexGuard<'_, AdmissionController>, f64) {
-        let Admission::Memory(m) = self;
-        (
-            m.controller.lock().unwrap_or_else(|e| e.into_inner()),
-            m.epoch.elapsed().as_secs_f64(),
-        )
+    /// A controller of this configuration (every value checked).
+    pub fn controller(&self) -> Result<AdmissionController, Error> {
+        let (pools, ents) = self.parts()?;
+        AdmissionController::new(pools, ents, self.default_max_tokens, self.window_s)
+    }
+}
+
+/// An admitted request, to hand back to `complete`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Ticket(pub u64);
+
+/// One admission decision.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// `ticket` None: admitted unaccounted (fail-open), nothing to complete.
+    Admitted { ticket: Option<Ticket> },
+    /// 401 unknown entitlement, 403 not bound, 413 over the whole budget, 429
+    /// throttled, 503 the state is unavailable (fail-closed).
+    Refused {
+        status: u16,
+        reason: String,
+        retry_after_s: Option<f64>,
+    },
+}
+
+impl Verdict {
+    fn from_core(a: crate::admission::Admission) -> Self {
+        if a.admitted {
+            Verdict::Admitted {
+                ticket: a.ticket.map(Ticket),
+            }
+        } else {
+            Verdict::Refused {
+                status: a.status,
+                reason: a.reason.to_owned(),
+                retry_after_s: a.retry_after_s,
+            }
+        }
     }
 
+    /// A request the backend cannot decide (bad numbers).
+    fn invalid() -> Self {
+        Verdict::Refused {
+            status: 400,
+            reason: "invalid-request".into(),
+            retry_after_s: None,
+        }
+    }
+
+    /// The state is unavailable: what `failure_mode` says.
+    fn unavailable(mode: FailureMode, retry_after_s: f64) -> Self {
+        match mode {
+            FailureMode::Open => Verdict::Admitted { ticket: None },
+            FailureMode::Closed => Verdict::Refused {
+                status: 503,
+                reason: "admission-unavailable".into(),
+                retry_after_s: Some(retry_after_s),
+            },
+        }
+    }
+
+    pub fn admitted(&self) -> bool {
+        matches!(self, Verdict::Admitted { .. })
+    }
+
+    pub fn ticket(&self) -> Option<Ticket> {
+        match self {
+            Verdict::Admitted { ticket } => *ticket,
+            Verdict::Refused { .. } => None,
+        }
+    }
+}
+
+/// Usage that cannot be real is capped: a completion always releases its
+/// ticket (issue 12), whatever the upstream reported.
+fn usage(tokens: u64) -> i64 {
+    tokens.min(MAX_TOKENS) as i64
+}
+
+fn latency(latency_s: f64) -> f64 {
+    if latency_s.is_finite() && latency_s >= 0.0 {
+        latency_s
+    } else {
+        0.0
+    }
+}
+
+/// Seconds on this process's monotonic clock (one origin for every memory
+/// backend, so state carried over a reload keeps its times).
+fn monotonic_s() -> f64 {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    ORIGIN.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
+
+/// The admission layer of the data plane.
+pub enum Admission {
+    Memory(MemoryAdmission),
+    Redis(RedisAdmission),
+}
+
+impl Admission {
+    /// The backend the spec names; every value checked. Never connects.
+    pub fn from_spec(spec: &AdmissionSpec) -> Result<Self, Error> {
+        Ok(match spec.backend {
+            Backend::Memory => Admission::Memory(MemoryAdmission::new(spec)?),
+            Backend::Redis => Admission::Redis(RedisAdmission::new(spec)?),
+        })
+    }
+
+    /// Decides one request. `request_id` must be unique per call (the data
+    /// plane makes it; never a client's header): Redis reserves under it so
+    /// that a reservation whose reply was lost is voided.
     pub async fn admit(
         &self,
         entitlement: &str,
         input_tokens: u64,
         max_tokens: Option<u64>,
-        _request_id: &str,
+        request_id: &str,
     ) -> Verdict {
-        let (mut c, now) = self.memory();
-        let input = input_tokens.min(i64::MAX as u64) as i64;
-        let max = max_tokens.map(|m| m.min(i64::MAX as u64) as i64);
-        match c.admit(entitlement, input, max, now) {
-            Ok(a) if a.admitted => Verdict::Admitted {
-                ticket: a.ticket.map(Ticket),
-            },
-            Ok(a) => Verdict::Refused {
-                status: a.status,
-                reason: a.reason.into(),
-                retry_after_s: a.retry_after_s,
-            },
-            Err(_) => Verdict::Refused {
-                status: 400,
-                reason: "invalid-request".into(),
-                retry_after_s: None,
-            },
+        match self {
+            Admission::Memory(m) => m.admit(entitlement, input_tokens, max_tokens),
+            Admission::Redis(r) => {
+                r.admit(entitlement, input_tokens, max_tokens, request_id)
+                    .await
+            }
         }
     }
 
+    /// Ends an admitted request with what it used (capped at the largest
+    /// count the core takes; a bad latency counts as 0). True when this call
+    /// released the ticket; completing twice never counts twice.
     pub async fn complete(
         &self,
         ticket: Ticket,
@@ -183,40 +313,52 @@ impl Admission {
         actual_output: u64,
         latency_s: f64,
     ) -> bool {
-        let (mut c, now) = self.memory();
-        c.complete(
-            ticket.0,
-            actual_input.min(1 << 30) as i64,
-            actual_output.min(1 << 30) as i64,
-            latency_s.max(0.0),
-            now,
-        )
-        .is_ok()
-    }
-
-    pub fn pool_in_flight(&self, pool: &str) -> Option<u64> {
-        self.memory().0.pool_in_flight(pool).ok()
-    }
-
-    pub fn in_flight(&self) -> u64 {
-        let (c, _) = self.memory();
-        let names: Vec<String> = c.pools().map(|p| p.name.clone()).collect();
-        names.iter().filter_map(|n| c.pool_in_flight(n).ok()).sum()
-    }
-
-    pub fn adopt(&self, old: &Admission) -> Result<()> {
-        let bytes = old.memory().0.to_bytes();
-        let restored = AdmissionController::from_bytes(&bytes)?;
-        let (mut c, _) = self.memory();
-        // Keep the new configuration; in-flight state is not carried in this placeholder
-        // unless the configurations are the same.
-        if restored.pools().count() == c.pools().count() {
-            *c = restored;
+        match self {
+            Admission::Memory(m) => m.complete(ticket, actual_input, actual_output, latency_s),
+            Admission::Redis(r) => {
+                r.complete(ticket, actual_input, actual_output, latency_s)
+                    .await
+            }
         }
-        Ok(())
     }
 
+    /// Preemptible requests to terminate now (see `AdmissionController::evictions`).
+    pub async fn evictions(&self) -> Vec<Ticket> {
+        match self {
+            Admission::Memory(m) => m.evictions(),
+            Admission::Redis(r) => r.evictions().await,
+        }
+    }
+
+    /// Requests in flight: exact in memory; for Redis, this instance's
+    /// reservations not yet completed.
+    pub fn in_flight(&self) -> u64 {
+        match self {
+            Admission::Memory(m) => m.in_flight(),
+            Admission::Redis(r) => r.in_flight(),
+        }
+    }
+
+    /// Carries `old`'s state over a reload. Memory: its requests in flight and
+    /// what it learned move here, and `old` forwards to this backend from now
+    /// on (streams that began on it complete here). Redis: the state is
+    /// shared already; lost replies still to settle move here.
+    pub fn adopt(&self, old: &Admission) -> Result<(), Error> {
+        match (self, old) {
+            (Admission::Memory(new), Admission::Memory(old)) => new.adopt(old),
+            (Admission::Redis(new), Admission::Redis(old)) => new.adopt(old),
+            _ => Ok(()),
+        }
+    }
+
+    /// Backend failures counted since construction (0 in memory).
     pub fn failures(&self) -> u64 {
-        0
+        match self {
+            Admission::Memory(_) => 0,
+            Admission::Redis(r) => r.failures(),
+        }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,79 @@
+-- Shared by every admission script (rust/serve/admission/*.lua). KEYS[1] is
+-- the pool's key prefix. The constants of rust/admission.rs (equation 1's
+-- alphas, the EWMA decays, the shortest Retry-After) and the service-class
+-- table come from Rust through the configure script's JSON into the pool hash.
+local P = KEYS[1]
+local function f(x) return string.format('%.17g', x) end
+local function pool_get()
+  local v = redis.call('HMGET', P..':pool', 'tokens_per_s', 'kv_bytes', 'concurrency',
+    'kv_per_token', 'mean_slo', 'window_s', 'lease_s', 'in_flight', 'kv_in_flight', 'clock',
+    'alpha_slo', 'alpha_burst', 'alpha_debt', 'gamma_debt', 'gamma_burst', 'gamma_latency',
+    'min_retry')
+  if not v[17] then return nil end -- written by the configure script only, last
+  return {tps = tonumber(v[1]), kv = tonumber(v[2]), conc = tonumber(v[3]),
+    kvpt = tonumber(v[4]), mean = tonumber(v[5]), window = tonumber(v[6]),
+    lease = tonumber(v[7]), in_flight = tonumber(v[8]), kv_in_flight = tonumber(v[9]),
+    clock = tonumber(v[10]), alpha_slo = tonumber(v[11]), alpha_burst = tonumber(v[12]),
+    alpha_debt = tonumber(v[13]), gamma_debt = tonumber(v[14]), gamma_burst = tonumber(v[15]),
+    gamma_latency = tonumber(v[16]), min_retry = tonumber(v[17])}
+end
+local function tick(pool, now)
+  if pool.clock and pool.clock >= now then return pool.clock end
+  redis.call('HSET', P..':pool', 'clock', f(now))
+  return now
+end
+local function weight(pool, e, mean)
+  return tonumber(e.weight) / (1 + pool.alpha_slo * tonumber(e.slo) / mean)
+    / (1 + pool.alpha_burst * tonumber(e.burst)) * (1 + pool.alpha_debt * tonumber(e.debt))
+end
+local function release(seq)
+  local info = redis.call('HGET', P..':tickets', seq)
+  if not info then return nil end
+  local kv, tokens, ent = string.match(info, '^(%d+)|(%d+)|(.*)$')
+  local ek = P..':e:'..ent
+  redis.call('HDEL', P..':tickets', seq)
+  local rid = redis.call('HGET', P..':rid', seq)
+  if rid then redis.call('HDEL', P..':rid', seq, rid) end
+  redis.call('ZREM', P..':leases', seq)
+  redis.call('ZREM', ek..':fl', seq)
+  redis.call('HINCRBY', P..':pool', 'in_flight', -1)
+  redis.call('HINCRBY', ek, 'tokens_in_flight', '-'..tokens)
+  if kv ~= '0' then
+    redis.call('HINCRBY', ek, 'kv_in_flight', '-'..kv)
+    redis.call('HINCRBY', P..':pool', 'kv_in_flight', '-'..kv)
+  end
+  return ent
+end
+local function purge(now)
+  redis.call('ZREMRANGEBYSCORE', P..':void', '-inf', f(now))
+  local dead = redis.call('ZRANGEBYSCORE', P..':leases', '-inf', f(now))
+  for _, seq in ipairs(dead) do release(seq) end
+  return #dead
+end
+local function completion_rate(ek, pool)
+  local n = redis.call('ZCARD', ek..':fl')
+  if n == 0 then return 0 end
+  local v = redis.call('HMGET', ek, 'latency', 'tokens_in_flight')
+  local latency
+  if v[1] ~= '' then latency = tonumber(v[1])
+  else latency = tonumber(v[2]) / n / (pool.tps / pool.conc) end
+  return n / math.max(latency, pool.min_retry)
+end
+local function refresh(pool)
+  local names = redis.call('SMEMBERS', P..':ents')
+  table.sort(names)
+  local sum, n = 0, 0
+  for _, name in ipairs(names) do
+    local v = redis.call('HMGET', P..':e:'..name, 'state', 'slo')
+    if v[1] == 'bound' then sum = sum + tonumber(v[2]); n = n + 1 end
+  end
+  local mean = 1
+  if n > 0 then mean = sum / n end
+  redis.call('HSET', P..':pool', 'mean_slo', f(mean))
+  for _, name in ipairs(names) do
+    local ek = P..':e:'..name
+    local v = redis.call('HMGET', ek, 'weight', 'slo', 'burst', 'debt')
+    local w = weight(pool, {weight = v[1], slo = v[2], burst = v[3], debt = v[4]}, mean)
+    redis.call('HSET', ek, 'priority', f(w))
+  end
+end

@@ -1,0 +1,639 @@
+//! The shared backend: pool state in Redis, one atomic Lua script per
+//! operation (`scripts`), through one multiplexed async connection.
+//!
+//! - Construction never connects; the first call does, and a call after a
+//!   connection error or a timeout connects again.
+//! - Every call (connecting, settling, configuring, the script) is bounded by
+//!   `socket_timeout_s`; a failure (no connection, no answer in time, an error
+//!   reply such as OOM) goes through `failure_mode` and is counted by kind,
+//!   and no detail reaches the verdict.
+//! - Scripts run by EVALSHA, loaded again on NOSCRIPT (the `redis` crate's
+//!   `Script`).
+//! - No reservation whose reply was lost can leak: the reservation is made
+//!   under the caller's request id; when the call fails the id is kept and
+//!   voided as soon as Redis answers again (releasing the reservation, or
+//!   refusing it if a stalled Redis has not run the script yet); a failed
+//!   completion is replayed then (it counts once). Beyond that, a lease
+//!   (`lease_s`) releases what a dead replica held.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ::redis::aio::MultiplexedConnection;
+use ::redis::{AsyncConnectionConfig, Client, RedisError, Script};
+
+use super::scripts::{self, MAX_POOLS};
+use super::{latency, usage, AdmissionSpec, FailureMode, Ticket, Verdict};
+use crate::admission::{ServiceClass, Shrink};
+use crate::budget::MAX_TOKENS;
+use crate::error::{invalid, Error};
+
+/// Lost admits and failed completions a pool keeps to settle when Redis
+/// answers again; beyond it the oldest are left to their leases.
+pub const MAX_PENDING: usize = 10_000;
+/// How many of them one call settles before its own work.
+pub const RECONCILE_BATCH: usize = 256;
+
+/// Why a call to Redis failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    Connection,
+    Timeout,
+    Reply,
+}
+
+impl FailureKind {
+    pub const ALL: [FailureKind; 3] = [Self::Connection, Self::Timeout, Self::Reply];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Connection => "connection",
+            Self::Timeout => "timeout",
+            Self::Reply => "reply",
+        }
+    }
+
+    fn of(e: &RedisError) -> Self {
+        if e.is_timeout() {
+            Self::Timeout
+        } else if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
+            Self::Connection
+        } else {
+            Self::Reply
+        }
+    }
+}
+
+/// A completion to replay: ticket number, tokens, latency, time.
+type Replay = (u64, u64, f64, f64);
+
+#[derive(Default)]
+struct Pending {
+    voids: VecDeque<String>,
+    replays: VecDeque<Replay>,
+}
+
+fn defer<T>(queue: &mut VecDeque<T>, item: T) {
+    queue.push_back(item);
+    if queue.len() > MAX_PENDING {
+        queue.pop_front();
+    }
+}
+
+fn take<T>(queue: &mut VecDeque<T>) -> Vec<T> {
+    let n = queue.len().min(RECONCILE_BATCH);
+    queue.drain(..n).collect()
+}
+
+fn put_back<T>(queue: &mut VecDeque<T>, items: Vec<T>) {
+    for item in items.into_iter().rev() {
+        queue.push_front(item);
+    }
+    queue.truncate(MAX_PENDING);
+}
+
+struct Pool {
+    name: String,
+    key: String,
+    config: String,
+    configured: AtomicBool,
+    pending: Mutex<Pending>,
+    /// Entitlements of the pool with their class (evictions).
+    ents: Vec<(String, ServiceClass)>,
+}
+
+struct Scripts {
+    configure: Script,
+    admit: Script,
+    complete: Script,
+    void: Script,
+}
+
+impl From<RedisError> for FailureKind {
+    fn from(e: RedisError) -> Self {
+        FailureKind::of(&e)
+    }
+}
+
+impl From<::redis::ParsingError> for FailureKind {
+    fn from(_: ::redis::ParsingError) -> Self {
+        FailureKind::Reply
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Seconds since the epoch: the clock replicas share.
+fn wall_s() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Admission state in Redis, shared by every replica with the same prefix.
+pub struct RedisAdmission {
+    client: Client,
+    connection: Mutex<Option<MultiplexedConnection>>,
+    connecting: tokio::sync::Mutex<()>,
+    scripts: Scripts,
+    pools: Vec<Pool>,
+    pool_of: HashMap<String, usize>,
+    default_max_tokens: u64,
+    failure_mode: FailureMode,
+    unavailable_retry_s: f64,
+    timeout: Duration,
+    rid_prefix: String,
+    failures: [AtomicU64; 3],
+    /// Tickets this instance admitted and has not completed.
+    held: Mutex<HashSet<u64>>,
+}
+
+fn positive_setting(what: &str, v: f64) -> Result<f64, Error> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(invalid(format!(
+            "admission.redis.{what} must be a finite number > 0, got {v}"
+        )))
+    }
+}
+
+impl RedisAdmission {
+    /// Checks the configuration exactly as in memory; never connects.
+    pub fn new(spec: &AdmissionSpec) -> Result<Self, Error> {
+        let controller = spec.controller()?;
+        let (pools, ents) = spec.parts()?;
+        let r = &spec.redis;
+        if pools.len() > MAX_POOLS {
+            return Err(invalid(format!("at most {MAX_POOLS} pools")));
+        }
+        let lease_s = positive_setting("lease_s", r.lease_s)?;
+        let timeout = positive_setting("socket_timeout_s", r.socket_timeout_s)?;
+        let unavailable_retry_s = positive_setting("unavailable_retry_s", r.unavailable_retry_s)?;
+        if r.prefix.is_empty() {
+            return Err(invalid("admission.redis.prefix must not be empty"));
+        }
+        if !["redis://", "rediss://", "unix://"]
+            .iter()
+            .any(|s| r.url.starts_with(s))
+        {
+            return Err(invalid(
+                "admission.redis.url: expected a redis://, rediss:// or unix:// URL",
+            ));
+        }
+        let client = Client::open(r.url.as_str())
+            .map_err(|e| invalid(format!("admission.redis.url: {e}")))?;
+        let window_s = controller.window_s();
+        let pools: Vec<Pool> = pools
+            .iter()
+            .map(|p| Pool {
+                name: p.name.clone(),
+                key: format!("{}:{{{}}}", r.prefix, p.name),
+                config: scripts::pool_config(p, &ents, window_s, lease_s),
+                configured: AtomicBool::new(false),
+                pending: Mutex::new(Pending::default()),
+                ents: ents
+                    .iter()
+                    .filter(|e| e.pool == p.name)
+                    .map(|e| (e.name.clone(), e.service_class))
+                    .collect(),
+            })
+            .collect();
+        let pool_of = ents
+            .iter()
+            .filter_map(|e| Some((e.name.clone(), pools.iter().position(|p| p.name == e.pool)?)))
+            .collect();
+        Ok(Self {
+            client,
+            connection: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+            scripts: Scripts {
+                configure: Script::new(scripts::CONFIGURE),
+                admit: Script::new(scripts::ADMIT),
+                complete: Script::new(scripts::COMPLETE),
+                void: Script::new(scripts::VOID),
+            },
+            pools,
+            pool_of,
+            default_max_tokens: controller.default_max_tokens(),
+            failure_mode: r.failure_mode,
+            unavailable_retry_s,
+            timeout: Duration::from_secs_f64(timeout),
+            rid_prefix: format!("{:016x}:", rand_u64()),
+            failures: Default::default(),
+            held: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// The connection, connecting first if there is none (one connect at a time).
+    async fn connection(&self) -> Result<MultiplexedConnection, RedisError> {
+        if let Some(c) = lock(&self.connection).clone() {
+            return Ok(c);
+        }
+        let _one = self.connecting.lock().await;
+        if let Some(c) = lock(&self.connection).clone() {
+            return Ok(c);
+        }
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        let c = self
+            .client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?;
+        *lock(&self.connection) = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Runs `call` within the socket timeout; a failure is counted, and after
+    /// a connection failure or a timeout the connection is dropped (the next
+    /// call connects again).
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, FailureKind>>,
+    ) -> Result<T, ()> {
+        let kind = match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(v)) => return Ok(v),
+            Ok(Err(kind)) => kind,
+            Err(_) => FailureKind::Timeout,
+        };
+        self.failed(kind);
+        Err(())
+    }
+
+    fn failed(&self, kind: FailureKind) {
+        self.failures[kind as usize].fetch_add(1, Ordering::Relaxed);
+        if kind != FailureKind::Reply {
+            *lock(&self.connection) = None;
+        }
+    }
+
+    /// Before a call on pool `p`: settles what failed calls left behind, then
+    /// writes this instance's configuration once.
+    async fn ready(
+        &self,
+        c: &mut MultiplexedConnection,
+        p: usize,
+        now: f64,
+    ) -> Result<(), FailureKind> {
+        self.settle(c, p, now).await?;
+        let pool = &self.pools[p];
+        if !pool.configured.load(Ordering::Acquire) {
+            self.configure(c, p).await?;
+        }
+        Ok(())
+    }
+
+    async fn configure(&self, c: &mut MultiplexedConnection, p: usize) -> Result<(), FailureKind> {
+        let pool = &self.pools[p];
+        // A pool new to Redis numbers its tickets from the clock (ms * 1024),
+        // so no ticket of an earlier, lost state can match a new one.
+        let first = (wall_s() * 1000.0) as u64 * 1024;
+        let _: i64 = self
+            .scripts
+            .configure
+            .key(&pool.key)
+            .arg(&pool.config)
+            .arg(first)
+            .invoke_async(c)
+            .await?;
+        pool.configured.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Voids up to a batch of lost admits and replays up to a batch of failed
+    /// completions of pool `p`; what Redis did not take is kept for later.
+    async fn settle(
+        &self,
+        c: &mut MultiplexedConnection,
+        p: usize,
+        now: f64,
+    ) -> Result<(), FailureKind> {
+        let pool = &self.pools[p];
+        let (mut voids, mut replays) = {
+            let mut pending = lock(&pool.pending);
+            if pending.voids.is_empty() && pending.replays.is_empty() {
+                return Ok(());
+            }
+            (take(&mut pending.voids), take(&mut pending.replays))
+        };
+        let result: Result<(), RedisError> = async {
+            if !voids.is_empty() {
+                let mut call = self.scripts.void.key(&pool.key);
+                call.arg(now);
+                for rid in &voids {
+                    call.arg(rid);
+                }
+                let _: i64 = call.invoke_async(c).await?;
+                voids.clear();
+            }
+            while let Some(&(seq, actual, latency_s, at)) = replays.first() {
+                let _: i64 = self
+                    .scripts
+                    .complete
+                    .key(&pool.key)
+                    .arg(seq)
+                    .arg(actual)
+                    .arg(latency_s)
+                    .arg(at)
+                    .invoke_async(c)
+                    .await?;
+                replays.remove(0);
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            let mut pending = lock(&pool.pending);
+            put_back(&mut pending.voids, voids);
+            put_back(&mut pending.replays, replays);
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    fn unavailable(&self) -> Verdict {
+        Verdict::unavailable(self.failure_mode, self.unavailable_retry_s)
+    }
+
+    pub async fn admit(
+        &self,
+        entitlement: &str,
+        input_tokens: u64,
+        max_tokens: Option<u64>,
+        request_id: &str,
+    ) -> Verdict {
+        let output = max_tokens.unwrap_or(self.default_max_tokens);
+        if input_tokens > MAX_TOKENS || output == 0 || output > MAX_TOKENS {
+            return Verdict::invalid();
+        }
+        let Some(&p) = self.pool_of.get(entitlement) else {
+            return Verdict::Refused {
+                status: 401,
+                reason: "unknown-entitlement".into(),
+                retry_after_s: None,
+            };
+        };
+        let pool = &self.pools[p];
+        let now = wall_s();
+        let rid = format!("{}{request_id}", self.rid_prefix);
+        let sent = AtomicBool::new(false);
+        let call = async {
+            let mut c = self.connection().await?;
+            self.ready(&mut c, p, now).await?;
+            let mut out = Vec::new();
+            for _ in 0..2 {
+                sent.store(true, Ordering::Relaxed);
+                out = self
+                    .scripts
+                    .admit
+                    .key(&pool.key)
+                    .arg(entitlement)
+                    .arg(input_tokens + output)
+                    .arg(now)
+                    .arg(&rid)
+                    .invoke_async::<Vec<String>>(&mut c)
+                    .await?;
+                if out.first().map(String::as_str) != Some("unconfigured") {
+                    break;
+                }
+                self.configure(&mut c, p).await?; // Redis came back empty
+            }
+            Ok(out)
+        };
+        let out = match self.bounded(call).await {
+            Ok(out) => out,
+            Err(()) => return self.lost(p, rid, &sent),
+        };
+        let [status, reason, retry, seq, _priority] = out.as_slice() else {
+            // 'void' (a request id used twice) or 'unconfigured' twice.
+            self.failed(FailureKind::Reply);
+            return self.lost(p, rid, &sent);
+        };
+        let Ok(status) = status.parse::<u16>() else {
+            self.failed(FailureKind::Reply);
+            return self.lost(p, rid, &sent);
+        };
+        if status != 200 {
+            return Verdict::Refused {
+                status,
+                reason: reason.clone(),
+                retry_after_s: retry.parse().ok(),
+            };
+        }
+        let Ok(seq) = seq.parse::<u64>() else {
+            self.failed(FailureKind::Reply);
+            return self.lost(p, rid, &sent);
+        };
+        let ticket = seq * MAX_POOLS as u64 + p as u64;
+        lock(&self.held).insert(ticket);
+        Verdict::Admitted {
+            ticket: Some(Ticket(ticket)),
+        }
+    }
+
+    /// An admit whose outcome is unknown: if its script was sent, it may run
+    /// (or have run) with nobody to complete it, so its id is voided when
+    /// Redis answers again.
+    fn lost(&self, p: usize, rid: String, sent: &AtomicBool) -> Verdict {
+        if sent.load(Ordering::Relaxed) {
+            defer(&mut lock(&self.pools[p].pending).voids, rid);
+        }
+        self.unavailable()
+    }
+
+    pub async fn complete(&self, ticket: Ticket, input: u64, output: u64, latency_s: f64) -> bool {
+        if !lock(&self.held).remove(&ticket.0) {
+            return false;
+        }
+        let (seq, p) = (
+            ticket.0 / MAX_POOLS as u64,
+            (ticket.0 % MAX_POOLS as u64) as usize,
+        );
+        let pool = &self.pools[p];
+        let actual = usage(input) as u64 + usage(output) as u64;
+        let latency_s = latency(latency_s);
+        let now = wall_s();
+        let call = async {
+            let mut c = self.connection().await?;
+            self.settle(&mut c, p, now).await?;
+            let done: i64 = self
+                .scripts
+                .complete
+                .key(&pool.key)
+                .arg(seq)
+                .arg(actual)
+                .arg(latency_s)
+                .arg(now)
+                .invoke_async(&mut c)
+                .await?;
+            Ok(done == 1)
+        };
+        match self.bounded(call).await {
+            Ok(done) => done,
+            Err(()) => {
+                // Replayed when Redis answers; a replay counts once.
+                defer(
+                    &mut lock(&pool.pending).replays,
+                    (seq, actual, latency_s, now),
+                );
+                false
+            }
+        }
+    }
+
+    /// Preemptible requests to terminate now, read in one transaction per
+    /// pool; none while Redis is unavailable.
+    pub async fn evictions(&self) -> Vec<Ticket> {
+        let now = wall_s();
+        let mut out = Vec::new();
+        for (p, pool) in self.pools.iter().enumerate() {
+            let call = async {
+                let mut c = self.connection().await?;
+                self.settle(&mut c, p, now).await?;
+                let mut pipe = ::redis::pipe();
+                pipe.atomic()
+                    .hget(format!("{}:pool", pool.key), "in_flight")
+                    .hget(format!("{}:pool", pool.key), "concurrency");
+                for (e, _) in &pool.ents {
+                    pipe.zrange_withscores(format!("{}:e:{e}:fl", pool.key), 0, -1)
+                        .hget(format!("{}:e:{e}", pool.key), "priority");
+                }
+                let (head, rest): ((Option<f64>, Option<f64>), Vec<::redis::Value>) = {
+                    let v: Vec<::redis::Value> = pipe.query_async(&mut c).await?;
+                    let mut it = v.into_iter();
+                    let a = it.next().map(::redis::from_redis_value::<Option<f64>>);
+                    let b = it.next().map(::redis::from_redis_value::<Option<f64>>);
+                    let (Some(a), Some(b)) = (a, b) else {
+                        return Err(FailureKind::Reply);
+                    };
+                    ((a?, b?), it.collect())
+                };
+                Ok((head, rest))
+            };
+            let Ok(((in_flight, concurrency), rest)) = self.bounded(call).await else {
+                return Vec::new();
+            };
+            let over = (in_flight.unwrap_or(0.0) - concurrency.unwrap_or(0.0)).max(0.0) as usize;
+            let mut protected = false;
+            let mut victims: Vec<(f64, f64, u64)> = Vec::new();
+            for ((_, class), pair) in pool.ents.iter().zip(rest.chunks(2)) {
+                let [flights, priority] = pair else { continue };
+                let flights: Vec<(u64, f64)> =
+                    ::redis::from_redis_value(flights.clone()).unwrap_or_default();
+                let priority: f64 = ::redis::from_redis_value::<Option<f64>>(priority.clone())
+                    .ok()
+                    .flatten()
+                    .unwrap_or(0.0);
+                protected |= class.shrink() == Shrink::Never && !flights.is_empty();
+                if class.shrink() == Shrink::Evict {
+                    victims.extend(
+                        flights.into_iter().map(|(seq, at)| {
+                            (priority, now - at, seq * MAX_POOLS as u64 + p as u64)
+                        }),
+                    );
+                }
+            }
+            if over == 0 || !protected {
+                continue;
+            }
+            victims.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
+            out.extend(victims.into_iter().take(over).map(|v| Ticket(v.2)));
+        }
+        out
+    }
+
+    /// Reservations this instance holds (admitted, not completed).
+    pub fn in_flight(&self) -> u64 {
+        lock(&self.held).len() as u64
+    }
+
+    /// Failures since construction.
+    pub fn failures(&self) -> u64 {
+        self.failures
+            .iter()
+            .map(|f| f.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Failures since construction by kind.
+    pub fn failures_by_kind(&self) -> [(FailureKind, u64); 3] {
+        FailureKind::ALL.map(|k| (k, self.failures[k as usize].load(Ordering::Relaxed)))
+    }
+
+    /// Lost admits and failed completions not yet settled in Redis.
+    pub fn pending(&self) -> usize {
+        self.pools
+            .iter()
+            .map(|p| {
+                let q = lock(&p.pending);
+                q.voids.len() + q.replays.len()
+            })
+            .sum()
+    }
+
+    /// Settles everything pending on every pool; true when nothing is left.
+    pub async fn reconcile(&self) -> bool {
+        let now = wall_s();
+        for p in 0..self.pools.len() {
+            loop {
+                let left = {
+                    let q = lock(&self.pools[p].pending);
+                    !q.voids.is_empty() || !q.replays.is_empty()
+                };
+                if !left {
+                    break;
+                }
+                let call = async {
+                    let mut c = self.connection().await?;
+                    self.settle(&mut c, p, now).await
+                };
+                if self.bounded(call).await.is_err() {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// The state is in Redis already; what `old` has still to settle moves here.
+    pub fn adopt(&self, old: &RedisAdmission) -> Result<(), Error> {
+        for pool in &self.pools {
+            let Some(from) = old
+                .pools
+                .iter()
+                .find(|o| o.name == pool.name && o.key == pool.key)
+            else {
+                continue;
+            };
+            let taken = std::mem::take(&mut *lock(&from.pending));
+            let mut to = lock(&pool.pending);
+            for rid in taken.voids {
+                defer(&mut to.voids, rid);
+            }
+            for r in taken.replays {
+                defer(&mut to.replays, r);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// 64 random bits for this instance's request-id prefix (replicas must not
+/// share ids), from the OS through std's hasher seed.
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
