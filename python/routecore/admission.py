@@ -565,7 +565,8 @@ class RedisAdmission(AdmissionBackend):
         ):
             _positive(what, value)
         if url is not None and (not isinstance(url, str) or not url.startswith(URL_SCHEMES)):
-            raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got {url!r}")
+            # Not echoed: a URL may hold a password.
+            raise ValueError("url must be a redis://, rediss:// or unix:// URL")
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
         if len(pools) > MAX_POOLS:
@@ -676,8 +677,8 @@ class RedisAdmission(AdmissionBackend):
                 pipe.execute()
         except self._redis_errors as e:
             with self._lock:
-                _put_back(self._voids[pool], voids)
-                _put_back(self._replays[pool], replays)
+                _keep(self._voids[pool], voids, front=True)
+                _keep(self._replays[pool], replays, front=True)
             if self._kind(e) != "reply":
                 raise
             self._failed("reconcile", e)
@@ -782,7 +783,7 @@ class RedisAdmission(AdmissionBackend):
             # The script may have run (or may yet run, in a stalled Redis) with
             # nobody to complete its ticket: void the id when Redis answers.
             with self._lock:
-                _defer(self._voids[pool], rid)
+                _keep(self._voids[pool], [rid])
             self._failed("admit", e)
             return self._unavailable()
         if settled:
@@ -805,7 +806,7 @@ class RedisAdmission(AdmissionBackend):
             done = self._complete_script(keys=[self._keys[pool]], args=[str(seq), *args[1:]])
         except self._redis_errors as e:
             with self._lock:  # replayed when Redis answers; a replay counts once
-                _defer(self._replays[pool], args)
+                _keep(self._replays[pool], [args])
             self._failed("complete", e)
             return False
         if settled:
@@ -915,17 +916,14 @@ def _take(queue: deque[Any], limit: int) -> list[Any]:
     return [queue.popleft() for _ in range(min(limit, len(queue)))]
 
 
-def _defer(queue: deque[Any], item: Any) -> None:
-    """Queues ``item`` to settle later; beyond MAX_PENDING the oldest are
-    dropped (their leases release them)."""
-    queue.append(item)
-    if len(queue) > MAX_PENDING:
-        queue.popleft()
-
-
-def _put_back(queue: deque[Any], items: Sequence[Any]) -> None:
-    """Returns ``items`` (taken oldest first) to the front of ``queue``."""
-    queue.extendleft(reversed(items))
+def _keep(queue: deque[Any], items: Sequence[Any], *, front: bool = False) -> None:
+    """Queues ``items`` to settle later (``front``: ones taken back, oldest
+    first); beyond MAX_PENDING the oldest are dropped (their leases release
+    them)."""
+    if front:
+        queue.extendleft(reversed(items))
+    else:
+        queue.extend(items)
     while len(queue) > MAX_PENDING:
         queue.popleft()
 
