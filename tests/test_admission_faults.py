@@ -227,6 +227,31 @@ def test_stalled_redis_leaves_no_phantom_reservation(redis_server, mode):
     assert red.pool_in_flight("p") == 0 and red.pending() == 0
 
 
+def test_stalled_redis_holds_one_caller_at_a_time(redis_server):
+    """Once a call timed out, concurrent calls do not all wait out a timeout
+    each: one asks Redis, the others answer by failure_mode at once."""
+    red = _backend(redis_server.url, "open", STALL_TIMEOUT_S)
+    assert red.admit("s", 1, 1, now=1.0).admitted
+    redis_server.stop()
+    try:
+        assert red.admit("s", 1, 1, now=2.0).reason == "fail-open"  # the first timeout
+
+        def timed(k: int) -> float:
+            started = time.monotonic()
+            assert red.admit("s", 1, 1, now=3.0).reason == "fail-open"
+            return time.monotonic() - started
+
+        with ThreadPoolExecutor(16) as pool:
+            waits = list(pool.map(timed, range(16)))
+    finally:
+        redis_server.cont()
+    slow = [w for w in waits if w >= STALL_TIMEOUT_S / 2]
+    assert 1 <= len(slow) <= 4, waits  # the probe (a late thread may probe again)
+    # Thawed: the next call asks Redis and is accounted.
+    a = red.admit("s", 1, 1, now=4.0)
+    assert a.ticket is not None and red.pool_in_flight("p") == 2
+
+
 def test_stalled_redis_completion_counts_once(redis_server):
     red = _backend(redis_server.url, "closed", STALL_TIMEOUT_S)
     a = red.admit("one", 10, 10, now=1.0)
