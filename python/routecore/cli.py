@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from routecore import __version__
 from routecore._extras import MissingExtra
@@ -38,8 +39,15 @@ COMMANDS = [
 COMMANDS.append(serve_command)
 
 
+class Parser(argparse.ArgumentParser):
+    """Reports a bad command line in one line (no usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="routecore",
         description="The hot path of LLM request routing: route, plan, simulate, serve.",
     )
@@ -62,8 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except BrokenPipeError:
         return 0
-    except (ValueError, KeyError, OSError, MissingExtra) as e:
-        print(f"routecore {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, KeyError, OverflowError, OSError, MissingExtra) as e:
+        # A value argparse let through but the library refused: one line, no traceback.
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"routecore {args.command}: error: {' '.join(str(message).split())}", file=sys.stderr)
         return 2
 
 

@@ -289,7 +289,9 @@ impl PyRequestCompression {
 /// ``body`` (bytes to send to ``decision.pool``: compressed when
 /// ``decision.action`` is "compress"), ``compression`` (the outcome when
 /// compression was tried, else None), and what was read from the body:
-/// ``category``, ``prompt_bytes`` (of the original body), ``max_output_tokens``.
+/// ``category``, ``prompt_bytes`` (of the original body), ``media_tokens``
+/// (charged for its image and audio parts), ``max_output_tokens`` (times
+/// ``n``).
 #[pyclass(frozen, name = "RoutedRequest", module = "routecore")]
 pub struct PyRoutedRequest {
     #[pyo3(get)]
@@ -301,6 +303,8 @@ pub struct PyRoutedRequest {
     pub category: &'static str,
     #[pyo3(get)]
     pub prompt_bytes: u64,
+    #[pyo3(get)]
+    pub media_tokens: u64,
     #[pyo3(get)]
     pub max_output_tokens: u64,
 }

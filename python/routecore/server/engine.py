@@ -148,9 +148,14 @@ class Engine:
         the rewritten body; the calibrator then does not learn from its usage
         (the prompt it counted is not the one the model read).
         """
+        limits = self.config.limits
         try:
             r = self.router.route_request(
-                body, self.compressor, self.config.limits.default_max_tokens
+                body,
+                self.compressor,
+                limits.default_max_tokens,
+                image_tokens=limits.image_tokens,
+                audio_tokens=limits.audio_tokens,
             )
         except ValueError as e:
             return self.refuse(tenant, 400, "malformed-body", f"invalid request body: {e}")
