@@ -1390,7 +1390,8 @@ mod tests {
             assert_eq!(out["messages"][i], body["messages"][i]);
         }
         assert_eq!(out["max_tokens"], 100);
-        let parsed = crate::openai::parse_request(&r.body, 16, MediaTokens::default()).expect("parses");
+        let parsed =
+            crate::openai::parse_request(&r.body, 16, MediaTokens::default()).expect("parses");
         assert_eq!(estimate(parsed.prompt_bytes, 4.0), r.summary.tokens_after);
         // The intact parts alone exceed a tiny budget.
         let r = c
@@ -1447,7 +1448,10 @@ mod tests {
         let total = estimate(before.prompt_bytes, 4.0) + 200 + 100;
         assert!(total > 1000 && total <= 1500, "{total}");
         let r = route_request(&router, &Compressor::default(), &bytes, 16, media).expect("valid");
-        assert_eq!((r.decision.action, r.decision.pool), (Action::Compress, Some(0)));
+        assert_eq!(
+            (r.decision.action, r.decision.pool),
+            (Action::Compress, Some(0))
+        );
         let after = parse_request(&r.body, 16, media).expect("parses");
         assert!(estimate(after.prompt_bytes, 4.0) + after.media_tokens + 100 <= 1000);
         let v: Value = serde_json::from_slice(&r.body).expect("json");

@@ -270,8 +270,8 @@ pub fn prompt_texts(v: &Value) -> Result<PromptTexts<'_>> {
         match body.get(key) {
             None | Some(Value::Null) => {}
             Some(schema) => {
-                let json = serde_json::to_string(schema)
-                    .map_err(|e| invalid(format!("'{key}': {e}")))?;
+                let json =
+                    serde_json::to_string(schema).map_err(|e| invalid(format!("'{key}': {e}")))?;
                 p.push(Cow::Owned(json), None, p.messages);
             }
         }
@@ -371,7 +371,11 @@ mod tests {
     use super::*;
 
     fn parse(s: &str) -> Result<ParsedRequest> {
-        parse_request(s.as_bytes(), DEFAULT_MAX_OUTPUT_TOKENS, MediaTokens::default())
+        parse_request(
+            s.as_bytes(),
+            DEFAULT_MAX_OUTPUT_TOKENS,
+            MediaTokens::default(),
+        )
     }
 
     #[test]
@@ -473,6 +477,9 @@ mod tests {
         assert_eq!((p.prompt_bytes, p.media_tokens), (0, 207));
         assert_eq!((p.n, p.max_output_tokens), (3, 30));
         let p = parse(r#"{"prompt":"x","best_of":4}"#).expect("valid");
-        assert_eq!((p.n, p.max_output_tokens), (4, 4 * DEFAULT_MAX_OUTPUT_TOKENS));
+        assert_eq!(
+            (p.n, p.max_output_tokens),
+            (4, 4 * DEFAULT_MAX_OUTPUT_TOKENS)
+        );
     }
 }

@@ -39,11 +39,15 @@ COMMANDS = [
 COMMANDS.append(serve_command)
 
 
+class UsageError(Exception):
+    """A bad command line; ``main`` prints it as one line and returns 2."""
+
+
 class Parser(argparse.ArgumentParser):
-    """Reports a bad command line in one line (no usage block), exit status 2."""
+    """Raises ``UsageError`` on a bad command line instead of printing the usage."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
     if not hasattr(args, "run"):
         parser.print_help()
         return 2

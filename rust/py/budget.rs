@@ -263,9 +263,8 @@ impl PyTokenBudgetRouter {
         let bytes = text_bytes(body, "body")?;
         let compressor = compressor.map_or_else(Compressor::default, |c| c.get().inner);
         let media = MediaTokens::new(image_tokens, audio_tokens)?;
-        let r = py.detach(|| {
-            route_request(&self.inner, &compressor, bytes, default_max_tokens, media)
-        })?;
+        let r = py
+            .detach(|| route_request(&self.inner, &compressor, bytes, default_max_tokens, media))?;
         Ok(PyRoutedRequest {
             decision: Py::new(py, self.decision(py, r.decision))?,
             body: r.body,
