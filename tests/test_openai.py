@@ -276,3 +276,53 @@ def test_the_estimate_never_falls_when_parts_or_tools_are_added(
     for more in (estimate(parts + [extra_part], tools), estimate(parts, tools + [extra_tool])):
         assert all(m >= b for m, b in zip(more, before))
     assert estimate(copy.deepcopy(parts), tools) == before
+
+
+def test_the_server_routes_and_admits_a_tool_heavy_request_on_the_whole_estimate():
+    pytest.importorskip("prometheus_client")
+    from server_fixtures import base_config
+
+    from routecore.config import ConfigError, parse_config
+    from routecore.server.engine import Engine, Lease
+    from routecore.server.metrics import Metrics
+
+    entitlement = {
+        "name": "e",
+        "tenant": "demo",
+        "pool": "gpu",
+        "service_class": "guaranteed",
+        "slo_target_ms": 1000.0,
+        "tokens_per_s": 1e6,
+        "kv_bytes": 10**12,
+        "concurrency": 10,
+    }
+    config = base_config(
+        limits={"image_tokens": 1000, "audio_tokens": 10},
+        admission={
+            "pools": [{"name": "gpu", "tokens_per_s": 1e6, "kv_bytes": 10**12, "concurrency": 10}],
+            "entitlements": [entitlement],
+        },
+    )
+    config["tenants"][0]["entitlement"] = "e"
+    engine = Engine(parse_config(config), Metrics())
+    charged = []
+    admit = engine.admission.admit
+    engine.admission.admit = lambda name, i, o, *a: charged.append((i, o)) or admit(name, i, o, *a)
+    tenant = engine.config.tenants[0]
+    image = {"type": "image_url", "image_url": {"url": "x"}}
+    body = chat([image, {"type": "text", "text": "hi"}], tools=big_tool_schema())
+    lease = engine.route_body(body, tenant, 0.0)
+    assert isinstance(lease, Lease) and lease.pool == "long"
+    routed = TokenBudgetRouter([Pool("s", 8192), Pool("l", 65536)]).route_request(
+        body, image_tokens=1000
+    )
+    est = (routed.decision.est_input_tokens, routed.decision.est_output_tokens)
+    assert (lease.est_input_tokens, lease.est_output_tokens) == est
+    assert charged == [est] and routed.media_tokens == 1000
+    # A request with an image part is not learned from (its usage is not text).
+    assert lease.category is None
+    engine.finish(lease, 30_000, 5, 1.0)
+    assert engine.router.calibrator.count("prose") == 0
+    for key, value in (("image_tokens", -1), ("audio_tokens", 2**31), ("image_tokens", "765")):
+        with pytest.raises(ConfigError, match=f"limits.{key}"):
+            parse_config(base_config(limits={key: value}))

@@ -162,7 +162,9 @@ class Engine:
         d = r.decision
         if d.action == "compress":
             return self._place(d, tenant, 0, None, now, r.body, r.body)
-        return self._place(d, tenant, r.prompt_bytes, r.category, now, body)
+        # The usage of image and audio parts is not text: such requests are not learned from.
+        learn = None if r.media_tokens else r.category
+        return self._place(d, tenant, r.prompt_bytes, learn, now, body)
 
     def route_fields(
         self,
