@@ -18,8 +18,19 @@ MAX_TOKENS = 1 << 30
 MAX_COUNT = (1 << 63) - 1
 
 
+def _show(n: int) -> str:
+    """``n``, written as a power of two when it is one (or one less)."""
+    k = n.bit_length()
+    if k > 16 and n == (1 << k) - 1:
+        return f"2^{k} - 1"
+    if k > 16 and n == 1 << (k - 1):
+        return f"2^{k - 1}"
+    return str(n)
+
+
 def int_in(lo: int, hi: int) -> Callable[[str], int]:
     """An integer in [lo, hi]."""
+    expected = f"an integer in [{lo}, {_show(hi)}]"
 
     def parse(text: str) -> int:
         try:
@@ -27,7 +38,7 @@ def int_in(lo: int, hi: int) -> Callable[[str], int]:
         except ValueError:
             value = None
         if value is None or not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
 
     return parse
