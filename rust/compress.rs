@@ -54,7 +54,10 @@
 //! Everything else (earlier user turns, assistant and tool messages, each
 //! text part of a content array, a completion `prompt`) shares what is left of
 //! the budget in proportion to its size, in message order, and the slack one
-//! leaves goes to the next.
+//! leaves goes to the next. Every other text the engine tokenizes (tool
+//! schemas, tool calls, `response_format`, other parts; see
+//! [`crate::openai::prompt_texts`]) counts toward the size and is never
+//! rewritten.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};

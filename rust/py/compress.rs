@@ -85,7 +85,10 @@ impl PyCompressor {
     /// body. Only long content (documents, RAG context: earlier turns,
     /// assistant and tool messages, text parts, a completion prompt; at least
     /// 1 KiB and not code) is compressed; system and developer messages and
-    /// the last user message stay intact.
+    /// the last user message stay intact. Sizes count every text
+    /// ``parse_openai_request`` counts (tool schemas and calls included, never
+    /// rewritten); image and audio parts are not counted here
+    /// (``route_request`` subtracts their tokens from the target).
     #[pyo3(signature = (body, token_budget, category=None, bytes_per_token=None))]
     fn compress_request(
         &self,
