@@ -147,20 +147,6 @@ const SCHEMA_FIELDS: [&str; 3] = ["tools", "functions", "response_format"];
 /// Message fields that are not prompt text (or are counted as `content`).
 const MESSAGE_METADATA: [&str; 4] = ["role", "name", "tool_call_id", "content"];
 
-/// Every string inside `v` (object keys excluded, and the `skip` key of the
-/// top object).
-fn strings<'a>(v: &'a Value, skip: &str, out: &mut Vec<&'a str>) {
-    match v {
-        Value::String(s) => out.push(s),
-        Value::Array(items) => items.iter().for_each(|x| strings(x, "", out)),
-        Value::Object(map) => map
-            .iter()
-            .filter(|(k, _)| k.as_str() != skip)
-            .for_each(|(_, x)| strings(x, "", out)),
-        _ => {}
-    }
-}
-
 impl<'a> PromptTexts<'a> {
     fn push(&mut self, text: Cow<'a, str>, path: Option<Vec<PathStep>>, item: usize) {
         if !text.is_empty() {
@@ -168,19 +154,33 @@ impl<'a> PromptTexts<'a> {
         }
     }
 
+    /// Every string inside `v` (not object keys, nor the `skip` key of the
+    /// top object).
     fn push_strings(&mut self, v: &'a Value, skip: &str, item: usize) {
-        let mut found = Vec::new();
-        strings(v, skip, &mut found);
-        found
-            .into_iter()
-            .for_each(|s| self.push(Cow::Borrowed(s), None, item));
+        match v {
+            Value::String(s) => self.push(Cow::Borrowed(s), None, item),
+            Value::Array(items) => {
+                for x in items {
+                    self.push_strings(x, "", item);
+                }
+            }
+            Value::Object(map) => {
+                for (_, x) in map.iter().filter(|(k, _)| k.as_str() != skip) {
+                    self.push_strings(x, "", item);
+                }
+            }
+            _ => {}
+        }
     }
 
     /// One chat message's `content`.
     fn content(&mut self, content: &'a Value, i: usize) -> Result<()> {
         let base = |steps: &[PathStep]| {
-            let mut p = vec![PathStep::Key("messages"), PathStep::Index(i)];
-            p.push(PathStep::Key("content"));
+            let mut p = vec![
+                PathStep::Key("messages"),
+                PathStep::Index(i),
+                PathStep::Key("content"),
+            ];
             p.extend_from_slice(steps);
             p
         };
