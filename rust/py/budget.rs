@@ -11,6 +11,7 @@ use crate::budget::{
 };
 use crate::calibrate::DEFAULT_MAX_CATEGORIES;
 use crate::compress::{route_request, Compressor};
+use crate::openai::MediaTokens;
 
 /// A pool of model instances sharing one context window.
 ///
@@ -244,18 +245,26 @@ impl PyTokenBudgetRouter {
     /// compressed with ``compressor`` (default ``Compressor()``) to the target,
     /// counting with the calibrator's conservative ratio for its category. If
     /// that fails the request is routed as it is (``action`` "route",
-    /// ``compression.status`` says why). Counts the request in flight.
-    #[pyo3(signature = (body, compressor=None, default_max_tokens=4096))]
+    /// ``compression.status`` says why). The estimate counts what
+    /// ``parse_openai_request`` counts (message text, tool schemas and calls,
+    /// ``response_format``, ``image_tokens`` / ``audio_tokens`` per media part)
+    /// and the output bound is ``n`` times the per-choice bound; only message
+    /// prose is ever compressed. Counts the request in flight.
+    #[pyo3(signature = (body, compressor=None, default_max_tokens=4096, *, image_tokens=765, audio_tokens=750))]
     fn route_request(
         &self,
         py: Python<'_>,
         body: &Bound<'_, PyAny>,
         compressor: Option<&Bound<'_, PyCompressor>>,
         default_max_tokens: u64,
+        image_tokens: i64,
+        audio_tokens: i64,
     ) -> PyResult<PyRoutedRequest> {
         let bytes = text_bytes(body, "body")?;
         let compressor = compressor.map_or_else(Compressor::default, |c| c.get().inner);
-        let r = py.detach(|| route_request(&self.inner, &compressor, bytes, default_max_tokens))?;
+        let media = MediaTokens::new(image_tokens, audio_tokens)?;
+        let r = py
+            .detach(|| route_request(&self.inner, &compressor, bytes, default_max_tokens, media))?;
         Ok(PyRoutedRequest {
             decision: Py::new(py, self.decision(py, r.decision))?,
             body: r.body,
@@ -265,6 +274,7 @@ impl PyTokenBudgetRouter {
                 .transpose()?,
             category: r.request.category,
             prompt_bytes: r.request.prompt_bytes,
+            media_tokens: r.request.media_tokens,
             max_output_tokens: r.request.max_output_tokens,
         })
     }

@@ -85,7 +85,10 @@ impl PyCompressor {
     /// body. Only long content (documents, RAG context: earlier turns,
     /// assistant and tool messages, text parts, a completion prompt; at least
     /// 1 KiB and not code) is compressed; system and developer messages and
-    /// the last user message stay intact.
+    /// the last user message stay intact. Sizes count every text
+    /// ``parse_openai_request`` counts (tool schemas and calls included, never
+    /// rewritten); image and audio parts are not counted here
+    /// (``route_request`` subtracts their tokens from the target).
     #[pyo3(signature = (body, token_budget, category=None, bytes_per_token=None))]
     fn compress_request(
         &self,
@@ -289,7 +292,9 @@ impl PyRequestCompression {
 /// ``body`` (bytes to send to ``decision.pool``: compressed when
 /// ``decision.action`` is "compress"), ``compression`` (the outcome when
 /// compression was tried, else None), and what was read from the body:
-/// ``category``, ``prompt_bytes`` (of the original body), ``max_output_tokens``.
+/// ``category``, ``prompt_bytes`` (of the original body), ``media_tokens``
+/// (charged for its image and audio parts), ``max_output_tokens`` (times
+/// ``n``).
 #[pyclass(frozen, name = "RoutedRequest", module = "routecore")]
 pub struct PyRoutedRequest {
     #[pyo3(get)]
@@ -301,6 +306,8 @@ pub struct PyRoutedRequest {
     pub category: &'static str,
     #[pyo3(get)]
     pub prompt_bytes: u64,
+    #[pyo3(get)]
+    pub media_tokens: u64,
     #[pyo3(get)]
     pub max_output_tokens: u64,
 }
