@@ -1,7 +1,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::text_bytes;
+use super::{int_arg, text_bytes};
 use crate::openai::parse_request;
 
 /// Reads the fields routing needs from an OpenAI request body (chat or
@@ -23,7 +23,7 @@ use crate::openai::parse_request;
 pub fn parse_openai_request<'py>(
     py: Python<'py>,
     body: &Bound<'py, PyAny>,
-    default_max_tokens: u64,
+    #[pyo3(from_py_with = int_arg)] default_max_tokens: u64,
 ) -> PyResult<Bound<'py, PyDict>> {
     let bytes = text_bytes(body, "body")?;
     let p = py.detach(|| parse_request(bytes, default_max_tokens))?;
