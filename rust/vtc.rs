@@ -259,8 +259,10 @@ impl VtcRouter {
         let tokens = tokens.max(-u.total);
         match u.buckets.back_mut() {
             Some((id, t)) if *id == bucket => *t += tokens,
-            _ => {
-                self.recency.remove(&(u.last_bucket(), user.to_owned()));
+            last => {
+                if let Some(&mut (id, _)) = last {
+                    self.recency.remove(&(id, user.to_owned()));
+                }
                 u.buckets.push_back((bucket, tokens));
                 self.recency.insert((bucket, user.to_owned()));
             }

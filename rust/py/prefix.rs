@@ -78,8 +78,11 @@ const _: () = assert!(DEFAULT_CAPACITY_BLOCKS == 200_000);
 /// Holds at most ``capacity_blocks`` hashes, evicting the least recently
 /// recorded; with ``ttl_s`` a hash not recorded for longer than ``ttl_s``
 /// seconds is dropped. Time (``now``, seconds) is passed in. A prompt's first
-/// block is recorded last, so shared prefixes are evicted last. Thread-safe;
-/// share one index between routers by passing it to ``PrefixCacheRouter``.
+/// block is recorded last, so shared prefixes are evicted last. Pods get one
+/// of 4,096 ids; when all are taken, the ids of pods that hold no block any
+/// more are reused (those pods leave ``pods``), so any number of distinct pods
+/// may pass through. Thread-safe; share one index between routers by passing
+/// it to ``PrefixCacheRouter``.
 ///
 ///     >>> ix = PrefixIndex(1000)
 ///     >>> h = block_hashes(b"system prompt, then a question", 8)

@@ -20,8 +20,9 @@ const _: () = assert!(DEFAULT_MAX_USERS == 100_000);
 /// max(min_tokens, (lo + hi) / 2)`` and ``x = min(count / bucket, n - 1)``,
 /// pod ``i`` scores ``fairness_weight * |i - x| + utilization_weight *
 /// min(running_i / max_pod_load, 1)``; the lowest score wins (lowest index on
-/// ties). At most ``max_users`` users are held. Time (``now``, seconds) is
-/// passed in. ``running``, where accepted, first overwrites every pod's count.
+/// ties). At most ``max_users`` users are held: a new user beyond that
+/// forgets the least recently active one (oldest latest charge bucket, then
+/// smallest name), in O(log users). Time (``now``, seconds) is passed in. ``running``, where accepted, first overwrites every pod's count.
 ///
 ///     >>> r = VtcRouter(["p0", "p1"])
 ///     >>> r.route("alice", 100, 200)
