@@ -134,7 +134,7 @@ def damaged(draw):
     return name, bytes(data)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(damaged())
 def test_damaged_snapshots_are_value_errors(case):
     restore(*case)
