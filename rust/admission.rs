@@ -1266,6 +1266,18 @@ mod tests {
         let mut extra = bytes.clone();
         extra.push(0);
         assert!(AdmissionController::from_bytes(&extra).is_err());
+        // An entitlement naming a pool the snapshot lacks is a bad snapshot,
+        // not an unknown name (the pool's name is "p", the only lone b'p').
+        let at = bytes
+            .windows(5)
+            .rposition(|w| w == [1, 0, 0, 0, b'p'])
+            .expect("the entitlement's pool");
+        let mut orphan = bytes.clone();
+        orphan[at + 4] = b'q';
+        assert!(matches!(
+            AdmissionController::from_bytes(&orphan),
+            Err(crate::error::Error::Snapshot(_))
+        ));
     }
 
     /// `cargo test --release -- --ignored --nocapture admit_complete_timing`

@@ -43,7 +43,14 @@ pub fn int_arg<'a, 'py, T: FromPyObject<'a, 'py>>(obj: &'a Bound<'py, PyAny>) ->
     obj.extract::<T>().map_err(|e| {
         let e: PyErr = e.into();
         if e.is_instance_of::<PyOverflowError>(obj.py()) {
-            PyValueError::new_err(format!("integer out of range: {}", e.value(obj.py())))
+            // The value itself unless it is long (or not an int at all).
+            let got = obj
+                .str()
+                .map(|s| s.to_string())
+                .ok()
+                .filter(|s| s.len() <= 40)
+                .map_or_else(String::new, |s| format!(" (got {s})"));
+            PyValueError::new_err(format!("integer out of range: {}{got}", e.value(obj.py())))
         } else {
             e
         }
