@@ -4,7 +4,7 @@ use pyo3::types::{PyBytes, PyTuple};
 use pyo3::PyClassInitializer;
 
 use super::budget::PyRouteDecision;
-use super::text_bytes;
+use super::{int_arg, text_bytes};
 use crate::compress::{Compression, Compressor, RequestCompression, Summary, Weights};
 
 /// Extractive prompt compression (FleetOpt section 5.2).
@@ -40,8 +40,8 @@ impl PyCompressor {
         position: f64,
         tfidf: f64,
         novelty: f64,
-        keep_first: i64,
-        keep_last: i64,
+        #[pyo3(from_py_with = int_arg)] keep_first: i64,
+        #[pyo3(from_py_with = int_arg)] keep_last: i64,
     ) -> PyResult<Self> {
         let weights = Weights {
             textrank,
@@ -69,7 +69,7 @@ impl PyCompressor {
         &self,
         py: Python<'_>,
         text: &str,
-        token_budget: i64,
+        #[pyo3(from_py_with = int_arg)] token_budget: i64,
         category: Option<&str>,
         bytes_per_token: Option<f64>,
     ) -> PyResult<Py<PyCompressionResult>> {
@@ -94,7 +94,7 @@ impl PyCompressor {
         &self,
         py: Python<'_>,
         body: &Bound<'_, PyAny>,
-        token_budget: i64,
+        #[pyo3(from_py_with = int_arg)] token_budget: i64,
         category: Option<&str>,
         bytes_per_token: Option<f64>,
     ) -> PyResult<Py<PyRequestCompression>> {

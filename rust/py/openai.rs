@@ -1,7 +1,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::text_bytes;
+use super::{int_arg, text_bytes};
 use crate::openai::{parse_request, MediaTokens};
 
 /// Reads the fields routing needs from an OpenAI request body (chat or
@@ -31,9 +31,9 @@ use crate::openai::{parse_request, MediaTokens};
 pub fn parse_openai_request<'py>(
     py: Python<'py>,
     body: &Bound<'py, PyAny>,
-    default_max_tokens: u64,
-    image_tokens: i64,
-    audio_tokens: i64,
+    #[pyo3(from_py_with = int_arg)] default_max_tokens: u64,
+    #[pyo3(from_py_with = int_arg)] image_tokens: i64,
+    #[pyo3(from_py_with = int_arg)] audio_tokens: i64,
 ) -> PyResult<Bound<'py, PyDict>> {
     let bytes = text_bytes(body, "body")?;
     let media = MediaTokens::new(image_tokens, audio_tokens)?;
