@@ -93,6 +93,18 @@ CASES = {
     "parse_openai_request.default_max_tokens": lambda v: core.parse_openai_request(
         b'{"messages": []}', v
     ),
+    "parse_openai_request.image_tokens": lambda v: core.parse_openai_request(
+        b'{"messages": []}', image_tokens=v
+    ),
+    "parse_openai_request.audio_tokens": lambda v: core.parse_openai_request(
+        b'{"messages": []}', audio_tokens=v
+    ),
+    "TokenBudgetRouter.route_request.image_tokens": lambda v: budget_router().route_request(
+        b'{"messages": []}', image_tokens=v
+    ),
+    "TokenBudgetRouter.route_request.audio_tokens": lambda v: budget_router().route_request(
+        b'{"messages": []}', audio_tokens=v
+    ),
     "Instance.__new__.max_batch": lambda v: core.Instance("i", "m", 0.02, 1.0, 2.0, v),
     "Instance.latency.batch_size": lambda v: INSTANCE.latency(10.0, 10.0, 0.0, v),
     "BatchScheduler.assign_one.in_tokens": lambda v: scheduler().assign_one(
