@@ -18,8 +18,6 @@ pub mod prefix;
 pub mod profile;
 pub mod queueing;
 pub mod rng;
-#[cfg(feature = "server")]
-pub mod serve;
 pub mod sim;
 #[cfg(feature = "server")]
 pub mod serve;

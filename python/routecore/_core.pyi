@@ -119,12 +119,21 @@ class TokenBudgetRouter:
         body: str | bytes,
         compressor: Compressor | None = None,
         default_max_tokens: int = 4096,
+        *,
+        image_tokens: int = 765,
+        audio_tokens: int = 750,
     ) -> RoutedRequest: ...
     @property
     def compress_band(self) -> float | None: ...
 
 def classify(text: str | bytes) -> Literal["prose", "code", "cjk", "mixed"]: ...
-def parse_openai_request(body: str | bytes, default_max_tokens: int = 4096) -> dict[str, Any]: ...
+def parse_openai_request(
+    body: str | bytes,
+    default_max_tokens: int = 4096,
+    *,
+    image_tokens: int = 765,
+    audio_tokens: int = 750,
+) -> dict[str, Any]: ...
 
 # --- batched model and instance assignment, RouteBalance (capability 6) ------
 
@@ -476,6 +485,8 @@ class RoutedRequest:
     def category(self) -> str: ...
     @property
     def prompt_bytes(self) -> int: ...
+    @property
+    def media_tokens(self) -> int: ...
     @property
     def max_output_tokens(self) -> int: ...
 

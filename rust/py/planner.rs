@@ -4,8 +4,8 @@ use pyo3::types::PyDict;
 use crate::planner::{self, Candidate, PlanConfig};
 use crate::profile::Profile;
 use crate::py::profile::PyProfile;
-use crate::py::set_fields;
 use crate::py::workload::PyWorkload;
+use crate::py::{int_arg, set_fields};
 
 /// One fleet of a plan: a short pool at ``b_short`` tokens and a long pool,
 /// with C&R at bandwidth ``gamma``. The homogeneous fleet has ``b_short == 0``
@@ -149,7 +149,11 @@ impl PyPlan {
     }
 
     /// The sweep's candidate at (``b_short``, ``gamma``); KeyError if absent.
-    fn candidate(&self, b_short: u64, gamma: f64) -> PyResult<PyCandidate> {
+    fn candidate(
+        &self,
+        #[pyo3(from_py_with = int_arg)] b_short: u64,
+        gamma: f64,
+    ) -> PyResult<PyCandidate> {
         self.plan
             .candidate(b_short, gamma)
             .map(Into::into)
@@ -205,13 +209,13 @@ pub fn plan(
     arrival_rate: f64,
     slo_ttft_s: f64,
     profile: Option<&PyProfile>,
-    b_short: Option<Vec<u64>>,
+    #[pyo3(from_py_with = int_arg)] b_short: Option<Vec<u64>>,
     gammas: Option<Vec<f64>>,
     p_c: f64,
     p_c_by_category: Option<std::collections::BTreeMap<String, f64>>,
     phi: f64,
     rho_max: f64,
-    long_context: u64,
+    #[pyo3(from_py_with = int_arg)] long_context: u64,
     prefill_quantile: f64,
 ) -> PyResult<PyPlan> {
     let profile = profile.map_or_else(Profile::llama3_70b_a100, |p| p.inner.clone());

@@ -8,7 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::{float_array, int_array};
+use super::{float_array, int_arg, int_array};
 use crate::sim::engine::blocks_for;
 use crate::sim::timing::LinearTiming;
 use crate::sim::{
@@ -39,15 +39,15 @@ impl PySimPool {
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: &str,
-        instances: i64,
-        max_context: i64,
-        max_num_seqs: i64,
-        kv_blocks: Option<i64>,
-        chunk: i64,
+        #[pyo3(from_py_with = int_arg)] instances: i64,
+        #[pyo3(from_py_with = int_arg)] max_context: i64,
+        #[pyo3(from_py_with = int_arg)] max_num_seqs: i64,
+        #[pyo3(from_py_with = int_arg)] kv_blocks: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] chunk: i64,
         w: f64,
         h: f64,
-        gpus_per_instance: i64,
-        budget: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] gpus_per_instance: i64,
+        #[pyo3(from_py_with = int_arg)] budget: Option<i64>,
     ) -> PyResult<Self> {
         let timing = Arc::new(LinearTiming::new(w, h)?);
         let kv_blocks = kv_blocks.unwrap_or_else(|| {
@@ -309,7 +309,7 @@ pub fn simulate(
     dispatch: &str,
     arrivals: &str,
     rate: Option<f64>,
-    seed: u64,
+    #[pyo3(from_py_with = int_arg)] seed: u64,
     warmup: f64,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<PySimReport> {

@@ -39,6 +39,9 @@ pub struct LimitsSpec {
     pub max_message_bytes: u64,
     pub request_timeout_s: f64,
     pub default_max_tokens: u64,
+    /// Tokens charged per image and per audio part of a request.
+    pub image_tokens: u64,
+    pub audio_tokens: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

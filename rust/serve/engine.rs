@@ -26,6 +26,7 @@ use crate::budget::{compressible_category, Action, Decision, Pool, Request, Toke
 use crate::calibrate::Calibrator;
 use crate::compress::{route_request, Compressor};
 use crate::error::{invalid, Error, Result};
+use crate::openai::MediaTokens;
 use crate::prefix::{
     block_hashes, PrefixCacheRouter, PrefixConfig, PrefixIndex, Tokens, DEFAULT_CAPACITY_BLOCKS,
 };
@@ -412,6 +413,7 @@ pub struct Engine {
     pub spec: Spec,
     router: TokenBudgetRouter,
     compressor: Compressor,
+    media: MediaTokens,
     pub choosers: Vec<Chooser>,
     tenants: Vec<Tenant>,
     keys: HashMap<[u8; 32], usize>,
@@ -506,10 +508,15 @@ impl Engine {
         let default_pool = router.pool_index(&spec.server.default_pool)?;
         let timeout = Duration::from_secs_f64(spec.limits.request_timeout_s);
         let key_header = spec.server.key_header.to_ascii_lowercase().into_bytes();
+        let media = MediaTokens::new(
+            int(spec.limits.image_tokens),
+            int(spec.limits.audio_tokens),
+        )?;
         let engine = Arc::new(Self {
             spec,
             router,
             compressor: Compressor::default(),
+            media,
             choosers,
             tenants,
             keys,
@@ -639,6 +646,7 @@ impl Engine {
             &self.compressor,
             body,
             self.spec.limits.default_max_tokens,
+            self.media,
         ) {
             Ok(r) => r,
             Err(e) => {
@@ -653,7 +661,10 @@ impl Engine {
                 .place(d, tenant, None, Key::Bytes(&new_body), Some(new_body.clone()))
                 .await;
         }
-        let learn = (r.request.prompt_tokens.is_none()).then_some((r.request.prompt_bytes, r.request.category));
+        // Token ids are exact, and the usage of image and audio parts is not
+        // text: such requests are not learned from.
+        let learn = (r.request.prompt_tokens.is_none() && r.request.media_tokens == 0)
+            .then_some((r.request.prompt_bytes, r.request.category));
         self.place(d, tenant, learn, Key::Bytes(body), None).await
     }
 

@@ -640,7 +640,8 @@ mod tests {
         let json = serde_json::json!({
             "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "short"},
             "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                       "request_timeout_s": 30.0, "default_max_tokens": 100},
+                       "request_timeout_s": 30.0, "default_max_tokens": 100,
+                       "image_tokens": 765, "audio_tokens": 750},
             "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
             "pools": [
                 {"name": "short", "max_context": 8192, "budget": null, "queue_limit": null,

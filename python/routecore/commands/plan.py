@@ -8,6 +8,7 @@ from typing import Any
 
 from routecore._core import Candidate, Plan, Profile, Workload, plan
 from routecore._extras import pyplot
+from routecore.commands._args import fraction, positive_float, token_count
 from routecore.planning import fleetopt_profile, fleetopt_workload, table3_rows
 from routecore.profiles import PRESETS, load_profile
 
@@ -34,26 +35,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-column", default="ContextTokens", help="CSV input-token column")
     p.add_argument("--output-column", default="GeneratedTokens", help="CSV output-token column")
     p.add_argument("--category-column", help="CSV category column (for --p-c-category)")
-    p.add_argument("--rate", type=float, default=1000.0, help="arrival rate, req/s (1000)")
-    p.add_argument("--slo-ms", type=float, default=500.0, help="P99 TTFT target, ms (500)")
+    p.add_argument("--rate", type=positive_float, default=1000.0, help="arrival rate, req/s (1000)")
+    p.add_argument("--slo-ms", type=positive_float, default=500.0, help="P99 TTFT target, ms (500)")
     p.add_argument(
         "--profile",
         default="llama3_70b_a100",
         help=f"preset ({', '.join(PRESETS)}) or a TOML file (default llama3_70b_a100)",
     )
-    p.add_argument("--price", type=float, help="$/GPU-hour (default: the profile's)")
+    p.add_argument("--price", type=positive_float, help="$/GPU-hour (default: the profile's)")
     p.add_argument(
         "--h-ref-tokens",
-        type=int,
+        type=token_count,
         help="scale the per-slot cost H by L_total / N (length-scaled slot model)",
     )
     p.add_argument(
         "--b-short",
-        type=int,
+        type=token_count,
         action="append",
         help="candidate short-pool boundary, tokens (repeat; default: 256 ... 49152)",
     )
-    p.add_argument("--p-c", type=float, default=1.0, help="compressibility p_c (1.0)")
+    p.add_argument("--p-c", type=fraction, default=1.0, help="compressibility p_c (1.0)")
     p.add_argument(
         "--p-c-category",
         type=parse_category_pc,
@@ -61,8 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="CATEGORY=P_C",
         help="per-category compressibility, e.g. code=0 (repeat)",
     )
-    p.add_argument("--phi", type=float, default=1.0, help="long/short GPU cost ratio (1.0)")
-    p.add_argument("--long-context", type=int, default=65536, help="long pool context (65536)")
+    p.add_argument(
+        "--phi", type=positive_float, default=1.0, help="long/short GPU cost ratio (1.0)"
+    )
+    p.add_argument(
+        "--long-context", type=token_count, default=65536, help="long pool context (65536)"
+    )
     p.add_argument(
         "--fleetopt-assumptions",
         action="store_true",

@@ -21,6 +21,16 @@ import numpy as np
 
 from routecore._core import Profile, SimPool, SimReport, Workload, plan, simulate
 from routecore._extras import pyplot
+from routecore.commands._args import (
+    band,
+    non_negative_int,
+    positive_float,
+    positive_fraction,
+    positive_int,
+    proper_fraction,
+    random_seed,
+    token_count,
+)
 from routecore.profiles import load_profile
 
 NAME = "simulate"
@@ -80,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="'azure-2023' (the shipped trace) or a CSV with ContextTokens and "
         "GeneratedTokens columns (default azure-2023)",
     )
-    p.add_argument("--rate", type=float, default=1000.0, help="requests/s (default 1000)")
+    p.add_argument("--rate", type=positive_float, default=1000.0, help="requests/s (default 1000)")
     p.add_argument(
         "--arrivals",
         choices=("trace", "poisson"),
@@ -90,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--duration",
-        type=float,
+        type=positive_float,
         default=120.0,
         help="simulated seconds of arrivals: rate x DURATION requests, the trace repeated "
         "end to end as needed (default 120, long enough for steady state)",
@@ -114,26 +124,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="least-loaded",
         help="instance choice inside a pool (default least-loaded)",
     )
-    p.add_argument("--b-short", type=int, help="short-pool boundary B (default: the planner's)")
-    p.add_argument("--gamma", type=float, help="compress-and-route band (default: the planner's)")
+    p.add_argument(
+        "--b-short", type=token_count, help="short-pool boundary B (default: the planner's)"
+    )
+    p.add_argument("--gamma", type=band, help="compress-and-route band (default: the planner's)")
     p.add_argument(
         "--no-compress-code",
         action="store_true",
         help="never compress code (plan with p_c = 0 for it); default: p_c = 1, as FleetOpt "
         "evaluates Azure",
     )
-    p.add_argument("--homogeneous-gpus", type=int, help="override the homogeneous size")
-    p.add_argument("--short-gpus", type=int, help="override the short pools' size")
-    p.add_argument("--long-gpus", type=int, help="override the long pools' size")
-    p.add_argument("--rho-max", type=float, default=0.85, help="utilization cap (0.85)")
+    p.add_argument("--homogeneous-gpus", type=positive_int, help="override the homogeneous size")
+    p.add_argument("--short-gpus", type=positive_int, help="override the short pools' size")
+    p.add_argument("--long-gpus", type=positive_int, help="override the long pools' size")
+    p.add_argument("--rho-max", type=positive_fraction, default=0.85, help="utilization cap (0.85)")
     p.add_argument(
         "--slo-ttft",
-        type=float,
+        type=positive_float,
         default=2.0,
         help="P99 TTFT target for the planner and per-request SLO, s (2.0, the token-budget "
         "paper's)",
     )
-    p.add_argument("--slo-tpot", type=float, default=0.08, help="TPOT target, s (0.08)")
+    p.add_argument("--slo-tpot", type=positive_float, default=0.08, help="TPOT target, s (0.08)")
     p.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
@@ -143,10 +155,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "10%% a round and simulate again, up to --verify-rounds; the table shows planned "
         "and verified GPUs. --no-verify simulates the planner's sizes as they are",
     )
-    p.add_argument("--verify-target", type=float, default=0.99, help="per-pool SLO (0.99)")
-    p.add_argument("--verify-rounds", type=int, default=15, help="rounds at most (15)")
-    p.add_argument("--warmup", type=float, default=0.2, help="warm-up fraction (0.2)")
-    p.add_argument("--seed", type=int, default=42, help="seed (42)")
+    p.add_argument(
+        "--verify-target", type=positive_fraction, default=0.99, help="per-pool SLO (0.99)"
+    )
+    p.add_argument("--verify-rounds", type=non_negative_int, default=15, help="rounds at most (15)")
+    p.add_argument("--warmup", type=proper_fraction, default=0.2, help="warm-up fraction (0.2)")
+    p.add_argument("--seed", type=random_seed, default=42, help="seed (42)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="DIR", help="write latency CDFs and utilization PNGs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
