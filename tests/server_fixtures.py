@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -87,3 +88,38 @@ class Running:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         self.loop.close()
+
+
+def in_flight(r: Running) -> dict[str, int]:
+    """Everything a request holds while in flight, summed over the live engines
+    of the data plane: leases, the router's in-flight counts, the endpoint
+    choosers' loads (and their core routers' running counts), the in-memory
+    admission tickets and the in-flight gauge."""
+    state = r.server.plane.in_flight()
+    out = {"leases": state["leases"], "admission": state["admission"]}
+    for pool, n in state["router"].items():
+        out[f"router:{pool}"] = n
+    for pool, loads in state["chooser"].items():
+        out[f"chooser:{pool}"] = sum(loads.values())
+    for pool, running in state["running"].items():
+        out[f"chooser-running:{pool}"] = sum(running.values())
+    text = r.server.plane.metrics_text()
+    out["gauge"] = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("routecore_in_flight{")
+    )
+    return out
+
+
+def wait_settled(r: Running, timeout: float = 5.0) -> dict[str, int]:
+    """Polls :func:`in_flight` until every count is zero (streams end on the
+    server a little after the client sees their end); fails with the counts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = in_flight(r)
+        if not any(counts.values()):
+            return counts
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still in flight: {counts}")
+        time.sleep(0.02)
