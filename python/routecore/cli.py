@@ -17,6 +17,7 @@ from routecore.commands import (
     admission_scenario,
     assign_eval,
     calibration_study,
+    client,
     compress,
     plan,
     prefix_eval,
@@ -36,6 +37,7 @@ COMMANDS = [
     admission_scenario,
 ]
 COMMANDS.append(serve_command)
+COMMANDS.append(client)
 
 
 def build_parser() -> argparse.ArgumentParser:

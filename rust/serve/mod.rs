@@ -2,3 +2,4 @@
 //! a tokio runtime owned by the extension (feature `server`).
 
 pub mod admission;
+pub mod loadgen;
