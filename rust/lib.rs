@@ -51,6 +51,9 @@ mod _core {
         PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
         PyRoutedRequest,
     };
+    #[cfg(feature = "server")]
+    #[pymodule_export]
+    use crate::py::loadgen::load;
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
     #[pymodule_export]

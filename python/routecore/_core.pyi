@@ -945,7 +945,17 @@ def priority_weight(
     burst: float = 0.0,
     debt: float = 0.0,
 ) -> float: ...
-
+def load(
+    target: str,
+    requests: int = 200,
+    concurrency: int = 8,
+    rate: float | None = None,
+    duration_s: float | None = None,
+    body_bytes: int = 1024,
+    api_key: str = "demo-key",
+    server_pid: int | None = None,
+    threads: int = 1,
+) -> dict[str, Any]: ...
 def admission_lua() -> dict[str, str]: ...
 def admission_redis_config(
     pools: list[TokenPool],
@@ -953,6 +963,7 @@ def admission_redis_config(
     window_s: float,
     lease_s: float,
 ) -> dict[str, str]: ...
+
 @final
 class AdmissionController:
     """Multi-tenant admission control over token pools (Cunningham 2026)."""

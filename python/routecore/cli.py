@@ -18,6 +18,7 @@ from routecore.commands import (
     admission_scenario,
     assign_eval,
     calibration_study,
+    client,
     compress,
     plan,
     prefix_eval,
@@ -37,6 +38,7 @@ COMMANDS = [
     admission_scenario,
 ]
 COMMANDS.append(serve_command)
+COMMANDS.append(client)
 
 
 class UsageError(Exception):

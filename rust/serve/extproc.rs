@@ -586,6 +586,13 @@ async fn next(mut st: StreamState) -> Option<(std::result::Result<ProcessingResp
             Ok(None) => return None,
             Err(status) => {
                 st.ended = true;
+                // tonic reports a message over the size limit as OUT_OF_RANGE;
+                // gRPC's code for it is RESOURCE_EXHAUSTED.
+                let status = if status.code() == tonic::Code::OutOfRange {
+                    Status::resource_exhausted(status.message().to_string())
+                } else {
+                    status
+                };
                 return Some((Err(status), st));
             }
         };

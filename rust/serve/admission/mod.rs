@@ -269,7 +269,9 @@ fn monotonic_s() -> f64 {
     ORIGIN.get_or_init(Instant::now).elapsed().as_secs_f64()
 }
 
-/// The admission layer of the data plane.
+/// The admission layer of the data plane (one per configuration, so the
+/// variants' sizes do not matter).
+#[allow(clippy::large_enum_variant)]
 pub enum Admission {
     Memory(MemoryAdmission),
     Redis(RedisAdmission),

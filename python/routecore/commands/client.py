@@ -1,0 +1,130 @@
+"""``routecore client --load``: drive a routecore ext_proc server from Rust and measure it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+NAME = "client"
+HELP = (
+    "Drive Envoy ext_proc conversations against a routecore server (request headers, "
+    "body, response headers, a response body with usage) from the Rust load client and "
+    "report throughput, added latency p50/p99 and, with --server-pid, the server's CPU "
+    "time and context switches per conversation."
+)
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def _target(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--load",
+        action="store_true",
+        required=True,
+        help="run a load test (the only mode; single conversations: routecore.server.envoy_client)",
+    )
+    p.add_argument("--target", required=True, type=_target, help="HOST:PORT of the ext_proc server")
+    p.add_argument(
+        "--rate",
+        type=_rate,
+        help="conversations started per second, paced (default: closed loop)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_count,
+        default=8,
+        help="streams in flight at once (default 8)",
+    )
+    p.add_argument(
+        "--requests",
+        type=_count,
+        default=200,
+        help="conversations to run (default 200)",
+    )
+    p.add_argument(
+        "--duration",
+        type=_rate,
+        metavar="SECONDS",
+        help="stop starting conversations after this many seconds (default: no limit)",
+    )
+    p.add_argument(
+        "--body-bytes",
+        type=_count,
+        default=1024,
+        help="size of each request body, a chat request padded to it (default 1024)",
+    )
+    p.add_argument("--api-key", default="demo-key", help="x-api-key sent (default demo-key)")
+    p.add_argument(
+        "--server-pid",
+        type=_count,
+        help="the server's process id: report its CPU time and context switches per conversation",
+    )
+    p.add_argument(
+        "--threads",
+        type=_count,
+        default=1,
+        help="client threads (default 1)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from routecore._core import load
+
+    report = load(
+        args.target,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        rate=args.rate,
+        duration_s=args.duration,
+        body_bytes=args.body_bytes,
+        api_key=args.api_key,
+        server_pid=args.server_pid,
+        threads=args.threads,
+    )
+    if args.json:
+        print(json.dumps(report))
+        return 0 if report["errors"] == 0 else 1
+    print(
+        f"{report['requests']} conversations in {report['seconds']:.2f} s: "
+        f"{report['throughput_per_s']:.0f}/s; refused {report['refused']}, "
+        f"errors {report['errors']}"
+    )
+    print(
+        f"added latency p50 {report['p50_ms']:.3f} ms, p99 {report['p99_ms']:.3f} ms, "
+        f"mean {report['mean_ms']:.3f} ms"
+    )
+    for key, label, unit in (
+        ("server_cpu_ms", "server CPU per conversation", "ms"),
+        ("server_context_switches", "server context switches per conversation", ""),
+        ("client_cpu_ms", "client CPU per conversation", "ms"),
+    ):
+        if report[key] is not None:
+            print(f"{label}: {report[key]:.4f} {unit}".rstrip())
+    return 0 if report["errors"] == 0 else 1

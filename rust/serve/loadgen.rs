@@ -1,0 +1,344 @@
+//! The ext_proc load client: drives conversations as Envoy holds them
+//! (BUFFERED mode: request headers, request body, response headers, a
+//! response body carrying usage; each message answered before the next) over
+//! tonic, and reports throughput, the added latency (what Envoy waits on the
+//! processor before the request can go upstream: the headers and body round
+//! trips) and, from the server process's own counters in /proc, its CPU time
+//! and context switches per conversation.
+//!
+//! Closed loop: `concurrency` streams, each starting its next conversation
+//! when the last ends. Paced: conversation `i` starts at `i / rate` seconds
+//! (at most `concurrency` in flight). Bounded by `requests` and, if given,
+//! `duration_s`.
+
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::{invalid, Error};
+
+/// What to drive.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadSpec {
+    /// `HOST:PORT` of the ext_proc server.
+    pub target: String,
+    /// Conversations to run (at most).
+    pub requests: u64,
+    /// Streams in flight at once.
+    pub concurrency: usize,
+    /// Conversations started per second; None: closed loop.
+    pub rate: Option<f64>,
+    /// Stop starting conversations after this long.
+    pub duration_s: Option<f64>,
+    /// Size of the request body (a chat request padded to it).
+    pub body_bytes: usize,
+    pub api_key: String,
+    /// The server's process id, for its CPU time and context switches.
+    pub server_pid: Option<u32>,
+}
+
+impl Default for LoadSpec {
+    fn default() -> Self {
+        Self {
+            target: "127.0.0.1:9002".into(),
+            requests: 200,
+            concurrency: 8,
+            rate: None,
+            duration_s: None,
+            body_bytes: 1024,
+            api_key: "demo-key".into(),
+            server_pid: None,
+        }
+    }
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LoadReport {
+    /// Conversations run to their end.
+    pub requests: u64,
+    /// Conversations answered with an immediate response (401, 429, 503 ...).
+    pub refused: u64,
+    /// Conversations that failed (a gRPC error, a missing answer).
+    pub errors: u64,
+    pub seconds: f64,
+    pub throughput_per_s: f64,
+    /// Added latency, milliseconds.
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub mean_ms: f64,
+    /// The server's CPU time (user + system) per conversation, milliseconds.
+    pub server_cpu_ms: Option<f64>,
+    /// The server's context switches (voluntary + involuntary) per conversation.
+    pub server_context_switches: Option<f64>,
+    /// This process's CPU time per conversation (the client's own cost).
+    pub client_cpu_ms: Option<f64>,
+}
+
+/// USER_HZ: /proc reports CPU time in these ticks per second (fixed by the
+/// Linux ABI).
+const CLOCK_TICKS_PER_S: f64 = 100.0;
+
+/// CPU seconds (user + system) of process `pid`, from /proc/<pid>/stat.
+pub fn cpu_s(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) in parentheses:
+    // state is field 3, utime and stime fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / CLOCK_TICKS_PER_S)
+}
+
+/// Context switches (voluntary + involuntary) of process `pid`'s threads,
+/// from /proc/<pid>/task/*/status (the process's own status line counts only
+/// its main thread).
+pub fn context_switches(pid: u32) -> Option<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let Ok(status) = std::fs::read_to_string(task.ok()?.path().join("status")) else {
+            continue; // the thread ended meanwhile
+        };
+        for line in status.lines() {
+            if let Some(v) = line
+                .strip_prefix("voluntary_ctxt_switches:")
+                .or_else(|| line.strip_prefix("nonvoluntary_ctxt_switches:"))
+            {
+                total += v.trim().parse::<u64>().ok()?;
+            }
+        }
+    }
+    Some(total)
+}
+
+fn header_map(pairs: &[(&str, &str)]) -> HeaderMap {
+    HeaderMap {
+        headers: pairs
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: (*k).into(),
+                raw_value: v.as_bytes().to_vec(),
+                ..Default::default()
+            })
+            .collect(),
+    }
+}
+
+/// The messages of one conversation, built once and cloned per conversation.
+struct Messages {
+    request_headers: ProcessingRequest,
+    request_body: ProcessingRequest,
+    response_headers: ProcessingRequest,
+    response_body: ProcessingRequest,
+}
+
+fn message(request: Request) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(request),
+        ..Default::default()
+    }
+}
+
+/// A chat request of about `bytes` bytes.
+pub fn chat_body(bytes: usize) -> Vec<u8> {
+    let head = r#"{"model":"m","max_tokens":100,"messages":[{"role":"user","content":""#;
+    let tail = r#""}]}"#;
+    let pad = bytes.saturating_sub(head.len() + tail.len()).max(1);
+    let text: String = "Summarise the following text. "
+        .chars()
+        .cycle()
+        .take(pad)
+        .collect();
+    format!("{head}{text}{tail}").into_bytes()
+}
+
+impl Messages {
+    fn new(spec: &LoadSpec) -> Self {
+        let headers = |end| HttpHeaders {
+            headers: Some(header_map(&[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                (":authority", "routecore-load"),
+                ("content-type", "application/json"),
+                ("x-api-key", &spec.api_key),
+            ])),
+            end_of_stream: end,
+            ..Default::default()
+        };
+        let usage = br#"{"choices":[],"usage":{"prompt_tokens":300,"completion_tokens":50}}"#;
+        Self {
+            request_headers: message(Request::RequestHeaders(headers(false))),
+            request_body: message(Request::RequestBody(HttpBody {
+                body: chat_body(spec.body_bytes),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            response_headers: message(Request::ResponseHeaders(HttpHeaders {
+                headers: Some(header_map(&[
+                    (":status", "200"),
+                    ("content-type", "application/json"),
+                ])),
+                ..Default::default()
+            })),
+            response_body: message(Request::ResponseBody(HttpBody {
+                body: usage.to_vec(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+        }
+    }
+}
+
+/// How one conversation ended.
+enum Outcome {
+    /// Routed and finished; the added latency.
+    Done(Duration),
+    /// An immediate response ended it (a refusal).
+    Refused(Duration),
+    Failed,
+}
+
+async fn conversation(client: &mut ExternalProcessorClient<Channel>, m: &Messages) -> Outcome {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let start = Instant::now();
+    if tx.send(m.request_headers.clone()).is_err() {
+        return Outcome::Failed;
+    }
+    let Ok(response) = client.process(UnboundedReceiverStream::new(rx)).await else {
+        return Outcome::Failed;
+    };
+    let mut answers = response.into_inner();
+    let mut next = async |msg: Option<&ProcessingRequest>| -> Option<bool> {
+        if let Some(msg) = msg {
+            tx.send(msg.clone()).ok()?;
+        }
+        let answer = answers.message().await.ok()??;
+        Some(matches!(
+            answer.response,
+            Some(Response::ImmediateResponse(_))
+        ))
+    };
+    // The request headers went out with the call.
+    match next(None).await {
+        None => return Outcome::Failed,
+        Some(true) => return Outcome::Refused(start.elapsed()),
+        Some(false) => {}
+    }
+    match next(Some(&m.request_body)).await {
+        None => return Outcome::Failed,
+        Some(true) => return Outcome::Refused(start.elapsed()),
+        Some(false) => {}
+    }
+    let added = start.elapsed();
+    for msg in [&m.response_headers, &m.response_body] {
+        if next(Some(msg)).await.is_none() {
+            return Outcome::Failed;
+        }
+    }
+    Outcome::Done(added)
+}
+
+/// Runs the load; call on a tokio runtime.
+pub async fn run(spec: &LoadSpec) -> Result<LoadReport, Error> {
+    if spec.concurrency == 0 || spec.requests == 0 {
+        return Err(invalid("requests and concurrency must be >= 1"));
+    }
+    if spec.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+        return Err(invalid("rate must be a finite number > 0"));
+    }
+    if spec.duration_s.is_some_and(|d| !(d.is_finite() && d > 0.0)) {
+        return Err(invalid("duration_s must be a finite number > 0"));
+    }
+    let endpoint = Endpoint::from_shared(format!("http://{}", spec.target))
+        .map_err(|e| invalid(format!("target {:?}: {e}", spec.target)))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5));
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| invalid(format!("cannot connect to {}: {e}", spec.target)))?;
+    let messages = std::sync::Arc::new(Messages::new(spec));
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let me = std::process::id();
+    let server_before = spec.server_pid.and_then(cpu_s);
+    let switches_before = spec.server_pid.and_then(context_switches);
+    let client_before = cpu_s(me);
+    let start = Instant::now();
+    let deadline = spec.duration_s.map(|d| start + Duration::from_secs_f64(d));
+    let workers: Vec<_> = (0..spec.concurrency)
+        .map(|_| {
+            let mut client = ExternalProcessorClient::new(channel.clone());
+            let (m, next, spec) = (messages.clone(), next.clone(), spec.clone());
+            tokio::spawn(async move {
+                let mut out = (Vec::new(), 0u64, 0u64);
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= spec.requests || deadline.is_some_and(|d| Instant::now() >= d) {
+                        break;
+                    }
+                    if let Some(rate) = spec.rate {
+                        tokio::time::sleep_until(
+                            (start + Duration::from_secs_f64(i as f64 / rate)).into(),
+                        )
+                        .await;
+                    }
+                    match conversation(&mut client, &m).await {
+                        Outcome::Done(d) => out.0.push(d.as_secs_f64()),
+                        Outcome::Refused(d) => {
+                            out.0.push(d.as_secs_f64());
+                            out.1 += 1;
+                        }
+                        Outcome::Failed => out.2 += 1,
+                    }
+                }
+                out
+            })
+        })
+        .collect();
+    let mut latencies = Vec::new();
+    let (mut refused, mut errors) = (0, 0);
+    for w in workers {
+        let (l, r, e) = w.await.map_err(|e| invalid(format!("load worker: {e}")))?;
+        latencies.extend(l);
+        refused += r;
+        errors += e;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let n = latencies.len() as u64 + errors;
+    latencies.sort_by(f64::total_cmp);
+    let pick = |q: f64| {
+        latencies
+            .get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1)))
+            .map_or(0.0, |s| s * 1e3)
+    };
+    let per = |d: Option<f64>| d.filter(|_| n > 0).map(|d| d / n as f64);
+    let server_after = spec.server_pid.and_then(cpu_s);
+    let switches_after = spec.server_pid.and_then(context_switches);
+    Ok(LoadReport {
+        requests: n,
+        refused,
+        errors,
+        seconds,
+        throughput_per_s: n as f64 / seconds,
+        p50_ms: pick(0.5),
+        p99_ms: pick(0.99),
+        mean_ms: if latencies.is_empty() {
+            0.0
+        } else {
+            latencies.iter().sum::<f64>() / latencies.len() as f64 * 1e3
+        },
+        server_cpu_ms: per(server_before.zip(server_after).map(|(a, b)| (b - a) * 1e3)),
+        server_context_switches: per(switches_before
+            .zip(switches_after)
+            .map(|(a, b)| b.saturating_sub(a) as f64)),
+        client_cpu_ms: per(client_before.zip(cpu_s(me)).map(|(a, b)| (b - a) * 1e3)),
+    })
+}

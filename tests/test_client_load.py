@@ -1,0 +1,118 @@
+"""The Rust ext_proc load client (``routecore._core.load``, ``routecore client --load``)
+against ``routecore serve`` in its own process: bounded, loopback only. Speed is
+reported, never asserted."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("grpc")
+pytest.importorskip("envoy")
+
+from routecore import cli  # noqa: E402
+from routecore._core import load  # noqa: E402
+from routecore.server.envoy_client import free_port, serve_command  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, int]]:
+    port = free_port()
+    cmd = serve_command(str(EXAMPLE), port, free_port(), "--log-level", "warning")
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("routecore serve did not start")
+            time.sleep(0.05)
+    yield f"127.0.0.1:{port}", proc.pid
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_closed_loop_routes_every_conversation_and_reads_server_counters(server):
+    target, pid = server
+    report = load(target, requests=300, concurrency=8, body_bytes=4096, server_pid=pid)
+    print(report)
+    assert (report["requests"], report["refused"], report["errors"]) == (300, 0, 0)
+    assert 0 < report["p50_ms"] <= report["p99_ms"]
+    assert report["server_cpu_ms"] > 0 and report["server_context_switches"] > 0
+    assert report["client_cpu_ms"] >= 0
+
+
+def test_paced_run_starts_conversations_on_schedule(server):
+    target, _ = server
+    report = load(target, requests=50, concurrency=4, rate=250.0)
+    # The last of 50 starts at 49 / 250 s: pacing cannot finish sooner.
+    assert report["seconds"] >= 49 / 250
+    assert (report["requests"], report["errors"]) == (50, 0)
+    assert report["server_cpu_ms"] is None
+
+
+def test_a_wrong_key_is_refused_not_an_error(server):
+    target, _ = server
+    report = load(target, requests=20, concurrency=2, api_key="wrong")
+    assert (report["refused"], report["errors"]) == (20, 0)
+
+
+def test_duration_bounds_the_run(server):
+    target, _ = server
+    report = load(target, requests=10**9, concurrency=2, rate=100.0, duration_s=0.3)
+    assert 0 < report["requests"] <= 40
+
+
+def test_cli_prints_one_json_report(server, capsys):
+    target, _ = server
+    argv = ["client", "--load", "--target", target, "--requests", "40", "--json"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 40 and report["errors"] == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--rate", "-1"],
+        ["--rate", "nan"],
+        ["--concurrency", "0"],
+        ["--requests", "-5"],
+        ["--body-bytes", "x"],
+        ["--target", "nohost"],
+        ["--target", "h:70000"],
+    ],
+)
+def test_cli_refuses_bad_options_in_one_line(bad, capsys):
+    argv = ["client", "--load", "--target", "127.0.0.1:1", *bad]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_unreachable_target_is_one_error_line(capsys):
+    port = free_port()
+    assert cli.main(["client", "--load", "--target", f"127.0.0.1:{port}", "--requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("routecore client: error: cannot connect") and "\n" == err[-1]
+
+
+def test_load_checks_its_arguments():
+    with pytest.raises(ValueError):
+        load("127.0.0.1:1", requests=0)
+    with pytest.raises(ValueError):
+        load("127.0.0.1:1", rate=float("nan"))
+    with pytest.raises(ValueError):
+        load("127.0.0.1:1", threads=0)
