@@ -214,7 +214,7 @@ def serve_command(config: str, port: int, metrics_port: int, *extra: str) -> lis
         "--metrics-port",
         str(metrics_port),
         "--api-port",
-        "0",
+        str(free_port()),
         *extra,
     ]
 
