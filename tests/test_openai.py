@@ -278,13 +278,11 @@ def test_the_estimate_never_falls_when_parts_or_tools_are_added(
     assert estimate(copy.deepcopy(parts), tools) == before
 
 
-def test_the_server_routes_and_admits_a_tool_heavy_request_on_the_whole_estimate():
-    pytest.importorskip("prometheus_client")
-    from server_fixtures import base_config
+def test_the_server_routes_and_admits_a_tool_heavy_request_on_the_whole_estimate(tmp_path):
+    pytest.importorskip("grpc")
+    from server_fixtures import Running, base_config
 
     from routecore.config import ConfigError, parse_config
-    from routecore.server.engine import Engine, Lease
-    from routecore.server.metrics import Metrics
 
     entitlement = {
         "name": "e",
@@ -304,25 +302,25 @@ def test_the_server_routes_and_admits_a_tool_heavy_request_on_the_whole_estimate
         },
     )
     config["tenants"][0]["entitlement"] = "e"
-    engine = Engine(parse_config(config), Metrics())
-    charged = []
-    admit = engine.admission.admit
-    engine.admission.admit = lambda name, i, o, *a: charged.append((i, o)) or admit(name, i, o, *a)
-    tenant = engine.config.tenants[0]
-    image = {"type": "image_url", "image_url": {"url": "x"}}
-    body = chat([image, {"type": "text", "text": "hi"}], tools=big_tool_schema())
-    lease = engine.route_body(body, tenant, 0.0)
-    assert isinstance(lease, Lease) and lease.pool == "long"
-    routed = TokenBudgetRouter([Pool("s", 8192), Pool("l", 65536)]).route_request(
-        body, image_tokens=1000
-    )
-    est = (routed.decision.est_input_tokens, routed.decision.est_output_tokens)
-    assert (lease.est_input_tokens, lease.est_output_tokens) == est
-    assert charged == [est] and routed.media_tokens == 1000
-    # A request with an image part is not learned from (its usage is not text).
-    assert lease.category is None
-    engine.finish(lease, 30_000, 5, 1.0)
-    assert engine.router.calibrator.count("prose") == 0
+    server = Running(tmp_path / "routecore.yaml", config)
+    try:
+        plane = server.server.plane
+        image = {"type": "image_url", "image_url": {"url": "x"}}
+        body = chat([image, {"type": "text", "text": "hi"}], tools=big_tool_schema())
+        lease = plane.route_body(body, b"demo-key")  # the data plane, admission included
+        assert lease["admitted"] and lease["pool"] == "long"
+        routed = TokenBudgetRouter([Pool("s", 8192), Pool("l", 65536)]).route_request(
+            body, image_tokens=1000
+        )
+        est = (routed.decision.est_input_tokens, routed.decision.est_output_tokens)
+        assert (lease["est_input_tokens"], lease["est_output_tokens"]) == est
+        assert routed.media_tokens == 1000
+        assert plane.in_flight()["admission"] == 1
+        # A request with an image part is not learned from (its usage is not text).
+        assert plane.finish(lease["request_id"], 30_000, 5)
+        assert plane.calibrator.count("prose") == 0
+    finally:
+        server.stop()
     for key, value in (("image_tokens", -1), ("audio_tokens", 2**31), ("image_tokens", "765")):
         with pytest.raises(ConfigError, match=f"limits.{key}"):
             parse_config(base_config(limits={key: value}))

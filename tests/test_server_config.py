@@ -17,7 +17,6 @@ from google.protobuf import json_format
 from server_fixtures import base_config
 
 from routecore.config import ConfigError, find_tenant, load_config, parse_config
-from routecore.server.extproc import DESTINATION_HEADER
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTITLEMENT = {
@@ -141,7 +140,7 @@ def test_example_envoy_config_parses_with_xds_protos():
     upstream = clusters[route.cluster]
     assert upstream.type == cluster_pb2.Cluster.ORIGINAL_DST
     assert upstream.original_dst_lb_config.use_http_header
-    assert upstream.original_dst_lb_config.http_header_name == DESTINATION_HEADER
+    assert upstream.original_dst_lb_config.http_header_name == "x-gateway-destination-endpoint"
 
 
 def test_serve_command_reports_a_bad_config(tmp_path, capsys):
