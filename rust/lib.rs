@@ -18,9 +18,9 @@ pub mod prefix;
 pub mod profile;
 pub mod queueing;
 pub mod rng;
-pub mod sim;
 #[cfg(feature = "server")]
 pub mod serve;
+pub mod sim;
 pub mod snapshot;
 pub mod vtc;
 pub mod workload;

@@ -248,9 +248,7 @@ def test_streamed_request_body_routes_on_last_chunk(server):
         ({"x-api-key": "expired-key"}, 403, "expired-key"),
     ],
 )
-def test_unknown_or_expired_key_is_refused_and_never_logged(
-    server, capfd, headers, status, reason
-):
+def test_unknown_or_expired_key_is_refused_and_never_logged(server, capfd, headers, status, reason):
     DataPlane.set_log_level(logging.DEBUG)  # the data plane logs to stderr
     try:
         conv = converse(server.target, headers, chat_body("hi"), [usage_body(1, 1)])

@@ -21,7 +21,9 @@ from benches.baselines.budget import TokenBudgetRouter
 
 
 def header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
+    )
 
 
 def routing_mutation(pool: str, endpoint: str) -> pb.HeaderMutation:

@@ -89,7 +89,11 @@ impl Spec {
     pub fn from_json(text: &str) -> Result<Self> {
         let spec: Spec =
             serde_json::from_str(text).map_err(|e| invalid(format!("data plane spec: {e}")))?;
-        if !spec.pools.iter().any(|p| p.name == spec.server.default_pool) {
+        if !spec
+            .pools
+            .iter()
+            .any(|p| p.name == spec.server.default_pool)
+        {
             return Err(invalid(format!(
                 "server.default_pool: unknown pool {:?}",
                 spec.server.default_pool

@@ -432,11 +432,7 @@ fn int(v: u64) -> i64 {
 
 impl Engine {
     /// Builds an engine; `previous` (a reload) hands over in-memory admission state.
-    pub fn build(
-        spec: Spec,
-        shared: &Arc<Shared>,
-        previous: Option<&Engine>,
-    ) -> Result<Arc<Self>> {
+    pub fn build(spec: Spec, shared: &Arc<Shared>, previous: Option<&Engine>) -> Result<Arc<Self>> {
         let pools = spec
             .pools
             .iter()
@@ -456,7 +452,13 @@ impl Engine {
         let choosers = spec
             .pools
             .iter()
-            .map(|p| Chooser::new(&p.endpoints, spec.router.policy, spec.router.prefix_block_size))
+            .map(|p| {
+                Chooser::new(
+                    &p.endpoints,
+                    spec.router.policy,
+                    spec.router.prefix_block_size,
+                )
+            })
             .collect::<Result<Vec<_>>>()?;
         let mut tenants = Vec::new();
         let mut keys = HashMap::new();
@@ -508,10 +510,7 @@ impl Engine {
         let default_pool = router.pool_index(&spec.server.default_pool)?;
         let timeout = Duration::from_secs_f64(spec.limits.request_timeout_s);
         let key_header = spec.server.key_header.to_ascii_lowercase().into_bytes();
-        let media = MediaTokens::new(
-            int(spec.limits.image_tokens),
-            int(spec.limits.audio_tokens),
-        )?;
+        let media = MediaTokens::new(int(spec.limits.image_tokens), int(spec.limits.audio_tokens))?;
         let engine = Arc::new(Self {
             spec,
             router,
@@ -565,7 +564,9 @@ impl Engine {
             let ok = self.tenants[t]
                 .digests
                 .iter()
-                .fold(subtle::Choice::from(0), |acc, d| acc | d[..].ct_eq(&digest[..]));
+                .fold(subtle::Choice::from(0), |acc, d| {
+                    acc | d[..].ct_eq(&digest[..])
+                });
             bool::from(ok).then_some(t)
         });
         let Some(t) = found else {
@@ -640,7 +641,11 @@ impl Engine {
     /// Routes an OpenAI request body (parse, route, compress: one core call).
     /// A malformed body is a 400. A compressed prompt is not learned from
     /// (the prompt the calibrator counted is not the one the model read).
-    pub async fn route_body(self: &Arc<Self>, body: &[u8], tenant: Option<usize>) -> Result<Outcome> {
+    pub async fn route_body(
+        self: &Arc<Self>,
+        body: &[u8],
+        tenant: Option<usize>,
+    ) -> Result<Outcome> {
         let r = match route_request(
             &self.router,
             &self.compressor,
@@ -651,14 +656,26 @@ impl Engine {
             Ok(r) => r,
             Err(e) => {
                 let message = format!("invalid request body: {e}");
-                return Ok(Err(self.refuse(tenant, 400, "malformed-body", message, 0.0)));
+                return Ok(Err(self.refuse(
+                    tenant,
+                    400,
+                    "malformed-body",
+                    message,
+                    0.0,
+                )));
             }
         };
         let d = r.decision;
         if d.action == Action::Compress {
             let new_body = r.body;
             return self
-                .place(d, tenant, None, Key::Bytes(&new_body), Some(new_body.clone()))
+                .place(
+                    d,
+                    tenant,
+                    None,
+                    Key::Bytes(&new_body),
+                    Some(new_body.clone()),
+                )
                 .await;
         }
         // Token ids are exact, and the usage of image and audio parts is not
@@ -678,7 +695,15 @@ impl Engine {
         tenant: Option<usize>,
         token_ids: Option<&[u32]>,
     ) -> Result<Outcome> {
-        let bad = |e: Error| Ok(Err(self.refuse(tenant, 400, "invalid-request", e.to_string(), 0.0)));
+        let bad = |e: Error| {
+            Ok(Err(self.refuse(
+                tenant,
+                400,
+                "invalid-request",
+                e.to_string(),
+                0.0,
+            )))
+        };
         let req = match Request::new(prompt_bytes, None, max_output_tokens) {
             Ok(r) => r,
             Err(e) => return bad(e),
@@ -692,7 +717,9 @@ impl Engine {
                 ));
                 return bad(e);
             }
-            let d = self.router.route_estimated(tokens as u64, req.max_output_tokens);
+            let d = self
+                .router
+                .route_estimated(tokens as u64, req.max_output_tokens);
             return self.place(d, tenant, None, key, None).await;
         }
         let category: &'static str = match ["prose", "code", "cjk", "mixed"]
@@ -720,7 +747,11 @@ impl Engine {
     /// The default pool, without a budget decision (nothing is known of the
     /// request): bodyless requests and, under `failure_mode: open`, requests
     /// whose routing failed (then `admit` is false).
-    pub async fn route_default(self: &Arc<Self>, tenant: Option<usize>, admit: bool) -> Result<Outcome> {
+    pub async fn route_default(
+        self: &Arc<Self>,
+        tenant: Option<usize>,
+        admit: bool,
+    ) -> Result<Outcome> {
         let pool = self.default_pool;
         self.router.start(pool)?;
         self.admit(pool, 1, 1, false, tenant, admit, None, Key::None, None)
@@ -740,7 +771,13 @@ impl Engine {
                 "request needs {} tokens, more than any pool's context",
                 d.est_total_tokens
             );
-            return Ok(Err(self.refuse(tenant, 400, d.reason.as_str(), message, 0.0)));
+            return Ok(Err(self.refuse(
+                tenant,
+                400,
+                d.reason.as_str(),
+                message,
+                0.0,
+            )));
         };
         let mut outcome = self
             .admit(
@@ -808,7 +845,10 @@ impl Engine {
                 undo();
                 return Err(e);
             }
-            match admission.admit(ent, est_in, Some(est_out), &request_id).await {
+            match admission
+                .admit(ent, est_in, Some(est_out), &request_id)
+                .await
+            {
                 Verdict::Admitted { ticket: t } => ticket = t,
                 Verdict::Refused {
                     status,
@@ -899,10 +939,15 @@ impl Engine {
             let actual = usage.unwrap_or((lease.est_input_tokens, 0));
             let latency = lease.started.elapsed().as_secs_f64();
             shared.handle.spawn(async move {
-                admission.complete(ticket, actual.0, actual.1, latency).await;
+                admission
+                    .complete(ticket, actual.0, actual.1, latency)
+                    .await;
             });
         }
-        if let Err(e) = shared.fault("finish").and_then(|()| self.learn(lease.learn, usage, shared)) {
+        if let Err(e) = shared
+            .fault("finish")
+            .and_then(|()| self.learn(lease.learn, usage, shared))
+        {
             fail("learn", e);
         }
     }

@@ -327,13 +327,18 @@ impl Conversation {
                 vec![answer(Answer::RequestTrailers(TrailersResponse::default()))]
             }
             Some(Msg::ResponseTrailers(_)) => {
-                vec![answer(Answer::ResponseTrailers(TrailersResponse::default()))]
+                vec![answer(
+                    Answer::ResponseTrailers(TrailersResponse::default()),
+                )]
             }
             None => Vec::new(),
         }
     }
 
-    async fn on_request_headers(&mut self, headers: &HttpHeaders) -> Result<Vec<ProcessingResponse>> {
+    async fn on_request_headers(
+        &mut self,
+        headers: &HttpHeaders,
+    ) -> Result<Vec<ProcessingResponse>> {
         self.shared.fault("request_headers")?;
         let key = find_header(headers, &self.engine.key_header);
         match self.engine.authenticate(key) {
@@ -359,10 +364,16 @@ impl Conversation {
         if self.request_mode == FULL_DUPLEX {
             return Ok(Vec::new());
         }
-        Ok(vec![answer(Answer::RequestHeaders(HeadersResponse::default()))])
+        Ok(vec![answer(Answer::RequestHeaders(
+            HeadersResponse::default(),
+        ))])
     }
 
-    async fn on_request_body(&mut self, chunk: &[u8], end: bool) -> Result<Vec<ProcessingResponse>> {
+    async fn on_request_body(
+        &mut self,
+        chunk: &[u8],
+        end: bool,
+    ) -> Result<Vec<ProcessingResponse>> {
         if self.routed {
             // Chunks after routing pass through (duplex: echoed back).
             return Ok(self.pass_body(chunk, end, true));
@@ -509,7 +520,9 @@ impl Conversation {
         if headers.end_of_stream {
             self.finish();
         }
-        Ok(vec![answer(Answer::ResponseHeaders(HeadersResponse::default()))])
+        Ok(vec![answer(Answer::ResponseHeaders(
+            HeadersResponse::default(),
+        ))])
     }
 
     fn limit(&self) -> usize {
@@ -569,9 +582,12 @@ struct StreamState {
     ended: bool,
 }
 
-type ResponseStream = Pin<Box<dyn Stream<Item = std::result::Result<ProcessingResponse, Status>> + Send>>;
+type ResponseStream =
+    Pin<Box<dyn Stream<Item = std::result::Result<ProcessingResponse, Status>> + Send>>;
 
-async fn next(mut st: StreamState) -> Option<(std::result::Result<ProcessingResponse, Status>, StreamState)> {
+async fn next(
+    mut st: StreamState,
+) -> Option<(std::result::Result<ProcessingResponse, Status>, StreamState)> {
     loop {
         if let Some(r) = st.pending.pop_front() {
             return Some((Ok(r), st));
@@ -676,7 +692,11 @@ mod tests {
             .map(|(k, v)| HeaderValue {
                 key: (*k).into(),
                 raw_value: if raw { v.to_vec() } else { Vec::new() },
-                value: if raw { String::new() } else { String::from_utf8_lossy(v).into() },
+                value: if raw {
+                    String::new()
+                } else {
+                    String::from_utf8_lossy(v).into()
+                },
             })
             .collect();
         ProcessingRequest {
@@ -717,9 +737,16 @@ mod tests {
             Answer::RequestHeaders(h) => h.response.as_ref()?,
             _ => return None,
         };
-        let h = common.header_mutation.as_ref()?.set_headers.iter().find(|h| {
-            h.header.as_ref().is_some_and(|h| h.key == DESTINATION_HEADER)
-        })?;
+        let h = common
+            .header_mutation
+            .as_ref()?
+            .set_headers
+            .iter()
+            .find(|h| {
+                h.header
+                    .as_ref()
+                    .is_some_and(|h| h.key == DESTINATION_HEADER)
+            })?;
         String::from_utf8(h.header.as_ref()?.raw_value.clone()).ok()
     }
 
@@ -734,17 +761,26 @@ mod tests {
     async fn buffered_conversation_routes_learns_and_releases_once() {
         let (shared, engine) = plane();
         let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
-        let out = c.handle(&headers(&[("x-api-key", KEY)], true, false)).await.expect("ok");
+        let out = c
+            .handle(&headers(&[("x-api-key", KEY)], true, false))
+            .await
+            .expect("ok");
         assert!(matches!(out[0].response, Some(Answer::RequestHeaders(_))));
         let text = "hello world ".repeat(50);
-        let out = c.handle(&body(&chat(&text), true, false)).await.expect("ok");
+        let out = c
+            .handle(&body(&chat(&text), true, false))
+            .await
+            .expect("ok");
         assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.1:8000"));
         assert_eq!(shared.lease_count(), 1);
         let usage = br#"{"usage":{"prompt_tokens":120,"completion_tokens":2}}"#;
         c.handle(&body(usage, true, true)).await.expect("ok");
         assert_eq!(shared.lease_count(), 0);
         assert_eq!(engine.router().in_flight(0).expect("pool"), 0);
-        assert_eq!(shared.calibrator.read().expect("cal").stats("prose").count, 1);
+        assert_eq!(
+            shared.calibrator.read().expect("cal").stats("prose").count,
+            1
+        );
         drop(c); // released already: nothing more to release
         assert_eq!(engine.choosers[0].loads().0, vec![0, 0]);
     }
@@ -754,11 +790,21 @@ mod tests {
         let (shared, engine) = plane();
         for raw in [true, false] {
             let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
-            let out = c.handle(&headers(&[("X-Api-Key", KEY)], raw, true)).await.expect("ok");
-            assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.1:8000"), "raw {raw}");
+            let out = c
+                .handle(&headers(&[("X-Api-Key", KEY)], raw, true))
+                .await
+                .expect("ok");
+            assert_eq!(
+                routed_to(&out[0]).as_deref(),
+                Some("10.0.0.1:8000"),
+                "raw {raw}"
+            );
         }
         let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
-        let out = c.handle(&headers(&[("x-api-key", b"demo-key")], true, false)).await.expect("ok");
+        let out = c
+            .handle(&headers(&[("x-api-key", b"demo-key")], true, false))
+            .await
+            .expect("ok");
         assert_eq!(status(&out[0]), Some(401));
         assert!(c.done);
     }
@@ -767,7 +813,9 @@ mod tests {
     async fn dropped_stream_releases_its_lease() {
         let (shared, engine) = plane();
         let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
-        c.handle(&headers(&[("x-api-key", KEY)], true, false)).await.expect("ok");
+        c.handle(&headers(&[("x-api-key", KEY)], true, false))
+            .await
+            .expect("ok");
         c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
         assert_eq!(shared.lease_count(), 1);
         drop(c);
@@ -790,14 +838,21 @@ mod tests {
     async fn absurd_usage_is_counted_never_learned_and_releases() {
         let (shared, engine) = plane();
         let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
-        c.handle(&headers(&[("x-api-key", KEY)], true, false)).await.expect("ok");
-        c.handle(&body(&chat(&"x".repeat(400)), true, false)).await.expect("ok");
+        c.handle(&headers(&[("x-api-key", KEY)], true, false))
+            .await
+            .expect("ok");
+        c.handle(&body(&chat(&"x".repeat(400)), true, false))
+            .await
+            .expect("ok");
         let usage = br#"{"usage":{"prompt_tokens":2147483648,"completion_tokens":1}}"#;
         let out = c.handle(&body(usage, true, true)).await.expect("ok");
         assert!(matches!(out[0].response, Some(Answer::ResponseBody(_))));
         assert_eq!(shared.lease_count(), 0);
         assert_eq!(shared.metrics.value("absurd_usage", &["short"]), Some(1.0));
-        assert_eq!(shared.calibrator.read().expect("cal").stats("prose").count, 0);
+        assert_eq!(
+            shared.calibrator.read().expect("cal").stats("prose").count,
+            0
+        );
     }
 
     #[tokio::test]
@@ -812,7 +867,11 @@ mod tests {
         assert!(c.handle(&h).await.expect("ok").is_empty());
         let b = chat("stream me");
         let (first, rest) = b.split_at(10);
-        assert!(c.handle(&body(first, false, false)).await.expect("ok").is_empty());
+        assert!(c
+            .handle(&body(first, false, false))
+            .await
+            .expect("ok")
+            .is_empty());
         let out = c.handle(&body(rest, true, false)).await.expect("ok");
         assert!(routed_to(&out[0]).is_some());
         match out[1].response.as_ref() {
@@ -834,13 +893,20 @@ mod tests {
     async fn oversize_body_is_413_and_injected_failures_never_leak() {
         let (shared, engine) = plane();
         let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
-        c.handle(&headers(&[("x-api-key", KEY)], true, false)).await.expect("ok");
-        let out = c.handle(&body(&vec![b'x'; 20000], true, false)).await.expect("ok");
+        c.handle(&headers(&[("x-api-key", KEY)], true, false))
+            .await
+            .expect("ok");
+        let out = c
+            .handle(&body(&vec![b'x'; 20000], true, false))
+            .await
+            .expect("ok");
         assert_eq!(status(&out[0]), Some(413));
         for phase in ["routing", "response_headers", "response_body"] {
             shared.inject_fault(phase).expect("phase");
             let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
-            c.handle(&headers(&[("x-api-key", KEY)], true, false)).await.expect("ok");
+            c.handle(&headers(&[("x-api-key", KEY)], true, false))
+                .await
+                .expect("ok");
             c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
             drop(c);
             assert_eq!(shared.lease_count(), 0, "{phase}");
@@ -859,9 +925,16 @@ mod tests {
         let Some(Answer::ImmediateResponse(imm)) = immediate(&rej).response else {
             panic!("not immediate")
         };
-        let retry = imm.headers.expect("headers").set_headers.into_iter().find_map(|h| {
-            h.header.filter(|h| h.key == "retry-after").map(|h| h.raw_value)
-        });
+        let retry = imm
+            .headers
+            .expect("headers")
+            .set_headers
+            .into_iter()
+            .find_map(|h| {
+                h.header
+                    .filter(|h| h.key == "retry-after")
+                    .map(|h| h.raw_value)
+            });
         assert_eq!(retry.as_deref(), Some(&b"2"[..]));
         let v: serde_json::Value = serde_json::from_slice(&imm.body).expect("json");
         assert_eq!(v["error"]["type"], "concurrency");

@@ -77,7 +77,11 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::default();
         let decisions = Family::default();
-        registry.register("routecore_decisions", "Requests routed, per pool", decisions.clone());
+        registry.register(
+            "routecore_decisions",
+            "Requests routed, per pool",
+            decisions.clone(),
+        );
         let spillovers = Family::default();
         registry.register(
             "routecore_spillovers",
@@ -202,7 +206,11 @@ impl Metrics {
                     })
                     .get(),
             ),
-            "failures" => Some(self.failures.get_or_create(&ModeLabel { mode: s(0)? }).get()),
+            "failures" => Some(
+                self.failures
+                    .get_or_create(&ModeLabel { mode: s(0)? })
+                    .get(),
+            ),
             "calibration_ratio" => Some(
                 self.calibration_ratio
                     .get_or_create(&CategoryLabel { category: s(0)? })
@@ -222,11 +230,7 @@ impl Metrics {
 }
 
 /// Serves `GET /metrics` (any path) until `stop` turns true.
-pub async fn serve(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    mut stop: watch::Receiver<bool>,
-) {
+pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,

@@ -57,8 +57,8 @@ fn bind(host: &str, port: u16) -> Result<StdListener> {
                 .ok_or(())
         })
         .map_err(|()| invalid(format!("cannot resolve host {host:?}")))?;
-    let l = StdListener::bind(addr)
-        .map_err(|e| invalid(format!("cannot listen on {addr}: {e}")))?;
+    let l =
+        StdListener::bind(addr).map_err(|e| invalid(format!("cannot listen on {addr}: {e}")))?;
     l.set_nonblocking(true)
         .map_err(|e| invalid(format!("cannot listen on {addr}: {e}")))?;
     Ok(l)
@@ -176,11 +176,7 @@ impl DataPlane {
     /// Stops taking new streams, gives open ones `grace_s` seconds to finish,
     /// then ends the rest (their leases are released) and stops the runtime.
     pub fn drain(&self, grace_s: f64) {
-        let task = self
-            .server
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let task = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
         let grace = Duration::from_secs_f64(grace_s.clamp(0.0, 3600.0));
         let health = self.health.clone();
         let _ = self.block_on(async {
@@ -213,7 +209,10 @@ impl DataPlane {
 /// Releases requests whose response never came back, a few times per timeout.
 async fn reap_forever(shared: Arc<Shared>, current: Current, mut stop: watch::Receiver<bool>) {
     loop {
-        let timeout = super::extproc::current(&current).spec.limits.request_timeout_s;
+        let timeout = super::extproc::current(&current)
+            .spec
+            .limits
+            .request_timeout_s;
         let period = Duration::from_secs_f64((timeout / 4.0).clamp(0.001, 1.0));
         tokio::select! {
             _ = tokio::time::sleep(period) => {}
