@@ -441,6 +441,32 @@ struct Targets {
     quantile: f64,
 }
 
+/// The `q` quantile of the iteration time a decoding sequence sees, given
+/// the mean iteration time `t`: the active count `n_a = (t - W) / H` is the
+/// number in an M/G/infinity system (every active sequence is served at
+/// once), Poisson with mean `n_a`, taken normal: `n_q = n_a + z_q sqrt(n_a)`,
+/// `t_q = W + H n_q`. A request's TPOT averages the iterations of its decode,
+/// so its quantile is at most this (equal for two-token outputs).
+fn tpot_quantile(t: f64, shape: &EngineShape, q: f64) -> f64 {
+    if shape.h_s <= 0.0 {
+        return t;
+    }
+    let n = ((t - shape.w_s) / shape.h_s).max(0.0);
+    t + shape.h_s * normal_quantile(q) * n.sqrt()
+}
+
+/// The standard normal `q` quantile for `q` in [0.5, 1) (0 below),
+/// Abramowitz and Stegun 26.2.23 (absolute error < 4.5e-4).
+fn normal_quantile(q: f64) -> f64 {
+    if q <= 0.5 {
+        return 0.0;
+    }
+    let p = (1.0 - q).max(1e-300);
+    let t = (-2.0 * p.ln()).sqrt();
+    t - (2.515517 + 0.802853 * t + 0.010328 * t * t)
+        / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t)
+}
+
 /// Evaluates `gpus` engines receiving `arrival_rate` (spread evenly, as
 /// least-loaded dispatch does).
 ///
@@ -454,12 +480,19 @@ struct Targets {
 /// so its `1 - r` quantile is `(W_p / rho_p) ln(rho_p / r)` (0 when
 /// `rho_p <= r`). The slot wait is the Kimura P99 wait of M/G/c over all
 /// `gpus n_slots` slots with mean holding time `N / rate_instance`.
+///
+/// With `exact` false, the slot wait is first bounded by Kimura's formula at
+/// `C = 1`, `ln(100) (1 + Cs^2) / (2 (c mu - lambda))`: when the TTFT meets the
+/// target with that bound it meets it with the exact wait, so the pass/fail
+/// answer is the same and Erlang C (O(sqrt c) near saturation) is skipped;
+/// `slot_wait_s` then holds the bound.
 fn engine_eval(
     arrival_rate: f64,
     gpus: u64,
     load: &EngineLoad,
     shape: &EngineShape,
     targets: Targets,
+    exact: bool,
 ) -> Result<EngineEval> {
     let rate = arrival_rate / gpus as f64;
     let state = engine_state(rate, load, shape);
@@ -471,7 +504,7 @@ fn engine_eval(
         ttft_s: f64::INFINITY,
         fails: None,
     };
-    if !t.is_finite() || t > targets.tpot_s {
+    if !t.is_finite() || tpot_quantile(t, shape, targets.quantile) > targets.tpot_s {
         eval.fails = Some(Binding::Compute);
         return Ok(eval);
     }
@@ -494,15 +527,27 @@ fn engine_eval(
     } else {
         0.0
     };
+    let own = (load.prefill_chunks_q + 1.0) * t;
+    if eval.prefill_wait_q_s + own > targets.ttft_s {
+        // Fails without the slot wait: no need to compute it.
+        eval.ttft_s = eval.prefill_wait_q_s + own;
+        eval.fails = Some(Binding::Prefill);
+        return Ok(eval);
+    }
     let servers = gpus
         .checked_mul(shape.n_slots)
         .ok_or_else(|| invalid("fleet size overflows"))?;
-    eval.slot_wait_s = if state.occupancy > 0.0 {
-        p99_wait(servers, rate / state.occupancy, load.iterations_cs2, arrival_rate)?
-    } else {
+    let mu = rate / state.occupancy.max(f64::MIN_POSITIVE);
+    let drain = servers as f64 * mu - arrival_rate;
+    let bound = 100f64.ln() * (1.0 + load.iterations_cs2) / (2.0 * drain);
+    eval.slot_wait_s = if state.occupancy <= 0.0 {
         0.0
+    } else if !exact && bound + eval.prefill_wait_q_s + own <= targets.ttft_s {
+        bound
+    } else {
+        p99_wait(servers, mu, load.iterations_cs2, arrival_rate)?
     };
-    eval.ttft_s = eval.slot_wait_s + eval.prefill_wait_q_s + (load.prefill_chunks_q + 1.0) * t;
+    eval.ttft_s = eval.slot_wait_s + eval.prefill_wait_q_s + own;
     if eval.ttft_s > targets.ttft_s {
         eval.fails = Some(if eval.slot_wait_s > eval.prefill_wait_q_s {
             Binding::Slot
@@ -513,19 +558,65 @@ fn engine_eval(
     Ok(eval)
 }
 
+/// The smallest `n > bad` with `ok(n)`, for `ok` monotone in `n` (false
+/// up to some count, true from it on) and `ok(n)` true for some finite `n`:
+/// galloping from `start` (steps 1, 2, 4, ... down while it holds, up while
+/// it fails) until the answer is bracketed, then bisection. A good `start`
+/// (the neighbouring candidate's count) costs a handful of evaluations.
+fn smallest_ok(mut bad: u64, start: u64, mut ok: impl FnMut(u64) -> Result<bool>) -> Result<u64> {
+    let mut hi = start.max(bad + 1);
+    let mut step = 1u64;
+    if ok(hi)? {
+        while hi - bad > 1 {
+            let probe = hi - step.min(hi - bad - 1);
+            if ok(probe)? {
+                hi = probe;
+                step = step.saturating_mul(2);
+            } else {
+                bad = probe;
+                break;
+            }
+        }
+    } else {
+        bad = hi;
+        loop {
+            hi = bad
+                .checked_add(step)
+                .filter(|&h| h < 1 << 50)
+                .ok_or_else(|| invalid("fleet size overflows"))?;
+            if ok(hi)? {
+                break;
+            }
+            bad = hi;
+            step = step.saturating_mul(2);
+        }
+    }
+    while hi - bad > 1 {
+        let mid = bad + (hi - bad) / 2;
+        if ok(mid)? {
+            hi = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    Ok(hi)
+}
+
 /// Sizes one pool under the engine model: the smallest GPU count meeting
-/// every constraint (each one eases as GPUs are added, so the count is found
-/// by doubling from a lower bound, then bisection). Lower bounds from
-/// stability: compute needs `H lambda E[a] / n < 1 - W / TPOT` and prefill
-/// `lambda E[L_in] W / (n C) < 1`. A pool that no GPU count serves (TPOT
-/// below `W`, or the TTFT target below the prefill of the quantile request
-/// alone at `t = W`) is returned infeasible, sized at the lower bound, with
-/// the binding constraint.
+/// every constraint of [`engine_eval`] (each eases as GPUs are added), by
+/// [`smallest_ok`] from `hint`. Necessary counts from stability: compute
+/// needs `H lambda E[a] / n < 1 - W / TPOT`, prefill
+/// `lambda E[L_in] W / (n C) < 1`; no smaller count is tried. A pool that no
+/// GPU count serves (TPOT at or below `W`, or the TTFT target at or below the
+/// prefill of the quantile request alone at `t = W`) is returned infeasible,
+/// sized at the stability bound, with the binding constraint. Otherwise the
+/// binding constraint is the one that fails with one GPU fewer.
 fn size_engine_pool(
     arrival_rate: f64,
     load: &EngineLoad,
     shape: &EngineShape,
     targets: Targets,
+    hint: Option<u64>,
     mut pool: PoolPlan,
 ) -> Result<PoolPlan> {
     if arrival_rate <= 0.0 || load.iterations + load.prompt_mean <= 0.0 {
@@ -545,64 +636,50 @@ fn size_engine_pool(
     } else {
         None
     };
-    let bound = |v: f64| if v.is_finite() { v.floor().max(1.0) } else { 1.0 };
-    let lo = bound(arrival_rate * shape.h_s * load.iterations / compute_room)
-        .max(bound(
+    let below = |v: f64| if v.is_finite() { v.floor().max(0.0) } else { 0.0 };
+    let bad = below(arrival_rate * shape.h_s * load.iterations / compute_room.max(1e-12))
+        .max(below(
             arrival_rate * load.prompt_mean * shape.w_s / shape.chunk as f64,
         ))
         .min(1e15) as u64;
-    let fill = |pool: &mut PoolPlan, n: u64, e: &EngineEval| {
-        pool.gpus = n;
-        pool.utilization = e.state.utilization;
-        pool.occupancy = e.state.occupancy;
-        pool.prefill_utilization = e.state.prefill_utilization;
-        pool.kv_utilization = e.state.kv_utilization;
-        pool.t_iter_s = e.state.t_iter_s;
-        pool.prefill_p99_s = load.prefill_chunks_q * e.state.t_iter_s;
-        pool.p99_wait_s = e.slot_wait_s + e.prefill_wait_q_s;
-        pool.p99_ttft_s = e.ttft_s;
-        pool.mu_gpu = if e.state.occupancy > 0.0 {
-            shape.n_slots as f64 * arrival_rate / (n as f64 * e.state.occupancy)
-        } else {
-            0.0
-        };
+    // The search's evaluations, kept: the answer's and its neighbour's are
+    // among them.
+    let mut seen: Vec<(u64, EngineEval)> = Vec::with_capacity(16);
+    let mut eval = |n: u64| -> Result<EngineEval> {
+        if let Some((_, e)) = seen.iter().find(|(m, _)| *m == n) {
+            return Ok(*e);
+        }
+        let e = engine_eval(arrival_rate, n, load, shape, targets, false)?;
+        seen.push((n, e));
+        Ok(e)
+    };
+    let n = match never {
+        Some(_) => bad + 1,
+        None => smallest_ok(bad, hint.unwrap_or(bad + 1), |n| {
+            Ok(eval(n)?.fails.is_none())
+        })?,
+    };
+    let e = engine_eval(arrival_rate, n, load, shape, targets, true)?;
+    pool.gpus = n;
+    pool.utilization = e.state.utilization;
+    pool.occupancy = e.state.occupancy;
+    pool.prefill_utilization = e.state.prefill_utilization;
+    pool.kv_utilization = e.state.kv_utilization;
+    pool.t_iter_s = e.state.t_iter_s;
+    pool.prefill_p99_s = load.prefill_chunks_q * e.state.t_iter_s;
+    pool.p99_wait_s = e.slot_wait_s + e.prefill_wait_q_s;
+    pool.p99_ttft_s = e.ttft_s;
+    pool.mu_gpu = if e.state.occupancy > 0.0 {
+        shape.n_slots as f64 * arrival_rate / (n as f64 * e.state.occupancy)
+    } else {
+        0.0
     };
     if let Some(b) = never {
-        let e = engine_eval(arrival_rate, lo, load, shape, targets)?;
-        fill(&mut pool, lo, &e);
         pool.feasible = false;
         pool.binding = b;
-        return Ok(pool);
+    } else if n > 1 {
+        pool.binding = eval(n - 1)?.fails.unwrap_or(Binding::None);
     }
-    let eval = |n: u64| engine_eval(arrival_rate, n, load, shape, targets);
-    let e_lo = eval(lo)?;
-    let (mut bad, mut hi, mut e_hi) = (lo.saturating_sub(1), lo, e_lo);
-    let mut binding = e_lo.fails;
-    while e_hi.fails.is_some() {
-        bad = hi;
-        binding = e_hi.fails;
-        hi = hi
-            .checked_mul(2)
-            .filter(|&h| h < 1 << 50)
-            .ok_or_else(|| invalid("fleet size overflows"))?;
-        e_hi = eval(hi)?;
-    }
-    while hi - bad > 1 {
-        let mid = bad + (hi - bad) / 2;
-        let e = eval(mid)?;
-        if e.fails.is_none() {
-            hi = mid;
-            e_hi = e;
-        } else {
-            bad = mid;
-            binding = e.fails;
-        }
-    }
-    if bad >= 1 && binding.is_none() {
-        binding = eval(bad)?.fails;
-    }
-    fill(&mut pool, hi, &e_hi);
-    pool.binding = binding.unwrap_or(Binding::None);
     Ok(pool)
 }
 
@@ -751,20 +828,12 @@ impl Ctx<'_> {
         }
     }
 
-    /// Sizes a pool at `context` for `arrival_rate` requests of the mixture
-    /// `mix` under the engine model; the prefill quantile is taken over
-    /// `prefill_span`.
-    fn size_engine(
-        &self,
-        arrival_rate: f64,
-        mix: Mix,
-        prefill_span: Span,
-        context: u64,
-        n_slots: u64,
-    ) -> Result<PoolPlan> {
+    /// What the engine model needs of the mixture `mix`, its prefill
+    /// quantile taken over `prefill_span`.
+    fn engine_load(&self, mix: Mix, prefill_span: Span) -> EngineLoad {
         let q = self.cfg.prefill_quantile;
         let iterations = (mix.k.mean - 1.0).max(0.0);
-        let load = EngineLoad {
+        EngineLoad {
             iterations,
             iterations_cs2: if iterations > 0.0 {
                 ((mix.k.second - mix.k.mean * mix.k.mean) / (iterations * iterations)).max(0.0)
@@ -777,7 +846,19 @@ impl Ctx<'_> {
             prefill_chunks_q: self
                 .table
                 .prefill_chunks_quantile(prefill_span, (1.0 + q) / 2.0) as f64,
-        };
+        }
+    }
+
+    /// Sizes a pool at `context` for `arrival_rate` requests of `load` under
+    /// the engine model, the search starting at `hint`.
+    fn size_engine(
+        &self,
+        arrival_rate: f64,
+        load: &EngineLoad,
+        context: u64,
+        n_slots: u64,
+        hint: Option<u64>,
+    ) -> Result<PoolPlan> {
         let shape = EngineShape {
             w_s: self.profile.w_s,
             h_s: self.profile.h_s,
@@ -788,7 +869,7 @@ impl Ctx<'_> {
         let targets = Targets {
             ttft_s: self.cfg.slo_ttft_s,
             tpot_s: self.cfg.slo_tpot_s.unwrap_or(f64::INFINITY),
-            quantile: q,
+            quantile: self.cfg.prefill_quantile,
         };
         let pool = PoolPlan {
             context,
@@ -797,7 +878,7 @@ impl Ctx<'_> {
             cs2: load.iterations_cs2,
             ..PoolPlan::EMPTY
         };
-        size_engine_pool(arrival_rate, &load, &shape, targets, pool)
+        size_engine_pool(arrival_rate, load, &shape, targets, hint, pool)
     }
 
     fn cost(&self, short_gpus: u64, long_gpus: u64) -> f64 {
@@ -906,8 +987,8 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
 
     // Homogeneous: one pool at the long context holding every request.
     let homo_pool = if engine {
-        let mix = ctx.mix(everything, None, 1.0);
-        ctx.size_engine(lam, mix, everything, cfg.long_context, ctx.long_slots)?
+        let load = ctx.engine_load(ctx.mix(everything, None, 1.0), everything);
+        ctx.size_engine(lam, &load, cfg.long_context, ctx.long_slots, None)?
     } else {
         let (a0, a1) = profile.service_coefficients(ctx.long_slots);
         let m_all = ctx.table.moments_all(w, everything, a0, a1);
@@ -961,11 +1042,14 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
 
     let (la0, la1) = profile.service_coefficients(ctx.long_slots);
     let mut sweep = Vec::with_capacity(b_list.len() * gammas.len());
+    // Neighbouring candidates need similar counts: each search starts there.
+    let (mut short_hint, mut long_hint) = (None, None);
     for &b in &b_list {
         let b_f = b as f64;
         let short_span = w.span(f64::NEG_INFINITY, b_f);
         let alpha = w.fraction(short_span);
         let n_short = profile.slots(b)?;
+        let short_load = engine.then(|| ctx.engine_load(ctx.mix(short_span, None, 1.0), short_span));
         let short_svc = if engine {
             None
         } else {
@@ -1023,20 +1107,21 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                     p
                 }
                 (_, None) => {
-                    let mix = ctx.mix(short_span, None, 1.0);
-                    let p = ctx.size_engine(lam_s, mix, short_span, b, n_short)?;
+                    let load = short_load.unwrap_or_default();
+                    let p = ctx.size_engine(lam_s, &load, b, n_short, short_hint)?;
+                    short_hint = Some(p.gpus);
                     short_cache = Some((lam_s, p));
                     p
                 }
             };
             let long = match mix_long {
-                Some(mix) => ctx.size_engine(
-                    lam_l,
-                    mix,
-                    long_prefill_span,
-                    cfg.long_context,
-                    ctx.long_slots,
-                )?,
+                Some(mix) => {
+                    let load = ctx.engine_load(mix, long_prefill_span);
+                    let p =
+                        ctx.size_engine(lam_l, &load, cfg.long_context, ctx.long_slots, long_hint)?;
+                    long_hint = Some(p.gpus);
+                    p
+                }
                 None => {
                     let long_svc = ctx.service(long_prefill_span, ctx.long_slots, m_long);
                     size_pool(
@@ -1134,5 +1219,108 @@ mod tests {
         assert!(p.p99_wait_s <= 1.0);
         let fewer = p99_wait(p.gpus - 1, 1.0, 1.0, 0.5).expect("ok");
         assert!(fewer > 1.0);
+    }
+
+    #[test]
+    fn smallest_ok_matches_a_linear_scan() {
+        for threshold in 1..60u64 {
+            for start in 0..70u64 {
+                for bad in 0..threshold {
+                    let mut calls = 0;
+                    let n = smallest_ok(bad, start, |n| {
+                        calls += 1;
+                        Ok(n >= threshold)
+                    })
+                    .expect("ok");
+                    assert_eq!(n, threshold, "bad {bad} start {start}");
+                    assert!(calls <= 20, "{calls} evaluations");
+                }
+            }
+        }
+    }
+
+    fn load() -> EngineLoad {
+        EngineLoad {
+            iterations: 150.0,
+            iterations_cs2: 0.5,
+            prompt_mean: 2000.0,
+            prompt_second: 2000.0 * 2000.0 * 2.0,
+            kv_token_iterations: 150.0 * 2200.0,
+            prefill_chunks_q: 12.0,
+        }
+    }
+
+    fn shape() -> EngineShape {
+        EngineShape {
+            w_s: 0.008,
+            h_s: 0.00065,
+            chunk: 512,
+            n_slots: 64,
+            kv_tokens: 64.0 * 16384.0,
+        }
+    }
+
+    #[test]
+    fn engine_state_by_hand() {
+        let (l, s) = (load(), shape());
+        let e = engine_state(2.0, &l, &s);
+        let t = 0.008 / (1.0 - 0.00065 * 2.0 * 150.0);
+        assert!((e.t_iter_s - t).abs() < 1e-15);
+        let rho = 2.0 * 2000.0 * t / 512.0;
+        assert!((e.prefill_utilization - rho).abs() < 1e-12);
+        let wait = 2.0 * l.prompt_second * (t / 512.0).powi(2) / (2.0 * (1.0 - rho));
+        assert!((e.prefill_wait_s - wait).abs() < 1e-12);
+        assert!((e.occupancy - 2.0 * (150.0 * t + wait)).abs() < 1e-12);
+        assert!((e.utilization - e.occupancy / 64.0).abs() < 1e-15);
+        // Saturated compute and prefill: unbounded, not NaN.
+        assert!(engine_state(20.0, &l, &s).t_iter_s.is_infinite());
+        let heavy = EngineLoad {
+            prompt_mean: 1e6,
+            ..l
+        };
+        assert!(engine_state(2.0, &heavy, &s).prefill_wait_s.is_infinite());
+    }
+
+    #[test]
+    fn engine_pool_is_minimal_and_names_the_constraint() {
+        let (l, s) = (load(), shape());
+        for (rate, ttft, tpot) in [
+            (50.0, 2.0, 0.08),
+            (500.0, 2.0, 0.08),
+            (500.0, 0.6, 0.5),
+            (5000.0, 1.0, 0.03),
+        ] {
+            let targets = Targets {
+                ttft_s: ttft,
+                tpot_s: tpot,
+                quantile: 0.99,
+            };
+            let p = size_engine_pool(rate, &l, &s, targets, None, PoolPlan::EMPTY).expect("ok");
+            assert!(p.feasible && p.gpus > 1, "{p:?}");
+            let ok = engine_eval(rate, p.gpus, &l, &s, targets, true).expect("ok");
+            assert_eq!(ok.fails, None);
+            assert!(p.p99_ttft_s <= ttft);
+            let fewer = engine_eval(rate, p.gpus - 1, &l, &s, targets, true).expect("ok");
+            assert_eq!(fewer.fails, Some(p.binding));
+            // Any starting hint gives the same count.
+            for hint in [1, p.gpus / 3, p.gpus + 17, 10 * p.gpus] {
+                let q = size_engine_pool(rate, &l, &s, targets, Some(hint), PoolPlan::EMPTY)
+                    .expect("ok");
+                assert_eq!(q.gpus, p.gpus);
+            }
+        }
+        // No count meets a TPOT at W, or a TTFT below the quantile prompt alone.
+        let never = |ttft, tpot| {
+            let t = Targets {
+                ttft_s: ttft,
+                tpot_s: tpot,
+                quantile: 0.99,
+            };
+            size_engine_pool(50.0, &l, &s, t, None, PoolPlan::EMPTY).expect("ok")
+        };
+        let p = never(2.0, 0.008);
+        assert!(!p.feasible && p.binding == Binding::Compute);
+        let p = never(13.0 * 0.008, 1.0);
+        assert!(!p.feasible && p.binding == Binding::Prefill);
     }
 }
