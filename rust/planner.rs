@@ -164,6 +164,9 @@ pub struct PoolPlan {
     pub binding: Binding,
     pub t_iter_s: f64,
     pub prefill_p99_s: f64,
+    /// P99 queue wait. Engine model: the slot wait (Kimura's bound at C = 1
+    /// when that already meets the SLO, see `engine_eval`) plus the wait for
+    /// the prefill budget at its share of the tail.
     pub p99_wait_s: f64,
     /// `p99_wait_s + prefill_p99_s + t_iter_s` (0 with no traffic).
     pub p99_ttft_s: f64,
@@ -439,6 +442,8 @@ struct Targets {
     ttft_s: f64,
     tpot_s: f64,
     quantile: f64,
+    /// `normal_quantile(quantile)`, for the TPOT quantile.
+    z: f64,
 }
 
 /// The `q` quantile of the iteration time a decoding sequence sees, given
@@ -447,12 +452,12 @@ struct Targets {
 /// once), Poisson with mean `n_a`, taken normal: `n_q = n_a + z_q sqrt(n_a)`,
 /// `t_q = W + H n_q`. A request's TPOT averages the iterations of its decode,
 /// so its quantile is at most this (equal for two-token outputs).
-fn tpot_quantile(t: f64, shape: &EngineShape, q: f64) -> f64 {
+fn tpot_quantile(t: f64, shape: &EngineShape, z: f64) -> f64 {
     if shape.h_s <= 0.0 {
         return t;
     }
     let n = ((t - shape.w_s) / shape.h_s).max(0.0);
-    t + shape.h_s * normal_quantile(q) * n.sqrt()
+    t + shape.h_s * z * n.sqrt()
 }
 
 /// The standard normal `q` quantile for `q` in [0.5, 1) (0 below),
@@ -481,11 +486,11 @@ fn normal_quantile(q: f64) -> f64 {
 /// `rho_p <= r`). The slot wait is the Kimura P99 wait of M/G/c over all
 /// `gpus n_slots` slots with mean holding time `N / rate_instance`.
 ///
-/// With `exact` false, the slot wait is first bounded by Kimura's formula at
-/// `C = 1`, `ln(100) (1 + Cs^2) / (2 (c mu - lambda))`: when the TTFT meets the
-/// target with that bound it meets it with the exact wait, so the pass/fail
-/// answer is the same and Erlang C (O(sqrt c) near saturation) is skipped;
-/// `slot_wait_s` then holds the bound.
+/// The slot wait is first bounded by Kimura's formula at `C = 1`,
+/// `ln(100) (1 + Cs^2) / (2 (c mu - lambda))`: when the TTFT meets the target
+/// with that bound it meets it with the exact wait, so the pass/fail answer
+/// is the same and Erlang C (O(sqrt c) near saturation) is skipped;
+/// `slot_wait_s` then holds the bound (unless `exact`).
 fn engine_eval(
     arrival_rate: f64,
     gpus: u64,
@@ -504,7 +509,7 @@ fn engine_eval(
         ttft_s: f64::INFINITY,
         fails: None,
     };
-    if !t.is_finite() || tpot_quantile(t, shape, targets.quantile) > targets.tpot_s {
+    if !t.is_finite() || tpot_quantile(t, shape, targets.z) > targets.tpot_s {
         eval.fails = Some(Binding::Compute);
         return Ok(eval);
     }
@@ -644,7 +649,7 @@ fn size_engine_pool(
         .min(1e15) as u64;
     // The search's evaluations, kept: the answer's and its neighbour's are
     // among them.
-    let mut seen: Vec<(u64, EngineEval)> = Vec::with_capacity(16);
+    let mut seen: Vec<(u64, EngineEval)> = Vec::with_capacity(32);
     let mut eval = |n: u64| -> Result<EngineEval> {
         if let Some((_, e)) = seen.iter().find(|(m, _)| *m == n) {
             return Ok(*e);
@@ -659,7 +664,7 @@ fn size_engine_pool(
             Ok(eval(n)?.fails.is_none())
         })?,
     };
-    let e = engine_eval(arrival_rate, n, load, shape, targets, true)?;
+    let e = eval(n)?;
     pool.gpus = n;
     pool.utilization = e.state.utilization;
     pool.occupancy = e.state.occupancy;
@@ -870,6 +875,7 @@ impl Ctx<'_> {
             ttft_s: self.cfg.slo_ttft_s,
             tpot_s: self.cfg.slo_tpot_s.unwrap_or(f64::INFINITY),
             quantile: self.cfg.prefill_quantile,
+            z: normal_quantile(self.cfg.prefill_quantile),
         };
         let pool = PoolPlan {
             context,
@@ -1044,6 +1050,8 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
     let mut sweep = Vec::with_capacity(b_list.len() * gammas.len());
     // Neighbouring candidates need similar counts: each search starts there.
     let (mut short_hint, mut long_hint) = (None, None);
+    // With p_c = 1 the long pool is its tail alone: equal tails, equal pools.
+    let mut long_cache: Option<(Span, f64, PoolPlan)> = None;
     for &b in &b_list {
         let b_f = b as f64;
         let short_span = w.span(f64::NEG_INFINITY, b_f);
@@ -1115,11 +1123,17 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                 }
             };
             let long = match mix_long {
+                Some(_) if long_cache.is_some_and(|(t, l, _)| t == tail && l == lam_l) => {
+                    long_cache.map_or(PoolPlan::EMPTY, |(_, _, p)| p)
+                }
                 Some(mix) => {
                     let load = ctx.engine_load(mix, long_prefill_span);
                     let p =
                         ctx.size_engine(lam_l, &load, cfg.long_context, ctx.long_slots, long_hint)?;
                     long_hint = Some(p.gpus);
+                    if ctx.p_c.iter().all(|&pc| pc >= 1.0) {
+                        long_cache = Some((tail, lam_l, p));
+                    }
                     p
                 }
                 None => {
@@ -1294,6 +1308,7 @@ mod tests {
                 ttft_s: ttft,
                 tpot_s: tpot,
                 quantile: 0.99,
+                z: normal_quantile(0.99),
             };
             let p = size_engine_pool(rate, &l, &s, targets, None, PoolPlan::EMPTY).expect("ok");
             assert!(p.feasible && p.gpus > 1, "{p:?}");
@@ -1315,6 +1330,7 @@ mod tests {
                 ttft_s: ttft,
                 tpot_s: tpot,
                 quantile: 0.99,
+                z: normal_quantile(0.99),
             };
             size_engine_pool(50.0, &l, &s, t, None, PoolPlan::EMPTY).expect("ok")
         };

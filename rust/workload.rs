@@ -650,7 +650,7 @@ impl ServiceTable {
             return RangeMoments::EMPTY;
         }
         let s = &self.sums[category];
-        let d: Vec<f64> = (0..5).map(|j| s[span.end][j] - s[span.start][j]).collect();
+        let d: [f64; 5] = std::array::from_fn(|j| s[span.end][j] - s[span.start][j]);
         RangeMoments {
             weight,
             mean: (a0 * d[0] + a1 * d[1]) / weight,

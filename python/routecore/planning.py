@@ -170,7 +170,8 @@ def fidelity_scenario(
         + [a for f in fleets for a in ("--fleet", f)] + (["--quiet"] if quiet else [])
     )  # fmt: skip
     fleets_ = sim.plan_fleets(w, prof, args)
-    trace = sim.trace_arrays(w, n)
+    # A CDF workload is weighted: draw the requests by weight.
+    trace = sim.trace_arrays(w.sample(n, seed) if workload == "lmsys-chat-1m" else w, n)
     rows = []
     for fleet in fleets_:
         report = sim.run_fleet(fleet, trace, prof, args)

@@ -137,8 +137,8 @@ def run_plan(args: argparse.Namespace) -> Plan:
         p_c_by_category=dict(args.p_c_category or []),
         phi=args.phi,
         long_context=args.long_context,
-        model=args.model,
-        slo_tpot_s=args.slo_tpot_ms / 1000.0 if args.model == "engine" else None,
+        model="paper" if args.fleetopt_assumptions else args.model,
+        slo_tpot_s=args.slo_tpot_ms / 1000.0,
     )
 
 
