@@ -304,7 +304,7 @@ def test_simulate_command_table_flags_and_plots(capsys, tmp_path):
     args = ["simulate", "--duration", "5", "--quiet", "--fleet", "homogeneous",
             "--fleet", "pool-routing", "--rate", "300", "--arrivals", "poisson",
             "--dispatch", "round-robin", "--short-gpus", "30", "--long-gpus", "5",
-            "--seed", "3", "--plot", str(tmp_path)]  # fmt: skip
+            "--seed", "3", "--no-verify", "--plot", str(tmp_path)]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "homogeneous" in out and "pool-routing" in out and "fleetopt" not in out
