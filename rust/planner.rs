@@ -833,6 +833,32 @@ impl Ctx<'_> {
         }
     }
 
+    /// The band's requests after compress-and-route, `weight` of them: each
+    /// is cut to `L_total = b` (the compressor's target `T_c = b - L_out`), so
+    /// `L_in' = b - L_out`. From the band's mean output `E[L_out] =
+    /// E[L_total] - E[L_in]` (all categories), taking `L_out` at its mean:
+    /// `L_in' = b - E[L_out]`, `k' = ceil(L_in' / C) + E[L_out]`, `k' L = k' b`
+    /// (second moments of a point mass). Without this the short pool would be
+    /// sized as if compressed prompts were as short as its own.
+    fn compressed_mix(&self, band: Span, b: u64, weight: f64) -> Mix {
+        let prompt_all = (0..self.w.category_channels()).fold(RangeMoments::EMPTY, |m, c| {
+            m.merge(self.table.prompt_moments(self.w, band, c))
+        });
+        let out = (self.w.mean_tokens(band) - prompt_all.mean).max(0.0);
+        let p = (b as f64 - out).max(1.0);
+        let k = (p / self.profile.c_chunk as f64).ceil() + out;
+        let point = |x: f64| RangeMoments {
+            weight,
+            mean: x,
+            second: x * x,
+        };
+        Mix {
+            k: point(k),
+            kl: point(k * b as f64),
+            prompt: point(p),
+        }
+    }
+
     /// What the engine model needs of the mixture `mix`, its prefill
     /// quantile taken over `prefill_span`.
     fn engine_load(&self, mix: Mix, prefill_span: Span) -> EngineLoad {
@@ -904,6 +930,12 @@ struct Mix {
 }
 
 impl Mix {
+    const EMPTY: Mix = Mix {
+        k: RangeMoments::EMPTY,
+        kl: RangeMoments::EMPTY,
+        prompt: RangeMoments::EMPTY,
+    };
+
     fn merge(self, o: Mix) -> Mix {
         Mix {
             k: self.k.merge(o.k),
@@ -1057,7 +1089,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
         let short_span = w.span(f64::NEG_INFINITY, b_f);
         let alpha = w.fraction(short_span);
         let n_short = profile.slots(b)?;
-        let short_load = engine.then(|| ctx.engine_load(ctx.mix(short_span, None, 1.0), short_span));
+        let short_mix = engine.then(|| ctx.mix(short_span, None, 1.0));
         let short_svc = if engine {
             None
         } else {
@@ -1115,7 +1147,11 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                     p
                 }
                 (_, None) => {
-                    let load = short_load.unwrap_or_default();
+                    let mut mix = short_mix.unwrap_or(Mix::EMPTY);
+                    if moved > 0.0 {
+                        mix = mix.merge(ctx.compressed_mix(band, b, moved * w.total_weight()));
+                    }
+                    let load = ctx.engine_load(mix, short_span);
                     let p = ctx.size_engine(lam_s, &load, b, n_short, short_hint)?;
                     short_hint = Some(p.gpus);
                     short_cache = Some((lam_s, p));

@@ -153,18 +153,43 @@ def plan(inputs, outputs, lam, slo, *, b_short, gammas, w=0.008, h=0.00065, h_re
     return homo, out
 
 
-def engine_load(t, s, e, quantile=0.99):
-    """(E[a], cs2 of a, E[L_in], E[L_in^2], E[k L], chunk quantile) of a span."""
+def mix(t, s, e):
+    """(weight, E[k], E[k^2], E[k L], E[L_in], E[L_in^2]) of a span, or None."""
     cnt = e - s
     if cnt == 0:
         return None
     d = [t.sums[e][j] - t.sums[s][j] for j in range(7)]
-    k, k2 = d[0] / cnt, d[2] / cnt
+    return (cnt, d[0] / cnt, d[2] / cnt, d[1] / cnt, d[5] / cnt, d[6] / cnt)
+
+
+def merge(a, b):
+    if a is None or b is None:
+        return a or b
+    w = a[0] + b[0]
+    return (w, *((a[0] * x + b[0] * y) / w for x, y in zip(a[1:], b[1:])))
+
+
+def compressed(t, s, e, b, c_chunk):
+    """The band's requests cut to L_total = b, L_out at its mean."""
+    cnt = e - s
+    if cnt == 0:
+        return None
+    out = max((t.tokens[e] - t.tokens[s]) / cnt - (t.sums[e][5] - t.sums[s][5]) / cnt, 0.0)
+    p = max(b - out, 1.0)
+    k = math.ceil(p / c_chunk) + out
+    return (cnt, k, k * k, k * b, p, p * p)
+
+
+def engine_load(t, m, s, e, quantile=0.99):
+    """(E[a], cs2 of a, E[L_in], E[L_in^2], E[k L], chunk quantile over s..e)."""
+    if m is None:
+        return None
+    _, k, k2, kl, p, p2 = m
     a = max(k - 1, 0.0)
     cs2 = max((k2 - k * k) / (a * a), 0.0) if a > 0 else 0.0
     ch = sorted(t.chunks[s:e])
-    q = ch[max(0, math.ceil((1 + quantile) / 2 * cnt) - 1)]
-    return a, cs2, d[5] / cnt, d[6] / cnt, d[1] / cnt, q
+    q = ch[max(0, math.ceil((1 + quantile) / 2 * (e - s)) - 1)]
+    return a, cs2, p, p2, kl, q
 
 
 def engine_ok(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99):
@@ -241,25 +266,26 @@ def plan_engine(inputs, outputs, lam, slo, tpot, *, b_short, gammas, w=0.008, h=
     """The engine model: (homogeneous GPUs, {(b, gamma): (n_short, n_long)}), p_c = 1."""
     t = Trace(inputs, outputs, c_chunk)
     n_long = slots(kv_bytes, per_token, long_context)
-    homo = size_engine(lam, engine_load(t, 0, t.n), n_long, long_context, w, h, c_chunk, slo,
-                       tpot, None)  # fmt: skip
+    homo = size_engine(lam, engine_load(t, mix(t, 0, t.n), 0, t.n), n_long, long_context, w, h,
+                       c_chunk, slo, tpot, None)  # fmt: skip
     out = {}
     short_hint = long_hint = None
     for b in b_short:
         s, e = t.span(-1, b)
         n_short = slots(kv_bytes, per_token, b)
-        short_load = engine_load(t, s, e)
+        short_mix = mix(t, s, e)
         last = None
         for g in gammas:
             _, band_end = t.span(b, math.floor(g * b))
             alpha_p = band_end / t.n
             if last is None or last[0] != alpha_p:
-                ns = size_engine(alpha_p * lam, short_load, n_short, b, w, h, c_chunk, slo, tpot,
-                                 short_hint)  # fmt: skip
+                m = merge(short_mix, compressed(t, e, band_end, b, c_chunk))
+                ns = size_engine(alpha_p * lam, engine_load(t, m, s, e), n_short, b, w, h, c_chunk,
+                                 slo, tpot, short_hint)  # fmt: skip
                 short_hint = ns or short_hint
                 last = (alpha_p, ns)
             ns = last[1]
-            load = engine_load(t, band_end, t.n)
+            load = engine_load(t, mix(t, band_end, t.n), band_end, t.n)
             nl = size_engine((1 - alpha_p) * lam, load, n_long, long_context, w, h, c_chunk, slo,
                              tpot, long_hint)  # fmt: skip
             long_hint = nl or long_hint
