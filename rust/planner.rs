@@ -641,7 +641,13 @@ fn size_engine_pool(
     } else {
         None
     };
-    let below = |v: f64| if v.is_finite() { v.floor().max(0.0) } else { 0.0 };
+    let below = |v: f64| {
+        if v.is_finite() {
+            v.floor().max(0.0)
+        } else {
+            0.0
+        }
+    };
     let bad = below(arrival_rate * shape.h_s * load.iterations / compute_room.max(1e-12))
         .max(below(
             arrival_rate * load.prompt_mean * shape.w_s / shape.chunk as f64,
@@ -859,10 +865,16 @@ impl Ctx<'_> {
         }
     }
 
-    /// What the engine model needs of the mixture `mix`, its prefill
-    /// quantile taken over `prefill_span`.
-    fn engine_load(&self, mix: Mix, prefill_span: Span) -> EngineLoad {
+    /// The `(1 + q) / 2` quantile of `ceil(L_in / C)` over `span` (see
+    /// [`engine_eval`]).
+    fn chunks_quantile(&self, span: Span) -> f64 {
         let q = self.cfg.prefill_quantile;
+        self.table.prefill_chunks_quantile(span, (1.0 + q) / 2.0) as f64
+    }
+
+    /// What the engine model needs of the mixture `mix`, with the prefill
+    /// quantile `chunks_q` (from [`Self::chunks_quantile`]).
+    fn engine_load(&self, mix: Mix, chunks_q: f64) -> EngineLoad {
         let iterations = (mix.k.mean - 1.0).max(0.0);
         EngineLoad {
             iterations,
@@ -874,9 +886,7 @@ impl Ctx<'_> {
             prompt_mean: mix.prompt.mean,
             prompt_second: mix.prompt.second,
             kv_token_iterations: mix.kl.mean,
-            prefill_chunks_q: self
-                .table
-                .prefill_chunks_quantile(prefill_span, (1.0 + q) / 2.0) as f64,
+            prefill_chunks_q: chunks_q,
         }
     }
 
@@ -1025,7 +1035,10 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
 
     // Homogeneous: one pool at the long context holding every request.
     let homo_pool = if engine {
-        let load = ctx.engine_load(ctx.mix(everything, None, 1.0), everything);
+        let load = ctx.engine_load(
+            ctx.mix(everything, None, 1.0),
+            ctx.chunks_quantile(everything),
+        );
         ctx.size_engine(lam, &load, cfg.long_context, ctx.long_slots, None)?
     } else {
         let (a0, a1) = profile.service_coefficients(ctx.long_slots);
@@ -1089,7 +1102,12 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
         let short_span = w.span(f64::NEG_INFINITY, b_f);
         let alpha = w.fraction(short_span);
         let n_short = profile.slots(b)?;
-        let short_mix = engine.then(|| ctx.mix(short_span, None, 1.0));
+        let short_mix = engine.then(|| {
+            (
+                ctx.mix(short_span, None, 1.0),
+                ctx.chunks_quantile(short_span),
+            )
+        });
         let short_svc = if engine {
             None
         } else {
@@ -1147,11 +1165,11 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                     p
                 }
                 (_, None) => {
-                    let mut mix = short_mix.unwrap_or(Mix::EMPTY);
+                    let (mut mix, chunks_q) = short_mix.unwrap_or((Mix::EMPTY, 0.0));
                     if moved > 0.0 {
                         mix = mix.merge(ctx.compressed_mix(band, b, moved * w.total_weight()));
                     }
-                    let load = ctx.engine_load(mix, short_span);
+                    let load = ctx.engine_load(mix, chunks_q);
                     let p = ctx.size_engine(lam_s, &load, b, n_short, short_hint)?;
                     short_hint = Some(p.gpus);
                     short_cache = Some((lam_s, p));
@@ -1163,7 +1181,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                     long_cache.map_or(PoolPlan::EMPTY, |(_, _, p)| p)
                 }
                 Some(mix) => {
-                    let load = ctx.engine_load(mix, long_prefill_span);
+                    let load = ctx.engine_load(mix, ctx.chunks_quantile(long_prefill_span));
                     let p =
                         ctx.size_engine(lam_l, &load, cfg.long_context, ctx.long_slots, long_hint)?;
                     long_hint = Some(p.gpus);

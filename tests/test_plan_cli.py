@@ -25,7 +25,11 @@ def test_json_matches_the_api(capsys):
     assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
     r = plan(
-        fleetopt_workload(Workload.azure_2023()), 1000.0, 0.5, fleetopt_profile(), b_short=[4096],
+        fleetopt_workload(Workload.azure_2023()),
+        1000.0,
+        0.5,
+        fleetopt_profile(),
+        b_short=[4096],
         model="paper",
     )
     assert data["homogeneous"] == r.homogeneous.as_dict()

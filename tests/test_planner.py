@@ -27,7 +27,6 @@ def paper_plan(*args, **kwargs):
     return plan(*args, model="paper", **kwargs)
 
 
-
 def test_closed_forms_worked_numbers():
     # token-budget paper Section 3: alpha = 0.80, rho = 4 -> 60 %
     assert pool_routing_savings(0.80, 4.0) == pytest.approx(0.60, rel=1e-15)
@@ -171,7 +170,9 @@ def test_per_category_compressibility():
         paper_plan(w, 1000.0, 0.5, p_c_by_category={"code": 0.0})
     p = fleetopt_profile()
     all_c = paper_plan(AZURE, 1000.0, 0.5, p, b_short=[2048], gammas=[1.5])
-    no_code = paper_plan(AZURE, 1000.0, 0.5, p, b_short=[2048], gammas=[1.5], p_c_by_category={"code": 0})
+    no_code = paper_plan(
+        AZURE, 1000.0, 0.5, p, b_short=[2048], gammas=[1.5], p_c_by_category={"code": 0}
+    )
     a, b = all_c.candidate(2048, 1.5), no_code.candidate(2048, 1.5)
     cats = AZURE.categories
     total = AZURE.total_tokens

@@ -262,7 +262,8 @@ def size_engine(lam, load, n_slots, ctx, w, h, c, slo, tpot, hint):
 
 
 def plan_engine(inputs, outputs, lam, slo, tpot, *, b_short, gammas, w=0.008, h=0.00065,
-                c_chunk=512, kv_bytes=40 * 2**30, per_token=40 * 1024, long_context=65536):  # fmt: skip
+                c_chunk=512, kv_bytes=40 * 2**30, per_token=40 * 1024,
+                long_context=65536):  # fmt: skip
     """The engine model: (homogeneous GPUs, {(b, gamma): (n_short, n_long)}), p_c = 1."""
     t = Trace(inputs, outputs, c_chunk)
     n_long = slots(kv_bytes, per_token, long_context)

@@ -109,9 +109,7 @@ def fidelity_workload(name: str) -> Workload:
     if prefix != "azure" or azure.categories is None or category not in azure.category_names:
         raise ValueError(f"unknown fidelity workload {name!r} (known: {FIDELITY_WORKLOADS})")
     keep = azure.categories == category
-    return Workload(
-        azure.input_tokens[keep], azure.output_tokens[keep], arrival_s=None
-    )
+    return Workload(azure.input_tokens[keep], azure.output_tokens[keep], arrival_s=None)
 
 
 @dataclass
@@ -147,7 +145,7 @@ def fidelity_scenario(
     *,
     slo_tpot_s: float = 0.08,
     seed: int = 42,
-    max_requests: int = 200_000,
+    max_requests: int = 120_000,
     fleets: tuple[str, ...] = FIDELITY_FLEETS,
     quiet: bool = True,
 ) -> list[FidelityRow]:
@@ -178,8 +176,18 @@ def fidelity_scenario(
         sim.verify_fleet(fleet, trace, prof, args, report)
         for p in fleet.pools:
             rows.append(
-                FidelityRow(workload, rate, slo_ttft_s, profile, fleet.name, p.name,
-                            p.binding, p.gpus_planned, p.gpus, n)  # fmt: skip
+                FidelityRow(
+                    workload,
+                    rate,
+                    slo_ttft_s,
+                    profile,
+                    fleet.name,
+                    p.name,
+                    p.binding,
+                    p.gpus_planned,
+                    p.gpus,
+                    n,
+                )  # fmt: skip
             )
     return rows
 

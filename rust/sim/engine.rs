@@ -331,7 +331,9 @@ impl Instance {
         self.occupy(st.start, end, window);
         // Decode-only iterations whose start falls inside the window.
         let first = ((window.0 - st.start) / st.dt).ceil().max(0.0);
-        let last = ((window.1 - st.start) / st.dt).ceil().min(st.iterations as f64);
+        let last = ((window.1 - st.start) / st.dt)
+            .ceil()
+            .min(st.iterations as f64);
         self.iterations += (last - first).max(0.0);
         for s in &mut self.running {
             s.generated += st.iterations;

@@ -619,7 +619,10 @@ impl<'a> Fleet<'a> {
                     let out = self.requests[k].output_tokens;
                     let a = (input.div_ceil(pool.chunk) + out).saturating_sub(1) as f64;
                     let p = input as f64;
-                    for (s, v) in sums.iter_mut().zip([a, a * a, p, p * p, a * (p + out as f64)]) {
+                    for (s, v) in sums
+                        .iter_mut()
+                        .zip([a, a * a, p, p * p, a * (p + out as f64)])
+                    {
                         *s += v;
                     }
                 }

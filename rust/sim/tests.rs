@@ -345,11 +345,11 @@ fn model_state_by_hand() {
     // 16 slots, 2 requests/s per instance, 150 iterations each, no prompt:
     // t = W / (1 - H rate E[a]) = 0.008 / 0.805, occupancy = 2 * 150 * t.
     let p = pool("p", 1, 8192, 16, 8192);
-    let m = model_state(2.0, &[150.0, 22500.0, 0.0, 0.0, 0.0], &p)
+    let m = model_state(2.0, &[150.0, 22500.0, 0.0, 0.0, 0.0], &p);
     assert!(close(m.t_iter_s, 0.008 / 0.805));
     assert!((m.utilization - 2.4 / 0.805 / 16.0).abs() < 1e-9, "{m:?}");
     assert_eq!(m.prefill_utilization, 0.0);
     // Overloaded compute: H rate E[a] >= 1, the iteration time is unbounded.
-    let m = model_state(20.0, &[150.0, 22500.0, 0.0, 0.0, 0.0], &p)
+    let m = model_state(20.0, &[150.0, 22500.0, 0.0, 0.0, 0.0], &p);
     assert!(m.t_iter_s.is_infinite());
 }
