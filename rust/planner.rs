@@ -475,9 +475,9 @@ fn normal_quantile(q: f64) -> f64 {
 /// Evaluates `gpus` engines receiving `arrival_rate` (spread evenly, as
 /// least-loaded dispatch does).
 ///
-/// TTFT of a request = the wait for a slot + the wait for the prefill budget
-/// + its own prefill, `ceil(L_in / C)` iterations, + up to one iteration
-/// under way when it arrives. Its `q` quantile is bounded by the union bound
+/// TTFT of a request = the wait for a slot plus the wait for the prefill
+/// budget plus its own prefill, `ceil(L_in / C)` iterations, plus up to one
+/// iteration under way when it arrives. Its `q` quantile is bounded by the union bound
 /// with the tail split evenly: `P(A + B > a_r + b_r) <= P(A > a_r) + P(B > b_r)`,
 /// so with `r = (1 - q) / 2` the bound is the prefill's `1 - r` quantile
 /// (`prefill_chunks_q * t`) plus the wait's. The prefill wait is taken as
