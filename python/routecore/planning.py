@@ -17,6 +17,12 @@ assumptions that the paper does not state:
 ``fleetopt_workload`` and ``fleetopt_profile`` build exactly that; the
 implementation estimates the moments from 3,000 Monte Carlo samples where
 routecore sums the distribution exactly.
+
+The planner's fidelity grid (README, "Planner fidelity"): ``fidelity_scenario``
+plans a workload with the engine model and finds, per pool, the smallest GPU
+count the simulator accepts (``routecore simulate``'s bisection);
+``fidelity_grid`` runs every workload x rate x SLO x profile;
+``fidelity_markdown`` prints the rows as the README's table.
 """
 
 from __future__ import annotations
