@@ -211,10 +211,11 @@ impl PySimReport {
         self.report.makespan
     }
     /// One dict per pool: name, instances, gpus, max_context, requests
-    /// (measured, served), utilization_simulated (fraction of slot-time busy),
-    /// utilization_analytical (FleetOpt Eq. 3-4 over the served requests),
-    /// utilization_consistent (the same at the occupancy it predicts),
-    /// preemptions, rejections, compressed.
+    /// (measured, served), utilization_simulated (share of slot-time held, the
+    /// planner's ``utilization``), utilization_model (the planner's engine
+    /// model at the pool's measured rate over its served requests),
+    /// prefill_utilization_simulated / prefill_utilization_model (prompt
+    /// tokens over the prefill budget), preemptions, rejections, compressed.
     #[getter]
     fn pools<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         self.report
@@ -228,8 +229,12 @@ impl PySimReport {
                 d.set_item("max_context", p.max_context)?;
                 d.set_item("requests", p.requests)?;
                 d.set_item("utilization_simulated", p.utilization_simulated)?;
-                d.set_item("utilization_analytical", p.utilization_analytical)?;
-                d.set_item("utilization_consistent", p.utilization_consistent)?;
+                d.set_item("utilization_model", p.utilization_model)?;
+                d.set_item(
+                    "prefill_utilization_simulated",
+                    p.prefill_utilization_simulated,
+                )?;
+                d.set_item("prefill_utilization_model", p.prefill_utilization_model)?;
                 d.set_item("preemptions", p.preemptions)?;
                 d.set_item("rejections", p.rejections)?;
                 d.set_item("compressed", p.compressed)?;
