@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use futures_util::FutureExt;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -938,11 +939,15 @@ impl Engine {
             let admission = Arc::clone(admission);
             let actual = usage.unwrap_or((lease.est_input_tokens, 0));
             let latency = lease.started.elapsed().as_secs_f64();
-            shared.handle.spawn(async move {
+            let mut done = Box::pin(async move {
                 admission
                     .complete(ticket, actual.0, actual.1, latency)
                     .await;
             });
+            // In memory it completes at once; a remote backend finishes on the runtime.
+            if done.as_mut().now_or_never().is_none() {
+                shared.handle.spawn(done);
+            }
         }
         if let Err(e) = shared
             .fault("finish")

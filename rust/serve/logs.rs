@@ -54,6 +54,10 @@ pub fn enabled(level: &Level) -> bool {
 
 struct JsonLines;
 
+fn is_ours(meta: &Metadata<'_>) -> bool {
+    meta.target().starts_with("routecore")
+}
+
 struct Fields(Map<String, Value>);
 
 impl Visit for Fields {
@@ -79,13 +83,18 @@ impl Visit for Fields {
 }
 
 impl<S: Subscriber> Layer<S> for JsonLines {
-    fn register_callsite(&self, _: &'static Metadata<'static>) -> Interest {
-        Interest::sometimes() // the level can change at run time
+    fn register_callsite(&self, meta: &'static Metadata<'static>) -> Interest {
+        // Only routecore's own events (never its libraries' trace output, which
+        // then costs nothing); their level can change at run time.
+        if is_ours(meta) {
+            Interest::sometimes()
+        } else {
+            Interest::never()
+        }
     }
 
     fn enabled(&self, meta: &Metadata<'_>, _: Context<'_, S>) -> bool {
-        // Only routecore's own events (not its libraries' debug output).
-        meta.target().starts_with("routecore") && enabled(meta.level())
+        is_ours(meta) && enabled(meta.level())
     }
 
     fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
