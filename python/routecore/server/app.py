@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from pathlib import Path
 
 import grpc
@@ -28,6 +29,18 @@ from routecore.server.service import RouteCoreService
 
 #: The services the RouteCore API port's health service reports on.
 API_SERVICES = ("", "routecore.v1.RouteCore")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises OSError when ``host:port`` cannot be listened on (gRPC would log
+    its own multi-line error first)."""
+    family, kind, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            raise OSError(e.strerror) from e
 
 
 class Server:
@@ -55,10 +68,11 @@ class Server:
         self.state_file = Path(s.state_file) if s.state_file else None
         self.calibrator_state: bytes | None = None
         if self.state_file is not None and self.state_file.exists():
-            state = self.state_file.read_bytes()
-            try:
+            try:  # a bad snapshot is a ValueError (Calibrator.from_bytes)
+                state = self.state_file.read_bytes()
                 Calibrator.from_bytes(state)
-            except ValueError as e:
+            except (ValueError, OSError) as e:
+                log(logging.ERROR, "state-file-invalid", path=str(self.state_file), error=str(e))
                 raise ConfigError(f"server.state_file {self.state_file}: {e}") from e
             self.calibrator_state = state
         self.plane: DataPlane | None = None
@@ -100,11 +114,14 @@ class Server:
             RouteCoreService(self.plane, self.config.limits.max_body_bytes), self._api
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._api)
+        address = f"{s.host}:{self.api_port}"
         try:
-            self.api_port = self._api.add_insecure_port(f"{s.host}:{self.api_port}")
-        except RuntimeError as e:
+            if self.api_port:
+                check_port_free(s.host, self.api_port)
+            self.api_port = self._api.add_insecure_port(address)
+        except (OSError, RuntimeError) as e:  # grpc: "Failed to bind to address ..."
             self.plane.drain(0)
-            raise OSError(f"cannot listen on {s.host}:{self.api_port}: {e}") from e
+            raise OSError(f"cannot listen on {address}: {e}") from e
         await self._api.start()
         for name in API_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
