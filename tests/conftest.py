@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -13,7 +15,8 @@ import pytest
 
 class RedisServer:
     """A throwaway redis-server on 127.0.0.1, no persistence; ``kill`` and
-    ``start`` let a test take it down and bring it back (empty) on one port."""
+    ``start`` let a test take it down and bring it back (empty) on one port,
+    ``stop`` and ``cont`` freeze and thaw it (SIGSTOP, SIGCONT)."""
 
     def __init__(self) -> None:
         with socket.socket() as s:
@@ -52,6 +55,17 @@ class RedisServer:
                 time.sleep(0.02)
         self.kill()
         pytest.fail("redis-server did not start")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "redis-server is not running"
+        return self.proc.pid
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         if self.proc is not None:

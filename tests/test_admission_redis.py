@@ -11,7 +11,14 @@ import time
 import pytest
 import redis
 
-from routecore import Entitlement, InMemoryAdmission, RedisAdmission, TokenPool
+from routecore import (
+    Entitlement,
+    InMemoryAdmission,
+    RedisAdmission,
+    TokenPool,
+    admission_from_config,
+)
+from routecore.config import ConfigError, parse_config
 
 POOLS = [TokenPool("p", 240.0, 2_000_000, 6, kv_bytes_per_token=1000)]
 ENTS = [
@@ -210,3 +217,70 @@ def test_redis_bad_input(redis_server):
             call()
     assert red.admit("nobody", 1, 1).status == 401
     assert red.pool_in_flight("p") == 0
+
+
+ADMISSION = {
+    "backend": "redis",
+    "pools": [{"name": "p", "tokens_per_s": 100.0, "kv_bytes": 2**20, "concurrency": 2}],
+    "entitlements": [
+        {
+            "name": "e",
+            "tenant": "t",
+            "pool": "p",
+            "service_class": "spot",
+            "slo_target_ms": 1000.0,
+            "tokens_per_s": 10.0,
+            "kv_bytes": 1,
+            "concurrency": 1,
+        }
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("url", 5),
+        ("url", "http://127.0.0.1:6379"),
+        ("prefix", ""),
+        ("prefix", 7),
+        ("lease_s", "abc"),
+        ("lease_s", 0),
+        ("lease_s", float("nan")),
+        ("failure_mode", "maybe"),
+        ("unavailable_retry_s", -1.0),
+        ("unavailable_retry_s", True),
+        ("socket_timeout_s", float("nan")),
+        ("socket_timeout_s", float("inf")),
+        ("socket_timeout_s", [0.5]),
+    ],
+)
+def test_redis_config_values_are_checked_by_name(key, value):
+    redis_section = {"url": "redis://127.0.0.1:1/0", key: value}
+    raw = {"pools": [{"name": "gpu", "max_context": 8192}]}
+    with pytest.raises(ConfigError, match=rf"^admission\.redis\.{key}: "):
+        parse_config({**raw, "admission": {**ADMISSION, "redis": redis_section}})
+    with pytest.raises(ValueError, match=rf"^{key} "):  # the Python API, same check
+        admission_from_config({**ADMISSION, "redis": redis_section})
+
+
+def test_redis_config_unknown_key_is_a_value_error():
+    with pytest.raises(ValueError, match=r"^redis\.host: unknown key"):
+        admission_from_config({**ADMISSION, "redis": {"host": "x"}})
+
+
+def test_redis_config_accepts_good_values_without_contacting_redis():
+    redis_section = {
+        "url": "redis://127.0.0.1:1/0",  # nothing listens there
+        "prefix": "rc",
+        "lease_s": 30,
+        "failure_mode": "open",
+        "unavailable_retry_s": 0.5,
+        "socket_timeout_s": 0.1,
+    }
+    raw = {"pools": [{"name": "gpu", "max_context": 8192}]}
+    config = parse_config({**raw, "admission": {**ADMISSION, "redis": redis_section}})
+    assert config.admission.backend == "redis"
+    backend = admission_from_config(config.admission.spec)
+    assert isinstance(backend, RedisAdmission)
+    assert backend.admit("e", 1, 1).reason == "fail-open"

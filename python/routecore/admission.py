@@ -18,21 +18,33 @@ Both backends answer::
 ``time.time`` for Redis, which replicas share). ``complete`` returns True when
 it released the ticket and False when the ticket is not in flight (None, done
 already, or its Redis lease expired): completing twice never counts twice.
+Both backends may be called from several threads at once (e.g. a server's
+thread pool); bad numbers raise ValueError.
 
 Redis specifics (see ``RedisAdmission``): keys ``{prefix}:{<pool>}:...`` per
 pool and entitlement, all of one pool in one hash slot; a reservation whose
-replica died mid-request is released after ``lease_s``; when Redis cannot be
-reached, ``failure_mode="closed"`` (the default) rejects with 503 and
-``failure_mode="open"`` admits without a ticket (unaccounted), so a Redis
-outage either sheds load or protects availability, as configured.
+replica died mid-request is released after ``lease_s``. Construction never
+contacts Redis. Any Redis failure (down, stalled past ``socket_timeout_s``,
+an error reply such as OOM) goes through ``failure_mode``: ``"closed"`` (the
+default) rejects with 503, ``"open"`` admits without a ticket (unaccounted),
+so an outage either sheds load or protects availability, as configured; it is
+logged and counted in ``RedisAdmission.failures``, never raised. A reservation
+whose reply was lost (a stalled Redis runs the script after the client gave
+up) is voided by its request id as soon as Redis answers again.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import operator
+import secrets
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from routecore._core import Admission, AdmissionController, Entitlement, TokenPool
@@ -41,6 +53,26 @@ from routecore._extras import require
 MAX_TOKENS = 1 << 30
 MAX_POOLS = 256
 FAILURE_MODES = ("open", "closed")
+#: The kinds ``RedisAdmission.failures`` counts: no connection, no answer in
+#: time, an error reply (OOM, NOSCRIPT, BUSY, READONLY, ...).
+FAILURE_KINDS = ("connection", "timeout", "reply")
+URL_SCHEMES = ("redis://", "rediss://", "unix://")
+#: The keys of a configuration's ``redis`` mapping (``RedisAdmission`` keywords).
+REDIS_OPTIONS = (
+    "url",
+    "prefix",
+    "lease_s",
+    "failure_mode",
+    "unavailable_retry_s",
+    "socket_timeout_s",
+)
+#: Lost admits and failed completions a pool keeps to settle when Redis answers
+#: again; beyond it the oldest are left to their leases.
+MAX_PENDING = 10_000
+#: How many of them one call settles before its own work.
+RECONCILE_BATCH = 256
+_INF = float("inf")
+_log = logging.getLogger(__name__)
 
 
 class AdmissionBackend:
@@ -48,6 +80,9 @@ class AdmissionBackend:
     derive from it and supply ``_admit``, ``_complete`` and the rest."""
 
     clock: Callable[[], float]
+    #: Failures of the shared state by kind (``FAILURE_KINDS``), for a metric;
+    #: empty in memory.
+    failures: Mapping[str, int] = MappingProxyType({})
 
     def admit(
         self,
@@ -84,6 +119,15 @@ class AdmissionBackend:
         classes need the capacity (lowest priority, then youngest, first).
         Changes nothing: terminate them, then ``complete`` each."""
         return self._evictions(self._now(now))
+
+    def reconcile(self, now: float | None = None) -> bool:
+        """Settles in the shared state what failed calls left behind; True when
+        nothing is left. Nothing to do in memory."""
+        return True
+
+    def pending(self) -> int:
+        """Failed calls whose effect is not yet settled in the shared state."""
+        return 0
 
     def _now(self, now: float | None) -> float:
         return self.clock() if now is None else float(now)
@@ -188,7 +232,7 @@ local function f(x) return string.format('%.17g', x) end
 local function pool_get()
   local v = redis.call('HMGET', P..':pool', 'tokens_per_s', 'kv_bytes', 'concurrency',
     'kv_per_token', 'mean_slo', 'window_s', 'lease_s', 'in_flight', 'kv_in_flight', 'clock')
-  if not v[1] then return nil end
+  if not v[6] then return nil end -- window_s: written by the configure script only
   return {tps = tonumber(v[1]), kv = tonumber(v[2]), conc = tonumber(v[3]),
     kvpt = tonumber(v[4]), mean = tonumber(v[5]), window = tonumber(v[6]),
     lease = tonumber(v[7]), in_flight = tonumber(v[8]), kv_in_flight = tonumber(v[9]),
@@ -209,6 +253,8 @@ local function release(seq)
   local kv, tokens, ent = string.match(info, '^(%d+)|(%d+)|(.*)$')
   local ek = P..':e:'..ent
   redis.call('HDEL', P..':tickets', seq)
+  local rid = redis.call('HGET', P..':rid', seq)
+  if rid then redis.call('HDEL', P..':rid', seq, rid) end
   redis.call('ZREM', P..':leases', seq)
   redis.call('ZREM', ek..':fl', seq)
   redis.call('HINCRBY', P..':pool', 'in_flight', -1)
@@ -220,6 +266,7 @@ local function release(seq)
   return ent
 end
 local function purge(now)
+  redis.call('ZREMRANGEBYSCORE', P..':void', '-inf', f(now))
   local dead = redis.call('ZRANGEBYSCORE', P..':leases', '-inf', f(now))
   for _, seq in ipairs(dead) do release(seq) end
   return #dead
@@ -295,6 +342,10 @@ local e = redis.call('HMGET', ek, 'state', 'conc', 'tps', 'burstable', 'priority
   'window_tokens')
 if not e[1] then return {'401', 'unknown-entitlement', '', '', '0'} end
 local w = e[5]
+local rid = ARGV[4]
+local again = redis.call('HGET', P..':rid', rid)
+if again then return {'200', 'admitted', '', again, w} end -- a client retry: same ticket
+if redis.call('ZSCORE', P..':void', rid) then return {'void'} end -- its client gave up
 if e[1] ~= 'bound' then return {'403', e[1], '', '', w} end
 local kv = tokens * pool.kvpt
 local pool_room = pool.in_flight < pool.conc and pool.kv_in_flight + kv <= pool.kv
@@ -341,6 +392,7 @@ if not pool_room then
 end
 local seq = string.format('%d', redis.call('INCR', P..':seq'))
 redis.call('HSET', P..':tickets', seq, string.format('%d|%d|', kv, tokens)..ent)
+redis.call('HSET', P..':rid', seq, rid, rid, seq)
 redis.call('ZADD', P..':leases', f(now + pool.lease), seq)
 redis.call('ZADD', ek..':fl', f(now), seq)
 redis.call('ZADD', ek..':win', f(now), seq)
@@ -395,6 +447,34 @@ return 1
 """
 )
 
+_VOID = (
+    _PRELUDE
+    + """
+local pool = pool_get()
+if not pool then return 0 end
+local now = tick(pool, tonumber(ARGV[1]))
+local undone = 0
+for k = 2, #ARGV do
+  local rid = ARGV[k]
+  local seq = redis.call('HGET', P..':rid', rid)
+  local ent = seq and release(seq)
+  if ent then -- reserved: undo it, window charge included, as if never admitted
+    local ek = P..':e:'..ent
+    local tokens = redis.call('HGET', ek..':wtok', seq)
+    if tokens then
+      redis.call('HDEL', ek..':wtok', seq)
+      redis.call('ZREM', ek..':win', seq)
+      redis.call('HINCRBY', ek, 'window_tokens', '-'..tokens)
+    end
+    undone = undone + 1
+  else -- not (yet) reserved: a script still queued in Redis must not reserve it
+    redis.call('ZADD', P..':void', f(now + pool.lease), rid)
+  end
+end
+return undone
+"""
+)
+
 _SET_STATE = (
     _PRELUDE
     + """
@@ -431,12 +511,27 @@ class RedisAdmission(AdmissionBackend):
     ``client``: a ``redis.Redis`` (or give ``url``). Keys live under
     ``{prefix}:{<pool>}``, one hash slot per pool. ``lease_s``: a reservation not
     completed within this many seconds (its replica died mid-request) is
-    released by the next call on its pool. ``failure_mode``: ``"closed"``
-    rejects with 503 while Redis is unreachable (Retry-After
-    ``unavailable_retry_s``); ``"open"`` admits without a ticket, unaccounted.
-    Completions that cannot reach Redis return False; the lease releases them.
-    If Redis comes back empty, the configuration is written again on first use;
-    tickets restart from the clock (ms * 1024), so no old ticket can match a new one.
+    released by the next call on its pool.
+
+    Construction never contacts Redis: each pool's configuration is written on
+    its first use (and again whenever Redis comes back empty), so a server
+    starts while Redis is down. Every Redis failure (no connection, a timeout
+    after ``socket_timeout_s``, an error reply such as OOM, NOSCRIPT, BUSY or
+    READONLY) goes through ``failure_mode``: ``"closed"`` rejects with 503
+    ``admission-unavailable`` (Retry-After ``unavailable_retry_s``), ``"open"``
+    admits without a ticket, unaccounted. ``admit``, ``complete`` and
+    ``evictions`` never raise for Redis; the detail is logged (logger
+    ``routecore.admission``) and counted in ``failures`` by kind
+    (``connection``, ``timeout``, ``reply``).
+
+    No reservation whose reply was lost can leak: every admit carries a request
+    id chosen here, so when the call fails (its script may still run in a
+    stalled Redis) the id is voided as soon as Redis answers again, releasing
+    the reservation or refusing it if the script has not run yet; a completion
+    that failed is replayed then too (it counts once). Redis is asked again on
+    the next call (or ``reconcile()``). If Redis comes back empty, tickets
+    restart from the clock (ms * 1024), so no old ticket can match a new one.
+    All methods may be called from several threads at once.
     """
 
     def __init__(
@@ -456,27 +551,55 @@ class RedisAdmission(AdmissionBackend):
         clock: Callable[[], float] = time.time,
     ) -> None:
         (redis,) = require("redis", "redis")
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         # The Rust controller checks the configuration exactly as in memory.
         AdmissionController(list(pools), list(entitlements), default_max_tokens, window_s)
         if failure_mode not in FAILURE_MODES:
             raise ValueError(f"failure_mode must be 'open' or 'closed', got {failure_mode!r}")
-        if not lease_s > 0 or not unavailable_retry_s > 0:
-            raise ValueError("lease_s and unavailable_retry_s must be > 0")
+        for what, value in (
+            ("lease_s", lease_s),
+            ("unavailable_retry_s", unavailable_retry_s),
+            ("socket_timeout_s", socket_timeout_s),
+        ):
+            _positive(what, value)
+        if url is not None and (not isinstance(url, str) or not url.startswith(URL_SCHEMES)):
+            raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got {url!r}")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
         if len(pools) > MAX_POOLS:
             raise ValueError(f"at most {MAX_POOLS} pools")
         if client is None:
+            # No retries inside the client: one call waits at most one timeout,
+            # and what a lost reply leaves behind is voided (see the class doc).
             client = redis.Redis.from_url(
                 url or "redis://127.0.0.1:6379/0",
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s,
+                retry=Retry(NoBackoff(), 0),
             )
         self.client = client
         self.failure_mode = failure_mode
-        self.unavailable_retry_s = unavailable_retry_s
+        self.unavailable_retry_s = float(unavailable_retry_s)
         self.default_max_tokens = default_max_tokens
         self.clock = clock
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        #: Redis failures since construction, by kind; read it for a metric.
+        self.failures: dict[str, int] = dict.fromkeys(FAILURE_KINDS, 0)
+        self._redis_errors = (redis.exceptions.RedisError, OSError)
+        self._timeout = redis.exceptions.TimeoutError
+        self._connection = (redis.exceptions.ConnectionError, OSError)
+        self._lock = threading.Lock()
+        self._reachable = True
+        self._configured: set[str] = set()
+        # Per pool: request ids of admits whose reply was lost, and completions
+        # that failed, to settle when Redis answers again (oldest first).
+        self._voids: dict[str, deque[str]] = {p.name: deque() for p in pools}
+        self._replays: dict[str, deque[tuple[int, int, str, str]]] = {
+            p.name: deque() for p in pools
+        }
+        self._rid_prefix = f"r{secrets.token_hex(8)}:"
+        self._rids = itertools.count()
         self._pools = [p.name for p in pools]
         self._pool_of = {e.name: e.pool for e in entitlements}
         self._class_of = {e.name: e.service_class for e in entitlements}
@@ -512,13 +635,115 @@ class RedisAdmission(AdmissionBackend):
         self._configure_script = client.register_script(_CONFIGURE)
         self._admit_script = client.register_script(_ADMIT)
         self._complete_script = client.register_script(_COMPLETE)
+        self._void_script = client.register_script(_VOID)
         self._set_state_script = client.register_script(_SET_STATE)
-        for pool in self._pools:
-            self._configure(pool)
 
     def _configure(self, pool: str) -> None:
         seq_base = int(time.time() * 1000) * 1024
         self._configure_script(keys=[self._keys[pool]], args=[self._config[pool], seq_base])
+        self._configured.add(pool)
+
+    def _ready(self, pool: str, now: float) -> bool:
+        """Before a call on ``pool``: settle what failed calls left behind, then
+        write this instance's configuration once. Raises the Redis error; see
+        ``_settle`` for the result."""
+        settled = self._settle(pool, now, RECONCILE_BATCH)
+        if pool not in self._configured:
+            self._configure(pool)
+        return settled
+
+    def _settle(self, pool: str, now: float, limit: int) -> bool:
+        """Voids up to ``limit`` lost admits and replays up to ``limit`` failed
+        completions of ``pool``; what Redis did not take is kept for later.
+        True when all were settled; an error reply is logged and counted
+        (False), a connection error or timeout raises: Redis is not there."""
+        with self._lock:
+            voids = _take(self._voids[pool], limit)
+            replays = _take(self._replays[pool], limit)
+        if not voids and not replays:
+            return True
+        key = self._keys[pool]
+        try:
+            if voids:
+                self._void_script(keys=[key], args=[repr(now), *voids])
+                voids = []
+            if replays:
+                pipe = self.client.pipeline(transaction=False)
+                for seq, actual, latency, at in replays:
+                    self._complete_script(
+                        keys=[key], args=[str(seq), actual, latency, at], client=pipe
+                    )
+                pipe.execute()
+        except self._redis_errors as e:
+            with self._lock:
+                _put_back(self._voids[pool], voids)
+                _put_back(self._replays[pool], replays)
+            if self._kind(e) != "reply":
+                raise
+            self._failed("reconcile", e)
+            return False
+        return True
+
+    def reconcile(self, now: float | None = None) -> bool:
+        """Settles everything failed calls left behind (voids lost admits,
+        replays failed completions) on every pool; True when nothing is left.
+        The next call on a pool does this too, a batch at a time; a server may
+        call this periodically. Never raises for Redis."""
+        at = self._now(now)
+        try:
+            for pool in self._pools:
+                while (self._voids[pool] or self._replays[pool]) and self._settle(
+                    pool, at, RECONCILE_BATCH
+                ):
+                    pass
+        except self._redis_errors as e:
+            self._failed("reconcile", e)
+            return False
+        if self.pending():
+            return False
+        self._succeeded()
+        return True
+
+    def pending(self) -> int:
+        """Lost admits and failed completions not yet settled in Redis."""
+        with self._lock:
+            return sum(map(len, self._voids.values())) + sum(map(len, self._replays.values()))
+
+    def _kind(self, error: BaseException) -> str:
+        if isinstance(error, self._timeout):
+            return "timeout"
+        if isinstance(error, self._connection):
+            return "connection"
+        return "reply"
+
+    def _failed(self, call: str, error: BaseException) -> None:
+        kind = self._kind(error)
+        with self._lock:
+            self.failures[kind] += 1
+            was_reachable, self._reachable = self._reachable, False
+        # The first failure of an outage is a warning, the rest debug: an outage
+        # under load must not flood the log.
+        _log.log(
+            logging.WARNING if was_reachable else logging.DEBUG,
+            "redis admission: %s failed (%s: %s: %s); failing %s",
+            call,
+            kind,
+            type(error).__name__,
+            error,
+            self.failure_mode,
+        )
+
+    def _succeeded(self) -> None:
+        if not self._reachable:
+            with self._lock:
+                was_reachable, self._reachable = self._reachable, True
+            if not was_reachable:
+                _log.warning("redis admission: Redis answers again")
+
+    def _unavailable(self) -> Admission:
+        if self.failure_mode == "open":
+            return Admission(True, 200, "fail-open")
+        return Admission(False, 503, "admission-unavailable", self.unavailable_retry_s)
 
     def _admit(
         self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
@@ -533,24 +758,36 @@ class RedisAdmission(AdmissionBackend):
             return Admission(False, 401, "unknown-entitlement")
         key = self._keys[pool]
         try:
-            out = self._admit_script(keys=[key], args=[entitlement, tokens, repr(now)])
+            settled = self._ready(pool, now)
+        except self._redis_errors as e:
+            self._failed("admit", e)
+            return self._unavailable()
+        rid = f"{self._rid_prefix}{next(self._rids):x}"
+        args = [entitlement, tokens, repr(now), rid]
+        try:
+            out = self._admit_script(keys=[key], args=args)
             if out[0] == b"unconfigured":
                 self._configure(pool)
-                out = self._admit_script(keys=[key], args=[entitlement, tokens, repr(now)])
-        except self._errors:
-            if self.failure_mode == "open":
-                return Admission(True, 200, "fail-open")
-            return Admission(False, 503, "admission-unavailable", self.unavailable_retry_s)
-        status, reason, retry, seq, priority = (x.decode() for x in out)
-        ticket = int(seq) * MAX_POOLS + self._pools.index(pool) if seq else None
-        return Admission(
-            status == "200",
-            int(status),
-            reason,
-            float(retry) if retry else None,
-            ticket,
-            float(priority),
-        )
+                out = self._admit_script(keys=[key], args=args)
+            status, reason, retry, seq, priority = (x.decode() for x in out)
+            decision = Admission(
+                status == "200",
+                int(status),
+                reason,
+                float(retry) if retry else None,
+                int(seq) * MAX_POOLS + self._pools.index(pool) if seq else None,
+                float(priority),
+            )
+        except (*self._redis_errors, ValueError) as e:
+            # The script may have run (or may yet run, in a stalled Redis) with
+            # nobody to complete its ticket: void the id when Redis answers.
+            with self._lock:
+                _defer(self._voids[pool], rid)
+            self._failed("admit", e)
+            return self._unavailable()
+        if settled:
+            self._succeeded()
+        return decision
 
     def _complete(
         self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
@@ -561,18 +798,24 @@ class RedisAdmission(AdmissionBackend):
         seq, index = divmod(ticket, MAX_POOLS)
         if index >= len(self._pools):
             return False
+        pool = self._pools[index]
+        args = (seq, actual, repr(float(latency_s)), repr(now))
         try:
-            done = self._complete_script(
-                keys=[self._keys[self._pools[index]]],
-                args=[str(seq), actual, repr(float(latency_s)), repr(now)],
-            )
-        except self._errors:
+            settled = self._settle(pool, now, RECONCILE_BATCH)
+            done = self._complete_script(keys=[self._keys[pool]], args=[str(seq), *args[1:]])
+        except self._redis_errors as e:
+            with self._lock:  # replayed when Redis answers; a replay counts once
+                _defer(self._replays[pool], args)
+            self._failed("complete", e)
             return False
+        if settled:
+            self._succeeded()
         return bool(done)
 
     def _evictions(self, now: float) -> list[int]:
         """Read in one transaction per pool; [] while Redis is unreachable."""
         out: list[int] = []
+        settled = True
         for index, pool in enumerate(self._pools):
             key = self._keys[pool]
             ents = [e for e, p in self._pool_of.items() if p == pool]
@@ -582,12 +825,14 @@ class RedisAdmission(AdmissionBackend):
                 pipe.zrange(f"{key}:e:{e}:fl", 0, -1, withscores=True)
                 pipe.hget(f"{key}:e:{e}", "priority")
             try:
+                settled &= self._settle(pool, now, RECONCILE_BATCH)
                 (in_flight, concurrency), *rest = pipe.execute()
-            except self._errors:
+                over = int(in_flight or 0) - int(float(concurrency or 0))
+                flights = dict(zip(ents, rest[0::2]))
+                priority = {e: float(w or 0) for e, w in zip(ents, rest[1::2])}
+            except (*self._redis_errors, ValueError) as e:
+                self._failed("evictions", e)
                 return []
-            over = int(in_flight or 0) - int(float(concurrency or 0))
-            flights = dict(zip(ents, rest[0::2]))
-            priority = {e: float(w or 0) for e, w in zip(ents, rest[1::2])}
             protected = any(flights[e] for e in ents if self._class_of[e] in _PROTECTED)
             if over <= 0 or not protected:
                 continue
@@ -598,6 +843,8 @@ class RedisAdmission(AdmissionBackend):
                 for seq, at in flights[e]
             )
             out.extend(ticket for _, _, ticket in victims[:over])
+        if settled:
+            self._succeeded()
         return out
 
     def set_capacity(
@@ -607,7 +854,7 @@ class RedisAdmission(AdmissionBackend):
         kv_bytes: int | None = None,
         concurrency: int | None = None,
     ) -> None:
-        """Changes a pool's capacity for every replica at once."""
+        """Changes a pool's capacity for every replica at once (Redis errors raise)."""
         spec = TokenPool(
             pool,
             1.0 if tokens_per_s is None else tokens_per_s,
@@ -622,34 +869,65 @@ class RedisAdmission(AdmissionBackend):
         if concurrency is not None:
             fields["concurrency"] = str(spec.concurrency)
         if fields:
-            self.client.hset(f"{self._keys[self._key_pool(pool)]}:pool", mapping=fields)
+            self.client.hset(f"{self._configured_key(pool)}:pool", mapping=fields)
 
-    def _key_pool(self, pool: str) -> str:
+    def _configured_key(self, pool: str) -> str:
+        """``pool``'s key prefix, its configuration written by this instance."""
         if pool not in self._keys:
             raise KeyError(f"unknown pool: {pool!r}")
-        return pool
+        if pool not in self._configured:
+            self._configure(pool)
+        return self._keys[pool]
 
     def set_state(self, entitlement: str, state: str) -> None:
-        """Moves an entitlement to ``state`` for every replica at once."""
+        """Moves an entitlement to ``state`` for every replica at once (Redis errors raise)."""
         if state not in _STATES:
             raise ValueError(f"state must be one of {', '.join(_STATES)}; got {state!r}")
         pool = self._pool_of.get(entitlement)
         if pool is None:
             raise KeyError(f"unknown entitlement: {entitlement!r}")
-        self._set_state_script(keys=[self._keys[pool]], args=[entitlement, state])
+        key = self._configured_key(pool)
+        if not self._set_state_script(keys=[key], args=[entitlement, state]):
+            self._configure(pool)  # Redis came back empty
+            self._set_state_script(keys=[key], args=[entitlement, state])
 
     def priority(self, entitlement: str) -> float:
         pool = self._pool_of.get(entitlement)
         if pool is None:
             raise KeyError(f"unknown entitlement: {entitlement!r}")
-        return float(self.client.hget(f"{self._keys[pool]}:e:{entitlement}", "priority"))
+        key = self._configured_key(pool)
+        return float(self.client.hget(f"{key}:e:{entitlement}", "priority"))
 
     def pool_in_flight(self, pool: str) -> int:
-        value = self.client.hget(f"{self._keys[self._key_pool(pool)]}:pool", "in_flight")
+        value = self.client.hget(f"{self._configured_key(pool)}:pool", "in_flight")
         return int(value or 0)
 
     def close(self) -> None:
         self.client.close()
+
+
+def _positive(what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < _INF:
+        raise ValueError(f"{what} must be a finite number > 0, got {value!r}")
+
+
+def _take(queue: deque[Any], limit: int) -> list[Any]:
+    return [queue.popleft() for _ in range(min(limit, len(queue)))]
+
+
+def _defer(queue: deque[Any], item: Any) -> None:
+    """Queues ``item`` to settle later; beyond MAX_PENDING the oldest are
+    dropped (their leases release them)."""
+    queue.append(item)
+    if len(queue) > MAX_PENDING:
+        queue.popleft()
+
+
+def _put_back(queue: deque[Any], items: Sequence[Any]) -> None:
+    """Returns ``items`` (taken oldest first) to the front of ``queue``."""
+    queue.extendleft(reversed(items))
+    while len(queue) > MAX_PENDING:
+        queue.popleft()
 
 
 def admission_from_config(config: Mapping[str, Any]) -> InMemoryAdmission | RedisAdmission:
@@ -675,5 +953,11 @@ def admission_from_config(config: Mapping[str, Any]) -> InMemoryAdmission | Redi
     if backend == "memory":
         return InMemoryAdmission(pools, entitlements, **common)
     if backend == "redis":
-        return RedisAdmission(pools, entitlements, **common, **config.get("redis", {}))
+        options = config.get("redis", {})
+        if not isinstance(options, Mapping):
+            raise ValueError(f"redis: expected a mapping, got {type(options).__name__}")
+        for key in options:
+            if key not in REDIS_OPTIONS:
+                raise ValueError(f"redis.{key}: unknown key (expected one of {REDIS_OPTIONS})")
+        return RedisAdmission(pools, entitlements, **common, **options)
     raise ValueError(f"backend must be 'memory' or 'redis', got {backend!r}")

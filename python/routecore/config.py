@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from routecore._core import Entitlement, Pool, TokenPool
-from routecore.admission import admission_from_config
+from routecore.admission import REDIS_OPTIONS, URL_SCHEMES, admission_from_config
 from routecore.server.endpoints import POLICIES
 
 FAILURE_MODES = ("open", "closed")
@@ -282,6 +282,21 @@ def _tenants(raw_list: list[Any], admission: AdmissionConfig) -> tuple[TenantCon
     return tuple(tenants)
 
 
+def _redis(raw: dict[str, Any]) -> None:
+    """Checks ``admission.redis`` (given keys only: RedisAdmission has the defaults)."""
+    where = "admission.redis"
+    if "url" in raw:
+        url = _str(raw, "url", where, "")
+        if not url.startswith(URL_SCHEMES):
+            raise ConfigError(f"{where}.url: expected a redis://, rediss:// or unix:// URL")
+    if "prefix" in raw and not _str(raw, "prefix", where, ""):
+        raise ConfigError(f"{where}.prefix: must not be empty")
+    _str(raw, "failure_mode", where, "closed", FAILURE_MODES)
+    _float(raw, "lease_s", where, 0.001, 1e6, 300.0)
+    _float(raw, "unavailable_retry_s", where, 0.001, 3600.0, 1.0)
+    _float(raw, "socket_timeout_s", where, 0.001, 60.0, 0.5)
+
+
 def _admission(raw: Any) -> AdmissionConfig:
     """Checks every admission pool and entitlement by building it (the core validates)."""
     a = _section(
@@ -304,10 +319,11 @@ def _admission(raw: Any) -> AdmissionConfig:
     redis = _section(
         a.get("redis"),
         "admission.redis",
-        {"url", "prefix", "lease_s", "failure_mode", "unavailable_retry_s", "socket_timeout_s"},
+        set(REDIS_OPTIONS),
     )
     if backend == "redis" and not redis.get("url"):
         raise ConfigError("admission.redis.url: required when admission.backend is 'redis'")
+    _redis(redis)
     _int(a, "default_max_tokens", "admission", 1, 1 << 30, 4096)
     _float(a, "window_s", "admission", 0.001, 86400.0, 60.0)
     try:  # cross-references (an entitlement's pool) are checked by a trial build in memory
