@@ -126,12 +126,14 @@ class Server:
         )
 
     async def _reap_forever(self) -> None:
-        """Releases requests whose response never came back, a few times per timeout."""
+        """Releases requests whose response never came back and settles what
+        failed admission calls left behind, a few times per timeout."""
         period = min(1.0, self.config.limits.request_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             try:
                 n = self.holder.reap(time.monotonic())
+                await self.holder.reconcile()
             except Exception:
                 log(logging.ERROR, "reap-failed", exc_info=True)
                 continue

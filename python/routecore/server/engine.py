@@ -549,6 +549,15 @@ class EngineHolder:
         self.retired = [e for e in self.retired if e.leases]
         return n
 
+    async def reconcile(self) -> None:
+        """Settles, on the thread pool, what failed admission calls left behind
+        (a Redis backend's lost admits and failed completions) once Redis answers."""
+        backends = {id(e.admission): e.admission for e in self.engines if e.admission is not None}
+        loop = asyncio.get_running_loop()
+        for admission in backends.values():
+            if admission.pending():
+                await loop.run_in_executor(self.executor, admission.reconcile)
+
     def close(self) -> None:
         """Closes every engine and the thread pool (at shutdown)."""
         for engine in self.engines:
