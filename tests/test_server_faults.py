@@ -488,13 +488,22 @@ def test_stalled_redis_never_blocks_the_event_loop(serve, redis_server):
                 asyncio.ensure_future(buffered(stub, KEY, chat_body(f"s{i}"), [usage_body(2, 1)]))
                 for i in range(n)
             ]
+            api = rc_grpc.RouteCoreStub(channel)
+            routes = [
+                asyncio.ensure_future(
+                    api.Route(rc.RouteRequest(body=chat_body(f"r{i}"), api_key="demo-key"))
+                )
+                for i in range(5)
+            ]
             await asyncio.sleep(0.1)
             health = health_pb2_grpc.HealthStub(channel)
             answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
             # The health check is answered while the streams still wait on Redis.
-            assert not any(t.done() for t in streams)
+            assert not any(t.done() for t in streams + routes)
             convs = await asyncio.gather(*streams)
+            for r in await asyncio.gather(*routes):
+                assert r.admission.status == 503 and not r.admission.admitted
             return convs, time.monotonic() - start
 
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
@@ -589,6 +598,7 @@ def test_redis_error_replies_go_through_failure_mode_without_detail(serve, redis
         client.close()
     assert converse(s.target, KEY, chat_body("ok"), [usage_body(2, 1)]).routing is not None
     wait_settled(s)
+    wait_redis_settled(redis_server.url)
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])
