@@ -431,14 +431,18 @@ class Engine:
             return None
         return prompt_tokens, completion
 
-    def _complete_lease_ticket(self, lease: Lease, usage: tuple[int, int] | None, now: float):
+    def _complete_lease_ticket(
+        self, lease: Lease, usage: tuple[int, int] | None, now: float
+    ) -> None:
         if lease.ticket is None:
             return
         req = lease.request
         actual = usage if usage is not None else (req.est_input_tokens, 0)
         self._complete_ticket(lease.ticket, actual[0], actual[1], max(now - lease.started, 0.0))
 
-    def _complete_ticket(self, ticket: int, actual_in: int, actual_out: int, latency_s: float):
+    def _complete_ticket(
+        self, ticket: int, actual_in: int, actual_out: int, latency_s: float
+    ) -> None:
         """Completes an admission ticket: at once in memory, on the thread pool
         for a blocking backend (not waited for)."""
         admission = self.admission

@@ -111,8 +111,7 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
         )
 
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        holder = self.holder
-        for engine in (holder.engine, *holder.retired):
+        for engine in self.holder.engines:
             lease = engine.lease(request.request_id)
             if lease is not None:
                 engine.finish(
