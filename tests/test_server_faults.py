@@ -334,7 +334,8 @@ def test_routecore_out_of_range_fields_and_deep_plan_params_are_invalid_argument
 # -- 9. SIGHUP keeps in-memory tickets ---------------------------------------------------
 
 
-def test_reload_keeps_in_memory_tickets_in_flight(serve):
+@pytest.mark.parametrize("changed", [False, True])
+def test_reload_keeps_in_memory_tickets_in_flight(serve, changed):
     s = serve(admission=admission(3), tenants=tenants())
 
     async def go():
@@ -342,7 +343,11 @@ def test_reload_keeps_in_memory_tickets_in_flight(serve):
             stub = pb_grpc.ExternalProcessorStub(channel)
             held = [await hold(stub, f"held {i}") for i in range(3)]
             assert all(routed.HasField("request_body") for _, routed in held)
-            assert s.run(s.server.reload)  # SIGHUP: the same file again
+            if changed:  # other entitlements: a new backend, which adopts the three
+                config = base_config(admission=admission(3), tenants=tenants())
+                config["admission"]["pools"][0]["tokens_per_s"] = 2e6
+                s.path.write_text(yaml.safe_dump(config))
+            assert s.run(s.server.reload)  # SIGHUP
             refused = await buffered(stub, KEY, chat_body("fourth"), [usage_body(1, 1)])
             assert refused.immediate is not None and refused.immediate.status.code == 429
             await finish_held(held[0][0], usage_body(5, 1))  # finished by the old engine

@@ -26,7 +26,9 @@ A SIGHUP reload builds a new engine that takes over the learned calibrator;
 leases handed out before the reload are finished by the engine that issued
 them, so open streams run to completion. When the admission section is
 unchanged the new engine keeps the running admission backend (so an in-memory
-backend keeps its tickets in flight); a changed one starts a new backend.
+backend keeps its tickets in flight); a changed one starts a new backend, and
+an in-memory one takes a ticket for each request still in flight (Redis keeps
+its state in Redis).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class Lease:
     body: bytes | None = None
     #: The prompt size the body was compressed to (0: not compressed).
     compress_target_tokens: int = 0
+    #: Tickets taken for this request in newer in-memory backends (see :meth:`Engine.adopt`).
+    adopted: list[tuple[AdmissionBackend, int]] = field(default_factory=list, repr=False)
     released: bool = field(default=False, repr=False)
 
     @property
@@ -437,8 +441,31 @@ class Engine:
         if lease.ticket is None:
             return
         req = lease.request
-        actual = usage if usage is not None else (req.est_input_tokens, 0)
-        self._complete_ticket(lease.ticket, actual[0], actual[1], max(now - lease.started, 0.0))
+        actual_in, actual_out = usage if usage is not None else (req.est_input_tokens, 0)
+        latency_s = max(now - lease.started, 0.0)
+        self._complete_ticket(lease.ticket, actual_in, actual_out, latency_s)
+        for backend, ticket in lease.adopted:  # in memory: never blocks
+            backend.complete(ticket, actual_in, actual_out, latency_s)
+
+    def adopt(self, leases: list[Lease]) -> int:
+        """Counts requests admitted by older engines in this engine's in-memory
+        backend (a reload that changed the admission section): each takes a
+        ticket under its entitlement, as far as the new entitlements allow, and
+        completes it when its lease ends. Returns how many were adopted."""
+        admission = self.admission
+        n = 0
+        for lease in leases:
+            tenant = lease.tenant
+            if admission is None or lease.ticket is None or tenant is None:
+                continue
+            if not tenant.entitlement:
+                continue
+            req = lease.request
+            a = admission.admit(tenant.entitlement, req.est_input_tokens, req.est_output_tokens)
+            if a.admitted and a.ticket is not None:
+                lease.adopted.append((admission, a.ticket))
+                n += 1
+        return n
 
     def _complete_ticket(
         self, ticket: int, actual_in: int, actual_out: int, latency_s: float
@@ -527,14 +554,17 @@ class EngineHolder:
         """Routes new requests with ``config``; open leases finish where they began.
 
         An unchanged admission section keeps the running backend (its
-        tickets in flight stay counted); errors building the new engine are
-        raised and leave the running one in place.
+        tickets in flight stay counted); a changed one with the in-memory
+        backend adopts the requests in flight (:meth:`Engine.adopt`). Errors
+        building the new engine are raised and leave the running one in place.
         """
         old = self.engine
         shared = old.admission if config.admission.spec == old.config.admission.spec else None
         engine = Engine(config, self.metrics, old.router.calibrator, shared, self.executor)
         if shared is not None:
             old.owns_admission = False
+        elif isinstance(engine.admission, InMemoryAdmission):
+            engine.adopt([lease for e in self.engines for lease in e.leases.values()])
         self.engine = engine
         if old.leases:
             self.retired.append(old)
