@@ -232,6 +232,21 @@ def test_a_failing_release_step_does_not_keep_the_others(serve, caplog):
     wait_settled(s)
 
 
+def test_routecore_api_failure_is_internal_without_detail(serve):
+    s = serve(admission=admission(3), tenants=tenants())
+    with grpc.insecure_channel(s.target) as channel:
+        stub = rc_grpc.RouteCoreStub(channel)
+        break_once(s.engine, "authenticate")
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Route(rc.RouteRequest(body=chat_body("x"), api_key="demo-key"))
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+        assert e.value.details() == "internal error"
+        break_once(s.engine, "_admission")  # a failure while routing: failure_mode (closed)
+        resp = stub.Route(rc.RouteRequest(body=chat_body("x"), api_key="demo-key"))
+        assert resp.admission.status == 503 and resp.admission.reason == "internal-error"
+    wait_settled(s)
+
+
 # -- 6. protocol misuse -----------------------------------------------------------
 
 

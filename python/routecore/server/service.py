@@ -7,7 +7,8 @@ for every pool, a count beyond ``MAX_TOKENS``) are ``INVALID_ARGUMENT``, and
 a Feedback for an unknown request id is ``NOT_FOUND``; a Feedback whose usage
 cannot be real still ends the request (the usage is ignored). A failure while
 routing follows ``server.failure_mode`` (open: the default pool, closed: a 503
-refusal) and never shows internal detail. ``Plan`` runs the FleetOpt planner
+refusal) and never shows internal detail; any other unexpected failure is
+``INTERNAL`` with no detail. ``Plan`` runs the FleetOpt planner
 (``routecore.plan``) off the event loop; bad, too deep or out-of-range
 parameters are ``INVALID_ARGUMENT``.
 """
@@ -15,7 +16,9 @@ parameters are ``INVALID_ARGUMENT``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import time
 
 import grpc
@@ -26,6 +29,7 @@ from routecore.admission import MAX_TOKENS
 from routecore.server.engine import EngineHolder, Reject
 from routecore.server.gen import routecore_pb2 as pb
 from routecore.server.gen import routecore_pb2_grpc as pb_grpc
+from routecore.server.logs import log
 
 #: The categories ``routecore.classify`` assigns (and the calibrator learns).
 CATEGORIES = ("prose", "code", "cjk", "mixed")
@@ -35,10 +39,28 @@ BAD_REQUEST = (400, 413)
 MAX_PARAMS_JSON = 1 << 20
 
 
+def guarded(method):
+    """An unexpected exception in ``method`` ends the RPC with INTERNAL and no
+    detail (logged as ``rpc-failed``); the method's own aborts pass."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log(logging.ERROR, "rpc-failed", exc_info=True, method=method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+    return wrapper
+
+
 class RouteCoreService(pb_grpc.RouteCoreServicer):
     def __init__(self, holder: EngineHolder) -> None:
         self.holder = holder
 
+    @guarded
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = self.holder.engine
         start = time.perf_counter()
@@ -110,6 +132,7 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
             compressed_body=outcome.body or b"",
         )
 
+    @guarded
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         for engine in self.holder.engines:
             lease = engine.lease(request.request_id)
@@ -125,6 +148,7 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
             grpc.StatusCode.NOT_FOUND, f"no request in flight with id {request.request_id!r}"
         )
 
+    @guarded
     async def Plan(self, request: pb.PlanRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         if len(request.params_json) > MAX_PARAMS_JSON:
             await context.abort(
