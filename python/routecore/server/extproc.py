@@ -235,7 +235,9 @@ class Conversation:
         elif kind in ("response_body", "response_trailers"):
             self.responding = True
 
-    async def dispatch(self, req: pb.ProcessingRequest, kind: str | None):
+    async def dispatch(
+        self, req: pb.ProcessingRequest, kind: str | None
+    ) -> list[pb.ProcessingResponse]:
         if req.HasField("protocol_config"):
             self.request_mode = req.protocol_config.request_body_mode or Mode.BUFFERED
             self.response_mode = req.protocol_config.response_body_mode
