@@ -561,6 +561,41 @@ def test_cancel_while_admission_waits_on_a_stalled_redis_leaks_nothing(serve, re
     wait_redis_settled(redis_server.url)
 
 
+@pytest.mark.slow
+def test_reaper_completes_tickets_off_the_event_loop_while_redis_stalls(serve, redis_server):
+    s = serve(
+        admission=redis_admission(redis_server.url, "closed"),
+        tenants=tenants(),
+        limits={"request_timeout_s": 0.3},
+    )
+
+    async def go():
+        async with grpc.aio.insecure_channel(s.target) as channel:
+            calls = [await hold(pb_grpc.ExternalProcessorStub(channel), f"h{i}") for i in range(3)]
+            assert redis_in_flight(redis_server.url) == 3
+            redis_server.stop()
+            try:
+                while metric(s, "timeouts", "short") < 1:  # the reaper is ending the leases
+                    await asyncio.sleep(0.01)
+                health = health_pb2_grpc.HealthStub(channel)
+                start = time.monotonic()
+                await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                waited = time.monotonic() - start
+                while metric(s, "timeouts", "short") < 3:
+                    await asyncio.sleep(0.01)
+            finally:
+                redis_server.cont()
+            for call, _ in calls:
+                call.cancel()
+            return waited
+
+    waited = asyncio.run(go())
+    assert waited < 0.4  # not behind a completion waiting 0.5 s for Redis on the loop
+    assert metric(s, "timeouts", "short") == 3
+    wait_settled(s)
+    wait_redis_settled(redis_server.url)
+
+
 @pytest.mark.parametrize("mode", ["open", "closed"])
 def test_redis_killed_and_restarted(serve, redis_server, mode):
     s = serve(admission=redis_admission(redis_server.url, mode), tenants=tenants())
