@@ -5,6 +5,8 @@ left in flight (leases, router, choosers, admission, gauge)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -189,4 +191,35 @@ def test_any_conversation_ends_cleanly_and_releases_everything(server, messages)
                 pass
         except grpc.RpcError as e:
             assert e.code() in ALLOWED, (e.code(), e.details())
+    wait_settled(server)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(messages=conversations(), cut=st.integers(0, 12), pause=st.sampled_from([0.0, 0.005]))
+def test_a_conversation_cancelled_anywhere_releases_everything(server, messages, cut, pause):
+    async def go():
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            for m in messages[:cut]:
+                try:
+                    await call.write(m)
+                except (grpc.RpcError, asyncio.InvalidStateError):
+                    break  # the server ended the stream first
+            await asyncio.sleep(pause)
+            call.cancel()
+            return await call.code(), await call.details()
+
+    code, details = asyncio.run(go())
+    # A write racing the server's end of the stream fails in the client library
+    # itself ("Internal error from Core", a local status); the server's own
+    # endings are OK or those ALLOWED, and never UNKNOWN.
+    local = code == grpc.StatusCode.INTERNAL and details == "Internal error from Core"
+    assert local or code in ALLOWED | {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED}, (
+        code,
+        details,
+    )
     wait_settled(server)
