@@ -9,20 +9,25 @@ too long for every pool, a count beyond ``MAX_TOKENS``) are
 ``INVALID_ARGUMENT``, and a Feedback for an unknown request id is
 ``NOT_FOUND``; a Feedback whose usage cannot be real still ends the request
 (the usage is ignored and counted). A failure while routing follows
-``server.failure_mode`` and never shows internal detail. ``Plan`` runs the
-FleetOpt planner (``routecore.plan``) off the event loop.
+``server.failure_mode`` and never shows internal detail; any other
+unexpected failure is ``INTERNAL`` with no detail. ``Plan`` runs the FleetOpt
+planner (``routecore.plan``) off the event loop; bad, too deep or
+out-of-range parameters are ``INVALID_ARGUMENT``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 
 import grpc
 
 from routecore._core import DataPlane, Profile, Workload, plan
 from routecore.server.gen import routecore_pb2 as pb
 from routecore.server.gen import routecore_pb2_grpc as pb_grpc
+from routecore.server.logs import log
 
 #: The categories ``routecore.classify`` assigns (and the calibrator learns).
 CATEGORIES = ("prose", "code", "cjk", "mixed")
@@ -30,6 +35,25 @@ CATEGORIES = ("prose", "code", "cjk", "mixed")
 BAD_REQUEST = (400, 413)
 #: More tokens than any request or response ever used.
 MAX_TOKENS = 1 << 30
+#: The longest ``params_json`` a Plan request may carry.
+MAX_PARAMS_JSON = 1 << 20
+
+
+def guarded(method):
+    """An unexpected exception in ``method`` ends the RPC with INTERNAL and no
+    detail (logged as ``rpc-failed``); the method's own aborts pass."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log(logging.ERROR, "rpc-failed", exc_info=True, method=method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+    return wrapper
 
 
 class RouteCoreService(pb_grpc.RouteCoreServicer):
@@ -37,6 +61,7 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
         self.plane = plane
         self.max_body_bytes = max_body_bytes
 
+    @guarded
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         key = request.api_key.encode()
         kind = request.WhichOneof("request")
@@ -96,6 +121,7 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
             compressed_body=outcome["body"] or b"",
         )
 
+    @guarded
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         done = self.plane.finish(
             request.request_id, request.prompt_tokens or None, request.completion_tokens or None
@@ -106,9 +132,21 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
             )
         return pb.FeedbackResponse()
 
+    @guarded
     async def Plan(self, request: pb.PlanRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        if len(request.params_json) > MAX_PARAMS_JSON:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"plan: params_json exceeds {MAX_PARAMS_JSON} bytes",
+            )
         try:
             result = await asyncio.to_thread(plan_json, request.params_json)
+        except RecursionError:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "plan: params_json nests too deep"
+            )
+        except OverflowError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan: number out of range: {e}")
         except (ValueError, KeyError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan: {e}")
         return pb.PlanResponse(plan_json=result)
