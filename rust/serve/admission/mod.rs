@@ -354,6 +354,16 @@ impl Admission {
     }
 
     /// Backend failures counted since construction (0 in memory).
+    /// Settles what a remote backend still has to (lost admits voided, failed
+    /// completions replayed); true when nothing is left. The data plane's
+    /// reaper calls it every tick, so this happens without new traffic.
+    pub async fn reconcile(&self) -> bool {
+        match self {
+            Admission::Memory(_) => true,
+            Admission::Redis(r) => r.pending() == 0 || r.reconcile().await,
+        }
+    }
+
     pub fn failures(&self) -> u64 {
         match self {
             Admission::Memory(_) => 0,
