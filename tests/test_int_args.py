@@ -6,6 +6,7 @@ is), never the OverflowError of the int conversion; state is left unchanged.
 integer parameter without a case here fails."""
 
 import ast
+import json
 from pathlib import Path
 
 import numpy as np
@@ -196,7 +197,73 @@ CASES = {
     "AdmissionController.set_capacity.concurrency": lambda v: admission().set_capacity(
         "p", concurrency=v
     ),
+    "DataPlane.start.port": lambda v: _start(port=v),
+    "DataPlane.start.metrics_port": lambda v: _start(metrics_port=v),
+    "DataPlane.start.worker_threads": lambda v: _start(worker_threads=v),
+    "DataPlane.start.log_level": lambda v: _start(log_level=v),
+    "DataPlane.set_log_level.level": lambda v: core.DataPlane.set_log_level(v),
+    "DataPlane.route_fields.prompt_bytes": lambda v: _route(v, "prose", 10),
+    "DataPlane.route_fields.max_output_tokens": lambda v: _route(10, "prose", v),
+    "DataPlane.route_fields.prompt_tokens": lambda v: _route(10, "prose", 10, v),
+    "DataPlane.route_fields.token_ids": lambda v: _route(10, "prose", 10, token_ids=[v]),
+    "DataPlane.finish.prompt_tokens": lambda v: _finish(v, 1),
+    "DataPlane.finish.completion_tokens": lambda v: _finish(1, v),
 }
+
+
+#: A data plane for the DataPlane cases (started on first use, a free port).
+_PLANE = []
+SPEC = json.dumps(
+    {
+        "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
+        "limits": {
+            "max_body_bytes": 1000,
+            "max_message_bytes": 1 << 20,
+            "request_timeout_s": 30.0,
+            "default_max_tokens": 10,
+            "image_tokens": 765,
+            "audio_tokens": 750,
+        },
+        "router": {"policy": "least-request", "compress_band": None, "prefix_block_size": 16},
+        "pools": [
+            {
+                "name": "p",
+                "max_context": 8192,
+                "budget": None,
+                "queue_limit": None,
+                "endpoints": ["127.0.0.1:1"],
+            }
+        ],
+        "tenants": [],
+        "admission": None,
+    }
+)
+
+
+def plane():
+    if not _PLANE:
+        _PLANE.append(core.DataPlane.start(SPEC))
+    return _PLANE[0]
+
+
+def _start(**kwargs):
+    core.DataPlane.start(SPEC, **kwargs).drain(0)
+
+
+def _route(*args, **kwargs):
+    """``route_fields`` on the plane; a refusal (a 400 for bad fields) as ValueError."""
+    routed = plane().route_fields(*args, **kwargs)
+    if not routed["admitted"]:
+        raise ValueError(routed["message"])
+    plane().finish(routed["request_id"])
+
+
+def _finish(prompt_tokens, completion_tokens):
+    routed = plane().route_fields(10, "prose", 10)
+    try:
+        plane().finish(routed["request_id"], prompt_tokens, completion_tokens)
+    finally:
+        plane().finish(routed["request_id"])
 
 
 def _admitted_complete(actual_input, actual_output, ticket=None):
@@ -267,6 +334,9 @@ UNSIGNED_64 = {
     "simulate.seed",
     "Admission.__new__.ticket",
     "AdmissionController.complete.ticket",
+    "DataPlane.route_fields.token_ids",
+    "DataPlane.finish.prompt_tokens",
+    "DataPlane.finish.completion_tokens",
 }
 
 
@@ -334,6 +404,10 @@ VALID = {
     "Admission.__new__.status": 200,
     "AdmissionController.__new__.default_max_tokens": 100,
     "AdmissionController.complete.ticket": admission().admit("e", 10, 10, 0.0).ticket,
+    "DataPlane.start.port": 0,
+    "DataPlane.start.metrics_port": 0,
+    "DataPlane.start.log_level": 30,
+    "DataPlane.set_log_level.level": 30,
 }
 
 

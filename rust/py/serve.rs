@@ -6,6 +6,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::calibrate::Calibrator;
 use crate::py::calibrate::PyCalibrator;
+use crate::py::int_arg;
 use crate::serve::config::Spec;
 use crate::serve::engine::{Engine, Outcome};
 use crate::serve::runtime::{DataPlane, Listen};
@@ -102,12 +103,18 @@ impl PyDataPlane {
         py: Python<'_>,
         spec_json: &str,
         host: &str,
-        port: u16,
-        metrics_port: Option<u16>,
-        worker_threads: usize,
+        #[pyo3(from_py_with = int_arg)] port: u16,
+        #[pyo3(from_py_with = int_arg)] metrics_port: Option<u16>,
+        #[pyo3(from_py_with = int_arg)] worker_threads: usize,
         calibrator: Option<&[u8]>,
-        log_level: u8,
+        #[pyo3(from_py_with = int_arg)] log_level: u8,
     ) -> PyResult<Self> {
+        if !(1..=256).contains(&worker_threads) {
+            return Err(crate::error::invalid(format!(
+                "worker_threads must be in [1, 256], got {worker_threads}"
+            ))
+            .into());
+        }
         crate::serve::logs::set_level(log_level);
         let spec = Spec::from_json(spec_json)?;
         let calibrator = match calibrator {
@@ -152,7 +159,7 @@ impl PyDataPlane {
 
     /// Sets the log level (a Python logging level number).
     #[staticmethod]
-    fn set_log_level(level: u8) {
+    fn set_log_level(#[pyo3(from_py_with = int_arg)] level: u8) {
         crate::serve::logs::set_level(level);
     }
 
@@ -190,12 +197,12 @@ impl PyDataPlane {
     fn route_fields<'py>(
         &self,
         py: Python<'py>,
-        prompt_bytes: i64,
+        #[pyo3(from_py_with = int_arg)] prompt_bytes: i64,
         category: &str,
-        max_output_tokens: i64,
-        prompt_tokens: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] max_output_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] prompt_tokens: Option<i64>,
         api_key: Option<&[u8]>,
-        token_ids: Option<Vec<u32>>,
+        #[pyo3(from_py_with = int_arg)] token_ids: Option<Vec<u32>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         self.route(py, api_key, |engine, tenant| async move {
             engine
@@ -219,8 +226,8 @@ impl PyDataPlane {
         &self,
         py: Python<'_>,
         request_id: &str,
-        prompt_tokens: Option<u64>,
-        completion_tokens: Option<u64>,
+        #[pyo3(from_py_with = int_arg)] prompt_tokens: Option<u64>,
+        #[pyo3(from_py_with = int_arg)] completion_tokens: Option<u64>,
     ) -> bool {
         let usage = prompt_tokens.map(|p| (p, completion_tokens.unwrap_or(0)));
         py.detach(|| self.inner.shared.release_request(request_id, usage))
