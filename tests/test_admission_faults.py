@@ -25,16 +25,18 @@ ENTS = [
 LEASE_S = 300.0  # every "released" below happens long before a lease would expire
 
 
-def _backend(url: str, mode: str, **kw) -> RedisAdmission:
+STALL_TIMEOUT_S = 0.5  # the socket timeout of backends that meet a stalled Redis
+
+
+def _backend(url: str, mode: str, socket_timeout_s: float = 2.0) -> RedisAdmission:
     return RedisAdmission(
         POOLS,
         ENTS,
         url=url,
         failure_mode=mode,
-        socket_timeout_s=0.2,
+        socket_timeout_s=socket_timeout_s,
         unavailable_retry_s=2.0,
         lease_s=LEASE_S,
-        **kw,
     )
 
 
@@ -128,6 +130,56 @@ def test_error_reply_detail_is_logged_not_returned(redis_server, caplog):
     assert [r.getMessage() for r in caplog.records] == ["redis admission: Redis answers again"]
 
 
+def test_busy_redis_goes_through_failure_mode(redis_server):
+    red = _backend(redis_server.url, "closed")
+    probe = redis.Redis.from_url(redis_server.url, socket_timeout=5)
+    held = red.admit("s", 10, 10, now=1.0)
+    probe.config_set("busy-reply-threshold", "10")  # ms before others get BUSY
+
+    def block() -> None:
+        with pytest.raises(redis.ResponseError):  # ends when killed below
+            redis.Redis.from_url(redis_server.url).eval("while true do end", 0)
+
+    blocker = threading.Thread(target=block)
+    blocker.start()
+    try:
+        assert _wait_for(lambda: _busy(probe))
+        _assert_failed_as(red.admit("s", 10, 10, now=2.0), "closed")
+        assert red.complete(held.ticket, 10, 10, 1.0, now=2.0) is False
+        assert red.evictions(now=2.0) == []
+        assert red.failures["reply"] >= 3 and red.failures["timeout"] == 0
+    finally:
+        while blocker.is_alive() and _busy(probe):
+            _kill_script(probe)
+        blocker.join(timeout=10)
+    assert red.admit("s", 10, 10, now=3.0).admitted and red.pending() == 0
+    assert red.pool_in_flight("p") == 1  # the held ticket was released by its replay
+
+
+def _busy(probe: redis.Redis) -> bool:
+    try:
+        probe.ping()
+    except redis.ResponseError as e:
+        return str(e).startswith("BUSY")
+    return False
+
+
+def _kill_script(probe: redis.Redis) -> None:
+    try:
+        probe.script_kill()
+    except redis.ResponseError:  # not running (yet, or any more)
+        time.sleep(0.01)
+
+
+def test_flushed_script_cache_is_reloaded(redis_server):
+    red = _backend(redis_server.url, "closed")
+    assert red.admit("s", 10, 10, now=1.0).admitted
+    redis.Redis.from_url(redis_server.url).script_flush()  # NOSCRIPT on the next EVALSHA
+    a = red.admit("s", 10, 10, now=2.0)
+    assert a.admitted and red.complete(a.ticket, 10, 10, 1.0, now=2.0)
+    assert sum(red.failures.values()) == 0
+
+
 @pytest.mark.parametrize("mode", ["open", "closed"])
 def test_killed_redis_goes_through_failure_mode_for_every_call(redis_server, mode):
     red = _backend(redis_server.url, mode)
@@ -150,7 +202,7 @@ def test_killed_redis_goes_through_failure_mode_for_every_call(redis_server, mod
 
 @pytest.mark.parametrize("mode", ["open", "closed"])
 def test_stalled_redis_leaves_no_phantom_reservation(redis_server, mode):
-    red = _backend(redis_server.url, mode)
+    red = _backend(redis_server.url, mode, STALL_TIMEOUT_S)
     probe = redis.Redis.from_url(redis_server.url, socket_timeout=5)
     first = red.admit("one", 10, 10, now=1.0)  # writes the configuration
     assert red.complete(first.ticket, 10, 10, 0.1, now=1.0)
@@ -159,7 +211,7 @@ def test_stalled_redis_leaves_no_phantom_reservation(redis_server, mode):
     try:
         started = time.monotonic()
         a = red.admit("one", 10, 10, now=2.0)
-        assert time.monotonic() - started < 2.0  # one socket timeout, no retries
+        assert time.monotonic() - started < 3 * STALL_TIMEOUT_S  # one timeout, no retries
     finally:
         redis_server.cont()
     _assert_failed_as(a, mode)
@@ -175,8 +227,33 @@ def test_stalled_redis_leaves_no_phantom_reservation(redis_server, mode):
     assert red.pool_in_flight("p") == 0 and red.pending() == 0
 
 
+def test_stalled_redis_holds_one_caller_at_a_time(redis_server):
+    """Once a call timed out, concurrent calls do not all wait out a timeout
+    each: one asks Redis, the others answer by failure_mode at once."""
+    red = _backend(redis_server.url, "open", STALL_TIMEOUT_S)
+    assert red.admit("s", 1, 1, now=1.0).admitted
+    redis_server.stop()
+    try:
+        assert red.admit("s", 1, 1, now=2.0).reason == "fail-open"  # the first timeout
+
+        def timed(k: int) -> float:
+            started = time.monotonic()
+            assert red.admit("s", 1, 1, now=3.0).reason == "fail-open"
+            return time.monotonic() - started
+
+        with ThreadPoolExecutor(16) as pool:
+            waits = list(pool.map(timed, range(16)))
+    finally:
+        redis_server.cont()
+    slow = [w for w in waits if w >= STALL_TIMEOUT_S / 2]
+    assert 1 <= len(slow) <= 4, waits  # the probe (a late thread may probe again)
+    # Thawed: the next call asks Redis and is accounted.
+    a = red.admit("s", 1, 1, now=4.0)
+    assert a.ticket is not None and red.pool_in_flight("p") == 2
+
+
 def test_stalled_redis_completion_counts_once(redis_server):
-    red = _backend(redis_server.url, "closed")
+    red = _backend(redis_server.url, "closed", STALL_TIMEOUT_S)
     a = red.admit("one", 10, 10, now=1.0)
     redis_server.stop()
     try:
@@ -204,6 +281,41 @@ def test_void_before_the_late_script_refuses_it(redis_server):
     once = red._admit_script(keys=["routecore:{p}"], args=args)
     assert red._admit_script(keys=["routecore:{p}"], args=args) == once
     assert red.pool_in_flight("p") == 2
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_threads_across_a_stall_leave_nothing_reserved(redis_server, mode):
+    """Calls from several threads while Redis freezes for a while: once it
+    thaws and the backend has reconciled, nothing is left reserved."""
+    red = _backend(redis_server.url, mode, STALL_TIMEOUT_S)
+    probe = redis.Redis.from_url(redis_server.url, socket_timeout=5)
+    assert red.admit("s", 1, 1).admitted  # configured; held across the stall
+    done = threading.Event()
+
+    def client(seed: int) -> int:
+        rng = random.Random(seed)
+        calls = 0
+        while not done.is_set() and calls < 500:
+            calls += 1
+            a = red.admit("s", 10, 10)
+            time.sleep(rng.uniform(0.0, 0.01))
+            red.complete(a.ticket, 10, 10, 0.01)
+        return calls
+
+    with ThreadPoolExecutor(4) as pool:
+        clients = [pool.submit(client, k) for k in range(4)]
+        time.sleep(0.2)
+        redis_server.stop()
+        time.sleep(3 * STALL_TIMEOUT_S)
+        redis_server.cont()
+        time.sleep(0.2)
+        done.set()
+        assert all(c.result(timeout=30) > 0 for c in clients)
+    assert red.failures["timeout"] > 0  # the stall was felt
+    assert _wait_for(lambda: red.reconcile())
+    key = "routecore:{p}"
+    assert int(probe.hget(f"{key}:pool", "in_flight")) == 1  # only the one held
+    assert probe.hlen(f"{key}:tickets") == 1 and probe.hlen(f"{key}:rid") == 2
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])

@@ -35,6 +35,7 @@ up) is voided by its request id as soon as Redis answers again.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import operator
@@ -42,7 +43,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -265,7 +266,10 @@ class RedisAdmission(AdmissionBackend):
     admits without a ticket, unaccounted. ``admit``, ``complete`` and
     ``evictions`` never raise for Redis; the detail is logged (logger
     ``routecore.admission``) and counted in ``failures`` by kind
-    (``connection``, ``timeout``, ``reply``).
+    (``connection``, ``timeout``, ``reply``). After a timeout, while Redis may
+    be stalled, one call at a time asks it and concurrent calls answer by
+    ``failure_mode`` at once (not counted in ``failures``), so a stall holds one
+    thread for ``socket_timeout_s``, not every caller's.
 
     No reservation whose reply was lost can leak: every admit carries a request
     id chosen here, so when the call fails (its script may still run in a
@@ -308,7 +312,8 @@ class RedisAdmission(AdmissionBackend):
         ):
             _positive(what, value)
         if url is not None and (not isinstance(url, str) or not url.startswith(URL_SCHEMES)):
-            raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got {url!r}")
+            # Not echoed: a URL may hold a password.
+            raise ValueError("url must be a redis://, rediss:// or unix:// URL")
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
         if len(pools) > MAX_POOLS:
@@ -334,6 +339,10 @@ class RedisAdmission(AdmissionBackend):
         self._connection = (redis.exceptions.ConnectionError, OSError)
         self._lock = threading.Lock()
         self._reachable = True
+        # After a timeout Redis may be stalled: then one call at a time asks it
+        # (holding _probe), the others answer by failure_mode at once.
+        self._stalled = False
+        self._probe = threading.Lock()
         self._configured: set[str] = set()
         # Per pool: request ids of admits whose reply was lost, and completions
         # that failed, to settle when Redis answers again (oldest first).
@@ -392,8 +401,8 @@ class RedisAdmission(AdmissionBackend):
                 pipe.execute()
         except self._redis_errors as e:
             with self._lock:
-                _put_back(self._voids[pool], voids)
-                _put_back(self._replays[pool], replays)
+                _keep(self._voids[pool], voids, front=True)
+                _keep(self._replays[pool], replays, front=True)
             if self._kind(e) != "reply":
                 raise
             self._failed("reconcile", e)
@@ -437,6 +446,8 @@ class RedisAdmission(AdmissionBackend):
         with self._lock:
             self.failures[kind] += 1
             was_reachable, self._reachable = self._reachable, False
+            if kind == "timeout":
+                self._stalled = True
         # The first failure of an outage is a warning, the rest debug: an outage
         # under load must not flood the log.
         _log.log(
@@ -449,12 +460,29 @@ class RedisAdmission(AdmissionBackend):
             self.failure_mode,
         )
 
-    def _succeeded(self) -> None:
-        if not self._reachable:
+    def _succeeded(self, settled: bool = True) -> None:
+        """Redis answered; ``settled``: and nothing failed calls left is stuck."""
+        self._stalled = False
+        if settled and not self._reachable:
             with self._lock:
                 was_reachable, self._reachable = self._reachable, True
             if not was_reachable:
                 _log.warning("redis admission: Redis answers again")
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[bool]:
+        """Whether this call may ask Redis. While it may be stalled (its last
+        call timed out), one call at a time asks; the others get False at once,
+        so a stall holds one caller's thread for a timeout, not every caller's."""
+        if not self._stalled:
+            yield True
+        elif self._probe.acquire(blocking=False):
+            try:
+                yield True
+            finally:
+                self._probe.release()
+        else:
+            yield False
 
     def _unavailable(self) -> Admission:
         if self.failure_mode == "open":
@@ -472,6 +500,10 @@ class RedisAdmission(AdmissionBackend):
         pool = self._pool_of.get(entitlement)
         if pool is None:
             return Admission(False, 401, "unknown-entitlement")
+        with self._turn() as mine:
+            return self._decide(pool, entitlement, tokens, now) if mine else self._unavailable()
+
+    def _decide(self, pool: str, entitlement: str, tokens: int, now: float) -> Admission:
         key = self._keys[pool]
         try:
             settled = self._ready(pool, now)
@@ -498,11 +530,10 @@ class RedisAdmission(AdmissionBackend):
             # The script may have run (or may yet run, in a stalled Redis) with
             # nobody to complete its ticket: void the id when Redis answers.
             with self._lock:
-                _defer(self._voids[pool], rid)
+                _keep(self._voids[pool], [rid])
             self._failed("admit", e)
             return self._unavailable()
-        if settled:
-            self._succeeded()
+        self._succeeded(settled)
         return decision
 
     def _complete(
@@ -516,20 +547,28 @@ class RedisAdmission(AdmissionBackend):
             return False
         pool = self._pools[index]
         args = (seq, actual, repr(float(latency_s)), repr(now))
-        try:
-            settled = self._settle(pool, now, RECONCILE_BATCH)
-            done = self._complete_script(keys=[self._keys[pool]], args=[str(seq), *args[1:]])
-        except self._redis_errors as e:
-            with self._lock:  # replayed when Redis answers; a replay counts once
-                _defer(self._replays[pool], args)
-            self._failed("complete", e)
-            return False
-        if settled:
-            self._succeeded()
-        return bool(done)
+        with self._turn() as mine:
+            if mine:
+                try:
+                    settled = self._settle(pool, now, RECONCILE_BATCH)
+                    done = self._complete_script(
+                        keys=[self._keys[pool]], args=[str(seq), *args[1:]]
+                    )
+                except self._redis_errors as e:
+                    self._failed("complete", e)
+                else:
+                    self._succeeded(settled)
+                    return bool(done)
+        with self._lock:  # replayed when Redis answers; a replay counts once
+            _keep(self._replays[pool], [args])
+        return False
 
     def _evictions(self, now: float) -> list[int]:
         """Read in one transaction per pool; [] while Redis is unreachable."""
+        with self._turn() as mine:
+            return self._victims(now) if mine else []
+
+    def _victims(self, now: float) -> list[int]:
         out: list[int] = []
         settled = True
         for index, pool in enumerate(self._pools):
@@ -559,8 +598,7 @@ class RedisAdmission(AdmissionBackend):
                 for seq, at in flights[e]
             )
             out.extend(ticket for _, _, ticket in victims[:over])
-        if settled:
-            self._succeeded()
+        self._succeeded(settled)
         return out
 
     def set_capacity(
@@ -631,17 +669,14 @@ def _take(queue: deque[Any], limit: int) -> list[Any]:
     return [queue.popleft() for _ in range(min(limit, len(queue)))]
 
 
-def _defer(queue: deque[Any], item: Any) -> None:
-    """Queues ``item`` to settle later; beyond MAX_PENDING the oldest are
-    dropped (their leases release them)."""
-    queue.append(item)
-    if len(queue) > MAX_PENDING:
-        queue.popleft()
-
-
-def _put_back(queue: deque[Any], items: Sequence[Any]) -> None:
-    """Returns ``items`` (taken oldest first) to the front of ``queue``."""
-    queue.extendleft(reversed(items))
+def _keep(queue: deque[Any], items: Sequence[Any], *, front: bool = False) -> None:
+    """Queues ``items`` to settle later (``front``: ones taken back, oldest
+    first); beyond MAX_PENDING the oldest are dropped (their leases release
+    them)."""
+    if front:
+        queue.extendleft(reversed(items))
+    else:
+        queue.extend(items)
     while len(queue) > MAX_PENDING:
         queue.popleft()
 
