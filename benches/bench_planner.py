@@ -1,5 +1,6 @@
 """Queueing and the FleetOpt planner: routecore beside the plain-Python
-planner of the same model (benches/baselines/planner.py), same run.
+planner of the same models (benches/baselines/planner.py), same run: the
+engine model (the default) and the paper's Eq. 3-4.
 
 Run: .venv/bin/python -m pytest benches/bench_planner.py
 """
@@ -34,11 +35,41 @@ OUTPUTS = AZURE.output_tokens.tolist()
 
 
 def routecore_sweep():
-    return plan(AZURE, 1000.0, 0.5, PROFILE, b_short=B_SHORT, gammas=GAMMAS)
+    return plan(AZURE, 1000.0, 0.5, PROFILE, b_short=B_SHORT, gammas=GAMMAS, model="paper")
 
 
 def baseline_sweep():
     return baseline.plan(INPUTS, OUTPUTS, 1000.0, 0.5, b_short=B_SHORT, gammas=GAMMAS, h_ref=8192)
+
+
+def routecore_engine_sweep():
+    return plan(AZURE, 1000.0, 2.0, b_short=B_SHORT, gammas=GAMMAS, slo_tpot_s=0.08)
+
+
+def baseline_engine_sweep():
+    return baseline.plan_engine(INPUTS, OUTPUTS, 1000.0, 2.0, 0.08, b_short=B_SHORT, gammas=GAMMAS)
+
+
+def test_engine_baseline_agrees_with_routecore():
+    r = routecore_engine_sweep()
+    homo, fleets = baseline_engine_sweep()
+    assert homo == r.homogeneous.gpus
+    assert len(fleets) == len(r.sweep) == 165
+    for c in r.sweep:
+        assert fleets[(c.b_short, c.gamma)] == (c.n_short, c.n_long)
+
+
+@pytest.mark.benchmark(group="plan, engine model: Azure trace, 15 B_short x 11 gamma")
+def test_plan_engine_sweep_routecore(benchmark):
+    routecore_engine_sweep()  # the trace's prefix-sum table is built once per chunk size
+    r = benchmark(routecore_engine_sweep)
+    assert r.best is not None
+
+
+@pytest.mark.benchmark(group="plan, engine model: Azure trace, 15 B_short x 11 gamma")
+def test_plan_engine_sweep_plain_python(benchmark):
+    homo, _ = benchmark.pedantic(baseline_engine_sweep, rounds=3, iterations=1)
+    assert homo > 0
 
 
 def test_baseline_agrees_with_routecore():
@@ -52,14 +83,14 @@ def test_baseline_agrees_with_routecore():
         assert baseline.erlang_c(c, rho * c) == pytest.approx(erlang_c(c, rho * c), rel=1e-12)
 
 
-@pytest.mark.benchmark(group="plan: Azure trace, 15 B_short x 11 gamma")
+@pytest.mark.benchmark(group="plan, paper model: Azure trace, 15 B_short x 11 gamma")
 def test_plan_sweep_routecore(benchmark):
     routecore_sweep()  # the trace's prefix-sum table is built once per chunk size
     r = benchmark(routecore_sweep)
     assert r.best is not None
 
 
-@pytest.mark.benchmark(group="plan: Azure trace, 15 B_short x 11 gamma")
+@pytest.mark.benchmark(group="plan, paper model: Azure trace, 15 B_short x 11 gamma")
 def test_plan_sweep_plain_python(benchmark):
     homo, _ = benchmark.pedantic(baseline_sweep, rounds=3, iterations=1)
     assert homo > 0

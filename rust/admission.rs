@@ -41,7 +41,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use crate::budget::MAX_TOKENS;
 use crate::error::{finite, invalid, non_negative, positive, unknown, Result};
-use crate::snapshot::{Reader, Writer};
+use crate::snapshot::{restore, Reader, Writer};
 
 /// Coefficients of equation 1 (the paper's typical values).
 pub const ALPHA_SLO: f64 = 2.0;
@@ -993,9 +993,19 @@ impl AdmissionController {
         w.finish()
     }
 
-    /// Restores `to_bytes` exactly; every field is checked as on construction.
+    /// Restores `to_bytes` exactly; every field is checked as on construction,
+    /// and bytes that fail a check are `Error::Snapshot`.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        let mut r = Reader::new(bytes, Self::MAGIC, Self::VERSION, "AdmissionController")?;
+        restore(
+            bytes,
+            Self::MAGIC,
+            Self::VERSION,
+            "AdmissionController",
+            Self::read,
+        )
+    }
+
+    fn read(r: &mut Reader<'_>) -> Result<Self> {
         let default_max_tokens = r.u64()? as i64;
         let window_s = r.f64()?;
         let next_seq = r.u64()?;
@@ -1056,7 +1066,6 @@ impl AdmissionController {
             }
             learned.push((rate, at, debt, burst, lat, in_flight, window));
         }
-        r.finish()?;
         let mut c = Self::new(pools, specs, default_max_tokens, window_s)?;
         c.next_seq = next_seq;
         c.clock = clock;
@@ -1311,6 +1320,18 @@ mod tests {
         let mut extra = bytes.clone();
         extra.push(0);
         assert!(AdmissionController::from_bytes(&extra).is_err());
+        // An entitlement naming a pool the snapshot lacks is a bad snapshot,
+        // not an unknown name (the pool's name is "p", the only lone b'p').
+        let at = bytes
+            .windows(5)
+            .rposition(|w| w == [1, 0, 0, 0, b'p'])
+            .expect("the entitlement's pool");
+        let mut orphan = bytes.clone();
+        orphan[at + 4] = b'q';
+        assert!(matches!(
+            AdmissionController::from_bytes(&orphan),
+            Err(crate::error::Error::Snapshot(_))
+        ));
     }
 
     #[test]

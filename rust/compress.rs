@@ -54,7 +54,10 @@
 //! Everything else (earlier user turns, assistant and tool messages, each
 //! text part of a content array, a completion `prompt`) shares what is left of
 //! the budget in proportion to its size, in message order, and the slack one
-//! leaves goes to the next.
+//! leaves goes to the next. Every other text the engine tokenizes (tool
+//! schemas, tool calls, `response_format`, other parts; see
+//! [`crate::openai::prompt_texts`]) counts toward the size and is never
+//! rewritten.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
@@ -67,7 +70,9 @@ use crate::budget::{compressible_category, Decision, TokenBudgetRouter, MAX_TOKE
 use crate::calibrate::{estimate, MAX_RATIO, MIN_RATIO};
 use crate::classify::{classify, is_cjk};
 use crate::error::{finite, invalid, non_negative, Result};
-use crate::openai::{parse_request, ParsedRequest, MAX_BODY_BYTES};
+use crate::openai::{
+    parse_request, prompt_texts, MediaTokens, ParsedRequest, PathStep, MAX_BODY_BYTES,
+};
 
 /// Contents of an OpenAI body shorter than this are never compressed.
 pub const MIN_DOCUMENT_BYTES: usize = 1024;
@@ -1040,7 +1045,7 @@ impl Compressor {
                 if compressed.last() != Some(&slot.item) {
                     compressed.push(slot.item);
                 }
-                if let Some(target) = lookup(&mut v, &slot.path) {
+                if let Some(target) = slot.path.as_ref().and_then(|p| lookup(&mut v, p)) {
                     *target = Value::String(out);
                 }
             }
@@ -1065,20 +1070,27 @@ pub struct RoutedRequest {
 }
 
 /// Parses an OpenAI body, routes it and carries out compress-and-route in one
-/// call. When the router says "compress", the body is compressed to the
-/// decision's target with the calibrator's conservative ratio for the
-/// request's category (the ratio the estimate used); if that succeeds the
-/// request is counted on the smaller pool and the new body returned, else it
-/// is routed as it is (the compression outcome still reported), so a
-/// request is never sent to a pool it does not fit.
+/// call. The estimate is the calibrator's for every text the engine
+/// tokenizes plus the request's media tokens (see [`crate::openai`]); the
+/// compress band is judged on that whole estimate. When the router says
+/// "compress", the message prose is compressed so the texts estimate within
+/// the decision's target less the media tokens, with the calibrator's
+/// conservative ratio for the request's category (the ratio the estimate
+/// used); tool schemas, tool calls and media are never rewritten. If that
+/// succeeds the request is counted on the smaller pool and the new body
+/// returned, else it is routed as it is (the compression outcome still
+/// reported, its token counts including the media tokens), so a request is
+/// never sent to a pool it does not fit.
 pub fn route_request(
     router: &TokenBudgetRouter,
     compressor: &Compressor,
     body: &[u8],
     default_max_tokens: u64,
+    media: MediaTokens,
 ) -> Result<RoutedRequest> {
-    let request = parse_request(body, default_max_tokens)?;
+    let request = parse_request(body, default_max_tokens, media)?;
     let out = request.max_output_tokens;
+    let media = request.media_tokens;
     let routed = |decision, body: &[u8], compression| RoutedRequest {
         request: request.clone(),
         decision,
@@ -1092,17 +1104,26 @@ pub fn route_request(
         let cal = router.read_calibrator();
         let id = cal.id(request.category);
         (
-            cal.estimate_tokens_id(request.prompt_bytes, id),
+            cal.estimate_tokens_id(request.prompt_bytes, id) + media,
             cal.conservative_ratio_id(id),
             compressible_category(request.category),
         )
     };
     let total = est.saturating_add(out);
-    let Some((pool, target)) = router.compress_target(total, out).filter(|_| compressible) else {
+    let target = router
+        .compress_target(total, out)
+        .filter(|&(_, target)| compressible && target > media);
+    let Some((pool, target)) = target else {
         return Ok(routed(router.route_estimated(est, out), body, None));
     };
-    let c =
-        compressor.compress_request(body, target as i64, Some(request.category), Some(ratio))?;
+    let mut c = compressor.compress_request(
+        body,
+        (target - media) as i64,
+        Some(request.category),
+        Some(ratio),
+    )?;
+    c.summary.tokens_before += media;
+    c.summary.tokens_after += media;
     if c.summary.status.succeeded() {
         let decision = router.route_compressed(pool, est, out, target);
         let new_body = c.body.clone();
@@ -1111,16 +1132,10 @@ pub fn route_request(
     Ok(routed(router.route_estimated(est, out), body, Some(c)))
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PathStep {
-    Key(&'static str),
-    Index(usize),
-}
-
 /// One text of a request body: where it is, whether it may be compressed,
 /// and which message (or prompt item) it belongs to.
 struct Slot {
-    path: Vec<PathStep>,
+    path: Option<Vec<PathStep>>,
     text: String,
     compressible: bool,
     item: usize,
@@ -1137,100 +1152,36 @@ fn long_prose(text: &str) -> bool {
     text.len() >= MIN_DOCUMENT_BYTES && compressible_category(classify(text.as_bytes()))
 }
 
-/// Every text the model reads in a chat or completion body, in order (the
-/// texts `parse_openai_request` counts as prompt bytes).
+/// Every text the engine tokenizes in a chat or completion body, in order
+/// (the texts `parse_openai_request` counts as prompt bytes). Only prose
+/// with a path (message content, text parts, prompt strings) may be
+/// compressed; tool schemas, tool calls and other parts are counted intact.
 fn text_slots(v: &Value) -> Result<Vec<Slot>> {
-    if !v.is_object() {
-        return Err(invalid("request body must be a JSON object"));
-    }
-    let mut slots = Vec::new();
-    match (v.get("messages"), v.get("prompt")) {
-        (Some(Value::Array(msgs)), None) => {
-            let last_user = msgs
-                .iter()
-                .rposition(|m| m.get("role").and_then(Value::as_str) == Some("user"));
-            for (i, m) in msgs.iter().enumerate() {
-                let Value::Object(m) = m else {
-                    return Err(invalid(format!("messages[{i}] must be an object")));
-                };
-                let role = m.get("role").and_then(Value::as_str).unwrap_or("");
-                let intact = matches!(role, "system" | "developer") || Some(i) == last_user;
-                let base = vec![PathStep::Key("messages"), PathStep::Index(i)];
-                let mut add = |path: Vec<PathStep>, text: &str| {
-                    slots.push(Slot {
-                        path,
-                        text: text.to_owned(),
-                        compressible: !intact && long_prose(text),
-                        item: i,
-                    })
-                };
-                match m.get("content") {
-                    None | Some(Value::Null) => {}
-                    Some(Value::String(s)) => {
-                        let mut p = base.clone();
-                        p.push(PathStep::Key("content"));
-                        add(p, s);
-                    }
-                    Some(Value::Array(parts)) => {
-                        for (j, part) in parts.iter().enumerate() {
-                            let Value::Object(part) = part else {
-                                return Err(invalid(format!(
-                                    "messages[{i}].content parts must be objects"
-                                )));
-                            };
-                            if part.get("type").and_then(Value::as_str) != Some("text") {
-                                continue;
-                            }
-                            let Some(Value::String(s)) = part.get("text") else {
-                                return Err(invalid(format!(
-                                    "messages[{i}] has a text part without a string 'text'"
-                                )));
-                            };
-                            let mut p = base.clone();
-                            p.extend([
-                                PathStep::Key("content"),
-                                PathStep::Index(j),
-                                PathStep::Key("text"),
-                            ]);
-                            add(p, s);
-                        }
-                    }
-                    Some(_) => {
-                        return Err(invalid(format!(
-                            "messages[{i}].content must be a string, an array of parts or null"
-                        )))
-                    }
-                }
+    let prompt = prompt_texts(v)?;
+    let msgs = v.get("messages").and_then(Value::as_array);
+    let role = |i: usize| {
+        msgs.and_then(|m| m.get(i))
+            .and_then(|m| m.get("role"))
+            .and_then(Value::as_str)
+    };
+    let last_user = msgs.and_then(|m| {
+        m.iter()
+            .rposition(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+    });
+    Ok(prompt
+        .texts
+        .into_iter()
+        .map(|t| {
+            let intact =
+                matches!(role(t.item), Some("system" | "developer")) || Some(t.item) == last_user;
+            Slot {
+                compressible: t.path.is_some() && !intact && long_prose(&t.text),
+                path: t.path,
+                text: t.text.into_owned(),
+                item: t.item,
             }
-        }
-        (Some(_), None) => return Err(invalid("'messages' must be an array")),
-        (None, Some(Value::String(s))) => slots.push(Slot {
-            path: vec![PathStep::Key("prompt")],
-            text: s.clone(),
-            compressible: long_prose(s),
-            item: 0,
-        }),
-        (None, Some(Value::Array(items))) if items.iter().all(Value::is_string) => {
-            for (i, s) in items.iter().filter_map(Value::as_str).enumerate() {
-                slots.push(Slot {
-                    path: vec![PathStep::Key("prompt"), PathStep::Index(i)],
-                    text: s.to_owned(),
-                    compressible: long_prose(s),
-                    item: i,
-                });
-            }
-        }
-        // Token ids carry no text to compress: nothing is compressible.
-        (None, Some(Value::Array(items))) if items.iter().all(|x| x.as_u64().is_some()) => {}
-        (None, Some(_)) => {
-            return Err(invalid(
-                "'prompt' must be a string, an array of strings or an array of token ids",
-            ))
-        }
-        (Some(_), Some(_)) => return Err(invalid("request has both 'messages' and 'prompt'")),
-        (None, None) => return Err(invalid("request has neither 'messages' nor 'prompt'")),
-    }
-    Ok(slots)
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -1442,7 +1393,8 @@ mod tests {
             assert_eq!(out["messages"][i], body["messages"][i]);
         }
         assert_eq!(out["max_tokens"], 100);
-        let parsed = crate::openai::parse_request(&r.body, 16).expect("parses");
+        let parsed =
+            crate::openai::parse_request(&r.body, 16, MediaTokens::default()).expect("parses");
         assert_eq!(estimate(parsed.prompt_bytes, 4.0), r.summary.tokens_after);
         // The intact parts alone exceed a tiny budget.
         let r = c
@@ -1462,46 +1414,83 @@ mod tests {
             .is_err());
     }
 
-    #[test]
-    fn route_request_compresses_borderline_prose_only() {
-        use crate::budget::{Action, Pool};
+    /// Pools of 1,000 and 8,000 tokens, a band of 1.5, 4 bytes per token.
+    fn band_router() -> TokenBudgetRouter {
+        use crate::budget::Pool;
         use crate::calibrate::Calibrator;
         use std::sync::{Arc, RwLock};
-        let make = || {
-            let pools = vec![
-                Pool::new("short", 1000, None, None).expect("pool"),
-                Pool::new("long", 8000, None, None).expect("pool"),
-            ];
-            let cal = Calibrator::new(0.95, 1.0, 4.0, 8).expect("cal");
-            TokenBudgetRouter::new(pools, Arc::new(RwLock::new(cal)))
-                .expect("router")
-                .with_compress_band(1.5)
-                .expect("band")
-        };
-        let router = make();
+        let pools = vec![
+            Pool::new("short", 1000, None, None).expect("pool"),
+            Pool::new("long", 8000, None, None).expect("pool"),
+        ];
+        let cal = Calibrator::new(0.95, 1.0, 4.0, 8).expect("cal");
+        TokenBudgetRouter::new(pools, Arc::new(RwLock::new(cal)))
+            .expect("router")
+            .with_compress_band(1.5)
+            .expect("band")
+    }
+
+    #[test]
+    fn route_request_compresses_prose_around_tools_and_media_to_fit() {
+        use crate::budget::Action;
+        let router = band_router();
+        let tools = serde_json::json!([{"type": "function", "function": {
+            "name": "lookup", "parameters": {"type": "object", "properties": {
+                "query": {"type": "string", "description": "x".repeat(400)}}}}}]);
+        let body = serde_json::json!({
+            "messages": [
+                {"role": "user", "content": prose(45)},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "Summarise."},
+                    {"type": "image_url", "image_url": {"url": "x"}}]}],
+            "tools": tools,
+            "max_tokens": 100});
+        let bytes = serde_json::to_vec(&body).expect("json");
+        let media = MediaTokens::new(200, 0).expect("valid");
+        let before = parse_request(&bytes, 16, media).expect("parses");
+        let total = estimate(before.prompt_bytes, 4.0) + 200 + 100;
+        assert!(total > 1000 && total <= 1500, "{total}");
+        let r = route_request(&router, &Compressor::default(), &bytes, 16, media).expect("valid");
+        assert_eq!(
+            (r.decision.action, r.decision.pool),
+            (Action::Compress, Some(0))
+        );
+        let after = parse_request(&r.body, 16, media).expect("parses");
+        assert!(estimate(after.prompt_bytes, 4.0) + after.media_tokens + 100 <= 1000);
+        let v: Value = serde_json::from_slice(&r.body).expect("json");
+        assert_eq!(v["tools"], tools);
+        let comp = r.compression.expect("tried");
+        assert_eq!(comp.summary.tokens_before, total - 100);
+        assert!(comp.summary.tokens_after <= 900);
+    }
+
+    #[test]
+    fn route_request_compresses_borderline_prose_only() {
+        use crate::budget::Action;
+        let router = band_router();
         let c = Compressor::default();
         // About 1,040 prompt tokens + 100 out: in (1000, 1500].
         let body = serde_json::json!({"prompt": prose(68), "max_tokens": 100});
         let bytes = serde_json::to_vec(&body).expect("json");
-        let r = route_request(&router, &c, &bytes, 16).expect("valid");
+        let r = route_request(&router, &c, &bytes, 16, MediaTokens::default()).expect("valid");
         assert_eq!(r.decision.action, Action::Compress);
         assert_eq!(r.decision.pool, Some(0));
         let comp = r.compression.expect("tried");
         assert!(comp.summary.tokens_after <= 900);
-        let parsed = parse_request(&r.body, 16).expect("parses");
+        let parsed = parse_request(&r.body, 16, MediaTokens::default()).expect("parses");
         assert!(estimate(parsed.prompt_bytes, 4.0) + 100 <= 1000);
         // The same body with code is routed long, untouched.
         let code = "fn f(x: u32) -> u32 {\n    x + 1;\n}\n".repeat(120);
         let body = serde_json::json!({"prompt": code, "max_tokens": 100});
         let bytes = serde_json::to_vec(&body).expect("json");
-        let r = route_request(&router, &c, &bytes, 16).expect("valid");
+        let r = route_request(&router, &c, &bytes, 16, MediaTokens::default()).expect("valid");
         assert_eq!(
             (r.decision.pool, r.decision.action),
             (Some(1), Action::Route)
         );
         assert_eq!((r.body, r.compression), (bytes, None));
         assert_eq!(router.in_flight(0), Ok(1));
-        assert!(route_request(&router, &c, b"[]", 16).is_err());
+        assert!(route_request(&router, &c, b"[]", 16, MediaTokens::default()).is_err());
         assert_eq!(router.in_flight(1), Ok(1));
     }
 

@@ -63,8 +63,13 @@ pub struct PlanConfig {
     pub p_c_by_category: Vec<(String, f64)>,
     /// Cost of a long-pool GPU relative to a short-pool GPU.
     pub phi: f64,
-    /// Quantile of prefill time subtracted from the SLO (0.99).
+    /// Quantile of prefill time subtracted from the SLO (0.99); in the engine
+    /// model, the share of requests whose TTFT must meet the target.
     pub prefill_quantile: f64,
+    /// The service model (default [`ServiceModel::Engine`]).
+    pub model: ServiceModel,
+    /// TPOT target, seconds (engine model; None: no TPOT constraint).
+    pub slo_tpot_s: Option<f64>,
 }
 
 impl PlanConfig {
@@ -80,6 +85,8 @@ impl PlanConfig {
             p_c_by_category: Vec::new(),
             phi: 1.0,
             prefill_quantile: 0.99,
+            model: ServiceModel::Engine,
+            slo_tpot_s: None,
         }
     }
 
@@ -87,6 +94,9 @@ impl PlanConfig {
         positive("arrival_rate", self.arrival_rate)?;
         positive("slo_ttft_s", self.slo_ttft_s)?;
         positive("phi", self.phi)?;
+        if let Some(t) = self.slo_tpot_s {
+            positive("slo_tpot_s", t)?;
+        }
         if !(self.rho_max > 0.0 && self.rho_max < 1.0) {
             return Err(invalid(format!(
                 "rho_max must be in (0, 1), got {}",
@@ -140,13 +150,48 @@ pub struct PoolPlan {
     pub arrival_rate: f64,
     pub mu_gpu: f64,
     pub cs2: f64,
-    /// `arrival_rate / (gpus * mu_gpu)`.
+    /// The share of slot-time held, `occupancy / n_slots` (the paper model's
+    /// `arrival_rate / (gpus * mu_gpu)` is the same quantity under its own
+    /// service time, by Little's law); the simulator reports the same.
     pub utilization: f64,
+    /// Sequences holding a slot per GPU, on average.
+    pub occupancy: f64,
+    /// Prefill budget utilization (engine model; 0 in the paper model).
+    pub prefill_utilization: f64,
+    /// KV utilization, an upper bound (engine model; 0 in the paper model).
+    pub kv_utilization: f64,
+    /// What sets the GPU count (or, infeasible, what no count satisfies).
+    pub binding: Binding,
     pub t_iter_s: f64,
     pub prefill_p99_s: f64,
+    /// P99 queue wait. Engine model: the slot wait (Kimura's bound at C = 1
+    /// when that already meets the SLO, see `engine_eval`) plus the wait for
+    /// the prefill budget at its share of the tail.
     pub p99_wait_s: f64,
     /// `p99_wait_s + prefill_p99_s + t_iter_s` (0 with no traffic).
     pub p99_ttft_s: f64,
+}
+
+impl PoolPlan {
+    /// A pool with no traffic and no GPUs.
+    pub const EMPTY: PoolPlan = PoolPlan {
+        gpus: 0,
+        feasible: true,
+        context: 0,
+        n_slots: 0,
+        arrival_rate: 0.0,
+        mu_gpu: 0.0,
+        cs2: 0.0,
+        utilization: 0.0,
+        occupancy: 0.0,
+        prefill_utilization: 0.0,
+        kv_utilization: 0.0,
+        binding: Binding::None,
+        t_iter_s: 0.0,
+        prefill_p99_s: 0.0,
+        p99_wait_s: 0.0,
+        p99_ttft_s: 0.0,
+    };
 }
 
 /// One (B_short, gamma) fleet. The homogeneous fleet has `b_short = 0`.
@@ -215,6 +260,440 @@ pub fn annual_cost_usd(gpus: f64, price_per_gpu_hour: f64, hours_per_year: f64) 
     Ok(gpus * price_per_gpu_hour * hours_per_year)
 }
 
+/// Which service model sizes the pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServiceModel {
+    /// FleetOpt's Eq. 3-4: every iteration charged `W + H n_max` (a full
+    /// batch), every slot busy for `S = (ceil(L_in / C) + L_out) t_iter`, all
+    /// prompts prefilled in parallel; Erlang-C / Kimura wait plus the P99
+    /// prefill; the utilization cap `rho_max`. Reproduces the paper's numbers.
+    Paper,
+    /// The model of the engine the simulator runs ([`engine_state`]): the
+    /// iteration time at the occupancy it predicts, one shared prefill chunk
+    /// per iteration, the TPOT target as a constraint. The default.
+    Engine,
+}
+
+impl ServiceModel {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "paper" => Ok(Self::Paper),
+            "engine" => Ok(Self::Engine),
+            _ => Err(invalid(format!(
+                "model must be \"engine\" or \"paper\", got {name:?}"
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Paper => "paper",
+            Self::Engine => "engine",
+        }
+    }
+}
+
+/// The resource that sets a pool's GPU count: with one GPU fewer, this is
+/// the constraint that fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Binding {
+    /// No traffic, or one GPU already meets every constraint.
+    None,
+    /// Per-sequence iteration work: the iteration time (TPOT) or, in the
+    /// paper model, the utilization cap.
+    Compute,
+    /// Sequence slots (`max_num_seqs`): occupancy or the wait for a slot.
+    Slot,
+    /// KV-cache blocks.
+    Kv,
+    /// The per-iteration prefill budget `C_chunk`: its utilization or the
+    /// wait of prompts for it.
+    Prefill,
+}
+
+impl Binding {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Compute => "compute",
+            Self::Slot => "slot",
+            Self::Kv => "kv",
+            Self::Prefill => "prefill",
+        }
+    }
+}
+
+/// One engine instance's shape: `t_iter = w_s + h_s n_active`, `chunk`
+/// prefill tokens per iteration, `n_slots` sequences, `kv_tokens` of KV.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineShape {
+    pub w_s: f64,
+    pub h_s: f64,
+    pub chunk: u64,
+    pub n_slots: u64,
+    pub kv_tokens: f64,
+}
+
+/// What the engine model needs of the requests a pool serves.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EngineLoad {
+    /// `E[a]`, `a = ceil(L_in / C) + L_out - 1`: the iterations a request
+    /// takes part in (its prefill iterations, the last of which samples the
+    /// first token, then one per further output token).
+    pub iterations: f64,
+    /// `Var[a] / E[a]^2`.
+    pub iterations_cs2: f64,
+    /// `E[L_in]` and `E[L_in^2]`, tokens.
+    pub prompt_mean: f64,
+    pub prompt_second: f64,
+    /// `E[a L_total]`: token-iterations of KV a request holds at most.
+    pub kv_token_iterations: f64,
+    /// The `(1 + q) / 2` quantile of `ceil(L_in / C)` (see [`engine_pool`]).
+    pub prefill_chunks_q: f64,
+}
+
+/// The steady state of one instance at a per-instance arrival rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineState {
+    /// Iteration time at the predicted number of active sequences, seconds;
+    /// `+inf` when the per-sequence work alone fills every iteration.
+    pub t_iter_s: f64,
+    /// Sequences holding a slot, on average (the occupancy).
+    pub occupancy: f64,
+    /// `occupancy / n_slots`: the share of slot-time held. The one
+    /// utilization routecore reports, in the plan and in the simulator.
+    pub utilization: f64,
+    /// Prefill tokens per second over the prefill budget's capacity.
+    pub prefill_utilization: f64,
+    /// KV tokens held over the KV capacity (an upper bound: a request is
+    /// charged its whole `L_total` while it runs).
+    pub kv_utilization: f64,
+    /// Mean wait of a prompt for its share of the prefill budget, seconds.
+    pub prefill_wait_s: f64,
+}
+
+/// The steady state of one continuous-batching engine (rust/sim/engine.rs)
+/// receiving `rate` requests per second.
+///
+/// Derivation. Let `a` be the iterations a request takes part in,
+/// `a = ceil(L_in / C) + L_out - 1` (alone, its prompt takes `ceil(L_in / C)`
+/// iterations, the last samples the first token; each further token takes one
+/// decode iteration). By Little's law the mean number of *active* sequences
+/// per iteration is `n_a = rate E[a] t`, and the iteration time is
+/// `t = W + H n_a` (the engine's `W + H n_active`, not the full batch's).
+/// Substituting gives the fixed point in closed form:
+///
+/// `t = W / (1 - H rate E[a])`, stable iff `H rate E[a] < 1` (compute).
+///
+/// Prefill: every iteration shares `C` prompt tokens among the prefilling
+/// sequences in admission order, first come first served. The prefill budget
+/// is therefore one FCFS server of speed `C / t` tokens per second, and a
+/// prompt's service is `X = L_in t / C`: an M/G/1 queue with utilization
+/// `rho_p = rate E[L_in] t / C` (stable iff `< 1`) and Pollaczek-Khinchine
+/// mean wait `W_p = rate E[X^2] / (2 (1 - rho_p))`,
+/// `E[X^2] = E[L_in^2] t^2 / C^2`. A prompt waiting for the budget already
+/// holds its slot and its KV blocks (the engine admits first), so the
+/// occupancy is
+///
+/// `N = rate (E[a] t + W_p)`, utilization `N / n_slots`,
+///
+/// and the KV held is at most `rate (E[a L_total] t + E[L_in] W_p)` tokens.
+pub fn engine_state(rate: f64, load: &EngineLoad, shape: &EngineShape) -> EngineState {
+    let x = shape.h_s * rate * load.iterations;
+    let t = if x < 1.0 {
+        shape.w_s / (1.0 - x)
+    } else {
+        f64::INFINITY
+    };
+    let c = shape.chunk as f64;
+    let rho_p = rate * load.prompt_mean * t / c;
+    let wait = if rho_p < 1.0 {
+        rate * load.prompt_second * (t / c).powi(2) / (2.0 * (1.0 - rho_p))
+    } else {
+        f64::INFINITY
+    };
+    let occupancy = rate * (load.iterations * t + wait);
+    let kv = rate * (load.kv_token_iterations * t + load.prompt_mean * wait);
+    EngineState {
+        t_iter_s: t,
+        occupancy,
+        utilization: occupancy / shape.n_slots.max(1) as f64,
+        prefill_utilization: rho_p,
+        kv_utilization: kv / shape.kv_tokens,
+        prefill_wait_s: wait,
+    }
+}
+
+/// A pool of `gpus` engines under the engine model, and whether it meets the
+/// SLO (the failing constraint, if any).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct EngineEval {
+    state: EngineState,
+    slot_wait_s: f64,
+    prefill_wait_q_s: f64,
+    ttft_s: f64,
+    fails: Option<Binding>,
+}
+
+/// Targets of the engine model: P(TTFT <= `ttft_s`) >= `quantile`, and the
+/// iteration time (the TPOT of a decoding sequence) at most `tpot_s`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Targets {
+    ttft_s: f64,
+    tpot_s: f64,
+    quantile: f64,
+    /// `normal_quantile(quantile)`, for the TPOT quantile.
+    z: f64,
+}
+
+/// The `q` quantile of the iteration time a decoding sequence sees, given
+/// the mean iteration time `t`: the active count `n_a = (t - W) / H` is the
+/// number in an M/G/infinity system (every active sequence is served at
+/// once), Poisson with mean `n_a`, taken normal: `n_q = n_a + z_q sqrt(n_a)`,
+/// `t_q = W + H n_q`. A request's TPOT averages the iterations of its decode,
+/// so its quantile is at most this (equal for two-token outputs).
+fn tpot_quantile(t: f64, shape: &EngineShape, z: f64) -> f64 {
+    if shape.h_s <= 0.0 {
+        return t;
+    }
+    let n = ((t - shape.w_s) / shape.h_s).max(0.0);
+    t + shape.h_s * z * n.sqrt()
+}
+
+/// The standard normal `q` quantile for `q` in [0.5, 1) (0 below),
+/// Abramowitz and Stegun 26.2.23 (absolute error < 4.5e-4).
+fn normal_quantile(q: f64) -> f64 {
+    if q <= 0.5 {
+        return 0.0;
+    }
+    let p = (1.0 - q).max(1e-300);
+    let t = (-2.0 * p.ln()).sqrt();
+    t - (2.515517 + 0.802853 * t + 0.010328 * t * t)
+        / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t)
+}
+
+/// Evaluates `gpus` engines receiving `arrival_rate` (spread evenly, as
+/// least-loaded dispatch does).
+///
+/// TTFT of a request = the wait for a slot plus the wait for the prefill
+/// budget plus its own prefill, `ceil(L_in / C)` iterations, plus up to one
+/// iteration under way when it arrives. Its `q` quantile is bounded by the union bound
+/// with the tail split evenly: `P(A + B > a_r + b_r) <= P(A > a_r) + P(B > b_r)`,
+/// so with `r = (1 - q) / 2` the bound is the prefill's `1 - r` quantile
+/// (`prefill_chunks_q * t`) plus the wait's. The prefill wait is taken as
+/// M/G/1's atom at 0 and an exponential tail, `P(W > y) = rho_p e^{-y rho_p / W_p}`,
+/// so its `1 - r` quantile is `(W_p / rho_p) ln(rho_p / r)` (0 when
+/// `rho_p <= r`). The slot wait is the Kimura P99 wait of M/G/c over all
+/// `gpus n_slots` slots with mean holding time `N / rate_instance`.
+///
+/// The slot wait is first bounded by Kimura's formula at `C = 1`,
+/// `ln(100) (1 + Cs^2) / (2 (c mu - lambda))`: when the TTFT meets the target
+/// with that bound it meets it with the exact wait, so the pass/fail answer
+/// is the same and Erlang C (O(sqrt c) near saturation) is skipped;
+/// `slot_wait_s` then holds the bound (unless `exact`).
+fn engine_eval(
+    arrival_rate: f64,
+    gpus: u64,
+    load: &EngineLoad,
+    shape: &EngineShape,
+    targets: Targets,
+    exact: bool,
+) -> Result<EngineEval> {
+    let rate = arrival_rate / gpus as f64;
+    let state = engine_state(rate, load, shape);
+    let t = state.t_iter_s;
+    let mut eval = EngineEval {
+        state,
+        slot_wait_s: f64::INFINITY,
+        prefill_wait_q_s: f64::INFINITY,
+        ttft_s: f64::INFINITY,
+        fails: None,
+    };
+    if !t.is_finite() || tpot_quantile(t, shape, targets.z) > targets.tpot_s {
+        eval.fails = Some(Binding::Compute);
+        return Ok(eval);
+    }
+    if state.prefill_utilization >= 1.0 {
+        eval.fails = Some(Binding::Prefill);
+        return Ok(eval);
+    }
+    if state.occupancy >= shape.n_slots as f64 {
+        eval.fails = Some(Binding::Slot);
+        return Ok(eval);
+    }
+    if state.kv_utilization >= 1.0 {
+        eval.fails = Some(Binding::Kv);
+        return Ok(eval);
+    }
+    let r = (1.0 - targets.quantile) / 2.0;
+    let rho_p = state.prefill_utilization;
+    eval.prefill_wait_q_s = if rho_p > r {
+        state.prefill_wait_s / rho_p * (rho_p / r).ln()
+    } else {
+        0.0
+    };
+    let own = (load.prefill_chunks_q + 1.0) * t;
+    if eval.prefill_wait_q_s + own > targets.ttft_s {
+        // Fails without the slot wait: no need to compute it.
+        eval.ttft_s = eval.prefill_wait_q_s + own;
+        eval.fails = Some(Binding::Prefill);
+        return Ok(eval);
+    }
+    let servers = gpus
+        .checked_mul(shape.n_slots)
+        .ok_or_else(|| invalid("fleet size overflows"))?;
+    let mu = rate / state.occupancy.max(f64::MIN_POSITIVE);
+    let drain = servers as f64 * mu - arrival_rate;
+    let bound = 100f64.ln() * (1.0 + load.iterations_cs2) / (2.0 * drain);
+    eval.slot_wait_s = if state.occupancy <= 0.0 {
+        0.0
+    } else if !exact && bound + eval.prefill_wait_q_s + own <= targets.ttft_s {
+        bound
+    } else {
+        p99_wait(servers, mu, load.iterations_cs2, arrival_rate)?
+    };
+    eval.ttft_s = eval.slot_wait_s + eval.prefill_wait_q_s + own;
+    if eval.ttft_s > targets.ttft_s {
+        eval.fails = Some(if eval.slot_wait_s > eval.prefill_wait_q_s {
+            Binding::Slot
+        } else {
+            Binding::Prefill
+        });
+    }
+    Ok(eval)
+}
+
+/// The smallest `n > bad` with `ok(n)`, for `ok` monotone in `n` (false
+/// up to some count, true from it on) and `ok(n)` true for some finite `n`:
+/// galloping from `start` (steps 1, 2, 4, ... down while it holds, up while
+/// it fails) until the answer is bracketed, then bisection. A good `start`
+/// (the neighbouring candidate's count) costs a handful of evaluations.
+fn smallest_ok(mut bad: u64, start: u64, mut ok: impl FnMut(u64) -> Result<bool>) -> Result<u64> {
+    let mut hi = start.max(bad + 1);
+    let mut step = 1u64;
+    if ok(hi)? {
+        while hi - bad > 1 {
+            let probe = hi - step.min(hi - bad - 1);
+            if ok(probe)? {
+                hi = probe;
+                step = step.saturating_mul(2);
+            } else {
+                bad = probe;
+                break;
+            }
+        }
+    } else {
+        bad = hi;
+        loop {
+            hi = bad
+                .checked_add(step)
+                .filter(|&h| h < 1 << 50)
+                .ok_or_else(|| invalid("fleet size overflows"))?;
+            if ok(hi)? {
+                break;
+            }
+            bad = hi;
+            step = step.saturating_mul(2);
+        }
+    }
+    while hi - bad > 1 {
+        let mid = bad + (hi - bad) / 2;
+        if ok(mid)? {
+            hi = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    Ok(hi)
+}
+
+/// Sizes one pool under the engine model: the smallest GPU count meeting
+/// every constraint of [`engine_eval`] (each eases as GPUs are added), by
+/// [`smallest_ok`] from `hint`. Necessary counts from stability: compute
+/// needs `H lambda E[a] / n < 1 - W / TPOT`, prefill
+/// `lambda E[L_in] W / (n C) < 1`; no smaller count is tried. A pool that no
+/// GPU count serves (TPOT at or below `W`, or the TTFT target at or below the
+/// prefill of the quantile request alone at `t = W`) is returned infeasible,
+/// sized at the stability bound, with the binding constraint. Otherwise the
+/// binding constraint is the one that fails with one GPU fewer.
+fn size_engine_pool(
+    arrival_rate: f64,
+    load: &EngineLoad,
+    shape: &EngineShape,
+    targets: Targets,
+    hint: Option<u64>,
+    mut pool: PoolPlan,
+) -> Result<PoolPlan> {
+    if arrival_rate <= 0.0 || load.iterations + load.prompt_mean <= 0.0 {
+        return Ok(pool);
+    }
+    if shape.n_slots == 0 {
+        pool.feasible = false;
+        pool.binding = Binding::Kv;
+        return Ok(pool);
+    }
+    let compute_room = 1.0 - shape.w_s / targets.tpot_s;
+    let alone_ttft = (load.prefill_chunks_q + 1.0) * shape.w_s;
+    let never = if compute_room <= 0.0 {
+        Some(Binding::Compute)
+    } else if alone_ttft >= targets.ttft_s {
+        Some(Binding::Prefill)
+    } else {
+        None
+    };
+    let below = |v: f64| {
+        if v.is_finite() {
+            v.floor().max(0.0)
+        } else {
+            0.0
+        }
+    };
+    let bad = below(arrival_rate * shape.h_s * load.iterations / compute_room.max(1e-12))
+        .max(below(
+            arrival_rate * load.prompt_mean * shape.w_s / shape.chunk as f64,
+        ))
+        .min(1e15) as u64;
+    // The search's evaluations, kept: the answer's and its neighbour's are
+    // among them.
+    let mut seen: Vec<(u64, EngineEval)> = Vec::with_capacity(32);
+    let mut eval = |n: u64| -> Result<EngineEval> {
+        if let Some((_, e)) = seen.iter().find(|(m, _)| *m == n) {
+            return Ok(*e);
+        }
+        let e = engine_eval(arrival_rate, n, load, shape, targets, false)?;
+        seen.push((n, e));
+        Ok(e)
+    };
+    let n = match never {
+        Some(_) => bad + 1,
+        None => smallest_ok(bad, hint.unwrap_or(bad + 1), |n| {
+            Ok(eval(n)?.fails.is_none())
+        })?,
+    };
+    let e = eval(n)?;
+    pool.gpus = n;
+    pool.utilization = e.state.utilization;
+    pool.occupancy = e.state.occupancy;
+    pool.prefill_utilization = e.state.prefill_utilization;
+    pool.kv_utilization = e.state.kv_utilization;
+    pool.t_iter_s = e.state.t_iter_s;
+    pool.prefill_p99_s = load.prefill_chunks_q * e.state.t_iter_s;
+    pool.p99_wait_s = e.slot_wait_s + e.prefill_wait_q_s;
+    pool.p99_ttft_s = e.ttft_s;
+    pool.mu_gpu = if e.state.occupancy > 0.0 {
+        shape.n_slots as f64 * arrival_rate / (n as f64 * e.state.occupancy)
+    } else {
+        0.0
+    };
+    if let Some(b) = never {
+        pool.feasible = false;
+        pool.binding = b;
+    } else if n > 1 {
+        pool.binding = eval(n - 1)?.fails.unwrap_or(Binding::None);
+    }
+    Ok(pool)
+}
+
 /// The smallest n >= 1 with `arrival_rate / (n mu_gpu) <= rho_max`.
 fn utilization_floor(arrival_rate: f64, mu_gpu: f64, rho_max: f64) -> u64 {
     let mut n = (arrival_rate / (rho_max * mu_gpu)).ceil().max(1.0) as u64;
@@ -245,6 +724,10 @@ fn size_pool(
         mu_gpu: svc.mu_gpu,
         cs2: svc.cs2,
         utilization: 0.0,
+        occupancy: 0.0,
+        prefill_utilization: 0.0,
+        kv_utilization: 0.0,
+        binding: Binding::None,
         t_iter_s: svc.t_iter_s,
         prefill_p99_s: svc.prefill_p99_s,
         p99_wait_s: 0.0,
@@ -255,6 +738,7 @@ fn size_pool(
     }
     if svc.n_slots == 0 {
         pool.feasible = false;
+        pool.binding = Binding::Kv;
         return Ok(pool);
     }
     let budget = slo - svc.prefill_p99_s - svc.t_iter_s;
@@ -272,7 +756,9 @@ fn size_pool(
         // Prefill alone breaks the SLO: no GPU count helps. Report the
         // cap-sized pool and its TTFT, marked infeasible.
         pool.feasible = false;
+        pool.binding = Binding::Prefill;
     } else if w > budget {
+        pool.binding = Binding::Slot;
         // W99 falls with n: double until it fits, then bisect (lo fails, hi fits).
         let (mut bad, mut hi) = (lo, lo.saturating_mul(2));
         let mut w_hi = wait(hi)?;
@@ -297,7 +783,11 @@ fn size_pool(
         w = w_hi;
     }
     pool.gpus = n;
+    if pool.binding == Binding::None && n > 1 {
+        pool.binding = Binding::Compute;
+    }
     pool.utilization = arrival_rate / (n as f64 * svc.mu_gpu);
+    pool.occupancy = pool.utilization * svc.n_slots as f64;
     pool.p99_wait_s = w;
     pool.p99_ttft_s = w + svc.prefill_p99_s + svc.t_iter_s;
     Ok(pool)
@@ -320,6 +810,119 @@ impl Ctx<'_> {
             .service_from(self.w, prefill_span, n_slots, m, &self.table, q)
     }
 
+    /// The engine-model moments of the requests of `span` (of one category
+    /// channel, or all), each request weighted by `scale`.
+    fn mix(&self, span: Span, category: Option<usize>, scale: f64) -> Mix {
+        let t = &self.table;
+        let (k, kl, prompt) = match category {
+            None => (
+                t.moments_all(self.w, span, 1.0, 0.0),
+                t.moments_all(self.w, span, 0.0, 1.0),
+                (0..self.w.category_channels()).fold(RangeMoments::EMPTY, |m, c| {
+                    m.merge(t.prompt_moments(self.w, span, c))
+                }),
+            ),
+            Some(c) => (
+                t.moments(self.w, span, c, 1.0, 0.0),
+                t.moments(self.w, span, c, 0.0, 1.0),
+                t.prompt_moments(self.w, span, c),
+            ),
+        };
+        let scaled = |mut m: RangeMoments| {
+            m.weight *= scale;
+            m
+        };
+        Mix {
+            k: scaled(k),
+            kl: scaled(kl),
+            prompt: scaled(prompt),
+        }
+    }
+
+    /// The band's requests after compress-and-route, `weight` of them: each
+    /// is cut to `L_total = b` (the compressor's target `T_c = b - L_out`), so
+    /// `L_in' = b - L_out`. From the band's mean output `E[L_out] =
+    /// E[L_total] - E[L_in]` (all categories), taking `L_out` at its mean:
+    /// `L_in' = b - E[L_out]`, `k' = ceil(L_in' / C) + E[L_out]`, `k' L = k' b`
+    /// (second moments of a point mass). Without this the short pool would be
+    /// sized as if compressed prompts were as short as its own.
+    fn compressed_mix(&self, band: Span, b: u64, weight: f64) -> Mix {
+        let prompt_all = (0..self.w.category_channels()).fold(RangeMoments::EMPTY, |m, c| {
+            m.merge(self.table.prompt_moments(self.w, band, c))
+        });
+        let out = (self.w.mean_tokens(band) - prompt_all.mean).max(0.0);
+        let p = (b as f64 - out).max(1.0);
+        let k = (p / self.profile.c_chunk as f64).ceil() + out;
+        let point = |x: f64| RangeMoments {
+            weight,
+            mean: x,
+            second: x * x,
+        };
+        Mix {
+            k: point(k),
+            kl: point(k * b as f64),
+            prompt: point(p),
+        }
+    }
+
+    /// The `(1 + q) / 2` quantile of `ceil(L_in / C)` over `span` (see
+    /// [`engine_eval`]).
+    fn chunks_quantile(&self, span: Span) -> f64 {
+        let q = self.cfg.prefill_quantile;
+        self.table.prefill_chunks_quantile(span, (1.0 + q) / 2.0) as f64
+    }
+
+    /// What the engine model needs of the mixture `mix`, with the prefill
+    /// quantile `chunks_q` (from [`Self::chunks_quantile`]).
+    fn engine_load(&self, mix: Mix, chunks_q: f64) -> EngineLoad {
+        let iterations = (mix.k.mean - 1.0).max(0.0);
+        EngineLoad {
+            iterations,
+            iterations_cs2: if iterations > 0.0 {
+                ((mix.k.second - mix.k.mean * mix.k.mean) / (iterations * iterations)).max(0.0)
+            } else {
+                0.0
+            },
+            prompt_mean: mix.prompt.mean,
+            prompt_second: mix.prompt.second,
+            kv_token_iterations: mix.kl.mean,
+            prefill_chunks_q: chunks_q,
+        }
+    }
+
+    /// Sizes a pool at `context` for `arrival_rate` requests of `load` under
+    /// the engine model, the search starting at `hint`.
+    fn size_engine(
+        &self,
+        arrival_rate: f64,
+        load: &EngineLoad,
+        context: u64,
+        n_slots: u64,
+        hint: Option<u64>,
+    ) -> Result<PoolPlan> {
+        let shape = EngineShape {
+            w_s: self.profile.w_s,
+            h_s: self.profile.h_s,
+            chunk: self.profile.c_chunk,
+            n_slots,
+            kv_tokens: n_slots as f64 * context as f64,
+        };
+        let targets = Targets {
+            ttft_s: self.cfg.slo_ttft_s,
+            tpot_s: self.cfg.slo_tpot_s.unwrap_or(f64::INFINITY),
+            quantile: self.cfg.prefill_quantile,
+            z: normal_quantile(self.cfg.prefill_quantile),
+        };
+        let pool = PoolPlan {
+            context,
+            n_slots,
+            arrival_rate,
+            cs2: load.iterations_cs2,
+            ..PoolPlan::EMPTY
+        };
+        size_engine_pool(arrival_rate, load, &shape, targets, hint, pool)
+    }
+
     fn cost(&self, short_gpus: u64, long_gpus: u64) -> f64 {
         (short_gpus as f64 + self.cfg.phi * long_gpus as f64)
             * self.profile.price_per_gpu_hour
@@ -327,7 +930,63 @@ impl Ctx<'_> {
     }
 }
 
-/// Runs the sweep. Errors on invalid configuration or profile.
+/// The moments the engine model needs of a mixture of requests: of
+/// `k = ceil(L_in / C) + L_out`, of `k L_total` and of `L_in`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Mix {
+    k: RangeMoments,
+    kl: RangeMoments,
+    prompt: RangeMoments,
+}
+
+impl Mix {
+    const EMPTY: Mix = Mix {
+        k: RangeMoments::EMPTY,
+        kl: RangeMoments::EMPTY,
+        prompt: RangeMoments::EMPTY,
+    };
+
+    fn merge(self, o: Mix) -> Mix {
+        Mix {
+            k: self.k.merge(o.k),
+            kl: self.kl.merge(o.kl),
+            prompt: self.prompt.merge(o.prompt),
+        }
+    }
+}
+
+/// The error for an SLO that no fleet meets, naming the binding constraint
+/// of the homogeneous pool (every request, the long context).
+fn no_fleet(pool: &PoolPlan, cfg: &PlanConfig, profile: &Profile) -> crate::error::Error {
+    let why = match pool.binding {
+        Binding::Compute => format!(
+            "the TPOT target {} s is at or below the iteration's base time W = {} s",
+            cfg.slo_tpot_s.unwrap_or(f64::INFINITY),
+            profile.w_s
+        ),
+        Binding::Prefill => format!(
+            "the TTFT target {} s is below the prefill of the P{} prompt alone, {:.3} s \
+             at t_iter = {:.4} s",
+            cfg.slo_ttft_s,
+            100.0 * cfg.prefill_quantile,
+            pool.prefill_p99_s,
+            pool.t_iter_s
+        ),
+        Binding::Kv => format!(
+            "no sequence of {} tokens fits one GPU's KV memory",
+            pool.context
+        ),
+        Binding::Slot | Binding::None => "the wait for a slot cannot be bounded".to_string(),
+    };
+    invalid(format!(
+        "no fleet meets the SLO (binding: {}): {why}",
+        pool.binding.name()
+    ))
+}
+
+/// Runs the sweep. Errors on invalid configuration or profile, on a workload
+/// with requests longer than `long_context`, and when no fleet meets the SLO
+/// (the error names the binding constraint).
 pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
     cfg.validate()?;
     profile.validate()?;
@@ -356,39 +1015,51 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
     let lam = cfg.arrival_rate;
     let everything = w.span(f64::NEG_INFINITY, f64::INFINITY);
 
+    let engine = cfg.model == ServiceModel::Engine;
+    if engine && profile.h_ref_tokens.is_some() {
+        return Err(invalid(
+            "the engine model's iteration time is W + H * n_active: a profile with \
+             h_ref_tokens (length-scaled H) needs model=\"paper\"",
+        ));
+    }
+    let longest = w.quantile(1.0)?;
+    if longest > cfg.long_context {
+        let fits = w.fraction(w.span(f64::NEG_INFINITY, cfg.long_context as f64));
+        return Err(invalid(format!(
+            "{:.3}% of the workload's requests (the longest {longest} tokens) exceed \
+             long_context = {}: no pool can serve them; raise long_context or drop them",
+            100.0 * (1.0 - fits),
+            cfg.long_context
+        )));
+    }
+
     // Homogeneous: one pool at the long context holding every request.
-    let (a0, a1) = profile.service_coefficients(ctx.long_slots);
-    let m_all = ctx.table.moments_all(w, everything, a0, a1);
-    let homo_svc = ctx.service(everything, ctx.long_slots, m_all);
-    let homo_pool = size_pool(
-        lam,
-        &homo_svc,
-        cfg.long_context,
-        cfg.rho_max,
-        cfg.slo_ttft_s,
-    )?;
-    let homo_cost = ctx.cost(0, homo_pool.gpus);
-    let empty_short = PoolPlan {
-        gpus: 0,
-        feasible: true,
-        context: 0,
-        n_slots: 0,
-        arrival_rate: 0.0,
-        mu_gpu: 0.0,
-        cs2: 0.0,
-        utilization: 0.0,
-        t_iter_s: 0.0,
-        prefill_p99_s: 0.0,
-        p99_wait_s: 0.0,
-        p99_ttft_s: 0.0,
+    let homo_pool = if engine {
+        let load = ctx.engine_load(
+            ctx.mix(everything, None, 1.0),
+            ctx.chunks_quantile(everything),
+        );
+        ctx.size_engine(lam, &load, cfg.long_context, ctx.long_slots, None)?
+    } else {
+        let (a0, a1) = profile.service_coefficients(ctx.long_slots);
+        let m_all = ctx.table.moments_all(w, everything, a0, a1);
+        let homo_svc = ctx.service(everything, ctx.long_slots, m_all);
+        size_pool(
+            lam,
+            &homo_svc,
+            cfg.long_context,
+            cfg.rho_max,
+            cfg.slo_ttft_s,
+        )?
     };
+    let homo_cost = ctx.cost(0, homo_pool.gpus);
     let homogeneous = Candidate {
         b_short: 0,
         gamma: 1.0,
         alpha: 0.0,
         beta: 0.0,
         alpha_prime: 0.0,
-        short: empty_short,
+        short: PoolPlan::EMPTY,
         long: homo_pool,
         feasible: homo_pool.feasible,
         gpus: homo_pool.gpus,
@@ -422,14 +1093,28 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
 
     let (la0, la1) = profile.service_coefficients(ctx.long_slots);
     let mut sweep = Vec::with_capacity(b_list.len() * gammas.len());
+    // Neighbouring candidates need similar counts: each search starts there.
+    let (mut short_hint, mut long_hint) = (None, None);
+    // With p_c = 1 the long pool is its tail alone: equal tails, equal pools.
+    let mut long_cache: Option<(Span, f64, PoolPlan)> = None;
     for &b in &b_list {
         let b_f = b as f64;
         let short_span = w.span(f64::NEG_INFINITY, b_f);
         let alpha = w.fraction(short_span);
         let n_short = profile.slots(b)?;
-        let (s0, s1) = profile.service_coefficients(n_short);
-        let m_short = ctx.table.moments_all(w, short_span, s0, s1);
-        let short_svc = ctx.service(short_span, n_short, m_short);
+        let short_mix = engine.then(|| {
+            (
+                ctx.mix(short_span, None, 1.0),
+                ctx.chunks_quantile(short_span),
+            )
+        });
+        let short_svc = if engine {
+            None
+        } else {
+            let (s0, s1) = profile.service_coefficients(n_short);
+            let m_short = ctx.table.moments_all(w, short_span, s0, s1);
+            Some(ctx.service(short_span, n_short, m_short))
+        };
         let mut short_cache: Option<(f64, PoolPlan)> = None;
         for &gamma in &gammas {
             let gb = (gamma * b_f).floor();
@@ -440,15 +1125,25 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             };
             let mut beta = 0.0;
             let mut moved = 0.0;
-            let mut m_long = ctx.table.moments_all(w, tail, la0, la1);
+            let mut m_long = RangeMoments::EMPTY;
+            let mut mix_long = None;
+            if engine {
+                mix_long = Some(ctx.mix(tail, None, 1.0));
+            } else {
+                m_long = ctx.table.moments_all(w, tail, la0, la1);
+            }
             for (k, &pc) in ctx.p_c.iter().enumerate() {
                 let bk = w.category_fraction(band, k);
                 beta += bk;
                 moved += bk * pc;
                 if pc < 1.0 && bk > 0.0 {
-                    let mut mk = ctx.table.moments(w, band, k, la0, la1);
-                    mk.weight *= 1.0 - pc;
-                    m_long = m_long.merge(mk);
+                    if let Some(m) = mix_long {
+                        mix_long = Some(m.merge(ctx.mix(band, Some(k), 1.0 - pc)));
+                    } else {
+                        let mut mk = ctx.table.moments(w, band, k, la0, la1);
+                        mk.weight *= 1.0 - pc;
+                        m_long = m_long.merge(mk);
+                    }
                 }
             }
             let alpha_prime = (alpha + moved).min(1.0);
@@ -462,22 +1157,50 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                     end: w.len(),
                 }
             };
-            let long_svc = ctx.service(long_prefill_span, ctx.long_slots, m_long);
-            let short = match short_cache {
-                Some((l, p)) if l == lam_s => p,
-                _ => {
-                    let p = size_pool(lam_s, &short_svc, b, cfg.rho_max, cfg.slo_ttft_s)?;
+            let short = match (short_cache, &short_svc) {
+                (Some((l, p)), _) if l == lam_s => p,
+                (_, Some(svc)) => {
+                    let p = size_pool(lam_s, svc, b, cfg.rho_max, cfg.slo_ttft_s)?;
+                    short_cache = Some((lam_s, p));
+                    p
+                }
+                (_, None) => {
+                    let (mut mix, chunks_q) = short_mix.unwrap_or((Mix::EMPTY, 0.0));
+                    if moved > 0.0 {
+                        mix = mix.merge(ctx.compressed_mix(band, b, moved * w.total_weight()));
+                    }
+                    let load = ctx.engine_load(mix, chunks_q);
+                    let p = ctx.size_engine(lam_s, &load, b, n_short, short_hint)?;
+                    short_hint = Some(p.gpus);
                     short_cache = Some((lam_s, p));
                     p
                 }
             };
-            let long = size_pool(
-                lam_l,
-                &long_svc,
-                cfg.long_context,
-                cfg.rho_max,
-                cfg.slo_ttft_s,
-            )?;
+            let long = match mix_long {
+                Some(_) if long_cache.is_some_and(|(t, l, _)| t == tail && l == lam_l) => {
+                    long_cache.map_or(PoolPlan::EMPTY, |(_, _, p)| p)
+                }
+                Some(mix) => {
+                    let load = ctx.engine_load(mix, ctx.chunks_quantile(long_prefill_span));
+                    let p =
+                        ctx.size_engine(lam_l, &load, cfg.long_context, ctx.long_slots, long_hint)?;
+                    long_hint = Some(p.gpus);
+                    if ctx.p_c.iter().all(|&pc| pc >= 1.0) {
+                        long_cache = Some((tail, lam_l, p));
+                    }
+                    p
+                }
+                None => {
+                    let long_svc = ctx.service(long_prefill_span, ctx.long_slots, m_long);
+                    size_pool(
+                        lam_l,
+                        &long_svc,
+                        cfg.long_context,
+                        cfg.rho_max,
+                        cfg.slo_ttft_s,
+                    )?
+                }
+            };
             let cost = ctx.cost(short.gpus, long.gpus);
             sweep.push(Candidate {
                 b_short: b,
@@ -508,6 +1231,9 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
     };
     let best = cheapest(false);
     let pool_routing = cheapest(true);
+    if best.is_none() && !homogeneous.feasible {
+        return Err(no_fleet(&homogeneous.long, cfg, profile));
+    }
     Ok(Plan {
         homogeneous,
         sweep,
@@ -561,5 +1287,110 @@ mod tests {
         assert!(p.p99_wait_s <= 1.0);
         let fewer = p99_wait(p.gpus - 1, 1.0, 1.0, 0.5).expect("ok");
         assert!(fewer > 1.0);
+    }
+
+    #[test]
+    fn smallest_ok_matches_a_linear_scan() {
+        for threshold in 1..60u64 {
+            for start in 0..70u64 {
+                for bad in 0..threshold {
+                    let mut calls = 0;
+                    let n = smallest_ok(bad, start, |n| {
+                        calls += 1;
+                        Ok(n >= threshold)
+                    })
+                    .expect("ok");
+                    assert_eq!(n, threshold, "bad {bad} start {start}");
+                    assert!(calls <= 20, "{calls} evaluations");
+                }
+            }
+        }
+    }
+
+    fn load() -> EngineLoad {
+        EngineLoad {
+            iterations: 150.0,
+            iterations_cs2: 0.5,
+            prompt_mean: 2000.0,
+            prompt_second: 2000.0 * 2000.0 * 2.0,
+            kv_token_iterations: 150.0 * 2200.0,
+            prefill_chunks_q: 12.0,
+        }
+    }
+
+    fn shape() -> EngineShape {
+        EngineShape {
+            w_s: 0.008,
+            h_s: 0.00065,
+            chunk: 512,
+            n_slots: 64,
+            kv_tokens: 64.0 * 16384.0,
+        }
+    }
+
+    #[test]
+    fn engine_state_by_hand() {
+        let (l, s) = (load(), shape());
+        let e = engine_state(2.0, &l, &s);
+        let t = 0.008 / (1.0 - 0.00065 * 2.0 * 150.0);
+        assert!((e.t_iter_s - t).abs() < 1e-15);
+        let rho = 2.0 * 2000.0 * t / 512.0;
+        assert!((e.prefill_utilization - rho).abs() < 1e-12);
+        let wait = 2.0 * l.prompt_second * (t / 512.0).powi(2) / (2.0 * (1.0 - rho));
+        assert!((e.prefill_wait_s - wait).abs() < 1e-12);
+        assert!((e.occupancy - 2.0 * (150.0 * t + wait)).abs() < 1e-12);
+        assert!((e.utilization - e.occupancy / 64.0).abs() < 1e-15);
+        // Saturated compute and prefill: unbounded, not NaN.
+        assert!(engine_state(20.0, &l, &s).t_iter_s.is_infinite());
+        let heavy = EngineLoad {
+            prompt_mean: 1e6,
+            ..l
+        };
+        assert!(engine_state(2.0, &heavy, &s).prefill_wait_s.is_infinite());
+    }
+
+    #[test]
+    fn engine_pool_is_minimal_and_names_the_constraint() {
+        let (l, s) = (load(), shape());
+        for (rate, ttft, tpot) in [
+            (50.0, 2.0, 0.08),
+            (500.0, 2.0, 0.08),
+            (500.0, 0.6, 0.5),
+            (5000.0, 1.0, 0.03),
+        ] {
+            let targets = Targets {
+                ttft_s: ttft,
+                tpot_s: tpot,
+                quantile: 0.99,
+                z: normal_quantile(0.99),
+            };
+            let p = size_engine_pool(rate, &l, &s, targets, None, PoolPlan::EMPTY).expect("ok");
+            assert!(p.feasible && p.gpus > 1, "{p:?}");
+            let ok = engine_eval(rate, p.gpus, &l, &s, targets, true).expect("ok");
+            assert_eq!(ok.fails, None);
+            assert!(p.p99_ttft_s <= ttft);
+            let fewer = engine_eval(rate, p.gpus - 1, &l, &s, targets, true).expect("ok");
+            assert_eq!(fewer.fails, Some(p.binding));
+            // Any starting hint gives the same count.
+            for hint in [1, p.gpus / 3, p.gpus + 17, 10 * p.gpus] {
+                let q = size_engine_pool(rate, &l, &s, targets, Some(hint), PoolPlan::EMPTY)
+                    .expect("ok");
+                assert_eq!(q.gpus, p.gpus);
+            }
+        }
+        // No count meets a TPOT at W, or a TTFT below the quantile prompt alone.
+        let never = |ttft, tpot| {
+            let t = Targets {
+                ttft_s: ttft,
+                tpot_s: tpot,
+                quantile: 0.99,
+                z: normal_quantile(0.99),
+            };
+            size_engine_pool(50.0, &l, &s, t, None, PoolPlan::EMPTY).expect("ok")
+        };
+        let p = never(2.0, 0.008);
+        assert!(!p.feasible && p.binding == Binding::Compute);
+        let p = never(13.0 * 0.008, 1.0);
+        assert!(!p.feasible && p.binding == Binding::Prefill);
     }
 }

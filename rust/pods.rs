@@ -148,8 +148,8 @@ impl PodSet {
         for _ in 0..n {
             let name = r.str()?;
             let running = r.u64()?;
-            pods.add(&name)
-                .map_err(|e| crate::error::Error::Snapshot(e.to_string()))?;
+            // A bad name is reported as a bad snapshot by `snapshot::restore`.
+            pods.add(&name)?;
             if let Some(last) = pods.running.last_mut() {
                 *last = running;
             }

@@ -50,7 +50,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{finite, invalid, non_negative, unknown, Error, Result};
 use crate::pods::{check_pod_name, PodSet, MAX_PODS};
-use crate::snapshot::{Reader, Writer};
+use crate::snapshot::{restore, Reader, Writer};
 
 /// Largest block size, in tokens.
 pub const MAX_BLOCK_SIZE: usize = 1 << 16;
@@ -229,12 +229,15 @@ impl PodBits {
             self.high.contains(&id)
         }
     }
-    fn add(&mut self, id: u32) {
+    /// Adds `id`; false if it was there already.
+    fn add(&mut self, id: u32) -> bool {
+        let new = !self.holds(id);
         if id < 64 {
             self.low |= 1 << id;
-        } else if !self.high.contains(&id) {
+        } else if new {
             self.high.push(id);
         }
+        new
     }
     /// Removes `id`; false if it was not there.
     fn remove(&mut self, id: u32) -> bool {
@@ -250,9 +253,15 @@ impl PodBits {
         self.low == 0 && self.high.is_empty()
     }
     fn ids(&self) -> impl Iterator<Item = u32> + '_ {
-        (0..64)
-            .filter(|&b| self.low >> b & 1 == 1)
-            .chain(self.high.iter().copied())
+        let mut low = self.low;
+        std::iter::from_fn(move || {
+            (low != 0).then(|| {
+                let id = low.trailing_zeros();
+                low &= low - 1;
+                id
+            })
+        })
+        .chain(self.high.iter().copied())
     }
 }
 
@@ -268,7 +277,9 @@ struct Entry {
 /// Block hash -> the pods holding it, LRU-bounded, with an optional idle TTL.
 ///
 /// Time is passed in by the caller (seconds, any epoch). Pods are interned to
-/// dense ids; a removed pod's id is reused.
+/// dense ids; a removed pod's id is reused, and so, when all `MAX_PODS` ids
+/// are taken, are the ids of pods that hold no block any more (evicted or
+/// expired), so any number of distinct pods can pass through the index.
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
     capacity: usize,
@@ -283,6 +294,8 @@ pub struct PrefixIndex {
     pod_names: Vec<Option<String>>,
     pod_ids: HashMap<String, u32>,
     free_pods: Vec<u32>,
+    /// Per pod id, how many entries hold it.
+    pod_blocks: Vec<u32>,
 }
 
 const INDEX_MAGIC: &[u8; 4] = b"RCPX";
@@ -312,6 +325,7 @@ impl PrefixIndex {
             pod_names: Vec::new(),
             pod_ids: HashMap::new(),
             free_pods: Vec::new(),
+            pod_blocks: Vec::new(),
         })
     }
 
@@ -328,7 +342,8 @@ impl PrefixIndex {
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
-    /// Names of the pods that hold at least one block or were recorded.
+    /// Names of the pods that hold at least one block or were recorded (a
+    /// pod holding no block is forgotten when its id is needed: see above).
     pub fn pods(&self) -> Vec<String> {
         self.pod_names.iter().flatten().cloned().collect()
     }
@@ -337,11 +352,40 @@ impl PrefixIndex {
         self.pod_ids.get(name).copied()
     }
 
+    /// Ids not taken: free ones and those never handed out.
+    fn spare_ids(&self) -> usize {
+        self.free_pods.len() + MAX_PODS - self.pod_names.len()
+    }
+
+    /// The ids of named pods that hold no block, except those in `keep`.
+    fn idle_ids(&self, keep: &[u32]) -> Vec<u32> {
+        (0..self.pod_names.len() as u32)
+            .filter(|&id| {
+                self.pod_names[id as usize].is_some()
+                    && self.pod_blocks[id as usize] == 0
+                    && !keep.contains(&id)
+            })
+            .collect()
+    }
+
+    /// Forgets the (blockless) pods of `ids`, freeing their ids.
+    fn reclaim(&mut self, ids: Vec<u32>) {
+        for id in ids {
+            if let Some(name) = self.pod_names[id as usize].take() {
+                self.pod_ids.remove(&name);
+            }
+            self.free_pods.push(id);
+        }
+    }
+
     fn intern(&mut self, name: &str) -> Result<u32> {
         if let Some(id) = self.pod_id(name) {
             return Ok(id);
         }
         check_pod_name(name)?;
+        if self.spare_ids() == 0 {
+            self.reclaim(self.idle_ids(&[]));
+        }
         let id = match self.free_pods.pop() {
             Some(id) => {
                 self.pod_names[id as usize] = Some(name.to_owned());
@@ -354,6 +398,7 @@ impl PrefixIndex {
                     )));
                 }
                 self.pod_names.push(Some(name.to_owned()));
+                self.pod_blocks.push(0);
                 (self.pod_names.len() - 1) as u32
             }
         };
@@ -361,15 +406,21 @@ impl PrefixIndex {
         Ok(id)
     }
 
-    /// The ids of `names`, interning the new ones; refused, changing nothing,
+    /// The ids of `names`, interning the new ones (reclaiming the ids of
+    /// other pods that hold no block if need be); refused, changing nothing,
     /// when that would pass `MAX_PODS`.
     fn ids_for(&mut self, names: &[String]) -> Result<Vec<u32>> {
         let known: Vec<Option<u32>> = names.iter().map(|n| self.pod_id(n)).collect();
         let new = known.iter().filter(|id| id.is_none()).count();
-        if new > self.free_pods.len() + MAX_PODS - self.pod_names.len() {
-            return Err(invalid(format!(
-                "a prefix index holds at most {MAX_PODS} pods"
-            )));
+        if new > self.spare_ids() {
+            let keep: Vec<u32> = known.iter().flatten().copied().collect();
+            let idle = self.idle_ids(&keep);
+            if new > self.spare_ids() + idle.len() {
+                return Err(invalid(format!(
+                    "a prefix index holds at most {MAX_PODS} pods"
+                )));
+            }
+            self.reclaim(idle);
         }
         names
             .iter()
@@ -432,7 +483,9 @@ impl PrefixIndex {
         self.unlink(slot);
         let e = &mut self.entries[slot as usize];
         self.map.remove(&e.hash);
-        e.pods = PodBits::default();
+        for id in std::mem::take(&mut e.pods).ids() {
+            self.pod_blocks[id as usize] -= 1;
+        }
         self.free.push(slot);
     }
 
@@ -561,7 +614,9 @@ impl PrefixIndex {
             self.place_after(cursor, slot, linked);
             let e = &mut self.entries[slot as usize];
             e.last = now;
-            e.pods.add(id);
+            if e.pods.add(id) {
+                self.pod_blocks[id as usize] += 1;
+            }
             cursor = slot;
         }
     }
@@ -617,6 +672,7 @@ impl PrefixIndex {
             }
             slot = next;
         }
+        self.pod_blocks[id as usize] = 0;
         self.pod_names[id as usize] = None;
         self.pod_ids.remove(pod);
         self.free_pods.push(id);
@@ -649,14 +705,13 @@ impl PrefixIndex {
     }
 
     fn read(r: &mut Reader<'_>) -> Result<Self> {
-        let bad = |e: Error| Error::Snapshot(e.to_string());
         let capacity = r.u64()? as usize;
         let ttl = match (r.u8()?, r.f64()?) {
             (0, _) => None,
             (1, t) => Some(t),
             (flag, _) => return Err(Error::Snapshot(format!("bad ttl flag {flag}"))),
         };
-        let mut index = Self::new(capacity, ttl).map_err(bad)?;
+        let mut index = Self::new(capacity, ttl)?;
         let n_pods = r.count(1)?;
         if n_pods > MAX_PODS {
             return Err(Error::Snapshot(format!("{n_pods} pods")));
@@ -670,7 +725,7 @@ impl PrefixIndex {
                 }
                 1 => {
                     let name = r.str()?;
-                    check_pod_name(&name).map_err(bad)?;
+                    check_pod_name(&name)?;
                     if index.pod_ids.insert(name.clone(), id as u32).is_some() {
                         return Err(Error::Snapshot(format!("pod {name:?} twice")));
                     }
@@ -684,6 +739,7 @@ impl PrefixIndex {
             .rev()
             .filter(|&i| !live[i as usize])
             .collect();
+        index.pod_blocks = vec![0; n_pods];
         let n = r.count(24)?;
         if n > capacity {
             return Err(Error::Snapshot(format!(
@@ -692,15 +748,15 @@ impl PrefixIndex {
         }
         for _ in 0..n {
             let hash = r.u64()?;
-            let last = finite("block time", r.f64()?).map_err(bad)?;
+            let last = finite("block time", r.f64()?)?;
             let k = r.count(4)?;
             let mut pods = PodBits::default();
             for _ in 0..k {
                 let p = r.u32()?;
-                if !live.get(p as usize).copied().unwrap_or(false) || pods.holds(p) {
+                if !live.get(p as usize).copied().unwrap_or(false) || !pods.add(p) {
                     return Err(Error::Snapshot(format!("bad pod id {p} in a block")));
                 }
-                pods.add(p);
+                index.pod_blocks[p as usize] += 1;
             }
             if pods.is_empty() || index.map.contains_key(&hash) {
                 return Err(Error::Snapshot("empty or repeated block".into()));
@@ -728,10 +784,13 @@ impl PrefixIndex {
 
     /// Restores a snapshot written by `to_bytes`.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        let mut r = Reader::new(bytes, INDEX_MAGIC, SNAPSHOT_VERSION, "prefix index")?;
-        let index = Self::read(&mut r)?;
-        r.finish()?;
-        Ok(index)
+        restore(
+            bytes,
+            INDEX_MAGIC,
+            SNAPSHOT_VERSION,
+            "prefix index",
+            Self::read,
+        )
     }
 
     /// Entries from most to least recent, as (hash, last time, pod names).
@@ -968,8 +1027,16 @@ impl PrefixCacheRouter {
     }
 
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        let bad = |e: Error| Error::Snapshot(e.to_string());
-        let mut r = Reader::new(bytes, ROUTER_MAGIC, SNAPSHOT_VERSION, "prefix cache router")?;
+        restore(
+            bytes,
+            ROUTER_MAGIC,
+            SNAPSHOT_VERSION,
+            "prefix cache router",
+            Self::read,
+        )
+    }
+
+    fn read(r: &mut Reader<'_>) -> Result<Self> {
         let block_size = r.u64()?;
         let imbalance = r.u64()?;
         let std_factor = r.f64()?;
@@ -977,11 +1044,9 @@ impl PrefixCacheRouter {
         if block_size > MAX_BLOCK_SIZE as u64 || imbalance > i64::MAX as u64 {
             return Err(Error::Snapshot("bad settings".into()));
         }
-        let config = PrefixConfig::new(block_size as usize, imbalance as i64, std_factor, seed)
-            .map_err(bad)?;
-        let pods = PodSet::read(&mut r)?;
-        let index = PrefixIndex::read(&mut r)?;
-        r.finish()?;
+        let config = PrefixConfig::new(block_size as usize, imbalance as i64, std_factor, seed)?;
+        let pods = PodSet::read(r)?;
+        let index = PrefixIndex::read(r)?;
         Ok(Self {
             config,
             pods,
@@ -1287,5 +1352,54 @@ mod tests {
         assert!(PrefixConfig::new(0, 1, 1.0, 0).is_err());
         assert!(PrefixConfig::new(4, -1, 1.0, 0).is_err());
         assert!(PrefixConfig::new(4, 1, -1.0, 0).is_err());
+    }
+
+    #[test]
+    fn ids_of_pods_without_blocks_are_reclaimed() {
+        // A small index sees far more than MAX_PODS distinct pods: each new
+        // pod evicts old blocks, and the ids of pods left without a block
+        // serve the new ones.
+        let mut ix = PrefixIndex::new(8, None).expect("index");
+        for i in 0..3 * MAX_PODS as u64 {
+            ix.record(&[i, i + 1_000_000], &format!("pod-{i}"), i as f64)
+                .expect("record");
+            assert_eq!(
+                ix.match_prefix(&[i], i as f64),
+                Ok(vec![(format!("pod-{i}"), 1)])
+            );
+        }
+        assert!(ix.pod_names.len() <= MAX_PODS);
+        let held: usize = ix.pod_blocks.iter().map(|&b| b as usize).sum();
+        assert_eq!(held, ix.len());
+        // The pods of the blocks still held keep their names.
+        let last = 3 * MAX_PODS as u64 - 1;
+        assert!(ix.pods().contains(&format!("pod-{last}")));
+        assert_eq!(
+            PrefixIndex::from_bytes(&ix.to_bytes()).map(|b| b.dump()),
+            Ok(ix.dump())
+        );
+
+        // A router's own pods keep their ids even without a block, and every
+        // other pod's id is taken only when it holds no block.
+        let mut full = PrefixIndex::new(MAX_PODS, None).expect("index");
+        for i in 0..MAX_PODS as u64 {
+            full.record(&[i], &format!("p{i}"), 0.0).expect("record");
+        }
+        assert!(
+            full.record(&[1 << 40], "one-more", 0.0).is_err(),
+            "every pod holds a block"
+        );
+        assert_eq!(full.remove_pod("p7"), Ok(1));
+        full.record(&[], "idle", 0.0).expect("record");
+        assert!(full.pods().contains(&"idle".to_owned()));
+        let names = vec!["idle".to_owned(), "new".to_owned()];
+        assert!(full.ids_for(&names).is_err(), "idle is kept: no id for new");
+        assert!(
+            full.pods().contains(&"idle".to_owned()),
+            "the refusal changed nothing"
+        );
+        full.record(&[1 << 41], "other", 0.0)
+            .expect("idle reclaimed");
+        assert!(!full.pods().contains(&"idle".to_owned()));
     }
 }

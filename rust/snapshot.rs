@@ -4,7 +4,10 @@
 //! little-endian, floats as their IEEE-754 bits (so a round trip is exact),
 //! strings as `u32 length ++ UTF-8`. `Reader` checks every length against what
 //! is left, so truncated or hostile input gives `Error::Snapshot`, never a panic
-//! or a huge allocation, and `finish` rejects trailing bytes.
+//! or a huge allocation, and `finish` rejects trailing bytes. `restore` reads a
+//! whole snapshot and makes whatever a bad one trips (a failed check of a
+//! restored setting, an unknown name) `Error::Snapshot`: one error for bad
+//! bytes, whatever the object.
 
 use crate::error::{Error, Result};
 
@@ -43,6 +46,24 @@ impl Writer {
     pub fn finish(self) -> Vec<u8> {
         self.buf
     }
+}
+
+/// Reads a snapshot with `read` (after checking the header; then checking
+/// that nothing trails). Any error is reported as `Error::Snapshot`.
+pub fn restore<T>(
+    bytes: &[u8],
+    magic: &[u8; 4],
+    version: u16,
+    what: &str,
+    read: impl FnOnce(&mut Reader<'_>) -> Result<T>,
+) -> Result<T> {
+    let mut r = Reader::new(bytes, magic, version, what)?;
+    let value = read(&mut r).map_err(|e| match e {
+        Error::Snapshot(_) => e,
+        other => err(other.to_string()),
+    })?;
+    r.finish()?;
+    Ok(value)
 }
 
 pub struct Reader<'a> {

@@ -11,7 +11,10 @@
 //! of the buckets of the last `WINDOW_BUCKETS` bucket periods, the current one
 //! included, so old buckets expire a period at a time. Users whose window is
 //! empty are forgotten; at most `max_users` are held (beyond that the least
-//! recently active user is forgotten), so memory is bounded.
+//! recently active user is forgotten: the one whose latest charged bucket is
+//! the oldest, the smallest name among equals), so memory is bounded. Users
+//! are kept ordered by (latest bucket, name), so forgetting one costs
+//! O(log users).
 //!
 //! Routing a request of user `u` over pods `0..n` (the paper leaves the
 //! normalisation open; this is AIBrix's released form):
@@ -35,12 +38,12 @@
 //! Time is passed in explicitly (seconds); it never runs backwards: an earlier
 //! `now` than one already seen counts as the latest.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use crate::budget::MAX_TOKENS;
 use crate::error::{finite, invalid, non_negative, positive, Error, Result};
 use crate::pods::PodSet;
-use crate::snapshot::{Reader, Writer};
+use crate::snapshot::{restore, Reader, Writer};
 
 /// Buckets per window.
 pub const WINDOW_BUCKETS: i64 = 10;
@@ -118,6 +121,10 @@ impl User {
     fn raw_sum(&self) -> f64 {
         self.buckets.iter().map(|&(_, t)| t).sum()
     }
+    /// The id of the latest bucket charged (a held user has one).
+    fn last_bucket(&self) -> i64 {
+        self.buckets.back().map_or(i64::MIN, |&(id, _)| id)
+    }
 }
 
 /// Counts of non-negative floats, ordered: the bits of a non-negative f64
@@ -161,6 +168,9 @@ pub struct VtcRouter {
     config: VtcConfig,
     pods: PodSet,
     users: HashMap<String, User>,
+    /// Every held user as (latest bucket, name): the first is the least
+    /// recently active, the one forgotten at `max_users`.
+    recency: BTreeSet<(i64, String)>,
     totals: Multiset,
     /// The latest bucket id seen.
     bucket: i64,
@@ -172,6 +182,7 @@ impl VtcRouter {
             config: config.check()?,
             pods: PodSet::new(pods)?,
             users: HashMap::new(),
+            recency: BTreeSet::new(),
             totals: Multiset::new(),
             bucket: i64::MIN,
         })
@@ -202,6 +213,8 @@ impl VtcRouter {
         self.bucket = b;
         let oldest = b.saturating_sub(WINDOW_BUCKETS - 1);
         self.totals.clear();
+        // A user whose buckets all expire is one whose latest is older.
+        self.recency = self.recency.split_off(&(oldest, String::new()));
         self.users.retain(|_, u| {
             while u.buckets.front().is_some_and(|&(id, _)| id < oldest) {
                 u.buckets.pop_front();
@@ -246,7 +259,13 @@ impl VtcRouter {
         let tokens = tokens.max(-u.total);
         match u.buckets.back_mut() {
             Some((id, t)) if *id == bucket => *t += tokens,
-            _ => u.buckets.push_back((bucket, tokens)),
+            last => {
+                if let Some(&mut (id, _)) = last {
+                    self.recency.remove(&(id, user.to_owned()));
+                }
+                u.buckets.push_back((bucket, tokens));
+                self.recency.insert((bucket, user.to_owned()));
+            }
         }
         let old = u.total;
         u.total = u.sum();
@@ -256,17 +275,10 @@ impl VtcRouter {
     }
 
     fn forget_least_recent(&mut self) {
-        let victim = self
-            .users
-            .iter()
-            .min_by(|a, b| {
-                let last = |u: &User| u.buckets.back().map_or(i64::MIN, |&(id, _)| id);
-                (last(a.1), a.0).cmp(&(last(b.1), b.0))
-            })
-            .map(|(name, u)| (name.clone(), u.total));
-        if let Some((name, total)) = victim {
-            self.users.remove(&name);
-            multiset_remove(&mut self.totals, total);
+        if let Some((_, name)) = self.recency.pop_first() {
+            if let Some(u) = self.users.remove(&name) {
+                multiset_remove(&mut self.totals, u.total);
+            }
         }
     }
 
@@ -431,8 +443,10 @@ impl VtcRouter {
     }
 
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        let bad = |e: Error| Error::Snapshot(e.to_string());
-        let mut r = Reader::new(bytes, MAGIC, SNAPSHOT_VERSION, "VTC router")?;
+        restore(bytes, MAGIC, SNAPSHOT_VERSION, "VTC router", Self::read)
+    }
+
+    fn read(r: &mut Reader<'_>) -> Result<Self> {
         let mut f = [0.0; 8];
         for x in &mut f {
             *x = r.f64()?;
@@ -448,8 +462,8 @@ impl VtcRouter {
             max_pod_load: f[7],
             max_users: usize::try_from(r.u64()?).unwrap_or(usize::MAX),
         };
-        let pods = PodSet::read(&mut r)?;
-        let mut router = Self::new(pods.names(), config).map_err(bad)?;
+        let pods = PodSet::read(r)?;
+        let mut router = Self::new(pods.names(), config)?;
         router.pods = pods;
         router.bucket = r.u64()? as i64;
         let n = r.count(20)?;
@@ -458,7 +472,7 @@ impl VtcRouter {
         }
         for _ in 0..n {
             let name = r.str()?;
-            check_user(&name).map_err(bad)?;
+            check_user(&name)?;
             let k = r.count(16)?;
             if k == 0 || k > WINDOW_BUCKETS as usize {
                 return Err(Error::Snapshot(format!("user {name:?} has {k} buckets")));
@@ -466,7 +480,7 @@ impl VtcRouter {
             let mut buckets = VecDeque::with_capacity(k);
             for _ in 0..k {
                 let id = r.u64()? as i64;
-                let t = finite("bucket tokens", r.f64()?).map_err(bad)?;
+                let t = finite("bucket tokens", r.f64()?)?;
                 if buckets.back().is_some_and(|&(prev, _)| prev >= id) || id > router.bucket {
                     return Err(Error::Snapshot("bucket ids out of order".into()));
                 }
@@ -478,11 +492,11 @@ impl VtcRouter {
             };
             user.total = user.sum();
             multiset_add(&mut router.totals, user.total);
+            router.recency.insert((user.last_bucket(), name.clone()));
             if router.users.insert(name, user).is_some() {
                 return Err(Error::Snapshot("a user appears twice".into()));
             }
         }
-        r.finish()?;
         Ok(router)
     }
 }
@@ -673,5 +687,56 @@ mod tests {
         one.remove_pod("p0").expect("remove");
         assert_eq!(one.pods().names(), &["p1", "p2", "p3"]);
         assert!(one.remove_pod("p0").is_err());
+    }
+
+    /// The recency order is exactly the users' (latest bucket, name), so the
+    /// user forgotten is the one a scan over all users would pick.
+    #[test]
+    fn eviction_forgets_the_least_recent_by_latest_bucket_then_name() {
+        let mut r = VtcRouter::new(
+            &["p0", "p1"],
+            VtcConfig {
+                max_users: 20,
+                ..config()
+            },
+        )
+        .expect("router");
+        let mut state = 12_345u64;
+        let mut next = |m: u64| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) % m
+        };
+        for step in 0..3000 {
+            let now = step as f64 * 0.7;
+            let user = format!("u{}", next(60));
+            let expected = (r.users_len() == 20 && !r.users.contains_key(&user)).then(|| {
+                r.advance(now);
+                r.users
+                    .iter()
+                    .map(|(n, u)| (u.last_bucket(), n.clone()))
+                    .min()
+            });
+            if next(4) == 0 && r.pods().running()[0] > 0 {
+                r.complete("p0", &user, 100, 100, 0, next(300) as i64, now)
+                    .expect("complete");
+            } else {
+                r.route(&user, next(500) as i64, 10, Some(&[1, 0]), now)
+                    .expect("route");
+            }
+            if let Some(Some((_, gone))) = expected {
+                if r.users.contains_key(&user) {
+                    assert!(!r.users.contains_key(&gone), "step {step}");
+                }
+            }
+            let order: BTreeSet<(i64, String)> = r
+                .users
+                .iter()
+                .map(|(n, u)| (u.last_bucket(), n.clone()))
+                .collect();
+            assert_eq!(r.recency, order, "step {step}");
+            assert!(r.users_len() <= 20);
+        }
     }
 }

@@ -586,13 +586,13 @@ impl Workload {
 }
 
 /// Per-chunk-size prefix sums over the sorted order of a workload, per
-/// category: `w k`, `w k L`, `w k^2`, `w k^2 L`, `w k^2 L^2` with
-/// `k = ceil(L_in / C_chunk) + L_out` and `L = L_total`; and a weighted
+/// category: `w k`, `w k L`, `w k^2`, `w k^2 L`, `w k^2 L^2`, `w L_in`,
+/// `w L_in^2` with `k = ceil(L_in / C_chunk) + L_out` and `L = L_total`; and a weighted
 /// wavelet matrix over the prefill chunk counts `ceil(L_in / C_chunk)`.
 #[derive(Debug)]
 pub struct ServiceTable {
     pub c_chunk: u64,
-    sums: Vec<Vec<[f64; 5]>>,
+    sums: Vec<Vec<[f64; 7]>>,
     chunks: WaveletMatrix,
 }
 
@@ -601,9 +601,9 @@ impl ServiceTable {
         let n = w.len();
         let mut sums = vec![Vec::with_capacity(n + 1); w.category_channels()];
         for s in sums.iter_mut() {
-            s.push([0.0; 5]);
+            s.push([0.0; 7]);
         }
-        let mut acc = vec![[0.0f64; 5]; w.category_channels()];
+        let mut acc = vec![[0.0f64; 7]; w.category_channels()];
         let mut prefill = Vec::with_capacity(n);
         let mut weights = Vec::with_capacity(n);
         for &i in &w.order {
@@ -618,6 +618,9 @@ impl ServiceTable {
             a[2] += wt * k * k;
             a[3] += wt * k * k * l;
             a[4] += wt * k * k * l * l;
+            let p = w.input[i] as f64;
+            a[5] += wt * p;
+            a[6] += wt * p * p;
             for (s, a) in sums.iter_mut().zip(&acc) {
                 s.push(*a);
             }
@@ -647,11 +650,27 @@ impl ServiceTable {
             return RangeMoments::EMPTY;
         }
         let s = &self.sums[category];
-        let d: Vec<f64> = (0..5).map(|j| s[span.end][j] - s[span.start][j]).collect();
+        let d: [f64; 5] = std::array::from_fn(|j| s[span.end][j] - s[span.start][j]);
         RangeMoments {
             weight,
             mean: (a0 * d[0] + a1 * d[1]) / weight,
             second: (a0 * a0 * d[2] + 2.0 * a0 * a1 * d[3] + a1 * a1 * d[4]) / weight,
+        }
+    }
+
+    /// Moments of the prompt length `L_in` over a span and one category
+    /// channel (`mean` = E[L_in], `second` = E[L_in^2]).
+    pub fn prompt_moments(&self, w: &Workload, span: Span, category: usize) -> RangeMoments {
+        let c = &w.cum_weight_by_category[category];
+        let weight = c[span.end] - c[span.start];
+        if weight <= 0.0 {
+            return RangeMoments::EMPTY;
+        }
+        let s = &self.sums[category];
+        RangeMoments {
+            weight,
+            mean: (s[span.end][5] - s[span.start][5]) / weight,
+            second: (s[span.end][6] - s[span.start][6]) / weight,
         }
     }
 

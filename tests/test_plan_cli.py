@@ -14,9 +14,10 @@ def test_default_table(capsys):
     out = capsys.readouterr().out
     for row in ("Homogeneous", "Pool routing (PR)", "PR + C&R (gamma 1.5)", "FleetOpt optimum"):
         assert row in out
-    # the homogeneous fleet of the paper's model on the trace's own split
-    homo = plan(Workload.azure_2023(), 1000.0, 0.5).homogeneous
+    # the homogeneous fleet of the engine model (TPOT 80 ms) on the trace's own split
+    homo = plan(Workload.azure_2023(), 1000.0, 0.5, slo_tpot_s=0.08).homogeneous
     assert f"{homo.gpus:>6}" in out.splitlines()[2]
+    assert homo.binding_long in out.splitlines()[2]
 
 
 def test_json_matches_the_api(capsys):
@@ -24,7 +25,12 @@ def test_json_matches_the_api(capsys):
     assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
     r = plan(
-        fleetopt_workload(Workload.azure_2023()), 1000.0, 0.5, fleetopt_profile(), b_short=[4096]
+        fleetopt_workload(Workload.azure_2023()),
+        1000.0,
+        0.5,
+        fleetopt_profile(),
+        b_short=[4096],
+        model="paper",
     )
     assert data["homogeneous"] == r.homogeneous.as_dict()
     assert data["pool_routing"]["n_short"] == r.pool_routing.n_short
@@ -48,6 +54,7 @@ def test_flags_trace_profile_price_and_plot(tmp_path, capsys):
         "plan", "--trace", str(trace), "--input-column", "in", "--output-column", "out",
         "--category-column", "kind", "--p-c-category", "code=0", "--rate", "50",
         "--slo-ms", "800", "--profile", str(prof), "--price", "4.0", "--json", "--plot", str(png),
+        "--model", "paper",
     ]  # fmt: skip
     assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
@@ -64,6 +71,9 @@ def test_flags_trace_profile_price_and_plot(tmp_path, capsys):
         ["plan", "--trace", "missing.csv"],
         ["plan", "--b-short", "70000"],
         ["plan", "--p-c-category", "prose=0.5"],
+        ["plan", "--slo-ms", "5"],
+        ["plan", "--slo-tpot-ms", "5"],
+        ["plan", "--h-ref-tokens", "8192"],
     ],
 )
 def test_errors_exit_2(args, capsys):
@@ -72,5 +82,24 @@ def test_errors_exit_2(args, capsys):
 
 
 def test_bad_category_flag():
-    with pytest.raises(SystemExit):
-        main(["plan", "--p-c-category", "code"])
+    assert main(["plan", "--p-c-category", "code"]) == 2
+
+
+def test_an_slo_no_fleet_meets_names_the_binding_constraint(capsys):
+    assert main(["plan", "--slo-tpot-ms", "5"]) == 2
+    assert "no fleet meets the SLO (binding: compute)" in capsys.readouterr().err
+
+
+def test_verify_reports_planned_and_verified(capsys):
+    """--verify: per pool of the three fleets, planned beside the smallest
+    simulated count meeting the SLO, with the request count and seed."""
+    args = ["plan", "--rate", "50", "--slo-ms", "2000", "--verify", "--verify-duration", "200",
+            "--b-short", "4096", "--json"]  # fmt: skip
+    assert main(args) == 0
+    v = json.loads(capsys.readouterr().out)["verification"]
+    assert v["requests"] == 10_000 and v["seed"] == 42
+    assert [f["name"] for f in v["fleets"]] == ["homogeneous", "pool-routing", "fleetopt"]
+    for f in v["fleets"]:
+        for p in f["pools"]:
+            assert p["gpus_verified"] >= 1 and p["slo_attainment"] >= 0.99
+            assert p["binding"] in {"compute", "slot", "kv", "prefill", "none"}

@@ -334,3 +334,21 @@ def test_routing_from_many_threads_counts_every_request():
     for t in threads:
         t.join()
     assert sum(r.running) == 32
+
+
+def test_pods_left_without_blocks_free_their_ids_for_new_pods():
+    # 10,000 distinct pods through a 16-block index (at most 4,096 pod ids):
+    # the ids of pods whose blocks were all evicted are reused.
+    ix = PrefixIndex(16)
+    for i in range(10_000):
+        ix.record(h(i, 10**9 + i), f"pod-{i}", float(i))
+        assert ix.match_prefix(h(i), float(i)) == {f"pod-{i}": 1}
+    assert len(ix) == 16
+    assert {"pod-9999", "pod-9992"} <= set(ix.pods)
+    back = PrefixIndex.from_bytes(ix.to_bytes())
+    assert back.match_prefix(h(9992)) == {"pod-9992": 1}
+    # Routers over a shared index whose endpoints are renamed (never removed).
+    for i in range(5_000):
+        r = PrefixCacheRouter([f"e{i}-a", f"e{i}-b"], block_size=4, index=ix)
+        assert r.route(np.arange(i, i + 8, dtype=np.uint32), now=1e4 + i)[0] == f"e{i}-a"
+    assert len(ix.pods) <= 4096 and len(ix) == 16

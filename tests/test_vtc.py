@@ -177,3 +177,29 @@ def test_light_users_get_more_service_than_under_least_request():
     # Least-request mixes everyone: light users hold 6 of 30 requests, about 20%.
     assert least == pytest.approx(0.2, abs=0.05)
     assert vtc > least + 0.15
+
+
+def test_route_many_of_100k_new_users_into_a_full_table_forgets_the_least_recent():
+    # The default max_users, full: each new user forgets the least recently
+    # active one (oldest latest bucket, then the smallest name). With a scan
+    # per eviction this batch took longer than 300 s.
+    n = 100_000
+    r = VtcRouter(["p0", "p1"])
+    assert r.max_users == n
+    old = [f"old-{i:06d}" for i in range(n)]
+    r.route_many(old, np.full(n, 10), np.zeros(n, dtype=np.int64), now=0.0)
+    # Touched in a later bucket (30 s wide): the 100 most recently active.
+    r.route_many(old[-100:], np.full(100, 5), np.zeros(100, dtype=np.int64), now=40.0)
+    new = [f"new-{i:06d}" for i in range(n - 100)]
+    r.route_many(new, np.full(n - 100, 7), np.zeros(n - 100, dtype=np.int64), now=41.0)
+    assert r.users == n
+    assert [r.user_tokens(u, 41.0) for u in (old[0], old[n // 2], old[-101])] == [0.0] * 3
+    assert [r.user_tokens(u, 41.0) for u in (old[-100], old[-1])] == [15.0, 15.0]
+    assert r.user_tokens(new[0], 41.0) == r.user_tokens(new[-1], 41.0) == 7.0
+    # One more new user: ties on the latest bucket go by name, so the
+    # smallest name among the bucket-1 users is forgotten.
+    r.route("zz", 1, 0, now=41.0)
+    assert r.users == n
+    assert r.user_tokens(new[0], 41.0) == 0.0  # "new-000000" is the smallest
+    assert r.user_tokens(new[1], 41.0) == 7.0
+    assert r.user_tokens(old[-100], 41.0) == 15.0

@@ -1,8 +1,10 @@
-"""The FleetOpt planner in plain Python: the same model and the same algorithm
+"""The FleetOpt planner in plain Python: the same models and the same algorithm
 as ``routecore.plan`` (prefix sums over the requests sorted by total tokens,
-Erlang C by the Poisson ratio with a saddle-point log-pmf, cap-first sizing),
-written the way a Python planner would. The P99 prefill of a range is taken by
-sorting that range's chunk counts (routecore uses a wavelet matrix)."""
+Erlang C by the Poisson ratio with a saddle-point log-pmf; the paper model's
+cap-first sizing, the engine model's fixed point, prefill queue and galloping
+search), written the way a Python planner would. The prefill quantile of a
+range is taken by sorting that range's chunk counts (routecore uses a wavelet
+matrix)."""
 
 from __future__ import annotations
 
@@ -65,20 +67,21 @@ def p99_wait(c, mu, cs2, lam):
 
 
 class Trace:
-    """Requests sorted by total tokens with prefix sums of k, k L, k^2, k^2 L, k^2 L^2."""
+    """Requests sorted by total tokens with prefix sums of k, k L, k^2, k^2 L,
+    k^2 L^2, L_in, L_in^2."""
 
     def __init__(self, inputs, outputs, c_chunk):
         rows = sorted(zip(inputs, outputs), key=lambda r: r[0] + r[1])
         self.totals = [i + o for i, o in rows]
         self.chunks = [-(-i // c_chunk) for i, _ in rows]
         self.n = len(rows)
-        self.sums = [[0.0] * 5]
+        self.sums = [[0.0] * 7]
         self.tokens = [0.0]
         for (i, o), ch in zip(rows, self.chunks):
             k, L = ch + o, i + o
             p = self.sums[-1]
             self.sums.append([p[0] + k, p[1] + k * L, p[2] + k * k, p[3] + k * k * L,
-                              p[4] + k * k * L * L])  # fmt: skip
+                              p[4] + k * k * L * L, p[5] + i, p[6] + i * i])  # fmt: skip
             self.tokens.append(self.tokens[-1] + L)
 
     def span(self, lo, hi):
@@ -146,5 +149,146 @@ def plan(inputs, outputs, lam, slo, *, b_short, gammas, w=0.008, h=0.00065, h_re
             ns, _ = size_pool(alpha_p * lam, short_svc, n_short, rho_max, slo)
             long_svc = t.service(band_end, t.n, n_long, w, h, h_ref)
             nl, _ = size_pool((1 - alpha_p) * lam, long_svc, n_long, rho_max, slo)
+            out[(b, g)] = (ns, nl)
+    return homo, out
+
+
+def mix(t, s, e):
+    """(weight, E[k], E[k^2], E[k L], E[L_in], E[L_in^2]) of a span, or None."""
+    cnt = e - s
+    if cnt == 0:
+        return None
+    d = [t.sums[e][j] - t.sums[s][j] for j in range(7)]
+    return (cnt, d[0] / cnt, d[2] / cnt, d[1] / cnt, d[5] / cnt, d[6] / cnt)
+
+
+def merge(a, b):
+    if a is None or b is None:
+        return a or b
+    w = a[0] + b[0]
+    return (w, *((a[0] * x + b[0] * y) / w for x, y in zip(a[1:], b[1:])))
+
+
+def compressed(t, s, e, b, c_chunk):
+    """The band's requests cut to L_total = b, L_out at its mean."""
+    cnt = e - s
+    if cnt == 0:
+        return None
+    out = max((t.tokens[e] - t.tokens[s]) / cnt - (t.sums[e][5] - t.sums[s][5]) / cnt, 0.0)
+    p = max(b - out, 1.0)
+    k = math.ceil(p / c_chunk) + out
+    return (cnt, k, k * k, k * b, p, p * p)
+
+
+def engine_load(t, m, s, e, quantile=0.99):
+    """(E[a], cs2 of a, E[L_in], E[L_in^2], E[k L], chunk quantile over s..e)."""
+    if m is None:
+        return None
+    _, k, k2, kl, p, p2 = m
+    a = max(k - 1, 0.0)
+    cs2 = max((k2 - k * k) / (a * a), 0.0) if a > 0 else 0.0
+    ch = sorted(t.chunks[s:e])
+    q = ch[max(0, math.ceil((1 + quantile) / 2 * (e - s)) - 1)]
+    return a, cs2, p, p2, kl, q
+
+
+def engine_ok(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99):
+    """Whether n GPUs meet every constraint of the engine model."""
+    a, cs2, p, p2, kl, q = load
+    rate = lam / n
+    x = h * rate * a
+    if x >= 1:
+        return False
+    t = w / (1 - x)
+    z = NORMAL_Z
+    if t + h * z * math.sqrt(max((t - w) / h, 0.0)) > tpot:
+        return False
+    rho_p = rate * p * t / c
+    if rho_p >= 1:
+        return False
+    wait = rate * p2 * (t / c) ** 2 / (2 * (1 - rho_p))
+    occ = rate * (a * t + wait)
+    if occ >= n_slots or rate * (kl * t + p * wait) >= n_slots * ctx:
+        return False
+    r = (1 - quantile) / 2
+    wq = wait / rho_p * math.log(rho_p / r) if rho_p > r else 0.0
+    slot = p99_wait(n * n_slots, rate / occ, cs2, lam) if occ > 0 else 0.0
+    return slot + wq + (q + 1) * t <= slo
+
+
+# z_0.99 by Abramowitz and Stegun 26.2.23, as routecore computes it.
+_T = math.sqrt(-2 * math.log(0.01))
+NORMAL_Z = _T - (2.515517 + 0.802853 * _T + 0.010328 * _T * _T) / (
+    1 + 1.432788 * _T + 0.189269 * _T * _T + 0.001308 * _T**3
+)
+
+
+def smallest_ok(bad, start, ok):
+    hi, step = max(start, bad + 1), 1
+    if ok(hi):
+        while hi - bad > 1:
+            probe = hi - min(step, hi - bad - 1)
+            if ok(probe):
+                hi, step = probe, 2 * step
+            else:
+                bad = probe
+                break
+    else:
+        bad = hi
+        while True:
+            hi = bad + step
+            if ok(hi):
+                break
+            bad, step = hi, 2 * step
+    while hi - bad > 1:
+        mid = (bad + hi) // 2
+        bad, hi = (bad, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+def size_engine(lam, load, n_slots, ctx, w, h, c, slo, tpot, hint):
+    if lam <= 0 or load is None:
+        return 0
+    a, _, p, _, _, q = load
+    room = 1 - w / tpot
+    if room <= 0 or (q + 1) * w >= slo:
+        return None
+    bad = int(max(math.floor(lam * h * a / room), math.floor(lam * p * w / c), 0))
+    return smallest_ok(
+        bad,
+        hint or bad + 1,
+        lambda n: engine_ok(lam, n, load, n_slots, ctx, w, h, c, slo, tpot),
+    )
+
+
+def plan_engine(inputs, outputs, lam, slo, tpot, *, b_short, gammas, w=0.008, h=0.00065,
+                c_chunk=512, kv_bytes=40 * 2**30, per_token=40 * 1024,
+                long_context=65536):  # fmt: skip
+    """The engine model: (homogeneous GPUs, {(b, gamma): (n_short, n_long)}), p_c = 1."""
+    t = Trace(inputs, outputs, c_chunk)
+    n_long = slots(kv_bytes, per_token, long_context)
+    homo = size_engine(lam, engine_load(t, mix(t, 0, t.n), 0, t.n), n_long, long_context, w, h,
+                       c_chunk, slo, tpot, None)  # fmt: skip
+    out = {}
+    short_hint = long_hint = None
+    for b in b_short:
+        s, e = t.span(-1, b)
+        n_short = slots(kv_bytes, per_token, b)
+        short_mix = mix(t, s, e)
+        last = None
+        for g in gammas:
+            _, band_end = t.span(b, math.floor(g * b))
+            alpha_p = band_end / t.n
+            if last is None or last[0] != alpha_p:
+                m = merge(short_mix, compressed(t, e, band_end, b, c_chunk))
+                ns = size_engine(alpha_p * lam, engine_load(t, m, s, e), n_short, b, w, h, c_chunk,
+                                 slo, tpot, short_hint)  # fmt: skip
+                short_hint = ns or short_hint
+                last = (alpha_p, ns)
+            ns = last[1]
+            load = engine_load(t, mix(t, band_end, t.n), band_end, t.n)
+            nl = size_engine((1 - alpha_p) * lam, load, n_long, long_context, w, h, c_chunk, slo,
+                             tpot, long_hint)  # fmt: skip
+            long_hint = nl or long_hint
             out[(b, g)] = (ns, nl)
     return homo, out

@@ -1,6 +1,8 @@
 """Plain-Python VTC (vtc-basic) routing: per-user deques of window buckets and
 the same score as routecore.VtcRouter, with min / max over users computed on
-every call (the straightforward way)."""
+every call (the straightforward way). With `max_users`, a new user beyond it
+forgets the least recently active one, chosen as routecore does (oldest latest
+bucket, then smallest name) by a scan over the users."""
 
 import math
 from collections import deque
@@ -20,6 +22,7 @@ class VtcRouter:
         fairness_weight=1.0,
         utilization_weight=1.0,
         max_pod_load=100.0,
+        max_users=None,
     ):
         self.pods = list(pods)
         self.running = [0] * len(self.pods)
@@ -27,6 +30,7 @@ class VtcRouter:
         self.iw, self.ow = input_weight, output_weight
         self.min_tokens, self.max_tokens = min_tokens, max_tokens
         self.fw, self.uw, self.load = fairness_weight, utilization_weight, max_pod_load
+        self.max_users = max_users
         self.users: dict[str, deque] = {}
 
     def _count(self, buckets, oldest):
@@ -47,6 +51,9 @@ class VtcRouter:
             self.fw * abs(i - x) + self.uw * min(self.running[i] / self.load, 1.0) for i in range(n)
         ]
         pod = scores.index(min(scores))
+        if user not in self.users and self.max_users and len(self.users) >= self.max_users:
+            b = self.users
+            del b[min(b, key=lambda u: (b[u][-1][0] if b[u] else -math.inf, u))]
         b = self.users.setdefault(user, deque())
         charge = self.iw * input_tokens + self.ow * output_tokens
         if b and b[-1][0] == bucket:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from routecore import __version__
 from routecore._extras import MissingExtra
@@ -40,8 +41,19 @@ COMMANDS.append(serve_command)
 COMMANDS.append(client)
 
 
+class UsageError(Exception):
+    """A bad command line; ``main`` prints it as one line and returns 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """Raises ``UsageError`` on a bad command line instead of printing the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="routecore",
         description="The hot path of LLM request routing: route, plan, simulate, serve.",
     )
@@ -56,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
@@ -64,8 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except BrokenPipeError:
         return 0
-    except (ValueError, KeyError, OSError, MissingExtra) as e:
-        print(f"routecore {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, KeyError, OverflowError, OSError, MissingExtra) as e:
+        # A value argparse let through but the library refused: one line, no traceback.
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"routecore {args.command}: error: {' '.join(str(message).split())}", file=sys.stderr)
         return 2
 
 

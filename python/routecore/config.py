@@ -5,7 +5,8 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
 
     server: {port, metrics_port, host, key_header, failure_mode, default_pool, grace_s,
              state_file}
-    limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens}
+    limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens,
+             image_tokens, audio_tokens}
     router: {policy, compress_band, prefix_block_size}
     admission: {backend, pools, entitlements, default_max_tokens, window_s, redis}
     pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...]}]
@@ -60,6 +61,11 @@ class Limits:
     request_timeout_s: float = 600.0
     #: The output bound assumed for requests that set no max_tokens.
     default_max_tokens: int = 4096
+    #: Prompt tokens charged per image part (OpenAI's cost of a 1024x1024
+    #: high-detail image); set it to your vision model's count.
+    image_tokens: int = 765
+    #: Prompt tokens charged per audio part (30 s at Qwen2-Audio's 40 ms per token).
+    audio_tokens: int = 750
 
 
 @dataclass(frozen=True)
@@ -367,7 +373,14 @@ def parse_config(raw: Any) -> Config:
     lim = _section(
         top.get("limits"),
         "limits",
-        {"max_body_bytes", "max_message_bytes", "request_timeout_s", "default_max_tokens"},
+        {
+            "max_body_bytes",
+            "max_message_bytes",
+            "request_timeout_s",
+            "default_max_tokens",
+            "image_tokens",
+            "audio_tokens",
+        },
     )
     limits = Limits(
         max_body_bytes=_int(lim, "max_body_bytes", "limits", 1, 64 << 20, Limits.max_body_bytes),
@@ -380,6 +393,8 @@ def parse_config(raw: Any) -> Config:
         default_max_tokens=_int(
             lim, "default_max_tokens", "limits", 1, 1 << 30, Limits.default_max_tokens
         ),
+        image_tokens=_int(lim, "image_tokens", "limits", 0, 1 << 30, Limits.image_tokens),
+        audio_tokens=_int(lim, "audio_tokens", "limits", 0, 1 << 30, Limits.audio_tokens),
     )
     r = _section(top.get("router"), "router", {"policy", "compress_band", "prefix_block_size"})
     router = RouterConfig(

@@ -17,9 +17,20 @@ assumptions that the paper does not state:
 ``fleetopt_workload`` and ``fleetopt_profile`` build exactly that; the
 implementation estimates the moments from 3,000 Monte Carlo samples where
 routecore sums the distribution exactly.
+
+The planner's fidelity grid (README, "Planner fidelity"): ``fidelity_scenario``
+plans a workload with the engine model and finds, per pool, the smallest GPU
+count the simulator accepts (``routecore simulate``'s bisection);
+``fidelity_grid`` runs every workload x rate x SLO x profile;
+``fidelity_markdown`` prints the rows as the README's table.
 """
 
 from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
 
 from routecore._core import Candidate, Plan, Profile, Workload
 
@@ -66,3 +77,154 @@ def table3_rows(result: Plan, gamma_cr: float = 1.5) -> list[tuple[str, Candidat
         (f"PR + C&R (gamma {gamma_cr:g})", cr),
         ("FleetOpt optimum", result.best),
     ]
+
+
+# --- fidelity: planned GPUs against the smallest count the simulator accepts ---
+
+# LMSYS-Chat-1M (multi-turn, accumulated context) as FleetOpt Table 2 reports
+# it: F(1,536) = 0.909 and F(2,304) = 0.955 (alpha and alpha + beta at
+# gamma = 1.5). A log-normal of L_total through both points: sigma =
+# (ln 2304 - ln 1536) / (z_0.955 - z_0.909), mu = ln 1536 - sigma z_0.909.
+LMSYS_POINTS = ((1536, 0.909), (2304, 0.955))
+FIDELITY_WORKLOADS = ("azure-conversation", "azure-code", "lmsys-chat-1m")
+FIDELITY_RATES = (100.0, 1000.0, 10000.0)
+FIDELITY_SLOS = (0.5, 2.0)
+FIDELITY_FLEETS = ("homogeneous", "pool-routing")
+
+
+def lmsys_workload() -> Workload:
+    """The LMSYS-Chat-1M length distribution of ``LMSYS_POINTS`` (a two-point
+    log-normal fit, see the data README), expanded by ``Workload.from_cdf`` at
+    64 ... 65,536 tokens with FleetOpt's 80/20 input/output split."""
+    (x1, p1), (x2, p2) = LMSYS_POINTS
+    z1, z2 = NormalDist().inv_cdf(p1), NormalDist().inv_cdf(p2)
+    sigma = (math.log(x2) - math.log(x1)) / (z2 - z1)
+    mu = math.log(x1) - sigma * z1
+    law = NormalDist(mu, sigma)
+    points = [(t, law.cdf(math.log(t))) for t in FLEETOPT_BREAKPOINTS[:-1]]
+    return Workload.from_cdf([*points, (FLEETOPT_BREAKPOINTS[-1], 1.0)], FLEETOPT_INPUT_FRACTION)
+
+
+def fidelity_workload(name: str) -> Workload:
+    """One workload of the fidelity grid: a category of the shipped Azure 2023
+    trace (``azure-conversation``, ``azure-code``) or ``lmsys-chat-1m``."""
+    if name == "lmsys-chat-1m":
+        return lmsys_workload()
+    prefix, _, category = name.partition("-")
+    azure = Workload.azure_2023()
+    if prefix != "azure" or azure.categories is None or category not in azure.category_names:
+        raise ValueError(f"unknown fidelity workload {name!r} (known: {FIDELITY_WORKLOADS})")
+    keep = azure.categories == category
+    return Workload(azure.input_tokens[keep], azure.output_tokens[keep], arrival_s=None)
+
+
+@dataclass
+class FidelityRow:
+    """One pool of one scenario: planned and smallest simulated GPU count."""
+
+    workload: str
+    rate: float
+    slo_ttft_s: float
+    profile: str
+    fleet: str
+    pool: str
+    binding: str
+    planned: int
+    simulated: int
+    requests: int
+
+    @property
+    def tolerance(self) -> int:
+        """The goal: within 3 % or 1 GPU of the simulated minimum."""
+        return max(1, math.floor(0.03 * self.simulated))
+
+    @property
+    def within(self) -> bool:
+        return abs(self.planned - self.simulated) <= self.tolerance
+
+
+def fidelity_scenario(
+    workload: str,
+    rate: float,
+    slo_ttft_s: float,
+    profile: str,
+    *,
+    slo_tpot_s: float = 0.08,
+    seed: int = 42,
+    max_requests: int = 120_000,
+    fleets: tuple[str, ...] = FIDELITY_FLEETS,
+    quiet: bool = True,
+) -> list[FidelityRow]:
+    """Plans ``workload`` at ``rate`` under the engine model, then finds each
+    pool's smallest GPU count meeting both SLOs for 99 % of its requests in
+    the simulator (``routecore simulate``'s bisection), with Poisson arrivals
+    (the planner's assumption) and ``rate x 120 s`` requests clamped to
+    [20,000, ``max_requests``]."""
+    from routecore.commands import simulate as sim
+    from routecore.profiles import PRESETS
+
+    w = fidelity_workload(workload)
+    prof = PRESETS[profile]()
+    n = int(min(max(rate * 120.0, 20_000), max_requests))
+    parser = argparse.ArgumentParser()
+    sim.add_arguments(parser)
+    args = parser.parse_args(
+        ["--rate", str(rate), "--slo-ttft", str(slo_ttft_s), "--slo-tpot", str(slo_tpot_s),
+         "--seed", str(seed), "--arrivals", "poisson", "--duration", str(n / rate)]
+        + [a for f in fleets for a in ("--fleet", f)] + (["--quiet"] if quiet else [])
+    )  # fmt: skip
+    fleets_ = sim.plan_fleets(w, prof, args)
+    # A CDF workload is weighted: draw the requests by weight.
+    trace = sim.trace_arrays(w.sample(n, seed) if workload == "lmsys-chat-1m" else w, n)
+    rows = []
+    for fleet in fleets_:
+        report = sim.run_fleet(fleet, trace, prof, args)
+        sim.verify_fleet(fleet, trace, prof, args, report)
+        for p in fleet.pools:
+            rows.append(
+                FidelityRow(
+                    workload,
+                    rate,
+                    slo_ttft_s,
+                    profile,
+                    fleet.name,
+                    p.name,
+                    p.binding,
+                    p.gpus_planned,
+                    p.gpus,
+                    n,
+                )  # fmt: skip
+            )
+    return rows
+
+
+def fidelity_markdown(rows: list[FidelityRow]) -> str:
+    """The rows as the README's markdown table."""
+    lines = [
+        "| workload | req/s | TTFT SLO | profile | fleet | pool | binding | planned | "
+        "simulated min | diff | within goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        diff = r.planned - r.simulated
+        pct = 100 * diff / r.simulated if r.simulated else 0.0
+        lines.append(
+            f"| {r.workload} | {r.rate:,.0f} | {r.slo_ttft_s:g} s | {r.profile} | {r.fleet} | "
+            f"{r.pool} | {r.binding} | {r.planned} | {r.simulated} | {diff:+d} ({pct:+.1f}%) | "
+            f"{'yes' if r.within else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def fidelity_grid(**kwargs: object) -> list[FidelityRow]:
+    """Every scenario of the grid (workloads x rates x TTFT SLOs x profile
+    presets), one ``fidelity_scenario`` each."""
+    from routecore.profiles import PRESETS
+
+    rows: list[FidelityRow] = []
+    for workload in FIDELITY_WORKLOADS:
+        for rate in FIDELITY_RATES:
+            for slo in FIDELITY_SLOS:
+                for profile in PRESETS:
+                    rows += fidelity_scenario(workload, rate, slo, profile, **kwargs)  # type: ignore[arg-type]
+    return rows

@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use super::{int_array, reduce};
+use super::{int_arg, int_array, reduce};
 use crate::admission::{self, AdmissionController, Entitlement, ServiceClass, TokenPool};
 
 /// Two int64 arrays of one length.
@@ -26,9 +26,9 @@ impl PyTokenPool {
     fn new(
         name: &str,
         tokens_per_s: f64,
-        kv_bytes: i64,
-        concurrency: i64,
-        kv_bytes_per_token: i64,
+        #[pyo3(from_py_with = int_arg)] kv_bytes: i64,
+        #[pyo3(from_py_with = int_arg)] concurrency: i64,
+        #[pyo3(from_py_with = int_arg)] kv_bytes_per_token: i64,
     ) -> PyResult<Self> {
         Ok(Self {
             inner: TokenPool::new(
@@ -106,8 +106,8 @@ impl PyEntitlement {
         service_class: &str,
         slo_target_ms: f64,
         tokens_per_s: f64,
-        kv_bytes: i64,
-        concurrency: i64,
+        #[pyo3(from_py_with = int_arg)] kv_bytes: i64,
+        #[pyo3(from_py_with = int_arg)] concurrency: i64,
         state: &str,
     ) -> PyResult<Self> {
         Ok(Self {
@@ -235,10 +235,10 @@ impl PyAdmission {
     #[pyo3(signature = (admitted, status, reason, retry_after_s=None, ticket=None, priority=0.0))]
     fn new(
         admitted: bool,
-        status: u16,
+        #[pyo3(from_py_with = int_arg)] status: u16,
         reason: String,
         retry_after_s: Option<f64>,
-        ticket: Option<u64>,
+        #[pyo3(from_py_with = int_arg)] ticket: Option<u64>,
         priority: f64,
     ) -> Self {
         Self {
@@ -340,7 +340,7 @@ impl PyAdmissionController {
     fn new(
         pools: Vec<Py<PyTokenPool>>,
         entitlements: Vec<Py<PyEntitlement>>,
-        default_max_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] default_max_tokens: i64,
         window_s: f64,
     ) -> PyResult<Self> {
         let pools = pools.iter().map(|p| p.get().inner.clone()).collect();
@@ -356,8 +356,8 @@ impl PyAdmissionController {
     fn admit(
         &self,
         entitlement: &str,
-        input_tokens: i64,
-        max_tokens: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] input_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] max_tokens: Option<i64>,
         now: f64,
     ) -> PyResult<PyAdmission> {
         Ok(self
@@ -401,9 +401,9 @@ impl PyAdmissionController {
     /// KeyError for a ticket that is not in flight.
     fn complete(
         &self,
-        ticket: u64,
-        actual_input: i64,
-        actual_output: i64,
+        #[pyo3(from_py_with = int_arg)] ticket: u64,
+        #[pyo3(from_py_with = int_arg)] actual_input: i64,
+        #[pyo3(from_py_with = int_arg)] actual_output: i64,
         latency_s: f64,
         now: f64,
     ) -> PyResult<()> {
@@ -454,8 +454,8 @@ impl PyAdmissionController {
         &self,
         pool: &str,
         tokens_per_s: Option<f64>,
-        kv_bytes: Option<i64>,
-        concurrency: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] kv_bytes: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] concurrency: Option<i64>,
     ) -> PyResult<()> {
         Ok(self
             .lock()

@@ -6,7 +6,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use super::{int_array, real_array, reduce};
+use super::{int_arg, int_array, real_array, reduce};
 use crate::assign::eval::{evaluate, EvalConfig};
 use crate::assign::knn::{check_k, KnnIndex};
 use crate::assign::{
@@ -38,7 +38,7 @@ impl PyInstance {
         tpot_s: f64,
         price_in_per_mtok: f64,
         price_out_per_mtok: f64,
-        max_batch: i64,
+        #[pyo3(from_py_with = int_arg)] max_batch: i64,
         prefill_s_per_token: Option<f64>,
     ) -> PyResult<Self> {
         Ok(Self {
@@ -88,7 +88,13 @@ impl PyInstance {
     /// Predicted latency in seconds: ``in_tokens * prefill_s_per_token +
     /// out_len * tpot_s``, plus ``pending_decode / max(batch_size, 1) *
     /// tpot_s`` when ``batch_size >= max_batch`` (no free decode slot).
-    fn latency(&self, in_tokens: f64, out_len: f64, pending_decode: f64, batch_size: u64) -> f64 {
+    fn latency(
+        &self,
+        in_tokens: f64,
+        out_len: f64,
+        pending_decode: f64,
+        #[pyo3(from_py_with = int_arg)] batch_size: u64,
+    ) -> f64 {
         self.inner
             .latency(in_tokens, out_len, pending_decode, batch_size)
     }
@@ -252,7 +258,7 @@ impl PyBatchScheduler {
         py: Python<'_>,
         quality: &Bound<'_, PyAny>,
         out_len: &Bound<'_, PyAny>,
-        in_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] in_tokens: i64,
         budget: Option<f64>,
         pending_decode: &Bound<'_, PyAny>,
         batch_size: &Bound<'_, PyAny>,
@@ -411,7 +417,7 @@ fn matrix<'py>(py: Python<'py>, v: Vec<f64>, cols: usize) -> PyResult<Matrix<'py
 impl PyKnnEstimator {
     #[new]
     #[pyo3(signature = (k=8))]
-    fn new(k: i64) -> PyResult<Self> {
+    fn new(#[pyo3(from_py_with = int_arg)] k: i64) -> PyResult<Self> {
         Ok(Self {
             k: check_k(k)?,
             index: RwLock::new(None),
@@ -522,9 +528,9 @@ impl PyKnnEstimator {
 pub fn assign_eval<'py>(
     py: Python<'py>,
     rate: f64,
-    requests: usize,
-    seed: u64,
-    max_batch: i64,
+    #[pyo3(from_py_with = int_arg)] requests: usize,
+    #[pyo3(from_py_with = int_arg)] seed: u64,
+    #[pyo3(from_py_with = int_arg)] max_batch: i64,
     interval_s: f64,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     let cfg = EvalConfig {

@@ -5,12 +5,13 @@ use pyo3::types::PyString;
 
 use super::calibrate::PyCalibrator;
 use super::compress::{PyCompressor, PyRequestCompression, PyRoutedRequest};
-use super::{int_view, text_bytes};
+use super::{int_arg, int_view, text_bytes};
 use crate::budget::{
     compressible_category, Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS,
 };
 use crate::calibrate::DEFAULT_MAX_CATEGORIES;
 use crate::compress::{route_request, Compressor};
+use crate::openai::MediaTokens;
 
 /// A pool of model instances sharing one context window.
 ///
@@ -30,9 +31,9 @@ impl PyPool {
     #[pyo3(signature = (name, max_context, budget=None, queue_limit=None))]
     fn new(
         name: &str,
-        max_context: i64,
-        budget: Option<i64>,
-        queue_limit: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] max_context: i64,
+        #[pyo3(from_py_with = int_arg)] budget: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] queue_limit: Option<i64>,
     ) -> PyResult<Self> {
         Ok(Self {
             inner: Pool::new(name, max_context, budget, queue_limit)?,
@@ -163,7 +164,7 @@ impl PyTokenBudgetRouter {
         if let Ok(name) = pool.extract::<&str>() {
             return Ok(self.inner.pool_index(name)?);
         }
-        let i: i64 = pool.extract()?;
+        let i: i64 = int_arg(pool)?;
         if i < 0 || i as usize >= self.names.len() {
             return Err(PyValueError::new_err(format!(
                 "pool index {i} out of range"
@@ -223,9 +224,9 @@ impl PyTokenBudgetRouter {
     fn route(
         &self,
         py: Python<'_>,
-        prompt_bytes: i64,
+        #[pyo3(from_py_with = int_arg)] prompt_bytes: i64,
         category: &str,
-        max_output_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] max_output_tokens: i64,
     ) -> PyResult<PyRouteDecision> {
         let req = Request::new(prompt_bytes, None, max_output_tokens)?;
         let est = self
@@ -244,18 +245,26 @@ impl PyTokenBudgetRouter {
     /// compressed with ``compressor`` (default ``Compressor()``) to the target,
     /// counting with the calibrator's conservative ratio for its category. If
     /// that fails the request is routed as it is (``action`` "route",
-    /// ``compression.status`` says why). Counts the request in flight.
-    #[pyo3(signature = (body, compressor=None, default_max_tokens=4096))]
+    /// ``compression.status`` says why). The estimate counts what
+    /// ``parse_openai_request`` counts (message text, tool schemas and calls,
+    /// ``response_format``, ``image_tokens`` / ``audio_tokens`` per media part)
+    /// and the output bound is ``n`` times the per-choice bound; only message
+    /// prose is ever compressed. Counts the request in flight.
+    #[pyo3(signature = (body, compressor=None, default_max_tokens=4096, *, image_tokens=765, audio_tokens=750))]
     fn route_request(
         &self,
         py: Python<'_>,
         body: &Bound<'_, PyAny>,
         compressor: Option<&Bound<'_, PyCompressor>>,
-        default_max_tokens: u64,
+        #[pyo3(from_py_with = int_arg)] default_max_tokens: u64,
+        #[pyo3(from_py_with = int_arg)] image_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] audio_tokens: i64,
     ) -> PyResult<PyRoutedRequest> {
         let bytes = text_bytes(body, "body")?;
         let compressor = compressor.map_or_else(Compressor::default, |c| c.get().inner);
-        let r = py.detach(|| route_request(&self.inner, &compressor, bytes, default_max_tokens))?;
+        let media = MediaTokens::new(image_tokens, audio_tokens)?;
+        let r = py
+            .detach(|| route_request(&self.inner, &compressor, bytes, default_max_tokens, media))?;
         Ok(PyRoutedRequest {
             decision: Py::new(py, self.decision(py, r.decision))?,
             body: r.body,
@@ -265,6 +274,7 @@ impl PyTokenBudgetRouter {
                 .transpose()?,
             category: r.request.category,
             prompt_bytes: r.request.prompt_bytes,
+            media_tokens: r.request.media_tokens,
             max_output_tokens: r.request.max_output_tokens,
         })
     }
@@ -280,8 +290,8 @@ impl PyTokenBudgetRouter {
     fn route_tokens(
         &self,
         py: Python<'_>,
-        prompt_tokens: i64,
-        max_output_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] prompt_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] max_output_tokens: i64,
     ) -> PyResult<PyRouteDecision> {
         if prompt_tokens < 0 || prompt_tokens as u64 > MAX_TOKENS {
             return Err(PyValueError::new_err(format!(
@@ -321,7 +331,12 @@ impl PyTokenBudgetRouter {
     }
 
     /// Feeds a response's ``usage.prompt_tokens`` to the calibrator.
-    fn feedback(&self, prompt_bytes: i64, category: &str, prompt_tokens: i64) -> PyResult<()> {
+    fn feedback(
+        &self,
+        #[pyo3(from_py_with = int_arg)] prompt_bytes: i64,
+        category: &str,
+        #[pyo3(from_py_with = int_arg)] prompt_tokens: i64,
+    ) -> PyResult<()> {
         Ok(self
             .inner
             .write_calibrator()
@@ -339,7 +354,11 @@ impl PyTokenBudgetRouter {
     }
 
     /// Telemetry: overwrite ``pool``'s in-flight count with a measured value.
-    fn set_in_flight(&self, pool: &Bound<'_, PyAny>, count: i64) -> PyResult<()> {
+    fn set_in_flight(
+        &self,
+        pool: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = int_arg)] count: i64,
+    ) -> PyResult<()> {
         if count < 0 {
             return Err(PyValueError::new_err(format!(
                 "count must be >= 0, got {count}"

@@ -3,6 +3,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
+use super::int_arg;
 use crate::calibrate::{Calibrator, MAX_PROMPT_BYTES};
 use crate::error::invalid;
 
@@ -38,7 +39,12 @@ impl PyCalibrator {
 impl PyCalibrator {
     #[new]
     #[pyo3(signature = (beta=0.95, gamma=1.0, cold_start=4.0, max_categories=1024))]
-    fn new(beta: f64, gamma: f64, cold_start: f64, max_categories: usize) -> PyResult<Self> {
+    fn new(
+        beta: f64,
+        gamma: f64,
+        cold_start: f64,
+        #[pyo3(from_py_with = int_arg)] max_categories: usize,
+    ) -> PyResult<Self> {
         let cal = Calibrator::new(beta, gamma, cold_start, max_categories)?;
         Ok(Self {
             inner: Arc::new(RwLock::new(cal)),
@@ -46,7 +52,12 @@ impl PyCalibrator {
     }
 
     /// Folds one response's ``usage.prompt_tokens`` into ``category``.
-    fn observe(&self, category: &str, prompt_bytes: i64, prompt_tokens: i64) -> PyResult<()> {
+    fn observe(
+        &self,
+        category: &str,
+        #[pyo3(from_py_with = int_arg)] prompt_bytes: i64,
+        #[pyo3(from_py_with = int_arg)] prompt_tokens: i64,
+    ) -> PyResult<()> {
         Ok(self
             .write()
             .observe(category, prompt_bytes, prompt_tokens)?)
@@ -68,7 +79,11 @@ impl PyCalibrator {
     }
 
     /// ``ceil(prompt_bytes / conservative_ratio(category))``.
-    fn estimate_tokens(&self, prompt_bytes: i64, category: &str) -> PyResult<u64> {
+    fn estimate_tokens(
+        &self,
+        #[pyo3(from_py_with = int_arg)] prompt_bytes: i64,
+        category: &str,
+    ) -> PyResult<u64> {
         if prompt_bytes < 0 || prompt_bytes as u64 > MAX_PROMPT_BYTES {
             return Err(invalid(format!(
                 "prompt_bytes must be in [0, {MAX_PROMPT_BYTES}], got {prompt_bytes}"

@@ -4,7 +4,7 @@ use pyo3::types::{PyBytes, PyTuple};
 use pyo3::PyClassInitializer;
 
 use super::budget::PyRouteDecision;
-use super::text_bytes;
+use super::{int_arg, text_bytes};
 use crate::compress::{Compression, Compressor, RequestCompression, Summary, Weights};
 
 /// Extractive prompt compression (FleetOpt section 5.2).
@@ -40,8 +40,8 @@ impl PyCompressor {
         position: f64,
         tfidf: f64,
         novelty: f64,
-        keep_first: i64,
-        keep_last: i64,
+        #[pyo3(from_py_with = int_arg)] keep_first: i64,
+        #[pyo3(from_py_with = int_arg)] keep_last: i64,
     ) -> PyResult<Self> {
         let weights = Weights {
             textrank,
@@ -69,7 +69,7 @@ impl PyCompressor {
         &self,
         py: Python<'_>,
         text: &str,
-        token_budget: i64,
+        #[pyo3(from_py_with = int_arg)] token_budget: i64,
         category: Option<&str>,
         bytes_per_token: Option<f64>,
     ) -> PyResult<Py<PyCompressionResult>> {
@@ -85,13 +85,16 @@ impl PyCompressor {
     /// body. Only long content (documents, RAG context: earlier turns,
     /// assistant and tool messages, text parts, a completion prompt; at least
     /// 1 KiB and not code) is compressed; system and developer messages and
-    /// the last user message stay intact.
+    /// the last user message stay intact. Sizes count every text
+    /// ``parse_openai_request`` counts (tool schemas and calls included, never
+    /// rewritten); image and audio parts are not counted here
+    /// (``route_request`` subtracts their tokens from the target).
     #[pyo3(signature = (body, token_budget, category=None, bytes_per_token=None))]
     fn compress_request(
         &self,
         py: Python<'_>,
         body: &Bound<'_, PyAny>,
-        token_budget: i64,
+        #[pyo3(from_py_with = int_arg)] token_budget: i64,
         category: Option<&str>,
         bytes_per_token: Option<f64>,
     ) -> PyResult<Py<PyRequestCompression>> {
@@ -289,7 +292,9 @@ impl PyRequestCompression {
 /// ``body`` (bytes to send to ``decision.pool``: compressed when
 /// ``decision.action`` is "compress"), ``compression`` (the outcome when
 /// compression was tried, else None), and what was read from the body:
-/// ``category``, ``prompt_bytes`` (of the original body), ``max_output_tokens``.
+/// ``category``, ``prompt_bytes`` (of the original body), ``media_tokens``
+/// (charged for its image and audio parts), ``max_output_tokens`` (times
+/// ``n``).
 #[pyclass(frozen, name = "RoutedRequest", module = "routecore")]
 pub struct PyRoutedRequest {
     #[pyo3(get)]
@@ -301,6 +306,8 @@ pub struct PyRoutedRequest {
     pub category: &'static str,
     #[pyo3(get)]
     pub prompt_bytes: u64,
+    #[pyo3(get)]
+    pub media_tokens: u64,
     #[pyo3(get)]
     pub max_output_tokens: u64,
 }

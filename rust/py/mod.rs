@@ -22,7 +22,7 @@ pub mod vtc;
 pub mod workload;
 
 use numpy::PyReadonlyArray1;
-use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString, PyTuple};
 
@@ -36,6 +36,29 @@ impl From<Error> for PyErr {
             Error::InvalidArgument(_) | Error::Snapshot(_) => PyValueError::new_err(e.to_string()),
         }
     }
+}
+
+/// The extractor of every integer argument (`#[pyo3(from_py_with = int_arg)]`,
+/// also for `Option`s and lists of integers): an int outside the Rust type's
+/// range (beyond 2^63 or 2^64, or negative where unsigned), on which pyo3
+/// raises OverflowError, is a ValueError like any other bad argument. pyo3
+/// notes the argument's name on the exception ("while processing 'x'").
+pub fn int_arg<'a, 'py, T: FromPyObject<'a, 'py>>(obj: &'a Bound<'py, PyAny>) -> PyResult<T> {
+    obj.extract::<T>().map_err(|e| {
+        let e: PyErr = e.into();
+        if e.is_instance_of::<PyOverflowError>(obj.py()) {
+            // The value itself unless it is long (or not an int at all).
+            let got = obj
+                .str()
+                .map(|s| s.to_string())
+                .ok()
+                .filter(|s| s.len() <= 40)
+                .map_or_else(String::new, |s| format!(" (got {s})"));
+            PyValueError::new_err(format!("integer out of range: {}{got}", e.value(obj.py())))
+        } else {
+            e
+        }
+    })
 }
 
 /// A 1-D NumPy array (or anything `numpy.asarray` takes) of any integer dtype,

@@ -4,16 +4,21 @@ use pyo3::types::PyDict;
 use crate::planner::{self, Candidate, PlanConfig};
 use crate::profile::Profile;
 use crate::py::profile::PyProfile;
-use crate::py::set_fields;
 use crate::py::workload::PyWorkload;
+use crate::py::{int_arg, set_fields};
 
 /// One fleet of a plan: a short pool at ``b_short`` tokens and a long pool,
 /// with C&R at bandwidth ``gamma``. The homogeneous fleet has ``b_short == 0``
 /// and every GPU in the long pool. A pool with no traffic has 0 GPUs. A pool
-/// whose P99 prefill alone breaks the SLO is sized by the utilization cap and
-/// marked ``feasible_* = False`` (so is one where no request fits a slot, with
-/// 0 GPUs); ``best`` and ``pool_routing`` skip infeasible fleets.
-/// ``as_dict()`` gives every field.
+/// that no GPU count lets meet the SLO (its prefill alone breaks the TTFT
+/// target, the TPOT target is below W, or no request fits a slot) is marked
+/// ``feasible_* = False``; ``best`` and ``pool_routing`` skip infeasible
+/// fleets. Per pool: ``utilization_*`` is the share of slot-time held
+/// (``occupancy_*``, sequences per GPU, over ``slots_*``: the figure the
+/// simulator reports too), ``prefill_utilization_*`` the prefill budget's,
+/// ``kv_utilization_*`` the KV cache's (an upper bound), and ``binding_*``
+/// the resource that sets the GPU count: ``compute``, ``slot``, ``kv``,
+/// ``prefill`` or ``none``. ``as_dict()`` gives every field.
 #[pyclass(frozen, get_all, name = "Candidate", module = "routecore")]
 pub struct PyCandidate {
     b_short: u64,
@@ -39,6 +44,14 @@ pub struct PyCandidate {
     cs2_long: f64,
     utilization_short: f64,
     utilization_long: f64,
+    occupancy_short: f64,
+    occupancy_long: f64,
+    prefill_utilization_short: f64,
+    prefill_utilization_long: f64,
+    kv_utilization_short: f64,
+    kv_utilization_long: f64,
+    binding_short: &'static str,
+    binding_long: &'static str,
     t_iter_short_s: f64,
     t_iter_long_s: f64,
     prefill_p99_short_s: f64,
@@ -77,6 +90,14 @@ impl From<&Candidate> for PyCandidate {
             cs2_long: c.long.cs2,
             utilization_short: c.short.utilization,
             utilization_long: c.long.utilization,
+            occupancy_short: c.short.occupancy,
+            occupancy_long: c.long.occupancy,
+            prefill_utilization_short: c.short.prefill_utilization,
+            prefill_utilization_long: c.long.prefill_utilization,
+            kv_utilization_short: c.short.kv_utilization,
+            kv_utilization_long: c.long.kv_utilization,
+            binding_short: c.short.binding.name(),
+            binding_long: c.long.binding.name(),
             t_iter_short_s: c.short.t_iter_s,
             t_iter_long_s: c.long.t_iter_s,
             prefill_p99_short_s: c.short.prefill_p99_s,
@@ -100,7 +121,9 @@ impl PyCandidate {
             b_short, gamma, alpha, beta, alpha_prime, n_short, n_long, gpus, feasible,
             feasible_short, feasible_long, slots_short, slots_long, context_short,
             context_long, arrival_rate_short, arrival_rate_long, mu_gpu_short, mu_gpu_long,
-            cs2_short, cs2_long, utilization_short, utilization_long, t_iter_short_s,
+            cs2_short, cs2_long, utilization_short, utilization_long, occupancy_short,
+            occupancy_long, prefill_utilization_short, prefill_utilization_long,
+            kv_utilization_short, kv_utilization_long, binding_short, binding_long, t_iter_short_s,
             t_iter_long_s, prefill_p99_short_s, prefill_p99_long_s, p99_wait_short_s,
             p99_wait_long_s, p99_ttft_short_s, p99_ttft_long_s, annual_cost_usd,
             savings_vs_homogeneous,
@@ -149,7 +172,11 @@ impl PyPlan {
     }
 
     /// The sweep's candidate at (``b_short``, ``gamma``); KeyError if absent.
-    fn candidate(&self, b_short: u64, gamma: f64) -> PyResult<PyCandidate> {
+    fn candidate(
+        &self,
+        #[pyo3(from_py_with = int_arg)] b_short: u64,
+        gamma: f64,
+    ) -> PyResult<PyCandidate> {
         self.plan
             .candidate(b_short, gamma)
             .map(Into::into)
@@ -178,16 +205,27 @@ impl PyPlan {
 }
 
 /// Plans the cheapest two-pool fleet for ``workload`` at ``arrival_rate``
-/// requests/s under a P99 TTFT target ``slo_ttft_s`` (FleetOpt Algorithm 1).
+/// requests/s under a P99 TTFT target ``slo_ttft_s`` (FleetOpt Algorithm 1)
+/// and, with the engine model, a TPOT target ``slo_tpot_s`` (None: none).
+///
+/// ``model="engine"`` (default) sizes each pool with the model of the
+/// engine the simulator runs: iteration time ``W + H n_active`` at the
+/// occupancy it predicts, one ``C_chunk`` prefill budget per iteration
+/// shared by the prefilling prompts, TTFT including the wait for it; see
+/// the Rust docs of ``engine_state``. ``model="paper"`` is FleetOpt's Eq. 3-4
+/// (full-batch iteration time, Erlang-C / Kimura wait, the cap ``rho_max``),
+/// which reproduces the paper's numbers.
 ///
 /// Sweeps ``b_short`` (default: 256 ... 49,152 tokens where a GPU holds more
 /// slots than at ``long_context``) and ``gammas`` (default 1.0, 1.1, ..., 2.0).
 /// ``p_c`` is the compressibility of borderline requests, overridden per
 /// category by ``p_c_by_category`` (e.g. ``{"code": 0.0}``; KeyError for a
 /// category the workload lacks); ``phi`` the long/short GPU cost ratio;
-/// ``rho_max`` the utilization cap. Each pool gets the fewest GPUs meeting
-/// both the cap and ``W99 <= slo - prefill_p99 - t_iter``. Cost is at the
-/// profile's $/GPU-hour for 8,760 h/year.
+/// ``rho_max`` the utilization cap (paper model). Each pool gets the fewest
+/// GPUs meeting every constraint. Cost is at the profile's $/GPU-hour for
+/// 8,760 h/year. ValueError when no fleet meets the SLO (naming the binding
+/// constraint), for a non-positive rate, and for a workload with requests
+/// longer than ``long_context``.
 ///
 /// >>> p = plan(Workload([900, 100, 3000], [100, 50, 1000]), 10.0, 0.5)
 /// >>> p.best.gpus <= p.homogeneous.gpus
@@ -196,7 +234,7 @@ impl PyPlan {
 #[pyo3(signature = (
     workload, arrival_rate, slo_ttft_s, profile=None, *, b_short=None, gammas=None,
     p_c=1.0, p_c_by_category=None, phi=1.0, rho_max=0.85, long_context=65536,
-    prefill_quantile=0.99
+    prefill_quantile=0.99, model="engine", slo_tpot_s=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
@@ -205,14 +243,16 @@ pub fn plan(
     arrival_rate: f64,
     slo_ttft_s: f64,
     profile: Option<&PyProfile>,
-    b_short: Option<Vec<u64>>,
+    #[pyo3(from_py_with = int_arg)] b_short: Option<Vec<u64>>,
     gammas: Option<Vec<f64>>,
     p_c: f64,
     p_c_by_category: Option<std::collections::BTreeMap<String, f64>>,
     phi: f64,
     rho_max: f64,
-    long_context: u64,
+    #[pyo3(from_py_with = int_arg)] long_context: u64,
     prefill_quantile: f64,
+    model: &str,
+    slo_tpot_s: Option<f64>,
 ) -> PyResult<PyPlan> {
     let profile = profile.map_or_else(Profile::llama3_70b_a100, |p| p.inner.clone());
     let cfg = PlanConfig {
@@ -226,6 +266,8 @@ pub fn plan(
         p_c_by_category: p_c_by_category.unwrap_or_default().into_iter().collect(),
         phi,
         prefill_quantile,
+        model: planner::ServiceModel::parse(model)?,
+        slo_tpot_s,
     };
     let w = workload.inner.clone();
     let plan = py.detach(|| planner::plan(&w, &profile, &cfg))?;

@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use super::{detach_if, hash_array, int_array, reduce, size_arg, TokenArg, DETACH_TOKENS};
+use super::{detach_if, hash_array, int_arg, int_array, reduce, size_arg, TokenArg, DETACH_TOKENS};
 use crate::prefix::{
     block_hashes as core_block_hashes, block_hashes_many as core_block_hashes_many,
     PrefixCacheRouter, PrefixConfig, PrefixIndex, DEFAULT_CAPACITY_BLOCKS,
@@ -35,8 +35,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub fn block_hashes<'py>(
     py: Python<'py>,
     tokens: &Bound<'py, PyAny>,
-    block_size: i64,
-    seed: u64,
+    #[pyo3(from_py_with = int_arg)] block_size: i64,
+    #[pyo3(from_py_with = int_arg)] seed: u64,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let block_size = size_arg(block_size, "block_size")?;
     let arg = TokenArg::new(tokens, "tokens")?;
@@ -59,8 +59,8 @@ pub fn block_hashes_many<'py>(
     py: Python<'py>,
     tokens: &Bound<'py, PyAny>,
     offsets: &Bound<'py, PyAny>,
-    block_size: i64,
-    seed: u64,
+    #[pyo3(from_py_with = int_arg)] block_size: i64,
+    #[pyo3(from_py_with = int_arg)] seed: u64,
 ) -> PyResult<ArrayPair<'py, u64, i64>> {
     let block_size = size_arg(block_size, "block_size")?;
     let offsets = int_array(offsets, "offsets")?;
@@ -78,8 +78,11 @@ const _: () = assert!(DEFAULT_CAPACITY_BLOCKS == 200_000);
 /// Holds at most ``capacity_blocks`` hashes, evicting the least recently
 /// recorded; with ``ttl_s`` a hash not recorded for longer than ``ttl_s``
 /// seconds is dropped. Time (``now``, seconds) is passed in. A prompt's first
-/// block is recorded last, so shared prefixes are evicted last. Thread-safe;
-/// share one index between routers by passing it to ``PrefixCacheRouter``.
+/// block is recorded last, so shared prefixes are evicted last. Pods get one
+/// of 4,096 ids; when all are taken, the ids of pods that hold no block any
+/// more are reused (those pods leave ``pods``), so any number of distinct pods
+/// may pass through. Thread-safe; share one index between routers by passing
+/// it to ``PrefixCacheRouter``.
 ///
 ///     >>> ix = PrefixIndex(1000)
 ///     >>> h = block_hashes(b"system prompt, then a question", 8)
@@ -96,7 +99,10 @@ pub struct PyPrefixIndex {
 impl PyPrefixIndex {
     #[new]
     #[pyo3(signature = (capacity_blocks=200_000, ttl_s=None))]
-    fn new(capacity_blocks: i64, ttl_s: Option<f64>) -> PyResult<Self> {
+    fn new(
+        #[pyo3(from_py_with = int_arg)] capacity_blocks: i64,
+        ttl_s: Option<f64>,
+    ) -> PyResult<Self> {
         let capacity = size_arg(capacity_blocks, "capacity_blocks")?;
         Ok(Self {
             inner: Arc::new(Mutex::new(PrefixIndex::new(capacity, ttl_s)?)),
@@ -227,11 +233,11 @@ impl PyPrefixCacheRouter {
     #[pyo3(signature = (pods, block_size=16, imbalance_abs_count=16, std_factor=2.0, index=None, seed=0))]
     fn new(
         pods: Vec<String>,
-        block_size: i64,
-        imbalance_abs_count: i64,
+        #[pyo3(from_py_with = int_arg)] block_size: i64,
+        #[pyo3(from_py_with = int_arg)] imbalance_abs_count: i64,
         std_factor: f64,
         index: Option<&PyPrefixIndex>,
-        seed: u64,
+        #[pyo3(from_py_with = int_arg)] seed: u64,
     ) -> PyResult<Self> {
         let config = PrefixConfig::new(
             size_arg(block_size, "block_size")?,

@@ -3,8 +3,8 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::error::invalid;
 use crate::profile::Profile;
-use crate::py::set_fields;
 use crate::py::workload::PyWorkload;
+use crate::py::{int_arg, set_fields};
 
 /// A model on a GPU type: KV memory, slots and iteration timing.
 ///
@@ -66,19 +66,19 @@ impl PyProfile {
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: String,
-        layers: u32,
-        kv_heads: u32,
-        head_dim: u32,
+        #[pyo3(from_py_with = int_arg)] layers: u32,
+        #[pyo3(from_py_with = int_arg)] kv_heads: u32,
+        #[pyo3(from_py_with = int_arg)] head_dim: u32,
         dtype_bytes: f64,
         gpu_memory_bytes: f64,
         model_memory_bytes: f64,
         w_s: f64,
         h_s: f64,
         utilization: f64,
-        tensor_parallel: u32,
-        c_chunk: u64,
+        #[pyo3(from_py_with = int_arg)] tensor_parallel: u32,
+        #[pyo3(from_py_with = int_arg)] c_chunk: u64,
         price_per_gpu_hour: f64,
-        h_ref_tokens: Option<u64>,
+        #[pyo3(from_py_with = int_arg)] h_ref_tokens: Option<u64>,
     ) -> PyResult<Self> {
         let p = Profile {
             name,
@@ -228,7 +228,7 @@ impl PyProfile {
     }
 
     /// Concurrent sequences per GPU at a context window of ``max_context`` tokens.
-    fn slots(&self, max_context: u64) -> PyResult<u64> {
+    fn slots(&self, #[pyo3(from_py_with = int_arg)] max_context: u64) -> PyResult<u64> {
         Ok(self.inner.slots(max_context)?)
     }
 
@@ -246,7 +246,7 @@ impl PyProfile {
         &self,
         py: Python<'_>,
         workload: &PyWorkload,
-        max_context: u64,
+        #[pyo3(from_py_with = int_arg)] max_context: u64,
         lo: f64,
         hi: f64,
         prefill_quantile: f64,

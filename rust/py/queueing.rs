@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::py::{float_array, int_array, reduce};
+use crate::py::{float_array, int_arg, int_array, reduce};
 use crate::queueing::{self, ErlangScan};
 
 /// Erlang B: the blocking probability of M/M/c/c (c = ``servers``) at offered
@@ -13,7 +13,7 @@ use crate::queueing::{self, ErlangScan};
 /// >>> round(erlang_b(2, 1.0), 12)
 /// 0.2
 #[pyfunction]
-pub fn erlang_b(servers: u64, offered_load: f64) -> PyResult<f64> {
+pub fn erlang_b(#[pyo3(from_py_with = int_arg)] servers: u64, offered_load: f64) -> PyResult<f64> {
     Ok(queueing::erlang_b(servers, offered_load)?)
 }
 
@@ -25,7 +25,7 @@ pub fn erlang_b(servers: u64, offered_load: f64) -> PyResult<f64> {
 /// >>> round(erlang_c(2, 1.0), 12)
 /// 0.333333333333
 #[pyfunction]
-pub fn erlang_c(servers: u64, offered_load: f64) -> PyResult<f64> {
+pub fn erlang_c(#[pyo3(from_py_with = int_arg)] servers: u64, offered_load: f64) -> PyResult<f64> {
     Ok(queueing::erlang_c(servers, offered_load)?)
 }
 
@@ -54,7 +54,12 @@ pub fn erlang_c_many<'py>(
 /// >>> round(p99_wait(1, 1.0, 1.0, 0.5), 6)  # M/M/1: C = 0.5, ln(50) * 2 / 1
 /// 7.824046
 #[pyfunction]
-pub fn p99_wait(servers: u64, service_rate: f64, cs2: f64, arrival_rate: f64) -> PyResult<f64> {
+pub fn p99_wait(
+    #[pyo3(from_py_with = int_arg)] servers: u64,
+    service_rate: f64,
+    cs2: f64,
+    arrival_rate: f64,
+) -> PyResult<f64> {
     Ok(queueing::p99_wait(
         servers,
         service_rate,
@@ -87,7 +92,7 @@ impl PyErlangScan {
 #[pymethods]
 impl PyErlangScan {
     #[new]
-    fn new(servers: u64, offered_load: f64) -> PyResult<Self> {
+    fn new(#[pyo3(from_py_with = int_arg)] servers: u64, offered_load: f64) -> PyResult<Self> {
         Ok(Self {
             inner: Mutex::new(ErlangScan::new(servers, offered_load)?),
         })
@@ -95,7 +100,7 @@ impl PyErlangScan {
 
     /// Adds ``steps`` servers (default 1; at most 2**32 per call).
     #[pyo3(signature = (steps=1))]
-    fn advance(&self, py: Python<'_>, steps: u64) -> PyResult<()> {
+    fn advance(&self, py: Python<'_>, #[pyo3(from_py_with = int_arg)] steps: u64) -> PyResult<()> {
         if steps > 1 << 32 {
             return Err(
                 crate::error::invalid(format!("steps must be at most 2**32, got {steps}")).into(),

@@ -8,7 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::{float_array, int_array};
+use super::{float_array, int_arg, int_array};
 use crate::sim::engine::blocks_for;
 use crate::sim::timing::LinearTiming;
 use crate::sim::{
@@ -39,15 +39,15 @@ impl PySimPool {
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: &str,
-        instances: i64,
-        max_context: i64,
-        max_num_seqs: i64,
-        kv_blocks: Option<i64>,
-        chunk: i64,
+        #[pyo3(from_py_with = int_arg)] instances: i64,
+        #[pyo3(from_py_with = int_arg)] max_context: i64,
+        #[pyo3(from_py_with = int_arg)] max_num_seqs: i64,
+        #[pyo3(from_py_with = int_arg)] kv_blocks: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] chunk: i64,
         w: f64,
         h: f64,
-        gpus_per_instance: i64,
-        budget: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] gpus_per_instance: i64,
+        #[pyo3(from_py_with = int_arg)] budget: Option<i64>,
     ) -> PyResult<Self> {
         let timing = Arc::new(LinearTiming::new(w, h)?);
         let kv_blocks = kv_blocks.unwrap_or_else(|| {
@@ -211,10 +211,11 @@ impl PySimReport {
         self.report.makespan
     }
     /// One dict per pool: name, instances, gpus, max_context, requests
-    /// (measured, served), utilization_simulated (fraction of slot-time busy),
-    /// utilization_analytical (FleetOpt Eq. 3-4 over the served requests),
-    /// utilization_consistent (the same at the occupancy it predicts),
-    /// preemptions, rejections, compressed.
+    /// (measured, served), utilization_simulated (share of slot-time held, the
+    /// planner's ``utilization``), utilization_model (the planner's engine
+    /// model at the pool's measured rate over its served requests),
+    /// prefill_utilization_simulated / prefill_utilization_model (prompt
+    /// tokens over the prefill budget), preemptions, rejections, compressed.
     #[getter]
     fn pools<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         self.report
@@ -228,8 +229,12 @@ impl PySimReport {
                 d.set_item("max_context", p.max_context)?;
                 d.set_item("requests", p.requests)?;
                 d.set_item("utilization_simulated", p.utilization_simulated)?;
-                d.set_item("utilization_analytical", p.utilization_analytical)?;
-                d.set_item("utilization_consistent", p.utilization_consistent)?;
+                d.set_item("utilization_model", p.utilization_model)?;
+                d.set_item(
+                    "prefill_utilization_simulated",
+                    p.prefill_utilization_simulated,
+                )?;
+                d.set_item("prefill_utilization_model", p.prefill_utilization_model)?;
                 d.set_item("preemptions", p.preemptions)?;
                 d.set_item("rejections", p.rejections)?;
                 d.set_item("compressed", p.compressed)?;
@@ -309,7 +314,7 @@ pub fn simulate(
     dispatch: &str,
     arrivals: &str,
     rate: Option<f64>,
-    seed: u64,
+    #[pyo3(from_py_with = int_arg)] seed: u64,
     warmup: f64,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<PySimReport> {

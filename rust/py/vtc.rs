@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use super::{int_array, reduce, size_arg};
+use super::{int_arg, int_array, reduce, size_arg};
 use crate::vtc::{VtcConfig, VtcRouter, DEFAULT_MAX_USERS};
 
 // The signature's default is written as a literal (for the text signature).
@@ -20,8 +20,9 @@ const _: () = assert!(DEFAULT_MAX_USERS == 100_000);
 /// max(min_tokens, (lo + hi) / 2)`` and ``x = min(count / bucket, n - 1)``,
 /// pod ``i`` scores ``fairness_weight * |i - x| + utilization_weight *
 /// min(running_i / max_pod_load, 1)``; the lowest score wins (lowest index on
-/// ties). At most ``max_users`` users are held. Time (``now``, seconds) is
-/// passed in. ``running``, where accepted, first overwrites every pod's count.
+/// ties). At most ``max_users`` users are held: a new user beyond that
+/// forgets the least recently active one (oldest latest charge bucket, then
+/// smallest name), in O(log users). Time (``now``, seconds) is passed in. ``running``, where accepted, first overwrites every pod's count.
 ///
 ///     >>> r = VtcRouter(["p0", "p1"])
 ///     >>> r.route("alice", 100, 200)
@@ -66,7 +67,7 @@ impl PyVtcRouter {
         fairness_weight: f64,
         utilization_weight: f64,
         max_pod_load: f64,
-        max_users: i64,
+        #[pyo3(from_py_with = int_arg)] max_users: i64,
     ) -> PyResult<Self> {
         let max_users = size_arg(max_users, "max_users")?;
         let config = VtcConfig {
@@ -91,8 +92,8 @@ impl PyVtcRouter {
     fn route(
         &self,
         user: &str,
-        input_tokens: i64,
-        output_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] input_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] output_tokens: i64,
         running: Option<&Bound<'_, PyAny>>,
         now: f64,
     ) -> PyResult<String> {
@@ -136,10 +137,10 @@ impl PyVtcRouter {
         &self,
         pod: &str,
         user: &str,
-        est_input_tokens: i64,
-        est_output_tokens: i64,
-        input_tokens: i64,
-        output_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] est_input_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] est_output_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] input_tokens: i64,
+        #[pyo3(from_py_with = int_arg)] output_tokens: i64,
         now: f64,
     ) -> PyResult<()> {
         Ok(self.router().complete(

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use crate::error::invalid;
-use crate::py::{float_array, int_array};
+use crate::py::{float_array, int_arg, int_array};
 use crate::workload::{CsvColumns, Workload};
 
 /// Input/output token pairs of a trace, or a weighted distribution from a CDF.
@@ -130,7 +130,11 @@ impl PyWorkload {
     /// ``L_in = max(1, floor(input_fraction * L))`` and ``L_out = L - L_in``.
     #[staticmethod]
     #[pyo3(signature = (points, input_fraction=0.8))]
-    fn from_cdf(py: Python<'_>, points: Vec<(i64, f64)>, input_fraction: f64) -> PyResult<Self> {
+    fn from_cdf(
+        py: Python<'_>,
+        #[pyo3(from_py_with = int_arg)] points: Vec<(i64, f64)>,
+        input_fraction: f64,
+    ) -> PyResult<Self> {
         Ok(Self::wrap(
             py.detach(|| Workload::from_cdf(&points, input_fraction))?,
         ))
@@ -140,7 +144,12 @@ impl PyWorkload {
     /// (seeded), unit weights, categories kept, no arrival times: a trace-like
     /// sample of a ``from_cdf`` distribution, or a bootstrap of a trace.
     #[pyo3(signature = (n, seed=0))]
-    fn sample(&self, py: Python<'_>, n: usize, seed: u64) -> PyResult<Self> {
+    fn sample(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = int_arg)] n: usize,
+        #[pyo3(from_py_with = int_arg)] seed: u64,
+    ) -> PyResult<Self> {
         let w = self.inner.clone();
         Ok(Self::wrap(py.detach(|| w.sample(n, seed))?))
     }

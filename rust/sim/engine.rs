@@ -102,6 +102,10 @@ pub struct Instance {
     pub preemptions: u64,
     /// Slot-seconds occupied inside the measurement window.
     pub slot_seconds: f64,
+    /// Iterations run and prompt tokens prefilled, inside the measurement
+    /// window (by the iteration's start).
+    pub iterations: f64,
+    pub prefill_tokens: f64,
     /// Events of the iteration under way, stamped with its end time.
     pub pending: Vec<Event>,
     stretch: Option<Stretch>,
@@ -119,6 +123,8 @@ impl Instance {
             busy: false,
             preemptions: 0,
             slot_seconds: 0.0,
+            iterations: 0.0,
+            prefill_tokens: 0.0,
             pending: Vec::new(),
             stretch: None,
             iteration_end: None,
@@ -231,6 +237,10 @@ impl Instance {
         });
         let end = now + dt;
         self.occupy(now, end, window);
+        if now >= window.0 && now < window.1 {
+            self.iterations += 1.0;
+            self.prefill_tokens += prefill_tokens as f64;
+        }
         self.iteration_end = Some(end);
         Some(dt)
     }
@@ -319,6 +329,12 @@ impl Instance {
         };
         let end = st.start + st.dt * st.iterations as f64;
         self.occupy(st.start, end, window);
+        // Decode-only iterations whose start falls inside the window.
+        let first = ((window.0 - st.start) / st.dt).ceil().max(0.0);
+        let last = ((window.1 - st.start) / st.dt)
+            .ceil()
+            .min(st.iterations as f64);
+        self.iterations += (last - first).max(0.0);
         for s in &mut self.running {
             s.generated += st.iterations;
             let blocks = blocks_for(s.input + s.generated - 1);

@@ -10,11 +10,12 @@
 //! latency figures and of utilization, which is measured over the window from
 //! the first measured arrival to the last arrival.
 //!
-//! Utilization is the fraction of slot-time busy (sequences holding a slot over
-//! `instances * max_num_seqs` slots). The analytical figure beside it is
-//! FleetOpt's `rho = lambda_p / (n * mu_gpu)` with `mu_gpu = n_max / E[S]` and
-//! `E[S] = E[ceil(L_in / C_chunk) + L_out] * t_iter(n_max)` (Eq. 3-4), taken
-//! over the requests the pool actually served in the window.
+//! Utilization is the share of slot-time held (sequences holding a slot over
+//! `instances * max_num_seqs` slots), the one definition the planner reports
+//! too. The model's figure beside it is the planner's engine model
+//! ([`crate::planner::engine_state`]) at the pool's measured per-instance
+//! arrival rate over the requests the pool actually served in the window, so
+//! the two columns compare the same quantity.
 
 pub mod engine;
 pub mod router;
@@ -27,6 +28,7 @@ use std::sync::Arc;
 
 use crate::budget::{Pool, MAX_TOKENS};
 use crate::error::{invalid, non_negative, positive, Result};
+use crate::planner::{engine_state, EngineLoad, EngineShape, EngineState};
 use crate::rng::Rng;
 
 use engine::{blocks_for, EngineLimits, Event, Instance};
@@ -226,11 +228,15 @@ pub struct PoolReport {
     pub max_context: u64,
     /// Measured requests the pool served (rejections excluded).
     pub requests: u64,
+    /// Share of slot-time held, measured.
     pub utilization_simulated: f64,
-    pub utilization_analytical: f64,
-    /// The same with `t_iter` taken at the occupancy it predicts (see
-    /// [`analytical_utilization`]).
-    pub utilization_consistent: f64,
+    /// The same, predicted by the planner's engine model (see [`model_state`]).
+    pub utilization_model: f64,
+    /// The prefill budget's utilization, measured: prompt tokens prefilled
+    /// over `chunk` per iteration run, inside the window.
+    pub prefill_utilization_simulated: f64,
+    /// The same, predicted by the engine model.
+    pub prefill_utilization_model: f64,
     /// Over the whole run, warm-up included.
     pub preemptions: u64,
     pub rejections: u64,
@@ -595,7 +601,7 @@ impl<'a> Fleet<'a> {
             let slot_seconds: f64 = insts.iter().map(|i| i.slot_seconds).sum();
             let slots = (pool.instances * pool.max_num_seqs) as f64;
             let mut requests = 0u64;
-            let mut iterations = 0.0;
+            let mut sums = [0.0f64; 5];
             let mut rejections = 0;
             let mut compressed = 0;
             for k in 0..self.requests.len() {
@@ -610,31 +616,38 @@ impl<'a> Fleet<'a> {
                 if k >= self.first_measured {
                     let input = self.routed[k].map_or(0, |r| r.input_tokens);
                     requests += 1;
-                    iterations +=
-                        input.div_ceil(pool.chunk) as f64 + self.requests[k].output_tokens as f64;
+                    let out = self.requests[k].output_tokens;
+                    let a = (input.div_ceil(pool.chunk) + out).saturating_sub(1) as f64;
+                    let p = input as f64;
+                    for (s, v) in sums
+                        .iter_mut()
+                        .zip([a, a * a, p, p * p, a * (p + out as f64)])
+                    {
+                        *s += v;
+                    }
                 }
             }
-            let (ana, consistent) = if span > 0.0 && requests > 0 {
-                let iters = iterations / requests as f64;
+            let model = (span > 0.0 && requests > 0).then(|| {
                 let per_instance = requests as f64 / span / pool.instances as f64;
-                analytical_utilization(per_instance, iters, pool)
-            } else {
-                (f64::NAN, f64::NAN)
-            };
-            let sim = if span > 0.0 {
-                slot_seconds / (slots * span)
-            } else {
-                f64::NAN
-            };
+                model_state(per_instance, &sums.map(|s| s / requests as f64), pool)
+            });
+            let measured = |x: f64| if span > 0.0 { x / span } else { f64::NAN };
+            let iterations: f64 = insts.iter().map(|i| i.iterations).sum();
+            let prefilled: f64 = insts.iter().map(|i| i.prefill_tokens).sum();
             self.report.pools.push(PoolReport {
                 name: pool.name.clone(),
                 instances: pool.instances,
                 gpus: pool.instances as u64 * pool.gpus_per_instance,
                 max_context: pool.max_context,
                 requests,
-                utilization_simulated: sim,
-                utilization_analytical: ana,
-                utilization_consistent: consistent,
+                utilization_simulated: measured(slot_seconds / slots),
+                utilization_model: model.map_or(f64::NAN, |m| m.utilization),
+                prefill_utilization_simulated: if iterations > 0.0 {
+                    prefilled / (iterations * pool.chunk as f64)
+                } else {
+                    f64::NAN
+                },
+                prefill_utilization_model: model.map_or(f64::NAN, |m| m.prefill_utilization),
                 preemptions: insts.iter().map(|i| i.preemptions).sum(),
                 rejections,
                 compressed,
@@ -644,41 +657,35 @@ impl<'a> Fleet<'a> {
     }
 }
 
-/// FleetOpt's utilization of a pool (Eq. 3-4) for `rate` requests/s per
-/// instance of `iterations` = E[ceil(L_in / C_chunk) + L_out] each:
-/// `rho = rate * iterations * t_iter(n_max) / n_max`, every request charged the
-/// iteration time of a full batch. Second, the occupancy-consistent figure:
-/// by Little's law the mean occupancy `k` satisfies
-/// `k = rate * iterations * t_iter(k)`, solved by bisection on [0, n_max];
-/// `rho = k / n_max` (when no `k <= n_max` solves it the pool is overloaded and
-/// the first figure is returned for both).
-pub fn analytical_utilization(rate: f64, iterations: f64, pool: &PoolConfig) -> (f64, f64) {
-    let n_max = pool.max_num_seqs;
-    let t = |n: f64| {
+/// The planner's engine model ([`crate::planner::engine_state`]) of one
+/// instance of `pool` at `rate` requests per second, from the served
+/// requests' means `[E[a], E[a^2], E[L_in], E[L_in^2], E[a L_total]]`
+/// (`a = ceil(L_in / C) + L_out - 1`). The timing model is read as linear:
+/// `W = t(0)`, `H = t(1) - t(0)`, exact for [`timing::LinearTiming`].
+pub fn model_state(rate: f64, means: &[f64; 5], pool: &PoolConfig) -> EngineState {
+    let t = |n| {
         pool.timing.iteration_time(Batch {
-            n_active: n.round() as usize,
+            n_active: n,
             prefill_tokens: 0,
         })
     };
-    let full = rate * iterations * t(n_max as f64) / n_max as f64;
-    if full >= 1.0 {
-        return (full, full);
-    }
-    // The timing model takes whole sequences: interpolate between them.
-    let t_at = |k: f64| {
-        let lo = k.floor();
-        t(lo) + (t(lo + 1.0) - t(lo)) * (k - lo)
+    let [a, a2, p, p2, al] = *means;
+    let load = EngineLoad {
+        iterations: a,
+        iterations_cs2: if a > 0.0 { (a2 - a * a) / (a * a) } else { 0.0 },
+        prompt_mean: p,
+        prompt_second: p2,
+        kv_token_iterations: al,
+        prefill_chunks_q: 0.0,
     };
-    let (mut lo, mut hi) = (0.0, n_max as f64);
-    for _ in 0..60 {
-        let mid = 0.5 * (lo + hi);
-        if rate * iterations * t_at(mid) > mid {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    (full, 0.5 * (lo + hi) / n_max as f64)
+    let shape = EngineShape {
+        w_s: t(0),
+        h_s: t(1) - t(0),
+        chunk: pool.chunk,
+        n_slots: pool.max_num_seqs as u64,
+        kv_tokens: (pool.kv_blocks * engine::BLOCK_TOKENS) as f64,
+    };
+    engine_state(rate, &load, &shape)
 }
 
 /// The `q`-th percentile (0..=100) of the finite values, linearly

@@ -341,18 +341,15 @@ fn fast_forward_matches_on_small_random_fleets() {
 }
 
 #[test]
-fn analytical_utilization_by_hand() {
-    // 16 slots, 2 requests/s per instance of 150 iterations each.
-    // FleetOpt: 2 * 150 * (8 + 16 * 0.65) ms / 16 = 0.345.
-    // Consistent: k = 300 (0.008 + 0.00065 k) -> k = 2.4 / 0.805 = 2.981...
+fn model_state_by_hand() {
+    // 16 slots, 2 requests/s per instance, 150 iterations each, no prompt:
+    // t = W / (1 - H rate E[a]) = 0.008 / 0.805, occupancy = 2 * 150 * t.
     let p = pool("p", 1, 8192, 16, 8192);
-    let (full, consistent) = analytical_utilization(2.0, 150.0, &p);
-    assert!(close(full, 0.345));
-    assert!(
-        (consistent - 2.4 / 0.805 / 16.0).abs() < 1e-9,
-        "{consistent}"
-    );
-    // Overloaded: no occupancy solves it; both are the full-batch figure.
-    let (full, consistent) = analytical_utilization(20.0, 150.0, &p);
-    assert!(full > 1.0 && close(full, consistent));
+    let m = model_state(2.0, &[150.0, 22500.0, 0.0, 0.0, 0.0], &p);
+    assert!(close(m.t_iter_s, 0.008 / 0.805));
+    assert!((m.utilization - 2.4 / 0.805 / 16.0).abs() < 1e-9, "{m:?}");
+    assert_eq!(m.prefill_utilization, 0.0);
+    // Overloaded compute: H rate E[a] >= 1, the iteration time is unbounded.
+    let m = model_state(20.0, &[150.0, 22500.0, 0.0, 0.0, 0.0], &p);
+    assert!(m.t_iter_s.is_infinite());
 }

@@ -10,6 +10,7 @@ from typing import Any
 
 from routecore._core import assign_eval
 from routecore._extras import pyplot
+from routecore.commands._args import positive_float, positive_int, random_seed
 
 NAME = "assign-eval"
 HELP = (
@@ -20,15 +21,17 @@ HELP = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rate", type=float, default=8.0, help="arrivals per second (default 8)")
-    p.add_argument("--requests", type=int, default=3000, help="requests (default 3000)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument(
-        "--max-batch", type=int, default=16, help="decode slots per instance (default 16)"
+        "--rate", type=positive_float, default=8.0, help="arrivals per second (default 8)"
+    )
+    p.add_argument("--requests", type=positive_int, default=3000, help="requests (default 3000)")
+    p.add_argument("--seed", type=random_seed, default=0, help="workload seed (default 0)")
+    p.add_argument(
+        "--max-batch", type=positive_int, default=16, help="decode slots per instance (default 16)"
     )
     p.add_argument(
         "--interval",
-        type=float,
+        type=positive_float,
         default=0.05,
         help="seconds between scheduler firings (default 0.05)",
     )

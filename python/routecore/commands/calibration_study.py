@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 
 from routecore.calibration import calibration_study, format_table
+from routecore.commands._args import positive_int, random_seed
 
 NAME = "calibration-study"
 HELP = "Reproduce the calibration study (Table 4 of the token-budget paper)."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--requests", type=int, default=5000, help="requests per category")
+    p.add_argument("--seed", type=random_seed, default=0, help="random seed (default 0)")
+    p.add_argument("--requests", type=positive_int, default=5000, help="requests per category")
 
 
 def run(args: argparse.Namespace) -> int:

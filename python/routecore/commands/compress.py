@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from routecore._core import Compressor
+from routecore.commands._args import positive_float, proper_fraction, token_count
 from routecore.fidelity import rouge_l_recall, tfidf_cosine
 
 NAME = "compress"
@@ -39,15 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument(
         "--reduction",
-        type=float,
+        type=proper_fraction,
         default=0.15,
         help="cut each text by this share of its estimated tokens (default 0.15, the "
         "paper's operating point)",
     )
-    group.add_argument("--budget", type=int, help="token budget for every file instead")
+    group.add_argument("--budget", type=token_count, help="token budget for every file instead")
     p.add_argument(
         "--bytes-per-token",
-        type=float,
+        type=positive_float,
         help="ratio of the estimate ceil(bytes / ratio) (default: per category)",
     )
     p.add_argument("--output-dir", help="write each compressed text here, same file name")

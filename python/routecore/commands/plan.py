@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from routecore._core import Candidate, Plan, Profile, Workload, plan
 from routecore._extras import pyplot
+from routecore.commands._args import fraction, positive_float, random_seed, token_count
 from routecore.planning import fleetopt_profile, fleetopt_workload, table3_rows
 from routecore.profiles import PRESETS, load_profile
 
@@ -34,26 +36,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-column", default="ContextTokens", help="CSV input-token column")
     p.add_argument("--output-column", default="GeneratedTokens", help="CSV output-token column")
     p.add_argument("--category-column", help="CSV category column (for --p-c-category)")
-    p.add_argument("--rate", type=float, default=1000.0, help="arrival rate, req/s (1000)")
-    p.add_argument("--slo-ms", type=float, default=500.0, help="P99 TTFT target, ms (500)")
+    p.add_argument("--rate", type=positive_float, default=1000.0, help="arrival rate, req/s (1000)")
+    p.add_argument("--slo-ms", type=positive_float, default=500.0, help="P99 TTFT target, ms (500)")
     p.add_argument(
         "--profile",
         default="llama3_70b_a100",
         help=f"preset ({', '.join(PRESETS)}) or a TOML file (default llama3_70b_a100)",
     )
-    p.add_argument("--price", type=float, help="$/GPU-hour (default: the profile's)")
+    p.add_argument("--price", type=positive_float, help="$/GPU-hour (default: the profile's)")
     p.add_argument(
         "--h-ref-tokens",
-        type=int,
+        type=token_count,
         help="scale the per-slot cost H by L_total / N (length-scaled slot model)",
     )
     p.add_argument(
         "--b-short",
-        type=int,
+        type=token_count,
         action="append",
         help="candidate short-pool boundary, tokens (repeat; default: 256 ... 49152)",
     )
-    p.add_argument("--p-c", type=float, default=1.0, help="compressibility p_c (1.0)")
+    p.add_argument("--p-c", type=fraction, default=1.0, help="compressibility p_c (1.0)")
     p.add_argument(
         "--p-c-category",
         type=parse_category_pc,
@@ -61,14 +63,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="CATEGORY=P_C",
         help="per-category compressibility, e.g. code=0 (repeat)",
     )
-    p.add_argument("--phi", type=float, default=1.0, help="long/short GPU cost ratio (1.0)")
-    p.add_argument("--long-context", type=int, default=65536, help="long pool context (65536)")
+    p.add_argument(
+        "--phi", type=positive_float, default=1.0, help="long/short GPU cost ratio (1.0)"
+    )
+    p.add_argument(
+        "--long-context", type=token_count, default=65536, help="long pool context (65536)"
+    )
     p.add_argument(
         "--fleetopt-assumptions",
         action="store_true",
         help="plan the trace's CDF with an 80/20 split and H scaled at 8K tokens, "
         "the assumptions behind FleetOpt's published Azure rows",
     )
+    p.add_argument(
+        "--model",
+        choices=("engine", "paper"),
+        default="engine",
+        help="service model: 'engine' (the simulator's engine; default) or 'paper' "
+        "(FleetOpt Eq. 3-4, which reproduces the paper's tables)",
+    )
+    p.add_argument(
+        "--slo-tpot-ms",
+        type=positive_float,
+        default=80.0,
+        help="TPOT target, ms (80; engine model and --verify)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check the homogeneous, pool-routing and best fleets in the simulator: per "
+        "pool, bisection to the smallest GPU count meeting both SLOs for 99%% of its "
+        "requests (see `routecore simulate`), printed beside the plan",
+    )
+    p.add_argument(
+        "--verify-duration",
+        type=positive_float,
+        default=60.0,
+        help="simulated seconds of arrivals per verification run (60)",
+    )
+    p.add_argument("--seed", type=random_seed, default=42, help="verification seed (42)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw savings against B_short")
 
@@ -109,13 +142,15 @@ def run_plan(args: argparse.Namespace) -> Plan:
         p_c_by_category=dict(args.p_c_category or []),
         phi=args.phi,
         long_context=args.long_context,
+        model="paper" if args.fleetopt_assumptions else args.model,
+        slo_tpot_s=args.slo_tpot_ms / 1000.0,
     )
 
 
 def format_table(rows: list[tuple[str, Candidate | None]]) -> str:
     head = (
         f"{'method':<22} {'B_short':>7} {'gamma':>5} {'n_s':>6} {'n_l':>6} {'total':>6} "
-        f"{'cost K$/yr':>10} {'savings':>7} {'TTFT99 s/l ms':>15}"
+        f"{'cost K$/yr':>10} {'savings':>7} {'TTFT99 s/l ms':>15} {'binding s/l':>17}"
     )
     lines = [head, "-" * len(head)]
     for name, c in rows:
@@ -131,9 +166,17 @@ def format_table(rows: list[tuple[str, Candidate | None]]) -> str:
             ]
         )
         flag = "" if c.feasible else "  (misses the SLO)"
+        binding = "/".join(
+            bnd if lam > 0 else "-"
+            for bnd, lam in [
+                (c.binding_short, c.arrival_rate_short),
+                (c.binding_long, c.arrival_rate_long),
+            ]
+        )
         lines.append(
             f"{name:<22} {b:>7} {c.gamma:>5.1f} {c.n_short:>6} {c.n_long:>6} {c.gpus:>6} "
-            f"{c.annual_cost_usd / 1e3:>10,.0f} {c.savings_vs_homogeneous:>7.1%} {ttft:>15}{flag}"
+            f"{c.annual_cost_usd / 1e3:>10,.0f} {c.savings_vs_homogeneous:>7.1%} {ttft:>15} "
+            f"{binding:>17}{flag}"
         )
     return "\n".join(lines)
 
@@ -177,12 +220,66 @@ def plot_savings(result: Plan, path: str) -> None:
     plt.close(fig)
 
 
+def verify_plan(result: Plan, args: argparse.Namespace) -> dict[str, Any]:
+    """The plan's three fleets verified in the simulator (``routecore
+    simulate``'s bisection), on the planned workload at ``--rate`` with
+    ``--verify-duration`` seconds of arrivals (the trace's own timestamps when
+    it has them, else Poisson) and ``--seed``."""
+    from routecore.commands import simulate as sim
+
+    workload, profile = load_inputs(args)
+    if args.fleetopt_assumptions or profile.h_ref_tokens is not None:
+        raise ValueError("--verify simulates W + H * n_active: drop --h-ref-tokens and "
+                         "--fleetopt-assumptions")  # fmt: skip
+    parser = argparse.ArgumentParser()
+    sim.add_arguments(parser)
+    sim_args = parser.parse_args(
+        ["--rate", str(args.rate), "--slo-ttft", str(args.slo_ms / 1000.0),
+         "--slo-tpot", str(args.slo_tpot_ms / 1000.0), "--seed", str(args.seed),
+         "--duration", str(args.verify_duration), "--model", args.model]
+        + (["--json"] if args.json else [])
+    )  # fmt: skip
+    n = math.ceil(args.rate * args.verify_duration)
+    trace = sim.trace_arrays(workload, n)
+    fleets = sim.fleets_from_plan(result, sim_args)
+    out = []
+    for fleet in fleets:
+        report = sim.run_fleet(fleet, trace, profile, sim_args)
+        report = sim.verify_fleet(fleet, trace, profile, sim_args, report)
+        out.append(sim.fleet_result(fleet, report, profile, None, sim_args))
+    return {"requests": n, "seed": args.seed, "fleets": out}
+
+
+def format_verification(v: dict[str, Any]) -> str:
+    lines = [
+        f"verified in the simulator ({v['requests']} requests, seed {v['seed']}): "
+        "smallest GPU count per pool meeting both SLOs for 99% of its requests",
+        f"{'fleet':<14}{'pool':<12}{'binding':>9}{'planned':>8}{'verified':>9}{'SLO':>8}"
+        f"{'TTFT p99':>10}{'TPOT p99':>10}",
+    ]
+    for f in v["fleets"]:
+        for p in f["pools"]:
+            lines.append(
+                f"{f['name']:<14}{p['name']:<12}{p['binding']:>9}{p['gpus_planned']:>8}"
+                f"{p['gpus_verified']:>9}{100 * p['slo_attainment']:>7.1f}%"
+                f"{p['ttft_p99_s']:>9.3f}s{1000 * p['tpot_p99_s']:>8.1f}ms"
+            )
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     result = run_plan(args)
+    verification = verify_plan(result, args) if args.verify else None
     if args.json:
-        print(json.dumps(plan_json(result), indent=2))
+        out = plan_json(result)
+        if verification is not None:
+            out["verification"] = verification
+        print(json.dumps(out, indent=2))
     else:
         print(format_table(table3_rows(result)))
+        if verification is not None:
+            print()
+            print(format_verification(verification))
     if args.plot:
         plot_savings(result, args.plot)
     return 0

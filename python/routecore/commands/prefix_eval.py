@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from routecore.commands._args import positive_float, positive_int, random_seed
 from routecore.prefix_eval import POLICIES, evaluate, generate_workload, markdown_table
 
 NAME = "prefix-eval"
@@ -18,19 +19,31 @@ HELP = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=2000, help="requests (default 2000)")
-    p.add_argument("--pods", type=int, default=8, help="pods (default 8)")
-    p.add_argument("--apps", type=int, default=8, help="applications / system prompts (8)")
-    p.add_argument("--users", type=int, default=200, help="users (default 200)")
+    p.add_argument("--requests", type=positive_int, default=2000, help="requests (default 2000)")
+    p.add_argument("--pods", type=positive_int, default=8, help="pods (default 8)")
+    p.add_argument("--apps", type=positive_int, default=8, help="applications / system prompts (8)")
+    p.add_argument("--users", type=positive_int, default=200, help="users (default 200)")
     p.add_argument(
-        "--concurrency", type=int, default=64, help="open conversations at a time (default 64)"
+        "--concurrency",
+        type=positive_int,
+        default=64,
+        help="open conversations at a time (default 64)",
     )
-    p.add_argument("--rate", type=float, default=20.0, help="arrivals per second (default 20)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument(
-        "--cache-blocks", type=int, default=8192, help="KV blocks each pod caches (default 8192)"
+        "--rate", type=positive_float, default=20.0, help="arrivals per second (default 20)"
     )
-    p.add_argument("--seed", type=int, default=0, help="workload and random-policy seed (0)")
+    p.add_argument(
+        "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
+    )
+    p.add_argument(
+        "--cache-blocks",
+        type=positive_int,
+        default=8192,
+        help="KV blocks each pod caches (default 8192)",
+    )
+    p.add_argument(
+        "--seed", type=random_seed, default=0, help="workload and random-policy seed (0)"
+    )
     p.add_argument(
         "--policy",
         action="append",

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from importlib import resources
 
 from routecore._core import Compressor, Pool, TokenBudgetRouter
+from routecore.commands._args import band, token_count
 
 NAME = "route"
 HELP = (
@@ -30,7 +31,7 @@ def parse_pool(spec: str) -> Pool:
         numbers = [int(x) if x else None for x in parts[1:]]
         max_context, budget, queue_limit = (numbers + [None, None])[:3]
         return Pool(parts[0], max_context, budget, queue_limit)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise argparse.ArgumentTypeError(f"pool {spec!r}: {e}") from e
 
 
@@ -49,13 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--default-max-tokens",
-        type=int,
+        type=token_count,
         default=4096,
         help="output bound for requests that set none (default 4096)",
     )
     p.add_argument(
         "--compress-band",
-        type=float,
+        type=band,
         metavar="GAMMA",
         help="compress-and-route: compress prose requests whose L_total is in "
         "(B, GAMMA*B] of a smaller pool down to B - max_tokens and route them there",

@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from routecore._extras import require
+from routecore.commands._args import port
 
 NAME = "serve"
 HELP = (
@@ -18,8 +19,8 @@ HELP = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML configuration (see examples/)")
-    p.add_argument("--port", type=int, help="gRPC port (default: server.port of the file)")
-    p.add_argument("--metrics-port", type=int, help="metrics port (default: server.metrics_port)")
+    p.add_argument("--port", type=port, help="gRPC port (default: server.port of the file)")
+    p.add_argument("--metrics-port", type=port, help="metrics port (default: server.metrics_port)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

@@ -19,8 +19,18 @@ from typing import Any
 
 import numpy as np
 
-from routecore._core import Profile, SimPool, SimReport, Workload, plan, simulate
+from routecore._core import Plan, Profile, SimPool, SimReport, Workload, plan, simulate
 from routecore._extras import pyplot
+from routecore.commands._args import (
+    band,
+    non_negative_int,
+    positive_float,
+    positive_fraction,
+    positive_int,
+    proper_fraction,
+    random_seed,
+    token_count,
+)
 from routecore.profiles import load_profile
 
 NAME = "simulate"
@@ -40,20 +50,19 @@ HOURS_PER_YEAR = 8760.0
 
 @dataclass
 class PoolSpec:
+    """One pool: its planned size, the size simulated now (``gpus``), the
+    resource the planner found binding and the utilization it planned."""
+
     name: str
     gpus: int
     max_context: int
     slots: int
-    utilization_analytical: float
+    binding: str
+    utilization_planned: float
     gpus_planned: int = 0
 
     def __post_init__(self) -> None:
         self.gpus_planned = self.gpus_planned or self.gpus
-
-    def resize(self, gpus: int) -> None:
-        """Sets the pool's size; the analytical utilization scales with it."""
-        self.utilization_analytical *= self.gpus / gpus
-        self.gpus = gpus
 
 
 @dataclass
@@ -80,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="'azure-2023' (the shipped trace) or a CSV with ContextTokens and "
         "GeneratedTokens columns (default azure-2023)",
     )
-    p.add_argument("--rate", type=float, default=1000.0, help="requests/s (default 1000)")
+    p.add_argument("--rate", type=positive_float, default=1000.0, help="requests/s (default 1000)")
     p.add_argument(
         "--arrivals",
         choices=("trace", "poisson"),
@@ -90,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--duration",
-        type=float,
+        type=positive_float,
         default=120.0,
         help="simulated seconds of arrivals: rate x DURATION requests, the trace repeated "
         "end to end as needed (default 120, long enough for steady state)",
@@ -114,39 +123,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="least-loaded",
         help="instance choice inside a pool (default least-loaded)",
     )
-    p.add_argument("--b-short", type=int, help="short-pool boundary B (default: the planner's)")
-    p.add_argument("--gamma", type=float, help="compress-and-route band (default: the planner's)")
+    p.add_argument(
+        "--b-short", type=token_count, help="short-pool boundary B (default: the planner's)"
+    )
+    p.add_argument("--gamma", type=band, help="compress-and-route band (default: the planner's)")
     p.add_argument(
         "--no-compress-code",
         action="store_true",
         help="never compress code (plan with p_c = 0 for it); default: p_c = 1, as FleetOpt "
         "evaluates Azure",
     )
-    p.add_argument("--homogeneous-gpus", type=int, help="override the homogeneous size")
-    p.add_argument("--short-gpus", type=int, help="override the short pools' size")
-    p.add_argument("--long-gpus", type=int, help="override the long pools' size")
-    p.add_argument("--rho-max", type=float, default=0.85, help="utilization cap (0.85)")
+    p.add_argument("--homogeneous-gpus", type=positive_int, help="override the homogeneous size")
+    p.add_argument("--short-gpus", type=positive_int, help="override the short pools' size")
+    p.add_argument("--long-gpus", type=positive_int, help="override the long pools' size")
+    p.add_argument("--rho-max", type=positive_fraction, default=0.85, help="utilization cap (0.85)")
+    p.add_argument(
+        "--model",
+        choices=("engine", "paper"),
+        default="engine",
+        help="the planner's service model: 'engine' (the simulator's engine: iteration time "
+        "at the predicted occupancy, shared prefill budget, TPOT constraint; default) or "
+        "'paper' (FleetOpt Eq. 3-4)",
+    )
     p.add_argument(
         "--slo-ttft",
-        type=float,
+        type=positive_float,
         default=2.0,
         help="P99 TTFT target for the planner and per-request SLO, s (2.0, the token-budget "
         "paper's)",
     )
-    p.add_argument("--slo-tpot", type=float, default=0.08, help="TPOT target, s (0.08)")
+    p.add_argument("--slo-tpot", type=positive_float, default=0.08, help="TPOT target, s (0.08)")
     p.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="fleet verification (the token-budget paper's Appendix A, on by default): "
-        "grow each pool whose requests meet the SLO less often than --verify-target by "
-        "10%% a round and simulate again, up to --verify-rounds; the table shows planned "
-        "and verified GPUs. --no-verify simulates the planner's sizes as they are",
+        help="fleet verification (on by default): per pool, bisection with the simulator "
+        "to the smallest GPU count whose requests meet the SLO at least --verify-target of "
+        "the time, shrinking a pool with room to spare and growing one that misses, up to "
+        "--verify-rounds simulations per fleet; the table shows planned and verified GPUs. "
+        "--no-verify simulates the planner's sizes as they are",
     )
-    p.add_argument("--verify-target", type=float, default=0.99, help="per-pool SLO (0.99)")
-    p.add_argument("--verify-rounds", type=int, default=15, help="rounds at most (15)")
-    p.add_argument("--warmup", type=float, default=0.2, help="warm-up fraction (0.2)")
-    p.add_argument("--seed", type=int, default=42, help="seed (42)")
+    p.add_argument(
+        "--verify-target", type=positive_fraction, default=0.99, help="per-pool SLO (0.99)"
+    )
+    p.add_argument("--verify-rounds", type=non_negative_int, default=20, help="simulations at most (20)")
+    p.add_argument("--warmup", type=proper_fraction, default=0.2, help="warm-up fraction (0.2)")
+    p.add_argument("--seed", type=random_seed, default=42, help="seed (42)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="DIR", help="write latency CDFs and utilization PNGs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -171,7 +193,14 @@ def plan_fleets(w: Workload, profile: Profile, args: argparse.Namespace) -> list
         b_short=[args.b_short] if args.b_short else None,
         gammas=sorted({1.0, args.gamma}) if args.gamma else None,
         p_c_by_category=p_c_by_category, rho_max=args.rho_max,
+        model=args.model, slo_tpot_s=args.slo_tpot if args.model == "engine" else None,
     )  # fmt: skip
+    return fleets_from_plan(result, args)
+
+
+def fleets_from_plan(result: Plan, args: argparse.Namespace) -> list[FleetSpec]:
+    """The fleets ``args.fleet`` (default all three) of a plan, with the
+    ``--*-gpus`` overrides."""
     chosen = {
         "homogeneous": result.homogeneous,
         "pool-routing": result.pool_routing,
@@ -184,16 +213,14 @@ def plan_fleets(w: Workload, profile: Profile, args: argparse.Namespace) -> list
             raise ValueError(f"the planner found no feasible {name} fleet; relax --slo-ttft")
         pools = [
             PoolSpec("short", args.short_gpus or c.n_short, c.context_short, c.slots_short,
-                     c.utilization_short * c.n_short / (args.short_gpus or c.n_short or 1)),
+                     c.binding_short, c.utilization_short, c.n_short),
             PoolSpec("long", args.long_gpus or c.n_long, c.context_long, c.slots_long,
-                     c.utilization_long * c.n_long / (args.long_gpus or c.n_long or 1)),
+                     c.binding_long, c.utilization_long, c.n_long),
         ]  # fmt: skip
         if name == "homogeneous":
             pools = [pools[1]]
             pools[0].name = "homogeneous"
-            if args.homogeneous_gpus:
-                pools[0].utilization_analytical *= c.n_long / args.homogeneous_gpus
-                pools[0].gpus = args.homogeneous_gpus
+            pools[0].gpus = args.homogeneous_gpus or pools[0].gpus
             router = "homogeneous"
         else:
             pools = [p for p in pools if p.gpus > 0]
@@ -294,34 +321,86 @@ def slo_met(report: SimReport, args: argparse.Namespace) -> np.ndarray:
     return (report.ttft <= args.slo_ttft) & ~(report.tpot > args.slo_tpot)
 
 
-def pools_missing_slo(report: SimReport, args: argparse.Namespace) -> list[int]:
-    """Pools whose measured requests meet the SLO less often than the target."""
+def pool_attainment(report: SimReport, args: argparse.Namespace) -> list[float]:
+    """Per pool: the share of its measured requests meeting both SLOs (1.0
+    for a pool that served none)."""
     ok = slo_met(report, args)
-    missing = []
+    out = []
     for i in range(len(report.pools)):
         mine = report.measured & (report.pool == i)
-        if mine.any() and ok[mine].mean() < args.verify_target:
-            missing.append(i)
-    return missing
+        out.append(float(ok[mine].mean()) if mine.any() else 1.0)
+    return out
+
+
+@dataclass
+class Bisection:
+    """The search for one pool's smallest GPU count meeting the SLO: ``bad``
+    is the largest count seen missing it (0 GPUs always miss), ``ok`` the
+    smallest seen meeting it (None until one does). Probes gallop away from
+    the planned size (steps of 3 %, at least one GPU, doubling) until the
+    answer is bracketed, then bisect."""
+
+    planned: int
+    bad: int = 0
+    ok: int | None = None
+    step: int = 0
+
+    def record(self, gpus: int, meets: bool) -> None:
+        if meets:
+            self.ok = gpus if self.ok is None else min(self.ok, gpus)
+        else:
+            self.bad = max(self.bad, gpus)
+
+    @property
+    def done(self) -> bool:
+        return self.ok is not None and self.ok - self.bad <= 1
+
+    def next_probe(self) -> int:
+        self.step = max(1, math.ceil(0.03 * self.planned)) if not self.step else 2 * self.step
+        if self.ok is None:
+            return self.bad + self.step
+        if self.bad == 0 and self.ok - self.step > 0:
+            return self.ok - self.step
+        return (self.bad + self.ok) // 2
 
 
 def verify_fleet(
     fleet: FleetSpec, trace: Trace, profile: Profile, args: argparse.Namespace, report: SimReport
 ) -> SimReport:
-    """The token-budget paper's fleet verification (Appendix A, step 3): the
-    simulator checks the analytical sizing, and every pool that misses the
-    per-pool SLO target grows by 10% (at least one GPU) until none does or the
-    rounds run out. Returns the last report; the fleet keeps its planned sizes
-    in ``gpus_planned``."""
-    for _ in range(args.verify_rounds):
-        missing = pools_missing_slo(report, args)
-        if not missing:
+    """Fleet verification: per pool, the smallest GPU count whose measured
+    requests meet both SLOs at least ``--verify-target`` of the time, by
+    bisection with the simulator (``Bisection``), shrinking pools with room to
+    spare and growing pools that miss. The pools of a fleet are independent
+    under its router (no spillover), so one simulation per round probes every
+    pool still searching. Stops after ``--verify-rounds`` simulations; a pool
+    never seen meeting the SLO keeps its last size. Returns the report at the
+    verified sizes; ``gpus_planned`` keeps the plan's."""
+    searches = [Bisection(p.gpus) for p in fleet.pools]
+    for round_ in range(1, args.verify_rounds + 1):
+        for s, pool, att in zip(searches, fleet.pools, pool_attainment(report, args)):
+            s.record(pool.gpus, att >= args.verify_target)
+        if all(s.done for s in searches):
             break
-        for i in missing:
-            pool = fleet.pools[i]
-            pool.resize(pool.gpus + max(1, math.ceil(0.1 * pool.gpus)))
+        for s, pool in zip(searches, fleet.pools):
+            if not s.done:
+                pool.gpus = s.next_probe()
+        if not args.quiet:
+            sizes = ", ".join(f"{p.name} {p.gpus}" for p in fleet.pools)
+            print(f"verify {fleet.name}: round {round_}: {sizes}", file=sys.stderr)
+        report = run_fleet(fleet, trace, profile, args)
+    final = [s.ok if s.ok is not None else p.gpus for s, p in zip(searches, fleet.pools)]
+    if final != [p.gpus for p in fleet.pools]:
+        for pool, gpus in zip(fleet.pools, final):
+            pool.gpus = gpus
         report = run_fleet(fleet, trace, profile, args)
     return report
+
+
+def pool_latency(report: SimReport, i: int, metric: str) -> float:
+    """P99 of ``metric`` over pool ``i``'s measured requests (NaN if none)."""
+    xs = getattr(report, metric)[report.measured & (report.pool == i)]
+    xs = xs[np.isfinite(xs)]
+    return float(np.percentile(xs, 99)) if xs.size else float("nan")
 
 
 def fleet_result(
@@ -333,19 +412,27 @@ def fleet_result(
 ) -> dict[str, Any]:
     s = report.summary()
     ok = slo_met(report, args)[report.measured]
+    attainment = pool_attainment(report, args)
     pools = []
-    for spec, sim in zip(fleet.pools, report.pools):
+    for i, (spec, sim) in enumerate(zip(fleet.pools, report.pools)):
         pools.append(
             {
                 "name": spec.name,
                 "gpus": spec.gpus,
                 "gpus_planned": spec.gpus_planned,
+                "gpus_verified": spec.gpus,
+                "binding": spec.binding,
                 "max_context": spec.max_context,
                 "slots": spec.slots,
                 "requests": sim["requests"],
+                "slo_attainment": attainment[i],
+                "ttft_p99_s": pool_latency(report, i, "ttft"),
+                "tpot_p99_s": pool_latency(report, i, "tpot"),
+                "utilization_planned": spec.utilization_planned,
+                "utilization_model": sim["utilization_model"],
                 "utilization_simulated": sim["utilization_simulated"],
-                "utilization_analytical": spec.utilization_analytical,
-                "utilization_consistent": sim["utilization_consistent"],
+                "prefill_utilization_model": sim["prefill_utilization_model"],
+                "prefill_utilization_simulated": sim["prefill_utilization_simulated"],
                 "preemptions": sim["preemptions"],
                 "rejections": sim["rejections"],
                 "compressed": sim["compressed"],
@@ -360,6 +447,7 @@ def fleet_result(
         "b_short": fleet.b_short,
         "gpus": fleet.gpus,
         "gpus_planned": fleet.gpus_planned,
+        "gpus_verified": fleet.gpus,
         "annual_cost_usd": cost,
         "savings_vs_homogeneous": savings,
         "ttft_p50_s": s["ttft"]["p50"],
@@ -393,23 +481,32 @@ def print_table(result: dict[str, Any]) -> None:
         )
     print()
     print(
-        f"{'fleet':<13}{'pool':<7}{'GPUs':>6}{'context':>9}{'requests':>10}"
-        f"{'util ana':>10}{'util sim':>10}{'error':>8}{'util@occ':>10}{'preempt':>9}{'reject':>8}"
+        f"{'fleet':<13}{'pool':<12}{'planned':>8}{'verified':>9}{'binding':>9}{'SLO':>8}"
+        f"{'TTFT p99':>10}{'TPOT p99':>10}{'util plan':>10}{'model':>7}{'sim':>7}"
+        f"{'prefill model':>14}{'sim':>6}{'preempt':>8}"
     )
     for f in result["fleets"]:
         for p in f["pools"]:
-            ana, sim = p["utilization_analytical"], p["utilization_simulated"]
-            err = (ana - sim) / sim if sim else float("nan")
             print(
-                f"{f['name']:<13}{p['name']:<7}{p['gpus']:>6}{p['max_context']:>9}"
-                f"{p['requests']:>10}{ana:>10.3f}{sim:>10.3f}{100 * err:>7.1f}%"
-                f"{p['utilization_consistent']:>10.3f}{p['preemptions']:>9}{p['rejections']:>8}"
+                f"{f['name']:<13}{p['name']:<12}{p['gpus_planned']:>8}{p['gpus_verified']:>9}"
+                f"{p['binding']:>9}{100 * p['slo_attainment']:>7.1f}%{p['ttft_p99_s']:>9.3f}s"
+                f"{1000 * p['tpot_p99_s']:>8.1f}ms{p['utilization_planned']:>10.3f}"
+                f"{p['utilization_model']:>7.3f}{p['utilization_simulated']:>7.3f}"
+                f"{p['prefill_utilization_model']:>14.3f}{p['prefill_utilization_simulated']:>6.3f}"
+                f"{p['preemptions']:>8}"
             )
+    v = result["verification"]
     print(
-        "\nutil ana: FleetOpt's lambda / (n mu_gpu) with t_iter at full batch; util sim: "
-        "fraction of slot-time busy;\nutil@occ: the same formula with t_iter at the "
-        "occupancy it predicts."
+        "\nutilization: share of slot-time held (sequences holding a slot / slots), one "
+        "definition:\n'util plan' at the planned size, 'model' the planner's engine model "
+        "at the simulated size and\nmeasured rate, 'sim' measured; 'prefill': prompt tokens "
+        "over the prefill budget (C_chunk per iteration)."
     )
+    if v["enabled"]:
+        print(
+            f"verified by bisection with the simulator: {v['requests']} requests, seed "
+            f"{v['seed']}, target {100 * v['target']:g}% of a pool's requests within both SLOs"
+        )
 
 
 def plot(result: dict[str, Any], reports: dict[str, SimReport], out: str) -> list[Path]:
@@ -437,10 +534,10 @@ def plot(result: dict[str, Any], reports: dict[str, SimReport], out: str) -> lis
     for f in result["fleets"]:
         for p in f["pools"]:
             labels.append(f"{f['name']}\n{p['name']}")
-            ana.append(p["utilization_analytical"])
+            ana.append(p["utilization_model"])
             sim.append(p["utilization_simulated"])
     x = np.arange(len(labels))
-    ax.bar(x - 0.2, ana, 0.4, label="analytical")
+    ax.bar(x - 0.2, ana, 0.4, label="engine model")
     ax.bar(x + 0.2, sim, 0.4, label="simulated")
     ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("utilization")
@@ -479,6 +576,13 @@ def run(args: argparse.Namespace) -> int:
         "profile": profile.name,
         "slo_ttft_s": args.slo_ttft,
         "slo_tpot_s": args.slo_tpot,
+        "model": args.model,
+        "verification": {
+            "enabled": bool(args.verify),
+            "requests": n,
+            "seed": args.seed,
+            "target": args.verify_target,
+        },
         "fleets": results,
     }
     if args.json:

@@ -148,16 +148,23 @@ class Engine:
         the rewritten body; the calibrator then does not learn from its usage
         (the prompt it counted is not the one the model read).
         """
+        limits = self.config.limits
         try:
             r = self.router.route_request(
-                body, self.compressor, self.config.limits.default_max_tokens
+                body,
+                self.compressor,
+                limits.default_max_tokens,
+                image_tokens=limits.image_tokens,
+                audio_tokens=limits.audio_tokens,
             )
         except ValueError as e:
             return self.refuse(tenant, 400, "malformed-body", f"invalid request body: {e}")
         d = r.decision
         if d.action == "compress":
             return self._place(d, tenant, 0, None, now, r.body, r.body)
-        return self._place(d, tenant, r.prompt_bytes, r.category, now, body)
+        # The usage of image and audio parts is not text: such requests are not learned from.
+        learn = None if r.media_tokens else r.category
+        return self._place(d, tenant, r.prompt_bytes, learn, now, body)
 
     def route_fields(
         self,

@@ -1,0 +1,88 @@
+"""The ``type=`` of every numeric option of the ``routecore`` commands.
+
+Each parses one value and refuses what the option cannot mean (a negative
+count, a zero rate, NaN or infinity, a port outside 1..65535, a token count
+above what the router accepts) with ``argparse.ArgumentTypeError``, which
+argparse reports as one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+#: The largest token count the router accepts (``MAX_TOKENS``, 2^30).
+MAX_TOKENS = 1 << 30
+#: Counts handed to Rust as signed 64-bit integers.
+MAX_COUNT = (1 << 63) - 1
+
+
+def _show(n: int) -> str:
+    """``n``, written as a power of two when it is one (or one less)."""
+    k = n.bit_length()
+    if k > 16 and n == (1 << k) - 1:
+        return f"2^{k} - 1"
+    if k > 16 and n == 1 << (k - 1):
+        return f"2^{k - 1}"
+    return str(n)
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An integer in [lo, hi]."""
+    expected = f"an integer in [{lo}, {_show(hi)}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+def float_in(
+    lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False
+) -> Callable[[str], float]:
+    """A finite number between lo and hi (each bound excluded when open)."""
+    left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        above = value > lo if lo_open else value >= lo
+        below = value < hi if hi_open else value <= hi
+        if not (math.isfinite(value) and above and below):
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number in {left}{lo:g}, {hi:g}{right}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+#: A count of things, at least one (requests, GPUs, pods, slots).
+positive_int = int_in(1, MAX_COUNT)
+#: A count that may be zero.
+non_negative_int = int_in(0, MAX_COUNT)
+#: A token count or a context length.
+token_count = int_in(1, MAX_TOKENS)
+#: A TCP port.
+port = int_in(1, 65535)
+#: A random seed (an unsigned 64-bit integer).
+random_seed = int_in(0, (1 << 64) - 1)
+#: A rate, a duration, a price, a ratio: finite and above zero.
+positive_float = float_in(0.0, math.inf, lo_open=True, hi_open=True)
+#: A share or probability in [0, 1].
+fraction = float_in(0.0, 1.0)
+#: A share that must leave something: [0, 1).
+proper_fraction = float_in(0.0, 1.0, hi_open=True)
+#: A target or cap that must be above zero: (0, 1].
+positive_fraction = float_in(0.0, 1.0, lo_open=True)
+#: A compress-and-route band gamma >= 1.
+band = float_in(1.0, math.inf, hi_open=True)

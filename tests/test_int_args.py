@@ -1,0 +1,342 @@
+"""Every integer argument of the extension: an int beyond 2^63 / 2^64, or
+negative where the argument is unsigned, is a ValueError (as every bad argument
+is), never the OverflowError of the int conversion; state is left unchanged.
+
+`test_every_integer_parameter_is_covered` reads `_core.pyi` so that a new
+integer parameter without a case here fails."""
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import routecore._core as core
+
+WORKLOAD = core.Workload([100, 3000, 500, 9000] * 5, [50, 200, 100, 400] * 5)
+PROFILE = core.Profile.llama3_70b_a100()
+POOL = core.TokenPool("p", 100.0, 1 << 30, 4)
+ENT = core.Entitlement("e", "t", "p", "elastic", 500.0, 10.0, 1 << 20, 2)
+INSTANCE = core.Instance("i", "m", 0.02, 1.0, 2.0, 8)
+
+
+def budget_router():
+    r = core.TokenBudgetRouter([core.Pool("short", 8192), core.Pool("long", 65536)])
+    r.route(100, "prose", 10)  # one in flight on pool 0
+    return r
+
+
+def vtc():
+    r = core.VtcRouter(["p0"])
+    r.route("u", 10, 10)
+    return r
+
+
+def admission():
+    return core.AdmissionController([POOL], [ENT])
+
+
+def scheduler():
+    return core.BatchScheduler([INSTANCE])
+
+
+def plan():
+    return core.plan(WORKLOAD, 10.0, 1.0, b_short=[4096], gammas=[1.0])
+
+
+PROFILE_ARGS = {
+    "name": "x",
+    "layers": 80,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "dtype_bytes": 2.0,
+    "gpu_memory_bytes": 80e9,
+    "model_memory_bytes": 40e9,
+    "w_s": 0.008,
+    "h_s": 0.00065,
+    "tensor_parallel": 4,
+}
+SIM_POOL_ARGS = {"name": "p", "instances": 1, "max_context": 4096, "max_num_seqs": 8}
+
+
+def keyword(make, args, name):
+    """A call of `make(**args)` with the value in keyword `name`."""
+    return lambda v: make(**{**args, name: v})
+
+
+# "Class.method.parameter" -> a call with the value in that parameter.
+CASES = {
+    "Calibrator.__new__.max_categories": lambda v: core.Calibrator(max_categories=v),
+    "Calibrator.observe.prompt_bytes": lambda v: core.Calibrator().observe("prose", v, 10),
+    "Calibrator.observe.prompt_tokens": lambda v: core.Calibrator().observe("prose", 10, v),
+    "Calibrator.estimate_tokens.prompt_bytes": lambda v: core.Calibrator().estimate_tokens(
+        v, "prose"
+    ),
+    "Pool.__new__.max_context": lambda v: core.Pool("a", v),
+    "Pool.__new__.budget": lambda v: core.Pool("a", 100, budget=v),
+    "Pool.__new__.queue_limit": lambda v: core.Pool("a", 100, queue_limit=v),
+    "TokenBudgetRouter.route.prompt_bytes": lambda v: budget_router().route(v, "prose", 10),
+    "TokenBudgetRouter.route.max_output_tokens": lambda v: budget_router().route(10, "prose", v),
+    "TokenBudgetRouter.route_tokens.prompt_tokens": lambda v: budget_router().route_tokens(v, 1),
+    "TokenBudgetRouter.route_tokens.max_output_tokens": lambda v: budget_router().route_tokens(
+        1, v
+    ),
+    "TokenBudgetRouter.feedback.prompt_bytes": lambda v: budget_router().feedback(v, "prose", 1),
+    "TokenBudgetRouter.feedback.prompt_tokens": lambda v: budget_router().feedback(1, "prose", v),
+    "TokenBudgetRouter.complete.pool": lambda v: budget_router().complete(v),
+    "TokenBudgetRouter.in_flight.pool": lambda v: budget_router().in_flight(v),
+    "TokenBudgetRouter.set_in_flight.pool": lambda v: budget_router().set_in_flight(v, 1),
+    "TokenBudgetRouter.set_in_flight.count": lambda v: budget_router().set_in_flight(0, v),
+    "TokenBudgetRouter.route_request.default_max_tokens": lambda v: budget_router().route_request(
+        b'{"messages": []}', default_max_tokens=v
+    ),
+    "parse_openai_request.default_max_tokens": lambda v: core.parse_openai_request(
+        b'{"messages": []}', v
+    ),
+    "parse_openai_request.image_tokens": lambda v: core.parse_openai_request(
+        b'{"messages": []}', image_tokens=v
+    ),
+    "parse_openai_request.audio_tokens": lambda v: core.parse_openai_request(
+        b'{"messages": []}', audio_tokens=v
+    ),
+    "TokenBudgetRouter.route_request.image_tokens": lambda v: budget_router().route_request(
+        b'{"messages": []}', image_tokens=v
+    ),
+    "TokenBudgetRouter.route_request.audio_tokens": lambda v: budget_router().route_request(
+        b'{"messages": []}', audio_tokens=v
+    ),
+    "Instance.__new__.max_batch": lambda v: core.Instance("i", "m", 0.02, 1.0, 2.0, v),
+    "Instance.latency.batch_size": lambda v: INSTANCE.latency(10.0, 10.0, 0.0, v),
+    "BatchScheduler.assign_one.in_tokens": lambda v: scheduler().assign_one(
+        [0.5], [10.0], v, None, [0.0], [0]
+    ),
+    "KnnEstimator.__new__.k": lambda v: core.KnnEstimator(v),
+    "assign_eval.requests": lambda v: core.assign_eval(requests=v),
+    "assign_eval.seed": lambda v: core.assign_eval(requests=10, seed=v),
+    "assign_eval.max_batch": lambda v: core.assign_eval(requests=10, max_batch=v),
+    "block_hashes.block_size": lambda v: core.block_hashes(b"abcd", v),
+    "block_hashes.seed": lambda v: core.block_hashes(b"abcd", 2, v),
+    "block_hashes_many.block_size": lambda v: core.block_hashes_many(b"abcd", [0, 4], v),
+    "block_hashes_many.seed": lambda v: core.block_hashes_many(b"abcd", [0, 4], 2, v),
+    "PrefixIndex.__new__.capacity_blocks": lambda v: core.PrefixIndex(v),
+    "PrefixCacheRouter.__new__.block_size": lambda v: core.PrefixCacheRouter(["a"], block_size=v),
+    "PrefixCacheRouter.__new__.imbalance_abs_count": lambda v: core.PrefixCacheRouter(
+        ["a"], imbalance_abs_count=v
+    ),
+    "PrefixCacheRouter.__new__.seed": lambda v: core.PrefixCacheRouter(["a"], seed=v),
+    "VtcRouter.__new__.max_users": lambda v: core.VtcRouter(["a"], max_users=v),
+    "VtcRouter.route.input_tokens": lambda v: vtc().route("u", v, 1),
+    "VtcRouter.route.output_tokens": lambda v: vtc().route("u", 1, v),
+    "VtcRouter.complete.est_input_tokens": lambda v: vtc().complete("p0", "u", v, 10, 10, 10),
+    "VtcRouter.complete.est_output_tokens": lambda v: vtc().complete("p0", "u", 10, v, 10, 10),
+    "VtcRouter.complete.input_tokens": lambda v: vtc().complete("p0", "u", 10, 10, v, 10),
+    "VtcRouter.complete.output_tokens": lambda v: vtc().complete("p0", "u", 10, 10, 10, v),
+    "Compressor.__new__.keep_first": lambda v: core.Compressor(keep_first=v),
+    "Compressor.__new__.keep_last": lambda v: core.Compressor(keep_last=v),
+    "Compressor.compress.token_budget": lambda v: core.Compressor().compress("A b. C d.", v),
+    "Compressor.compress_request.token_budget": lambda v: core.Compressor().compress_request(
+        b'{"messages": [{"role": "user", "content": "A b. C d."}]}', v
+    ),
+    "Workload.from_cdf.points": lambda v: core.Workload.from_cdf([(v, 1.0)]),
+    "Workload.sample.n": lambda v: WORKLOAD.sample(v),
+    "Workload.sample.seed": lambda v: WORKLOAD.sample(2, v),
+    **{
+        f"Profile.__new__.{name}": keyword(core.Profile, PROFILE_ARGS, name)
+        for name in ("layers", "kv_heads", "head_dim", "tensor_parallel", "c_chunk", "h_ref_tokens")
+    },
+    "Profile.slots.max_context": lambda v: PROFILE.slots(v),
+    "Profile.service.max_context": lambda v: PROFILE.service(WORKLOAD, v),
+    "erlang_b.servers": lambda v: core.erlang_b(v, 1.0),
+    "erlang_c.servers": lambda v: core.erlang_c(v, 0.5),
+    "p99_wait.servers": lambda v: core.p99_wait(v, 1.0, 1.0, 0.5),
+    "ErlangScan.__new__.servers": lambda v: core.ErlangScan(v, 1.0),
+    "ErlangScan.advance.steps": lambda v: core.ErlangScan(1, 0.5).advance(v),
+    "Plan.candidate.b_short": lambda v: plan().candidate(v, 1.0),
+    "plan.b_short": lambda v: core.plan(WORKLOAD, 10.0, 1.0, b_short=[v], gammas=[1.0]),
+    "plan.long_context": lambda v: core.plan(
+        WORKLOAD, 10.0, 1.0, b_short=[4096], gammas=[1.0], long_context=v
+    ),
+    **{
+        f"SimPool.__new__.{name}": keyword(core.SimPool, SIM_POOL_ARGS, name)
+        for name in (
+            "instances",
+            "max_context",
+            "max_num_seqs",
+            "kv_blocks",
+            "chunk",
+            "gpus_per_instance",
+            "budget",
+        )
+    },
+    "simulate.seed": lambda v: core.simulate(
+        [0.0], [100], [10], [core.SimPool("p", 1, 4096, 8)], seed=v
+    ),
+    "TokenPool.__new__.kv_bytes": lambda v: core.TokenPool("p", 1.0, v, 1),
+    "TokenPool.__new__.concurrency": lambda v: core.TokenPool("p", 1.0, 1, v),
+    "TokenPool.__new__.kv_bytes_per_token": lambda v: core.TokenPool("p", 1.0, 1, 1, v),
+    "Entitlement.__new__.kv_bytes": lambda v: core.Entitlement(
+        "e", "t", "p", "elastic", 500.0, 10.0, v, 2
+    ),
+    "Entitlement.__new__.concurrency": lambda v: core.Entitlement(
+        "e", "t", "p", "elastic", 500.0, 10.0, 1, v
+    ),
+    "Admission.__new__.status": lambda v: core.Admission(True, v, "ok"),
+    "Admission.__new__.ticket": lambda v: core.Admission(True, 200, "ok", ticket=v),
+    "AdmissionController.__new__.default_max_tokens": lambda v: core.AdmissionController(
+        [POOL], [ENT], v
+    ),
+    "AdmissionController.admit.input_tokens": lambda v: admission().admit("e", v, 10, 0.0),
+    "AdmissionController.admit.max_tokens": lambda v: admission().admit("e", 10, v, 0.0),
+    "AdmissionController.complete.ticket": lambda v: _admitted_complete(1, 1, v),
+    "AdmissionController.complete.actual_input": lambda v: _admitted_complete(v, 1),
+    "AdmissionController.complete.actual_output": lambda v: _admitted_complete(1, v),
+    "AdmissionController.set_capacity.kv_bytes": lambda v: admission().set_capacity(
+        "p", kv_bytes=v
+    ),
+    "AdmissionController.set_capacity.concurrency": lambda v: admission().set_capacity(
+        "p", concurrency=v
+    ),
+}
+
+
+def _admitted_complete(actual_input, actual_output, ticket=None):
+    """`complete` on a controller with one request in flight (its ticket by
+    default)."""
+    c = admission()
+    admitted = c.admit("e", 10, 10, 0.0).ticket
+    ticket = admitted if ticket is None else ticket
+    before = c.to_bytes()
+    try:
+        c.complete(ticket, actual_input, actual_output, 0.1, 1.0)
+    except ValueError:
+        assert c.to_bytes() == before  # refused: the ticket is still in flight
+        raise
+
+
+def integer_parameters():
+    """Every parameter annotated with an int (not an array, not a callback)
+    in the stub, as "Class.method.parameter"."""
+    tree = ast.parse((Path(core.__file__).parent / "_core.pyi").read_text())
+    out = set()
+
+    def visit(body, prefix):
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, f"{node.name}.")
+            elif isinstance(node, ast.FunctionDef) and (
+                node.name == "__new__" or not node.name.startswith("_")
+            ):
+                for a in node.args.args + node.args.kwonlyargs:
+                    ann = ast.unparse(a.annotation) if a.annotation else ""
+                    if "int" in ann and not any(x in ann for x in ("Callable", "np")):
+                        out.add(f"{prefix}{node.name}.{a.arg}")
+
+    visit(tree.body, "")
+    return out
+
+
+def test_every_integer_parameter_is_covered():
+    assert integer_parameters() - set(CASES) == set()
+    assert set(CASES) - integer_parameters() == set()
+
+
+UNSIGNED_64 = {
+    "Instance.latency.batch_size",
+    "TokenBudgetRouter.route_request.default_max_tokens",
+    "parse_openai_request.default_max_tokens",
+    "Calibrator.__new__.max_categories",
+    "assign_eval.requests",
+    "assign_eval.seed",
+    "block_hashes.seed",
+    "block_hashes_many.seed",
+    "PrefixCacheRouter.__new__.seed",
+    "Workload.sample.n",
+    "Workload.sample.seed",
+    "Profile.__new__.c_chunk",
+    "Profile.__new__.h_ref_tokens",
+    "Profile.slots.max_context",
+    "Profile.service.max_context",
+    "erlang_b.servers",
+    "erlang_c.servers",
+    "p99_wait.servers",
+    "ErlangScan.__new__.servers",
+    "ErlangScan.advance.steps",
+    "Plan.candidate.b_short",
+    "plan.b_short",
+    "plan.long_context",
+    "simulate.seed",
+    "Admission.__new__.ticket",
+    "AdmissionController.complete.ticket",
+}
+
+
+def out_of_range(name):
+    # 2^63 fits a u64 argument (it may still be refused by the core's check).
+    return (2**64, 2**100, -1) if name in UNSIGNED_64 else (2**63, 2**64, -(2**63) - 1, -1)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [(name, v) for name in sorted(CASES) for v in out_of_range(name)],
+)
+def test_out_of_range_integers_are_value_errors(name, value):
+    with pytest.raises(ValueError) as e:
+        CASES[name](value)
+    assert not isinstance(e.value, OverflowError)
+
+
+def test_the_argument_is_named_and_numpy_integers_are_checked_too():
+    with pytest.raises(ValueError, match=r"out of range: .* \(got 9223372036854775808\)") as e:
+        core.Calibrator().observe("prose", 2**63, 1)
+    assert any("prompt_bytes" in note for note in getattr(e.value, "__notes__", []))
+    with pytest.raises(ValueError):
+        core.Pool("a", np.uint64(2**64 - 1))
+    with pytest.raises(ValueError):
+        core.block_hashes(b"abcd", 2, np.int64(-1))
+    # Arrays: negative or too large values into unsigned or int64 arrays.
+    r = core.VtcRouter(["p0"])
+    for bad in ([2**63], [2**64], np.array([2**64 - 1], dtype=np.uint64), [-1]):
+        with pytest.raises(ValueError):
+            r.route_many(["u"], bad, [1])
+    with pytest.raises(ValueError):
+        core.block_hashes(np.array([-1, 2**40]), 1)
+    assert r.users == 0
+
+
+# An in-range value for each case (1 unless listed): the call succeeds, so the
+# ValueError above is the value's doing.
+VALID = {
+    "Calibrator.observe.prompt_bytes": 10,
+    "Pool.__new__.budget": 50,
+    "Pool.__new__.max_context": 100,
+    "TokenBudgetRouter.complete.pool": 0,
+    "Instance.__new__.max_batch": 4,
+    "BatchScheduler.assign_one.in_tokens": 10,
+    "block_hashes.block_size": 2,
+    "block_hashes_many.block_size": 2,
+    "Compressor.compress.token_budget": 100,
+    "Compressor.compress_request.token_budget": 100,
+    "Workload.from_cdf.points": 100,
+    "Profile.__new__.c_chunk": 512,
+    "Profile.__new__.h_ref_tokens": 512,
+    "Profile.__new__.layers": 80,
+    "Profile.__new__.kv_heads": 8,
+    "Profile.__new__.head_dim": 128,
+    "Profile.slots.max_context": 4096,
+    "Profile.service.max_context": 16384,
+    "Plan.candidate.b_short": 4096,
+    "plan.b_short": 4096,
+    "plan.long_context": 65536,
+    "SimPool.__new__.max_context": 4096,
+    "SimPool.__new__.kv_blocks": 10_000,
+    "SimPool.__new__.chunk": 512,
+    "SimPool.__new__.budget": 4096,
+    "Admission.__new__.status": 200,
+    "AdmissionController.__new__.default_max_tokens": 100,
+    "AdmissionController.complete.ticket": admission().admit("e", 10, 10, 0.0).ticket,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_case_accepts_an_in_range_value(name):
+    CASES[name](VALID.get(name, 1))
