@@ -358,7 +358,7 @@ mod tests {
     use envoy_types::pb::envoy::service::ext_proc::v3::{
         BodyResponse, HeadersResponse, ImmediateResponse, ProcessingResponse,
     };
-    use tokio_stream::wrappers::TcpListenerStream;
+    use tonic::transport::server::TcpIncoming;
     use tonic::{Request as Req, Response as Resp, Status, Streaming};
 
     use super::*;
@@ -422,13 +422,13 @@ mod tests {
                 .build()
                 .expect("runtime");
             rt.block_on(async move {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                    .await
-                    .expect("bind");
-                tx.send(listener.local_addr().expect("addr")).expect("send");
+                let incoming = TcpIncoming::bind(([127, 0, 0, 1], 0).into())
+                    .expect("bind")
+                    .with_nodelay(Some(true));
+                tx.send(incoming.local_addr().expect("addr")).expect("send");
                 let _ = tonic::transport::Server::builder()
                     .add_service(ExternalProcessorServer::new(Mock { refuse }))
-                    .serve_with_incoming(TcpListenerStream::new(listener))
+                    .serve_with_incoming(incoming)
                     .await;
             });
         });
@@ -527,7 +527,7 @@ mod tests {
         for concurrency in [1, 8, 64] {
             let before = stat_cpu_s("/proc/thread-self/stat").expect("cpu");
             let r = block_on(run(&LoadSpec {
-                requests: 20_000,
+                requests: 5_000,
                 concurrency,
                 ..spec(addr)
             }))
