@@ -88,7 +88,12 @@ const CLOCK_TICKS_PER_S: f64 = 100.0;
 
 /// CPU seconds (user + system) of process `pid`, from /proc/<pid>/stat.
 pub fn cpu_s(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_cpu_s(&format!("/proc/{pid}/stat"))
+}
+
+/// CPU seconds (user + system) of a /proc `stat` file.
+fn stat_cpu_s(path: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(path).ok()?;
     // Fields after the command name (which may hold spaces) in parentheses:
     // state is field 3, utime and stime fields 14 and 15.
     let rest = &stat[stat.rfind(')')? + 2..];
@@ -341,4 +346,202 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadReport, Error> {
             .map(|(a, b)| b.saturating_sub(a) as f64)),
         client_cpu_ms: per(client_before.zip(cpu_s(me)).map(|(a, b)| (b - a) * 1e3)),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+        ExternalProcessor, ExternalProcessorServer,
+    };
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        BodyResponse, HeadersResponse, ImmediateResponse, ProcessingResponse,
+    };
+    use tonic::transport::server::TcpIncoming;
+    use tonic::{Request as Req, Response as Resp, Status, Streaming};
+
+    use super::*;
+
+    /// Answers every message with the empty answer of its kind; refuses the
+    /// request headers when `refuse`.
+    struct Mock {
+        refuse: bool,
+    }
+
+    #[tonic::async_trait]
+    impl ExternalProcessor for Mock {
+        type ProcessStream = UnboundedReceiverStream<Result<ProcessingResponse, Status>>;
+
+        async fn process(
+            &self,
+            request: Req<Streaming<ProcessingRequest>>,
+        ) -> Result<Resp<Self::ProcessStream>, Status> {
+            let mut incoming = request.into_inner();
+            let (tx, rx) = mpsc::unbounded_channel();
+            let refuse = self.refuse;
+            tokio::spawn(async move {
+                while let Ok(Some(m)) = incoming.message().await {
+                    let response = match m.request {
+                        Some(Request::RequestHeaders(_)) if refuse => {
+                            Response::ImmediateResponse(ImmediateResponse::default())
+                        }
+                        Some(Request::RequestHeaders(_)) => {
+                            Response::RequestHeaders(HeadersResponse::default())
+                        }
+                        Some(Request::ResponseHeaders(_)) => {
+                            Response::ResponseHeaders(HeadersResponse::default())
+                        }
+                        Some(Request::RequestBody(_)) => {
+                            Response::RequestBody(BodyResponse::default())
+                        }
+                        Some(Request::ResponseBody(_)) => {
+                            Response::ResponseBody(BodyResponse::default())
+                        }
+                        _ => continue,
+                    };
+                    let answer = ProcessingResponse {
+                        response: Some(response),
+                        ..Default::default()
+                    };
+                    if tx.send(Ok(answer)).is_err() {
+                        break;
+                    }
+                }
+            });
+            Ok(Resp::new(UnboundedReceiverStream::new(rx)))
+        }
+    }
+
+    /// A mock server on its own thread and runtime; its address.
+    fn mock(refuse: bool) -> SocketAddr {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let incoming = TcpIncoming::bind(([127, 0, 0, 1], 0).into())
+                    .expect("bind")
+                    .with_nodelay(Some(true));
+                tx.send(incoming.local_addr().expect("addr")).expect("send");
+                let _ = tonic::transport::Server::builder()
+                    .add_service(ExternalProcessorServer::new(Mock { refuse }))
+                    .serve_with_incoming(incoming)
+                    .await;
+            });
+        });
+        rx.recv().expect("address")
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(f)
+    }
+
+    fn spec(addr: SocketAddr) -> LoadSpec {
+        LoadSpec {
+            target: addr.to_string(),
+            server_pid: Some(std::process::id()),
+            ..LoadSpec::default()
+        }
+    }
+
+    #[test]
+    fn load_runs_every_conversation_to_its_end() {
+        let addr = mock(false);
+        let r = block_on(run(&LoadSpec {
+            requests: 300,
+            ..spec(addr)
+        }))
+        .expect("run");
+        assert_eq!((r.requests, r.refused, r.errors), (300, 0, 0));
+        assert!(0.0 < r.p50_ms && r.p50_ms <= r.p99_ms);
+        assert!(r.server_cpu_ms.is_some() && r.server_context_switches.is_some());
+        let refused = block_on(run(&LoadSpec {
+            requests: 20,
+            ..spec(mock(true))
+        }))
+        .expect("run");
+        assert_eq!(
+            (refused.requests, refused.refused, refused.errors),
+            (20, 20, 0)
+        );
+    }
+
+    #[test]
+    fn load_refuses_bad_specs_and_unreachable_targets() {
+        let addr = mock(false);
+        for bad in [
+            LoadSpec {
+                requests: 0,
+                ..spec(addr)
+            },
+            LoadSpec {
+                concurrency: 0,
+                ..spec(addr)
+            },
+            LoadSpec {
+                rate: Some(f64::NAN),
+                ..spec(addr)
+            },
+            LoadSpec {
+                duration_s: Some(-1.0),
+                ..spec(addr)
+            },
+            LoadSpec {
+                target: "no port".into(),
+                ..spec(addr)
+            },
+        ] {
+            assert!(block_on(run(&bad)).is_err(), "{bad:?}");
+        }
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = closed.local_addr().expect("addr").port();
+        drop(closed);
+        let spec = LoadSpec {
+            target: format!("127.0.0.1:{port}"),
+            ..LoadSpec::default()
+        };
+        assert!(block_on(run(&spec)).is_err());
+    }
+
+    #[test]
+    fn proc_counters_read_this_process() {
+        assert!(cpu_s(std::process::id()).is_some());
+        assert!(context_switches(std::process::id()).is_some());
+        assert!(cpu_s(u32::MAX).is_none());
+    }
+
+    /// The client's own CPU per conversation against a do-nothing server (on
+    /// another thread): `cargo test --release --features server -- --ignored
+    /// --nocapture load_client_cpu`.
+    #[test]
+    #[ignore]
+    fn load_client_cpu() {
+        let addr = mock(false);
+        for concurrency in [1, 8, 64] {
+            let before = stat_cpu_s("/proc/thread-self/stat").expect("cpu");
+            let r = block_on(run(&LoadSpec {
+                requests: 5_000,
+                concurrency,
+                ..spec(addr)
+            }))
+            .expect("run");
+            let after = stat_cpu_s("/proc/thread-self/stat").expect("cpu");
+            println!(
+                "concurrency {concurrency}: {:.0} conv/s, p50 {:.3} ms, p99 {:.3} ms, \
+                 client thread CPU {:.4} ms/conv, client+server process {:.4} ms/conv",
+                r.throughput_per_s,
+                r.p50_ms,
+                r.p99_ms,
+                (after - before) * 1e3 / r.requests as f64,
+                r.server_cpu_ms.unwrap_or(f64::NAN),
+            );
+        }
+    }
 }

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+
+from routecore.commands._args import int_in, port, positive_float, positive_int
+
+#: Streams at once: each is a task and an HTTP/2 stream.
+streams = int_in(1, 100_000)
+#: A request body up to 64 MiB.
+body_size = int_in(1, 1 << 26)
+#: A process id (Linux: below 2^22).
+pid = int_in(1, (1 << 32) - 1)
 
 NAME = "client"
 HELP = (
@@ -15,30 +23,11 @@ HELP = (
 )
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value < 1 << 63:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
 def _target(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+    host, sep, number = text.rpartition(":")
+    if not (sep and host):
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    port(number)
     return text
 
 
@@ -52,42 +41,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, type=_target, help="HOST:PORT of the ext_proc server")
     p.add_argument(
         "--rate",
-        type=_rate,
+        type=positive_float,
         help="conversations started per second, paced (default: closed loop)",
     )
     p.add_argument(
         "--concurrency",
-        type=_count,
+        type=streams,
         default=8,
         help="streams in flight at once (default 8)",
     )
     p.add_argument(
         "--requests",
-        type=_count,
+        type=positive_int,
         default=200,
         help="conversations to run (default 200)",
     )
     p.add_argument(
         "--duration",
-        type=_rate,
+        type=positive_float,
         metavar="SECONDS",
         help="stop starting conversations after this many seconds (default: no limit)",
     )
     p.add_argument(
         "--body-bytes",
-        type=_count,
+        type=body_size,
         default=1024,
         help="size of each request body, a chat request padded to it (default 1024)",
     )
     p.add_argument("--api-key", default="demo-key", help="x-api-key sent (default demo-key)")
     p.add_argument(
         "--server-pid",
-        type=_count,
+        type=pid,
         help="the server's process id: report its CPU time and context switches per conversation",
     )
     p.add_argument(
         "--threads",
-        type=_count,
+        type=int_in(1, 256),
         default=1,
         help="client threads (default 1)",
     )

@@ -7,6 +7,10 @@
 //!   `socket_timeout_s`; a failure (no connection, no answer in time, an error
 //!   reply such as OOM) goes through `failure_mode` and is counted by kind,
 //!   and no detail reaches the verdict.
+//! - After a timeout, while Redis may be stalled, one call at a time asks it
+//!   and concurrent calls answer by `failure_mode` at once (not counted as
+//!   failures; a completion is kept to replay), so a stall holds one call
+//!   for `socket_timeout_s`, not every stream.
 //! - Scripts run by EVALSHA, loaded again on NOSCRIPT (the `redis` crate's
 //!   `Script`).
 //! - No reservation whose reply was lost can leak: the reservation is made
@@ -149,6 +153,10 @@ pub struct RedisAdmission {
     timeout: Duration,
     rid_prefix: String,
     failures: [AtomicU64; 3],
+    /// The last call timed out: Redis may be stalled.
+    stalled: AtomicBool,
+    /// Held by the one call that asks a possibly stalled Redis.
+    probe: tokio::sync::Mutex<()>,
     /// Tickets this instance admitted and has not completed.
     held: Mutex<HashSet<u64>>,
 }
@@ -186,8 +194,9 @@ impl RedisAdmission {
                 "admission.redis.url: expected a redis://, rediss:// or unix:// URL",
             ));
         }
+        // The URL is not echoed in errors: it may hold a password.
         let client = Client::open(r.url.as_str())
-            .map_err(|e| invalid(format!("admission.redis.url: {e}")))?;
+            .map_err(|_| invalid("admission.redis.url: not a valid Redis URL"))?;
         let window_s = controller.window_s();
         let pools: Vec<Pool> = pools
             .iter()
@@ -226,6 +235,8 @@ impl RedisAdmission {
             timeout: Duration::from_secs_f64(timeout),
             rid_prefix: format!("{:016x}:", rand_u64()),
             failures: Default::default(),
+            stalled: AtomicBool::new(false),
+            probe: tokio::sync::Mutex::new(()),
             held: Mutex::new(HashSet::new()),
         })
     }
@@ -252,13 +263,22 @@ impl RedisAdmission {
 
     /// Runs `call` within the socket timeout; a failure is counted, and after
     /// a connection failure or a timeout the connection is dropped (the next
-    /// call connects again).
+    /// call connects again). While Redis may be stalled, only one call at a
+    /// time runs; the others get `Err` at once, uncounted.
     async fn bounded<T>(
         &self,
         call: impl Future<Output = Result<T, FailureKind>>,
     ) -> Result<T, ()> {
+        let _turn = if self.stalled.load(Ordering::Relaxed) {
+            Some(self.probe.try_lock().map_err(|_| ())?)
+        } else {
+            None
+        };
         let kind = match tokio::time::timeout(self.timeout, call).await {
-            Ok(Ok(v)) => return Ok(v),
+            Ok(Ok(v)) => {
+                self.stalled.store(false, Ordering::Relaxed);
+                return Ok(v);
+            }
             Ok(Err(kind)) => kind,
             Err(_) => FailureKind::Timeout,
         };
@@ -268,6 +288,9 @@ impl RedisAdmission {
 
     fn failed(&self, kind: FailureKind) {
         self.failures[kind as usize].fetch_add(1, Ordering::Relaxed);
+        if kind == FailureKind::Timeout {
+            self.stalled.store(true, Ordering::Relaxed);
+        }
         if kind != FailureKind::Reply {
             *lock(&self.connection) = None;
         }

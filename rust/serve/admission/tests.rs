@@ -317,6 +317,19 @@ fn stalled_redis_leaves_no_phantom_reservation() {
             "{:?}",
             start.elapsed()
         );
+        // Redis may be stalled: one call at a time asks it, the others answer
+        // by failure_mode at once (not counted as failures).
+        let before = red.failures();
+        let calls: Vec<_> = (0..20)
+            .map(|k| {
+                let red = red.clone();
+                tokio::spawn(async move { red.admit("s", 1, Some(1), &format!("w{k}")).await })
+            })
+            .collect();
+        for c in calls {
+            assert_failed_as(&c.await.expect("task"), FailureMode::Closed);
+        }
+        assert!(red.failures() - before <= 1, "only the probing call waited");
         server.signal("-CONT");
         // Redis runs the scripts it had queued; the next call voids them.
         let mut settled = false;
@@ -386,5 +399,70 @@ fn concurrent_tasks_never_over_admit() {
         }
         assert_eq!(server.in_flight(), 0);
         assert_eq!(a.failures() + b.failures(), 0);
+    });
+}
+
+/// Admit and complete latency on a loopback Redis, one at a time and 32 at
+/// once: `cargo test --release --features server -- --ignored --nocapture
+/// redis_admit_complete_timing`.
+#[test]
+#[ignore]
+fn redis_admit_complete_timing() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let mut s = spec(&server.url(), FailureMode::Closed, 1.0);
+    s.pools[0].concurrency = 1 << 20;
+    s.entitlements[1].concurrency = 1 << 20;
+    s.entitlements[1].tokens_per_s = 1e9;
+    let red = Arc::new(Admission::from_spec(&s).expect("redis"));
+    let pct = |v: &mut Vec<f64>, q: f64| {
+        v.sort_by(f64::total_cmp);
+        v[((v.len() as f64 * q) as usize).min(v.len() - 1)] * 1e6
+    };
+    runtime().block_on(async {
+        let n = 5_000;
+        let (mut admits, mut completes) = (Vec::new(), Vec::new());
+        for k in 0..n {
+            let t0 = Instant::now();
+            let t = red
+                .admit("s", 1, Some(1), &format!("t{k}"))
+                .await
+                .ticket()
+                .expect("admitted");
+            let t1 = Instant::now();
+            assert!(red.complete(t, 1, 1, 0.01).await);
+            completes.push(t1.elapsed().as_secs_f64());
+            admits.push((t1 - t0).as_secs_f64());
+        }
+        println!(
+            "one at a time: admit p50 {:.0} us p99 {:.0} us; complete p50 {:.0} us p99 {:.0} us",
+            pct(&mut admits, 0.5),
+            pct(&mut admits, 0.99),
+            pct(&mut completes, 0.5),
+            pct(&mut completes, 0.99),
+        );
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..32)
+            .map(|w| {
+                let red = red.clone();
+                tokio::spawn(async move {
+                    for k in 0..500 {
+                        let v = red.admit("s", 1, Some(1), &format!("c{w}:{k}")).await;
+                        assert!(red.complete(v.ticket().expect("t"), 1, 1, 0.01).await);
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.expect("task");
+        }
+        let pairs = 32.0 * 500.0;
+        println!(
+            "32 tasks: {:.0} admit+complete pairs/s",
+            pairs / start.elapsed().as_secs_f64()
+        );
+        assert_eq!(red.failures(), 0);
+        assert_eq!(server.in_flight(), 0);
     });
 }
