@@ -7,6 +7,7 @@ integer parameter without a case here fails."""
 
 import ast
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +209,11 @@ CASES = {
     "DataPlane.route_fields.token_ids": lambda v: _route(10, "prose", 10, token_ids=[v]),
     "DataPlane.finish.prompt_tokens": lambda v: _finish(v, 1),
     "DataPlane.finish.completion_tokens": lambda v: _finish(1, v),
+    "load.requests": lambda v: _load(requests=v),
+    "load.concurrency": lambda v: _load(concurrency=v),
+    "load.body_bytes": lambda v: _load(body_bytes=v),
+    "load.server_pid": lambda v: _load(server_pid=v),
+    "load.threads": lambda v: _load(threads=v),
 }
 
 
@@ -256,6 +262,11 @@ def _route(*args, **kwargs):
     if not routed["admitted"]:
         raise ValueError(routed["message"])
     plane().finish(routed["request_id"])
+
+
+def _load(**kwargs):
+    """One conversation of the Rust load client against the plane."""
+    core.load(f"127.0.0.1:{plane().port}", **{"requests": 1, **kwargs})
 
 
 def _finish(prompt_tokens, completion_tokens):
@@ -335,6 +346,7 @@ UNSIGNED_64 = {
     "Admission.__new__.ticket",
     "AdmissionController.complete.ticket",
     "DataPlane.route_fields.token_ids",
+    "load.requests",
     "DataPlane.finish.prompt_tokens",
     "DataPlane.finish.completion_tokens",
 }
@@ -408,6 +420,8 @@ VALID = {
     "DataPlane.start.metrics_port": 0,
     "DataPlane.start.log_level": 30,
     "DataPlane.set_log_level.level": 30,
+    "load.server_pid": os.getpid(),
+    "load.body_bytes": 100,
 }
 
 
