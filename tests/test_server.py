@@ -354,10 +354,10 @@ def test_request_that_never_returns_is_released_by_timeout(serve):
 def test_least_request_spreads_held_requests(server):
     engine = server.engine
 
-    def route_three():
-        return [engine.route_fields(400, "prose", 10, None, None, 0.0) for _ in range(3)]
+    async def route_three():
+        return [await engine.route_fields(400, "prose", 10, None, None, 0.0) for _ in range(3)]
 
-    leases = server.run(route_three)
+    leases = server.call(route_three())
     assert [lease.endpoint for lease in leases] == [SHORT[0], SHORT[1], SHORT[0]]
     server.run(engine.finish, leases[0], None, None, 1.0)
     server.run(engine.finish, leases[0], None, None, 1.0)  # idempotent

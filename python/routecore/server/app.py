@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -30,6 +31,18 @@ SERVICES = (
     "envoy.service.ext_proc.v3.ExternalProcessor",
     "routecore.v1.RouteCore",
 )
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises OSError when ``host:port`` cannot be listened on (gRPC would log
+    its own multi-line error first)."""
+    family, kind, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from e
 
 
 class Server:
@@ -56,11 +69,15 @@ class Server:
         self.state_file = Path(s.state_file) if s.state_file else None
         calibrator = None
         if self.state_file is not None and self.state_file.exists():
-            try:
+            try:  # a bad snapshot is a ValueError (Calibrator.from_bytes)
                 calibrator = Calibrator.from_bytes(self.state_file.read_bytes())
-            except ValueError as e:
+            except (ValueError, OSError) as e:
+                log(logging.ERROR, "state-file-invalid", path=str(self.state_file), error=str(e))
                 raise ConfigError(f"server.state_file {self.state_file}: {e}") from e
-        self.holder = EngineHolder(self.config, self.metrics, calibrator)
+        try:
+            self.holder = EngineHolder(self.config, self.metrics, calibrator)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"{self.config_path}: {e}") from e
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._metrics_server = None
@@ -73,6 +90,7 @@ class Server:
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),  # a busy port is an error, not a shared one
             ]
         )
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(
@@ -82,9 +100,15 @@ class Server:
             RouteCoreService(self.holder), self._server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.port = self._server.add_insecure_port(f"{self.config.server.host}:{self.port}")
+        address = f"{self.config.server.host}:{self.port}"
+        if self.port:
+            check_port_free(self.config.server.host, self.port)
+        try:
+            self.port = self._server.add_insecure_port(address)
+        except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+            raise OSError(f"cannot listen on {address} (in use?)") from e
         if self.port == 0:
-            raise OSError(f"cannot listen on {self.config.server.host}")
+            raise OSError(f"cannot listen on {address} (in use?)")
         await self._server.start()
         for name in SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -102,25 +126,33 @@ class Server:
         )
 
     async def _reap_forever(self) -> None:
-        """Releases requests whose response never came back, a few times per timeout."""
+        """Releases requests whose response never came back and settles what
+        failed admission calls left behind, a few times per timeout."""
         period = min(1.0, self.config.limits.request_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
-            n = self.holder.reap(time.monotonic())
+            try:
+                n = self.holder.reap(time.monotonic())
+                await self.holder.reconcile()
+            except Exception:
+                log(logging.ERROR, "reap-failed", exc_info=True)
+                continue
             if n:
                 log(logging.WARNING, "requests-timed-out", count=n)
 
     def reload(self) -> bool:
-        """Re-reads the configuration file; on error the running one is kept.
+        """Re-reads the configuration file; on any error (a bad file, a backend
+        that cannot be built from it) the running configuration is kept and a
+        ``reload-failed`` event is logged.
 
         The listening ports and the message size limit stay as started.
         """
         try:
             config = load_config(self.config_path)
-        except (ConfigError, OSError) as e:
-            log(logging.ERROR, "reload-failed", error=str(e))
+            self.holder.reload(config)
+        except Exception as e:  # a signal handler: nothing may escape
+            log(logging.ERROR, "reload-failed", error=f"{type(e).__name__}: {e}")
             return False
-        self.holder.reload(config)
         self.config = config
         log(
             logging.INFO,
@@ -138,8 +170,7 @@ class Server:
             await self._server.stop(grace)
         if self._reaper is not None:
             self._reaper.cancel()
-        for engine in (self.holder.engine, *self.holder.retired):
-            engine.close()
+        await asyncio.to_thread(self.holder.close)
         if self.state_file is not None:
             tmp = self.state_file.with_name(self.state_file.name + ".tmp")
             tmp.write_bytes(self.holder.engine.router.calibrator.to_bytes())

@@ -24,6 +24,15 @@ API Inference Extension's endpoint picker:
   at the end of the response the lease is finished (calibrator fed, in-flight
   released). A stream that closes before that releases the lease without
   usage; one that stays open past ``limits.request_timeout_s`` is reaped.
+- Failures: a routing failure follows ``server.failure_mode`` (open: the
+  default pool, not put to admission again; closed: 503). Any other exception
+  while handling a message releases the lease and answers a 503
+  ImmediateResponse in the request phase, or lets the response pass unchanged
+  in the response phase; the stream is never aborted with an internal error
+  and no internal detail reaches the client.
+- Protocol misuse: ``request_headers`` after any other message of the stream
+  (e.g. twice) and ``response_headers`` twice end the stream with
+  FAILED_PRECONDITION, after releasing what it holds.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -49,6 +59,9 @@ POOL_HEADER = "x-routecore-pool"
 LB_NAMESPACE = "envoy.lb"
 #: Size of the streamed_response chunks a rewritten body is sent back in (as the GIE does).
 BODY_CHUNK = 62_000
+#: The longest SSE line the usage reader keeps while it is unfinished; a longer
+#: line (no usage event is that long) is skipped up to its end.
+MAX_SSE_LINE = 64 * 1024
 
 Mode = processing_mode_pb2.ProcessingMode
 STREAMED = Mode.STREAMED
@@ -62,6 +75,15 @@ def header(key: str, value: str | bytes) -> base_pb2.HeaderValueOption:
 
 def header_value(h: base_pb2.HeaderValue) -> str:
     return h.raw_value.decode("latin-1") if h.raw_value else h.value
+
+
+def header_bytes(h: base_pb2.HeaderValue) -> bytes:
+    """The header's value as bytes, whichever field carries it (Envoy sends ``raw_value``)."""
+    return h.raw_value if h.raw_value else h.value.encode()
+
+
+class ProtocolError(Exception):
+    """A message the ext_proc protocol does not allow at this point of the stream."""
 
 
 def error_body(status: int, reason: str, message: str) -> bytes:
@@ -110,33 +132,54 @@ def usage_of(obj: object) -> tuple[int, int] | None:
 class UsageReader:
     """Finds ``usage`` in a response body given chunk by chunk.
 
-    JSON bodies are accumulated (up to ``limit`` bytes) and parsed at the end;
-    SSE bodies are scanned line by line as they pass, keeping only the
-    unfinished line, and the last ``data:`` event carrying usage wins.
+    JSON bodies are accumulated (up to ``limit`` bytes) and parsed at the end.
+    SSE bodies are scanned as they pass, in linear time: only the new bytes
+    are searched for line ends and only the unfinished line is kept, up to
+    :data:`MAX_SSE_LINE` bytes (a longer line is skipped to its end); the last
+    ``data:`` event carrying usage wins.
     """
 
     def __init__(self, sse: bool, limit: int) -> None:
         self.sse = sse
         self.limit = limit
         self.buf = bytearray()
+        self.skipping = False
         self.usage: tuple[int, int] | None = None
 
     def feed(self, chunk: bytes, end: bool) -> None:
+        if self.sse:
+            start = 0
+            while (i := chunk.find(b"\n", start)) >= 0:
+                self._append(chunk, start, i)
+                self._end_line()
+                start = i + 1
+            self._append(chunk, start, len(chunk))
+            if end:
+                self._end_line()
+            return
         if len(self.buf) + len(chunk) > self.limit:
             self.buf.clear()  # too large to hold: usage is not learned from it
             self.limit = 0
             return
         self.buf += chunk
-        if self.sse:
-            *lines, rest = bytes(self.buf).split(b"\n")
-            self.buf = bytearray(rest)
-            if end:
-                lines.append(rest)
-            for line in lines:
-                if line.startswith(b"data:") and b'"usage"' in line:
-                    self._parse(line[5:])
-        elif end:
+        if end:
             self._parse(bytes(self.buf))
+
+    def _append(self, chunk: bytes, start: int, stop: int) -> None:
+        if self.skipping or start == stop:
+            return
+        if len(self.buf) + stop - start > MAX_SSE_LINE:
+            self.buf.clear()
+            self.skipping = True
+        else:
+            self.buf += chunk[start:stop]
+
+    def _end_line(self) -> None:
+        line = bytes(self.buf)
+        if not self.skipping and line.startswith(b"data:") and b'"usage"' in line:
+            self._parse(line[5:])
+        self.buf.clear()
+        self.skipping = False
 
     def _parse(self, data: bytes) -> None:
         try:
@@ -162,19 +205,48 @@ class Conversation:
         self.routed = False
         self.usage: UsageReader | None = None
         self.done = False
+        #: Messages seen so far, and whether the response has begun.
+        self.seen = 0
+        self.responding = False
+        #: A failure in the response phase: the rest of the stream passes unchanged.
+        self.failed = False
 
     # One ProcessingRequest in, the responses it calls for out.
-    def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    async def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """Answers one message; raises :class:`ProtocolError` for what the protocol
+        does not allow. Any other failure is answered here (see the module doc)."""
+        kind = req.WhichOneof("request")
+        self.check_order(kind)
+        if self.failed:
+            return self.passthrough(req)
+        try:
+            return await self.dispatch(req, kind)
+        except Exception:
+            return self.fail(req, kind)
+
+    def check_order(self, kind: str | None) -> None:
+        self.seen += 1
+        if kind == "request_headers" and self.seen > 1:
+            raise ProtocolError("request_headers after other messages of the stream")
+        if kind == "response_headers":
+            if self.responding:
+                raise ProtocolError("response_headers sent twice")
+            self.responding = True
+        elif kind in ("response_body", "response_trailers"):
+            self.responding = True
+
+    async def dispatch(
+        self, req: pb.ProcessingRequest, kind: str | None
+    ) -> list[pb.ProcessingResponse]:
         if req.HasField("protocol_config"):
             self.request_mode = req.protocol_config.request_body_mode or Mode.BUFFERED
             self.response_mode = req.protocol_config.response_body_mode
-        kind = req.WhichOneof("request")
         if kind == "request_headers":
-            return self.on_request_headers(req.request_headers)
+            return await self.on_request_headers(req.request_headers)
         if kind == "request_body":
-            return self.on_request_body(req.request_body.body, req.request_body.end_of_stream)
+            return await self.on_request_body(req.request_body.body, req.request_body.end_of_stream)
         if kind == "request_trailers":  # the body ended without end_of_stream
-            out = [] if self.routed else self.on_request_body(b"", True)
+            out = [] if self.routed else await self.on_request_body(b"", True)
             if self.done:
                 return out
             return out + [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
@@ -187,12 +259,46 @@ class Conversation:
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
-    def on_request_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+    def fail(self, req: pb.ProcessingRequest, kind: str | None) -> list[pb.ProcessingResponse]:
+        """An unexpected failure: release, then refuse (request phase) or pass (response)."""
+        mode = self.engine.config.server.failure_mode
+        log(logging.ERROR, "stream-failed", exc_info=True, phase=kind, failure_mode=mode)
+        self.close()
+        try:
+            self.engine.metrics.child(self.engine.metrics.failures, mode).inc()
+        except Exception:
+            log(logging.ERROR, "metrics-failed", exc_info=True)
+        if self.responding:
+            self.failed = True
+            return self.passthrough(req)
+        self.done = True
+        return [immediate(Reject(503, "internal-error", "internal error"))]
+
+    def passthrough(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The answer that lets ``req`` pass unchanged."""
+        kind = req.WhichOneof("request")
+        if kind in ("request_body", "response_body"):
+            body = getattr(req, kind)
+            return self.pass_body(body.body, body.end_of_stream, request=kind == "request_body")
+        if kind in ("request_headers", "response_headers"):
+            return [pb.ProcessingResponse(**{kind: pb.HeadersResponse()})]
+        if kind in ("request_trailers", "response_trailers"):
+            return [pb.ProcessingResponse(**{kind: pb.TrailersResponse()})]
+        return []
+
+    async def decide(self, route: Callable[[], Awaitable[Lease | Reject]]) -> Lease | Reject:
+        """:meth:`Engine.decide`, keeping the lease it hands out."""
+        outcome = await self.engine.decide(self.tenant, route)
+        if isinstance(outcome, Lease):
+            self.lease = outcome
+        return outcome
+
+    async def on_request_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         key = None
         key_header = self.engine.config.server.key_header
         for h in headers.headers.headers:
             if h.key.lower() == key_header:
-                key = header_value(h)
+                key = header_bytes(h)
                 break
         auth = self.engine.authenticate(key, time.time())
         if isinstance(auth, Reject):
@@ -200,12 +306,14 @@ class Conversation:
         self.tenant, self.authenticated = auth, True
         if headers.end_of_stream:  # no body to route on: the default pool
             self.routed = True
-            return self.answer(self.engine.route_default(self.tenant, time.monotonic()), False)
+            tenant = self.tenant
+            outcome = await self.decide(lambda: self.engine.route_default(tenant, time.monotonic()))
+            return self.answer(outcome, False)
         if self.request_mode == FULL_DUPLEX:
             return []
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
 
-    def on_request_body(self, chunk: bytes, end: bool) -> list[pb.ProcessingResponse]:
+    async def on_request_body(self, chunk: bytes, end: bool) -> list[pb.ProcessingResponse]:
         if self.routed:  # chunks after routing pass through (duplex: echoed back)
             return self.pass_body(chunk, end, request=True)
         if not self.authenticated:  # Envoy skipped the headers: there is no key to check
@@ -224,25 +332,17 @@ class Conversation:
             )
         self.body += chunk
         if end or self.request_mode not in (STREAMED, FULL_DUPLEX):
-            return self.route_now()
+            return await self.route_now()
         if self.request_mode == STREAMED:
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
         return []
 
-    def route_now(self) -> list[pb.ProcessingResponse]:
+    async def route_now(self) -> list[pb.ProcessingResponse]:
         self.routed = True
         engine = self.engine
         start = time.perf_counter()
-        try:
-            outcome = engine.route_body(bytes(self.body), self.tenant, time.monotonic())
-        except Exception:
-            mode = engine.config.server.failure_mode
-            engine.metrics.child(engine.metrics.failures, mode).inc()
-            log(logging.ERROR, "route-failed", exc_info=True, failure_mode=mode)
-            if mode == "open":
-                outcome = engine.route_default(self.tenant, time.monotonic())
-            else:
-                outcome = engine.refuse(self.tenant, 503, "internal-error", "routing failed")
+        body, tenant = bytes(self.body), self.tenant
+        outcome = await self.decide(lambda: engine.route_body(body, tenant, time.monotonic()))
         engine.metrics.decision_seconds.observe(time.perf_counter() - start)
         return self.answer(outcome, True)
 
@@ -340,18 +440,18 @@ class Conversation:
 
     def finish(self) -> None:
         """Releases the lease, learning from the usage if the response carried it."""
-        if self.lease is None:
+        lease, self.lease = self.lease, None
+        if lease is None:
             return
         usage = self.usage.usage if self.usage is not None else None
         prompt, completion = usage if usage is not None else (None, None)
-        self.engine.finish(self.lease, prompt, completion, time.monotonic())
-        self.lease = None
+        self.engine.finish(lease, prompt, completion, time.monotonic())
 
     def close(self) -> None:
         """The stream ended: a request still in flight is released without usage."""
-        if self.lease is not None:
-            self.engine.finish(self.lease, None, None, time.monotonic())
-            self.lease = None
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            self.engine.finish(lease, None, None, time.monotonic())
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -366,7 +466,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 req = await context.read()
                 if req is grpc.aio.EOF:
                     break
-                for resp in conv.handle(req):
+                try:
+                    out = await conv.handle(req)
+                except ProtocolError as e:
+                    conv.close()
+                    conv.engine.metrics.protocol_errors.inc()
+                    log(logging.WARNING, "protocol-error", error=str(e))
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                    return
+                for resp in out:
                     await context.write(resp)
         finally:
             conv.close()

@@ -49,6 +49,17 @@ class Metrics:
             ["pool"],
             registry=r,
         )
+        self.absurd_usage = Counter(
+            "routecore_absurd_usage",
+            "Responses whose usage cannot be real (ignored for learning), per pool",
+            ["pool"],
+            registry=r,
+        )
+        self.protocol_errors = Counter(
+            "routecore_protocol_errors",
+            "ext_proc streams ended for breaking the protocol (e.g. repeated request headers)",
+            registry=r,
+        )
         self.failures = Counter(
             "routecore_failures",
             "Internal failures, per failure mode applied (open or closed)",

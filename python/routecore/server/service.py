@@ -3,35 +3,64 @@
 Refusals that are decisions (unknown key, no endpoint, admission) come back
 in ``RouteResponse.admission`` with the HTTP status a gateway would answer;
 requests that cannot be routed at all (malformed body, bad fields, too long
-for every pool) are ``INVALID_ARGUMENT``, and a Feedback for an unknown
-request id is ``NOT_FOUND``. ``Plan`` runs the FleetOpt planner
-(``routecore.plan``) off the event loop.
+for every pool, a count beyond ``MAX_TOKENS``) are ``INVALID_ARGUMENT``, and
+a Feedback for an unknown request id is ``NOT_FOUND``; a Feedback whose usage
+cannot be real still ends the request (the usage is ignored). A failure while
+routing follows ``server.failure_mode`` (open: the default pool, closed: a 503
+refusal) and never shows internal detail; any other unexpected failure is
+``INTERNAL`` with no detail. ``Plan`` runs the FleetOpt planner
+(``routecore.plan``) off the event loop; bad, too deep or out-of-range
+parameters are ``INVALID_ARGUMENT``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import time
 
 import grpc
 import numpy as np
 
 from routecore._core import Profile, Workload, plan
+from routecore.admission import MAX_TOKENS
 from routecore.server.engine import EngineHolder, Reject
 from routecore.server.gen import routecore_pb2 as pb
 from routecore.server.gen import routecore_pb2_grpc as pb_grpc
+from routecore.server.logs import log
 
 #: The categories ``routecore.classify`` assigns (and the calibrator learns).
 CATEGORIES = ("prose", "code", "cjk", "mixed")
 #: Statuses that mean the request itself is bad (INVALID_ARGUMENT), not refused.
 BAD_REQUEST = (400, 413)
+#: The longest ``params_json`` a Plan request may carry.
+MAX_PARAMS_JSON = 1 << 20
+
+
+def guarded(method):
+    """An unexpected exception in ``method`` ends the RPC with INTERNAL and no
+    detail (logged as ``rpc-failed``); the method's own aborts pass."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log(logging.ERROR, "rpc-failed", exc_info=True, method=method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+    return wrapper
 
 
 class RouteCoreService(pb_grpc.RouteCoreServicer):
     def __init__(self, holder: EngineHolder) -> None:
         self.holder = holder
 
+    @guarded
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = self.holder.engine
         start = time.perf_counter()
@@ -45,7 +74,8 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"body exceeds {engine.config.limits.max_body_bytes} bytes",
                     )
-                outcome = engine.route_body(request.body, tenant, now)
+                body = request.body
+                outcome = await engine.decide(tenant, lambda: engine.route_body(body, tenant, now))
             elif kind == "measured":
                 m = request.measured
                 if m.category not in CATEGORIES and not m.prompt_tokens:
@@ -53,17 +83,26 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"category must be one of {list(CATEGORIES)}, got {m.category!r}",
                     )
+                for name in ("prompt_bytes", "max_output_tokens", "prompt_tokens"):
+                    if getattr(m, name) > MAX_TOKENS:
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"measured.{name} must be at most {MAX_TOKENS}",
+                        )
                 token_ids = (
                     np.array(request.token_ids, dtype=np.uint32) if request.token_ids else None
                 )
-                outcome = engine.route_fields(
-                    m.prompt_bytes,
-                    m.category,
-                    m.max_output_tokens,
-                    m.prompt_tokens or None,
+                outcome = await engine.decide(
                     tenant,
-                    now,
-                    token_ids,
+                    lambda: engine.route_fields(
+                        m.prompt_bytes,
+                        m.category,
+                        m.max_output_tokens,
+                        m.prompt_tokens or None,
+                        tenant,
+                        now,
+                        token_ids,
+                    ),
                 )
             else:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set body or measured")
@@ -93,9 +132,9 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
             compressed_body=outcome.body or b"",
         )
 
+    @guarded
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        holder = self.holder
-        for engine in (holder.engine, *holder.retired):
+        for engine in self.holder.engines:
             lease = engine.lease(request.request_id)
             if lease is not None:
                 engine.finish(
@@ -109,9 +148,21 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
             grpc.StatusCode.NOT_FOUND, f"no request in flight with id {request.request_id!r}"
         )
 
+    @guarded
     async def Plan(self, request: pb.PlanRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        if len(request.params_json) > MAX_PARAMS_JSON:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"plan: params_json exceeds {MAX_PARAMS_JSON} bytes",
+            )
         try:
             result = await asyncio.to_thread(plan_json, request.params_json)
+        except RecursionError:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "plan: params_json nests too deep"
+            )
+        except OverflowError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan: number out of range: {e}")
         except (ValueError, KeyError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan: {e}")
         return pb.PlanResponse(plan_json=result)
