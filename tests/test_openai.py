@@ -1,5 +1,6 @@
 """parse_openai_request: the fields routing needs, read in Rust."""
 
+import asyncio
 import copy
 import json
 
@@ -311,7 +312,7 @@ def test_the_server_routes_and_admits_a_tool_heavy_request_on_the_whole_estimate
     tenant = engine.config.tenants[0]
     image = {"type": "image_url", "image_url": {"url": "x"}}
     body = chat([image, {"type": "text", "text": "hi"}], tools=big_tool_schema())
-    lease = engine.route_body(body, tenant, 0.0)
+    lease = asyncio.run(engine.route_body(body, tenant, 0.0))
     assert isinstance(lease, Lease) and lease.pool == "long"
     routed = TokenBudgetRouter([Pool("s", 8192), Pool("l", 65536)]).route_request(
         body, image_tokens=1000
