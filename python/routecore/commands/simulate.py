@@ -166,7 +166,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--verify-target", type=positive_fraction, default=0.99, help="per-pool SLO (0.99)"
     )
-    p.add_argument("--verify-rounds", type=non_negative_int, default=20, help="simulations at most (20)")
+    p.add_argument(
+        "--verify-rounds", type=non_negative_int, default=20, help="simulations at most (20)"
+    )
     p.add_argument("--warmup", type=proper_fraction, default=0.2, help="warm-up fraction (0.2)")
     p.add_argument("--seed", type=random_seed, default=42, help="seed (42)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
