@@ -427,6 +427,69 @@ pub struct Engine {
     shared: Weak<Shared>,
 }
 
+/// Releases an endpoint and pool count taken for a request that never got
+/// its lease (refused, failed, or its stream dropped while admission waited).
+struct Undo<'a> {
+    engine: &'a Engine,
+    pool: usize,
+    endpoint: usize,
+    counted: bool,
+    user: &'a str,
+    est: (u64, u64),
+    now: f64,
+    armed: bool,
+}
+
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let chooser = &self.engine.choosers[self.pool];
+            let _ = chooser.release(
+                self.endpoint,
+                self.counted,
+                self.user,
+                self.est,
+                None,
+                self.now,
+            );
+            let _ = self.engine.router.complete(self.pool);
+        }
+    }
+}
+
+/// Asks admission; a decision that is not ready at once (Redis) runs on its
+/// own task, so a stream dropped meanwhile cannot lose it: a ticket granted
+/// after the caller left is completed at once.
+async fn admit_detached(
+    shared: &Shared,
+    admission: &Arc<Admission>,
+    entitlement: &str,
+    est_in: u64,
+    est_out: u64,
+    request_id: &str,
+) -> Verdict {
+    let owned = Arc::clone(admission);
+    let (ent, rid) = (entitlement.to_owned(), request_id.to_owned());
+    let mut decision =
+        Box::pin(async move { owned.admit(&ent, est_in, Some(est_out), &rid).await });
+    if let Some(v) = decision.as_mut().now_or_never() {
+        return v;
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let owned = Arc::clone(admission);
+    shared.handle.spawn(async move {
+        let verdict = decision.await;
+        if let Err(Verdict::Admitted { ticket: Some(t) }) = tx.send(verdict) {
+            owned.complete(t, est_in, 0, 0.0).await;
+        }
+    });
+    rx.await.unwrap_or(Verdict::Refused {
+        status: 503,
+        reason: "internal-error".into(),
+        retry_after_s: None,
+    })
+}
+
 fn int(v: u64) -> i64 {
     v.min(i64::MAX as u64) as i64
 }
@@ -833,36 +896,38 @@ impl Engine {
                 return Err(e);
             }
         };
-        let undo = || {
-            let _ = chooser.release(endpoint, counted, user, (est_in, est_out), None, now);
-            let _ = self.router.complete(pool);
+        // Undone on every way out before the lease exists, a dropped (cancelled)
+        // stream included: the guard releases the endpoint and the pool count.
+        let mut undo = Undo {
+            engine: self,
+            pool,
+            endpoint,
+            counted,
+            user,
+            est: (est_in, est_out),
+            now,
+            armed: true,
         };
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
         let request_id = shared.request_id(id);
         let mut ticket = None;
         let entitlement = tenant.and_then(|t| self.tenants[t].entitlement.as_deref());
         if let (Some(admission), Some(ent), true) = (self.admission.as_ref(), entitlement, admit) {
-            if let Err(e) = shared.fault("admission") {
-                undo();
-                return Err(e);
-            }
-            match admission
-                .admit(ent, est_in, Some(est_out), &request_id)
-                .await
-            {
+            shared.fault("admission")?;
+            match admit_detached(&shared, admission, ent, est_in, est_out, &request_id).await {
                 Verdict::Admitted { ticket: t } => ticket = t,
                 Verdict::Refused {
                     status,
                     reason,
                     retry_after_s,
                 } => {
-                    undo();
                     let message = format!("not admitted: {reason}");
                     let retry = retry_after_s.unwrap_or(0.0);
                     return Ok(Err(self.refuse(tenant, status, &reason, message, retry)));
                 }
             }
         }
+        undo.armed = false;
         let started = Instant::now();
         let lease = Lease {
             pool,
