@@ -71,6 +71,23 @@ pub struct VtcConfig {
     pub max_users: usize,
 }
 
+impl Default for VtcConfig {
+    /// AIBrix's `vtc-basic` defaults (the Python `VtcRouter`'s keyword defaults).
+    fn default() -> Self {
+        Self {
+            window_s: 300.0,
+            input_weight: 1.0,
+            output_weight: 2.0,
+            min_tokens: 1000.0,
+            max_tokens: 8000.0,
+            fairness_weight: 1.0,
+            utilization_weight: 1.0,
+            max_pod_load: 100.0,
+            max_users: DEFAULT_MAX_USERS,
+        }
+    }
+}
+
 impl VtcConfig {
     /// Checks every field: a positive window, load and `min_tokens`,
     /// `max_tokens >= min_tokens`, non-negative weights, 1 to `MAX_USERS` users.
@@ -506,17 +523,7 @@ mod tests {
     use super::*;
 
     fn config() -> VtcConfig {
-        VtcConfig {
-            window_s: 300.0,
-            input_weight: 1.0,
-            output_weight: 2.0,
-            min_tokens: 1000.0,
-            max_tokens: 8000.0,
-            fairness_weight: 1.0,
-            utilization_weight: 1.0,
-            max_pod_load: 100.0,
-            max_users: DEFAULT_MAX_USERS,
-        }
+        VtcConfig::default()
     }
 
     fn router() -> VtcRouter {

@@ -31,7 +31,7 @@ use crate::openai::MediaTokens;
 use crate::prefix::{
     block_hashes, PrefixCacheRouter, PrefixConfig, PrefixIndex, Tokens, DEFAULT_CAPACITY_BLOCKS,
 };
-use crate::vtc::{VtcConfig, VtcRouter, DEFAULT_MAX_USERS};
+use crate::vtc::{VtcConfig, VtcRouter};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
 use super::config::{digest_from_hex, FailureMode, Policy, Spec};
@@ -148,18 +148,7 @@ impl Chooser {
                     )?);
                 }
                 Policy::Vtc => {
-                    let config = VtcConfig {
-                        window_s: 300.0,
-                        input_weight: 1.0,
-                        output_weight: 2.0,
-                        min_tokens: 1000.0,
-                        max_tokens: 8000.0,
-                        fairness_weight: 1.0,
-                        utilization_weight: 1.0,
-                        max_pod_load: 100.0,
-                        max_users: DEFAULT_MAX_USERS,
-                    };
-                    state.vtc = Some(VtcRouter::new(endpoints, config)?);
+                    state.vtc = Some(VtcRouter::new(endpoints, VtcConfig::default())?);
                 }
             }
         }
