@@ -90,6 +90,35 @@ class Running:
         self.loop.close()
 
 
+def admission(concurrency: int = 3, **extra) -> dict:
+    """One admission pool and the demo tenant's entitlement, ``concurrency`` slots."""
+    return {
+        "pools": [
+            {"name": "gpu", "tokens_per_s": 1e6, "kv_bytes": 10**12, "concurrency": concurrency}
+        ],
+        "entitlements": [
+            {
+                "name": "demo-std",
+                "tenant": "demo",
+                "pool": "gpu",
+                "service_class": "guaranteed",
+                "slo_target_ms": 1000.0,
+                "tokens_per_s": 1e6,
+                "kv_bytes": 10**12,
+                "concurrency": concurrency,
+            }
+        ],
+        **extra,
+    }
+
+
+def tenants() -> list[dict]:
+    """The base tenants, the demo tenant bound to ``admission()``'s entitlement."""
+    t = base_config()["tenants"]
+    t[0]["entitlement"] = "demo-std"
+    return t
+
+
 def in_flight(r: Running) -> dict[str, int]:
     """Everything a request holds while in flight, summed over the live engines
     of the data plane: leases, the router's in-flight counts, the endpoint

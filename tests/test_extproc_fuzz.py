@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_fixtures import Running, base_config, wait_settled
+from server_fixtures import Running, admission, base_config, tenants, wait_settled
 
 from routecore.server.envoy_client import chat_body, sse_chunks, usage_body
 
@@ -27,27 +27,11 @@ ALLOWED = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUST
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tenants = base_config()["tenants"]
-    tenants[0]["entitlement"] = "demo-std"
     config = base_config(
-        tenants=tenants,
+        tenants=tenants(),
         router={"policy": "prefix", "prefix_block_size": 16},
         limits={"max_body_bytes": 20_000, "request_timeout_s": 30},
-        admission={
-            "pools": [{"name": "gpu", "tokens_per_s": 1e6, "kv_bytes": 10**12, "concurrency": 4}],
-            "entitlements": [
-                {
-                    "name": "demo-std",
-                    "tenant": "demo",
-                    "pool": "gpu",
-                    "service_class": "guaranteed",
-                    "slo_target_ms": 1000.0,
-                    "tokens_per_s": 1e6,
-                    "kv_bytes": 10**12,
-                    "concurrency": 4,
-                }
-            ],
-        },
+        admission=admission(4),
     )
     r = Running(tmp_path_factory.mktemp("fuzz") / "routecore.yaml", config)
     yield r

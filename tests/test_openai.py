@@ -280,28 +280,15 @@ def test_the_estimate_never_falls_when_parts_or_tools_are_added(
 
 def test_the_server_routes_and_admits_a_tool_heavy_request_on_the_whole_estimate(tmp_path):
     pytest.importorskip("grpc")
-    from server_fixtures import Running, base_config
+    from server_fixtures import Running, admission, base_config, tenants
 
     from routecore.config import ConfigError, parse_config
 
-    entitlement = {
-        "name": "e",
-        "tenant": "demo",
-        "pool": "gpu",
-        "service_class": "guaranteed",
-        "slo_target_ms": 1000.0,
-        "tokens_per_s": 1e6,
-        "kv_bytes": 10**12,
-        "concurrency": 10,
-    }
     config = base_config(
         limits={"image_tokens": 1000, "audio_tokens": 10},
-        admission={
-            "pools": [{"name": "gpu", "tokens_per_s": 1e6, "kv_bytes": 10**12, "concurrency": 10}],
-            "entitlements": [entitlement],
-        },
+        admission=admission(10),
+        tenants=tenants(),
     )
-    config["tenants"][0]["entitlement"] = "e"
     server = Running(tmp_path / "routecore.yaml", config)
     try:
         plane = server.server.plane

@@ -23,7 +23,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_fixtures import Running, base_config, in_flight, wait_settled
+from server_fixtures import Running, admission, base_config, in_flight, tenants, wait_settled
 
 from routecore.server.envoy_client import (
     buffered,
@@ -40,34 +40,6 @@ from routecore.server.gen import routecore_pb2_grpc as rc_grpc
 Mode = processing_mode_pb2.ProcessingMode
 KEY = {"x-api-key": "demo-key"}
 ABSURD = 2**31  # above MAX_TOKENS = 2^30: no response ever used that many tokens
-
-
-def admission(concurrency: int = 3, **extra) -> dict:
-    """One admission pool and the demo tenant's entitlement, ``concurrency`` slots."""
-    return {
-        "pools": [
-            {"name": "gpu", "tokens_per_s": 1e6, "kv_bytes": 10**12, "concurrency": concurrency}
-        ],
-        "entitlements": [
-            {
-                "name": "demo-std",
-                "tenant": "demo",
-                "pool": "gpu",
-                "service_class": "guaranteed",
-                "slo_target_ms": 1000.0,
-                "tokens_per_s": 1e6,
-                "kv_bytes": 10**12,
-                "concurrency": concurrency,
-            }
-        ],
-        **extra,
-    }
-
-
-def tenants() -> list[dict]:
-    t = base_config()["tenants"]
-    t[0]["entitlement"] = "demo-std"
-    return t
 
 
 @pytest.fixture
