@@ -50,13 +50,18 @@ def baseline_engine_sweep():
     return baseline.plan_engine(INPUTS, OUTPUTS, 1000.0, 2.0, 0.08, b_short=B_SHORT, gammas=GAMMAS)
 
 
-def test_engine_baseline_agrees_with_routecore():
-    r = routecore_engine_sweep()
-    homo, fleets = baseline_engine_sweep()
+def assert_same_fleets(r, baseline_result):
+    """The plain-Python twin plans the same homogeneous fleet and the same
+    (n_short, n_long) for every (B_short, gamma) candidate."""
+    homo, fleets = baseline_result
     assert homo == r.homogeneous.gpus
     assert len(fleets) == len(r.sweep) == 165
     for c in r.sweep:
         assert fleets[(c.b_short, c.gamma)] == (c.n_short, c.n_long)
+
+
+def test_engine_baseline_agrees_with_routecore():
+    assert_same_fleets(routecore_engine_sweep(), baseline_engine_sweep())
 
 
 @pytest.mark.benchmark(group="plan, engine model: Azure trace, 15 B_short x 11 gamma")
@@ -73,12 +78,7 @@ def test_plan_engine_sweep_plain_python(benchmark):
 
 
 def test_baseline_agrees_with_routecore():
-    r = routecore_sweep()
-    homo, fleets = baseline_sweep()
-    assert homo == r.homogeneous.gpus
-    assert len(fleets) == len(r.sweep) == 165
-    for c in r.sweep:
-        assert fleets[(c.b_short, c.gamma)] == (c.n_short, c.n_long)
+    assert_same_fleets(routecore_sweep(), baseline_sweep())
     for c, rho in [(32_768, 0.85), (1000, 0.95), (50, 0.5)]:
         assert baseline.erlang_c(c, rho * c) == pytest.approx(erlang_c(c, rho * c), rel=1e-12)
 
