@@ -355,17 +355,8 @@ impl RedisAdmission {
                 let _: i64 = call.invoke_async(c).await?;
                 voids.clear();
             }
-            while let Some(&(seq, actual, latency_s, at)) = replays.first() {
-                let _: i64 = self
-                    .scripts
-                    .complete
-                    .key(&pool.key)
-                    .arg(seq)
-                    .arg(actual)
-                    .arg(latency_s)
-                    .arg(at)
-                    .invoke_async(c)
-                    .await?;
+            while let Some(&replay) = replays.first() {
+                self.run_complete(c, &pool.key, replay).await?;
                 replays.remove(0);
             }
             Ok(())
@@ -378,6 +369,25 @@ impl RedisAdmission {
             return Err(e.into());
         }
         Ok(())
+    }
+
+    /// Runs the completion script for `(seq, actual, latency_s, at)`: a first
+    /// completion and a replayed one alike. 1 when it released the reservation.
+    async fn run_complete(
+        &self,
+        c: &mut MultiplexedConnection,
+        key: &str,
+        (seq, actual, latency_s, at): Replay,
+    ) -> Result<i64, RedisError> {
+        self.scripts
+            .complete
+            .key(key)
+            .arg(seq)
+            .arg(actual)
+            .arg(latency_s)
+            .arg(at)
+            .invoke_async(c)
+            .await
     }
 
     fn unavailable(&self) -> Verdict {
@@ -485,15 +495,8 @@ impl RedisAdmission {
         let call = async {
             let mut c = self.connection().await?;
             self.settle(&mut c, p, now).await?;
-            let done: i64 = self
-                .scripts
-                .complete
-                .key(&pool.key)
-                .arg(seq)
-                .arg(actual)
-                .arg(latency_s)
-                .arg(now)
-                .invoke_async(&mut c)
+            let done = self
+                .run_complete(&mut c, &pool.key, (seq, actual, latency_s, now))
                 .await?;
             Ok(done == 1)
         };
