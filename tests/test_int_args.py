@@ -196,7 +196,34 @@ CASES = {
     "AdmissionController.set_capacity.concurrency": lambda v: admission().set_capacity(
         "p", concurrency=v
     ),
+    "load.requests": lambda v: _load(requests=v),
+    "load.concurrency": lambda v: _load(concurrency=v),
+    "load.body_bytes": lambda v: _load(body_bytes=v),
+    "load.server_pid": lambda v: _load(server_pid=v),
+    "load.threads": lambda v: _load(threads=v),
 }
+
+
+#: A routecore server for the load cases (started on first use, a free port).
+_SERVER = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_server():
+    yield
+    while _SERVER:
+        _SERVER.pop().stop()
+
+
+def _load(**kwargs):
+    """One conversation of the Rust load client against a routecore server."""
+    if not _SERVER:
+        import tempfile
+
+        from server_fixtures import Running, base_config
+
+        _SERVER.append(Running(Path(tempfile.mkdtemp()) / "routecore.yaml", base_config()))
+    core.load(_SERVER[0].target, **{"requests": 1, **kwargs})
 
 
 def _admitted_complete(actual_input, actual_output, ticket=None):

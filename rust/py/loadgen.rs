@@ -4,6 +4,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::int_arg;
 use crate::serve::loadgen::{self, LoadSpec};
 
 /// Drives ext_proc conversations against ``target`` (``HOST:PORT``) as Envoy
@@ -21,18 +22,22 @@ use crate::serve::loadgen::{self, LoadSpec};
 pub fn load<'py>(
     py: Python<'py>,
     target: &str,
-    requests: u64,
-    concurrency: usize,
+    #[pyo3(from_py_with = int_arg)] requests: i64,
+    #[pyo3(from_py_with = int_arg)] concurrency: usize,
     rate: Option<f64>,
     duration_s: Option<f64>,
-    body_bytes: usize,
+    #[pyo3(from_py_with = int_arg)] body_bytes: usize,
     api_key: &str,
-    server_pid: Option<u32>,
-    threads: usize,
+    #[pyo3(from_py_with = int_arg)] server_pid: Option<u32>,
+    #[pyo3(from_py_with = int_arg)] threads: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
-    if threads == 0 {
-        return Err(PyValueError::new_err("threads must be >= 1"));
+    if !(1..=256).contains(&threads) {
+        return Err(PyValueError::new_err(format!(
+            "threads must be in [1, 256], got {threads}"
+        )));
     }
+    let requests =
+        u64::try_from(requests).map_err(|_| PyValueError::new_err("requests must be >= 1"))?;
     let spec = LoadSpec {
         target: target.into(),
         requests,
