@@ -36,18 +36,6 @@ pub fn load<'py>(
             "threads must be in [1, 256], got {threads}"
         )));
     }
-    if body_bytes > 64 << 20 {
-        return Err(PyValueError::new_err(format!(
-            "body_bytes must be at most {}, got {body_bytes}",
-            64 << 20
-        )));
-    }
-    if concurrency > 1 << 20 {
-        return Err(PyValueError::new_err(format!(
-            "concurrency must be at most {}, got {concurrency}",
-            1 << 20
-        )));
-    }
     let spec = LoadSpec {
         target: target.into(),
         requests,

@@ -70,7 +70,8 @@ pub struct LoadReport {
     pub errors: u64,
     pub seconds: f64,
     pub throughput_per_s: f64,
-    /// Added latency, milliseconds.
+    /// Added latency, milliseconds, over the conversations that ended
+    /// (refused ones included: Envoy waits for a refusal too).
     pub p50_ms: f64,
     pub p99_ms: f64,
     pub mean_ms: f64,
@@ -81,6 +82,11 @@ pub struct LoadReport {
     /// This process's CPU time per conversation (the client's own cost).
     pub client_cpu_ms: Option<f64>,
 }
+
+/// Streams one run may hold at once.
+pub const MAX_STREAMS: usize = 100_000;
+/// The largest request body a run sends (64 MiB).
+pub const MAX_BODY_BYTES: usize = 1 << 26;
 
 /// USER_HZ: /proc reports CPU time in these ticks per second (fixed by the
 /// Linux ABI).
@@ -253,8 +259,20 @@ async fn conversation(client: &mut ExternalProcessorClient<Channel>, m: &Message
 
 /// Runs the load; call on a tokio runtime.
 pub async fn run(spec: &LoadSpec) -> Result<LoadReport, Error> {
-    if spec.concurrency == 0 || spec.requests == 0 {
-        return Err(invalid("requests and concurrency must be >= 1"));
+    if spec.requests == 0 {
+        return Err(invalid("requests must be >= 1"));
+    }
+    if !(1..=MAX_STREAMS).contains(&spec.concurrency) {
+        return Err(invalid(format!(
+            "concurrency must be in [1, {MAX_STREAMS}], got {}",
+            spec.concurrency
+        )));
+    }
+    if spec.body_bytes > MAX_BODY_BYTES {
+        return Err(invalid(format!(
+            "body_bytes must be at most {MAX_BODY_BYTES}, got {}",
+            spec.body_bytes
+        )));
     }
     if spec.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
         return Err(invalid("rate must be a finite number > 0"));
@@ -278,7 +296,10 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadReport, Error> {
     let client_before = cpu_s(me);
     let start = Instant::now();
     let deadline = spec.duration_s.map(|d| start + Duration::from_secs_f64(d));
-    let workers: Vec<_> = (0..spec.concurrency)
+    let streams = spec
+        .concurrency
+        .min(usize::try_from(spec.requests).unwrap_or(usize::MAX));
+    let workers: Vec<_> = (0..streams)
         .map(|_| {
             let mut client = ExternalProcessorClient::new(channel.clone());
             let (m, next, spec) = (messages.clone(), next.clone(), spec.clone());

@@ -7,9 +7,9 @@ import json
 
 from routecore.commands._args import int_in, port, positive_float, positive_int
 
-#: Streams at once: each is a task and an HTTP/2 stream.
+#: Streams at once (MAX_STREAMS of rust/serve/loadgen.rs).
 streams = int_in(1, 100_000)
-#: A request body up to 64 MiB.
+#: A request body up to 64 MiB (MAX_BODY_BYTES).
 body_size = int_in(1, 1 << 26)
 #: A process id (Linux: below 2^22).
 pid = int_in(1, (1 << 32) - 1)
