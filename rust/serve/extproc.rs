@@ -585,9 +585,15 @@ struct StreamState {
 type ResponseStream =
     Pin<Box<dyn Stream<Item = std::result::Result<ProcessingResponse, Status>> + Send>>;
 
+/// The next answer of a stream. The state is boxed and so is the (large)
+/// future of `handle`, so that the future made for each answer stays small:
+/// `unfold` moves it into place once per answer.
 async fn next(
-    mut st: StreamState,
-) -> Option<(std::result::Result<ProcessingResponse, Status>, StreamState)> {
+    mut st: Box<StreamState>,
+) -> Option<(
+    std::result::Result<ProcessingResponse, Status>,
+    Box<StreamState>,
+)> {
     loop {
         if let Some(r) = st.pending.pop_front() {
             return Some((Ok(r), st));
@@ -612,7 +618,7 @@ async fn next(
                 return Some((Err(status), st));
             }
         };
-        match st.conv.handle(&msg).await {
+        match Box::pin(st.conv.handle(&msg)).await {
             Ok(out) => st.pending.extend(out),
             Err(ProtocolError(e)) => {
                 st.conv.close();
@@ -633,12 +639,12 @@ impl ExternalProcessor for Processor {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> std::result::Result<Response<Self::ProcessStream>, Status> {
-        let state = StreamState {
+        let state = Box::new(StreamState {
             conv: Conversation::new(current(&self.current), Arc::clone(&self.shared)),
             inbound: request.into_inner(),
             pending: VecDeque::new(),
             ended: false,
-        };
+        });
         Ok(Response::new(Box::pin(futures_util::stream::unfold(
             state, next,
         ))))
