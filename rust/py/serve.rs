@@ -92,7 +92,9 @@ impl PyDataPlane {
 impl PyDataPlane {
     /// Starts serving ``spec_json`` (the JSON ``routecore.config`` produces) on
     /// ``host:port`` (0: a free port) with metrics on ``metrics_port`` (None:
-    /// none), ``worker_threads`` runtime threads, the learned ``calibrator``
+    /// none), ``worker_threads`` threads (each runs its own event loop and
+    /// serves the connections given to it, a new one to the thread with the
+    /// fewest open), the learned ``calibrator``
     /// state (``Calibrator.to_bytes()``, None: cold start) and logs at the
     /// Python logging level ``log_level``. ValueError for a bad spec or a
     /// port that cannot be bound.
