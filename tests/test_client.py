@@ -65,6 +65,18 @@ def test_a_refusal_prints_the_http_status_and_exits_1(server, capsys):
     )
 
 
+def test_no_key_at_all_is_refused_401(server, capsys):
+    code, out = client_json(capsys, "--target", server.target, "--api-key", "")
+    assert (code, out["http_status"]) == (1, 401)
+
+
+def test_a_missing_body_file_is_one_error_line(server, tmp_path, capsys):
+    argv = ["client", "--target", server.target, "--body", str(tmp_path / "nope.json")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("routecore client: error: ") and err.count("\n") == 1
+
+
 def test_text_output_names_the_endpoint_header_and_metadata(server, tmp_path, capsys):
     body = tmp_path / "body.json"
     body.write_text(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
