@@ -5,47 +5,34 @@ Run: .venv/bin/python -m pytest benches/bench_admission.py
 The Rust-only figure: cargo test --release -- --ignored --nocapture admit_complete_timing
 """
 
-import itertools
 import time
 
 import pytest
 
-from benches.baselines import admission as baseline
-from routecore import AdmissionController, Entitlement, InMemoryAdmission, TokenPool
+from routecore import AdmissionController, InMemoryAdmission
+from routecore._baselines.cases import (
+    ADMISSION_POOLS,
+    ENTITLEMENTS,
+    admission_twin,
+    admit_complete_pair,
+)
 from tests.conftest import RedisServer
 
 GROUP = "admission: admit + complete pair"
-POOLS = [TokenPool("p", 240.0, 2**34, 16)]
-ENTS = [
-    Entitlement("copilot", "dev", "p", "elastic", 500.0, 75.0, 2**30, 5),
-    Entitlement("synth", "data", "p", "elastic", 30_000.0, 75.0, 2**30, 5),
-]
-
-
-def pair(admit, complete):
-    """A closure doing one admit + complete at an advancing explicit clock."""
-    clock = itertools.count()
-
-    def run():
-        now = next(clock) * 1e-3
-        ticket = admit("copilot", 64, 64, now)
-        complete(ticket, 64, 64, 0.5, now)
-        return ticket
-
-    return run
+POOLS, ENTS = ADMISSION_POOLS, ENTITLEMENTS
 
 
 @pytest.mark.benchmark(group=GROUP)
 def test_pair_routecore_controller(benchmark):
     ctl = AdmissionController(POOLS, ENTS)
-    run = pair(lambda *a: ctl.admit(*a).ticket, ctl.complete)
+    run = admit_complete_pair(lambda *a: ctl.admit(*a).ticket, ctl.complete)
     assert benchmark(run) is not None
 
 
 @pytest.mark.benchmark(group=GROUP)
 def test_pair_routecore_in_memory_backend(benchmark):
     backend = InMemoryAdmission(POOLS, ENTS)
-    run = pair(
+    run = admit_complete_pair(
         lambda e, i, m, now: backend.admit(e, i, m, now=now).ticket,
         lambda t, i, o, lat, now: backend.complete(t, i, o, lat, now=now),
     )
@@ -54,15 +41,8 @@ def test_pair_routecore_in_memory_backend(benchmark):
 
 @pytest.mark.benchmark(group=GROUP)
 def test_pair_plain_python(benchmark):
-    ctl = baseline.AdmissionController(
-        16,
-        240.0,
-        [
-            baseline.Entitlement("copilot", "elastic", 500.0, 75.0, 2**30, 5),
-            baseline.Entitlement("synth", "elastic", 30_000.0, 75.0, 2**30, 5),
-        ],
-    )
-    run = pair(lambda *a: ctl.admit(*a)[3], ctl.complete)
+    ctl = admission_twin()
+    run = admit_complete_pair(lambda *a: ctl.admit(*a)[3], ctl.complete)
     assert benchmark(run) is not None
 
 
@@ -79,7 +59,7 @@ def test_pair_routecore_redis_loopback(benchmark, redis_url):
     from routecore import RedisAdmission
 
     backend = RedisAdmission(POOLS, ENTS, url=redis_url, prefix="bench")
-    run = pair(
+    run = admit_complete_pair(
         lambda e, i, m, now: backend.admit(e, i, m, now=now).ticket,
         lambda t, i, o, lat, now: backend.complete(t, i, o, lat, now=now),
     )

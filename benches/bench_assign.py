@@ -8,44 +8,17 @@ Run: .venv/bin/python -m pytest benches/bench_assign.py
 import numpy as np
 import pytest
 
-from benches.baselines import assign as baseline
-from routecore import BatchScheduler, Instance, KnnEstimator
+from routecore import BatchScheduler, KnnEstimator
+from routecore._baselines import assign as baseline
+from routecore._baselines.cases import ASSIGN_BATCH, assign_batch, assign_twin, instances
 
-# RouteBalance's fleet (Table 1): model, TPOT, price in/out per Mtok, instances
-FLEET = [
-    ("qwen2.5-3b", 0.0102, 0.06, 0.06, 3),
-    ("qwen2.5-7b", 0.0196, 0.07, 0.07, 5),
-    ("qwen2.5-14b", 0.0139, 0.15, 0.15, 3),
-    ("qwen2.5-72b", 0.0416, 0.38, 0.40, 2),
-]
-B, MAX_BATCH = 256, 16
-
-
-def instances():
-    return [
-        Instance(f"{m}-{k}", m, tpot, p_in, p_out, MAX_BATCH)
-        for m, tpot, p_in, p_out, n in FLEET
-        for k in range(n)
-    ]
-
-
-def batch(seed=0):
-    rng = np.random.default_rng(seed)
-    n = sum(f[4] for f in FLEET)
-    return (
-        rng.uniform(0, 1, (B, 4)),
-        rng.integers(16, 1024, (B, 4)).astype(np.float64),
-        rng.integers(8, 4096, B),
-        np.where(rng.uniform(size=B) < 0.2, rng.uniform(1e-5, 4e-4, B), np.inf),
-        rng.integers(0, 8000, n).astype(np.float64),
-        rng.integers(0, MAX_BATCH + 1, n),
-    )
+B = ASSIGN_BATCH
 
 
 @pytest.mark.benchmark(group="assign: 256 requests x 13 instances x 4 models")
 def test_assign_routecore(benchmark):
     s = BatchScheduler(instances(), weights="balanced")
-    args = batch()
+    args = assign_batch()
     got = benchmark(s.assign, *args)
     assert (got >= 0).sum() > B // 2
 
@@ -54,18 +27,7 @@ def test_assign_routecore(benchmark):
 def test_assign_plain_python(benchmark):
     fleet = instances()
     s = BatchScheduler(fleet, weights="balanced")
-    plain_fleet = [
-        (
-            s.model_of[i],
-            f.tpot_s,
-            f.price_in_per_mtok,
-            f.price_out_per_mtok,
-            f.max_batch,
-            f.prefill_s_per_token,
-        )
-        for i, f in enumerate(fleet)
-    ]
-    q, lens, tokens, budget, pending, sizes = batch()
+    q, lens, tokens, budget, pending, sizes = assign_batch()
     rows = (
         q.tolist(),
         lens.tolist(),
@@ -74,10 +36,10 @@ def test_assign_plain_python(benchmark):
         pending.tolist(),
         sizes.tolist(),
     )
-    plain = baseline.BatchScheduler(plain_fleet, s.weights)
+    plain = assign_twin(s, fleet)
     got = benchmark(plain.assign, *rows)
     # the twin computes the same assignment (fresh recency on both sides)
-    fresh = baseline.BatchScheduler(plain_fleet, s.weights)
+    fresh = assign_twin(s, fleet)
     assert fresh.assign(*rows) == s.assign(q, lens, tokens, budget, pending, sizes).tolist()
     assert len(got) == B
 

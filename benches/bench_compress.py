@@ -1,7 +1,7 @@
 """Compress-and-route: a 12,000-token prose prompt (48,000 bytes of the GPL
 texts Debian ships, estimated at 4 bytes per token) compressed by 15% to
 10,200 tokens, by routecore and by the plain-Python twin of the same pipeline
-(benches/baselines/compress.py). Goal from issue 8: p99 under 2 ms."""
+(routecore/_baselines/compress.py). Goal from issue 8: p99 under 2 ms."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benches.baselines import compress as baseline
 from routecore import Compressor, Pool, TokenBudgetRouter
+from routecore._baselines import compress as baseline
 
 LICENSES = Path("/usr/share/common-licenses")
 PROMPT_BYTES = 48_000

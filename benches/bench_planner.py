@@ -1,5 +1,5 @@
 """Queueing and the FleetOpt planner: routecore beside the plain-Python
-planner of the same models (benches/baselines/planner.py), same run: the
+planner of the same models (routecore/_baselines/planner.py), same run: the
 engine model (the default) and the paper's Eq. 3-4.
 
 Run: .venv/bin/python -m pytest benches/bench_planner.py
@@ -7,8 +7,8 @@ Run: .venv/bin/python -m pytest benches/bench_planner.py
 
 import pytest
 
-from benches.baselines import planner as baseline
 from routecore import Profile, Workload, erlang_c, plan
+from routecore._baselines import planner as baseline
 
 AZURE = Workload.azure_2023()
 B_SHORT = [

@@ -6,16 +6,11 @@ Run: .venv/bin/python -m pytest benches/bench_prefix.py
 import numpy as np
 import pytest
 
-from benches.baselines import prefix as baseline
 from routecore import PrefixCacheRouter, block_hashes
+from routecore._baselines import prefix as baseline
+from routecore._baselines.cases import BLOCK, PODS, PROMPT_TOKENS, prefix_warmed, prompt
 
-TOKENS = 8192
-BLOCK = 16  # 512 blocks
-PODS = [f"pod-{i}" for i in range(16)]
-
-
-def prompt(seed=0, n=TOKENS):
-    return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.uint32)
+TOKENS = PROMPT_TOKENS
 
 
 @pytest.mark.benchmark(group="block_hashes: 8,192 tokens, block 16")
@@ -31,32 +26,23 @@ def test_block_hashes_plain_python(benchmark):
     assert len(out) == TOKENS // BLOCK
 
 
-def warmed(router_cls):
-    """A router that has seen 16 prompts sharing a 4,096-token system prompt."""
-    r = router_cls(PODS, block_size=BLOCK)
-    system = prompt(1, TOKENS // 2)
-    for k in range(16):
-        r.route(np.concatenate([system, prompt(100 + k, TOKENS // 2)]))
-    return r, np.concatenate([system, prompt(999, TOKENS // 2)])
-
-
 @pytest.mark.benchmark(group="PrefixCacheRouter.route: 16 pods, 512-block prompt")
 def test_route_routecore(benchmark):
-    r, p = warmed(PrefixCacheRouter)
+    r, p = prefix_warmed(PrefixCacheRouter)
     pod, fraction = benchmark(r.route, p)
     assert pod in PODS and fraction >= 0.5
 
 
 @pytest.mark.benchmark(group="PrefixCacheRouter.route: 16 pods, 512-block prompt")
 def test_route_plain_python(benchmark):
-    r, p = warmed(baseline.PrefixCacheRouter)
+    r, p = prefix_warmed(baseline.PrefixCacheRouter)
     pod, fraction = benchmark(r.route, p)
     assert pod in PODS and fraction >= 0.5
 
 
 def test_the_baseline_decides_like_routecore():
-    rc, _ = warmed(PrefixCacheRouter)
-    py, _ = warmed(baseline.PrefixCacheRouter)
+    rc, _ = prefix_warmed(PrefixCacheRouter)
+    py, _ = prefix_warmed(baseline.PrefixCacheRouter)
     system = prompt(1, TOKENS // 2)
     for k in range(40):
         p = np.concatenate([system[: 64 * (k % 9)], prompt(k % 13, 1000)])

@@ -1,5 +1,5 @@
 """Fleet simulator: routecore beside the plain-Python discrete-event simulator
-of the same model (benches/baselines/sim.py), same trace slice, same run; and
+of the same model (routecore/_baselines/sim.py), same trace slice, same run; and
 the default ``routecore simulate`` end to end.
 
 Run: .venv/bin/python -m pytest benches/bench_sim.py
@@ -8,8 +8,8 @@ Run: .venv/bin/python -m pytest benches/bench_sim.py
 import numpy as np
 import pytest
 
-from benches.baselines import sim as baseline
 from routecore import SimPool, Workload, simulate
+from routecore._baselines import sim as baseline
 from routecore.cli import main
 from routecore.commands.simulate import trace_arrays
 

@@ -1,4 +1,5 @@
-"""Lets benches import their plain-Python twins as `benches.baselines.*`."""
+"""Lets benches import the test helpers as `tests.*` (their plain-Python twins
+ship in the package as `routecore._baselines`)."""
 
 import sys
 from pathlib import Path

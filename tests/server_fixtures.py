@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +15,31 @@ from routecore.server.app import Server
 
 SHORT = ["127.0.0.1:8001", "127.0.0.1:8002"]
 LONG = ["127.0.0.1:8011"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(config: str, port: int, metrics_port: int, *extra: str) -> list[str]:
+    """The command line that runs ``routecore serve`` with this interpreter."""
+    return [
+        sys.executable,
+        "-m",
+        "routecore.cli",
+        "serve",
+        "--config",
+        config,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--api-port",
+        str(free_port()),
+        *extra,
+    ]
 
 
 def base_config(**overrides) -> dict:

@@ -357,3 +357,30 @@ def test_assign_eval_command(capsys, tmp_path):
     assert out.startswith("| policy |") and "| round-robin |" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["assign-eval", "--rate", "-1"]) == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 400),
+    dim=st.integers(8, 96),  # dimensions where exact ties (which NumPy breaks arbitrarily) are rare
+    b=st.integers(1, 40),
+    k=st.integers(1, 20),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_knn_matches_numpy_and_each_query_alone(n, dim, b, k, seed):
+    from routecore._baselines.assign import Knn
+
+    rng = np.random.default_rng(seed)
+    emb = rng.normal(size=(n, dim)).astype(np.float32)
+    quality, lens = rng.uniform(size=(n, 3)), rng.uniform(10, 500, (n, 3))
+    queries = rng.normal(size=(b, dim)).astype(np.float32)
+    est = KnnEstimator(k=k)
+    est.fit(emb, quality, lens)
+    got_q, got_l = est.predict(queries)
+    want_q, want_l = Knn(min(k, n), emb, quality, lens).predict(queries)
+    np.testing.assert_allclose(got_q, want_q, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got_l, want_l, rtol=1e-4)
+    # the GEMM's rounding depends on the batch; the prediction does not
+    for j in range(b):
+        one_q, one_l = est.predict(queries[j : j + 1])
+        assert np.array_equal(one_q[0], got_q[j]) and np.array_equal(one_l[0], got_l[j])

@@ -31,7 +31,7 @@ def test_console_script_runs():
 def test_route_the_embedded_sample(capsys):
     assert main(["route"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert len(lines) == 20
+    assert len(lines) == 21
     pools = [x["pool"] for x in lines]
     assert pools.count("long") >= 3 and pools.count(None) == 1
     by_line = {x["line"]: x for x in lines}
@@ -40,6 +40,24 @@ def test_route_the_embedded_sample(capsys):
     assert by_line[15]["rejected"] and by_line[15]["reason"] == "exceeds-max-context"
     # A prompt given as token ids routes on its exact length.
     assert by_line[17]["est_input_tokens"] == 8
+
+
+@pytest.mark.parametrize("band", ["1.25", "1.5"])
+def test_compress_band_compresses_the_borderline_conversation_of_the_sample(band, capsys):
+    assert main(["route", "--compress-band", band]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(x) for x in out.splitlines()]
+    compressed = [x for x in lines if x["action"] == "compress"]
+    assert [x["line"] for x in compressed] == [21]
+    c = compressed[0]
+    assert c["pool"] == "short" and c["compression"]["status"] == "compressed"
+    assert c["compression"]["tokens_after"] <= c["compression"]["target_tokens"] == 8192 - 1024
+    assert c["compression"]["compressed_messages"] == [1]  # the notes, not the question
+    assert "compressed: 1" in err
+    # without the band the same request goes to the long pool, whole
+    assert main(["route"]) == 0
+    plain = json.loads(capsys.readouterr().out.splitlines()[20])
+    assert (plain["pool"], plain["action"]) == ("long", "route")
 
 
 def test_route_stdin_with_custom_pools_and_a_bad_line(monkeypatch, capsys, tmp_path):

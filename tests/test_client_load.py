@@ -16,9 +16,10 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("envoy")
 
+from server_fixtures import free_port, serve_command  # noqa: E402
+
 from routecore import cli  # noqa: E402
 from routecore._core import load  # noqa: E402
-from routecore.server.envoy_client import free_port, serve_command  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"
 
@@ -51,6 +52,16 @@ def test_closed_loop_routes_every_conversation_and_reads_server_counters(server)
     assert 0 < report["p50_ms"] <= report["p99_ms"]
     assert report["server_cpu_ms"] > 0 and report["server_context_switches"] > 0
     assert report["client_cpu_ms"] >= 0
+
+
+@pytest.mark.slow
+def test_a_paced_run_of_3000_routes_every_conversation(server):
+    target, pid = server
+    report = load(target, requests=3000, concurrency=32, rate=500.0, server_pid=pid)
+    print(report)
+    assert (report["requests"], report["refused"], report["errors"]) == (3000, 0, 0)
+    assert 0 < report["p50_ms"] <= report["p99_ms"]
+    assert report["server_cpu_ms"] > 0
 
 
 def test_paced_run_starts_conversations_on_schedule(server):

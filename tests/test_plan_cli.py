@@ -63,6 +63,36 @@ def test_flags_trace_profile_price_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_into_a_missing_directory_fails_before_the_table(tmp_path, capsys):
+    assert main(["plan", "--plot", str(tmp_path / "missing" / "x.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "does not exist" in err and err.count("\n") == 1
+    assert main(["plan", "--plot", str(tmp_path)]) == 2  # a directory, not a file
+    assert capsys.readouterr().out == ""
+
+
+def test_default_plot_shows_two_lines_and_the_whole_sweep_as_a_grid(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from routecore.commands.plan import plot_savings, savings_grid
+
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "FleetOpt optimum" in capsys.readouterr().out
+    result = plan(Workload.azure_2023(), 1000.0, 0.5, slo_tpot_s=0.08)
+    # not one line per gamma: pool routing, the best gamma, the optimum
+    legend = plot_savings(result, str(tmp_path / "again.png"), "title")
+    assert legend[:2] == ["pool routing alone (gamma 1.0)", "with compress-and-route, best gamma"]
+    b = result.best
+    assert legend[2] == f"optimum: B_short {b.b_short // 1024}K, gamma {b.gamma:g}, {b.gpus} GPUs"
+    # the grid holds every candidate of the sweep, NaN exactly where it misses the SLO
+    bs, gammas, grid = savings_grid(result)
+    assert len(bs) * len(gammas) == len(result.sweep)
+    for c in result.sweep:
+        v = grid[gammas.index(c.gamma)][bs.index(c.b_short)]
+        assert (v == pytest.approx(c.savings_vs_homogeneous * 100)) if c.feasible else v != v
+
+
 @pytest.mark.parametrize(
     "args",
     [

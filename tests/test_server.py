@@ -17,7 +17,15 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_fixtures import LONG, SHORT, Running, base_config, wait_settled
+from server_fixtures import (
+    LONG,
+    SHORT,
+    Running,
+    base_config,
+    free_port,
+    serve_command,
+    wait_settled,
+)
 
 from routecore import Profile, Workload, plan
 from routecore._core import DataPlane
@@ -25,10 +33,8 @@ from routecore.server.envoy_client import (
     Conversation,
     buffered,
     chat_body,
-    free_port,
     header_map,
     http_headers,
-    serve_command,
     sse_chunks,
     usage_body,
 )

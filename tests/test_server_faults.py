@@ -23,14 +23,21 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_fixtures import Running, admission, base_config, in_flight, tenants, wait_settled
+from server_fixtures import (
+    Running,
+    admission,
+    base_config,
+    free_port,
+    in_flight,
+    serve_command,
+    tenants,
+    wait_settled,
+)
 
 from routecore.server.envoy_client import (
     buffered,
     chat_body,
-    free_port,
     http_headers,
-    serve_command,
     sse_chunks,
     usage_body,
 )

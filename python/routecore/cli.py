@@ -17,9 +17,11 @@ from routecore._extras import MissingExtra
 from routecore.commands import (
     admission_scenario,
     assign_eval,
+    bench,
     calibration_study,
     client,
     compress,
+    init_config,
     plan,
     prefix_eval,
     route,
@@ -39,6 +41,8 @@ COMMANDS = [
 ]
 COMMANDS.append(serve_command)
 COMMANDS.append(client)
+COMMANDS.append(init_config)
+COMMANDS.append(bench)
 
 
 class UsageError(Exception):

@@ -6,9 +6,12 @@
 //! decides). Equal similarities go to the lower training index.
 //!
 //! Embeddings are L2-normalised at `fit` and `predict`, so any embedding model
-//! works; an all-zero (or non-finite) vector is refused. The scan is exact
-//! (no approximate index): rows outer, queries inner, so the training matrix is
-//! read once per call.
+//! works; an all-zero (or non-finite) vector is refused. The search is exact
+//! (no approximate index): the similarities of all queries to all rows are one
+//! matrix product (GEMM, on every core); each query's `2k` best by it are scored
+//! again with a fixed-order dot product and the `k` best by that are kept.
+
+use rayon::prelude::*;
 
 use crate::error::{invalid, Error, Result};
 use crate::snapshot::{Reader, Writer};
@@ -81,6 +84,46 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// Similarities held at once: queries are taken in blocks of at most this
+/// many `(query, row)` pairs (64 MiB of `f32`).
+const MAX_BLOCK_SIMS: usize = 1 << 24;
+
+/// `qs · embᵀ`: the `[b, n]` similarities of `b` queries to `n` rows, both
+/// row-major with `dim` columns, as one GEMM on every core (the `gemm` crate).
+fn similarities(emb: &[f32], qs: &[f32], dim: usize) -> Vec<f32> {
+    let (n, b) = (emb.len() / dim, qs.len() / dim);
+    let mut sims = vec![0.0f32; b * n];
+    // SAFETY: `sims` is `b x n` (row stride n, column stride 1), `qs` is
+    // `b x dim` (row stride dim), and `emb` (`n x dim`, row stride dim) is
+    // read as its transpose `dim x n` (row stride 1, column stride dim): every
+    // index the product touches lies inside its slice. `read_dst` is false,
+    // so `sims` is only written: `sims = 1.0 * qs * embᵀ`.
+    unsafe {
+        gemm::gemm(
+            b,
+            n,
+            dim,
+            sims.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            qs.as_ptr(),
+            1,
+            dim as isize,
+            emb.as_ptr(),
+            dim as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(0),
+        );
+    }
+    sims
+}
+
 /// Keeps `(sim, row)` in `top` if it is among the `k` best, best first;
 /// equal similarities keep the lower (earlier) row.
 #[inline(always)]
@@ -93,34 +136,39 @@ fn offer(top: &mut Vec<(f32, usize)>, k: usize, sim: f32, row: usize) {
     top.truncate(k);
 }
 
-/// Per query, the `k` most similar `(similarity, row)`, best first. Rows
-/// outer, queries inner, so the training matrix is read once.
-#[inline(always)]
-fn scan_portable(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32, usize)>> {
-    let mut top: Vec<Vec<(f32, usize)>> = vec![Vec::with_capacity(k + 1); qs.len() / dim];
-    for (row, e) in emb.chunks_exact(dim).enumerate() {
-        for (t, q) in top.iter_mut().zip(qs.chunks_exact(dim)) {
-            offer(t, k, dot(e, q), row);
-        }
+/// Candidates kept from the matrix product per neighbour wanted: the GEMM
+/// orders rows by a sum in its own order, so the `CANDIDATES * k` best by it
+/// are scored again with `dot` and the `k` best by that are kept.
+const CANDIDATES: usize = 2;
+
+/// Per query, the `k` most similar `(similarity, row)`, best first, each
+/// similarity the fixed-order `dot`: candidates from one GEMM per block of
+/// queries, then each query's selection on its own thread (rayon). The result
+/// does not depend on the other queries of the call (the GEMM's rounding,
+/// which does, only proposes candidates).
+fn nearest(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32, usize)>> {
+    let n = emb.len() / dim;
+    let wide = (CANDIDATES * k).min(n);
+    let block = (MAX_BLOCK_SIMS / n).max(1) * dim;
+    let mut top = Vec::with_capacity(qs.len() / dim);
+    for q in qs.chunks(block) {
+        let sims = similarities(emb, q, dim);
+        top.par_extend(sims.par_chunks_exact(n).zip(q.par_chunks_exact(dim)).map(
+            |(row, query)| {
+                let mut candidates = Vec::with_capacity(wide + 1);
+                for (i, &s) in row.iter().enumerate() {
+                    offer(&mut candidates, wide, s, i);
+                }
+                candidates.sort_unstable_by_key(|&(_, i)| i);
+                let mut t = Vec::with_capacity(k + 1);
+                for (_, i) in candidates {
+                    offer(&mut t, k, dot(&emb[i * dim..(i + 1) * dim], query), i);
+                }
+                t
+            },
+        ));
     }
     top
-}
-
-/// `scan_portable` compiled for AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn scan_avx2(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32, usize)>> {
-    scan_portable(emb, qs, dim, k)
-}
-
-/// `scan_portable` with the widest vectors the CPU has.
-fn scan(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32, usize)>> {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-        return unsafe { scan_avx2(emb, qs, dim, k) };
-    }
-    scan_portable(emb, qs, dim, k)
 }
 
 impl KnnIndex {
@@ -208,7 +256,7 @@ impl KnnIndex {
         let b = qs.len() / self.dim;
         let k = self.k.min(self.len());
         // per query: the k best (similarity, row), best first
-        let top = scan(&self.emb, &qs, self.dim, k);
+        let top = nearest(&self.emb, &qs, self.dim, k);
         let m = self.models;
         let mut quality = vec![0.0; b * m];
         let mut out_len = vec![0.0; b * m];
@@ -311,6 +359,101 @@ mod tests {
         );
         let want = (wa * 50.0 + wb * 10.0) / (wa + wb);
         assert!((l[0] - want).abs() < 1e-3, "{} vs {want}", l[0]);
+    }
+
+    /// The exact search the GEMM replaced, in f64: every row's cosine, sorted
+    /// best first (ties to the lower row), the first `k` weighted.
+    fn exact(idx: &KnnIndex, query: &[f32]) -> (Vec<f64>, Vec<f64>) {
+        let norm = |v: &[f32]| v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+        let qn = norm(query);
+        let mut sims: Vec<(f64, usize)> = idx
+            .emb
+            .chunks_exact(idx.dim)
+            .enumerate()
+            .map(|(r, e)| {
+                let d: f64 = e
+                    .iter()
+                    .zip(query)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum();
+                (d / norm(e) / qn, r)
+            })
+            .collect();
+        sims.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let m = idx.models;
+        let (mut q, mut l, mut total) = (vec![0.0; m], vec![0.0; m], 0.0);
+        for &(sim, r) in sims.iter().take(idx.k) {
+            let w = 1.0 / ((1.0 - sim).max(0.0) + DIST_EPS);
+            total += w;
+            for c in 0..m {
+                q[c] += w * idx.quality[r * m + c];
+                l[c] += w * idx.out_len[r * m + c];
+            }
+        }
+        (
+            q.iter().map(|x| x / total).collect(),
+            l.iter().map(|x| x / total).collect(),
+        )
+    }
+
+    /// The scan the GEMM replaced: `dot` against every row, in row order.
+    fn scan(emb: &[f32], qs: &[f32], dim: usize, k: usize) -> Vec<Vec<(f32, usize)>> {
+        qs.chunks_exact(dim)
+            .map(|q| {
+                let mut t = Vec::new();
+                for (row, e) in emb.chunks_exact(dim).enumerate() {
+                    offer(&mut t, k, dot(e, q), row);
+                }
+                t
+            })
+            .collect()
+    }
+
+    #[test]
+    fn neighbours_are_those_of_the_old_scan_bit_for_bit() {
+        let mut rng = crate::rng::Rng::new(3);
+        for (n, dim, b, k) in [
+            (2000, 384, 32, 8),
+            (500, 17, 5, 1),
+            (40, 8, 3, 40),
+            (9, 4, 1, 3),
+        ] {
+            let mut draw = |len: usize| (0..len).map(|_| rng.normal() as f32).collect::<Vec<_>>();
+            let mut emb = draw(n * dim);
+            // a duplicated row: equal similarities go to the lower row
+            let first = emb[..dim].to_vec();
+            emb[(n - 1) * dim..].copy_from_slice(&first);
+            let mut qs = draw(b * dim);
+            normalise(&mut emb, dim, "e").expect("finite");
+            normalise(&mut qs, dim, "q").expect("finite");
+            assert_eq!(nearest(&emb, &qs, dim, k), scan(&emb, &qs, dim, k));
+        }
+    }
+
+    #[test]
+    fn gemm_search_matches_the_exact_scan() {
+        let mut rng = crate::rng::Rng::new(11);
+        for (n, dim, b, k, models) in [(300, 24, 9, 5, 3), (1000, 64, 33, 8, 2), (7, 3, 4, 7, 1)] {
+            let mut draw = |len: usize| (0..len).map(|_| rng.normal() as f32).collect::<Vec<_>>();
+            let emb = draw(n * dim);
+            let queries = draw(b * dim);
+            let quality: Vec<f64> = draw(n * models).iter().map(|&x| x as f64).collect();
+            let out_len: Vec<f64> = quality.iter().map(|x| 100.0 + 50.0 * x.abs()).collect();
+            let idx = KnnIndex::fit(k, emb, dim, quality, out_len, models).expect("fit");
+            let (q, l) = idx.predict(&queries).expect("predict");
+            for (j, query) in queries.chunks_exact(dim).enumerate() {
+                let (want_q, want_l) = exact(&idx, query);
+                for c in 0..models {
+                    let (got_q, got_l) = (q[j * models + c], l[j * models + c]);
+                    assert!((got_q - want_q[c]).abs() < 1e-4, "{got_q} vs {}", want_q[c]);
+                    assert!((got_l - want_l[c]).abs() < 1e-3, "{got_l} vs {}", want_l[c]);
+                }
+                // one query alone gives the same row as the batch
+                let (q1, l1) = idx.predict(query).expect("predict");
+                assert_eq!(q1, q[j * models..(j + 1) * models]);
+                assert_eq!(l1, l[j * models..(j + 1) * models]);
+            }
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 #: The largest token count the router accepts (``MAX_TOKENS``, 2^30).
@@ -86,3 +87,13 @@ proper_fraction = float_in(0.0, 1.0, hi_open=True)
 positive_fraction = float_in(0.0, 1.0, lo_open=True)
 #: A compress-and-route band gamma >= 1.
 band = float_in(1.0, math.inf, hi_open=True)
+
+
+def new_file(text: str) -> str:
+    """A file path to write, whose directory exists (checked before any work)."""
+    parent = os.path.dirname(text) or "."
+    if not text or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent!r} of {text!r} does not exist")
+    return text

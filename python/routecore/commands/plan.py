@@ -9,7 +9,13 @@ from typing import Any
 
 from routecore._core import Candidate, Plan, Profile, Workload, plan
 from routecore._extras import pyplot
-from routecore.commands._args import fraction, positive_float, random_seed, token_count
+from routecore.commands._args import (
+    fraction,
+    new_file,
+    positive_float,
+    random_seed,
+    token_count,
+)
 from routecore.planning import fleetopt_profile, fleetopt_workload, table3_rows
 from routecore.profiles import PRESETS, load_profile
 
@@ -103,7 +109,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=random_seed, default=42, help="verification seed (42)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="draw savings against B_short")
+    p.add_argument(
+        "--plot",
+        type=new_file,
+        metavar="FILE.png",
+        help="draw the savings of each B_short and gamma to this PNG (its directory must exist)",
+    )
 
 
 def load_inputs(args: argparse.Namespace) -> tuple[Workload, Profile]:
@@ -194,30 +205,76 @@ def plan_json(result: Plan) -> dict[str, Any]:
     }
 
 
-def plot_savings(result: Plan, path: str) -> None:
-    """Savings against B_short per gamma (FleetOpt Figure 6), to a PNG."""
-    plt = pyplot()
+def _tokens(n: int) -> str:
+    """A token count as a tick label: 512, 4K, 48K."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+
+def savings_grid(result: Plan) -> tuple[list[int], list[float], list[list[float]]]:
+    """The sweep as a grid: (B_short values, gammas, savings % [gamma][B_short]),
+    NaN where the fleet misses the SLO."""
+    bs = sorted({c.b_short for c in result.sweep if c.b_short})
     gammas = sorted({c.gamma for c in result.sweep})
-    colors = plt.get_cmap("viridis")
-    for i, g in enumerate(gammas):
-        pts = [(c.b_short, c.savings_vs_homogeneous * 100) for c in result.sweep if c.gamma == g]
-        ok = [(c.b_short, c.feasible) for c in result.sweep if c.gamma == g]
-        xs = [b for (b, _), (_, f) in zip(pts, ok) if f]
-        ys = [s for (_, s), (_, f) in zip(pts, ok) if f]
-        if xs:
-            color = colors(i / max(1, len(gammas) - 1))
-            ax.plot(xs, ys, marker="o", color=color, label=f"gamma {g:g}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("B_short (tokens)")
-    ax.set_ylabel("GPU cost savings vs homogeneous (%)")
-    ax.set_title("Savings against B_short (feasible fleets)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    grid = [[math.nan] * len(bs) for _ in gammas]
+    for c in result.sweep:
+        if c.b_short and c.feasible:
+            grid[gammas.index(c.gamma)][bs.index(c.b_short)] = c.savings_vs_homogeneous * 100
+    return bs, gammas, grid
+
+
+def plot_savings(result: Plan, path: str, title: str) -> list[str]:
+    """The (B_short, gamma) sweep to a PNG (after FleetOpt Figure 6): above, the
+    savings of pool routing alone (gamma 1) and of the best gamma at each
+    B_short, the optimum starred; below, every (B_short, gamma) as a heat map
+    with its value. Returns the legend of the upper panel."""
+    plt = pyplot()
+    np = __import__("numpy")
+
+    bs, gammas, grid = savings_grid(result)
+    data = np.array(grid)
+    fig, (top, heat) = plt.subplots(
+        2, 1, figsize=(9, 8), gridspec_kw={"height_ratios": [1, 1.3]}, constrained_layout=True
+    )
+    fig.suptitle(title, fontsize=10)
+    xs = np.arange(len(bs))
+    labels = [_tokens(b) for b in bs]
+    if 1.0 in gammas:
+        top.plot(xs, data[gammas.index(1.0)], marker="o", color="tab:blue",
+                 label="pool routing alone (gamma 1.0)")  # fmt: skip
+    with np.errstate(all="ignore"):
+        best = np.where(np.isnan(data).all(axis=0), np.nan, np.nanmax(
+            np.where(np.isnan(data), -np.inf, data), axis=0))  # fmt: skip
+    top.plot(xs, best, marker="s", color="tab:green",
+             label="with compress-and-route, best gamma")  # fmt: skip
+    opt = result.best
+    if opt is not None and opt.b_short in bs:
+        top.plot([bs.index(opt.b_short)], [opt.savings_vs_homogeneous * 100], marker="*",
+                 markersize=15, color="tab:red", linestyle="none",
+                 label=f"optimum: B_short {_tokens(opt.b_short)}, gamma {opt.gamma:g}, "
+                 f"{opt.gpus} GPUs")  # fmt: skip
+    top.axhline(0, color="grey", linewidth=0.8)
+    top.set_xticks(xs, labels)
+    top.set_xlim(-0.5, len(bs) - 0.5)
+    top.set_ylabel("GPU cost savings vs\nhomogeneous fleet (%)")
+    top.grid(True, alpha=0.3)
+    legend = top.legend(fontsize=8, loc="upper right")
+
+    finite = data[~np.isnan(data)]
+    bound = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
+    image = heat.imshow(np.ma.masked_invalid(data), aspect="auto", origin="lower",
+                        cmap="RdYlGn", vmin=-bound, vmax=bound)  # fmt: skip
+    for (i, j), v in np.ndenumerate(data):
+        heat.text(j, i, "-" if np.isnan(v) else f"{v:.0f}", ha="center", va="center",
+                  fontsize=7, color="dimgrey" if np.isnan(v) else "black")  # fmt: skip
+    heat.set_xticks(xs, labels)
+    heat.set_yticks(np.arange(len(gammas)), [f"{g:g}" for g in gammas])
+    heat.set_xlabel("short-pool boundary B_short (tokens)")
+    heat.set_ylabel("compression band gamma")
+    heat.set_title("savings (%) of each (B_short, gamma); '-': misses the SLO", fontsize=9)
+    fig.colorbar(image, ax=heat, label="savings (%)")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    return [t.get_text() for t in legend.get_texts()]
 
 
 def verify_plan(result: Plan, args: argparse.Namespace) -> dict[str, Any]:
@@ -268,6 +325,8 @@ def format_verification(v: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        pyplot()  # the 'plot' extra, checked before any work
     result = run_plan(args)
     verification = verify_plan(result, args) if args.verify else None
     if args.json:
@@ -281,5 +340,11 @@ def run(args: argparse.Namespace) -> int:
             print()
             print(format_verification(verification))
     if args.plot:
-        plot_savings(result, args.plot)
+        homogeneous = result.homogeneous
+        title = (
+            f"FleetOpt (B_short, gamma) sweep at {args.rate:g} req/s, P99 TTFT {args.slo_ms:g} ms, "
+            f"{args.profile}"
+            + (f"; homogeneous fleet: {homogeneous.gpus} GPUs" if homogeneous is not None else "")
+        )
+        plot_savings(result, args.plot, title)
     return 0

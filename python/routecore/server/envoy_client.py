@@ -1,4 +1,6 @@
-"""A client that drives ext_proc conversations the way Envoy does (for tests and load).
+"""Envoy's side of an ext_proc conversation, in Python: what ``routecore client``
+(without ``--load``) sends to check a server, and what the tests and benches
+speak to the data plane. Load is driven from Rust (``routecore client --load``).
 
 BUFFERED mode: request headers, then the whole body, then the response
 headers and body, each message answered before the next is sent. The
@@ -8,16 +10,16 @@ it can forward the request upstream: the headers and body round trips.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import json_format
 
 
 def http_headers(pairs: dict[str, str], end_of_stream: bool = False) -> pb.HttpHeaders:
@@ -62,7 +64,11 @@ def sse_chunks(prompt_tokens: int, completion_tokens: int, pieces: int = 3) -> l
 
 
 def header_map(mutation: pb.HeaderMutation) -> dict[str, str]:
-    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    """The headers a mutation sets (``raw_value`` as Envoy sends it, else ``value``)."""
+    return {
+        h.header.key: h.header.raw_value.decode() if h.header.raw_value else h.header.value
+        for h in mutation.set_headers
+    }
 
 
 @dataclass
@@ -92,6 +98,40 @@ class Conversation:
                 ):
                     return r
         return None
+
+    def envoy_view(self) -> list[dict[str, Any]]:
+        """Each answer as Envoy acts on it: the phase it answers, and either the
+        ``CommonResponse`` (status, headers set and removed, a replaced body's
+        size, ``clear_route_cache``) or the immediate HTTP response (status,
+        headers, body), with the dynamic metadata when there is any."""
+        out: list[dict[str, Any]] = []
+        for r in self.responses:
+            phase = r.WhichOneof("response")
+            view: dict[str, Any] = {"phase": phase}
+            if phase == "immediate_response":
+                im = r.immediate_response
+                view["http_status"] = im.status.code
+                view["headers"] = header_map(im.headers)
+                view["body"] = im.body.decode("utf-8", "replace")
+                if im.details:
+                    view["details"] = im.details
+            else:
+                common = getattr(r, phase).response
+                view["status"] = pb.CommonResponse.ResponseStatus.Name(common.status)
+                view["set_headers"] = header_map(common.header_mutation)
+                if common.header_mutation.remove_headers:
+                    view["remove_headers"] = list(common.header_mutation.remove_headers)
+                kind = common.body_mutation.WhichOneof("mutation")
+                if kind is not None:
+                    m = common.body_mutation
+                    body = m.body if kind == "body" else m.streamed_response.body
+                    view["body_replaced_bytes"] = 0 if kind == "clear_body" else len(body)
+                if common.clear_route_cache:
+                    view["clear_route_cache"] = True
+            if r.HasField("dynamic_metadata"):
+                view["dynamic_metadata"] = json_format.MessageToDict(r.dynamic_metadata)
+            out.append(view)
+        return out
 
     @property
     def routing_headers(self) -> dict[str, str]:
@@ -142,137 +182,3 @@ async def buffered(
     await call.done_writing()
     call.cancel()
     return conv
-
-
-async def run_load(
-    target: str,
-    requests: int,
-    concurrency: int = 32,
-    rate: float | None = None,
-    api_key: str = "demo-key",
-) -> dict[str, float]:
-    """Drives ``requests`` whole conversations against ``target``.
-
-    Closed loop with ``concurrency`` workers, or open loop at ``rate``
-    requests/s when given. Returns throughput and added latency p50/p99 (ms).
-    """
-    body = chat_body("Summarise the following text. " * 40, 200)
-    usage = [usage_body(300, 50)]
-    latencies: list[float] = []
-    errors = 0
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.ExternalProcessorStub(channel)
-        start = time.perf_counter()
-        counter = iter(range(requests))
-
-        async def worker() -> None:
-            nonlocal errors
-            for i in counter:
-                if rate is not None:
-                    delay = start + i / rate - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                conv = await buffered(stub, {"x-api-key": api_key}, body, usage)
-                if conv.routing is None:
-                    errors += 1
-                latencies.append(conv.added_s)
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    latencies.sort()
-    return {
-        "requests": requests,
-        "errors": errors,
-        "seconds": elapsed,
-        "throughput_rps": requests / elapsed,
-        "p50_ms": latencies[len(latencies) // 2] * 1e3,
-        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3,
-    }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_command(config: str, port: int, metrics_port: int, *extra: str) -> list[str]:
-    """The command line that runs ``routecore serve`` with this interpreter."""
-    import sys
-
-    return [
-        sys.executable,
-        "-m",
-        "routecore.cli",
-        "serve",
-        "--config",
-        config,
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(metrics_port),
-        "--api-port",
-        str(free_port()),
-        *extra,
-    ]
-
-
-def load_report(
-    config: str, requests: int, concurrency: int = 32, rate: float | None = None
-) -> dict[str, dict[str, float]]:
-    """Starts ``routecore serve --config config`` in its own process and measures it.
-
-    Three runs of ``requests`` conversations each: closed loop with
-    ``concurrency`` workers (throughput), one at a time (added latency with no
-    queueing), and, when ``rate`` is given, open loop at ``rate`` requests/s.
-    Each run also reports the server process's CPU time per request.
-    """
-    import subprocess
-
-    port = free_port()
-    cmd = serve_command(config, port, free_port(), "--log-level", "warning")
-    proc = subprocess.Popen(cmd)
-    target = f"127.0.0.1:{port}"
-
-    def cpu_s() -> float:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    async def measure() -> dict[str, dict[str, float]]:
-        async with grpc.aio.insecure_channel(target) as channel:
-            await asyncio.wait_for(channel.channel_ready(), 60)
-        runs = {"closed_loop": (concurrency, None), "sequential": (1, None)}
-        if rate is not None:
-            runs[f"paced_{rate:g}_rps"] = (max(concurrency, 64), rate)
-        report = {}
-        for name, (workers, r) in runs.items():
-            before = cpu_s()
-            result = await run_load(target, requests, workers, r)
-            result["server_cpu_ms_per_request"] = (cpu_s() - before) / requests * 1e3
-            report[name] = result
-        return report
-
-    try:
-        return asyncio.run(measure())
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def main() -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(description="Load test a routecore ext_proc server.")
-    p.add_argument("--config", default="examples/routecore.yaml")
-    p.add_argument("--requests", type=int, default=20_000)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--rate", type=float, default=1000.0)
-    a = p.parse_args()
-    print(json.dumps(load_report(a.config, a.requests, a.concurrency, a.rate), indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
-from benches.baselines.budget import TokenBudgetRouter
+from routecore._baselines.budget import TokenBudgetRouter
 
 
 def header(key: str, value: str) -> base_pb2.HeaderValueOption:

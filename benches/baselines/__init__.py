@@ -1,1 +1,0 @@
-"""Plain-Python versions of routecore's algorithms, benchmarked beside routecore."""

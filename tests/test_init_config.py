@@ -1,0 +1,48 @@
+"""``routecore init-config [DIR]``: the shipped configuration is examples/, and works."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from routecore.cli import main
+from routecore.commands.init_config import FILES, example
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_the_shipped_files_are_byte_identical_to_examples(name):
+    # examples/ is the one source: after editing it, copy it to
+    # python/routecore/data/examples/ (this test names the file that differs).
+    assert example(name) == (EXAMPLES / name).read_bytes(), f"data/examples/{name} != examples/"
+
+
+def test_writes_both_files_into_a_new_directory(tmp_path, capsys):
+    out = tmp_path / "a" / "b"
+    assert main(["init-config", str(out)]) == 0
+    for name in FILES:
+        assert (out / name).read_bytes() == (EXAMPLES / name).read_bytes()
+    assert f"routecore serve --config {out / 'routecore.yaml'}" in capsys.readouterr().out
+
+
+def test_refuses_to_overwrite_without_force(tmp_path, capsys):
+    (tmp_path / "envoy.yaml").write_text("mine")
+    assert main(["init-config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "already exist" in err and "--force" in err and err.count("\n") == 1
+    assert (tmp_path / "envoy.yaml").read_text() == "mine"
+    assert not (tmp_path / "routecore.yaml").exists()
+    assert main(["init-config", str(tmp_path), "--force"]) == 0
+    assert (tmp_path / "envoy.yaml").read_bytes() == (EXAMPLES / "envoy.yaml").read_bytes()
+
+
+def test_the_written_configuration_loads(tmp_path, monkeypatch):
+    pytest.importorskip("yaml")
+    from routecore.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["init-config"]) == 0
+    config = load_config(tmp_path / "routecore.yaml")
+    assert [p.name for p in config.pools] == ["short", "long"]
