@@ -22,6 +22,8 @@ pub mod rng;
 pub mod serve;
 pub mod sim;
 pub mod snapshot;
+#[cfg(feature = "tokenizer")]
+pub mod tokenize;
 pub mod vtc;
 pub mod workload;
 
