@@ -74,6 +74,8 @@ mod _core {
     #[pymodule_export]
     use crate::py::sim::{simulate, PySimPool, PySimReport};
     #[pymodule_export]
+    use crate::py::tokenize::PyTokenizer;
+    #[pymodule_export]
     use crate::py::vtc::PyVtcRouter;
     #[pymodule_export]
     use crate::py::workload::PyWorkload;

@@ -107,6 +107,15 @@ impl ChatTemplate {
     }
 }
 
+/// A `tokenizer.json` read from `source` (a path, for the error message).
+fn parse(json: &str, source: &str) -> Result<tokenizers::Tokenizer> {
+    json.parse().map_err(|e| {
+        invalid(format!(
+            "tokenizer: {source} is not a Hugging Face tokenizer.json: {e}"
+        ))
+    })
+}
+
 /// A model's tokenizer and, optionally, its chat template.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -116,21 +125,21 @@ pub struct Tokenizer {
 impl Tokenizer {
     /// Reads a `tokenizer.json`; `chat_template` is the template's Jinja source.
     pub fn from_file(path: &Path, chat_template: Option<&str>) -> Result<Self> {
-        let shown = path.display();
+        let shown = path.display().to_string();
         let json = std::fs::read_to_string(path)
             .map_err(|e| invalid(format!("tokenizer: cannot read {shown}: {e}")))?;
-        Self::from_json(&json, chat_template)
-            .map_err(|e| invalid(format!("tokenizer: {shown}: {e}")))
+        Self::new(parse(&json, &shown)?, chat_template)
     }
 
     /// A tokenizer from the text of a `tokenizer.json`.
     pub fn from_json(json: &str, chat_template: Option<&str>) -> Result<Self> {
-        let mut inner: tokenizers::Tokenizer = json
-            .parse()
-            .map_err(|e| invalid(format!("not a Hugging Face tokenizer.json: {e}")))?;
+        Self::new(parse(json, "the text")?, chat_template)
+    }
+
+    fn new(mut inner: tokenizers::Tokenizer, chat_template: Option<&str>) -> Result<Self> {
         inner
             .with_truncation(None)
-            .map_err(|e| invalid(format!("cannot turn truncation off: {e}")))?;
+            .map_err(|e| invalid(format!("tokenizer: cannot turn truncation off: {e}")))?;
         inner.with_padding(None);
         let chat = chat_template.map(ChatTemplate::new).transpose()?;
         Ok(Self { inner, chat })
