@@ -336,7 +336,7 @@ mod tests {
         let strict = "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}{{ messages[0]['content'] }}";
         let t = Tokenizer::from_json(&vocab_json(), Some(strict)).expect("loads");
         let two = json!([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]);
-        let e = t.encode_chat(&two, None).err().expect("fails");
+        let e = t.encode_chat(&two, None).expect_err("fails");
         assert!(e.to_string().contains("one message only"), "{e}");
         assert_eq!(
             t.encode_chat(&json!([two[0].clone()]), None).expect("ok"),
