@@ -231,31 +231,25 @@ def test_config_errors_name_the_model_key(tokenizer_path, tmp_path):
             parse_config(base_config(models=models))
 
 
-@pytest.fixture
-def serve(tmp_path):
-    started = []
-
-    def start(**overrides) -> Running:
-        r = Running(tmp_path / f"routecore{len(started)}.yaml", base_config(**overrides))
-        started.append(r)
-        return r
-
-    yield start
-    for r in started:
-        r.stop()
-
-
-def test_serve_routes_on_the_tokenizers_count(serve, tokenizer_path, reference, tmp_path):
+def test_serve_routes_on_the_tokenizers_count(tokenizer_path, reference, tmp_path):
     """End to end: with a tokenizer configured for model "m", a request's routed
     input tokens are the tokenizer's count of its rendered chat; another model's
     request, and one the template refuses, are estimated (the refusal is logged
     and counted), and the server keeps routing."""
     template = tmp_path / "strict.jinja"
     template.write_text(STRICT.replace("m['content']", "'<|im_start|>' + m['content']"))
-    server = serve(
+    config = base_config(
         models=models_config(tokenizer_path, template),
         router={"policy": "prefix", "prefix_block_size": 4},
     )
+    server = Running(tmp_path / "routecore.yaml", config)
+    try:
+        check_exact_routing(server, reference)
+    finally:
+        server.stop()
+
+
+def check_exact_routing(server: Running, reference) -> None:
     text = "exact token counts per pool " * 20
     with grpc.insecure_channel(server.api_target) as channel:
         stub = rc_grpc.RouteCoreStub(channel)
