@@ -10,9 +10,9 @@
 //! - [`Tokenizer::render_chat`]: the chat template over `messages` (and
 //!   `tools` when given), with `add_generation_prompt` true, Jinja's
 //!   `trim_blocks` and `lstrip_blocks` on, `raise_exception(msg)` and
-//!   Python's string and dict methods (`.strip()`, `.items()`, ...).
-//!   `bos_token` and friends are not defined (a template that writes
-//!   `{{ bos_token }}` renders nothing there).
+//!   Python's string and dict methods (`.strip()`, `.items()`, ...), and
+//!   `bos_token` / `eos_token` when given ([`SpecialTokens`]; a template that
+//!   writes one not given renders nothing there).
 //! - [`Tokenizer::encode_request`]: the prompt ids of an OpenAI body: a chat
 //!   body rendered through the template and encoded without special tokens
 //!   (the template writes them), as vLLM does; without a template, the texts
@@ -39,10 +39,22 @@ use crate::openai::{parse_request, prompt_texts, MediaTokens, ParsedRequest};
 /// The template's name inside its minijinja environment.
 const TEMPLATE: &str = "chat_template";
 
+/// The special tokens a chat template may write (`{{ bos_token }}`), named
+/// as in Hugging Face's `tokenizer_config.json`; one not given renders as
+/// nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecialTokens {
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
 /// A chat template, compiled.
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     source: String,
+    special: SpecialTokens,
+    /// `special`, as template variables (only those given).
+    variables: minijinja::Value,
 }
 
 fn raise_exception(message: String) -> std::result::Result<String, minijinja::Error> {
@@ -66,7 +78,7 @@ fn template_error(e: &minijinja::Error) -> String {
 
 impl ChatTemplate {
     /// Compiles `source` and renders a one-message conversation with it.
-    pub fn new(source: &str) -> Result<Self> {
+    pub fn new(source: &str, special: SpecialTokens) -> Result<Self> {
         let mut env = minijinja::Environment::new();
         let mut syntax = minijinja::syntax::SyntaxConfig::builder();
         syntax.trim_blocks(true).lstrip_blocks(true);
@@ -79,9 +91,19 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_template_owned(TEMPLATE, source.to_owned())
             .map_err(|e| invalid(format!("chat_template: {}", template_error(&e))))?;
+        let given = [
+            ("bos_token", &special.bos_token),
+            ("eos_token", &special.eos_token),
+        ];
+        let variables = given
+            .into_iter()
+            .filter_map(|(name, token)| Some((name, minijinja::Value::from(token.as_deref()?))))
+            .collect::<std::collections::BTreeMap<_, _>>();
         let template = Self {
             env,
             source: source.to_owned(),
+            special,
+            variables: minijinja::Value::from(variables),
         };
         template
             .render(&json!([{"role": "user", "content": "Hello"}]), None)
@@ -93,6 +115,10 @@ impl ChatTemplate {
         &self.source
     }
 
+    pub fn special_tokens(&self) -> &SpecialTokens {
+        &self.special
+    }
+
     /// The prompt text of `messages` (and `tools`), ready for the model's reply.
     pub fn render(&self, messages: &Value, tools: Option<&Value>) -> Result<String> {
         let fail = |e: minijinja::Error| invalid(format!("chat_template: {}", template_error(&e)));
@@ -102,6 +128,7 @@ impl ChatTemplate {
                 messages => minijinja::Value::from(minijinja::value::Serde(messages)),
                 tools => tools.map(|t| minijinja::Value::from(minijinja::value::Serde(t))),
                 add_generation_prompt => true,
+                ..self.variables.clone()
             })
             .map_err(fail)
     }
@@ -123,8 +150,8 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
-    /// Reads a `tokenizer.json`; `chat_template` is the template's Jinja source.
-    pub fn from_file(path: &Path, chat_template: Option<&str>) -> Result<Self> {
+    /// Reads a `tokenizer.json`.
+    pub fn from_file(path: &Path, chat_template: Option<ChatTemplate>) -> Result<Self> {
         let shown = path.display().to_string();
         let json = std::fs::read_to_string(path)
             .map_err(|e| invalid(format!("tokenizer: cannot read {shown}: {e}")))?;
@@ -132,16 +159,15 @@ impl Tokenizer {
     }
 
     /// A tokenizer from the text of a `tokenizer.json`.
-    pub fn from_json(json: &str, chat_template: Option<&str>) -> Result<Self> {
+    pub fn from_json(json: &str, chat_template: Option<ChatTemplate>) -> Result<Self> {
         Self::new(parse(json, "the text")?, chat_template)
     }
 
-    fn new(mut inner: tokenizers::Tokenizer, chat_template: Option<&str>) -> Result<Self> {
+    fn new(mut inner: tokenizers::Tokenizer, chat: Option<ChatTemplate>) -> Result<Self> {
         inner
             .with_truncation(None)
             .map_err(|e| invalid(format!("tokenizer: cannot turn truncation off: {e}")))?;
         inner.with_padding(None);
-        let chat = chat_template.map(ChatTemplate::new).transpose()?;
         Ok(Self { inner, chat })
     }
 
@@ -276,6 +302,24 @@ mod tests {
 
     const CHAT: &str = "<s> {% for m in messages %}{{ m['role'] }} : {{ m['content'].strip() }}\n{% endfor %}{% if add_generation_prompt %}assistant :{% endif %}";
 
+    fn chat(source: &str) -> ChatTemplate {
+        ChatTemplate::new(source, SpecialTokens::default()).expect("compiles")
+    }
+
+    #[test]
+    fn special_tokens_render_when_given() {
+        let source = "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}";
+        let messages = json!([{"role": "user", "content": "hello"}]);
+        assert_eq!(chat(source).render(&messages, None).expect("ok"), "hello");
+        let special = SpecialTokens {
+            bos_token: Some("<s>".into()),
+            eos_token: None,
+        };
+        let t = ChatTemplate::new(source, special.clone()).expect("compiles");
+        assert_eq!(t.render(&messages, None).expect("ok"), "<s>hello");
+        assert_eq!(t.special_tokens(), &special);
+    }
+
     #[test]
     fn encode_counts_words() {
         let t = Tokenizer::from_json(&vocab_json(), None).expect("loads");
@@ -286,7 +330,7 @@ mod tests {
 
     #[test]
     fn chat_template_renders_and_encodes() {
-        let t = Tokenizer::from_json(&vocab_json(), Some(CHAT)).expect("loads");
+        let t = Tokenizer::from_json(&vocab_json(), Some(chat(CHAT))).expect("loads");
         let messages = json!([{"role": "user", "content": " hello world "}]);
         let text = t.render_chat(&messages, None).expect("renders");
         assert_eq!(text, "<s> user : hello world\nassistant :");
@@ -323,7 +367,7 @@ mod tests {
             .err()
             .is_some_and(|e| e.to_string().contains("not a Hugging Face tokenizer.json")));
         for bad in ["{% for m in messages %}", "{{ raise_exception('no') }}"] {
-            let e = Tokenizer::from_json(&vocab_json(), Some(bad)).err();
+            let e = ChatTemplate::new(bad, SpecialTokens::default()).err();
             assert!(
                 e.is_some_and(|e| e.to_string().starts_with("chat_template:")),
                 "{bad}"
@@ -334,7 +378,7 @@ mod tests {
     #[test]
     fn a_template_failing_on_one_conversation_is_an_error_of_that_call() {
         let strict = "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}{{ messages[0]['content'] }}";
-        let t = Tokenizer::from_json(&vocab_json(), Some(strict)).expect("loads");
+        let t = Tokenizer::from_json(&vocab_json(), Some(chat(strict))).expect("loads");
         let two = json!([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]);
         let e = t.encode_chat(&two, None).expect_err("fails");
         assert!(e.to_string().contains("one message only"), "{e}");
@@ -346,7 +390,7 @@ mod tests {
 
     #[test]
     fn route_tokenized_uses_the_exact_count() {
-        let t = Tokenizer::from_json(&vocab_json(), Some(CHAT)).expect("loads");
+        let t = Tokenizer::from_json(&vocab_json(), Some(chat(CHAT))).expect("loads");
         let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("calibrator");
         let pools = vec![
             Pool::new("short", 16, None, None).expect("pool"),

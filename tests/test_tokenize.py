@@ -102,6 +102,20 @@ def test_template_sees_tools_and_python_methods(tokenizer_path):
     )
 
 
+def test_special_tokens_are_given_to_the_template(tokenizer_path, reference):
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    messages = [{"role": "user", "content": "route"}]
+    assert Tokenizer(tokenizer_path, template).render_chat(messages) == "route"
+    t = Tokenizer(tokenizer_path, template, bos_token="<s>", eos_token="<|im_end|>")
+    assert (t.bos_token, t.eos_token) == ("<s>", "<|im_end|>")
+    assert t.render_chat(messages) == "<s>route<|im_end|>"
+    expected = reference.encode("<s>route<|im_end|>", add_special_tokens=False).ids
+    assert t.encode_chat(messages).tolist() == expected
+    assert expected[0] == reference.token_to_id("<s>")
+    with pytest.raises(ValueError, match="for a chat_template"):
+        Tokenizer(tokenizer_path, bos_token="<s>")
+
+
 def test_requests_without_a_template_count_their_texts(tokenizer_path, reference):
     t = Tokenizer(tokenizer_path)
     assert t.chat_template is None
@@ -204,7 +218,13 @@ def test_config_models_carry_tokenizer_and_template(tokenizer_path, tmp_path):
     )
     spec = json.loads(config.spec_json())
     assert spec["models"] == [
-        {"name": "m", "tokenizer": str(tokenizer_path), "chat_template": CHAT_TEMPLATE}
+        {
+            "name": "m",
+            "tokenizer": str(tokenizer_path),
+            "chat_template": CHAT_TEMPLATE,
+            "bos_token": None,
+            "eos_token": None,
+        }
     ]
     assert json.loads(parse_config(base_config()).spec_json())["models"] == []
 
@@ -225,6 +245,10 @@ def test_config_errors_name_the_model_key(tokenizer_path, tmp_path):
         ([{"name": "m"}], r"models\[0\]\.tokenizer: required"),
         ([{"name": "m", "tokenizer": str(tokenizer_path), "x": 1}], r"models\[0\]\.x: unknown"),
         (models_config(tokenizer_path) * 2, r"models\[1\]\.name: expected a unique"),
+        (
+            [{**models_config(tokenizer_path)[0], "bos_token": "<s>"}],
+            r"models\[0\]\.bos_token: only with a chat_template",
+        ),
     ]
     for models, message in cases:
         with pytest.raises(ConfigError, match=message):
@@ -237,9 +261,11 @@ def test_serve_routes_on_the_tokenizers_count(tokenizer_path, reference, tmp_pat
     request, and one the template refuses, are estimated (the refusal is logged
     and counted), and the server keeps routing."""
     template = tmp_path / "strict.jinja"
-    template.write_text(STRICT.replace("m['content']", "'<|im_start|>' + m['content']"))
+    template.write_text("{{ bos_token }}" + STRICT)
+    models = models_config(tokenizer_path, template)
+    models[0]["bos_token"] = "<|im_start|>"
     config = base_config(
-        models=models_config(tokenizer_path, template),
+        models=models,
         router={"policy": "prefix", "prefix_block_size": 4},
     )
     server = Running(tmp_path / "routecore.yaml", config)

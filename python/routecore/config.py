@@ -11,7 +11,7 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
     admission: {backend, pools, entitlements, default_max_tokens, window_s, redis}
     pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...]}]
     tenants: [{name, api_keys: [...], expires_at, entitlement}]
-    models: [{name, tokenizer, chat_template}]
+    models: [{name, tokenizer, chat_template, bos_token, eos_token}]
 """
 
 from __future__ import annotations
@@ -141,6 +141,9 @@ class ModelConfig:
     #: Its chat template's Jinja source (read from the ``chat_template`` file), or None:
     #: then a chat counts the tokens of its texts, without the template's.
     chat_template: str | None = field(default=None, repr=False)
+    #: The special tokens the template writes (the model's ``tokenizer_config.json``'s).
+    bos_token: str | None = None
+    eos_token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,13 @@ class Config:
                 ],
                 "admission": self.admission.spec if self.admission.entitlements else None,
                 "models": [
-                    {"name": m.name, "tokenizer": m.tokenizer, "chat_template": m.chat_template}
+                    {
+                        "name": m.name,
+                        "tokenizer": m.tokenizer,
+                        "chat_template": m.chat_template,
+                        "bos_token": m.bos_token,
+                        "eos_token": m.eos_token,
+                    }
                     for m in self.models
                 ],
             }
@@ -367,7 +376,7 @@ def _models(raw_list: list[Any]) -> tuple[ModelConfig, ...]:
     models, names = [], set()
     for i, raw in enumerate(raw_list):
         where = f"models[{i}]"
-        raw = _section(raw, where, {"name", "tokenizer", "chat_template"})
+        raw = _section(raw, where, {"name", "tokenizer", "chat_template", "bos_token", "eos_token"})
         name = _str(raw, "name", where, "")
         if not name or name in names:
             raise ConfigError(f"{where}.name: expected a unique non-empty name, got {name!r}")
@@ -382,12 +391,20 @@ def _models(raw_list: list[Any]) -> tuple[ModelConfig, ...]:
                 template = Path(template_path).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise ConfigError(f"{where}.chat_template: cannot read {template_path}: {e}") from e
+        special = {}
+        for key in ("bos_token", "eos_token"):
+            if raw.get(key) is not None:
+                if template is None:
+                    raise ConfigError(f"{where}.{key}: only with a chat_template")
+                special[key] = _str(raw, key, where, "")
         try:
-            Tokenizer(path, chat_template=template)
+            Tokenizer(path, chat_template=template, **special)
         except ValueError as e:
             # The core's message starts with the key at fault: tokenizer or chat_template.
             raise ConfigError(f"{where}.{e}") from e
-        models.append(ModelConfig(name=name, tokenizer=str(path), chat_template=template))
+        models.append(
+            ModelConfig(name=name, tokenizer=str(path), chat_template=template, **special)
+        )
     return tuple(models)
 
 

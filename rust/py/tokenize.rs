@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::text_bytes;
 use crate::error::invalid;
-use crate::tokenize::Tokenizer;
+use crate::tokenize::{ChatTemplate, SpecialTokens, Tokenizer};
 
 /// A Python object (a list of message dicts, a tools list) as JSON, through
 /// ``json.dumps`` (a value it cannot serialize is a ValueError).
@@ -31,7 +31,9 @@ fn optional_json(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<
 /// A model's tokenizer: a Hugging Face ``tokenizer.json`` (encoded in Rust
 /// by the ``tokenizers`` crate) and, optionally, its chat template (Jinja
 /// source, rendered as ``apply_chat_template`` renders it, with
-/// ``add_generation_prompt`` true; ``bos_token`` and friends are not defined).
+/// ``add_generation_prompt`` true, and ``bos_token`` / ``eos_token`` as given:
+/// the values of the model's ``tokenizer_config.json``; one not given renders
+/// as nothing).
 ///
 /// A file that cannot be read or is not a tokenizer, and a template that does
 /// not compile or cannot render a one-message conversation, raise ValueError.
@@ -50,9 +52,27 @@ pub struct PyTokenizer {
 #[pymethods]
 impl PyTokenizer {
     #[new]
-    #[pyo3(signature = (path, chat_template=None))]
-    fn new(py: Python<'_>, path: PathBuf, chat_template: Option<String>) -> PyResult<Self> {
-        let inner = py.detach(|| Tokenizer::from_file(&path, chat_template.as_deref()))?;
+    #[pyo3(signature = (path, chat_template=None, *, bos_token=None, eos_token=None))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        chat_template: Option<String>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> PyResult<Self> {
+        let special = SpecialTokens {
+            bos_token,
+            eos_token,
+        };
+        if chat_template.is_none() && special != SpecialTokens::default() {
+            return Err(invalid("bos_token and eos_token are for a chat_template").into());
+        }
+        let inner = py.detach(|| {
+            let chat = chat_template
+                .map(|source| ChatTemplate::new(&source, special))
+                .transpose()?;
+            Tokenizer::from_file(&path, chat)
+        })?;
         Ok(Self {
             inner: Arc::new(inner),
             path,
@@ -69,6 +89,20 @@ impl PyTokenizer {
     #[getter]
     fn chat_template(&self) -> Option<&str> {
         self.inner.chat_template().map(|c| c.source())
+    }
+
+    /// The BOS token the chat template is given, or None.
+    #[getter]
+    fn bos_token(&self) -> Option<&str> {
+        let chat = self.inner.chat_template()?;
+        chat.special_tokens().bos_token.as_deref()
+    }
+
+    /// The EOS token the chat template is given, or None.
+    #[getter]
+    fn eos_token(&self) -> Option<&str> {
+        let chat = self.inner.chat_template()?;
+        chat.special_tokens().eos_token.as_deref()
     }
 
     /// The vocabulary size, added tokens included.

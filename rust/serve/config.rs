@@ -83,6 +83,9 @@ pub struct ModelSpec {
     pub tokenizer: String,
     /// Its chat template's Jinja source (None: chats count their texts).
     pub chat_template: Option<String>,
+    /// The special tokens the template writes (`tokenizer_config.json`'s).
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
