@@ -150,6 +150,22 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
+    /// Reads a `tokenizer.json` and compiles its chat template (Jinja
+    /// source) with the special tokens it writes, which need a template.
+    pub fn load(path: &Path, chat_template: Option<&str>, special: SpecialTokens) -> Result<Self> {
+        let chat = match chat_template {
+            Some(source) => Some(ChatTemplate::new(source, special)?),
+            None if special.bos_token.is_some() => {
+                return Err(invalid("bos_token: only with a chat_template"))
+            }
+            None if special.eos_token.is_some() => {
+                return Err(invalid("eos_token: only with a chat_template"))
+            }
+            None => None,
+        };
+        Self::from_file(path, chat)
+    }
+
     /// Reads a `tokenizer.json`.
     pub fn from_file(path: &Path, chat_template: Option<ChatTemplate>) -> Result<Self> {
         let shown = path.display().to_string();
@@ -354,6 +370,16 @@ mod tests {
         assert_eq!(t.encode_request(&ids).expect("ok"), [5, 6, 7]);
         let too_big = json!({"prompt": [1u64 << 40]});
         assert!(t.encode_request(&too_big).is_err());
+    }
+
+    #[test]
+    fn special_tokens_need_a_template() {
+        let special = SpecialTokens {
+            bos_token: None,
+            eos_token: Some("</s>".into()),
+        };
+        let e = Tokenizer::load(Path::new("/nonexistent"), None, special).err();
+        assert!(e.is_some_and(|e| e.to_string() == "eos_token: only with a chat_template"));
     }
 
     #[test]

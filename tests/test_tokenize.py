@@ -112,7 +112,7 @@ def test_special_tokens_are_given_to_the_template(tokenizer_path, reference):
     expected = reference.encode("<s>route<|im_end|>", add_special_tokens=False).ids
     assert t.encode_chat(messages).tolist() == expected
     assert expected[0] == reference.token_to_id("<s>")
-    with pytest.raises(ValueError, match="for a chat_template"):
+    with pytest.raises(ValueError, match="bos_token: only with a chat_template"):
         Tokenizer(tokenizer_path, bos_token="<s>")
 
 

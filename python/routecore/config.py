@@ -391,16 +391,16 @@ def _models(raw_list: list[Any]) -> tuple[ModelConfig, ...]:
                 template = Path(template_path).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise ConfigError(f"{where}.chat_template: cannot read {template_path}: {e}") from e
-        special = {}
-        for key in ("bos_token", "eos_token"):
-            if raw.get(key) is not None:
-                if template is None:
-                    raise ConfigError(f"{where}.{key}: only with a chat_template")
-                special[key] = _str(raw, key, where, "")
+        special = {
+            key: _str(raw, key, where, "")
+            for key in ("bos_token", "eos_token")
+            if raw.get(key) is not None
+        }
         try:
             Tokenizer(path, chat_template=template, **special)
         except ValueError as e:
-            # The core's message starts with the key at fault: tokenizer or chat_template.
+            # The core's message starts with the key at fault: tokenizer, chat_template,
+            # bos_token or eos_token.
             raise ConfigError(f"{where}.{e}") from e
         models.append(
             ModelConfig(name=name, tokenizer=str(path), chat_template=template, **special)

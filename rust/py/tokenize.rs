@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::text_bytes;
 use crate::error::invalid;
-use crate::tokenize::{ChatTemplate, SpecialTokens, Tokenizer};
+use crate::tokenize::{SpecialTokens, Tokenizer};
 
 /// A Python object (a list of message dicts, a tools list) as JSON, through
 /// ``json.dumps`` (a value it cannot serialize is a ValueError).
@@ -64,15 +64,7 @@ impl PyTokenizer {
             bos_token,
             eos_token,
         };
-        if chat_template.is_none() && special != SpecialTokens::default() {
-            return Err(invalid("bos_token and eos_token are for a chat_template").into());
-        }
-        let inner = py.detach(|| {
-            let chat = chat_template
-                .map(|source| ChatTemplate::new(&source, special))
-                .transpose()?;
-            Tokenizer::from_file(&path, chat)
-        })?;
+        let inner = py.detach(|| Tokenizer::load(&path, chat_template.as_deref(), special))?;
         Ok(Self {
             inner: Arc::new(inner),
             path,

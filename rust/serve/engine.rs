@@ -33,7 +33,7 @@ use crate::openai::{MediaTokens, ParsedRequest};
 use crate::prefix::{
     block_hashes, PrefixCacheRouter, PrefixConfig, PrefixIndex, Tokens, DEFAULT_CAPACITY_BLOCKS,
 };
-use crate::tokenize::{route_tokenized, ChatTemplate, SpecialTokens, Tokenized, Tokenizer};
+use crate::tokenize::{route_tokenized, SpecialTokens, Tokenized, Tokenizer};
 use crate::vtc::{VtcConfig, VtcRouter};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
@@ -534,15 +534,8 @@ impl Engine {
                     bos_token: m.bos_token.clone(),
                     eos_token: m.eos_token.clone(),
                 };
-                let load = || {
-                    let chat = m
-                        .chat_template
-                        .as_deref()
-                        .map(|source| ChatTemplate::new(source, special))
-                        .transpose()?;
-                    Tokenizer::from_file(m.tokenizer.as_ref(), chat)
-                };
-                let t = load().map_err(|e| invalid(format!("models[{i}].{e}")))?;
+                let t = Tokenizer::load(m.tokenizer.as_ref(), m.chat_template.as_deref(), special)
+                    .map_err(|e| invalid(format!("models[{i}].{e}")))?;
                 Ok((m.name.clone(), t))
             })
             .collect::<Result<HashMap<_, _>>>()?;
