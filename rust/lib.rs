@@ -22,6 +22,8 @@ pub mod rng;
 pub mod serve;
 pub mod sim;
 pub mod snapshot;
+#[cfg(feature = "tokenizer")]
+pub mod tokenize;
 pub mod vtc;
 pub mod workload;
 
@@ -71,6 +73,8 @@ mod _core {
     use crate::py::serve::PyDataPlane;
     #[pymodule_export]
     use crate::py::sim::{simulate, PySimPool, PySimReport};
+    #[pymodule_export]
+    use crate::py::tokenize::PyTokenizer;
     #[pymodule_export]
     use crate::py::vtc::PyVtcRouter;
     #[pymodule_export]

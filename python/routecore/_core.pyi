@@ -1,5 +1,6 @@
 # Type stubs for routecore._core, the Rust extension. Kept honest by
 # `python -m mypy.stubtest routecore._core` in the test command.
+import pathlib
 from typing import Any, Literal, final
 
 import numpy as np
@@ -122,9 +123,45 @@ class TokenBudgetRouter:
         *,
         image_tokens: int = 765,
         audio_tokens: int = 750,
+        tokenizer: Tokenizer | None = None,
     ) -> RoutedRequest: ...
     @property
     def compress_band(self) -> float | None: ...
+
+@final
+class Tokenizer:
+    """A model's Hugging Face ``tokenizer.json`` and optional chat template (Jinja)."""
+
+    def __new__(
+        cls,
+        path: str | os.PathLike[str],
+        chat_template: str | None = None,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> Self: ...
+    @property
+    def path(self) -> pathlib.Path: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def bos_token(self) -> str | None: ...
+    @property
+    def eos_token(self) -> str | None: ...
+    @property
+    def vocab_size(self) -> int: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> npt.NDArray[np.uint32]: ...
+    def count(self, text: str, add_special_tokens: bool = True) -> int: ...
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str: ...
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> npt.NDArray[np.uint32]: ...
+    def count_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> int: ...
+    def encode_request(self, body: str | bytes) -> npt.NDArray[np.uint32]: ...
 
 def classify(text: str | bytes) -> Literal["prose", "code", "cjk", "mixed"]: ...
 def parse_openai_request(

@@ -11,6 +11,7 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
     admission: {backend, pools, entitlements, default_max_tokens, window_s, redis}
     pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...]}]
     tenants: [{name, api_keys: [...], expires_at, entitlement}]
+    models: [{name, tokenizer, chat_template, bos_token, eos_token}]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from routecore._core import Entitlement, Pool, TokenPool
+from routecore._core import Entitlement, Pool, Tokenizer, TokenPool
 from routecore.admission import REDIS_OPTIONS, URL_SCHEMES, admission_from_config
 
 #: How the endpoint inside a pool is picked (``router.policy``), see the README.
@@ -131,6 +132,21 @@ class TenantConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """A model whose prompts are counted exactly: requests whose ``model`` is ``name``."""
+
+    name: str
+    #: Its Hugging Face ``tokenizer.json`` (absolute path).
+    tokenizer: str
+    #: Its chat template's Jinja source (read from the ``chat_template`` file), or None:
+    #: then a chat counts the tokens of its texts, without the template's.
+    chat_template: str | None = field(default=None, repr=False)
+    #: The special tokens the template writes (the model's ``tokenizer_config.json``'s).
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig
     limits: Limits
@@ -138,6 +154,7 @@ class Config:
     admission: AdmissionConfig
     pools: tuple[PoolConfig, ...]
     tenants: tuple[TenantConfig, ...]
+    models: tuple[ModelConfig, ...] = ()
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:
@@ -191,6 +208,16 @@ class Config:
                     for t in self.tenants
                 ],
                 "admission": self.admission.spec if self.admission.entitlements else None,
+                "models": [
+                    {
+                        "name": m.name,
+                        "tokenizer": m.tokenizer,
+                        "chat_template": m.chat_template,
+                        "bos_token": m.bos_token,
+                        "eos_token": m.eos_token,
+                    }
+                    for m in self.models
+                ],
             }
         )
 
@@ -344,6 +371,43 @@ def _tenants(raw_list: list[Any], admission: AdmissionConfig) -> tuple[TenantCon
     return tuple(tenants)
 
 
+def _models(raw_list: list[Any]) -> tuple[ModelConfig, ...]:
+    """Checks every model's tokenizer and chat template by loading them."""
+    models, names = [], set()
+    for i, raw in enumerate(raw_list):
+        where = f"models[{i}]"
+        raw = _section(raw, where, {"name", "tokenizer", "chat_template", "bos_token", "eos_token"})
+        name = _str(raw, "name", where, "")
+        if not name or name in names:
+            raise ConfigError(f"{where}.name: expected a unique non-empty name, got {name!r}")
+        names.add(name)
+        if "tokenizer" not in raw:
+            raise ConfigError(f"{where}.tokenizer: required (the path of a tokenizer.json)")
+        path = Path(_str(raw, "tokenizer", where, "")).resolve()
+        template = None
+        if raw.get("chat_template") is not None:
+            template_path = _str(raw, "chat_template", where, "")
+            try:
+                template = Path(template_path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{where}.chat_template: cannot read {template_path}: {e}") from e
+        special = {
+            key: _str(raw, key, where, "")
+            for key in ("bos_token", "eos_token")
+            if raw.get(key) is not None
+        }
+        try:
+            Tokenizer(path, chat_template=template, **special)
+        except ValueError as e:
+            # The core's message starts with the key at fault: tokenizer, chat_template,
+            # bos_token or eos_token.
+            raise ConfigError(f"{where}.{e}") from e
+        models.append(
+            ModelConfig(name=name, tokenizer=str(path), chat_template=template, **special)
+        )
+    return tuple(models)
+
+
 def _redis(raw: dict[str, Any]) -> None:
     """Checks ``admission.redis`` (given keys only: RedisAdmission has the defaults)."""
     where = "admission.redis"
@@ -398,7 +462,9 @@ def _admission(raw: Any) -> AdmissionConfig:
 
 def parse_config(raw: Any) -> Config:
     """A validated :class:`Config` from the parsed YAML document."""
-    top = _section(raw, "config", {"server", "limits", "router", "admission", "pools", "tenants"})
+    top = _section(
+        raw, "config", {"server", "limits", "router", "admission", "pools", "tenants", "models"}
+    )
     s = _section(
         top.get("server"),
         "server",
@@ -470,6 +536,7 @@ def parse_config(raw: Any) -> Config:
         admission=admission,
         pools=pools,
         tenants=_tenants(_list(top, "tenants", "config"), admission),
+        models=_models(_list(top, "models", "config")),
     )
 
 

@@ -5,13 +5,15 @@ use pyo3::types::PyString;
 
 use super::calibrate::PyCalibrator;
 use super::compress::{PyCompressor, PyRequestCompression, PyRoutedRequest};
+use super::tokenize::PyTokenizer;
 use super::{int_arg, int_view, text_bytes};
 use crate::budget::{
     compressible_category, Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS,
 };
 use crate::calibrate::DEFAULT_MAX_CATEGORIES;
-use crate::compress::{route_request, Compressor};
+use crate::compress::{route_request, Compressor, RoutedRequest};
 use crate::openai::MediaTokens;
+use crate::tokenize::route_tokenized;
 
 /// A pool of model instances sharing one context window.
 ///
@@ -250,7 +252,12 @@ impl PyTokenBudgetRouter {
     /// ``response_format``, ``image_tokens`` / ``audio_tokens`` per media part)
     /// and the output bound is ``n`` times the per-choice bound; only message
     /// prose is ever compressed. Counts the request in flight.
-    #[pyo3(signature = (body, compressor=None, default_max_tokens=4096, *, image_tokens=765, audio_tokens=750))]
+    ///
+    /// With a ``tokenizer`` (``routecore.Tokenizer``), the prompt is tokenized
+    /// (``Tokenizer.encode_request``) and routed on its exact token count plus
+    /// the media tokens: no estimate, no compression.
+    #[pyo3(signature = (body, compressor=None, default_max_tokens=4096, *, image_tokens=765, audio_tokens=750, tokenizer=None))]
+    #[allow(clippy::too_many_arguments)]
     fn route_request(
         &self,
         py: Python<'_>,
@@ -259,12 +266,27 @@ impl PyTokenBudgetRouter {
         #[pyo3(from_py_with = int_arg)] default_max_tokens: u64,
         #[pyo3(from_py_with = int_arg)] image_tokens: i64,
         #[pyo3(from_py_with = int_arg)] audio_tokens: i64,
+        tokenizer: Option<&Bound<'_, PyTokenizer>>,
     ) -> PyResult<PyRoutedRequest> {
         let bytes = text_bytes(body, "body")?;
         let compressor = compressor.map_or_else(Compressor::default, |c| c.get().inner);
         let media = MediaTokens::new(image_tokens, audio_tokens)?;
-        let r = py
-            .detach(|| route_request(&self.inner, &compressor, bytes, default_max_tokens, media))?;
+        let r = match tokenizer {
+            Some(t) => {
+                let t = &t.get().inner;
+                let r = py
+                    .detach(|| route_tokenized(&self.inner, t, bytes, default_max_tokens, media))?;
+                RoutedRequest {
+                    request: r.request,
+                    decision: r.decision,
+                    body: bytes.to_vec(),
+                    compression: None,
+                }
+            }
+            None => py.detach(|| {
+                route_request(&self.inner, &compressor, bytes, default_max_tokens, media)
+            })?,
+        };
         Ok(PyRoutedRequest {
             decision: Py::new(py, self.decision(py, r.decision))?,
             body: r.body,

@@ -20,6 +20,7 @@ pub mod queueing;
 #[cfg(feature = "server")]
 pub mod serve;
 pub mod sim;
+pub mod tokenize;
 pub mod vtc;
 pub mod workload;
 

@@ -73,6 +73,21 @@ pub struct TenantSpec {
     pub entitlement: Option<String>,
 }
 
+/// A model whose prompts are counted exactly: requests whose `model` is
+/// `name` are tokenized (`crate::tokenize`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    pub name: String,
+    /// The path of its Hugging Face `tokenizer.json`.
+    pub tokenizer: String,
+    /// Its chat template's Jinja source (None: chats count their texts).
+    pub chat_template: Option<String>,
+    /// The special tokens the template writes (`tokenizer_config.json`'s).
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Spec {
@@ -81,6 +96,9 @@ pub struct Spec {
     pub router: RouterSpec,
     pub pools: Vec<PoolSpec>,
     pub tenants: Vec<TenantSpec>,
+    /// Models with a tokenizer (none: every prompt is estimated).
+    #[serde(default)]
+    pub models: Vec<ModelSpec>,
     /// The admission backend's spec (None: no entitlements, no admission).
     pub admission: Option<serde_json::Value>,
 }

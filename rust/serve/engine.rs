@@ -5,8 +5,10 @@
 //! One [`Engine`] is built from one configuration [`Spec`]. It authenticates
 //! the tenant (SHA-256 digests of the API keys, compared in constant time),
 //! parses and routes the request with the core's `route_request`
-//! (token-budget pool, compress-and-route), picks the endpoint inside the
-//! pool (least-request, prefix or VTC), asks admission, and records a
+//! (token-budget pool, compress-and-route), or on the exact prompt token
+//! count when the request's model has a tokenizer (`crate::tokenize`),
+//! picks the endpoint inside the pool (least-request, prefix or VTC, over
+//! the real token ids when there are), asks admission, and records a
 //! [`Lease`] in the data plane's table ([`Shared`]) until the response ends,
 //! the stream drops or the reaper finds it past its deadline. Whoever removes
 //! a lease from the table releases it: exactly once, whatever the path.
@@ -27,10 +29,11 @@ use crate::budget::{compressible_category, Action, Decision, Pool, Request, Toke
 use crate::calibrate::Calibrator;
 use crate::compress::{route_request, Compressor};
 use crate::error::{invalid, Error, Result};
-use crate::openai::MediaTokens;
+use crate::openai::{MediaTokens, ParsedRequest};
 use crate::prefix::{
     block_hashes, PrefixCacheRouter, PrefixConfig, PrefixIndex, Tokens, DEFAULT_CAPACITY_BLOCKS,
 };
+use crate::tokenize::{route_tokenized, SpecialTokens, Tokenized, Tokenizer};
 use crate::vtc::{VtcConfig, VtcRouter};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
@@ -405,6 +408,8 @@ pub struct Engine {
     compressor: Compressor,
     media: MediaTokens,
     pub choosers: Vec<Chooser>,
+    /// Tokenizer by model name (`models` of the configuration).
+    tokenizers: HashMap<String, Tokenizer>,
     tenants: Vec<Tenant>,
     keys: HashMap<[u8; 32], usize>,
     pub admission: Option<Arc<Admission>>,
@@ -479,6 +484,13 @@ async fn admit_detached(
     })
 }
 
+/// The prompt bytes and category a request's usage teaches the calibrator.
+/// Token ids are exact, and the usage of image and audio parts is not text:
+/// such requests are not learned from.
+fn learnable(r: &ParsedRequest) -> Option<(u64, &'static str)> {
+    (r.prompt_tokens.is_none() && r.media_tokens == 0).then_some((r.prompt_bytes, r.category))
+}
+
 fn int(v: u64) -> i64 {
     v.min(i64::MAX as u64) as i64
 }
@@ -513,6 +525,20 @@ impl Engine {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
+        let tokenizers = spec
+            .models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let special = SpecialTokens {
+                    bos_token: m.bos_token.clone(),
+                    eos_token: m.eos_token.clone(),
+                };
+                let t = Tokenizer::load(m.tokenizer.as_ref(), m.chat_template.as_deref(), special)
+                    .map_err(|e| invalid(format!("models[{i}].{e}")))?;
+                Ok((m.name.clone(), t))
+            })
+            .collect::<Result<HashMap<_, _>>>()?;
         let mut tenants = Vec::new();
         let mut keys = HashMap::new();
         for (i, t) in spec.tenants.iter().enumerate() {
@@ -570,6 +596,7 @@ impl Engine {
             compressor: Compressor::default(),
             media,
             choosers,
+            tokenizers,
             tenants,
             keys,
             admission,
@@ -699,6 +726,12 @@ impl Engine {
         body: &[u8],
         tenant: Option<usize>,
     ) -> Result<Outcome> {
+        if let Some(t) = self.route_tokenized(body) {
+            let learn = learnable(&t.request);
+            return self
+                .place(t.decision, tenant, learn, Key::Ids(&t.ids), None)
+                .await;
+        }
         let r = match route_request(
             &self.router,
             &self.compressor,
@@ -731,11 +764,41 @@ impl Engine {
                 )
                 .await;
         }
-        // Token ids are exact, and the usage of image and audio parts is not
-        // text: such requests are not learned from.
-        let learn = (r.request.prompt_tokens.is_none() && r.request.media_tokens == 0)
-            .then_some((r.request.prompt_bytes, r.request.category));
+        let learn = learnable(&r.request);
         self.place(d, tenant, learn, Key::Bytes(body), None).await
+    }
+
+    /// Routes a body on its exact prompt token count when its `model` has a
+    /// tokenizer. A tokenizer or template that fails is logged
+    /// (`tokenize-skipped`) and counted, and the request is routed on the
+    /// estimate instead (None).
+    fn route_tokenized(&self, body: &[u8]) -> Option<Tokenized> {
+        #[derive(serde::Deserialize)]
+        struct Model {
+            model: Option<String>,
+        }
+        if self.tokenizers.is_empty() {
+            return None;
+        }
+        let model = serde_json::from_slice::<Model>(body).ok()?.model?;
+        let tokenizer = self.tokenizers.get(&model)?;
+        let limits = &self.spec.limits;
+        match route_tokenized(
+            &self.router,
+            tokenizer,
+            body,
+            limits.default_max_tokens,
+            self.media,
+        ) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(model = model.as_str(), error = %e, "tokenize-skipped");
+                if let Ok(shared) = self.shared() {
+                    shared.metrics.tokenize_skipped.inc();
+                }
+                None
+            }
+        }
     }
 
     /// Routes a request given its measured fields (bad values are a 400).

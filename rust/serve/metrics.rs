@@ -64,6 +64,7 @@ pub struct Metrics {
     pub timeouts: Family<PoolLabel, FCounter>,
     pub absurd_usage: Family<PoolLabel, FCounter>,
     pub protocol_errors: FCounter,
+    pub tokenize_skipped: FCounter,
     pub failures: Family<ModeLabel, FCounter>,
 }
 
@@ -130,6 +131,12 @@ impl Metrics {
             "ext_proc streams ended for breaking the protocol (e.g. repeated request headers)",
             protocol_errors.clone(),
         );
+        let tokenize_skipped = FCounter::default();
+        registry.register(
+            "routecore_tokenize_skipped",
+            "Requests whose model's tokenizer or chat template failed (routed on the estimate)",
+            tokenize_skipped.clone(),
+        );
         let failures = Family::default();
         registry.register(
             "routecore_failures",
@@ -147,6 +154,7 @@ impl Metrics {
             timeouts,
             absurd_usage,
             protocol_errors,
+            tokenize_skipped,
             failures,
         }
     }
@@ -198,6 +206,7 @@ impl Metrics {
             "timeouts" => pool(&self.timeouts),
             "absurd_usage" => pool(&self.absurd_usage),
             "protocol_errors" => Some(self.protocol_errors.get()),
+            "tokenize_skipped" => Some(self.tokenize_skipped.get()),
             "rejections" => Some(
                 self.rejections
                     .get_or_create(&RejectionLabels {
