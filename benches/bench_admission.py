@@ -1,4 +1,4 @@
-"""Token-pool admission: one admit + complete pair, routecore (Rust from Python,
+"""Quota admission: one admit + complete pair, routecore (Rust from Python,
 the in-memory backend, the Redis backend on loopback) beside plain Python, same run.
 
 Run: .venv/bin/python -m pytest benches/bench_admission.py
@@ -11,11 +11,11 @@ import time
 import pytest
 
 from benches.baselines import admission as baseline
-from routecore import AdmissionController, Entitlement, InMemoryAdmission, TokenPool
+from routecore import AdmissionController, Entitlement, InMemoryAdmission, Quota
 from tests.conftest import RedisServer
 
 GROUP = "admission: admit + complete pair"
-POOLS = [TokenPool("p", 240.0, 2**34, 16)]
+QUOTAS = [Quota("p", 240.0, 2**34, 16)]
 ENTS = [
     Entitlement("copilot", "dev", "p", "elastic", 500.0, 75.0, 2**30, 5),
     Entitlement("synth", "data", "p", "elastic", 30_000.0, 75.0, 2**30, 5),
@@ -37,14 +37,14 @@ def pair(admit, complete):
 
 @pytest.mark.benchmark(group=GROUP)
 def test_pair_routecore_controller(benchmark):
-    ctl = AdmissionController(POOLS, ENTS)
+    ctl = AdmissionController(QUOTAS, ENTS)
     run = pair(lambda *a: ctl.admit(*a).ticket, ctl.complete)
     assert benchmark(run) is not None
 
 
 @pytest.mark.benchmark(group=GROUP)
 def test_pair_routecore_in_memory_backend(benchmark):
-    backend = InMemoryAdmission(POOLS, ENTS)
+    backend = InMemoryAdmission(QUOTAS, ENTS)
     run = pair(
         lambda e, i, m, now: backend.admit(e, i, m, now=now).ticket,
         lambda t, i, o, lat, now: backend.complete(t, i, o, lat, now=now),
@@ -78,7 +78,7 @@ def redis_url():
 def test_pair_routecore_redis_loopback(benchmark, redis_url):
     from routecore import RedisAdmission
 
-    backend = RedisAdmission(POOLS, ENTS, url=redis_url, prefix="bench")
+    backend = RedisAdmission(QUOTAS, ENTS, url=redis_url, prefix="bench")
     run = pair(
         lambda e, i, m, now: backend.admit(e, i, m, now=now).ticket,
         lambda t, i, o, lat, now: backend.complete(t, i, o, lat, now=now),
