@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import redis
 import yaml
 
 from routecore.server.app import Server
@@ -90,20 +91,26 @@ class Running:
         self.loop.close()
 
 
-def admission(concurrency: int = 3, **extra) -> dict:
-    """One admission pool and the demo tenant's entitlement, ``concurrency`` slots."""
+def admission(concurrency: int = 3, tokens_per_s: float = 1e6, **extra) -> dict:
+    """One quota and the demo tenant's entitlement, ``concurrency`` slots and
+    ``tokens_per_s`` each."""
     return {
-        "pools": [
-            {"name": "gpu", "tokens_per_s": 1e6, "kv_bytes": 10**12, "concurrency": concurrency}
+        "quotas": [
+            {
+                "name": "gpu",
+                "tokens_per_s": tokens_per_s,
+                "kv_bytes": 10**12,
+                "concurrency": concurrency,
+            }
         ],
         "entitlements": [
             {
                 "name": "demo-std",
                 "tenant": "demo",
-                "pool": "gpu",
+                "quota": "gpu",
                 "service_class": "guaranteed",
                 "slo_target_ms": 1000.0,
-                "tokens_per_s": 1e6,
+                "tokens_per_s": tokens_per_s,
                 "kv_bytes": 10**12,
                 "concurrency": concurrency,
             }
@@ -152,3 +159,29 @@ def wait_settled(r: Running, timeout: float = 5.0) -> dict[str, int]:
         if time.monotonic() > deadline:
             raise AssertionError(f"still in flight: {counts}")
         time.sleep(0.02)
+
+
+def redis_admission(url: str, failure_mode: str, concurrency: int = 3) -> dict:
+    """``admission(concurrency)`` in Redis at ``url``, 0.5 s socket timeout."""
+    return admission(
+        concurrency,
+        backend="redis",
+        redis={"url": url, "failure_mode": failure_mode, "socket_timeout_s": 0.5},
+    )
+
+
+def redis_in_flight(url: str) -> int:
+    """Reservations in flight in Redis, summed over the quotas."""
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    try:
+        return sum(int(client.hget(k, "in_flight") or 0) for k in client.keys("*:quota"))
+    finally:
+        client.close()
+
+
+def wait_redis_settled(url: str, timeout: float = 5.0) -> None:
+    """Polls :func:`redis_in_flight` until it is zero; fails with the count."""
+    deadline = time.monotonic() + timeout
+    while (n := redis_in_flight(url)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert n == 0, f"{n} reservations left in Redis"
