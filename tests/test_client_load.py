@@ -48,6 +48,7 @@ def test_closed_loop_routes_every_conversation_and_reads_server_counters(server)
     report = load(target, requests=300, concurrency=8, body_bytes=4096, server_pid=pid)
     print(report)
     assert (report["requests"], report["refused"], report["errors"]) == (300, 0, 0)
+    assert report["statuses"] == {"OK": 300} and report["refusals"] == {}
     assert 0 < report["p50_ms"] <= report["p99_ms"]
     assert report["server_cpu_ms"] > 0 and report["server_context_switches"] > 0
     assert report["client_cpu_ms"] >= 0
@@ -66,6 +67,7 @@ def test_a_wrong_key_is_refused_not_an_error(server):
     target, _ = server
     report = load(target, requests=20, concurrency=2, api_key="wrong")
     assert (report["refused"], report["errors"]) == (20, 0)
+    assert report["statuses"] == {"OK": 20} and report["refusals"] == {"401": 20}
 
 
 def test_duration_bounds_the_run(server):
@@ -95,6 +97,8 @@ def test_cli_prints_one_json_report(server, capsys):
         ["--server-pid", "0"],
         ["--threads", "0"],
         ["--duration", "inf"],
+        ["--timeout", "0"],
+        ["--response-delay", "-1"],
         ["--target", "nohost"],
         ["--target", "h:70000"],
     ],
@@ -120,3 +124,7 @@ def test_load_checks_its_arguments():
         load("127.0.0.1:1", rate=float("nan"))
     with pytest.raises(ValueError):
         load("127.0.0.1:1", threads=0)
+    with pytest.raises(ValueError):
+        load("127.0.0.1:1", timeout_s=0.0)
+    with pytest.raises(ValueError):
+        load("127.0.0.1:1", response_delay_s=float("nan"))
