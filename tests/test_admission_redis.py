@@ -284,3 +284,12 @@ def test_redis_config_accepts_good_values_without_contacting_redis():
     backend = admission_from_config(config.admission.spec)
     assert isinstance(backend, RedisAdmission)
     assert backend.admit("e", 1, 1).reason == "fail-open"
+
+
+def test_the_old_pool_keys_are_a_value_error_naming_the_new_ones():
+    quotas = ADMISSION["quotas"]
+    with pytest.raises(ValueError, match=r"^pools: renamed to 'quotas'"):
+        admission_from_config({"backend": "memory", "pools": quotas})
+    old = [{**ADMISSION["entitlements"][0], "pool": "p"}]
+    with pytest.raises(ValueError, match=r"^entitlements\[0\]\.pool: renamed to 'quota'"):
+        admission_from_config({"backend": "memory", "quotas": quotas, "entitlements": old})

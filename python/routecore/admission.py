@@ -681,6 +681,22 @@ def _keep(queue: deque[Any], items: Sequence[Any], *, front: bool = False) -> No
         queue.popleft()
 
 
+#: Keys of the admission configuration renamed when its capacities became
+#: quotas (the router's context pools keep the name ``pools``): old -> new.
+RENAMED_KEYS = {"pools": "quotas", "pool": "quota"}
+
+
+def check_renamed(mapping: Mapping[str, Any], where: str = "") -> None:
+    """ValueError naming the new key when ``mapping`` (the admission
+    configuration, or one entitlement at ``where``) uses a renamed one."""
+    for old, new in RENAMED_KEYS.items():
+        if old in mapping:
+            raise ValueError(
+                f"{where}{old}: renamed to {new!r} (admission capacities are quotas; "
+                "pools are the router's)"
+            )
+
+
 def admission_from_config(config: Mapping[str, Any]) -> InMemoryAdmission | RedisAdmission:
     """A backend from a configuration mapping (e.g. parsed YAML/JSON)::
 
@@ -693,7 +709,14 @@ def admission_from_config(config: Mapping[str, Any]) -> InMemoryAdmission | Redi
      "default_max_tokens"?: 4096, "window_s"?: 60.0,
      "redis"?: {"url", "prefix", "lease_s", "failure_mode": "open" | "closed",
                 "unavailable_retry_s", "socket_timeout_s"}}
+
+    The keys ``pools`` and an entitlement's ``pool`` (before quotas had their
+    own name) are a ValueError naming the new key.
     """
+    check_renamed(config)
+    for i, e in enumerate(config.get("entitlements", [])):
+        if isinstance(e, Mapping):
+            check_renamed(e, f"entitlements[{i}].")
     quotas = [Quota(**p) for p in config.get("quotas", [])]
     entitlements = [Entitlement(**e) for e in config.get("entitlements", [])]
     common = {

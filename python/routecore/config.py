@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from routecore._core import Entitlement, Pool, Quota
-from routecore.admission import REDIS_OPTIONS, URL_SCHEMES, admission_from_config
+from routecore.admission import REDIS_OPTIONS, URL_SCHEMES, admission_from_config, check_renamed
 
 #: How the endpoint inside a pool is picked (``router.policy``), see the README.
 POLICIES = ("least-request", "prefix", "vtc")
@@ -359,24 +359,17 @@ def _redis(raw: dict[str, Any]) -> None:
     _float(raw, "socket_timeout_s", where, 0.001, 60.0, 0.5)
 
 
-#: Admission keys renamed when its capacities became quotas (the router's
-#: context pools keep the name ``pools``): old key -> new key, by where.
-RENAMED = {"admission": {"pools": "quotas"}, "admission.entitlements": {"pool": "quota"}}
-
-
-def _renamed(raw: dict[str, Any], where: str, section: str) -> None:
-    for old, new in RENAMED[section].items():
-        if old in raw:
-            raise ConfigError(
-                f"{where}.{old}: renamed to {new!r} (admission capacities are quotas; "
-                "pools are the router's)"
-            )
+def _renamed(raw: dict[str, Any], where: str) -> None:
+    try:
+        check_renamed(raw, where)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _admission(raw: Any) -> AdmissionConfig:
     """Checks every quota and entitlement by building it (the core validates)."""
     if isinstance(raw, dict):
-        _renamed(raw, "admission", "admission")
+        _renamed(raw, "admission.")
     a = _section(
         raw,
         "admission",
@@ -389,7 +382,7 @@ def _admission(raw: Any) -> AdmissionConfig:
             if not isinstance(item, dict):
                 raise ConfigError(f"admission.{key}[{i}]: expected a mapping")
             if key == "entitlements":
-                _renamed(item, f"admission.{key}[{i}]", "admission.entitlements")
+                _renamed(item, f"admission.{key}[{i}].")
             try:
                 cls(**item)
             except (TypeError, ValueError, KeyError) as e:
