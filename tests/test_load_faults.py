@@ -210,6 +210,29 @@ def test_two_thousand_concurrent_streams_are_all_served_and_released(serve):
     wait_settled(s, timeout=10)
 
 
+# -- streams still open when the drain's grace runs out ---------------------------------
+
+
+@pytest.mark.slow
+def test_streams_open_past_the_grace_end_unavailable_and_release_everything(serve):
+    s = serve(admission=admission(64), tenants=tenants())
+    plane = s.server.plane
+    # Streams held 1 s each; the drain gives them 0.2 s.
+    run = background(
+        s.target, requests=200_000, concurrency=16, duration_s=2.0, response_delay_s=1.0
+    )
+    time.sleep(0.5)
+    assert in_flight(s)["leases"] == 16
+    s.call(s.server.stop(0.2))
+    report = check(run.result(timeout=30), allowed={"UNAVAILABLE", "CANCELLED"})
+    # The 16 open streams were ended by the server with UNAVAILABLE (retry
+    # elsewhere), the rest refused; never UNKNOWN (a connection torn down).
+    assert report["statuses"]["UNAVAILABLE"] >= 16
+    state = plane.in_flight()
+    assert state["leases"] == 0 and state["admission"] == 0 and plane.leases() == []
+    assert not any(state["router"].values())
+
+
 # -- SIGHUP and SIGTERM under load (the server in its own process) ---------------------
 
 

@@ -26,6 +26,9 @@ pub const SERVICES: [&str; 3] = [
     "routecore.v1.RouteCore",
 ];
 
+/// How long the streams ended past the drain's grace get to send their status.
+const CLOSE_S: Duration = Duration::from_secs(1);
+
 /// Where and how the data plane listens.
 #[derive(Debug, Clone)]
 pub struct Listen {
@@ -43,6 +46,8 @@ pub struct DataPlane {
     pub port: u16,
     pub metrics_port: Option<u16>,
     stop: watch::Sender<bool>,
+    /// Ends the streams still open when the drain's grace runs out.
+    closing: watch::Sender<bool>,
     server: Mutex<Option<JoinHandle<()>>>,
     health: tonic_health::server::HealthReporter,
 }
@@ -91,6 +96,7 @@ impl DataPlane {
             .and_then(|l| l.local_addr().ok())
             .map(|a| a.port());
         let (stop, stopped) = watch::channel(false);
+        let (closing, closing_rx) = watch::channel(false);
         let (health, health_service) = tonic_health::server::health_reporter();
         let server = runtime.block_on(async {
             for name in SERVICES {
@@ -106,6 +112,7 @@ impl DataPlane {
             let processor = ExternalProcessorServer::new(Processor {
                 current: Arc::clone(&current),
                 shared: Arc::clone(&shared),
+                closing: closing_rx,
             })
             .max_decoding_message_size(max_message)
             .max_encoding_message_size(max_message);
@@ -144,6 +151,7 @@ impl DataPlane {
             port,
             metrics_port,
             stop,
+            closing,
             server: Mutex::new(Some(server)),
             health,
         })
@@ -174,7 +182,8 @@ impl DataPlane {
     }
 
     /// Stops taking new streams, gives open ones `grace_s` seconds to finish,
-    /// then ends the rest (their leases are released) and stops the runtime.
+    /// then ends the rest with UNAVAILABLE (their leases are released) and
+    /// stops the runtime.
     pub fn drain(&self, grace_s: f64) {
         let task = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
         let grace = Duration::from_secs_f64(grace_s.clamp(0.0, 3600.0));
@@ -188,10 +197,16 @@ impl DataPlane {
         });
         let _ = self.stop.send(true);
         if let Some(mut task) = task {
+            let closing = &self.closing;
             let _ = self.block_on(async {
                 if tokio::time::timeout(grace, &mut task).await.is_err() {
-                    task.abort();
-                    let _ = task.await;
+                    // Past the grace: the open streams end with a status (not
+                    // a torn connection), then the connections close.
+                    let _ = closing.send(true);
+                    if tokio::time::timeout(CLOSE_S, &mut task).await.is_err() {
+                        task.abort();
+                        let _ = task.await;
+                    }
                 }
             });
         }

@@ -99,6 +99,25 @@ fn put_back<T>(queue: &mut VecDeque<T>, items: Vec<T>) {
     queue.truncate(MAX_PENDING);
 }
 
+/// What one settlement took from a quota's pending queues. Whatever it has
+/// not settled goes back when it is dropped: on an error, and when the call
+/// is cut short by its timeout (a stalled Redis), so no void or replay owed to
+/// Redis is forgotten. Settling twice is harmless (a void and a completion
+/// each count once).
+struct Taken<'a> {
+    pending: &'a Mutex<Pending>,
+    voids: Vec<String>,
+    replays: Vec<Replay>,
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        let mut pending = lock(self.pending);
+        put_back(&mut pending.voids, std::mem::take(&mut self.voids));
+        put_back(&mut pending.replays, std::mem::take(&mut self.replays));
+    }
+}
+
 struct Quota {
     name: String,
     key: String,
@@ -343,37 +362,36 @@ impl RedisAdmission {
         now: f64,
     ) -> Result<(), FailureKind> {
         let quota = &self.quotas[p];
-        let (mut voids, mut replays) = {
+        let mut taken = {
             let mut pending = lock(&quota.pending);
             if pending.voids.is_empty() && pending.replays.is_empty() {
                 return Ok(());
             }
-            (take(&mut pending.voids), take(&mut pending.replays))
+            Taken {
+                pending: &quota.pending,
+                voids: take(&mut pending.voids),
+                replays: take(&mut pending.replays),
+            }
         };
         let result: Result<(), RedisError> = async {
-            if !voids.is_empty() {
+            if !taken.voids.is_empty() {
                 let mut call = self.scripts.void.key(&quota.key);
                 call.arg(now);
-                for rid in &voids {
+                for rid in &taken.voids {
                     call.arg(rid);
                 }
                 let _: i64 = call.invoke_async(c).await?;
-                voids.clear();
+                taken.voids.clear();
             }
-            while let Some(&replay) = replays.first() {
+            while let Some(&replay) = taken.replays.first() {
                 self.run_complete(c, &quota.key, replay).await?;
-                replays.remove(0);
+                taken.replays.remove(0);
             }
             Ok(())
         }
         .await;
-        if let Err(e) = result {
-            let mut pending = lock(&quota.pending);
-            put_back(&mut pending.voids, voids);
-            put_back(&mut pending.replays, replays);
-            return Err(e.into());
-        }
-        Ok(())
+        // Dropping `taken` puts back what was not settled.
+        result.map_err(Into::into)
     }
 
     /// Runs the completion script for `(seq, actual, latency_s, at)`: a first

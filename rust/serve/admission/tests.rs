@@ -355,6 +355,54 @@ fn stalled_redis_leaves_no_phantom_reservation() {
 }
 
 #[test]
+fn a_settlement_cut_short_by_a_stall_keeps_what_it_owes() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    runtime().block_on(async {
+        let red =
+            Admission::from_spec(&spec(&server.url(), FailureMode::Closed, 0.2)).expect("redis");
+        let Admission::Redis(r) = &red else {
+            unreachable!()
+        };
+        let held = red
+            .admit("s", 1, Some(1), "held")
+            .await
+            .ticket()
+            .expect("t");
+        // Its completion fails with an error reply (OOM): owed as a replay,
+        // the connection kept.
+        server.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+        server.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+        assert!(!red.complete(held, 1, 1, 0.1).await);
+        server.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+        assert_eq!(r.pending(), 1);
+        // The next call settles it first, and Redis stalls meanwhile: the call
+        // is cut short by its timeout, and the replay is still owed.
+        server.signal("-STOP");
+        assert_failed_as(
+            &red.admit("s", 1, Some(1), "next").await,
+            FailureMode::Closed,
+        );
+        assert!(
+            r.pending() >= 1,
+            "a replay cut short is kept, not forgotten"
+        );
+        server.signal("-CONT");
+        let mut settled = false;
+        for _ in 0..50 {
+            if r.reconcile().await && r.pending() == 0 {
+                settled = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(settled);
+        assert_eq!(server.in_flight(), 0);
+    });
+}
+
+#[test]
 fn concurrent_tasks_never_over_admit() {
     let Some(server) = RedisServer::start() else {
         return;
