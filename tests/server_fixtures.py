@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
+import grpc
 import redis
 import yaml
 
 from routecore.server.app import Server
+from routecore.server.envoy_client import free_port, serve_command
 
 SHORT = ["127.0.0.1:8001", "127.0.0.1:8002"]
 LONG = ["127.0.0.1:8011"]
@@ -89,6 +95,64 @@ class Running:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         self.loop.close()
+
+
+class Spawned:
+    """``routecore serve`` in its own process on free ports."""
+
+    def __init__(self, path: Path, config: dict | None = None, *extra: str) -> None:
+        """Serves ``config`` written to ``path`` (None: the file as it is),
+        ``extra`` added to the command line."""
+        if config is not None:
+            path.write_text(yaml.safe_dump(config))
+        self.path = path
+        self.text = ""
+        self.port, self.metrics_port = free_port(), free_port()
+        # Its log in a file: a pipe nobody reads would stall the server when full.
+        fd, name = tempfile.mkstemp(suffix=".log")
+        os.close(fd)
+        self.log = Path(name)
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                serve_command(str(path), self.port, self.metrics_port, *extra), stderr=log
+            )
+        self.target = f"127.0.0.1:{self.port}"
+
+        async def ready():
+            async with grpc.aio.insecure_channel(self.target) as channel:
+                await asyncio.wait_for(channel.channel_ready(), 60)
+
+        try:
+            asyncio.run(ready())
+        except BaseException:
+            self.stop()
+            raise
+
+    def metric(self, name: str) -> float:
+        """A metric from the metrics port, summed over its labels."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
+            text = r.read().decode()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{")
+        )
+
+    def wait_gauge_zero(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (n := self.metric("routecore_in_flight")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert n == 0, f"{n} requests still in flight"
+
+    def stop(self) -> str:
+        """Kills the server if it still runs; its log."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        if self.log.exists():  # read once, then removed
+            self.text = self.log.read_text()
+            self.log.unlink()
+        return self.text
 
 
 def admission(concurrency: int = 3, tokens_per_s: float = 1e6, **extra) -> dict:

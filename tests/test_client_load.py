@@ -5,9 +5,6 @@ reported, never asserted."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,31 +13,20 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("envoy")
 
+from server_fixtures import Spawned  # noqa: E402
+
 from routecore import cli  # noqa: E402
 from routecore._core import load  # noqa: E402
-from routecore.server.envoy_client import free_port, serve_command  # noqa: E402
+from routecore.server.envoy_client import free_port  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, int]]:
-    port = free_port()
-    cmd = serve_command(str(EXAMPLE), port, free_port(), "--log-level", "warning")
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("routecore serve did not start")
-            time.sleep(0.05)
-    yield f"127.0.0.1:{port}", proc.pid
-    proc.terminate()
-    proc.wait(timeout=30)
+    s = Spawned(EXAMPLE, None, "--log-level", "warning")
+    yield s.target, s.proc.pid
+    s.stop()
 
 
 def test_closed_loop_routes_every_conversation_and_reads_server_counters(server):

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import time
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -26,6 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from server_fixtures import (
     Running,
+    Spawned,
     admission,
     base_config,
     in_flight,
@@ -39,9 +37,7 @@ from routecore._core import load
 from routecore.server.envoy_client import (
     buffered,
     chat_body,
-    free_port,
     http_headers,
-    serve_command,
     sse_chunks,
     usage_body,
 )
@@ -234,51 +230,6 @@ def test_streams_open_past_the_grace_end_unavailable_and_release_everything(serv
 
 
 # -- SIGHUP and SIGTERM under load (the server in its own process) ---------------------
-
-
-class Spawned:
-    """``routecore serve`` in its own process on free ports."""
-
-    def __init__(self, path: Path, config: dict) -> None:
-        path.write_text(yaml.safe_dump(config))
-        self.path = path
-        self.port, self.metrics_port = free_port(), free_port()
-        # Its log in a file: a pipe nobody reads would stall the server when full.
-        self.log = path.with_suffix(".log")
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                serve_command(str(path), self.port, self.metrics_port), stderr=log
-            )
-        self.target = f"127.0.0.1:{self.port}"
-
-        async def ready():
-            async with grpc.aio.insecure_channel(self.target) as channel:
-                await asyncio.wait_for(channel.channel_ready(), 60)
-
-        asyncio.run(ready())
-
-    def metric(self, name: str) -> float:
-        """A metric from the metrics port, summed over its labels."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
-            text = r.read().decode()
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name + "{")
-        )
-
-    def wait_gauge_zero(self, timeout: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout
-        while (n := self.metric("routecore_in_flight")) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert n == 0, f"{n} requests still in flight"
-
-    def stop(self) -> str:
-        """Kills the server if it still runs; its log."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        return self.log.read_text()
 
 
 @pytest.fixture
