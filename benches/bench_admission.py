@@ -1,4 +1,4 @@
-"""Token-pool admission: one admit + complete pair, routecore (Rust from Python,
+"""Quota admission: one admit + complete pair, routecore (Rust from Python,
 the in-memory backend, the Redis backend on loopback) beside plain Python, same run.
 
 Run: .venv/bin/python -m pytest benches/bench_admission.py
@@ -11,7 +11,7 @@ import pytest
 
 from routecore import AdmissionController, InMemoryAdmission
 from routecore._baselines.cases import (
-    ADMISSION_POOLS,
+    ADMISSION_QUOTAS,
     ENTITLEMENTS,
     admission_twin,
     admit_complete_pair,
@@ -19,19 +19,19 @@ from routecore._baselines.cases import (
 from tests.conftest import RedisServer
 
 GROUP = "admission: admit + complete pair"
-POOLS, ENTS = ADMISSION_POOLS, ENTITLEMENTS
+QUOTAS, ENTS = ADMISSION_QUOTAS, ENTITLEMENTS
 
 
 @pytest.mark.benchmark(group=GROUP)
 def test_pair_routecore_controller(benchmark):
-    ctl = AdmissionController(POOLS, ENTS)
+    ctl = AdmissionController(QUOTAS, ENTS)
     run = admit_complete_pair(lambda *a: ctl.admit(*a).ticket, ctl.complete)
     assert benchmark(run) is not None
 
 
 @pytest.mark.benchmark(group=GROUP)
 def test_pair_routecore_in_memory_backend(benchmark):
-    backend = InMemoryAdmission(POOLS, ENTS)
+    backend = InMemoryAdmission(QUOTAS, ENTS)
     run = admit_complete_pair(
         lambda e, i, m, now: backend.admit(e, i, m, now=now).ticket,
         lambda t, i, o, lat, now: backend.complete(t, i, o, lat, now=now),
@@ -58,7 +58,7 @@ def redis_url():
 def test_pair_routecore_redis_loopback(benchmark, redis_url):
     from routecore import RedisAdmission
 
-    backend = RedisAdmission(POOLS, ENTS, url=redis_url, prefix="bench")
+    backend = RedisAdmission(QUOTAS, ENTS, url=redis_url, prefix="bench")
     run = admit_complete_pair(
         lambda e, i, m, now: backend.admit(e, i, m, now=now).ticket,
         lambda t, i, o, lat, now: backend.complete(t, i, o, lat, now=now),

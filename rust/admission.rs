@@ -1,9 +1,10 @@
-//! Token pools: multi-tenant admission control (Cunningham, "Token Management
+//! Quotas: multi-tenant admission control (Cunningham, "Token Management
 //! in Multi-Tenant AI Inference Platforms", 2026).
 //!
-//! A [`TokenPool`] is a pool's capacity in inference-native units (tokens/s,
-//! KV bytes, concurrency); an [`Entitlement`] is a tenant's baseline share of
-//! one pool with a [`ServiceClass`] (the paper's Table 1). The
+//! A [`Quota`] is a capacity shared by tenants, in inference-native units
+//! (tokens/s, KV bytes, concurrency; the paper's "token pool", named apart
+//! from the router's context pools); an [`Entitlement`] is a tenant's baseline share of
+//! one quota with a [`ServiceClass`] (the paper's Table 1). The
 //! [`AdmissionController`] decides each request at the gateway with the
 //! paper's checks, in order (section 4.3):
 //!
@@ -12,20 +13,20 @@
 //! 3. concurrency: in-flight requests below the entitlement's `concurrency`;
 //! 4. token budget: `input + max_tokens` fits in `tokens_per_s * window_s`
 //!    minus what the entitlement was charged over the rolling window;
-//! 5. pool contention: when the pool is full (in-flight requests at its
+//! 5. quota contention: when the quota is full (in-flight requests at its
 //!    concurrency, or KV bytes at its capacity), the request's priority must
 //!    beat the lowest priority among the entitlements with admitted requests.
 //!
 //! Classes with burst rights (dedicated, elastic, spot, preemptible) may pass
-//! checks 3 and 4 above their baseline while the pool has room; guaranteed may
+//! checks 3 and 4 above their baseline while the quota has room; guaranteed may
 //! not. A rejection carries HTTP 429 and a Retry-After computed from the
 //! state: the expected time between completions of the blocking requests
 //! (Little's law: latency EWMA over requests in flight, for the entitlement
-//! or summed over the pool) or when enough tokens leave the window.
+//! or summed over the quota) or when enough tokens leave the window.
 //!
 //! Priority (equation 1): `w_e = w_class / (1 + a_slo * l_e / l_mean) /
 //! (1 + a_burst * b_e) * (1 + a_debt * d_e)`, `l_mean` the mean SLO target of
-//! the pool's bound entitlements. `complete` updates the debt (equation 2)
+//! the quota's bound entitlements. `complete` updates the debt (equation 2)
 //! `d_e <- g_d d_e + (1 - g_d) (lambda_e - lambda_hat_e) / lambda_e`, with
 //! `lambda_hat_e` the entitlement's served token rate (an exponentially
 //! decaying average of completed tokens, time constant `window_s`), for the
@@ -118,7 +119,7 @@ impl ServiceClass {
             ServiceClass::Preemptible => 0.1,
         }
     }
-    /// May exceed its baseline while the pool has room.
+    /// May exceed its baseline while the quota has room.
     pub fn can_burst(self) -> bool {
         self != ServiceClass::Guaranteed
     }
@@ -204,10 +205,10 @@ fn check_bytes(what: &str, v: i64) -> Result<u64> {
     Ok(v as u64)
 }
 
-/// A pool's capacity. `kv_bytes_per_token` (the paper's `c = 2 L H_kv d_h b`)
+/// A quota's capacity. `kv_bytes_per_token` (the paper's `c = 2 L H_kv d_h b`)
 /// turns a request's tokens into KV bytes; 0 leaves KV out of admission.
 #[derive(Debug, Clone, PartialEq)]
-pub struct TokenPool {
+pub struct Quota {
     pub name: String,
     pub tokens_per_s: f64,
     pub kv_bytes: u64,
@@ -215,7 +216,7 @@ pub struct TokenPool {
     pub kv_bytes_per_token: u64,
 }
 
-impl TokenPool {
+impl Quota {
     pub fn new(
         name: &str,
         tokens_per_s: f64,
@@ -223,21 +224,21 @@ impl TokenPool {
         concurrency: i64,
         kv_bytes_per_token: i64,
     ) -> Result<Self> {
-        check_name("pool", name)?;
-        let mut pool = Self {
+        check_name("quota", name)?;
+        let mut quota = Self {
             name: name.to_owned(),
             tokens_per_s: 0.0,
             kv_bytes: 0,
             concurrency: 0,
             kv_bytes_per_token: 0,
         };
-        pool.set_capacity(
+        quota.set_capacity(
             Some(tokens_per_s),
             Some(kv_bytes),
             Some(concurrency),
             Some(kv_bytes_per_token),
         )?;
-        Ok(pool)
+        Ok(quota)
     }
 
     /// Changes the given parts of the capacity; all checked before any change.
@@ -283,12 +284,12 @@ impl TokenPool {
     }
 }
 
-/// A tenant's baseline share of one pool.
+/// A tenant's baseline share of one quota.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Entitlement {
     pub name: String,
     pub tenant: String,
-    pub pool: String,
+    pub quota: String,
     pub service_class: ServiceClass,
     pub slo_target_ms: f64,
     pub tokens_per_s: f64,
@@ -302,7 +303,7 @@ impl Entitlement {
     pub fn new(
         name: &str,
         tenant: &str,
-        pool: &str,
+        quota: &str,
         service_class: &str,
         slo_target_ms: f64,
         tokens_per_s: f64,
@@ -312,11 +313,11 @@ impl Entitlement {
     ) -> Result<Self> {
         check_name("entitlement", name)?;
         check_name("tenant", tenant)?;
-        check_name("pool", pool)?;
+        check_name("quota", quota)?;
         Ok(Self {
             name: name.to_owned(),
             tenant: tenant.to_owned(),
-            pool: pool.to_owned(),
+            quota: quota.to_owned(),
             service_class: ServiceClass::parse(service_class)?,
             slo_target_ms: positive("slo_target_ms", slo_target_ms)?,
             tokens_per_s: positive("tokens_per_s", tokens_per_s)?,
@@ -347,12 +348,12 @@ fn checked_sum(mut xs: impl Iterator<Item = u64>) -> Result<u64> {
 pub fn priority_weight(
     class: ServiceClass,
     slo_target_ms: f64,
-    pool_mean_slo_ms: f64,
+    quota_mean_slo_ms: f64,
     burst: f64,
     debt: f64,
 ) -> f64 {
     class.weight()
-        / (1.0 + ALPHA_SLO * slo_target_ms / pool_mean_slo_ms)
+        / (1.0 + ALPHA_SLO * slo_target_ms / quota_mean_slo_ms)
         / (1.0 + ALPHA_BURST * burst)
         * (1.0 + ALPHA_DEBT * debt)
 }
@@ -404,7 +405,7 @@ struct Charge {
 #[derive(Debug, Clone, PartialEq)]
 struct EntState {
     spec: Entitlement,
-    pool: usize,
+    quota: usize,
     in_flight: BTreeMap<u64, InFlight>,
     tokens_in_flight: u64,
     kv_in_flight: u64,
@@ -419,17 +420,17 @@ struct EntState {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-struct PoolState {
-    spec: TokenPool,
+struct QuotaState {
+    spec: Quota,
     in_flight: u64,
     kv_in_flight: u64,
     mean_slo_ms: f64,
 }
 
-/// The admission layer of one gateway: pools, entitlements and their state.
+/// The admission layer of one gateway: quotas, entitlements and their state.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdmissionController {
-    pools: Vec<PoolState>,
+    quotas: Vec<QuotaState>,
     ents: Vec<EntState>,
     default_max_tokens: u64,
     window_s: f64,
@@ -450,13 +451,13 @@ pub struct EntitlementStats {
 
 impl AdmissionController {
     pub fn new(
-        pools: Vec<TokenPool>,
+        quotas: Vec<Quota>,
         entitlements: Vec<Entitlement>,
         default_max_tokens: i64,
         window_s: f64,
     ) -> Result<Self> {
-        if pools.is_empty() {
-            return Err(invalid("at least one pool is required"));
+        if quotas.is_empty() {
+            return Err(invalid("at least one quota is required"));
         }
         if entitlements.len() >= MAX_ENTITLEMENTS {
             return Err(invalid(format!(
@@ -464,9 +465,9 @@ impl AdmissionController {
                 MAX_ENTITLEMENTS - 1
             )));
         }
-        for (i, p) in pools.iter().enumerate() {
-            if pools[..i].iter().any(|q| q.name == p.name) {
-                return Err(invalid(format!("duplicate pool name {:?}", p.name)));
+        for (i, p) in quotas.iter().enumerate() {
+            if quotas[..i].iter().any(|q| q.name == p.name) {
+                return Err(invalid(format!("duplicate quota name {:?}", p.name)));
             }
         }
         let mut ents = Vec::with_capacity(entitlements.len());
@@ -474,15 +475,15 @@ impl AdmissionController {
             if ents.iter().any(|s: &EntState| s.spec.name == e.name) {
                 return Err(invalid(format!("duplicate entitlement name {:?}", e.name)));
             }
-            let pool = pools
+            let quota = quotas
                 .iter()
-                .position(|p| p.name == e.pool)
-                .ok_or_else(|| unknown("pool", e.pool.as_str()))?;
+                .position(|p| p.name == e.quota)
+                .ok_or_else(|| unknown("quota", e.quota.as_str()))?;
             debug_assert!(i < MAX_ENTITLEMENTS);
             ents.push(EntState {
                 served_rate: e.tokens_per_s,
                 spec: e,
-                pool,
+                quota,
                 in_flight: BTreeMap::new(),
                 tokens_in_flight: 0,
                 kv_in_flight: 0,
@@ -496,9 +497,9 @@ impl AdmissionController {
             });
         }
         let mut c = Self {
-            pools: pools
+            quotas: quotas
                 .into_iter()
-                .map(|spec| PoolState {
+                .map(|spec| QuotaState {
                     spec,
                     in_flight: 0,
                     kv_in_flight: 0,
@@ -511,14 +512,14 @@ impl AdmissionController {
             next_seq: 1,
             clock: f64::NEG_INFINITY,
         };
-        for p in 0..c.pools.len() {
-            c.refresh_pool(p);
+        for p in 0..c.quotas.len() {
+            c.refresh_quota(p);
         }
         Ok(c)
     }
 
-    pub fn pools(&self) -> impl Iterator<Item = &TokenPool> {
-        self.pools.iter().map(|p| &p.spec)
+    pub fn quotas(&self) -> impl Iterator<Item = &Quota> {
+        self.quotas.iter().map(|p| &p.spec)
     }
     pub fn entitlements(&self) -> impl Iterator<Item = &Entitlement> {
         self.ents.iter().map(|e| &e.spec)
@@ -536,11 +537,11 @@ impl AdmissionController {
             .position(|e| e.spec.name == name)
             .ok_or_else(|| unknown("entitlement", name))
     }
-    fn pool_index(&self, name: &str) -> Result<usize> {
-        self.pools
+    fn quota_index(&self, name: &str) -> Result<usize> {
+        self.quotas
             .iter()
             .position(|p| p.spec.name == name)
-            .ok_or_else(|| unknown("pool", name))
+            .ok_or_else(|| unknown("quota", name))
     }
 
     fn tick(&mut self, now: f64) -> Result<f64> {
@@ -549,16 +550,16 @@ impl AdmissionController {
         Ok(self.clock)
     }
 
-    /// Recomputes the pool-average SLO and every priority in pool `p`.
-    fn refresh_pool(&mut self, p: usize) {
+    /// Recomputes the quota-average SLO and every priority in quota `p`.
+    fn refresh_quota(&mut self, p: usize) {
         let (sum, n) = self
             .ents
             .iter()
-            .filter(|e| e.pool == p && e.spec.state == State::Bound)
+            .filter(|e| e.quota == p && e.spec.state == State::Bound)
             .fold((0.0, 0usize), |(s, n), e| (s + e.spec.slo_target_ms, n + 1));
         let mean = if n == 0 { 1.0 } else { sum / n as f64 };
-        self.pools[p].mean_slo_ms = mean;
-        for e in self.ents.iter_mut().filter(|e| e.pool == p) {
+        self.quotas[p].mean_slo_ms = mean;
+        for e in self.ents.iter_mut().filter(|e| e.quota == p) {
             e.priority = priority_weight(
                 e.spec.service_class,
                 e.spec.slo_target_ms,
@@ -586,30 +587,30 @@ impl AdmissionController {
         })
     }
 
-    /// Requests in flight in a pool.
-    pub fn pool_in_flight(&self, pool: &str) -> Result<u64> {
-        Ok(self.pools[self.pool_index(pool)?].in_flight)
+    /// Requests in flight in a quota.
+    pub fn quota_in_flight(&self, quota: &str) -> Result<u64> {
+        Ok(self.quotas[self.quota_index(quota)?].in_flight)
     }
 
     pub fn set_state(&mut self, entitlement: &str, state: &str) -> Result<()> {
         let i = self.ent_index(entitlement)?;
         self.ents[i].spec.state = State::parse(state)?;
-        let p = self.ents[i].pool;
-        self.refresh_pool(p);
+        let p = self.ents[i].quota;
+        self.refresh_quota(p);
         Ok(())
     }
 
-    /// Changes a pool's capacity at run time (an outage, a recovery, scaling).
+    /// Changes a quota's capacity at run time (an outage, a recovery, scaling).
     /// Requests in flight stay admitted; new ones see the new capacity.
     pub fn set_capacity(
         &mut self,
-        pool: &str,
+        quota: &str,
         tokens_per_s: Option<f64>,
         kv_bytes: Option<i64>,
         concurrency: Option<i64>,
     ) -> Result<()> {
-        let p = self.pool_index(pool)?;
-        self.pools[p]
+        let p = self.quota_index(quota)?;
+        self.quotas[p]
             .spec
             .set_capacity(tokens_per_s, kv_bytes, concurrency, None)
     }
@@ -628,14 +629,14 @@ impl AdmissionController {
     /// Requests of `e` expected to finish per second, by Little's law:
     /// in flight / latency, the latency being the EWMA of observed ones (before
     /// any, the mean charge in flight over one slot's token rate).
-    fn completion_rate(e: &EntState, pool: &TokenPool) -> f64 {
+    fn completion_rate(e: &EntState, quota: &Quota) -> f64 {
         let n = e.in_flight.len() as f64;
         if n == 0.0 {
             return 0.0;
         }
         let latency = e
             .latency_s
-            .unwrap_or(e.tokens_in_flight as f64 / n / pool.slot_rate());
+            .unwrap_or(e.tokens_in_flight as f64 / n / quota.slot_rate());
         n / latency.max(MIN_RETRY_AFTER_S)
     }
 
@@ -707,18 +708,18 @@ impl AdmissionController {
     fn decide(&mut self, i: usize, tokens: u64, now: f64) -> Admission {
         let window_s = self.window_s;
         let e = &mut self.ents[i];
-        let pool = &self.pools[e.pool];
+        let quota = &self.quotas[e.quota];
         let w = e.priority;
         if e.spec.state != State::Bound {
             return Admission::rejected(403, e.spec.state.as_str(), None, w);
         }
-        let kv = tokens.saturating_mul(pool.spec.kv_bytes_per_token);
-        let pool_room = pool.in_flight < pool.spec.concurrency
-            && pool.kv_in_flight.saturating_add(kv) <= pool.spec.kv_bytes;
-        let may_burst = pool_room && e.spec.service_class.can_burst();
+        let kv = tokens.saturating_mul(quota.spec.kv_bytes_per_token);
+        let quota_room = quota.in_flight < quota.spec.concurrency
+            && quota.kv_in_flight.saturating_add(kv) <= quota.spec.kv_bytes;
+        let may_burst = quota_room && e.spec.service_class.can_burst();
 
         if e.in_flight.len() as u64 >= e.spec.concurrency && !may_burst {
-            let retry = 1.0 / Self::completion_rate(e, &pool.spec);
+            let retry = 1.0 / Self::completion_rate(e, &quota.spec);
             return Admission::rejected(429, "concurrency", Some(retry), w);
         }
 
@@ -741,19 +742,19 @@ impl AdmissionController {
             return Admission::rejected(429, "token-budget", Some(retry), w);
         }
 
-        if !pool_room {
-            let p = e.pool;
+        if !quota_room {
+            let p = e.quota;
             let mut lowest = f64::INFINITY;
             let mut rate = 0.0;
-            for o in self.ents.iter().filter(|o| o.pool == p) {
+            for o in self.ents.iter().filter(|o| o.quota == p) {
                 if !o.in_flight.is_empty() {
                     lowest = lowest.min(o.priority);
-                    rate += Self::completion_rate(o, &self.pools[p].spec);
+                    rate += Self::completion_rate(o, &self.quotas[p].spec);
                 }
             }
             if w <= lowest {
                 let retry = (rate > 0.0).then(|| 1.0 / rate);
-                return Admission::rejected(429, "pool-contention", retry, w);
+                return Admission::rejected(429, "quota-contention", retry, w);
             }
         }
 
@@ -776,9 +777,9 @@ impl AdmissionController {
             tokens,
         });
         e.window_tokens += tokens;
-        let pool = &mut self.pools[e.pool];
-        pool.in_flight += 1;
-        pool.kv_in_flight += kv;
+        let quota = &mut self.quotas[e.quota];
+        quota.in_flight += 1;
+        quota.kv_in_flight += kv;
         Admission {
             admitted: true,
             status: 200,
@@ -842,11 +843,11 @@ impl AdmissionController {
                 e.window_tokens = e.window_tokens - e.window[k].tokens + actual;
                 e.window[k].tokens = actual;
             }
-            let pool = &mut self.pools[e.pool];
-            pool.in_flight -= 1;
-            pool.kv_in_flight -= req.kv;
+            let quota = &mut self.quotas[e.quota];
+            quota.in_flight -= 1;
+            quota.kv_in_flight -= req.kv;
         }
-        let mean = self.pools[e.pool].mean_slo_ms;
+        let mean = self.quotas[e.quota].mean_slo_ms;
         e.priority = priority_weight(
             e.spec.service_class,
             e.spec.slo_target_ms,
@@ -857,7 +858,7 @@ impl AdmissionController {
         Ok(())
     }
 
-    /// The preemptible requests to terminate now: in every pool holding more
+    /// The preemptible requests to terminate now: in every quota holding more
     /// requests than its concurrency while protected (never-shrunk) classes
     /// have requests in flight, the overshoot's worth of preemptible requests,
     /// lowest priority first, then the youngest (least work lost). Changes
@@ -865,10 +866,10 @@ impl AdmissionController {
     pub fn evictions(&self, now: f64) -> Result<Vec<u64>> {
         finite("now", now)?;
         let mut out = Vec::new();
-        for (p, pool) in self.pools.iter().enumerate() {
-            let over = pool.in_flight.saturating_sub(pool.spec.concurrency) as usize;
+        for (p, quota) in self.quotas.iter().enumerate() {
+            let over = quota.in_flight.saturating_sub(quota.spec.concurrency) as usize;
             let protected = self.ents.iter().any(|e| {
-                e.pool == p
+                e.quota == p
                     && e.spec.service_class.shrink() == Shrink::Never
                     && !e.in_flight.is_empty()
             });
@@ -878,7 +879,7 @@ impl AdmissionController {
             let mut victims: Vec<(f64, f64, u64)> = self
                 .ents
                 .iter()
-                .filter(|e| e.pool == p && e.spec.service_class.shrink() == Shrink::Evict)
+                .filter(|e| e.quota == p && e.spec.service_class.shrink() == Shrink::Evict)
                 .flat_map(|e| {
                     e.in_flight
                         .iter()
@@ -933,14 +934,14 @@ impl AdmissionController {
             e.debt = o.debt;
             e.burst = o.burst;
             e.latency_s = o.latency_s;
-            let pool = &mut self.pools[e.pool];
-            pool.in_flight += e.in_flight.len() as u64;
-            pool.kv_in_flight += e.kv_in_flight;
+            let quota = &mut self.quotas[e.quota];
+            quota.in_flight += e.in_flight.len() as u64;
+            quota.kv_in_flight += e.kv_in_flight;
         }
         self.next_seq = self.next_seq.max(old.next_seq);
         self.clock = self.clock.max(old.clock);
-        for p in 0..self.pools.len() {
-            self.refresh_pool(p);
+        for p in 0..self.quotas.len() {
+            self.refresh_quota(p);
         }
         moved
     }
@@ -955,8 +956,8 @@ impl AdmissionController {
             .f64(self.window_s)
             .u64(self.next_seq)
             .f64(self.clock)
-            .u64(self.pools.len() as u64);
-        for p in &self.pools {
+            .u64(self.quotas.len() as u64);
+        for p in &self.quotas {
             let s = &p.spec;
             w.str(&s.name)
                 .f64(s.tokens_per_s)
@@ -969,7 +970,7 @@ impl AdmissionController {
             let s = &e.spec;
             w.str(&s.name)
                 .str(&s.tenant)
-                .str(&s.pool)
+                .str(&s.quota)
                 .u8(s.service_class.index())
                 .f64(s.slo_target_ms)
                 .f64(s.tokens_per_s)
@@ -1016,17 +1017,17 @@ impl AdmissionController {
         }
         let clock = r.f64()?;
         let n = r.count(36)?;
-        let mut pools = Vec::with_capacity(n);
+        let mut quotas = Vec::with_capacity(n);
         for _ in 0..n {
             let name = r.str()?;
             let (t, kv, c, per) = (r.f64()?, r.u64()?, r.u64()?, r.u64()?);
-            pools.push(TokenPool::new(&name, t, kv as i64, c as i64, per as i64)?);
+            quotas.push(Quota::new(&name, t, kv as i64, c as i64, per as i64)?);
         }
         let n = r.count(90)?;
         let mut specs = Vec::with_capacity(n);
         let mut learned = Vec::with_capacity(n);
         for _ in 0..n {
-            let (name, tenant, pool) = (r.str()?, r.str()?, r.str()?);
+            let (name, tenant, quota) = (r.str()?, r.str()?, r.str()?);
             let class = *ServiceClass::ALL
                 .get(r.u8()? as usize)
                 .ok_or_else(|| crate::error::Error::Snapshot("bad service class".into()))?;
@@ -1037,7 +1038,7 @@ impl AdmissionController {
             specs.push(Entitlement::new(
                 &name,
                 &tenant,
-                &pool,
+                &quota,
                 class.as_str(),
                 slo,
                 tps,
@@ -1066,7 +1067,7 @@ impl AdmissionController {
             }
             learned.push((rate, at, debt, burst, lat, in_flight, window));
         }
-        let mut c = Self::new(pools, specs, default_max_tokens, window_s)?;
+        let mut c = Self::new(quotas, specs, default_max_tokens, window_s)?;
         c.next_seq = next_seq;
         c.clock = clock;
         for (i, (rate, at, debt, burst, lat, in_flight, window)) in learned.into_iter().enumerate()
@@ -1080,14 +1081,14 @@ impl AdmissionController {
             e.tokens_in_flight = checked_sum(in_flight.values().map(|r| r.tokens))?;
             e.kv_in_flight = checked_sum(in_flight.values().map(|r| r.kv))?;
             e.window_tokens = checked_sum(window.iter().map(|c| c.tokens))?;
-            let pool = &mut c.pools[e.pool];
-            pool.in_flight += in_flight.len() as u64;
-            pool.kv_in_flight = checked_sum([pool.kv_in_flight, e.kv_in_flight].into_iter())?;
+            let quota = &mut c.quotas[e.quota];
+            quota.in_flight += in_flight.len() as u64;
+            quota.kv_in_flight = checked_sum([quota.kv_in_flight, e.kv_in_flight].into_iter())?;
             e.in_flight = in_flight;
             e.window = window;
         }
-        for p in 0..c.pools.len() {
-            c.refresh_pool(p);
+        for p in 0..c.quotas.len() {
+            c.refresh_quota(p);
         }
         Ok(c)
     }
@@ -1097,8 +1098,8 @@ impl AdmissionController {
 mod tests {
     use super::*;
 
-    fn pool(concurrency: i64) -> TokenPool {
-        TokenPool::new("p", 240.0, 1 << 30, concurrency, 0).expect("pool")
+    fn quota(concurrency: i64) -> Quota {
+        Quota::new("p", 240.0, 1 << 30, concurrency, 0).expect("quota")
     }
 
     fn ent(name: &str, class: &str, slo: f64, tps: f64, conc: i64, state: &str) -> Entitlement {
@@ -1110,9 +1111,9 @@ mod tests {
         a.ticket.expect("admitted")
     }
 
-    fn paper_pool() -> AdmissionController {
+    fn paper_quota() -> AdmissionController {
         AdmissionController::new(
-            vec![pool(16)],
+            vec![quota(16)],
             vec![
                 ent("copilot", "elastic", 500.0, 75.0, 5, "bound"),
                 ent("synth", "elastic", 30_000.0, 75.0, 5, "bound"),
@@ -1127,7 +1128,7 @@ mod tests {
     #[test]
     fn paper_priorities() {
         // 100 / (1 + 2 * 500 / 15250) and 100 / (1 + 2 * 30000 / 15250).
-        let c = paper_pool();
+        let c = paper_quota();
         let copilot = c.priority("copilot").expect("w");
         let synth = c.priority("synth").expect("w");
         assert!((copilot - 93.846).abs() < 1e-3, "{copilot}");
@@ -1135,7 +1136,7 @@ mod tests {
         assert!((copilot / synth - 4.6).abs() < 0.05);
         let at_debt = priority_weight(ServiceClass::Elastic, 30_000.0, 15_250.0, 0.0, 0.775);
         assert!((at_debt - 83.2).abs() < 0.15, "{at_debt}");
-        // Reports joins: the pool mean becomes (500 + 30000 + 5000) / 3.
+        // Reports joins: the quota mean becomes (500 + 30000 + 5000) / 3.
         let mut c = c;
         c.set_state("reports", "bound").expect("state");
         let mean = 35_500.0 / 3.0;
@@ -1149,7 +1150,7 @@ mod tests {
     #[test]
     fn checks_in_order_with_retry_after_from_state() {
         let mut c = AdmissionController::new(
-            vec![pool(4)],
+            vec![quota(4)],
             vec![
                 ent("g", "guaranteed", 1000.0, 10.0, 2, "bound"),
                 ent("s", "spot", 1000.0, 1000.0, 4, "bound"),
@@ -1194,23 +1195,23 @@ mod tests {
         let a = c.admit("g", 0, Some(1), 4.0).expect("a");
         assert_eq!((a.status, a.reason), (429, "concurrency"));
         assert!((a.retry_after_s.expect("r") - 0.75).abs() < 1e-12);
-        // Spot fills the pool to 4; the next spot request loses to the lowest
-        // priority in flight (spot's own): pool contention. No latency seen
+        // Spot fills the quota to 4; the next spot request loses to the lowest
+        // priority in flight (spot's own): quota contention. No latency seen
         // for spot yet: the guess is 60 tokens / (240 tokens/s / 4 slots) =
-        // 1 s, so the pool completes 2 / 1.5 + 2 / 1 requests a second.
+        // 1 s, so the quota completes 2 / 1.5 + 2 / 1 requests a second.
         assert!(c.admit("s", 30, Some(30), 4.0).expect("a").admitted);
         assert!(c.admit("s", 30, Some(30), 4.0).expect("a").admitted);
         let a = c.admit("s", 30, Some(30), 5.0).expect("a");
-        assert_eq!((a.status, a.reason), (429, "pool-contention"));
+        assert_eq!((a.status, a.reason), (429, "quota-contention"));
         let expect = 1.0 / (2.0 / 1.5 + 2.0 / 1.0);
         assert!((a.retry_after_s.expect("r") - expect).abs() < 1e-12);
-        assert_eq!(c.pool_in_flight("p").expect("n"), 4);
+        assert_eq!(c.quota_in_flight("p").expect("n"), 4);
     }
 
     #[test]
     fn contention_admits_higher_priority_and_evicts_preemptible() {
         let mut c = AdmissionController::new(
-            vec![pool(2)],
+            vec![quota(2)],
             vec![
                 ent("g", "guaranteed", 1000.0, 1000.0, 2, "bound"),
                 ent("pre", "preemptible", 1000.0, 1000.0, 2, "bound"),
@@ -1222,7 +1223,7 @@ mod tests {
         let p1 = ticket(&mut c, "pre", 1, 1, 0.0);
         let p2 = ticket(&mut c, "pre", 1, 1, 1.0);
         assert_eq!(c.evictions(1.0).expect("e"), Vec::<u64>::new());
-        // Pool full; guaranteed (1000 / 3) beats preemptible (0.1 / 3).
+        // Quota full; guaranteed (1000 / 3) beats preemptible (0.1 / 3).
         let g = c.admit("g", 1, Some(1), 2.0).expect("a");
         assert!(g.admitted);
         // One over capacity with a protected class in flight: evict the
@@ -1237,7 +1238,7 @@ mod tests {
     #[test]
     fn debt_and_burst_follow_equations_2_and_3() {
         let mut c = AdmissionController::new(
-            vec![pool(16)],
+            vec![quota(16)],
             vec![ent("e", "elastic", 1000.0, 100.0, 2, "bound")],
             50,
             10.0,
@@ -1266,7 +1267,7 @@ mod tests {
 
     #[test]
     fn bad_input_changes_nothing() {
-        let mut c = paper_pool();
+        let mut c = paper_quota();
         let t = ticket(&mut c, "copilot", 5, 5, 1.0);
         let before = c.clone();
         assert!(c.admit("copilot", -1, Some(5), 2.0).is_err());
@@ -1281,27 +1282,27 @@ mod tests {
         assert!(c.set_capacity("p", None, None, Some(0)).is_err());
         assert!(c.set_capacity("nope", None, None, Some(1)).is_err());
         assert_eq!(c, before);
-        assert!(TokenPool::new("", 1.0, 1, 1, 0).is_err());
-        assert!(TokenPool::new("p", f64::NAN, 1, 1, 0).is_err());
-        assert!(TokenPool::new("p", 1.0, 1, 1, -1).is_err());
+        assert!(Quota::new("", 1.0, 1, 1, 0).is_err());
+        assert!(Quota::new("p", f64::NAN, 1, 1, 0).is_err());
+        assert!(Quota::new("p", 1.0, 1, 1, -1).is_err());
         assert!(Entitlement::new("e", "t", "p", "gold", 1.0, 1.0, 1, 1, "bound").is_err());
         assert!(Entitlement::new("e", "t", "p", "spot", 0.0, 1.0, 1, 1, "bound").is_err());
         let dup = vec![
             ent("a", "spot", 1.0, 1.0, 1, "bound"),
             ent("a", "spot", 1.0, 1.0, 1, "bound"),
         ];
-        assert!(AdmissionController::new(vec![pool(1)], dup, 1, 1.0).is_err());
+        assert!(AdmissionController::new(vec![quota(1)], dup, 1, 1.0).is_err());
         let mut orphan = ent("a", "spot", 1.0, 1.0, 1, "bound");
-        orphan.pool = "q".into();
+        orphan.quota = "q".into();
         assert!(matches!(
-            AdmissionController::new(vec![pool(1)], vec![orphan], 1, 1.0),
+            AdmissionController::new(vec![quota(1)], vec![orphan], 1, 1.0),
             Err(crate::error::Error::UnknownName { .. })
         ));
     }
 
     #[test]
     fn snapshot_round_trip_is_exact() {
-        let mut c = paper_pool();
+        let mut c = paper_quota();
         let t = ticket(&mut c, "copilot", 5, 5, 1.0);
         c.admit("synth", 7, None, 1.5).expect("a");
         c.complete(t, 5, 3, 0.7, 2.0).expect("c");
@@ -1320,12 +1321,12 @@ mod tests {
         let mut extra = bytes.clone();
         extra.push(0);
         assert!(AdmissionController::from_bytes(&extra).is_err());
-        // An entitlement naming a pool the snapshot lacks is a bad snapshot,
-        // not an unknown name (the pool's name is "p", the only lone b'p').
+        // An entitlement naming a quota the snapshot lacks is a bad snapshot,
+        // not an unknown name (the quota's name is "p", the only lone b'p').
         let at = bytes
             .windows(5)
             .rposition(|w| w == [1, 0, 0, 0, b'p'])
-            .expect("the entitlement's pool");
+            .expect("the entitlement's quota");
         let mut orphan = bytes.clone();
         orphan[at + 4] = b'q';
         assert!(matches!(
@@ -1336,12 +1337,12 @@ mod tests {
 
     #[test]
     fn carry_over_keeps_requests_in_flight_under_new_tickets() {
-        let mut old = paper_pool();
+        let mut old = paper_quota();
         let t = ticket(&mut old, "synth", 5, 5, 1.0);
         let gone = ticket(&mut old, "copilot", 5, 5, 1.0);
         // The new configuration drops copilot: synth moves from index 1 to 0.
         let mut new = AdmissionController::new(
-            vec![pool(16)],
+            vec![quota(16)],
             vec![
                 ent("synth", "elastic", 30_000.0, 75.0, 1, "bound"),
                 ent("reports", "elastic", 5_000.0, 75.0, 5, "bound"),
@@ -1354,11 +1355,11 @@ mod tests {
         assert_eq!(moved.len(), 1);
         let (from, to) = moved[0];
         assert_eq!(from, t);
-        assert_eq!(new.pool_in_flight("p").expect("n"), 1);
+        assert_eq!(new.quota_in_flight("p").expect("n"), 1);
         assert_eq!(new.stats("synth").expect("s").window_tokens, 10);
         // synth's concurrency is now 1 and its request is still in flight.
         let a = new.admit("synth", 1, Some(1), 2.0).expect("a");
-        assert!(a.admitted, "the pool has room: elastic may burst");
+        assert!(a.admitted, "the quota has room: elastic may burst");
         assert!(new.complete(to, 5, 5, 1.0, 3.0).is_ok());
         assert!(new.complete(gone, 5, 5, 1.0, 3.0).is_err());
         assert!(
@@ -1371,7 +1372,7 @@ mod tests {
     #[test]
     #[ignore]
     fn admit_complete_timing() {
-        let mut c = paper_pool();
+        let mut c = paper_quota();
         let n = 2_000_000u32;
         let start = std::time::Instant::now();
         for k in 0..n {

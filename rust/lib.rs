@@ -35,7 +35,7 @@ mod py;
 mod _core {
     #[pymodule_export]
     use crate::py::admission::{
-        priority_weight, PyAdmission, PyAdmissionController, PyEntitlement, PyTokenPool,
+        priority_weight, PyAdmission, PyAdmissionController, PyEntitlement, PyQuota,
     };
     #[cfg(feature = "server")]
     #[pymodule_export]

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
+import grpc
+import redis
 import yaml
 
 from routecore.server.app import Server
@@ -117,20 +123,84 @@ class Running:
         self.loop.close()
 
 
-def admission(concurrency: int = 3, **extra) -> dict:
-    """One admission pool and the demo tenant's entitlement, ``concurrency`` slots."""
+class Spawned:
+    """``routecore serve`` in its own process on free ports."""
+
+    def __init__(self, path: Path, config: dict | None = None, *extra: str) -> None:
+        """Serves ``config`` written to ``path`` (None: the file as it is),
+        ``extra`` added to the command line."""
+        if config is not None:
+            path.write_text(yaml.safe_dump(config))
+        self.path = path
+        self.text = ""
+        self.port, self.metrics_port = free_port(), free_port()
+        # Its log in a file: a pipe nobody reads would stall the server when full.
+        fd, name = tempfile.mkstemp(suffix=".log")
+        os.close(fd)
+        self.log = Path(name)
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                serve_command(str(path), self.port, self.metrics_port, *extra), stderr=log
+            )
+        self.target = f"127.0.0.1:{self.port}"
+
+        async def ready():
+            async with grpc.aio.insecure_channel(self.target) as channel:
+                await asyncio.wait_for(channel.channel_ready(), 60)
+
+        try:
+            asyncio.run(ready())
+        except BaseException:
+            self.stop()
+            raise
+
+    def metric(self, name: str) -> float:
+        """A metric from the metrics port, summed over its labels."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
+            text = r.read().decode()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{")
+        )
+
+    def wait_gauge_zero(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (n := self.metric("routecore_in_flight")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert n == 0, f"{n} requests still in flight"
+
+    def stop(self) -> str:
+        """Kills the server if it still runs; its log."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        if self.log.exists():  # read once, then removed
+            self.text = self.log.read_text()
+            self.log.unlink()
+        return self.text
+
+
+def admission(concurrency: int = 3, tokens_per_s: float = 1e6, **extra) -> dict:
+    """One quota and the demo tenant's entitlement, ``concurrency`` slots and
+    ``tokens_per_s`` each."""
     return {
-        "pools": [
-            {"name": "gpu", "tokens_per_s": 1e6, "kv_bytes": 10**12, "concurrency": concurrency}
+        "quotas": [
+            {
+                "name": "gpu",
+                "tokens_per_s": tokens_per_s,
+                "kv_bytes": 10**12,
+                "concurrency": concurrency,
+            }
         ],
         "entitlements": [
             {
                 "name": "demo-std",
                 "tenant": "demo",
-                "pool": "gpu",
+                "quota": "gpu",
                 "service_class": "guaranteed",
                 "slo_target_ms": 1000.0,
-                "tokens_per_s": 1e6,
+                "tokens_per_s": tokens_per_s,
                 "kv_bytes": 10**12,
                 "concurrency": concurrency,
             }
@@ -179,3 +249,29 @@ def wait_settled(r: Running, timeout: float = 5.0) -> dict[str, int]:
         if time.monotonic() > deadline:
             raise AssertionError(f"still in flight: {counts}")
         time.sleep(0.02)
+
+
+def redis_admission(url: str, failure_mode: str, concurrency: int = 3) -> dict:
+    """``admission(concurrency)`` in Redis at ``url``, 0.5 s socket timeout."""
+    return admission(
+        concurrency,
+        backend="redis",
+        redis={"url": url, "failure_mode": failure_mode, "socket_timeout_s": 0.5},
+    )
+
+
+def redis_in_flight(url: str) -> int:
+    """Reservations in flight in Redis, summed over the quotas."""
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    try:
+        return sum(int(client.hget(k, "in_flight") or 0) for k in client.keys("*:quota"))
+    finally:
+        client.close()
+
+
+def wait_redis_settled(url: str, timeout: float = 5.0) -> None:
+    """Polls :func:`redis_in_flight` until it is zero; fails with the count."""
+    deadline = time.monotonic() + timeout
+    while (n := redis_in_flight(url)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert n == 0, f"{n} reservations left in Redis"

@@ -1,4 +1,4 @@
-"""Token-pool admission (Cunningham 2026) in memory: the paper's numbers, the
+"""Quota admission (Cunningham 2026) in memory: the paper's numbers, the
 checks in order with Retry-After from the state, batched = single, snapshots,
 bad input, and both experiments as deterministic scenarios."""
 
@@ -18,14 +18,14 @@ from routecore import (
     AdmissionController,
     Entitlement,
     InMemoryAdmission,
-    TokenPool,
+    Quota,
     admission_from_config,
     admission_scenarios,
     priority_weight,
 )
 from routecore.cli import main
 
-POOL = TokenPool("p", 240.0, 2**30, 16)
+QUOTA = Quota("p", 240.0, 2**30, 16)
 
 
 def paper_controller() -> AdmissionController:
@@ -34,11 +34,11 @@ def paper_controller() -> AdmissionController:
         Entitlement("synth", "data", "p", "elastic", 30_000.0, 75.0, 2**28, 5),
         Entitlement("reports", "bi", "p", "elastic", 5_000.0, 75.0, 2**28, 5, "pending"),
     ]
-    return AdmissionController([POOL], ents)
+    return AdmissionController([QUOTA], ents)
 
 
 def test_paper_priorities():
-    # Pool-average SLO over the bound entitlements: (500 + 30000) / 2 = 15250 ms.
+    # Quota-average SLO over the bound entitlements: (500 + 30000) / 2 = 15250 ms.
     ctl = paper_controller()
     copilot, synth = ctl.priority("copilot"), ctl.priority("synth")
     assert copilot == pytest.approx(100 / (1 + 2 * 500 / 15_250))
@@ -63,7 +63,7 @@ def test_checks_in_order_with_retry_after_from_state():
         Entitlement("g", "t", "p", "guaranteed", 1000.0, 10.0, 2**20, 2),
         Entitlement("x", "t", "p", "elastic", 1000.0, 10.0, 2**20, 2, "degraded"),
     ]
-    ctl = AdmissionController([POOL], ents, default_max_tokens=50, window_s=10.0)
+    ctl = AdmissionController([QUOTA], ents, default_max_tokens=50, window_s=10.0)
     a = ctl.admit("nobody", 1, 1, 0.0)
     assert (a.admitted, a.status, a.reason, a.ticket) == (False, 401, "unknown-entitlement", None)
     assert (ctl.admit("x", 1, 1, 0.0).status, ctl.admit("x", 1, 1, 0.0).reason) == (
@@ -85,22 +85,22 @@ def test_checks_in_order_with_retry_after_from_state():
     assert (a.status, a.reason, a.retry_after_s) == (429, "concurrency", 1.0)
 
 
-def test_pool_contention_and_evictions():
-    pool = TokenPool("p", 100.0, 2**30, 2)
+def test_quota_contention_and_evictions():
+    quota = Quota("p", 100.0, 2**30, 2)
     ents = [
         Entitlement("g", "t", "p", "guaranteed", 100.0, 1e6, 2**20, 4),
         Entitlement("pre", "t", "p", "preemptible", 100.0, 1e6, 2**20, 4),
     ]
-    ctl = AdmissionController([pool], ents)
+    ctl = AdmissionController([quota], ents)
     p1 = ctl.admit("pre", 10, 40, 0.0).ticket
     p2 = ctl.admit("pre", 10, 40, 1.0).ticket
     # Full: preemptible cannot beat its own priority; retry when one of the
     # two 50-token requests at 50 tokens/s/slot is due: 1 / (2 / 1 s).
     a = ctl.admit("pre", 10, 40, 1.0)
-    assert (a.reason, a.retry_after_s) == ("pool-contention", 0.5)
+    assert (a.reason, a.retry_after_s) == ("quota-contention", 0.5)
     assert ctl.evictions(1.0) == []
     assert ctl.admit("g", 10, 40, 2.0).admitted  # 1000/3 beats 0.1/3
-    assert ctl.pool_in_flight("p") == 3
+    assert ctl.quota_in_flight("p") == 3
     assert ctl.evictions(2.0) == [p2]  # one over, youngest preemptible first
     ctl.complete(p2, 10, 5, 1.0, 2.5)
     assert ctl.evictions(2.5) == []
@@ -114,7 +114,7 @@ def test_capacity_changes_at_run_time():
     tickets = [ctl.admit("synth", 10, 10, 0.0).ticket for _ in range(6)]
     assert all(t is not None for t in tickets)
     ctl.set_capacity("p", tokens_per_s=120.0, concurrency=6)
-    assert ctl.pools[0].concurrency == 6 and ctl.pools[0].tokens_per_s == 120.0
+    assert ctl.quotas[0].concurrency == 6 and ctl.quotas[0].tokens_per_s == 120.0
     # Synth (6 in flight, above its 5) may no longer burst; copilot outranks it.
     assert ctl.admit("synth", 1, 1, 1.0).reason == "concurrency"
     assert ctl.admit("copilot", 1, 1, 1.0).admitted
@@ -180,15 +180,15 @@ def test_bad_input_changes_nothing():
             call()
     assert ctl.to_bytes() == before
     with pytest.raises(ValueError):
-        TokenPool("p", 1.0, 0, 1)
+        Quota("p", 1.0, 0, 1)
     with pytest.raises(ValueError):
         Entitlement("e", "t", "p", "gold", 1.0, 1.0, 1, 1)
     with pytest.raises(ValueError):
         Entitlement("e", "t", "p", "spot", 1.0, 1.0, 1, 1, state="bogus")
     with pytest.raises(KeyError):
-        AdmissionController([POOL], [Entitlement("e", "t", "q", "spot", 1.0, 1.0, 1, 1)])
+        AdmissionController([QUOTA], [Entitlement("e", "t", "q", "spot", 1.0, 1.0, 1, 1)])
     with pytest.raises(ValueError):
-        AdmissionController([POOL, POOL], [])
+        AdmissionController([QUOTA, QUOTA], [])
     with pytest.raises(ValueError):
         priority_weight("elastic", 0.0, 1.0)
 
@@ -204,8 +204,8 @@ def test_snapshot_and_pickle_restore_exactly():
         assert back.stats("copilot") == ctl.stats("copilot")
     a, b = back.admit("synth", 1, 1, 3.0), ctl.admit("synth", 1, 1, 3.0)
     assert (a.status, a.ticket) == (b.status, b.ticket)
-    pool, ent = ctl.pools[0], ctl.entitlements[2]
-    assert repr(pickle.loads(pickle.dumps(pool))) == repr(pool)
+    quota, ent = ctl.quotas[0], ctl.entitlements[2]
+    assert repr(pickle.loads(pickle.dumps(quota))) == repr(quota)
     back_ent = pickle.loads(pickle.dumps(ent))
     assert (back_ent.name, back_ent.state, back_ent.slo_target_ms) == ("reports", "pending", 5e3)
     adm = pickle.loads(pickle.dumps(a))
@@ -219,12 +219,12 @@ def test_snapshot_and_pickle_restore_exactly():
 def test_in_memory_backend_and_config():
     backend = admission_from_config(
         {
-            "pools": [{"name": "p", "tokens_per_s": 240.0, "kv_bytes": 2**30, "concurrency": 2}],
+            "quotas": [{"name": "p", "tokens_per_s": 240.0, "kv_bytes": 2**30, "concurrency": 2}],
             "entitlements": [
                 {
                     "name": "e",
                     "tenant": "t",
-                    "pool": "p",
+                    "quota": "p",
                     "service_class": "guaranteed",
                     "slo_target_ms": 500.0,
                     "tokens_per_s": 100.0,
@@ -237,14 +237,14 @@ def test_in_memory_backend_and_config():
     assert isinstance(backend, InMemoryAdmission)
     a = backend.admit("e", 10, 10)
     assert isinstance(a, Admission) and a.admitted
-    assert backend.pool_in_flight("p") == 1
+    assert backend.quota_in_flight("p") == 1
     assert backend.admit("e", 10, 10).reason == "concurrency"
     assert backend.complete(a.ticket, 10, 10, 0.1) is True
     assert backend.complete(a.ticket, 10, 10, 0.1) is False  # never twice
     assert backend.complete(None, 0, 0, 0.0) is False
-    assert backend.pool_in_flight("p") == 0
+    assert backend.quota_in_flight("p") == 0
     with pytest.raises(ValueError):
-        admission_from_config({"backend": "etcd", "pools": [], "entitlements": []})
+        admission_from_config({"backend": "etcd", "quotas": [], "entitlements": []})
 
 
 def _denials(timeline, name, reason, start=0, end=10**9):
@@ -260,15 +260,15 @@ def test_experiment_1_cross_class_protection():
     # Guaranteed requests are never rejected (their clients stay within limits).
     assert denied["guaranteed-a"] == 0 and denied["guaranteed-c"] == 0
     # Spot absorbs the rejections while guaranteed-c is bound, squeezed to the
-    # 16 - 12 slots left; the pool stays full and nothing waits after the join.
-    assert _denials(tl, "spot-b", "pool-contention", 30, 60) > 100
+    # 16 - 12 slots left; the quota stays full and nothing waits after the join.
+    assert _denials(tl, "spot-b", "quota-contention", 30, 60) > 100
     assert all(s.in_flight["spot-b"] <= 4 for s in tl if 40 <= s.t <= 60)
     busy = [s.running for s in tl if s.t >= 2]
     assert min(busy) >= 15 and sum(busy) / len(busy) > 15.9
     assert all(s.queued == 0 for s in tl if 40 <= s.t)
     # Spot recovers its 10 slots once guaranteed-c leaves.
     assert all(s.in_flight["spot-b"] == 10 for s in tl if s.t >= 75)
-    assert _denials(tl, "spot-b", "pool-contention", 75) == 0
+    assert _denials(tl, "spot-b", "quota-contention", 75) == 0
 
 
 def test_experiment_2_slo_aware_fair_share():
@@ -276,8 +276,8 @@ def test_experiment_2_slo_aware_fair_share():
     at = {s.t: s for s in tl}
     copilot, synth = "elastic-copilot", "elastic-synth"
     # Copilot never loses on priority; synth absorbs the low-priority denials.
-    assert _denials(tl, copilot, "pool-contention") == 0
-    assert _denials(tl, synth, "pool-contention", 30, 120) > 100
+    assert _denials(tl, copilot, "quota-contention") == 0
+    assert _denials(tl, synth, "quota-contention", 30, 120) > 100
     outage = [s for s in tl if 40 <= s.t < 120]
     assert all(s.slots == 8 and s.in_flight[copilot] >= 4 for s in outage)
     assert max(s.in_flight[synth] for s in outage) <= 3

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from routecore import Entitlement, InMemoryAdmission, RedisAdmission, TokenPool
+from routecore import Entitlement, InMemoryAdmission, Quota, RedisAdmission
 from routecore.admission import FAILURE_KINDS
 
-POOLS = [TokenPool("p", 1e6, 2**40, 8)]
+QUOTAS = [Quota("p", 1e6, 2**40, 8)]
 ENTS = [
     Entitlement("one", "t1", "p", "guaranteed", 100.0, 1e6, 2**30, 1),
     Entitlement("s", "t2", "p", "spot", 100.0, 1e6, 2**30, 8),
@@ -30,7 +30,7 @@ STALL_TIMEOUT_S = 0.5  # the socket timeout of backends that meet a stalled Redi
 
 def _backend(url: str, mode: str, socket_timeout_s: float = 2.0) -> RedisAdmission:
     return RedisAdmission(
-        POOLS,
+        QUOTAS,
         ENTS,
         url=url,
         failure_mode=mode,
@@ -105,10 +105,10 @@ def test_error_replies_go_through_failure_mode_and_never_raise(redis_server, mod
     # admit reserved nothing; then its own request is accounted.
     b = red.admit("s", 10, 10, now=3.0)
     assert b.admitted and b.ticket is not None and red.pending() == 0
-    assert red.pool_in_flight("p") == 1
+    assert red.quota_in_flight("p") == 1
     assert red.complete(held.ticket, 10, 10, 1.0, now=3.0) is False  # never twice
     assert red.complete(b.ticket, 10, 10, 1.0, now=3.0) is True
-    assert red.pool_in_flight("p") == 0
+    assert red.quota_in_flight("p") == 0
     red.close()
 
 
@@ -153,7 +153,7 @@ def test_busy_redis_goes_through_failure_mode(redis_server):
             _kill_script(probe)
         blocker.join(timeout=10)
     assert red.admit("s", 10, 10, now=3.0).admitted and red.pending() == 0
-    assert red.pool_in_flight("p") == 1  # the held ticket was released by its replay
+    assert red.quota_in_flight("p") == 1  # the held ticket was released by its replay
 
 
 def _busy(probe: redis.Redis) -> bool:
@@ -195,9 +195,9 @@ def test_killed_redis_goes_through_failure_mode_for_every_call(redis_server, mod
     redis_server.start()  # back, empty
     assert red.reconcile(now=3.0) is True and red.pending() == 0
     a = red.admit("s", 10, 10, now=3.0)
-    assert a.admitted and a.ticket is not None and red.pool_in_flight("p") == 1
+    assert a.admitted and a.ticket is not None and red.quota_in_flight("p") == 1
     assert red.complete(a.ticket, 10, 10, 1.0, now=3.0) is True
-    assert red.pool_in_flight("p") == 0
+    assert red.quota_in_flight("p") == 0
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])
@@ -217,14 +217,14 @@ def test_stalled_redis_leaves_no_phantom_reservation(redis_server, mode):
     _assert_failed_as(a, mode)
     assert red.failures["timeout"] == 1
     # Thawed, Redis runs the script the client gave up on: the phantom reservation.
-    assert _wait_for(lambda: int(probe.hget("routecore:{p}:pool", "in_flight") or 0) == 1)
+    assert _wait_for(lambda: int(probe.hget("routecore:{p}:quota", "in_flight") or 0) == 1)
 
     # The next call voids it first: the concurrency-1 tenant gets in at once.
     b = red.admit("one", 10, 10, now=3.0)
     assert b.admitted, b
-    assert red.pool_in_flight("p") == 1
+    assert red.quota_in_flight("p") == 1
     assert red.complete(b.ticket, 10, 10, 0.1, now=3.0) is True
-    assert red.pool_in_flight("p") == 0 and red.pending() == 0
+    assert red.quota_in_flight("p") == 0 and red.pending() == 0
 
 
 def test_stalled_redis_holds_one_caller_at_a_time(redis_server):
@@ -241,15 +241,15 @@ def test_stalled_redis_holds_one_caller_at_a_time(redis_server):
             assert red.admit("s", 1, 1, now=3.0).reason == "fail-open"
             return time.monotonic() - started
 
-        with ThreadPoolExecutor(16) as pool:
-            waits = list(pool.map(timed, range(16)))
+        with ThreadPoolExecutor(16) as quota:
+            waits = list(quota.map(timed, range(16)))
     finally:
         redis_server.cont()
     slow = [w for w in waits if w >= STALL_TIMEOUT_S / 2]
     assert 1 <= len(slow) <= 4, waits  # the probe (a late thread may probe again)
     # Thawed: the next call asks Redis and is accounted.
     a = red.admit("s", 1, 1, now=4.0)
-    assert a.ticket is not None and red.pool_in_flight("p") == 2
+    assert a.ticket is not None and red.quota_in_flight("p") == 2
 
 
 def test_stalled_redis_completion_counts_once(redis_server):
@@ -262,9 +262,9 @@ def test_stalled_redis_completion_counts_once(redis_server):
         redis_server.cont()
     assert red.pending() == 1
     b = red.admit("one", 10, 10, now=3.0)  # the replay (or the late script) freed the slot
-    assert b.admitted and red.pool_in_flight("p") == 1 and red.pending() == 0
+    assert b.admitted and red.quota_in_flight("p") == 1 and red.pending() == 0
     assert red.complete(b.ticket, 10, 10, 0.1, now=3.0) is True
-    assert red.pool_in_flight("p") == 0
+    assert red.quota_in_flight("p") == 0
 
 
 def test_void_before_the_late_script_refuses_it(redis_server):
@@ -275,12 +275,12 @@ def test_void_before_the_late_script_refuses_it(redis_server):
     red._voids["p"].append("lost-1")
     assert red.reconcile(now=2.0) is True
     late = red._admit_script(keys=["routecore:{p}"], args=["s", 10, "1.5", "lost-1"])
-    assert late == [b"void"] and red.pool_in_flight("p") == 1
+    assert late == [b"void"] and red.quota_in_flight("p") == 1
     # A client retry of a request that did reserve gets the same reservation.
     args = ["s", 10, "2.5", "sent-twice"]
     once = red._admit_script(keys=["routecore:{p}"], args=args)
     assert red._admit_script(keys=["routecore:{p}"], args=args) == once
-    assert red.pool_in_flight("p") == 2
+    assert red.quota_in_flight("p") == 2
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])
@@ -302,8 +302,8 @@ def test_threads_across_a_stall_leave_nothing_reserved(redis_server, mode):
             red.complete(a.ticket, 10, 10, 0.01)
         return calls
 
-    with ThreadPoolExecutor(4) as pool:
-        clients = [pool.submit(client, k) for k in range(4)]
+    with ThreadPoolExecutor(4) as quota:
+        clients = [quota.submit(client, k) for k in range(4)]
         time.sleep(0.2)
         redis_server.stop()
         time.sleep(3 * STALL_TIMEOUT_S)
@@ -314,7 +314,7 @@ def test_threads_across_a_stall_leave_nothing_reserved(redis_server, mode):
     assert red.failures["timeout"] > 0  # the stall was felt
     assert _wait_for(lambda: red.reconcile())
     key = "routecore:{p}"
-    assert int(probe.hget(f"{key}:pool", "in_flight")) == 1  # only the one held
+    assert int(probe.hget(f"{key}:quota", "in_flight")) == 1  # only the one held
     assert probe.hlen(f"{key}:tickets") == 1 and probe.hlen(f"{key}:rid") == 2
 
 
@@ -326,12 +326,12 @@ def test_construction_needs_no_redis(redis_server, mode):
     assert red.evictions(now=1.0) == [] and red.failures["connection"] == 2
     redis_server.start()
     a = red.admit("s", 10, 10, now=2.0)
-    assert a.admitted and a.ticket is not None and red.pool_in_flight("p") == 1
+    assert a.admitted and a.ticket is not None and red.quota_in_flight("p") == 1
     assert red.complete(a.ticket, 10, 10, 1.0, now=2.0) is True
-    assert red.pool_in_flight("p") == 0
+    assert red.quota_in_flight("p") == 0
 
 
-HAMMER_POOLS = [TokenPool("shared", 1e6, 2**40, 4)]
+HAMMER_QUOTAS = [Quota("shared", 1e6, 2**40, 4)]
 HAMMER_ENTS = [
     Entitlement("g", "t", "shared", "guaranteed", 100.0, 1e6, 2**30, 2),
     Entitlement("s", "t", "shared", "spot", 100.0, 1e6, 2**30, 50),
@@ -341,10 +341,10 @@ HAMMER_ENTS = [
 @pytest.mark.parametrize("backend", ["memory", "redis"])
 def test_threads_hammering_one_backend_never_over_admit(redis_server, backend):
     if backend == "memory":
-        adm = InMemoryAdmission(HAMMER_POOLS, HAMMER_ENTS)
+        adm = InMemoryAdmission(HAMMER_QUOTAS, HAMMER_ENTS)
     else:
         adm = RedisAdmission(  # a generous timeout: the cores are shared with builds
-            HAMMER_POOLS, HAMMER_ENTS, url=redis_server.url, prefix="threads", socket_timeout_s=5.0
+            HAMMER_QUOTAS, HAMMER_ENTS, url=redis_server.url, prefix="threads", socket_timeout_s=5.0
         )
     lock = threading.Lock()
     seen = {"g": 0, "s": 0}
@@ -373,10 +373,10 @@ def test_threads_hammering_one_backend_never_over_admit(redis_server, backend):
             completed += adm.complete(a.ticket, 10, 10, 0.002)
         return admitted, completed
 
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(replica, range(8)))
+    with ThreadPoolExecutor(8) as quota:
+        results = list(quota.map(replica, range(8)))
     assert results == [(target, target)] * 8  # all admitted, every ticket released once
     assert worst["g"] <= 2  # guaranteed never above its concurrency
-    assert worst["s"] <= 4  # spot (may burst) never above the pool
-    assert adm.pool_in_flight("shared") == 0
+    assert worst["s"] <= 4  # spot (may burst) never above the quota
+    assert adm.quota_in_flight("shared") == 0
     adm.close()

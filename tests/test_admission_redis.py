@@ -1,6 +1,6 @@
 """The Redis admission backend against a real redis-server on 127.0.0.1
 (tests/conftest.py starts and stops it): the same decisions as the Rust
-controller, lease expiry, processes hammering one pool, and a Redis crash."""
+controller, lease expiry, processes hammering one quota, and a Redis crash."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import redis
 from routecore import (
     Entitlement,
     InMemoryAdmission,
+    Quota,
     RedisAdmission,
-    TokenPool,
     admission_from_config,
 )
 from routecore.config import ConfigError, parse_config
 
-POOLS = [TokenPool("p", 240.0, 2_000_000, 6, kv_bytes_per_token=1000)]
+QUOTAS = [Quota("p", 240.0, 2_000_000, 6, kv_bytes_per_token=1000)]
 ENTS = [
     Entitlement("g", "t1", "p", "guaranteed", 1000.0, 10.0, 200_000, 2),
     Entitlement("fast", "t2", "p", "elastic", 500.0, 30.0, 300_000, 3),
@@ -46,9 +46,9 @@ def _same(a, b):
 @pytest.mark.parametrize("seed", range(6))
 def test_redis_decides_as_the_rust_controller(redis_server, seed):
     rng = random.Random(seed)
-    mem = InMemoryAdmission(POOLS, ENTS, default_max_tokens=40, window_s=10.0)
+    mem = InMemoryAdmission(QUOTAS, ENTS, default_max_tokens=40, window_s=10.0)
     red = RedisAdmission(
-        POOLS, ENTS, url=redis_server.url, prefix=f"eq{seed}", default_max_tokens=40, window_s=10.0
+        QUOTAS, ENTS, url=redis_server.url, prefix=f"eq{seed}", default_max_tokens=40, window_s=10.0
     )
     names = [e.name for e in ENTS] + ["nobody"]
     live: list[tuple[int, int, int]] = []  # memory ticket, redis ticket, tokens
@@ -76,7 +76,7 @@ def test_redis_decides_as_the_rust_controller(redis_server, seed):
             slots = rng.randint(2, 8)
             mem.set_capacity("p", concurrency=slots)
             red.set_capacity("p", concurrency=slots)
-        assert mem.pool_in_flight("p") == red.pool_in_flight("p")
+        assert mem.quota_in_flight("p") == red.quota_in_flight("p")
         to_mem = {tb: ta for ta, tb, _ in live}
         assert [to_mem[t] for t in red.evictions(now=now)] == mem.evictions(now=now)
         for e in ENTS:
@@ -85,12 +85,12 @@ def test_redis_decides_as_the_rust_controller(redis_server, seed):
 
 
 def test_evictions_as_in_memory(redis_server):
-    pools = [TokenPool("p", 100.0, 2**30, 2)]
+    quotas = [Quota("p", 100.0, 2**30, 2)]
     ents = [
         Entitlement("g", "t", "p", "guaranteed", 100.0, 1e6, 2**20, 4),
         Entitlement("pre", "t", "p", "preemptible", 100.0, 1e6, 2**20, 4),
     ]
-    red = RedisAdmission(pools, ents, url=redis_server.url, prefix="evict")
+    red = RedisAdmission(quotas, ents, url=redis_server.url, prefix="evict")
     p1 = red.admit("pre", 10, 40, now=0.0).ticket
     p2 = red.admit("pre", 10, 40, now=1.0).ticket
     assert red.evictions(now=1.0) == []
@@ -103,16 +103,16 @@ def test_evictions_as_in_memory(redis_server):
 
 
 def test_leaked_reservations_expire(redis_server):
-    red = RedisAdmission(POOLS, ENTS, url=redis_server.url, lease_s=5.0)
+    red = RedisAdmission(QUOTAS, ENTS, url=redis_server.url, lease_s=5.0)
     leaked = red.admit("s", 10, 10, now=100.0)
-    assert leaked.admitted and red.pool_in_flight("p") == 1
-    # The replica that held it died; 5 s later the next call on the pool frees it.
-    assert red.admit("s", 10, 10, now=104.0).admitted and red.pool_in_flight("p") == 2
+    assert leaked.admitted and red.quota_in_flight("p") == 1
+    # The replica that held it died; 5 s later the next call on the quota frees it.
+    assert red.admit("s", 10, 10, now=104.0).admitted and red.quota_in_flight("p") == 2
     fresh = red.admit("s", 10, 10, now=105.5)
-    assert fresh.admitted and red.pool_in_flight("p") == 2
+    assert fresh.admitted and red.quota_in_flight("p") == 2
     assert red.complete(leaked.ticket, 10, 10, 1.0, now=106.0) is False  # never twice
     assert red.complete(fresh.ticket, 10, 10, 1.0, now=106.0) is True
-    assert red.pool_in_flight("p") == 1
+    assert red.quota_in_flight("p") == 1
     red.close()
 
 
@@ -121,7 +121,7 @@ def _hammer(url: str, seed: int, target: int) -> tuple[int, int, int]:
     requests were admitted (at most 50 attempts each, so it always stops);
     counts what it saw. How many attempts that takes depends on how the
     processes share the cores, so the test counts admissions, not attempts."""
-    red = RedisAdmission(HAMMER_POOLS, HAMMER_ENTS, url=url, prefix="hammer")
+    red = RedisAdmission(HAMMER_QUOTAS, HAMMER_ENTS, url=url, prefix="hammer")
     probe = redis.Redis.from_url(url)
     rng = random.Random(seed)
     admitted, worst_g, worst_s = 0, 0, 0
@@ -144,7 +144,7 @@ def _hammer(url: str, seed: int, target: int) -> tuple[int, int, int]:
     return admitted, worst_g, worst_s
 
 
-HAMMER_POOLS = [TokenPool("shared", 1e6, 2**40, 4)]
+HAMMER_QUOTAS = [Quota("shared", 1e6, 2**40, 4)]
 HAMMER_ENTS = [
     Entitlement("g", "t", "shared", "guaranteed", 100.0, 1e6, 2**30, 2),
     Entitlement("s", "t", "shared", "spot", 100.0, 1e6, 2**30, 50),
@@ -152,26 +152,26 @@ HAMMER_ENTS = [
 
 
 @pytest.mark.slow
-def test_processes_hammering_one_pool_never_over_admit(redis_server):
-    RedisAdmission(HAMMER_POOLS, HAMMER_ENTS, url=redis_server.url, prefix="hammer")
+def test_processes_hammering_one_quota_never_over_admit(redis_server):
+    RedisAdmission(HAMMER_QUOTAS, HAMMER_ENTS, url=redis_server.url, prefix="hammer")
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(6) as workers:
         results = workers.starmap(_hammer, [(redis_server.url, k, 60) for k in range(6)])
     assert [r[0] for r in results] == [60] * 6  # every replica got all its requests in
-    # Guaranteed never above its concurrency; spot (may burst) never above the pool.
+    # Guaranteed never above its concurrency; spot (may burst) never above the quota.
     assert max(r[1] for r in results) <= 2
     assert max(r[2] for r in results) <= 4
     assert max(r[2] for r in results) >= 2  # there was real contention
-    red = RedisAdmission(HAMMER_POOLS, HAMMER_ENTS, url=redis_server.url, prefix="hammer")
-    assert red.pool_in_flight("shared") == 0
+    red = RedisAdmission(HAMMER_QUOTAS, HAMMER_ENTS, url=redis_server.url, prefix="hammer")
+    assert red.quota_in_flight("shared") == 0
 
 
 def test_redis_crash_fail_open_or_closed_and_no_double_count(redis_server):
     kw = {"url": redis_server.url, "socket_timeout_s": 0.2, "unavailable_retry_s": 2.0}
-    closed = RedisAdmission(POOLS, ENTS, failure_mode="closed", **kw)
-    opened = RedisAdmission(POOLS, ENTS, failure_mode="open", **kw)
+    closed = RedisAdmission(QUOTAS, ENTS, failure_mode="closed", **kw)
+    opened = RedisAdmission(QUOTAS, ENTS, failure_mode="open", **kw)
     before = [closed.admit("s", 10, 10, now=1.0), opened.admit("s", 10, 10, now=1.0)]
-    assert all(a.admitted for a in before) and closed.pool_in_flight("p") == 2
+    assert all(a.admitted for a in before) and closed.quota_in_flight("p") == 2
 
     redis_server.kill()
     a = closed.admit("s", 10, 10, now=2.0)
@@ -189,17 +189,17 @@ def test_redis_crash_fail_open_or_closed_and_no_double_count(redis_server):
     redis_server.start()  # back, empty: the configuration is written again on use
     after = closed.admit("s", 10, 10, now=3.0)
     assert after.admitted and after.ticket not in {t.ticket for t in before}
-    assert opened.pool_in_flight("p") == 1
+    assert opened.quota_in_flight("p") == 1
     # Tickets from before the crash match nothing: no double release.
     for old in before:
         assert opened.complete(old.ticket, 10, 10, 1.0, now=3.0) is False
-    assert closed.pool_in_flight("p") == 1
+    assert closed.quota_in_flight("p") == 1
     assert opened.complete(after.ticket, 10, 10, 1.0, now=3.0) is True
-    assert closed.pool_in_flight("p") == 0
+    assert closed.quota_in_flight("p") == 0
 
 
 def test_redis_bad_input(redis_server):
-    red = RedisAdmission(POOLS, ENTS, url=redis_server.url)
+    red = RedisAdmission(QUOTAS, ENTS, url=redis_server.url)
     for call in [
         lambda: red.admit("s", -1, 1),
         lambda: red.admit("s", 1, 0),
@@ -207,8 +207,8 @@ def test_redis_bad_input(redis_server):
         lambda: red.complete(1, 1, 1, -1.0),
         lambda: red.set_state("s", "gone"),
         lambda: red.set_capacity("p", concurrency=0),
-        lambda: RedisAdmission(POOLS, ENTS, url=redis_server.url, failure_mode="maybe"),
-        lambda: RedisAdmission(POOLS, ENTS, url=redis_server.url, lease_s=0.0),
+        lambda: RedisAdmission(QUOTAS, ENTS, url=redis_server.url, failure_mode="maybe"),
+        lambda: RedisAdmission(QUOTAS, ENTS, url=redis_server.url, lease_s=0.0),
     ]:
         with pytest.raises(ValueError):
             call()
@@ -216,17 +216,17 @@ def test_redis_bad_input(redis_server):
         with pytest.raises(KeyError):
             call()
     assert red.admit("nobody", 1, 1).status == 401
-    assert red.pool_in_flight("p") == 0
+    assert red.quota_in_flight("p") == 0
 
 
 ADMISSION = {
     "backend": "redis",
-    "pools": [{"name": "p", "tokens_per_s": 100.0, "kv_bytes": 2**20, "concurrency": 2}],
+    "quotas": [{"name": "p", "tokens_per_s": 100.0, "kv_bytes": 2**20, "concurrency": 2}],
     "entitlements": [
         {
             "name": "e",
             "tenant": "t",
-            "pool": "p",
+            "quota": "p",
             "service_class": "spot",
             "slo_target_ms": 1000.0,
             "tokens_per_s": 10.0,
@@ -284,3 +284,12 @@ def test_redis_config_accepts_good_values_without_contacting_redis():
     backend = admission_from_config(config.admission.spec)
     assert isinstance(backend, RedisAdmission)
     assert backend.admit("e", 1, 1).reason == "fail-open"
+
+
+def test_the_old_pool_keys_are_a_value_error_naming_the_new_ones():
+    quotas = ADMISSION["quotas"]
+    with pytest.raises(ValueError, match=r"^pools: renamed to 'quotas'"):
+        admission_from_config({"backend": "memory", "pools": quotas})
+    old = [{**ADMISSION["entitlements"][0], "pool": "p"}]
+    with pytest.raises(ValueError, match=r"^entitlements\[0\]\.pool: renamed to 'quota'"):
+        admission_from_config({"backend": "memory", "quotas": quotas, "entitlements": old})

@@ -5,9 +5,6 @@ reported, never asserted."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +13,7 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("envoy")
 
-from server_fixtures import free_port, serve_command  # noqa: E402
+from server_fixtures import Spawned, free_port  # noqa: E402
 
 from routecore import cli  # noqa: E402
 from routecore._core import load  # noqa: E402
@@ -26,22 +23,9 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, int]]:
-    port = free_port()
-    cmd = serve_command(str(EXAMPLE), port, free_port(), "--log-level", "warning")
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("routecore serve did not start")
-            time.sleep(0.05)
-    yield f"127.0.0.1:{port}", proc.pid
-    proc.terminate()
-    proc.wait(timeout=30)
+    s = Spawned(EXAMPLE, None, "--log-level", "warning")
+    yield s.target, s.proc.pid
+    s.stop()
 
 
 def test_closed_loop_routes_every_conversation_and_reads_server_counters(server):
@@ -49,6 +33,7 @@ def test_closed_loop_routes_every_conversation_and_reads_server_counters(server)
     report = load(target, requests=300, concurrency=8, body_bytes=4096, server_pid=pid)
     print(report)
     assert (report["requests"], report["refused"], report["errors"]) == (300, 0, 0)
+    assert report["statuses"] == {"OK": 300} and report["refusals"] == {}
     assert 0 < report["p50_ms"] <= report["p99_ms"]
     assert report["server_cpu_ms"] > 0 and report["server_context_switches"] > 0
     assert report["client_cpu_ms"] >= 0
@@ -77,6 +62,7 @@ def test_a_wrong_key_is_refused_not_an_error(server):
     target, _ = server
     report = load(target, requests=20, concurrency=2, api_key="wrong")
     assert (report["refused"], report["errors"]) == (20, 0)
+    assert report["statuses"] == {"OK": 20} and report["refusals"] == {"401": 20}
 
 
 def test_duration_bounds_the_run(server):
@@ -106,6 +92,8 @@ def test_cli_prints_one_json_report(server, capsys):
         ["--server-pid", "0"],
         ["--threads", "0"],
         ["--duration", "inf"],
+        ["--timeout", "0"],
+        ["--response-delay", "-1"],
         ["--target", "nohost"],
         ["--target", "h:70000"],
     ],
@@ -131,3 +119,7 @@ def test_load_checks_its_arguments():
         load("127.0.0.1:1", rate=float("nan"))
     with pytest.raises(ValueError):
         load("127.0.0.1:1", threads=0)
+    with pytest.raises(ValueError):
+        load("127.0.0.1:1", timeout_s=0.0)
+    with pytest.raises(ValueError):
+        load("127.0.0.1:1", response_delay_s=float("nan"))

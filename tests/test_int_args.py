@@ -17,7 +17,7 @@ import routecore._core as core
 
 WORKLOAD = core.Workload([100, 3000, 500, 9000] * 5, [50, 200, 100, 400] * 5)
 PROFILE = core.Profile.llama3_70b_a100()
-POOL = core.TokenPool("p", 100.0, 1 << 30, 4)
+POOL = core.Quota("p", 100.0, 1 << 30, 4)
 ENT = core.Entitlement("e", "t", "p", "elastic", 500.0, 10.0, 1 << 20, 2)
 INSTANCE = core.Instance("i", "m", 0.02, 1.0, 2.0, 8)
 
@@ -173,9 +173,9 @@ CASES = {
     "simulate.seed": lambda v: core.simulate(
         [0.0], [100], [10], [core.SimPool("p", 1, 4096, 8)], seed=v
     ),
-    "TokenPool.__new__.kv_bytes": lambda v: core.TokenPool("p", 1.0, v, 1),
-    "TokenPool.__new__.concurrency": lambda v: core.TokenPool("p", 1.0, 1, v),
-    "TokenPool.__new__.kv_bytes_per_token": lambda v: core.TokenPool("p", 1.0, 1, 1, v),
+    "Quota.__new__.kv_bytes": lambda v: core.Quota("p", 1.0, v, 1),
+    "Quota.__new__.concurrency": lambda v: core.Quota("p", 1.0, 1, v),
+    "Quota.__new__.kv_bytes_per_token": lambda v: core.Quota("p", 1.0, 1, 1, v),
     "Entitlement.__new__.kv_bytes": lambda v: core.Entitlement(
         "e", "t", "p", "elastic", 500.0, 10.0, v, 2
     ),

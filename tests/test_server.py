@@ -21,9 +21,11 @@ from server_fixtures import (
     LONG,
     SHORT,
     Running,
+    admission,
     base_config,
     free_port,
     serve_command,
+    tenants,
     wait_settled,
 )
 
@@ -628,27 +630,8 @@ def test_compress_rewrites_body_and_content_length(serve):
     settled(s)
 
 
-ADMISSION = {
-    "pools": [{"name": "gpu", "tokens_per_s": 1000.0, "kv_bytes": 10**9, "concurrency": 1}],
-    "entitlements": [
-        {
-            "name": "demo-std",
-            "tenant": "demo",
-            "pool": "gpu",
-            "service_class": "guaranteed",
-            "slo_target_ms": 1000.0,
-            "tokens_per_s": 1000.0,
-            "kv_bytes": 10**9,
-            "concurrency": 1,
-        }
-    ],
-}
-
-
 def test_admission_rejects_with_429_and_retry_after_then_admits_after_completion(serve):
-    config = base_config()
-    config["tenants"][0]["entitlement"] = "demo-std"
-    s = serve(admission=ADMISSION, tenants=config["tenants"])
+    s = serve(admission=admission(1, tokens_per_s=1000.0), tenants=tenants())
 
     async def go():
         async with grpc.aio.insecure_channel(s.target) as channel:
@@ -669,7 +652,7 @@ def test_admission_rejects_with_429_and_retry_after_then_admits_after_completion
 
     asyncio.run(go())
     assert s.metric("rejections", "guaranteed", "concurrency") == 1
-    assert s.run(s.engine.admission.pool_in_flight, "gpu") == 0
+    assert s.run(s.engine.admission.quota_in_flight, "gpu") == 0
     settled(s)
 
 
@@ -705,11 +688,9 @@ def test_grpc_message_size_limit(serve):
 
 
 def test_admission_in_redis_is_shared_by_two_servers(serve, redis_server):
-    config = base_config()
-    config["tenants"][0]["entitlement"] = "demo-std"
-    admission = {**ADMISSION, "backend": "redis", "redis": {"url": redis_server.url}}
-    a = serve(admission=admission, tenants=config["tenants"])
-    b = serve(admission=admission, tenants=config["tenants"])
+    shared = admission(1, tokens_per_s=1000.0, backend="redis", redis={"url": redis_server.url})
+    a = serve(admission=shared, tenants=tenants())
+    b = serve(admission=shared, tenants=tenants())
 
     async def go():
         async with (

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENTITLEMENT = {
     "name": "e",
     "tenant": "demo",
-    "pool": "gpu",
+    "quota": "gpu",
     "service_class": "spot",
     "slo_target_ms": 1000.0,
     "tokens_per_s": 10.0,
@@ -84,8 +84,13 @@ def bad(path: str, value):
             bad("admission.entitlements", [{**ENTITLEMENT, "service_class": "gold"}]),
             "admission.entitlements[0]: service_class must be one of",
         ),
-        (bad("admission.entitlements", [ENTITLEMENT]), "admission: "),  # no pool "gpu"
-        (bad("admission.pools", [{"name": "gpu"}]), "admission.pools[0]"),
+        (bad("admission.entitlements", [ENTITLEMENT]), "admission: "),  # no quota "gpu"
+        (bad("admission.quotas", [{"name": "gpu"}]), "admission.quotas[0]"),
+        (bad("admission.pools", []), "admission.pools: renamed to 'quotas'"),
+        (
+            bad("admission.entitlements", [{**ENTITLEMENT, "pool": "gpu"}]),
+            "admission.entitlements[0].pool: renamed to 'quota'",
+        ),
         (bad("admission.redis", {"host": "x"}), "admission.redis.host: unknown key"),
     ],
 )

@@ -29,8 +29,11 @@ from server_fixtures import (
     base_config,
     free_port,
     in_flight,
+    redis_admission,
+    redis_in_flight,
     serve_command,
     tenants,
+    wait_redis_settled,
     wait_settled,
 )
 
@@ -318,7 +321,7 @@ def test_reload_keeps_in_memory_tickets_in_flight(serve, changed):
             assert all(routed.HasField("request_body") for _, routed in held)
             if changed:  # other entitlements: a new backend, which adopts the three
                 config = base_config(admission=admission(3), tenants=tenants())
-                config["admission"]["pools"][0]["tokens_per_s"] = 2e6
+                config["admission"]["quotas"][0]["tokens_per_s"] = 2e6
                 s.path.write_text(yaml.safe_dump(config))
             assert s.run(s.server.reload)  # SIGHUP
             refused = await buffered(stub, KEY, chat_body("fourth"), [usage_body(1, 1)])
@@ -421,29 +424,6 @@ def test_client_cancel_in_any_phase_releases_everything(serve, phase):
 
 
 # -- Redis faults ----------------------------------------------------------------------
-
-
-def redis_admission(url: str, failure_mode: str, concurrency: int = 3) -> dict:
-    return admission(
-        concurrency,
-        backend="redis",
-        redis={"url": url, "failure_mode": failure_mode, "socket_timeout_s": 0.5},
-    )
-
-
-def redis_in_flight(url: str) -> int:
-    client = redis.Redis.from_url(url, socket_timeout=2)
-    try:
-        return sum(int(client.hget(k, "in_flight") or 0) for k in client.keys("*:pool"))
-    finally:
-        client.close()
-
-
-def wait_redis_settled(url: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (n := redis_in_flight(url)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert n == 0, f"{n} reservations left in Redis"
 
 
 @pytest.mark.slow

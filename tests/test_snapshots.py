@@ -42,15 +42,15 @@ def vtc_router():
 
 
 def admission():
-    pools = [
-        core.TokenPool("pool-a", 200.0, 1 << 30, 8),
-        core.TokenPool("pool-b", 50.0, 1 << 28, 2),
+    quotas = [
+        core.Quota("quota-a", 200.0, 1 << 30, 8),
+        core.Quota("quota-b", 50.0, 1 << 28, 2),
     ]
     ents = [
-        core.Entitlement("copilot", "acme", "pool-a", "guaranteed", 500.0, 100.0, 1 << 20, 4),
-        core.Entitlement("batch", "acme", "pool-b", "spot", 30_000.0, 20.0, 1 << 20, 2),
+        core.Entitlement("copilot", "acme", "quota-a", "guaranteed", 500.0, 100.0, 1 << 20, 4),
+        core.Entitlement("batch", "acme", "quota-b", "spot", 30_000.0, 20.0, 1 << 20, 2),
     ]
-    c = core.AdmissionController(pools, ents)
+    c = core.AdmissionController(quotas, ents)
     t = c.admit("copilot", 100, 50, 1.0).ticket
     c.admit("batch", 10, 10, 1.5)
     c.complete(t, 100, 40, 0.2, 2.0)
@@ -151,10 +151,10 @@ def test_every_truncation_and_every_byte_set_to_ff_or_00_is_a_value_error(name):
             restore(name, data[:i] + bytes([b]) + data[i + 1 :])
 
 
-def test_an_admission_snapshot_naming_an_unknown_pool_is_a_value_error():
+def test_an_admission_snapshot_naming_an_unknown_quota_is_a_value_error():
     data = SNAPSHOTS["AdmissionController"]
-    # The first entitlement's pool (after its name and tenant) renamed.
-    at = data.index(b"pool-a", data.index(b"copilot"))
-    bad = data[:at] + b"pool-x" + data[at + 6 :]
+    # The first entitlement's quota (after its name and tenant) renamed.
+    at = data.index(b"quota-a", data.index(b"copilot"))
+    bad = data[:at] + b"quota-x" + data[at + 7 :]
     with pytest.raises(ValueError, match="invalid snapshot"):
         core.AdmissionController.from_bytes(bad)

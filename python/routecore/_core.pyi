@@ -904,11 +904,11 @@ def simulate(
     progress: Callable[[int, int], object] | None = None,
 ) -> SimReport: ...
 
-# --- multi-tenant admission: token pools (capability 7) ----------------------
+# --- multi-tenant admission: quotas (capability 7) ----------------------
 
 @final
-class TokenPool:
-    """A token pool's capacity in inference-native units."""
+class Quota:
+    """A capacity shared by tenants (the paper's token pool) in inference-native units."""
 
     def __new__(
         cls,
@@ -932,13 +932,13 @@ class TokenPool:
 
 @final
 class Entitlement:
-    """A tenant's baseline share of one pool, with a service class and a state."""
+    """A tenant's baseline share of one quota, with a service class and a state."""
 
     def __new__(
         cls,
         name: str,
         tenant: str,
-        pool: str,
+        quota: str,
         service_class: str,
         slo_target_ms: float,
         tokens_per_s: float,
@@ -951,7 +951,7 @@ class Entitlement:
     @property
     def tenant(self) -> str: ...
     @property
-    def pool(self) -> str: ...
+    def quota(self) -> str: ...
     @property
     def service_class(self) -> str: ...
     @property
@@ -996,7 +996,7 @@ class Admission:
 def priority_weight(
     service_class: str,
     slo_target_ms: float,
-    pool_mean_slo_ms: float,
+    quota_mean_slo_ms: float,
     burst: float = 0.0,
     debt: float = 0.0,
 ) -> float: ...
@@ -1010,10 +1010,12 @@ def load(
     api_key: str = "demo-key",
     server_pid: int | None = None,
     threads: int = 1,
+    response_delay_s: float = 0.0,
+    timeout_s: float = 10.0,
 ) -> dict[str, Any]: ...
 def admission_lua() -> dict[str, str]: ...
 def admission_redis_config(
-    pools: list[TokenPool],
+    quotas: list[Quota],
     entitlements: list[Entitlement],
     window_s: float,
     lease_s: float,
@@ -1021,11 +1023,11 @@ def admission_redis_config(
 
 @final
 class AdmissionController:
-    """Multi-tenant admission control over token pools (Cunningham 2026)."""
+    """Multi-tenant admission control over quotas (Cunningham 2026)."""
 
     def __new__(
         cls,
-        pools: list[TokenPool],
+        quotas: list[Quota],
         entitlements: list[Entitlement],
         default_max_tokens: int = 4096,
         window_s: float = 60.0,
@@ -1047,17 +1049,17 @@ class AdmissionController:
     def evictions(self, now: float) -> list[int]: ...
     def priority(self, entitlement: str) -> float: ...
     def stats(self, entitlement: str) -> dict[str, float]: ...
-    def pool_in_flight(self, pool: str) -> int: ...
+    def quota_in_flight(self, quota: str) -> int: ...
     def set_state(self, entitlement: str, state: str) -> None: ...
     def set_capacity(
         self,
-        pool: str,
+        quota: str,
         tokens_per_s: float | None = None,
         kv_bytes: int | None = None,
         concurrency: int | None = None,
     ) -> None: ...
     @property
-    def pools(self) -> list[TokenPool]: ...
+    def quotas(self) -> list[Quota]: ...
     @property
     def entitlements(self) -> list[Entitlement]: ...
     @property

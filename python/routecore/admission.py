@@ -1,8 +1,8 @@
-"""Token-pool admission with one interface over two backends.
+"""Quota admission with one interface over two backends.
 
 ``InMemoryAdmission`` (the default) keeps the state in this process, in the
 Rust ``AdmissionController``. ``RedisAdmission`` keeps it in Redis so that
-many gateway replicas share one pool without ever over-admitting: every
+many gateway replicas share one quota without ever over-admitting: every
 decision is one Lua script that checks and reserves atomically, with the same
 checks, priority, debt and burst as the Rust controller. Choose one with
 ``admission_from_config``.
@@ -21,8 +21,8 @@ already, or its Redis lease expired): completing twice never counts twice.
 Both backends may be called from several threads at once (e.g. a server's
 thread pool); bad numbers raise ValueError.
 
-Redis specifics (see ``RedisAdmission``): keys ``{prefix}:{<pool>}:...`` per
-pool and entitlement, all of one pool in one hash slot; a reservation whose
+Redis specifics (see ``RedisAdmission``): keys ``{prefix}:{<quota>}:...`` per
+quota and entitlement, all of one quota in one hash slot; a reservation whose
 replica died mid-request is released after ``lease_s``. Construction never
 contacts Redis. Any Redis failure (down, stalled past ``socket_timeout_s``,
 an error reply such as OOM) goes through ``failure_mode``: ``"closed"`` (the
@@ -51,14 +51,14 @@ from routecore._core import (
     Admission,
     AdmissionController,
     Entitlement,
-    TokenPool,
+    Quota,
     admission_lua,
     admission_redis_config,
 )
 from routecore._extras import require
 
 MAX_TOKENS = 1 << 30
-MAX_POOLS = 256
+MAX_QUOTAS = 256
 FAILURE_MODES = ("open", "closed")
 #: The kinds ``RedisAdmission.failures`` counts: no connection, no answer in
 #: time, an error reply (OOM, NOSCRIPT, BUSY, READONLY, ...).
@@ -73,7 +73,7 @@ REDIS_OPTIONS = (
     "unavailable_retry_s",
     "socket_timeout_s",
 )
-#: Lost admits and failed completions a pool keeps to settle when Redis answers
+#: Lost admits and failed completions a quota keeps to settle when Redis answers
 #: again; beyond it the oldest are left to their leases.
 MAX_PENDING = 10_000
 #: How many of them one call settles before its own work.
@@ -154,20 +154,20 @@ class AdmissionBackend:
 
     def set_capacity(
         self,
-        pool: str,
+        quota: str,
         tokens_per_s: float | None = None,
         kv_bytes: int | None = None,
         concurrency: int | None = None,
     ) -> None:
-        """Changes a pool's capacity at run time (outage, recovery, scaling)."""
+        """Changes a quota's capacity at run time (outage, recovery, scaling)."""
         raise NotImplementedError
 
     def set_state(self, entitlement: str, state: str) -> None:
         """Moves an entitlement to pending, bound, degraded or expired."""
         raise NotImplementedError
 
-    def pool_in_flight(self, pool: str) -> int:
-        """Requests in flight in ``pool``."""
+    def quota_in_flight(self, quota: str) -> int:
+        """Requests in flight in ``quota``."""
         raise NotImplementedError
 
     def priority(self, entitlement: str) -> float:
@@ -183,14 +183,14 @@ class InMemoryAdmission(AdmissionBackend):
 
     def __init__(
         self,
-        pools: Sequence[TokenPool],
+        quotas: Sequence[Quota],
         entitlements: Sequence[Entitlement],
         default_max_tokens: int = 4096,
         window_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.controller = AdmissionController(
-            list(pools), list(entitlements), default_max_tokens, window_s
+            list(quotas), list(entitlements), default_max_tokens, window_s
         )
         self.clock = clock
 
@@ -213,18 +213,18 @@ class InMemoryAdmission(AdmissionBackend):
 
     def set_capacity(
         self,
-        pool: str,
+        quota: str,
         tokens_per_s: float | None = None,
         kv_bytes: int | None = None,
         concurrency: int | None = None,
     ) -> None:
-        self.controller.set_capacity(pool, tokens_per_s, kv_bytes, concurrency)
+        self.controller.set_capacity(quota, tokens_per_s, kv_bytes, concurrency)
 
     def set_state(self, entitlement: str, state: str) -> None:
         self.controller.set_state(entitlement, state)
 
-    def pool_in_flight(self, pool: str) -> int:
-        return self.controller.pool_in_flight(pool)
+    def quota_in_flight(self, quota: str) -> int:
+        return self.controller.quota_in_flight(quota)
 
     def priority(self, entitlement: str) -> float:
         return self.controller.priority(entitlement)
@@ -250,14 +250,14 @@ def _count(what: str, value: int, low: int) -> int:
 
 
 class RedisAdmission(AdmissionBackend):
-    """The shared backend: pool state in Redis, one atomic Lua script per decision.
+    """The shared backend: quota state in Redis, one atomic Lua script per decision.
 
     ``client``: a ``redis.Redis`` (or give ``url``). Keys live under
-    ``{prefix}:{<pool>}``, one hash slot per pool. ``lease_s``: a reservation not
+    ``{prefix}:{<quota>}``, one hash slot per quota. ``lease_s``: a reservation not
     completed within this many seconds (its replica died mid-request) is
-    released by the next call on its pool.
+    released by the next call on its quota.
 
-    Construction never contacts Redis: each pool's configuration is written on
+    Construction never contacts Redis: each quota's configuration is written on
     its first use (and again whenever Redis comes back empty), so a server
     starts while Redis is down. Every Redis failure (no connection, a timeout
     after ``socket_timeout_s``, an error reply such as OOM, NOSCRIPT, BUSY or
@@ -283,7 +283,7 @@ class RedisAdmission(AdmissionBackend):
 
     def __init__(
         self,
-        pools: Sequence[TokenPool],
+        quotas: Sequence[Quota],
         entitlements: Sequence[Entitlement],
         *,
         url: str | None = None,
@@ -302,7 +302,7 @@ class RedisAdmission(AdmissionBackend):
         from redis.retry import Retry
 
         # The Rust controller checks the configuration exactly as in memory.
-        AdmissionController(list(pools), list(entitlements), default_max_tokens, window_s)
+        AdmissionController(list(quotas), list(entitlements), default_max_tokens, window_s)
         if failure_mode not in FAILURE_MODES:
             raise ValueError(f"failure_mode must be 'open' or 'closed', got {failure_mode!r}")
         for what, value in (
@@ -316,8 +316,8 @@ class RedisAdmission(AdmissionBackend):
             raise ValueError("url must be a redis://, rediss:// or unix:// URL")
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
-        if len(pools) > MAX_POOLS:
-            raise ValueError(f"at most {MAX_POOLS} pools")
+        if len(quotas) > MAX_QUOTAS:
+            raise ValueError(f"at most {MAX_QUOTAS} quotas")
         if client is None:
             # No retries inside the client: one call waits at most one timeout,
             # and what a lost reply leaves behind is voided (see the class doc).
@@ -344,50 +344,50 @@ class RedisAdmission(AdmissionBackend):
         self._stalled = False
         self._probe = threading.Lock()
         self._configured: set[str] = set()
-        # Per pool: request ids of admits whose reply was lost, and completions
+        # Per quota: request ids of admits whose reply was lost, and completions
         # that failed, to settle when Redis answers again (oldest first).
-        self._voids: dict[str, deque[str]] = {p.name: deque() for p in pools}
+        self._voids: dict[str, deque[str]] = {p.name: deque() for p in quotas}
         self._replays: dict[str, deque[tuple[int, int, str, str]]] = {
-            p.name: deque() for p in pools
+            p.name: deque() for p in quotas
         }
         self._rid_prefix = f"r{secrets.token_hex(8)}:"
         self._rids = itertools.count()
-        self._pools = [p.name for p in pools]
-        self._pool_of = {e.name: e.pool for e in entitlements}
+        self._quotas = [p.name for p in quotas]
+        self._quota_of = {e.name: e.quota for e in entitlements}
         self._class_of = {e.name: e.service_class for e in entitlements}
-        self._keys = {p.name: f"{prefix}:{{{p.name}}}" for p in pools}
-        self._config = admission_redis_config(list(pools), list(entitlements), window_s, lease_s)
+        self._keys = {p.name: f"{prefix}:{{{p.name}}}" for p in quotas}
+        self._config = admission_redis_config(list(quotas), list(entitlements), window_s, lease_s)
         self._configure_script = client.register_script(_LUA["configure"])
         self._admit_script = client.register_script(_LUA["admit"])
         self._complete_script = client.register_script(_LUA["complete"])
         self._void_script = client.register_script(_LUA["void"])
         self._set_state_script = client.register_script(_LUA["set_state"])
 
-    def _configure(self, pool: str) -> None:
+    def _configure(self, quota: str) -> None:
         seq_base = int(time.time() * 1000) * 1024
-        self._configure_script(keys=[self._keys[pool]], args=[self._config[pool], seq_base])
-        self._configured.add(pool)
+        self._configure_script(keys=[self._keys[quota]], args=[self._config[quota], seq_base])
+        self._configured.add(quota)
 
-    def _ready(self, pool: str, now: float) -> bool:
-        """Before a call on ``pool``: settle what failed calls left behind, then
+    def _ready(self, quota: str, now: float) -> bool:
+        """Before a call on ``quota``: settle what failed calls left behind, then
         write this instance's configuration once. Raises the Redis error; see
         ``_settle`` for the result."""
-        settled = self._settle(pool, now, RECONCILE_BATCH)
-        if pool not in self._configured:
-            self._configure(pool)
+        settled = self._settle(quota, now, RECONCILE_BATCH)
+        if quota not in self._configured:
+            self._configure(quota)
         return settled
 
-    def _settle(self, pool: str, now: float, limit: int) -> bool:
+    def _settle(self, quota: str, now: float, limit: int) -> bool:
         """Voids up to ``limit`` lost admits and replays up to ``limit`` failed
-        completions of ``pool``; what Redis did not take is kept for later.
+        completions of ``quota``; what Redis did not take is kept for later.
         True when all were settled; an error reply is logged and counted
         (False), a connection error or timeout raises: Redis is not there."""
         with self._lock:
-            voids = _take(self._voids[pool], limit)
-            replays = _take(self._replays[pool], limit)
+            voids = _take(self._voids[quota], limit)
+            replays = _take(self._replays[quota], limit)
         if not voids and not replays:
             return True
-        key = self._keys[pool]
+        key = self._keys[quota]
         try:
             if voids:
                 self._void_script(keys=[key], args=[repr(now), *voids])
@@ -401,8 +401,8 @@ class RedisAdmission(AdmissionBackend):
                 pipe.execute()
         except self._redis_errors as e:
             with self._lock:
-                _keep(self._voids[pool], voids, front=True)
-                _keep(self._replays[pool], replays, front=True)
+                _keep(self._voids[quota], voids, front=True)
+                _keep(self._replays[quota], replays, front=True)
             if self._kind(e) != "reply":
                 raise
             self._failed("reconcile", e)
@@ -411,14 +411,14 @@ class RedisAdmission(AdmissionBackend):
 
     def reconcile(self, now: float | None = None) -> bool:
         """Settles everything failed calls left behind (voids lost admits,
-        replays failed completions) on every pool; True when nothing is left.
-        The next call on a pool does this too, a batch at a time; a server may
+        replays failed completions) on every quota; True when nothing is left.
+        The next call on a quota does this too, a batch at a time; a server may
         call this periodically. Never raises for Redis."""
         at = self._now(now)
         try:
-            for pool in self._pools:
-                while (self._voids[pool] or self._replays[pool]) and self._settle(
-                    pool, at, RECONCILE_BATCH
+            for quota in self._quotas:
+                while (self._voids[quota] or self._replays[quota]) and self._settle(
+                    quota, at, RECONCILE_BATCH
                 ):
                     pass
         except self._redis_errors as e:
@@ -497,16 +497,16 @@ class RedisAdmission(AdmissionBackend):
         )
         if now != now or now in (float("inf"), float("-inf")):
             raise ValueError(f"now must be a finite number, got {now}")
-        pool = self._pool_of.get(entitlement)
-        if pool is None:
+        quota = self._quota_of.get(entitlement)
+        if quota is None:
             return Admission(False, 401, "unknown-entitlement")
         with self._turn() as mine:
-            return self._decide(pool, entitlement, tokens, now) if mine else self._unavailable()
+            return self._decide(quota, entitlement, tokens, now) if mine else self._unavailable()
 
-    def _decide(self, pool: str, entitlement: str, tokens: int, now: float) -> Admission:
-        key = self._keys[pool]
+    def _decide(self, quota: str, entitlement: str, tokens: int, now: float) -> Admission:
+        key = self._keys[quota]
         try:
-            settled = self._ready(pool, now)
+            settled = self._ready(quota, now)
         except self._redis_errors as e:
             self._failed("admit", e)
             return self._unavailable()
@@ -515,7 +515,7 @@ class RedisAdmission(AdmissionBackend):
         try:
             out = self._admit_script(keys=[key], args=args)
             if out[0] == b"unconfigured":
-                self._configure(pool)
+                self._configure(quota)
                 out = self._admit_script(keys=[key], args=args)
             status, reason, retry, seq, priority = (x.decode() for x in out)
             decision = Admission(
@@ -523,14 +523,14 @@ class RedisAdmission(AdmissionBackend):
                 int(status),
                 reason,
                 float(retry) if retry else None,
-                int(seq) * MAX_POOLS + self._pools.index(pool) if seq else None,
+                int(seq) * MAX_QUOTAS + self._quotas.index(quota) if seq else None,
                 float(priority),
             )
         except (*self._redis_errors, ValueError) as e:
             # The script may have run (or may yet run, in a stalled Redis) with
             # nobody to complete its ticket: void the id when Redis answers.
             with self._lock:
-                _keep(self._voids[pool], [rid])
+                _keep(self._voids[quota], [rid])
             self._failed("admit", e)
             return self._unavailable()
         self._succeeded(settled)
@@ -542,17 +542,17 @@ class RedisAdmission(AdmissionBackend):
         actual = _count("actual_input", actual_input, 0) + _count("actual_output", actual_output, 0)
         if not latency_s >= 0 or latency_s == float("inf"):
             raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s}")
-        seq, index = divmod(ticket, MAX_POOLS)
-        if index >= len(self._pools):
+        seq, index = divmod(ticket, MAX_QUOTAS)
+        if index >= len(self._quotas):
             return False
-        pool = self._pools[index]
+        quota = self._quotas[index]
         args = (seq, actual, repr(float(latency_s)), repr(now))
         with self._turn() as mine:
             if mine:
                 try:
-                    settled = self._settle(pool, now, RECONCILE_BATCH)
+                    settled = self._settle(quota, now, RECONCILE_BATCH)
                     done = self._complete_script(
-                        keys=[self._keys[pool]], args=[str(seq), *args[1:]]
+                        keys=[self._keys[quota]], args=[str(seq), *args[1:]]
                     )
                 except self._redis_errors as e:
                     self._failed("complete", e)
@@ -560,27 +560,27 @@ class RedisAdmission(AdmissionBackend):
                     self._succeeded(settled)
                     return bool(done)
         with self._lock:  # replayed when Redis answers; a replay counts once
-            _keep(self._replays[pool], [args])
+            _keep(self._replays[quota], [args])
         return False
 
     def _evictions(self, now: float) -> list[int]:
-        """Read in one transaction per pool; [] while Redis is unreachable."""
+        """Read in one transaction per quota; [] while Redis is unreachable."""
         with self._turn() as mine:
             return self._victims(now) if mine else []
 
     def _victims(self, now: float) -> list[int]:
         out: list[int] = []
         settled = True
-        for index, pool in enumerate(self._pools):
-            key = self._keys[pool]
-            ents = [e for e, p in self._pool_of.items() if p == pool]
+        for index, quota in enumerate(self._quotas):
+            key = self._keys[quota]
+            ents = [e for e, p in self._quota_of.items() if p == quota]
             pipe = self.client.pipeline(transaction=True)
-            pipe.hmget(f"{key}:pool", "in_flight", "concurrency")
+            pipe.hmget(f"{key}:quota", "in_flight", "concurrency")
             for e in ents:
                 pipe.zrange(f"{key}:e:{e}:fl", 0, -1, withscores=True)
                 pipe.hget(f"{key}:e:{e}", "priority")
             try:
-                settled &= self._settle(pool, now, RECONCILE_BATCH)
+                settled &= self._settle(quota, now, RECONCILE_BATCH)
                 (in_flight, concurrency), *rest = pipe.execute()
                 over = int(in_flight or 0) - int(float(concurrency or 0))
                 flights = dict(zip(ents, rest[0::2]))
@@ -592,7 +592,7 @@ class RedisAdmission(AdmissionBackend):
             if over <= 0 or not protected:
                 continue
             victims = sorted(
-                (priority[e], now - at, int(seq) * MAX_POOLS + index)
+                (priority[e], now - at, int(seq) * MAX_QUOTAS + index)
                 for e in ents
                 if self._class_of[e] == "preemptible"
                 for seq, at in flights[e]
@@ -603,14 +603,14 @@ class RedisAdmission(AdmissionBackend):
 
     def set_capacity(
         self,
-        pool: str,
+        quota: str,
         tokens_per_s: float | None = None,
         kv_bytes: int | None = None,
         concurrency: int | None = None,
     ) -> None:
-        """Changes a pool's capacity for every replica at once (Redis errors raise)."""
-        spec = TokenPool(
-            pool,
+        """Changes a quota's capacity for every replica at once (Redis errors raise)."""
+        spec = Quota(
+            quota,
             1.0 if tokens_per_s is None else tokens_per_s,
             1 if kv_bytes is None else kv_bytes,
             1 if concurrency is None else concurrency,
@@ -623,37 +623,37 @@ class RedisAdmission(AdmissionBackend):
         if concurrency is not None:
             fields["concurrency"] = str(spec.concurrency)
         if fields:
-            self.client.hset(f"{self._configured_key(pool)}:pool", mapping=fields)
+            self.client.hset(f"{self._configured_key(quota)}:quota", mapping=fields)
 
-    def _configured_key(self, pool: str) -> str:
-        """``pool``'s key prefix, its configuration written by this instance."""
-        if pool not in self._keys:
-            raise KeyError(f"unknown pool: {pool!r}")
-        if pool not in self._configured:
-            self._configure(pool)
-        return self._keys[pool]
+    def _configured_key(self, quota: str) -> str:
+        """``quota``'s key prefix, its configuration written by this instance."""
+        if quota not in self._keys:
+            raise KeyError(f"unknown quota: {quota!r}")
+        if quota not in self._configured:
+            self._configure(quota)
+        return self._keys[quota]
 
     def set_state(self, entitlement: str, state: str) -> None:
         """Moves an entitlement to ``state`` for every replica at once (Redis errors raise)."""
         if state not in _STATES:
             raise ValueError(f"state must be one of {', '.join(_STATES)}; got {state!r}")
-        pool = self._pool_of.get(entitlement)
-        if pool is None:
+        quota = self._quota_of.get(entitlement)
+        if quota is None:
             raise KeyError(f"unknown entitlement: {entitlement!r}")
-        key = self._configured_key(pool)
+        key = self._configured_key(quota)
         if not self._set_state_script(keys=[key], args=[entitlement, state]):
-            self._configure(pool)  # Redis came back empty
+            self._configure(quota)  # Redis came back empty
             self._set_state_script(keys=[key], args=[entitlement, state])
 
     def priority(self, entitlement: str) -> float:
-        pool = self._pool_of.get(entitlement)
-        if pool is None:
+        quota = self._quota_of.get(entitlement)
+        if quota is None:
             raise KeyError(f"unknown entitlement: {entitlement!r}")
-        key = self._configured_key(pool)
+        key = self._configured_key(quota)
         return float(self.client.hget(f"{key}:e:{entitlement}", "priority"))
 
-    def pool_in_flight(self, pool: str) -> int:
-        value = self.client.hget(f"{self._configured_key(pool)}:pool", "in_flight")
+    def quota_in_flight(self, quota: str) -> int:
+        value = self.client.hget(f"{self._configured_key(quota)}:quota", "in_flight")
         return int(value or 0)
 
     def close(self) -> None:
@@ -681,20 +681,43 @@ def _keep(queue: deque[Any], items: Sequence[Any], *, front: bool = False) -> No
         queue.popleft()
 
 
+#: Keys of the admission configuration renamed when its capacities became
+#: quotas (the router's context pools keep the name ``pools``): old -> new.
+RENAMED_KEYS = {"pools": "quotas", "pool": "quota"}
+
+
+def check_renamed(mapping: Mapping[str, Any], where: str = "") -> None:
+    """ValueError naming the new key when ``mapping`` (the admission
+    configuration, or one entitlement at ``where``) uses a renamed one."""
+    for old, new in RENAMED_KEYS.items():
+        if old in mapping:
+            raise ValueError(
+                f"{where}{old}: renamed to {new!r} (admission capacities are quotas; "
+                "pools are the router's)"
+            )
+
+
 def admission_from_config(config: Mapping[str, Any]) -> InMemoryAdmission | RedisAdmission:
     """A backend from a configuration mapping (e.g. parsed YAML/JSON)::
 
     {"backend": "memory" | "redis",          # default "memory"
-     "pools": [{"name", "tokens_per_s", "kv_bytes", "concurrency",
+     "quotas": [{"name", "tokens_per_s", "kv_bytes", "concurrency",
                 "kv_bytes_per_token"?}],
-     "entitlements": [{"name", "tenant", "pool", "service_class",
+     "entitlements": [{"name", "tenant", "quota", "service_class",
                        "slo_target_ms", "tokens_per_s", "kv_bytes",
                        "concurrency", "state"?}],
      "default_max_tokens"?: 4096, "window_s"?: 60.0,
      "redis"?: {"url", "prefix", "lease_s", "failure_mode": "open" | "closed",
                 "unavailable_retry_s", "socket_timeout_s"}}
+
+    The keys ``pools`` and an entitlement's ``pool`` (before quotas had their
+    own name) are a ValueError naming the new key.
     """
-    pools = [TokenPool(**p) for p in config.get("pools", [])]
+    check_renamed(config)
+    for i, e in enumerate(config.get("entitlements", [])):
+        if isinstance(e, Mapping):
+            check_renamed(e, f"entitlements[{i}].")
+    quotas = [Quota(**p) for p in config.get("quotas", [])]
     entitlements = [Entitlement(**e) for e in config.get("entitlements", [])]
     common = {
         "default_max_tokens": config.get("default_max_tokens", 4096),
@@ -702,7 +725,7 @@ def admission_from_config(config: Mapping[str, Any]) -> InMemoryAdmission | Redi
     }
     backend = config.get("backend", "memory")
     if backend == "memory":
-        return InMemoryAdmission(pools, entitlements, **common)
+        return InMemoryAdmission(quotas, entitlements, **common)
     if backend == "redis":
         options = config.get("redis", {})
         if not isinstance(options, Mapping):
@@ -710,5 +733,5 @@ def admission_from_config(config: Mapping[str, Any]) -> InMemoryAdmission | Redi
         for key in options:
             if key not in REDIS_OPTIONS:
                 raise ValueError(f"redis.{key}: unknown key (expected one of {REDIS_OPTIONS})")
-        return RedisAdmission(pools, entitlements, **common, **options)
+        return RedisAdmission(quotas, entitlements, **common, **options)
     raise ValueError(f"backend must be 'memory' or 'redis', got {backend!r}")

@@ -1,6 +1,6 @@
 """The paper's two experiments, replayed on a simulated clock and backend.
 
-Cunningham (2026), section 5: one pool of 16 "slots" (concurrent sequences) at
+Cunningham (2026), section 5: one quota of 16 "slots" (concurrent sequences) at
 about 240 tokens/s. The simulated backend runs at most ``slots`` requests at
 once (others wait in FIFO order), each for ``tokens / 15`` seconds (one slot's
 share of 240 tokens/s), times a seeded factor in [0.75, 1.25]: decode speed
@@ -24,11 +24,11 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from routecore._core import AdmissionController, Entitlement, TokenPool
+from routecore._core import AdmissionController, Entitlement, Quota
 from routecore._extras import pyplot
 
 SLOT_RATE = 15.0  # tokens/s per slot: 240 tokens/s over 16 slots
-POOL = "qwen3-8b"
+QUOTA = "qwen3-8b"
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Scenario:
     slots: int
     tenants: list[Tenant]
     lengths: tuple[int, int]  # uniform prompt and output length range
-    # (time, slots): capacity changes of pool and backend
+    # (time, slots): capacity changes of quota and backend
     capacity: list[tuple[float, int]] = field(default_factory=list)
     seed: int = 7
 
@@ -54,7 +54,7 @@ class Scenario:
 def _ent(name: str, cls: str, slo_ms: float, slots: int, state: str = "bound") -> Entitlement:
     # A token budget 20% above the slots' throughput: the slots bind, as in the paper.
     tokens_per_s = 1.2 * slots * SLOT_RATE
-    return Entitlement(name, name, POOL, cls, slo_ms, tokens_per_s, 2**32, slots, state)
+    return Entitlement(name, name, QUOTA, cls, slo_ms, tokens_per_s, 2**32, slots, state)
 
 
 def experiment(number: int) -> Scenario:
@@ -106,7 +106,7 @@ def run(scenario: Scenario) -> list[Second]:
     """Simulates ``scenario``; one ``Second`` per simulated second."""
     names = [t.entitlement.name for t in scenario.tenants]
     ctl = AdmissionController(
-        [TokenPool(POOL, SLOT_RATE * scenario.slots, 2**40, scenario.slots)],
+        [Quota(QUOTA, SLOT_RATE * scenario.slots, 2**40, scenario.slots)],
         [t.entitlement for t in scenario.tenants],
     )
     rng = random.Random(scenario.seed)
@@ -156,7 +156,7 @@ def run(scenario: Scenario) -> list[Second]:
             ctl.set_state(*data)
         elif kind == "capacity":
             slots = data[0]
-            ctl.set_capacity(POOL, tokens_per_s=SLOT_RATE * slots, concurrency=slots)
+            ctl.set_capacity(QUOTA, tokens_per_s=SLOT_RATE * slots, concurrency=slots)
             start_waiting(now)
         elif kind == "send":
             (tenant,) = data
@@ -227,13 +227,13 @@ def table(timeline: list[Second], every: int = 10) -> str:
 
 def summary(timeline: list[Second]) -> str:
     """Per entitlement over the whole run (the paper's Table 2): requests
-    admitted, denials for low priority (pool contention) and for other
+    admitted, denials for low priority (quota contention) and for other
     reasons (concurrency, token budget), and the peak service debt."""
     lines = [
         f"{'entitlement':<16} {'admitted':>8} {'low-priority':>12} {'other':>6} {'peak debt':>9}"
     ]
     for n in timeline[0].in_flight:
-        low = sum(s.denied[(n, "pool-contention")] for s in timeline)
+        low = sum(s.denied[(n, "quota-contention")] for s in timeline)
         other = sum(c for s in timeline for (e, _), c in s.denied.items() if e == n) - low
         adm = sum(s.admitted[n] for s in timeline)
         peak = max(s.debt[n] for s in timeline)
@@ -242,7 +242,7 @@ def summary(timeline: list[Second]) -> str:
 
 
 def plot(timeline: list[Second], title: str, path: str) -> None:
-    """Writes a PNG: in flight per entitlement with the pool's slots, denials
+    """Writes a PNG: in flight per entitlement with the quota's slots, denials
     per second, service debt and priority weight over time."""
     plt = pyplot()
 
@@ -254,7 +254,7 @@ def plot(timeline: list[Second], title: str, path: str) -> None:
         axes[1].plot(t, [sum(c for (e, _), c in s.denied.items() if e == n) for s in timeline])
         axes[2].plot(t, [s.debt[n] for s in timeline])
         axes[3].plot(t, [s.priority[n] for s in timeline])
-    axes[0].step(t, [s.slots for s in timeline], "k--", where="post", label="pool slots")
+    axes[0].step(t, [s.slots for s in timeline], "k--", where="post", label="quota slots")
     axes[0].legend(fontsize=8)
     for ax, label in zip(axes, ["in flight", "denials / s", "service debt d_e", "priority w_e"]):
         ax.set_ylabel(label)

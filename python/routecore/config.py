@@ -8,7 +8,7 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
     limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens,
              image_tokens, audio_tokens}
     router: {policy, compress_band, prefix_block_size}
-    admission: {backend, pools, entitlements, default_max_tokens, window_s, redis}
+    admission: {backend, quotas, entitlements, default_max_tokens, window_s, redis}
     pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...]}]
     tenants: [{name, api_keys: [...], expires_at, entitlement}]
     models: [{name, tokenizer, chat_template, bos_token, eos_token}]
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from routecore._core import Entitlement, Pool, Tokenizer, TokenPool
-from routecore.admission import REDIS_OPTIONS, URL_SCHEMES, admission_from_config
+from routecore._core import Entitlement, Pool, Quota, Tokenizer
+from routecore.admission import REDIS_OPTIONS, URL_SCHEMES, admission_from_config, check_renamed
 
 #: How the endpoint inside a pool is picked (``router.policy``), see the README.
 POLICIES = ("least-request", "prefix", "vtc")
@@ -90,10 +90,10 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """Token-pool admission (``routecore.admission_from_config``); off without entitlements."""
+    """Quota admission (``routecore.admission_from_config``); off without entitlements."""
 
     backend: str = "memory"
-    #: The mapping handed to ``admission_from_config`` (pools, entitlements, ...).
+    #: The mapping handed to ``admission_from_config`` (quotas, entitlements, ...).
     spec: dict[str, Any] = field(default_factory=dict)
     #: Service class by entitlement name.
     service_classes: dict[str, str] = field(default_factory=dict)
@@ -423,19 +423,30 @@ def _redis(raw: dict[str, Any]) -> None:
     _float(raw, "socket_timeout_s", where, 0.001, 60.0, 0.5)
 
 
+def _renamed(raw: dict[str, Any], where: str) -> None:
+    try:
+        check_renamed(raw, where)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 def _admission(raw: Any) -> AdmissionConfig:
-    """Checks every admission pool and entitlement by building it (the core validates)."""
+    """Checks every quota and entitlement by building it (the core validates)."""
+    if isinstance(raw, dict):
+        _renamed(raw, "admission.")
     a = _section(
         raw,
         "admission",
-        {"backend", "pools", "entitlements", "default_max_tokens", "window_s", "redis"},
+        {"backend", "quotas", "entitlements", "default_max_tokens", "window_s", "redis"},
     )
     backend = _str(a, "backend", "admission", "memory", ADMISSION_BACKENDS)
     classes = {}
-    for key, cls in (("pools", TokenPool), ("entitlements", Entitlement)):
+    for key, cls in (("quotas", Quota), ("entitlements", Entitlement)):
         for i, item in enumerate(_list(a, key, "admission")):
             if not isinstance(item, dict):
                 raise ConfigError(f"admission.{key}[{i}]: expected a mapping")
+            if key == "entitlements":
+                _renamed(item, f"admission.{key}[{i}].")
             try:
                 cls(**item)
             except (TypeError, ValueError, KeyError) as e:
@@ -452,7 +463,7 @@ def _admission(raw: Any) -> AdmissionConfig:
     _redis(redis)
     _int(a, "default_max_tokens", "admission", 1, 1 << 30, 4096)
     _float(a, "window_s", "admission", 0.001, 86400.0, 60.0)
-    try:  # cross-references (an entitlement's pool) are checked by a trial build in memory
+    try:  # cross-references (an entitlement's quota) are checked by a trial build in memory
         if classes:
             admission_from_config({**a, "backend": "memory"}).close()
     except (TypeError, ValueError, KeyError) as e:

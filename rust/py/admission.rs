@@ -5,22 +5,22 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use super::{int_arg, int_array, reduce};
-use crate::admission::{self, AdmissionController, Entitlement, ServiceClass, TokenPool};
+use crate::admission::{self, AdmissionController, Entitlement, Quota, ServiceClass};
 
 /// Two int64 arrays of one length.
 type Int64Pair<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>);
 
-/// A token pool's capacity in inference-native units: token throughput
+/// A quota's capacity in inference-native units: token throughput
 /// (``tokens_per_s``), KV cache (``kv_bytes``) and concurrent sequences
 /// (``concurrency``). ``kv_bytes_per_token`` (the paper's ``c = 2 L H_kv d_h
 /// b``) turns a request's tokens into KV bytes; 0 leaves KV out of admission.
-#[pyclass(frozen, name = "TokenPool", module = "routecore")]
-pub struct PyTokenPool {
-    pub(crate) inner: TokenPool,
+#[pyclass(frozen, name = "Quota", module = "routecore")]
+pub struct PyQuota {
+    pub(crate) inner: Quota,
 }
 
 #[pymethods]
-impl PyTokenPool {
+impl PyQuota {
     #[new]
     #[pyo3(signature = (name, tokens_per_s, kv_bytes, concurrency, kv_bytes_per_token=0))]
     fn new(
@@ -31,7 +31,7 @@ impl PyTokenPool {
         #[pyo3(from_py_with = int_arg)] kv_bytes_per_token: i64,
     ) -> PyResult<Self> {
         Ok(Self {
-            inner: TokenPool::new(
+            inner: Quota::new(
                 name,
                 tokens_per_s,
                 kv_bytes,
@@ -79,13 +79,13 @@ impl PyTokenPool {
     fn __repr__(&self) -> String {
         let p = &self.inner;
         format!(
-            "TokenPool(name={:?}, tokens_per_s={}, kv_bytes={}, concurrency={}, kv_bytes_per_token={})",
+            "Quota(name={:?}, tokens_per_s={}, kv_bytes={}, concurrency={}, kv_bytes_per_token={})",
             p.name, p.tokens_per_s, p.kv_bytes, p.concurrency, p.kv_bytes_per_token
         )
     }
 }
 
-/// A tenant's baseline share of one pool (``tokens_per_s``, ``kv_bytes``,
+/// A tenant's baseline share of one quota (``tokens_per_s``, ``kv_bytes``,
 /// ``concurrency``) with a service class (dedicated, guaranteed, elastic,
 /// spot, preemptible: weights 1000, 1000, 100, 1, 0.1), an SLO target in ms
 /// and a state (pending, bound, degraded, expired; only bound is admitted).
@@ -97,12 +97,12 @@ pub struct PyEntitlement {
 #[pymethods]
 impl PyEntitlement {
     #[new]
-    #[pyo3(signature = (name, tenant, pool, service_class, slo_target_ms, tokens_per_s, kv_bytes, concurrency, state="bound"))]
+    #[pyo3(signature = (name, tenant, quota, service_class, slo_target_ms, tokens_per_s, kv_bytes, concurrency, state="bound"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: &str,
         tenant: &str,
-        pool: &str,
+        quota: &str,
         service_class: &str,
         slo_target_ms: f64,
         tokens_per_s: f64,
@@ -114,7 +114,7 @@ impl PyEntitlement {
             inner: Entitlement::new(
                 name,
                 tenant,
-                pool,
+                quota,
                 service_class,
                 slo_target_ms,
                 tokens_per_s,
@@ -133,8 +133,8 @@ impl PyEntitlement {
         &self.inner.tenant
     }
     #[getter]
-    fn pool(&self) -> &str {
-        &self.inner.pool
+    fn quota(&self) -> &str {
+        &self.inner.quota
     }
     #[getter]
     fn service_class(&self) -> &'static str {
@@ -167,7 +167,7 @@ impl PyEntitlement {
         let args = (
             &e.name,
             &e.tenant,
-            &e.pool,
+            &e.quota,
             e.service_class.as_str(),
             e.slo_target_ms,
             e.tokens_per_s,
@@ -183,9 +183,9 @@ impl PyEntitlement {
     fn __repr__(&self) -> String {
         let e = &self.inner;
         format!(
-            "Entitlement(name={:?}, pool={:?}, service_class={:?}, state={:?})",
+            "Entitlement(name={:?}, quota={:?}, service_class={:?}, state={:?})",
             e.name,
-            e.pool,
+            e.quota,
             e.service_class.as_str(),
             e.state.as_str()
         )
@@ -281,42 +281,42 @@ impl PyAdmission {
 }
 
 /// The priority weight w_e of equation 1: ``w_class / (1 + 2 * slo /
-/// pool_mean_slo) / (1 + burst) * (1 + 4 * debt)``.
+/// quota_mean_slo) / (1 + burst) * (1 + 4 * debt)``.
 #[pyfunction]
-#[pyo3(signature = (service_class, slo_target_ms, pool_mean_slo_ms, burst=0.0, debt=0.0))]
+#[pyo3(signature = (service_class, slo_target_ms, quota_mean_slo_ms, burst=0.0, debt=0.0))]
 pub fn priority_weight(
     service_class: &str,
     slo_target_ms: f64,
-    pool_mean_slo_ms: f64,
+    quota_mean_slo_ms: f64,
     burst: f64,
     debt: f64,
 ) -> PyResult<f64> {
     let class = ServiceClass::parse(service_class)?;
     crate::error::positive("slo_target_ms", slo_target_ms)?;
-    crate::error::positive("pool_mean_slo_ms", pool_mean_slo_ms)?;
+    crate::error::positive("quota_mean_slo_ms", quota_mean_slo_ms)?;
     crate::error::non_negative("burst", burst)?;
     crate::error::finite("debt", debt)?;
     Ok(admission::priority_weight(
         class,
         slo_target_ms,
-        pool_mean_slo_ms,
+        quota_mean_slo_ms,
         burst,
         debt,
     ))
 }
 
-/// Multi-tenant admission control over token pools (Cunningham 2026).
+/// Multi-tenant admission control over quotas (Cunningham 2026).
 ///
 /// ``admit`` runs the paper's checks in order (state, default output bound,
-/// concurrency, token budget over a rolling ``window_s``, pool contention)
+/// concurrency, token budget over a rolling ``window_s``, quota contention)
 /// and returns an ``Admission``; ``complete`` releases the ticket with the
 /// real token counts and latency and updates served rate, debt, burst and
 /// priority. Time ``now`` is explicit seconds. Bad numbers raise ValueError
 /// and change nothing; an unknown entitlement is a 401 decision.
 ///
-/// >>> pool = TokenPool("p", 240.0, 2**30, 16)
+/// >>> quota = Quota("p", 240.0, 2**30, 16)
 /// >>> e = Entitlement("copilot", "acme", "p", "elastic", 500.0, 75.0, 2**28, 5)
-/// >>> ctl = AdmissionController([pool], [e])
+/// >>> ctl = AdmissionController([quota], [e])
 /// >>> a = ctl.admit("copilot", 100, 50, now=0.0)
 /// >>> a.admitted, a.status
 /// (True, 200)
@@ -336,16 +336,16 @@ impl PyAdmissionController {
 #[pymethods]
 impl PyAdmissionController {
     #[new]
-    #[pyo3(signature = (pools, entitlements, default_max_tokens=4096, window_s=60.0))]
+    #[pyo3(signature = (quotas, entitlements, default_max_tokens=4096, window_s=60.0))]
     fn new(
-        pools: Vec<Py<PyTokenPool>>,
+        quotas: Vec<Py<PyQuota>>,
         entitlements: Vec<Py<PyEntitlement>>,
         #[pyo3(from_py_with = int_arg)] default_max_tokens: i64,
         window_s: f64,
     ) -> PyResult<Self> {
-        let pools = pools.iter().map(|p| p.get().inner.clone()).collect();
+        let quotas = quotas.iter().map(|p| p.get().inner.clone()).collect();
         let ents = entitlements.iter().map(|e| e.get().inner.clone()).collect();
-        let c = AdmissionController::new(pools, ents, default_max_tokens, window_s)?;
+        let c = AdmissionController::new(quotas, ents, default_max_tokens, window_s)?;
         Ok(Self {
             inner: Arc::new(Mutex::new(c)),
         })
@@ -438,9 +438,9 @@ impl PyAdmissionController {
         Ok(d)
     }
 
-    /// Requests in flight in ``pool``.
-    fn pool_in_flight(&self, pool: &str) -> PyResult<u64> {
-        Ok(self.lock().pool_in_flight(pool)?)
+    /// Requests in flight in ``quota``.
+    fn quota_in_flight(&self, quota: &str) -> PyResult<u64> {
+        Ok(self.lock().quota_in_flight(quota)?)
     }
 
     /// Moves an entitlement to ``state`` (pending, bound, degraded, expired).
@@ -448,26 +448,26 @@ impl PyAdmissionController {
         Ok(self.lock().set_state(entitlement, state)?)
     }
 
-    /// Changes a pool's capacity at run time (outage, recovery, scaling).
-    #[pyo3(signature = (pool, tokens_per_s=None, kv_bytes=None, concurrency=None))]
+    /// Changes a quota's capacity at run time (outage, recovery, scaling).
+    #[pyo3(signature = (quota, tokens_per_s=None, kv_bytes=None, concurrency=None))]
     fn set_capacity(
         &self,
-        pool: &str,
+        quota: &str,
         tokens_per_s: Option<f64>,
         #[pyo3(from_py_with = int_arg)] kv_bytes: Option<i64>,
         #[pyo3(from_py_with = int_arg)] concurrency: Option<i64>,
     ) -> PyResult<()> {
         Ok(self
             .lock()
-            .set_capacity(pool, tokens_per_s, kv_bytes, concurrency)?)
+            .set_capacity(quota, tokens_per_s, kv_bytes, concurrency)?)
     }
 
-    /// The pools with their current capacity.
+    /// The quotas with their current capacity.
     #[getter]
-    fn pools(&self) -> Vec<PyTokenPool> {
+    fn quotas(&self) -> Vec<PyQuota> {
         self.lock()
-            .pools()
-            .map(|p| PyTokenPool { inner: p.clone() })
+            .quotas()
+            .map(|p| PyQuota { inner: p.clone() })
             .collect()
     }
 
@@ -509,8 +509,8 @@ impl PyAdmissionController {
 
     fn __repr__(&self) -> String {
         let c = self.lock();
-        let pools: Vec<&str> = c.pools().map(|p| p.name.as_str()).collect();
+        let quotas: Vec<&str> = c.quotas().map(|p| p.name.as_str()).collect();
         let ents: Vec<&str> = c.entitlements().map(|e| e.name.as_str()).collect();
-        format!("AdmissionController(pools={pools:?}, entitlements={ents:?})")
+        format!("AdmissionController(quotas={quotas:?}, entitlements={ents:?})")
     }
 }

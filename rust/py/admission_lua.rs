@@ -5,33 +5,33 @@ use std::collections::HashMap;
 
 use pyo3::prelude::*;
 
-use super::admission::{PyEntitlement, PyTokenPool};
+use super::admission::{PyEntitlement, PyQuota};
 use crate::serve::admission::scripts;
 
 /// The admission Lua scripts by name (``configure``, ``admit``,
-/// ``complete``, ``void``, ``set_state``); KEYS[1] is a pool's key prefix.
+/// ``complete``, ``void``, ``set_state``); KEYS[1] is a quota's key prefix.
 #[pyfunction]
 pub fn admission_lua() -> HashMap<&'static str, &'static str> {
     scripts::SCRIPTS.into_iter().collect()
 }
 
-/// The configure script's JSON argument for every pool, by pool name: the
-/// pool's capacity, ``window_s`` and ``lease_s``, equation 1's constants and
+/// The configure script's JSON argument for every quota, by quota name: the
+/// quota's capacity, ``window_s`` and ``lease_s``, equation 1's constants and
 /// each entitlement's class weight, burst right and baseline.
 #[pyfunction]
 pub fn admission_redis_config(
-    pools: Vec<PyRef<'_, PyTokenPool>>,
+    quotas: Vec<PyRef<'_, PyQuota>>,
     entitlements: Vec<PyRef<'_, PyEntitlement>>,
     window_s: f64,
     lease_s: f64,
 ) -> HashMap<String, String> {
     let ents: Vec<_> = entitlements.iter().map(|e| e.inner.clone()).collect();
-    pools
+    quotas
         .iter()
         .map(|p| {
             (
                 p.inner.name.clone(),
-                scripts::pool_config(&p.inner, &ents, window_s, lease_s),
+                scripts::quota_config(&p.inner, &ents, window_s, lease_s),
             )
         })
         .collect()

@@ -9,15 +9,21 @@ use crate::serve::loadgen::{self, LoadSpec};
 
 /// Drives ext_proc conversations against ``target`` (``HOST:PORT``) as Envoy
 /// holds them and returns what it measured: ``requests``, ``refused``,
-/// ``errors``, ``seconds``, ``throughput_per_s``, added latency ``p50_ms``,
+/// ``errors``, ``statuses`` (conversations per gRPC status their stream ended
+/// with: ``{"OK": n, "UNAVAILABLE": m}``; ``DEADLINE_EXCEEDED``: the client's
+/// ``timeout_s``), ``refusals`` (per HTTP status of the immediate response:
+/// ``{"429": n}``), ``seconds``, ``throughput_per_s``, added latency ``p50_ms``,
 /// ``p99_ms``, ``mean_ms``, and per conversation ``server_cpu_ms`` and
 /// ``server_context_switches`` (from /proc/<server_pid>; None without it) and
 /// ``client_cpu_ms`` (this process). Closed loop with ``concurrency`` streams,
 /// or paced at ``rate`` conversations/s; at most ``requests``, and stops
-/// starting new ones after ``duration_s``. Runs on ``threads`` threads with
-/// the interpreter released.
+/// starting new ones after ``duration_s``. Each routed conversation waits
+/// ``response_delay_s`` before its response (the upstream's time); each step
+/// (the call, an answer, the stream's end) is bounded by ``timeout_s``, so a
+/// server that stalls or goes away is reported, never waited on. Runs on
+/// ``threads`` threads with the interpreter released.
 #[pyfunction]
-#[pyo3(signature = (target, requests=200, concurrency=8, rate=None, duration_s=None, body_bytes=1024, api_key="demo-key", server_pid=None, threads=1))]
+#[pyo3(signature = (target, requests=200, concurrency=8, rate=None, duration_s=None, body_bytes=1024, api_key="demo-key", server_pid=None, threads=1, response_delay_s=0.0, timeout_s=10.0))]
 #[allow(clippy::too_many_arguments)]
 pub fn load<'py>(
     py: Python<'py>,
@@ -30,6 +36,8 @@ pub fn load<'py>(
     api_key: &str,
     #[pyo3(from_py_with = int_arg)] server_pid: Option<u32>,
     #[pyo3(from_py_with = int_arg)] threads: usize,
+    response_delay_s: f64,
+    timeout_s: f64,
 ) -> PyResult<Bound<'py, PyDict>> {
     if !(1..=256).contains(&threads) {
         return Err(PyValueError::new_err(format!(
@@ -45,6 +53,8 @@ pub fn load<'py>(
         body_bytes,
         api_key: api_key.into(),
         server_pid,
+        response_delay_s,
+        timeout_s,
     };
     let report = py.detach(|| {
         let mut builder = if threads == 1 {
@@ -64,6 +74,8 @@ pub fn load<'py>(
     d.set_item("requests", report.requests)?;
     d.set_item("refused", report.refused)?;
     d.set_item("errors", report.errors)?;
+    d.set_item("statuses", report.statuses)?;
+    d.set_item("refusals", report.refusals)?;
     d.set_item("seconds", report.seconds)?;
     d.set_item("throughput_per_s", report.throughput_per_s)?;
     d.set_item("p50_ms", report.p50_ms)?;

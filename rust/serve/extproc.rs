@@ -54,6 +54,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use futures_util::{FutureExt, Stream};
+use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::engine::{Engine, Outcome, Reject, Routed, Shared};
@@ -573,6 +574,8 @@ pub fn current(c: &Current) -> Arc<Engine> {
 pub struct Processor {
     pub current: Current,
     pub shared: Arc<Shared>,
+    /// Turns true when the drain's grace has run out: open streams end.
+    pub closing: watch::Receiver<bool>,
 }
 
 struct StreamState {
@@ -580,6 +583,7 @@ struct StreamState {
     inbound: Streaming<ProcessingRequest>,
     pending: VecDeque<ProcessingResponse>,
     ended: bool,
+    closing: watch::Receiver<bool>,
 }
 
 type ResponseStream =
@@ -602,8 +606,18 @@ async fn next(
             return None;
         }
         // The end of the client's stream, a client error or a cancel ends the
-        // stream (with the error's status); dropping the state releases.
-        let msg = match st.inbound.message().await {
+        // stream (with the error's status); dropping the state releases. So
+        // does the end of the drain's grace: UNAVAILABLE, retry elsewhere.
+        let message = tokio::select! {
+            biased;
+            m = st.inbound.message() => Some(m),
+            _ = st.closing.wait_for(|closing| *closing) => None,
+        };
+        let Some(message) = message else {
+            st.ended = true;
+            return Some((Err(Status::unavailable("routecore is shutting down")), st));
+        };
+        let msg = match message {
             Ok(Some(msg)) => msg,
             Ok(None) => return None,
             Err(status) => {
@@ -644,6 +658,7 @@ impl ExternalProcessor for Processor {
             inbound: request.into_inner(),
             pending: VecDeque::new(),
             ended: false,
+            closing: self.closing.clone(),
         });
         Ok(Response::new(Box::pin(futures_util::stream::unfold(
             state, next,

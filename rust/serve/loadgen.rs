@@ -10,14 +10,25 @@
 //! when the last ends. Paced: conversation `i` starts at `i / rate` seconds
 //! (at most `concurrency` in flight). Bounded by `requests` and, if given,
 //! `duration_s`.
+//!
+//! Every conversation is read to the end of its stream, and every step (the
+//! call, each answer, the end) is bounded by `timeout_s`: a server that
+//! stalls or goes away ends conversations with a gRPC status (the client's
+//! own timeout is DEADLINE_EXCEEDED), never hangs the run. The report counts
+//! the streams per gRPC status they ended with and the refusals per HTTP
+//! status of their immediate response.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+};
+use envoy_types::pb::google::rpc::Code as RpcCode;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Channel, Endpoint};
@@ -42,6 +53,13 @@ pub struct LoadSpec {
     pub api_key: String,
     /// The server's process id, for its CPU time and context switches.
     pub server_pid: Option<u32>,
+    /// How long the upstream takes: each routed conversation waits this long
+    /// before its response headers (as Envoy waits on the engine), holding
+    /// its stream open.
+    pub response_delay_s: f64,
+    /// Bound on each step of a conversation (the call, each answer, the
+    /// stream's end), seconds.
+    pub timeout_s: f64,
 }
 
 impl Default for LoadSpec {
@@ -55,6 +73,8 @@ impl Default for LoadSpec {
             body_bytes: 1024,
             api_key: "demo-key".into(),
             server_pid: None,
+            response_delay_s: 0.0,
+            timeout_s: 10.0,
         }
     }
 }
@@ -66,8 +86,13 @@ pub struct LoadReport {
     pub requests: u64,
     /// Conversations answered with an immediate response (401, 429, 503 ...).
     pub refused: u64,
-    /// Conversations that failed (a gRPC error, a missing answer).
+    /// Conversations that failed (a gRPC error, a missing answer, a timeout).
     pub errors: u64,
+    /// Conversations per gRPC status their stream ended with (`"OK"`,
+    /// `"UNAVAILABLE"`, `"DEADLINE_EXCEEDED"` for the client's timeout ...).
+    pub statuses: BTreeMap<String, u64>,
+    /// Refused conversations per HTTP status of the immediate response (`"429"`).
+    pub refusals: BTreeMap<String, u64>,
     pub seconds: f64,
     pub throughput_per_s: f64,
     /// Added latency, milliseconds, over the conversations that ended
@@ -87,6 +112,8 @@ pub struct LoadReport {
 pub const MAX_STREAMS: usize = 100_000;
 /// The largest request body a run sends (64 MiB).
 pub const MAX_BODY_BYTES: usize = 1 << 26;
+/// The longest response delay and step timeout, seconds.
+pub const MAX_WAIT_S: f64 = 3600.0;
 
 /// USER_HZ: /proc reports CPU time in these ticks per second (fixed by the
 /// Linux ABI).
@@ -212,49 +239,107 @@ impl Messages {
 enum Outcome {
     /// Routed and finished; the added latency.
     Done(Duration),
-    /// An immediate response ended it (a refusal).
-    Refused(Duration),
+    /// An immediate response ended it (a refusal): the added latency, the HTTP status.
+    Refused(Duration, i32),
     Failed,
 }
 
-async fn conversation(client: &mut ExternalProcessorClient<Channel>, m: &Messages) -> Outcome {
+/// The gRPC status name of `code` (`"OK"`, `"UNAVAILABLE"` ...).
+fn code_name(code: tonic::Code) -> &'static str {
+    RpcCode::try_from(code as i32).map_or("UNKNOWN", |c| c.as_str_name())
+}
+
+/// One step of a conversation that failed: the gRPC status it ended with.
+type Step<T> = Result<T, tonic::Code>;
+
+async fn bounded<T>(
+    timeout: Duration,
+    f: impl std::future::Future<Output = Result<T, tonic::Status>>,
+) -> Step<T> {
+    match tokio::time::timeout(timeout, f).await {
+        Ok(r) => r.map_err(|s| s.code()),
+        Err(_) => Err(tonic::Code::DeadlineExceeded),
+    }
+}
+
+/// Runs one conversation; how it ended and the gRPC status of its stream.
+async fn conversation(
+    client: &mut ExternalProcessorClient<Channel>,
+    m: &Messages,
+    spec: &LoadSpec,
+) -> (Outcome, tonic::Code) {
+    let timeout = Duration::from_secs_f64(spec.timeout_s);
     let (tx, rx) = mpsc::unbounded_channel();
     let start = Instant::now();
-    if tx.send(m.request_headers.clone()).is_err() {
-        return Outcome::Failed;
-    }
-    let Ok(response) = client.process(UnboundedReceiverStream::new(rx)).await else {
-        return Outcome::Failed;
+    // The request headers go out with the call.
+    let _ = tx.send(m.request_headers.clone());
+    let mut answers = match bounded(timeout, client.process(UnboundedReceiverStream::new(rx))).await
+    {
+        Ok(r) => r.into_inner(),
+        Err(code) => return (Outcome::Failed, code),
     };
-    let mut answers = response.into_inner();
-    let mut next = async |msg: Option<&ProcessingRequest>| -> Option<bool> {
+    let mut next = async |msg: Option<&ProcessingRequest>| -> Step<Option<ProcessingResponse>> {
         if let Some(msg) = msg {
-            tx.send(msg.clone()).ok()?;
+            // A closed stream shows as its status on the read below.
+            let _ = tx.send(msg.clone());
         }
-        let answer = answers.message().await.ok()??;
-        Some(matches!(
-            answer.response,
-            Some(Response::ImmediateResponse(_))
-        ))
+        bounded(timeout, answers.message()).await
     };
-    // The request headers went out with the call.
-    match next(None).await {
-        None => return Outcome::Failed,
-        Some(true) => return Outcome::Refused(start.elapsed()),
-        Some(false) => {}
-    }
-    match next(Some(&m.request_body)).await {
-        None => return Outcome::Failed,
-        Some(true) => return Outcome::Refused(start.elapsed()),
-        Some(false) => {}
-    }
-    let added = start.elapsed();
-    for msg in [&m.response_headers, &m.response_body] {
-        if next(Some(msg)).await.is_none() {
-            return Outcome::Failed;
+    let refusal = |a: &ProcessingResponse| match &a.response {
+        Some(Response::ImmediateResponse(r)) => Some(r.status.as_ref().map_or(0, |s| s.code)),
+        _ => None,
+    };
+    // The added latency: until the request body's answer (the routing).
+    let mut added = Duration::ZERO;
+    let mut outcome = Outcome::Failed;
+    let steps = [
+        None, // the request headers went out with the call
+        Some(&m.request_body),
+        Some(&m.response_headers),
+        Some(&m.response_body),
+    ];
+    for (i, msg) in steps.into_iter().enumerate() {
+        if i == 2 && spec.response_delay_s > 0.0 {
+            tokio::time::sleep(Duration::from_secs_f64(spec.response_delay_s)).await;
+        }
+        match next(msg).await {
+            Err(code) => return (Outcome::Failed, code),
+            Ok(None) => break, // the stream ended early: a failed conversation
+            Ok(Some(a)) => {
+                if let Some(status) = refusal(&a) {
+                    outcome = Outcome::Refused(start.elapsed(), status);
+                    break;
+                }
+                match i {
+                    1 => added = start.elapsed(),
+                    3 => outcome = Outcome::Done(added),
+                    _ => {}
+                }
+            }
         }
     }
-    Outcome::Done(added)
+    drop(tx); // half-close: the server ends the stream with its status
+    let code = loop {
+        match bounded(timeout, answers.message()).await {
+            Ok(Some(_)) => {} // answers past the protocol's: read to the end
+            Ok(None) => break tonic::Code::Ok,
+            Err(code) => break code,
+        }
+    };
+    if code != tonic::Code::Ok {
+        // Answered, but the stream failed after: not a clean conversation.
+        outcome = Outcome::Failed;
+    }
+    (outcome, code)
+}
+
+/// What one load worker counted.
+#[derive(Default)]
+struct Tally {
+    latencies: Vec<f64>,
+    errors: u64,
+    statuses: BTreeMap<String, u64>,
+    refusals: BTreeMap<String, u64>,
 }
 
 /// Runs the load; call on a tokio runtime.
@@ -280,6 +365,18 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadReport, Error> {
     if spec.duration_s.is_some_and(|d| !(d.is_finite() && d > 0.0)) {
         return Err(invalid("duration_s must be a finite number > 0"));
     }
+    if !(0.0..=MAX_WAIT_S).contains(&spec.response_delay_s) {
+        return Err(invalid(format!(
+            "response_delay_s must be in [0, {MAX_WAIT_S}], got {}",
+            spec.response_delay_s
+        )));
+    }
+    if !(spec.timeout_s > 0.0 && spec.timeout_s <= MAX_WAIT_S) {
+        return Err(invalid(format!(
+            "timeout_s must be in (0, {MAX_WAIT_S}], got {}",
+            spec.timeout_s
+        )));
+    }
     let endpoint = Endpoint::from_shared(format!("http://{}", spec.target))
         .map_err(|e| invalid(format!("target {:?}: {e}", spec.target)))?
         .tcp_nodelay(true)
@@ -304,7 +401,7 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadReport, Error> {
             let mut client = ExternalProcessorClient::new(channel.clone());
             let (m, next, spec) = (messages.clone(), next.clone(), spec.clone());
             tokio::spawn(async move {
-                let mut out = (Vec::new(), 0u64, 0u64);
+                let mut out = Tally::default();
                 loop {
                     let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     if i >= spec.requests || deadline.is_some_and(|d| Instant::now() >= d) {
@@ -316,27 +413,42 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadReport, Error> {
                         )
                         .await;
                     }
-                    match conversation(&mut client, &m).await {
-                        Outcome::Done(d) => out.0.push(d.as_secs_f64()),
-                        Outcome::Refused(d) => {
-                            out.0.push(d.as_secs_f64());
-                            out.1 += 1;
+                    let (outcome, code) = conversation(&mut client, &m, &spec).await;
+                    *out.statuses.entry(code_name(code).into()).or_default() += 1;
+                    match outcome {
+                        Outcome::Done(d) => out.latencies.push(d.as_secs_f64()),
+                        Outcome::Refused(d, status) => {
+                            out.latencies.push(d.as_secs_f64());
+                            *out.refusals.entry(status.to_string()).or_default() += 1;
                         }
-                        Outcome::Failed => out.2 += 1,
+                        Outcome::Failed => out.errors += 1,
                     }
                 }
                 out
             })
         })
         .collect();
-    let mut latencies = Vec::new();
-    let (mut refused, mut errors) = (0, 0);
+    let mut all = Tally::default();
     for w in workers {
-        let (l, r, e) = w.await.map_err(|e| invalid(format!("load worker: {e}")))?;
-        latencies.extend(l);
-        refused += r;
-        errors += e;
+        let t = w.await.map_err(|e| invalid(format!("load worker: {e}")))?;
+        all.latencies.extend(t.latencies);
+        all.errors += t.errors;
+        for (into, from) in [
+            (&mut all.statuses, t.statuses),
+            (&mut all.refusals, t.refusals),
+        ] {
+            for (k, n) in from {
+                *into.entry(k).or_default() += n;
+            }
+        }
     }
+    let Tally {
+        mut latencies,
+        errors,
+        statuses,
+        refusals,
+    } = all;
+    let refused = refusals.values().sum();
     let seconds = start.elapsed().as_secs_f64();
     let n = latencies.len() as u64 + errors;
     latencies.sort_by(f64::total_cmp);
@@ -352,6 +464,8 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadReport, Error> {
         requests: n,
         refused,
         errors,
+        statuses,
+        refusals,
         seconds,
         throughput_per_s: n as f64 / seconds,
         p50_ms: pick(0.5),
@@ -373,6 +487,7 @@ pub async fn run(spec: &LoadSpec) -> Result<LoadReport, Error> {
 mod tests {
     use std::net::SocketAddr;
 
+    use envoy_types::pb::envoy::r#type::v3::HttpStatus;
     use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
         ExternalProcessor, ExternalProcessorServer,
     };
@@ -405,7 +520,10 @@ mod tests {
                 while let Ok(Some(m)) = incoming.message().await {
                     let response = match m.request {
                         Some(Request::RequestHeaders(_)) if refuse => {
-                            Response::ImmediateResponse(ImmediateResponse::default())
+                            Response::ImmediateResponse(ImmediateResponse {
+                                status: Some(HttpStatus { code: 429 }),
+                                ..Default::default()
+                            })
                         }
                         Some(Request::RequestHeaders(_)) => {
                             Response::RequestHeaders(HeadersResponse::default())
@@ -456,12 +574,28 @@ mod tests {
         rx.recv().expect("address")
     }
 
-    fn block_on<F: std::future::Future>(f: F) -> F::Output {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime")
-            .block_on(f)
+    /// A mock server that stops when told; its address.
+    fn mock_stoppable() -> (SocketAddr, std::sync::mpsc::Sender<()>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let incoming = TcpIncoming::bind(([127, 0, 0, 1], 0).into()).expect("bind");
+                tx.send(incoming.local_addr().expect("addr")).expect("send");
+                let stopped = async move {
+                    let _ = tokio::task::spawn_blocking(move || stop_rx.recv()).await;
+                };
+                let _ = tonic::transport::Server::builder()
+                    .add_service(ExternalProcessorServer::new(Mock { refuse: false }))
+                    .serve_with_incoming_shutdown(incoming, stopped)
+                    .await;
+            });
+        });
+        (rx.recv().expect("address"), stop_tx)
     }
 
     fn spec(addr: SocketAddr) -> LoadSpec {
@@ -472,30 +606,95 @@ mod tests {
         }
     }
 
-    #[test]
-    fn load_runs_every_conversation_to_its_end() {
+    #[tokio::test]
+    async fn load_runs_every_conversation_to_its_end() {
         let addr = mock(false);
-        let r = block_on(run(&LoadSpec {
+        let r = run(&LoadSpec {
             requests: 300,
             ..spec(addr)
-        }))
+        })
+        .await
         .expect("run");
         assert_eq!((r.requests, r.refused, r.errors), (300, 0, 0));
+        assert_eq!(r.statuses, BTreeMap::from([("OK".into(), 300)]));
+        assert!(r.refusals.is_empty());
         assert!(0.0 < r.p50_ms && r.p50_ms <= r.p99_ms);
         assert!(r.server_cpu_ms.is_some() && r.server_context_switches.is_some());
-        let refused = block_on(run(&LoadSpec {
+        let refused = run(&LoadSpec {
             requests: 20,
             ..spec(mock(true))
-        }))
+        })
+        .await
         .expect("run");
         assert_eq!(
             (refused.requests, refused.refused, refused.errors),
             (20, 20, 0)
         );
+        assert_eq!(refused.statuses, BTreeMap::from([("OK".into(), 20)]));
+        assert_eq!(refused.refusals, BTreeMap::from([("429".into(), 20)]));
     }
 
-    #[test]
-    fn load_refuses_bad_specs_and_unreachable_targets() {
+    #[tokio::test]
+    async fn a_server_that_never_answers_is_reported_not_waited_on() {
+        // Accepts connections and never answers a byte.
+        let stalled = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = stalled.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = stalled.accept().await {
+                held.push(conn);
+            }
+        });
+        let start = Instant::now();
+        let r = run(&LoadSpec {
+            requests: 4,
+            concurrency: 2,
+            timeout_s: 0.2,
+            ..spec(addr)
+        })
+        .await
+        .expect("run");
+        assert_eq!((r.requests, r.errors), (4, 4));
+        assert_eq!(
+            r.statuses,
+            BTreeMap::from([("DEADLINE_EXCEEDED".into(), 4)])
+        );
+        // Two rounds of one timeout each, not a hang.
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn a_server_that_goes_away_mid_run_is_reported() {
+        let (addr, stop) = mock_stoppable();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let _ = stop.send(());
+        });
+        let start = Instant::now();
+        let r = run(&LoadSpec {
+            requests: 1_000_000,
+            concurrency: 4,
+            duration_s: Some(0.6),
+            response_delay_s: 0.002,
+            timeout_s: 2.0,
+            ..spec(addr)
+        })
+        .await
+        .expect("run");
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert_eq!(r.requests, r.statuses.values().sum::<u64>());
+        assert!(r.statuses.get("OK").is_some_and(|&n| n > 0), "{r:?}");
+        assert!(
+            r.errors > 0 && r.statuses.get("UNAVAILABLE").is_some_and(|&n| n > 0),
+            "{r:?}"
+        );
+        assert!(!r.statuses.contains_key("UNKNOWN"), "{r:?}");
+    }
+
+    #[tokio::test]
+    async fn load_refuses_bad_specs_and_unreachable_targets() {
         let addr = mock(false);
         for bad in [
             LoadSpec {
@@ -519,7 +718,7 @@ mod tests {
                 ..spec(addr)
             },
         ] {
-            assert!(block_on(run(&bad)).is_err(), "{bad:?}");
+            assert!(run(&bad).await.is_err(), "{bad:?}");
         }
         let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = closed.local_addr().expect("addr").port();
@@ -528,7 +727,7 @@ mod tests {
             target: format!("127.0.0.1:{port}"),
             ..LoadSpec::default()
         };
-        assert!(block_on(run(&spec)).is_err());
+        assert!(run(&spec).await.is_err());
     }
 
     #[test]
@@ -541,17 +740,18 @@ mod tests {
     /// The client's own CPU per conversation against a do-nothing server (on
     /// another thread): `cargo test --release --features server -- --ignored
     /// --nocapture load_client_cpu`.
-    #[test]
+    #[tokio::test]
     #[ignore]
-    fn load_client_cpu() {
+    async fn load_client_cpu() {
         let addr = mock(false);
         for concurrency in [1, 8, 64] {
             let before = stat_cpu_s("/proc/thread-self/stat").expect("cpu");
-            let r = block_on(run(&LoadSpec {
+            let r = run(&LoadSpec {
                 requests: 5_000,
                 concurrency,
                 ..spec(addr)
-            }))
+            })
+            .await
             .expect("run");
             let after = stat_cpu_s("/proc/thread-self/stat").expect("cpu");
             println!(

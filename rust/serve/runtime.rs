@@ -44,6 +44,9 @@ pub const SERVICES: [&str; 3] = [
     "routecore.v1.RouteCore",
 ];
 
+/// How long the streams ended past the drain's grace get to send their status.
+const CLOSE_S: Duration = Duration::from_secs(1);
+
 /// Where and how the data plane listens.
 #[derive(Debug, Clone)]
 pub struct Listen {
@@ -215,6 +218,8 @@ pub struct DataPlane {
     pub metrics_port: Option<u16>,
     stop: watch::Sender<bool>,
     servers: Mutex<Vec<JoinHandle<()>>>,
+    /// Ends the streams still open when the drain's grace runs out.
+    closing: watch::Sender<bool>,
     health: tonic_health::server::HealthReporter,
 }
 
@@ -278,10 +283,12 @@ impl DataPlane {
             .and_then(|l| l.local_addr().ok())
             .map(|a| a.port());
         let (stop, stopped) = watch::channel(false);
+        let (closing, closing_rx) = watch::channel(false);
         let (health, health_service) = tonic_health::server::health_reporter();
         let processor = ExternalProcessorServer::new(Processor {
             current: Arc::clone(&current),
             shared: Arc::clone(&shared),
+            closing: closing_rx,
         })
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);
@@ -342,6 +349,7 @@ impl DataPlane {
             port,
             metrics_port,
             stop,
+            closing,
             servers: Mutex::new(servers),
             health,
         })
@@ -372,7 +380,8 @@ impl DataPlane {
     }
 
     /// Stops taking new streams, gives open ones `grace_s` seconds to finish,
-    /// then ends the rest (their leases are released) and stops the runtime.
+    /// then ends the rest with UNAVAILABLE (their leases are released) and
+    /// stops the runtime.
     pub fn drain(&self, grace_s: f64) {
         let servers = std::mem::take(&mut *self.servers.lock().unwrap_or_else(|e| e.into_inner()));
         let grace = Duration::from_secs_f64(grace_s.clamp(0.0, 3600.0));
@@ -385,12 +394,18 @@ impl DataPlane {
             }
         });
         let _ = self.stop.send(true);
+        let closing = &self.closing;
         let _ = self.block_on(async {
             let deadline = tokio::time::Instant::now() + grace;
             for mut task in servers {
                 if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
-                    task.abort();
-                    let _ = task.await;
+                    // Past the grace: the open streams end with a status (not
+                    // a torn connection), then the connections close.
+                    let _ = closing.send(true);
+                    if tokio::time::timeout(CLOSE_S, &mut task).await.is_err() {
+                        task.abort();
+                        let _ = task.await;
+                    }
                 }
             }
         });

@@ -1,4 +1,4 @@
-"""Token-pool admission in plain Python: the same algorithm as routecore's
+"""Quota admission in plain Python: the same algorithm as routecore's
 AdmissionController (Cunningham 2026, section 4.3 checks; equations 1-3),
 written the way a Python gateway would."""
 
@@ -78,7 +78,7 @@ class AdmissionController:
             busy = [o for o in self.ents.values() if o.in_flight]
             if e.priority <= min(o.priority for o in busy):
                 rate = sum(self._rate(o) for o in busy)
-                return (429, "pool-contention", max(1 / rate, 0.05), None)
+                return (429, "quota-contention", max(1 / rate, 0.05), None)
         ticket = self.next_ticket
         self.next_ticket += 1
         e.in_flight[ticket] = (now, tokens)

@@ -24,7 +24,7 @@ from routecore._core import (
     Pool,
     PrefixCacheRouter,
     TokenBudgetRouter,
-    TokenPool,
+    Quota,
     VtcRouter,
     block_hashes,
     erlang_c,
@@ -149,7 +149,7 @@ def vtc() -> tuple[Call, Call]:
 
 #: (tokens_per_s, kv_bytes, concurrency) of the one pool.
 _POOL = (240.0, 2**34, 16)
-ADMISSION_POOLS = [TokenPool("p", *_POOL)]
+ADMISSION_QUOTAS = [Quota("p", *_POOL)]
 #: (name, tenant, pool, class, slo_ms, tokens_per_s, kv_bytes, concurrency) of two tenants.
 _ENTITLEMENTS = [
     ("copilot", "dev", "p", "elastic", 500.0, 75.0, 2**30, 5),
@@ -180,7 +180,7 @@ def admit_complete_pair(admit, complete) -> Call:
 
 
 def admission() -> tuple[Call, Call]:
-    ctl, py = AdmissionController(ADMISSION_POOLS, ENTITLEMENTS), admission_twin()
+    ctl, py = AdmissionController(ADMISSION_QUOTAS, ENTITLEMENTS), admission_twin()
     return (
         admit_complete_pair(lambda *a: ctl.admit(*a).ticket, ctl.complete),
         admit_complete_pair(lambda *a: py.admit(*a)[3], py.complete),

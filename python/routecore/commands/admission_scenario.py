@@ -1,4 +1,4 @@
-"""``routecore admission-scenario``: the token-pool paper's experiments, simulated."""
+"""``routecore admission-scenario``: the token-management paper's experiments, simulated."""
 
 from __future__ import annotations
 

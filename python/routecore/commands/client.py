@@ -9,12 +9,22 @@ import json
 from typing import Any
 
 from routecore._extras import require
-from routecore.commands._args import int_in, port, positive_float, positive_int, token_count
+from routecore.commands._args import (
+    float_in,
+    int_in,
+    port,
+    positive_float,
+    positive_int,
+    token_count,
+)
 
 #: Streams at once (MAX_STREAMS of rust/serve/loadgen.rs).
 streams = int_in(1, 100_000)
 #: A request body up to 64 MiB (MAX_BODY_BYTES).
 body_size = int_in(1, 1 << 26)
+#: A response delay and a step timeout, at most an hour (MAX_WAIT_S).
+delay_s = float_in(0.0, 3600.0)
+timeout_s = float_in(0.0, 3600.0, lo_open=True)
 #: A process id (Linux: below 2^22).
 pid = int_in(1, (1 << 32) - 1)
 
@@ -95,13 +105,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also send the response phase, a JSON body with this usage (the server "
         "learns from it; default: the request phase only, released when the stream closes)",
     )
-    one.add_argument(
-        "--timeout",
-        type=positive_float,
-        default=10.0,
-        metavar="SECONDS",
-        help="give up connecting or waiting for an answer after this long (default 10)",
-    )
     load = p.add_argument_group("load (--load)")
     load.add_argument(
         "--load",
@@ -147,6 +150,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int_in(1, 256),
         default=1,
         help="client threads (default 1)",
+    )
+    load.add_argument(
+        "--response-delay",
+        type=delay_s,
+        default=0.0,
+        metavar="SECONDS",
+        help="time each routed conversation waits before its response, the upstream's (default 0)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=timeout_s,
+        default=10.0,
+        metavar="SECONDS",
+        help="give up connecting or waiting for an answer after this long; under --load a "
+        "step past it counts as DEADLINE_EXCEEDED (default 10)",
     )
 
 
@@ -250,6 +268,8 @@ def run_load(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         server_pid=args.server_pid,
         threads=args.threads,
+        response_delay_s=args.response_delay,
+        timeout_s=args.timeout,
     )
     if args.json:
         print(json.dumps(report))
@@ -258,6 +278,11 @@ def run_load(args: argparse.Namespace) -> int:
         f"{report['requests']} conversations in {report['seconds']:.2f} s: "
         f"{report['throughput_per_s']:.0f}/s; refused {report['refused']}, "
         f"errors {report['errors']}"
+    )
+    print(
+        "streams ended: "
+        + ", ".join(f"{code} {n}" for code, n in report["statuses"].items())
+        + "".join(f"; refused {status}: {n}" for status, n in report["refusals"].items())
     )
     print(
         f"added latency p50 {report['p50_ms']:.3f} ms, p99 {report['p99_ms']:.3f} ms, "

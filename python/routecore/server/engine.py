@@ -81,8 +81,8 @@ class AdmissionView:
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
 
-    def pool_in_flight(self, pool: str) -> int:
-        """Tickets in flight (the in-memory backend's, summed over its pools)."""
+    def quota_in_flight(self, quota: str) -> int:
+        """Tickets in flight (the in-memory backend's, summed over its quotas)."""
         return self.plane.in_flight()["admission"]
 
 

@@ -1,8 +1,8 @@
-local pool = pool_get()
-if not pool then return {'unconfigured'} end
+local quota = quota_get()
+if not quota then return {'unconfigured'} end
 local ent, tokens = ARGV[1], tonumber(ARGV[2])
-local now = tick(pool, tonumber(ARGV[3]))
-if purge(now) > 0 then pool = pool_get() end
+local now = tick(quota, tonumber(ARGV[3]))
+if purge(now) > 0 then quota = quota_get() end
 local ek = P..':e:'..ent
 local e = redis.call('HMGET', ek, 'state', 'conc', 'tps', 'burstable', 'priority',
   'window_tokens')
@@ -13,22 +13,22 @@ local again = redis.call('HGET', P..':rid', rid)
 if again then return {'200', 'admitted', '', again, w} end -- a client retry: same ticket
 if redis.call('ZSCORE', P..':void', rid) then return {'void'} end -- its client gave up
 if e[1] ~= 'bound' then return {'403', e[1], '', '', w} end
-local kv = tokens * pool.kvpt
-local pool_room = pool.in_flight < pool.conc and pool.kv_in_flight + kv <= pool.kv
-local may_burst = pool_room and e[4] == '1'
+local kv = tokens * quota.kvpt
+local quota_room = quota.in_flight < quota.conc and quota.kv_in_flight + kv <= quota.kv
+local may_burst = quota_room and e[4] == '1'
 if redis.call('ZCARD', ek..':fl') >= tonumber(e[2]) and not may_burst then
-  local retry = 1 / completion_rate(ek, pool)
-  return {'429', 'concurrency', f(math.max(retry, pool.min_retry)), '', w}
+  local retry = 1 / completion_rate(ek, quota)
+  return {'429', 'concurrency', f(math.max(retry, quota.min_retry)), '', w}
 end
 local wt = tonumber(e[6])
-local old = redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - pool.window))
+local old = redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - quota.window))
 for _, s in ipairs(old) do
   wt = wt - tonumber(redis.call('HGET', ek..':wtok', s))
   redis.call('HDEL', ek..':wtok', s)
   redis.call('ZREM', ek..':win', s)
 end
 if #old > 0 then redis.call('HSET', ek, 'window_tokens', wt) end
-local limit = tonumber(e[3]) * pool.window
+local limit = tonumber(e[3]) * quota.window
 local excess = wt + tokens - limit
 if excess > 0 and not may_burst then
   if tokens > limit then return {'413', 'exceeds-token-budget', '', '', w} end
@@ -38,13 +38,13 @@ if excess > 0 and not may_burst then
     freed = freed + tonumber(redis.call('HGET', ek..':wtok', charges[k]))
     if freed >= excess then at = tonumber(charges[k + 1]); break end
   end
-  return {'429', 'token-budget', f(math.max(at + pool.window - now, pool.min_retry)), '', w}
+  return {'429', 'token-budget', f(math.max(at + quota.window - now, quota.min_retry)), '', w}
 end
-if not pool_room then
+if not quota_room then
   local lowest, rate = math.huge, 0
   for _, name in ipairs(redis.call('SMEMBERS', P..':ents')) do
     local ok = P..':e:'..name
-    local r = completion_rate(ok, pool)
+    local r = completion_rate(ok, quota)
     if r > 0 then
       lowest = math.min(lowest, tonumber(redis.call('HGET', ok, 'priority')))
       rate = rate + r
@@ -52,22 +52,22 @@ if not pool_room then
   end
   if tonumber(w) <= lowest then
     local retry = ''
-    if rate > 0 then retry = f(math.max(1 / rate, pool.min_retry)) end
-    return {'429', 'pool-contention', retry, '', w}
+    if rate > 0 then retry = f(math.max(1 / rate, quota.min_retry)) end
+    return {'429', 'quota-contention', retry, '', w}
   end
 end
 local seq = string.format('%d', redis.call('INCR', P..':seq'))
 redis.call('HSET', P..':tickets', seq, string.format('%d|%d|', kv, tokens)..ent)
 redis.call('HSET', P..':rid', seq, rid, rid, seq)
-redis.call('ZADD', P..':leases', f(now + pool.lease), seq)
+redis.call('ZADD', P..':leases', f(now + quota.lease), seq)
 redis.call('ZADD', ek..':fl', f(now), seq)
 redis.call('ZADD', ek..':win', f(now), seq)
 redis.call('HSET', ek..':wtok', seq, tokens)
 redis.call('HINCRBY', ek, 'window_tokens', tokens)
 redis.call('HINCRBY', ek, 'tokens_in_flight', tokens)
-redis.call('HINCRBY', P..':pool', 'in_flight', 1)
+redis.call('HINCRBY', P..':quota', 'in_flight', 1)
 if kv > 0 then
   redis.call('HINCRBY', ek, 'kv_in_flight', string.format('%d', kv))
-  redis.call('HINCRBY', P..':pool', 'kv_in_flight', string.format('%d', kv))
+  redis.call('HINCRBY', P..':quota', 'kv_in_flight', string.format('%d', kv))
 end
 return {'200', 'admitted', '', seq, w}

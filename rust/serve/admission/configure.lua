@@ -1,5 +1,5 @@
 local cfg = cjson.decode(ARGV[1])
-local pk = P..':pool'
+local pk = P..':quota'
 redis.call('HSET', pk, 'tokens_per_s', f(cfg.tokens_per_s), 'kv_bytes', f(cfg.kv_bytes),
   'concurrency', f(cfg.concurrency), 'kv_per_token', f(cfg.kv_bytes_per_token),
   'window_s', f(cfg.window_s), 'lease_s', f(cfg.lease_s))
@@ -24,5 +24,5 @@ for _, e in ipairs(cfg.entitlements) do
     redis.call('HSETNX', ek, k, 0)
   end
 end
-refresh(pool_get())
+refresh(quota_get())
 return 1

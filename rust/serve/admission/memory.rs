@@ -89,8 +89,11 @@ impl MemoryAdmission {
 
     pub fn in_flight(&self) -> u64 {
         self.with(|c, _| {
-            let pools: Vec<String> = c.pools().map(|p| p.name.clone()).collect();
-            pools.iter().map(|p| c.pool_in_flight(p).unwrap_or(0)).sum()
+            let quotas: Vec<String> = c.quotas().map(|p| p.name.clone()).collect();
+            quotas
+                .iter()
+                .map(|p| c.quota_in_flight(p).unwrap_or(0))
+                .sum()
         })
     }
 
@@ -145,74 +148,62 @@ mod tests {
 
     pub(crate) fn spec(concurrency: i64) -> AdmissionSpec {
         AdmissionSpec::from_json(&format!(
-            r#"{{"pools": [{{"name": "p", "tokens_per_s": 1000, "kv_bytes": 1073741824,
+            r#"{{"quotas": [{{"name": "p", "tokens_per_s": 1000, "kv_bytes": 1073741824,
                  "concurrency": 16}}],
-               "entitlements": [{{"name": "g", "tenant": "t", "pool": "p",
+               "entitlements": [{{"name": "g", "tenant": "t", "quota": "p",
                  "service_class": "guaranteed", "slo_target_ms": 1000,
                  "tokens_per_s": 1000, "kv_bytes": 1048576, "concurrency": {concurrency}}}]}}"#
         ))
         .expect("spec")
     }
 
-    fn block_on<F: std::future::Future>(f: F) -> F::Output {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime")
-            .block_on(f)
+    #[tokio::test]
+    async fn memory_admits_to_concurrency_and_completes_once() {
+        let a = Admission::from_spec(&spec(2)).expect("admission");
+        let t1 = a.admit("g", 10, Some(10), "r1").await.ticket().expect("t1");
+        let t2 = a.admit("g", 10, None, "r2").await.ticket().expect("t2");
+        let third = a.admit("g", 10, Some(10), "r3").await;
+        assert!(
+            matches!(&third, Verdict::Refused { status: 429, reason, .. } if reason == "concurrency"),
+            "{third:?}"
+        );
+        assert_eq!(a.in_flight(), 2);
+        // Usage that cannot be real still releases the ticket.
+        assert!(a.complete(t1, u64::MAX, 1 << 40, f64::NAN).await);
+        assert!(!a.complete(t1, 1, 1, 0.1).await);
+        assert!(a.complete(t2, 1, 1, 0.1).await);
+        assert_eq!(a.in_flight(), 0);
+        let unknown = a.admit("nobody", 1, Some(1), "r4").await;
+        assert!(matches!(unknown, Verdict::Refused { status: 401, .. }));
+        let bad = a.admit("g", 1, Some(0), "r5").await;
+        assert!(matches!(bad, Verdict::Refused { status: 400, .. }));
+        assert_eq!(a.failures(), 0);
     }
 
-    #[test]
-    fn memory_admits_to_concurrency_and_completes_once() {
-        block_on(async {
-            let a = Admission::from_spec(&spec(2)).expect("admission");
-            let t1 = a.admit("g", 10, Some(10), "r1").await.ticket().expect("t1");
-            let t2 = a.admit("g", 10, None, "r2").await.ticket().expect("t2");
-            let third = a.admit("g", 10, Some(10), "r3").await;
-            assert!(
-                matches!(&third, Verdict::Refused { status: 429, reason, .. } if reason == "concurrency"),
-                "{third:?}"
-            );
-            assert_eq!(a.in_flight(), 2);
-            // Usage that cannot be real still releases the ticket.
-            assert!(a.complete(t1, u64::MAX, 1 << 40, f64::NAN).await);
-            assert!(!a.complete(t1, 1, 1, 0.1).await);
-            assert!(a.complete(t2, 1, 1, 0.1).await);
-            assert_eq!(a.in_flight(), 0);
-            let unknown = a.admit("nobody", 1, Some(1), "r4").await;
-            assert!(matches!(unknown, Verdict::Refused { status: 401, .. }));
-            let bad = a.admit("g", 1, Some(0), "r5").await;
-            assert!(matches!(bad, Verdict::Refused { status: 400, .. }));
-            assert_eq!(a.failures(), 0);
-        });
-    }
-
-    #[test]
-    fn adopt_carries_in_flight_tickets_over_reloads() {
-        block_on(async {
-            let first = Admission::from_spec(&spec(2)).expect("admission");
-            let t1 = first.admit("g", 1, Some(1), "a").await.ticket().expect("t");
-            let t2 = first.admit("g", 1, Some(1), "b").await.ticket().expect("t");
-            // Reload with a new entitlement in front: g's tickets are renumbered.
-            let mut s = spec(2);
-            let mut other = s.entitlements[0].clone();
-            other.name = "first".into();
-            s.entitlements.insert(0, other);
-            let second = Admission::from_spec(&s).expect("admission");
-            second.adopt(&first).expect("adopt");
-            assert_eq!(second.in_flight(), 2);
-            let refused = second.admit("g", 1, Some(1), "c").await;
-            assert!(matches!(refused, Verdict::Refused { status: 429, .. }));
-            // A stream that began on the first configuration completes there.
-            assert!(first.complete(t1, 1, 1, 0.1).await);
-            assert_eq!(second.in_flight(), 1);
-            // A second reload: the old ticket still finds its request.
-            let third = Admission::from_spec(&spec(2)).expect("admission");
-            third.adopt(&second).expect("adopt");
-            assert!(first.complete(t2, 1, 1, 0.1).await);
-            assert!(!first.complete(t2, 1, 1, 0.1).await);
-            assert_eq!(third.in_flight(), 0);
-            assert!(third.admit("g", 1, Some(1), "d").await.admitted());
-        });
+    #[tokio::test]
+    async fn adopt_carries_in_flight_tickets_over_reloads() {
+        let first = Admission::from_spec(&spec(2)).expect("admission");
+        let t1 = first.admit("g", 1, Some(1), "a").await.ticket().expect("t");
+        let t2 = first.admit("g", 1, Some(1), "b").await.ticket().expect("t");
+        // Reload with a new entitlement in front: g's tickets are renumbered.
+        let mut s = spec(2);
+        let mut other = s.entitlements[0].clone();
+        other.name = "first".into();
+        s.entitlements.insert(0, other);
+        let second = Admission::from_spec(&s).expect("admission");
+        second.adopt(&first).expect("adopt");
+        assert_eq!(second.in_flight(), 2);
+        let refused = second.admit("g", 1, Some(1), "c").await;
+        assert!(matches!(refused, Verdict::Refused { status: 429, .. }));
+        // A stream that began on the first configuration completes there.
+        assert!(first.complete(t1, 1, 1, 0.1).await);
+        assert_eq!(second.in_flight(), 1);
+        // A second reload: the old ticket still finds its request.
+        let third = Admission::from_spec(&spec(2)).expect("admission");
+        third.adopt(&second).expect("adopt");
+        assert!(first.complete(t2, 1, 1, 0.1).await);
+        assert!(!first.complete(t2, 1, 1, 0.1).await);
+        assert_eq!(third.in_flight(), 0);
+        assert!(third.admit("g", 1, Some(1), "d").await.admitted());
     }
 }

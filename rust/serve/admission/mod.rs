@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use serde::Deserialize;
 
-use crate::admission::{AdmissionController, Entitlement, TokenPool};
+use crate::admission::{AdmissionController, Entitlement, Quota};
 use crate::budget::MAX_TOKENS;
 use crate::error::{invalid, Error};
 
@@ -47,10 +47,10 @@ pub enum Backend {
     Redis,
 }
 
-/// A pool of the admission layer (`TokenPool`'s arguments).
+/// A quota of the admission layer (`Quota`'s arguments).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct PoolSpec {
+pub struct QuotaSpec {
     pub name: String,
     pub tokens_per_s: f64,
     pub kv_bytes: i64,
@@ -65,7 +65,7 @@ pub struct PoolSpec {
 pub struct EntitlementSpec {
     pub name: String,
     pub tenant: String,
-    pub pool: String,
+    pub quota: String,
     pub service_class: String,
     pub slo_target_ms: f64,
     pub tokens_per_s: f64,
@@ -86,7 +86,7 @@ pub struct RedisSpec {
     pub url: String,
     pub prefix: String,
     /// A reservation not completed within this time (its replica died) is
-    /// released by the next call on its pool.
+    /// released by the next call on its quota.
     pub lease_s: f64,
     pub failure_mode: FailureMode,
     /// Retry-After of a 503 while Redis is unavailable (fail-closed).
@@ -116,7 +116,7 @@ pub struct AdmissionSpec {
     #[serde(default)]
     pub backend: Backend,
     #[serde(default)]
-    pub pools: Vec<PoolSpec>,
+    pub quotas: Vec<QuotaSpec>,
     #[serde(default)]
     pub entitlements: Vec<EntitlementSpec>,
     #[serde(default = "default_max_tokens")]
@@ -140,13 +140,13 @@ impl AdmissionSpec {
         serde_json::from_str(json).map_err(|e| invalid(format!("admission: {e}")))
     }
 
-    /// The pools and entitlements, each checked as on construction.
-    pub fn parts(&self) -> Result<(Vec<TokenPool>, Vec<Entitlement>), Error> {
-        let pools = self
-            .pools
+    /// The quotas and entitlements, each checked as on construction.
+    pub fn parts(&self) -> Result<(Vec<Quota>, Vec<Entitlement>), Error> {
+        let quotas = self
+            .quotas
             .iter()
             .map(|p| {
-                TokenPool::new(
+                Quota::new(
                     &p.name,
                     p.tokens_per_s,
                     p.kv_bytes,
@@ -162,7 +162,7 @@ impl AdmissionSpec {
                 Entitlement::new(
                     &e.name,
                     &e.tenant,
-                    &e.pool,
+                    &e.quota,
                     &e.service_class,
                     e.slo_target_ms,
                     e.tokens_per_s,
@@ -172,13 +172,13 @@ impl AdmissionSpec {
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok((pools, ents))
+        Ok((quotas, ents))
     }
 
     /// A controller of this configuration (every value checked).
     pub fn controller(&self) -> Result<AdmissionController, Error> {
-        let (pools, ents) = self.parts()?;
-        AdmissionController::new(pools, ents, self.default_max_tokens, self.window_s)
+        let (quotas, ents) = self.parts()?;
+        AdmissionController::new(quotas, ents, self.default_max_tokens, self.window_s)
     }
 }
 

@@ -1,11 +1,11 @@
 -- Shared by every admission script (rust/serve/admission/*.lua). KEYS[1] is
--- the pool's key prefix. The constants of rust/admission.rs (equation 1's
+-- the quota's key prefix. The constants of rust/admission.rs (equation 1's
 -- alphas, the EWMA decays, the shortest Retry-After) and the service-class
--- table come from Rust through the configure script's JSON into the pool hash.
+-- table come from Rust through the configure script's JSON into the quota hash.
 local P = KEYS[1]
 local function f(x) return string.format('%.17g', x) end
-local function pool_get()
-  local v = redis.call('HMGET', P..':pool', 'tokens_per_s', 'kv_bytes', 'concurrency',
+local function quota_get()
+  local v = redis.call('HMGET', P..':quota', 'tokens_per_s', 'kv_bytes', 'concurrency',
     'kv_per_token', 'mean_slo', 'window_s', 'lease_s', 'in_flight', 'kv_in_flight', 'clock',
     'alpha_slo', 'alpha_burst', 'alpha_debt', 'gamma_debt', 'gamma_burst', 'gamma_latency',
     'min_retry')
@@ -17,14 +17,14 @@ local function pool_get()
     alpha_debt = tonumber(v[13]), gamma_debt = tonumber(v[14]), gamma_burst = tonumber(v[15]),
     gamma_latency = tonumber(v[16]), min_retry = tonumber(v[17])}
 end
-local function tick(pool, now)
-  if pool.clock and pool.clock >= now then return pool.clock end
-  redis.call('HSET', P..':pool', 'clock', f(now))
+local function tick(quota, now)
+  if quota.clock and quota.clock >= now then return quota.clock end
+  redis.call('HSET', P..':quota', 'clock', f(now))
   return now
 end
-local function weight(pool, e, mean)
-  return tonumber(e.weight) / (1 + pool.alpha_slo * tonumber(e.slo) / mean)
-    / (1 + pool.alpha_burst * tonumber(e.burst)) * (1 + pool.alpha_debt * tonumber(e.debt))
+local function weight(quota, e, mean)
+  return tonumber(e.weight) / (1 + quota.alpha_slo * tonumber(e.slo) / mean)
+    / (1 + quota.alpha_burst * tonumber(e.burst)) * (1 + quota.alpha_debt * tonumber(e.debt))
 end
 local function release(seq)
   local info = redis.call('HGET', P..':tickets', seq)
@@ -36,11 +36,11 @@ local function release(seq)
   if rid then redis.call('HDEL', P..':rid', seq, rid) end
   redis.call('ZREM', P..':leases', seq)
   redis.call('ZREM', ek..':fl', seq)
-  redis.call('HINCRBY', P..':pool', 'in_flight', -1)
+  redis.call('HINCRBY', P..':quota', 'in_flight', -1)
   redis.call('HINCRBY', ek, 'tokens_in_flight', '-'..tokens)
   if kv ~= '0' then
     redis.call('HINCRBY', ek, 'kv_in_flight', '-'..kv)
-    redis.call('HINCRBY', P..':pool', 'kv_in_flight', '-'..kv)
+    redis.call('HINCRBY', P..':quota', 'kv_in_flight', '-'..kv)
   end
   return ent
 end
@@ -50,16 +50,16 @@ local function purge(now)
   for _, seq in ipairs(dead) do release(seq) end
   return #dead
 end
-local function completion_rate(ek, pool)
+local function completion_rate(ek, quota)
   local n = redis.call('ZCARD', ek..':fl')
   if n == 0 then return 0 end
   local v = redis.call('HMGET', ek, 'latency', 'tokens_in_flight')
   local latency
   if v[1] ~= '' then latency = tonumber(v[1])
-  else latency = tonumber(v[2]) / n / (pool.tps / pool.conc) end
-  return n / math.max(latency, pool.min_retry)
+  else latency = tonumber(v[2]) / n / (quota.tps / quota.conc) end
+  return n / math.max(latency, quota.min_retry)
 end
-local function refresh(pool)
+local function refresh(quota)
   local names = redis.call('SMEMBERS', P..':ents')
   table.sort(names)
   local sum, n = 0, 0
@@ -69,11 +69,11 @@ local function refresh(pool)
   end
   local mean = 1
   if n > 0 then mean = sum / n end
-  redis.call('HSET', P..':pool', 'mean_slo', f(mean))
+  redis.call('HSET', P..':quota', 'mean_slo', f(mean))
   for _, name in ipairs(names) do
     local ek = P..':e:'..name
     local v = redis.call('HMGET', ek, 'weight', 'slo', 'burst', 'debt')
-    local w = weight(pool, {weight = v[1], slo = v[2], burst = v[3], debt = v[4]}, mean)
+    local w = weight(quota, {weight = v[1], slo = v[2], burst = v[3], debt = v[4]}, mean)
     redis.call('HSET', ek, 'priority', f(w))
   end
 end

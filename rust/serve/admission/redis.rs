@@ -1,4 +1,4 @@
-//! The shared backend: pool state in Redis, one atomic Lua script per
+//! The shared backend: quota state in Redis, one atomic Lua script per
 //! operation (`scripts`), through one multiplexed async connection.
 //!
 //! - Construction never connects; the first call does, and a call after a
@@ -29,13 +29,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use ::redis::aio::MultiplexedConnection;
 use ::redis::{AsyncConnectionConfig, Client, RedisError, Script};
 
-use super::scripts::{self, MAX_POOLS};
+use super::scripts::{self, MAX_QUOTAS};
 use super::{latency, usage, AdmissionSpec, FailureMode, Ticket, Verdict};
 use crate::admission::{ServiceClass, Shrink};
 use crate::budget::MAX_TOKENS;
 use crate::error::{invalid, Error};
 
-/// Lost admits and failed completions a pool keeps to settle when Redis
+/// Lost admits and failed completions a quota keeps to settle when Redis
 /// answers again; beyond it the oldest are left to their leases.
 pub const MAX_PENDING: usize = 10_000;
 /// How many of them one call settles before its own work.
@@ -99,13 +99,32 @@ fn put_back<T>(queue: &mut VecDeque<T>, items: Vec<T>) {
     queue.truncate(MAX_PENDING);
 }
 
-struct Pool {
+/// What one settlement took from a quota's pending queues. Whatever it has
+/// not settled goes back when it is dropped: on an error, and when the call
+/// is cut short by its timeout (a stalled Redis), so no void or replay owed to
+/// Redis is forgotten. Settling twice is harmless (a void and a completion
+/// each count once).
+struct Taken<'a> {
+    pending: &'a Mutex<Pending>,
+    voids: Vec<String>,
+    replays: Vec<Replay>,
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        let mut pending = lock(self.pending);
+        put_back(&mut pending.voids, std::mem::take(&mut self.voids));
+        put_back(&mut pending.replays, std::mem::take(&mut self.replays));
+    }
+}
+
+struct Quota {
     name: String,
     key: String,
     config: String,
     configured: AtomicBool,
     pending: Mutex<Pending>,
-    /// Entitlements of the pool with their class (evictions).
+    /// Entitlements of the quota with their class (evictions).
     ents: Vec<(String, ServiceClass)>,
 }
 
@@ -145,8 +164,8 @@ pub struct RedisAdmission {
     connection: Mutex<Option<MultiplexedConnection>>,
     connecting: tokio::sync::Mutex<()>,
     scripts: Scripts,
-    pools: Vec<Pool>,
-    pool_of: HashMap<String, usize>,
+    quotas: Vec<Quota>,
+    quota_of: HashMap<String, usize>,
     default_max_tokens: u64,
     failure_mode: FailureMode,
     unavailable_retry_s: f64,
@@ -175,10 +194,10 @@ impl RedisAdmission {
     /// Checks the configuration exactly as in memory; never connects.
     pub fn new(spec: &AdmissionSpec) -> Result<Self, Error> {
         let controller = spec.controller()?;
-        let (pools, ents) = spec.parts()?;
+        let (quotas, ents) = spec.parts()?;
         let r = &spec.redis;
-        if pools.len() > MAX_POOLS {
-            return Err(invalid(format!("at most {MAX_POOLS} pools")));
+        if quotas.len() > MAX_QUOTAS {
+            return Err(invalid(format!("at most {MAX_QUOTAS} quotas")));
         }
         let lease_s = positive_setting("lease_s", r.lease_s)?;
         let timeout = positive_setting("socket_timeout_s", r.socket_timeout_s)?;
@@ -198,24 +217,29 @@ impl RedisAdmission {
         let client = Client::open(r.url.as_str())
             .map_err(|_| invalid("admission.redis.url: not a valid Redis URL"))?;
         let window_s = controller.window_s();
-        let pools: Vec<Pool> = pools
+        let quotas: Vec<Quota> = quotas
             .iter()
-            .map(|p| Pool {
+            .map(|p| Quota {
                 name: p.name.clone(),
                 key: format!("{}:{{{}}}", r.prefix, p.name),
-                config: scripts::pool_config(p, &ents, window_s, lease_s),
+                config: scripts::quota_config(p, &ents, window_s, lease_s),
                 configured: AtomicBool::new(false),
                 pending: Mutex::new(Pending::default()),
                 ents: ents
                     .iter()
-                    .filter(|e| e.pool == p.name)
+                    .filter(|e| e.quota == p.name)
                     .map(|e| (e.name.clone(), e.service_class))
                     .collect(),
             })
             .collect();
-        let pool_of = ents
+        let quota_of = ents
             .iter()
-            .filter_map(|e| Some((e.name.clone(), pools.iter().position(|p| p.name == e.pool)?)))
+            .filter_map(|e| {
+                Some((
+                    e.name.clone(),
+                    quotas.iter().position(|p| p.name == e.quota)?,
+                ))
+            })
             .collect();
         Ok(Self {
             client,
@@ -227,8 +251,8 @@ impl RedisAdmission {
                 complete: Script::new(scripts::COMPLETE),
                 void: Script::new(scripts::VOID),
             },
-            pools,
-            pool_of,
+            quotas,
+            quota_of,
             default_max_tokens: controller.default_max_tokens(),
             failure_mode: r.failure_mode,
             unavailable_retry_s,
@@ -296,7 +320,7 @@ impl RedisAdmission {
         }
     }
 
-    /// Before a call on pool `p`: settles what failed calls left behind, then
+    /// Before a call on quota `p`: settles what failed calls left behind, then
     /// writes this instance's configuration once.
     async fn ready(
         &self,
@@ -305,70 +329,69 @@ impl RedisAdmission {
         now: f64,
     ) -> Result<(), FailureKind> {
         self.settle(c, p, now).await?;
-        let pool = &self.pools[p];
-        if !pool.configured.load(Ordering::Acquire) {
+        let quota = &self.quotas[p];
+        if !quota.configured.load(Ordering::Acquire) {
             self.configure(c, p).await?;
         }
         Ok(())
     }
 
     async fn configure(&self, c: &mut MultiplexedConnection, p: usize) -> Result<(), FailureKind> {
-        let pool = &self.pools[p];
-        // A pool new to Redis numbers its tickets from the clock (ms * 1024),
+        let quota = &self.quotas[p];
+        // A quota new to Redis numbers its tickets from the clock (ms * 1024),
         // so no ticket of an earlier, lost state can match a new one.
         let first = (wall_s() * 1000.0) as u64 * 1024;
         let _: i64 = self
             .scripts
             .configure
-            .key(&pool.key)
-            .arg(&pool.config)
+            .key(&quota.key)
+            .arg(&quota.config)
             .arg(first)
             .invoke_async(c)
             .await?;
-        pool.configured.store(true, Ordering::Release);
+        quota.configured.store(true, Ordering::Release);
         Ok(())
     }
 
     /// Voids up to a batch of lost admits and replays up to a batch of failed
-    /// completions of pool `p`; what Redis did not take is kept for later.
+    /// completions of quota `p`; what Redis did not take is kept for later.
     async fn settle(
         &self,
         c: &mut MultiplexedConnection,
         p: usize,
         now: f64,
     ) -> Result<(), FailureKind> {
-        let pool = &self.pools[p];
-        let (mut voids, mut replays) = {
-            let mut pending = lock(&pool.pending);
+        let quota = &self.quotas[p];
+        let mut taken = {
+            let mut pending = lock(&quota.pending);
             if pending.voids.is_empty() && pending.replays.is_empty() {
                 return Ok(());
             }
-            (take(&mut pending.voids), take(&mut pending.replays))
+            Taken {
+                pending: &quota.pending,
+                voids: take(&mut pending.voids),
+                replays: take(&mut pending.replays),
+            }
         };
         let result: Result<(), RedisError> = async {
-            if !voids.is_empty() {
-                let mut call = self.scripts.void.key(&pool.key);
+            if !taken.voids.is_empty() {
+                let mut call = self.scripts.void.key(&quota.key);
                 call.arg(now);
-                for rid in &voids {
+                for rid in &taken.voids {
                     call.arg(rid);
                 }
                 let _: i64 = call.invoke_async(c).await?;
-                voids.clear();
+                taken.voids.clear();
             }
-            while let Some(&replay) = replays.first() {
-                self.run_complete(c, &pool.key, replay).await?;
-                replays.remove(0);
+            while let Some(&replay) = taken.replays.first() {
+                self.run_complete(c, &quota.key, replay).await?;
+                taken.replays.remove(0);
             }
             Ok(())
         }
         .await;
-        if let Err(e) = result {
-            let mut pending = lock(&pool.pending);
-            put_back(&mut pending.voids, voids);
-            put_back(&mut pending.replays, replays);
-            return Err(e.into());
-        }
-        Ok(())
+        // Dropping `taken` puts back what was not settled.
+        result.map_err(Into::into)
     }
 
     /// Runs the completion script for `(seq, actual, latency_s, at)`: a first
@@ -405,14 +428,14 @@ impl RedisAdmission {
         if input_tokens > MAX_TOKENS || output == 0 || output > MAX_TOKENS {
             return Verdict::invalid();
         }
-        let Some(&p) = self.pool_of.get(entitlement) else {
+        let Some(&p) = self.quota_of.get(entitlement) else {
             return Verdict::Refused {
                 status: 401,
                 reason: "unknown-entitlement".into(),
                 retry_after_s: None,
             };
         };
-        let pool = &self.pools[p];
+        let quota = &self.quotas[p];
         let now = wall_s();
         let rid = format!("{}{request_id}", self.rid_prefix);
         let sent = AtomicBool::new(false);
@@ -425,7 +448,7 @@ impl RedisAdmission {
                 out = self
                     .scripts
                     .admit
-                    .key(&pool.key)
+                    .key(&quota.key)
                     .arg(entitlement)
                     .arg(input_tokens + output)
                     .arg(now)
@@ -463,7 +486,7 @@ impl RedisAdmission {
             self.failed(FailureKind::Reply);
             return self.lost(p, rid, &sent);
         };
-        let ticket = seq * MAX_POOLS as u64 + p as u64;
+        let ticket = seq * MAX_QUOTAS as u64 + p as u64;
         lock(&self.held).insert(ticket);
         Verdict::Admitted {
             ticket: Some(Ticket(ticket)),
@@ -475,7 +498,7 @@ impl RedisAdmission {
     /// Redis answers again.
     fn lost(&self, p: usize, rid: String, sent: &AtomicBool) -> Verdict {
         if sent.load(Ordering::Relaxed) {
-            defer(&mut lock(&self.pools[p].pending).voids, rid);
+            defer(&mut lock(&self.quotas[p].pending).voids, rid);
         }
         self.unavailable()
     }
@@ -485,10 +508,10 @@ impl RedisAdmission {
             return false;
         }
         let (seq, p) = (
-            ticket.0 / MAX_POOLS as u64,
-            (ticket.0 % MAX_POOLS as u64) as usize,
+            ticket.0 / MAX_QUOTAS as u64,
+            (ticket.0 % MAX_QUOTAS as u64) as usize,
         );
-        let pool = &self.pools[p];
+        let quota = &self.quotas[p];
         let actual = usage(input) as u64 + usage(output) as u64;
         let latency_s = latency(latency_s);
         let now = wall_s();
@@ -496,7 +519,7 @@ impl RedisAdmission {
             let mut c = self.connection().await?;
             self.settle(&mut c, p, now).await?;
             let done = self
-                .run_complete(&mut c, &pool.key, (seq, actual, latency_s, now))
+                .run_complete(&mut c, &quota.key, (seq, actual, latency_s, now))
                 .await?;
             Ok(done == 1)
         };
@@ -505,7 +528,7 @@ impl RedisAdmission {
             Err(()) => {
                 // Replayed when Redis answers; a replay counts once.
                 defer(
-                    &mut lock(&pool.pending).replays,
+                    &mut lock(&quota.pending).replays,
                     (seq, actual, latency_s, now),
                 );
                 false
@@ -514,21 +537,21 @@ impl RedisAdmission {
     }
 
     /// Preemptible requests to terminate now, read in one transaction per
-    /// pool; none while Redis is unavailable.
+    /// quota; none while Redis is unavailable.
     pub async fn evictions(&self) -> Vec<Ticket> {
         let now = wall_s();
         let mut out = Vec::new();
-        for (p, pool) in self.pools.iter().enumerate() {
+        for (p, quota) in self.quotas.iter().enumerate() {
             let call = async {
                 let mut c = self.connection().await?;
                 self.settle(&mut c, p, now).await?;
                 let mut pipe = ::redis::pipe();
                 pipe.atomic()
-                    .hget(format!("{}:pool", pool.key), "in_flight")
-                    .hget(format!("{}:pool", pool.key), "concurrency");
-                for (e, _) in &pool.ents {
-                    pipe.zrange_withscores(format!("{}:e:{e}:fl", pool.key), 0, -1)
-                        .hget(format!("{}:e:{e}", pool.key), "priority");
+                    .hget(format!("{}:quota", quota.key), "in_flight")
+                    .hget(format!("{}:quota", quota.key), "concurrency");
+                for (e, _) in &quota.ents {
+                    pipe.zrange_withscores(format!("{}:e:{e}:fl", quota.key), 0, -1)
+                        .hget(format!("{}:e:{e}", quota.key), "priority");
                 }
                 let (head, rest): ((Option<f64>, Option<f64>), Vec<::redis::Value>) = {
                     let v: Vec<::redis::Value> = pipe.query_async(&mut c).await?;
@@ -548,7 +571,7 @@ impl RedisAdmission {
             let over = (in_flight.unwrap_or(0.0) - concurrency.unwrap_or(0.0)).max(0.0) as usize;
             let mut protected = false;
             let mut victims: Vec<(f64, f64, u64)> = Vec::new();
-            for ((_, class), pair) in pool.ents.iter().zip(rest.chunks(2)) {
+            for ((_, class), pair) in quota.ents.iter().zip(rest.chunks(2)) {
                 let [flights, priority] = pair else { continue };
                 let flights: Vec<(u64, f64)> =
                     ::redis::from_redis_value(flights.clone()).unwrap_or_default();
@@ -560,7 +583,7 @@ impl RedisAdmission {
                 if class.shrink() == Shrink::Evict {
                     victims.extend(
                         flights.into_iter().map(|(seq, at)| {
-                            (priority, now - at, seq * MAX_POOLS as u64 + p as u64)
+                            (priority, now - at, seq * MAX_QUOTAS as u64 + p as u64)
                         }),
                     );
                 }
@@ -594,7 +617,7 @@ impl RedisAdmission {
 
     /// Lost admits and failed completions not yet settled in Redis.
     pub fn pending(&self) -> usize {
-        self.pools
+        self.quotas
             .iter()
             .map(|p| {
                 let q = lock(&p.pending);
@@ -603,13 +626,13 @@ impl RedisAdmission {
             .sum()
     }
 
-    /// Settles everything pending on every pool; true when nothing is left.
+    /// Settles everything pending on every quota; true when nothing is left.
     pub async fn reconcile(&self) -> bool {
         let now = wall_s();
-        for p in 0..self.pools.len() {
+        for p in 0..self.quotas.len() {
             loop {
                 let left = {
-                    let q = lock(&self.pools[p].pending);
+                    let q = lock(&self.quotas[p].pending);
                     !q.voids.is_empty() || !q.replays.is_empty()
                 };
                 if !left {
@@ -629,16 +652,16 @@ impl RedisAdmission {
 
     /// The state is in Redis already; what `old` has still to settle moves here.
     pub fn adopt(&self, old: &RedisAdmission) -> Result<(), Error> {
-        for pool in &self.pools {
+        for quota in &self.quotas {
             let Some(from) = old
-                .pools
+                .quotas
                 .iter()
-                .find(|o| o.name == pool.name && o.key == pool.key)
+                .find(|o| o.name == quota.name && o.key == quota.key)
             else {
                 continue;
             };
             let taken = std::mem::take(&mut *lock(&from.pending));
-            let mut to = lock(&pool.pending);
+            let mut to = lock(&quota.pending);
             for rid in taken.voids {
                 defer(&mut to.voids, rid);
             }

@@ -1,21 +1,21 @@
 //! The Redis admission scripts: one source for the Rust backend and the
 //! Python `RedisAdmission` (which reads them through `_core.admission_lua`).
 //!
-//! Each script is `prelude.lua` (pool state, priority, release, purge) and
-//! the operation's own file; KEYS[1] is the pool's key prefix. The constants
+//! Each script is `prelude.lua` (quota state, priority, release, purge) and
+//! the operation's own file; KEYS[1] is the quota's key prefix. The constants
 //! of rust/admission.rs and the service-class table reach Lua only through
-//! [`pool_config`], the JSON argument of the configure script, so the
+//! [`quota_config`], the JSON argument of the configure script, so the
 //! formulas have one set of numbers.
 
 use serde_json::json;
 
 use crate::admission::{
-    Entitlement, TokenPool, ALPHA_BURST, ALPHA_DEBT, ALPHA_SLO, GAMMA_BURST, GAMMA_DEBT,
-    GAMMA_LATENCY, MIN_RETRY_AFTER_S,
+    Entitlement, Quota, ALPHA_BURST, ALPHA_DEBT, ALPHA_SLO, GAMMA_BURST, GAMMA_DEBT, GAMMA_LATENCY,
+    MIN_RETRY_AFTER_S,
 };
 
-/// Writes a pool's configuration (ARGV[1]: [`pool_config`]; ARGV[2]: the
-/// first ticket number if the pool is new).
+/// Writes a quota's configuration (ARGV[1]: [`quota_config`]; ARGV[2]: the
+/// first ticket number if the quota is new).
 pub const CONFIGURE: &str = concat!(include_str!("prelude.lua"), include_str!("configure.lua"));
 /// Decides and reserves (ARGV: entitlement, tokens, now, request id).
 pub const ADMIT: &str = concat!(include_str!("prelude.lua"), include_str!("admit.lua"));
@@ -37,21 +37,21 @@ pub const SCRIPTS: [(&str, &str); 5] = [
     ("set_state", SET_STATE),
 ];
 
-/// Ticket numbers carry the pool's index in their low part: `seq * MAX_POOLS + pool`.
-pub const MAX_POOLS: usize = 256;
+/// Ticket numbers carry the quota's index in their low part: `seq * MAX_QUOTAS + quota`.
+pub const MAX_QUOTAS: usize = 256;
 
-/// The configure script's JSON for `pool`: its capacity, window and lease,
-/// equation 1's constants and, per entitlement of the pool, its class's
+/// The configure script's JSON for `quota`: its capacity, window and lease,
+/// equation 1's constants and, per entitlement of the quota, its class's
 /// weight, burst right and baseline (the paper's Table 1).
-pub fn pool_config(
-    pool: &TokenPool,
+pub fn quota_config(
+    quota: &Quota,
     entitlements: &[Entitlement],
     window_s: f64,
     lease_s: f64,
 ) -> String {
     let ents: Vec<_> = entitlements
         .iter()
-        .filter(|e| e.pool == pool.name)
+        .filter(|e| e.quota == quota.name)
         .map(|e| {
             let c = e.service_class;
             json!({
@@ -68,10 +68,10 @@ pub fn pool_config(
         })
         .collect();
     json!({
-        "tokens_per_s": pool.tokens_per_s,
-        "kv_bytes": pool.kv_bytes,
-        "concurrency": pool.concurrency,
-        "kv_bytes_per_token": pool.kv_bytes_per_token,
+        "tokens_per_s": quota.tokens_per_s,
+        "kv_bytes": quota.kv_bytes,
+        "concurrency": quota.concurrency,
+        "kv_bytes_per_token": quota.kv_bytes_per_token,
         "window_s": window_s,
         "lease_s": lease_s,
         "constants": {

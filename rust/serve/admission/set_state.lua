@@ -1,5 +1,5 @@
-local pool = pool_get()
-if not pool or redis.call('EXISTS', P..':e:'..ARGV[1]) == 0 then return 0 end
+local quota = quota_get()
+if not quota or redis.call('EXISTS', P..':e:'..ARGV[1]) == 0 then return 0 end
 redis.call('HSET', P..':e:'..ARGV[1], 'state', ARGV[2])
-refresh(pool)
+refresh(quota)
 return 1

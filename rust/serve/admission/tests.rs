@@ -68,9 +68,9 @@ impl RedisServer {
         cmd.query(&mut c).expect("probe command")
     }
 
-    /// Requests in flight in pool `p` as Redis counts them.
+    /// Requests in flight in quota `p` as Redis counts them.
     fn in_flight(&self) -> i64 {
-        match self.cmd(&["HGET", "rc:{p}:pool", "in_flight"]) {
+        match self.cmd(&["HGET", "rc:{p}:quota", "in_flight"]) {
             redis::Value::BulkString(b) => String::from_utf8_lossy(&b).parse().expect("int"),
             redis::Value::Nil => 0,
             other => panic!("in_flight: {other:?}"),
@@ -113,16 +113,16 @@ impl Drop for RedisServer {
 fn spec(url: &str, mode: FailureMode, timeout_s: f64) -> AdmissionSpec {
     let mut s = AdmissionSpec::from_json(
         r#"{"backend": "redis",
-            "pools": [{"name": "p", "tokens_per_s": 240, "kv_bytes": 1073741824,
+            "quotas": [{"name": "p", "tokens_per_s": 240, "kv_bytes": 1073741824,
                        "concurrency": 4}],
             "entitlements": [
-              {"name": "g", "tenant": "t", "pool": "p", "service_class": "guaranteed",
+              {"name": "g", "tenant": "t", "quota": "p", "service_class": "guaranteed",
                "slo_target_ms": 1000, "tokens_per_s": 10, "kv_bytes": 1048576,
                "concurrency": 2},
-              {"name": "s", "tenant": "t", "pool": "p", "service_class": "spot",
+              {"name": "s", "tenant": "t", "quota": "p", "service_class": "spot",
                "slo_target_ms": 1000, "tokens_per_s": 1000, "kv_bytes": 1048576,
                "concurrency": 4},
-              {"name": "x", "tenant": "t", "pool": "p", "service_class": "elastic",
+              {"name": "x", "tenant": "t", "quota": "p", "service_class": "elastic",
                "slo_target_ms": 1000, "tokens_per_s": 10, "kv_bytes": 1048576,
                "concurrency": 2, "state": "expired"}],
             "default_max_tokens": 50, "window_s": 10.0,
@@ -176,7 +176,7 @@ fn redis_decides_as_memory() {
         m.backend = Backend::Memory;
         let mem = Admission::from_spec(&m).expect("memory");
         // The sequence of rust/admission.rs's checks_in_order test: unknown,
-        // not bound, token budget, whole budget, concurrency, pool contention.
+        // not bound, token budget, whole budget, concurrency, quota contention.
         let steps: [(&str, u64, Option<u64>); 9] = [
             ("nobody", 1, Some(1)),
             ("x", 1, Some(1)),
@@ -243,7 +243,7 @@ fn construction_never_connects_and_a_killed_redis_goes_through_failure_mode() {
         });
         assert!(server.spawn());
         rt.block_on(async {
-            // Redis came back empty: the pool is configured again.
+            // Redis came back empty: the quota is configured again.
             assert!(red.admit("g", 1, Some(1), "k4").await.ticket().is_some());
             assert_eq!(server.in_flight(), 1);
         });
@@ -355,12 +355,60 @@ fn stalled_redis_leaves_no_phantom_reservation() {
 }
 
 #[test]
+fn a_settlement_cut_short_by_a_stall_keeps_what_it_owes() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    runtime().block_on(async {
+        let red =
+            Admission::from_spec(&spec(&server.url(), FailureMode::Closed, 0.2)).expect("redis");
+        let Admission::Redis(r) = &red else {
+            unreachable!()
+        };
+        let held = red
+            .admit("s", 1, Some(1), "held")
+            .await
+            .ticket()
+            .expect("t");
+        // Its completion fails with an error reply (OOM): owed as a replay,
+        // the connection kept.
+        server.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+        server.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+        assert!(!red.complete(held, 1, 1, 0.1).await);
+        server.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+        assert_eq!(r.pending(), 1);
+        // The next call settles it first, and Redis stalls meanwhile: the call
+        // is cut short by its timeout, and the replay is still owed.
+        server.signal("-STOP");
+        assert_failed_as(
+            &red.admit("s", 1, Some(1), "next").await,
+            FailureMode::Closed,
+        );
+        assert!(
+            r.pending() >= 1,
+            "a replay cut short is kept, not forgotten"
+        );
+        server.signal("-CONT");
+        let mut settled = false;
+        for _ in 0..50 {
+            if r.reconcile().await && r.pending() == 0 {
+                settled = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(settled);
+        assert_eq!(server.in_flight(), 0);
+    });
+}
+
+#[test]
 fn concurrent_tasks_never_over_admit() {
     let Some(server) = RedisServer::start() else {
         return;
     };
     runtime().block_on(async {
-        // Two replicas on one pool: g may hold 2, the pool 4.
+        // Two replicas on one quota: g may hold 2, the quota 4.
         let a = Arc::new(
             Admission::from_spec(&spec(&server.url(), FailureMode::Closed, 2.0)).expect("a"),
         );
@@ -384,8 +432,8 @@ fn concurrent_tasks_never_over_admit() {
         let admitted = held.iter().filter(|h| h.1.is_some()).count();
         let guaranteed = held.iter().filter(|h| h.0 == "g" && h.1.is_some()).count();
         assert_eq!(server.in_flight() as usize, admitted);
-        // Spot bursts only while the pool has room (4); guaranteed never
-        // bursts past its 2 but beats spot when the pool is full.
+        // Spot bursts only while the quota has room (4); guaranteed never
+        // bursts past its 2 but beats spot when the quota is full.
         assert!(
             admitted - guaranteed <= 4 && guaranteed <= 2,
             "{admitted} {guaranteed}"
@@ -412,7 +460,7 @@ fn redis_admit_complete_timing() {
         return;
     };
     let mut s = spec(&server.url(), FailureMode::Closed, 1.0);
-    s.pools[0].concurrency = 1 << 20;
+    s.quotas[0].concurrency = 1 << 20;
     s.entitlements[1].concurrency = 1 << 20;
     s.entitlements[1].tokens_per_s = 1e9;
     let red = Arc::new(Admission::from_spec(&s).expect("redis"));

@@ -1,6 +1,6 @@
-local pool = pool_get()
-if not pool then return 0 end
-local now = tick(pool, tonumber(ARGV[1]))
+local quota = quota_get()
+if not quota then return 0 end
+local now = tick(quota, tonumber(ARGV[1]))
 local undone = 0
 for k = 2, #ARGV do
   local rid = ARGV[k]
@@ -16,7 +16,7 @@ for k = 2, #ARGV do
     end
     undone = undone + 1
   else -- not (yet) reserved: a script still queued in Redis must not reserve it
-    redis.call('ZADD', P..':void', f(now + pool.lease), rid)
+    redis.call('ZADD', P..':void', f(now + quota.lease), rid)
   end
 end
 return undone
