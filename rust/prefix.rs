@@ -254,6 +254,11 @@ impl EndpointBits {
     }
     /// Adds `id`; false if it was there already.
     fn add(&mut self, id: u32) -> bool {
+        if id < 64 {
+            let new = self.low >> id & 1 == 0;
+            self.low |= 1 << id;
+            return new;
+        }
         let new = !self.holds(id);
         *self.word_mut(id as usize / 64) |= 1 << (id % 64);
         new
@@ -575,19 +580,36 @@ impl PrefixIndex {
         };
         let mut i = 0;
         while i < hashes.len() && !alive.is_empty() {
-            let Some(slot) = self.lookup(hashes[i], now) else {
-                break;
+            // A prompt's blocks are recorded in prompt order, one after the
+            // other in recency order: the next block is most often the next
+            // entry, found without a hash-table lookup.
+            let next = found.last().map_or(NIL, |&p| self.entries[p as usize].next);
+            let hit = next != NIL
+                && self.entries[next as usize].hash == hashes[i]
+                && !self.expired(next, now);
+            let slot = match hit {
+                true => next,
+                false => match self.lookup(hashes[i], now) {
+                    Some(slot) => slot,
+                    None => break,
+                },
             };
             found.push(slot);
             let bits = &self.entries[slot as usize].endpoints;
-            for w in 0..alive.words() {
-                let a = alive.word(w);
-                let kept = a & bits.word(w);
-                settle(w, a & !kept, i);
-                *alive.word_mut(w) = kept;
-            }
-            while alive.high.last() == Some(&0) {
-                alive.high.pop();
+            if alive.high.is_empty() {
+                let kept = alive.low & bits.low;
+                settle(0, alive.low & !kept, i);
+                alive.low = kept;
+            } else {
+                for w in 0..alive.words() {
+                    let a = alive.word(w);
+                    let kept = a & bits.word(w);
+                    settle(w, a & !kept, i);
+                    *alive.word_mut(w) = kept;
+                }
+                while alive.high.last() == Some(&0) {
+                    alive.high.pop();
+                }
             }
             i += 1;
         }
