@@ -155,10 +155,23 @@ fn chain<'a, T: 'a>(
 
 /// The chained block hashes of one prompt (see the module docs).
 pub fn block_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64) -> Result<Vec<u64>> {
-    let block_size = check_block_size(block_size)?;
-    let mut out = Vec::with_capacity(tokens.len() / block_size);
-    extend_hashes(tokens, block_size, seed, &mut out);
+    let mut out = Vec::new();
+    block_hashes_into(tokens, block_size, seed, &mut out)?;
     Ok(out)
+}
+
+/// `block_hashes` into `out` (cleared first; its buffer is reused).
+pub fn block_hashes_into(
+    tokens: Tokens<'_>,
+    block_size: usize,
+    seed: u64,
+    out: &mut Vec<u64>,
+) -> Result<()> {
+    let block_size = check_block_size(block_size)?;
+    out.clear();
+    out.reserve(tokens.len() / block_size);
+    extend_hashes(tokens, block_size, seed, out);
+    Ok(())
 }
 
 /// Checks ragged-batch offsets: `offsets[0] == 0`, non-decreasing, last equal
