@@ -8,7 +8,7 @@ import pytest
 
 from routecore import PrefixCacheRouter, block_hashes
 from routecore._baselines import prefix as baseline
-from routecore._baselines.cases import BLOCK, PODS, PROMPT_TOKENS, prefix_warmed, prompt
+from routecore._baselines.cases import BLOCK, ENDPOINTS, PROMPT_TOKENS, prefix_warmed, prompt
 
 TOKENS = PROMPT_TOKENS
 
@@ -26,18 +26,18 @@ def test_block_hashes_plain_python(benchmark):
     assert len(out) == TOKENS // BLOCK
 
 
-@pytest.mark.benchmark(group="PrefixCacheRouter.route: 16 pods, 512-block prompt")
+@pytest.mark.benchmark(group="PrefixCacheRouter.route: 16 endpoints, 512-block prompt")
 def test_route_routecore(benchmark):
     r, p = prefix_warmed(PrefixCacheRouter)
-    pod, fraction = benchmark(r.route, p)
-    assert pod in PODS and fraction >= 0.5
+    endpoint, fraction = benchmark(r.route, p)
+    assert endpoint in ENDPOINTS and fraction >= 0.5
 
 
-@pytest.mark.benchmark(group="PrefixCacheRouter.route: 16 pods, 512-block prompt")
+@pytest.mark.benchmark(group="PrefixCacheRouter.route: 16 endpoints, 512-block prompt")
 def test_route_plain_python(benchmark):
     r, p = prefix_warmed(baseline.PrefixCacheRouter)
-    pod, fraction = benchmark(r.route, p)
-    assert pod in PODS and fraction >= 0.5
+    endpoint, fraction = benchmark(r.route, p)
+    assert endpoint in ENDPOINTS and fraction >= 0.5
 
 
 def test_the_baseline_decides_like_routecore():
@@ -64,10 +64,10 @@ def test_route_many_routecore(benchmark):
     _, flat, offsets = batch()
 
     def run():
-        return PrefixCacheRouter(PODS, block_size=BLOCK).route_many(flat, offsets)
+        return PrefixCacheRouter(ENDPOINTS, block_size=BLOCK).route_many(flat, offsets)
 
-    pods, _ = benchmark(run)
-    assert len(pods) == BATCH
+    endpoints, _ = benchmark(run)
+    assert len(endpoints) == BATCH
 
 
 @pytest.mark.benchmark(group="route_many: 64 prompts of 2,048 tokens")
@@ -75,7 +75,7 @@ def test_route_many_plain_python_loop(benchmark):
     prompts, _, _ = batch()
 
     def run():
-        r = baseline.PrefixCacheRouter(PODS, block_size=BLOCK)
+        r = baseline.PrefixCacheRouter(ENDPOINTS, block_size=BLOCK)
         return [r.route(p) for p in prompts]
 
     assert len(benchmark(run)) == BATCH

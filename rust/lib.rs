@@ -12,8 +12,8 @@ pub mod classify;
 pub mod compress;
 pub mod error;
 pub mod openai;
+pub mod pick;
 pub mod planner;
-pub mod pods;
 pub mod prefix;
 pub mod profile;
 pub mod queueing;
@@ -58,6 +58,8 @@ mod _core {
     use crate::py::loadgen::load;
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
+    #[pymodule_export]
+    use crate::py::pick::PyEndpointPicker;
     #[pymodule_export]
     use crate::py::planner::{
         annual_cost_usd, g_dual, plan, pool_routing_savings, PyCandidate, PyPlan,

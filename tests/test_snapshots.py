@@ -19,10 +19,10 @@ def calibrator():
 
 def prefix_index():
     ix = core.PrefixIndex(64, ttl_s=30.0)
-    ix.record(np.arange(1, 6, dtype=np.uint64), "pod-a", 1.0)
-    ix.record(np.arange(3, 9, dtype=np.uint64), "pod-b", 2.0)
-    ix.remove_pod("pod-a")
-    ix.record(np.arange(20, 22, dtype=np.uint64), "pod-c", 3.0)
+    ix.record(np.arange(1, 6, dtype=np.uint64), "endpoint-a", 1.0)
+    ix.record(np.arange(3, 9, dtype=np.uint64), "endpoint-b", 2.0)
+    ix.remove_endpoint("endpoint-a")
+    ix.record(np.arange(20, 22, dtype=np.uint64), "endpoint-c", 3.0)
     return ix
 
 
@@ -39,6 +39,15 @@ def vtc_router():
     r.route("bob", 50, 20, now=40.0)
     r.complete("p0", "alice", 100, 200, 120, 150, now=41.0)
     return r
+
+
+def endpoint_picker():
+    p = core.EndpointPicker(["a", "b", "c"], seed=4)
+    p.set_state("b", waiting=2, running=3, kv_usage=0.4, adapters=["lora-x"])
+    p.set_state("c", healthy=False)
+    p.pick(np.arange(40, dtype=np.uint32), now=1.0)
+    p.pick(np.arange(20, dtype=np.uint32), now=2.0)
+    return p
 
 
 def admission():
@@ -88,6 +97,7 @@ MAKERS = {
     "PrefixIndex": prefix_index,
     "PrefixCacheRouter": prefix_router,
     "VtcRouter": vtc_router,
+    "EndpointPicker": endpoint_picker,
     "AdmissionController": admission,
     "BatchScheduler": scheduler,
     "KnnEstimator": knn,

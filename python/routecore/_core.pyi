@@ -298,12 +298,12 @@ def block_hashes_many(
 
 @final
 class PrefixIndex:
-    """Block hash -> the pods that hold it, for prefix-cache-aware routing."""
+    """Block hash -> the endpoints that hold it, for prefix-cache-aware routing."""
 
     def __new__(cls, capacity_blocks: int = 200000, ttl_s: float | None = None) -> Self: ...
-    def record(self, hashes: npt.NDArray[np.uint64], pod: str, now: float = 0.0) -> None: ...
+    def record(self, hashes: npt.NDArray[np.uint64], endpoint: str, now: float = 0.0) -> None: ...
     def match_prefix(self, hashes: npt.NDArray[np.uint64], now: float = 0.0) -> dict[str, int]: ...
-    def remove_pod(self, pod: str) -> int: ...
+    def remove_endpoint(self, endpoint: str) -> int: ...
     def expire(self, now: float) -> int: ...
     def __len__(self) -> int: ...
     @property
@@ -311,7 +311,7 @@ class PrefixIndex:
     @property
     def ttl_s(self) -> float | None: ...
     @property
-    def pods(self) -> list[str]: ...
+    def endpoints(self) -> list[str]: ...
     def to_bytes(self) -> bytes: ...
     @staticmethod
     def from_bytes(data: bytes) -> PrefixIndex: ...
@@ -319,11 +319,11 @@ class PrefixIndex:
 
 @final
 class PrefixCacheRouter:
-    """Prefix-cache-aware routing (the AIBrix algorithm) over named pods."""
+    """Prefix-cache-aware routing (the AIBrix algorithm) over named endpoints."""
 
     def __new__(
         cls,
-        pods: list[str],
+        endpoints: list[str],
         block_size: int = 16,
         imbalance_abs_count: int = 16,
         std_factor: float = 2.0,
@@ -343,12 +343,12 @@ class PrefixCacheRouter:
         running: npt.ArrayLike | None = None,
         now: float = 0.0,
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]: ...
-    def complete(self, pod: str) -> None: ...
+    def complete(self, endpoint: str) -> None: ...
     def set_running(self, counts: npt.ArrayLike) -> None: ...
-    def add_pod(self, pod: str) -> None: ...
-    def remove_pod(self, pod: str) -> None: ...
+    def add_endpoint(self, endpoint: str) -> None: ...
+    def remove_endpoint(self, endpoint: str) -> None: ...
     @property
-    def pods(self) -> list[str]: ...
+    def endpoints(self) -> list[str]: ...
     @property
     def running(self) -> list[int]: ...
     @property
@@ -374,7 +374,7 @@ class VtcRouter:
 
     def __new__(
         cls,
-        pods: list[str],
+        endpoints: list[str],
         window_s: float = 300.0,
         input_weight: float = 1.0,
         output_weight: float = 2.0,
@@ -382,7 +382,7 @@ class VtcRouter:
         max_tokens: float = 8000.0,
         fairness_weight: float = 1.0,
         utilization_weight: float = 1.0,
-        max_pod_load: float = 100.0,
+        max_endpoint_load: float = 100.0,
         max_users: int = 100000,
     ) -> Self: ...
     def route(
@@ -403,7 +403,7 @@ class VtcRouter:
     ) -> npt.NDArray[np.int64]: ...
     def complete(
         self,
-        pod: str,
+        endpoint: str,
         user: str,
         est_input_tokens: int,
         est_output_tokens: int,
@@ -415,10 +415,10 @@ class VtcRouter:
     @property
     def users(self) -> int: ...
     def set_running(self, counts: npt.ArrayLike) -> None: ...
-    def add_pod(self, pod: str) -> None: ...
-    def remove_pod(self, pod: str) -> None: ...
+    def add_endpoint(self, endpoint: str) -> None: ...
+    def remove_endpoint(self, endpoint: str) -> None: ...
     @property
-    def pods(self) -> list[str]: ...
+    def endpoints(self) -> list[str]: ...
     @property
     def running(self) -> list[int]: ...
     @property
@@ -428,6 +428,107 @@ class VtcRouter:
     def to_bytes(self) -> bytes: ...
     @staticmethod
     def from_bytes(data: bytes) -> VtcRouter: ...
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
+
+# --- endpoint picker (capability 10) ----------------------------------------
+
+@final
+class EndpointPicker:
+    """Filters, weighted scorers and a picker choosing the endpoint of each request."""
+
+    def __new__(
+        cls,
+        endpoints: list[str],
+        preset: str | None = None,
+        plugins: list[dict[str, Any]] | None = None,
+        seed: int = 0,
+    ) -> Self: ...
+    @staticmethod
+    def presets() -> list[str]: ...
+    def pick(
+        self,
+        tokens: npt.ArrayLike | bytes | str | None = None,
+        *,
+        hashes: npt.NDArray[np.uint64] | None = None,
+        adapter: str | None = None,
+        subset: list[str] | None = None,
+        fairness_id: str | None = None,
+        session: str | None = None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        now: float | None = None,
+    ) -> str | None: ...
+    def rank(
+        self,
+        tokens: npt.ArrayLike | bytes | str | None = None,
+        *,
+        hashes: npt.NDArray[np.uint64] | None = None,
+        adapter: str | None = None,
+        subset: list[str] | None = None,
+        fairness_id: str | None = None,
+        session: str | None = None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        now: float | None = None,
+    ) -> list[str]: ...
+    def pick_many(
+        self,
+        tokens: npt.ArrayLike | bytes | str | None = None,
+        offsets: npt.ArrayLike | None = None,
+        *,
+        input_tokens: npt.ArrayLike | None = None,
+        output_tokens: npt.ArrayLike | None = None,
+        fairness_ids: list[str] | None = None,
+        sessions: list[str] | None = None,
+        now: float | None = None,
+    ) -> npt.NDArray[np.int64]: ...
+    def started(
+        self,
+        endpoint: str,
+        tokens: npt.ArrayLike | bytes | str | None = None,
+        *,
+        hashes: npt.NDArray[np.uint64] | None = None,
+        fairness_id: str | None = None,
+        session: str | None = None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        now: float | None = None,
+    ) -> None: ...
+    def completed(
+        self,
+        endpoint: str,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        *,
+        fairness_id: str | None = None,
+        est_input_tokens: int = 0,
+        est_output_tokens: int = 0,
+        now: float | None = None,
+    ) -> None: ...
+    def set_state(
+        self,
+        endpoint: str,
+        *,
+        waiting: float | None = None,
+        running: float | None = None,
+        kv_usage: float | None = None,
+        healthy: bool | None = None,
+        adapters: list[str] | None = None,
+    ) -> None: ...
+    def state(self, endpoint: str) -> dict[str, Any]: ...
+    def add_endpoint(self, endpoint: str) -> None: ...
+    def remove_endpoint(self, endpoint: str) -> None: ...
+    @property
+    def endpoints(self) -> list[str]: ...
+    @property
+    def in_flight(self) -> list[int]: ...
+    @property
+    def preset(self) -> str | None: ...
+    @property
+    def plugins(self) -> list[dict[str, Any]]: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> EndpointPicker: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
 
 # --- compress-and-route (capability 8) ---------------------------------------

@@ -87,7 +87,7 @@ def route_many(n: int = 10_000) -> tuple[Call, Call]:
 
 # --- prefix-cache-aware routing -------------------------------------------------------
 
-PODS = [f"pod-{i}" for i in range(16)]
+ENDPOINTS = [f"endpoint-{i}" for i in range(16)]
 PROMPT_TOKENS = 8192
 BLOCK = 16  # 512 blocks of the prompt
 
@@ -99,7 +99,7 @@ def prompt(seed: int = 0, n: int = PROMPT_TOKENS) -> np.ndarray:
 def prefix_warmed(router_cls):
     """A router that has seen 16 prompts sharing a 4,096-token system prompt, and
     the next prompt (the same system prompt, a new question)."""
-    r = router_cls(PODS, block_size=BLOCK)
+    r = router_cls(ENDPOINTS, block_size=BLOCK)
     system = prompt(1, PROMPT_TOKENS // 2)
     for k in range(16):
         r.route(np.concatenate([system, prompt(100 + k, PROMPT_TOKENS // 2)]))
@@ -127,7 +127,7 @@ USERS = [f"user-{i}" for i in range(1000)]
 
 def vtc_warmed(router_cls, users: list[str] = USERS):
     """A router with ``users`` active in the window."""
-    r = router_cls(PODS)
+    r = router_cls(ENDPOINTS)
     for k, u in enumerate(users):
         r.route(u, 100 + k, 50, now=1.0)
     return r
@@ -368,11 +368,11 @@ CASES = [
     ),
     Case(
         "prefix_pick",
-        "PrefixCacheRouter.route, 16 pods, 512-block prompt",
+        "PrefixCacheRouter.route, 16 endpoints, 512-block prompt",
         prefix_pick,
         ("bench", ("xxhash",)),
     ),
-    Case("vtc", "VtcRouter.route, 16 pods, 1,000 active users", vtc),
+    Case("vtc", "VtcRouter.route, 16 endpoints, 1,000 active users", vtc),
     Case("admission", "AdmissionController admit + complete", admission),
     Case("assign", "BatchScheduler.assign, 256 requests x 13 instances", assign),
     Case("erlang_c", "erlang_c, c = 32,768, rho = 0.85", erlang),
