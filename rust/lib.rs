@@ -70,7 +70,7 @@ mod _core {
     #[pymodule_export]
     use crate::py::serve::PyDataPlane;
     #[pymodule_export]
-    use crate::py::sim::{simulate, PySimPool, PySimReport};
+    use crate::py::sim::{simulate, PyPrefixWorkload, PySimPool, PySimReport};
     #[pymodule_export]
     use crate::py::vtc::PyVtcRouter;
     #[pymodule_export]

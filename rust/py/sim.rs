@@ -8,12 +8,13 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::{float_array, int_arg, int_array};
+use super::{float_array, hash_array, int_arg, int_array, size_arg};
 use crate::sim::engine::blocks_for;
+use crate::sim::prefix_workload::{generate, PrefixWorkload, PrefixWorkloadConfig};
 use crate::sim::timing::LinearTiming;
 use crate::sim::{
     make_router, percentile, set_arrivals, simulate as run_simulation, Arrivals, Category,
-    Dispatch, PoolConfig, RouterKind, SimConfig, SimReport, SimRequest,
+    Dispatch, PoolConfig, RequestBlocks, RouterKind, SimConfig, SimReport, SimRequest,
 };
 
 /// A pool of identical simulated instances (vLLM engines).
@@ -178,6 +179,18 @@ impl PySimReport {
     fn queue_wait<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
         f64s(py, &self.report.queue_wait)
     }
+    /// Prompt tokens served from the endpoint's prefix cache when the request
+    /// was first admitted (0 when not served or no block hashes were given).
+    #[getter]
+    fn cached_tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.report.cached_tokens.clone().into_pyarray(py)
+    }
+    /// Index of the endpoint inside its pool per request; -1 when the request
+    /// was not dispatched.
+    #[getter]
+    fn endpoint<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        self.report.endpoint.clone().into_pyarray(py)
+    }
     /// Pool index per request; -1 when the router rejected it.
     #[getter]
     fn pool<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
@@ -292,14 +305,19 @@ impl PySimReport {
 /// ``rate``. ``router``: "homogeneous" (one pool), "token-budget" or
 /// "compress-and-route" (band ``(B, gamma * B]``). ``dispatch`` inside a pool:
 /// "least-loaded", "round-robin" or "random". ``warmup``: leading fraction of
-/// requests left out of the figures. ``progress(done, total)`` is called about
+/// requests left out of the figures. ``blocks``: ``(hashes, offsets)`` as
+/// ``block_hashes_many`` returns them for 16-token blocks of each request's
+/// prompt followed by its output (``PrefixWorkload.blocks``): request ``i``'s
+/// block hashes are ``hashes[offsets[i]:offsets[i + 1]]``; each endpoint keeps
+/// an LRU prefix cache of ``kv_blocks`` blocks and a prompt's cached leading
+/// blocks skip their prefill. ``progress(done, total)`` is called about
 /// ten times a second from this thread while the simulation runs without the
 /// interpreter lock.
 #[pyfunction]
 #[pyo3(signature = (arrival_s, input_tokens, output_tokens, pools, *, category=None,
                     categories=None, router="token-budget", gamma=1.5,
                     dispatch="least-loaded", arrivals="trace", rate=None, seed=0,
-                    warmup=0.2, progress=None))]
+                    warmup=0.2, blocks=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate(
     py: Python<'_>,
@@ -316,6 +334,7 @@ pub fn simulate(
     rate: Option<f64>,
     #[pyo3(from_py_with = int_arg)] seed: u64,
     warmup: f64,
+    blocks: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<PySimReport> {
     let times = float_array(arrival_s, "arrival_s")?;
@@ -347,6 +366,16 @@ pub fn simulate(
             category: nonneg("category", cats[i])? as usize,
         });
     }
+    let blocks = match blocks {
+        None => RequestBlocks::none(n),
+        Some((hashes, offsets)) => {
+            let offsets = int_array(&offsets, "block offsets")?
+                .into_iter()
+                .map(|o| size_arg(o, "block offset"))
+                .collect::<PyResult<Vec<_>>>()?;
+            RequestBlocks::new(hash_array(&hashes)?, offsets, n)?
+        }
+    };
     let categories = categories
         .unwrap_or_else(|| vec![("prose".to_owned(), 4.48, true)])
         .into_iter()
@@ -385,7 +414,7 @@ pub fn simulate(
                 let mut run = || -> crate::error::Result<SimReport> {
                     set_arrivals(&mut requests, arrivals, seed)?;
                     let mut router = make_router(kind, &config)?;
-                    run_simulation(&requests, &config, router.as_mut(), done)
+                    run_simulation(&requests, &blocks, &config, router.as_mut(), done)
                 };
                 // The receiver outlives this thread inside the scope.
                 let _ = tx.send(run());
@@ -415,4 +444,138 @@ pub fn simulate(
         cb.call1(py, (n, n))?;
     }
     Ok(PySimReport { report })
+}
+
+/// A seeded workload with shared prefixes (multi-turn sessions and shared
+/// system prompts), for evaluating endpoint pickers in ``simulate``.
+///
+/// ``sessions`` conversations are open at a time; a request picks one
+/// uniformly, appends a user message of ``user_tokens`` tokens (uniform in the
+/// range) and sends the whole context; the reply of ``output_tokens`` tokens
+/// joins the context, so each turn extends the previous prompt and reply.
+/// After ``turns`` turns a session closes and a new one opens. A new session
+/// starts with a system prompt of ``system_tokens`` tokens: with probability
+/// ``shared_fraction`` one of ``system_prompts`` shared prompts, else a
+/// private one. Arrivals are Poisson at ``rate`` requests/s. Token ids are
+/// random, so texts share blocks only where one extends the other. The same
+/// seed gives the same workload.
+///
+/// >>> w = PrefixWorkload(requests=100, seed=1)
+/// >>> len(w), w.block_offsets[-1] == len(w.block_hashes)
+/// (100, True)
+#[pyclass(frozen, name = "PrefixWorkload", module = "routecore")]
+pub struct PyPrefixWorkload {
+    inner: PrefixWorkload,
+    config: PrefixWorkloadConfig,
+}
+
+#[pymethods]
+impl PyPrefixWorkload {
+    #[new]
+    #[pyo3(signature = (*, requests=2000, rate=20.0, sessions=64, turns=(1, 8),
+                        system_prompts=8, shared_fraction=0.9, system_tokens=(512, 2048),
+                        user_tokens=(20, 300), output_tokens=(50, 400), seed=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        #[pyo3(from_py_with = int_arg)] requests: usize,
+        rate: f64,
+        #[pyo3(from_py_with = int_arg)] sessions: usize,
+        #[pyo3(from_py_with = int_arg)] turns: (u64, u64),
+        #[pyo3(from_py_with = int_arg)] system_prompts: usize,
+        shared_fraction: f64,
+        #[pyo3(from_py_with = int_arg)] system_tokens: (u64, u64),
+        #[pyo3(from_py_with = int_arg)] user_tokens: (u64, u64),
+        #[pyo3(from_py_with = int_arg)] output_tokens: (u64, u64),
+        #[pyo3(from_py_with = int_arg)] seed: u64,
+    ) -> PyResult<Self> {
+        let config = PrefixWorkloadConfig {
+            requests,
+            rate,
+            sessions,
+            turns,
+            system_prompts,
+            shared_fraction,
+            system_tokens,
+            user_tokens,
+            output_tokens,
+            seed,
+        };
+        let inner = py.detach(|| generate(&config))?;
+        Ok(Self { inner, config })
+    }
+    fn __len__(&self) -> usize {
+        self.inner.input_tokens.len()
+    }
+    /// Arrival times, seconds (sorted).
+    #[getter]
+    fn arrival_s<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
+        f64s(py, &self.inner.arrival_s)
+    }
+    #[getter]
+    fn input_tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.input_tokens.clone().into_pyarray(py)
+    }
+    #[getter]
+    fn output_tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.output_tokens.clone().into_pyarray(py)
+    }
+    /// Session id per request (sessions numbered as they open).
+    #[getter]
+    fn session<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.session.clone().into_pyarray(py)
+    }
+    /// Turn within the session per request, from 0.
+    #[getter]
+    fn turn<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.turn.clone().into_pyarray(py)
+    }
+    /// The shared system prompt per request; -1 for a private one.
+    #[getter]
+    fn system_prompt<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        self.inner.system_prompt.clone().into_pyarray(py)
+    }
+    /// Chained hashes of the 16-token blocks of each prompt and its reply.
+    #[getter]
+    fn block_hashes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.blocks.hashes.clone().into_pyarray(py)
+    }
+    /// Request ``i``'s hashes are ``block_hashes[block_offsets[i]:block_offsets[i + 1]]``.
+    #[getter]
+    fn block_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let o: Vec<i64> = self
+            .inner
+            .blocks
+            .offsets
+            .iter()
+            .map(|&o| o as i64)
+            .collect();
+        o.into_pyarray(py)
+    }
+    /// ``(block_hashes, block_offsets)``, the ``blocks`` argument of ``simulate``.
+    #[getter]
+    fn blocks<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<i64>>) {
+        (self.block_hashes(py), self.block_offsets(py))
+    }
+    fn __repr__(&self) -> String {
+        let c = &self.config;
+        format!(
+            "PrefixWorkload(requests={}, rate={}, sessions={}, turns={:?}, system_prompts={}, \
+             shared_fraction={}, system_tokens={:?}, user_tokens={:?}, output_tokens={:?}, \
+             seed={})",
+            c.requests,
+            c.rate,
+            c.sessions,
+            c.turns,
+            c.system_prompts,
+            c.shared_fraction,
+            c.system_tokens,
+            c.user_tokens,
+            c.output_tokens,
+            c.seed
+        )
+    }
 }

@@ -17,7 +17,9 @@
 //! arrival rate over the requests the pool actually served in the window, so
 //! the two columns compare the same quantity.
 
+pub mod cache;
 pub mod engine;
+pub mod prefix_workload;
 pub mod router;
 pub mod timing;
 
@@ -44,6 +46,57 @@ pub struct SimRequest {
     pub output_tokens: u64,
     /// Index into the simulation's categories.
     pub category: usize,
+}
+
+/// The requests' KV block hashes, for the endpoints' prefix caches (see
+/// [`engine`]): request `i`'s are `hashes[offsets[i]..offsets[i + 1]]`, the
+/// chained hashes ([`crate::prefix::block_hashes`]) of the full 16-token
+/// blocks of its prompt followed by its output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestBlocks {
+    pub hashes: Vec<u64>,
+    pub offsets: Vec<usize>,
+}
+
+impl RequestBlocks {
+    /// Checks the offsets against the hashes and the request count.
+    pub fn new(hashes: Vec<u64>, offsets: Vec<usize>, requests: usize) -> Result<Self> {
+        if offsets.len() != requests + 1 {
+            return Err(invalid(format!(
+                "block hash offsets must have one entry per request plus one ({}), got {}",
+                requests + 1,
+                offsets.len()
+            )));
+        }
+        if offsets.first() != Some(&0)
+            || offsets.last() != Some(&hashes.len())
+            || offsets.windows(2).any(|w| w[1] < w[0])
+        {
+            return Err(invalid(
+                "block hash offsets must start at 0, never decrease and end at the hash count",
+            ));
+        }
+        Ok(Self { hashes, offsets })
+    }
+
+    /// No hashes: every prefix cache stays empty.
+    pub fn none(requests: usize) -> Self {
+        Self {
+            hashes: Vec::new(),
+            offsets: vec![0; requests + 1],
+        }
+    }
+
+    fn range(&self, request: usize) -> (usize, usize) {
+        (self.offsets[request], self.offsets[request + 1])
+    }
+
+    /// Request `i`'s prompt blocks: the hashes of its `input_tokens`' full blocks.
+    pub fn prompt(&self, request: usize, input_tokens: u64) -> &[u64] {
+        let (start, end) = self.range(request);
+        let n = (end - start).min((input_tokens / engine::BLOCK_TOKENS) as usize);
+        &self.hashes[start..start + n]
+    }
 }
 
 /// A traffic category: its name (the calibrator's), its true bytes-per-token
@@ -207,6 +260,12 @@ pub struct SimReport {
     pub e2e: Vec<f64>,
     /// From arrival to the first admission into a batch.
     pub queue_wait: Vec<f64>,
+    /// Prompt tokens served from the endpoint's prefix cache at the first
+    /// admission (0 when not served).
+    pub cached_tokens: Vec<u64>,
+    /// Index of the endpoint inside its pool per request, -1 when not
+    /// dispatched.
+    pub endpoint: Vec<i64>,
     /// In the measurement window (after the warm-up).
     pub measured: Vec<bool>,
     pub rejected: Vec<bool>,
@@ -375,6 +434,7 @@ pub fn make_router(kind: RouterKind, config: &SimConfig) -> Result<Box<dyn Fleet
 /// Runs the simulation. `progress` counts processed arrivals as it goes.
 pub fn simulate(
     requests: &[SimRequest],
+    blocks: &RequestBlocks,
     config: &SimConfig,
     router: &mut dyn FleetRouter,
     progress: &AtomicU64,
@@ -382,7 +442,10 @@ pub fn simulate(
     check_config(config)?;
     check_requests(requests, &config.categories)?;
     check_sorted(requests)?;
-    Fleet::new(requests, config)?.run(router, progress)
+    if blocks.offsets.len() != requests.len() + 1 {
+        return Err(invalid("block hashes must be given for every request"));
+    }
+    Fleet::new(requests, blocks, config)?.run(router, progress)
 }
 
 /// Scheduled iteration ends: (time bits, instance, version). An entry whose
@@ -391,6 +454,7 @@ type Heap = BinaryHeap<Reverse<(u64, usize, u64)>>;
 
 struct Fleet<'a> {
     requests: &'a [SimRequest],
+    blocks: &'a RequestBlocks,
     config: &'a SimConfig,
     instances: Vec<Instance>,
     /// Index of the first instance of each pool (and the total at the end).
@@ -406,7 +470,11 @@ struct Fleet<'a> {
 }
 
 impl<'a> Fleet<'a> {
-    fn new(requests: &'a [SimRequest], config: &'a SimConfig) -> Result<Self> {
+    fn new(
+        requests: &'a [SimRequest],
+        blocks: &'a RequestBlocks,
+        config: &'a SimConfig,
+    ) -> Result<Self> {
         let mut first = vec![0];
         let mut instances = Vec::new();
         let mut pool_of = Vec::new();
@@ -426,6 +494,7 @@ impl<'a> Fleet<'a> {
         let nan = vec![f64::NAN; n];
         Ok(Self {
             requests,
+            blocks,
             config,
             instances,
             first,
@@ -442,6 +511,8 @@ impl<'a> Fleet<'a> {
                 tpot: nan.clone(),
                 e2e: nan.clone(),
                 queue_wait: nan,
+                cached_tokens: vec![0; n],
+                endpoint: vec![-1; n],
                 measured: (0..n).map(|i| i >= first_measured).collect(),
                 rejected: vec![false; n],
                 compressed: vec![false; n],
@@ -484,7 +555,7 @@ impl<'a> Fleet<'a> {
     fn start(&mut self, i: usize, now: f64, heap: &mut Heap) {
         let timing = self.config.pools[self.pool_of[i]].timing.as_ref();
         let inst = &mut self.instances[i];
-        match inst.step(now, timing, self.window) {
+        match inst.step(now, timing, self.window, &self.blocks.hashes) {
             Some(dt) => {
                 inst.busy = true;
                 self.version[i] += 1;
@@ -515,7 +586,14 @@ impl<'a> Fleet<'a> {
         }
         self.routed[k] = Some(routed);
         let i = self.dispatch(routed.pool);
-        self.instances[i].enqueue(k, routed.input_tokens, r.output_tokens);
+        self.report.endpoint[k] = (i - self.first[routed.pool]) as i64;
+        // A compressed prompt is another text: no hashes for it.
+        let hashes = if routed.compressed {
+            (0, 0)
+        } else {
+            self.blocks.range(k)
+        };
+        self.instances[i].enqueue(k, routed.input_tokens, r.output_tokens, hashes);
         let inst = &mut self.instances[i];
         let wake = if inst.busy {
             inst.interrupt(r.arrival)
@@ -535,9 +613,14 @@ impl<'a> Fleet<'a> {
     fn handle(&mut self, event: Event, router: &mut dyn FleetRouter) -> Result<()> {
         let rep = &mut self.report;
         match event {
-            Event::Admitted { request, time } => {
+            Event::Admitted {
+                request,
+                time,
+                cached,
+            } => {
                 if rep.queue_wait[request].is_nan() {
                     rep.queue_wait[request] = time - self.requests[request].arrival;
+                    rep.cached_tokens[request] = cached;
                 }
             }
             Event::FirstToken { request, time } => {
@@ -582,7 +665,7 @@ impl<'a> Fleet<'a> {
                 if version != self.version[i] {
                     continue;
                 }
-                self.instances[i].end_iteration(self.window);
+                self.instances[i].end_iteration(self.window, &self.blocks.hashes);
                 std::mem::swap(&mut events, &mut self.instances[i].pending);
                 for e in events.drain(..) {
                     self.handle(e, router)?;

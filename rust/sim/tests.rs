@@ -51,8 +51,94 @@ fn req(arrival: f64, input: u64, output: u64) -> SimRequest {
 }
 
 fn run(requests: &[SimRequest], cfg: &SimConfig, kind: RouterKind) -> SimReport {
+    run_with_blocks(requests, &RequestBlocks::none(requests.len()), cfg, kind)
+}
+
+fn run_with_blocks(
+    requests: &[SimRequest],
+    blocks: &RequestBlocks,
+    cfg: &SimConfig,
+    kind: RouterKind,
+) -> SimReport {
     let mut router = make_router(kind, cfg).expect("router");
-    simulate(requests, cfg, router.as_mut(), &AtomicU64::new(0)).expect("simulate")
+    simulate(requests, blocks, cfg, router.as_mut(), &AtomicU64::new(0)).expect("simulate")
+}
+
+/// Block hashes per request, each given as a list.
+fn blocks_of(per_request: &[Vec<u64>]) -> RequestBlocks {
+    let mut offsets = vec![0];
+    let mut hashes = Vec::new();
+    for h in per_request {
+        hashes.extend(h);
+        offsets.push(hashes.len());
+    }
+    RequestBlocks::new(hashes, offsets, per_request.len()).expect("blocks")
+}
+
+/// `n` distinct hashes starting at `from`.
+fn seq(from: u64, n: u64) -> Vec<u64> {
+    (from..from + n).collect()
+}
+
+#[test]
+fn a_repeated_prompt_skips_its_cached_blocks() {
+    // 1500 tokens at C = 512: three prefill iterations. Repeated after the
+    // first finished: its 93 full blocks (1488 tokens) hit, 12 tokens are left
+    // to prefill, one iteration. A prompt sharing 40 blocks (640 tokens)
+    // prefills 860 tokens: two iterations.
+    let cfg = config(vec![pool("p", 1, 8192, 16, 4096)], Dispatch::LeastLoaded);
+    let work = [req(0.0, 1500, 1), req(1.0, 1500, 1), req(2.0, 1500, 1)];
+    let mut third = seq(0, 40);
+    third.extend(seq(1000, 53));
+    let blocks = blocks_of(&[seq(0, 93), seq(0, 93), third]);
+    let rep = run_with_blocks(&work, &blocks, &cfg, RouterKind::Homogeneous);
+    let t = W + H;
+    assert_eq!(rep.cached_tokens, vec![0, 1488, 640]);
+    assert!(close(rep.ttft[0], 3.0 * t));
+    assert!(close(rep.ttft[1], t), "{}", rep.ttft[1]);
+    assert!(close(rep.ttft[2], 2.0 * t));
+    // Without hashes nothing is cached.
+    let rep = run(&work, &cfg, RouterKind::Homogeneous);
+    assert_eq!(rep.cached_tokens, vec![0, 0, 0]);
+    assert!(close(rep.ttft[1], 3.0 * t));
+}
+
+#[test]
+fn a_fully_cached_prompt_still_computes_its_last_token() {
+    let cfg = config(vec![pool("p", 1, 8192, 16, 4096)], Dispatch::LeastLoaded);
+    let work = [req(0.0, 1024, 1), req(1.0, 1024, 1)];
+    let rep = run_with_blocks(
+        &work,
+        &blocks_of(&[seq(0, 64), seq(0, 64)]),
+        &cfg,
+        RouterKind::Homogeneous,
+    );
+    assert_eq!(rep.cached_tokens, vec![0, 1023]);
+    assert!(close(rep.ttft[1], W + H));
+}
+
+#[test]
+fn the_endpoint_cache_evicts_least_recently_used_blocks() {
+    // One endpoint of 128 blocks, requests one after another (1024-token
+    // prompts, 64 blocks each): A and B fill the cache; A again hits and
+    // becomes the most recent; D evicts B, the least recent; so A hits again
+    // and B misses.
+    let cfg = config(vec![pool("p", 1, 2048, 1, 128)], Dispatch::LeastLoaded);
+    let (a, b, d) = (seq(0, 64), seq(100, 64), seq(200, 64));
+    let work: Vec<_> = (0..6).map(|i| req(i as f64, 1024, 1)).collect();
+    let blocks = blocks_of(&[a.clone(), b.clone(), a.clone(), d, a, b]);
+    let rep = run_with_blocks(&work, &blocks, &cfg, RouterKind::Homogeneous);
+    assert_eq!(rep.cached_tokens, vec![0, 0, 1023, 0, 1023, 0]);
+}
+
+#[test]
+fn request_blocks_are_checked() {
+    let blocks = RequestBlocks::new(vec![1, 2], vec![0, 2], 1).expect("blocks");
+    assert_eq!(blocks.prompt(0, 40), &[1, 2]);
+    assert_eq!(blocks.prompt(0, 20), &[1]);
+    assert!(RequestBlocks::new(vec![1, 2], vec![0, 1], 1).is_err());
+    assert!(RequestBlocks::new(vec![1, 2], vec![0, 2, 2], 1).is_err());
+    assert!(RequestBlocks::new(vec![1, 2], vec![1, 2], 1).is_err());
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -254,11 +340,18 @@ fn bad_input_is_refused() {
     let mut router = make_router(RouterKind::Homogeneous, &cfg).expect("router");
     let p = AtomicU64::new(0);
     for bad in [req(0.0, 0, 1), req(0.0, 1, 0), req(f64::NAN, 1, 1)] {
-        assert!(simulate(&[bad], &cfg, router.as_mut(), &p).is_err());
+        assert!(simulate(&[bad], &RequestBlocks::none(1), &cfg, router.as_mut(), &p).is_err());
     }
     let mut c = cfg.clone();
     c.warmup = 1.0;
-    assert!(simulate(&[req(0.0, 1, 1)], &c, router.as_mut(), &p).is_err());
+    assert!(simulate(
+        &[req(0.0, 1, 1)],
+        &RequestBlocks::none(1),
+        &c,
+        router.as_mut(),
+        &p
+    )
+    .is_err());
     let two = config(
         vec![pool("a", 1, 8192, 16, 4096), pool("b", 1, 8192, 16, 4096)],
         Dispatch::LeastLoaded,
