@@ -1,4 +1,4 @@
-"""Batched model+instance assignment (RouteBalance): routecore beside the
+"""Batched model+endpoint assignment (RouteBalance): routecore beside the
 plain-Python scheduler, and KnnEstimator.predict beside the same computation
 in NumPy, same run.
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from benches.baselines import assign as baseline
-from routecore import BatchScheduler, Instance, KnnEstimator
+from routecore import BatchScheduler, Endpoint, KnnEstimator
 
-# RouteBalance's fleet (Table 1): model, TPOT, price in/out per Mtok, instances
+# RouteBalance's fleet (Table 1): model, TPOT, price in/out per Mtok, endpoints
 FLEET = [
     ("qwen2.5-3b", 0.0102, 0.06, 0.06, 3),
     ("qwen2.5-7b", 0.0196, 0.07, 0.07, 5),
@@ -21,9 +21,9 @@ FLEET = [
 B, MAX_BATCH = 256, 16
 
 
-def instances():
+def endpoints():
     return [
-        Instance(f"{m}-{k}", m, tpot, p_in, p_out, MAX_BATCH)
+        Endpoint(f"{m}-{k}", m, tpot, p_in, p_out, MAX_BATCH)
         for m, tpot, p_in, p_out, n in FLEET
         for k in range(n)
     ]
@@ -42,17 +42,17 @@ def batch(seed=0):
     )
 
 
-@pytest.mark.benchmark(group="assign: 256 requests x 13 instances x 4 models")
+@pytest.mark.benchmark(group="assign: 256 requests x 13 endpoints x 4 models")
 def test_assign_routecore(benchmark):
-    s = BatchScheduler(instances(), weights="balanced")
+    s = BatchScheduler(endpoints(), weights="balanced")
     args = batch()
     got = benchmark(s.assign, *args)
     assert (got >= 0).sum() > B // 2
 
 
-@pytest.mark.benchmark(group="assign: 256 requests x 13 instances x 4 models")
+@pytest.mark.benchmark(group="assign: 256 requests x 13 endpoints x 4 models")
 def test_assign_plain_python(benchmark):
-    fleet = instances()
+    fleet = endpoints()
     s = BatchScheduler(fleet, weights="balanced")
     plain_fleet = [
         (

@@ -39,7 +39,7 @@ mod _core {
     #[pymodule_export]
     use crate::py::admission_lua::{admission_lua, admission_redis_config};
     #[pymodule_export]
-    use crate::py::assign::{assign_eval, PyBatchScheduler, PyInstance, PyKnnEstimator};
+    use crate::py::assign::{assign_eval, PyBatchScheduler, PyEndpoint, PyKnnEstimator};
     #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]

@@ -19,7 +19,7 @@ WORKLOAD = core.Workload([100, 3000, 500, 9000] * 5, [50, 200, 100, 400] * 5)
 PROFILE = core.Profile.llama3_70b_a100()
 POOL = core.TokenPool("p", 100.0, 1 << 30, 4)
 ENT = core.Entitlement("e", "t", "p", "elastic", 500.0, 10.0, 1 << 20, 2)
-INSTANCE = core.Instance("i", "m", 0.02, 1.0, 2.0, 8)
+ENDPOINT = core.Endpoint("i", "m", 0.02, 1.0, 2.0, 8)
 
 
 def budget_router():
@@ -58,7 +58,7 @@ PROFILE_ARGS = {
     "h_s": 0.00065,
     "tensor_parallel": 4,
 }
-SIM_POOL_ARGS = {"name": "p", "instances": 1, "max_context": 4096, "max_num_seqs": 8}
+SIM_POOL_ARGS = {"name": "p", "endpoints": 1, "max_context": 4096, "max_num_seqs": 8}
 
 
 def keyword(make, args, name):
@@ -107,8 +107,8 @@ CASES = {
     "TokenBudgetRouter.route_request.audio_tokens": lambda v: budget_router().route_request(
         b'{"messages": []}', audio_tokens=v
     ),
-    "Instance.__new__.max_batch": lambda v: core.Instance("i", "m", 0.02, 1.0, 2.0, v),
-    "Instance.latency.batch_size": lambda v: INSTANCE.latency(10.0, 10.0, 0.0, v),
+    "Endpoint.__new__.max_batch": lambda v: core.Endpoint("i", "m", 0.02, 1.0, 2.0, v),
+    "Endpoint.latency.batch_size": lambda v: ENDPOINT.latency(10.0, 10.0, 0.0, v),
     "BatchScheduler.assign_one.in_tokens": lambda v: scheduler().assign_one(
         [0.5], [10.0], v, None, [0.0], [0]
     ),
@@ -161,12 +161,12 @@ CASES = {
     **{
         f"SimPool.__new__.{name}": keyword(core.SimPool, SIM_POOL_ARGS, name)
         for name in (
-            "instances",
+            "endpoints",
             "max_context",
             "max_num_seqs",
             "kv_blocks",
             "chunk",
-            "gpus_per_instance",
+            "gpus_per_endpoint",
             "budget",
         )
     },
@@ -319,7 +319,7 @@ def test_every_integer_parameter_is_covered():
 
 
 UNSIGNED_64 = {
-    "Instance.latency.batch_size",
+    "Endpoint.latency.batch_size",
     "TokenBudgetRouter.route_request.default_max_tokens",
     "parse_openai_request.default_max_tokens",
     "Calibrator.__new__.max_categories",
@@ -392,7 +392,7 @@ VALID = {
     "Pool.__new__.budget": 50,
     "Pool.__new__.max_context": 100,
     "TokenBudgetRouter.complete.pool": 0,
-    "Instance.__new__.max_batch": 4,
+    "Endpoint.__new__.max_batch": 4,
     "BatchScheduler.assign_one.in_tokens": 10,
     "block_hashes.block_size": 2,
     "block_hashes_many.block_size": 2,

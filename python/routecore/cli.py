@@ -20,8 +20,8 @@ from routecore.commands import (
     calibration_study,
     client,
     compress,
+    pick_eval,
     plan,
-    prefix_eval,
     route,
     simulate,
 )
@@ -33,7 +33,7 @@ COMMANDS = [
     plan,
     compress,
     calibration_study,
-    prefix_eval,
+    pick_eval,
     assign_eval,
     admission_scenario,
 ]

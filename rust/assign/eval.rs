@@ -1,9 +1,9 @@
 //! A small discrete-event evaluation of assignment policies on a fleet shaped
 //! like RouteBalance's testbed (Table 1: Qwen2.5 3B / 7B / 14B / 72B, TPOT
-//! 10.2 / 19.6 / 13.9 / 41.6 ms, 3 / 5 / 3 / 2 instances, USD 0.06 / 0.07 /
+//! 10.2 / 19.6 / 13.9 / 41.6 ms, 3 / 5 / 3 / 2 endpoints, USD 0.06 / 0.07 /
 //! 0.15 / 0.38-0.40 per million tokens).
 //!
-//! Serving model: every instance runs iteration-level continuous batching. A
+//! Serving model: every endpoint runs iteration-level continuous batching. A
 //! step admits queued requests (FIFO) into free slots (up to `max_batch`),
 //! lasts `tpot + prefill of the admitted prompts`, and gives every running
 //! request one token; a request finishes at the end of the step that produced
@@ -12,7 +12,7 @@
 //!
 //! Arrivals are Poisson at `rate`; the scheduler fires every `interval_s` and
 //! assigns all requests that arrived since the last firing, reading each
-//! instance's telemetry first: `pending_decode` = remaining decode tokens of
+//! endpoint's telemetry first: `pending_decode` = remaining decode tokens of
 //! running and queued requests, `batch_size` = running requests. Latency is
 //! completion minus arrival, so it includes the wait for the batch to fire.
 //!
@@ -28,13 +28,13 @@
 //!
 //! Policies: the BatchScheduler at a weight vector; decoupled routing (a model
 //! router maximising `w_q quality + w_c (1 - cost / max cost)` over models,
-//! then the shortest queue among that model's instances, counting requests
+//! then the shortest queue among that model's endpoints, counting requests
 //! running, queued and assigned earlier in the batch; `w_c = 0` is quality
-//! argmax); round-robin and uniform random over all instances.
+//! argmax); round-robin and uniform random over all endpoints.
 
 use std::collections::VecDeque;
 
-use super::{BatchScheduler, BudgetFallback, Instance, Load, LptKey, Weights};
+use super::{BatchScheduler, BudgetFallback, Endpoint, Load, LptKey, Weights};
 use crate::error::{invalid, positive, Result};
 use crate::rng::Rng;
 
@@ -45,7 +45,7 @@ pub struct Tier {
     pub tpot_s: f64,
     pub price_in_per_mtok: f64,
     pub price_out_per_mtok: f64,
-    pub instances: usize,
+    pub endpoints: usize,
     /// Difficulty up to which the model answers perfectly.
     pub skill: f64,
     /// Output length relative to the prompt's base length.
@@ -65,7 +65,7 @@ const fn tier(
     tpot_s: f64,
     price_in_per_mtok: f64,
     price_out_per_mtok: f64,
-    instances: usize,
+    endpoints: usize,
     skill: f64,
     conciseness: f64,
 ) -> Tier {
@@ -74,7 +74,7 @@ const fn tier(
         tpot_s,
         price_in_per_mtok,
         price_out_per_mtok,
-        instances,
+        endpoints,
         skill,
         conciseness,
     }
@@ -87,7 +87,7 @@ pub struct EvalConfig {
     pub rate: f64,
     pub requests: usize,
     pub seed: u64,
-    /// Decode slots per instance.
+    /// Decode slots per endpoint.
     pub max_batch: i64,
     /// Seconds between scheduler firings.
     pub interval_s: f64,
@@ -164,12 +164,12 @@ pub fn workload(cfg: &EvalConfig, fleet: &[Tier]) -> Vec<Prompt> {
         .collect()
 }
 
-/// The instances of `fleet`, named `<model>-<n>`, in tier order.
-pub fn fleet_instances(fleet: &[Tier], max_batch: i64) -> Result<Vec<Instance>> {
+/// The endpoints of `fleet`, named `<model>-<n>`, in tier order.
+pub fn fleet_endpoints(fleet: &[Tier], max_batch: i64) -> Result<Vec<Endpoint>> {
     let mut out = Vec::new();
     for t in fleet {
-        for n in 0..t.instances {
-            out.push(Instance::new(
+        for n in 0..t.endpoints {
+            out.push(Endpoint::new(
                 &format!("{}-{n}", t.model),
                 t.model,
                 t.tpot_s,
@@ -210,7 +210,7 @@ impl Server {
     }
 
     /// Runs steps that start before `until` (all remaining work when infinite).
-    fn advance(&mut self, until: f64, inst: &Instance, job: &Job<'_>, finish: &mut [f64]) {
+    fn advance(&mut self, until: f64, inst: &Endpoint, job: &Job<'_>, finish: &mut [f64]) {
         loop {
             if self.running.is_empty() && self.queue.is_empty() {
                 if until.is_finite() {
@@ -244,9 +244,9 @@ impl Server {
 
 struct Job<'a> {
     prompts: &'a [Prompt],
-    /// Model column of each instance.
+    /// Model column of each endpoint.
     model_of: Vec<usize>,
-    /// Per request, the instance it went to.
+    /// Per request, the endpoint it went to.
     placed: Vec<usize>,
 }
 
@@ -261,18 +261,18 @@ impl Job<'_> {
 pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> {
     cfg.check()?;
     let prompts = workload(cfg, fleet);
-    let instances = fleet_instances(fleet, cfg.max_batch)?;
+    let endpoints = fleet_endpoints(fleet, cfg.max_batch)?;
     let weights = match policy {
         Policy::Scheduler(w) => w,
         _ => Weights::new(1.0, 0.0, 0.0)?,
     };
     let sched = BatchScheduler::new(
-        instances.clone(),
+        endpoints.clone(),
         weights,
         LptKey::Max,
         BudgetFallback::Reject,
     )?;
-    let n = instances.len();
+    let n = endpoints.len();
     let mut job = Job {
         prompts: &prompts,
         model_of: sched.model_of().to_vec(),
@@ -287,7 +287,7 @@ pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> 
     while next < prompts.len() {
         tick += 1;
         let now = tick as f64 * cfg.interval_s;
-        for (s, inst) in servers.iter_mut().zip(&instances) {
+        for (s, inst) in servers.iter_mut().zip(&endpoints) {
             s.advance(now, inst, &job, &mut finish);
         }
         let end = next + prompts[next..].partition_point(|p| p.arrival <= now);
@@ -298,7 +298,7 @@ pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> 
         let choice = match policy {
             Policy::Scheduler(_) => scheduler_choice(&sched, batch, &servers, &job)?,
             Policy::Decoupled { quality, cost } => {
-                decoupled_choice(&instances, &job.model_of, batch, &servers, quality, cost)
+                decoupled_choice(&endpoints, &job.model_of, batch, &servers, quality, cost)
             }
             Policy::RoundRobin => (0..batch.len())
                 .map(|k| (next_rr + k) % n)
@@ -314,10 +314,10 @@ pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> 
         }
         next = end;
     }
-    for (s, inst) in servers.iter_mut().zip(&instances) {
+    for (s, inst) in servers.iter_mut().zip(&endpoints) {
         s.advance(f64::INFINITY, inst, &job, &mut finish);
     }
-    Ok(measure(&prompts, &instances, &job, &finish, fleet.len()))
+    Ok(measure(&prompts, &endpoints, &job, &finish, fleet.len()))
 }
 
 /// The policy set the evaluation compares, as `(name, family, policy)`:
@@ -395,7 +395,7 @@ fn scheduler_choice(
 }
 
 fn decoupled_choice(
-    instances: &[Instance],
+    endpoints: &[Endpoint],
     model_of: &[usize],
     batch: &[Prompt],
     servers: &[Server],
@@ -406,7 +406,7 @@ fn decoupled_choice(
         .iter()
         .map(|s| s.running.len() + s.queue.len())
         .collect();
-    // one representative instance per model, for its prices
+    // one representative endpoint per model, for its prices
     let models = batch.first().map_or(0, |p| p.quality.len());
     let rep: Vec<usize> = (0..models)
         .map(|m| model_of.iter().position(|&x| x == m).unwrap_or(0))
@@ -415,14 +415,14 @@ fn decoupled_choice(
         .iter()
         .map(|p| {
             let cost: Vec<f64> = (0..models)
-                .map(|m| instances[rep[m]].cost(p.in_tokens as f64, p.out_len[m]))
+                .map(|m| endpoints[rep[m]].cost(p.in_tokens as f64, p.out_len[m]))
                 .collect();
             let max_cost = cost.iter().copied().fold(0.0, f64::max);
             let score = |m: usize| {
                 w_quality * p.quality[m] + w_cost - super::slope(w_cost, max_cost) * cost[m]
             };
             let model = (0..models).fold(0, |b, m| if score(m) > score(b) { m } else { b });
-            let i = (0..instances.len())
+            let i = (0..endpoints.len())
                 .filter(|&i| model_of[i] == model)
                 .min_by_key(|&i| depth[i])
                 .unwrap_or(0);
@@ -434,7 +434,7 @@ fn decoupled_choice(
 
 fn measure(
     prompts: &[Prompt],
-    instances: &[Instance],
+    endpoints: &[Endpoint],
     job: &Job<'_>,
     finish: &[f64],
     models: usize,
@@ -452,7 +452,7 @@ fn measure(
         let i = job.placed[r];
         let m = job.model_of[i];
         quality += p.quality[m];
-        cost += instances[i].cost(p.in_tokens as f64, p.out_len[m]);
+        cost += endpoints[i].cost(p.in_tokens as f64, p.out_len[m]);
         share[m] += 1.0 / n;
     }
     let p95 = latency[((latency.len() as f64 * 0.95) as usize).min(latency.len() - 1)];
@@ -487,7 +487,7 @@ mod tests {
         };
         let p = &workload(&c, &PAPER_FLEET)[0];
         let out = run(&c, &PAPER_FLEET, Policy::RoundRobin).expect("run");
-        // round-robin starts at instance 0, a 3B
+        // round-robin starts at endpoint 0, a 3B
         let t = &PAPER_FLEET[0];
         let fire = (p.arrival / c.interval_s).ceil() * c.interval_s;
         let prefill = p.in_tokens as f64 * t.tpot_s / super::super::DEFAULT_PREFILL_TOKENS_PER_STEP;

@@ -17,10 +17,10 @@ use crate::sim::{
     Dispatch, PoolConfig, RequestBlocks, RouterKind, SimConfig, SimReport, SimRequest,
 };
 
-/// A pool of identical simulated instances (vLLM engines).
+/// A pool of identical simulated endpoints (vLLM engines).
 ///
-/// ``max_num_seqs``: sequence slots per instance. ``kv_blocks``: KV blocks of
-/// 16 tokens per instance; by default ``max_num_seqs * ceil(max_context / 16)``,
+/// ``max_num_seqs``: sequence slots per endpoint. ``kv_blocks``: KV blocks of
+/// 16 tokens per endpoint; by default ``max_num_seqs * ceil(max_context / 16)``,
 /// which can never preempt. ``chunk``: prefill tokens per iteration (C_chunk).
 /// ``w`` and ``h`` (seconds): the timing model ``t_iter = w + h * n_active``
 /// (defaults: Llama-3-70B on A100, 8 ms and 0.65 ms). ``budget``: the
@@ -35,19 +35,19 @@ pub struct PySimPool {
 #[pymethods]
 impl PySimPool {
     #[new]
-    #[pyo3(signature = (name, instances, max_context, max_num_seqs, kv_blocks=None, chunk=512,
-                        w=0.008, h=0.00065, gpus_per_instance=1, budget=None))]
+    #[pyo3(signature = (name, endpoints, max_context, max_num_seqs, kv_blocks=None, chunk=512,
+                        w=0.008, h=0.00065, gpus_per_endpoint=1, budget=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: &str,
-        #[pyo3(from_py_with = int_arg)] instances: i64,
+        #[pyo3(from_py_with = int_arg)] endpoints: i64,
         #[pyo3(from_py_with = int_arg)] max_context: i64,
         #[pyo3(from_py_with = int_arg)] max_num_seqs: i64,
         #[pyo3(from_py_with = int_arg)] kv_blocks: Option<i64>,
         #[pyo3(from_py_with = int_arg)] chunk: i64,
         w: f64,
         h: f64,
-        #[pyo3(from_py_with = int_arg)] gpus_per_instance: i64,
+        #[pyo3(from_py_with = int_arg)] gpus_per_endpoint: i64,
         #[pyo3(from_py_with = int_arg)] budget: Option<i64>,
     ) -> PyResult<Self> {
         let timing = Arc::new(LinearTiming::new(w, h)?);
@@ -56,12 +56,12 @@ impl PySimPool {
         });
         let inner = PoolConfig::new(
             name,
-            instances,
+            endpoints,
             max_context,
             max_num_seqs,
             kv_blocks,
             chunk,
-            gpus_per_instance,
+            gpus_per_endpoint,
             budget,
             timing,
         )?;
@@ -72,8 +72,8 @@ impl PySimPool {
         &self.inner.name
     }
     #[getter]
-    fn instances(&self) -> usize {
-        self.inner.instances
+    fn endpoints(&self) -> usize {
+        self.inner.endpoints
     }
     #[getter]
     fn max_context(&self) -> u64 {
@@ -89,21 +89,21 @@ impl PySimPool {
     }
     #[getter]
     fn gpus(&self) -> u64 {
-        self.inner.instances as u64 * self.inner.gpus_per_instance
+        self.inner.endpoints as u64 * self.inner.gpus_per_endpoint
     }
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         let me = slf.get();
         let p = &me.inner;
         let args = (
             p.name.clone(),
-            p.instances,
+            p.endpoints,
             p.max_context,
             p.max_num_seqs,
             p.kv_blocks,
             p.chunk,
             me.w,
             me.h,
-            p.gpus_per_instance,
+            p.gpus_per_endpoint,
             p.budget,
         );
         Ok((
@@ -114,17 +114,17 @@ impl PySimPool {
     fn __repr__(&self) -> String {
         let p = &self.inner;
         format!(
-            "SimPool(name={:?}, instances={}, max_context={}, max_num_seqs={}, kv_blocks={}, \
-             chunk={}, w={}, h={}, gpus_per_instance={}, budget={})",
+            "SimPool(name={:?}, endpoints={}, max_context={}, max_num_seqs={}, kv_blocks={}, \
+             chunk={}, w={}, h={}, gpus_per_endpoint={}, budget={})",
             p.name,
-            p.instances,
+            p.endpoints,
             p.max_context,
             p.max_num_seqs,
             p.kv_blocks,
             p.chunk,
             self.w,
             self.h,
-            p.gpus_per_instance,
+            p.gpus_per_endpoint,
             p.budget
         )
     }
@@ -223,7 +223,7 @@ impl PySimReport {
     fn makespan(&self) -> f64 {
         self.report.makespan
     }
-    /// One dict per pool: name, instances, gpus, max_context, requests
+    /// One dict per pool: name, endpoints, gpus, max_context, requests
     /// (measured, served), utilization_simulated (share of slot-time held, the
     /// planner's ``utilization``), utilization_model (the planner's engine
     /// model at the pool's measured rate over its served requests),
@@ -237,7 +237,7 @@ impl PySimReport {
             .map(|p| {
                 let d = PyDict::new(py);
                 d.set_item("name", &p.name)?;
-                d.set_item("instances", p.instances)?;
+                d.set_item("endpoints", p.endpoints)?;
                 d.set_item("gpus", p.gpus)?;
                 d.set_item("max_context", p.max_context)?;
                 d.set_item("requests", p.requests)?;

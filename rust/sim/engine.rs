@@ -1,4 +1,4 @@
-//! One model instance: a vLLM-style iteration-level continuous-batching engine.
+//! One model endpoint: a vLLM-style iteration-level continuous-batching engine.
 //!
 //! Every iteration, in this order:
 //!
@@ -27,7 +27,7 @@
 //! request that fits its `max_context`: the token-budget paper's
 //! "failure-free by construction".
 //!
-//! Prefix cache: each instance keeps the block hashes of the KV blocks it has
+//! Prefix cache: each endpoint keeps the block hashes of the KV blocks it has
 //! computed in a [`PrefixCache`] bounded by its `kv_blocks`, when the workload
 //! gives its requests' block hashes (prompt and reply, 16-token blocks). At
 //! every admission the prompt's leading cached blocks are looked up and their
@@ -40,9 +40,9 @@
 //! Fast-forward: when every running sequence is decoding and the free blocks
 //! hold all of them to their last token, the next iterations are identical
 //! until the first of them finishes, so they are planned as one stretch of `k`
-//! iterations of the same `t_iter`. A request dispatched to the instance
+//! iterations of the same `t_iter`. A request dispatched to the endpoint
 //! during the stretch cuts it at the next iteration boundary
-//! ([`Instance::interrupt`]), where it would have been admitted anyway: the
+//! ([`Endpoint::interrupt`]), where it would have been admitted anyway: the
 //! outcome is the iteration-by-iteration one, in far fewer events.
 
 use std::collections::VecDeque;
@@ -58,7 +58,7 @@ pub fn blocks_for(tokens: u64) -> u64 {
     tokens.div_ceil(BLOCK_TOKENS)
 }
 
-/// The per-instance limits the engine schedules against.
+/// The per-endpoint limits the engine schedules against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineLimits {
     pub max_num_seqs: usize,
@@ -81,7 +81,7 @@ pub enum Event {
     },
     /// Its first output token was sampled at the end of the iteration.
     FirstToken { request: usize, time: f64 },
-    /// Its last output token was sampled; it left the instance.
+    /// Its last output token was sampled; it left the endpoint.
     Finished { request: usize, time: f64 },
 }
 
@@ -111,7 +111,7 @@ struct Stretch {
 
 /// One engine. Requests are identified by the caller's index.
 #[derive(Debug, Clone)]
-pub struct Instance {
+pub struct Endpoint {
     limits: EngineLimits,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
@@ -133,7 +133,7 @@ pub struct Instance {
     iteration_end: Option<f64>,
 }
 
-impl Instance {
+impl Endpoint {
     pub fn new(limits: EngineLimits) -> Self {
         Self {
             limits,
@@ -152,7 +152,7 @@ impl Instance {
         }
     }
 
-    /// Requests on the instance, running or waiting: the dispatch load.
+    /// Requests on the endpoint, running or waiting: the dispatch load.
     pub fn load(&self) -> usize {
         self.running.len() + self.waiting.len()
     }
@@ -173,7 +173,7 @@ impl Instance {
     /// Queues a request of `input` prompt and `output` generated tokens
     /// (`output` >= 1) whose block hashes are `hashes` (a range of the slice
     /// passed to `step`; empty when unknown). The caller has checked that it
-    /// fits the instance.
+    /// fits the endpoint.
     pub fn enqueue(&mut self, request: usize, input: u64, output: u64, hashes: (usize, usize)) {
         self.waiting.push_back(Seq {
             request,

@@ -4,16 +4,16 @@
 //!
 //! Events are request arrivals and iteration ends. An arrival is routed to a
 //! pool, rejected if `L_in + L_out` exceeds the pool's `max_context` (never
-//! truncated), else dispatched to an instance of the pool (least-loaded,
-//! round-robin or random) and queued there; an idle instance starts iterating.
+//! truncated), else dispatched to an endpoint of the pool (least-loaded,
+//! round-robin or random) and queued there; an idle endpoint starts iterating.
 //! The first `warmup` fraction of requests (by arrival) is left out of the
 //! latency figures and of utilization, which is measured over the window from
 //! the first measured arrival to the last arrival.
 //!
 //! Utilization is the share of slot-time held (sequences holding a slot over
-//! `instances * max_num_seqs` slots), the one definition the planner reports
+//! `endpoints * max_num_seqs` slots), the one definition the planner reports
 //! too. The model's figure beside it is the planner's engine model
-//! ([`crate::planner::engine_state`]) at the pool's measured per-instance
+//! ([`crate::planner::engine_state`]) at the pool's measured per-endpoint
 //! arrival rate over the requests the pool actually served in the window, so
 //! the two columns compare the same quantity.
 
@@ -33,7 +33,7 @@ use crate::error::{invalid, non_negative, positive, Result};
 use crate::planner::{engine_state, EngineLoad, EngineShape, EngineState};
 use crate::rng::Rng;
 
-use engine::{blocks_for, EngineLimits, Event, Instance};
+use engine::{blocks_for, Endpoint, EngineLimits, Event};
 use router::{Compress, FleetRouter, Homogeneous, Routed, TokenBudgetRouting};
 use timing::{Batch, TimingModel};
 
@@ -109,21 +109,21 @@ pub struct Category {
     pub compressible: bool,
 }
 
-/// A pool of identical instances.
+/// A pool of identical endpoints.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
     pub name: String,
-    pub instances: usize,
+    pub endpoints: usize,
     pub max_context: u64,
     /// The token-budget router's budget for the pool (defaults to max_context).
     pub budget: u64,
-    /// Sequence slots per instance (vLLM max_num_seqs).
+    /// Sequence slots per endpoint (vLLM max_num_seqs).
     pub max_num_seqs: usize,
-    /// KV blocks (16 tokens each) per instance.
+    /// KV blocks (16 tokens each) per endpoint.
     pub kv_blocks: u64,
     /// Prefill tokens per iteration (C_chunk).
     pub chunk: u64,
-    pub gpus_per_instance: u64,
+    pub gpus_per_endpoint: u64,
     pub timing: Arc<dyn TimingModel>,
 }
 
@@ -133,12 +133,12 @@ impl PoolConfig {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         name: &str,
-        instances: i64,
+        endpoints: i64,
         max_context: i64,
         max_num_seqs: i64,
         kv_blocks: i64,
         chunk: i64,
-        gpus_per_instance: i64,
+        gpus_per_endpoint: i64,
         budget: Option<i64>,
         timing: Arc<dyn TimingModel>,
     ) -> Result<Self> {
@@ -152,11 +152,11 @@ impl PoolConfig {
             }
             Ok(v as u64)
         };
-        let instances = count("instances", instances, 1 << 20)? as usize;
+        let endpoints = count("endpoints", endpoints, 1 << 20)? as usize;
         let max_num_seqs = count("max_num_seqs", max_num_seqs, 1 << 16)? as usize;
         let kv_blocks = count("kv_blocks", kv_blocks, 1 << 32)?;
         let chunk = count("chunk", chunk, MAX_TOKENS as i64)?;
-        let gpus_per_instance = count("gpus_per_instance", gpus_per_instance, 1 << 10)?;
+        let gpus_per_endpoint = count("gpus_per_endpoint", gpus_per_endpoint, 1 << 10)?;
         if kv_blocks < blocks_for(pool.max_context) {
             return Err(invalid(format!(
                 "pool {name:?}: kv_blocks {kv_blocks} cannot hold one sequence of max_context {} \
@@ -167,13 +167,13 @@ impl PoolConfig {
         }
         Ok(Self {
             name: pool.name,
-            instances,
+            endpoints,
             max_context: pool.max_context,
             budget: pool.budget,
             max_num_seqs,
             kv_blocks,
             chunk,
-            gpus_per_instance,
+            gpus_per_endpoint,
             timing,
         })
     }
@@ -188,14 +188,14 @@ impl PoolConfig {
     }
 }
 
-/// How a pool picks the instance for a request.
+/// How a pool picks the endpoint for a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dispatch {
-    /// Fewest requests running or waiting; ties go to the first tied instance
+    /// Fewest requests running or waiting; ties go to the first tied endpoint
     /// after the previous choice, so equal loads are served in turn.
     LeastLoaded,
     RoundRobin,
-    /// Uniform over the pool's instances, from the seeded generator.
+    /// Uniform over the pool's endpoints, from the seeded generator.
     Random,
 }
 
@@ -282,7 +282,7 @@ pub struct SimReport {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolReport {
     pub name: String,
-    pub instances: usize,
+    pub endpoints: usize,
     pub gpus: u64,
     pub max_context: u64,
     /// Measured requests the pool served (rejections excluded).
@@ -448,16 +448,16 @@ pub fn simulate(
     Fleet::new(requests, blocks, config)?.run(router, progress)
 }
 
-/// Scheduled iteration ends: (time bits, instance, version). An entry whose
-/// version is not the instance's current one was superseded.
+/// Scheduled iteration ends: (time bits, endpoint, version). An entry whose
+/// version is not the endpoint's current one was superseded.
 type Heap = BinaryHeap<Reverse<(u64, usize, u64)>>;
 
 struct Fleet<'a> {
     requests: &'a [SimRequest],
     blocks: &'a RequestBlocks,
     config: &'a SimConfig,
-    instances: Vec<Instance>,
-    /// Index of the first instance of each pool (and the total at the end).
+    endpoints: Vec<Endpoint>,
+    /// Index of the first endpoint of each pool (and the total at the end).
     first: Vec<usize>,
     pool_of: Vec<usize>,
     version: Vec<u64>,
@@ -476,14 +476,14 @@ impl<'a> Fleet<'a> {
         config: &'a SimConfig,
     ) -> Result<Self> {
         let mut first = vec![0];
-        let mut instances = Vec::new();
+        let mut endpoints = Vec::new();
         let mut pool_of = Vec::new();
         for (p, pool) in config.pools.iter().enumerate() {
-            for _ in 0..pool.instances {
-                instances.push(Instance::new(pool.limits(config.fast_forward)));
+            for _ in 0..pool.endpoints {
+                endpoints.push(Endpoint::new(pool.limits(config.fast_forward)));
                 pool_of.push(p);
             }
-            first.push(instances.len());
+            first.push(endpoints.len());
         }
         let n = requests.len();
         let first_measured = ((n as f64) * config.warmup).floor() as usize;
@@ -496,7 +496,7 @@ impl<'a> Fleet<'a> {
             requests,
             blocks,
             config,
-            instances,
+            endpoints,
             first,
             version: vec![0; pool_of.len()],
             pool_of,
@@ -536,7 +536,7 @@ impl<'a> Fleet<'a> {
                 let mut best_load = usize::MAX;
                 for k in 0..n {
                     let j = (start + k) % n;
-                    let load = self.instances[lo + j].load();
+                    let load = self.endpoints[lo + j].load();
                     if load < best_load {
                         best_load = load;
                         best = j;
@@ -554,7 +554,7 @@ impl<'a> Fleet<'a> {
 
     fn start(&mut self, i: usize, now: f64, heap: &mut Heap) {
         let timing = self.config.pools[self.pool_of[i]].timing.as_ref();
-        let inst = &mut self.instances[i];
+        let inst = &mut self.endpoints[i];
         match inst.step(now, timing, self.window, &self.blocks.hashes) {
             Some(dt) => {
                 inst.busy = true;
@@ -593,12 +593,12 @@ impl<'a> Fleet<'a> {
         } else {
             self.blocks.range(k)
         };
-        self.instances[i].enqueue(k, routed.input_tokens, r.output_tokens, hashes);
-        let inst = &mut self.instances[i];
+        self.endpoints[i].enqueue(k, routed.input_tokens, r.output_tokens, hashes);
+        let inst = &mut self.endpoints[i];
         let wake = if inst.busy {
             inst.interrupt(r.arrival)
         } else {
-            // Wake the instance at this time, after every arrival of the same
+            // Wake the endpoint at this time, after every arrival of the same
             // instant: a simultaneous burst shares the first iteration.
             inst.busy = true;
             Some(r.arrival)
@@ -665,8 +665,8 @@ impl<'a> Fleet<'a> {
                 if version != self.version[i] {
                     continue;
                 }
-                self.instances[i].end_iteration(self.window, &self.blocks.hashes);
-                std::mem::swap(&mut events, &mut self.instances[i].pending);
+                self.endpoints[i].end_iteration(self.window, &self.blocks.hashes);
+                std::mem::swap(&mut events, &mut self.endpoints[i].pending);
                 for e in events.drain(..) {
                     self.handle(e, router)?;
                 }
@@ -680,9 +680,9 @@ impl<'a> Fleet<'a> {
     fn finish(mut self) -> Result<SimReport> {
         let span = self.window.1 - self.window.0;
         for (p, pool) in self.config.pools.iter().enumerate() {
-            let insts = &self.instances[self.first[p]..self.first[p + 1]];
+            let insts = &self.endpoints[self.first[p]..self.first[p + 1]];
             let slot_seconds: f64 = insts.iter().map(|i| i.slot_seconds).sum();
-            let slots = (pool.instances * pool.max_num_seqs) as f64;
+            let slots = (pool.endpoints * pool.max_num_seqs) as f64;
             let mut requests = 0u64;
             let mut sums = [0.0f64; 5];
             let mut rejections = 0;
@@ -711,16 +711,16 @@ impl<'a> Fleet<'a> {
                 }
             }
             let model = (span > 0.0 && requests > 0).then(|| {
-                let per_instance = requests as f64 / span / pool.instances as f64;
-                model_state(per_instance, &sums.map(|s| s / requests as f64), pool)
+                let per_endpoint = requests as f64 / span / pool.endpoints as f64;
+                model_state(per_endpoint, &sums.map(|s| s / requests as f64), pool)
             });
             let measured = |x: f64| if span > 0.0 { x / span } else { f64::NAN };
             let iterations: f64 = insts.iter().map(|i| i.iterations).sum();
             let prefilled: f64 = insts.iter().map(|i| i.prefill_tokens).sum();
             self.report.pools.push(PoolReport {
                 name: pool.name.clone(),
-                instances: pool.instances,
-                gpus: pool.instances as u64 * pool.gpus_per_instance,
+                endpoints: pool.endpoints,
+                gpus: pool.endpoints as u64 * pool.gpus_per_endpoint,
                 max_context: pool.max_context,
                 requests,
                 utilization_simulated: measured(slot_seconds / slots),
@@ -741,7 +741,7 @@ impl<'a> Fleet<'a> {
 }
 
 /// The planner's engine model ([`crate::planner::engine_state`]) of one
-/// instance of `pool` at `rate` requests per second, from the served
+/// endpoint of `pool` at `rate` requests per second, from the served
 /// requests' means `[E[a], E[a^2], E[L_in], E[L_in^2], E[a L_total]]`
 /// (`a = ceil(L_in / C) + L_out - 1`). The timing model is read as linear:
 /// `W = t(0)`, `H = t(1) - t(0)`, exact for [`timing::LinearTiming`].

@@ -10,11 +10,11 @@ use super::*;
 const W: f64 = 0.008;
 const H: f64 = 0.00065;
 
-fn pool(name: &str, instances: i64, max_context: i64, seqs: i64, blocks: i64) -> PoolConfig {
+fn pool(name: &str, endpoints: i64, max_context: i64, seqs: i64, blocks: i64) -> PoolConfig {
     let timing = Arc::new(LinearTiming::new(W, H).expect("timing"));
     PoolConfig::new(
         name,
-        instances,
+        endpoints,
         max_context,
         seqs,
         blocks,
@@ -238,9 +238,9 @@ fn burst_into_idle_pool_spreads_evenly() {
     for dispatch in [Dispatch::LeastLoaded, Dispatch::RoundRobin] {
         let cfg = config(vec![pool("p", 8, 8192, 16, 4096)], dispatch);
         let rep = run(&burst, &cfg, RouterKind::Homogeneous);
-        // Eight requests per instance: their 8 x 64 prompt tokens fill one chunk,
+        // Eight requests per endpoint: their 8 x 64 prompt tokens fill one chunk,
         // then all decode together, so all see the same
-        // t_iter = W + 8 H. A single herded instance would give 64 H.
+        // t_iter = W + 8 H. A single herded endpoint would give 64 H.
         let t = W + 8.0 * H;
         assert!(rep.e2e.iter().all(|&e| close(e, 50.0 * t)), "{dispatch:?}");
     }
@@ -407,7 +407,7 @@ fn fast_forward_changes_nothing() {
 
 #[test]
 fn fast_forward_matches_on_small_random_fleets() {
-    // Two tight instances (3 slots, 12 blocks, 16-token chunks) and bursts of
+    // Two tight endpoints (3 slots, 12 blocks, 16-token chunks) and bursts of
     // short requests: many cuts, preemptions and ties, checked exhaustively.
     for seed in 0..500u64 {
         let mut rng = Rng::new(seed);
@@ -435,7 +435,7 @@ fn fast_forward_matches_on_small_random_fleets() {
 
 #[test]
 fn model_state_by_hand() {
-    // 16 slots, 2 requests/s per instance, 150 iterations each, no prompt:
+    // 16 slots, 2 requests/s per endpoint, 150 iterations each, no prompt:
     // t = W / (1 - H rate E[a]) = 0.008 / 0.805, occupancy = 2 * 150 * t.
     let p = pool("p", 1, 8192, 16, 8192);
     let m = model_state(2.0, &[150.0, 22500.0, 0.0, 0.0, 0.0], &p);

@@ -121,7 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dispatch",
         choices=("least-loaded", "round-robin", "random"),
         default="least-loaded",
-        help="instance choice inside a pool (default least-loaded)",
+        help="endpoint choice inside a pool (default least-loaded)",
     )
     p.add_argument(
         "--b-short", type=token_count, help="short-pool boundary B (default: the planner's)"
