@@ -247,6 +247,11 @@ pub struct SimConfig {
     pub warmup: f64,
     /// See [`EngineLimits::fast_forward`]; true but in the equivalence test.
     pub fast_forward: bool,
+    /// Seconds between two scrapes of the endpoints' metrics (waiting,
+    /// running, KV-cache use), all endpoints at multiples of the interval;
+    /// between scrapes the picker adds its own dispatches since the last one.
+    /// 0: the picker reads the engines' state at every decision.
+    pub scrape_interval: f64,
 }
 
 /// What happened to each request (NaN where it does not apply) and to each pool.
@@ -394,6 +399,7 @@ fn check_config(config: &SimConfig) -> Result<()> {
     for c in &config.categories {
         positive("bytes_per_token", c.bytes_per_token)?;
     }
+    non_negative("scrape_interval", config.scrape_interval)?;
     let w = non_negative("warmup", config.warmup)?;
     if w >= 1.0 {
         return Err(invalid(format!("warmup must be in [0, 1), got {w}")));
