@@ -28,14 +28,16 @@
 //!
 //! Policies: the BatchScheduler at a weight vector; decoupled routing (a model
 //! router maximising `w_q quality + w_c (1 - cost / max cost)` over models,
-//! then the shortest queue among that model's endpoints, counting requests
-//! running, queued and assigned earlier in the batch; `w_c = 0` is quality
-//! argmax); round-robin and uniform random over all endpoints.
+//! then the endpoint picker's `least-request` preset among that model's
+//! endpoints (a subset hint), counting requests running, queued and assigned
+//! earlier in the batch; `w_c = 0` is quality argmax); the picker's
+//! `round-robin` and `random` presets over all endpoints.
 
 use std::collections::VecDeque;
 
 use super::{BatchScheduler, BudgetFallback, Endpoint, Load, LptKey, Weights};
 use crate::error::{invalid, positive, Result};
+use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline};
 use crate::rng::Rng;
 
 /// One model tier of the paper's fleet.
@@ -280,8 +282,18 @@ pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> 
     };
     let mut servers: Vec<Server> = (0..n).map(|_| Server::default()).collect();
     let mut finish = vec![f64::NAN; prompts.len()];
-    let mut rng = Rng::new(cfg.seed ^ 0x5eed_7a11);
-    let mut next_rr = 0usize;
+    let names: Vec<&str> = endpoints.iter().map(|e| e.name.as_str()).collect();
+    let preset = match policy {
+        Policy::Scheduler(_) | Policy::Decoupled { .. } => "least-request",
+        Policy::RoundRobin => "round-robin",
+        Policy::Random => "random",
+    };
+    let pick_config = PickConfig {
+        seed: cfg.seed ^ 0x5eed_7a11,
+        prefix_index: None,
+    };
+    let mut picker = Pipeline::preset(preset, &names, &pick_config)?;
+    let mut states = vec![EndpointState::default(); n];
     let mut next = 0usize;
     let mut tick = 0u64;
     while next < prompts.len() {
@@ -298,16 +310,28 @@ pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> 
         let choice = match policy {
             Policy::Scheduler(_) => scheduler_choice(&sched, batch, &servers, &job)?,
             Policy::Decoupled { quality, cost } => {
-                decoupled_choice(&endpoints, &job.model_of, batch, &servers, quality, cost)
+                let choose_model =
+                    |p: &Prompt| decoupled_model(&endpoints, &job.model_of, p, quality, cost);
+                pick_each(
+                    &mut picker,
+                    &mut states,
+                    batch,
+                    &servers,
+                    &job.model_of,
+                    Some(&choose_model),
+                    now,
+                )?
             }
-            Policy::RoundRobin => (0..batch.len())
-                .map(|k| (next_rr + k) % n)
-                .collect::<Vec<_>>(),
-            Policy::Random => (0..batch.len())
-                .map(|_| rng.below(n as u64) as usize)
-                .collect(),
+            Policy::RoundRobin | Policy::Random => pick_each(
+                &mut picker,
+                &mut states,
+                batch,
+                &servers,
+                &job.model_of,
+                None,
+                now,
+            )?,
         };
-        next_rr = (next_rr + batch.len()) % n;
         for (k, i) in choice.into_iter().enumerate() {
             job.placed[next + k] = i;
             servers[i].queue.push_back(next + k);
@@ -394,40 +418,66 @@ fn scheduler_choice(
         .collect()
 }
 
-fn decoupled_choice(
+/// The decoupled router's model for `p`: the best `w_quality * quality +
+/// w_cost * (1 - cost / max cost)`, the first on ties.
+fn decoupled_model(
     endpoints: &[Endpoint],
     model_of: &[usize],
-    batch: &[Prompt],
-    servers: &[Server],
+    p: &Prompt,
     w_quality: f64,
     w_cost: f64,
-) -> Vec<usize> {
-    let mut depth: Vec<usize> = servers
-        .iter()
-        .map(|s| s.running.len() + s.queue.len())
-        .collect();
+) -> usize {
+    let models = p.quality.len();
     // one representative endpoint per model, for its prices
-    let models = batch.first().map_or(0, |p| p.quality.len());
-    let rep: Vec<usize> = (0..models)
-        .map(|m| model_of.iter().position(|&x| x == m).unwrap_or(0))
+    let cost: Vec<f64> = (0..models)
+        .map(|m| {
+            let rep = model_of.iter().position(|&x| x == m).unwrap_or(0);
+            endpoints[rep].cost(p.in_tokens as f64, p.out_len[m])
+        })
         .collect();
+    let max_cost = cost.iter().copied().fold(0.0, f64::max);
+    let score =
+        |m: usize| w_quality * p.quality[m] + w_cost - super::slope(w_cost, max_cost) * cost[m];
+    (0..models).fold(0, |b, m| if score(m) > score(b) { m } else { b })
+}
+
+/// The endpoint picker's choice for each request of the batch, among the
+/// endpoints of the model `model` names (all when None), with every
+/// endpoint's requests running and queued as its in-flight count and each
+/// choice counted before the next (dead reckoning).
+fn pick_each(
+    picker: &mut Pipeline,
+    states: &mut [EndpointState],
+    batch: &[Prompt],
+    servers: &[Server],
+    model_of: &[usize],
+    model: Option<&dyn Fn(&Prompt) -> usize>,
+    now: f64,
+) -> Result<Vec<usize>> {
+    for (st, s) in states.iter_mut().zip(servers) {
+        st.in_flight = (s.running.len() + s.queue.len()) as u64;
+    }
+    let mut subset = Vec::new();
     batch
         .iter()
         .map(|p| {
-            let cost: Vec<f64> = (0..models)
-                .map(|m| endpoints[rep[m]].cost(p.in_tokens as f64, p.out_len[m]))
-                .collect();
-            let max_cost = cost.iter().copied().fold(0.0, f64::max);
-            let score = |m: usize| {
-                w_quality * p.quality[m] + w_cost - super::slope(w_cost, max_cost) * cost[m]
+            if let Some(model) = model {
+                let m = model(p);
+                subset.clear();
+                subset.extend((0..model_of.len()).filter(|&i| model_of[i] == m));
+            }
+            let req = PickRequest {
+                subset: model.map(|_| subset.as_slice()),
+                input_tokens: p.in_tokens,
+                now,
+                ..PickRequest::default()
             };
-            let model = (0..models).fold(0, |b, m| if score(m) > score(b) { m } else { b });
-            let i = (0..endpoints.len())
-                .filter(|&i| model_of[i] == model)
-                .min_by_key(|&i| depth[i])
-                .unwrap_or(0);
-            depth[i] += 1;
-            i
+            let i = picker
+                .pick_one(&req, states)?
+                .ok_or_else(|| invalid("the endpoint picker chose no endpoint"))?;
+            picker.started(&req, i)?;
+            states[i].in_flight += 1;
+            Ok(i)
         })
         .collect()
 }

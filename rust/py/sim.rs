@@ -9,12 +9,13 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::{float_array, hash_array, int_arg, int_array, size_arg};
+use crate::pick::{preset_specs, PluginSpec};
 use crate::sim::engine::blocks_for;
 use crate::sim::prefix_workload::{generate, PrefixWorkload, PrefixWorkloadConfig};
 use crate::sim::timing::LinearTiming;
 use crate::sim::{
     make_router, percentile, set_arrivals, simulate as run_simulation, Arrivals, Category,
-    Dispatch, PoolConfig, RequestBlocks, RouterKind, SimConfig, SimReport, SimRequest,
+    PoolConfig, RequestBlocks, RouterKind, SimConfig, SimReport, SimRequest,
 };
 
 /// A pool of identical simulated endpoints (vLLM engines).
@@ -303,8 +304,14 @@ impl PySimReport {
 /// ``arrivals``: "trace" keeps the given times (scaled to mean ``rate``
 /// requests/s when ``rate`` is given), "poisson" draws a Poisson process at
 /// ``rate``. ``router``: "homogeneous" (one pool), "token-budget" or
-/// "compress-and-route" (band ``(B, gamma * B]``). ``dispatch`` inside a pool:
-/// "least-loaded", "round-robin" or "random". ``warmup``: leading fraction of
+/// "compress-and-route" (band ``(B, gamma * B]``). ``dispatch``: the endpoint
+/// picker inside every pool, an ``EndpointPicker`` preset name
+/// ("least-request", "round-robin", "random", "queue+kv", "prefix",
+/// "prefix+queue+kv", "vtc") or a list of plugin specs (dicts with "name",
+/// optional "weight", and the plugin's parameters); it sees each endpoint's
+/// waiting and running requests and KV-cache use, read at every decision or,
+/// with ``scrape_interval`` seconds > 0, scraped at multiples of it (the
+/// picker adding its own dispatches since). ``warmup``: leading fraction of
 /// requests left out of the figures. ``blocks``: ``(hashes, offsets)`` as
 /// ``block_hashes_many`` returns them for 16-token blocks of each request's
 /// prompt followed by its output (``PrefixWorkload.blocks``): request ``i``'s
@@ -316,8 +323,8 @@ impl PySimReport {
 #[pyfunction]
 #[pyo3(signature = (arrival_s, input_tokens, output_tokens, pools, *, category=None,
                     categories=None, router="token-budget", gamma=1.5,
-                    dispatch="least-loaded", arrivals="trace", rate=None, seed=0,
-                    warmup=0.2, blocks=None, progress=None))]
+                    dispatch=None, arrivals="trace", rate=None, seed=0,
+                    warmup=0.2, blocks=None, scrape_interval=0.0, progress=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate(
     py: Python<'_>,
@@ -329,12 +336,13 @@ pub fn simulate(
     categories: Option<Vec<(String, f64, bool)>>,
     router: &str,
     gamma: f64,
-    dispatch: &str,
+    dispatch: Option<&Bound<'_, PyAny>>,
     arrivals: &str,
     rate: Option<f64>,
     #[pyo3(from_py_with = int_arg)] seed: u64,
     warmup: f64,
     blocks: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+    scrape_interval: f64,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<PySimReport> {
     let times = float_array(arrival_s, "arrival_s")?;
@@ -388,10 +396,11 @@ pub fn simulate(
     let config = SimConfig {
         pools: pools.iter().map(|p| p.inner.clone()).collect(),
         categories,
-        dispatch: Dispatch::parse(dispatch)?,
+        picker: picker_specs(dispatch)?,
         seed,
         warmup,
         fast_forward: true,
+        scrape_interval,
     };
     let kind = RouterKind::parse(router, gamma)?;
     let arrivals = match (arrivals, rate) {
@@ -444,6 +453,43 @@ pub fn simulate(
         cb.call1(py, (n, n))?;
     }
     Ok(PySimReport { report })
+}
+
+/// An endpoint picker's plugin specs: a preset name (default
+/// "least-request") or a list of ``{"name": ..., "weight": ..., params...}``.
+fn picker_specs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<PluginSpec>> {
+    let Some(obj) = obj else {
+        return Ok(preset_specs("least-request")?);
+    };
+    if let Ok(name) = obj.extract::<&str>() {
+        return Ok(preset_specs(name)?);
+    }
+    let items: Vec<Bound<'_, PyDict>> = obj.extract().map_err(|_| {
+        PyValueError::new_err("dispatch must be a preset name or a list of plugin spec dicts")
+    })?;
+    let json = obj.py().import("json")?;
+    items
+        .iter()
+        .map(|d| {
+            let d = d.copy()?;
+            let name: String = d
+                .get_item("name")?
+                .ok_or_else(|| PyValueError::new_err("a plugin spec needs a \"name\""))?
+                .extract()?;
+            d.del_item("name")?;
+            let weight: f64 = match d.get_item("weight")? {
+                Some(w) => {
+                    d.del_item("weight")?;
+                    w.extract()?
+                }
+                None => 1.0,
+            };
+            let text: String = json.call_method1("dumps", (&d,))?.extract()?;
+            let params = serde_json::from_str(&text)
+                .map_err(|e| PyValueError::new_err(format!("plugin {name:?}: {e}")))?;
+            Ok(PluginSpec::with(&name, weight, params))
+        })
+        .collect()
 }
 
 /// A seeded workload with shared prefixes (multi-turn sessions and shared

@@ -4,8 +4,14 @@
 //!
 //! Events are request arrivals and iteration ends. An arrival is routed to a
 //! pool, rejected if `L_in + L_out` exceeds the pool's `max_context` (never
-//! truncated), else dispatched to an endpoint of the pool (least-loaded,
-//! round-robin or random) and queued there; an idle endpoint starts iterating.
+//! truncated), else dispatched to an endpoint of the pool by the pool's
+//! endpoint picker ([`crate::pick::Pipeline`], the server's) and queued there;
+//! an idle endpoint starts iterating. The picker sees every endpoint's
+//! [`EndpointState`] as a metrics scraper fills it: the engine's waiting and
+//! running requests and KV-cache use (read at every decision, or at every
+//! `scrape_interval` with the dispatches since added), routecore's own
+//! requests in flight; it is told of every dispatch (`started`, with the
+//! prompt's block hashes) and completion (`completed`, with the usage).
 //! The first `warmup` fraction of requests (by arrival) is left out of the
 //! latency figures and of utilization, which is measured over the window from
 //! the first measured arrival to the last arrival.
@@ -30,6 +36,8 @@ use std::sync::Arc;
 
 use crate::budget::{Pool, MAX_TOKENS};
 use crate::error::{invalid, non_negative, positive, Result};
+use crate::pick::endpoints::MAX_ENDPOINTS;
+use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec};
 use crate::planner::{engine_state, EngineLoad, EngineShape, EngineState};
 use crate::rng::Rng;
 
@@ -152,7 +160,7 @@ impl PoolConfig {
             }
             Ok(v as u64)
         };
-        let endpoints = count("endpoints", endpoints, 1 << 20)? as usize;
+        let endpoints = count("endpoints", endpoints, MAX_ENDPOINTS as i64)? as usize;
         let max_num_seqs = count("max_num_seqs", max_num_seqs, 1 << 16)? as usize;
         let kv_blocks = count("kv_blocks", kv_blocks, 1 << 32)?;
         let chunk = count("chunk", chunk, MAX_TOKENS as i64)?;
@@ -188,30 +196,6 @@ impl PoolConfig {
     }
 }
 
-/// How a pool picks the endpoint for a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dispatch {
-    /// Fewest requests running or waiting; ties go to the first tied endpoint
-    /// after the previous choice, so equal loads are served in turn.
-    LeastLoaded,
-    RoundRobin,
-    /// Uniform over the pool's endpoints, from the seeded generator.
-    Random,
-}
-
-impl Dispatch {
-    pub fn parse(name: &str) -> Result<Self> {
-        match name {
-            "least-loaded" => Ok(Self::LeastLoaded),
-            "round-robin" => Ok(Self::RoundRobin),
-            "random" => Ok(Self::Random),
-            _ => Err(invalid(format!(
-                "dispatch must be least-loaded, round-robin or random, got {name:?}"
-            ))),
-        }
-    }
-}
-
 /// Which router stands in front of the fleet.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RouterKind {
@@ -241,7 +225,9 @@ impl RouterKind {
 pub struct SimConfig {
     pub pools: Vec<PoolConfig>,
     pub categories: Vec<Category>,
-    pub dispatch: Dispatch,
+    /// The endpoint picker of every pool (e.g. a preset's
+    /// [`crate::pick::preset_specs`]); each pool runs its own pipeline.
+    pub picker: Vec<PluginSpec>,
     pub seed: u64,
     /// Fraction of requests, by arrival, left out of the figures (0.2).
     pub warmup: f64,
@@ -467,8 +453,12 @@ struct Fleet<'a> {
     first: Vec<usize>,
     pool_of: Vec<usize>,
     version: Vec<u64>,
-    cursor: Vec<usize>,
-    rng: Rng,
+    /// Each pool's endpoint picker.
+    pickers: Vec<Pipeline>,
+    /// What the pickers know of every endpoint.
+    states: Vec<EndpointState>,
+    /// The next scrape is the `scrapes`-th multiple of the interval.
+    scrapes: u64,
     window: (f64, f64),
     first_measured: usize,
     routed: Vec<Option<Routed>>,
@@ -484,7 +474,16 @@ impl<'a> Fleet<'a> {
         let mut first = vec![0];
         let mut endpoints = Vec::new();
         let mut pool_of = Vec::new();
+        let mut pickers = Vec::new();
         for (p, pool) in config.pools.iter().enumerate() {
+            let names: Vec<String> = (0..pool.endpoints)
+                .map(|j| format!("{}-{j}", pool.name))
+                .collect();
+            let pick = PickConfig {
+                seed: config.seed.wrapping_add(p as u64),
+                prefix_index: None,
+            };
+            pickers.push(Pipeline::from_specs(&config.picker, &names, &pick)?);
             for _ in 0..pool.endpoints {
                 endpoints.push(Endpoint::new(pool.limits(config.fast_forward)));
                 pool_of.push(p);
@@ -505,9 +504,10 @@ impl<'a> Fleet<'a> {
             endpoints,
             first,
             version: vec![0; pool_of.len()],
+            states: vec![EndpointState::default(); pool_of.len()],
             pool_of,
-            cursor: vec![0; config.pools.len()],
-            rng: Rng::new(config.seed),
+            pickers,
+            scrapes: 0,
             window,
             first_measured,
             routed: vec![None; n],
@@ -530,32 +530,60 @@ impl<'a> Fleet<'a> {
         })
     }
 
-    fn dispatch(&mut self, pool: usize) -> usize {
+    /// Reads endpoint `i`'s metrics into its state, as a scrape does.
+    fn scrape(&mut self, i: usize) {
+        let (e, st) = (&self.endpoints[i], &mut self.states[i]);
+        st.waiting = Some(e.waiting() as f64);
+        st.running = Some(e.running() as f64);
+        st.kv_usage = Some(e.kv_usage());
+        st.dispatched_since_scrape = 0;
+    }
+
+    /// A scrape of every endpoint, due at or before `t_next` (the next event),
+    /// if scraping is periodic; the next one is then the first multiple of the
+    /// interval at or after `t_next`, since nothing changes before it.
+    fn scrape_due(&mut self, t_next: f64) -> bool {
+        let interval = self.config.scrape_interval;
+        if interval <= 0.0 || (self.scrapes as f64) * interval > t_next {
+            return false;
+        }
+        for i in 0..self.endpoints.len() {
+            self.scrape(i);
+        }
+        self.scrapes = ((t_next / interval).ceil() as u64).max(self.scrapes + 1);
+        true
+    }
+
+    /// The endpoint of `pool` for request `k`, from the pool's picker.
+    fn dispatch(&mut self, pool: usize, k: usize, routed: Routed) -> Result<usize> {
         let (lo, hi) = (self.first[pool], self.first[pool + 1]);
-        let n = hi - lo;
-        let pick = match self.config.dispatch {
-            Dispatch::RoundRobin => self.cursor[pool] % n,
-            Dispatch::Random => self.rng.below(n as u64) as usize,
-            Dispatch::LeastLoaded => {
-                let start = self.cursor[pool] % n;
-                let mut best = start;
-                let mut best_load = usize::MAX;
-                for k in 0..n {
-                    let j = (start + k) % n;
-                    let load = self.endpoints[lo + j].load();
-                    if load < best_load {
-                        best_load = load;
-                        best = j;
-                        if load == 0 {
-                            break;
-                        }
-                    }
-                }
-                best
+        for i in lo..hi {
+            if self.config.scrape_interval <= 0.0 {
+                self.scrape(i);
             }
+            self.states[i].in_flight = self.endpoints[i].load() as u64;
+        }
+        let r = &self.requests[k];
+        let blocks = self.blocks;
+        let req = PickRequest {
+            // A compressed prompt is another text: no hashes for it.
+            hashes: if routed.compressed {
+                &[]
+            } else {
+                blocks.prompt(k, routed.input_tokens)
+            },
+            input_tokens: routed.input_tokens,
+            output_tokens: r.output_tokens,
+            now: r.arrival,
+            ..PickRequest::default()
         };
-        self.cursor[pool] = pick + 1;
-        lo + pick
+        let picker = &mut self.pickers[pool];
+        let j = picker
+            .pick_one(&req, &self.states[lo..hi])?
+            .ok_or_else(|| invalid(format!("the picker of pool {pool} chose no endpoint")))?;
+        picker.started(&req, j)?;
+        self.states[lo + j].dispatched_since_scrape += 1;
+        Ok(lo + j)
     }
 
     fn start(&mut self, i: usize, now: f64, heap: &mut Heap) {
@@ -591,9 +619,8 @@ impl<'a> Fleet<'a> {
             return router.complete(&r, routed);
         }
         self.routed[k] = Some(routed);
-        let i = self.dispatch(routed.pool);
+        let i = self.dispatch(routed.pool, k, routed)?;
         self.report.endpoint[k] = (i - self.first[routed.pool]) as i64;
-        // A compressed prompt is another text: no hashes for it.
         let hashes = if routed.compressed {
             (0, 0)
         } else {
@@ -641,6 +668,13 @@ impl<'a> Fleet<'a> {
                 }
                 rep.makespan = rep.makespan.max(time);
                 if let Some(routed) = self.routed[request] {
+                    let j = rep.endpoint[request] as usize;
+                    self.pickers[routed.pool].completed(
+                        j,
+                        routed.input_tokens,
+                        r.output_tokens,
+                        time,
+                    )?;
                     router.complete(r, routed)?;
                 }
             }
@@ -661,6 +695,10 @@ impl<'a> Fleet<'a> {
                 (Some(_), None) => true,
                 (None, Some(_)) => false,
             };
+            let t_next = if arrival_first { t_arr } else { t_end };
+            if self.scrape_due(t_next.unwrap_or(f64::INFINITY)) {
+                continue;
+            }
             if arrival_first {
                 self.arrive(next, router, &mut heap)?;
                 next += 1;
