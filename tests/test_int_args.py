@@ -39,7 +39,7 @@ def admission():
 
 
 def scheduler():
-    return core.BatchScheduler([INSTANCE])
+    return core.BatchScheduler([ENDPOINT])
 
 
 def plan():

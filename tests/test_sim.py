@@ -61,7 +61,7 @@ def test_rejection_above_max_context():
     assert r.pools[0]["rejections"] == 1
 
 
-@pytest.mark.parametrize("dispatch", ["least-loaded", "round-robin"])
+@pytest.mark.parametrize("dispatch", ["least-request", "round-robin"])
 def test_burst_into_idle_pool_spreads_evenly(dispatch):
     # 80 equal requests at one instant on 10 idle endpoints: 8 each, so every
     # one runs in a batch of 8 (64-token prompts fill one 512-token chunk).
@@ -71,6 +71,24 @@ def test_burst_into_idle_pool_spreads_evenly(dispatch):
         router="homogeneous", dispatch=dispatch, warmup=0.0,
     )  # fmt: skip
     np.testing.assert_allclose(r.e2e, 30 * (W + 8 * H))
+
+
+def test_dispatch_by_plugin_specs_is_the_preset_they_spell():
+    n = 300
+    rng = np.random.default_rng(1)
+    args = (np.sort(rng.uniform(0, 3, n)), rng.integers(1, 3000, n), rng.integers(1, 200, n))
+    pools = one_pool(endpoints=4)
+    preset = rc.simulate(*args, pools, router="homogeneous", dispatch="least-request")
+    specs = [
+        {"name": "healthy"},
+        {"name": "least-request", "weight": 2.0},
+        {"name": "max-score", "ties": "first"},
+    ]
+    spelled = rc.simulate(*args, pools, router="homogeneous", dispatch=specs)
+    np.testing.assert_array_equal(preset.endpoint, spelled.endpoint)
+    assert (preset.endpoint >= 0).all() and len(set(preset.endpoint.tolist())) == 4
+    rr = rc.simulate(*args, pools, router="homogeneous", dispatch="round-robin")
+    assert rr.endpoint.tolist() == [i % 4 for i in range(n)]
 
 
 def test_random_dispatch_is_seeded():
@@ -135,7 +153,14 @@ def test_progress_callback_and_errors_from_it():
         (dict(input_tokens=[-3, 5]), "input_tokens"),
         (dict(output_tokens=[5]), "one length"),
         (dict(router="fastest"), "router"),
-        (dict(dispatch="herd"), "dispatch"),
+        (dict(dispatch="herd"), "unknown preset"),
+        (dict(dispatch=[{"name": "herd"}]), "unknown plugin"),
+        (dict(dispatch=[{"weight": 1.0}]), "name"),
+        (dict(dispatch=[{"name": "least-request", "weight": -1.0}]), "weight"),
+        (dict(dispatch=[{"name": "max-score", "ties": "sometimes"}]), "ties"),
+        (dict(dispatch=3), "dispatch"),
+        (dict(scrape_interval=-1.0), "scrape_interval"),
+        (dict(scrape_interval=float("nan")), "scrape_interval"),
         (dict(arrivals="poisson"), "rate"),
         (dict(arrivals="poisson", rate=0.0), "rate"),
         (dict(warmup=1.0), "warmup"),

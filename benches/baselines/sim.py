@@ -1,6 +1,7 @@
 """The fleet simulator's model in plain Python: one pool of vLLM-style
 continuous-batching endpoints stepped iteration by iteration (as the papers'
-own eval/simulator.py does), least-loaded dispatch with a rotating tie-break,
+own eval/simulator.py does), least-request dispatch (the fewest requests
+running or waiting, the first on ties: routecore's endpoint picker's preset),
 the same rules as routecore's `sim` module: FCFS admission when a slot and the
 prompt's 16-token KV blocks are free, decode reservation that preempts the
 newest sequence, one prefill chunk of C tokens per iteration shared in
@@ -114,22 +115,12 @@ def simulate(arrival, inp, out, endpoints, slots, max_context, w=0.008, h=0.0006
     pool = [Endpoint(slots, slots * blocks(max_context), chunk) for _ in range(endpoints)]
     heap: list[tuple[float, int, int]] = []
     version = [0] * endpoints
-    cursor = 0
     k = 0
     while k < n or heap:
         if k < n and (not heap or arrival[k] <= heap[0][0]):
             t = arrival[k]
             if inp[k] + out[k] <= max_context:
-                start = cursor % endpoints
-                best, best_load = start, None
-                for j in range(endpoints):
-                    c = (start + j) % endpoints
-                    load = pool[c].load()
-                    if best_load is None or load < best_load:
-                        best, best_load = c, load
-                        if load == 0:
-                            break
-                cursor = best + 1
+                best = min(range(endpoints), key=lambda c: pool[c].load())
                 inst = pool[best]
                 inst.waiting.append(Seq(k, int(inp[k]), int(out[k])))
                 if not inst.busy:

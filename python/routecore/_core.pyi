@@ -786,7 +786,7 @@ def annual_cost_usd(
 
 # --- Fleet simulator (issue 4) ---
 
-from collections.abc import Callable, Sequence  # noqa: E402
+from collections.abc import Callable, Mapping, Sequence  # noqa: E402
 
 @final
 class SimPool:
@@ -863,14 +863,16 @@ def simulate(
     categories: Sequence[tuple[str, float, bool]] | None = None,
     router: str = "token-budget",
     gamma: float = 1.5,
-    dispatch: str = "least-loaded",
+    dispatch: str | Sequence[Mapping[str, Any]] | None = None,
     arrivals: str = "trace",
     rate: float | None = None,
     seed: int = 0,
     warmup: float = 0.2,
     blocks: tuple[npt.NDArray[np.uint64], npt.ArrayLike] | None = None,
+    scrape_interval: float = 0.0,
     progress: Callable[[int, int], object] | None = None,
 ) -> SimReport: ...
+
 @final
 class PrefixWorkload:
     """A seeded workload with shared prefixes (multi-turn sessions, shared system prompts)."""

@@ -61,7 +61,7 @@ class Row:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=positive_int, default=4000, help="requests (default 4000)")
-    p.add_argument("--rate", type=positive_float, default=40.0, help="arrivals/s (default 40)")
+    p.add_argument("--rate", type=positive_float, default=38.0, help="arrivals/s (default 38)")
     p.add_argument("--endpoints", type=positive_int, default=8, help="endpoints (default 8)")
     p.add_argument(
         "--sessions", type=positive_int, default=128, help="open sessions at a time (default 128)"
@@ -78,8 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-blocks",
         type=positive_int,
-        default=4096,
-        help="KV blocks of 16 tokens per endpoint, which bound its prefix cache (default 4096)",
+        default=8192,
+        help="KV blocks of 16 tokens per endpoint, which bound its prefix cache (default 8192)",
     )
     p.add_argument(
         "--max-num-seqs", type=positive_int, default=64, help="slots per endpoint (default 64)"
@@ -129,9 +129,7 @@ def evaluate(args: argparse.Namespace) -> list[Row]:
         shared_fraction=args.shared_fraction,
         seed=args.seed,
     )
-    pool = SimPool(
-        "pool", args.endpoints, MAX_CONTEXT, args.max_num_seqs, kv_blocks=args.kv_blocks
-    )
+    pool = SimPool("pool", args.endpoints, MAX_CONTEXT, args.max_num_seqs, kv_blocks=args.kv_blocks)
     rows = []
     for policy in args.policy or POLICIES:
         report = simulate(

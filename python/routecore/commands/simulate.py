@@ -119,9 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dispatch",
-        choices=("least-loaded", "round-robin", "random"),
-        default="least-loaded",
-        help="endpoint choice inside a pool (default least-loaded)",
+        default="least-request",
+        help="the endpoint picker inside a pool, an endpoint-picker preset: least-request "
+        "(default), round-robin, random, queue+kv, prefix, prefix+queue+kv or vtc",
     )
     p.add_argument(
         "--b-short", type=token_count, help="short-pool boundary B (default: the planner's)"
