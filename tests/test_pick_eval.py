@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,3 +132,12 @@ def test_pick_eval_table_and_plot(capsys, tmp_path):
     assert out.splitlines()[0].startswith("| policy | prefix hit rate | TTFT p50 (s)")
     assert [line.split(" | ")[0] for line in out.splitlines()[2:]] == ["| random", "| prefix"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_the_readme_table_is_the_default_run(capsys):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
+    assert main(["pick-eval", "--quiet"]) == 0
+    table = capsys.readouterr().out.strip()
+    assert table.count("\n") == len(POLICIES) + 1
+    assert table in readme
