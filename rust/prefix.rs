@@ -163,7 +163,7 @@ pub fn block_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64) -> Result<
 
 /// Checks ragged-batch offsets: `offsets[0] == 0`, non-decreasing, last equal
 /// to `len`. Returns them as `usize`.
-fn check_offsets(offsets: &[i64], len: usize) -> Result<Vec<usize>> {
+pub(crate) fn check_offsets(offsets: &[i64], len: usize) -> Result<Vec<usize>> {
     if offsets.first() != Some(&0) || offsets.last() != Some(&(len as i64)) {
         return Err(invalid(format!(
             "offsets must start at 0 and end at the token count {len}"

@@ -8,6 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::pick::plugin_spec;
 use super::{float_array, hash_array, int_arg, int_array, size_arg};
 use crate::pick::{preset_specs, PluginSpec};
 use crate::sim::engine::blocks_for;
@@ -456,7 +457,7 @@ pub fn simulate(
 }
 
 /// An endpoint picker's plugin specs: a preset name (default
-/// "least-request") or a list of ``{"name": ..., "weight": ..., params...}``.
+/// "least-request") or a list of ``{"name": ..., "weight": ..., **params}``.
 fn picker_specs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<PluginSpec>> {
     let Some(obj) = obj else {
         return Ok(preset_specs("least-request")?);
@@ -464,32 +465,10 @@ fn picker_specs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<PluginSpec>> {
     if let Ok(name) = obj.extract::<&str>() {
         return Ok(preset_specs(name)?);
     }
-    let items: Vec<Bound<'_, PyDict>> = obj.extract().map_err(|_| {
+    let items: Vec<Bound<'_, PyAny>> = obj.extract().map_err(|_| {
         PyValueError::new_err("dispatch must be a preset name or a list of plugin spec dicts")
     })?;
-    let json = obj.py().import("json")?;
-    items
-        .iter()
-        .map(|d| {
-            let d = d.copy()?;
-            let name: String = d
-                .get_item("name")?
-                .ok_or_else(|| PyValueError::new_err("a plugin spec needs a \"name\""))?
-                .extract()?;
-            d.del_item("name")?;
-            let weight: f64 = match d.get_item("weight")? {
-                Some(w) => {
-                    d.del_item("weight")?;
-                    w.extract()?
-                }
-                None => 1.0,
-            };
-            let text: String = json.call_method1("dumps", (&d,))?.extract()?;
-            let params = serde_json::from_str(&text)
-                .map_err(|e| PyValueError::new_err(format!("plugin {name:?}: {e}")))?;
-            Ok(PluginSpec::with(&name, weight, params))
-        })
-        .collect()
+    items.iter().map(plugin_spec).collect()
 }
 
 /// A seeded workload with shared prefixes (multi-turn sessions and shared
