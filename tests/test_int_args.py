@@ -8,6 +8,7 @@ integer parameter without a case here fails."""
 import ast
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,11 @@ SIM_POOL_ARGS = {"name": "p", "endpoints": 1, "max_context": 4096, "max_num_seqs
 def keyword(make, args, name):
     """A call of `make(**args)` with the value in keyword `name`."""
     return lambda v: make(**{**args, name: v})
+
+
+def pair_keyword(make, args, name):
+    """A call of `make(**args)` with the range `(value, value)` in keyword `name`."""
+    return lambda v: make(**{**args, name: (v, v)})
 
 
 # "Class.method.parameter" -> a call with the value in that parameter.
@@ -194,6 +200,14 @@ CASES = {
     "simulate.seed": lambda v: core.simulate(
         [0.0], [100], [10], [core.SimPool("p", 1, 4096, 8)], seed=v
     ),
+    **{
+        f"PrefixWorkload.__new__.{name}": keyword(core.PrefixWorkload, {"requests": 10}, name)
+        for name in ("requests", "sessions", "system_prompts", "seed")
+    },
+    **{
+        f"PrefixWorkload.__new__.{name}": pair_keyword(core.PrefixWorkload, {"requests": 10}, name)
+        for name in ("turns", "system_tokens", "user_tokens", "output_tokens")
+    },
     "TokenPool.__new__.kv_bytes": lambda v: core.TokenPool("p", 1.0, v, 1),
     "TokenPool.__new__.concurrency": lambda v: core.TokenPool("p", 1.0, 1, v),
     "TokenPool.__new__.kv_bytes_per_token": lambda v: core.TokenPool("p", 1.0, 1, 1, v),
@@ -327,7 +341,7 @@ def integer_parameters():
             ):
                 for a in node.args.args + node.args.kwonlyargs:
                     ann = ast.unparse(a.annotation) if a.annotation else ""
-                    if "int" in ann and not any(x in ann for x in ("Callable", "np")):
+                    if re.search(r"\bint\b", ann) and not any(x in ann for x in ("Callable", "np")):
                         out.add(f"{prefix}{node.name}.{a.arg}")
 
     visit(tree.body, "")
@@ -375,6 +389,7 @@ UNSIGNED_64 = {
     "plan.b_short",
     "plan.long_context",
     "simulate.seed",
+    "PrefixWorkload.__new__.seed",
     "Admission.__new__.ticket",
     "AdmissionController.complete.ticket",
     "DataPlane.route_fields.token_ids",

@@ -984,12 +984,12 @@ class PrefixWorkload:
         requests: int = 2000,
         rate: float = 20.0,
         sessions: int = 64,
-        turns: tuple[int, int] = (1, 8),
+        turns: tuple[int, int] = ...,
         system_prompts: int = 8,
         shared_fraction: float = 0.9,
-        system_tokens: tuple[int, int] = (512, 2048),
-        user_tokens: tuple[int, int] = (20, 300),
-        output_tokens: tuple[int, int] = (50, 400),
+        system_tokens: tuple[int, int] = ...,
+        user_tokens: tuple[int, int] = ...,
+        output_tokens: tuple[int, int] = ...,
         seed: int = 0,
     ) -> Self: ...
     def __len__(self) -> int: ...
