@@ -59,6 +59,7 @@ CASES = [
     (["pick-eval"], "--kv-blocks", ["-1"]),
     (["pick-eval"], "--max-num-seqs", ["0"]),
     (["pick-eval"], "--warmup", ["1"]),
+    (["pick-eval"], "--scrape-interval", ["-0.1", "nan"]),
     (["pick-eval"], "--seed", ["-1"]),
     (["pick-eval"], "--policy", ["herd"]),
     (["assign-eval"], "--rate", ["0"]),

@@ -5,8 +5,9 @@ One pool of simulated vLLM endpoints (``routecore.SimPool``), each with its own
 LRU prefix cache of its KV blocks, serves a seeded ``routecore.PrefixWorkload``
 (multi-turn sessions and shared system prompts); inside the pool every request
 is dispatched by the endpoint-picker pipeline of a policy, fed with each
-endpoint's queue, running count and KV-cache use as a metrics scraper would
-read them. Per policy:
+endpoint's queue, running count and KV-cache use as a metrics scraper reads
+them every ``--scrape-interval`` seconds (the picker adding its own
+dispatches in between). Per policy:
 
 - ``hit_rate``: prompt tokens served from the endpoints' prefix caches over
   prompt tokens, over the measured (post-warm-up) requests;
@@ -29,6 +30,7 @@ from routecore._core import PrefixWorkload, SimPool, SimReport, simulate
 from routecore._extras import pyplot
 from routecore.commands._args import (
     fraction,
+    non_negative_float,
     positive_float,
     positive_int,
     proper_fraction,
@@ -84,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-seqs", type=positive_int, default=64, help="slots per endpoint (default 64)"
     )
+    p.add_argument(
+        "--scrape-interval",
+        type=non_negative_float,
+        default=0.05,
+        help="seconds between scrapes of the endpoints' metrics, the picker adding its own "
+        "dispatches in between (default 0.05, the scraper's; 0: read at every decision)",
+    )
     p.add_argument("--warmup", type=proper_fraction, default=0.2, help="warm-up fraction (0.2)")
     p.add_argument("--seed", type=random_seed, default=0, help="workload and picker seed (0)")
     p.add_argument(
@@ -135,7 +144,8 @@ def evaluate(args: argparse.Namespace) -> list[Row]:
         report = simulate(
             workload.arrival_s, workload.input_tokens, workload.output_tokens, [pool],
             router="homogeneous", dispatch=policy, blocks=workload.blocks, seed=args.seed,
-            warmup=args.warmup, progress=Progress(policy, not args.quiet),
+            warmup=args.warmup, scrape_interval=args.scrape_interval,
+            progress=Progress(policy, not args.quiet),
         )  # fmt: skip
         rows.append(measure(policy, workload, report, args.endpoints))
     return rows
