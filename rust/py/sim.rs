@@ -307,7 +307,7 @@ impl PySimReport {
 /// ``rate``. ``router``: "homogeneous" (one pool), "token-budget" or
 /// "compress-and-route" (band ``(B, gamma * B]``). ``dispatch``: the endpoint
 /// picker inside every pool, an ``EndpointPicker`` preset name
-/// ("least-request", "round-robin", "random", "queue+kv", "prefix",
+/// ("least-request", the default, "round-robin", "random", "queue+kv", "prefix",
 /// "prefix+queue+kv", "vtc") or a list of plugin specs (dicts with "name",
 /// optional "weight", and the plugin's parameters); it sees each endpoint's
 /// waiting and running requests and KV-cache use, read at every decision or,
