@@ -486,7 +486,7 @@ fn picker_specs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<PluginSpec>> {
 /// seed gives the same workload.
 ///
 /// >>> w = PrefixWorkload(requests=100, seed=1)
-/// >>> len(w), w.block_offsets[-1] == len(w.block_hashes)
+/// >>> len(w), int(w.block_offsets[-1]) == len(w.block_hashes)
 /// (100, True)
 #[pyclass(frozen, name = "PrefixWorkload", module = "routecore")]
 pub struct PyPrefixWorkload {
