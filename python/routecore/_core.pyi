@@ -397,7 +397,7 @@ class VtcRouter:
 
 @final
 class EndpointPicker:
-    """One pipeline of filters, weighted scorers and a picker choosing the endpoint of each request."""
+    """Filters, weighted scorers and a picker choosing the endpoint of each request."""
 
     def __new__(
         cls,
