@@ -91,6 +91,19 @@ def test_dispatch_by_plugin_specs_is_the_preset_they_spell():
     assert rr.endpoint.tolist() == [i % 4 for i in range(n)]
 
 
+def test_sessions_reach_the_session_affinity_plugin():
+    specs = [{"name": "session-affinity"}, {"name": "max-score", "ties": "round-robin"}]
+    args = ([0.0, 1.0, 2.0, 3.0], [100] * 4, [1] * 4, one_pool(endpoints=3))
+    r = rc.simulate(*args, router="homogeneous", dispatch=specs, session=[7, 8, 7, 8])
+    assert r.endpoint.tolist() == [0, 1, 0, 1]
+    r = rc.simulate(*args, router="homogeneous", dispatch=specs)
+    assert r.endpoint.tolist() == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="session"):
+        rc.simulate(*args, router="homogeneous", session=[1, 2])
+    with pytest.raises(ValueError, match="session"):
+        rc.simulate(*args, router="homogeneous", session=[1, 2, 3, -4])
+
+
 def test_random_dispatch_is_seeded():
     n = 400
     rng = np.random.default_rng(0)

@@ -961,6 +961,7 @@ def simulate(
     pools: Sequence[SimPool],
     *,
     category: npt.ArrayLike | None = None,
+    session: npt.ArrayLike | None = None,
     categories: Sequence[tuple[str, float, bool]] | None = None,
     router: str = "token-budget",
     gamma: float = 1.5,

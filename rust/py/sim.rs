@@ -300,7 +300,9 @@ impl PySimReport {
 ///
 /// The workload: ``arrival_s`` (seconds, sorted), ``input_tokens``,
 /// ``output_tokens`` and ``category`` (indices into ``categories``, default all
-/// 0) as equal-length arrays. ``categories``: ``(name, bytes_per_token,
+/// 0) as equal-length arrays; ``session``, optionally, the conversation of
+/// each request (integers, e.g. ``PrefixWorkload.session``), the key of the
+/// picker's session-affinity plugin. ``categories``: ``(name, bytes_per_token,
 /// compressible)`` per category (default one English-prose category, 4.48).
 /// ``arrivals``: "trace" keeps the given times (scaled to mean ``rate``
 /// requests/s when ``rate`` is given), "poisson" draws a Poisson process at
@@ -323,7 +325,7 @@ impl PySimReport {
 /// interpreter lock.
 #[pyfunction]
 #[pyo3(signature = (arrival_s, input_tokens, output_tokens, pools, *, category=None,
-                    categories=None, router="token-budget", gamma=1.5,
+                    session=None, categories=None, router="token-budget", gamma=1.5,
                     dispatch=None, arrivals="trace", rate=None, seed=0,
                     warmup=0.2, blocks=None, scrape_interval=0.0, progress=None))]
 #[allow(clippy::too_many_arguments)]
@@ -334,6 +336,7 @@ pub fn simulate(
     output_tokens: &Bound<'_, PyAny>,
     pools: Vec<PyRef<'_, PySimPool>>,
     category: Option<&Bound<'_, PyAny>>,
+    session: Option<&Bound<'_, PyAny>>,
     categories: Option<Vec<(String, f64, bool)>>,
     router: &str,
     gamma: f64,
@@ -353,14 +356,23 @@ pub fn simulate(
         Some(c) => int_array(c, "category")?,
         None => vec![0; times.len()],
     };
+    let sessions = match session {
+        Some(s) => Some(int_array(s, "session")?),
+        None => None,
+    };
     let n = times.len();
-    if inputs.len() != n || outputs.len() != n || cats.len() != n {
+    if inputs.len() != n
+        || outputs.len() != n
+        || cats.len() != n
+        || sessions.as_ref().is_some_and(|s| s.len() != n)
+    {
         return Err(PyValueError::new_err(format!(
-            "arrival_s, input_tokens, output_tokens and category must have one length, got \
-             {n}, {}, {} and {}",
+            "arrival_s, input_tokens, output_tokens, category and session must have one \
+             length, got {n}, {}, {}, {} and {}",
             inputs.len(),
             outputs.len(),
-            cats.len()
+            cats.len(),
+            sessions.as_ref().map_or(n, Vec::len)
         )));
     }
     let nonneg = |what: &str, v: i64| {
@@ -373,6 +385,10 @@ pub fn simulate(
             input_tokens: nonneg("input_tokens", inputs[i])?,
             output_tokens: nonneg("output_tokens", outputs[i])?,
             category: nonneg("category", cats[i])? as usize,
+            session: match &sessions {
+                Some(s) => Some(nonneg("session", s[i])?),
+                None => None,
+            },
         });
     }
     let blocks = match blocks {

@@ -31,6 +31,7 @@ pub mod timing;
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -54,6 +55,9 @@ pub struct SimRequest {
     pub output_tokens: u64,
     /// Index into the simulation's categories.
     pub category: usize,
+    /// The conversation it belongs to, the session-affinity key of the
+    /// endpoint picker (None: no session).
+    pub session: Option<u64>,
 }
 
 /// The requests' KV block hashes, for the endpoints' prefix caches (see
@@ -459,6 +463,8 @@ struct Fleet<'a> {
     states: Vec<EndpointState>,
     /// The next scrape is the `scrapes`-th multiple of the interval.
     scrapes: u64,
+    /// The session key of the request being picked, as text.
+    session: String,
     window: (f64, f64),
     first_measured: usize,
     routed: Vec<Option<Routed>>,
@@ -508,6 +514,7 @@ impl<'a> Fleet<'a> {
             pool_of,
             pickers,
             scrapes: 0,
+            session: String::new(),
             window,
             first_measured,
             routed: vec![None; n],
@@ -565,7 +572,13 @@ impl<'a> Fleet<'a> {
         }
         let r = &self.requests[k];
         let blocks = self.blocks;
+        self.session.clear();
+        if let Some(s) = r.session {
+            // Writing into a String cannot fail.
+            let _ = write!(self.session, "{s}");
+        }
         let req = PickRequest {
+            session: r.session.map(|_| self.session.as_str()),
             // A compressed prompt is another text: no hashes for it.
             hashes: if routed.compressed {
                 &[]

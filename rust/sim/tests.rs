@@ -49,6 +49,7 @@ fn req(arrival: f64, input: u64, output: u64) -> SimRequest {
         input_tokens: input,
         output_tokens: output,
         category: 0,
+        session: None,
     }
 }
 
@@ -493,4 +494,35 @@ fn between_scrapes_the_picker_counts_its_own_dispatches() {
     let mut router = make_router(RouterKind::Homogeneous, &cfg).expect("router");
     let p = AtomicU64::new(0);
     assert!(simulate(&work, &RequestBlocks::none(2), &cfg, router.as_mut(), &p).is_err());
+}
+
+#[test]
+fn session_affinity_keeps_a_conversation_on_its_endpoint() {
+    // Session affinity, then round-robin among equals: a new session goes
+    // to the next endpoint in turn, a known one back to its endpoint.
+    let mut cfg = config(vec![pool("p", 3, 8192, 16, 4096)], "round-robin");
+    cfg.picker = vec![
+        PluginSpec::new("session-affinity", 1.0),
+        PluginSpec::with(
+            "max-score",
+            1.0,
+            serde_json::json!({ "ties": "round-robin" }),
+        ),
+    ];
+    let run_sessions = |sessions: [Option<u64>; 5]| {
+        let work: Vec<_> = sessions
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| SimRequest {
+                session: s,
+                ..req(i as f64, 100, 1)
+            })
+            .collect();
+        run(&work, &cfg, RouterKind::Homogeneous).endpoint
+    };
+    assert_eq!(
+        run_sessions([Some(7), Some(8), Some(7), Some(9), Some(8)]),
+        vec![0, 1, 0, 1, 1]
+    );
+    assert_eq!(run_sessions([None; 5]), vec![0, 1, 2, 0, 1]);
 }
