@@ -155,10 +155,23 @@ fn chain<'a, T: 'a>(
 
 /// The chained block hashes of one prompt (see the module docs).
 pub fn block_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64) -> Result<Vec<u64>> {
-    let block_size = check_block_size(block_size)?;
-    let mut out = Vec::with_capacity(tokens.len() / block_size);
-    extend_hashes(tokens, block_size, seed, &mut out);
+    let mut out = Vec::new();
+    block_hashes_into(tokens, block_size, seed, &mut out)?;
     Ok(out)
+}
+
+/// `block_hashes` into `out` (cleared first; its buffer is reused).
+pub fn block_hashes_into(
+    tokens: Tokens<'_>,
+    block_size: usize,
+    seed: u64,
+    out: &mut Vec<u64>,
+) -> Result<()> {
+    let block_size = check_block_size(block_size)?;
+    out.clear();
+    out.reserve(tokens.len() / block_size);
+    extend_hashes(tokens, block_size, seed, out);
+    Ok(())
 }
 
 /// Checks ragged-batch offsets: `offsets[0] == 0`, non-decreasing, last equal
@@ -1231,6 +1244,24 @@ mod tests {
         assert!(PrefixIndex::new(1, Some(f64::NAN)).is_err());
         assert!(ix.record(&[1], "a", f64::NAN).is_err());
         assert!(ix.record(&[1], "", 0.0).is_err());
+    }
+
+    #[test]
+    fn a_match_along_the_recency_list_stops_at_an_expired_block() {
+        let mut ix = PrefixIndex::new(100, Some(10.0)).expect("index");
+        ix.record(&[1, 2, 3], "a", 0.0).expect("record");
+        ix.record(&[1], "a", 5.0).expect("record");
+        // Recency order is still 1, 2, 3; at t = 12 block 1 (t = 5) is live,
+        // block 2 (t = 0), the next entry, expired.
+        let order: Vec<u64> = ix.dump().iter().map(|e| e.0).collect();
+        assert_eq!(order, vec![1, 2, 3]);
+        assert_eq!(ix.match_prefix(&[1, 2, 3], 12.0), Ok(vec![("a".into(), 1)]));
+        // The next entry with another hash is not taken for the next block.
+        ix.record(&[7, 8], "b", 12.0).expect("record");
+        ix.record(&[7, 9], "b", 12.0).expect("record");
+        assert_eq!(ix.match_prefix(&[7, 8], 12.0), Ok(vec![("b".into(), 2)]));
+        assert_eq!(ix.match_prefix(&[7, 9], 12.0), Ok(vec![("b".into(), 2)]));
+        assert_eq!(ix.match_prefix(&[7, 3], 12.0), Ok(vec![("b".into(), 1)]));
     }
 
     #[test]
