@@ -1,4 +1,4 @@
-"""Batched model+instance assignment (RouteBalance): routecore beside the
+"""Batched model+endpoint assignment (RouteBalance): routecore beside the
 plain-Python scheduler, and KnnEstimator.predict beside the same computation
 in NumPy, same run.
 
@@ -10,22 +10,22 @@ import pytest
 
 from routecore import BatchScheduler, KnnEstimator
 from routecore._baselines import assign as baseline
-from routecore._baselines.cases import ASSIGN_BATCH, assign_batch, assign_twin, instances
+from routecore._baselines.cases import ASSIGN_BATCH, assign_batch, assign_twin, endpoints
 
 B = ASSIGN_BATCH
 
 
-@pytest.mark.benchmark(group="assign: 256 requests x 13 instances x 4 models")
+@pytest.mark.benchmark(group="assign: 256 requests x 13 endpoints x 4 models")
 def test_assign_routecore(benchmark):
-    s = BatchScheduler(instances(), weights="balanced")
+    s = BatchScheduler(endpoints(), weights="balanced")
     args = assign_batch()
     got = benchmark(s.assign, *args)
     assert (got >= 0).sum() > B // 2
 
 
-@pytest.mark.benchmark(group="assign: 256 requests x 13 instances x 4 models")
+@pytest.mark.benchmark(group="assign: 256 requests x 13 endpoints x 4 models")
 def test_assign_plain_python(benchmark):
-    fleet = instances()
+    fleet = endpoints()
     s = BatchScheduler(fleet, weights="balanced")
     q, lens, tokens, budget, pending, sizes = assign_batch()
     rows = (

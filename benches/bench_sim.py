@@ -14,8 +14,8 @@ from routecore.cli import main
 from routecore.commands.simulate import trace_arrays
 
 N = 5_000
-RATE = 100.0  # requests/s on 22 instances of 16 slots at 64K (~0.8 of capacity)
-INSTANCES, SLOTS, CONTEXT = 22, 16, 65536
+RATE = 100.0  # requests/s on 22 endpoints of 16 slots at 64K (~0.8 of capacity)
+ENDPOINTS, SLOTS, CONTEXT = 22, 16, 65536
 
 
 def azure_slice():
@@ -29,10 +29,10 @@ def azure_slice():
 @pytest.mark.benchmark(group="simulate: 5,000 Azure requests, one pool of 22")
 def test_simulate_routecore(benchmark):
     arrival, inp, out = azure_slice()
-    pools = [SimPool("homogeneous", INSTANCES, CONTEXT, SLOTS)]
+    pools = [SimPool("homogeneous", ENDPOINTS, CONTEXT, SLOTS)]
     rep = benchmark(simulate, arrival, inp, out, pools, router="homogeneous", warmup=0.0)
     # The same model: the plain-Python simulator gives the same latencies.
-    ttft, e2e = baseline.simulate(arrival.tolist(), inp.tolist(), out.tolist(), INSTANCES,
+    ttft, e2e = baseline.simulate(arrival.tolist(), inp.tolist(), out.tolist(), ENDPOINTS,
                                   SLOTS, CONTEXT)  # fmt: skip
     np.testing.assert_allclose(rep.e2e, e2e, rtol=0, atol=1e-6)
     np.testing.assert_allclose(rep.ttft, ttft, rtol=0, atol=1e-6)
@@ -41,7 +41,7 @@ def test_simulate_routecore(benchmark):
 @pytest.mark.benchmark(group="simulate: 5,000 Azure requests, one pool of 22")
 def test_simulate_plain_python(benchmark):
     arrival, inp, out = azure_slice()
-    args = (arrival.tolist(), inp.tolist(), out.tolist(), INSTANCES, SLOTS, CONTEXT)
+    args = (arrival.tolist(), inp.tolist(), out.tolist(), ENDPOINTS, SLOTS, CONTEXT)
     ttft, e2e = benchmark.pedantic(baseline.simulate, args, rounds=3, iterations=1)
     assert np.isfinite(e2e).all()
 

@@ -41,7 +41,7 @@ mod _core {
     #[pymodule_export]
     use crate::py::admission_lua::{admission_lua, admission_redis_config};
     #[pymodule_export]
-    use crate::py::assign::{assign_eval, PyBatchScheduler, PyInstance, PyKnnEstimator};
+    use crate::py::assign::{assign_eval, PyBatchScheduler, PyEndpoint, PyKnnEstimator};
     #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]
@@ -74,7 +74,7 @@ mod _core {
     #[pymodule_export]
     use crate::py::serve::PyDataPlane;
     #[pymodule_export]
-    use crate::py::sim::{simulate, PySimPool, PySimReport};
+    use crate::py::sim::{simulate, PyPrefixWorkload, PySimPool, PySimReport};
     #[pymodule_export]
     use crate::py::tokenize::PyTokenizer;
     #[pymodule_export]

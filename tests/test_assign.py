@@ -1,4 +1,4 @@
-"""Batched model and instance assignment (RouteBalance): hand-worked cases,
+"""Batched model and endpoint assignment (RouteBalance): hand-worked cases,
 properties, snapshots, bad input, the kNN estimator and the evaluation."""
 
 import math
@@ -9,26 +9,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routecore import BatchScheduler, Instance, KnnEstimator, assign_eval
+from routecore import BatchScheduler, Endpoint, KnnEstimator, assign_eval
 from routecore.cli import main
 
 
 def inst(name, model, tpot=0.01, price=1.0, max_batch=8):
-    return Instance(name, model, tpot, price, price, max_batch, 0.0)
+    return Endpoint(name, model, tpot, price, price, max_batch, 0.0)
 
 
 def idle(n):
     return np.zeros(n), np.zeros(n, dtype=np.int64)
 
 
-def test_instance_latency_and_cost_by_hand():
-    i = Instance("a", "m", 0.02, 2.0, 4.0, 2, 0.001)
+def test_endpoint_latency_and_cost_by_hand():
+    i = Endpoint("a", "m", 0.02, 2.0, 4.0, 2, 0.001)
     # prefill 400 * 0.001 + no free slot: 300 / 2 * 0.02 + decode 50 * 0.02
     assert i.latency(400, 50, 300, 2) == pytest.approx(0.4 + 3.0 + 1.0)
     assert i.latency(400, 50, 300, 1) == pytest.approx(0.4 + 1.0)
     assert i.cost(400, 50) == pytest.approx((400 * 2 + 50 * 4) / 1e6)
     # default prefill: tpot / 200
-    assert Instance("a", "m", 0.02, 0, 0, 2).prefill_s_per_token == pytest.approx(1e-4)
+    assert Endpoint("a", "m", 0.02, 0, 0, 2).prefill_s_per_token == pytest.approx(1e-4)
     assert "tpot_s=0.02" in repr(i)
 
 
@@ -42,9 +42,9 @@ def test_lpt_order_longest_first_by_each_key():
     assert order == {"max": [1, 0, 2], "mean": [1, 0, 2], "min": [2, 0, 1]}
 
 
-def test_lpt_decides_who_gets_the_fast_instance():
-    # One fast and one slow instance of the same model, one slot each. The
-    # longer request is scored first and takes the fast instance, even when it
+def test_lpt_decides_who_gets_the_fast_endpoint():
+    # One fast and one slow endpoint of the same model, one slot each. The
+    # longer request is scored first and takes the fast endpoint, even when it
     # comes second in the batch.
     s = BatchScheduler(
         [inst("slow", "m", tpot=0.05, max_batch=1), inst("fast", "m", tpot=0.01, max_batch=1)],
@@ -58,7 +58,7 @@ def test_dead_reckoning_spreads_identical_requests():
     s = BatchScheduler([inst(f"i{k}", "m", max_batch=1) for k in range(4)])
     got = s.assign(np.full((4, 1), 0.5), np.full((4, 1), 100.0), [10] * 4, None, *idle(4))
     assert sorted(got.tolist()) == [0, 1, 2, 3]
-    # 8 requests over 4 instances with room for 2 each: two apiece
+    # 8 requests over 4 endpoints with room for 2 each: two apiece
     s = BatchScheduler([inst(f"i{k}", "m", max_batch=2) for k in range(4)])
     got = s.assign(np.full((8, 1), 0.5), np.full((8, 1), 100.0), [10] * 8, None, *idle(4))
     assert np.bincount(got, minlength=4).tolist() == [2, 2, 2, 2]
@@ -112,7 +112,7 @@ def test_each_preset_pulls_towards_its_corner():
 
 
 def test_latency_term_sees_queues():
-    # Same model twice; instance 0 is full with 1000 pending tokens: wait
+    # Same model twice; endpoint 0 is full with 1000 pending tokens: wait
     # 1000 / 2 * 0.01 = 5 s. The request goes to the idle one.
     s = BatchScheduler([inst("a", "m", max_batch=2), inst("b", "m", max_batch=2)])
     got = s.assign([[0.5]], [[50.0]], [0], None, [1000.0, 0.0], [2, 0])
@@ -127,7 +127,7 @@ def batches(draw):
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     fleet = [
-        Instance(
+        Endpoint(
             f"i{k}",
             f"m{k % n_models}",
             float(rng.uniform(0.005, 0.05)),
@@ -181,7 +181,7 @@ def test_snapshot_and_pickle_round_trip():
     for back in (BatchScheduler.from_bytes(data), pickle.loads(pickle.dumps(s))):
         assert back.to_bytes() == data
         assert back.models == ["m", "n"] and back.weights == pytest.approx((0.2, 0.3, 0.5))
-        # the recency state came along: the next tie goes to the same instance
+        # the recency state came along: the next tie goes to the same endpoint
         args = [[0.5, 0.5]], [[10.0, 10.0]], [1], None, *idle(2)
         assert back.assign(*args).tolist() == BatchScheduler.from_bytes(data).assign(*args).tolist()
     with pytest.raises(ValueError):
@@ -247,7 +247,7 @@ def test_bad_input_raises_and_changes_nothing():
         ("", "m", 0.01, 1, 1, 1),
     ]:
         with pytest.raises(ValueError):
-            Instance(*args)
+            Endpoint(*args)
 
 
 def test_knn_by_hand():

@@ -8,6 +8,7 @@ integer parameter without a case here fails."""
 import ast
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ WORKLOAD = core.Workload([100, 3000, 500, 9000] * 5, [50, 200, 100, 400] * 5)
 PROFILE = core.Profile.llama3_70b_a100()
 POOL = core.Quota("p", 100.0, 1 << 30, 4)
 ENT = core.Entitlement("e", "t", "p", "elastic", 500.0, 10.0, 1 << 20, 2)
-INSTANCE = core.Instance("i", "m", 0.02, 1.0, 2.0, 8)
+ENDPOINT = core.Endpoint("i", "m", 0.02, 1.0, 2.0, 8)
 
 
 def budget_router():
@@ -45,7 +46,7 @@ def picker():
 
 
 def scheduler():
-    return core.BatchScheduler([INSTANCE])
+    return core.BatchScheduler([ENDPOINT])
 
 
 def plan():
@@ -64,12 +65,17 @@ PROFILE_ARGS = {
     "h_s": 0.00065,
     "tensor_parallel": 4,
 }
-SIM_POOL_ARGS = {"name": "p", "instances": 1, "max_context": 4096, "max_num_seqs": 8}
+SIM_POOL_ARGS = {"name": "p", "endpoints": 1, "max_context": 4096, "max_num_seqs": 8}
 
 
 def keyword(make, args, name):
     """A call of `make(**args)` with the value in keyword `name`."""
     return lambda v: make(**{**args, name: v})
+
+
+def pair_keyword(make, args, name):
+    """A call of `make(**args)` with the range `(value, value)` in keyword `name`."""
+    return lambda v: make(**{**args, name: (v, v)})
 
 
 # "Class.method.parameter" -> a call with the value in that parameter.
@@ -113,8 +119,8 @@ CASES = {
     "TokenBudgetRouter.route_request.audio_tokens": lambda v: budget_router().route_request(
         b'{"messages": []}', audio_tokens=v
     ),
-    "Instance.__new__.max_batch": lambda v: core.Instance("i", "m", 0.02, 1.0, 2.0, v),
-    "Instance.latency.batch_size": lambda v: INSTANCE.latency(10.0, 10.0, 0.0, v),
+    "Endpoint.__new__.max_batch": lambda v: core.Endpoint("i", "m", 0.02, 1.0, 2.0, v),
+    "Endpoint.latency.batch_size": lambda v: ENDPOINT.latency(10.0, 10.0, 0.0, v),
     "BatchScheduler.assign_one.in_tokens": lambda v: scheduler().assign_one(
         [0.5], [10.0], v, None, [0.0], [0]
     ),
@@ -182,18 +188,26 @@ CASES = {
     **{
         f"SimPool.__new__.{name}": keyword(core.SimPool, SIM_POOL_ARGS, name)
         for name in (
-            "instances",
+            "endpoints",
             "max_context",
             "max_num_seqs",
             "kv_blocks",
             "chunk",
-            "gpus_per_instance",
+            "gpus_per_endpoint",
             "budget",
         )
     },
     "simulate.seed": lambda v: core.simulate(
         [0.0], [100], [10], [core.SimPool("p", 1, 4096, 8)], seed=v
     ),
+    **{
+        f"PrefixWorkload.__new__.{name}": keyword(core.PrefixWorkload, {"requests": 10}, name)
+        for name in ("requests", "sessions", "system_prompts", "seed")
+    },
+    **{
+        f"PrefixWorkload.__new__.{name}": pair_keyword(core.PrefixWorkload, {"requests": 10}, name)
+        for name in ("turns", "system_tokens", "user_tokens", "output_tokens")
+    },
     "Quota.__new__.kv_bytes": lambda v: core.Quota("p", 1.0, v, 1),
     "Quota.__new__.concurrency": lambda v: core.Quota("p", 1.0, 1, v),
     "Quota.__new__.kv_bytes_per_token": lambda v: core.Quota("p", 1.0, 1, 1, v),
@@ -327,7 +341,7 @@ def integer_parameters():
             ):
                 for a in node.args.args + node.args.kwonlyargs:
                     ann = ast.unparse(a.annotation) if a.annotation else ""
-                    if "int" in ann and not any(x in ann for x in ("Callable", "np")):
+                    if re.search(r"\bint\b", ann) and not any(x in ann for x in ("Callable", "np")):
                         out.add(f"{prefix}{node.name}.{a.arg}")
 
     visit(tree.body, "")
@@ -340,7 +354,7 @@ def test_every_integer_parameter_is_covered():
 
 
 UNSIGNED_64 = {
-    "Instance.latency.batch_size",
+    "Endpoint.latency.batch_size",
     "TokenBudgetRouter.route_request.default_max_tokens",
     "parse_openai_request.default_max_tokens",
     "Calibrator.__new__.max_categories",
@@ -375,6 +389,7 @@ UNSIGNED_64 = {
     "plan.b_short",
     "plan.long_context",
     "simulate.seed",
+    "PrefixWorkload.__new__.seed",
     "Admission.__new__.ticket",
     "AdmissionController.complete.ticket",
     "DataPlane.route_fields.token_ids",
@@ -424,7 +439,7 @@ VALID = {
     "Pool.__new__.budget": 50,
     "Pool.__new__.max_context": 100,
     "TokenBudgetRouter.complete.pool": 0,
-    "Instance.__new__.max_batch": 4,
+    "Endpoint.__new__.max_batch": 4,
     "BatchScheduler.assign_one.in_tokens": 10,
     "block_hashes.block_size": 2,
     "block_hashes_many.block_size": 2,

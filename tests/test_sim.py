@@ -18,8 +18,8 @@ from routecore.commands.simulate import trace_arrays
 W, H = 0.008, 0.00065
 
 
-def one_pool(instances=1, max_context=8192, seqs=16, **kw):
-    return [rc.SimPool("p", instances, max_context, seqs, **kw)]
+def one_pool(endpoints=1, max_context=8192, seqs=16, **kw):
+    return [rc.SimPool("p", endpoints, max_context, seqs, **kw)]
 
 
 def test_one_request_ttft_is_prefill_chunks():
@@ -61,23 +61,54 @@ def test_rejection_above_max_context():
     assert r.pools[0]["rejections"] == 1
 
 
-@pytest.mark.parametrize("dispatch", ["least-loaded", "round-robin"])
+@pytest.mark.parametrize("dispatch", ["least-request", "round-robin"])
 def test_burst_into_idle_pool_spreads_evenly(dispatch):
-    # 80 equal requests at one instant on 10 idle instances: 8 each, so every
+    # 80 equal requests at one instant on 10 idle endpoints: 8 each, so every
     # one runs in a batch of 8 (64-token prompts fill one 512-token chunk).
     n = 80
     r = rc.simulate(
-        np.zeros(n), np.full(n, 64), np.full(n, 30), one_pool(instances=10),
+        np.zeros(n), np.full(n, 64), np.full(n, 30), one_pool(endpoints=10),
         router="homogeneous", dispatch=dispatch, warmup=0.0,
     )  # fmt: skip
     np.testing.assert_allclose(r.e2e, 30 * (W + 8 * H))
+
+
+def test_dispatch_by_plugin_specs_is_the_preset_they_spell():
+    n = 300
+    rng = np.random.default_rng(1)
+    args = (np.sort(rng.uniform(0, 3, n)), rng.integers(1, 3000, n), rng.integers(1, 200, n))
+    pools = one_pool(endpoints=4)
+    preset = rc.simulate(*args, pools, router="homogeneous", dispatch="least-request")
+    specs = [
+        {"name": "healthy"},
+        {"name": "least-request", "weight": 2.0},
+        {"name": "max-score", "ties": "first"},
+    ]
+    spelled = rc.simulate(*args, pools, router="homogeneous", dispatch=specs)
+    np.testing.assert_array_equal(preset.endpoint, spelled.endpoint)
+    assert (preset.endpoint >= 0).all() and len(set(preset.endpoint.tolist())) == 4
+    rr = rc.simulate(*args, pools, router="homogeneous", dispatch="round-robin")
+    assert rr.endpoint.tolist() == [i % 4 for i in range(n)]
+
+
+def test_sessions_reach_the_session_affinity_plugin():
+    specs = [{"name": "session-affinity"}, {"name": "max-score", "ties": "round-robin"}]
+    args = ([0.0, 1.0, 2.0, 3.0], [100] * 4, [1] * 4, one_pool(endpoints=3))
+    r = rc.simulate(*args, router="homogeneous", dispatch=specs, session=[7, 8, 7, 8])
+    assert r.endpoint.tolist() == [0, 1, 0, 1]
+    r = rc.simulate(*args, router="homogeneous", dispatch=specs)
+    assert r.endpoint.tolist() == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="session"):
+        rc.simulate(*args, router="homogeneous", session=[1, 2])
+    with pytest.raises(ValueError, match="session"):
+        rc.simulate(*args, router="homogeneous", session=[1, 2, 3, -4])
 
 
 def test_random_dispatch_is_seeded():
     n = 400
     rng = np.random.default_rng(0)
     args = (np.sort(rng.uniform(0, 4, n)), rng.integers(1, 2000, n), rng.integers(1, 200, n))
-    pools = one_pool(instances=5)
+    pools = one_pool(endpoints=5)
     a = rc.simulate(*args, pools, router="homogeneous", dispatch="random", seed=3)
     b = rc.simulate(*args, pools, router="homogeneous", dispatch="random", seed=3)
     c = rc.simulate(*args, pools, router="homogeneous", dispatch="random", seed=4)
@@ -94,7 +125,7 @@ def test_summary_matches_numpy_and_every_request_is_accounted(reqs, seed):
     inp = np.array([r[0] for r in reqs])
     out = np.array([r[1] for r in reqs])
     t = np.arange(len(reqs)) * 0.01
-    r = rc.simulate(t, inp, out, one_pool(instances=2, seqs=4), router="homogeneous", seed=seed)
+    r = rc.simulate(t, inp, out, one_pool(endpoints=2, seqs=4), router="homogeneous", seed=seed)
     m = r.measured
     assert m.sum() == len(reqs) - math.floor(len(reqs) * 0.2)
     assert np.isfinite(r.e2e).all() and (r.e2e >= r.ttft).all()
@@ -112,7 +143,7 @@ def test_progress_callback_and_errors_from_it():
     rng = np.random.default_rng(1)
     args = (np.zeros(n), rng.integers(1, 500, n), rng.integers(1, 50, n))
     r = rc.simulate(
-        *args, one_pool(instances=20), router="homogeneous", arrivals="poisson", rate=500.0,
+        *args, one_pool(endpoints=20), router="homogeneous", arrivals="poisson", rate=500.0,
         progress=lambda done, total: seen.append((done, total)),
     )  # fmt: skip
     assert seen[-1] == (n, n) and all(t == n for _, t in seen)
@@ -135,7 +166,14 @@ def test_progress_callback_and_errors_from_it():
         (dict(input_tokens=[-3, 5]), "input_tokens"),
         (dict(output_tokens=[5]), "one length"),
         (dict(router="fastest"), "router"),
-        (dict(dispatch="herd"), "dispatch"),
+        (dict(dispatch="herd"), "unknown preset"),
+        (dict(dispatch=[{"name": "herd"}]), "unknown plugin"),
+        (dict(dispatch=[{"weight": 1.0}]), "name"),
+        (dict(dispatch=[{"name": "least-request", "weight": -1.0}]), "weight"),
+        (dict(dispatch=[{"name": "max-score", "ties": "sometimes"}]), "ties"),
+        (dict(dispatch=3), "dispatch"),
+        (dict(scrape_interval=-1.0), "scrape_interval"),
+        (dict(scrape_interval=float("nan")), "scrape_interval"),
         (dict(arrivals="poisson"), "rate"),
         (dict(arrivals="poisson", rate=0.0), "rate"),
         (dict(warmup=1.0), "warmup"),
@@ -157,7 +195,7 @@ def test_bad_input_is_refused(kwargs, match):
 
 def test_pool_pickles_and_reprs():
     p = rc.SimPool("short", 3, 4096, 256, kv_blocks=70_000, chunk=256, w=0.01, h=0.001,
-                   gpus_per_instance=2, budget=3000)  # fmt: skip
+                   gpus_per_endpoint=2, budget=3000)  # fmt: skip
     q = pickle.loads(pickle.dumps(p))
     assert repr(q) == repr(p) and q.gpus == 6 and q.kv_blocks == 70_000
     assert "budget=3000" in repr(p) and "chunk=256" in repr(p)
@@ -168,8 +206,8 @@ def test_pool_pickles_and_reprs():
 def test_bad_pools_are_refused():
     with pytest.raises(ValueError, match="kv_blocks"):
         rc.SimPool("p", 1, 8192, 16, kv_blocks=100)
-    for bad in [dict(instances=0), dict(max_num_seqs=0), dict(max_context=0)]:
-        args = dict(name="p", instances=1, max_context=8192, max_num_seqs=16) | bad
+    for bad in [dict(endpoints=0), dict(max_num_seqs=0), dict(max_context=0)]:
+        args = dict(name="p", endpoints=1, max_context=8192, max_num_seqs=16) | bad
         with pytest.raises(ValueError):
             rc.SimPool(**args)
     with pytest.raises(ValueError, match="W"):
@@ -244,7 +282,7 @@ def test_model_utilization_against_simulated():
     inp, out = rng.integers(50, 400, n), rng.integers(150, 250, n)
     for load in (0.5, 0.7, 0.97):
         rate = load * 160 / (201 * 0.0184)
-        r = rc.simulate(np.zeros(n), inp, out, one_pool(instances=10), router="homogeneous",
+        r = rc.simulate(np.zeros(n), inp, out, one_pool(endpoints=10), router="homogeneous",
                         arrivals="poisson", rate=rate, seed=2)  # fmt: skip
         p = r.pools[0]
         assert p["utilization_model"] == pytest.approx(p["utilization_simulated"], rel=0.03)

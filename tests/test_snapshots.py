@@ -70,8 +70,8 @@ def admission():
 def scheduler():
     return core.BatchScheduler(
         [
-            core.Instance("i0", "small", 0.02, 0.1, 0.2, 8),
-            core.Instance("i1", "big", 0.05, 1.0, 2.0, 4),
+            core.Endpoint("i0", "small", 0.02, 0.1, 0.2, 8),
+            core.Endpoint("i1", "big", 0.05, 1.0, 2.0, 4),
         ]
     )
 

@@ -172,11 +172,11 @@ def parse_openai_request(
     audio_tokens: int = 750,
 ) -> dict[str, Any]: ...
 
-# --- batched model and instance assignment, RouteBalance (capability 6) ------
+# --- batched model and endpoint assignment, RouteBalance (capability 6) ------
 
 @final
-class Instance:
-    """One serving instance of a model: decode speed, per-token prices, slots."""
+class Endpoint:
+    """One serving endpoint of a model: decode speed, per-token prices, slots."""
 
     def __new__(
         cls,
@@ -209,11 +209,11 @@ class Instance:
 
 @final
 class BatchScheduler:
-    """RouteBalance's batched assignment of requests to model instances."""
+    """RouteBalance's batched assignment of requests to model endpoints."""
 
     def __new__(
         cls,
-        instances: list[Instance],
+        endpoints: list[Endpoint],
         weights: str | tuple[float, float, float] | None = None,
         lpt_key: Literal["max", "mean", "min"] = "max",
         budget_fallback: Literal["reject", "cheapest"] = "reject",
@@ -240,7 +240,7 @@ class BatchScheduler:
     @staticmethod
     def presets() -> list[tuple[str, tuple[float, float, float]]]: ...
     @property
-    def instances(self) -> list[Instance]: ...
+    def endpoints(self) -> list[Endpoint]: ...
     @property
     def models(self) -> list[str]: ...
     @property
@@ -924,29 +924,29 @@ def annual_cost_usd(
 
 # --- Fleet simulator (issue 4) ---
 
-from collections.abc import Callable, Sequence  # noqa: E402
+from collections.abc import Callable, Mapping, Sequence  # noqa: E402
 
 @final
 class SimPool:
-    """A pool of identical simulated instances (vLLM engines)."""
+    """A pool of identical simulated endpoints (vLLM engines)."""
 
     def __new__(
         cls,
         name: str,
-        instances: int,
+        endpoints: int,
         max_context: int,
         max_num_seqs: int,
         kv_blocks: int | None = None,
         chunk: int = 512,
         w: float = 0.008,
         h: float = 0.00065,
-        gpus_per_instance: int = 1,
+        gpus_per_endpoint: int = 1,
         budget: int | None = None,
     ) -> Self: ...
     @property
     def name(self) -> str: ...
     @property
-    def instances(self) -> int: ...
+    def endpoints(self) -> int: ...
     @property
     def max_context(self) -> int: ...
     @property
@@ -969,6 +969,10 @@ class SimReport:
     def e2e(self) -> npt.NDArray[np.float64]: ...
     @property
     def queue_wait(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def cached_tokens(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def endpoint(self) -> npt.NDArray[np.int64]: ...
     @property
     def pool(self) -> npt.NDArray[np.int64]: ...
     @property
@@ -994,16 +998,57 @@ def simulate(
     pools: Sequence[SimPool],
     *,
     category: npt.ArrayLike | None = None,
+    session: npt.ArrayLike | None = None,
     categories: Sequence[tuple[str, float, bool]] | None = None,
     router: str = "token-budget",
     gamma: float = 1.5,
-    dispatch: str = "least-loaded",
+    dispatch: str | Sequence[Mapping[str, Any]] | None = None,
     arrivals: str = "trace",
     rate: float | None = None,
     seed: int = 0,
     warmup: float = 0.2,
+    blocks: tuple[npt.NDArray[np.uint64], npt.ArrayLike] | None = None,
+    scrape_interval: float = 0.0,
     progress: Callable[[int, int], object] | None = None,
 ) -> SimReport: ...
+
+@final
+class PrefixWorkload:
+    """A seeded workload with shared prefixes (multi-turn sessions, shared system prompts)."""
+
+    def __new__(
+        cls,
+        *,
+        requests: int = 2000,
+        rate: float = 20.0,
+        sessions: int = 64,
+        turns: tuple[int, int] = ...,
+        system_prompts: int = 8,
+        shared_fraction: float = 0.9,
+        system_tokens: tuple[int, int] = ...,
+        user_tokens: tuple[int, int] = ...,
+        output_tokens: tuple[int, int] = ...,
+        seed: int = 0,
+    ) -> Self: ...
+    def __len__(self) -> int: ...
+    @property
+    def arrival_s(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def input_tokens(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def output_tokens(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def session(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def turn(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def system_prompt(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def block_hashes(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def block_offsets(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def blocks(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]: ...
 
 # --- multi-tenant admission: quotas (capability 7) ----------------------
 

@@ -22,8 +22,8 @@ from routecore.commands import (
     client,
     compress,
     init_config,
+    pick_eval,
     plan,
-    prefix_eval,
     route,
     simulate,
 )
@@ -35,7 +35,7 @@ COMMANDS = [
     plan,
     compress,
     calibration_study,
-    prefix_eval,
+    pick_eval,
     assign_eval,
     admission_scenario,
 ]

@@ -1,9 +1,9 @@
 //! A small discrete-event evaluation of assignment policies on a fleet shaped
 //! like RouteBalance's testbed (Table 1: Qwen2.5 3B / 7B / 14B / 72B, TPOT
-//! 10.2 / 19.6 / 13.9 / 41.6 ms, 3 / 5 / 3 / 2 instances, USD 0.06 / 0.07 /
+//! 10.2 / 19.6 / 13.9 / 41.6 ms, 3 / 5 / 3 / 2 endpoints, USD 0.06 / 0.07 /
 //! 0.15 / 0.38-0.40 per million tokens).
 //!
-//! Serving model: every instance runs iteration-level continuous batching. A
+//! Serving model: every endpoint runs iteration-level continuous batching. A
 //! step admits queued requests (FIFO) into free slots (up to `max_batch`),
 //! lasts `tpot + prefill of the admitted prompts`, and gives every running
 //! request one token; a request finishes at the end of the step that produced
@@ -12,7 +12,7 @@
 //!
 //! Arrivals are Poisson at `rate`; the scheduler fires every `interval_s` and
 //! assigns all requests that arrived since the last firing, reading each
-//! instance's telemetry first: `pending_decode` = remaining decode tokens of
+//! endpoint's telemetry first: `pending_decode` = remaining decode tokens of
 //! running and queued requests, `batch_size` = running requests. Latency is
 //! completion minus arrival, so it includes the wait for the batch to fire.
 //!
@@ -28,14 +28,16 @@
 //!
 //! Policies: the BatchScheduler at a weight vector; decoupled routing (a model
 //! router maximising `w_q quality + w_c (1 - cost / max cost)` over models,
-//! then the shortest queue among that model's instances, counting requests
-//! running, queued and assigned earlier in the batch; `w_c = 0` is quality
-//! argmax); round-robin and uniform random over all instances.
+//! then the endpoint picker's `least-request` preset among that model's
+//! endpoints (a subset hint), counting requests running, queued and assigned
+//! earlier in the batch; `w_c = 0` is quality argmax); the picker's
+//! `round-robin` and `random` presets over all endpoints.
 
 use std::collections::VecDeque;
 
-use super::{BatchScheduler, BudgetFallback, Instance, Load, LptKey, Weights};
+use super::{BatchScheduler, BudgetFallback, Endpoint, Load, LptKey, Weights};
 use crate::error::{invalid, positive, Result};
+use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline};
 use crate::rng::Rng;
 
 /// One model tier of the paper's fleet.
@@ -45,7 +47,7 @@ pub struct Tier {
     pub tpot_s: f64,
     pub price_in_per_mtok: f64,
     pub price_out_per_mtok: f64,
-    pub instances: usize,
+    pub endpoints: usize,
     /// Difficulty up to which the model answers perfectly.
     pub skill: f64,
     /// Output length relative to the prompt's base length.
@@ -65,7 +67,7 @@ const fn tier(
     tpot_s: f64,
     price_in_per_mtok: f64,
     price_out_per_mtok: f64,
-    instances: usize,
+    endpoints: usize,
     skill: f64,
     conciseness: f64,
 ) -> Tier {
@@ -74,7 +76,7 @@ const fn tier(
         tpot_s,
         price_in_per_mtok,
         price_out_per_mtok,
-        instances,
+        endpoints,
         skill,
         conciseness,
     }
@@ -87,7 +89,7 @@ pub struct EvalConfig {
     pub rate: f64,
     pub requests: usize,
     pub seed: u64,
-    /// Decode slots per instance.
+    /// Decode slots per endpoint.
     pub max_batch: i64,
     /// Seconds between scheduler firings.
     pub interval_s: f64,
@@ -164,12 +166,12 @@ pub fn workload(cfg: &EvalConfig, fleet: &[Tier]) -> Vec<Prompt> {
         .collect()
 }
 
-/// The instances of `fleet`, named `<model>-<n>`, in tier order.
-pub fn fleet_instances(fleet: &[Tier], max_batch: i64) -> Result<Vec<Instance>> {
+/// The endpoints of `fleet`, named `<model>-<n>`, in tier order.
+pub fn fleet_endpoints(fleet: &[Tier], max_batch: i64) -> Result<Vec<Endpoint>> {
     let mut out = Vec::new();
     for t in fleet {
-        for n in 0..t.instances {
-            out.push(Instance::new(
+        for n in 0..t.endpoints {
+            out.push(Endpoint::new(
                 &format!("{}-{n}", t.model),
                 t.model,
                 t.tpot_s,
@@ -210,7 +212,7 @@ impl Server {
     }
 
     /// Runs steps that start before `until` (all remaining work when infinite).
-    fn advance(&mut self, until: f64, inst: &Instance, job: &Job<'_>, finish: &mut [f64]) {
+    fn advance(&mut self, until: f64, inst: &Endpoint, job: &Job<'_>, finish: &mut [f64]) {
         loop {
             if self.running.is_empty() && self.queue.is_empty() {
                 if until.is_finite() {
@@ -244,9 +246,9 @@ impl Server {
 
 struct Job<'a> {
     prompts: &'a [Prompt],
-    /// Model column of each instance.
+    /// Model column of each endpoint.
     model_of: Vec<usize>,
-    /// Per request, the instance it went to.
+    /// Per request, the endpoint it went to.
     placed: Vec<usize>,
 }
 
@@ -261,18 +263,18 @@ impl Job<'_> {
 pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> {
     cfg.check()?;
     let prompts = workload(cfg, fleet);
-    let instances = fleet_instances(fleet, cfg.max_batch)?;
+    let endpoints = fleet_endpoints(fleet, cfg.max_batch)?;
     let weights = match policy {
         Policy::Scheduler(w) => w,
         _ => Weights::new(1.0, 0.0, 0.0)?,
     };
     let sched = BatchScheduler::new(
-        instances.clone(),
+        endpoints.clone(),
         weights,
         LptKey::Max,
         BudgetFallback::Reject,
     )?;
-    let n = instances.len();
+    let n = endpoints.len();
     let mut job = Job {
         prompts: &prompts,
         model_of: sched.model_of().to_vec(),
@@ -280,14 +282,24 @@ pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> 
     };
     let mut servers: Vec<Server> = (0..n).map(|_| Server::default()).collect();
     let mut finish = vec![f64::NAN; prompts.len()];
-    let mut rng = Rng::new(cfg.seed ^ 0x5eed_7a11);
-    let mut next_rr = 0usize;
+    let names: Vec<&str> = endpoints.iter().map(|e| e.name.as_str()).collect();
+    let preset = match policy {
+        Policy::Scheduler(_) | Policy::Decoupled { .. } => "least-request",
+        Policy::RoundRobin => "round-robin",
+        Policy::Random => "random",
+    };
+    let pick_config = PickConfig {
+        seed: cfg.seed ^ 0x5eed_7a11,
+        prefix_index: None,
+    };
+    let mut picker = Pipeline::preset(preset, &names, &pick_config)?;
+    let mut states = vec![EndpointState::default(); n];
     let mut next = 0usize;
     let mut tick = 0u64;
     while next < prompts.len() {
         tick += 1;
         let now = tick as f64 * cfg.interval_s;
-        for (s, inst) in servers.iter_mut().zip(&instances) {
+        for (s, inst) in servers.iter_mut().zip(&endpoints) {
             s.advance(now, inst, &job, &mut finish);
         }
         let end = next + prompts[next..].partition_point(|p| p.arrival <= now);
@@ -298,26 +310,38 @@ pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> 
         let choice = match policy {
             Policy::Scheduler(_) => scheduler_choice(&sched, batch, &servers, &job)?,
             Policy::Decoupled { quality, cost } => {
-                decoupled_choice(&instances, &job.model_of, batch, &servers, quality, cost)
+                let choose_model =
+                    |p: &Prompt| decoupled_model(&endpoints, &job.model_of, p, quality, cost);
+                pick_each(
+                    &mut picker,
+                    &mut states,
+                    batch,
+                    &servers,
+                    &job.model_of,
+                    Some(&choose_model),
+                    now,
+                )?
             }
-            Policy::RoundRobin => (0..batch.len())
-                .map(|k| (next_rr + k) % n)
-                .collect::<Vec<_>>(),
-            Policy::Random => (0..batch.len())
-                .map(|_| rng.below(n as u64) as usize)
-                .collect(),
+            Policy::RoundRobin | Policy::Random => pick_each(
+                &mut picker,
+                &mut states,
+                batch,
+                &servers,
+                &job.model_of,
+                None,
+                now,
+            )?,
         };
-        next_rr = (next_rr + batch.len()) % n;
         for (k, i) in choice.into_iter().enumerate() {
             job.placed[next + k] = i;
             servers[i].queue.push_back(next + k);
         }
         next = end;
     }
-    for (s, inst) in servers.iter_mut().zip(&instances) {
+    for (s, inst) in servers.iter_mut().zip(&endpoints) {
         s.advance(f64::INFINITY, inst, &job, &mut finish);
     }
-    Ok(measure(&prompts, &instances, &job, &finish, fleet.len()))
+    Ok(measure(&prompts, &endpoints, &job, &finish, fleet.len()))
 }
 
 /// The policy set the evaluation compares, as `(name, family, policy)`:
@@ -394,47 +418,73 @@ fn scheduler_choice(
         .collect()
 }
 
-fn decoupled_choice(
-    instances: &[Instance],
+/// The decoupled router's model for `p`: the best `w_quality * quality +
+/// w_cost * (1 - cost / max cost)`, the first on ties.
+fn decoupled_model(
+    endpoints: &[Endpoint],
     model_of: &[usize],
-    batch: &[Prompt],
-    servers: &[Server],
+    p: &Prompt,
     w_quality: f64,
     w_cost: f64,
-) -> Vec<usize> {
-    let mut depth: Vec<usize> = servers
-        .iter()
-        .map(|s| s.running.len() + s.queue.len())
+) -> usize {
+    let models = p.quality.len();
+    // one representative endpoint per model, for its prices
+    let cost: Vec<f64> = (0..models)
+        .map(|m| {
+            let rep = model_of.iter().position(|&x| x == m).unwrap_or(0);
+            endpoints[rep].cost(p.in_tokens as f64, p.out_len[m])
+        })
         .collect();
-    // one representative instance per model, for its prices
-    let models = batch.first().map_or(0, |p| p.quality.len());
-    let rep: Vec<usize> = (0..models)
-        .map(|m| model_of.iter().position(|&x| x == m).unwrap_or(0))
-        .collect();
+    let max_cost = cost.iter().copied().fold(0.0, f64::max);
+    let score =
+        |m: usize| w_quality * p.quality[m] + w_cost - super::slope(w_cost, max_cost) * cost[m];
+    (0..models).fold(0, |b, m| if score(m) > score(b) { m } else { b })
+}
+
+/// The endpoint picker's choice for each request of the batch, among the
+/// endpoints of the model `model` names (all when None), with every
+/// endpoint's requests running and queued as its in-flight count and each
+/// choice counted before the next (dead reckoning).
+fn pick_each(
+    picker: &mut Pipeline,
+    states: &mut [EndpointState],
+    batch: &[Prompt],
+    servers: &[Server],
+    model_of: &[usize],
+    model: Option<&dyn Fn(&Prompt) -> usize>,
+    now: f64,
+) -> Result<Vec<usize>> {
+    for (st, s) in states.iter_mut().zip(servers) {
+        st.in_flight = (s.running.len() + s.queue.len()) as u64;
+    }
+    let mut subset = Vec::new();
     batch
         .iter()
         .map(|p| {
-            let cost: Vec<f64> = (0..models)
-                .map(|m| instances[rep[m]].cost(p.in_tokens as f64, p.out_len[m]))
-                .collect();
-            let max_cost = cost.iter().copied().fold(0.0, f64::max);
-            let score = |m: usize| {
-                w_quality * p.quality[m] + w_cost - super::slope(w_cost, max_cost) * cost[m]
+            if let Some(model) = model {
+                let m = model(p);
+                subset.clear();
+                subset.extend((0..model_of.len()).filter(|&i| model_of[i] == m));
+            }
+            let req = PickRequest {
+                subset: model.map(|_| subset.as_slice()),
+                input_tokens: p.in_tokens,
+                now,
+                ..PickRequest::default()
             };
-            let model = (0..models).fold(0, |b, m| if score(m) > score(b) { m } else { b });
-            let i = (0..instances.len())
-                .filter(|&i| model_of[i] == model)
-                .min_by_key(|&i| depth[i])
-                .unwrap_or(0);
-            depth[i] += 1;
-            i
+            let i = picker
+                .pick_one(&req, states)?
+                .ok_or_else(|| invalid("the endpoint picker chose no endpoint"))?;
+            picker.started(&req, i)?;
+            states[i].in_flight += 1;
+            Ok(i)
         })
         .collect()
 }
 
 fn measure(
     prompts: &[Prompt],
-    instances: &[Instance],
+    endpoints: &[Endpoint],
     job: &Job<'_>,
     finish: &[f64],
     models: usize,
@@ -452,7 +502,7 @@ fn measure(
         let i = job.placed[r];
         let m = job.model_of[i];
         quality += p.quality[m];
-        cost += instances[i].cost(p.in_tokens as f64, p.out_len[m]);
+        cost += endpoints[i].cost(p.in_tokens as f64, p.out_len[m]);
         share[m] += 1.0 / n;
     }
     let p95 = latency[((latency.len() as f64 * 0.95) as usize).min(latency.len() - 1)];
@@ -487,7 +537,7 @@ mod tests {
         };
         let p = &workload(&c, &PAPER_FLEET)[0];
         let out = run(&c, &PAPER_FLEET, Policy::RoundRobin).expect("run");
-        // round-robin starts at instance 0, a 3B
+        // round-robin starts at endpoint 0, a 3B
         let t = &PAPER_FLEET[0];
         let fire = (p.arrival / c.interval_s).ceil() * c.interval_s;
         let prefill = p.in_tokens as f64 * t.tpot_s / super::super::DEFAULT_PREFILL_TOKENS_PER_STEP;

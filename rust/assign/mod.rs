@@ -1,16 +1,16 @@
-//! Batched model and instance assignment (RouteBalance, section 4).
+//! Batched model and endpoint assignment (RouteBalance, section 4).
 //!
 //! For each batch of waiting requests the scheduler assigns every request to a
-//! concrete model instance, trading quality, latency and cost:
+//! concrete model endpoint, trading quality, latency and cost:
 //!
 //! 1. LPT order: requests are taken longest predicted output first (Graham's
 //!    rule); the key is the max (or mean, or min) over models of the predicted
 //!    output length, since the model is not chosen yet. Equal keys keep the
 //!    batch order.
 //! 2. Budget filter (the paper's Eq. 2): when a request carries a budget, the
-//!    instances whose predicted cost `(in_tokens * price_in + out_len *
+//!    endpoints whose predicted cost `(in_tokens * price_in + out_len *
 //!    price_out) / 1e6` exceeds it are dropped. If none is left the request gets
-//!    -1 (`BudgetFallback::Reject`, the default) or the cheapest instance
+//!    -1 (`BudgetFallback::Reject`, the default) or the cheapest endpoint
 //!    overall (`BudgetFallback::Cheapest`, relying on the dispatch-time
 //!    `max_tokens` clamp to hold the budget).
 //! 3. Score (Eq. 1), over the candidates that are left:
@@ -18,18 +18,18 @@
 //!    max cost)`, the maxima taken over the request's candidates (a term whose
 //!    maximum is 0 counts 1). Latency is `prefill + wait + out_len * tpot`
 //!    where `prefill = in_tokens * prefill_s_per_token` and `wait = (pending /
-//!    max(batch, 1)) * tpot` only when the instance has no free decode slot
+//!    max(batch, 1)) * tpot` only when the endpoint has no free decode slot
 //!    (`batch >= max_batch`).
-//! 4. The best score wins; ties (within 1e-12) go to the instance with the
+//! 4. The best score wins; ties (within 1e-12) go to the endpoint with the
 //!    smaller batch, then to the one assigned least recently (never assigned
 //!    counts oldest), then to the lower index.
-//! 5. Dead reckoning: the chosen instance's local state is updated (`pending +=
+//! 5. Dead reckoning: the chosen endpoint's local state is updated (`pending +=
 //!    out_len`, `batch += 1`) before the next request is scored, so a batch
-//!    does not herd onto the instance that looked idle when it formed.
+//!    does not herd onto the endpoint that looked idle when it formed.
 //!
 //! The scheduler's only own state is the recency order used by the tie-break;
 //! it is carried across calls, so assigning a batch equals assigning its
-//! requests one by one in LPT order with the instance state carried forward.
+//! requests one by one in LPT order with the endpoint state carried forward.
 
 pub mod eval;
 pub mod knn;
@@ -39,9 +39,9 @@ use std::sync::{Mutex, MutexGuard};
 use crate::error::{invalid, non_negative, positive, unknown, Result};
 use crate::snapshot::{Reader, Writer};
 
-/// Most instances a scheduler may hold.
-pub const MAX_INSTANCES: usize = 65_536;
-/// Largest `max_batch` an instance may declare.
+/// Most endpoints a scheduler may hold.
+pub const MAX_ENDPOINTS: usize = 65_536;
+/// Largest `max_batch` an endpoint may declare.
 pub const MAX_BATCH: i64 = 1 << 20;
 /// Scores closer than this are ties.
 const TIE_EPS: f64 = 1e-12;
@@ -50,9 +50,9 @@ const TIE_EPS: f64 = 1e-12;
 /// the same GPU time on the paper's tiers (an estimate; pass your own).
 pub const DEFAULT_PREFILL_TOKENS_PER_STEP: f64 = 200.0;
 
-/// One serving instance of a model.
+/// One serving endpoint of a model.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Instance {
+pub struct Endpoint {
     pub name: String,
     pub model: String,
     /// Seconds per output token (decode step time).
@@ -61,13 +61,13 @@ pub struct Instance {
     pub price_in_per_mtok: f64,
     /// USD per million output tokens.
     pub price_out_per_mtok: f64,
-    /// Decode slots: the largest batch the instance runs at once.
+    /// Decode slots: the largest batch the endpoint runs at once.
     pub max_batch: u64,
     /// Seconds of prefill per prompt token.
     pub prefill_s_per_token: f64,
 }
 
-impl Instance {
+impl Endpoint {
     pub fn new(
         name: &str,
         model: &str,
@@ -78,7 +78,7 @@ impl Instance {
         prefill_s_per_token: Option<f64>,
     ) -> Result<Self> {
         if name.is_empty() || name.len() > 256 || model.is_empty() || model.len() > 256 {
-            return Err(invalid("instance name and model must be 1 to 256 bytes"));
+            return Err(invalid("endpoint name and model must be 1 to 256 bytes"));
         }
         let tpot_s = positive("tpot_s", tpot_s)?;
         if !(1..=MAX_BATCH).contains(&max_batch) {
@@ -121,7 +121,7 @@ impl Instance {
         }
     }
 
-    /// Predicted end-to-end latency in seconds on this instance given its
+    /// Predicted end-to-end latency in seconds on this endpoint given its
     /// pending decode tokens and current batch size.
     pub fn latency(&self, in_tokens: f64, out_len: f64, pending: f64, batch: u64) -> f64 {
         self.service_s(in_tokens, out_len) + self.wait(pending, batch)
@@ -209,12 +209,12 @@ impl LptKey {
     }
 }
 
-/// What a request whose budget no instance fits gets.
+/// What a request whose budget no endpoint fits gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetFallback {
     /// -1: not assigned.
     Reject,
-    /// The cheapest instance overall.
+    /// The cheapest endpoint overall.
     Cheapest,
 }
 
@@ -246,8 +246,8 @@ pub struct Batch<'a> {
     pub budget: Option<&'a [f64]>,
 }
 
-/// Instance state as seen by the scheduler: pending decode tokens and current
-/// decode batch size per instance.
+/// Endpoint state as seen by the scheduler: pending decode tokens and current
+/// decode batch size per endpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Load {
     pub pending: Vec<f64>,
@@ -260,13 +260,13 @@ struct Recency {
     last: Vec<u64>,
 }
 
-/// The RouteBalance scheduler over a fixed instance set.
+/// The RouteBalance scheduler over a fixed endpoint set.
 #[derive(Debug)]
 pub struct BatchScheduler {
-    instances: Vec<Instance>,
+    endpoints: Vec<Endpoint>,
     models: Vec<String>,
     model_of: Vec<usize>,
-    /// Instances that predict alike (same model, speeds and prices) share a
+    /// Endpoints that predict alike (same model, speeds and prices) share a
     /// class: cost and service time are computed once per class per request.
     classes: Vec<Class>,
     class_of: Vec<usize>,
@@ -281,22 +281,22 @@ const VERSION: u16 = 1;
 
 impl BatchScheduler {
     pub fn new(
-        instances: Vec<Instance>,
+        endpoints: Vec<Endpoint>,
         weights: Weights,
         lpt_key: LptKey,
         fallback: BudgetFallback,
     ) -> Result<Self> {
-        if instances.is_empty() || instances.len() > MAX_INSTANCES {
+        if endpoints.is_empty() || endpoints.len() > MAX_ENDPOINTS {
             return Err(invalid(format!(
-                "a scheduler needs 1 to {MAX_INSTANCES} instances, got {}",
-                instances.len()
+                "a scheduler needs 1 to {MAX_ENDPOINTS} endpoints, got {}",
+                endpoints.len()
             )));
         }
         let mut models: Vec<String> = Vec::new();
-        let mut model_of = Vec::with_capacity(instances.len());
-        for (i, inst) in instances.iter().enumerate() {
-            if instances[..i].iter().any(|o| o.name == inst.name) {
-                return Err(invalid(format!("duplicate instance name {:?}", inst.name)));
+        let mut model_of = Vec::with_capacity(endpoints.len());
+        for (i, inst) in endpoints.iter().enumerate() {
+            if endpoints[..i].iter().any(|o| o.name == inst.name) {
+                return Err(invalid(format!("duplicate endpoint name {:?}", inst.name)));
             }
             let m = match models.iter().position(|m| *m == inst.model) {
                 Some(m) => m,
@@ -308,8 +308,8 @@ impl BatchScheduler {
             model_of.push(m);
         }
         let mut classes: Vec<Class> = Vec::new();
-        let mut class_of = Vec::with_capacity(instances.len());
-        for (inst, &model) in instances.iter().zip(&model_of) {
+        let mut class_of = Vec::with_capacity(endpoints.len());
+        for (inst, &model) in endpoints.iter().zip(&model_of) {
             let class = Class::of(inst, model);
             let c = match classes.iter().position(|k| *k == class) {
                 Some(c) => c,
@@ -320,9 +320,9 @@ impl BatchScheduler {
             };
             class_of.push(c);
         }
-        let n = instances.len();
+        let n = endpoints.len();
         Ok(Self {
-            instances,
+            endpoints,
             models,
             model_of,
             classes,
@@ -337,15 +337,15 @@ impl BatchScheduler {
         })
     }
 
-    pub fn instances(&self) -> &[Instance] {
-        &self.instances
+    pub fn endpoints(&self) -> &[Endpoint] {
+        &self.endpoints
     }
     /// Distinct models in order of first appearance: the columns of `quality`
     /// and `out_len`.
     pub fn models(&self) -> &[String] {
         &self.models
     }
-    /// The model column of each instance.
+    /// The model column of each endpoint.
     pub fn model_of(&self) -> &[usize] {
         &self.model_of
     }
@@ -388,10 +388,10 @@ impl BatchScheduler {
         if batch.budget.is_some_and(|x| x.len() != b) {
             return Err(invalid(format!("budget must have {b} entries")));
         }
-        let n = self.instances.len();
+        let n = self.endpoints.len();
         if load.pending.len() != n || load.batch.len() != n {
             return Err(invalid(format!(
-                "pending_decode and batch_size must have one entry per instance ({n})"
+                "pending_decode and batch_size must have one entry per endpoint ({n})"
             )));
         }
         for &q in batch.quality {
@@ -411,21 +411,21 @@ impl BatchScheduler {
     }
 
     /// Assigns every request of the batch (see the module docs). Returns the
-    /// instance index per request (batch order), -1 when the budget filter left
+    /// endpoint index per request (batch order), -1 when the budget filter left
     /// none and the fallback is `Reject`. Validates everything first: on error
-    /// nothing changes. `load` is the instance state the batch starts from.
+    /// nothing changes. `load` is the endpoint state the batch starts from.
     pub fn assign(&self, batch: &Batch<'_>, load: &Load) -> Result<Vec<i64>> {
         let b = self.check(batch, load)?;
         let mut load = load.clone();
         let mut recency = self.lock();
         let mut chosen = vec![-1i64; b];
-        let mut scratch = Scratch::new(self.classes.len(), &self.instances, &load);
+        let mut scratch = Scratch::new(self.classes.len(), &self.endpoints, &load);
         for r in self.lpt_order(batch.out_len) {
             if let Some(i) = self.choose(batch, r, &load, &recency.last, &mut scratch) {
                 let m = self.models.len();
                 load.pending[i] += batch.out_len[r * m + self.model_of[i]];
                 load.batch[i] += 1;
-                scratch.wait[i] = self.instances[i].wait(load.pending[i], load.batch[i]);
+                scratch.wait[i] = self.endpoints[i].wait(load.pending[i], load.batch[i]);
                 recency.clock += 1;
                 let clock = recency.clock;
                 recency.last[i] = clock;
@@ -462,7 +462,7 @@ impl BatchScheduler {
         if !any && self.fallback == BudgetFallback::Reject {
             return None;
         }
-        let n = self.instances.len();
+        let n = self.endpoints.len();
         let (class_of, lat, wait) = (&self.class_of[..n], &mut s.lat[..n], &s.wait[..n]);
         for i in 0..n {
             let c = class_of[i];
@@ -507,8 +507,8 @@ impl BatchScheduler {
     pub fn to_bytes(&self) -> Vec<u8> {
         let recency = self.lock();
         let mut w = Writer::new(MAGIC, VERSION);
-        w.u64(self.instances.len() as u64);
-        for inst in &self.instances {
+        w.u64(self.endpoints.len() as u64);
+        for inst in &self.endpoints {
             w.str(&inst.name)
                 .str(&inst.model)
                 .f64(inst.tpot_s)
@@ -533,13 +533,13 @@ impl BatchScheduler {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let mut r = Reader::new(bytes, MAGIC, VERSION, "BatchScheduler")?;
         let n = r.count(48)?;
-        let mut instances = Vec::with_capacity(n);
+        let mut endpoints = Vec::with_capacity(n);
         for _ in 0..n {
             let (name, model) = (r.str()?, r.str()?);
             let (tpot, pin, pout) = (r.f64()?, r.f64()?, r.f64()?);
             let max_batch = i64::try_from(r.u64()?).unwrap_or(i64::MAX);
             let prefill = r.f64()?;
-            instances.push(Instance::new(
+            endpoints.push(Endpoint::new(
                 &name,
                 &model,
                 tpot,
@@ -564,7 +564,7 @@ impl BatchScheduler {
             last.push(t);
         }
         r.finish()?;
-        let s = Self::new(instances, weights, lpt_key, fallback)?;
+        let s = Self::new(endpoints, weights, lpt_key, fallback)?;
         *s.lock() = Recency { clock, last };
         Ok(s)
     }
@@ -599,18 +599,18 @@ fn slope(w: f64, max: f64) -> f64 {
     }
 }
 
-/// What the score needs of an instance besides its load.
+/// What the score needs of an endpoint besides its load.
 #[derive(Debug, Clone, PartialEq)]
 struct Class {
     model: usize,
-    inst: Instance,
+    inst: Endpoint,
 }
 
 impl Class {
-    fn of(inst: &Instance, model: usize) -> Self {
+    fn of(inst: &Endpoint, model: usize) -> Self {
         Self {
             model,
-            inst: Instance {
+            inst: Endpoint {
                 name: String::new(),
                 model: String::new(),
                 ..inst.clone()
@@ -627,20 +627,20 @@ struct Scratch {
     service: Vec<f64>,
     ok: Vec<bool>,
     part: Vec<f64>,
-    /// Per instance: latency, and `Instance::wait` under the dead-reckoned load.
+    /// Per endpoint: latency, and `Endpoint::wait` under the dead-reckoned load.
     lat: Vec<f64>,
     wait: Vec<f64>,
 }
 
 impl Scratch {
-    fn new(classes: usize, instances: &[Instance], load: &Load) -> Self {
+    fn new(classes: usize, endpoints: &[Endpoint], load: &Load) -> Self {
         Self {
             cost: vec![0.0; classes],
             service: vec![0.0; classes],
             ok: vec![false; classes],
             part: vec![0.0; classes],
-            lat: vec![0.0; instances.len()],
-            wait: instances
+            lat: vec![0.0; endpoints.len()],
+            wait: endpoints
                 .iter()
                 .zip(load.pending.iter().zip(&load.batch))
                 .map(|(inst, (&p, &b))| inst.wait(p, b))

@@ -1,12 +1,12 @@
 use super::*;
 use crate::rng::Rng;
 
-fn inst(name: &str, model: &str, tpot: f64, price: f64, max_batch: i64) -> Instance {
-    Instance::new(name, model, tpot, price, price, max_batch, Some(0.0)).expect("instance")
+fn inst(name: &str, model: &str, tpot: f64, price: f64, max_batch: i64) -> Endpoint {
+    Endpoint::new(name, model, tpot, price, price, max_batch, Some(0.0)).expect("endpoint")
 }
 
-fn sched(instances: Vec<Instance>, w: Weights) -> BatchScheduler {
-    BatchScheduler::new(instances, w, LptKey::Max, BudgetFallback::Reject).expect("scheduler")
+fn sched(endpoints: Vec<Endpoint>, w: Weights) -> BatchScheduler {
+    BatchScheduler::new(endpoints, w, LptKey::Max, BudgetFallback::Reject).expect("scheduler")
 }
 
 fn idle(n: usize) -> Load {
@@ -27,14 +27,14 @@ fn batch<'a>(q: &'a [f64], len: &'a [f64], tokens: &'a [u64]) -> Batch<'a> {
 
 #[test]
 fn latency_and_cost_by_hand() {
-    let i = Instance::new("a", "m", 0.02, 2.0, 4.0, 2, Some(0.001)).expect("instance");
+    let i = Endpoint::new("a", "m", 0.02, 2.0, 4.0, 2, Some(0.001)).expect("endpoint");
     // prefill 400 * 0.001 = 0.4; no free slot: wait 300 / 2 * 0.02 = 3.0; decode 50 * 0.02 = 1.0
     assert!((i.latency(400.0, 50.0, 300.0, 2) - 4.4).abs() < 1e-12);
     // a free slot: no wait
     assert!((i.latency(400.0, 50.0, 300.0, 1) - 1.4).abs() < 1e-12);
     // (400 * 2 + 50 * 4) / 1e6
     assert!((i.cost(400.0, 50.0) - 0.001).abs() < 1e-15);
-    let d = Instance::new("a", "m", 0.02, 0.0, 0.0, 2, None).expect("instance");
+    let d = Endpoint::new("a", "m", 0.02, 0.0, 0.0, 2, None).expect("endpoint");
     assert!((d.prefill_s_per_token - 0.0001).abs() < 1e-15);
 }
 
@@ -58,10 +58,10 @@ fn lpt_order_by_each_key() {
 
 #[test]
 fn dead_reckoning_spreads_identical_requests() {
-    let instances: Vec<Instance> = (0..4)
+    let endpoints: Vec<Endpoint> = (0..4)
         .map(|i| inst(&format!("i{i}"), "m", 0.01, 1.0, 1))
         .collect();
-    let s = sched(instances, Weights::preset("balanced").expect("preset"));
+    let s = sched(endpoints, Weights::preset("balanced").expect("preset"));
     let q = [0.5; 4];
     let len = [100.0; 4];
     let tokens = [10; 4];
@@ -70,7 +70,7 @@ fn dead_reckoning_spreads_identical_requests() {
         .expect("assign");
     got.sort_unstable();
     assert_eq!(got, vec![0, 1, 2, 3]);
-    // without dead reckoning all four would have gone to instance 0
+    // without dead reckoning all four would have gone to endpoint 0
 }
 
 #[test]
@@ -90,7 +90,7 @@ fn ties_go_to_least_recently_assigned() {
 
 #[test]
 fn budget_filter_and_fallback() {
-    let instances = vec![
+    let endpoints = vec![
         inst("cheap", "small", 0.01, 1.0, 8),
         inst("dear", "large", 0.01, 10.0, 8),
     ];
@@ -100,7 +100,7 @@ fn budget_filter_and_fallback() {
     let tokens = [1000];
     let run = |fallback, budget: f64| {
         let s = BatchScheduler::new(
-            instances.clone(),
+            endpoints.clone(),
             Weights::new(1.0, 0.0, 0.0).expect("w"),
             LptKey::Max,
             fallback,
@@ -125,7 +125,7 @@ fn each_preset_pulls_to_its_corner() {
     // quality (.8,.1,.1): A .72, B .4+.075+.05=.525, C .32+.025+.095=.44
     // latency (.1,.8,.1): A .09, B .05+.6+.05=.70, C .04+.2+.095=.335
     // cost (.1,.1,.8):    A .09, B .05+.075+.4=.525, C .04+.025+.76=.825
-    let instances = vec![
+    let endpoints = vec![
         inst("A", "a", 0.04, 1.0, 8),
         inst("B", "b", 0.01, 0.5, 8),
         inst("C", "c", 0.03, 0.05, 8),
@@ -133,7 +133,7 @@ fn each_preset_pulls_to_its_corner() {
     let q = [0.9, 0.5, 0.4];
     let len = [100.0; 3];
     for (preset, want) in [("quality", 0), ("latency", 1), ("cost", 2)] {
-        let s = sched(instances.clone(), Weights::preset(preset).expect("preset"));
+        let s = sched(endpoints.clone(), Weights::preset(preset).expect("preset"));
         let got = s.assign(&batch(&q, &len, &[0]), &idle(3)).expect("assign");
         assert_eq!(got, vec![want], "{preset}");
     }
@@ -146,7 +146,7 @@ fn each_preset_pulls_to_its_corner() {
 #[test]
 fn batch_equals_one_by_one_with_state_carried() {
     let mut rng = Rng::new(3);
-    let instances: Vec<Instance> = (0..7)
+    let endpoints: Vec<Endpoint> = (0..7)
         .map(|i| {
             inst(
                 &format!("i{i}"),
@@ -166,10 +166,10 @@ fn batch_equals_one_by_one_with_state_carried() {
         batch: (0..7).map(|_| rng.below(4)).collect(),
     };
     let w = Weights::preset("balanced").expect("preset");
-    let all = sched(instances.clone(), w)
+    let all = sched(endpoints.clone(), w)
         .assign(&batch(&q, &len, &tokens), &start)
         .expect("assign");
-    let one = sched(instances, w);
+    let one = sched(endpoints, w);
     let mut load = start;
     let mut got = vec![-2i64; b];
     for r in one.lpt_order(&len) {
@@ -207,10 +207,10 @@ fn bad_input_changes_nothing() {
     assert!(s.assign(&b, &idle(2)).is_err());
     assert_eq!(s.to_bytes(), before);
 
-    assert!(Instance::new("a", "m", 0.0, 1.0, 1.0, 1, None).is_err());
-    assert!(Instance::new("a", "m", 0.01, -1.0, 1.0, 1, None).is_err());
-    assert!(Instance::new("a", "m", 0.01, 1.0, 1.0, 0, None).is_err());
-    assert!(Instance::new("", "m", 0.01, 1.0, 1.0, 1, None).is_err());
+    assert!(Endpoint::new("a", "m", 0.0, 1.0, 1.0, 1, None).is_err());
+    assert!(Endpoint::new("a", "m", 0.01, -1.0, 1.0, 1, None).is_err());
+    assert!(Endpoint::new("a", "m", 0.01, 1.0, 1.0, 0, None).is_err());
+    assert!(Endpoint::new("", "m", 0.01, 1.0, 1.0, 1, None).is_err());
     assert!(Weights::new(0.0, 0.0, 0.0).is_err());
     assert!(Weights::new(-1.0, 1.0, 1.0).is_err());
     let dup = vec![inst("a", "m", 0.01, 1.0, 8), inst("a", "m", 0.01, 1.0, 8)];
@@ -230,7 +230,7 @@ fn snapshot_round_trip() {
     let bytes = s.to_bytes();
     let back = BatchScheduler::from_bytes(&bytes).expect("restore");
     assert_eq!(back.to_bytes(), bytes);
-    assert_eq!(back.instances(), s.instances());
+    assert_eq!(back.endpoints(), s.endpoints());
     assert_eq!(back.weights(), s.weights());
     for cut in 0..bytes.len() {
         assert!(BatchScheduler::from_bytes(&bytes[..cut]).is_err());

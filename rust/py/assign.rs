@@ -10,26 +10,26 @@ use super::{int_arg, int_array, real_array, reduce};
 use crate::assign::eval::{evaluate, EvalConfig};
 use crate::assign::knn::{check_k, KnnIndex};
 use crate::assign::{
-    Batch, BatchScheduler, BudgetFallback, Instance, Load, LptKey, Weights, PRESETS,
+    Batch, BatchScheduler, BudgetFallback, Endpoint, Load, LptKey, Weights, PRESETS,
 };
 use crate::error::invalid;
 
-/// One serving instance of a model: decode speed, per-token prices, slots.
+/// One serving endpoint of a model: decode speed, per-token prices, slots.
 ///
 /// ``tpot_s``: seconds per output token. ``price_in_per_mtok`` /
 /// ``price_out_per_mtok``: USD per million input / output tokens.
 /// ``max_batch``: decode slots. ``prefill_s_per_token``: seconds of prefill
 /// per prompt token (default ``tpot_s / 200``).
 ///
-/// >>> Instance("72b-0", "qwen2.5-72b", 0.0416, 0.38, 0.40, 16).cost(1000, 500)
+/// >>> Endpoint("72b-0", "qwen2.5-72b", 0.0416, 0.38, 0.40, 16).cost(1000, 500)
 /// 0.00058
-#[pyclass(frozen, name = "Instance", module = "routecore")]
-pub struct PyInstance {
-    inner: Instance,
+#[pyclass(frozen, name = "Endpoint", module = "routecore")]
+pub struct PyEndpoint {
+    inner: Endpoint,
 }
 
 #[pymethods]
-impl PyInstance {
+impl PyEndpoint {
     #[new]
     #[pyo3(signature = (name, model, tpot_s, price_in_per_mtok, price_out_per_mtok, max_batch, prefill_s_per_token=None))]
     fn new(
@@ -42,7 +42,7 @@ impl PyInstance {
         prefill_s_per_token: Option<f64>,
     ) -> PyResult<Self> {
         Ok(Self {
-            inner: Instance::new(
+            inner: Endpoint::new(
                 name,
                 model,
                 tpot_s,
@@ -101,7 +101,7 @@ impl PyInstance {
     fn __repr__(&self) -> String {
         let i = &self.inner;
         format!(
-            "Instance(name={:?}, model={:?}, tpot_s={}, price_in_per_mtok={}, price_out_per_mtok={}, max_batch={}, prefill_s_per_token={})",
+            "Endpoint(name={:?}, model={:?}, tpot_s={}, price_in_per_mtok={}, price_out_per_mtok={}, max_batch={}, prefill_s_per_token={})",
             i.name, i.model, i.tpot_s, i.price_in_per_mtok, i.price_out_per_mtok, i.max_batch, i.prefill_s_per_token
         )
     }
@@ -133,25 +133,25 @@ fn u64s(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
         .map_err(PyErr::from)
 }
 
-/// RouteBalance's batched assignment of requests to model instances.
+/// RouteBalance's batched assignment of requests to model endpoints.
 ///
 /// ``weights``: a preset name (``"quality"`` (0.8, 0.1, 0.1), ``"latency"``
 /// (0.1, 0.8, 0.1), ``"cost"`` (0.1, 0.1, 0.8), ``"balanced"`` (1/3 each,
 /// the default)) or a (quality, latency, cost) triple, normalised to sum 1.
 /// The columns of ``quality`` and ``out_len`` are ``models``: the distinct
-/// instance models in order of first appearance.
+/// endpoint models in order of first appearance.
 ///
 /// ``assign`` orders the batch longest predicted output first (LPT, key
-/// ``lpt_key`` over models: "max", "mean" or "min"), drops instances whose
-/// predicted cost exceeds the request's budget, and picks the instance with
+/// ``lpt_key`` over models: "max", "mean" or "min"), drops endpoints whose
+/// predicted cost exceeds the request's budget, and picks the endpoint with
 /// the best ``w_q * quality + w_l * (1 - latency / max latency) + w_c * (1 -
 /// cost / max cost)`` (maxima over the remaining candidates; latency and cost
-/// as in ``Instance.latency`` / ``Instance.cost``). Ties go to the smaller
-/// batch, then to the instance assigned least recently. After each choice
-/// the chosen instance's pending decode grows by the request's predicted
+/// as in ``Endpoint.latency`` / ``Endpoint.cost``). Ties go to the smaller
+/// batch, then to the endpoint assigned least recently. After each choice
+/// the chosen endpoint's pending decode grows by the request's predicted
 /// length and its batch by one (dead reckoning). A request whose budget no
-/// instance fits gets -1 with ``budget_fallback="reject"`` (default), or the
-/// cheapest instance with ``"cheapest"`` (enforce the budget at dispatch with
+/// endpoint fits gets -1 with ``budget_fallback="reject"`` (default), or the
+/// cheapest endpoint with ``"cheapest"`` (enforce the budget at dispatch with
 /// a ``max_tokens`` clamp).
 #[pyclass(frozen, name = "BatchScheduler", module = "routecore")]
 pub struct PyBatchScheduler {
@@ -196,16 +196,16 @@ impl PyBatchScheduler {
 #[pymethods]
 impl PyBatchScheduler {
     #[new]
-    #[pyo3(signature = (instances, weights=None, lpt_key="max", budget_fallback="reject"))]
+    #[pyo3(signature = (endpoints, weights=None, lpt_key="max", budget_fallback="reject"))]
     fn new(
-        instances: Vec<PyRef<'_, PyInstance>>,
+        endpoints: Vec<PyRef<'_, PyEndpoint>>,
         weights: Option<&Bound<'_, PyAny>>,
         lpt_key: &str,
         budget_fallback: &str,
     ) -> PyResult<Self> {
         Ok(Self {
             inner: BatchScheduler::new(
-                instances.iter().map(|i| i.inner.clone()).collect(),
+                endpoints.iter().map(|i| i.inner.clone()).collect(),
                 weights_arg(weights)?,
                 LptKey::from_name(lpt_key)?,
                 BudgetFallback::from_name(budget_fallback)?,
@@ -215,9 +215,9 @@ impl PyBatchScheduler {
 
     /// Assigns a batch: ``quality`` and ``out_len`` ``[B, M]``, ``in_tokens``
     /// ``[B]``, ``budget`` ``[B]`` USD or None (``inf`` = no budget),
-    /// ``pending_decode`` and ``batch_size`` ``[I]`` (the instances' telemetry).
-    /// Returns the instance index per request (int64, batch order), -1 when
-    /// no instance fits its budget. The arrays are copied first; bad input
+    /// ``pending_decode`` and ``batch_size`` ``[I]`` (the endpoints' telemetry).
+    /// Returns the endpoint index per request (int64, batch order), -1 when
+    /// no endpoint fits its budget. The arrays are copied first; bad input
     /// raises ValueError and changes nothing.
     #[pyo3(signature = (quality, out_len, in_tokens, budget, pending_decode, batch_size))]
     #[allow(clippy::too_many_arguments)] // the signature, plus `self` and `py`
@@ -315,11 +315,11 @@ impl PyBatchScheduler {
     }
 
     #[getter]
-    fn instances(&self) -> Vec<PyInstance> {
+    fn endpoints(&self) -> Vec<PyEndpoint> {
         self.inner
-            .instances()
+            .endpoints()
             .iter()
-            .map(|i| PyInstance { inner: i.clone() })
+            .map(|i| PyEndpoint { inner: i.clone() })
             .collect()
     }
     /// The models, in column order of ``quality`` and ``out_len``.
@@ -327,7 +327,7 @@ impl PyBatchScheduler {
     fn models(&self) -> Vec<String> {
         self.inner.models().to_vec()
     }
-    /// The model column of each instance.
+    /// The model column of each endpoint.
     #[getter]
     fn model_of(&self) -> Vec<usize> {
         self.inner.model_of().to_vec()
@@ -367,8 +367,8 @@ impl PyBatchScheduler {
     fn __repr__(&self) -> String {
         let (q, l, c) = self.weights();
         format!(
-            "BatchScheduler(instances={}, models={:?}, weights=({q:.3}, {l:.3}, {c:.3}), lpt_key={:?}, budget_fallback={:?})",
-            self.inner.instances().len(),
+            "BatchScheduler(endpoints={}, models={:?}, weights=({q:.3}, {l:.3}, {c:.3}), lpt_key={:?}, budget_fallback={:?})",
+            self.inner.endpoints().len(),
             self.inner.models(),
             self.inner.lpt_key().as_str(),
             self.inner.budget_fallback().as_str()

@@ -193,7 +193,7 @@ fn json_value(v: &Bound<'_, PyAny>, key: &str) -> PyResult<serde_json::Value> {
 }
 
 /// `{"name": ..., "weight": ..., **params}` as a plugin spec.
-fn plugin_spec(d: &Bound<'_, PyAny>) -> PyResult<PluginSpec> {
+pub(crate) fn plugin_spec(d: &Bound<'_, PyAny>) -> PyResult<PluginSpec> {
     let d = d
         .cast::<PyDict>()
         .map_err(|_| PyTypeError::new_err("each plugin must be a dict with a \"name\""))?;

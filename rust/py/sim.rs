@@ -8,18 +8,21 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::{float_array, int_arg, int_array};
+use super::pick::plugin_spec;
+use super::{float_array, hash_array, int_arg, int_array, size_arg};
+use crate::pick::{preset_specs, PluginSpec};
 use crate::sim::engine::blocks_for;
+use crate::sim::prefix_workload::{generate, PrefixWorkload, PrefixWorkloadConfig};
 use crate::sim::timing::LinearTiming;
 use crate::sim::{
     make_router, percentile, set_arrivals, simulate as run_simulation, Arrivals, Category,
-    Dispatch, PoolConfig, RouterKind, SimConfig, SimReport, SimRequest,
+    PoolConfig, RequestBlocks, RouterKind, SimConfig, SimReport, SimRequest,
 };
 
-/// A pool of identical simulated instances (vLLM engines).
+/// A pool of identical simulated endpoints (vLLM engines).
 ///
-/// ``max_num_seqs``: sequence slots per instance. ``kv_blocks``: KV blocks of
-/// 16 tokens per instance; by default ``max_num_seqs * ceil(max_context / 16)``,
+/// ``max_num_seqs``: sequence slots per endpoint. ``kv_blocks``: KV blocks of
+/// 16 tokens per endpoint; by default ``max_num_seqs * ceil(max_context / 16)``,
 /// which can never preempt. ``chunk``: prefill tokens per iteration (C_chunk).
 /// ``w`` and ``h`` (seconds): the timing model ``t_iter = w + h * n_active``
 /// (defaults: Llama-3-70B on A100, 8 ms and 0.65 ms). ``budget``: the
@@ -34,19 +37,19 @@ pub struct PySimPool {
 #[pymethods]
 impl PySimPool {
     #[new]
-    #[pyo3(signature = (name, instances, max_context, max_num_seqs, kv_blocks=None, chunk=512,
-                        w=0.008, h=0.00065, gpus_per_instance=1, budget=None))]
+    #[pyo3(signature = (name, endpoints, max_context, max_num_seqs, kv_blocks=None, chunk=512,
+                        w=0.008, h=0.00065, gpus_per_endpoint=1, budget=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: &str,
-        #[pyo3(from_py_with = int_arg)] instances: i64,
+        #[pyo3(from_py_with = int_arg)] endpoints: i64,
         #[pyo3(from_py_with = int_arg)] max_context: i64,
         #[pyo3(from_py_with = int_arg)] max_num_seqs: i64,
         #[pyo3(from_py_with = int_arg)] kv_blocks: Option<i64>,
         #[pyo3(from_py_with = int_arg)] chunk: i64,
         w: f64,
         h: f64,
-        #[pyo3(from_py_with = int_arg)] gpus_per_instance: i64,
+        #[pyo3(from_py_with = int_arg)] gpus_per_endpoint: i64,
         #[pyo3(from_py_with = int_arg)] budget: Option<i64>,
     ) -> PyResult<Self> {
         let timing = Arc::new(LinearTiming::new(w, h)?);
@@ -55,12 +58,12 @@ impl PySimPool {
         });
         let inner = PoolConfig::new(
             name,
-            instances,
+            endpoints,
             max_context,
             max_num_seqs,
             kv_blocks,
             chunk,
-            gpus_per_instance,
+            gpus_per_endpoint,
             budget,
             timing,
         )?;
@@ -71,8 +74,8 @@ impl PySimPool {
         &self.inner.name
     }
     #[getter]
-    fn instances(&self) -> usize {
-        self.inner.instances
+    fn endpoints(&self) -> usize {
+        self.inner.endpoints
     }
     #[getter]
     fn max_context(&self) -> u64 {
@@ -88,21 +91,21 @@ impl PySimPool {
     }
     #[getter]
     fn gpus(&self) -> u64 {
-        self.inner.instances as u64 * self.inner.gpus_per_instance
+        self.inner.endpoints as u64 * self.inner.gpus_per_endpoint
     }
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         let me = slf.get();
         let p = &me.inner;
         let args = (
             p.name.clone(),
-            p.instances,
+            p.endpoints,
             p.max_context,
             p.max_num_seqs,
             p.kv_blocks,
             p.chunk,
             me.w,
             me.h,
-            p.gpus_per_instance,
+            p.gpus_per_endpoint,
             p.budget,
         );
         Ok((
@@ -113,17 +116,17 @@ impl PySimPool {
     fn __repr__(&self) -> String {
         let p = &self.inner;
         format!(
-            "SimPool(name={:?}, instances={}, max_context={}, max_num_seqs={}, kv_blocks={}, \
-             chunk={}, w={}, h={}, gpus_per_instance={}, budget={})",
+            "SimPool(name={:?}, endpoints={}, max_context={}, max_num_seqs={}, kv_blocks={}, \
+             chunk={}, w={}, h={}, gpus_per_endpoint={}, budget={})",
             p.name,
-            p.instances,
+            p.endpoints,
             p.max_context,
             p.max_num_seqs,
             p.kv_blocks,
             p.chunk,
             self.w,
             self.h,
-            p.gpus_per_instance,
+            p.gpus_per_endpoint,
             p.budget
         )
     }
@@ -178,6 +181,18 @@ impl PySimReport {
     fn queue_wait<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
         f64s(py, &self.report.queue_wait)
     }
+    /// Prompt tokens served from the endpoint's prefix cache when the request
+    /// was first admitted (0 when not served or no block hashes were given).
+    #[getter]
+    fn cached_tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.report.cached_tokens.clone().into_pyarray(py)
+    }
+    /// Index of the endpoint inside its pool per request; -1 when the request
+    /// was not dispatched.
+    #[getter]
+    fn endpoint<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        self.report.endpoint.clone().into_pyarray(py)
+    }
     /// Pool index per request; -1 when the router rejected it.
     #[getter]
     fn pool<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
@@ -210,7 +225,7 @@ impl PySimReport {
     fn makespan(&self) -> f64 {
         self.report.makespan
     }
-    /// One dict per pool: name, instances, gpus, max_context, requests
+    /// One dict per pool: name, endpoints, gpus, max_context, requests
     /// (measured, served), utilization_simulated (share of slot-time held, the
     /// planner's ``utilization``), utilization_model (the planner's engine
     /// model at the pool's measured rate over its served requests),
@@ -224,7 +239,7 @@ impl PySimReport {
             .map(|p| {
                 let d = PyDict::new(py);
                 d.set_item("name", &p.name)?;
-                d.set_item("instances", p.instances)?;
+                d.set_item("endpoints", p.endpoints)?;
                 d.set_item("gpus", p.gpus)?;
                 d.set_item("max_context", p.max_context)?;
                 d.set_item("requests", p.requests)?;
@@ -285,21 +300,34 @@ impl PySimReport {
 ///
 /// The workload: ``arrival_s`` (seconds, sorted), ``input_tokens``,
 /// ``output_tokens`` and ``category`` (indices into ``categories``, default all
-/// 0) as equal-length arrays. ``categories``: ``(name, bytes_per_token,
+/// 0) as equal-length arrays; ``session``, optionally, the conversation of
+/// each request (integers, e.g. ``PrefixWorkload.session``), the key of the
+/// picker's session-affinity plugin. ``categories``: ``(name, bytes_per_token,
 /// compressible)`` per category (default one English-prose category, 4.48).
 /// ``arrivals``: "trace" keeps the given times (scaled to mean ``rate``
 /// requests/s when ``rate`` is given), "poisson" draws a Poisson process at
 /// ``rate``. ``router``: "homogeneous" (one pool), "token-budget" or
-/// "compress-and-route" (band ``(B, gamma * B]``). ``dispatch`` inside a pool:
-/// "least-loaded", "round-robin" or "random". ``warmup``: leading fraction of
-/// requests left out of the figures. ``progress(done, total)`` is called about
+/// "compress-and-route" (band ``(B, gamma * B]``). ``dispatch``: the endpoint
+/// picker inside every pool, an ``EndpointPicker`` preset name
+/// ("least-request", the default, "round-robin", "random", "queue+kv", "prefix",
+/// "prefix+queue+kv", "vtc") or a list of plugin specs (dicts with "name",
+/// optional "weight", and the plugin's parameters); it sees each endpoint's
+/// waiting and running requests and KV-cache use, read at every decision or,
+/// with ``scrape_interval`` seconds > 0, scraped at multiples of it (the
+/// picker adding its own dispatches since). ``warmup``: leading fraction of
+/// requests left out of the figures. ``blocks``: ``(hashes, offsets)`` as
+/// ``block_hashes_many`` returns them for 16-token blocks of each request's
+/// prompt followed by its output (``PrefixWorkload.blocks``): request ``i``'s
+/// block hashes are ``hashes[offsets[i]:offsets[i + 1]]``; each endpoint keeps
+/// an LRU prefix cache of ``kv_blocks`` blocks and a prompt's cached leading
+/// blocks skip their prefill. ``progress(done, total)`` is called about
 /// ten times a second from this thread while the simulation runs without the
 /// interpreter lock.
 #[pyfunction]
 #[pyo3(signature = (arrival_s, input_tokens, output_tokens, pools, *, category=None,
-                    categories=None, router="token-budget", gamma=1.5,
-                    dispatch="least-loaded", arrivals="trace", rate=None, seed=0,
-                    warmup=0.2, progress=None))]
+                    session=None, categories=None, router="token-budget", gamma=1.5,
+                    dispatch=None, arrivals="trace", rate=None, seed=0,
+                    warmup=0.2, blocks=None, scrape_interval=0.0, progress=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate(
     py: Python<'_>,
@@ -308,14 +336,17 @@ pub fn simulate(
     output_tokens: &Bound<'_, PyAny>,
     pools: Vec<PyRef<'_, PySimPool>>,
     category: Option<&Bound<'_, PyAny>>,
+    session: Option<&Bound<'_, PyAny>>,
     categories: Option<Vec<(String, f64, bool)>>,
     router: &str,
     gamma: f64,
-    dispatch: &str,
+    dispatch: Option<&Bound<'_, PyAny>>,
     arrivals: &str,
     rate: Option<f64>,
     #[pyo3(from_py_with = int_arg)] seed: u64,
     warmup: f64,
+    blocks: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+    scrape_interval: f64,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<PySimReport> {
     let times = float_array(arrival_s, "arrival_s")?;
@@ -325,14 +356,23 @@ pub fn simulate(
         Some(c) => int_array(c, "category")?,
         None => vec![0; times.len()],
     };
+    let sessions = match session {
+        Some(s) => Some(int_array(s, "session")?),
+        None => None,
+    };
     let n = times.len();
-    if inputs.len() != n || outputs.len() != n || cats.len() != n {
+    if inputs.len() != n
+        || outputs.len() != n
+        || cats.len() != n
+        || sessions.as_ref().is_some_and(|s| s.len() != n)
+    {
         return Err(PyValueError::new_err(format!(
-            "arrival_s, input_tokens, output_tokens and category must have one length, got \
-             {n}, {}, {} and {}",
+            "arrival_s, input_tokens, output_tokens, category and session must have one \
+             length, got {n}, {}, {}, {} and {}",
             inputs.len(),
             outputs.len(),
-            cats.len()
+            cats.len(),
+            sessions.as_ref().map_or(n, Vec::len)
         )));
     }
     let nonneg = |what: &str, v: i64| {
@@ -345,8 +385,22 @@ pub fn simulate(
             input_tokens: nonneg("input_tokens", inputs[i])?,
             output_tokens: nonneg("output_tokens", outputs[i])?,
             category: nonneg("category", cats[i])? as usize,
+            session: match &sessions {
+                Some(s) => Some(nonneg("session", s[i])?),
+                None => None,
+            },
         });
     }
+    let blocks = match blocks {
+        None => RequestBlocks::none(n),
+        Some((hashes, offsets)) => {
+            let offsets = int_array(&offsets, "block offsets")?
+                .into_iter()
+                .map(|o| size_arg(o, "block offset"))
+                .collect::<PyResult<Vec<_>>>()?;
+            RequestBlocks::new(hash_array(&hashes)?, offsets, n)?
+        }
+    };
     let categories = categories
         .unwrap_or_else(|| vec![("prose".to_owned(), 4.48, true)])
         .into_iter()
@@ -359,10 +413,11 @@ pub fn simulate(
     let config = SimConfig {
         pools: pools.iter().map(|p| p.inner.clone()).collect(),
         categories,
-        dispatch: Dispatch::parse(dispatch)?,
+        picker: picker_specs(dispatch)?,
         seed,
         warmup,
         fast_forward: true,
+        scrape_interval,
     };
     let kind = RouterKind::parse(router, gamma)?;
     let arrivals = match (arrivals, rate) {
@@ -385,7 +440,7 @@ pub fn simulate(
                 let mut run = || -> crate::error::Result<SimReport> {
                     set_arrivals(&mut requests, arrivals, seed)?;
                     let mut router = make_router(kind, &config)?;
-                    run_simulation(&requests, &config, router.as_mut(), done)
+                    run_simulation(&requests, &blocks, &config, router.as_mut(), done)
                 };
                 // The receiver outlives this thread inside the scope.
                 let _ = tx.send(run());
@@ -415,4 +470,153 @@ pub fn simulate(
         cb.call1(py, (n, n))?;
     }
     Ok(PySimReport { report })
+}
+
+/// An endpoint picker's plugin specs: a preset name (default
+/// "least-request") or a list of ``{"name": ..., "weight": ..., **params}``.
+fn picker_specs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<PluginSpec>> {
+    let Some(obj) = obj else {
+        return Ok(preset_specs("least-request")?);
+    };
+    if let Ok(name) = obj.extract::<&str>() {
+        return Ok(preset_specs(name)?);
+    }
+    let items: Vec<Bound<'_, PyAny>> = obj.extract().map_err(|_| {
+        PyValueError::new_err("dispatch must be a preset name or a list of plugin spec dicts")
+    })?;
+    items.iter().map(plugin_spec).collect()
+}
+
+/// A seeded workload with shared prefixes (multi-turn sessions and shared
+/// system prompts), for evaluating endpoint pickers in ``simulate``.
+///
+/// ``sessions`` conversations are open at a time; a request picks one
+/// uniformly, appends a user message of ``user_tokens`` tokens (uniform in the
+/// range) and sends the whole context; the reply of ``output_tokens`` tokens
+/// joins the context, so each turn extends the previous prompt and reply.
+/// After ``turns`` turns a session closes and a new one opens. A new session
+/// starts with a system prompt of ``system_tokens`` tokens: with probability
+/// ``shared_fraction`` one of ``system_prompts`` shared prompts, else a
+/// private one. Arrivals are Poisson at ``rate`` requests/s. Token ids are
+/// random, so texts share blocks only where one extends the other. The same
+/// seed gives the same workload.
+///
+/// >>> w = PrefixWorkload(requests=100, seed=1)
+/// >>> len(w), int(w.block_offsets[-1]) == len(w.block_hashes)
+/// (100, True)
+#[pyclass(frozen, name = "PrefixWorkload", module = "routecore")]
+pub struct PyPrefixWorkload {
+    inner: PrefixWorkload,
+    config: PrefixWorkloadConfig,
+}
+
+#[pymethods]
+impl PyPrefixWorkload {
+    #[new]
+    #[pyo3(signature = (*, requests=2000, rate=20.0, sessions=64, turns=(1, 8),
+                        system_prompts=8, shared_fraction=0.9, system_tokens=(512, 2048),
+                        user_tokens=(20, 300), output_tokens=(50, 400), seed=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        #[pyo3(from_py_with = int_arg)] requests: usize,
+        rate: f64,
+        #[pyo3(from_py_with = int_arg)] sessions: usize,
+        #[pyo3(from_py_with = int_arg)] turns: (u64, u64),
+        #[pyo3(from_py_with = int_arg)] system_prompts: usize,
+        shared_fraction: f64,
+        #[pyo3(from_py_with = int_arg)] system_tokens: (u64, u64),
+        #[pyo3(from_py_with = int_arg)] user_tokens: (u64, u64),
+        #[pyo3(from_py_with = int_arg)] output_tokens: (u64, u64),
+        #[pyo3(from_py_with = int_arg)] seed: u64,
+    ) -> PyResult<Self> {
+        let config = PrefixWorkloadConfig {
+            requests,
+            rate,
+            sessions,
+            turns,
+            system_prompts,
+            shared_fraction,
+            system_tokens,
+            user_tokens,
+            output_tokens,
+            seed,
+        };
+        let inner = py.detach(|| generate(&config))?;
+        Ok(Self { inner, config })
+    }
+    fn __len__(&self) -> usize {
+        self.inner.input_tokens.len()
+    }
+    /// Arrival times, seconds (sorted).
+    #[getter]
+    fn arrival_s<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
+        f64s(py, &self.inner.arrival_s)
+    }
+    #[getter]
+    fn input_tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.input_tokens.clone().into_pyarray(py)
+    }
+    #[getter]
+    fn output_tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.output_tokens.clone().into_pyarray(py)
+    }
+    /// Session id per request (sessions numbered as they open).
+    #[getter]
+    fn session<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.session.clone().into_pyarray(py)
+    }
+    /// Turn within the session per request, from 0.
+    #[getter]
+    fn turn<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.turn.clone().into_pyarray(py)
+    }
+    /// The shared system prompt per request; -1 for a private one.
+    #[getter]
+    fn system_prompt<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        self.inner.system_prompt.clone().into_pyarray(py)
+    }
+    /// Chained hashes of the 16-token blocks of each prompt and its reply.
+    #[getter]
+    fn block_hashes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.blocks.hashes.clone().into_pyarray(py)
+    }
+    /// Request ``i``'s hashes are ``block_hashes[block_offsets[i]:block_offsets[i + 1]]``.
+    #[getter]
+    fn block_offsets<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let o: Vec<i64> = self
+            .inner
+            .blocks
+            .offsets
+            .iter()
+            .map(|&o| o as i64)
+            .collect();
+        o.into_pyarray(py)
+    }
+    /// ``(block_hashes, block_offsets)``, the ``blocks`` argument of ``simulate``.
+    #[getter]
+    fn blocks<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<i64>>) {
+        (self.block_hashes(py), self.block_offsets(py))
+    }
+    fn __repr__(&self) -> String {
+        let c = &self.config;
+        format!(
+            "PrefixWorkload(requests={}, rate={}, sessions={}, turns={:?}, system_prompts={}, \
+             shared_fraction={}, system_tokens={:?}, user_tokens={:?}, output_tokens={:?}, \
+             seed={})",
+            c.requests,
+            c.rate,
+            c.sessions,
+            c.turns,
+            c.system_prompts,
+            c.shared_fraction,
+            c.system_tokens,
+            c.user_tokens,
+            c.output_tokens,
+            c.seed
+        )
+    }
 }

@@ -1,4 +1,4 @@
-//! One model instance: a vLLM-style iteration-level continuous-batching engine.
+//! One model endpoint: a vLLM-style iteration-level continuous-batching engine.
 //!
 //! Every iteration, in this order:
 //!
@@ -27,16 +27,27 @@
 //! request that fits its `max_context`: the token-budget paper's
 //! "failure-free by construction".
 //!
+//! Prefix cache: each endpoint keeps the block hashes of the KV blocks it has
+//! computed in a [`PrefixCache`] bounded by its `kv_blocks`, when the workload
+//! gives its requests' block hashes (prompt and reply, 16-token blocks). At
+//! every admission the prompt's leading cached blocks are looked up and their
+//! tokens count as prefilled (at most `prompt - 1`: the last token is always
+//! computed, as in vLLM), so a hit skips that part of the prefill; a sequence
+//! still allocates the blocks of its whole prompt (sharing is not modelled).
+//! A prompt's full blocks are cached when its prefill completes, and every full
+//! block of prompt and output when the sequence finishes.
+//!
 //! Fast-forward: when every running sequence is decoding and the free blocks
 //! hold all of them to their last token, the next iterations are identical
 //! until the first of them finishes, so they are planned as one stretch of `k`
-//! iterations of the same `t_iter`. A request dispatched to the instance
+//! iterations of the same `t_iter`. A request dispatched to the endpoint
 //! during the stretch cuts it at the next iteration boundary
-//! ([`Instance::interrupt`]), where it would have been admitted anyway: the
+//! ([`Endpoint::interrupt`]), where it would have been admitted anyway: the
 //! outcome is the iteration-by-iteration one, in far fewer events.
 
 use std::collections::VecDeque;
 
+use super::cache::PrefixCache;
 use super::timing::{Batch, TimingModel};
 
 /// Tokens per KV block (vLLM's default block size).
@@ -47,7 +58,7 @@ pub fn blocks_for(tokens: u64) -> u64 {
     tokens.div_ceil(BLOCK_TOKENS)
 }
 
-/// The per-instance limits the engine schedules against.
+/// The per-endpoint limits the engine schedules against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineLimits {
     pub max_num_seqs: usize,
@@ -61,11 +72,16 @@ pub struct EngineLimits {
 /// Something that happened to a request during an iteration.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Event {
-    /// Entered the batch (after waiting since arrival or since a preemption).
-    Admitted { request: usize, time: f64 },
+    /// Entered the batch (after waiting since arrival or since a preemption),
+    /// with `cached` prompt tokens served from the prefix cache.
+    Admitted {
+        request: usize,
+        time: f64,
+        cached: u64,
+    },
     /// Its first output token was sampled at the end of the iteration.
     FirstToken { request: usize, time: f64 },
-    /// Its last output token was sampled; it left the instance.
+    /// Its last output token was sampled; it left the endpoint.
     Finished { request: usize, time: f64 },
 }
 
@@ -80,6 +96,9 @@ struct Seq {
     prompt: u64,
     prefilled: u64,
     blocks: u64,
+    /// The request's block hashes (prompt and output): `hashes[start..end]`
+    /// of the slice the caller passes to `step`.
+    hashes: (usize, usize),
 }
 
 /// A planned run of identical decode iterations.
@@ -92,11 +111,12 @@ struct Stretch {
 
 /// One engine. Requests are identified by the caller's index.
 #[derive(Debug, Clone)]
-pub struct Instance {
+pub struct Endpoint {
     limits: EngineLimits,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     free_blocks: u64,
+    pub cache: PrefixCache,
     /// An iteration is under way (its end is scheduled by the fleet).
     pub busy: bool,
     pub preemptions: u64,
@@ -113,13 +133,14 @@ pub struct Instance {
     iteration_end: Option<f64>,
 }
 
-impl Instance {
+impl Endpoint {
     pub fn new(limits: EngineLimits) -> Self {
         Self {
             limits,
             waiting: VecDeque::new(),
             running: Vec::new(),
             free_blocks: limits.kv_blocks,
+            cache: PrefixCache::new(limits.kv_blocks as usize),
             busy: false,
             preemptions: 0,
             slot_seconds: 0.0,
@@ -131,14 +152,29 @@ impl Instance {
         }
     }
 
-    /// Requests on the instance, running or waiting: the dispatch load.
+    /// Requests on the endpoint, running or waiting: the dispatch load.
     pub fn load(&self) -> usize {
         self.running.len() + self.waiting.len()
     }
 
+    /// Running sequences and the share of KV blocks they hold, as the engine's
+    /// metrics report them (vLLM's `num_requests_running`,
+    /// `num_requests_waiting`, `kv_cache_usage_perc`).
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn kv_usage(&self) -> f64 {
+        1.0 - self.free_blocks as f64 / self.limits.kv_blocks as f64
+    }
+
     /// Queues a request of `input` prompt and `output` generated tokens
-    /// (`output` >= 1). The caller has checked that it fits the instance.
-    pub fn enqueue(&mut self, request: usize, input: u64, output: u64) {
+    /// (`output` >= 1) whose block hashes are `hashes` (a range of the slice
+    /// passed to `step`; empty when unknown). The caller has checked that it
+    /// fits the endpoint.
+    pub fn enqueue(&mut self, request: usize, input: u64, output: u64, hashes: (usize, usize)) {
         self.waiting.push_back(Seq {
             request,
             input,
@@ -147,6 +183,7 @@ impl Instance {
             prompt: input,
             prefilled: 0,
             blocks: 0,
+            hashes,
         });
     }
 
@@ -165,8 +202,14 @@ impl Instance {
     /// duration, or None when there is nothing to run. Admissions and
     /// preemptions happen now; sequences leave at the end, in `end_iteration`.
     /// Events go to `pending`. Slot occupancy inside `window` is added to
-    /// `slot_seconds`.
-    pub fn step(&mut self, now: f64, timing: &dyn TimingModel, window: (f64, f64)) -> Option<f64> {
+    /// `slot_seconds`. `hashes` holds every request's block hashes.
+    pub fn step(
+        &mut self,
+        now: f64,
+        timing: &dyn TimingModel,
+        window: (f64, f64),
+        hashes: &[u64],
+    ) -> Option<f64> {
         // 1. Admission.
         while let Some(head) = self.waiting.front() {
             let need = blocks_for(head.prompt);
@@ -176,9 +219,13 @@ impl Instance {
             if let Some(mut s) = self.waiting.pop_front() {
                 self.free_blocks -= need;
                 s.blocks = need;
+                let prompt_blocks = full_blocks(&s, s.prompt, hashes);
+                let hit = self.cache.lookup(prompt_blocks) as u64;
+                s.prefilled = (hit * BLOCK_TOKENS).min(s.prompt - 1);
                 self.pending.push(Event::Admitted {
                     request: s.request,
                     time: now,
+                    cached: s.prefilled,
                 });
                 self.running.push(s);
             }
@@ -223,6 +270,7 @@ impl Instance {
                     n_active += 1;
                     continue;
                 }
+                self.cache.insert(full_blocks(s, s.prompt, hashes));
             }
             // A decode step, or the end of a prefill: one token is sampled.
             n_active += 1;
@@ -252,9 +300,10 @@ impl Instance {
 
     /// First tokens and finished sequences of an iteration ending at `end`.
     /// Sequences still prefilling did not sample.
-    fn release(&mut self, end: f64) {
+    fn release(&mut self, end: f64, hashes: &[u64]) {
         let pending = &mut self.pending;
         let free = &mut self.free_blocks;
+        let cache = &mut self.cache;
         self.running.retain(|s| {
             if s.prefilled < s.prompt {
                 return true;
@@ -270,6 +319,8 @@ impl Instance {
                     request: s.request,
                     time: end,
                 });
+                // Its KV holds the prompt and every output token but the last.
+                cache.insert(full_blocks(s, s.input + s.output - 1, hashes));
                 *free += s.blocks;
                 return false;
             }
@@ -320,9 +371,9 @@ impl Instance {
 
     /// At the end of the iteration or stretch under way: applies it, records
     /// first tokens, and lets finished sequences leave with their blocks.
-    pub fn end_iteration(&mut self, window: (f64, f64)) {
+    pub fn end_iteration(&mut self, window: (f64, f64), hashes: &[u64]) {
         if let Some(end) = self.iteration_end.take() {
-            self.release(end);
+            self.release(end, hashes);
         }
         let Some(st) = self.stretch.take() else {
             return;
@@ -341,6 +392,14 @@ impl Instance {
             self.free_blocks -= blocks - s.blocks;
             s.blocks = blocks;
         }
-        self.release(end);
+        self.release(end, hashes);
     }
+}
+
+/// The hashes of the full blocks of `s`'s first `tokens` tokens (as many as
+/// the workload gave).
+fn full_blocks<'h>(s: &Seq, tokens: u64, hashes: &'h [u64]) -> &'h [u64] {
+    let (start, end) = s.hashes;
+    let n = (end - start).min((tokens / BLOCK_TOKENS) as usize);
+    &hashes[start..start + n]
 }

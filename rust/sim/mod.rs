@@ -4,34 +4,45 @@
 //!
 //! Events are request arrivals and iteration ends. An arrival is routed to a
 //! pool, rejected if `L_in + L_out` exceeds the pool's `max_context` (never
-//! truncated), else dispatched to an instance of the pool (least-loaded,
-//! round-robin or random) and queued there; an idle instance starts iterating.
+//! truncated), else dispatched to an endpoint of the pool by the pool's
+//! endpoint picker ([`crate::pick::Pipeline`], the server's) and queued there;
+//! an idle endpoint starts iterating. The picker sees every endpoint's
+//! [`EndpointState`] as a metrics scraper fills it: the engine's waiting and
+//! running requests and KV-cache use (read at every decision, or at every
+//! `scrape_interval` with the dispatches since added), routecore's own
+//! requests in flight; it is told of every dispatch (`started`, with the
+//! prompt's block hashes) and completion (`completed`, with the usage).
 //! The first `warmup` fraction of requests (by arrival) is left out of the
 //! latency figures and of utilization, which is measured over the window from
 //! the first measured arrival to the last arrival.
 //!
 //! Utilization is the share of slot-time held (sequences holding a slot over
-//! `instances * max_num_seqs` slots), the one definition the planner reports
+//! `endpoints * max_num_seqs` slots), the one definition the planner reports
 //! too. The model's figure beside it is the planner's engine model
-//! ([`crate::planner::engine_state`]) at the pool's measured per-instance
+//! ([`crate::planner::engine_state`]) at the pool's measured per-endpoint
 //! arrival rate over the requests the pool actually served in the window, so
 //! the two columns compare the same quantity.
 
+pub mod cache;
 pub mod engine;
+pub mod prefix_workload;
 pub mod router;
 pub mod timing;
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::budget::{Pool, MAX_TOKENS};
 use crate::error::{invalid, non_negative, positive, Result};
+use crate::pick::endpoints::MAX_ENDPOINTS;
+use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec};
 use crate::planner::{engine_state, EngineLoad, EngineShape, EngineState};
 use crate::rng::Rng;
 
-use engine::{blocks_for, EngineLimits, Event, Instance};
+use engine::{blocks_for, Endpoint, EngineLimits, Event};
 use router::{Compress, FleetRouter, Homogeneous, Routed, TokenBudgetRouting};
 use timing::{Batch, TimingModel};
 
@@ -44,6 +55,60 @@ pub struct SimRequest {
     pub output_tokens: u64,
     /// Index into the simulation's categories.
     pub category: usize,
+    /// The conversation it belongs to, the session-affinity key of the
+    /// endpoint picker (None: no session).
+    pub session: Option<u64>,
+}
+
+/// The requests' KV block hashes, for the endpoints' prefix caches (see
+/// [`engine`]): request `i`'s are `hashes[offsets[i]..offsets[i + 1]]`, the
+/// chained hashes ([`crate::prefix::block_hashes`]) of the full 16-token
+/// blocks of its prompt followed by its output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestBlocks {
+    pub hashes: Vec<u64>,
+    pub offsets: Vec<usize>,
+}
+
+impl RequestBlocks {
+    /// Checks the offsets against the hashes and the request count.
+    pub fn new(hashes: Vec<u64>, offsets: Vec<usize>, requests: usize) -> Result<Self> {
+        if offsets.len() != requests + 1 {
+            return Err(invalid(format!(
+                "block hash offsets must have one entry per request plus one ({}), got {}",
+                requests + 1,
+                offsets.len()
+            )));
+        }
+        if offsets.first() != Some(&0)
+            || offsets.last() != Some(&hashes.len())
+            || offsets.windows(2).any(|w| w[1] < w[0])
+        {
+            return Err(invalid(
+                "block hash offsets must start at 0, never decrease and end at the hash count",
+            ));
+        }
+        Ok(Self { hashes, offsets })
+    }
+
+    /// No hashes: every prefix cache stays empty.
+    pub fn none(requests: usize) -> Self {
+        Self {
+            hashes: Vec::new(),
+            offsets: vec![0; requests + 1],
+        }
+    }
+
+    fn range(&self, request: usize) -> (usize, usize) {
+        (self.offsets[request], self.offsets[request + 1])
+    }
+
+    /// Request `i`'s prompt blocks: the hashes of its `input_tokens`' full blocks.
+    pub fn prompt(&self, request: usize, input_tokens: u64) -> &[u64] {
+        let (start, end) = self.range(request);
+        let n = (end - start).min((input_tokens / engine::BLOCK_TOKENS) as usize);
+        &self.hashes[start..start + n]
+    }
 }
 
 /// A traffic category: its name (the calibrator's), its true bytes-per-token
@@ -56,21 +121,21 @@ pub struct Category {
     pub compressible: bool,
 }
 
-/// A pool of identical instances.
+/// A pool of identical endpoints.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
     pub name: String,
-    pub instances: usize,
+    pub endpoints: usize,
     pub max_context: u64,
     /// The token-budget router's budget for the pool (defaults to max_context).
     pub budget: u64,
-    /// Sequence slots per instance (vLLM max_num_seqs).
+    /// Sequence slots per endpoint (vLLM max_num_seqs).
     pub max_num_seqs: usize,
-    /// KV blocks (16 tokens each) per instance.
+    /// KV blocks (16 tokens each) per endpoint.
     pub kv_blocks: u64,
     /// Prefill tokens per iteration (C_chunk).
     pub chunk: u64,
-    pub gpus_per_instance: u64,
+    pub gpus_per_endpoint: u64,
     pub timing: Arc<dyn TimingModel>,
 }
 
@@ -80,12 +145,12 @@ impl PoolConfig {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         name: &str,
-        instances: i64,
+        endpoints: i64,
         max_context: i64,
         max_num_seqs: i64,
         kv_blocks: i64,
         chunk: i64,
-        gpus_per_instance: i64,
+        gpus_per_endpoint: i64,
         budget: Option<i64>,
         timing: Arc<dyn TimingModel>,
     ) -> Result<Self> {
@@ -99,11 +164,11 @@ impl PoolConfig {
             }
             Ok(v as u64)
         };
-        let instances = count("instances", instances, 1 << 20)? as usize;
+        let endpoints = count("endpoints", endpoints, MAX_ENDPOINTS as i64)? as usize;
         let max_num_seqs = count("max_num_seqs", max_num_seqs, 1 << 16)? as usize;
         let kv_blocks = count("kv_blocks", kv_blocks, 1 << 32)?;
         let chunk = count("chunk", chunk, MAX_TOKENS as i64)?;
-        let gpus_per_instance = count("gpus_per_instance", gpus_per_instance, 1 << 10)?;
+        let gpus_per_endpoint = count("gpus_per_endpoint", gpus_per_endpoint, 1 << 10)?;
         if kv_blocks < blocks_for(pool.max_context) {
             return Err(invalid(format!(
                 "pool {name:?}: kv_blocks {kv_blocks} cannot hold one sequence of max_context {} \
@@ -114,13 +179,13 @@ impl PoolConfig {
         }
         Ok(Self {
             name: pool.name,
-            instances,
+            endpoints,
             max_context: pool.max_context,
             budget: pool.budget,
             max_num_seqs,
             kv_blocks,
             chunk,
-            gpus_per_instance,
+            gpus_per_endpoint,
             timing,
         })
     }
@@ -131,30 +196,6 @@ impl PoolConfig {
             kv_blocks: self.kv_blocks,
             chunk: self.chunk,
             fast_forward,
-        }
-    }
-}
-
-/// How a pool picks the instance for a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dispatch {
-    /// Fewest requests running or waiting; ties go to the first tied instance
-    /// after the previous choice, so equal loads are served in turn.
-    LeastLoaded,
-    RoundRobin,
-    /// Uniform over the pool's instances, from the seeded generator.
-    Random,
-}
-
-impl Dispatch {
-    pub fn parse(name: &str) -> Result<Self> {
-        match name {
-            "least-loaded" => Ok(Self::LeastLoaded),
-            "round-robin" => Ok(Self::RoundRobin),
-            "random" => Ok(Self::Random),
-            _ => Err(invalid(format!(
-                "dispatch must be least-loaded, round-robin or random, got {name:?}"
-            ))),
         }
     }
 }
@@ -188,12 +229,19 @@ impl RouterKind {
 pub struct SimConfig {
     pub pools: Vec<PoolConfig>,
     pub categories: Vec<Category>,
-    pub dispatch: Dispatch,
+    /// The endpoint picker of every pool (e.g. a preset's
+    /// [`crate::pick::preset_specs`]); each pool runs its own pipeline.
+    pub picker: Vec<PluginSpec>,
     pub seed: u64,
     /// Fraction of requests, by arrival, left out of the figures (0.2).
     pub warmup: f64,
     /// See [`EngineLimits::fast_forward`]; true but in the equivalence test.
     pub fast_forward: bool,
+    /// Seconds between two scrapes of the endpoints' metrics (waiting,
+    /// running, KV-cache use), all endpoints at multiples of the interval;
+    /// between scrapes the picker adds its own dispatches since the last one.
+    /// 0: the picker reads the engines' state at every decision.
+    pub scrape_interval: f64,
 }
 
 /// What happened to each request (NaN where it does not apply) and to each pool.
@@ -207,6 +255,12 @@ pub struct SimReport {
     pub e2e: Vec<f64>,
     /// From arrival to the first admission into a batch.
     pub queue_wait: Vec<f64>,
+    /// Prompt tokens served from the endpoint's prefix cache at the first
+    /// admission (0 when not served).
+    pub cached_tokens: Vec<u64>,
+    /// Index of the endpoint inside its pool per request, -1 when not
+    /// dispatched.
+    pub endpoint: Vec<i64>,
     /// In the measurement window (after the warm-up).
     pub measured: Vec<bool>,
     pub rejected: Vec<bool>,
@@ -223,7 +277,7 @@ pub struct SimReport {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolReport {
     pub name: String,
-    pub instances: usize,
+    pub endpoints: usize,
     pub gpus: u64,
     pub max_context: u64,
     /// Measured requests the pool served (rejections excluded).
@@ -335,6 +389,7 @@ fn check_config(config: &SimConfig) -> Result<()> {
     for c in &config.categories {
         positive("bytes_per_token", c.bytes_per_token)?;
     }
+    non_negative("scrape_interval", config.scrape_interval)?;
     let w = non_negative("warmup", config.warmup)?;
     if w >= 1.0 {
         return Err(invalid(format!("warmup must be in [0, 1), got {w}")));
@@ -375,6 +430,7 @@ pub fn make_router(kind: RouterKind, config: &SimConfig) -> Result<Box<dyn Fleet
 /// Runs the simulation. `progress` counts processed arrivals as it goes.
 pub fn simulate(
     requests: &[SimRequest],
+    blocks: &RequestBlocks,
     config: &SimConfig,
     router: &mut dyn FleetRouter,
     progress: &AtomicU64,
@@ -382,23 +438,33 @@ pub fn simulate(
     check_config(config)?;
     check_requests(requests, &config.categories)?;
     check_sorted(requests)?;
-    Fleet::new(requests, config)?.run(router, progress)
+    if blocks.offsets.len() != requests.len() + 1 {
+        return Err(invalid("block hashes must be given for every request"));
+    }
+    Fleet::new(requests, blocks, config)?.run(router, progress)
 }
 
-/// Scheduled iteration ends: (time bits, instance, version). An entry whose
-/// version is not the instance's current one was superseded.
+/// Scheduled iteration ends: (time bits, endpoint, version). An entry whose
+/// version is not the endpoint's current one was superseded.
 type Heap = BinaryHeap<Reverse<(u64, usize, u64)>>;
 
 struct Fleet<'a> {
     requests: &'a [SimRequest],
+    blocks: &'a RequestBlocks,
     config: &'a SimConfig,
-    instances: Vec<Instance>,
-    /// Index of the first instance of each pool (and the total at the end).
+    endpoints: Vec<Endpoint>,
+    /// Index of the first endpoint of each pool (and the total at the end).
     first: Vec<usize>,
     pool_of: Vec<usize>,
     version: Vec<u64>,
-    cursor: Vec<usize>,
-    rng: Rng,
+    /// Each pool's endpoint picker.
+    pickers: Vec<Pipeline>,
+    /// What the pickers know of every endpoint.
+    states: Vec<EndpointState>,
+    /// The next scrape is the `scrapes`-th multiple of the interval.
+    scrapes: u64,
+    /// The session key of the request being picked, as text.
+    session: String,
     window: (f64, f64),
     first_measured: usize,
     routed: Vec<Option<Routed>>,
@@ -406,16 +472,29 @@ struct Fleet<'a> {
 }
 
 impl<'a> Fleet<'a> {
-    fn new(requests: &'a [SimRequest], config: &'a SimConfig) -> Result<Self> {
+    fn new(
+        requests: &'a [SimRequest],
+        blocks: &'a RequestBlocks,
+        config: &'a SimConfig,
+    ) -> Result<Self> {
         let mut first = vec![0];
-        let mut instances = Vec::new();
+        let mut endpoints = Vec::new();
         let mut pool_of = Vec::new();
+        let mut pickers = Vec::new();
         for (p, pool) in config.pools.iter().enumerate() {
-            for _ in 0..pool.instances {
-                instances.push(Instance::new(pool.limits(config.fast_forward)));
+            let names: Vec<String> = (0..pool.endpoints)
+                .map(|j| format!("{}-{j}", pool.name))
+                .collect();
+            let pick = PickConfig {
+                seed: config.seed.wrapping_add(p as u64),
+                prefix_index: None,
+            };
+            pickers.push(Pipeline::from_specs(&config.picker, &names, &pick)?);
+            for _ in 0..pool.endpoints {
+                endpoints.push(Endpoint::new(pool.limits(config.fast_forward)));
                 pool_of.push(p);
             }
-            first.push(instances.len());
+            first.push(endpoints.len());
         }
         let n = requests.len();
         let first_measured = ((n as f64) * config.warmup).floor() as usize;
@@ -426,13 +505,16 @@ impl<'a> Fleet<'a> {
         let nan = vec![f64::NAN; n];
         Ok(Self {
             requests,
+            blocks,
             config,
-            instances,
+            endpoints,
             first,
             version: vec![0; pool_of.len()],
+            states: vec![EndpointState::default(); pool_of.len()],
             pool_of,
-            cursor: vec![0; config.pools.len()],
-            rng: Rng::new(config.seed),
+            pickers,
+            scrapes: 0,
+            session: String::new(),
             window,
             first_measured,
             routed: vec![None; n],
@@ -442,6 +524,8 @@ impl<'a> Fleet<'a> {
                 tpot: nan.clone(),
                 e2e: nan.clone(),
                 queue_wait: nan,
+                cached_tokens: vec![0; n],
+                endpoint: vec![-1; n],
                 measured: (0..n).map(|i| i >= first_measured).collect(),
                 rejected: vec![false; n],
                 compressed: vec![false; n],
@@ -453,38 +537,72 @@ impl<'a> Fleet<'a> {
         })
     }
 
-    fn dispatch(&mut self, pool: usize) -> usize {
+    /// Reads endpoint `i`'s metrics into its state, as a scrape does.
+    fn scrape(&mut self, i: usize) {
+        let (e, st) = (&self.endpoints[i], &mut self.states[i]);
+        st.waiting = Some(e.waiting() as f64);
+        st.running = Some(e.running() as f64);
+        st.kv_usage = Some(e.kv_usage());
+        st.dispatched_since_scrape = 0;
+    }
+
+    /// A scrape of every endpoint, due at or before `t_next` (the next event),
+    /// if scraping is periodic; the next one is then the first multiple of the
+    /// interval at or after `t_next`, since nothing changes before it.
+    fn scrape_due(&mut self, t_next: f64) -> bool {
+        let interval = self.config.scrape_interval;
+        if interval <= 0.0 || (self.scrapes as f64) * interval > t_next {
+            return false;
+        }
+        for i in 0..self.endpoints.len() {
+            self.scrape(i);
+        }
+        self.scrapes = ((t_next / interval).ceil() as u64).max(self.scrapes + 1);
+        true
+    }
+
+    /// The endpoint of `pool` for request `k`, from the pool's picker.
+    fn dispatch(&mut self, pool: usize, k: usize, routed: Routed) -> Result<usize> {
         let (lo, hi) = (self.first[pool], self.first[pool + 1]);
-        let n = hi - lo;
-        let pick = match self.config.dispatch {
-            Dispatch::RoundRobin => self.cursor[pool] % n,
-            Dispatch::Random => self.rng.below(n as u64) as usize,
-            Dispatch::LeastLoaded => {
-                let start = self.cursor[pool] % n;
-                let mut best = start;
-                let mut best_load = usize::MAX;
-                for k in 0..n {
-                    let j = (start + k) % n;
-                    let load = self.instances[lo + j].load();
-                    if load < best_load {
-                        best_load = load;
-                        best = j;
-                        if load == 0 {
-                            break;
-                        }
-                    }
-                }
-                best
+        for i in lo..hi {
+            if self.config.scrape_interval <= 0.0 {
+                self.scrape(i);
             }
+            self.states[i].in_flight = self.endpoints[i].load() as u64;
+        }
+        let r = &self.requests[k];
+        let blocks = self.blocks;
+        self.session.clear();
+        if let Some(s) = r.session {
+            // Writing into a String cannot fail.
+            let _ = write!(self.session, "{s}");
+        }
+        let req = PickRequest {
+            session: r.session.map(|_| self.session.as_str()),
+            // A compressed prompt is another text: no hashes for it.
+            hashes: if routed.compressed {
+                &[]
+            } else {
+                blocks.prompt(k, routed.input_tokens)
+            },
+            input_tokens: routed.input_tokens,
+            output_tokens: r.output_tokens,
+            now: r.arrival,
+            ..PickRequest::default()
         };
-        self.cursor[pool] = pick + 1;
-        lo + pick
+        let picker = &mut self.pickers[pool];
+        let j = picker
+            .pick_one(&req, &self.states[lo..hi])?
+            .ok_or_else(|| invalid(format!("the picker of pool {pool} chose no endpoint")))?;
+        picker.started(&req, j)?;
+        self.states[lo + j].dispatched_since_scrape += 1;
+        Ok(lo + j)
     }
 
     fn start(&mut self, i: usize, now: f64, heap: &mut Heap) {
         let timing = self.config.pools[self.pool_of[i]].timing.as_ref();
-        let inst = &mut self.instances[i];
-        match inst.step(now, timing, self.window) {
+        let inst = &mut self.endpoints[i];
+        match inst.step(now, timing, self.window, &self.blocks.hashes) {
             Some(dt) => {
                 inst.busy = true;
                 self.version[i] += 1;
@@ -514,13 +632,19 @@ impl<'a> Fleet<'a> {
             return router.complete(&r, routed);
         }
         self.routed[k] = Some(routed);
-        let i = self.dispatch(routed.pool);
-        self.instances[i].enqueue(k, routed.input_tokens, r.output_tokens);
-        let inst = &mut self.instances[i];
+        let i = self.dispatch(routed.pool, k, routed)?;
+        self.report.endpoint[k] = (i - self.first[routed.pool]) as i64;
+        let hashes = if routed.compressed {
+            (0, 0)
+        } else {
+            self.blocks.range(k)
+        };
+        self.endpoints[i].enqueue(k, routed.input_tokens, r.output_tokens, hashes);
+        let inst = &mut self.endpoints[i];
         let wake = if inst.busy {
             inst.interrupt(r.arrival)
         } else {
-            // Wake the instance at this time, after every arrival of the same
+            // Wake the endpoint at this time, after every arrival of the same
             // instant: a simultaneous burst shares the first iteration.
             inst.busy = true;
             Some(r.arrival)
@@ -535,9 +659,14 @@ impl<'a> Fleet<'a> {
     fn handle(&mut self, event: Event, router: &mut dyn FleetRouter) -> Result<()> {
         let rep = &mut self.report;
         match event {
-            Event::Admitted { request, time } => {
+            Event::Admitted {
+                request,
+                time,
+                cached,
+            } => {
                 if rep.queue_wait[request].is_nan() {
                     rep.queue_wait[request] = time - self.requests[request].arrival;
+                    rep.cached_tokens[request] = cached;
                 }
             }
             Event::FirstToken { request, time } => {
@@ -552,6 +681,13 @@ impl<'a> Fleet<'a> {
                 }
                 rep.makespan = rep.makespan.max(time);
                 if let Some(routed) = self.routed[request] {
+                    let j = rep.endpoint[request] as usize;
+                    self.pickers[routed.pool].completed(
+                        j,
+                        routed.input_tokens,
+                        r.output_tokens,
+                        time,
+                    )?;
                     router.complete(r, routed)?;
                 }
             }
@@ -572,6 +708,10 @@ impl<'a> Fleet<'a> {
                 (Some(_), None) => true,
                 (None, Some(_)) => false,
             };
+            let t_next = if arrival_first { t_arr } else { t_end };
+            if self.scrape_due(t_next.unwrap_or(f64::INFINITY)) {
+                continue;
+            }
             if arrival_first {
                 self.arrive(next, router, &mut heap)?;
                 next += 1;
@@ -582,8 +722,8 @@ impl<'a> Fleet<'a> {
                 if version != self.version[i] {
                     continue;
                 }
-                self.instances[i].end_iteration(self.window);
-                std::mem::swap(&mut events, &mut self.instances[i].pending);
+                self.endpoints[i].end_iteration(self.window, &self.blocks.hashes);
+                std::mem::swap(&mut events, &mut self.endpoints[i].pending);
                 for e in events.drain(..) {
                     self.handle(e, router)?;
                 }
@@ -597,9 +737,9 @@ impl<'a> Fleet<'a> {
     fn finish(mut self) -> Result<SimReport> {
         let span = self.window.1 - self.window.0;
         for (p, pool) in self.config.pools.iter().enumerate() {
-            let insts = &self.instances[self.first[p]..self.first[p + 1]];
+            let insts = &self.endpoints[self.first[p]..self.first[p + 1]];
             let slot_seconds: f64 = insts.iter().map(|i| i.slot_seconds).sum();
-            let slots = (pool.instances * pool.max_num_seqs) as f64;
+            let slots = (pool.endpoints * pool.max_num_seqs) as f64;
             let mut requests = 0u64;
             let mut sums = [0.0f64; 5];
             let mut rejections = 0;
@@ -628,16 +768,16 @@ impl<'a> Fleet<'a> {
                 }
             }
             let model = (span > 0.0 && requests > 0).then(|| {
-                let per_instance = requests as f64 / span / pool.instances as f64;
-                model_state(per_instance, &sums.map(|s| s / requests as f64), pool)
+                let per_endpoint = requests as f64 / span / pool.endpoints as f64;
+                model_state(per_endpoint, &sums.map(|s| s / requests as f64), pool)
             });
             let measured = |x: f64| if span > 0.0 { x / span } else { f64::NAN };
             let iterations: f64 = insts.iter().map(|i| i.iterations).sum();
             let prefilled: f64 = insts.iter().map(|i| i.prefill_tokens).sum();
             self.report.pools.push(PoolReport {
                 name: pool.name.clone(),
-                instances: pool.instances,
-                gpus: pool.instances as u64 * pool.gpus_per_instance,
+                endpoints: pool.endpoints,
+                gpus: pool.endpoints as u64 * pool.gpus_per_endpoint,
                 max_context: pool.max_context,
                 requests,
                 utilization_simulated: measured(slot_seconds / slots),
@@ -658,7 +798,7 @@ impl<'a> Fleet<'a> {
 }
 
 /// The planner's engine model ([`crate::planner::engine_state`]) of one
-/// instance of `pool` at `rate` requests per second, from the served
+/// endpoint of `pool` at `rate` requests per second, from the served
 /// requests' means `[E[a], E[a^2], E[L_in], E[L_in^2], E[a L_total]]`
 /// (`a = ceil(L_in / C) + L_out - 1`). The timing model is read as linear:
 /// `W = t(0)`, `H = t(1) - t(0)`, exact for [`timing::LinearTiming`].

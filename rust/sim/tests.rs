@@ -6,15 +6,16 @@ use std::sync::Arc;
 
 use super::timing::LinearTiming;
 use super::*;
+use crate::pick::preset_specs;
 
 const W: f64 = 0.008;
 const H: f64 = 0.00065;
 
-fn pool(name: &str, instances: i64, max_context: i64, seqs: i64, blocks: i64) -> PoolConfig {
+fn pool(name: &str, endpoints: i64, max_context: i64, seqs: i64, blocks: i64) -> PoolConfig {
     let timing = Arc::new(LinearTiming::new(W, H).expect("timing"));
     PoolConfig::new(
         name,
-        instances,
+        endpoints,
         max_context,
         seqs,
         blocks,
@@ -26,7 +27,7 @@ fn pool(name: &str, instances: i64, max_context: i64, seqs: i64, blocks: i64) ->
     .expect("pool")
 }
 
-fn config(pools: Vec<PoolConfig>, dispatch: Dispatch) -> SimConfig {
+fn config(pools: Vec<PoolConfig>, preset: &str) -> SimConfig {
     SimConfig {
         pools,
         categories: vec![Category {
@@ -34,10 +35,11 @@ fn config(pools: Vec<PoolConfig>, dispatch: Dispatch) -> SimConfig {
             bytes_per_token: 4.0,
             compressible: true,
         }],
-        dispatch,
+        picker: preset_specs(preset).expect("preset"),
         seed: 7,
         warmup: 0.0,
         fast_forward: true,
+        scrape_interval: 0.0,
     }
 }
 
@@ -47,12 +49,99 @@ fn req(arrival: f64, input: u64, output: u64) -> SimRequest {
         input_tokens: input,
         output_tokens: output,
         category: 0,
+        session: None,
     }
 }
 
 fn run(requests: &[SimRequest], cfg: &SimConfig, kind: RouterKind) -> SimReport {
+    run_with_blocks(requests, &RequestBlocks::none(requests.len()), cfg, kind)
+}
+
+fn run_with_blocks(
+    requests: &[SimRequest],
+    blocks: &RequestBlocks,
+    cfg: &SimConfig,
+    kind: RouterKind,
+) -> SimReport {
     let mut router = make_router(kind, cfg).expect("router");
-    simulate(requests, cfg, router.as_mut(), &AtomicU64::new(0)).expect("simulate")
+    simulate(requests, blocks, cfg, router.as_mut(), &AtomicU64::new(0)).expect("simulate")
+}
+
+/// Block hashes per request, each given as a list.
+fn blocks_of(per_request: &[Vec<u64>]) -> RequestBlocks {
+    let mut offsets = vec![0];
+    let mut hashes = Vec::new();
+    for h in per_request {
+        hashes.extend(h);
+        offsets.push(hashes.len());
+    }
+    RequestBlocks::new(hashes, offsets, per_request.len()).expect("blocks")
+}
+
+/// `n` distinct hashes starting at `from`.
+fn seq(from: u64, n: u64) -> Vec<u64> {
+    (from..from + n).collect()
+}
+
+#[test]
+fn a_repeated_prompt_skips_its_cached_blocks() {
+    // 1500 tokens at C = 512: three prefill iterations. Repeated after the
+    // first finished: its 93 full blocks (1488 tokens) hit, 12 tokens are left
+    // to prefill, one iteration. A prompt sharing 40 blocks (640 tokens)
+    // prefills 860 tokens: two iterations.
+    let cfg = config(vec![pool("p", 1, 8192, 16, 4096)], "least-request");
+    let work = [req(0.0, 1500, 1), req(1.0, 1500, 1), req(2.0, 1500, 1)];
+    let mut third = seq(0, 40);
+    third.extend(seq(1000, 53));
+    let blocks = blocks_of(&[seq(0, 93), seq(0, 93), third]);
+    let rep = run_with_blocks(&work, &blocks, &cfg, RouterKind::Homogeneous);
+    let t = W + H;
+    assert_eq!(rep.cached_tokens, vec![0, 1488, 640]);
+    assert!(close(rep.ttft[0], 3.0 * t));
+    assert!(close(rep.ttft[1], t), "{}", rep.ttft[1]);
+    assert!(close(rep.ttft[2], 2.0 * t));
+    // Without hashes nothing is cached.
+    let rep = run(&work, &cfg, RouterKind::Homogeneous);
+    assert_eq!(rep.cached_tokens, vec![0, 0, 0]);
+    assert!(close(rep.ttft[1], 3.0 * t));
+}
+
+#[test]
+fn a_fully_cached_prompt_still_computes_its_last_token() {
+    let cfg = config(vec![pool("p", 1, 8192, 16, 4096)], "least-request");
+    let work = [req(0.0, 1024, 1), req(1.0, 1024, 1)];
+    let rep = run_with_blocks(
+        &work,
+        &blocks_of(&[seq(0, 64), seq(0, 64)]),
+        &cfg,
+        RouterKind::Homogeneous,
+    );
+    assert_eq!(rep.cached_tokens, vec![0, 1023]);
+    assert!(close(rep.ttft[1], W + H));
+}
+
+#[test]
+fn the_endpoint_cache_evicts_least_recently_used_blocks() {
+    // One endpoint of 128 blocks, requests one after another (1024-token
+    // prompts, 64 blocks each): A and B fill the cache; A again hits and
+    // becomes the most recent; D evicts B, the least recent; so A hits again
+    // and B misses.
+    let cfg = config(vec![pool("p", 1, 2048, 1, 128)], "least-request");
+    let (a, b, d) = (seq(0, 64), seq(100, 64), seq(200, 64));
+    let work: Vec<_> = (0..6).map(|i| req(i as f64, 1024, 1)).collect();
+    let blocks = blocks_of(&[a.clone(), b.clone(), a.clone(), d, a, b]);
+    let rep = run_with_blocks(&work, &blocks, &cfg, RouterKind::Homogeneous);
+    assert_eq!(rep.cached_tokens, vec![0, 0, 1023, 0, 1023, 0]);
+}
+
+#[test]
+fn request_blocks_are_checked() {
+    let blocks = RequestBlocks::new(vec![1, 2], vec![0, 2], 1).expect("blocks");
+    assert_eq!(blocks.prompt(0, 40), &[1, 2]);
+    assert_eq!(blocks.prompt(0, 20), &[1]);
+    assert!(RequestBlocks::new(vec![1, 2], vec![0, 1], 1).is_err());
+    assert!(RequestBlocks::new(vec![1, 2], vec![0, 2, 2], 1).is_err());
+    assert!(RequestBlocks::new(vec![1, 2], vec![1, 2], 1).is_err());
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -63,7 +152,7 @@ fn close(a: f64, b: f64) -> bool {
 fn one_request_alone() {
     // 1000 tokens at C = 512: two prefill iterations of one sequence, the
     // second samples the first token; then 4 decode iterations.
-    let cfg = config(vec![pool("p", 1, 8192, 16, 4096)], Dispatch::LeastLoaded);
+    let cfg = config(vec![pool("p", 1, 8192, 16, 4096)], "least-request");
     let rep = run(&[req(1.0, 1000, 5)], &cfg, RouterKind::Homogeneous);
     let t = W + H;
     assert!(close(rep.ttft[0], 2.0 * t), "{}", rep.ttft[0]);
@@ -84,7 +173,7 @@ fn two_requests_share_iterations() {
     // B 212 of its 300 (chunk 512), two active, A samples its first token.
     // Iteration 2: A decodes, B prefills 88 and samples. Iteration 3: both
     // decode and finish (A has 3 outputs, B 2).
-    let cfg = config(vec![pool("p", 1, 8192, 16, 4096)], Dispatch::LeastLoaded);
+    let cfg = config(vec![pool("p", 1, 8192, 16, 4096)], "least-request");
     let rep = run(
         &[req(0.0, 300, 3), req(0.0, 300, 2)],
         &cfg,
@@ -101,7 +190,7 @@ fn two_requests_share_iterations() {
 #[test]
 fn slots_make_requests_wait() {
     // One slot: B waits for A's whole service (1 prefill + 1 decode iteration).
-    let cfg = config(vec![pool("p", 1, 8192, 1, 4096)], Dispatch::LeastLoaded);
+    let cfg = config(vec![pool("p", 1, 8192, 1, 4096)], "least-request");
     let rep = run(
         &[req(0.0, 100, 2), req(0.0, 100, 2)],
         &cfg,
@@ -118,12 +207,12 @@ fn preemption_when_blocks_run_out() {
     // outputs each need up to ceil(55 / 16) = 4 blocks each: 8 blocks never
     // preempt, 4 blocks must.
     let work = [req(0.0, 16, 40), req(0.0, 16, 40)];
-    let safe = config(vec![pool("p", 1, 64, 2, 8)], Dispatch::LeastLoaded);
+    let safe = config(vec![pool("p", 1, 64, 2, 8)], "least-request");
     let rep = run(&work, &safe, RouterKind::Homogeneous);
     assert_eq!(rep.pools[0].preemptions, 0);
     // Alone-speed: one prefill iteration and 39 decodes, both in every batch.
     assert!(close(rep.e2e[1], 40.0 * (W + 2.0 * H)));
-    let tight = config(vec![pool("p", 1, 64, 2, 4)], Dispatch::LeastLoaded);
+    let tight = config(vec![pool("p", 1, 64, 2, 4)], "least-request");
     let rep = run(&work, &tight, RouterKind::Homogeneous);
     assert!(rep.pools[0].preemptions >= 1);
     // Both still finish, the preempted one later than it would have.
@@ -134,7 +223,7 @@ fn preemption_when_blocks_run_out() {
 
 #[test]
 fn rejection_above_max_context() {
-    let cfg = config(vec![pool("p", 1, 1024, 4, 64)], Dispatch::LeastLoaded);
+    let cfg = config(vec![pool("p", 1, 1024, 4, 64)], "least-request");
     let rep = run(
         &[req(0.0, 1000, 24), req(0.0, 1000, 25)],
         &cfg,
@@ -149,12 +238,12 @@ fn rejection_above_max_context() {
 #[test]
 fn burst_into_idle_pool_spreads_evenly() {
     let burst: Vec<_> = (0..64).map(|_| req(0.0, 64, 50)).collect();
-    for dispatch in [Dispatch::LeastLoaded, Dispatch::RoundRobin] {
+    for dispatch in ["least-request", "round-robin"] {
         let cfg = config(vec![pool("p", 8, 8192, 16, 4096)], dispatch);
         let rep = run(&burst, &cfg, RouterKind::Homogeneous);
-        // Eight requests per instance: their 8 x 64 prompt tokens fill one chunk,
+        // Eight requests per endpoint: their 8 x 64 prompt tokens fill one chunk,
         // then all decode together, so all see the same
-        // t_iter = W + 8 H. A single herded instance would give 64 H.
+        // t_iter = W + 8 H. A single herded endpoint would give 64 H.
         let t = W + 8.0 * H;
         assert!(rep.e2e.iter().all(|&e| close(e, 50.0 * t)), "{dispatch:?}");
     }
@@ -178,7 +267,7 @@ fn token_budget_short_pool_never_preempts() {
                 pool("short", 4, 2048, 8, short_blocks),
                 pool("long", 4, 8192, 4, 4 * 512),
             ],
-            Dispatch::LeastLoaded,
+            "least-request",
         )
     };
     let rep = run(&work, &fleet(8 * 128), RouterKind::TokenBudget);
@@ -199,7 +288,7 @@ fn compress_and_route_moves_the_band_short() {
             pool("short", 1, 2048, 8, 1024),
             pool("long", 1, 8192, 4, 2048),
         ],
-        Dispatch::LeastLoaded,
+        "least-request",
     );
     let work = [req(0.0, 2400, 100), req(0.0, 3900, 100)];
     let rep = run(&work, &cfg, RouterKind::CompressAndRoute { gamma: 1.5 });
@@ -217,7 +306,7 @@ fn deterministic_for_a_seed() {
         .map(|i| req(0.0, 50 + i % 700, 1 + i % 90))
         .collect();
     set_arrivals(&mut work, Arrivals::Poisson(200.0), 9).expect("arrivals");
-    let cfg = config(vec![pool("p", 6, 8192, 16, 4096)], Dispatch::Random);
+    let cfg = config(vec![pool("p", 6, 8192, 16, 4096)], "random");
     let a = run(&work, &cfg, RouterKind::Homogeneous);
     let b = run(&work, &cfg, RouterKind::Homogeneous);
     assert_eq!(a.e2e, b.e2e);
@@ -250,18 +339,25 @@ fn bad_input_is_refused() {
     assert!(PoolConfig::new("p", 0, 8192, 16, 4096, 512, 1, None, timing.clone()).is_err());
     assert!(PoolConfig::new("p", 1, 8192, 16, 4096, 0, 1, None, timing.clone()).is_err());
     assert!(PoolConfig::new("", 1, 8192, 16, 4096, 512, 1, None, timing).is_err());
-    let cfg = config(vec![pool("p", 1, 8192, 16, 4096)], Dispatch::LeastLoaded);
+    let cfg = config(vec![pool("p", 1, 8192, 16, 4096)], "least-request");
     let mut router = make_router(RouterKind::Homogeneous, &cfg).expect("router");
     let p = AtomicU64::new(0);
     for bad in [req(0.0, 0, 1), req(0.0, 1, 0), req(f64::NAN, 1, 1)] {
-        assert!(simulate(&[bad], &cfg, router.as_mut(), &p).is_err());
+        assert!(simulate(&[bad], &RequestBlocks::none(1), &cfg, router.as_mut(), &p).is_err());
     }
     let mut c = cfg.clone();
     c.warmup = 1.0;
-    assert!(simulate(&[req(0.0, 1, 1)], &c, router.as_mut(), &p).is_err());
+    assert!(simulate(
+        &[req(0.0, 1, 1)],
+        &RequestBlocks::none(1),
+        &c,
+        router.as_mut(),
+        &p
+    )
+    .is_err());
     let two = config(
         vec![pool("a", 1, 8192, 16, 4096), pool("b", 1, 8192, 16, 4096)],
-        Dispatch::LeastLoaded,
+        "least-request",
     );
     assert!(make_router(RouterKind::Homogeneous, &two).is_err());
     assert!(make_router(RouterKind::CompressAndRoute { gamma: 0.5 }, &two).is_err());
@@ -286,7 +382,7 @@ fn fast_forward_changes_nothing() {
         .collect();
     set_arrivals(&mut work, Arrivals::Poisson(60.0), 2).expect("arrivals");
     for blocks in [8 * 128, 3 * 128] {
-        let mut cfg = config(vec![pool("p", 3, 2048, 8, blocks)], Dispatch::LeastLoaded);
+        let mut cfg = config(vec![pool("p", 3, 2048, 8, blocks)], "least-request");
         let fast = run(&work, &cfg, RouterKind::Homogeneous);
         cfg.fast_forward = false;
         let slow = run(&work, &cfg, RouterKind::Homogeneous);
@@ -314,7 +410,7 @@ fn fast_forward_changes_nothing() {
 
 #[test]
 fn fast_forward_matches_on_small_random_fleets() {
-    // Two tight instances (3 slots, 12 blocks, 16-token chunks) and bursts of
+    // Two tight endpoints (3 slots, 12 blocks, 16-token chunks) and bursts of
     // short requests: many cuts, preemptions and ties, checked exhaustively.
     for seed in 0..500u64 {
         let mut rng = Rng::new(seed);
@@ -327,7 +423,7 @@ fn fast_forward_matches_on_small_random_fleets() {
             })
             .collect();
         w.sort_by(|a, b| a.arrival.total_cmp(&b.arrival));
-        let mut cfg = config(vec![pool("p", 2, 64, 3, 12)], Dispatch::LeastLoaded);
+        let mut cfg = config(vec![pool("p", 2, 64, 3, 12)], "least-request");
         cfg.pools[0].chunk = 16;
         let fast = run(&w, &cfg, RouterKind::Homogeneous);
         cfg.fast_forward = false;
@@ -342,7 +438,7 @@ fn fast_forward_matches_on_small_random_fleets() {
 
 #[test]
 fn model_state_by_hand() {
-    // 16 slots, 2 requests/s per instance, 150 iterations each, no prompt:
+    // 16 slots, 2 requests/s per endpoint, 150 iterations each, no prompt:
     // t = W / (1 - H rate E[a]) = 0.008 / 0.805, occupancy = 2 * 150 * t.
     let p = pool("p", 1, 8192, 16, 8192);
     let m = model_state(2.0, &[150.0, 22500.0, 0.0, 0.0, 0.0], &p);
@@ -352,4 +448,81 @@ fn model_state_by_hand() {
     // Overloaded compute: H rate E[a] >= 1, the iteration time is unbounded.
     let m = model_state(20.0, &[150.0, 22500.0, 0.0, 0.0, 0.0], &p);
     assert!(m.t_iter_s.is_infinite());
+}
+
+#[test]
+fn the_prefix_picker_sends_a_repeated_prompt_where_it_is_cached() {
+    // Four requests one after another with the same 1500-token prompt on two
+    // endpoints: the prefix picker keeps them on endpoint 0, where all but the
+    // first hit; round-robin alternates, so the first two miss.
+    let work: Vec<_> = (0..4).map(|i| req(i as f64, 1500, 1)).collect();
+    let blocks = blocks_of(&vec![seq(0, 93); 4]);
+    let pools = || vec![pool("p", 2, 8192, 16, 4096)];
+    let prefix = run_with_blocks(
+        &work,
+        &blocks,
+        &config(pools(), "prefix"),
+        RouterKind::Homogeneous,
+    );
+    assert_eq!(prefix.endpoint, vec![0, 0, 0, 0]);
+    assert_eq!(prefix.cached_tokens, vec![0, 1488, 1488, 1488]);
+    let rr = run_with_blocks(
+        &work,
+        &blocks,
+        &config(pools(), "round-robin"),
+        RouterKind::Homogeneous,
+    );
+    assert_eq!(rr.endpoint, vec![0, 1, 0, 1]);
+    assert_eq!(rr.cached_tokens, vec![0, 0, 1488, 1488]);
+}
+
+#[test]
+fn between_scrapes_the_picker_counts_its_own_dispatches() {
+    // A one-token request goes to endpoint 0 at t = 0 and is done 8.65 ms
+    // later. Reading the engines at every decision, the next request (t =
+    // 0.5) finds both idle and takes the first; scraped every second, the
+    // picker last saw the engines at t = 0 and counts its dispatch to 0 as
+    // still there, so it takes endpoint 1; scraped every 0.25 s it knows.
+    let work = [req(0.0, 100, 1), req(0.5, 100, 1)];
+    let mut cfg = config(vec![pool("p", 2, 8192, 16, 4096)], "least-request");
+    for (interval, want) in [(0.0, [0, 0]), (1.0, [0, 1]), (0.25, [0, 0])] {
+        cfg.scrape_interval = interval;
+        let rep = run(&work, &cfg, RouterKind::Homogeneous);
+        assert_eq!(rep.endpoint, want, "{interval}");
+    }
+    cfg.scrape_interval = f64::NAN;
+    let mut router = make_router(RouterKind::Homogeneous, &cfg).expect("router");
+    let p = AtomicU64::new(0);
+    assert!(simulate(&work, &RequestBlocks::none(2), &cfg, router.as_mut(), &p).is_err());
+}
+
+#[test]
+fn session_affinity_keeps_a_conversation_on_its_endpoint() {
+    // Session affinity, then round-robin among equals: a new session goes
+    // to the next endpoint in turn, a known one back to its endpoint.
+    let mut cfg = config(vec![pool("p", 3, 8192, 16, 4096)], "round-robin");
+    cfg.picker = vec![
+        PluginSpec::new("session-affinity", 1.0),
+        PluginSpec::with(
+            "max-score",
+            1.0,
+            serde_json::json!({ "ties": "round-robin" }),
+        ),
+    ];
+    let run_sessions = |sessions: [Option<u64>; 5]| {
+        let work: Vec<_> = sessions
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| SimRequest {
+                session: s,
+                ..req(i as f64, 100, 1)
+            })
+            .collect();
+        run(&work, &cfg, RouterKind::Homogeneous).endpoint
+    };
+    assert_eq!(
+        run_sessions([Some(7), Some(8), Some(7), Some(9), Some(8)]),
+        vec![0, 1, 0, 1, 1]
+    );
+    assert_eq!(run_sessions([None; 5]), vec![0, 1, 2, 0, 1]);
 }

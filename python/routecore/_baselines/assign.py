@@ -9,12 +9,12 @@ import numpy as np
 
 
 class BatchScheduler:
-    def __init__(self, instances, weights):
-        # instances: (model_index, tpot_s, price_in, price_out, max_batch, prefill_s_per_token)
-        self.instances = instances
+    def __init__(self, endpoints, weights):
+        # endpoints: (model_index, tpot_s, price_in, price_out, max_batch, prefill_s_per_token)
+        self.endpoints = endpoints
         total = sum(weights)
         self.wq, self.wl, self.wc = (w / total for w in weights)
-        self.last = [0] * len(instances)
+        self.last = [0] * len(endpoints)
         self.clock = 0
 
     def assign(self, quality, out_len, in_tokens, budget, pending, batch):
@@ -25,7 +25,7 @@ class BatchScheduler:
             tokens = in_tokens[r]
             limit = float("inf") if budget is None else budget[r]
             cands = []
-            for i, (m, tpot, p_in, p_out, max_batch, prefill) in enumerate(self.instances):
+            for i, (m, tpot, p_in, p_out, max_batch, prefill) in enumerate(self.endpoints):
                 out = out_len[r][m]
                 cost = (tokens * p_in + out * p_out) / 1e6
                 if cost > limit:
@@ -51,7 +51,7 @@ class BatchScheduler:
                     better = False
                 if better:
                     best, best_key = i, (score,)
-            pending[best] += out_len[r][self.instances[best][0]]
+            pending[best] += out_len[r][self.endpoints[best][0]]
             batch[best] += 1
             self.clock += 1
             self.last[best] = self.clock

@@ -20,7 +20,7 @@ from routecore._core import (
     AdmissionController,
     BatchScheduler,
     Entitlement,
-    Instance,
+    Endpoint,
     Pool,
     PrefixCacheRouter,
     TokenBudgetRouter,
@@ -189,7 +189,7 @@ def admission() -> tuple[Call, Call]:
 
 # --- batched assignment -----------------------------------------------------------------
 
-#: RouteBalance's fleet (Table 1): model, TPOT, price in/out per Mtok, instances.
+#: RouteBalance's fleet (Table 1): model, TPOT, price in/out per Mtok, endpoints.
 FLEET = [
     ("qwen2.5-3b", 0.0102, 0.06, 0.06, 3),
     ("qwen2.5-7b", 0.0196, 0.07, 0.07, 5),
@@ -199,9 +199,9 @@ FLEET = [
 ASSIGN_BATCH, MAX_BATCH = 256, 16
 
 
-def instances() -> list[Instance]:
+def endpoints() -> list[Endpoint]:
     return [
-        Instance(f"{m}-{k}", m, tpot, p_in, p_out, MAX_BATCH)
+        Endpoint(f"{m}-{k}", m, tpot, p_in, p_out, MAX_BATCH)
         for m, tpot, p_in, p_out, n in FLEET
         for k in range(n)
     ]
@@ -221,7 +221,7 @@ def assign_batch(seed: int = 0):
     )
 
 
-def assign_twin(s: BatchScheduler, fleet: list[Instance]):
+def assign_twin(s: BatchScheduler, fleet: list[Endpoint]):
     """The plain-Python scheduler of ``s``'s fleet and weights."""
     from routecore._baselines import assign
 
@@ -240,7 +240,7 @@ def assign_twin(s: BatchScheduler, fleet: list[Instance]):
 
 
 def assign() -> tuple[Call, Call]:
-    fleet = instances()
+    fleet = endpoints()
     s = BatchScheduler(fleet, weights="balanced")
     py = assign_twin(s, fleet)
     args = assign_batch()
@@ -374,7 +374,7 @@ CASES = [
     ),
     Case("vtc", "VtcRouter.route, 16 endpoints, 1,000 active users", vtc),
     Case("admission", "AdmissionController admit + complete", admission),
-    Case("assign", "BatchScheduler.assign, 256 requests x 13 instances", assign),
+    Case("assign", "BatchScheduler.assign, 256 requests x 13 endpoints", assign),
     Case("erlang_c", "erlang_c, c = 32,768, rho = 0.85", erlang),
     Case(
         "ext_proc_conversation",

@@ -1,6 +1,7 @@
 """The fleet simulator's model in plain Python: one pool of vLLM-style
-continuous-batching instances stepped iteration by iteration (as the papers'
-own eval/simulator.py does), least-loaded dispatch with a rotating tie-break,
+continuous-batching endpoints stepped iteration by iteration (as the papers'
+own eval/simulator.py does), least-request dispatch (the fewest requests
+running or waiting, the first on ties: routecore's endpoint picker's preset),
 the same rules as routecore's `sim` module: FCFS admission when a slot and the
 prompt's 16-token KV blocks are free, decode reservation that preempts the
 newest sequence, one prefill chunk of C tokens per iteration shared in
@@ -26,7 +27,7 @@ class Seq:
         self.gen, self.prompt, self.done, self.blocks = 0, inp, 0, 0
 
 
-class Instance:
+class Endpoint:
     def __init__(self, slots, kv_blocks, chunk):
         self.slots, self.free, self.chunk = slots, kv_blocks, chunk
         self.waiting: deque[Seq] = deque()
@@ -106,30 +107,20 @@ class Instance:
         self.leaving = []
 
 
-def simulate(arrival, inp, out, instances, slots, max_context, w=0.008, h=0.00065, chunk=512):
+def simulate(arrival, inp, out, endpoints, slots, max_context, w=0.008, h=0.00065, chunk=512):
     """Returns (ttft, e2e) lists, NaN for requests above max_context."""
     n = len(arrival)
     nan = float("nan")
     first, finished, admitted = [nan] * n, [nan] * n, [nan] * n
-    pool = [Instance(slots, slots * blocks(max_context), chunk) for _ in range(instances)]
+    pool = [Endpoint(slots, slots * blocks(max_context), chunk) for _ in range(endpoints)]
     heap: list[tuple[float, int, int]] = []
-    version = [0] * instances
-    cursor = 0
+    version = [0] * endpoints
     k = 0
     while k < n or heap:
         if k < n and (not heap or arrival[k] <= heap[0][0]):
             t = arrival[k]
             if inp[k] + out[k] <= max_context:
-                start = cursor % instances
-                best, best_load = start, None
-                for j in range(instances):
-                    c = (start + j) % instances
-                    load = pool[c].load()
-                    if best_load is None or load < best_load:
-                        best, best_load = c, load
-                        if load == 0:
-                            break
-                cursor = best + 1
+                best = min(range(endpoints), key=lambda c: pool[c].load())
                 inst = pool[best]
                 inst.waiting.append(Seq(k, int(inp[k]), int(out[k])))
                 if not inst.busy:

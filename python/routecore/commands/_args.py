@@ -79,6 +79,8 @@ port = int_in(1, 65535)
 random_seed = int_in(0, (1 << 64) - 1)
 #: A rate, a duration, a price, a ratio: finite and above zero.
 positive_float = float_in(0.0, math.inf, lo_open=True, hi_open=True)
+#: A duration or interval that may be zero: finite and >= 0.
+non_negative_float = float_in(0.0, math.inf, hi_open=True)
 #: A share or probability in [0, 1].
 fraction = float_in(0.0, 1.0)
 #: A share that must leave something: [0, 1).

@@ -14,8 +14,8 @@ from routecore.commands._args import positive_float, positive_int, random_seed
 
 NAME = "assign-eval"
 HELP = (
-    "Evaluate batched model+instance assignment (RouteBalance) on a Qwen2.5 "
-    "3B/7B/14B/72B fleet (13 instances) with a synthetic workload of known quality "
+    "Evaluate batched model+endpoint assignment (RouteBalance) on a Qwen2.5 "
+    "3B/7B/14B/72B fleet (13 endpoints) with a synthetic workload of known quality "
     "and output length: prints a quality / latency / cost table; --plot draws the frontier."
 )
 
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=positive_int, default=3000, help="requests (default 3000)")
     p.add_argument("--seed", type=random_seed, default=0, help="workload seed (default 0)")
     p.add_argument(
-        "--max-batch", type=positive_int, default=16, help="decode slots per instance (default 16)"
+        "--max-batch", type=positive_int, default=16, help="decode slots per endpoint (default 16)"
     )
     p.add_argument(
         "--interval",
@@ -99,7 +99,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     axes[0].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[1].ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     axes[0].legend(fontsize=8, loc="lower right")
-    fig.suptitle("Batched model+instance assignment on the RouteBalance fleet")
+    fig.suptitle("Batched model+endpoint assignment on the RouteBalance fleet")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

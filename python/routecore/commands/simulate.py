@@ -19,7 +19,16 @@ from typing import Any
 
 import numpy as np
 
-from routecore._core import Plan, Profile, SimPool, SimReport, Workload, plan, simulate
+from routecore._core import (
+    EndpointPicker,
+    Plan,
+    Profile,
+    SimPool,
+    SimReport,
+    Workload,
+    plan,
+    simulate,
+)
 from routecore._extras import pyplot
 from routecore.commands._args import (
     band,
@@ -119,9 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dispatch",
-        choices=("least-loaded", "round-robin", "random"),
-        default="least-loaded",
-        help="instance choice inside a pool (default least-loaded)",
+        choices=EndpointPicker.presets(),
+        default="least-request",
+        help="the endpoint picker inside a pool, an EndpointPicker preset (default least-request)",
     )
     p.add_argument(
         "--b-short", type=token_count, help="short-pool boundary B (default: the planner's)"
