@@ -8,8 +8,8 @@ Run: .venv/bin/python -m pytest benches/bench_pick.py
 import numpy as np
 import pytest
 
-from routecore._baselines import pick as baseline
 from routecore import EndpointPicker
+from routecore._baselines import pick as baseline
 
 TOKENS = 8192
 BLOCK = 16  # 512 blocks

@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from routecore._baselines.tokenize import ReferenceCounter
 from routecore import Calibrator, Pool, TokenBudgetRouter, Tokenizer
+from routecore._baselines.tokenize import ReferenceCounter
 from tests.tokenizer_fixtures import CHAT_TEMPLATE, build_tokenizer, corpus
 
 PROMPT_TOKENS = 4096
