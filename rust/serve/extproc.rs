@@ -56,11 +56,18 @@ use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use futures_util::{FutureExt, Stream};
 use tonic::{Request, Response, Status, Streaming};
 
-use super::engine::{Engine, Outcome, Reject, Routed, Shared};
+use super::engine::{Engine, Hints, Outcome, Reject, Routed, Shared};
 use super::usage::UsageReader;
 use crate::error::Result;
 
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The `envoy.lb` key of the endpoints Envoy may retry on, comma-separated.
+pub const FALLBACK_KEY: &str = "x-gateway-destination-endpoint-fallback";
+/// The filter-metadata namespace and key of the subset hint.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
 pub const POOL_HEADER: &str = "x-routecore-pool";
 pub const LB_NAMESPACE: &str = "envoy.lb";
 /// Size of the streamed_response chunks a body is sent back in (as the GIE does).
@@ -139,15 +146,19 @@ pub fn immediate(rej: &Reject) -> ProcessingResponse {
     }))
 }
 
-fn lb_metadata(endpoint: &str) -> Struct {
+/// The `envoy.lb` dynamic metadata: the chosen endpoint (as in the header)
+/// and, when there are any, the fallbacks Envoy may retry on.
+fn lb_metadata(endpoint: &str, fallbacks: &[String]) -> Struct {
+    let string = |s: String| Value {
+        kind: Some(Kind::StringValue(s)),
+    };
+    let mut fields: std::collections::HashMap<String, Value> =
+        [(DESTINATION_HEADER.to_string(), string(endpoint.into()))].into();
+    if !fallbacks.is_empty() {
+        fields.insert(FALLBACK_KEY.to_string(), string(fallbacks.join(",")));
+    }
     let inner = Struct {
-        fields: [(
-            DESTINATION_HEADER.to_string(),
-            Value {
-                kind: Some(Kind::StringValue(endpoint.into())),
-            },
-        )]
-        .into(),
+        fields: fields.into_iter().collect(),
     };
     Struct {
         fields: [(
@@ -180,6 +191,34 @@ fn streamed(chunk: &[u8], end: bool, request: bool) -> ProcessingResponse {
     })
 }
 
+/// The subset hint of a request's filter metadata
+/// (`envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`: a list
+/// of "ip:port"), None when it has none. Entries that are not strings are
+/// ignored; an empty list is a hint that allows no endpoint (503).
+pub fn subset_hint(req: &ProcessingRequest) -> Option<Vec<String>> {
+    let md = req.metadata_context.as_ref()?;
+    let ns = md.filter_metadata.get(SUBSET_NAMESPACE)?;
+    match ns.fields.get(SUBSET_KEY)?.kind.as_ref()? {
+        Kind::ListValue(list) => Some(
+            list.values
+                .iter()
+                .filter_map(|v| match v.kind.as_ref() {
+                    Some(Kind::StringValue(s)) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect(),
+        ),
+        Kind::StringValue(s) => Some(
+            s.split(',')
+                .map(str::trim)
+                .filter(|x| !x.is_empty())
+                .map(String::from)
+                .collect(),
+        ),
+        _ => None,
+    }
+}
+
 /// The state of one ext_proc stream (one HTTP request and its response).
 pub struct Conversation {
     /// Pinned: a reload does not move this request.
@@ -199,6 +238,8 @@ pub struct Conversation {
     responding: bool,
     /// A failure in the response phase: the rest of the stream passes unchanged.
     failed: bool,
+    /// The protocol's hints (subset, objective, fairness id) read so far.
+    hints: Hints,
 }
 
 impl Conversation {
@@ -218,6 +259,7 @@ impl Conversation {
             seen: 0,
             responding: false,
             failed: false,
+            hints: Hints::default(),
         }
     }
 
@@ -257,6 +299,9 @@ impl Conversation {
     }
 
     async fn dispatch(&mut self, req: &ProcessingRequest) -> Result<Vec<ProcessingResponse>> {
+        if self.hints.subset.is_none() {
+            self.hints.subset = subset_hint(req);
+        }
         if let Some(pc) = &req.protocol_config {
             self.request_mode = if pc.request_body_mode == 0 {
                 BUFFERED
@@ -340,6 +385,13 @@ impl Conversation {
         headers: &HttpHeaders,
     ) -> Result<Vec<ProcessingResponse>> {
         self.shared.fault("request_headers")?;
+        let text = |name: &str| {
+            find_header(headers, name.as_bytes())
+                .map(|v| String::from_utf8_lossy(v).trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+        self.hints.objective = text(OBJECTIVE_HEADER);
+        self.hints.fairness_id = text(FAIRNESS_HEADER);
         let key = find_header(headers, &self.engine.key_header);
         match self.engine.authenticate(key) {
             Err(rej) => return Ok(self.refuse(rej)),
@@ -353,8 +405,8 @@ impl Conversation {
             self.routed = true;
             let engine = Arc::clone(&self.engine);
             let start = Instant::now();
-            let outcome = engine.route_default(self.tenant, true).await;
-            let outcome = engine.decide(self.tenant, outcome).await;
+            let outcome = engine.route_default(self.tenant, &self.hints, true).await;
+            let outcome = engine.decide(self.tenant, &self.hints, outcome).await;
             self.shared
                 .metrics
                 .decision_seconds
@@ -410,8 +462,10 @@ impl Conversation {
         self.routed = true;
         let engine = Arc::clone(&self.engine);
         let start = Instant::now();
-        let outcome = engine.route_body(&self.body, self.tenant).await;
-        let outcome = engine.decide(self.tenant, outcome).await;
+        let outcome = engine
+            .route_body(&self.body, self.tenant, &self.hints)
+            .await;
+        let outcome = engine.decide(self.tenant, &self.hints, outcome).await;
         self.shared
             .metrics
             .decision_seconds
@@ -448,7 +502,7 @@ impl Conversation {
             clear_route_cache: true,
             ..Default::default()
         };
-        let md = Some(lb_metadata(&routed.endpoint));
+        let md = Some(lb_metadata(&routed.endpoint, &routed.fallbacks));
         if !has_body {
             let mut r = answer(Answer::RequestHeaders(HeadersResponse {
                 response: Some(common),
@@ -782,7 +836,7 @@ mod tests {
             1
         );
         drop(c); // released already: nothing more to release
-        assert_eq!(engine.choosers[0].loads().0, vec![0, 0]);
+        assert_eq!(engine.choosers[0].loads(), vec![0, 0]);
     }
 
     #[tokio::test]
