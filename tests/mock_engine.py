@@ -283,7 +283,13 @@ class MockEngine:
             )
             choice["finish_reason"] = "length"
             return web.json_response(
-                {"id": "mock-1", "object": kind, "model": model, "choices": [choice], "usage": usage}
+                {
+                    "id": "mock-1",
+                    "object": kind,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage,
+                }
             )
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)

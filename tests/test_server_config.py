@@ -65,7 +65,7 @@ def bad(path: str, value):
         (bad("limits.max_body_bytes", 0), "limits.max_body_bytes"),
         (bad("limits.request_timeout_s", float("nan")), "limits.request_timeout_s"),
         (bad("limits.max_body_bytes", True), "limits.max_body_bytes"),
-        (bad("router.policy", "random"), "router.policy"),
+        (bad("router.policy", "fastest"), "router.policy"),
         (bad("admission.backend", "redis"), "admission.redis.url"),
         (bad("pools", []), "pools: at least one pool"),
         (bad("pools.0.max_context", "big"), "pools[0].max_context"),

@@ -1306,3 +1306,50 @@ impl Engine {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hashes(body: &[u8]) -> Vec<u64> {
+        let prompt = prompt_of(body).expect("a request");
+        block_hashes(prompt.tokens(), 64, 0).expect("hashes")
+    }
+
+    #[test]
+    fn prefix_key_is_the_prompt_not_the_json_body() {
+        let system = "You are a careful assistant who answers in detail. ".repeat(34);
+        assert!(system.len() > 1700);
+        let a = format!(
+            r#"{{"model": "m", "max_tokens": 10, "messages": [{{"role": "system", "content": {s:?}}}, {{"role": "user", "content": "hi"}}]}}"#,
+            s = system
+        );
+        let b = format!(
+            r#"{{"messages": [{{"content": {s:?}, "role": "system"}}, {{"content": "hi", "role": "user"}}], "max_tokens": 10, "model": "m"}}"#,
+            s = system
+        );
+        let (ha, hb) = (hashes(a.as_bytes()), hashes(b.as_bytes()));
+        assert!(ha.len() >= 1700 / 64);
+        assert_eq!(ha, hb, "same prompt, keys in another order: a full match");
+        // The raw bodies share no block at all.
+        let raw = |x: &str| block_hashes(Tokens::Bytes(x.as_bytes()), 64, 0).expect("h");
+        assert_ne!(raw(&a)[0], raw(&b)[0]);
+        // Texts are separated: ["ab", "c"] is not ["a", "bc"].
+        let split = |x: &str, y: &str| {
+            let body = serde_json::json!({"messages": [
+                {"role": "user", "content": x}, {"role": "user", "content": y}]});
+            prompt_of(body.to_string().as_bytes()).map(|p| match p {
+                Prompt::Bytes(b) => b,
+                Prompt::Ids(_) => Vec::new(),
+            })
+        };
+        assert_ne!(split("ab", "c"), split("a", "bc"));
+    }
+
+    #[test]
+    fn prefix_key_of_token_ids_is_the_ids() {
+        let body = br#"{"model": "m", "prompt": [1, 2, 3, 4]}"#;
+        assert!(matches!(prompt_of(body), Some(Prompt::Ids(ids)) if ids == vec![1, 2, 3, 4]));
+        assert!(prompt_of(b"not json").is_none());
+    }
+}

@@ -968,6 +968,127 @@ mod tests {
         }
     }
 
+    fn with_subset(mut req: ProcessingRequest, subset: &[&str]) -> ProcessingRequest {
+        use envoy_types::pb::envoy::config::core::v3::Metadata;
+        use envoy_types::pb::google::protobuf::ListValue;
+        let list = Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: subset
+                    .iter()
+                    .map(|s| Value {
+                        kind: Some(Kind::StringValue((*s).into())),
+                    })
+                    .collect(),
+            })),
+        };
+        let hint = Struct {
+            fields: [(SUBSET_KEY.to_string(), list)].into(),
+        };
+        req.metadata_context = Some(Metadata {
+            filter_metadata: [(SUBSET_NAMESPACE.to_string(), hint)].into(),
+            ..Default::default()
+        });
+        req
+    }
+
+    fn lb_field(r: &ProcessingResponse, key: &str) -> Option<String> {
+        let md = r.dynamic_metadata.as_ref()?.fields.get(LB_NAMESPACE)?;
+        let Some(Kind::StructValue(inner)) = md.kind.as_ref() else {
+            return None;
+        };
+        match inner.fields.get(key)?.kind.as_ref()? {
+            Kind::StringValue(s) => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn subset_hint_restricts_the_choice_and_one_naming_no_endpoint_is_503() {
+        let (shared, engine) = plane();
+        for _ in 0..3 {
+            let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+            let h = with_subset(
+                headers(&[("x-api-key", KEY)], true, false),
+                &["10.0.0.2:8000"],
+            );
+            c.handle(&h).await.expect("ok");
+            let out = c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+            assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.2:8000"));
+            // The hint allows one endpoint: no fallback to offer.
+            assert_eq!(lb_field(&out[0], FALLBACK_KEY), None);
+        }
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        let h = with_subset(
+            headers(&[("x-api-key", KEY)], true, false),
+            &["10.9.9.9:80"],
+        );
+        c.handle(&h).await.expect("ok");
+        let out = c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+        assert_eq!(status(&out[0]), Some(503));
+        drop(c);
+        assert_eq!(engine.router().in_flight(0).expect("pool"), 0);
+        assert_eq!(engine.choosers[0].loads(), vec![0, 0]);
+    }
+
+    #[tokio::test]
+    async fn answer_names_the_chosen_endpoint_then_its_fallbacks() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        c.handle(&headers(&[("x-api-key", KEY)], true, false))
+            .await
+            .expect("ok");
+        let out = c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+        let chosen = routed_to(&out[0]).expect("routed");
+        assert_eq!(lb_field(&out[0], DESTINATION_HEADER), Some(chosen.clone()));
+        let other = if chosen == "10.0.0.1:8000" {
+            "10.0.0.2:8000"
+        } else {
+            "10.0.0.1:8000"
+        };
+        assert_eq!(lb_field(&out[0], FALLBACK_KEY).as_deref(), Some(other));
+    }
+
+    #[tokio::test]
+    async fn a_model_no_pool_serves_is_an_openai_404() {
+        let mut spec = spec();
+        spec.pools[0].models = vec!["m".into()];
+        spec.pools[1].adapters = vec!["lora-a".into()];
+        let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+        let engine = Engine::build(spec, &shared, None).expect("engine");
+        let ask = |model: &str| {
+            serde_json::json!({"model": model, "max_tokens": 10,
+                               "messages": [{"role": "user", "content": "hi"}]})
+            .to_string()
+            .into_bytes()
+        };
+        let hints = Hints::default();
+        let r = engine
+            .route_body(&ask("m"), Some(0), &hints)
+            .await
+            .expect("ok");
+        assert_eq!(r.as_ref().map(|r| r.pool.as_str()), Ok("short"));
+        // Served by the long pool only: routed there though the budget picks short.
+        let r = engine
+            .route_body(&ask("lora-a"), Some(0), &hints)
+            .await
+            .expect("ok");
+        assert_eq!(r.as_ref().map(|r| r.pool.as_str()), Ok("long"));
+        let r = engine
+            .route_body(&ask("gpt-9"), Some(0), &hints)
+            .await
+            .expect("ok");
+        let rej = r.expect_err("refused");
+        assert_eq!((rej.status, rej.reason.as_str()), (404, "model-not-found"));
+        let Some(Answer::ImmediateResponse(imm)) = immediate(&rej).response else {
+            panic!("not immediate")
+        };
+        let v: serde_json::Value = serde_json::from_slice(&imm.body).expect("json");
+        assert_eq!(v["error"]["message"], "The model `gpt-9` does not exist.");
+        assert_eq!(engine.router().in_flight(0).expect("pool"), 1);
+        assert_eq!(engine.router().in_flight(1).expect("pool"), 1);
+    }
+
     #[test]
     fn retry_after_is_whole_seconds_rounded_up() {
         let rej = Reject {
