@@ -16,7 +16,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
-from mock_engine import KV_USAGE, RUNNING, WAITING, MockEngine
+from mock_engine import GPU_CACHE_USAGE, KV_USAGE, LORA_INFO, RUNNING, WAITING, MockEngine
 from server_fixtures import Running, base_config
 
 from routecore.server.envoy_client import chat_body, header_map, http_headers
@@ -113,7 +113,8 @@ def post(url: str, body: dict, timeout: float = 10.0) -> tuple[int, bytes]:
 def test_mock_engine_speaks_openai_and_vllm_metrics(engines):
     (e,) = engines(1, service_s=0.0)
     base = f"http://{e.address}"
-    status, body = post(f"{base}/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3})  # fmt: skip
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    status, body = post(f"{base}/v1/chat/completions", chat)
     answer = json.loads(body)
     assert status == 200 and answer["usage"]["completion_tokens"] == 3
     stream = {"model": "m", "prompt": [1, 2, 3], "stream": True, "max_tokens": 2}
@@ -292,13 +293,7 @@ def test_scraper_asks_only_for_the_metrics_it_reads(engines, serve):
     (e,) = engines(1)
     serve([e.address])
     wait_for(lambda: e.hits.get("/metrics", 0) >= 2, 5, "scrapes")
-    assert set(e.last_filter) == {
-        WAITING,
-        RUNNING,
-        KV_USAGE,
-        "vllm:gpu_cache_usage_perc",
-        "vllm:lora_requests_info",
-    }
+    assert set(e.last_filter) == {WAITING, RUNNING, KV_USAGE, GPU_CACHE_USAGE, LORA_INFO}
 
 
 def test_adapters_are_read_from_lora_info(engines, serve):
