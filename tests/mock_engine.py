@@ -107,26 +107,15 @@ class MockEngine:
         self._registry = CollectorRegistry()
         labels = ["model_name", "engine"]
         self._gauges = {
-            name: Gauge(name.replace(":", "_"), "mock", labels, registry=self._registry)
+            name: Gauge(name, "mock", labels, registry=self._registry)
             for name in (WAITING, RUNNING, KV_USAGE, GPU_CACHE_USAGE)
         }
-        self._lora = Gauge(
-            LORA_INFO.replace(":", "_"),
-            "mock",
-            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-            registry=self._registry,
-        )
+        lora_labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+        self._lora = Gauge(LORA_INFO, "mock", lora_labels, registry=self._registry)
         for name in HISTOGRAMS:
-            h = Histogram(name.replace(":", "_"), "mock", labels, buckets=BUCKETS)
-            self._registry.register(h)
+            h = Histogram(name, "mock", labels, buckets=BUCKETS, registry=self._registry)
             for i in range(self.histogram_series):
                 h.labels(self.model, str(i)).observe(0.05)
-        # prometheus_client refuses ':' in names it creates; vLLM's names have it.
-        for collector in [*self._gauges.values(), self._lora]:
-            collector._name = collector._name.replace("vllm_", "vllm:", 1)  # noqa: SLF001
-        for name in HISTOGRAMS:
-            c = self._registry._names_to_collectors[name.replace(":", "_")]  # noqa: SLF001
-            c._name = name  # noqa: SLF001
 
     # -- lifecycle -------------------------------------------------------------
 
