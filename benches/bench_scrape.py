@@ -1,5 +1,5 @@
 """The cost of knowing the engines' state: 200 endpoints scraped every 50 ms,
-each answering a full vLLM-sized page (~60 KB with its histograms, the
+each answering a full vLLM-sized page (~45 KB with its histograms, the
 ``name[]`` filter ignored: the worst case). routecore's Rust scraper (on the
 data plane's runtime; its threads' CPU time is read from /proc) beside the
 plain-Python twin (aiohttp + prometheus_client's parser, ``baselines/scrape.py``).

@@ -137,39 +137,41 @@ pub struct Reading {
     pub adapters: Option<Vec<String>>,
 }
 
-/// Does `line` hold a sample (or the TYPE comment) of one of `names`?
-fn wanted<'a>(line: &'a str, names: &EngineMetrics) -> Option<&'a str> {
-    let sample = line.strip_prefix("# TYPE ").unwrap_or(line);
-    names.names().find_map(|n| {
-        let rest = sample.strip_prefix(n)?;
-        rest.starts_with(['{', ' ', '\t']).then_some(line)
+/// Does `line` hold a sample of one of `names`? (Comments are skipped: the
+/// parser reads the kept samples as untyped values.)
+fn wanted(line: &[u8], names: &EngineMetrics) -> bool {
+    names.names().any(|n| {
+        line.strip_prefix(n.as_bytes())
+            .is_some_and(|rest| matches!(rest.first(), Some(b'{' | b' ' | b'\t')))
     })
 }
 
-/// Reads one metrics page: keeps the lines of the metrics read, parses them
-/// with the exposition-format library and sums each quantity over its series
-/// (an engine with several data-parallel ranks reports one series per rank;
-/// KV use is their mean). Garbage: not UTF-8 in a kept line, not the
-/// exposition format, or none of the metrics read.
+/// Reads one metrics page: keeps the lines of the metrics read (one pass,
+/// newlines found with `memchr`; a line whose first byte starts no name read,
+/// comments and most of a page, costs one comparison), parses them with the
+/// exposition-format library and sums each quantity over its series (an
+/// engine with several data-parallel ranks reports one series per rank; KV
+/// use is their mean). Garbage: not the exposition format, or none of the
+/// metrics read.
 pub fn read_page(page: &[u8], names: &EngineMetrics) -> std::result::Result<Reading, Failure> {
-    let mut kept = String::new();
-    for raw in page.split(|&b| b == b'\n') {
-        // Cheap first test on bytes: lines of other metrics are most of a page.
-        let first = raw.first().copied();
-        if !matches!(
-            first,
-            Some(b'#') | Some(b'a'..=b'z') | Some(b'A'..=b'Z') | Some(b'_')
-        ) {
-            continue;
-        }
-        let Ok(line) = std::str::from_utf8(raw) else {
-            continue;
-        };
-        if let Some(line) = wanted(line.trim_end_matches('\r'), names) {
-            kept.push_str(line);
-            kept.push('\n');
+    let mut first = [false; 256];
+    for n in names.names() {
+        if let Some(&b) = n.as_bytes().first() {
+            first[usize::from(b)] = true;
         }
     }
+    let mut kept = Vec::new();
+    let mut start = 0;
+    let ends = memchr::memchr_iter(b'\n', page).chain(std::iter::once(page.len()));
+    for end in ends {
+        let line = &page[start..end];
+        start = end + 1;
+        if line.first().is_some_and(|&b| first[usize::from(b)]) && wanted(line, names) {
+            kept.extend_from_slice(line.strip_suffix(b"\r").unwrap_or(line));
+            kept.push(b'\n');
+        }
+    }
+    let kept = String::from_utf8(kept).map_err(|_| Failure::Garbage)?;
     if kept.is_empty() {
         return Err(Failure::Garbage);
     }
