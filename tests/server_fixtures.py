@@ -15,6 +15,18 @@ SHORT = ["127.0.0.1:8001", "127.0.0.1:8002"]
 LONG = ["127.0.0.1:8011"]
 
 
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"
+
+
+def example_without_engines(directory: Path) -> Path:
+    """examples/routecore.yaml with scraping off (nothing listens at its endpoints)."""
+    config = yaml.safe_load(EXAMPLE.read_text())
+    config["scrape"] = {"enabled": False}
+    path = directory / "example.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def base_config(**overrides) -> dict:
     """Two pools (short 8K, long 64K) and two tenants (one expired). Nothing
     listens at the endpoints: they are not scraped (tests of the engines'

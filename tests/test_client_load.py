@@ -9,24 +9,24 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("grpc")
 pytest.importorskip("envoy")
 
+from server_fixtures import example_without_engines  # noqa: E402
+
 from routecore import cli  # noqa: E402
 from routecore._core import load  # noqa: E402
 from routecore.server.envoy_client import free_port, serve_command  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"
-
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, int]]:
+def server(tmp_path_factory) -> Iterator[tuple[str, int]]:
     port = free_port()
-    cmd = serve_command(str(EXAMPLE), port, free_port(), "--log-level", "warning")
+    example = example_without_engines(tmp_path_factory.mktemp("load"))
+    cmd = serve_command(str(example), port, free_port(), "--log-level", "warning")
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 60
     while True:

@@ -4,18 +4,17 @@ the full 20,000-request run is recorded in benches/RESULTS.md."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from server_fixtures import example_without_engines
 
 from routecore.server.envoy_client import load_report
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"
-
 
 @pytest.mark.slow
-def test_load_every_conversation_is_routed():
-    report = load_report(str(EXAMPLE), requests=3000, concurrency=32, rate=500.0)
+def test_load_every_conversation_is_routed(tmp_path):
+    report = load_report(
+        str(example_without_engines(tmp_path)), requests=3000, concurrency=32, rate=500.0
+    )
     for name, run in report.items():
         print(name, {k: round(v, 3) for k, v in run.items()})
         assert run["errors"] == 0, name
