@@ -13,6 +13,7 @@ pub mod compress;
 #[cfg(feature = "server")]
 pub mod loadgen;
 pub mod openai;
+pub mod pick;
 pub mod planner;
 pub mod prefix;
 pub mod profile;
