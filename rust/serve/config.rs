@@ -74,10 +74,9 @@ pub struct SaturationSpec {
 
 impl Default for SaturationSpec {
     fn default() -> Self {
-        let d = crate::pick::Saturation::default();
         Self {
-            max_waiting: d.max_waiting,
-            max_kv_usage: d.max_kv_usage,
+            max_waiting: crate::pick::saturation::DEFAULT_MAX_WAITING,
+            max_kv_usage: crate::pick::saturation::DEFAULT_MAX_KV_USAGE,
         }
     }
 }
@@ -151,7 +150,7 @@ impl Spec {
         if !(spec.limits.request_timeout_s.is_finite() && spec.limits.request_timeout_s > 0.0) {
             return Err(invalid("limits.request_timeout_s must be > 0"));
         }
-        crate::pick::Saturation::new(
+        crate::pick::saturation::check(
             spec.router.saturation.max_waiting,
             spec.router.saturation.max_kv_usage,
         )

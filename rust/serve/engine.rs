@@ -28,7 +28,7 @@ use crate::calibrate::Calibrator;
 use crate::compress::{route_request, Compressor};
 use crate::error::{invalid, Error, Result};
 use crate::openai::MediaTokens;
-use crate::pick::{preset_specs, EndpointState, PickConfig, PickRequest, Pipeline, Saturation};
+use crate::pick::{preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline};
 use crate::prefix::{block_hashes, Tokens};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
@@ -206,7 +206,7 @@ pub struct Chooser {
     /// The prefix plugin's (block size, seed), when the pipeline has one.
     prefix: Option<(usize, u64)>,
     fallbacks: usize,
-    saturation: Saturation,
+    saturation: super::config::SaturationSpec,
     state: Mutex<PoolState>,
 }
 
@@ -241,7 +241,7 @@ impl Chooser {
             probes,
             prefix,
             fallbacks: router.fallbacks,
-            saturation: Saturation::new(sat.max_waiting, sat.max_kv_usage)?,
+            saturation: sat,
             state: Mutex::new(PoolState {
                 pipeline,
                 states: vec![EndpointState::default(); n],
@@ -318,7 +318,7 @@ impl Chooser {
             let mut any = false;
             if candidates.all(|(_, s)| {
                 any = true;
-                !self.saturation.keep(s)
+                !saturation::keep(self.saturation.max_waiting, self.saturation.max_kv_usage, s)
             }) && any
             {
                 return Ok(Choice::Saturated);
