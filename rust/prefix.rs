@@ -1247,6 +1247,24 @@ mod tests {
     }
 
     #[test]
+    fn a_match_along_the_recency_list_stops_at_an_expired_block() {
+        let mut ix = PrefixIndex::new(100, Some(10.0)).expect("index");
+        ix.record(&[1, 2, 3], "a", 0.0).expect("record");
+        ix.record(&[1], "a", 5.0).expect("record");
+        // Recency order is still 1, 2, 3; at t = 12 block 1 (t = 5) is live,
+        // block 2 (t = 0), the next entry, expired.
+        let order: Vec<u64> = ix.dump().iter().map(|e| e.0).collect();
+        assert_eq!(order, vec![1, 2, 3]);
+        assert_eq!(ix.match_prefix(&[1, 2, 3], 12.0), Ok(vec![("a".into(), 1)]));
+        // The next entry with another hash is not taken for the next block.
+        ix.record(&[7, 8], "b", 12.0).expect("record");
+        ix.record(&[7, 9], "b", 12.0).expect("record");
+        assert_eq!(ix.match_prefix(&[7, 8], 12.0), Ok(vec![("b".into(), 2)]));
+        assert_eq!(ix.match_prefix(&[7, 9], 12.0), Ok(vec![("b".into(), 2)]));
+        assert_eq!(ix.match_prefix(&[7, 3], 12.0), Ok(vec![("b".into(), 1)]));
+    }
+
+    #[test]
     fn remove_endpoint_and_snapshot_round_trip() {
         let mut ix = PrefixIndex::new(100, None).expect("index");
         ix.record(&[1, 2, 3], "a", 1.0).expect("record");
