@@ -48,10 +48,25 @@ def serve_command(config: str, port: int, metrics_port: int, *extra: str) -> lis
     ]
 
 
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"
+
+
+def example_without_engines(directory: Path) -> Path:
+    """examples/routecore.yaml with scraping off (nothing listens at its endpoints)."""
+    config = yaml.safe_load(EXAMPLE.read_text())
+    config["scrape"] = {"enabled": False}
+    path = directory / "example.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def base_config(**overrides) -> dict:
-    """Two pools (short 8K, long 64K) and two tenants (one expired)."""
+    """Two pools (short 8K, long 64K) and two tenants (one expired). Nothing
+    listens at the endpoints: they are not scraped (tests of the engines'
+    state start mock engines, see mock_engine.py)."""
     config = {
         "server": {"host": "127.0.0.1", "failure_mode": "closed", "grace_s": 1},
+        "scrape": {"enabled": False},
         "limits": {"max_body_bytes": 200_000, "request_timeout_s": 30},
         "pools": [
             {"name": "short", "max_context": 8192, "endpoints": list(SHORT)},
@@ -219,16 +234,13 @@ def tenants() -> list[dict]:
 def in_flight(r: Running) -> dict[str, int]:
     """Everything a request holds while in flight, summed over the live engines
     of the data plane: leases, the router's in-flight counts, the endpoint
-    choosers' loads (and their core routers' running counts), the in-memory
-    admission tickets and the in-flight gauge."""
+    choosers' loads, the in-memory admission tickets and the in-flight gauge."""
     state = r.server.plane.in_flight()
     out = {"leases": state["leases"], "admission": state["admission"]}
     for pool, n in state["router"].items():
         out[f"router:{pool}"] = n
     for pool, loads in state["chooser"].items():
         out[f"chooser:{pool}"] = sum(loads.values())
-    for pool, running in state["running"].items():
-        out[f"chooser-running:{pool}"] = sum(running.values())
     text = r.server.plane.metrics_text()
     out["gauge"] = sum(
         float(line.rsplit(" ", 1)[1])

@@ -6,24 +6,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("grpc")
 pytest.importorskip("envoy")
 
-from server_fixtures import Spawned, free_port  # noqa: E402
+from server_fixtures import Spawned, example_without_engines, free_port  # noqa: E402
 
 from routecore import cli  # noqa: E402
 from routecore._core import load  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"
-
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, int]]:
-    s = Spawned(EXAMPLE, None, "--log-level", "warning")
+def server(tmp_path_factory) -> Iterator[tuple[str, int]]:
+    example = example_without_engines(tmp_path_factory.mktemp("load"))
+    s = Spawned(example, None, "--log-level", "warning")
     yield s.target, s.proc.pid
     s.stop()
 

@@ -358,7 +358,8 @@ def test_request_that_never_returns_is_released_by_timeout(serve):
     assert s.metric("timeouts", "short") == 1
 
 
-def test_least_request_spreads_held_requests(server):
+def test_least_request_spreads_held_requests(serve):
+    server = serve(router={"policy": "least-request"})
     engine = server.engine
 
     async def route_three():
@@ -656,7 +657,7 @@ def test_admission_rejects_with_429_and_retry_after_then_admits_after_completion
     settled(s)
 
 
-@pytest.mark.parametrize("policy", ["prefix", "vtc"])
+@pytest.mark.parametrize("policy", ["prefix", "vtc", "prefix+queue+kv"])
 def test_prefix_and_vtc_policies_route_and_release(serve, policy):
     s = serve(router={"policy": policy, "prefix_block_size": 16})
     system = "You are a careful assistant. " * 20
@@ -666,11 +667,11 @@ def test_prefix_and_vtc_policies_route_and_release(serve, policy):
     ]
     endpoints = {c.routing_headers["x-gateway-destination-endpoint"] for c in convs}
     assert endpoints <= set(SHORT)
-    if policy == "prefix":
-        # Requests share a long prefix and none are in flight together: one pod holds it.
+    if policy.startswith("prefix"):
+        # Requests share a long prefix and none are in flight together: one endpoint holds it.
         assert len(endpoints) == 1
     chooser = s.engine.choosers["short"]
-    assert s.run(lambda: list(chooser.router.running)) == [0, 0]
+    assert s.run(lambda: list(chooser.load.values())) == [0, 0]
     settled(s)
 
 

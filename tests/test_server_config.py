@@ -39,6 +39,33 @@ def test_example_config_loads():
     assert find_tenant(config.key_index(), "demo-key").name == "demo"
     assert find_tenant(config.key_index(), "demo-kez") is None
     assert "demo-key" not in repr(config)
+    # The defaults a user gets: endpoints scraped, prefix + queue + KV use.
+    assert config.router.policy == "prefix+queue+kv"
+    assert config.scrape.enabled and config.scrape.interval_s == 0.05
+    assert parse_config({"pools": [{"name": "p", "max_context": 10}]}).router.policy == (
+        "prefix+queue+kv"
+    )
+
+
+def test_custom_engine_metric_names_reach_the_data_plane():
+    import json
+
+    config = base_config(
+        scrape={
+            "engines": {
+                "tgi": {
+                    "waiting": ["tgi_queue_size"],
+                    "running": ["tgi_batch"],
+                    "kv_usage": ["tgi_kv"],
+                }
+            }
+        },  # fmt: skip
+    )
+    config["pools"][0]["engine"] = "tgi"
+    spec = json.loads(parse_config(config).spec_json())
+    assert spec["pools"][0]["engine"] == "tgi"
+    assert spec["scrape"]["engines"]["tgi"]["adapters"] is None
+    assert spec["scrape"]["engines"]["vllm"]["kv_usage"][1] == "vllm:gpu_cache_usage_perc"
 
 
 def bad(path: str, value):
@@ -65,7 +92,7 @@ def bad(path: str, value):
         (bad("limits.max_body_bytes", 0), "limits.max_body_bytes"),
         (bad("limits.request_timeout_s", float("nan")), "limits.request_timeout_s"),
         (bad("limits.max_body_bytes", True), "limits.max_body_bytes"),
-        (bad("router.policy", "random"), "router.policy"),
+        (bad("router.policy", "fastest"), "router.policy"),
         (bad("admission.backend", "redis"), "admission.redis.url"),
         (bad("pools", []), "pools: at least one pool"),
         (bad("pools.0.max_context", "big"), "pools[0].max_context"),
@@ -92,6 +119,25 @@ def bad(path: str, value):
             "admission.entitlements[0].pool: renamed to 'quota'",
         ),
         (bad("admission.redis", {"host": "x"}), "admission.redis.host: unknown key"),
+        (bad("scrape.interval_s", 0), "scrape.interval_s"),
+        (bad("scrape.timeout_s", float("nan")), "scrape.timeout_s"),
+        (bad("scrape.unhealthy_after", 0), "scrape.unhealthy_after"),
+        (bad("scrape.enabled", "yes"), "scrape.enabled"),
+        (bad("scrape.max_page_bytes", 10), "scrape.max_page_bytes"),
+        (
+            bad("scrape.engines", {"tgi": {"waiting": ["q"]}}),
+            "scrape.engines.tgi.running: required",
+        ),
+        (bad("scrape.engines", {"vllm": {"waiting": []}}), "scrape.engines.vllm.waiting"),
+        (bad("scrape.engines", {"vllm": {"adapters": 5}}), "scrape.engines.vllm.adapters"),
+        (bad("scrape.engines", [1]), "scrape.engines: expected a mapping"),
+        (bad("pools.0.engine", "tgi"), "pools[0].engine"),
+        (bad("pools.0.models", ["m", "m"]), "pools[0].models: a name is listed twice"),
+        (bad("pools.0.adapters", [""]), "pools[0].adapters[0]"),
+        (bad("router.fallbacks", -1), "router.fallbacks"),
+        (bad("router.saturation", {"max_kv_usage": 2}), "router.saturation.max_kv_usage"),
+        (bad("router.objectives", {"batch": "low"}), "router.objectives.batch"),
+        (bad("router.objectives", {"": 1}), "router.objectives"),
     ],
 )
 def test_bad_config_names_the_key_and_never_the_api_key(config, message):

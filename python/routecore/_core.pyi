@@ -1279,6 +1279,8 @@ class DataPlane:
         """The request ids in flight."""
     def in_flight(self) -> dict[str, Any]:
         """Everything requests in flight hold, summed over the live engines."""
+    def endpoints(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """What the endpoint picker knows of each endpoint, by pool."""
     def metric(self, name: str, *labels: str) -> float | None:
         """A metric's current value by name (without ``routecore_``) and labels."""
     def metrics_text(self) -> str:

@@ -7,9 +7,12 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
              grace_s, state_file, worker_threads}
     limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens,
              image_tokens, audio_tokens}
-    router: {policy, compress_band, prefix_block_size}
+    router: {policy, compress_band, prefix_block_size, fallbacks, saturation, objectives}
+    scrape: {enabled, interval_s, timeout_s, unhealthy_after, stale_after, max_page_bytes,
+             engines: {KIND: {waiting, running, kv_usage, adapters}}}
     admission: {backend, quotas, entitlements, default_max_tokens, window_s, redis}
-    pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...]}]
+    pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...], engine,
+             models, adapters}]
     tenants: [{name, api_keys: [...], expires_at, entitlement}]
     models: [{name, tokenizer, chat_template, bos_token, eos_token}]
 """
@@ -26,8 +29,33 @@ from typing import Any
 from routecore._core import Entitlement, Pool, Quota, Tokenizer
 from routecore.admission import REDIS_OPTIONS, URL_SCHEMES, admission_from_config, check_renamed
 
-#: How the endpoint inside a pool is picked (``router.policy``), see the README.
-POLICIES = ("least-request", "prefix", "vtc")
+#: How the endpoint inside a pool is picked (``router.policy``): the endpoint
+#: picker's presets, see the README.
+POLICIES = (
+    "prefix+queue+kv",
+    "queue+kv",
+    "prefix",
+    "least-request",
+    "vtc",
+    "random",
+    "round-robin",
+)
+#: The metric names read from each kind of engine (``scrape.engines``): for each
+#: quantity the first name on the page is read.
+ENGINE_METRICS: dict[str, dict[str, Any]] = {
+    "vllm": {
+        "waiting": ["vllm:num_requests_waiting"],
+        "running": ["vllm:num_requests_running"],
+        "kv_usage": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+        "adapters": "vllm:lora_requests_info",
+    },
+    "sglang": {
+        "waiting": ["sglang:num_queue_reqs"],
+        "running": ["sglang:num_running_reqs"],
+        "kv_usage": ["sglang:token_usage"],
+        "adapters": None,
+    },
+}
 FAILURE_MODES = ("open", "closed")
 ADMISSION_BACKENDS = ("memory", "redis")
 
@@ -78,14 +106,44 @@ class Limits:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    #: How the endpoint inside the chosen pool is picked.
-    policy: str = "least-request"
+    #: How the endpoint inside the chosen pool is picked (a preset of the
+    #: endpoint picker; the default scores prefix match, queue depth and KV use).
+    policy: str = "prefix+queue+kv"
     #: Compress-and-route band gamma >= 1 (FleetOpt section 5): a prompt whose
     #: L_total is within gamma * B of a smaller pool's budget B is compressed
     #: to fit it. None: off.
     compress_band: float | None = None
-    #: Bytes (or token ids) per block hash under ``policy: prefix``.
+    #: Bytes of prompt text (or token ids) per block hash of the prefix plugin.
     prefix_block_size: int = 128
+    #: Endpoints offered to Envoy after the chosen one, for its retries.
+    fallbacks: int = 2
+    #: An endpoint whose queue is above ``max_waiting`` or whose KV-cache use
+    #: is above ``max_kv_usage`` is saturated (the GIE's defaults).
+    max_waiting: float = 5.0
+    max_kv_usage: float = 0.8
+    #: Priority by objective name (``x-gateway-inference-objective``); a
+    #: request with a negative priority is sheddable: 429 when every endpoint
+    #: is saturated.
+    objectives: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ScrapeConfig:
+    """The endpoints' Prometheus metrics, scraped by the data plane."""
+
+    #: Off: endpoints are never scraped, always taken as healthy, their state unknown.
+    enabled: bool = True
+    interval_s: float = 0.05
+    #: A scrape not answered within this is a failure.
+    timeout_s: float = 0.5
+    #: Failed scrapes in a row that make an endpoint unhealthy (K).
+    unhealthy_after: int = 3
+    #: Intervals after which a scraped value counts as unknown.
+    stale_after: int = 4
+    #: A larger metrics page is a failure.
+    max_page_bytes: int = 4 << 20
+    #: Metric names by engine kind (defaults: :data:`ENGINE_METRICS`).
+    engines: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(ENGINE_METRICS))
 
 
 @dataclass(frozen=True)
@@ -109,8 +167,14 @@ class PoolConfig:
     max_context: int
     budget: int | None = None
     queue_limit: int | None = None
-    #: "ip:port" of every instance serving the pool (may be empty: 503 until filled).
+    #: "ip:port" of every endpoint serving the pool (may be empty: 503 until filled).
     endpoints: tuple[str, ...] = ()
+    #: The engine kind of its endpoints: whose metric names are scraped.
+    engine: str = "vllm"
+    #: Models and LoRA adapters the pool serves (a request's ``model``); both
+    #: empty: any model. A model no pool serves is a 404.
+    models: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()
 
     def to_pool(self) -> Pool:
         """The core's :class:`routecore.Pool` (which checks budget <= max_context)."""
@@ -155,6 +219,7 @@ class Config:
     pools: tuple[PoolConfig, ...]
     tenants: tuple[TenantConfig, ...]
     models: tuple[ModelConfig, ...] = ()
+    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:
@@ -186,6 +251,21 @@ class Config:
                     "policy": self.router.policy,
                     "compress_band": self.router.compress_band,
                     "prefix_block_size": self.router.prefix_block_size,
+                    "fallbacks": self.router.fallbacks,
+                    "saturation": {
+                        "max_waiting": self.router.max_waiting,
+                        "max_kv_usage": self.router.max_kv_usage,
+                    },
+                    "objectives": self.router.objectives,
+                },
+                "scrape": {
+                    "enabled": self.scrape.enabled,
+                    "interval_s": self.scrape.interval_s,
+                    "timeout_s": self.scrape.timeout_s,
+                    "unhealthy_after": self.scrape.unhealthy_after,
+                    "stale_after": self.scrape.stale_after,
+                    "max_page_bytes": self.scrape.max_page_bytes,
+                    "engines": self.scrape.engines,
                 },
                 "pools": [
                     {
@@ -194,6 +274,9 @@ class Config:
                         "budget": p.budget,
                         "queue_limit": p.queue_limit,
                         "endpoints": list(p.endpoints),
+                        "engine": p.engine,
+                        "models": list(p.models),
+                        "adapters": list(p.adapters),
                     }
                     for p in self.pools
                 ],
@@ -300,13 +383,25 @@ def _list(raw: dict[str, Any], key: str, where: str) -> list[Any]:
     return v
 
 
-def _pools(raw_list: list[Any]) -> tuple[PoolConfig, ...]:
+def _names(raw: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    """A list of distinct non-empty strings."""
+    items = _list(raw, key, where)
+    for j, v in enumerate(items):
+        if not isinstance(v, str) or not v:
+            raise ConfigError(f"{where}.{key}[{j}]: expected a non-empty string, got {v!r}")
+    if len(set(items)) != len(items):
+        raise ConfigError(f"{where}.{key}: a name is listed twice")
+    return tuple(items)
+
+
+def _pools(raw_list: list[Any], engines: dict[str, Any]) -> tuple[PoolConfig, ...]:
     if not raw_list:
         raise ConfigError("pools: at least one pool is required")
     pools, seen = [], set()
+    keys = {"name", "max_context", "budget", "queue_limit", "endpoints", "engine"}
     for i, raw in enumerate(raw_list):
         where = f"pools[{i}]"
-        raw = _section(raw, where, {"name", "max_context", "budget", "queue_limit", "endpoints"})
+        raw = _section(raw, where, keys | {"models", "adapters"})
         name = _str(raw, "name", where, "")
         if not name or name in seen:
             raise ConfigError(f"{where}.name: expected a unique non-empty name, got {name!r}")
@@ -323,6 +418,9 @@ def _pools(raw_list: list[Any]) -> tuple[PoolConfig, ...]:
             budget=_int(raw, "budget", where, 1, 1 << 30, None),
             queue_limit=_int(raw, "queue_limit", where, 0, 1 << 30, None),
             endpoints=tuple(endpoints),
+            engine=_str(raw, "engine", where, "vllm", tuple(engines)),
+            models=_names(raw, "models", where),
+            adapters=_names(raw, "adapters", where),
         )
         try:
             pool.to_pool()
@@ -471,11 +569,87 @@ def _admission(raw: Any) -> AdmissionConfig:
     return AdmissionConfig(backend=backend, spec=dict(a), service_classes=classes)
 
 
+def _metric_names(raw: Any, where: str, base: dict[str, Any] | None) -> dict[str, Any]:
+    """One engine kind's metric names: given keys over ``base`` (all required without)."""
+    raw = _section(raw, where, {"waiting", "running", "kv_usage", "adapters"})
+    out = dict(base or {})
+    for key in ("waiting", "running", "kv_usage"):
+        if key in raw:
+            out[key] = list(_names(raw, key, where))
+            if not out[key]:
+                raise ConfigError(f"{where}.{key}: at least one metric name is required")
+        elif base is None:
+            raise ConfigError(f"{where}.{key}: required")
+    if "adapters" in raw:
+        v = raw["adapters"]
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ConfigError(f"{where}.adapters: expected a metric name or null, got {v!r}")
+        out["adapters"] = v
+    out.setdefault("adapters", None)
+    return out
+
+
+def _scrape(raw: Any) -> ScrapeConfig:
+    s = _section(
+        raw,
+        "scrape",
+        {
+            "enabled",
+            "interval_s",
+            "timeout_s",
+            "unhealthy_after",
+            "stale_after",
+            "max_page_bytes",
+            "engines",
+        },
+    )
+    enabled = s.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"scrape.enabled: expected true or false, got {enabled!r}")
+    engines = dict(ENGINE_METRICS)
+    for kind, names in _section(
+        s.get("engines"), "scrape.engines", set(s.get("engines") or {})
+    ).items():
+        engines[kind] = _metric_names(names, f"scrape.engines.{kind}", ENGINE_METRICS.get(kind))
+    d = ScrapeConfig
+    return ScrapeConfig(
+        enabled=enabled,
+        interval_s=_float(s, "interval_s", "scrape", 0.001, 3600.0, d.interval_s),
+        timeout_s=_float(s, "timeout_s", "scrape", 0.001, 60.0, d.timeout_s),
+        unhealthy_after=_int(s, "unhealthy_after", "scrape", 1, 1000, d.unhealthy_after),
+        stale_after=_int(s, "stale_after", "scrape", 1, 1000, d.stale_after),
+        max_page_bytes=_int(s, "max_page_bytes", "scrape", 1024, 1 << 30, d.max_page_bytes),
+        engines=engines,
+    )
+
+
+def _mapping(raw: Any, where: str) -> dict[str, Any]:
+    """A mapping with any non-empty string keys."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    for key in raw:
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{where}: expected non-empty names, got {key!r}")
+    return raw
+
+
+def _objectives(raw: Any) -> dict[str, int]:
+    objectives = _mapping(raw, "router.objectives")
+    for name in objectives:
+        _int(objectives, name, "router.objectives", -1000, 1000, REQUIRED)
+    return dict(objectives)
+
+
 def parse_config(raw: Any) -> Config:
     """A validated :class:`Config` from the parsed YAML document."""
     top = _section(
-        raw, "config", {"server", "limits", "router", "admission", "pools", "tenants", "models"}
+        raw,
+        "config",
+        {"server", "limits", "router", "scrape", "admission", "pools", "tenants", "models"},
     )
+    scrape = _scrape(top.get("scrape"))
     s = _section(
         top.get("server"),
         "server",
@@ -492,7 +666,7 @@ def parse_config(raw: Any) -> Config:
             "worker_threads",
         },
     )
-    pools = _pools(_list(top, "pools", "config"))
+    pools = _pools(_list(top, "pools", "config"), scrape.engines)
     server = ServerConfig(
         port=_int(s, "port", "server", 0, 65535, ServerConfig.port),
         api_port=_int(s, "api_port", "server", 0, 65535, ServerConfig.api_port),
@@ -533,11 +707,21 @@ def parse_config(raw: Any) -> Config:
         image_tokens=_int(lim, "image_tokens", "limits", 0, 1 << 30, Limits.image_tokens),
         audio_tokens=_int(lim, "audio_tokens", "limits", 0, 1 << 30, Limits.audio_tokens),
     )
-    r = _section(top.get("router"), "router", {"policy", "compress_band", "prefix_block_size"})
+    r = _section(
+        top.get("router"),
+        "router",
+        {"policy", "compress_band", "prefix_block_size", "fallbacks", "saturation", "objectives"},
+    )
+    sat = _section(r.get("saturation"), "router.saturation", {"max_waiting", "max_kv_usage"})
+    d = RouterConfig
     router = RouterConfig(
         policy=_str(r, "policy", "router", RouterConfig.policy, tuple(POLICIES)),
         compress_band=_float(r, "compress_band", "router", 1.0, 100.0, None),
         prefix_block_size=_int(r, "prefix_block_size", "router", 1, 1 << 20, 128),
+        fallbacks=_int(r, "fallbacks", "router", 0, 64, d.fallbacks),
+        max_waiting=_float(sat, "max_waiting", "router.saturation", 0.0, 1e9, d.max_waiting),
+        max_kv_usage=_float(sat, "max_kv_usage", "router.saturation", 0.0, 1.0, d.max_kv_usage),
+        objectives=_objectives(r.get("objectives")),
     )
     admission = _admission(top.get("admission"))
     return Config(
@@ -548,6 +732,7 @@ def parse_config(raw: Any) -> Config:
         pools=pools,
         tenants=_tenants(_list(top, "tenants", "config"), admission),
         models=_models(_list(top, "models", "config")),
+        scrape=scrape,
     )
 
 

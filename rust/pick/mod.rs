@@ -34,7 +34,7 @@ mod presets;
 mod queue;
 mod random;
 mod round_robin;
-mod saturation;
+pub mod saturation;
 mod session;
 mod subset;
 pub mod vtc;

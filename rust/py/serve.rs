@@ -8,7 +8,7 @@ use crate::calibrate::Calibrator;
 use crate::py::calibrate::PyCalibrator;
 use crate::py::int_arg;
 use crate::serve::config::Spec;
-use crate::serve::engine::{Engine, Outcome};
+use crate::serve::engine::{Engine, Hints, Outcome};
 use crate::serve::runtime::{DataPlane, Listen};
 
 /// The data plane of ``routecore serve``: Envoy's ext_proc (and
@@ -77,7 +77,7 @@ impl PyDataPlane {
                     None => None,
                 };
                 let outcome = route(Arc::clone(&engine), tenant).await;
-                let outcome = engine.decide(tenant, outcome).await;
+                let outcome = engine.decide(tenant, &Hints::default(), outcome).await;
                 metrics
                     .decision_seconds
                     .observe(start.elapsed().as_secs_f64());
@@ -187,7 +187,7 @@ impl PyDataPlane {
         api_key: Option<&[u8]>,
     ) -> PyResult<Bound<'py, PyDict>> {
         self.route(py, api_key, |engine, tenant| async move {
-            engine.route_body(body, tenant).await
+            engine.route_body(body, tenant, &Hints::default()).await
         })
     }
 
@@ -215,6 +215,7 @@ impl PyDataPlane {
                     prompt_tokens,
                     tenant,
                     token_ids.as_deref(),
+                    &Hints::default(),
                 )
                 .await
         })
@@ -247,27 +248,20 @@ impl PyDataPlane {
 
     /// Everything requests in flight hold, summed over the live engines
     /// (the current one and those open streams still use): ``{"leases": n,
-    /// "router": {pool: n}, "chooser": {pool: {endpoint: n}}, "running":
-    /// {pool: {endpoint: n}} (the prefix / VTC core routers' counts),
-    /// "admission": n}``.
+    /// "router": {pool: n}, "chooser": {pool: {endpoint: n}}, "admission": n}``.
     fn in_flight<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let mut router: HashMap<String, u64> = HashMap::new();
         let mut chooser: HashMap<String, HashMap<String, u64>> = HashMap::new();
-        let mut running: HashMap<String, HashMap<String, u64>> = HashMap::new();
         let mut admission = 0u64;
         let mut seen = Vec::new();
         for engine in self.inner.shared.engines() {
             for (i, p) in engine.spec.pools.iter().enumerate() {
                 *router.entry(p.name.clone()).or_default() +=
                     engine.router().in_flight(i).unwrap_or(0);
-                let (load, run) = engine.choosers[i].loads();
+                let load = engine.choosers[i].loads();
                 let endpoints = engine.choosers[i].endpoints();
                 let per = chooser.entry(p.name.clone()).or_default();
                 for (e, n) in endpoints.iter().zip(load) {
-                    *per.entry(e.clone()).or_default() += n;
-                }
-                let per = running.entry(p.name.clone()).or_default();
-                for (e, n) in endpoints.iter().zip(run.unwrap_or_default()) {
                     *per.entry(e.clone()).or_default() += n;
                 }
             }
@@ -283,9 +277,32 @@ impl PyDataPlane {
         d.set_item("leases", self.inner.shared.lease_count())?;
         d.set_item("router", router)?;
         d.set_item("chooser", chooser)?;
-        d.set_item("running", running)?;
         d.set_item("admission", admission)?;
         Ok(d)
+    }
+
+    /// What the endpoint picker of the current engine knows of each endpoint:
+    /// ``{pool: {endpoint: {"healthy", "in_flight", "dispatched_since_scrape",
+    /// "waiting", "running", "kv_usage", "adapters"}}}`` (None: unknown or stale).
+    fn endpoints<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let engine = self.inner.engine();
+        let out = PyDict::new(py);
+        for (p, chooser) in engine.spec.pools.iter().zip(&engine.choosers) {
+            let pool = PyDict::new(py);
+            for (name, s) in chooser.endpoints().iter().zip(chooser.states()) {
+                let d = PyDict::new(py);
+                d.set_item("healthy", s.healthy)?;
+                d.set_item("in_flight", s.in_flight)?;
+                d.set_item("dispatched_since_scrape", s.dispatched_since_scrape)?;
+                d.set_item("waiting", s.waiting)?;
+                d.set_item("running", s.running)?;
+                d.set_item("kv_usage", s.kv_usage)?;
+                d.set_item("adapters", s.adapters)?;
+                pool.set_item(name, d)?;
+            }
+            out.set_item(&p.name, pool)?;
+        }
+        Ok(out)
     }
 
     /// The current value of a metric by its name without the ``routecore_``

@@ -3,8 +3,11 @@
 //! Python validates and names the bad key; this side only re-checks what the
 //! cores check anyway (pools, policies) and refuses anything malformed.
 
+use std::collections::HashMap;
+
 use serde::Deserialize;
 
+use super::scrape::ScrapeSpec;
 use crate::error::{invalid, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -12,16 +15,6 @@ use crate::error::{invalid, Result};
 pub enum FailureMode {
     Open,
     Closed,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-pub enum Policy {
-    #[serde(rename = "least-request")]
-    LeastRequest,
-    #[serde(rename = "prefix")]
-    Prefix,
-    #[serde(rename = "vtc")]
-    Vtc,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -47,9 +40,45 @@ pub struct LimitsSpec {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouterSpec {
-    pub policy: Policy,
+    /// The endpoint picker's preset (`crate::pick::PRESETS`).
+    pub policy: String,
     pub compress_band: Option<f64>,
     pub prefix_block_size: usize,
+    /// Endpoints offered after the chosen one, for Envoy's retries.
+    #[serde(default = "default_fallbacks")]
+    pub fallbacks: usize,
+    /// Queue and KV-cache use above which an endpoint is saturated: the
+    /// pipeline's saturation filter, and sheddable requests (priority < 0)
+    /// are refused with 429 when every endpoint is.
+    #[serde(default)]
+    pub saturation: SaturationSpec,
+    /// Priority by objective name (`x-gateway-inference-objective`).
+    #[serde(default)]
+    pub objectives: HashMap<String, i64>,
+}
+
+fn default_fallbacks() -> usize {
+    2
+}
+
+fn default_engine() -> String {
+    "vllm".into()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SaturationSpec {
+    pub max_waiting: f64,
+    pub max_kv_usage: f64,
+}
+
+impl Default for SaturationSpec {
+    fn default() -> Self {
+        Self {
+            max_waiting: crate::pick::saturation::DEFAULT_MAX_WAITING,
+            max_kv_usage: crate::pick::saturation::DEFAULT_MAX_KV_USAGE,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -60,6 +89,22 @@ pub struct PoolSpec {
     pub budget: Option<u64>,
     pub queue_limit: Option<u64>,
     pub endpoints: Vec<String>,
+    /// The engine kind whose metric names its endpoints are read with.
+    #[serde(default = "default_engine")]
+    pub engine: String,
+    /// The models (base) and LoRA adapters the pool serves; both empty: any model.
+    #[serde(default)]
+    pub models: Vec<String>,
+    #[serde(default)]
+    pub adapters: Vec<String>,
+}
+
+impl PoolSpec {
+    /// Whether a request for `model` (None: names none) may go to this pool.
+    pub fn serves(&self, model: Option<&str>) -> bool {
+        let any = self.models.is_empty() && self.adapters.is_empty();
+        any || model.is_some_and(|m| self.models.iter().chain(&self.adapters).any(|x| x == m))
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -101,6 +146,9 @@ pub struct Spec {
     pub models: Vec<ModelSpec>,
     /// The admission backend's spec (None: no entitlements, no admission).
     pub admission: Option<serde_json::Value>,
+    /// The endpoints' metrics scrapes (None: not scraped).
+    #[serde(default)]
+    pub scrape: Option<ScrapeSpec>,
 }
 
 impl Spec {
@@ -119,6 +167,22 @@ impl Spec {
         }
         if !(spec.limits.request_timeout_s.is_finite() && spec.limits.request_timeout_s > 0.0) {
             return Err(invalid("limits.request_timeout_s must be > 0"));
+        }
+        crate::pick::saturation::check(
+            spec.router.saturation.max_waiting,
+            spec.router.saturation.max_kv_usage,
+        )
+        .map_err(|e| invalid(format!("router.saturation: {e}")))?;
+        if let Some(scrape) = &spec.scrape {
+            scrape.check()?;
+            for p in spec.pools.iter().filter(|p| !p.endpoints.is_empty()) {
+                if !scrape.engines.contains_key(&p.engine) {
+                    return Err(invalid(format!(
+                        "pools: {:?}: engine {:?} has no scrape.engines entry",
+                        p.name, p.engine
+                    )));
+                }
+            }
         }
         Ok(spec)
     }

@@ -30,15 +30,14 @@ use crate::calibrate::Calibrator;
 use crate::compress::{route_request, Compressor};
 use crate::error::{invalid, Error, Result};
 use crate::openai::{MediaTokens, ParsedRequest};
-use crate::prefix::{
-    block_hashes, PrefixCacheRouter, PrefixConfig, PrefixIndex, Tokens, DEFAULT_CAPACITY_BLOCKS,
-};
+use crate::pick::{preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline};
+use crate::prefix::{block_hashes, Tokens};
 use crate::tokenize::{route_tokenized, SpecialTokens, Tokenized, Tokenizer};
-use crate::vtc::{VtcConfig, VtcRouter};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
-use super::config::{digest_from_hex, FailureMode, Policy, Spec};
+use super::config::{digest_from_hex, FailureMode, Spec};
 use super::metrics::{FCounter, FGauge, Metrics};
+use super::scrape::{Probe, Scraper};
 use super::usage::{plausible, Usage};
 
 /// The VTC user of requests from no tenant (when no tenants are configured).
@@ -74,6 +73,8 @@ pub struct Routed {
     pub request_id: String,
     pub pool: String,
     pub endpoint: String,
+    /// Endpoints Envoy may retry on, best first (after `endpoint`).
+    pub fallbacks: Vec<String>,
     pub est_input_tokens: u64,
     pub est_output_tokens: u64,
     pub spilled: bool,
@@ -92,8 +93,8 @@ pub struct Lease {
     pool: usize,
     endpoint: usize,
     tenant: Option<usize>,
-    /// Whether the endpoint chooser's core router counted it (prefix with a key, vtc).
-    counted: bool,
+    /// The request's `x-gateway-inference-fairness-id` (None: the tenant's name).
+    fairness_id: Option<String>,
     est_input_tokens: u64,
     est_output_tokens: u64,
     /// Prompt bytes and category to feed the calibrator (None: not learned from).
@@ -103,109 +104,262 @@ pub struct Lease {
     ticket: Option<Ticket>,
 }
 
-/// What the endpoint choosers read from a request.
+/// What the endpoint picker reads of a request's prompt: the prefix plugin
+/// hashes the prompt (the messages' text in order, or the token ids), never
+/// the raw JSON body, so the order of its keys does not matter.
 #[derive(Debug, Clone, Copy)]
 pub enum Key<'a> {
     None,
-    Bytes(&'a [u8]),
+    /// An OpenAI request body (its prompt is read only when a prefix plugin
+    /// asks for it).
+    Body(&'a [u8]),
     Ids(&'a [u32]),
 }
 
-struct ChooserState {
-    load: Vec<u64>,
-    prefix: Option<PrefixCacheRouter>,
-    vtc: Option<VtcRouter>,
+/// The prompt a body carries, as the prefix plugin hashes it: token ids when
+/// the prompt is given as ids, else every text the engine tokenizes, in
+/// order, each ended by a record separator (so `["ab", "c"]` and
+/// `["a", "bc"]` differ). None for a body that is not a request.
+fn prompt_of(body: &[u8]) -> Option<Prompt> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    if let Some(serde_json::Value::Array(items)) = v.get("prompt") {
+        let ids: Option<Vec<u32>> = items
+            .iter()
+            .map(|x| x.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect();
+        if let Some(ids) = ids.filter(|i| !i.is_empty()) {
+            return Some(Prompt::Ids(ids));
+        }
+    }
+    let texts = crate::openai::prompt_texts(&v).ok()?;
+    let mut out = Vec::new();
+    for t in &texts.texts {
+        out.extend_from_slice(t.text.as_bytes());
+        out.push(0x1e);
+    }
+    Some(Prompt::Bytes(out))
 }
 
-/// Chooses the endpoint inside one pool: `router.policy` of the configuration.
-///
-/// - least-request: the endpoint with the fewest requests in flight (ties to
-///   the one listed first);
-/// - prefix: the core's `PrefixCacheRouter` over the request's token ids or
-///   body bytes (least-request when it has neither);
-/// - vtc: the core's `VtcRouter`, the tenant's name as the user, corrected
-///   with the real usage at the end.
+/// A prompt read out of a body (see [`prompt_of`]).
+enum Prompt {
+    Ids(Vec<u32>),
+    Bytes(Vec<u8>),
+}
+
+impl Prompt {
+    fn tokens(&self) -> Tokens<'_> {
+        match self {
+            Prompt::Ids(t) => Tokens::Ids(t),
+            Prompt::Bytes(b) => Tokens::Bytes(b),
+        }
+    }
+}
+
+/// What a request tells the endpoint picker beside its body: the Envoy
+/// protocol's hints (read by the ext_proc front end; none from the RouteCore API).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Hints {
+    /// `x-gateway-destination-endpoint-subset` of the `envoy.lb.subset_hint`
+    /// filter metadata: pick only among these.
+    pub subset: Option<Vec<String>>,
+    /// `x-gateway-inference-objective`: its priority (`router.objectives`);
+    /// a negative one is sheddable.
+    pub objective: Option<String>,
+    /// `x-gateway-inference-fairness-id`: the VTC user (default: the tenant).
+    pub fairness_id: Option<String>,
+}
+
+/// What the endpoint choice reads of one request.
+#[derive(Debug, Clone, Copy)]
+struct Ask<'a> {
+    key: Key<'a>,
+    /// The request's `model` (routes to the pools serving it).
+    model: Option<&'a str>,
+    hints: &'a Hints,
+}
+
+/// What the picker of a pool answered.
+#[derive(Debug, Clone, PartialEq)]
+enum Choice {
+    /// The chosen endpoint first, then the fallbacks (counted in flight).
+    Ranked(Vec<usize>),
+    /// No endpoint is healthy (or in the subset hint).
+    NoEndpoint,
+    /// A sheddable request, and every candidate is saturated.
+    Saturated,
+}
+
+struct PoolState {
+    pipeline: Pipeline,
+    states: Vec<EndpointState>,
+    /// The probe sequence number each state was last refreshed from.
+    seen: Vec<u64>,
+    ranked: Vec<usize>,
+}
+
+/// Picks the endpoint inside one pool: the endpoint-picker pipeline of
+/// `router.policy` (`crate::pick`) over one [`EndpointState`] per endpoint,
+/// fed by the endpoints' probes (health, queue, KV use, adapters: see
+/// `scrape`) and by this data plane's own dispatches (in flight, and since
+/// the last scrape).
 pub struct Chooser {
     endpoints: Vec<String>,
-    block_size: usize,
-    state: Mutex<ChooserState>,
+    /// One per endpoint; empty when the endpoints are not scraped.
+    probes: Vec<Arc<Probe>>,
+    /// The prefix plugin's (block size, seed), when the pipeline has one.
+    prefix: Option<(usize, u64)>,
+    fallbacks: usize,
+    saturation: super::config::SaturationSpec,
+    state: Mutex<PoolState>,
 }
 
 impl Chooser {
-    fn new(endpoints: &[String], policy: Policy, block_size: usize) -> Result<Self> {
-        let mut state = ChooserState {
-            load: vec![0; endpoints.len()],
-            prefix: None,
-            vtc: None,
-        };
-        if !endpoints.is_empty() {
-            match policy {
-                Policy::LeastRequest => {}
-                Policy::Prefix => {
-                    let index = PrefixIndex::new(DEFAULT_CAPACITY_BLOCKS, None)?;
-                    let config = PrefixConfig::new(block_size, 16, 2.0, 0)?;
-                    state.prefix = Some(PrefixCacheRouter::new(
-                        endpoints,
-                        config,
-                        Arc::new(Mutex::new(index)),
-                    )?);
+    fn new(
+        pool: &super::config::PoolSpec,
+        router: &super::config::RouterSpec,
+        probes: Vec<Arc<Probe>>,
+    ) -> Result<Self> {
+        let sat = router.saturation;
+        let mut specs =
+            preset_specs(&router.policy).map_err(|e| invalid(format!("router.policy: {e}")))?;
+        for s in &mut specs {
+            match s.name.as_str() {
+                "prefix" => s.params = serde_json::json!({"block_size": router.prefix_block_size}),
+                "saturation" => {
+                    s.params = serde_json::json!({
+                        "max_waiting": sat.max_waiting, "max_kv_usage": sat.max_kv_usage
+                    })
                 }
-                Policy::Vtc => {
-                    state.vtc = Some(VtcRouter::new(endpoints, VtcConfig::default())?);
-                }
+                _ => {}
             }
         }
+        let mut pipeline = Pipeline::from_specs(&specs, &pool.endpoints, &PickConfig::default())?;
+        pipeline.prepare()?;
+        let prefix = pipeline
+            .prefix()
+            .map(|p| (p.config().block_size, p.config().seed));
+        let n = pool.endpoints.len();
         Ok(Self {
-            endpoints: endpoints.to_vec(),
-            block_size,
-            state: Mutex::new(state),
+            endpoints: pool.endpoints.clone(),
+            probes,
+            prefix,
+            fallbacks: router.fallbacks,
+            saturation: sat,
+            state: Mutex::new(PoolState {
+                pipeline,
+                states: vec![EndpointState::default(); n],
+                seen: vec![0; n],
+                ranked: Vec::new(),
+            }),
         })
     }
 
-    fn least(load: &[u64]) -> Option<usize> {
-        (0..load.len()).min_by_key(|&i| (load[i], i))
+    /// Copies what the probes know into the states (lock-free reads); a new
+    /// scrape restarts the count of dispatches since the last one.
+    fn refresh(&self, st: &mut PoolState) {
+        if self.probes.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        for (i, p) in self.probes.iter().enumerate() {
+            let r = p.reading(now);
+            let s = &mut st.states[i];
+            s.healthy = r.healthy;
+            s.waiting = r.waiting;
+            s.running = r.running;
+            s.kv_usage = r.kv_usage;
+            if r.seq != st.seen[i] {
+                st.seen[i] = r.seq;
+                s.dispatched_since_scrape = 0;
+                let adapters = p.adapters();
+                if *adapters != s.adapters {
+                    s.adapters = (*adapters).clone();
+                }
+            }
+        }
     }
 
-    /// The endpoint for a request, counted in flight, and whether the core
-    /// router counted it too; None when the pool has no endpoint.
+    /// Ranks the pool's endpoints for a request and counts the chosen one in
+    /// flight (and as dispatched since the last scrape).
+    #[allow(clippy::too_many_arguments)]
     fn choose(
         &self,
         key: Key<'_>,
         user: &str,
-        est_in: u64,
-        est_out: u64,
+        adapter: Option<&str>,
+        hints: &Hints,
+        sheddable: bool,
+        est: (u64, u64),
         now: f64,
-    ) -> Result<Option<(usize, bool)>> {
-        let hashes = match key {
-            Key::None => None,
-            Key::Bytes(b) => Some(block_hashes(Tokens::Bytes(b), self.block_size, 0)?),
-            Key::Ids(t) => Some(block_hashes(Tokens::Ids(t), self.block_size, 0)?),
+    ) -> Result<Choice> {
+        let hashes = match (self.prefix, key) {
+            (Some((size, seed)), Key::Body(b)) => match prompt_of(b) {
+                Some(prompt) => block_hashes(prompt.tokens(), size, seed)?,
+                None => Vec::new(),
+            },
+            (Some((size, seed)), Key::Ids(t)) => block_hashes(Tokens::Ids(t), size, seed)?,
+            _ => Vec::new(),
         };
-        let mut st = lock(&self.state);
-        if st.load.is_empty() {
-            return Ok(None);
+        let token_ids = match key {
+            Key::Ids(t) => Some(t),
+            _ => None,
+        };
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        self.refresh(st);
+        let subset: Option<Vec<usize>> = hints.subset.as_ref().map(|names| {
+            names
+                .iter()
+                .filter_map(|n| st.pipeline.endpoints().index(n).ok())
+                .collect()
+        });
+        if sheddable {
+            let mut candidates =
+                st.states.iter().enumerate().filter(|(i, s)| {
+                    s.healthy && subset.as_ref().is_none_or(|sub| sub.contains(i))
+                });
+            let mut any = false;
+            if candidates.all(|(_, s)| {
+                any = true;
+                !saturation::keep(self.saturation.max_waiting, self.saturation.max_kv_usage, s)
+            }) && any
+            {
+                return Ok(Choice::Saturated);
+            }
         }
-        let st = &mut *st;
-        let (endpoint, counted) = if let Some(router) = st.vtc.as_mut() {
-            let tokens = |v: u64| v.min(i64::MAX as u64) as i64;
-            (
-                router.route(user, tokens(est_in), tokens(est_out), None, now)?,
-                true,
-            )
-        } else if let (Some(router), Some(h)) = (st.prefix.as_mut(), hashes.as_deref()) {
-            (router.route_hashes(h, None, now)?.endpoint, true)
-        } else {
-            (Self::least(&st.load).unwrap_or(0), false)
+        let req = PickRequest {
+            hashes: &hashes,
+            token_ids,
+            adapter,
+            subset: subset.as_deref(),
+            fairness_id: Some(user),
+            session: None,
+            input_tokens: est.0,
+            output_tokens: est.1,
+            now,
         };
-        st.load[endpoint] += 1;
-        Ok(Some((endpoint, counted)))
+        let mut ranked = std::mem::take(&mut st.ranked);
+        let picked = st.pipeline.pick(&req, &st.states, &mut ranked);
+        let out = picked.and_then(|()| {
+            let Some(&chosen) = ranked.first() else {
+                return Ok(Choice::NoEndpoint);
+            };
+            st.pipeline.started(&req, chosen)?;
+            let s = &mut st.states[chosen];
+            s.in_flight += 1;
+            s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+            ranked.truncate(1 + self.fallbacks);
+            Ok(Choice::Ranked(ranked.clone()))
+        });
+        st.ranked = ranked;
+        out
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// A request on `endpoint` ended (with its usage when known): out of
+    /// flight, and the stateful plugins learn it (VTC's charge corrected).
     fn release(
         &self,
         endpoint: usize,
-        counted: bool,
         user: &str,
         est: (u64, u64),
         usage: Option<Usage>,
@@ -213,40 +367,35 @@ impl Chooser {
     ) -> Result<()> {
         let mut st = lock(&self.state);
         let st = &mut *st;
-        if let Some(n) = st.load.get_mut(endpoint) {
-            *n = n.saturating_sub(1);
+        if let Some(s) = st.states.get_mut(endpoint) {
+            s.in_flight = s.in_flight.saturating_sub(1);
         }
-        if !counted {
-            return Ok(());
-        }
-        let name = &self.endpoints[endpoint];
-        if let Some(router) = st.vtc.as_mut() {
-            let t = |v: u64| v.min(crate::budget::MAX_TOKENS) as i64;
-            let actual = usage.unwrap_or((est.0, 0));
-            router.complete(
-                name,
-                user,
-                t(est.0),
-                t(est.1),
-                t(actual.0),
-                t(actual.1),
-                now,
-            )?;
-        } else if let Some(router) = st.prefix.as_mut() {
-            router.complete(name)?;
-        }
-        Ok(())
+        let actual = usage.unwrap_or((est.0, 0));
+        let req = PickRequest {
+            fairness_id: Some(user),
+            input_tokens: est.0,
+            output_tokens: est.1,
+            now,
+            ..PickRequest::default()
+        };
+        st.pipeline
+            .completed_request(&req, endpoint, actual.0, actual.1)
     }
 
-    /// Requests in flight per endpoint, and the core router's running counts.
-    pub fn loads(&self) -> (Vec<u64>, Option<Vec<u64>>) {
-        let st = lock(&self.state);
-        let running = st
-            .prefix
-            .as_ref()
-            .map(|r| r.running())
-            .or_else(|| st.vtc.as_ref().map(|r| r.running()));
-        (st.load.clone(), running)
+    /// Requests in flight per endpoint.
+    pub fn loads(&self) -> Vec<u64> {
+        lock(&self.state)
+            .states
+            .iter()
+            .map(|s| s.in_flight)
+            .collect()
+    }
+
+    /// The endpoints' states as the picker sees them now.
+    pub fn states(&self) -> Vec<EndpointState> {
+        let mut st = lock(&self.state);
+        self.refresh(&mut st);
+        st.states.clone()
     }
 
     pub fn endpoints(&self) -> &[String] {
@@ -281,6 +430,8 @@ pub struct Shared {
     epoch: Instant,
     handle: tokio::runtime::Handle,
     faults: Mutex<HashSet<&'static str>>,
+    /// The endpoints' metrics scrapes, shared by the engines of every reload.
+    pub scraper: Scraper,
 }
 
 impl Shared {
@@ -289,8 +440,10 @@ impl Shared {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
+        let metrics = Arc::new(Metrics::new());
         Self {
-            metrics: Arc::new(Metrics::new()),
+            scraper: Scraper::new(Arc::clone(&metrics), handle.clone()),
+            metrics,
             calibrator: Arc::new(RwLock::new(calibrator)),
             leases: Mutex::new(HashMap::new()),
             engines: Mutex::new(Vec::new()),
@@ -427,7 +580,6 @@ struct Undo<'a> {
     engine: &'a Engine,
     pool: usize,
     endpoint: usize,
-    counted: bool,
     user: &'a str,
     est: (u64, u64),
     now: f64,
@@ -438,14 +590,7 @@ impl Drop for Undo<'_> {
     fn drop(&mut self) {
         if self.armed {
             let chooser = &self.engine.choosers[self.pool];
-            let _ = chooser.release(
-                self.endpoint,
-                self.counted,
-                self.user,
-                self.est,
-                None,
-                self.now,
-            );
+            let _ = chooser.release(self.endpoint, self.user, self.est, None, self.now);
             let _ = self.engine.router.complete(self.pool);
         }
     }
@@ -518,11 +663,18 @@ impl Engine {
             .pools
             .iter()
             .map(|p| {
-                Chooser::new(
-                    &p.endpoints,
-                    spec.router.policy,
-                    spec.router.prefix_block_size,
-                )
+                let probes = match &spec.scrape {
+                    Some(s) if s.enabled => {
+                        let s = Arc::new(s.clone());
+                        p.endpoints
+                            .iter()
+                            .map(|e| shared.scraper.probe(e, &s, &p.engine))
+                            .collect::<Result<Vec<_>>>()?
+                    }
+                    _ => Vec::new(),
+                };
+                Chooser::new(p, &spec.router, probes)
+                    .map_err(|e| invalid(format!("pools: {:?}: {e}", p.name)))
             })
             .collect::<Result<Vec<_>>>()?;
         let tokenizers = spec
@@ -694,6 +846,7 @@ impl Engine {
     pub async fn decide(
         self: &Arc<Self>,
         tenant: Option<usize>,
+        hints: &Hints,
         outcome: Result<Outcome>,
     ) -> Outcome {
         let err = match outcome {
@@ -710,7 +863,7 @@ impl Engine {
         }
         tracing::error!(error = %err, failure_mode = name, "route-failed");
         if mode == FailureMode::Open {
-            match self.route_default(tenant, false).await {
+            match self.route_default(tenant, hints, false).await {
                 Ok(o) => return o,
                 Err(e) => tracing::error!(error = %e, failure_mode = name, "route-failed"),
             }
@@ -725,12 +878,16 @@ impl Engine {
         self: &Arc<Self>,
         body: &[u8],
         tenant: Option<usize>,
+        hints: &Hints,
     ) -> Result<Outcome> {
         if let Some(t) = self.route_tokenized(body) {
             let learn = learnable(&t.request);
-            return self
-                .place(t.decision, tenant, learn, Key::Ids(&t.ids), None)
-                .await;
+            let ask = Ask {
+                key: Key::Ids(&t.ids),
+                model: t.request.model.as_deref(),
+                hints,
+            };
+            return self.place(t.decision, tenant, learn, ask, None).await;
         }
         let r = match route_request(
             &self.router,
@@ -752,20 +909,27 @@ impl Engine {
             }
         };
         let d = r.decision;
+        let model = r.request.model.as_deref();
         if d.action == Action::Compress {
             let new_body = r.body;
+            let ask = Ask {
+                key: Key::Body(&new_body),
+                model,
+                hints,
+            };
             return self
-                .place(
-                    d,
-                    tenant,
-                    None,
-                    Key::Bytes(&new_body),
-                    Some(new_body.clone()),
-                )
+                .place(d, tenant, None, ask, Some(new_body.clone()))
                 .await;
         }
+        // Token ids are exact, and the usage of image and audio parts is not
+        // text: such requests are not learned from.
         let learn = learnable(&r.request);
-        self.place(d, tenant, learn, Key::Bytes(body), None).await
+        let ask = Ask {
+            key: Key::Body(body),
+            model,
+            hints,
+        };
+        self.place(d, tenant, learn, ask, None).await
     }
 
     /// Routes a body on its exact prompt token count when its `model` has a
@@ -802,6 +966,7 @@ impl Engine {
     }
 
     /// Routes a request given its measured fields (bad values are a 400).
+    #[allow(clippy::too_many_arguments)]
     pub async fn route_fields(
         self: &Arc<Self>,
         prompt_bytes: i64,
@@ -810,6 +975,7 @@ impl Engine {
         prompt_tokens: Option<i64>,
         tenant: Option<usize>,
         token_ids: Option<&[u32]>,
+        hints: &Hints,
     ) -> Result<Outcome> {
         let bad = |e: Error| {
             Ok(Err(self.refuse(
@@ -824,7 +990,11 @@ impl Engine {
             Ok(r) => r,
             Err(e) => return bad(e),
         };
-        let key = token_ids.map_or(Key::None, Key::Ids);
+        let ask = Ask {
+            key: token_ids.map_or(Key::None, Key::Ids),
+            model: None,
+            hints,
+        };
         if let Some(tokens) = prompt_tokens {
             if tokens < 0 || tokens as u64 > crate::budget::MAX_TOKENS {
                 let e = invalid(format!(
@@ -836,7 +1006,7 @@ impl Engine {
             let d = self
                 .router
                 .route_estimated(tokens as u64, req.max_output_tokens);
-            return self.place(d, tenant, None, key, None).await;
+            return self.place(d, tenant, None, ask, None).await;
         }
         let category: &'static str = match ["prose", "code", "cjk", "mixed"]
             .into_iter()
@@ -856,7 +1026,7 @@ impl Engine {
         let d = self
             .router
             .route_with(est, req.max_output_tokens, compressible_category(category));
-        self.place(d, tenant, Some((req.prompt_bytes, category)), key, None)
+        self.place(d, tenant, Some((req.prompt_bytes, category)), ask, None)
             .await
     }
 
@@ -866,12 +1036,36 @@ impl Engine {
     pub async fn route_default(
         self: &Arc<Self>,
         tenant: Option<usize>,
+        hints: &Hints,
         admit: bool,
     ) -> Result<Outcome> {
         let pool = self.default_pool;
         self.router.start(pool)?;
-        self.admit(pool, 1, 1, false, tenant, admit, None, Key::None, None)
+        let ask = Ask {
+            key: Key::None,
+            model: None,
+            hints,
+        };
+        self.admit(pool, 1, 1, false, tenant, admit, None, ask, None)
             .await
+    }
+
+    /// The pool for a request for `model` when the token budget's choice
+    /// does not serve it: the smallest serving pool whose context fits
+    /// `tokens`. Err(status) when no pool serves the model (404) or none that
+    /// does fits (400).
+    fn pool_for_model(&self, model: Option<&str>, tokens: u64) -> std::result::Result<usize, u16> {
+        let serving: Vec<usize> = (0..self.spec.pools.len())
+            .filter(|&i| self.spec.pools[i].serves(model))
+            .collect();
+        if serving.is_empty() {
+            return Err(404);
+        }
+        serving
+            .into_iter()
+            .filter(|&i| self.spec.pools[i].max_context >= tokens)
+            .min_by_key(|&i| (self.spec.pools[i].max_context, i))
+            .ok_or(400)
     }
 
     async fn place(
@@ -879,10 +1073,10 @@ impl Engine {
         d: Decision,
         tenant: Option<usize>,
         learn: Option<(u64, &'static str)>,
-        key: Key<'_>,
+        ask: Ask<'_>,
         body: Option<Vec<u8>>,
     ) -> Result<Outcome> {
-        let Some(pool) = d.pool else {
+        let Some(mut pool) = d.pool else {
             let message = format!(
                 "request needs {} tokens, more than any pool's context",
                 d.est_total_tokens
@@ -895,6 +1089,34 @@ impl Engine {
                 0.0,
             )));
         };
+        if !self.spec.pools[pool].serves(ask.model) {
+            self.router.complete(pool)?;
+            match self.pool_for_model(ask.model, d.est_total_tokens) {
+                Ok(p) => {
+                    self.router.start(p)?;
+                    pool = p;
+                }
+                Err(status) => {
+                    let name = ask.model.unwrap_or("");
+                    let (reason, message) = if status == 404 {
+                        (
+                            "model-not-found",
+                            format!("The model `{name}` does not exist."),
+                        )
+                    } else {
+                        (
+                            "context-too-long",
+                            format!(
+                                "request needs {} tokens, more than the context of any pool \
+                                 serving `{name}`",
+                                d.est_total_tokens
+                            ),
+                        )
+                    };
+                    return Ok(Err(self.refuse(tenant, status, reason, message, 0.0)));
+                }
+            }
+        }
         let mut outcome = self
             .admit(
                 pool,
@@ -904,7 +1126,7 @@ impl Engine {
                 tenant,
                 true,
                 learn,
-                key,
+                ask,
                 body,
             )
             .await?;
@@ -926,35 +1148,80 @@ impl Engine {
         tenant: Option<usize>,
         admit: bool,
         learn: Option<(u64, &'static str)>,
-        key: Key<'_>,
+        ask: Ask<'_>,
         body: Option<Vec<u8>>,
     ) -> Result<Outcome> {
         let shared = self.shared()?;
         let now = shared.now();
-        let user = self.tenant_name(tenant).unwrap_or(ANONYMOUS);
-        let chooser = &self.choosers[pool];
-        let chosen = shared
-            .fault("routing")
-            .and_then(|()| chooser.choose(key, user, est_in, est_out, now));
-        let (endpoint, counted) = match chosen {
-            Ok(Some(c)) => c,
-            Ok(None) => {
+        let hints = ask.hints;
+        if let Some(f) = hints.fairness_id.as_deref() {
+            if let Err(e) = crate::vtc::check_user(f) {
                 self.router.complete(pool)?;
-                let message = format!("pool {:?} has no endpoint", self.spec.pools[pool].name);
-                return Ok(Err(self.refuse(tenant, 503, "no-endpoint", message, 0.0)));
+                let message = format!("x-gateway-inference-fairness-id: {e}");
+                return Ok(Err(self.refuse(
+                    tenant,
+                    400,
+                    "invalid-request",
+                    message,
+                    0.0,
+                )));
+            }
+        }
+        let user = hints
+            .fairness_id
+            .as_deref()
+            .or(self.tenant_name(tenant))
+            .unwrap_or(ANONYMOUS);
+        let spec = &self.spec.pools[pool];
+        let adapter = ask.model.filter(|m| spec.adapters.iter().any(|a| a == m));
+        let sheddable = hints
+            .objective
+            .as_ref()
+            .and_then(|o| self.spec.router.objectives.get(o))
+            .is_some_and(|&p| p < 0);
+        let chooser = &self.choosers[pool];
+        let chosen = shared.fault("routing").and_then(|()| {
+            chooser.choose(
+                ask.key,
+                user,
+                adapter,
+                hints,
+                sheddable,
+                (est_in, est_out),
+                now,
+            )
+        });
+        let ranked = match chosen {
+            Ok(Choice::Ranked(r)) => r,
+            Ok(refused) => {
+                self.router.complete(pool)?;
+                let (status, reason, message) = if refused == Choice::Saturated {
+                    (
+                        429,
+                        "saturated",
+                        "every endpoint is saturated; sheddable requests are dropped".to_string(),
+                    )
+                } else {
+                    (
+                        503,
+                        "no-endpoint",
+                        format!("pool {:?} has no healthy endpoint", spec.name),
+                    )
+                };
+                return Ok(Err(self.refuse(tenant, status, reason, message, 0.0)));
             }
             Err(e) => {
                 let _ = self.router.complete(pool);
                 return Err(e);
             }
         };
+        let endpoint = ranked[0];
         // Undone on every way out before the lease exists, a dropped (cancelled)
         // stream included: the guard releases the endpoint and the pool count.
         let mut undo = Undo {
             engine: self,
             pool,
             endpoint,
-            counted,
             user,
             est: (est_in, est_out),
             now,
@@ -985,7 +1252,7 @@ impl Engine {
             pool,
             endpoint,
             tenant,
-            counted,
+            fairness_id: hints.fairness_id.clone(),
             est_input_tokens: est_in,
             est_output_tokens: est_out,
             learn,
@@ -1000,11 +1267,13 @@ impl Engine {
         if spilled {
             m.spillovers.inc();
         }
+        let names = chooser.endpoints();
         Ok(Ok(Routed {
             id,
             request_id,
-            pool: self.spec.pools[pool].name.clone(),
-            endpoint: chooser.endpoints[endpoint].clone(),
+            pool: spec.name.clone(),
+            endpoint: names[endpoint].clone(),
+            fallbacks: ranked[1..].iter().map(|&i| names[i].clone()).collect(),
             est_input_tokens: est_in,
             est_output_tokens: est_out,
             spilled,
@@ -1044,11 +1313,13 @@ impl Engine {
         if let Err(e) = self.router.complete(lease.pool) {
             fail("router", e);
         }
-        let user = self.tenant_name(lease.tenant).unwrap_or(ANONYMOUS);
+        let user = lease
+            .fairness_id
+            .as_deref()
+            .or(self.tenant_name(lease.tenant))
+            .unwrap_or(ANONYMOUS);
         let est = (lease.est_input_tokens, lease.est_output_tokens);
-        if let Err(e) =
-            self.choosers[lease.pool].release(lease.endpoint, lease.counted, user, est, usage, now)
-        {
+        if let Err(e) = self.choosers[lease.pool].release(lease.endpoint, user, est, usage, now) {
             fail("chooser", e);
         }
         m.in_flight[lease.endpoint].dec();
@@ -1101,5 +1372,52 @@ impl Engine {
             })
             .set(ratio);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hashes(body: &[u8]) -> Vec<u64> {
+        let prompt = prompt_of(body).expect("a request");
+        block_hashes(prompt.tokens(), 64, 0).expect("hashes")
+    }
+
+    #[test]
+    fn prefix_key_is_the_prompt_not_the_json_body() {
+        let system = "You are a careful assistant who answers in detail. ".repeat(34);
+        assert!(system.len() > 1700);
+        let a = format!(
+            r#"{{"model": "m", "max_tokens": 10, "messages": [{{"role": "system", "content": {s:?}}}, {{"role": "user", "content": "hi"}}]}}"#,
+            s = system
+        );
+        let b = format!(
+            r#"{{"messages": [{{"content": {s:?}, "role": "system"}}, {{"content": "hi", "role": "user"}}], "max_tokens": 10, "model": "m"}}"#,
+            s = system
+        );
+        let (ha, hb) = (hashes(a.as_bytes()), hashes(b.as_bytes()));
+        assert!(ha.len() >= 1700 / 64);
+        assert_eq!(ha, hb, "same prompt, keys in another order: a full match");
+        // The raw bodies share no block at all.
+        let raw = |x: &str| block_hashes(Tokens::Bytes(x.as_bytes()), 64, 0).expect("h");
+        assert_ne!(raw(&a)[0], raw(&b)[0]);
+        // Texts are separated: ["ab", "c"] is not ["a", "bc"].
+        let split = |x: &str, y: &str| {
+            let body = serde_json::json!({"messages": [
+                {"role": "user", "content": x}, {"role": "user", "content": y}]});
+            prompt_of(body.to_string().as_bytes()).map(|p| match p {
+                Prompt::Bytes(b) => b,
+                Prompt::Ids(_) => Vec::new(),
+            })
+        };
+        assert_ne!(split("ab", "c"), split("a", "bc"));
+    }
+
+    #[test]
+    fn prefix_key_of_token_ids_is_the_ids() {
+        let body = br#"{"model": "m", "prompt": [1, 2, 3, 4]}"#;
+        assert!(matches!(prompt_of(body), Some(Prompt::Ids(ids)) if ids == vec![1, 2, 3, 4]));
+        assert!(prompt_of(b"not json").is_none());
     }
 }

@@ -57,11 +57,18 @@ use futures_util::{FutureExt, Stream};
 use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::engine::{Engine, Outcome, Reject, Routed, Shared};
+use super::engine::{Engine, Hints, Outcome, Reject, Routed, Shared};
 use super::usage::UsageReader;
 use crate::error::Result;
 
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The `envoy.lb` key of the endpoints Envoy may retry on, comma-separated.
+pub const FALLBACK_KEY: &str = "x-gateway-destination-endpoint-fallback";
+/// The filter-metadata namespace and key of the subset hint.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
 pub const POOL_HEADER: &str = "x-routecore-pool";
 pub const LB_NAMESPACE: &str = "envoy.lb";
 /// Size of the streamed_response chunks a body is sent back in (as the GIE does).
@@ -140,15 +147,19 @@ pub fn immediate(rej: &Reject) -> ProcessingResponse {
     }))
 }
 
-fn lb_metadata(endpoint: &str) -> Struct {
+/// The `envoy.lb` dynamic metadata: the chosen endpoint (as in the header)
+/// and, when there are any, the fallbacks Envoy may retry on.
+fn lb_metadata(endpoint: &str, fallbacks: &[String]) -> Struct {
+    let string = |s: String| Value {
+        kind: Some(Kind::StringValue(s)),
+    };
+    let mut fields: std::collections::HashMap<String, Value> =
+        [(DESTINATION_HEADER.to_string(), string(endpoint.into()))].into();
+    if !fallbacks.is_empty() {
+        fields.insert(FALLBACK_KEY.to_string(), string(fallbacks.join(",")));
+    }
     let inner = Struct {
-        fields: [(
-            DESTINATION_HEADER.to_string(),
-            Value {
-                kind: Some(Kind::StringValue(endpoint.into())),
-            },
-        )]
-        .into(),
+        fields: fields.into_iter().collect(),
     };
     Struct {
         fields: [(
@@ -181,6 +192,34 @@ fn streamed(chunk: &[u8], end: bool, request: bool) -> ProcessingResponse {
     })
 }
 
+/// The subset hint of a request's filter metadata
+/// (`envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`: a list
+/// of "ip:port"), None when it has none. Entries that are not strings are
+/// ignored; an empty list is a hint that allows no endpoint (503).
+pub fn subset_hint(req: &ProcessingRequest) -> Option<Vec<String>> {
+    let md = req.metadata_context.as_ref()?;
+    let ns = md.filter_metadata.get(SUBSET_NAMESPACE)?;
+    match ns.fields.get(SUBSET_KEY)?.kind.as_ref()? {
+        Kind::ListValue(list) => Some(
+            list.values
+                .iter()
+                .filter_map(|v| match v.kind.as_ref() {
+                    Some(Kind::StringValue(s)) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect(),
+        ),
+        Kind::StringValue(s) => Some(
+            s.split(',')
+                .map(str::trim)
+                .filter(|x| !x.is_empty())
+                .map(String::from)
+                .collect(),
+        ),
+        _ => None,
+    }
+}
+
 /// The state of one ext_proc stream (one HTTP request and its response).
 pub struct Conversation {
     /// Pinned: a reload does not move this request.
@@ -200,6 +239,8 @@ pub struct Conversation {
     responding: bool,
     /// A failure in the response phase: the rest of the stream passes unchanged.
     failed: bool,
+    /// The protocol's hints (subset, objective, fairness id) read so far.
+    hints: Hints,
 }
 
 impl Conversation {
@@ -219,6 +260,7 @@ impl Conversation {
             seen: 0,
             responding: false,
             failed: false,
+            hints: Hints::default(),
         }
     }
 
@@ -258,6 +300,9 @@ impl Conversation {
     }
 
     async fn dispatch(&mut self, req: &ProcessingRequest) -> Result<Vec<ProcessingResponse>> {
+        if self.hints.subset.is_none() {
+            self.hints.subset = subset_hint(req);
+        }
         if let Some(pc) = &req.protocol_config {
             self.request_mode = if pc.request_body_mode == 0 {
                 BUFFERED
@@ -341,6 +386,13 @@ impl Conversation {
         headers: &HttpHeaders,
     ) -> Result<Vec<ProcessingResponse>> {
         self.shared.fault("request_headers")?;
+        let text = |name: &str| {
+            find_header(headers, name.as_bytes())
+                .map(|v| String::from_utf8_lossy(v).trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+        self.hints.objective = text(OBJECTIVE_HEADER);
+        self.hints.fairness_id = text(FAIRNESS_HEADER);
         let key = find_header(headers, &self.engine.key_header);
         match self.engine.authenticate(key) {
             Err(rej) => return Ok(self.refuse(rej)),
@@ -354,8 +406,8 @@ impl Conversation {
             self.routed = true;
             let engine = Arc::clone(&self.engine);
             let start = Instant::now();
-            let outcome = engine.route_default(self.tenant, true).await;
-            let outcome = engine.decide(self.tenant, outcome).await;
+            let outcome = engine.route_default(self.tenant, &self.hints, true).await;
+            let outcome = engine.decide(self.tenant, &self.hints, outcome).await;
             self.shared
                 .metrics
                 .decision_seconds
@@ -411,8 +463,10 @@ impl Conversation {
         self.routed = true;
         let engine = Arc::clone(&self.engine);
         let start = Instant::now();
-        let outcome = engine.route_body(&self.body, self.tenant).await;
-        let outcome = engine.decide(self.tenant, outcome).await;
+        let outcome = engine
+            .route_body(&self.body, self.tenant, &self.hints)
+            .await;
+        let outcome = engine.decide(self.tenant, &self.hints, outcome).await;
         self.shared
             .metrics
             .decision_seconds
@@ -449,7 +503,7 @@ impl Conversation {
             clear_route_cache: true,
             ..Default::default()
         };
-        let md = Some(lb_metadata(&routed.endpoint));
+        let md = Some(lb_metadata(&routed.endpoint, &routed.fallbacks));
         if !has_body {
             let mut r = answer(Answer::RequestHeaders(HeadersResponse {
                 response: Some(common),
@@ -803,7 +857,7 @@ mod tests {
             1
         );
         drop(c); // released already: nothing more to release
-        assert_eq!(engine.choosers[0].loads().0, vec![0, 0]);
+        assert_eq!(engine.choosers[0].loads(), vec![0, 0]);
     }
 
     #[tokio::test]
@@ -933,6 +987,127 @@ mod tests {
             assert_eq!(shared.lease_count(), 0, "{phase}");
             assert_eq!(engine.router().in_flight(0).expect("pool"), 0, "{phase}");
         }
+    }
+
+    fn with_subset(mut req: ProcessingRequest, subset: &[&str]) -> ProcessingRequest {
+        use envoy_types::pb::envoy::config::core::v3::Metadata;
+        use envoy_types::pb::google::protobuf::ListValue;
+        let list = Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: subset
+                    .iter()
+                    .map(|s| Value {
+                        kind: Some(Kind::StringValue((*s).into())),
+                    })
+                    .collect(),
+            })),
+        };
+        let hint = Struct {
+            fields: [(SUBSET_KEY.to_string(), list)].into(),
+        };
+        req.metadata_context = Some(Metadata {
+            filter_metadata: [(SUBSET_NAMESPACE.to_string(), hint)].into(),
+            ..Default::default()
+        });
+        req
+    }
+
+    fn lb_field(r: &ProcessingResponse, key: &str) -> Option<String> {
+        let md = r.dynamic_metadata.as_ref()?.fields.get(LB_NAMESPACE)?;
+        let Some(Kind::StructValue(inner)) = md.kind.as_ref() else {
+            return None;
+        };
+        match inner.fields.get(key)?.kind.as_ref()? {
+            Kind::StringValue(s) => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn subset_hint_restricts_the_choice_and_one_naming_no_endpoint_is_503() {
+        let (shared, engine) = plane();
+        for _ in 0..3 {
+            let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+            let h = with_subset(
+                headers(&[("x-api-key", KEY)], true, false),
+                &["10.0.0.2:8000"],
+            );
+            c.handle(&h).await.expect("ok");
+            let out = c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+            assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.2:8000"));
+            // The hint allows one endpoint: no fallback to offer.
+            assert_eq!(lb_field(&out[0], FALLBACK_KEY), None);
+        }
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        let h = with_subset(
+            headers(&[("x-api-key", KEY)], true, false),
+            &["10.9.9.9:80"],
+        );
+        c.handle(&h).await.expect("ok");
+        let out = c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+        assert_eq!(status(&out[0]), Some(503));
+        drop(c);
+        assert_eq!(engine.router().in_flight(0).expect("pool"), 0);
+        assert_eq!(engine.choosers[0].loads(), vec![0, 0]);
+    }
+
+    #[tokio::test]
+    async fn answer_names_the_chosen_endpoint_then_its_fallbacks() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        c.handle(&headers(&[("x-api-key", KEY)], true, false))
+            .await
+            .expect("ok");
+        let out = c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+        let chosen = routed_to(&out[0]).expect("routed");
+        assert_eq!(lb_field(&out[0], DESTINATION_HEADER), Some(chosen.clone()));
+        let other = if chosen == "10.0.0.1:8000" {
+            "10.0.0.2:8000"
+        } else {
+            "10.0.0.1:8000"
+        };
+        assert_eq!(lb_field(&out[0], FALLBACK_KEY).as_deref(), Some(other));
+    }
+
+    #[tokio::test]
+    async fn a_model_no_pool_serves_is_an_openai_404() {
+        let mut spec = spec();
+        spec.pools[0].models = vec!["m".into()];
+        spec.pools[1].adapters = vec!["lora-a".into()];
+        let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+        let engine = Engine::build(spec, &shared, None).expect("engine");
+        let ask = |model: &str| {
+            serde_json::json!({"model": model, "max_tokens": 10,
+                               "messages": [{"role": "user", "content": "hi"}]})
+            .to_string()
+            .into_bytes()
+        };
+        let hints = Hints::default();
+        let r = engine
+            .route_body(&ask("m"), Some(0), &hints)
+            .await
+            .expect("ok");
+        assert_eq!(r.as_ref().map(|r| r.pool.as_str()), Ok("short"));
+        // Served by the long pool only: routed there though the budget picks short.
+        let r = engine
+            .route_body(&ask("lora-a"), Some(0), &hints)
+            .await
+            .expect("ok");
+        assert_eq!(r.as_ref().map(|r| r.pool.as_str()), Ok("long"));
+        let r = engine
+            .route_body(&ask("gpt-9"), Some(0), &hints)
+            .await
+            .expect("ok");
+        let rej = r.expect_err("refused");
+        assert_eq!((rej.status, rej.reason.as_str()), (404, "model-not-found"));
+        let Some(Answer::ImmediateResponse(imm)) = immediate(&rej).response else {
+            panic!("not immediate")
+        };
+        let v: serde_json::Value = serde_json::from_slice(&imm.body).expect("json");
+        assert_eq!(v["error"]["message"], "The model `gpt-9` does not exist.");
+        assert_eq!(engine.router().in_flight(0).expect("pool"), 1);
+        assert_eq!(engine.router().in_flight(1).expect("pool"), 1);
     }
 
     #[test]

@@ -49,6 +49,45 @@ pub struct CategoryLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ScrapeLabels {
+    pub endpoint: String,
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransitionLabels {
+    pub endpoint: String,
+    pub to: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabel {
+    pub endpoint: String,
+}
+
+/// The scrape outcomes of one endpoint (`ok` or a failure's label).
+pub struct ScrapeCounters {
+    family: Family<ScrapeLabels, FCounter>,
+    endpoint: String,
+    ok: FCounter,
+}
+
+impl ScrapeCounters {
+    pub fn count(&self, failure: Option<&str>) {
+        match failure {
+            None => self.ok.inc(),
+            Some(outcome) => self
+                .family
+                .get_or_create(&ScrapeLabels {
+                    endpoint: self.endpoint.clone(),
+                    outcome: outcome.into(),
+                })
+                .inc(),
+        };
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModeLabel {
     pub mode: String,
 }
@@ -66,6 +105,9 @@ pub struct Metrics {
     pub protocol_errors: FCounter,
     pub tokenize_skipped: FCounter,
     pub failures: Family<ModeLabel, FCounter>,
+    pub scrapes: Family<ScrapeLabels, FCounter>,
+    pub endpoint_healthy: Family<EndpointLabel, FGauge>,
+    pub endpoint_transitions: Family<TransitionLabels, FCounter>,
 }
 
 impl Default for Metrics {
@@ -143,6 +185,25 @@ impl Metrics {
             "Internal failures, per failure mode applied (open or closed)",
             failures.clone(),
         );
+        let scrapes = Family::default();
+        registry.register(
+            "routecore_scrapes",
+            "Metrics scrapes of the endpoints, per endpoint and outcome \
+             (ok, connect, timeout, status, too-large, garbage)",
+            scrapes.clone(),
+        );
+        let endpoint_healthy = Family::default();
+        registry.register(
+            "routecore_endpoint_healthy",
+            "1 while an endpoint is healthy (answers its metrics scrapes), else 0",
+            endpoint_healthy.clone(),
+        );
+        let endpoint_transitions = Family::default();
+        registry.register(
+            "routecore_endpoint_transitions",
+            "Endpoints turning healthy or unhealthy, per endpoint and state turned to",
+            endpoint_transitions.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -156,6 +217,37 @@ impl Metrics {
             protocol_errors,
             tokenize_skipped,
             failures,
+            scrapes,
+            endpoint_healthy,
+            endpoint_transitions,
+        }
+    }
+
+    pub fn scrape_counters(&self, endpoint: &str) -> ScrapeCounters {
+        ScrapeCounters {
+            family: self.scrapes.clone(),
+            endpoint: endpoint.into(),
+            ok: self.scrapes.get_or_create_owned(&ScrapeLabels {
+                endpoint: endpoint.into(),
+                outcome: "ok".into(),
+            }),
+        }
+    }
+
+    /// Sets an endpoint's health gauge; `transition`: counted as a change too.
+    pub fn endpoint_health(&self, endpoint: &str, healthy: bool, transition: bool) {
+        self.endpoint_healthy
+            .get_or_create(&EndpointLabel {
+                endpoint: endpoint.into(),
+            })
+            .set(if healthy { 1.0 } else { 0.0 });
+        if transition {
+            self.endpoint_transitions
+                .get_or_create(&TransitionLabels {
+                    endpoint: endpoint.into(),
+                    to: if healthy { "healthy" } else { "unhealthy" }.into(),
+                })
+                .inc();
         }
     }
 
@@ -223,6 +315,27 @@ impl Metrics {
             "calibration_ratio" => Some(
                 self.calibration_ratio
                     .get_or_create(&CategoryLabel { category: s(0)? })
+                    .get(),
+            ),
+            "scrapes" => Some(
+                self.scrapes
+                    .get_or_create(&ScrapeLabels {
+                        endpoint: s(0)?,
+                        outcome: s(1)?,
+                    })
+                    .get(),
+            ),
+            "endpoint_healthy" => Some(
+                self.endpoint_healthy
+                    .get_or_create(&EndpointLabel { endpoint: s(0)? })
+                    .get(),
+            ),
+            "endpoint_transitions" => Some(
+                self.endpoint_transitions
+                    .get_or_create(&TransitionLabels {
+                        endpoint: s(0)?,
+                        to: s(1)?,
+                    })
                     .get(),
             ),
             "in_flight" => Some(

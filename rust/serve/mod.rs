@@ -12,4 +12,5 @@ pub mod loadgen;
 pub mod logs;
 pub mod metrics;
 pub mod runtime;
+pub mod scrape;
 pub mod usage;

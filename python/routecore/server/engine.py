@@ -58,19 +58,9 @@ class RouterView:
         return self.plane.in_flight()["router"].get(pool, 0)
 
 
-class CoreRouterView:
-    def __init__(self, plane: DataPlane, pool: str) -> None:
-        self.plane, self.pool = plane, pool
-
-    @property
-    def running(self) -> list[int]:
-        return list(self.plane.in_flight()["running"].get(self.pool, {}).values())
-
-
 class ChooserView:
     def __init__(self, plane: DataPlane, pool: str) -> None:
         self.plane, self.pool = plane, pool
-        self.router = CoreRouterView(plane, pool)
 
     @property
     def load(self) -> dict[str, int]:

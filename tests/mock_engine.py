@@ -1,0 +1,319 @@
+"""A mock vLLM engine for the tests: an aiohttp server on 127.0.0.1.
+
+It serves what routecore reads from a real engine:
+
+- ``POST /v1/chat/completions`` and ``POST /v1/completions``: an OpenAI answer
+  with ``usage`` (JSON, or SSE when ``stream`` is true, with a usage event when
+  ``stream_options.include_usage`` is set); a ``model`` it does not serve is a
+  404 as vLLM answers it.
+- ``GET /health``: 200 while serving.
+- ``GET /metrics``: the Prometheus exposition (``prometheus_client``) with
+  vLLM's exact metric names, whose values follow the engine's load: a request
+  runs for ``service_s`` seconds in one of ``max_num_seqs`` slots, others wait;
+  KV use is the running requests' tokens over ``kv_capacity_tokens``. The
+  ``name[]`` query filter is honoured as vLLM's exposition does. Histograms are
+  exposed too, so an unfiltered page is the size of a real one.
+
+Bad metrics pages for the scraper's tests: :attr:`MockEngine.metrics_mode` is
+``"ok"``, ``"garbage"`` (not the exposition format), ``"huge"`` (``huge_bytes``
+of comments), ``"slow"`` (answers after ``slow_s``) or ``"error"`` (500).
+:meth:`MockEngine.set_load` pins the reported queue and KV use.
+
+Another helper can attach to the engine's request stream: every request served
+calls each of :attr:`MockEngine.listeners` with a :class:`Served` (prompt text,
+token ids when given, the model), e.g. a KV-event publisher.
+
+Tests are synchronous: :class:`MockEngine` runs its server on its own event
+loop thread; ``start()`` / ``stop()`` (kill) / ``start()`` again (restart on
+the same port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+#: vLLM's metric names (v1 engine; ``gpu_cache_usage_perc`` is the older name).
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+GPU_CACHE_USAGE = "vllm:gpu_cache_usage_perc"
+LORA_INFO = "vllm:lora_requests_info"
+#: Histograms a real page carries (what makes it tens of KB).
+HISTOGRAMS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+)
+BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5)
+BUCKETS += (10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+METRICS_MODES = ("ok", "garbage", "huge", "slow", "error")
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request the engine served (what a listener receives)."""
+
+    model: str
+    prompt: str
+    token_ids: tuple[int, ...] | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class MockEngine:
+    """One mock vLLM endpoint (see the module doc)."""
+
+    model: str = "m"
+    port: int = 0
+    max_num_seqs: int = 4
+    service_s: float = 0.05
+    kv_capacity_tokens: int = 4096
+    adapters: tuple[str, ...] = ()
+    metrics_mode: str = "ok"
+    huge_bytes: int = 4 << 20
+    slow_s: float = 2.0
+    #: Label sets per histogram (more: a bigger unfiltered page).
+    histogram_series: int = 2
+    listeners: list[Callable[[Served], None]] = field(default_factory=list)
+    #: Counts by path (``/metrics``: how often it was scraped).
+    hits: dict[str, int] = field(default_factory=dict)
+    #: The ``name[]`` filters of the last metrics request.
+    last_filter: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_tokens = 0
+        self.pinned: dict[str, float] = {}
+        self._slots: asyncio.Semaphore | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._runner: web.AppRunner | None = None
+        self._registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        self._gauges = {
+            name: Gauge(name, "mock", labels, registry=self._registry)
+            for name in (WAITING, RUNNING, KV_USAGE, GPU_CACHE_USAGE)
+        }
+        lora_labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+        self._lora = Gauge(LORA_INFO, "mock", lora_labels, registry=self._registry)
+        for name in HISTOGRAMS:
+            h = Histogram(name, "mock", labels, buckets=BUCKETS, registry=self._registry)
+            for i in range(self.histogram_series):
+                h.labels(self.model, str(i)).observe(0.05)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def _call(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> MockEngine:
+        """Serves on 127.0.0.1 (the same port again after a stop)."""
+        self._call(self._start())
+        return self
+
+    def stop(self) -> None:
+        """Kills the server (connections dropped, the port closed)."""
+        self._call(self._stop())
+
+    def close(self) -> None:
+        """Stops for good (the loop thread too)."""
+        self.stop()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    async def _start(self) -> None:
+        if self._runner is not None:
+            return
+        self._slots = asyncio.Semaphore(self.max_num_seqs)
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        if self.port == 0:
+            self.port = self._runner.addresses[0][1]
+
+    async def _stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+        self.running = self.waiting = self.kv_tokens = 0
+
+    # -- load ------------------------------------------------------------------
+
+    def set_load(
+        self, waiting: float | None = None, running: float | None = None, kv: float | None = None
+    ) -> None:
+        """Pins the reported queue, running count and KV use (None: follow the load)."""
+        for name, value in ((WAITING, waiting), (RUNNING, running), (KV_USAGE, kv)):
+            if value is None:
+                self.pinned.pop(name, None)
+            else:
+                self.pinned[name] = value
+
+    def _value(self, name: str) -> float:
+        if name in self.pinned:
+            return self.pinned[name]
+        if name == WAITING:
+            return float(self.waiting)
+        if name == RUNNING:
+            return float(self.running)
+        return min(1.0, self.kv_tokens / self.kv_capacity_tokens)
+
+    # -- handlers --------------------------------------------------------------
+
+    def _hit(self, path: str) -> None:
+        self.hits[path] = self.hits.get(path, 0) + 1
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self._hit("/health")
+        return web.Response(text="")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self._hit("/metrics")
+        self.last_filter = request.query.getall("name[]", [])
+        mode = self.metrics_mode
+        if mode == "error":
+            return web.Response(status=500, text="engine error")
+        if mode == "slow":
+            await asyncio.sleep(self.slow_s)
+        if mode == "garbage":
+            return web.Response(text="<html>\x00\x01 not { prometheus ]]] 1 2 3\n" * 50)
+        if mode == "huge":
+            line = "# " + "x" * 1000 + "\n"
+            return web.Response(text=line * (self.huge_bytes // len(line)))
+        kv = self._value(KV_USAGE)
+        for name in (WAITING, RUNNING):
+            self._gauges[name].labels(self.model, "0").set(self._value(name))
+        self._gauges[KV_USAGE].labels(self.model, "0").set(kv)
+        self._gauges[GPU_CACHE_USAGE].labels(self.model, "0").set(kv)
+        loaded = ",".join(self.adapters)
+        self._lora.clear()
+        self._lora.labels("4", loaded, "").set(time.time())
+        wanted = set(self.last_filter)
+        registry = self._registry
+        if wanted:
+            # prometheus_client's own filter (what vLLM's /metrics uses).
+            registry = registry.restricted_registry(sorted(wanted))  # type: ignore[assignment]
+        body = generate_latest(registry)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        self._hit(request.path)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "invalid JSON body")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        model = body.get("model", self.model)
+        if model != self.model and model not in self.adapters:
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        prompt, ids = _prompt(body, chat)
+        prompt_tokens = len(ids) if ids is not None else max(1, len(prompt) // 4)
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        completion_tokens = max(1, min(int(max_tokens), 16))
+        assert self._slots is not None
+        self.waiting += 1
+        async with self._slots:
+            self.waiting -= 1
+            self.running += 1
+            self.kv_tokens += prompt_tokens + completion_tokens
+            try:
+                await asyncio.sleep(self.service_s)
+            finally:
+                self.running -= 1
+                self.kv_tokens -= prompt_tokens + completion_tokens
+        served = Served(model, prompt, ids, prompt_tokens, completion_tokens)
+        for listener in self.listeners:
+            listener(served)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        kind = "chat.completion" if chat else "text_completion"
+        text = "ok " * completion_tokens
+        if not body.get("stream"):
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}}
+                if chat
+                else {"index": 0, "text": text}
+            )
+            choice["finish_reason"] = "length"
+            return web.json_response(
+                {
+                    "id": "mock-1",
+                    "object": kind,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(completion_tokens):
+            delta = {"delta": {"content": "ok "}} if chat else {"text": "ok "}
+            event = {"id": "mock-1", "object": f"{kind}.chunk", "choices": [{"index": 0, **delta}]}
+            if i == completion_tokens - 1:
+                event["choices"][0]["finish_reason"] = "length"
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        if (body.get("stream_options") or {}).get("include_usage"):
+            event = {"id": "mock-1", "object": f"{kind}.chunk", "choices": [], "usage": usage}
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _prompt(body: dict, chat: bool) -> tuple[str, tuple[int, ...] | None]:
+    """The prompt's text (messages in order) and its token ids when given."""
+    if chat:
+        parts = []
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+        return "\n".join(parts), None
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return "", tuple(prompt)
+    return (prompt if isinstance(prompt, str) else json.dumps(prompt)), None
+
+
+def _error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+    return web.json_response(
+        {"object": "error", "message": message, "type": kind, "code": status}, status=status
+    )

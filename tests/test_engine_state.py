@@ -1,0 +1,373 @@
+"""The engines' state end to end: mock vLLM engines on 127.0.0.1 scraped by
+the data plane, and the endpoint picker choosing among them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
+from mock_engine import GPU_CACHE_USAGE, KV_USAGE, LORA_INFO, RUNNING, WAITING, MockEngine
+from server_fixtures import Running, base_config
+
+from routecore.server.envoy_client import chat_body, header_map, http_headers
+
+INTERVAL = 0.05
+K = 3
+#: Scheduling slack on a loaded 2-core machine, on top of interval x K.
+SLACK = 1.0
+KEY = {"x-api-key": "demo-key"}
+
+
+@pytest.fixture
+def engines():
+    started: list[MockEngine] = []
+
+    def start(n: int, **kwargs) -> list[MockEngine]:
+        new = [MockEngine(**kwargs).start() for _ in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for e in started:
+        e.close()
+
+
+@pytest.fixture
+def serve(tmp_path):
+    started: list[Running] = []
+
+    def start(endpoints: list[str], **overrides) -> Running:
+        scrape = {"enabled": True, "interval_s": INTERVAL, "unhealthy_after": K}
+        scrape.update(overrides.pop("scrape", {}))
+        config = base_config(
+            scrape=scrape,
+            pools=[
+                {"name": "short", "max_context": 8192, "endpoints": endpoints},
+                {"name": "long", "max_context": 65536, "endpoints": endpoints[:1]},
+            ],
+            **overrides,
+        )
+        r = Running(tmp_path / f"routecore{len(started)}.yaml", config)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+def route(r: Running, text: str = "hello") -> dict:
+    """Routes one request through the data plane and releases it at once."""
+    out = r.server.plane.route_body(chat_body(text, max_tokens=10))
+    if out["admitted"]:
+        r.server.plane.finish(out["request_id"], 10, 5)
+    return out
+
+
+def state(r: Running) -> dict:
+    return r.server.plane.endpoints()["short"]
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    """Polls ``predicate`` every 10 ms; returns the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def post(url: str, body: dict, timeout: float = 10.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:  # the engine was killed meanwhile
+        return 0, b""
+
+
+# -- the mock engine ----------------------------------------------------------
+
+
+def test_mock_engine_speaks_openai_and_vllm_metrics(engines):
+    (e,) = engines(1, service_s=0.0)
+    base = f"http://{e.address}"
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    status, body = post(f"{base}/v1/chat/completions", chat)
+    answer = json.loads(body)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3
+    stream = {"model": "m", "prompt": [1, 2, 3], "stream": True, "max_tokens": 2}
+    stream["stream_options"] = {"include_usage": True}
+    status, body = post(f"{base}/v1/completions", stream)
+    events = [line[6:] for line in body.decode().split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+    }
+    del stream["stream_options"]
+    _, body = post(f"{base}/v1/completions", stream)
+    assert b'"usage"' not in body
+    assert post(f"{base}/v1/completions", {"model": "other", "prompt": "x"})[0] == 404
+    assert get(f"{base}/health")[0] == 200
+    _, page = get(f"{base}/metrics")
+    for name in (
+        WAITING,
+        RUNNING,
+        KV_USAGE,
+        "vllm:gpu_cache_usage_perc",
+        "vllm:lora_requests_info",
+    ):
+        assert f"\n{name}{{".encode() in page, name
+    assert len(page) > 10_000  # histograms, as on a real page
+    _, filtered = get(f"{base}/metrics?name[]={WAITING}&name[]={KV_USAGE}")
+    assert WAITING.encode() in filtered and RUNNING.encode() not in filtered
+    assert len(filtered) < 1000
+
+
+def test_mock_engine_metrics_follow_its_load(engines):
+    (e,) = engines(1, max_num_seqs=2, service_s=1.0)
+    threads = [
+        threading.Thread(
+            target=post,
+            args=(f"http://{e.address}/v1/completions", {"model": "m", "prompt": "x" * 400}),
+        )
+        for _ in range(5)
+    ]
+    for t in threads:
+        t.start()
+    wait_for(lambda: e.running == 2 and e.waiting == 3, 5.0, "a queue")
+    _, page = get(f"http://{e.address}/metrics")
+    assert f'{RUNNING}{{engine="0",model_name="m"}} 2.0'.encode() in page
+    assert f'{WAITING}{{engine="0",model_name="m"}} 3.0'.encode() in page
+    for t in threads:
+        t.join(timeout=10)
+    assert (e.running, e.waiting) == (0, 0)
+
+
+# -- health -------------------------------------------------------------------
+
+
+def test_killed_endpoint_stops_being_chosen_then_comes_back(engines, serve):
+    es = engines(3)
+    r = serve([e.address for e in es])
+    wait_for(lambda: all(s["kv_usage"] is not None for s in state(r).values()), 5, "scrapes")
+    dead = es[1]
+    dead.stop()
+    took = wait_for(lambda: not state(r)[dead.address]["healthy"], 5, "unhealthy")
+    assert took < INTERVAL * K + SLACK
+    chosen = {route(r, f"q{i}")["endpoint"] for i in range(30)}
+    assert dead.address not in chosen and chosen
+    assert r.metric("endpoint_healthy", dead.address) == 0
+    assert r.metric("endpoint_transitions", dead.address, "unhealthy") == 1
+    assert r.metric("scrapes", dead.address, "connect") >= K
+    dead.start()  # restarted on the same port
+    wait_for(lambda: state(r)[dead.address]["healthy"], 5, "healthy again")
+    assert r.metric("endpoint_transitions", dead.address, "healthy") == 1
+    chosen = {route(r, f"again {i}")["endpoint"] for i in range(60)}
+    assert dead.address in chosen
+
+
+def test_no_healthy_endpoint_is_503_never_a_dead_address(engines, serve):
+    es = engines(2)
+    r = serve([e.address for e in es])
+    for e in es:
+        e.stop()
+    wait_for(lambda: not any(s["healthy"] for s in state(r).values()), 5, "all unhealthy")
+    out = route(r)
+    assert (out["admitted"], out["status"], out["reason"]) == (False, 503, "no-endpoint")
+    assert r.server.plane.in_flight()["leases"] == 0
+
+
+def test_nothing_listening_is_never_chosen_after_k_intervals(serve, engines):
+    (live,) = engines(1)
+    r = serve([live.address, "127.0.0.1:9"])  # the discard port: nothing listens
+    wait_for(lambda: not state(r)["127.0.0.1:9"]["healthy"], 5, "unhealthy")
+    assert {route(r, f"q{i}")["endpoint"] for i in range(20)} == {live.address}
+
+
+# -- load ---------------------------------------------------------------------
+
+
+def test_loaded_endpoint_loses_traffic(engines, serve):
+    es = engines(3, max_num_seqs=2, service_s=2.0)
+    r = serve([e.address for e in es])
+    busy = es[0]
+    threads = [
+        threading.Thread(
+            target=post,
+            args=(f"http://{busy.address}/v1/completions", {"model": "m", "prompt": "y" * 4000}),
+            daemon=True,  # they end when the fixture stops the engine
+        )
+        for _ in range(10)
+    ]
+    for t in threads:
+        t.start()
+    # Its own queue (8 waiting) shows in its metrics, then in the picker's state.
+    wait_for(lambda: (state(r)[busy.address]["waiting"] or 0) >= 6, 5, "the queue scraped")
+    chosen = []
+    for i in range(15):
+        chosen.append(route(r, f"q{i}")["endpoint"])
+        time.sleep(INTERVAL / 2)  # as traffic arrives: the others' scrapes show it done
+    assert busy.address not in chosen
+
+
+def test_dispatches_between_scrapes_spread_a_burst(engines, serve):
+    es = engines(3)
+    scrape = {"interval_s": 3.0, "stale_after": 10}
+    r = serve([e.address for e in es], scrape=scrape, router={"policy": "queue+kv"})
+    wait_for(lambda: all(s["waiting"] is not None for s in state(r).values()), 10, "a scrape")
+    # Each request ends at once: only the dispatches since the scrape tell
+    # the picker where the burst went (the engines have not reported it yet).
+    counts = {e.address: 0 for e in es}
+    for i in range(6):
+        counts[route(r, f"burst {i}")["endpoint"]] += 1
+    assert sorted(counts.values()) == [2, 2, 2]
+
+
+# -- bad metrics pages --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "outcome", "extra"),
+    [
+        ("garbage", "garbage", {}),
+        ("huge", "too-large", {"max_page_bytes": 1 << 20}),
+        ("slow", "timeout", {"timeout_s": 0.1}),
+        ("error", "status", {}),
+    ],
+)
+def test_bad_metrics_pages_are_counted_failures_and_the_server_keeps_serving(
+    engines, serve, mode, outcome, extra
+):
+    good, bad = engines(2, huge_bytes=2 << 20)
+    bad.metrics_mode = mode
+    r = serve([good.address, bad.address], scrape=extra)
+    wait_for(lambda: not state(r)[bad.address]["healthy"], 10, "unhealthy")
+    assert r.metric("scrapes", bad.address, outcome) >= K
+    assert state(r)[bad.address]["waiting"] is None  # never read a value from it
+    assert state(r)[good.address]["healthy"]
+    assert {route(r, f"q{i}")["endpoint"] for i in range(10)} == {good.address}
+    bad.metrics_mode = "ok"
+    wait_for(lambda: state(r)[bad.address]["healthy"], 10, "healthy again")
+
+
+def test_flapping_endpoint_turns_unhealthy_and_back_each_time(engines, serve):
+    good, flappy = engines(2)
+    r = serve([good.address, flappy.address])
+    for cycle in range(1, 3):
+        flappy.metrics_mode = "error"
+        wait_for(lambda: not state(r)[flappy.address]["healthy"], 5, "unhealthy")
+        flappy.metrics_mode = "ok"
+        wait_for(lambda: state(r)[flappy.address]["healthy"], 5, "healthy")
+        assert r.metric("endpoint_transitions", flappy.address, "unhealthy") == cycle
+        assert r.metric("endpoint_transitions", flappy.address, "healthy") == cycle
+    # One failure between successes changes nothing.
+    flappy.metrics_mode = "error"
+    time.sleep(INTERVAL * 1.5)
+    flappy.metrics_mode = "ok"
+    assert route(r)["admitted"]
+
+
+def test_scraper_asks_only_for_the_metrics_it_reads(engines, serve):
+    (e,) = engines(1)
+    serve([e.address])
+    wait_for(lambda: e.hits.get("/metrics", 0) >= 2, 5, "scrapes")
+    assert set(e.last_filter) == {WAITING, RUNNING, KV_USAGE, GPU_CACHE_USAGE, LORA_INFO}
+
+
+def test_adapters_are_read_from_lora_info(engines, serve):
+    plain, lora = engines(1)[0], engines(1, adapters=("sql-lora",))[0]
+    r = serve([plain.address, lora.address])
+    wait_for(lambda: state(r)[lora.address]["adapters"] == ["sql-lora"], 5, "adapters")
+    assert state(r)[plain.address]["adapters"] == []
+
+
+# -- the Envoy protocol -------------------------------------------------------
+
+
+def ext_proc(r: Running, headers: dict[str, str], body: bytes, subset=None):
+    """One BUFFERED request (headers with an optional subset hint, then the body)."""
+    first = pb.ProcessingRequest(request_headers=http_headers(headers))
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        hint.update({"x-gateway-destination-endpoint-subset": subset})
+        first.metadata_context.CopyFrom(
+            base_pb2.Metadata(filter_metadata={"envoy.lb.subset_hint": hint})
+        )
+
+    async def go():
+        async with grpc.aio.insecure_channel(r.target) as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(first)
+            out = [await call.read()]
+            if not out[0].HasField("immediate_response"):
+                await call.write(
+                    pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+                )
+                out.append(await call.read())
+            await call.done_writing()
+            return out[-1]
+
+    return asyncio.run(go())
+
+
+def test_protocol_subset_hint_fallbacks_and_404(engines, serve):
+    es = engines(3)
+    r = serve([e.address for e in es])
+    wait_for(lambda: all(s["kv_usage"] is not None for s in state(r).values()), 5, "scrapes")
+    only = es[2].address
+    for i in range(5):
+        resp = ext_proc(r, KEY, chat_body(f"q{i}"), subset=[only, "10.255.0.1:80"])
+        assert (
+            header_map(resp.request_body.response.header_mutation)["x-gateway-destination-endpoint"]
+            == only
+        )
+    resp = ext_proc(r, KEY, chat_body("q"), subset=[])
+    assert resp.immediate_response.status.code == 503
+    resp = ext_proc(r, KEY, chat_body("q"))
+    lb = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    chosen = lb["x-gateway-destination-endpoint"].string_value
+    fallbacks = lb["x-gateway-destination-endpoint-fallback"].string_value.split(",")
+    assert sorted([chosen, *fallbacks]) == sorted(e.address for e in es)
+
+
+def test_protocol_sheddable_objective_and_fairness_id(engines, serve):
+    es = engines(2)
+    r = serve(
+        [e.address for e in es],
+        router={"objectives": {"batch": -1, "chat": 1}},
+    )
+    for e in es:
+        e.set_load(waiting=50)  # every endpoint saturated
+    wait_for(lambda: all((s["waiting"] or 0) >= 50 for s in state(r).values()), 5, "saturated")
+    shed = ext_proc(r, {**KEY, "x-gateway-inference-objective": "batch"}, chat_body("q"))
+    assert shed.immediate_response.status.code == 429
+    kept = ext_proc(r, {**KEY, "x-gateway-inference-objective": "chat"}, chat_body("q"))
+    assert kept.HasField("request_body")
+    fair = ext_proc(r, {**KEY, "x-gateway-inference-fairness-id": "team-a"}, chat_body("q"))
+    assert fair.HasField("request_body")
