@@ -261,6 +261,16 @@ pub struct KvIndex {
     endpoints: RwLock<HashMap<String, Shared>>,
 }
 
+impl Default for KvIndex {
+    /// The default configuration, no endpoints.
+    fn default() -> Self {
+        Self {
+            config: KvConfig::default(),
+            endpoints: RwLock::new(HashMap::new()),
+        }
+    }
+}
+
 fn lock(e: &Shared) -> MutexGuard<'_, EndpointKv> {
     e.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -32,7 +32,10 @@ pub struct Source {
 /// Checks a source's addresses (`tcp://host:port`): a clear error naming
 /// the key, before any task starts.
 pub fn check(source: &Source) -> crate::error::Result<()> {
-    for (key, addr) in [("zmq", Some(&source.zmq)), ("replay", source.replay.as_ref())] {
+    for (key, addr) in [
+        ("zmq", Some(&source.zmq)),
+        ("replay", source.replay.as_ref()),
+    ] {
         if let Some(addr) = addr {
             addr.parse::<zeromq::Endpoint>().map_err(|e| {
                 crate::error::invalid(format!(

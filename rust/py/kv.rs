@@ -65,7 +65,13 @@ impl PyKvEventIndex {
     /// ``"tcp://127.0.0.1:5557"``) under ``topic``; ``replay`` is the engine's
     /// replay address. The subscriber connects (and reconnects) on its own.
     #[pyo3(signature = (endpoint, zmq, topic = "", replay = None))]
-    fn subscribe(&self, endpoint: &str, zmq: &str, topic: &str, replay: Option<String>) -> PyResult<()> {
+    fn subscribe(
+        &self,
+        endpoint: &str,
+        zmq: &str,
+        topic: &str,
+        replay: Option<String>,
+    ) -> PyResult<()> {
         let guard = self.runtime.lock().unwrap_or_else(|e| e.into_inner());
         let rt = guard
             .as_ref()
@@ -170,7 +176,12 @@ pub fn stats_dict<'py>(
 impl Drop for PyKvEventIndex {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
-        if let Some(rt) = self.runtime.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(rt) = self
+            .runtime
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
             rt.shutdown_background();
         }
     }

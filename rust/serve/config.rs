@@ -73,6 +73,27 @@ pub struct TenantSpec {
     pub entitlement: Option<String>,
 }
 
+/// One endpoint's KV-event source (`kv_events.endpoints` of the config).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvSourceSpec {
+    pub endpoint: String,
+    pub zmq: String,
+    pub topic: String,
+    pub replay: Option<String>,
+}
+
+/// The precise prefix index and its subscribers (`kv_events`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventsSpec {
+    pub block_size: usize,
+    pub seed: u64,
+    pub capacity_blocks: usize,
+    pub stale_after_s: Option<f64>,
+    pub sources: Vec<KvSourceSpec>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Spec {
@@ -83,6 +104,9 @@ pub struct Spec {
     pub tenants: Vec<TenantSpec>,
     /// The admission backend's spec (None: no entitlements, no admission).
     pub admission: Option<serde_json::Value>,
+    /// KV-event sources (None: no precise prefix index).
+    #[serde(default)]
+    pub kv_events: Option<KvEventsSpec>,
 }
 
 impl Spec {

@@ -278,6 +278,8 @@ pub struct Shared {
     epoch: Instant,
     handle: tokio::runtime::Handle,
     faults: Mutex<HashSet<&'static str>>,
+    /// The precise prefix index fed by the engines' KV events (crate::kv).
+    pub kv: Arc<crate::kv::KvIndex>,
 }
 
 impl Shared {
@@ -296,7 +298,16 @@ impl Shared {
             epoch: Instant::now(),
             handle,
             faults: Mutex::new(HashSet::new()),
+            kv: Arc::default(),
         }
+    }
+
+    /// Uses `kv` as the precise prefix index (and reports it in the metrics).
+    pub fn with_kv(mut self, kv: Arc<crate::kv::KvIndex>) -> Self {
+        #[cfg(feature = "kv-events")]
+        self.metrics.kv.set(Arc::clone(&kv));
+        self.kv = kv;
+        self
     }
 
     /// Seconds on the data plane's monotonic clock (what the choosers are given).

@@ -65,6 +65,9 @@ pub struct Metrics {
     pub absurd_usage: Family<PoolLabel, FCounter>,
     pub protocol_errors: FCounter,
     pub failures: Family<ModeLabel, FCounter>,
+    /// The KV-event metrics, read from the precise prefix index at each scrape.
+    #[cfg(feature = "kv-events")]
+    pub kv: Arc<crate::kv::metrics::KvCollector>,
 }
 
 impl Default for Metrics {
@@ -136,8 +139,14 @@ impl Metrics {
             "Internal failures, per failure mode applied (open or closed)",
             failures.clone(),
         );
+        #[cfg(feature = "kv-events")]
+        let kv = Arc::new(crate::kv::metrics::KvCollector::default());
+        #[cfg(feature = "kv-events")]
+        registry.register_collector(Box::new(Arc::clone(&kv)));
         Self {
             registry,
+            #[cfg(feature = "kv-events")]
+            kv,
             decisions,
             spillovers,
             rejections,

@@ -73,7 +73,9 @@ impl DataPlane {
             .enable_all()
             .build()
             .map_err(|e| invalid(format!("cannot start the runtime: {e}")))?;
-        let shared = Arc::new(Shared::new(calibrator, runtime.handle().clone()));
+        let kv_spec = spec.kv_events.clone();
+        let kv = crate::kv::index_for(kv_spec.as_ref())?;
+        let shared = Arc::new(Shared::new(calibrator, runtime.handle().clone()).with_kv(kv));
         let max_message = usize::try_from(spec.limits.max_message_bytes).unwrap_or(usize::MAX);
         let engine = Engine::build(spec, &shared, None)?;
         let current: Current = Arc::new(RwLock::new(engine));
@@ -91,6 +93,7 @@ impl DataPlane {
             .and_then(|l| l.local_addr().ok())
             .map(|a| a.port());
         let (stop, stopped) = watch::channel(false);
+        crate::kv::subscribe(kv_spec.as_ref(), &shared.kv, runtime.handle(), &stopped)?;
         let (health, health_service) = tonic_health::server::health_reporter();
         let server = runtime.block_on(async {
             for name in SERVICES {
