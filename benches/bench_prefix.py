@@ -11,7 +11,7 @@ from routecore import PrefixCacheRouter, block_hashes
 
 TOKENS = 8192
 BLOCK = 16  # 512 blocks
-PODS = [f"pod-{i}" for i in range(16)]
+ENDPOINTS = [f"endpoint-{i}" for i in range(16)]
 
 
 def prompt(seed=0, n=TOKENS):
@@ -33,25 +33,25 @@ def test_block_hashes_plain_python(benchmark):
 
 def warmed(router_cls):
     """A router that has seen 16 prompts sharing a 4,096-token system prompt."""
-    r = router_cls(PODS, block_size=BLOCK)
+    r = router_cls(ENDPOINTS, block_size=BLOCK)
     system = prompt(1, TOKENS // 2)
     for k in range(16):
         r.route(np.concatenate([system, prompt(100 + k, TOKENS // 2)]))
     return r, np.concatenate([system, prompt(999, TOKENS // 2)])
 
 
-@pytest.mark.benchmark(group="PrefixCacheRouter.route: 16 pods, 512-block prompt")
+@pytest.mark.benchmark(group="PrefixCacheRouter.route: 16 endpoints, 512-block prompt")
 def test_route_routecore(benchmark):
     r, p = warmed(PrefixCacheRouter)
-    pod, fraction = benchmark(r.route, p)
-    assert pod in PODS and fraction >= 0.5
+    endpoint, fraction = benchmark(r.route, p)
+    assert endpoint in ENDPOINTS and fraction >= 0.5
 
 
-@pytest.mark.benchmark(group="PrefixCacheRouter.route: 16 pods, 512-block prompt")
+@pytest.mark.benchmark(group="PrefixCacheRouter.route: 16 endpoints, 512-block prompt")
 def test_route_plain_python(benchmark):
     r, p = warmed(baseline.PrefixCacheRouter)
-    pod, fraction = benchmark(r.route, p)
-    assert pod in PODS and fraction >= 0.5
+    endpoint, fraction = benchmark(r.route, p)
+    assert endpoint in ENDPOINTS and fraction >= 0.5
 
 
 def test_the_baseline_decides_like_routecore():
@@ -78,10 +78,10 @@ def test_route_many_routecore(benchmark):
     _, flat, offsets = batch()
 
     def run():
-        return PrefixCacheRouter(PODS, block_size=BLOCK).route_many(flat, offsets)
+        return PrefixCacheRouter(ENDPOINTS, block_size=BLOCK).route_many(flat, offsets)
 
-    pods, _ = benchmark(run)
-    assert len(pods) == BATCH
+    endpoints, _ = benchmark(run)
+    assert len(endpoints) == BATCH
 
 
 @pytest.mark.benchmark(group="route_many: 64 prompts of 2,048 tokens")
@@ -89,7 +89,7 @@ def test_route_many_plain_python_loop(benchmark):
     prompts, _, _ = batch()
 
     def run():
-        r = baseline.PrefixCacheRouter(PODS, block_size=BLOCK)
+        r = baseline.PrefixCacheRouter(ENDPOINTS, block_size=BLOCK)
         return [r.route(p) for p in prompts]
 
     assert len(benchmark(run)) == BATCH

@@ -20,26 +20,28 @@
 //!
 //! # Prefix index
 //!
-//! `PrefixIndex` maps a block hash to the pods that hold the block. It keeps at
+//! `PrefixIndex` maps a block hash to the endpoints that hold the block. It keeps at
 //! most `capacity` hashes and evicts the least recently used; with a TTL a hash
 //! not recorded for longer than the TTL is dropped. Memory is bounded by
-//! `capacity * (entry + 4 bytes per pod holding it)` whatever the input.
+//! `capacity * (entry + 4 bytes per endpoint holding it)` whatever the input.
 //!
 //! # Router
 //!
-//! The paper's pseudo-code, with its documented defaults:
+//! `PrefixCacheRouter` is the endpoint picker's `prefix` preset: the
+//! `prefix` scorer (`pick/prefix.rs`) with ties to the least-loaded. It
+//! decides as the paper's pseudo-code, with its documented defaults:
 //!
-//! 1. If `max - min` running requests over the pods exceeds
-//!    `imbalance_abs_count`, route to the least-loaded pod.
-//! 2. Otherwise match the prompt's hashes from the first block on, per pod,
-//!    stopping at a pod's first miss. Order the pods that match at least one
+//! 1. If `max - min` running requests over the endpoints exceeds
+//!    `imbalance_abs_count`, route to the least-loaded endpoint.
+//! 2. Otherwise match the prompt's hashes from the first block on, per endpoint,
+//!    stopping at an endpoint's first miss. Order the endpoints that match at least one
 //!    block by matched blocks (descending; the same order as match percent),
-//!    then running requests (ascending), then pod order; take the first whose
+//!    then running requests (ascending), then endpoint order; take the first whose
 //!    running count is at or below `mean + std_factor * std` (population std
-//!    over all pods; "at or below", so equal loads keep prefix matching).
-//! 3. If nothing was chosen, the least-loaded pod (first on ties).
+//!    over all endpoints; "at or below", so equal loads keep prefix matching).
+//! 3. If nothing was chosen, the least-loaded endpoint (first on ties).
 //!
-//! The prompt's blocks are then recorded for the chosen pod, and the pod
+//! The prompt's blocks are then recorded for the chosen endpoint, and the endpoint
 //! counts one more running request.
 
 use std::collections::HashMap;
@@ -49,7 +51,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{finite, invalid, non_negative, unknown, Error, Result};
-use crate::pods::{check_pod_name, PodSet, MAX_PODS};
+use crate::pick::endpoints::{
+    check_endpoint_name, check_in_flight, complete_one, set_in_flight, MAX_ENDPOINTS,
+};
+use crate::pick::prefix::PrefixScorer;
+use crate::pick::{preset_specs, EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec};
 use crate::snapshot::{restore, Reader, Writer};
 
 /// Largest block size, in tokens.
@@ -233,18 +239,18 @@ impl Hasher for BlockHasher {
 }
 
 const NIL: u32 = u32::MAX;
-/// Marks an index pod that has no slot in a router.
-const NO_SLOT: usize = usize::MAX;
+/// Marks an index endpoint that has no slot in a router.
+pub(crate) const NO_SLOT: usize = usize::MAX;
 
-/// The pods holding one block: ids below 64 as bits of `low` (no allocation
+/// The endpoints holding one block: ids below 64 as bits of `low` (no allocation
 /// for the common fleet), larger ids in `high`.
 #[derive(Debug, Clone, Default, PartialEq)]
-struct PodBits {
+struct EndpointBits {
     low: u64,
     high: Vec<u32>,
 }
 
-impl PodBits {
+impl EndpointBits {
     fn holds(&self, id: u32) -> bool {
         if id < 64 {
             self.low >> id & 1 == 1
@@ -294,15 +300,15 @@ struct Entry {
     last: f64,
     prev: u32,
     next: u32,
-    pods: PodBits,
+    endpoints: EndpointBits,
 }
 
-/// Block hash -> the pods holding it, LRU-bounded, with an optional idle TTL.
+/// Block hash -> the endpoints holding it, LRU-bounded, with an optional idle TTL.
 ///
-/// Time is passed in by the caller (seconds, any epoch). Pods are interned to
-/// dense ids; a removed pod's id is reused, and so, when all `MAX_PODS` ids
-/// are taken, are the ids of pods that hold no block any more (evicted or
-/// expired), so any number of distinct pods can pass through the index.
+/// Time is passed in by the caller (seconds, any epoch). Endpoints are interned to
+/// dense ids; a removed endpoint's id is reused, and so, when all `MAX_ENDPOINTS` ids
+/// are taken, are the ids of endpoints that hold no block any more (evicted or
+/// expired), so any number of distinct endpoints can pass through the index.
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
     capacity: usize,
@@ -314,11 +320,17 @@ pub struct PrefixIndex {
     head: u32,
     /// Least recently used entry.
     tail: u32,
-    pod_names: Vec<Option<String>>,
-    pod_ids: HashMap<String, u32>,
-    free_pods: Vec<u32>,
-    /// Per pod id, how many entries hold it.
-    pod_blocks: Vec<u32>,
+    endpoint_names: Vec<Option<String>>,
+    endpoint_ids: HashMap<String, u32>,
+    free_endpoints: Vec<u32>,
+    /// Per endpoint id, how many entries hold it.
+    endpoint_blocks: Vec<u32>,
+    /// Bumped whenever an endpoint id changes hands (interned, reclaimed,
+    /// removed): a router's cached ids stay valid while it is unchanged.
+    names_gen: u64,
+    /// Bumped whenever an entry slot is freed or filled: slots found by a
+    /// match stay valid while it is unchanged.
+    slots_gen: u64,
 }
 
 const INDEX_MAGIC: &[u8; 4] = b"RCPX";
@@ -345,10 +357,12 @@ impl PrefixIndex {
             free: Vec::new(),
             head: NIL,
             tail: NIL,
-            pod_names: Vec::new(),
-            pod_ids: HashMap::new(),
-            free_pods: Vec::new(),
-            pod_blocks: Vec::new(),
+            endpoint_names: Vec::new(),
+            endpoint_ids: HashMap::new(),
+            free_endpoints: Vec::new(),
+            endpoint_blocks: Vec::new(),
+            names_gen: 0,
+            slots_gen: 0,
         })
     }
 
@@ -365,82 +379,84 @@ impl PrefixIndex {
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
-    /// Names of the pods that hold at least one block or were recorded (a
-    /// pod holding no block is forgotten when its id is needed: see above).
-    pub fn pods(&self) -> Vec<String> {
-        self.pod_names.iter().flatten().cloned().collect()
+    /// Names of the endpoints that hold at least one block or were recorded (a
+    /// endpoint holding no block is forgotten when its id is needed: see above).
+    pub fn endpoints(&self) -> Vec<String> {
+        self.endpoint_names.iter().flatten().cloned().collect()
     }
 
-    fn pod_id(&self, name: &str) -> Option<u32> {
-        self.pod_ids.get(name).copied()
+    pub(crate) fn endpoint_id(&self, name: &str) -> Option<u32> {
+        self.endpoint_ids.get(name).copied()
     }
 
     /// Ids not taken: free ones and those never handed out.
     fn spare_ids(&self) -> usize {
-        self.free_pods.len() + MAX_PODS - self.pod_names.len()
+        self.free_endpoints.len() + MAX_ENDPOINTS - self.endpoint_names.len()
     }
 
-    /// The ids of named pods that hold no block, except those in `keep`.
+    /// The ids of named endpoints that hold no block, except those in `keep`.
     fn idle_ids(&self, keep: &[u32]) -> Vec<u32> {
-        (0..self.pod_names.len() as u32)
+        (0..self.endpoint_names.len() as u32)
             .filter(|&id| {
-                self.pod_names[id as usize].is_some()
-                    && self.pod_blocks[id as usize] == 0
+                self.endpoint_names[id as usize].is_some()
+                    && self.endpoint_blocks[id as usize] == 0
                     && !keep.contains(&id)
             })
             .collect()
     }
 
-    /// Forgets the (blockless) pods of `ids`, freeing their ids.
+    /// Forgets the (blockless) endpoints of `ids`, freeing their ids.
     fn reclaim(&mut self, ids: Vec<u32>) {
+        self.names_gen += 1;
         for id in ids {
-            if let Some(name) = self.pod_names[id as usize].take() {
-                self.pod_ids.remove(&name);
+            if let Some(name) = self.endpoint_names[id as usize].take() {
+                self.endpoint_ids.remove(&name);
             }
-            self.free_pods.push(id);
+            self.free_endpoints.push(id);
         }
     }
 
     fn intern(&mut self, name: &str) -> Result<u32> {
-        if let Some(id) = self.pod_id(name) {
+        if let Some(id) = self.endpoint_id(name) {
             return Ok(id);
         }
-        check_pod_name(name)?;
+        check_endpoint_name(name)?;
         if self.spare_ids() == 0 {
             self.reclaim(self.idle_ids(&[]));
         }
-        let id = match self.free_pods.pop() {
+        let id = match self.free_endpoints.pop() {
             Some(id) => {
-                self.pod_names[id as usize] = Some(name.to_owned());
+                self.endpoint_names[id as usize] = Some(name.to_owned());
                 id
             }
             None => {
-                if self.pod_names.len() >= MAX_PODS {
+                if self.endpoint_names.len() >= MAX_ENDPOINTS {
                     return Err(invalid(format!(
-                        "a prefix index holds at most {MAX_PODS} pods"
+                        "a prefix index holds at most {MAX_ENDPOINTS} endpoints"
                     )));
                 }
-                self.pod_names.push(Some(name.to_owned()));
-                self.pod_blocks.push(0);
-                (self.pod_names.len() - 1) as u32
+                self.endpoint_names.push(Some(name.to_owned()));
+                self.endpoint_blocks.push(0);
+                (self.endpoint_names.len() - 1) as u32
             }
         };
-        self.pod_ids.insert(name.to_owned(), id);
+        self.endpoint_ids.insert(name.to_owned(), id);
+        self.names_gen += 1;
         Ok(id)
     }
 
     /// The ids of `names`, interning the new ones (reclaiming the ids of
-    /// other pods that hold no block if need be); refused, changing nothing,
-    /// when that would pass `MAX_PODS`.
-    fn ids_for(&mut self, names: &[String]) -> Result<Vec<u32>> {
-        let known: Vec<Option<u32>> = names.iter().map(|n| self.pod_id(n)).collect();
+    /// other endpoints that hold no block if need be); refused, changing nothing,
+    /// when that would pass `MAX_ENDPOINTS`.
+    pub(crate) fn ids_for(&mut self, names: &[String]) -> Result<Vec<u32>> {
+        let known: Vec<Option<u32>> = names.iter().map(|n| self.endpoint_id(n)).collect();
         let new = known.iter().filter(|id| id.is_none()).count();
         if new > self.spare_ids() {
             let keep: Vec<u32> = known.iter().flatten().copied().collect();
             let idle = self.idle_ids(&keep);
             if new > self.spare_ids() + idle.len() {
                 return Err(invalid(format!(
-                    "a prefix index holds at most {MAX_PODS} pods"
+                    "a prefix index holds at most {MAX_ENDPOINTS} endpoints"
                 )));
             }
             self.reclaim(idle);
@@ -503,11 +519,12 @@ impl PrefixIndex {
     }
 
     fn drop_entry(&mut self, slot: u32) {
+        self.slots_gen += 1;
         self.unlink(slot);
         let e = &mut self.entries[slot as usize];
         self.map.remove(&e.hash);
-        for id in std::mem::take(&mut e.pods).ids() {
-            self.pod_blocks[id as usize] -= 1;
+        for id in std::mem::take(&mut e.endpoints).ids() {
+            self.endpoint_blocks[id as usize] -= 1;
         }
         self.free.push(slot);
     }
@@ -540,10 +557,10 @@ impl PrefixIndex {
     }
 
     /// Matches `hashes` from the first block on: `matched[slot_of[p]]` becomes
-    /// the number of leading blocks index pod `p` holds, for every pod mapped
-    /// to a slot. Walks the blocks while some mapped pod still matches, and
+    /// the number of leading blocks index endpoint `p` holds, for every endpoint mapped
+    /// to a slot. Walks the blocks while some mapped endpoint still matches, and
     /// leaves the slots it walked in `found`.
-    fn match_into(
+    pub(crate) fn match_into(
         &mut self,
         hashes: &[u64],
         now: f64,
@@ -567,7 +584,7 @@ impl PrefixIndex {
                 break;
             };
             found.push(slot);
-            let bits = &self.entries[slot as usize].pods;
+            let bits = &self.entries[slot as usize].endpoints;
             let mut dropped = alive_low & !bits.low;
             alive_low &= bits.low;
             while dropped != 0 {
@@ -592,15 +609,15 @@ impl PrefixIndex {
         }
     }
 
-    /// Per pod, how many leading blocks of `hashes` it holds (pods with none
-    /// are left out), in pod-id order.
+    /// Per endpoint, how many leading blocks of `hashes` it holds (endpoints with none
+    /// are left out), in endpoint-id order.
     pub fn match_prefix(&mut self, hashes: &[u64], now: f64) -> Result<Vec<(String, usize)>> {
         let now = finite("now", now)?;
-        let slot_of: Vec<usize> = (0..self.pod_names.len()).collect();
+        let slot_of: Vec<usize> = (0..self.endpoint_names.len()).collect();
         let mut matched = vec![0; slot_of.len()];
         self.match_into(hashes, now, &slot_of, &mut matched, &mut Vec::new());
         Ok(self
-            .pod_names
+            .endpoint_names
             .iter()
             .zip(matched)
             .filter_map(|(name, m)| match name {
@@ -610,26 +627,38 @@ impl PrefixIndex {
             .collect())
     }
 
-    /// Records that pod `id` holds every block of `hashes`, which become the
+    /// Records that endpoint `id` holds every block of `hashes`, which become the
     /// most recent in prompt order: the first block (the most shared) is the
     /// most recent and the last to be evicted. Only the first `capacity`
     /// blocks are recorded (the later ones would evict each other). `found`
-    /// holds the live slots of the leading blocks, as `match_into` walked
-    /// them, so those need no second hash lookup.
-    fn record_id(&mut self, hashes: &[u64], found: &[u32], id: u32, now: f64) {
+    /// holds the live slots of the leading blocks as `match_into` walked them
+    /// when the slots were at generation `found_gen`: while no slot changed
+    /// since, those need no second hash lookup.
+    pub(crate) fn record_id(
+        &mut self,
+        hashes: &[u64],
+        found: &[u32],
+        found_gen: u64,
+        id: u32,
+        now: f64,
+    ) {
         while self.tail != NIL && self.expired(self.tail, now) {
             self.drop_entry(self.tail);
         }
         let hashes = &hashes[..hashes.len().min(self.capacity)];
-        let found = &found[..found.len().min(hashes.len())];
+        let found = match self.slots_gen == found_gen {
+            true => &found[..found.len().min(hashes.len())],
+            false => &[],
+        };
         // The blocks placed so far form the front of the list; an insertion
         // at capacity evicts the tail, which is never one of them, as fewer
-        // than `hashes.len() <= capacity` are placed.
+        // than `hashes.len() <= capacity` are placed (and the found slots
+        // are all placed before the first insertion).
         let mut cursor = NIL;
         for (j, &h) in hashes.iter().enumerate() {
             let (slot, linked) = match found.get(j) {
-                Some(&slot) => (slot, true),
-                None => match self.lookup(h, now) {
+                Some(&slot) if self.entries[slot as usize].hash == h => (slot, true),
+                _ => match self.lookup(h, now) {
                     Some(slot) => (slot, true),
                     None => (self.insert(h, now), false),
                 },
@@ -637,15 +666,31 @@ impl PrefixIndex {
             self.place_after(cursor, slot, linked);
             let e = &mut self.entries[slot as usize];
             e.last = now;
-            if e.pods.add(id) {
-                self.pod_blocks[id as usize] += 1;
+            if e.endpoints.add(id) {
+                self.endpoint_blocks[id as usize] += 1;
             }
             cursor = slot;
         }
     }
 
+    /// The generation of the entry slots (see `record_id`).
+    pub(crate) fn slots_gen(&self) -> u64 {
+        self.slots_gen
+    }
+
+    /// The generation of the endpoint ids (see `PrefixScorer`).
+    pub(crate) fn names_gen(&self) -> u64 {
+        self.names_gen
+    }
+
+    /// How many endpoint ids are handed out (the length of a `slot_of` map).
+    pub(crate) fn id_count(&self) -> usize {
+        self.endpoint_names.len()
+    }
+
     /// A new, unlinked entry for `hash`, evicting the least recent at capacity.
     fn insert(&mut self, hash: u64, now: f64) -> u32 {
+        self.slots_gen += 1;
         if self.map.len() >= self.capacity {
             self.drop_entry(self.tail);
         }
@@ -654,7 +699,7 @@ impl PrefixIndex {
             last: now,
             prev: NIL,
             next: NIL,
-            pods: PodBits::default(),
+            endpoints: EndpointBits::default(),
         };
         let slot = match self.free.pop() {
             Some(s) => {
@@ -670,46 +715,49 @@ impl PrefixIndex {
         slot
     }
 
-    /// Records that `pod` holds every block of `hashes` at time `now`.
-    pub fn record(&mut self, hashes: &[u64], pod: &str, now: f64) -> Result<()> {
+    /// Records that `endpoint` holds every block of `hashes` at time `now`.
+    pub fn record(&mut self, hashes: &[u64], endpoint: &str, now: f64) -> Result<()> {
         let now = finite("now", now)?;
-        let id = self.intern(pod)?;
-        self.record_id(hashes, &[], id, now);
+        let id = self.intern(endpoint)?;
+        self.record_id(hashes, &[], 0, id, now);
         Ok(())
     }
 
-    /// Forgets `pod`: removes it from every block (a block no pod holds any
+    /// Forgets `endpoint`: removes it from every block (a block no endpoint holds any
     /// more is dropped). Returns how many blocks it held.
-    pub fn remove_pod(&mut self, pod: &str) -> Result<usize> {
-        let id = self.pod_id(pod).ok_or_else(|| unknown("pod", pod))?;
+    pub fn remove_endpoint(&mut self, endpoint: &str) -> Result<usize> {
+        let id = self
+            .endpoint_id(endpoint)
+            .ok_or_else(|| unknown("endpoint", endpoint))?;
         let mut held = 0;
         let mut slot = self.head;
         while slot != NIL {
             let e = &mut self.entries[slot as usize];
             let next = e.next;
-            if e.pods.remove(id) {
+            if e.endpoints.remove(id) {
                 held += 1;
-                if e.pods.is_empty() {
+                if e.endpoints.is_empty() {
                     self.drop_entry(slot);
                 }
             }
             slot = next;
         }
-        self.pod_blocks[id as usize] = 0;
-        self.pod_names[id as usize] = None;
-        self.pod_ids.remove(pod);
-        self.free_pods.push(id);
+        self.endpoint_blocks[id as usize] = 0;
+        self.endpoint_names[id as usize] = None;
+        self.endpoint_ids.remove(endpoint);
+        self.free_endpoints.push(id);
+        self.names_gen += 1;
         Ok(held)
     }
 
-    fn write(&self, w: &mut Writer) {
+    pub(crate) fn write(&self, w: &mut Writer) {
         w.u64(self.capacity as u64);
         match self.ttl {
             Some(t) => w.u8(1).f64(t),
             None => w.u8(0).f64(0.0),
         };
-        w.u64(self.pod_names.len() as u64);
-        for name in &self.pod_names {
+        w.u64(self.endpoint_names.len() as u64);
+        for name in &self.endpoint_names {
             match name {
                 Some(n) => w.u8(1).str(n),
                 None => w.u8(0),
@@ -719,15 +767,17 @@ impl PrefixIndex {
         let mut slot = self.tail;
         while slot != NIL {
             let e = &self.entries[slot as usize];
-            w.u64(e.hash).f64(e.last).u64(e.pods.ids().count() as u64);
-            for p in e.pods.ids() {
+            w.u64(e.hash)
+                .f64(e.last)
+                .u64(e.endpoints.ids().count() as u64);
+            for p in e.endpoints.ids() {
                 w.u32(p);
             }
             slot = e.prev;
         }
     }
 
-    fn read(r: &mut Reader<'_>) -> Result<Self> {
+    pub(crate) fn read(r: &mut Reader<'_>) -> Result<Self> {
         let capacity = r.u64()? as usize;
         let ttl = match (r.u8()?, r.f64()?) {
             (0, _) => None,
@@ -735,34 +785,34 @@ impl PrefixIndex {
             (flag, _) => return Err(Error::Snapshot(format!("bad ttl flag {flag}"))),
         };
         let mut index = Self::new(capacity, ttl)?;
-        let n_pods = r.count(1)?;
-        if n_pods > MAX_PODS {
-            return Err(Error::Snapshot(format!("{n_pods} pods")));
+        let n_endpoints = r.count(1)?;
+        if n_endpoints > MAX_ENDPOINTS {
+            return Err(Error::Snapshot(format!("{n_endpoints} endpoints")));
         }
-        let mut live = Vec::with_capacity(n_pods);
-        for id in 0..n_pods {
+        let mut live = Vec::with_capacity(n_endpoints);
+        for id in 0..n_endpoints {
             match r.u8()? {
                 0 => {
-                    index.pod_names.push(None);
+                    index.endpoint_names.push(None);
                     live.push(false);
                 }
                 1 => {
                     let name = r.str()?;
-                    check_pod_name(&name)?;
-                    if index.pod_ids.insert(name.clone(), id as u32).is_some() {
-                        return Err(Error::Snapshot(format!("pod {name:?} twice")));
+                    check_endpoint_name(&name)?;
+                    if index.endpoint_ids.insert(name.clone(), id as u32).is_some() {
+                        return Err(Error::Snapshot(format!("endpoint {name:?} twice")));
                     }
-                    index.pod_names.push(Some(name));
+                    index.endpoint_names.push(Some(name));
                     live.push(true);
                 }
-                flag => return Err(Error::Snapshot(format!("bad pod flag {flag}"))),
+                flag => return Err(Error::Snapshot(format!("bad endpoint flag {flag}"))),
             }
         }
-        index.free_pods = (0..n_pods as u32)
+        index.free_endpoints = (0..n_endpoints as u32)
             .rev()
             .filter(|&i| !live[i as usize])
             .collect();
-        index.pod_blocks = vec![0; n_pods];
+        index.endpoint_blocks = vec![0; n_endpoints];
         let n = r.count(24)?;
         if n > capacity {
             return Err(Error::Snapshot(format!(
@@ -773,15 +823,15 @@ impl PrefixIndex {
             let hash = r.u64()?;
             let last = finite("block time", r.f64()?)?;
             let k = r.count(4)?;
-            let mut pods = PodBits::default();
+            let mut endpoints = EndpointBits::default();
             for _ in 0..k {
                 let p = r.u32()?;
-                if !live.get(p as usize).copied().unwrap_or(false) || !pods.add(p) {
-                    return Err(Error::Snapshot(format!("bad pod id {p} in a block")));
+                if !live.get(p as usize).copied().unwrap_or(false) || !endpoints.add(p) {
+                    return Err(Error::Snapshot(format!("bad endpoint id {p} in a block")));
                 }
-                index.pod_blocks[p as usize] += 1;
+                index.endpoint_blocks[p as usize] += 1;
             }
-            if pods.is_empty() || index.map.contains_key(&hash) {
+            if endpoints.is_empty() || index.map.contains_key(&hash) {
                 return Err(Error::Snapshot("empty or repeated block".into()));
             }
             index.entries.push(Entry {
@@ -789,7 +839,7 @@ impl PrefixIndex {
                 last,
                 prev: NIL,
                 next: NIL,
-                pods,
+                endpoints,
             });
             let slot = (index.entries.len() - 1) as u32;
             index.map.insert(hash, slot);
@@ -816,20 +866,20 @@ impl PrefixIndex {
         )
     }
 
-    /// Entries from most to least recent, as (hash, last time, pod names).
+    /// Entries from most to least recent, as (hash, last time, endpoint names).
     #[cfg(test)]
     fn dump(&self) -> Vec<(u64, f64, Vec<String>)> {
         let mut out = Vec::new();
         let mut slot = self.head;
         while slot != NIL {
             let e = &self.entries[slot as usize];
-            let mut pods: Vec<String> = e
-                .pods
+            let mut endpoints: Vec<String> = e
+                .endpoints
                 .ids()
-                .filter_map(|p| self.pod_names[p as usize].clone())
+                .filter_map(|p| self.endpoint_names[p as usize].clone())
                 .collect();
-            pods.sort();
-            out.push((e.hash, e.last, pods));
+            endpoints.sort();
+            out.push((e.hash, e.last, endpoints));
             slot = e.next;
         }
         out
@@ -867,11 +917,11 @@ impl PrefixConfig {
     }
 }
 
-/// One decision: the pod's index in the router and the prompt's blocks it
-/// held according to the index when it was chosen.
+/// One decision: the endpoint's index in the router and the prompt's blocks
+/// it held according to the index when it was chosen.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrefixDecision {
-    pub pod: usize,
+    pub endpoint: usize,
     pub matched_blocks: usize,
     pub blocks: usize,
 }
@@ -887,80 +937,62 @@ impl PrefixDecision {
     }
 }
 
-/// The prefix-cache-aware router over a set of pods and a (shareable) index.
+/// The prefix-cache-aware router: the endpoint picker's `prefix` preset
+/// (the `prefix` scorer alone, ties to the least-loaded then the first)
+/// over a set of endpoints, a (shareable) index and the endpoints' running
+/// counts.
 #[derive(Debug)]
 pub struct PrefixCacheRouter {
     config: PrefixConfig,
-    pods: PodSet,
-    index: Arc<Mutex<PrefixIndex>>,
+    pipeline: Pipeline,
+    states: Vec<EndpointState>,
 }
 
-fn lock(index: &Mutex<PrefixIndex>) -> MutexGuard<'_, PrefixIndex> {
+pub(crate) fn lock(index: &Mutex<PrefixIndex>) -> MutexGuard<'_, PrefixIndex> {
     index.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl PrefixCacheRouter {
     pub fn new<S: AsRef<str>>(
-        pods: &[S],
+        endpoints: &[S],
         config: PrefixConfig,
         index: Arc<Mutex<PrefixIndex>>,
     ) -> Result<Self> {
+        let pick = PickConfig {
+            seed: 0,
+            prefix_index: Some(index),
+        };
+        let pipeline = Pipeline::from_specs(&prefix_preset(&config), endpoints, &pick)?;
         Ok(Self {
             config,
-            pods: PodSet::new(pods)?,
-            index,
+            states: vec![EndpointState::default(); endpoints.len()],
+            pipeline,
         })
     }
 
     pub fn config(&self) -> &PrefixConfig {
         &self.config
     }
-    pub fn pods(&self) -> &PodSet {
-        &self.pods
+    pub fn endpoints(&self) -> &[String] {
+        self.pipeline.endpoints().names()
+    }
+    /// Running requests per endpoint, in endpoint order.
+    pub fn running(&self) -> Vec<u64> {
+        self.states.iter().map(|s| s.in_flight).collect()
     }
     pub fn index(&self) -> &Arc<Mutex<PrefixIndex>> {
-        &self.index
+        self.scorer().index()
     }
-
-    /// The pod for a prompt, and how many of its blocks that pod holds.
-    /// `slot_of` maps index pod ids to this router's pods.
-    fn choose(
-        &self,
-        index: &mut PrefixIndex,
-        hashes: &[u64],
-        now: f64,
-        slot_of: &[usize],
-        found: &mut Vec<u32>,
-    ) -> (usize, usize) {
-        let running = self.pods.running();
-        let n = running.len();
-        let mut matched = vec![0usize; n];
-        index.match_into(hashes, now, slot_of, &mut matched, found);
-        let least = self.pods.least_loaded().unwrap_or(0);
-        let min = running.iter().copied().min().unwrap_or(0);
-        let max = running.iter().copied().max().unwrap_or(0);
-        if max - min > self.config.imbalance_abs_count {
-            return (least, matched[least]);
+    fn scorer(&self) -> &PrefixScorer {
+        match self.pipeline.prefix() {
+            Some(p) => p,
+            None => unreachable!("the prefix preset has a prefix scorer"),
         }
-        let mean = running.iter().map(|&r| r as f64).sum::<f64>() / n as f64;
-        let var = running
-            .iter()
-            .map(|&r| (r as f64 - mean) * (r as f64 - mean))
-            .sum::<f64>()
-            / n as f64;
-        let limit = mean + self.config.std_factor * var.sqrt();
-        let mut candidates: Vec<usize> = (0..n).filter(|&i| matched[i] > 0).collect();
-        candidates.sort_by_key(|&i| (std::cmp::Reverse(matched[i]), running[i], i));
-        let pod = candidates
-            .into_iter()
-            .find(|&i| running[i] as f64 <= limit)
-            .unwrap_or(least);
-        (pod, matched[pod])
     }
 
     /// Routes one prompt given by its block hashes, records its blocks for the
-    /// chosen pod and counts it running there. `running`, if given, first
-    /// overwrites the pods' running counts (telemetry).
+    /// chosen endpoint and counts it running there. `running`, if given, first
+    /// overwrites the endpoints' running counts (telemetry).
     pub fn route_hashes(
         &mut self,
         hashes: &[u64],
@@ -982,61 +1014,65 @@ impl PrefixCacheRouter {
     ) -> Result<Vec<PrefixDecision>> {
         let now = finite("now", now)?;
         let offsets = check_offsets(offsets, hashes.len())?;
-        if self.pods.is_empty() {
-            return Err(invalid("the router has no pods"));
+        if self.states.is_empty() {
+            return Err(invalid("the router has no endpoints"));
         }
-        let index_arc = Arc::clone(&self.index);
-        let mut index = lock(&index_arc);
         if let Some(r) = running {
-            self.pods.check_running(r)?;
+            check_in_flight(&self.states, r)?;
         }
-        let ids = index.ids_for(self.pods.names())?;
+        // Interning the endpoints in the index is the one step that may
+        // fail (a full index): done before anything changes.
+        self.pipeline.prepare()?;
         if let Some(r) = running {
-            self.pods.set_running(r)?;
-        }
-        let mut slot_of = vec![NO_SLOT; index.pod_names.len()];
-        for (slot, &id) in ids.iter().enumerate() {
-            slot_of[id as usize] = slot;
+            set_in_flight(&mut self.states, r)?;
         }
         let mut out = Vec::with_capacity(offsets.len().saturating_sub(1));
-        let mut found = Vec::new();
         for w in offsets.windows(2) {
-            let h = &hashes[w[0]..w[1]];
-            let (pod, matched) = self.choose(&mut index, h, now, &slot_of, &mut found);
-            index.record_id(h, &found, ids[pod], now);
-            self.pods.start(pod);
+            let req = PickRequest {
+                hashes: &hashes[w[0]..w[1]],
+                now,
+                ..PickRequest::default()
+            };
+            let endpoint = self
+                .pipeline
+                .pick_one(&req, &self.states)?
+                .ok_or_else(|| invalid("no endpoint"))?;
+            let matched_blocks = self.scorer().matched(endpoint);
+            self.pipeline.started(&req, endpoint)?;
+            self.states[endpoint].in_flight += 1;
             out.push(PrefixDecision {
-                pod,
-                matched_blocks: matched,
-                blocks: h.len(),
+                endpoint,
+                matched_blocks,
+                blocks: req.hashes.len(),
             });
         }
         Ok(out)
     }
 
-    pub fn add_pod(&mut self, name: &str) -> Result<()> {
-        self.pods.add(name).map(|_| ())
-    }
-
-    /// Removes a pod from the router and its blocks from the index.
-    pub fn remove_pod(&mut self, name: &str) -> Result<()> {
-        self.pods.remove(name)?;
-        let mut index = lock(&self.index);
-        if index.pod_id(name).is_some() {
-            index.remove_pod(name)?;
-        }
+    pub fn add_endpoint(&mut self, name: &str) -> Result<()> {
+        self.pipeline.add_endpoint(name)?;
+        self.states.push(EndpointState::default());
         Ok(())
     }
 
+    /// Removes an endpoint from the router and its blocks from the index.
+    pub fn remove_endpoint(&mut self, name: &str) -> Result<()> {
+        let i = self.pipeline.remove_endpoint(name)?;
+        self.states.remove(i);
+        Ok(())
+    }
+
+    /// Ends one running request on `name`; refused when none is running.
     pub fn complete(&mut self, name: &str) -> Result<()> {
-        self.pods.complete(name)
+        let i = self.pipeline.endpoints().index(name)?;
+        complete_one(&mut self.states[i], name)
     }
 
     pub fn set_running(&mut self, counts: &[i64]) -> Result<()> {
-        self.pods.set_running(counts)
+        set_in_flight(&mut self.states, counts)
     }
 
-    /// Settings, pods, running counts and the index.
+    /// Settings, endpoints, running counts and the index.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut w = Writer::new(ROUTER_MAGIC, SNAPSHOT_VERSION);
         let c = &self.config;
@@ -1044,8 +1080,11 @@ impl PrefixCacheRouter {
             .u64(c.imbalance_abs_count)
             .f64(c.std_factor)
             .u64(c.seed);
-        self.pods.write(&mut w);
-        lock(&self.index).write(&mut w);
+        w.u64(self.states.len() as u64);
+        for (name, s) in self.endpoints().iter().zip(&self.states) {
+            w.str(name).u64(s.in_flight);
+        }
+        lock(self.index()).write(&mut w);
         w.finish()
     }
 
@@ -1068,14 +1107,36 @@ impl PrefixCacheRouter {
             return Err(Error::Snapshot("bad settings".into()));
         }
         let config = PrefixConfig::new(block_size as usize, imbalance as i64, std_factor, seed)?;
-        let pods = PodSet::read(r)?;
+        let n = r.count(12)?;
+        let mut names = Vec::with_capacity(n);
+        let mut running = Vec::with_capacity(n);
+        for _ in 0..n {
+            names.push(r.str()?);
+            running.push(r.u64()?);
+        }
         let index = PrefixIndex::read(r)?;
-        Ok(Self {
-            config,
-            pods,
-            index: Arc::new(Mutex::new(index)),
-        })
+        let mut router = Self::new(&names, config, Arc::new(Mutex::new(index)))?;
+        for (s, c) in router.states.iter_mut().zip(running) {
+            s.in_flight = c;
+        }
+        Ok(router)
     }
+}
+
+/// The `prefix` preset with this router's settings.
+fn prefix_preset(c: &PrefixConfig) -> Vec<PluginSpec> {
+    let mut specs = preset_specs("prefix").unwrap_or_default();
+    for s in &mut specs {
+        if s.name == "prefix" {
+            s.params = serde_json::json!({
+                "block_size": c.block_size,
+                "seed": c.seed,
+                "imbalance_abs_count": c.imbalance_abs_count,
+                "std_factor": c.std_factor,
+            });
+        }
+    }
+    specs
 }
 
 #[cfg(test)]
@@ -1164,7 +1225,7 @@ mod tests {
     }
 
     #[test]
-    fn remove_pod_and_snapshot_round_trip() {
+    fn remove_endpoint_and_snapshot_round_trip() {
         let mut ix = PrefixIndex::new(100, None).expect("index");
         ix.record(&[1, 2, 3], "a", 1.0).expect("record");
         ix.record(&[1, 2], "b", 2.0).expect("record");
@@ -1176,10 +1237,10 @@ mod tests {
         let back = PrefixIndex::from_bytes(&bytes).expect("restore");
         assert_eq!(back.dump(), ix.dump());
         assert_eq!(back.to_bytes(), bytes);
-        assert_eq!(ix.remove_pod("a"), Ok(3));
-        assert_eq!(ix.len(), 2, "block 3 had only pod a");
-        assert_eq!(ix.remove_pod("a"), Err(unknown("pod", "a")));
-        assert_eq!(ix.pods(), vec!["b".to_owned()]);
+        assert_eq!(ix.remove_endpoint("a"), Ok(3));
+        assert_eq!(ix.len(), 2, "block 3 had only endpoint a");
+        assert_eq!(ix.remove_endpoint("a"), Err(unknown("endpoint", "a")));
+        assert_eq!(ix.endpoints(), vec!["b".to_owned()]);
         ix.record(&[9], "c", 4.0).expect("record");
         let bytes = ix.to_bytes();
         assert_eq!(
@@ -1213,7 +1274,7 @@ mod tests {
     }
 
     #[test]
-    fn more_than_64_pods_use_the_overflow_list() {
+    fn more_than_64_endpoints_use_the_overflow_list() {
         let names: Vec<String> = (0..70).map(|i| format!("p{i}")).collect();
         let config = PrefixConfig::new(4, 1000, 2.0, 0).expect("config");
         let index = Arc::new(Mutex::new(PrefixIndex::new(1000, None).expect("index")));
@@ -1222,7 +1283,9 @@ mod tests {
         let mut running = vec![1i64; 70];
         running[66] = 0;
         assert_eq!(
-            r.route_hashes(&p, Some(&running), 0.0).expect("route").pod,
+            r.route_hashes(&p, Some(&running), 0.0)
+                .expect("route")
+                .endpoint,
             66
         );
         running[66] = 1;
@@ -1233,7 +1296,7 @@ mod tests {
         assert_eq!(
             r.route_hashes(half, Some(&running), 0.0)
                 .expect("route")
-                .pod,
+                .endpoint,
             66
         );
         let mut ix = lock(r.index()).clone();
@@ -1245,7 +1308,7 @@ mod tests {
             ix.match_prefix(&p, 1.0),
             Ok(vec![("p3".into(), 2), ("p66".into(), 3)])
         );
-        assert_eq!(ix.remove_pod("p66"), Ok(3));
+        assert_eq!(ix.remove_endpoint("p66"), Ok(3));
         assert_eq!(ix.match_prefix(&p, 1.0), Ok(vec![("p3".into(), 2)]));
         assert_eq!(ix.len(), 2);
     }
@@ -1254,10 +1317,10 @@ mod tests {
         block_hashes(tokens, 4, 0).expect("hashes")
     }
 
-    fn router(pods: &[&str], imbalance: i64) -> PrefixCacheRouter {
+    fn router(endpoints: &[&str], imbalance: i64) -> PrefixCacheRouter {
         let config = PrefixConfig::new(4, imbalance, 2.0, 0).expect("config");
         let index = Arc::new(Mutex::new(PrefixIndex::new(1000, None).expect("index")));
-        PrefixCacheRouter::new(pods, config, index).expect("router")
+        PrefixCacheRouter::new(endpoints, config, index).expect("router")
     }
 
     #[test]
@@ -1266,48 +1329,48 @@ mod tests {
         let p1 = hashes(Tokens::Ids(&ids(16)));
         // Nothing cached: least-loaded, first on ties.
         let d = r.route_hashes(&p1, Some(&[0, 0, 0]), 0.0).expect("route");
-        assert_eq!((d.pod, d.matched_blocks, d.blocks), (0, 0, 4));
+        assert_eq!((d.endpoint, d.matched_blocks, d.blocks), (0, 0, 4));
         // Equal loads: prefix matching still applies (at or below the limit).
         let d = r.route_hashes(&p1, Some(&[2, 2, 2]), 0.0).expect("route");
-        assert_eq!((d.pod, d.match_fraction()), (0, 1.0));
+        assert_eq!((d.endpoint, d.match_fraction()), (0, 1.0));
         // Loads [3, 0, 0]: mean 1, std sqrt(2), limit 1 + 2 sqrt(2) = 3.83 >= 3.
         assert_eq!(
             r.route_hashes(&p1, Some(&[3, 0, 0]), 0.0)
                 .expect("route")
-                .pod,
+                .endpoint,
             0
         );
-        // Loads [5, 0, 0, ...]: with 3 pods the limit is 5/3 + 2*2.357 = 6.38;
-        // with 9 pods mean 5/9, std 1.571, limit 3.70 < 5: the hot spot is avoided.
+        // Loads [5, 0, 0, ...]: with 3 endpoints the limit is 5/3 + 2*2.357 = 6.38;
+        // with 9 endpoints mean 5/9, std 1.571, limit 3.70 < 5: the hot spot is avoided.
         let mut r9 = router(&["a", "b", "c", "d", "e", "f", "g", "h", "i"], 16);
         r9.route_hashes(&p1, None, 0.0).expect("route");
         let d = r9
             .route_hashes(&p1, Some(&[5, 0, 0, 0, 0, 0, 0, 0, 0]), 0.0)
             .expect("route");
-        assert_eq!((d.pod, d.matched_blocks), (1, 0));
+        assert_eq!((d.endpoint, d.matched_blocks), (1, 0));
         // b gets p1's first 2 blocks (the imbalance guard sends them there).
         let p2 = hashes(Tokens::Ids(&ids(8)));
         assert_eq!(
             r.route_hashes(&p2, Some(&[20, 0, 1]), 0.0)
                 .expect("route")
-                .pod,
+                .endpoint,
             1
         );
         // A longer match wins over a shorter one (a: 4 blocks, b: 2).
         assert_eq!(
             r.route_hashes(&p1, Some(&[1, 0, 0]), 0.0)
                 .expect("route")
-                .pod,
+                .endpoint,
             0
         );
         // Equal matches (2 blocks each): the less loaded.
         let d = r.route_hashes(&p2, Some(&[2, 1, 0]), 0.0).expect("route");
-        assert_eq!((d.pod, d.matched_blocks), (1, 2));
+        assert_eq!((d.endpoint, d.matched_blocks), (1, 2));
         // Imbalance (max - min = 17 > 16) skips matching: least-loaded.
         let d = r.route_hashes(&p1, Some(&[0, 17, 1]), 0.0).expect("route");
-        assert_eq!((d.pod, d.matched_blocks), (0, 4));
+        assert_eq!((d.endpoint, d.matched_blocks), (0, 4));
         let d = r.route_hashes(&p1, Some(&[17, 1, 0]), 0.0).expect("route");
-        assert_eq!(d.pod, 2);
+        assert_eq!(d.endpoint, 2);
     }
 
     #[test]
@@ -1344,30 +1407,34 @@ mod tests {
         assert!(one.route_hashes(&h, Some(&[1, -2, 0]), 0.0).is_err());
         assert!(one.route_hashes(&h, None, f64::INFINITY).is_err());
         assert!(one.complete("zz").is_err());
-        assert!(one.add_pod("a").is_err());
+        assert!(one.add_endpoint("a").is_err());
         assert_eq!(one.to_bytes(), before);
         let mut empty = router(&[], 2);
         assert!(empty.route_hashes(&h, None, 0.0).is_err());
     }
 
     #[test]
-    fn pods_come_and_go_and_snapshots_restore() {
+    fn endpoints_come_and_go_and_snapshots_restore() {
         let mut r = router(&["a", "b"], 16);
         let p = hashes(Tokens::Ids(&ids(12)));
-        assert_eq!(r.route_hashes(&p, None, 0.0).expect("route").pod, 0);
-        r.add_pod("c").expect("add");
-        assert_eq!(r.pods().running(), &[1, 0, 0]);
-        assert_eq!(r.route_hashes(&p, None, 0.0).expect("route").pod, 0);
-        r.remove_pod("a").expect("remove");
-        assert!(lock(r.index()).pod_id("a").is_none());
+        assert_eq!(r.route_hashes(&p, None, 0.0).expect("route").endpoint, 0);
+        r.add_endpoint("c").expect("add");
+        assert_eq!(r.running(), &[1, 0, 0]);
+        assert_eq!(r.route_hashes(&p, None, 0.0).expect("route").endpoint, 0);
+        r.remove_endpoint("a").expect("remove");
+        assert!(lock(r.index()).endpoint_id("a").is_none());
         let d = r.route_hashes(&p, None, 0.0).expect("route");
-        assert_eq!((d.pod, d.matched_blocks), (0, 0), "a's blocks left with it");
+        assert_eq!(
+            (d.endpoint, d.matched_blocks),
+            (0, 0),
+            "a's blocks left with it"
+        );
         r.complete("b").expect("complete");
         assert!(r.complete("b").is_err());
         let bytes = r.to_bytes();
         let back = PrefixCacheRouter::from_bytes(&bytes).expect("restore");
         assert_eq!(back.to_bytes(), bytes);
-        assert_eq!(back.pods(), r.pods());
+        assert_eq!(back.endpoints(), r.endpoints());
         assert_eq!(back.config(), r.config());
         for cut in 0..bytes.len() {
             assert!(PrefixCacheRouter::from_bytes(&bytes[..cut]).is_err());
@@ -1378,51 +1445,51 @@ mod tests {
     }
 
     #[test]
-    fn ids_of_pods_without_blocks_are_reclaimed() {
-        // A small index sees far more than MAX_PODS distinct pods: each new
-        // pod evicts old blocks, and the ids of pods left without a block
+    fn ids_of_endpoints_without_blocks_are_reclaimed() {
+        // A small index sees far more than MAX_ENDPOINTS distinct endpoints: each new
+        // endpoint evicts old blocks, and the ids of endpoints left without a block
         // serve the new ones.
         let mut ix = PrefixIndex::new(8, None).expect("index");
-        for i in 0..3 * MAX_PODS as u64 {
-            ix.record(&[i, i + 1_000_000], &format!("pod-{i}"), i as f64)
+        for i in 0..3 * MAX_ENDPOINTS as u64 {
+            ix.record(&[i, i + 1_000_000], &format!("endpoint-{i}"), i as f64)
                 .expect("record");
             assert_eq!(
                 ix.match_prefix(&[i], i as f64),
-                Ok(vec![(format!("pod-{i}"), 1)])
+                Ok(vec![(format!("endpoint-{i}"), 1)])
             );
         }
-        assert!(ix.pod_names.len() <= MAX_PODS);
-        let held: usize = ix.pod_blocks.iter().map(|&b| b as usize).sum();
+        assert!(ix.endpoint_names.len() <= MAX_ENDPOINTS);
+        let held: usize = ix.endpoint_blocks.iter().map(|&b| b as usize).sum();
         assert_eq!(held, ix.len());
-        // The pods of the blocks still held keep their names.
-        let last = 3 * MAX_PODS as u64 - 1;
-        assert!(ix.pods().contains(&format!("pod-{last}")));
+        // The endpoints of the blocks still held keep their names.
+        let last = 3 * MAX_ENDPOINTS as u64 - 1;
+        assert!(ix.endpoints().contains(&format!("endpoint-{last}")));
         assert_eq!(
             PrefixIndex::from_bytes(&ix.to_bytes()).map(|b| b.dump()),
             Ok(ix.dump())
         );
 
-        // A router's own pods keep their ids even without a block, and every
-        // other pod's id is taken only when it holds no block.
-        let mut full = PrefixIndex::new(MAX_PODS, None).expect("index");
-        for i in 0..MAX_PODS as u64 {
+        // A router's own endpoints keep their ids even without a block, and every
+        // other endpoint's id is taken only when it holds no block.
+        let mut full = PrefixIndex::new(MAX_ENDPOINTS, None).expect("index");
+        for i in 0..MAX_ENDPOINTS as u64 {
             full.record(&[i], &format!("p{i}"), 0.0).expect("record");
         }
         assert!(
             full.record(&[1 << 40], "one-more", 0.0).is_err(),
-            "every pod holds a block"
+            "every endpoint holds a block"
         );
-        assert_eq!(full.remove_pod("p7"), Ok(1));
+        assert_eq!(full.remove_endpoint("p7"), Ok(1));
         full.record(&[], "idle", 0.0).expect("record");
-        assert!(full.pods().contains(&"idle".to_owned()));
+        assert!(full.endpoints().contains(&"idle".to_owned()));
         let names = vec!["idle".to_owned(), "new".to_owned()];
         assert!(full.ids_for(&names).is_err(), "idle is kept: no id for new");
         assert!(
-            full.pods().contains(&"idle".to_owned()),
+            full.endpoints().contains(&"idle".to_owned()),
             "the refusal changed nothing"
         );
         full.record(&[1 << 41], "other", 0.0)
             .expect("idle reclaimed");
-        assert!(!full.pods().contains(&"idle".to_owned()));
+        assert!(!full.endpoints().contains(&"idle".to_owned()));
     }
 }

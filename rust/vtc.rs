@@ -16,24 +16,24 @@
 //! are kept ordered by (latest bucket, name), so forgetting one costs
 //! O(log users).
 //!
-//! Routing a request of user `u` over pods `0..n` (the paper leaves the
+//! Routing a request of user `u` over endpoints `0..n` (the paper leaves the
 //! normalisation open; this is AIBrix's released form):
 //!
 //! ```text
 //! lo, hi     = the smallest and largest count over active users
 //!              (min_tokens and max_tokens while no user is active)
 //! bucket     = max(min_tokens, (lo + hi) / 2)
-//! x          = min(count(u) / bucket, n - 1)            the user's "ideal" pod
+//! x          = min(count(u) / bucket, n - 1)            the user's "ideal" endpoint
 //! fairness_i = |i - x|
-//! util_i     = min(running_i / max_pod_load, 1)
+//! util_i     = min(running_i / max_endpoint_load, 1)
 //! score_i    = fairness_weight * fairness_i + utilization_weight * util_i
 //! ```
 //!
 //! and the lowest score wins (the lowest index on ties; AIBrix adds a random
 //! jitter of up to 0.1, left out so decisions are reproducible). Heavy users
-//! are steered towards the high-index pods and light users towards the low
-//! ones, so a heavy user's backlog does not crowd every pod; the utilization
-//! term moves requests off a pod as it fills.
+//! are steered towards the high-index endpoints and light users towards the low
+//! ones, so a heavy user's backlog does not crowd every endpoint; the utilization
+//! term moves requests off a endpoint as it fills.
 //!
 //! Time is passed in explicitly (seconds); it never runs backwards: an earlier
 //! `now` than one already seen counts as the latest.
@@ -42,7 +42,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use crate::budget::MAX_TOKENS;
 use crate::error::{finite, invalid, non_negative, positive, Error, Result};
-use crate::pods::PodSet;
+use crate::pick::endpoints::{complete_one, set_in_flight};
+use crate::pick::{preset_specs, EndpointState, PickConfig, PickRequest, Pipeline};
 use crate::snapshot::{restore, Reader, Writer};
 
 /// Buckets per window.
@@ -55,7 +56,7 @@ pub const MAX_USERS: usize = 10_000_000;
 pub const MAX_USER_NAME_BYTES: usize = 256;
 
 const MAGIC: &[u8; 4] = b"RCVT";
-const SNAPSHOT_VERSION: u16 = 1;
+const SNAPSHOT_VERSION: u16 = 2;
 
 /// The router's settings, with AIBrix's names (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -67,7 +68,7 @@ pub struct VtcConfig {
     pub max_tokens: f64,
     pub fairness_weight: f64,
     pub utilization_weight: f64,
-    pub max_pod_load: f64,
+    pub max_endpoint_load: f64,
     pub max_users: usize,
 }
 
@@ -82,7 +83,7 @@ impl Default for VtcConfig {
             max_tokens: 8000.0,
             fairness_weight: 1.0,
             utilization_weight: 1.0,
-            max_pod_load: 100.0,
+            max_endpoint_load: 100.0,
             max_users: DEFAULT_MAX_USERS,
         }
     }
@@ -105,7 +106,7 @@ impl VtcConfig {
         }
         non_negative("fairness_weight", self.fairness_weight)?;
         non_negative("utilization_weight", self.utilization_weight)?;
-        positive("max_pod_load", self.max_pod_load)?;
+        positive("max_endpoint_load", self.max_endpoint_load)?;
         if self.max_users == 0 || self.max_users > MAX_USERS {
             return Err(invalid(format!(
                 "max_users must be in [1, {MAX_USERS}], got {}",
@@ -113,6 +114,21 @@ impl VtcConfig {
             )));
         }
         Ok(self)
+    }
+
+    /// The parameters of the `vtc` plugin with these settings.
+    pub fn to_params(&self) -> serde_json::Value {
+        serde_json::json!({
+            "window_s": self.window_s,
+            "input_weight": self.input_weight,
+            "output_weight": self.output_weight,
+            "min_tokens": self.min_tokens,
+            "max_tokens": self.max_tokens,
+            "fairness_weight": self.fairness_weight,
+            "utilization_weight": self.utilization_weight,
+            "max_endpoint_load": self.max_endpoint_load,
+            "max_users": self.max_users,
+        })
     }
 }
 
@@ -161,7 +177,7 @@ fn multiset_remove(m: &mut Multiset, x: f64) {
     }
 }
 
-fn check_user(user: &str) -> Result<()> {
+pub fn check_user(user: &str) -> Result<()> {
     if user.is_empty() || user.len() > MAX_USER_NAME_BYTES {
         return Err(invalid(format!(
             "user name must be 1 to {MAX_USER_NAME_BYTES} bytes, got {} bytes",
@@ -180,10 +196,11 @@ fn check_tokens(what: &str, v: i64) -> Result<f64> {
     Ok(v as f64)
 }
 
+/// Every user's weighted token count over the sliding window (see the
+/// module docs): the state of the `vtc` scorer.
 #[derive(Debug, Clone, PartialEq)]
-pub struct VtcRouter {
+pub struct Fairness {
     config: VtcConfig,
-    pods: PodSet,
     users: HashMap<String, User>,
     /// Every held user as (latest bucket, name): the first is the least
     /// recently active, the one forgotten at `max_users`.
@@ -193,11 +210,10 @@ pub struct VtcRouter {
     bucket: i64,
 }
 
-impl VtcRouter {
-    pub fn new<S: AsRef<str>>(pods: &[S], config: VtcConfig) -> Result<Self> {
+impl Fairness {
+    pub fn new(config: VtcConfig) -> Result<Self> {
         Ok(Self {
             config: config.check()?,
-            pods: PodSet::new(pods)?,
             users: HashMap::new(),
             recency: BTreeSet::new(),
             totals: Multiset::new(),
@@ -207,9 +223,6 @@ impl VtcRouter {
 
     pub fn config(&self) -> &VtcConfig {
         &self.config
-    }
-    pub fn pods(&self) -> &PodSet {
-        &self.pods
     }
     /// Users with a non-empty window (as of the latest time seen).
     pub fn users_len(&self) -> usize {
@@ -221,8 +234,9 @@ impl VtcRouter {
         (now / (self.config.window_s / WINDOW_BUCKETS as f64)).floor() as i64
     }
 
-    /// Moves the window to `now`: expires old buckets, forgets idle users.
-    fn advance(&mut self, now: f64) {
+    /// Moves the window to `now` (finite): expires old buckets, forgets
+    /// idle users.
+    pub fn advance(&mut self, now: f64) {
         let b = self.bucket_of(now);
         if b <= self.bucket {
             return;
@@ -250,9 +264,14 @@ impl VtcRouter {
         }
     }
 
+    /// The weighted tokens of a request.
+    pub fn cost(&self, input_tokens: f64, output_tokens: f64) -> f64 {
+        self.config.input_weight * input_tokens + self.config.output_weight * output_tokens
+    }
+
     /// Adds `tokens` (may be negative: a correction) to `user` in the current
     /// bucket; the user's count never goes below zero.
-    fn charge(&mut self, user: &str, tokens: f64) {
+    pub fn charge(&mut self, user: &str, tokens: f64) {
         let bucket = self.bucket;
         if !self.users.contains_key(user) {
             if tokens <= 0.0 {
@@ -299,39 +318,169 @@ impl VtcRouter {
         }
     }
 
-    /// The user's weighted token count in the window at `now`.
-    pub fn user_tokens(&mut self, user: &str, now: f64) -> Result<f64> {
-        let now = finite("now", now)?;
-        self.advance(now);
-        Ok(self.users.get(user).map_or(0.0, |u| u.total))
+    /// The user's weighted token count in the window (as of the latest
+    /// `advance`).
+    pub fn tokens(&self, user: &str) -> f64 {
+        self.users.get(user).map_or(0.0, |u| u.total)
     }
 
-    /// The pod for `user` now, without charging (see the module docs).
-    fn choose(&self, user: &str) -> usize {
+    /// The user's "ideal" endpoint `x` among `n` (see the module docs).
+    pub fn ideal(&self, user: &str, n: usize) -> f64 {
         let c = &self.config;
-        let count = self.users.get(user).map_or(0.0, |u| u.total);
         let (lo, hi) = match (self.totals.keys().next(), self.totals.keys().next_back()) {
             (Some(&lo), Some(&hi)) => (f64::from_bits(lo), f64::from_bits(hi)),
             _ => (c.min_tokens, c.max_tokens),
         };
         let bucket = c.min_tokens.max((lo + hi) / 2.0);
-        let n = self.pods.len();
-        let x = (count / bucket).min((n - 1) as f64);
-        let mut best = (f64::INFINITY, 0);
-        for (i, &r) in self.pods.running().iter().enumerate() {
-            let fairness = (i as f64 - x).abs();
-            let util = (r as f64 / c.max_pod_load).min(1.0);
-            let score = c.fairness_weight * fairness + c.utilization_weight * util;
-            if score < best.0 {
-                best = (score, i);
+        (self.tokens(user) / bucket).min(n.saturating_sub(1) as f64)
+    }
+
+    /// Settings and every user's buckets (users in name order, so equal
+    /// states give equal bytes).
+    pub fn write(&self, w: &mut Writer) {
+        let c = &self.config;
+        for x in [
+            c.window_s,
+            c.input_weight,
+            c.output_weight,
+            c.min_tokens,
+            c.max_tokens,
+            c.fairness_weight,
+            c.utilization_weight,
+            c.max_endpoint_load,
+        ] {
+            w.f64(x);
+        }
+        w.u64(c.max_users as u64);
+        w.u64(self.bucket as u64);
+        let mut names: Vec<&String> = self.users.keys().collect();
+        names.sort();
+        w.u64(names.len() as u64);
+        for name in names {
+            let u = &self.users[name];
+            w.str(name).u64(u.buckets.len() as u64);
+            for &(id, t) in &u.buckets {
+                w.u64(id as u64).f64(t);
             }
         }
-        best.1
+    }
+
+    pub fn read(r: &mut Reader<'_>) -> Result<Self> {
+        let mut f = [0.0; 8];
+        for x in &mut f {
+            *x = r.f64()?;
+        }
+        let config = VtcConfig {
+            window_s: f[0],
+            input_weight: f[1],
+            output_weight: f[2],
+            min_tokens: f[3],
+            max_tokens: f[4],
+            fairness_weight: f[5],
+            utilization_weight: f[6],
+            max_endpoint_load: f[7],
+            max_users: usize::try_from(r.u64()?).unwrap_or(usize::MAX),
+        };
+        let mut fair = Self::new(config)?;
+        fair.bucket = r.u64()? as i64;
+        let n = r.count(20)?;
+        if n > config.max_users {
+            return Err(Error::Snapshot(format!("{n} users exceed max_users")));
+        }
+        for _ in 0..n {
+            let name = r.str()?;
+            check_user(&name)?;
+            let k = r.count(16)?;
+            if k == 0 || k > WINDOW_BUCKETS as usize {
+                return Err(Error::Snapshot(format!("user {name:?} has {k} buckets")));
+            }
+            let mut buckets = VecDeque::with_capacity(k);
+            for _ in 0..k {
+                let id = r.u64()? as i64;
+                let t = finite("bucket tokens", r.f64()?)?;
+                if buckets.back().is_some_and(|&(prev, _)| prev >= id) || id > fair.bucket {
+                    return Err(Error::Snapshot("bucket ids out of order".into()));
+                }
+                buckets.push_back((id, t));
+            }
+            let mut user = User {
+                buckets,
+                total: 0.0,
+            };
+            user.total = user.sum();
+            multiset_add(&mut fair.totals, user.total);
+            fair.recency.insert((user.last_bucket(), name.clone()));
+            if fair.users.insert(name, user).is_some() {
+                return Err(Error::Snapshot("a user appears twice".into()));
+            }
+        }
+        Ok(fair)
+    }
+}
+
+/// The VTC router: the endpoint picker's `vtc` preset (the `vtc` scorer
+/// alone, ties to the first) over named endpoints and their running counts.
+#[derive(Debug, Clone)]
+pub struct VtcRouter {
+    pipeline: Pipeline,
+    states: Vec<EndpointState>,
+}
+
+impl PartialEq for VtcRouter {
+    fn eq(&self, other: &Self) -> bool {
+        self.to_bytes() == other.to_bytes()
+    }
+}
+
+impl VtcRouter {
+    pub fn new<S: AsRef<str>>(endpoints: &[S], config: VtcConfig) -> Result<Self> {
+        let config = config.check()?;
+        let mut specs = preset_specs("vtc")?;
+        for s in &mut specs {
+            if s.name == "vtc" {
+                s.params = config.to_params();
+            }
+        }
+        Ok(Self {
+            pipeline: Pipeline::from_specs(&specs, endpoints, &PickConfig::default())?,
+            states: vec![EndpointState::default(); endpoints.len()],
+        })
+    }
+
+    fn fairness(&self) -> &Fairness {
+        match self.pipeline.vtc() {
+            Some(v) => v.fairness(),
+            None => unreachable!("the vtc preset has a vtc scorer"),
+        }
+    }
+
+    pub fn config(&self) -> &VtcConfig {
+        self.fairness().config()
+    }
+    pub fn endpoints(&self) -> &[String] {
+        self.pipeline.endpoints().names()
+    }
+    /// Running requests per endpoint, in endpoint order.
+    pub fn running(&self) -> Vec<u64> {
+        self.states.iter().map(|s| s.in_flight).collect()
+    }
+    /// Users with a non-empty window (as of the latest time seen).
+    pub fn users_len(&self) -> usize {
+        self.fairness().users_len()
+    }
+
+    /// The user's weighted token count in the window at `now`.
+    pub fn user_tokens(&mut self, user: &str, now: f64) -> Result<f64> {
+        let now = finite("now", now)?;
+        match self.pipeline.vtc_mut() {
+            Some(v) => Ok(v.tokens(user, now)),
+            None => unreachable!("the vtc preset has a vtc scorer"),
+        }
     }
 
     /// Routes a batch of requests one after the other (each charged and
     /// counted running before the next is routed); `running`, if given,
-    /// first overwrites the pods' running counts. Returns pod indices.
+    /// first overwrites the endpoints' running counts. Returns endpoint indices.
     pub fn route_many<S: AsRef<str>>(
         &mut self,
         users: &[S],
@@ -349,34 +498,39 @@ impl VtcRouter {
                 output_tokens.len()
             )));
         }
-        if self.pods.is_empty() {
-            return Err(invalid("the router has no pods"));
+        if self.states.is_empty() {
+            return Err(invalid("the router has no endpoints"));
         }
-        let mut charges = Vec::with_capacity(users.len());
         for ((user, &i), &o) in users.iter().zip(input_tokens).zip(output_tokens) {
             check_user(user.as_ref())?;
-            let i = check_tokens("input_tokens", i)?;
-            let o = check_tokens("output_tokens", o)?;
-            charges.push(self.config.input_weight * i + self.config.output_weight * o);
+            check_tokens("input_tokens", i)?;
+            check_tokens("output_tokens", o)?;
         }
         if let Some(r) = running {
-            self.pods.set_running(r)?;
+            set_in_flight(&mut self.states, r)?;
         }
-        self.advance(now);
-        Ok(users
-            .iter()
-            .zip(charges)
-            .map(|(user, charge)| {
-                let pod = self.choose(user.as_ref());
-                self.charge(user.as_ref(), charge);
-                self.pods.start(pod);
-                pod
-            })
-            .collect())
+        let mut out = Vec::with_capacity(users.len());
+        for ((user, &i), &o) in users.iter().zip(input_tokens).zip(output_tokens) {
+            let req = PickRequest {
+                fairness_id: Some(user.as_ref()),
+                input_tokens: i as u64,
+                output_tokens: o as u64,
+                now,
+                ..PickRequest::default()
+            };
+            let endpoint = self
+                .pipeline
+                .pick_one(&req, &self.states)?
+                .ok_or_else(|| invalid("no endpoint"))?;
+            self.pipeline.started(&req, endpoint)?;
+            self.states[endpoint].in_flight += 1;
+            out.push(endpoint);
+        }
+        Ok(out)
     }
 
     /// Routes one request: charges `user` its estimated weighted tokens and
-    /// counts it running on the chosen pod, whose index is returned.
+    /// counts it running on the chosen endpoint, whose index is returned.
     pub fn route(
         &mut self,
         user: &str,
@@ -385,16 +539,20 @@ impl VtcRouter {
         running: Option<&[i64]>,
         now: f64,
     ) -> Result<usize> {
-        let pods = self.route_many(&[user], &[input_tokens], &[output_tokens], running, now)?;
-        pods.first().copied().ok_or_else(|| invalid("no decision"))
+        let endpoints =
+            self.route_many(&[user], &[input_tokens], &[output_tokens], running, now)?;
+        endpoints
+            .first()
+            .copied()
+            .ok_or_else(|| invalid("no decision"))
     }
 
-    /// Ends a request on `pod` and corrects `user`'s charge from the estimate
-    /// (`est_*`, what `route` was given) to the actual usage.
+    /// Ends a request on `endpoint` and corrects `user`'s charge from the
+    /// estimate (`est_*`, what `route` was given) to the actual usage.
     #[allow(clippy::too_many_arguments)]
     pub fn complete(
         &mut self,
-        pod: &str,
+        endpoint: &str,
         user: &str,
         est_input_tokens: i64,
         est_output_tokens: i64,
@@ -408,54 +566,40 @@ impl VtcRouter {
         let eo = check_tokens("est_output_tokens", est_output_tokens)?;
         let i = check_tokens("input_tokens", input_tokens)?;
         let o = check_tokens("output_tokens", output_tokens)?;
-        self.pods.complete(pod)?;
-        self.advance(now);
-        let c = &self.config;
-        let delta = c.input_weight * (i - ei) + c.output_weight * (o - eo);
-        self.charge(user, delta);
+        let e = self.pipeline.endpoints().index(endpoint)?;
+        complete_one(&mut self.states[e], endpoint)?;
+        let req = PickRequest {
+            fairness_id: Some(user),
+            input_tokens: ei as u64,
+            output_tokens: eo as u64,
+            now,
+            ..PickRequest::default()
+        };
+        self.pipeline.completed_request(&req, e, i as u64, o as u64)
+    }
+
+    pub fn add_endpoint(&mut self, name: &str) -> Result<()> {
+        self.pipeline.add_endpoint(name)?;
+        self.states.push(EndpointState::default());
         Ok(())
     }
-
-    pub fn add_pod(&mut self, name: &str) -> Result<()> {
-        self.pods.add(name).map(|_| ())
-    }
-    pub fn remove_pod(&mut self, name: &str) -> Result<()> {
-        self.pods.remove(name)
+    pub fn remove_endpoint(&mut self, name: &str) -> Result<()> {
+        let i = self.pipeline.remove_endpoint(name)?;
+        self.states.remove(i);
+        Ok(())
     }
     pub fn set_running(&mut self, counts: &[i64]) -> Result<()> {
-        self.pods.set_running(counts)
+        set_in_flight(&mut self.states, counts)
     }
 
-    /// Settings, pods, running counts and every user's buckets (users in name
-    /// order, so equal states give equal bytes).
+    /// Settings, endpoints, running counts and every user's buckets.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let c = &self.config;
         let mut w = Writer::new(MAGIC, SNAPSHOT_VERSION);
-        for x in [
-            c.window_s,
-            c.input_weight,
-            c.output_weight,
-            c.min_tokens,
-            c.max_tokens,
-            c.fairness_weight,
-            c.utilization_weight,
-            c.max_pod_load,
-        ] {
-            w.f64(x);
+        w.u64(self.states.len() as u64);
+        for (name, s) in self.endpoints().iter().zip(&self.states) {
+            w.str(name).u64(s.in_flight);
         }
-        w.u64(c.max_users as u64);
-        self.pods.write(&mut w);
-        w.u64(self.bucket as u64);
-        let mut names: Vec<&String> = self.users.keys().collect();
-        names.sort();
-        w.u64(names.len() as u64);
-        for name in names {
-            let u = &self.users[name];
-            w.str(name).u64(u.buckets.len() as u64);
-            for &(id, t) in &u.buckets {
-                w.u64(id as u64).f64(t);
-            }
-        }
+        self.fairness().write(&mut w);
         w.finish()
     }
 
@@ -464,55 +608,21 @@ impl VtcRouter {
     }
 
     fn read(r: &mut Reader<'_>) -> Result<Self> {
-        let mut f = [0.0; 8];
-        for x in &mut f {
-            *x = r.f64()?;
-        }
-        let config = VtcConfig {
-            window_s: f[0],
-            input_weight: f[1],
-            output_weight: f[2],
-            min_tokens: f[3],
-            max_tokens: f[4],
-            fairness_weight: f[5],
-            utilization_weight: f[6],
-            max_pod_load: f[7],
-            max_users: usize::try_from(r.u64()?).unwrap_or(usize::MAX),
-        };
-        let pods = PodSet::read(r)?;
-        let mut router = Self::new(pods.names(), config)?;
-        router.pods = pods;
-        router.bucket = r.u64()? as i64;
-        let n = r.count(20)?;
-        if n > config.max_users {
-            return Err(Error::Snapshot(format!("{n} users exceed max_users")));
-        }
+        let n = r.count(12)?;
+        let mut names = Vec::with_capacity(n);
+        let mut running = Vec::with_capacity(n);
         for _ in 0..n {
-            let name = r.str()?;
-            check_user(&name)?;
-            let k = r.count(16)?;
-            if k == 0 || k > WINDOW_BUCKETS as usize {
-                return Err(Error::Snapshot(format!("user {name:?} has {k} buckets")));
-            }
-            let mut buckets = VecDeque::with_capacity(k);
-            for _ in 0..k {
-                let id = r.u64()? as i64;
-                let t = finite("bucket tokens", r.f64()?)?;
-                if buckets.back().is_some_and(|&(prev, _)| prev >= id) || id > router.bucket {
-                    return Err(Error::Snapshot("bucket ids out of order".into()));
-                }
-                buckets.push_back((id, t));
-            }
-            let mut user = User {
-                buckets,
-                total: 0.0,
-            };
-            user.total = user.sum();
-            multiset_add(&mut router.totals, user.total);
-            router.recency.insert((user.last_bucket(), name.clone()));
-            if router.users.insert(name, user).is_some() {
-                return Err(Error::Snapshot("a user appears twice".into()));
-            }
+            names.push(r.str()?);
+            running.push(r.u64()?);
+        }
+        let fairness = Fairness::read(r)?;
+        let mut router = Self::new(&names, *fairness.config())?;
+        for (s, c) in router.states.iter_mut().zip(running) {
+            s.in_flight = c;
+        }
+        match router.pipeline.vtc_mut() {
+            Some(v) => v.set_fairness(fairness),
+            None => unreachable!("the vtc preset has a vtc scorer"),
         }
         Ok(router)
     }
@@ -524,6 +634,13 @@ mod tests {
 
     fn config() -> VtcConfig {
         VtcConfig::default()
+    }
+
+    fn fair(r: &mut VtcRouter) -> &mut Fairness {
+        r.pipeline
+            .vtc_mut()
+            .map(|v| v.fairness_mut())
+            .expect("a vtc scorer")
     }
 
     fn router() -> VtcRouter {
@@ -543,10 +660,10 @@ mod tests {
         assert_eq!(r.route("b", 100, 200, None, 2.0), Ok(0));
         // a (1000) with totals {500, 1000}: bucket 1000, x = 1: p1 0.01 wins.
         assert_eq!(r.route("a", 0, 0, None, 3.0), Ok(1));
-        // A heavy user maps to the last pod: x = min(20000 / 10250, 2) = 1.95.
+        // A heavy user maps to the last endpoint: x = min(20000 / 10250, 2) = 1.95.
         assert_eq!(r.route("h", 20_000, 0, None, 4.0), Ok(0));
         assert_eq!(r.route("h", 0, 0, None, 5.0), Ok(2));
-        // Utilization moves a request off a full pod: p0 at 100 running
+        // Utilization moves a request off a full endpoint: p0 at 100 running
         // scores 0 + 1, p1 scores |1 - 0| + 0 = 1: a tie, the lower index.
         assert_eq!(r.route("z", 0, 0, Some(&[100, 0, 0]), 6.0), Ok(0));
         assert_eq!(r.route("z", 0, 0, Some(&[101, 0, 0]), 6.0), Ok(0));
@@ -560,7 +677,7 @@ mod tests {
         )
         .expect("router");
         assert_eq!(uw.route("z", 0, 0, Some(&[60, 0]), 0.0), Ok(1));
-        assert_eq!(uw.pods().running(), &[60, 1]);
+        assert_eq!(uw.running(), &[60, 1]);
     }
 
     #[test]
@@ -575,7 +692,7 @@ mod tests {
         r.complete("p0", "a", 100, 100, 100, 400, 302.0)
             .expect("complete");
         assert_eq!(r.user_tokens("a", 302.0), Ok(900.0));
-        assert_eq!(r.pods().running(), &[1, 0, 0]);
+        assert_eq!(r.running(), &[1, 0, 0]);
         // a (900) alone: bucket 1000, x = 0.9: p1 (0.1) beats p0 (0.91).
         assert_eq!(r.route("a", 0, 1000, None, 303.0), Ok(1));
         r.complete("p1", "a", 0, 1000, 0, 0, 303.0)
@@ -648,7 +765,7 @@ mod tests {
                 ..config()
             },
             VtcConfig {
-                max_pod_load: f64::NAN,
+                max_endpoint_load: f64::NAN,
                 ..config()
             },
             VtcConfig {
@@ -690,10 +807,10 @@ mod tests {
         for cut in 0..bytes.len() {
             assert!(VtcRouter::from_bytes(&bytes[..cut]).is_err());
         }
-        one.add_pod("p3").expect("add");
-        one.remove_pod("p0").expect("remove");
-        assert_eq!(one.pods().names(), &["p1", "p2", "p3"]);
-        assert!(one.remove_pod("p0").is_err());
+        one.add_endpoint("p3").expect("add");
+        one.remove_endpoint("p0").expect("remove");
+        assert_eq!(one.endpoints(), &["p1", "p2", "p3"]);
+        assert!(one.remove_endpoint("p0").is_err());
     }
 
     /// The recency order is exactly the users' (latest bucket, name), so the
@@ -718,14 +835,16 @@ mod tests {
         for step in 0..3000 {
             let now = step as f64 * 0.7;
             let user = format!("u{}", next(60));
-            let expected = (r.users_len() == 20 && !r.users.contains_key(&user)).then(|| {
-                r.advance(now);
-                r.users
-                    .iter()
-                    .map(|(n, u)| (u.last_bucket(), n.clone()))
-                    .min()
-            });
-            if next(4) == 0 && r.pods().running()[0] > 0 {
+            let expected =
+                (r.users_len() == 20 && !fair(&mut r).users.contains_key(&user)).then(|| {
+                    fair(&mut r).advance(now);
+                    fair(&mut r)
+                        .users
+                        .iter()
+                        .map(|(n, u)| (u.last_bucket(), n.clone()))
+                        .min()
+                });
+            if next(4) == 0 && r.running()[0] > 0 {
                 r.complete("p0", &user, 100, 100, 0, next(300) as i64, now)
                     .expect("complete");
             } else {
@@ -733,16 +852,16 @@ mod tests {
                     .expect("route");
             }
             if let Some(Some((_, gone))) = expected {
-                if r.users.contains_key(&user) {
-                    assert!(!r.users.contains_key(&gone), "step {step}");
+                if fair(&mut r).users.contains_key(&user) {
+                    assert!(!fair(&mut r).users.contains_key(&gone), "step {step}");
                 }
             }
-            let order: BTreeSet<(i64, String)> = r
+            let order: BTreeSet<(i64, String)> = fair(&mut r)
                 .users
                 .iter()
                 .map(|(n, u)| (u.last_bucket(), n.clone()))
                 .collect();
-            assert_eq!(r.recency, order, "step {step}");
+            assert_eq!(fair(&mut r).recency, order, "step {step}");
             assert!(r.users_len() <= 20);
         }
     }

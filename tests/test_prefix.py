@@ -131,7 +131,7 @@ def h(*xs):
     return np.array(xs, dtype=np.uint64)
 
 
-def test_index_lru_order_ttl_and_remove_pod():
+def test_index_lru_order_ttl_and_remove_endpoint():
     ix = PrefixIndex(3, ttl_s=10.0)
     ix.record(h(1, 2), "a", 0.0)  # recorded last to first: 1 is more recent than 2
     ix.record(h(3), "b", 1.0)
@@ -146,17 +146,17 @@ def test_index_lru_order_ttl_and_remove_pod():
     assert ix.match_prefix(h(1), 15.1) == {}  # idle 10.1 s: a miss, dropped
     assert len(ix) == 0
     ix.record(h(7, 8), "c", 20.0)
-    assert ix.remove_pod("c") == 2 and len(ix) == 0
+    assert ix.remove_endpoint("c") == 2 and len(ix) == 0
     with pytest.raises(KeyError):
-        ix.remove_pod("c")
-    assert sorted(ix.pods) == ["a", "b"]
+        ix.remove_endpoint("c")
+    assert sorted(ix.endpoints) == ["a", "b"]
 
 
 def test_index_memory_is_bounded_by_capacity():
     ix = PrefixIndex(1000)
     rng = np.random.default_rng(0)
-    for pod in range(5):
-        ix.record(rng.integers(0, 2**63, 3000, dtype=np.uint64), f"p{pod}")
+    for endpoint in range(5):
+        ix.record(rng.integers(0, 2**63, 3000, dtype=np.uint64), f"p{endpoint}")
     assert len(ix) == 1000
     # The most recent 1000 remain: the last prompt's first 1000 blocks.
     last = rng.integers(0, 2**63, 3000, dtype=np.uint64)
@@ -213,14 +213,14 @@ def test_router_worked_by_hand():
 
 
 def test_hot_spot_guard():
-    pods = [f"p{i}" for i in range(9)]
-    r = PrefixCacheRouter(pods, block_size=4)
+    endpoints = [f"p{i}" for i in range(9)]
+    r = PrefixCacheRouter(endpoints, block_size=4)
     p = prompt(8)
     assert r.route(p)[0] == "p0"
     # [5, 0 x 8]: mean 5/9, std 1.571, limit 3.70 < 5: the match is skipped.
     assert r.route(p, [5] + [0] * 8) == ("p1", 0.0)
     # With a larger factor the match is kept: limit 0.56 + 3 * 1.571 = 5.27.
-    r3 = PrefixCacheRouter(pods, block_size=4, std_factor=3.0)
+    r3 = PrefixCacheRouter(endpoints, block_size=4, std_factor=3.0)
     r3.route(p)
     assert r3.route(p, [5] + [0] * 8) == ("p0", 1.0)
 
@@ -240,20 +240,20 @@ def test_route_many_equals_route_one_by_one(requests, running):
     flat = np.concatenate(prompts)
     offsets = np.cumsum([0] + [len(p) for p in prompts])
     idx, frac = many.route_many(flat, offsets, running, 3.0)
-    assert [many.pods[i] for i in idx] == [s[0] for s in singles]
+    assert [many.endpoints[i] for i in idx] == [s[0] for s in singles]
     assert frac.tolist() == [s[1] for s in singles]
     assert one.to_bytes() == many.to_bytes()
 
 
-def test_pods_at_run_time_and_complete():
+def test_endpoints_at_run_time_and_complete():
     r = PrefixCacheRouter(["a", "b"], block_size=4)
     p = prompt(12)
     assert r.route(p) == ("a", 0.0)
-    r.add_pod("c")
-    assert r.pods == ["a", "b", "c"] and r.running == [1, 0, 0]
+    r.add_endpoint("c")
+    assert r.endpoints == ["a", "b", "c"] and r.running == [1, 0, 0]
     assert r.route(p) == ("a", 1.0)
-    r.remove_pod("a")
-    assert "a" not in r.index.pods
+    r.remove_endpoint("a")
+    assert "a" not in r.index.endpoints
     assert r.route(p) == ("b", 0.0)  # a's blocks left with it
     r.complete("b")
     assert r.running == [0, 0]
@@ -262,9 +262,9 @@ def test_pods_at_run_time_and_complete():
     with pytest.raises(KeyError):
         r.complete("zz")
     with pytest.raises(KeyError):
-        r.remove_pod("a")
+        r.remove_endpoint("a")
     with pytest.raises(ValueError):
-        r.add_pod("b")
+        r.add_endpoint("b")
 
 
 def test_bad_input_leaves_the_router_unchanged():
@@ -280,8 +280,8 @@ def test_bad_input_leaves_the_router_unchanged():
         lambda: r.route_many(prompt(8), [0, 9]),
         lambda: r.route_many(prompt(8), [0, 4, 8], [1, 2, 3]),
         lambda: r.set_running([1, 2, 3]),
-        lambda: r.add_pod(""),
-        lambda: r.add_pod("x" * 257),
+        lambda: r.add_endpoint(""),
+        lambda: r.add_endpoint("x" * 257),
     ]
     for call in bad_calls:
         with pytest.raises(ValueError):
@@ -336,19 +336,19 @@ def test_routing_from_many_threads_counts_every_request():
     assert sum(r.running) == 32
 
 
-def test_pods_left_without_blocks_free_their_ids_for_new_pods():
-    # 10,000 distinct pods through a 16-block index (at most 4,096 pod ids):
-    # the ids of pods whose blocks were all evicted are reused.
+def test_endpoints_left_without_blocks_free_their_ids_for_new_endpoints():
+    # 10,000 distinct endpoints through a 16-block index (at most 4,096 endpoint ids):
+    # the ids of endpoints whose blocks were all evicted are reused.
     ix = PrefixIndex(16)
     for i in range(10_000):
-        ix.record(h(i, 10**9 + i), f"pod-{i}", float(i))
-        assert ix.match_prefix(h(i), float(i)) == {f"pod-{i}": 1}
+        ix.record(h(i, 10**9 + i), f"endpoint-{i}", float(i))
+        assert ix.match_prefix(h(i), float(i)) == {f"endpoint-{i}": 1}
     assert len(ix) == 16
-    assert {"pod-9999", "pod-9992"} <= set(ix.pods)
+    assert {"endpoint-9999", "endpoint-9992"} <= set(ix.endpoints)
     back = PrefixIndex.from_bytes(ix.to_bytes())
-    assert back.match_prefix(h(9992)) == {"pod-9992": 1}
+    assert back.match_prefix(h(9992)) == {"endpoint-9992": 1}
     # Routers over a shared index whose endpoints are renamed (never removed).
     for i in range(5_000):
         r = PrefixCacheRouter([f"e{i}-a", f"e{i}-b"], block_size=4, index=ix)
         assert r.route(np.arange(i, i + 8, dtype=np.uint32), now=1e4 + i)[0] == f"e{i}-a"
-    assert len(ix.pods) <= 4096 and len(ix) == 16
+    assert len(ix.endpoints) <= 4096 and len(ix) == 16

@@ -19,10 +19,10 @@ def calibrator():
 
 def prefix_index():
     ix = core.PrefixIndex(64, ttl_s=30.0)
-    ix.record(np.arange(1, 6, dtype=np.uint64), "pod-a", 1.0)
-    ix.record(np.arange(3, 9, dtype=np.uint64), "pod-b", 2.0)
-    ix.remove_pod("pod-a")
-    ix.record(np.arange(20, 22, dtype=np.uint64), "pod-c", 3.0)
+    ix.record(np.arange(1, 6, dtype=np.uint64), "endpoint-a", 1.0)
+    ix.record(np.arange(3, 9, dtype=np.uint64), "endpoint-b", 2.0)
+    ix.remove_endpoint("endpoint-a")
+    ix.record(np.arange(20, 22, dtype=np.uint64), "endpoint-c", 3.0)
     return ix
 
 

@@ -23,18 +23,18 @@ def test_scores_worked_by_hand():
     assert r.route("b", 100, 200, now=2.0) == "p0"
     assert r.running == [2, 1, 0]
     assert r.users == 2
-    # A heavy user lands on the last pod: x = min(20500 / 10500, 2) = 1.95.
+    # A heavy user lands on the last endpoint: x = min(20500 / 10500, 2) = 1.95.
     r.route("h", 20_000, 0, now=3.0)
     assert r.route("h", 0, 0, now=4.0) == "p2"
 
 
-def test_utilization_moves_requests_off_a_full_pod():
+def test_utilization_moves_requests_off_a_full_endpoint():
     r = VtcRouter(["p0", "p1"], utilization_weight=2.0)
     # p0: 0 + 2 * 60/100 = 1.2; p1: |1 - 0| + 0 = 1.0.
     assert r.route("z", 0, 0, running=[60, 0]) == "p1"
     # p0: 2 * 40/100 = 0.8 < 1.0.
     assert r.route("z", 0, 0, running=[40, 0]) == "p0"
-    # Utilization saturates at max_pod_load: 2 * min(500/100, 1) = 2 < 1 + 2 * 0.99.
+    # Utilization saturates at max_endpoint_load: 2 * min(500/100, 1) = 2 < 1 + 2 * 0.99.
     assert r.route("z", 0, 0, running=[500, 99]) == "p0"
 
 
@@ -44,11 +44,11 @@ def test_window_and_completion():
     assert r.user_tokens("a", 99.9) == 300.0
     assert r.user_tokens("a", 100.0) == 0.0  # bucket [0, 10) has left the window
     assert r.users == 0
-    pod = r.route("a", 100, 100, now=101.0)
-    r.complete(pod, "a", 100, 100, 150, 400, now=102.0)  # +50 + 2 * 300
+    endpoint = r.route("a", 100, 100, now=101.0)
+    r.complete(endpoint, "a", 100, 100, 150, 400, now=102.0)  # +50 + 2 * 300
     assert r.user_tokens("a", 102.0) == 950.0
-    pod = r.route("a", 0, 0, now=103.0)
-    r.complete(pod, "a", 0, 5000, 0, 0, now=103.0)
+    endpoint = r.route("a", 0, 0, now=103.0)
+    r.complete(endpoint, "a", 0, 5000, 0, 0, now=103.0)
     assert r.user_tokens("a", 103.0) == 0.0  # never below zero
 
 
@@ -76,7 +76,7 @@ def test_bad_input_leaves_state_unchanged():
         lambda: r.route_many(["a", ""], [1, 1], [1, 1]),
         lambda: r.complete("p1", "a", 1, 1, 1, 1),  # nothing running on p1
         lambda: r.complete("p0", "a", 1, -1, 1, 1),
-        lambda: r.add_pod("p0"),
+        lambda: r.add_endpoint("p0"),
     ]
     for call in bad:
         with pytest.raises(ValueError):
@@ -84,14 +84,14 @@ def test_bad_input_leaves_state_unchanged():
     with pytest.raises(KeyError):
         r.complete("nope", "a", 1, 1, 1, 1)
     with pytest.raises(KeyError):
-        r.remove_pod("nope")
+        r.remove_endpoint("nope")
     assert r.to_bytes() == before
     for kwargs in (
         {"window_s": 0.0},
         {"output_weight": -1.0},
         {"min_tokens": 0.0},
         {"max_tokens": 10.0},
-        {"max_pod_load": float("inf")},
+        {"max_endpoint_load": float("inf")},
         {"max_users": 0},
         {"max_users": -1},
     ):
@@ -117,7 +117,7 @@ def test_route_many_equals_route_one_by_one(requests, running):
     ]
     users, ins, outs = zip(*requests)
     idx = many.route_many(list(users), np.array(ins), np.array(outs), running, 5.0)
-    assert [many.pods[i] for i in idx] == singles
+    assert [many.endpoints[i] for i in idx] == singles
     assert one.to_bytes() == many.to_bytes()
 
 
@@ -136,30 +136,30 @@ def test_snapshot_round_trip_continues_identically():
             VtcRouter.from_bytes(bad)
 
 
-def light_share(policy, steps=400, pods=4, heavy_requests=24, light_users=6, rate=100.0):
-    """Closed-loop processor sharing: each pod serves ``rate`` output tokens a
+def light_share(policy, steps=400, endpoints=4, heavy_requests=24, light_users=6, rate=100.0):
+    """Closed-loop processor sharing: each endpoint serves ``rate`` output tokens a
     second, split equally among its running requests; every request wants 200
     output tokens. The heavy user keeps ``heavy_requests`` requests open, each
     light user one. Returns the light users' share of the tokens served."""
-    names = [f"p{i}" for i in range(pods)]
+    names = [f"p{i}" for i in range(endpoints)]
     vtc = VtcRouter(names)
-    running = []  # [user, pod, tokens left]
+    running = []  # [user, endpoint, tokens left]
     served = {"heavy": 0.0, "light": 0.0}
 
     def submit(user, now):
-        counts = [sum(1 for r in running if r[1] == p) for p in range(pods)]
+        counts = [sum(1 for r in running if r[1] == p) for p in range(endpoints)]
         if policy == "vtc":
-            pod = names.index(vtc.route(user, 100, 200, running=counts, now=now))
+            endpoint = names.index(vtc.route(user, 100, 200, running=counts, now=now))
         else:
-            pod = int(np.argmin(counts))
-        running.append([user, pod, 200.0])
+            endpoint = int(np.argmin(counts))
+        running.append([user, endpoint, 200.0])
 
     for _ in range(heavy_requests):
         submit("heavy", 0.0)
     for k in range(light_users):
         submit(f"light{k}", 0.0)
     for t in range(1, steps + 1):
-        for p in range(pods):
+        for p in range(endpoints):
             here = [r for r in running if r[1] == p]
             for r in here:
                 r[2] -= rate / len(here)

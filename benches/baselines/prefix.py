@@ -25,9 +25,9 @@ class PrefixIndex:
         self.capacity = capacity
         self.blocks: OrderedDict[int, set[str]] = OrderedDict()
 
-    def match(self, hashes: list[int], pods: list[str]) -> dict[str, int]:
-        matched = dict.fromkeys(pods, 0)
-        alive = set(pods)
+    def match(self, hashes: list[int], endpoints: list[str]) -> dict[str, int]:
+        matched = dict.fromkeys(endpoints, 0)
+        alive = set(endpoints)
         for i, h in enumerate(hashes):
             holders = self.blocks.get(h)
             if holders is None:
@@ -39,21 +39,21 @@ class PrefixIndex:
                 matched[p] = i + 1
         return matched
 
-    def record(self, hashes: list[int], pod: str) -> None:
+    def record(self, hashes: list[int], endpoint: str) -> None:
         for h in reversed(hashes):
             holders = self.blocks.get(h)
             if holders is None:
                 if len(self.blocks) >= self.capacity:
                     self.blocks.popitem(last=False)
                 holders = self.blocks[h] = set()
-            holders.add(pod)
+            holders.add(endpoint)
             self.blocks.move_to_end(h)
 
 
 class PrefixCacheRouter:
-    def __init__(self, pods, block_size=16, imbalance_abs_count=16, std_factor=2.0):
-        self.pods = list(pods)
-        self.running = [0] * len(self.pods)
+    def __init__(self, endpoints, block_size=16, imbalance_abs_count=16, std_factor=2.0):
+        self.endpoints = list(endpoints)
+        self.running = [0] * len(self.endpoints)
         self.block_size = block_size
         self.imbalance = imbalance_abs_count
         self.std_factor = std_factor
@@ -64,18 +64,18 @@ class PrefixCacheRouter:
         run = self.running
         n = len(run)
         least = min(range(n), key=lambda i: (run[i], i))
-        matched = self.index.match(hashes, self.pods)
-        pod = least
+        matched = self.index.match(hashes, self.endpoints)
+        endpoint = least
         if max(run) - min(run) <= self.imbalance:
             mean = sum(run) / n
             std = (sum((r - mean) ** 2 for r in run) / n) ** 0.5
             limit = mean + self.std_factor * std
             order = sorted(
-                (i for i in range(n) if matched[self.pods[i]] > 0),
-                key=lambda i: (-matched[self.pods[i]], run[i], i),
+                (i for i in range(n) if matched[self.endpoints[i]] > 0),
+                key=lambda i: (-matched[self.endpoints[i]], run[i], i),
             )
-            pod = next((i for i in order if run[i] <= limit), least)
-        self.index.record(hashes, self.pods[pod])
-        run[pod] += 1
-        fraction = matched[self.pods[pod]] / len(hashes) if hashes else 0.0
-        return self.pods[pod], fraction
+            endpoint = next((i for i in order if run[i] <= limit), least)
+        self.index.record(hashes, self.endpoints[endpoint])
+        run[endpoint] += 1
+        fraction = matched[self.endpoints[endpoint]] / len(hashes) if hashes else 0.0
+        return self.endpoints[endpoint], fraction

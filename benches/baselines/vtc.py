@@ -13,7 +13,7 @@ class VtcRouter:
 
     def __init__(
         self,
-        pods,
+        endpoints,
         window_s=300.0,
         input_weight=1.0,
         output_weight=2.0,
@@ -21,15 +21,15 @@ class VtcRouter:
         max_tokens=8000.0,
         fairness_weight=1.0,
         utilization_weight=1.0,
-        max_pod_load=100.0,
+        max_endpoint_load=100.0,
         max_users=None,
     ):
-        self.pods = list(pods)
-        self.running = [0] * len(self.pods)
+        self.endpoints = list(endpoints)
+        self.running = [0] * len(self.endpoints)
         self.width = window_s / self.BUCKETS
         self.iw, self.ow = input_weight, output_weight
         self.min_tokens, self.max_tokens = min_tokens, max_tokens
-        self.fw, self.uw, self.load = fairness_weight, utilization_weight, max_pod_load
+        self.fw, self.uw, self.load = fairness_weight, utilization_weight, max_endpoint_load
         self.max_users = max_users
         self.users: dict[str, deque] = {}
 
@@ -45,12 +45,12 @@ class VtcRouter:
         active = [c for u, c in counts.items() if self.users[u]]
         lo, hi = (min(active), max(active)) if active else (self.min_tokens, self.max_tokens)
         size = max(self.min_tokens, (lo + hi) / 2)
-        n = len(self.pods)
+        n = len(self.endpoints)
         x = min(counts.get(user, 0.0) / size, n - 1)
         scores = [
             self.fw * abs(i - x) + self.uw * min(self.running[i] / self.load, 1.0) for i in range(n)
         ]
-        pod = scores.index(min(scores))
+        endpoint = scores.index(min(scores))
         if user not in self.users and self.max_users and len(self.users) >= self.max_users:
             b = self.users
             del b[min(b, key=lambda u: (b[u][-1][0] if b[u] else -math.inf, u))]
@@ -60,5 +60,5 @@ class VtcRouter:
             b[-1][1] += charge
         else:
             b.append([bucket, charge])
-        self.running[pod] += 1
-        return self.pods[pod]
+        self.running[endpoint] += 1
+        return self.endpoints[endpoint]

@@ -166,7 +166,7 @@ def make_policy(name: str, pods: int, workload: Workload, block_size: int, seed:
     """``choose(request index, running counts, now) -> pod``."""
     if name == "prefix-cache":
         router = PrefixCacheRouter([f"pod-{p}" for p in range(pods)], block_size=block_size)
-        return lambda i, running, now: router.pods.index(
+        return lambda i, running, now: router.endpoints.index(
             router.route(workload.prompt(i), running, now)[0]
         )
     if name == "least-request":

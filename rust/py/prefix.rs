@@ -73,22 +73,22 @@ pub fn block_hashes_many<'py>(
 // The signature's default is written as a literal (for the text signature).
 const _: () = assert!(DEFAULT_CAPACITY_BLOCKS == 200_000);
 
-/// Block hash -> the pods that hold it, for prefix-cache-aware routing.
+/// Block hash -> the endpoints that hold it, for prefix-cache-aware routing.
 ///
 /// Holds at most ``capacity_blocks`` hashes, evicting the least recently
 /// recorded; with ``ttl_s`` a hash not recorded for longer than ``ttl_s``
 /// seconds is dropped. Time (``now``, seconds) is passed in. A prompt's first
-/// block is recorded last, so shared prefixes are evicted last. Pods get one
-/// of 4,096 ids; when all are taken, the ids of pods that hold no block any
-/// more are reused (those pods leave ``pods``), so any number of distinct pods
+/// block is recorded last, so shared prefixes are evicted last. Endpoints get one
+/// of 4,096 ids; when all are taken, the ids of endpoints that hold no block any
+/// more are reused (those endpoints leave ``endpoints``), so any number of distinct endpoints
 /// may pass through. Thread-safe; share one index between routers by passing
 /// it to ``PrefixCacheRouter``.
 ///
 ///     >>> ix = PrefixIndex(1000)
 ///     >>> h = block_hashes(b"system prompt, then a question", 8)
-///     >>> ix.record(h, "pod-a")
+///     >>> ix.record(h, "endpoint-a")
 ///     >>> ix.match_prefix(h[:2])
-///     {'pod-a': 2}
+///     {'endpoint-a': 2}
 
 #[pyclass(frozen, name = "PrefixIndex", module = "routecore")]
 pub struct PyPrefixIndex {
@@ -109,14 +109,14 @@ impl PyPrefixIndex {
         })
     }
 
-    /// Records that ``pod`` holds every block of ``hashes`` (uint64) at ``now``.
-    #[pyo3(signature = (hashes, pod, now=0.0))]
-    fn record(&self, hashes: &Bound<'_, PyAny>, pod: &str, now: f64) -> PyResult<()> {
+    /// Records that ``endpoint`` holds every block of ``hashes`` (uint64) at ``now``.
+    #[pyo3(signature = (hashes, endpoint, now=0.0))]
+    fn record(&self, hashes: &Bound<'_, PyAny>, endpoint: &str, now: f64) -> PyResult<()> {
         let hashes = hash_array(hashes)?;
-        Ok(lock(&self.inner).record(&hashes, pod, now)?)
+        Ok(lock(&self.inner).record(&hashes, endpoint, now)?)
     }
 
-    /// ``{pod: leading blocks of hashes it holds}``, pods with none left out.
+    /// ``{endpoint: leading blocks of hashes it holds}``, endpoints with none left out.
     #[pyo3(signature = (hashes, now=0.0))]
     fn match_prefix<'py>(
         &self,
@@ -127,15 +127,15 @@ impl PyPrefixIndex {
         let hashes = hash_array(hashes)?;
         let matched = lock(&self.inner).match_prefix(&hashes, now)?;
         let d = PyDict::new(py);
-        for (pod, n) in matched {
-            d.set_item(pod, n)?;
+        for (endpoint, n) in matched {
+            d.set_item(endpoint, n)?;
         }
         Ok(d)
     }
 
-    /// Forgets ``pod`` (KeyError if unknown); returns how many blocks it held.
-    fn remove_pod(&self, pod: &str) -> PyResult<usize> {
-        Ok(lock(&self.inner).remove_pod(pod)?)
+    /// Forgets ``endpoint`` (KeyError if unknown); returns how many blocks it held.
+    fn remove_endpoint(&self, endpoint: &str) -> PyResult<usize> {
+        Ok(lock(&self.inner).remove_endpoint(endpoint)?)
     }
 
     /// Drops hashes idle longer than ``ttl_s`` at ``now``; returns how many.
@@ -157,13 +157,13 @@ impl PyPrefixIndex {
         lock(&self.inner).ttl()
     }
 
-    /// Names of the pods the index knows.
+    /// Names of the endpoints the index knows.
     #[getter]
-    fn pods(&self) -> Vec<String> {
-        lock(&self.inner).pods()
+    fn endpoints(&self) -> Vec<String> {
+        lock(&self.inner).endpoints()
     }
 
-    /// A snapshot (hashes, pods, LRU order, times); ``from_bytes`` restores it.
+    /// A snapshot (hashes, endpoints, LRU order, times); ``from_bytes`` restores it.
     fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &lock(&self.inner).to_bytes())
     }
@@ -191,19 +191,19 @@ impl PyPrefixIndex {
     }
 }
 
-/// Prefix-cache-aware routing (the AIBrix algorithm) over named pods.
+/// Prefix-cache-aware routing (the AIBrix algorithm) over named endpoints.
 ///
 /// If ``max - min`` running requests exceeds ``imbalance_abs_count``, the
-/// least-loaded pod. Otherwise the prompt's block hashes are matched from the
-/// first block on, per pod, up to each pod's first miss; pods with a match are
+/// least-loaded endpoint. Otherwise the prompt's block hashes are matched from the
+/// first block on, per endpoint, up to each endpoint's first miss; endpoints with a match are
 /// ordered by matched blocks (descending), then running requests (ascending),
 /// and the first whose running count is at or below ``mean + std_factor *
-/// std`` (over all pods) wins; else the least-loaded pod (first on ties). The
-/// prompt's blocks are then recorded in the index for the chosen pod, and it
-/// counts one more running request until ``complete(pod)``.
+/// std`` (over all endpoints) wins; else the least-loaded endpoint (first on ties). The
+/// prompt's blocks are then recorded in the index for the chosen endpoint, and it
+/// counts one more running request until ``complete(endpoint)``.
 ///
-/// ``running``, where accepted, overwrites every pod's count first (one per
-/// pod, in ``pods`` order) for callers that measure load themselves. Use
+/// ``running``, where accepted, overwrites every endpoint's count first (one per
+/// endpoint, in ``endpoints`` order) for callers that measure load themselves. Use
 /// ``block_size=16`` for token ids and 128 for bytes (AIBrix's defaults).
 ///
 ///     >>> r = PrefixCacheRouter(["a", "b"], block_size=4)
@@ -230,9 +230,9 @@ fn running_arg(running: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<i64>>>
 #[pymethods]
 impl PyPrefixCacheRouter {
     #[new]
-    #[pyo3(signature = (pods, block_size=16, imbalance_abs_count=16, std_factor=2.0, index=None, seed=0))]
+    #[pyo3(signature = (endpoints, block_size=16, imbalance_abs_count=16, std_factor=2.0, index=None, seed=0))]
     fn new(
-        pods: Vec<String>,
+        endpoints: Vec<String>,
         #[pyo3(from_py_with = int_arg)] block_size: i64,
         #[pyo3(from_py_with = int_arg)] imbalance_abs_count: i64,
         std_factor: f64,
@@ -251,12 +251,12 @@ impl PyPrefixCacheRouter {
         };
         Ok(Self {
             config,
-            inner: Mutex::new(PrefixCacheRouter::new(&pods, config, index)?),
+            inner: Mutex::new(PrefixCacheRouter::new(&endpoints, config, index)?),
         })
     }
 
-    /// Routes one prompt: ``(pod, match_fraction)``, the fraction of the
-    /// prompt's full blocks the chosen pod held (0.0 below one block).
+    /// Routes one prompt: ``(endpoint, match_fraction)``, the fraction of the
+    /// prompt's full blocks the chosen endpoint held (0.0 below one block).
     #[pyo3(signature = (tokens, running=None, now=0.0))]
     fn route(
         &self,
@@ -273,15 +273,18 @@ impl PyPrefixCacheRouter {
             let hashes = core_block_hashes(t, c.block_size, c.seed)?;
             let mut router = self.router();
             let d = router.route_hashes(&hashes, running.as_deref(), now)?;
-            Ok::<_, crate::error::Error>((router.pods().names()[d.pod].clone(), d.match_fraction()))
+            Ok::<_, crate::error::Error>((
+                router.endpoints()[d.endpoint].clone(),
+                d.match_fraction(),
+            ))
         })?;
         Ok(out)
     }
 
     /// Routes a ragged batch (``tokens`` flat, prompt ``i`` is
     /// ``tokens[offsets[i]:offsets[i + 1]]``) exactly as ``route`` one by one
-    /// would, ``running`` applied before the first. Returns ``(pod indices
-    /// into pods, match fractions)``.
+    /// would, ``running`` applied before the first. Returns ``(endpoint indices
+    /// into endpoints, match fractions)``.
     #[pyo3(signature = (tokens, offsets, running=None, now=0.0))]
     fn route_many<'py>(
         &self,
@@ -301,42 +304,42 @@ impl PyPrefixCacheRouter {
             self.router()
                 .route_many_hashes(&hashes, &hash_offsets, running.as_deref(), now)
         })?;
-        let pods: Vec<i64> = decisions.iter().map(|d| d.pod as i64).collect();
+        let chosen: Vec<i64> = decisions.iter().map(|d| d.endpoint as i64).collect();
         let fractions: Vec<f64> = decisions.iter().map(|d| d.match_fraction()).collect();
-        Ok((pods.into_pyarray(py), fractions.into_pyarray(py)))
+        Ok((chosen.into_pyarray(py), fractions.into_pyarray(py)))
     }
 
-    /// Ends one running request on ``pod``.
-    fn complete(&self, pod: &str) -> PyResult<()> {
-        Ok(self.router().complete(pod)?)
+    /// Ends one running request on ``endpoint``.
+    fn complete(&self, endpoint: &str) -> PyResult<()> {
+        Ok(self.router().complete(endpoint)?)
     }
 
-    /// Overwrites every pod's running count (one per pod, in ``pods`` order).
+    /// Overwrites every endpoint's running count (one per endpoint, in ``endpoints`` order).
     fn set_running(&self, counts: &Bound<'_, PyAny>) -> PyResult<()> {
         let counts = int_array(counts, "running")?;
         Ok(self.router().set_running(&counts)?)
     }
 
-    /// Adds a pod (no running requests, nothing cached).
-    fn add_pod(&self, pod: &str) -> PyResult<()> {
-        Ok(self.router().add_pod(pod)?)
+    /// Adds a endpoint (no running requests, nothing cached).
+    fn add_endpoint(&self, endpoint: &str) -> PyResult<()> {
+        Ok(self.router().add_endpoint(endpoint)?)
     }
 
-    /// Removes a pod and its blocks from the index (KeyError if unknown).
-    fn remove_pod(&self, pod: &str) -> PyResult<()> {
-        Ok(self.router().remove_pod(pod)?)
+    /// Removes a endpoint and its blocks from the index (KeyError if unknown).
+    fn remove_endpoint(&self, endpoint: &str) -> PyResult<()> {
+        Ok(self.router().remove_endpoint(endpoint)?)
     }
 
-    /// The pods, in order (the indices ``route_many`` returns).
+    /// The endpoints, in order (the indices ``route_many`` returns).
     #[getter]
-    fn pods(&self) -> Vec<String> {
-        self.router().pods().names().to_vec()
+    fn endpoints(&self) -> Vec<String> {
+        self.router().endpoints().to_vec()
     }
 
-    /// Running requests per pod, in ``pods`` order.
+    /// Running requests per endpoint, in ``endpoints`` order.
     #[getter]
     fn running(&self) -> Vec<u64> {
-        self.router().pods().running().to_vec()
+        self.router().running()
     }
 
     /// The router's prefix index (shared, not a copy).
@@ -367,7 +370,7 @@ impl PyPrefixCacheRouter {
         self.config.seed
     }
 
-    /// A snapshot: settings, pods, running counts and the whole index.
+    /// A snapshot: settings, endpoints, running counts and the whole index.
     fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.router().to_bytes())
     }
@@ -389,8 +392,8 @@ impl PyPrefixCacheRouter {
     fn __repr__(&self) -> String {
         let c = self.config;
         format!(
-            "PrefixCacheRouter(pods={:?}, block_size={}, imbalance_abs_count={}, std_factor={})",
-            self.router().pods().names(),
+            "PrefixCacheRouter(endpoints={:?}, block_size={}, imbalance_abs_count={}, std_factor={})",
+            self.router().endpoints(),
             c.block_size,
             c.imbalance_abs_count,
             c.std_factor

@@ -18,11 +18,12 @@ const _: () = assert!(DEFAULT_MAX_USERS == 100_000);
 /// actual usage at ``complete``. With ``lo``/``hi`` the smallest/largest count
 /// over active users (``min_tokens``/``max_tokens`` while none), ``bucket =
 /// max(min_tokens, (lo + hi) / 2)`` and ``x = min(count / bucket, n - 1)``,
-/// pod ``i`` scores ``fairness_weight * |i - x| + utilization_weight *
-/// min(running_i / max_pod_load, 1)``; the lowest score wins (lowest index on
+/// endpoint ``i`` scores ``fairness_weight * |i - x| + utilization_weight *
+/// min(running_i / max_endpoint_load, 1)``; the lowest score wins (lowest index on
 /// ties). At most ``max_users`` users are held: a new user beyond that
 /// forgets the least recently active one (oldest latest charge bucket, then
-/// smallest name), in O(log users). Time (``now``, seconds) is passed in. ``running``, where accepted, first overwrites every pod's count.
+/// smallest name), in O(log users). Time (``now``, seconds) is passed in. ``running``, where accepted, first overwrites every endpoint's count.
+///
 ///
 ///     >>> r = VtcRouter(["p0", "p1"])
 ///     >>> r.route("alice", 100, 200)
@@ -45,7 +46,7 @@ impl PyVtcRouter {
 impl PyVtcRouter {
     #[new]
     #[pyo3(signature = (
-        pods,
+        endpoints,
         window_s=300.0,
         input_weight=1.0,
         output_weight=2.0,
@@ -53,12 +54,12 @@ impl PyVtcRouter {
         max_tokens=8000.0,
         fairness_weight=1.0,
         utilization_weight=1.0,
-        max_pod_load=100.0,
+        max_endpoint_load=100.0,
         max_users=100_000,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        pods: Vec<String>,
+        endpoints: Vec<String>,
         window_s: f64,
         input_weight: f64,
         output_weight: f64,
@@ -66,7 +67,7 @@ impl PyVtcRouter {
         max_tokens: f64,
         fairness_weight: f64,
         utilization_weight: f64,
-        max_pod_load: f64,
+        max_endpoint_load: f64,
         #[pyo3(from_py_with = int_arg)] max_users: i64,
     ) -> PyResult<Self> {
         let max_users = size_arg(max_users, "max_users")?;
@@ -78,16 +79,16 @@ impl PyVtcRouter {
             max_tokens,
             fairness_weight,
             utilization_weight,
-            max_pod_load,
+            max_endpoint_load,
             max_users,
         };
         Ok(Self {
-            inner: Mutex::new(VtcRouter::new(&pods, config)?),
+            inner: Mutex::new(VtcRouter::new(&endpoints, config)?),
         })
     }
 
     /// Routes one request of ``user`` with estimated token counts; charges
-    /// them and counts the request running on the returned pod.
+    /// them and counts the request running on the returned endpoint.
     #[pyo3(signature = (user, input_tokens, output_tokens, running=None, now=0.0))]
     fn route(
         &self,
@@ -99,12 +100,12 @@ impl PyVtcRouter {
     ) -> PyResult<String> {
         let running = running.map(|r| int_array(r, "running")).transpose()?;
         let mut router = self.router();
-        let pod = router.route(user, input_tokens, output_tokens, running.as_deref(), now)?;
-        Ok(router.pods().names()[pod].clone())
+        let endpoint = router.route(user, input_tokens, output_tokens, running.as_deref(), now)?;
+        Ok(router.endpoints()[endpoint].clone())
     }
 
     /// Routes a batch exactly as ``route`` one by one would (``running``
-    /// applied before the first); returns pod indices into ``pods``.
+    /// applied before the first); returns endpoint indices into ``endpoints``.
     #[pyo3(signature = (users, input_tokens, output_tokens, running=None, now=0.0))]
     fn route_many<'py>(
         &self,
@@ -118,24 +119,24 @@ impl PyVtcRouter {
         let ins = int_array(input_tokens, "input_tokens")?;
         let outs = int_array(output_tokens, "output_tokens")?;
         let running = running.map(|r| int_array(r, "running")).transpose()?;
-        let pods = py.detach(|| {
+        let chosen = py.detach(|| {
             self.router()
                 .route_many(&users, &ins, &outs, running.as_deref(), now)
         })?;
-        Ok(pods
+        Ok(chosen
             .into_iter()
             .map(|p| p as i64)
             .collect::<Vec<i64>>()
             .into_pyarray(py))
     }
 
-    /// Ends a request on ``pod`` and corrects ``user``'s charge from the
+    /// Ends a request on ``endpoint`` and corrects ``user``'s charge from the
     /// estimates given to ``route`` to the actual token counts.
-    #[pyo3(signature = (pod, user, est_input_tokens, est_output_tokens, input_tokens, output_tokens, now=0.0))]
+    #[pyo3(signature = (endpoint, user, est_input_tokens, est_output_tokens, input_tokens, output_tokens, now=0.0))]
     #[allow(clippy::too_many_arguments)]
     fn complete(
         &self,
-        pod: &str,
+        endpoint: &str,
         user: &str,
         #[pyo3(from_py_with = int_arg)] est_input_tokens: i64,
         #[pyo3(from_py_with = int_arg)] est_output_tokens: i64,
@@ -144,7 +145,7 @@ impl PyVtcRouter {
         now: f64,
     ) -> PyResult<()> {
         Ok(self.router().complete(
-            pod,
+            endpoint,
             user,
             est_input_tokens,
             est_output_tokens,
@@ -166,29 +167,29 @@ impl PyVtcRouter {
         self.router().users_len()
     }
 
-    /// Overwrites every pod's running count (one per pod, in ``pods`` order).
+    /// Overwrites every endpoint's running count (one per endpoint, in ``endpoints`` order).
     fn set_running(&self, counts: &Bound<'_, PyAny>) -> PyResult<()> {
         let counts = int_array(counts, "running")?;
         Ok(self.router().set_running(&counts)?)
     }
 
-    fn add_pod(&self, pod: &str) -> PyResult<()> {
-        Ok(self.router().add_pod(pod)?)
+    fn add_endpoint(&self, endpoint: &str) -> PyResult<()> {
+        Ok(self.router().add_endpoint(endpoint)?)
     }
 
-    /// Removes a pod (KeyError if unknown); later pods move down one index.
-    fn remove_pod(&self, pod: &str) -> PyResult<()> {
-        Ok(self.router().remove_pod(pod)?)
+    /// Removes a endpoint (KeyError if unknown); later endpoints move down one index.
+    fn remove_endpoint(&self, endpoint: &str) -> PyResult<()> {
+        Ok(self.router().remove_endpoint(endpoint)?)
     }
 
     #[getter]
-    fn pods(&self) -> Vec<String> {
-        self.router().pods().names().to_vec()
+    fn endpoints(&self) -> Vec<String> {
+        self.router().endpoints().to_vec()
     }
 
     #[getter]
     fn running(&self) -> Vec<u64> {
-        self.router().pods().running().to_vec()
+        self.router().running()
     }
 
     #[getter]
@@ -201,7 +202,7 @@ impl PyVtcRouter {
         self.router().config().max_users
     }
 
-    /// A snapshot: settings, pods, running counts and every user's buckets.
+    /// A snapshot: settings, endpoints, running counts and every user's buckets.
     fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.router().to_bytes())
     }
@@ -221,8 +222,8 @@ impl PyVtcRouter {
     fn __repr__(&self) -> String {
         let r = self.router();
         format!(
-            "VtcRouter(pods={:?}, window_s={}, users={})",
-            r.pods().names(),
+            "VtcRouter(endpoints={:?}, window_s={}, users={})",
+            r.endpoints(),
             r.config().window_s,
             r.users_len()
         )

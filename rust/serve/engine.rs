@@ -190,7 +190,7 @@ impl Chooser {
                 true,
             )
         } else if let (Some(router), Some(h)) = (st.prefix.as_mut(), hashes.as_deref()) {
-            (router.route_hashes(h, None, now)?.pod, true)
+            (router.route_hashes(h, None, now)?.endpoint, true)
         } else {
             (Self::least(&st.load).unwrap_or(0), false)
         };
@@ -241,8 +241,8 @@ impl Chooser {
         let running = st
             .prefix
             .as_ref()
-            .map(|r| r.pods().running().to_vec())
-            .or_else(|| st.vtc.as_ref().map(|r| r.pods().running().to_vec()));
+            .map(|r| r.running())
+            .or_else(|| st.vtc.as_ref().map(|r| r.running()));
         (st.load.clone(), running)
     }
 

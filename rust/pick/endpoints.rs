@@ -1,0 +1,248 @@
+//! The endpoints a picker chooses among: string names at the API, dense
+//! indices inside, and what is known of each at decision time
+//! ([`EndpointState`]).
+//!
+//! The names live in an [`EndpointSet`] (the pipeline's); the states are a
+//! `Vec<EndpointState>` owned by the caller (data plane, simulator, Python
+//! picker, the preset routers), one per endpoint in set order. Counts of
+//! requests in flight are either kept by the caller (one more on `start`,
+//! one less on `complete`) or set wholesale from telemetry (`set_in_flight`).
+
+use crate::error::{invalid, unknown, Result};
+use crate::snapshot::{Reader, Writer};
+
+/// Most endpoints one set holds.
+pub const MAX_ENDPOINTS: usize = 4096;
+/// Longest endpoint name, in bytes.
+pub const MAX_ENDPOINT_NAME_BYTES: usize = 256;
+/// Largest in-flight count accepted from telemetry: more marks corrupt input.
+pub const MAX_IN_FLIGHT: i64 = 1 << 32;
+
+/// Checks an endpoint name: 1 to `MAX_ENDPOINT_NAME_BYTES` bytes.
+pub fn check_endpoint_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > MAX_ENDPOINT_NAME_BYTES {
+        return Err(invalid(format!(
+            "endpoint name must be 1 to {MAX_ENDPOINT_NAME_BYTES} bytes, got {} bytes",
+            name.len()
+        )));
+    }
+    Ok(())
+}
+
+/// What the picker knows about one endpoint at decision time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndpointState {
+    /// False: filtered out by `healthy` (scraper / health checks).
+    pub healthy: bool,
+    /// routecore's own dispatches not completed yet.
+    pub in_flight: u64,
+    /// Dispatches since the last scrape, added to `waiting` until the next.
+    pub dispatched_since_scrape: u32,
+    /// Engine queue (`vllm:num_requests_waiting`); None = unknown or stale.
+    pub waiting: Option<f64>,
+    /// Requests the engine runs (`vllm:num_requests_running`).
+    pub running: Option<f64>,
+    /// KV-cache use in [0, 1] (`vllm:kv_cache_usage_perc`).
+    pub kv_usage: Option<f64>,
+    /// LoRA adapters it serves (`vllm:lora_requests_info`); empty = base only.
+    pub adapters: Vec<String>,
+}
+
+impl Default for EndpointState {
+    /// Healthy, idle, nothing scraped yet.
+    fn default() -> Self {
+        Self {
+            healthy: true,
+            in_flight: 0,
+            dispatched_since_scrape: 0,
+            waiting: None,
+            running: None,
+            kv_usage: None,
+            adapters: Vec::new(),
+        }
+    }
+}
+
+impl EndpointState {
+    /// The requests an endpoint holds, the one load measure of the picker
+    /// (least-request, the prefix guards, VTC's utilization): the engine's
+    /// `waiting + running` plus the dispatches since that scrape when both
+    /// are known, else routecore's own `in_flight`.
+    pub fn load(&self) -> f64 {
+        match (self.waiting, self.running) {
+            (Some(w), Some(r)) => w + r + f64::from(self.dispatched_since_scrape),
+            _ => self.in_flight as f64,
+        }
+    }
+
+    /// The engine's queue plus the dispatches since that scrape; routecore's
+    /// `in_flight` while the queue is unknown.
+    pub fn queue(&self) -> f64 {
+        match self.waiting {
+            Some(w) => w + f64::from(self.dispatched_since_scrape),
+            None => self.in_flight as f64,
+        }
+    }
+}
+
+/// Checks in-flight counts from telemetry (one per endpoint) without setting them.
+pub fn check_in_flight(states: &[EndpointState], counts: &[i64]) -> Result<()> {
+    if counts.len() != states.len() {
+        return Err(invalid(format!(
+            "running has {} counts for {} endpoints",
+            counts.len(),
+            states.len()
+        )));
+    }
+    if let Some(c) = counts.iter().find(|&&c| !(0..=MAX_IN_FLIGHT).contains(&c)) {
+        return Err(invalid(format!(
+            "running counts must be in [0, {MAX_IN_FLIGHT}], got {c}"
+        )));
+    }
+    Ok(())
+}
+
+/// Overwrites every endpoint's in-flight count (in set order) from telemetry.
+pub fn set_in_flight(states: &mut [EndpointState], counts: &[i64]) -> Result<()> {
+    check_in_flight(states, counts)?;
+    for (s, &c) in states.iter_mut().zip(counts) {
+        s.in_flight = c as u64;
+    }
+    Ok(())
+}
+
+/// Ends one request in flight on endpoint `name` (its state); refused when
+/// none is.
+pub fn complete_one(state: &mut EndpointState, name: &str) -> Result<()> {
+    match state.in_flight.checked_sub(1) {
+        Some(n) => {
+            state.in_flight = n;
+            Ok(())
+        }
+        None => Err(invalid(format!(
+            "complete: endpoint {name:?} has no running request"
+        ))),
+    }
+}
+
+/// Endpoint names in order, distinct and valid.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EndpointSet {
+    names: Vec<String>,
+}
+
+impl EndpointSet {
+    /// Endpoints in the given order; names must be valid and distinct.
+    pub fn new<S: AsRef<str>>(names: &[S]) -> Result<Self> {
+        let mut set = Self::default();
+        for name in names {
+            set.add(name.as_ref())?;
+        }
+        Ok(set)
+    }
+
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The index of `name` (a linear scan: pools hold tens of endpoints).
+    pub fn index(&self, name: &str) -> Result<usize> {
+        self.names
+            .iter()
+            .position(|n| n == name)
+            .ok_or_else(|| unknown("endpoint", name))
+    }
+
+    /// Checks that `name` may be added.
+    pub fn check_add(&self, name: &str) -> Result<()> {
+        check_endpoint_name(name)?;
+        if self.names.iter().any(|n| n == name) {
+            return Err(invalid(format!("endpoint {name:?} is already present")));
+        }
+        if self.names.len() >= MAX_ENDPOINTS {
+            return Err(invalid(format!("at most {MAX_ENDPOINTS} endpoints")));
+        }
+        Ok(())
+    }
+
+    /// Appends an endpoint; returns its index.
+    pub fn add(&mut self, name: &str) -> Result<usize> {
+        self.check_add(name)?;
+        self.names.push(name.to_owned());
+        Ok(self.names.len() - 1)
+    }
+
+    /// Removes an endpoint; the ones after it move down one index. Returns
+    /// the index it had.
+    pub fn remove(&mut self, name: &str) -> Result<usize> {
+        let i = self.index(name)?;
+        self.names.remove(i);
+        Ok(i)
+    }
+
+    pub fn write(&self, w: &mut Writer) {
+        w.u64(self.names.len() as u64);
+        for name in &self.names {
+            w.str(name);
+        }
+    }
+
+    pub fn read(r: &mut Reader<'_>) -> Result<Self> {
+        let n = r.count(5)?;
+        let mut set = Self::default();
+        for _ in 0..n {
+            // A bad name is reported as a bad snapshot by `snapshot::restore`.
+            set.add(&r.str()?)?;
+        }
+        Ok(set)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_counts_and_errors() {
+        let mut e = EndpointSet::new(&["a", "b", "c"]).expect("endpoints");
+        let mut states = vec![EndpointState::default(); 3];
+        set_in_flight(&mut states, &[3, 1, 1]).expect("set");
+        assert_eq!(states[1].load(), 1.0);
+        assert!(set_in_flight(&mut states, &[1, 2]).is_err());
+        assert!(set_in_flight(&mut states, &[1, -2, 0]).is_err());
+        assert!(set_in_flight(&mut states, &[1, MAX_IN_FLIGHT + 1, 0]).is_err());
+        assert_eq!(states[0].in_flight, 3);
+        assert!(e.add("a").is_err());
+        assert!(e.add("").is_err());
+        assert!(e.add(&"x".repeat(257)).is_err());
+        assert_eq!(e.index("zz"), Err(unknown("endpoint", "zz")));
+        assert_eq!(e.remove("b"), Ok(1));
+        assert_eq!(e.names(), &["a".to_owned(), "c".to_owned()]);
+
+        let mut w = Writer::new(b"TEST", 1);
+        e.write(&mut w);
+        let bytes = w.finish();
+        let mut r = Reader::new(&bytes, b"TEST", 1, "test").expect("header");
+        assert_eq!(EndpointSet::read(&mut r), Ok(e));
+        assert!(r.finish().is_ok());
+    }
+
+    #[test]
+    fn load_adds_own_dispatches_to_the_scraped_queue() {
+        let mut s = EndpointState {
+            in_flight: 7,
+            ..EndpointState::default()
+        };
+        assert_eq!((s.load(), s.queue()), (7.0, 7.0), "nothing scraped");
+        s.waiting = Some(2.0);
+        s.running = Some(3.0);
+        s.dispatched_since_scrape = 4;
+        assert_eq!((s.load(), s.queue()), (9.0, 6.0));
+    }
+}

@@ -1,0 +1,671 @@
+//! The endpoint picker: one pipeline of small plugins choosing the endpoint
+//! inside a pool (after the Gateway API Inference Extension's / llm-d's
+//! scheduler and the AIBrix routing algorithms).
+//!
+//! A [`Pipeline`] runs, for one request ([`PickRequest`]) over the pool's
+//! endpoints (one [`EndpointState`] each):
+//!
+//! 1. its **filters** in order, each keeping a subset of the candidates. A
+//!    *soft* filter (saturation, serves-adapter) that would leave no
+//!    candidate is skipped: that is the fallback. A *hard* filter (healthy,
+//!    subset hint) that leaves none gives an empty answer (the caller's 503);
+//! 2. its **scorers**, each giving every candidate a score in [0, 1],
+//!    summed with the scorers' weights;
+//! 3. its **picker**, choosing one candidate: the highest total (ties first
+//!    in order, least-request, round-robin or a seeded random draw), a draw
+//!    weighted by the totals, or round-robin. The answer is a ranked list:
+//!    the chosen endpoint, then the other candidates by total (fallbacks).
+//!
+//! Stateful plugins (prefix, VTC, session affinity) learn through two
+//! hooks: [`Pipeline::started`] (a request went to an endpoint) and
+//! [`Pipeline::completed`] (it ended, with its usage). Plugins are enums
+//! dispatched by `match` (no dynamic dispatch, no allocation per pick once
+//! the pipeline has seen its largest pool). Presets are lists of
+//! [`PluginSpec`]s (see `presets.rs`).
+
+mod adapter;
+pub mod endpoints;
+mod healthy;
+mod kv_usage;
+mod least_request;
+mod max_score;
+pub mod prefix;
+mod presets;
+mod queue;
+mod random;
+mod round_robin;
+mod saturation;
+mod session;
+mod subset;
+pub mod vtc;
+
+use std::cmp::Ordering;
+use std::sync::{Arc, Mutex};
+
+pub use endpoints::{EndpointSet, EndpointState};
+pub use max_score::Ties;
+pub use presets::{preset_specs, PRESETS};
+pub use saturation::Saturation;
+
+use crate::error::{finite, invalid, non_negative, Error, Result};
+use crate::prefix::PrefixIndex;
+use crate::rng::Rng;
+use crate::snapshot::{restore, Reader, Writer};
+use prefix::PrefixScorer;
+use session::SessionAffinity;
+use vtc::VtcScorer;
+
+/// Longest session key, in bytes.
+pub const MAX_SESSION_BYTES: usize = 256;
+
+/// One request as the picker sees it (borrowed; no allocation per call).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PickRequest<'a> {
+    /// Chained prompt block hashes (`crate::prefix::block_hashes`); may be empty.
+    pub hashes: &'a [u64],
+    /// Token ids when known (tokenizer / caller).
+    pub token_ids: Option<&'a [u32]>,
+    /// LoRA adapter the request names (its model field); None = base model.
+    pub adapter: Option<&'a str>,
+    /// Subset hint, resolved to endpoint indices.
+    pub subset: Option<&'a [usize]>,
+    /// VTC user (`x-gateway-inference-fairness-id`).
+    pub fairness_id: Option<&'a str>,
+    /// Session affinity key.
+    pub session: Option<&'a str>,
+    pub input_tokens: u64,
+    /// Expected output tokens (VTC charges them).
+    pub output_tokens: u64,
+    /// Seconds, any epoch; never NaN.
+    pub now: f64,
+}
+
+/// Keeps a subset of the candidates.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Filter {
+    /// Endpoints whose health checks pass (hard).
+    Healthy,
+    /// The request's subset hint, when it has one (hard).
+    SubsetHint,
+    /// Endpoints serving the request's adapter, when it names one (soft: an
+    /// engine can load an adapter it does not hold yet).
+    ServesAdapter,
+    /// Endpoints below the queue and KV-cache thresholds (soft).
+    Saturation(Saturation),
+}
+
+impl Filter {
+    fn keep(&self, req: &PickRequest<'_>, i: usize, s: &EndpointState) -> bool {
+        match self {
+            Filter::Healthy => healthy::keep(s),
+            Filter::SubsetHint => subset::keep(req, i),
+            Filter::ServesAdapter => adapter::keep(req, s),
+            Filter::Saturation(sat) => sat.keep(s),
+        }
+    }
+    /// A soft filter that would leave no candidate is skipped.
+    fn soft(&self) -> bool {
+        matches!(self, Filter::ServesAdapter | Filter::Saturation(_))
+    }
+}
+
+/// What a scorer sees: every endpoint's name and state, and the candidates
+/// (endpoint indices) that passed the filters. Scores are written per
+/// candidate, in `cand` order.
+pub struct Ctx<'a> {
+    pub names: &'a [String],
+    pub states: &'a [EndpointState],
+    pub cand: &'a [usize],
+}
+
+/// Gives each candidate a score in [0, 1] (higher is better).
+#[derive(Debug, Clone)]
+pub enum Scorer {
+    LeastRequest,
+    QueueDepth,
+    KvUsage,
+    Prefix(Box<PrefixScorer>),
+    Vtc(Box<VtcScorer>),
+    SessionAffinity(Box<SessionAffinity>),
+}
+
+impl Scorer {
+    fn score(&mut self, req: &PickRequest<'_>, ctx: &Ctx<'_>, out: &mut [f64]) -> Result<()> {
+        match self {
+            Scorer::LeastRequest => least_request::score(ctx, out),
+            Scorer::QueueDepth => queue::score(ctx, out),
+            Scorer::KvUsage => kv_usage::score(ctx, out),
+            Scorer::Prefix(p) => return p.score(req, ctx, out),
+            Scorer::Vtc(v) => v.score(req, ctx, out),
+            Scorer::SessionAffinity(s) => s.score(req, ctx, out),
+        }
+        Ok(())
+    }
+    fn started(&mut self, req: &PickRequest<'_>, names: &[String], endpoint: usize) -> Result<()> {
+        match self {
+            Scorer::Prefix(p) => p.started(req, names, endpoint),
+            Scorer::Vtc(v) => {
+                v.started(req);
+                Ok(())
+            }
+            Scorer::SessionAffinity(s) => {
+                s.started(req, endpoint);
+                Ok(())
+            }
+            Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => Ok(()),
+        }
+    }
+    fn completed(&mut self, req: &PickRequest<'_>, input_tokens: u64, output_tokens: u64) {
+        if let Scorer::Vtc(v) = self {
+            v.completed(req, input_tokens, output_tokens);
+        }
+    }
+    fn removed(&mut self, i: usize, name: &str) -> Result<()> {
+        match self {
+            Scorer::Prefix(p) => p.removed(name),
+            Scorer::SessionAffinity(s) => {
+                s.removed(i);
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+    fn added(&mut self) {
+        if let Scorer::Prefix(p) = self {
+            p.added();
+        }
+    }
+}
+
+/// Chooses one candidate from the totals.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Picker {
+    /// The highest total; `ties` orders equal totals.
+    MaxScore { ties: Ties },
+    /// A draw weighted by the totals (uniform when they are all zero).
+    Random { seed: u64 },
+    /// The next candidate after the last chosen endpoint, scores ignored.
+    RoundRobin,
+}
+
+/// One plugin of a pipeline: its registry name, its weight (scorers) and
+/// its parameters (a JSON object; `null` for none).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PluginSpec {
+    pub name: String,
+    pub weight: f64,
+    pub params: serde_json::Value,
+}
+
+impl PluginSpec {
+    pub fn new(name: &str, weight: f64) -> Self {
+        Self {
+            name: name.to_owned(),
+            weight,
+            params: serde_json::Value::Null,
+        }
+    }
+    pub fn with(name: &str, weight: f64, params: serde_json::Value) -> Self {
+        Self {
+            name: name.to_owned(),
+            weight,
+            params,
+        }
+    }
+}
+
+/// What a pipeline takes besides its plugins.
+#[derive(Debug, Clone, Default)]
+pub struct PickConfig {
+    /// Seeds the random pickers and tie-breaks that give none of their own.
+    pub seed: u64,
+    /// A prefix index to share (the prefix scorer makes its own without).
+    pub prefix_index: Option<Arc<Mutex<PrefixIndex>>>,
+}
+
+/// Filters, then weighted scorers, then a picker (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Pipeline {
+    specs: Vec<PluginSpec>,
+    endpoints: EndpointSet,
+    filters: Vec<Filter>,
+    scorers: Vec<(Scorer, f64)>,
+    picker: Picker,
+    /// Picks made: with the seed, the random draw of the next pick.
+    picks: u64,
+    /// The endpoint after the last chosen one (round-robin).
+    cursor: usize,
+    // Scratch, reused by every pick.
+    cand: Vec<usize>,
+    total: Vec<f64>,
+    tmp: Vec<f64>,
+    order: Vec<usize>,
+}
+
+const MAGIC: &[u8; 4] = b"RCEP";
+const SNAPSHOT_VERSION: u16 = 1;
+
+impl Pipeline {
+    /// A preset by name (see [`PRESETS`]).
+    pub fn preset<S: AsRef<str>>(name: &str, endpoints: &[S], config: &PickConfig) -> Result<Self> {
+        Self::from_specs(&preset_specs(name)?, endpoints, config)
+    }
+
+    /// A pipeline from plugin specs: filters and scorers in the order given,
+    /// at most one picker (default: max-score, ties round-robin).
+    pub fn from_specs<S: AsRef<str>>(
+        specs: &[PluginSpec],
+        endpoints: &[S],
+        config: &PickConfig,
+    ) -> Result<Self> {
+        let endpoints = EndpointSet::new(endpoints)?;
+        let mut filters = Vec::new();
+        let mut scorers = Vec::new();
+        let mut picker = None;
+        let specs: Vec<PluginSpec> = specs.iter().map(|s| presets::resolved(s, config)).collect();
+        for spec in &specs {
+            let w = non_negative(&format!("weight of {:?}", spec.name), spec.weight)?;
+            match presets::build(spec, config)? {
+                presets::Plugin::Filter(f) => filters.push(f),
+                presets::Plugin::Scorer(s) => scorers.push((s, w)),
+                presets::Plugin::Picker(p) => {
+                    if picker.replace(p).is_some() {
+                        return Err(invalid("a pipeline has at most one picker"));
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            specs,
+            endpoints,
+            filters,
+            scorers,
+            picker: picker.unwrap_or(Picker::MaxScore {
+                ties: Ties::RoundRobin,
+            }),
+            picks: 0,
+            cursor: 0,
+            cand: Vec::new(),
+            total: Vec::new(),
+            tmp: Vec::new(),
+            order: Vec::new(),
+        })
+    }
+
+    pub fn specs(&self) -> &[PluginSpec] {
+        &self.specs
+    }
+    pub fn endpoints(&self) -> &EndpointSet {
+        &self.endpoints
+    }
+    pub fn picker(&self) -> Picker {
+        self.picker
+    }
+
+    /// The prefix scorer, if the pipeline has one.
+    pub fn prefix(&self) -> Option<&PrefixScorer> {
+        self.scorers.iter().find_map(|(s, _)| match s {
+            Scorer::Prefix(p) => Some(&**p),
+            _ => None,
+        })
+    }
+
+    /// The VTC scorer, if the pipeline has one.
+    pub fn vtc(&self) -> Option<&VtcScorer> {
+        self.scorers.iter().find_map(|(s, _)| match s {
+            Scorer::Vtc(v) => Some(&**v),
+            _ => None,
+        })
+    }
+
+    /// The VTC scorer, mutable (its window moves with time).
+    pub fn vtc_mut(&mut self) -> Option<&mut VtcScorer> {
+        self.scorers.iter_mut().find_map(|(s, _)| match s {
+            Scorer::Vtc(v) => Some(&mut **v),
+            _ => None,
+        })
+    }
+
+    /// Readies the stateful plugins for the current endpoints (the prefix
+    /// scorer interns them in its index, which fails when the index is
+    /// full); `pick` does it too, so callers only need it to fail early.
+    pub fn prepare(&mut self) -> Result<()> {
+        let names = self.endpoints.names();
+        for (s, _) in &mut self.scorers {
+            if let Scorer::Prefix(p) = s {
+                p.prepare(names)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a request against this pipeline and `states`.
+    pub fn check(&self, req: &PickRequest<'_>, states: &[EndpointState]) -> Result<()> {
+        finite("now", req.now)?;
+        if states.len() != self.endpoints.len() {
+            return Err(invalid(format!(
+                "{} endpoint states for {} endpoints",
+                states.len(),
+                self.endpoints.len()
+            )));
+        }
+        if let Some(&i) = req
+            .subset
+            .and_then(|s| s.iter().find(|&&i| i >= states.len()))
+        {
+            return Err(invalid(format!(
+                "subset index {i} out of range for {} endpoints",
+                states.len()
+            )));
+        }
+        if let Some(u) = req.fairness_id {
+            crate::vtc::check_user(u)?;
+        }
+        if let Some(s) = req.session {
+            if s.is_empty() || s.len() > MAX_SESSION_BYTES {
+                return Err(invalid(format!(
+                    "session must be 1 to {MAX_SESSION_BYTES} bytes, got {} bytes",
+                    s.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Ranked endpoint indices into `out`: the chosen first, then the other
+    /// candidates by total (fallbacks, for Envoy's retry list). Err only on
+    /// bad input (nothing changed); Ok with `out` empty when no endpoint
+    /// survives the hard filters.
+    pub fn pick(
+        &mut self,
+        req: &PickRequest<'_>,
+        states: &[EndpointState],
+        out: &mut Vec<usize>,
+    ) -> Result<()> {
+        self.rank(req, states, usize::MAX, out)
+    }
+
+    /// The chosen endpoint alone (no fallbacks ranked): None when no
+    /// endpoint survives the hard filters.
+    pub fn pick_one(
+        &mut self,
+        req: &PickRequest<'_>,
+        states: &[EndpointState],
+    ) -> Result<Option<usize>> {
+        let mut out = std::mem::take(&mut self.order);
+        let r = self.rank(req, states, 1, &mut out);
+        let chosen = out.first().copied();
+        self.order = out;
+        r.map(|()| chosen)
+    }
+
+    fn rank(
+        &mut self,
+        req: &PickRequest<'_>,
+        states: &[EndpointState],
+        k: usize,
+        out: &mut Vec<usize>,
+    ) -> Result<()> {
+        self.check(req, states)?;
+        out.clear();
+        self.cand.clear();
+        self.cand.extend(0..states.len());
+        for f in &self.filters {
+            let kept = self
+                .cand
+                .iter()
+                .filter(|&&i| f.keep(req, i, &states[i]))
+                .count();
+            if kept == self.cand.len() || (kept == 0 && f.soft()) {
+                continue;
+            }
+            self.cand.retain(|&i| f.keep(req, i, &states[i]));
+        }
+        let m = self.cand.len();
+        if m == 0 {
+            return Ok(());
+        }
+        self.total.clear();
+        self.total.resize(m, 0.0);
+        let ctx = Ctx {
+            names: self.endpoints.names(),
+            states,
+            cand: &self.cand,
+        };
+        for (scorer, w) in &mut self.scorers {
+            self.tmp.clear();
+            self.tmp.resize(m, 0.0);
+            scorer.score(req, &ctx, &mut self.tmp)?;
+            for (t, x) in self.total.iter_mut().zip(&self.tmp) {
+                *t += *w * x;
+            }
+        }
+        let n = states.len();
+        let draw = Rng::new(self.seed().wrapping_add(self.picks)).next_u64();
+        let rank = Ranking {
+            total: &self.total,
+            cand: &self.cand,
+            states,
+            ties: match self.picker {
+                Picker::MaxScore { ties } => ties,
+                _ => Ties::First,
+            },
+            cursor: self.cursor % n,
+            n,
+            draw,
+        };
+        let chosen = match self.picker {
+            Picker::MaxScore { .. } => max_score::choose(&rank),
+            Picker::Random { .. } => random::choose(&rank),
+            Picker::RoundRobin => round_robin::choose(&rank),
+        };
+        out.push(self.cand[chosen]);
+        if k > 1 {
+            self.order.clear();
+            self.order.extend((0..m).filter(|&p| p != chosen));
+            let cmp = |a: &usize, b: &usize| rank.cmp(*a, *b);
+            if k - 1 < self.order.len() {
+                self.order.select_nth_unstable_by(k - 1, cmp);
+                self.order.truncate(k - 1);
+            }
+            self.order.sort_unstable_by(cmp);
+            out.extend(self.order.iter().map(|&p| self.cand[p]));
+        }
+        self.picks = self.picks.wrapping_add(1);
+        self.cursor = (self.cand[chosen] + 1) % n;
+        Ok(())
+    }
+
+    fn seed(&self) -> u64 {
+        match self.picker {
+            Picker::MaxScore {
+                ties: Ties::Random { seed },
+            }
+            | Picker::Random { seed } => seed,
+            _ => 0,
+        }
+    }
+
+    /// A request went to `endpoint`: the stateful plugins learn it (prefix
+    /// blocks recorded, VTC charged the estimate, session bound). The
+    /// caller counts it in its `EndpointState::in_flight`.
+    pub fn started(&mut self, req: &PickRequest<'_>, endpoint: usize) -> Result<()> {
+        finite("now", req.now)?;
+        if endpoint >= self.endpoints.len() {
+            return Err(invalid(format!(
+                "endpoint index {endpoint} out of range for {} endpoints",
+                self.endpoints.len()
+            )));
+        }
+        let names = self.endpoints.names();
+        for (s, _) in &mut self.scorers {
+            s.started(req, names, endpoint)?;
+        }
+        Ok(())
+    }
+
+    /// A request on `endpoint` ended with this usage (plugins that need
+    /// nothing of the request but its endpoint).
+    pub fn completed(
+        &mut self,
+        endpoint: usize,
+        input_tokens: u64,
+        output_tokens: u64,
+        now: f64,
+    ) -> Result<()> {
+        let req = PickRequest {
+            now,
+            ..PickRequest::default()
+        };
+        self.completed_request(&req, endpoint, input_tokens, output_tokens)
+    }
+
+    /// A request ended: `req` as it was picked (its fairness id and token
+    /// estimates: VTC corrects the charge to the usage), `now` its end.
+    pub fn completed_request(
+        &mut self,
+        req: &PickRequest<'_>,
+        endpoint: usize,
+        input_tokens: u64,
+        output_tokens: u64,
+    ) -> Result<()> {
+        finite("now", req.now)?;
+        if endpoint >= self.endpoints.len() {
+            return Err(invalid(format!(
+                "endpoint index {endpoint} out of range for {} endpoints",
+                self.endpoints.len()
+            )));
+        }
+        for (s, _) in &mut self.scorers {
+            s.completed(req, input_tokens, output_tokens);
+        }
+        Ok(())
+    }
+
+    /// Appends an endpoint (its state is the caller's); returns its index.
+    pub fn add_endpoint(&mut self, name: &str) -> Result<usize> {
+        let i = self.endpoints.add(name)?;
+        for (s, _) in &mut self.scorers {
+            s.added();
+        }
+        Ok(i)
+    }
+
+    /// Removes an endpoint (and what plugins know of it); the ones after it
+    /// move down one index. Returns the index it had.
+    pub fn remove_endpoint(&mut self, name: &str) -> Result<usize> {
+        let i = self.endpoints.remove(name)?;
+        for (s, _) in &mut self.scorers {
+            s.removed(i, name)?;
+        }
+        if self.cursor > i {
+            self.cursor -= 1;
+        }
+        Ok(i)
+    }
+
+    /// A snapshot: specs, endpoints, picker state and every stateful
+    /// plugin's state (a shared prefix index is written whole).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut w = Writer::new(MAGIC, SNAPSHOT_VERSION);
+        self.write(&mut w);
+        w.finish()
+    }
+
+    pub fn write(&self, w: &mut Writer) {
+        w.u64(self.specs.len() as u64);
+        for s in &self.specs {
+            w.str(&s.name).f64(s.weight).str(&s.params.to_string());
+        }
+        self.endpoints.write(w);
+        w.u64(self.picks).u64(self.cursor as u64);
+        for (s, _) in &self.scorers {
+            match s {
+                Scorer::Prefix(p) => p.write(w),
+                Scorer::Vtc(v) => v.write(w),
+                Scorer::SessionAffinity(a) => a.write(w),
+                Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => {}
+            }
+        }
+    }
+
+    /// Restores a snapshot written by `to_bytes`.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        restore(
+            bytes,
+            MAGIC,
+            SNAPSHOT_VERSION,
+            "endpoint picker",
+            Self::read,
+        )
+    }
+
+    pub fn read(r: &mut Reader<'_>) -> Result<Self> {
+        let n = r.count(16)?;
+        let mut specs = Vec::with_capacity(n);
+        for _ in 0..n {
+            let name = r.str()?;
+            let weight = r.f64()?;
+            let params = serde_json::from_str(&r.str()?)
+                .map_err(|e| Error::Snapshot(format!("plugin params: {e}")))?;
+            specs.push(PluginSpec {
+                name,
+                weight,
+                params,
+            });
+        }
+        let endpoints = EndpointSet::read(r)?;
+        let mut p = Self::from_specs(&specs, endpoints.names(), &PickConfig::default())?;
+        p.picks = r.u64()?;
+        p.cursor = usize::try_from(r.u64()?).unwrap_or(0) % endpoints.len().max(1);
+        for (s, _) in &mut p.scorers {
+            match s {
+                Scorer::Prefix(x) => x.read(r)?,
+                Scorer::Vtc(x) => x.read(r)?,
+                Scorer::SessionAffinity(x) => x.read(r, endpoints.len())?,
+                Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => {}
+            }
+        }
+        Ok(p)
+    }
+}
+
+/// The totals and tie order of one pick, shared by the pickers.
+pub(crate) struct Ranking<'a> {
+    pub total: &'a [f64],
+    pub cand: &'a [usize],
+    pub states: &'a [EndpointState],
+    pub ties: Ties,
+    pub cursor: usize,
+    pub n: usize,
+    pub draw: u64,
+}
+
+impl Ranking<'_> {
+    /// Candidate positions `a` before `b`: higher total, then the tie order.
+    pub fn cmp(&self, a: usize, b: usize) -> Ordering {
+        self.total[b]
+            .total_cmp(&self.total[a])
+            .then_with(|| max_score::tie_cmp(self, self.cand[a], self.cand[b]))
+    }
+}
+
+/// Scores `1 - (x - min) / (max - min)` of one value per candidate (lower is
+/// better), all 1 when they are equal: the normalisation of the load
+/// scorers (least-request, queue depth).
+fn lower_is_better(out: &mut [f64], value: impl Fn(usize) -> f64) {
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+    for (k, o) in out.iter_mut().enumerate() {
+        let v = value(k);
+        *o = v;
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    let span = hi - lo;
+    for o in out.iter_mut() {
+        *o = if span > 0.0 { (hi - *o) / span } else { 1.0 };
+    }
+}
+
+#[cfg(test)]
+mod tests;

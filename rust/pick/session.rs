@@ -1,0 +1,108 @@
+//! Scorer `session-affinity`: 1 for the endpoint the request's session went
+//! to last (recorded by `started`), 0 for the others and for requests
+//! without a session. At most `max_sessions` sessions are held; beyond, the
+//! one first recorded longest ago is forgotten.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::{Ctx, PickRequest};
+use crate::error::{invalid, Error, Result};
+use crate::snapshot::{Reader, Writer};
+
+/// Default bound on sessions held.
+pub const DEFAULT_MAX_SESSIONS: usize = 100_000;
+/// Largest `max_sessions`.
+pub const MAX_SESSIONS: usize = 10_000_000;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionAffinity {
+    max_sessions: usize,
+    endpoint_of: HashMap<String, usize>,
+    /// Sessions in the order first recorded (the oldest is forgotten first).
+    order: VecDeque<String>,
+}
+
+impl SessionAffinity {
+    pub fn new(max_sessions: usize) -> Result<Self> {
+        if max_sessions == 0 || max_sessions > MAX_SESSIONS {
+            return Err(invalid(format!(
+                "max_sessions must be in [1, {MAX_SESSIONS}], got {max_sessions}"
+            )));
+        }
+        Ok(Self {
+            max_sessions,
+            endpoint_of: HashMap::new(),
+            order: VecDeque::new(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.endpoint_of.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.endpoint_of.is_empty()
+    }
+
+    pub(super) fn score(&mut self, req: &PickRequest<'_>, ctx: &Ctx<'_>, out: &mut [f64]) {
+        let bound = req.session.and_then(|s| self.endpoint_of.get(s)).copied();
+        for (o, &i) in out.iter_mut().zip(ctx.cand) {
+            *o = if bound == Some(i) { 1.0 } else { 0.0 };
+        }
+    }
+
+    pub(super) fn started(&mut self, req: &PickRequest<'_>, endpoint: usize) {
+        self.bind(req.session, endpoint);
+    }
+
+    fn bind(&mut self, session: Option<&str>, endpoint: usize) {
+        let Some(s) = session else { return };
+        if let Some(e) = self.endpoint_of.get_mut(s) {
+            *e = endpoint;
+            return;
+        }
+        if self.endpoint_of.len() >= self.max_sessions {
+            if let Some(old) = self.order.pop_front() {
+                self.endpoint_of.remove(&old);
+            }
+        }
+        self.endpoint_of.insert(s.to_owned(), endpoint);
+        self.order.push_back(s.to_owned());
+    }
+
+    /// Endpoint `i` was removed: its sessions are unbound, later ones move
+    /// down one index.
+    pub(super) fn removed(&mut self, i: usize) {
+        self.endpoint_of.retain(|_, e| *e != i);
+        self.order.retain(|s| self.endpoint_of.contains_key(s));
+        for e in self.endpoint_of.values_mut() {
+            if *e > i {
+                *e -= 1;
+            }
+        }
+    }
+
+    pub(super) fn write(&self, w: &mut Writer) {
+        w.u64(self.order.len() as u64);
+        for s in &self.order {
+            w.str(s).u64(self.endpoint_of[s] as u64);
+        }
+    }
+
+    pub(super) fn read(&mut self, r: &mut Reader<'_>, endpoints: usize) -> Result<()> {
+        let n = r.count(13)?;
+        if n > self.max_sessions {
+            return Err(Error::Snapshot(format!("{n} sessions exceed max_sessions")));
+        }
+        self.endpoint_of.clear();
+        self.order.clear();
+        for _ in 0..n {
+            let s = r.str()?;
+            let e = r.u64()?;
+            if e >= endpoints as u64 || self.endpoint_of.contains_key(&s) {
+                return Err(Error::Snapshot("bad session entry".into()));
+            }
+            self.bind(Some(&s), e as usize);
+        }
+        Ok(())
+    }
+}
