@@ -961,6 +961,7 @@ impl PrefixCacheRouter {
         let pick = PickConfig {
             seed: 0,
             prefix_index: Some(index),
+            kv_index: None,
         };
         let pipeline = Pipeline::from_specs(&prefix_preset(&config), endpoints, &pick)?;
         Ok(Self {

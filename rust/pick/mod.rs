@@ -29,6 +29,7 @@ mod healthy;
 mod kv_usage;
 mod least_request;
 mod max_score;
+pub mod precise_prefix;
 pub mod prefix;
 mod presets;
 mod queue;
@@ -51,6 +52,7 @@ use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::prefix::PrefixIndex;
 use crate::rng::Rng;
 use crate::snapshot::{restore, Reader, Writer};
+use precise_prefix::PrecisePrefixScorer;
 use prefix::PrefixScorer;
 use session::SessionAffinity;
 use vtc::VtcScorer;
@@ -125,6 +127,7 @@ pub enum Scorer {
     QueueDepth,
     KvUsage,
     Prefix(Box<PrefixScorer>),
+    PrecisePrefix(Box<PrecisePrefixScorer>),
     Vtc(Box<VtcScorer>),
     SessionAffinity(Box<SessionAffinity>),
 }
@@ -136,6 +139,7 @@ impl Scorer {
             Scorer::QueueDepth => queue::score(ctx, out),
             Scorer::KvUsage => kv_usage::score(ctx, out),
             Scorer::Prefix(p) => return p.score(req, ctx, out),
+            Scorer::PrecisePrefix(p) => return p.score(req, ctx, out),
             Scorer::Vtc(v) => v.score(req, ctx, out),
             Scorer::SessionAffinity(s) => s.score(req, ctx, out),
         }
@@ -144,6 +148,7 @@ impl Scorer {
     fn started(&mut self, req: &PickRequest<'_>, names: &[String], endpoint: usize) -> Result<()> {
         match self {
             Scorer::Prefix(p) => p.started(req, names, endpoint),
+            Scorer::PrecisePrefix(p) => p.approx_mut().started(req, names, endpoint),
             Scorer::Vtc(v) => {
                 v.started(req);
                 Ok(())
@@ -163,6 +168,7 @@ impl Scorer {
     fn removed(&mut self, i: usize, name: &str) -> Result<()> {
         match self {
             Scorer::Prefix(p) => p.removed(name),
+            Scorer::PrecisePrefix(p) => p.approx_mut().removed(name),
             Scorer::SessionAffinity(s) => {
                 s.removed(i);
                 Ok(())
@@ -171,8 +177,10 @@ impl Scorer {
         }
     }
     fn added(&mut self) {
-        if let Scorer::Prefix(p) = self {
-            p.added();
+        match self {
+            Scorer::Prefix(p) => p.added(),
+            Scorer::PrecisePrefix(p) => p.approx_mut().added(),
+            _ => {}
         }
     }
 }
@@ -221,6 +229,9 @@ pub struct PickConfig {
     pub seed: u64,
     /// A prefix index to share (the prefix scorer makes its own without).
     pub prefix_index: Option<Arc<Mutex<PrefixIndex>>>,
+    /// The precise prefix index fed by KV events (the precise-prefix scorer
+    /// makes an empty one without, and so always falls back).
+    pub kv_index: Option<Arc<crate::kv::KvIndex>>,
 }
 
 /// Filters, then weighted scorers, then a picker (see the module docs).
@@ -332,8 +343,10 @@ impl Pipeline {
     pub fn prepare(&mut self) -> Result<()> {
         let names = self.endpoints.names();
         for (s, _) in &mut self.scorers {
-            if let Scorer::Prefix(p) = s {
-                p.prepare(names)?;
+            match s {
+                Scorer::Prefix(p) => p.prepare(names)?,
+                Scorer::PrecisePrefix(p) => p.approx_mut().prepare(names)?,
+                _ => {}
             }
         }
         Ok(())
@@ -582,6 +595,7 @@ impl Pipeline {
         for (s, _) in &self.scorers {
             match s {
                 Scorer::Prefix(p) => p.write(w),
+                Scorer::PrecisePrefix(p) => p.write(w),
                 Scorer::Vtc(v) => v.write(w),
                 Scorer::SessionAffinity(a) => a.write(w),
                 Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => {}
@@ -621,6 +635,7 @@ impl Pipeline {
         for (s, _) in &mut p.scorers {
             match s {
                 Scorer::Prefix(x) => x.read(r)?,
+                Scorer::PrecisePrefix(x) => x.read(r)?,
                 Scorer::Vtc(x) => x.read(r)?,
                 Scorer::SessionAffinity(x) => x.read(r, endpoints.len())?,
                 Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => {}
