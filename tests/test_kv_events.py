@@ -3,6 +3,7 @@ end against mock vLLM publishers on 127.0.0.1 (tests/mock_kv_publisher.py)."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -276,3 +277,116 @@ def test_mock_batches_are_vllm_event_batches():
         assert CLEARED == ["AllBlocksCleared"]
     finally:
         p.close()
+
+
+# -- the serve configuration and the data plane ----------------------------------
+
+POOLS = [{"name": "short", "max_context": 8192, "endpoints": ["127.0.0.1:8001", "127.0.0.1:8002"]}]
+
+
+def kv_config(kv_events) -> dict:
+    return {"pools": POOLS, "kv_events": kv_events}
+
+
+def test_kv_events_config_reaches_the_data_plane_spec():
+    from routecore.config import parse_config
+
+    cfg = parse_config(
+        kv_config(
+            {
+                "block_size": 4,
+                "stale_after_s": 2,
+                "endpoints": {
+                    "127.0.0.1:8001": {
+                        "zmq": "tcp://127.0.0.1:5557",
+                        "topic": "kv",
+                        "replay": "tcp://127.0.0.1:5558",
+                    }
+                },
+            }
+        )
+    )
+    spec = json.loads(cfg.spec_json())["kv_events"]
+    assert spec == {
+        "block_size": 4,
+        "seed": 0,
+        "capacity_blocks": 1 << 18,
+        "stale_after_s": 2.0,
+        "sources": [
+            {
+                "endpoint": "127.0.0.1:8001",
+                "zmq": "tcp://127.0.0.1:5557",
+                "topic": "kv",
+                "replay": "tcp://127.0.0.1:5558",
+            }
+        ],
+    }
+    assert json.loads(parse_config({"pools": POOLS}).spec_json())["kv_events"] is None
+
+
+@pytest.mark.parametrize(
+    ("kv_events", "message"),
+    [
+        (
+            {"endpoints": {"10.9.9.9:1": {"zmq": "tcp://h:1"}}},
+            r"kv_events.endpoints\['10.9.9.9:1'\]: not an endpoint",
+        ),
+        (
+            {"endpoints": {"127.0.0.1:8001": {"zmq": "h:1"}}},
+            r"kv_events.endpoints\['127.0.0.1:8001'\].zmq",
+        ),
+        ({"endpoints": {"127.0.0.1:8001": {}}}, r"\.zmq: expected a ZeroMQ address"),
+        (
+            {"endpoints": {"127.0.0.1:8001": {"zmq": "tcp://h:1", "replay": "tcp://h:0"}}},
+            r"\.replay: expected a ZeroMQ address",
+        ),
+        (
+            {"endpoints": {"127.0.0.1:8001": {"zmq": "tcp://h:1", "port": 1}}},
+            r"\.port: unknown key",
+        ),
+        ({"endpoints": ["127.0.0.1:8001"]}, r"kv_events.endpoints: expected a mapping"),
+        ({"block_size": 0}, r"kv_events.block_size"),
+        ({"capacity_blocks": -1}, r"kv_events.capacity_blocks"),
+        ({"stale_after_s": 0}, r"kv_events.stale_after_s"),
+        ({"bloc_size": 16}, r"kv_events.bloc_size: unknown key"),
+    ],
+)
+def test_bad_kv_events_config_names_the_key(kv_events, message):
+    from routecore.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config(kv_config(kv_events))
+
+
+def test_the_data_plane_subscribes_and_reports_kv_metrics(pub):
+    from routecore.config import parse_config
+
+    endpoint = "127.0.0.1:8001"
+    cfg = parse_config(
+        kv_config(
+            {
+                "block_size": BS,
+                "endpoints": {endpoint: {"zmq": pub.zmq, "topic": "kv", "replay": pub.replay}},
+            }
+        )
+    )
+    plane = routecore.DataPlane.start(cfg.spec_json())
+    try:
+
+        def metric(name: str) -> float | None:
+            for line in plane.metrics_text().splitlines():
+                if line.startswith(f'{name}{{endpoint="{endpoint}"}}'):
+                    return float(line.rsplit(" ", 1)[1])
+            return None
+
+        wait_for(lambda: metric("routecore_kv_events_live") == 1.0, what="live")
+        pub.serve(prompt(1, 3))
+        pub.serve(prompt(2, 1), drop=True)
+        pub.serve(prompt(3, 1))
+        wait_for(lambda: metric("routecore_kv_blocks") == 5.0, what="blocks indexed")
+        assert metric("routecore_kv_event_replays_total") >= 1
+        assert metric("routecore_kv_event_unrecovered_total") == 0
+        pub.close()
+        wait_for(lambda: metric("routecore_kv_events_live") == 0.0, what="fallback")
+    finally:
+        plane.drain(0.1)

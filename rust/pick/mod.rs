@@ -313,10 +313,12 @@ impl Pipeline {
         self.picker
     }
 
-    /// The prefix scorer, if the pipeline has one.
+    /// The prefix scorer, if the pipeline has one (precise-prefix's
+    /// approximate fallback counts).
     pub fn prefix(&self) -> Option<&PrefixScorer> {
         self.scorers.iter().find_map(|(s, _)| match s {
             Scorer::Prefix(p) => Some(&**p),
+            Scorer::PrecisePrefix(p) => Some(p.approx()),
             _ => None,
         })
     }

@@ -35,7 +35,8 @@ pub struct PyKvEventIndex {
 #[pymethods]
 impl PyKvEventIndex {
     #[new]
-    #[pyo3(signature = (block_size = 16, capacity_blocks = crate::kv::index::DEFAULT_CAPACITY_BLOCKS, seed = 0, stale_after_s = None))]
+    // 262144: crate::kv::index::DEFAULT_CAPACITY_BLOCKS (a literal shows in help()).
+    #[pyo3(signature = (block_size = 16, capacity_blocks = 262144, seed = 0, stale_after_s = None))]
     fn new(
         #[pyo3(from_py_with = int_arg)] block_size: usize,
         #[pyo3(from_py_with = int_arg)] capacity_blocks: usize,
