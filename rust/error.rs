@@ -10,7 +10,7 @@ pub enum Error {
     /// malformed JSON, a limit that would be exceeded.
     #[error("{0}")]
     InvalidArgument(String),
-    /// A pool, pod, tenant, entitlement or category name that is not known.
+    /// A pool, endpoint, tenant, entitlement or category name that is not known.
     #[error("unknown {kind}: {name:?}")]
     UnknownName { kind: &'static str, name: String },
     /// Bytes given to `from_bytes` that are not a snapshot this version wrote.

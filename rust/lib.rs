@@ -61,6 +61,8 @@ mod _core {
     #[pymodule_export]
     use crate::py::openai::parse_openai_request;
     #[pymodule_export]
+    use crate::py::pick::PyEndpointPicker;
+    #[pymodule_export]
     use crate::py::planner::{
         annual_cost_usd, g_dual, plan, pool_routing_savings, PyCandidate, PyPlan,
     };

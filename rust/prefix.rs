@@ -180,7 +180,7 @@ pub fn block_hashes_after(
 
 /// Checks ragged-batch offsets: `offsets[0] == 0`, non-decreasing, last equal
 /// to `len`. Returns them as `usize`.
-fn check_offsets(offsets: &[i64], len: usize) -> Result<Vec<usize>> {
+pub(crate) fn check_offsets(offsets: &[i64], len: usize) -> Result<Vec<usize>> {
     if offsets.first() != Some(&0) || offsets.last() != Some(&(len as i64)) {
         return Err(invalid(format!(
             "offsets must start at 0 and end at the token count {len}"
@@ -242,55 +242,71 @@ const NIL: u32 = u32::MAX;
 /// Marks an index endpoint that has no slot in a router.
 pub(crate) const NO_SLOT: usize = usize::MAX;
 
-/// The endpoints holding one block: ids below 64 as bits of `low` (no allocation
-/// for the common fleet), larger ids in `high`.
+/// A set of endpoint ids as a bitset: ids below 64 in `low` (no allocation
+/// for the common fleet), id `64 * (w + 1) + b` as bit `b` of `high[w]`
+/// (`high` has no trailing zero word).
 #[derive(Debug, Clone, Default, PartialEq)]
 struct EndpointBits {
     low: u64,
-    high: Vec<u32>,
+    high: Vec<u64>,
 }
 
 impl EndpointBits {
-    fn holds(&self, id: u32) -> bool {
-        if id < 64 {
-            self.low >> id & 1 == 1
-        } else {
-            self.high.contains(&id)
+    /// Word `w` of the set (0 is `low`), 0 past the end.
+    fn word(&self, w: usize) -> u64 {
+        match w {
+            0 => self.low,
+            _ => self.high.get(w - 1).copied().unwrap_or(0),
         }
+    }
+    /// How many words may be non-zero.
+    fn words(&self) -> usize {
+        1 + self.high.len()
+    }
+    fn word_mut(&mut self, w: usize) -> &mut u64 {
+        if w == 0 {
+            return &mut self.low;
+        }
+        if self.high.len() < w {
+            self.high.resize(w, 0);
+        }
+        &mut self.high[w - 1]
+    }
+    fn holds(&self, id: u32) -> bool {
+        self.word(id as usize / 64) >> (id % 64) & 1 == 1
     }
     /// Adds `id`; false if it was there already.
     fn add(&mut self, id: u32) -> bool {
         let new = !self.holds(id);
-        if id < 64 {
-            self.low |= 1 << id;
-        } else if new {
-            self.high.push(id);
-        }
+        *self.word_mut(id as usize / 64) |= 1 << (id % 64);
         new
     }
     /// Removes `id`; false if it was not there.
     fn remove(&mut self, id: u32) -> bool {
         let held = self.holds(id);
-        if id < 64 {
-            self.low &= !(1 << id);
-        } else {
-            self.high.retain(|&p| p != id);
+        if held {
+            *self.word_mut(id as usize / 64) &= !(1 << (id % 64));
+            while self.high.last() == Some(&0) {
+                self.high.pop();
+            }
         }
         held
     }
     fn is_empty(&self) -> bool {
         self.low == 0 && self.high.is_empty()
     }
+    /// The ids, ascending.
     fn ids(&self) -> impl Iterator<Item = u32> + '_ {
-        let mut low = self.low;
-        std::iter::from_fn(move || {
-            (low != 0).then(|| {
-                let id = low.trailing_zeros();
-                low &= low - 1;
-                id
+        (0..self.words()).flat_map(move |w| {
+            let mut bits = self.word(w);
+            std::iter::from_fn(move || {
+                (bits != 0).then(|| {
+                    let b = bits.trailing_zeros();
+                    bits &= bits - 1;
+                    64 * w as u32 + b
+                })
             })
         })
-        .chain(self.high.iter().copied())
     }
 }
 
@@ -569,43 +585,37 @@ impl PrefixIndex {
         found: &mut Vec<u32>,
     ) {
         found.clear();
-        let mut alive_low = 0u64;
-        let mut alive_high = Vec::new();
+        let mut alive = EndpointBits::default();
         for (id, _) in slot_of.iter().enumerate().filter(|(_, &s)| s != NO_SLOT) {
-            if id < 64 {
-                alive_low |= 1 << id;
-            } else {
-                alive_high.push(id as u32);
-            }
+            alive.add(id as u32);
         }
+        // Marks the ids of `bits` as matching `i` blocks.
+        let mut settle = |w: usize, mut bits: u64, i: usize| {
+            while bits != 0 {
+                matched[slot_of[64 * w + bits.trailing_zeros() as usize]] = i;
+                bits &= bits - 1;
+            }
+        };
         let mut i = 0;
-        while i < hashes.len() && (alive_low != 0 || !alive_high.is_empty()) {
+        while i < hashes.len() && !alive.is_empty() {
             let Some(slot) = self.lookup(hashes[i], now) else {
                 break;
             };
             found.push(slot);
             let bits = &self.entries[slot as usize].endpoints;
-            let mut dropped = alive_low & !bits.low;
-            alive_low &= bits.low;
-            while dropped != 0 {
-                matched[slot_of[dropped.trailing_zeros() as usize]] = i;
-                dropped &= dropped - 1;
+            for w in 0..alive.words() {
+                let a = alive.word(w);
+                let kept = a & bits.word(w);
+                settle(w, a & !kept, i);
+                *alive.word_mut(w) = kept;
             }
-            alive_high.retain(|&p| {
-                let keep = bits.holds(p);
-                if !keep {
-                    matched[slot_of[p as usize]] = i;
-                }
-                keep
-            });
+            while alive.high.last() == Some(&0) {
+                alive.high.pop();
+            }
             i += 1;
         }
-        while alive_low != 0 {
-            matched[slot_of[alive_low.trailing_zeros() as usize]] = i;
-            alive_low &= alive_low - 1;
-        }
-        for p in alive_high {
-            matched[slot_of[p as usize]] = i;
+        for w in 0..alive.words() {
+            settle(w, alive.word(w), i);
         }
     }
 

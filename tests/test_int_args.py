@@ -38,6 +38,12 @@ def admission():
     return core.AdmissionController([POOL], [ENT])
 
 
+def picker():
+    p = core.EndpointPicker(["e0"], preset="vtc")
+    p.pick(fairness_id="u", input_tokens=10, output_tokens=10, now=0.0)
+    return p
+
+
 def scheduler():
     return core.BatchScheduler([INSTANCE])
 
@@ -127,6 +133,21 @@ CASES = {
     ),
     "PrefixCacheRouter.__new__.seed": lambda v: core.PrefixCacheRouter(["a"], seed=v),
     "VtcRouter.__new__.max_users": lambda v: core.VtcRouter(["a"], max_users=v),
+    "EndpointPicker.__new__.seed": lambda v: core.EndpointPicker(["a"], seed=v),
+    "EndpointPicker.pick.input_tokens": lambda v: picker().pick(input_tokens=v, now=0.0),
+    "EndpointPicker.pick.output_tokens": lambda v: picker().pick(output_tokens=v, now=0.0),
+    "EndpointPicker.rank.input_tokens": lambda v: picker().rank(input_tokens=v, now=0.0),
+    "EndpointPicker.rank.output_tokens": lambda v: picker().rank(output_tokens=v, now=0.0),
+    "EndpointPicker.started.input_tokens": lambda v: picker().started("e0", input_tokens=v),
+    "EndpointPicker.started.output_tokens": lambda v: picker().started("e0", output_tokens=v),
+    "EndpointPicker.completed.input_tokens": lambda v: picker().completed("e0", v, 1),
+    "EndpointPicker.completed.output_tokens": lambda v: picker().completed("e0", 1, v),
+    "EndpointPicker.completed.est_input_tokens": lambda v: picker().completed(
+        "e0", 1, 1, fairness_id="u", est_input_tokens=v
+    ),
+    "EndpointPicker.completed.est_output_tokens": lambda v: picker().completed(
+        "e0", 1, 1, fairness_id="u", est_output_tokens=v
+    ),
     "VtcRouter.route.input_tokens": lambda v: vtc().route("u", v, 1),
     "VtcRouter.route.output_tokens": lambda v: vtc().route("u", 1, v),
     "VtcRouter.complete.est_input_tokens": lambda v: vtc().complete("p0", "u", v, 10, 10, 10),
@@ -328,6 +349,17 @@ UNSIGNED_64 = {
     "block_hashes.seed",
     "block_hashes_many.seed",
     "PrefixCacheRouter.__new__.seed",
+    "EndpointPicker.__new__.seed",
+    "EndpointPicker.pick.input_tokens",
+    "EndpointPicker.pick.output_tokens",
+    "EndpointPicker.rank.input_tokens",
+    "EndpointPicker.rank.output_tokens",
+    "EndpointPicker.started.input_tokens",
+    "EndpointPicker.started.output_tokens",
+    "EndpointPicker.completed.input_tokens",
+    "EndpointPicker.completed.output_tokens",
+    "EndpointPicker.completed.est_input_tokens",
+    "EndpointPicker.completed.est_output_tokens",
     "Workload.sample.n",
     "Workload.sample.seed",
     "Profile.__new__.c_chunk",

@@ -41,6 +41,15 @@ def vtc_router():
     return r
 
 
+def endpoint_picker():
+    p = core.EndpointPicker(["a", "b", "c"], seed=4)
+    p.set_state("b", waiting=2, running=3, kv_usage=0.4, adapters=["lora-x"])
+    p.set_state("c", healthy=False)
+    p.pick(np.arange(40, dtype=np.uint32), now=1.0)
+    p.pick(np.arange(20, dtype=np.uint32), now=2.0)
+    return p
+
+
 def admission():
     pools = [
         core.TokenPool("pool-a", 200.0, 1 << 30, 8),
@@ -88,6 +97,7 @@ MAKERS = {
     "PrefixIndex": prefix_index,
     "PrefixCacheRouter": prefix_router,
     "VtcRouter": vtc_router,
+    "EndpointPicker": endpoint_picker,
     "AdmissionController": admission,
     "BatchScheduler": scheduler,
     "KnnEstimator": knn,

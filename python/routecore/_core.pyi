@@ -393,6 +393,107 @@ class VtcRouter:
     def from_bytes(data: bytes) -> VtcRouter: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
 
+# --- endpoint picker (capability 10) ----------------------------------------
+
+@final
+class EndpointPicker:
+    """Filters, weighted scorers and a picker choosing the endpoint of each request."""
+
+    def __new__(
+        cls,
+        endpoints: list[str],
+        preset: str | None = None,
+        plugins: list[dict[str, Any]] | None = None,
+        seed: int = 0,
+    ) -> Self: ...
+    @staticmethod
+    def presets() -> list[str]: ...
+    def pick(
+        self,
+        tokens: npt.ArrayLike | bytes | str | None = None,
+        *,
+        hashes: npt.NDArray[np.uint64] | None = None,
+        adapter: str | None = None,
+        subset: list[str] | None = None,
+        fairness_id: str | None = None,
+        session: str | None = None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        now: float | None = None,
+    ) -> str | None: ...
+    def rank(
+        self,
+        tokens: npt.ArrayLike | bytes | str | None = None,
+        *,
+        hashes: npt.NDArray[np.uint64] | None = None,
+        adapter: str | None = None,
+        subset: list[str] | None = None,
+        fairness_id: str | None = None,
+        session: str | None = None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        now: float | None = None,
+    ) -> list[str]: ...
+    def pick_many(
+        self,
+        tokens: npt.ArrayLike | bytes | str | None = None,
+        offsets: npt.ArrayLike | None = None,
+        *,
+        input_tokens: npt.ArrayLike | None = None,
+        output_tokens: npt.ArrayLike | None = None,
+        fairness_ids: list[str] | None = None,
+        sessions: list[str] | None = None,
+        now: float | None = None,
+    ) -> npt.NDArray[np.int64]: ...
+    def started(
+        self,
+        endpoint: str,
+        tokens: npt.ArrayLike | bytes | str | None = None,
+        *,
+        hashes: npt.NDArray[np.uint64] | None = None,
+        fairness_id: str | None = None,
+        session: str | None = None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        now: float | None = None,
+    ) -> None: ...
+    def completed(
+        self,
+        endpoint: str,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        *,
+        fairness_id: str | None = None,
+        est_input_tokens: int = 0,
+        est_output_tokens: int = 0,
+        now: float | None = None,
+    ) -> None: ...
+    def set_state(
+        self,
+        endpoint: str,
+        *,
+        waiting: float | None = None,
+        running: float | None = None,
+        kv_usage: float | None = None,
+        healthy: bool | None = None,
+        adapters: list[str] | None = None,
+    ) -> None: ...
+    def state(self, endpoint: str) -> dict[str, Any]: ...
+    def add_endpoint(self, endpoint: str) -> None: ...
+    def remove_endpoint(self, endpoint: str) -> None: ...
+    @property
+    def endpoints(self) -> list[str]: ...
+    @property
+    def in_flight(self) -> list[int]: ...
+    @property
+    def preset(self) -> str | None: ...
+    @property
+    def plugins(self) -> list[dict[str, Any]]: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> EndpointPicker: ...
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
+
 # --- compress-and-route (capability 8) ---------------------------------------
 
 @final

@@ -8,7 +8,7 @@
 //! requests in flight are either kept by the caller (one more on `start`,
 //! one less on `complete`) or set wholesale from telemetry (`set_in_flight`).
 
-use crate::error::{invalid, unknown, Result};
+use crate::error::{invalid, unknown, Error, Result};
 use crate::snapshot::{Reader, Writer};
 
 /// Most endpoints one set holds.
@@ -73,6 +73,54 @@ impl EndpointState {
             (Some(w), Some(r)) => w + r + f64::from(self.dispatched_since_scrape),
             _ => self.in_flight as f64,
         }
+    }
+
+    pub fn write(&self, w: &mut Writer) {
+        w.u8(u8::from(self.healthy))
+            .u64(self.in_flight)
+            .u32(self.dispatched_since_scrape);
+        for x in [self.waiting, self.running, self.kv_usage] {
+            match x {
+                Some(v) => w.u8(1).f64(v),
+                None => w.u8(0).f64(0.0),
+            };
+        }
+        w.u64(self.adapters.len() as u64);
+        for a in &self.adapters {
+            w.str(a);
+        }
+    }
+
+    pub fn read(r: &mut Reader<'_>) -> Result<Self> {
+        let healthy = match r.u8()? {
+            0 => false,
+            1 => true,
+            b => return Err(Error::Snapshot(format!("bad health flag {b}"))),
+        };
+        let in_flight = r.u64()?;
+        let dispatched_since_scrape = r.u32()?;
+        let mut metric = || -> Result<Option<f64>> {
+            match (r.u8()?, r.f64()?) {
+                (0, _) => Ok(None),
+                (1, v) if v.is_finite() && v >= 0.0 => Ok(Some(v)),
+                _ => Err(Error::Snapshot("bad metric".into())),
+            }
+        };
+        let (waiting, running, kv_usage) = (metric()?, metric()?, metric()?);
+        let n = r.count(4)?;
+        let mut adapters = Vec::with_capacity(n);
+        for _ in 0..n {
+            adapters.push(r.str()?);
+        }
+        Ok(Self {
+            healthy,
+            in_flight,
+            dispatched_since_scrape,
+            waiting,
+            running,
+            kv_usage,
+            adapters,
+        })
     }
 
     /// The engine's queue plus the dispatches since that scrape; routecore's

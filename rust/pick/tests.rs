@@ -1,4 +1,5 @@
 use super::*;
+use std::sync::{Arc, Mutex};
 
 fn states(n: usize) -> Vec<EndpointState> {
     vec![EndpointState::default(); n]
@@ -262,4 +263,31 @@ fn snapshots_restore_and_continue_identically() {
     for cut in 0..bytes.len() {
         assert!(Pipeline::from_bytes(&bytes[..cut]).is_err());
     }
+}
+
+#[test]
+fn prefix_started_after_the_shared_index_changed_records_every_block() {
+    let index = Arc::new(Mutex::new(PrefixIndex::new(6, None).expect("index")));
+    let cfg = PickConfig {
+        seed: 0,
+        prefix_index: Some(Arc::clone(&index)),
+    };
+    let mut a = Pipeline::preset("prefix", &["a0", "a1"], &cfg).expect("p");
+    let s = states(2);
+    let h = [1u64, 2, 3, 4];
+    let r = PickRequest {
+        hashes: &h,
+        ..req(0.0)
+    };
+    a.started(&r, 1).expect("start");
+    assert_eq!(a.pick_one(&r, &s), Ok(Some(1)));
+    // Between this pick and its start, other blocks evict some of the
+    // slots the match walked (capacity 6) and reuse them.
+    crate::prefix::lock(&index)
+        .record(&[10, 11, 12, 13, 14], "other", 0.0)
+        .expect("record");
+    a.started(&r, 0).expect("start");
+    let mut ix = crate::prefix::lock(&index);
+    let m = ix.match_prefix(&h, 0.0).expect("match");
+    assert!(m.contains(&("a0".to_owned(), 4)), "{m:?}");
 }

@@ -15,6 +15,7 @@ pub mod kv;
 #[cfg(feature = "server")]
 pub mod loadgen;
 pub mod openai;
+pub mod pick;
 pub mod planner;
 pub mod prefix;
 pub mod profile;

@@ -1,0 +1,99 @@
+"""The endpoint picker: routecore.EndpointPicker.pick beside the plain-Python
+twin, same run, with the GIE's default scorers (queue + KV use) and with
+prefix match added (the default preset).
+
+Run: .venv/bin/python -m pytest benches/bench_pick.py
+"""
+
+import numpy as np
+import pytest
+
+from benches.baselines import pick as baseline
+from routecore import EndpointPicker
+
+TOKENS = 8192
+BLOCK = 16  # 512 blocks
+
+
+def names(n):
+    return [f"vllm-{i}" for i in range(n)]
+
+
+def prompt(seed=0, n=TOKENS):
+    return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.uint32)
+
+
+def scraped(picker, n, seed=0):
+    """Every endpoint with a scraped queue, running count and KV use."""
+    rng = np.random.default_rng(seed)
+    for e in names(n):
+        picker.set_state(
+            e,
+            waiting=float(rng.integers(0, 4)),
+            running=float(rng.integers(0, 32)),
+            kv_usage=float(rng.uniform(0.1, 0.7)),
+        )
+    return picker
+
+
+def ties_first(preset):
+    """A routecore picker equal to `preset` but breaking ties to the first, as
+    the plain-Python twin does (for the decision check)."""
+    plugins = EndpointPicker(["x"], preset=preset).plugins
+    for p in plugins:
+        if p["name"] == "max-score":
+            p.pop("seed", None)
+            p["ties"] = "first"
+    return plugins
+
+
+def warmed(picker, n):
+    """16 prompts sharing a 4,096-token system prompt seen, and the next one."""
+    scraped(picker, n)
+    system = prompt(1, TOKENS // 2)
+    for k in range(16):
+        picker.pick(np.concatenate([system, prompt(100 + k, TOKENS // 2)]))
+    return picker, np.concatenate([system, prompt(999, TOKENS // 2)])
+
+
+@pytest.mark.parametrize("n", [16, 256])
+@pytest.mark.benchmark(group="EndpointPicker.pick, queue+kv")
+def test_pick_queue_kv_routecore(benchmark, n):
+    p = scraped(EndpointPicker(names(n), preset="queue+kv"), n)
+    assert benchmark(p.pick, now=0.0) in names(n)
+
+
+@pytest.mark.parametrize("n", [16, 256])
+@pytest.mark.benchmark(group="EndpointPicker.pick, queue+kv")
+def test_pick_queue_kv_plain_python(benchmark, n):
+    p = scraped(baseline.EndpointPicker(names(n), prefix=False), n)
+    assert benchmark(p.pick) in names(n)
+
+
+@pytest.mark.parametrize("n", [16, 256])
+@pytest.mark.benchmark(group="EndpointPicker.pick, prefix+queue+kv, 512-block prompt")
+def test_pick_prefix_queue_kv_routecore(benchmark, n):
+    p, tokens = warmed(EndpointPicker(names(n)), n)
+    assert benchmark(p.pick, tokens, now=0.0) in names(n)
+
+
+@pytest.mark.parametrize("n", [16, 256])
+@pytest.mark.benchmark(group="EndpointPicker.pick, prefix+queue+kv, 512-block prompt")
+def test_pick_prefix_queue_kv_plain_python(benchmark, n):
+    p, tokens = warmed(baseline.EndpointPicker(names(n)), n)
+    assert benchmark(p.pick, tokens) in names(n)
+
+
+@pytest.mark.parametrize("preset", ["queue+kv", "prefix+queue+kv"])
+def test_the_baseline_decides_like_routecore(preset):
+    n = 16
+    rc = scraped(EndpointPicker(names(n), plugins=ties_first(preset)), n)
+    py = scraped(baseline.EndpointPicker(names(n), prefix=preset.startswith("prefix")), n)
+    system = prompt(1, TOKENS // 2)
+    for k in range(60):
+        p = np.concatenate([system[: 256 * (k % 9)], prompt(k % 13, 1000)])
+        assert rc.pick(p, now=0.0) == py.pick(p)
+        if k % 20 == 19:
+            scraped(rc, n, k)
+            scraped(py, n, k)
+    assert rc.in_flight == [s["in_flight"] for s in py.states]

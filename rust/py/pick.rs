@@ -1,0 +1,743 @@
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::Instant;
+
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+
+use super::{detach_if, hash_array, int_arg, int_array, reduce, TokenArg, DETACH_TOKENS};
+use crate::budget::MAX_TOKENS;
+use crate::error::{finite, invalid, non_negative, Error, Result};
+use crate::pick::endpoints::complete_one;
+use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec, PRESETS};
+use crate::prefix::{block_hashes, block_hashes_many, check_offsets};
+use crate::snapshot::{restore, Reader, Writer};
+
+/// The default preset (the GIE's default scorers plus prefix match).
+const DEFAULT_PRESET: &str = "prefix+queue+kv";
+const MAGIC: &[u8; 4] = b"RCPK";
+const SNAPSHOT_VERSION: u16 = 1;
+
+/// Seconds on a monotonic clock (the default `now`).
+fn monotonic() -> f64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
+
+struct Inner {
+    pipeline: Pipeline,
+    states: Vec<EndpointState>,
+    preset: Option<String>,
+    /// The endpoint names as Python strings (returned without a copy).
+    names: Vec<Py<PyString>>,
+    /// Scratch: the current request's block hashes.
+    hashes: Vec<u64>,
+}
+
+/// One request's arguments, checked.
+struct Args<'a> {
+    adapter: Option<&'a str>,
+    subset: Option<Vec<usize>>,
+    fairness_id: Option<&'a str>,
+    session: Option<&'a str>,
+    input_tokens: u64,
+    output_tokens: u64,
+    now: f64,
+}
+
+impl Args<'_> {
+    fn request<'h>(&'h self, hashes: &'h [u64]) -> PickRequest<'h> {
+        PickRequest {
+            hashes,
+            token_ids: None,
+            adapter: self.adapter,
+            subset: self.subset.as_deref(),
+            fairness_id: self.fairness_id,
+            session: self.session,
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
+            now: self.now,
+        }
+    }
+}
+
+fn tokens_arg(what: &str, v: u64) -> Result<u64> {
+    if v > MAX_TOKENS {
+        return Err(invalid(format!(
+            "{what} must be in [0, {MAX_TOKENS}], got {v}"
+        )));
+    }
+    Ok(v)
+}
+
+impl Inner {
+    fn new(pipeline: Pipeline, preset: Option<String>, py: Python<'_>) -> Self {
+        let n = pipeline.endpoints().len();
+        let names = pipeline
+            .endpoints()
+            .names()
+            .iter()
+            .map(|s| PyString::new(py, s).unbind())
+            .collect();
+        Self {
+            pipeline,
+            states: vec![EndpointState::default(); n],
+            preset,
+            names,
+            hashes: Vec::new(),
+        }
+    }
+
+    /// The prefix plugin's block size and hash seed, if it has one.
+    fn block(&self) -> Option<(usize, u64)> {
+        self.pipeline
+            .prefix()
+            .map(|p| (p.config().block_size, p.config().seed))
+    }
+
+    fn endpoint(&self, name: &str) -> Result<usize> {
+        self.pipeline.endpoints().index(name)
+    }
+
+    fn check(&self, a: &Args<'_>) -> Result<()> {
+        let req = a.request(&[]);
+        self.pipeline.check(&req, &self.states)
+    }
+
+    /// Picks for one request; `start` counts it started on the chosen one.
+    fn pick(&mut self, a: &Args<'_>, start: bool) -> Result<Option<usize>> {
+        let Inner {
+            pipeline,
+            states,
+            hashes,
+            ..
+        } = self;
+        let req = a.request(hashes);
+        let chosen = pipeline.pick_one(&req, states)?;
+        if let (Some(e), true) = (chosen, start) {
+            pipeline.started(&req, e)?;
+            count_start(&mut states[e]);
+        }
+        Ok(chosen)
+    }
+}
+
+impl PyEndpointPicker {
+    /// A request's block hashes: `hashes` as given, else the tokens' with
+    /// the prefix plugin's settings (none without one). Long prompts are
+    /// hashed with the interpreter released (no lock is held).
+    fn hashes(
+        &self,
+        py: Python<'_>,
+        tokens: Option<&Bound<'_, PyAny>>,
+        hashes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<u64>> {
+        if let Some(h) = hashes {
+            return hash_array(h);
+        }
+        let (Some(tokens), Some((size, seed))) = (tokens, self.block) else {
+            if let Some(t) = tokens {
+                TokenArg::new(t, "tokens")?;
+            }
+            return Ok(Vec::new());
+        };
+        let arg = TokenArg::new(tokens, "tokens")?;
+        let t = arg.tokens()?;
+        Ok(detach_if(py, t.len() >= DETACH_TOKENS, || {
+            block_hashes(t, size, seed)
+        })?)
+    }
+}
+
+fn count_start(s: &mut EndpointState) {
+    s.in_flight += 1;
+    s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+}
+
+/// A Python scalar as a JSON value (plugin parameters).
+fn json_value(v: &Bound<'_, PyAny>, key: &str) -> PyResult<serde_json::Value> {
+    if v.is_none() {
+        Ok(serde_json::Value::Null)
+    } else if v.is_instance_of::<PyBool>() {
+        Ok(serde_json::Value::Bool(v.extract()?))
+    } else if v.is_instance_of::<PyInt>() {
+        match v.extract::<u64>() {
+            Ok(u) => Ok(u.into()),
+            Err(_) => Ok(int_arg::<i64>(v)?.into()),
+        }
+    } else if v.is_instance_of::<PyFloat>() {
+        let x: f64 = v.extract()?;
+        serde_json::Number::from_f64(x)
+            .map(serde_json::Value::Number)
+            .ok_or_else(|| PyValueError::new_err(format!("{key} must be finite, got {x}")))
+    } else if let Ok(s) = v.cast::<PyString>() {
+        Ok(serde_json::Value::String(s.to_str()?.to_owned()))
+    } else {
+        Err(PyTypeError::new_err(format!(
+            "{key} must be a number, string, bool or None"
+        )))
+    }
+}
+
+/// `{"name": ..., "weight": ..., **params}` as a plugin spec.
+fn plugin_spec(d: &Bound<'_, PyAny>) -> PyResult<PluginSpec> {
+    let d = d
+        .cast::<PyDict>()
+        .map_err(|_| PyTypeError::new_err("each plugin must be a dict with a \"name\""))?;
+    let mut name = None;
+    let mut weight = 1.0;
+    let mut params = serde_json::Map::new();
+    for (k, v) in d.iter() {
+        let key: String = k.extract()?;
+        match key.as_str() {
+            "name" => name = Some(v.extract::<String>()?),
+            "weight" => weight = v.extract::<f64>()?,
+            _ => {
+                let value = json_value(&v, &key)?;
+                params.insert(key, value);
+            }
+        }
+    }
+    let name = name.ok_or_else(|| PyValueError::new_err("a plugin needs a \"name\""))?;
+    Ok(PluginSpec {
+        name,
+        weight,
+        params: serde_json::Value::Object(params),
+    })
+}
+
+/// One pipeline of filters, weighted scorers and a picker choosing the
+/// endpoint of each request inside a pool (see the README's "Endpoint
+/// picker").
+///
+/// Built from a preset (``"random"``, ``"round-robin"``, ``"least-request"``,
+/// ``"queue+kv"``, ``"prefix"``, ``"prefix+queue+kv"`` (the default) or
+/// ``"vtc"``) or from ``plugins``, a list of ``{"name": ..., "weight": ...,
+/// **params}`` dicts (filters ``healthy``, ``subset-hint``,
+/// ``serves-adapter``, ``saturation``; scorers ``least-request``,
+/// ``queue-depth``, ``kv-usage``, ``prefix``, ``vtc``, ``session-affinity``;
+/// pickers ``max-score``, ``random``, ``round-robin``). ``seed`` seeds the
+/// random draws. Thread-safe; pickling and ``to_bytes`` keep everything
+/// learned (prefix index, VTC counters, sessions, endpoint states).
+///
+/// ``pick`` returns the chosen endpoint and counts the request started
+/// there (``None`` when no endpoint is healthy); ``rank`` returns every
+/// candidate, best first, and starts nothing; ``completed`` ends a request.
+/// Engine state comes from ``set_state`` (scraped queue, running, KV use,
+/// health, adapters); between two scrapes the picker adds its own
+/// dispatches to the queue.
+///
+///     >>> p = EndpointPicker(["a", "b"], preset="least-request")
+///     >>> p.pick(now=0.0), p.pick(now=0.0)
+///     ('a', 'b')
+///     >>> p.completed("a", now=1.0)
+///     >>> p.in_flight
+///     [0, 1]
+#[pyclass(frozen, name = "EndpointPicker", module = "routecore")]
+pub struct PyEndpointPicker {
+    inner: Mutex<Inner>,
+    /// The prefix plugin's block size and hash seed (fixed at construction).
+    block: Option<(usize, u64)>,
+}
+
+impl PyEndpointPicker {
+    fn inner(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn subset_indices(inner: &Inner, subset: Option<Vec<String>>) -> Result<Option<Vec<usize>>> {
+    subset
+        .map(|names| names.iter().map(|n| inner.endpoint(n)).collect())
+        .transpose()
+}
+
+#[pymethods]
+impl PyEndpointPicker {
+    #[new]
+    #[pyo3(signature = (endpoints, preset=None, plugins=None, seed=0))]
+    fn new(
+        py: Python<'_>,
+        endpoints: Vec<String>,
+        preset: Option<String>,
+        plugins: Option<&Bound<'_, PyList>>,
+        #[pyo3(from_py_with = int_arg)] seed: u64,
+    ) -> PyResult<Self> {
+        if endpoints.is_empty() {
+            return Err(PyValueError::new_err("endpoints must not be empty"));
+        }
+        let config = PickConfig {
+            seed,
+            prefix_index: None,
+        };
+        let (pipeline, preset) = match (preset, plugins) {
+            (Some(_), Some(_)) => {
+                return Err(PyValueError::new_err("give a preset or plugins, not both"))
+            }
+            (None, Some(list)) => {
+                let specs = list
+                    .iter()
+                    .map(|d| plugin_spec(&d))
+                    .collect::<PyResult<Vec<_>>>()?;
+                (Pipeline::from_specs(&specs, &endpoints, &config)?, None)
+            }
+            (preset, None) => {
+                let name = preset.unwrap_or_else(|| DEFAULT_PRESET.to_owned());
+                (Pipeline::preset(&name, &endpoints, &config)?, Some(name))
+            }
+        };
+        let inner = Inner::new(pipeline, preset, py);
+        Ok(Self {
+            block: inner.block(),
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// The presets' names.
+    #[staticmethod]
+    fn presets() -> Vec<&'static str> {
+        PRESETS.to_vec()
+    }
+
+    /// Chooses the endpoint for one request and counts it started there
+    /// (in flight, prefix blocks recorded, VTC charged, session bound);
+    /// ``None`` when no endpoint passes the health and subset filters.
+    ///
+    /// ``tokens`` (token ids, or ``str``/``bytes``) are hashed with the
+    /// prefix plugin's block size and seed, or ``hashes`` (from
+    /// ``block_hashes``) given directly. ``subset``: endpoint names (Envoy's
+    /// subset hint). ``now``: seconds, default a monotonic clock.
+    #[pyo3(signature = (tokens=None, *, hashes=None, adapter=None, subset=None, fairness_id=None, session=None, input_tokens=0, output_tokens=0, now=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn pick(
+        &self,
+        py: Python<'_>,
+        tokens: Option<&Bound<'_, PyAny>>,
+        hashes: Option<&Bound<'_, PyAny>>,
+        adapter: Option<&str>,
+        subset: Option<Vec<String>>,
+        fairness_id: Option<&str>,
+        session: Option<&str>,
+        #[pyo3(from_py_with = int_arg)] input_tokens: u64,
+        #[pyo3(from_py_with = int_arg)] output_tokens: u64,
+        now: Option<f64>,
+    ) -> PyResult<Option<Py<PyString>>> {
+        let hashes = self.hashes(py, tokens, hashes)?;
+        let mut inner = self.inner();
+        let args = Args {
+            adapter,
+            subset: subset_indices(&inner, subset)?,
+            fairness_id,
+            session,
+            input_tokens: tokens_arg("input_tokens", input_tokens)?,
+            output_tokens: tokens_arg("output_tokens", output_tokens)?,
+            now: now.unwrap_or_else(monotonic),
+        };
+        inner.check(&args)?;
+        inner.hashes = hashes;
+        let chosen = inner.pick(&args, true)?;
+        Ok(chosen.map(|e| inner.names[e].clone_ref(py)))
+    }
+
+    /// Every candidate endpoint for one request, best first (the chosen one
+    /// and then the fallbacks, as for Envoy's retry list); starts nothing.
+    /// Same arguments as ``pick``. Empty when no endpoint passes the health
+    /// and subset filters.
+    #[pyo3(signature = (tokens=None, *, hashes=None, adapter=None, subset=None, fairness_id=None, session=None, input_tokens=0, output_tokens=0, now=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn rank(
+        &self,
+        py: Python<'_>,
+        tokens: Option<&Bound<'_, PyAny>>,
+        hashes: Option<&Bound<'_, PyAny>>,
+        adapter: Option<&str>,
+        subset: Option<Vec<String>>,
+        fairness_id: Option<&str>,
+        session: Option<&str>,
+        #[pyo3(from_py_with = int_arg)] input_tokens: u64,
+        #[pyo3(from_py_with = int_arg)] output_tokens: u64,
+        now: Option<f64>,
+    ) -> PyResult<Vec<String>> {
+        let hashes = self.hashes(py, tokens, hashes)?;
+        let mut inner = self.inner();
+        let args = Args {
+            adapter,
+            subset: subset_indices(&inner, subset)?,
+            fairness_id,
+            session,
+            input_tokens: tokens_arg("input_tokens", input_tokens)?,
+            output_tokens: tokens_arg("output_tokens", output_tokens)?,
+            now: now.unwrap_or_else(monotonic),
+        };
+        inner.check(&args)?;
+        inner.hashes = hashes;
+        let Inner {
+            pipeline,
+            states,
+            hashes,
+            ..
+        } = &mut *inner;
+        let mut out = Vec::new();
+        pipeline.pick(&args.request(hashes), states, &mut out)?;
+        let names = pipeline.endpoints().names();
+        Ok(out.into_iter().map(|e| names[e].clone()).collect())
+    }
+
+    /// Picks for a batch exactly as ``pick`` one by one would (each started
+    /// before the next is picked). Prompt ``i`` is
+    /// ``tokens[offsets[i]:offsets[i + 1]]`` (flat token ids); without
+    /// tokens, the batch is as long as the per-request arrays given.
+    /// Returns endpoint indices into ``endpoints`` (-1: no endpoint).
+    #[pyo3(signature = (tokens=None, offsets=None, *, input_tokens=None, output_tokens=None, fairness_ids=None, sessions=None, now=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn pick_many<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: Option<&Bound<'py, PyAny>>,
+        offsets: Option<&Bound<'py, PyAny>>,
+        input_tokens: Option<&Bound<'py, PyAny>>,
+        output_tokens: Option<&Bound<'py, PyAny>>,
+        fairness_ids: Option<Vec<String>>,
+        sessions: Option<Vec<String>>,
+        now: Option<f64>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let offsets = offsets.map(|o| int_array(o, "offsets")).transpose()?;
+        let ins = input_tokens
+            .map(|a| int_array(a, "input_tokens"))
+            .transpose()?;
+        let outs = output_tokens
+            .map(|a| int_array(a, "output_tokens"))
+            .transpose()?;
+        let n = match (&offsets, tokens) {
+            (Some(o), _) => o.len().saturating_sub(1),
+            (None, Some(_)) => return Err(PyValueError::new_err("tokens need offsets")),
+            (None, None) => [
+                ins.as_ref().map(Vec::len),
+                outs.as_ref().map(Vec::len),
+                fairness_ids.as_ref().map(Vec::len),
+                sessions.as_ref().map(Vec::len),
+            ]
+            .into_iter()
+            .flatten()
+            .next()
+            .ok_or_else(|| {
+                PyValueError::new_err("give offsets or per-request arrays for the batch")
+            })?,
+        };
+        for (what, len) in [
+            ("input_tokens", ins.as_ref().map(Vec::len)),
+            ("output_tokens", outs.as_ref().map(Vec::len)),
+            ("fairness_ids", fairness_ids.as_ref().map(Vec::len)),
+            ("sessions", sessions.as_ref().map(Vec::len)),
+        ] {
+            if len.is_some_and(|l| l != n) {
+                return Err(PyValueError::new_err(format!(
+                    "{what} has {} entries for {n} requests",
+                    len.unwrap_or(0)
+                )));
+            }
+        }
+        let token_arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
+        let t = token_arg.as_ref().map(|t| t.tokens()).transpose()?;
+        let now = now.unwrap_or_else(monotonic);
+        let block = self.block;
+        let count = |v: &Option<Vec<i64>>, i: usize, what: &str| -> Result<u64> {
+            let x = v.as_ref().map_or(0, |v| v[i]);
+            let x = u64::try_from(x).map_err(|_| invalid(format!("{what} must be >= 0")))?;
+            tokens_arg(what, x)
+        };
+        let chosen = py.detach(|| -> Result<Vec<i64>> {
+            // Everything is checked before the first pick: the batch picks
+            // all or nothing.
+            let (hashes, hash_offsets) = match (t, offsets.as_deref(), block) {
+                (Some(t), Some(o), Some((size, seed))) => block_hashes_many(t, o, size, seed)?,
+                (Some(t), Some(o), None) => {
+                    check_offsets(o, t.len())?;
+                    (Vec::new(), vec![0; o.len()])
+                }
+                _ => (Vec::new(), vec![0; n + 1]),
+            };
+            let mut inner = self.inner();
+            let mut batch = Vec::with_capacity(n);
+            for i in 0..n {
+                let args = Args {
+                    adapter: None,
+                    subset: None,
+                    fairness_id: fairness_ids.as_ref().map(|f| f[i].as_str()),
+                    session: sessions.as_ref().map(|s| s[i].as_str()),
+                    input_tokens: count(&ins, i, "input_tokens")?,
+                    output_tokens: count(&outs, i, "output_tokens")?,
+                    now,
+                };
+                inner.check(&args)?;
+                batch.push(args);
+            }
+            inner.pipeline.prepare()?;
+            let mut out = Vec::with_capacity(n);
+            for (i, args) in batch.iter().enumerate() {
+                let h = &hashes[hash_offsets[i] as usize..hash_offsets[i + 1] as usize];
+                inner.hashes.clear();
+                inner.hashes.extend_from_slice(h);
+                out.push(inner.pick(args, true)?.map_or(-1, |e| e as i64));
+            }
+            Ok(out)
+        })?;
+        Ok(chosen.into_pyarray(py))
+    }
+
+    /// Counts a request started on ``endpoint`` (chosen elsewhere, e.g. a
+    /// fallback of ``rank``): in flight, and the stateful plugins learn it.
+    #[pyo3(signature = (endpoint, tokens=None, *, hashes=None, fairness_id=None, session=None, input_tokens=0, output_tokens=0, now=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn started(
+        &self,
+        py: Python<'_>,
+        endpoint: &str,
+        tokens: Option<&Bound<'_, PyAny>>,
+        hashes: Option<&Bound<'_, PyAny>>,
+        fairness_id: Option<&str>,
+        session: Option<&str>,
+        #[pyo3(from_py_with = int_arg)] input_tokens: u64,
+        #[pyo3(from_py_with = int_arg)] output_tokens: u64,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let hashes = self.hashes(py, tokens, hashes)?;
+        let mut inner = self.inner();
+        let e = inner.endpoint(endpoint)?;
+        let args = Args {
+            adapter: None,
+            subset: None,
+            fairness_id,
+            session,
+            input_tokens: tokens_arg("input_tokens", input_tokens)?,
+            output_tokens: tokens_arg("output_tokens", output_tokens)?,
+            now: now.unwrap_or_else(monotonic),
+        };
+        inner.check(&args)?;
+        inner.hashes = hashes;
+        let Inner {
+            pipeline,
+            states,
+            hashes,
+            ..
+        } = &mut *inner;
+        pipeline.started(&args.request(hashes), e)?;
+        count_start(&mut states[e]);
+        Ok(())
+    }
+
+    /// Ends one request on ``endpoint`` (ValueError when none is in
+    /// flight) with its usage; with ``fairness_id`` the VTC charge is
+    /// corrected from the estimates given at ``pick`` (``est_*``) to it.
+    #[pyo3(signature = (endpoint, input_tokens=0, output_tokens=0, *, fairness_id=None, est_input_tokens=0, est_output_tokens=0, now=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn completed(
+        &self,
+        endpoint: &str,
+        #[pyo3(from_py_with = int_arg)] input_tokens: u64,
+        #[pyo3(from_py_with = int_arg)] output_tokens: u64,
+        fairness_id: Option<&str>,
+        #[pyo3(from_py_with = int_arg)] est_input_tokens: u64,
+        #[pyo3(from_py_with = int_arg)] est_output_tokens: u64,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let mut inner = self.inner();
+        let e = inner.endpoint(endpoint)?;
+        let args = Args {
+            adapter: None,
+            subset: None,
+            fairness_id,
+            session: None,
+            input_tokens: tokens_arg("est_input_tokens", est_input_tokens)?,
+            output_tokens: tokens_arg("est_output_tokens", est_output_tokens)?,
+            now: now.unwrap_or_else(monotonic),
+        };
+        tokens_arg("input_tokens", input_tokens)?;
+        tokens_arg("output_tokens", output_tokens)?;
+        inner.check(&args)?;
+        complete_one(&mut inner.states[e], endpoint)?;
+        inner
+            .pipeline
+            .completed_request(&args.request(&[]), e, input_tokens, output_tokens)?;
+        Ok(())
+    }
+
+    /// Updates what is known of ``endpoint`` (arguments left ``None`` are
+    /// unchanged): the engine's ``waiting`` and ``running`` requests and
+    /// ``kv_usage`` in [0, 1] (a new scrape: the picker's own dispatches
+    /// since the last one are forgotten), ``healthy``, and the LoRA
+    /// ``adapters`` it serves.
+    #[pyo3(signature = (endpoint, *, waiting=None, running=None, kv_usage=None, healthy=None, adapters=None))]
+    fn set_state(
+        &self,
+        endpoint: &str,
+        waiting: Option<f64>,
+        running: Option<f64>,
+        kv_usage: Option<f64>,
+        healthy: Option<bool>,
+        adapters: Option<Vec<String>>,
+    ) -> PyResult<()> {
+        let mut inner = self.inner();
+        let e = inner.endpoint(endpoint)?;
+        for (what, v) in [("waiting", waiting), ("running", running)] {
+            if let Some(x) = v {
+                non_negative(what, x)?;
+            }
+        }
+        if let Some(k) = kv_usage {
+            if !(0.0..=1.0).contains(&finite("kv_usage", k)?) {
+                return Err(PyValueError::new_err(format!(
+                    "kv_usage must be in [0, 1], got {k}"
+                )));
+            }
+        }
+        let s = &mut inner.states[e];
+        if waiting.is_some() || running.is_some() || kv_usage.is_some() {
+            s.dispatched_since_scrape = 0;
+        }
+        s.waiting = waiting.or(s.waiting);
+        s.running = running.or(s.running);
+        s.kv_usage = kv_usage.or(s.kv_usage);
+        s.healthy = healthy.unwrap_or(s.healthy);
+        if let Some(a) = adapters {
+            s.adapters = a;
+        }
+        Ok(())
+    }
+
+    /// What is known of ``endpoint``: a dict of ``healthy``, ``in_flight``,
+    /// ``dispatched_since_scrape``, ``waiting``, ``running``, ``kv_usage``
+    /// (``None``: unknown) and ``adapters``.
+    fn state<'py>(&self, py: Python<'py>, endpoint: &str) -> PyResult<Bound<'py, PyDict>> {
+        let inner = self.inner();
+        let s = &inner.states[inner.endpoint(endpoint)?];
+        let d = PyDict::new(py);
+        d.set_item("healthy", s.healthy)?;
+        d.set_item("in_flight", s.in_flight)?;
+        d.set_item("dispatched_since_scrape", s.dispatched_since_scrape)?;
+        d.set_item("waiting", s.waiting)?;
+        d.set_item("running", s.running)?;
+        d.set_item("kv_usage", s.kv_usage)?;
+        d.set_item("adapters", s.adapters.clone())?;
+        Ok(d)
+    }
+
+    /// Adds an endpoint (healthy, idle, nothing cached).
+    fn add_endpoint(&self, py: Python<'_>, endpoint: &str) -> PyResult<()> {
+        let mut inner = self.inner();
+        inner.pipeline.add_endpoint(endpoint)?;
+        inner.states.push(EndpointState::default());
+        inner.names.push(PyString::new(py, endpoint).unbind());
+        Ok(())
+    }
+
+    /// Removes an endpoint (KeyError if unknown) and what the plugins know
+    /// of it; later endpoints move down one index.
+    fn remove_endpoint(&self, endpoint: &str) -> PyResult<()> {
+        let mut inner = self.inner();
+        let i = inner.pipeline.remove_endpoint(endpoint)?;
+        inner.states.remove(i);
+        inner.names.remove(i);
+        Ok(())
+    }
+
+    /// The endpoints, in order (the indices ``pick_many`` returns).
+    #[getter]
+    fn endpoints(&self) -> Vec<String> {
+        self.inner().pipeline.endpoints().names().to_vec()
+    }
+
+    /// Requests in flight per endpoint (started, not completed).
+    #[getter]
+    fn in_flight(&self) -> Vec<u64> {
+        self.inner().states.iter().map(|s| s.in_flight).collect()
+    }
+
+    /// The preset's name (``None`` when built from plugins).
+    #[getter]
+    fn preset(&self) -> Option<String> {
+        self.inner().preset.clone()
+    }
+
+    /// The plugins, as ``{"name", "weight", **params}`` dicts.
+    #[getter]
+    fn plugins<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let specs: Vec<serde_json::Value> = self
+            .inner()
+            .pipeline
+            .specs()
+            .iter()
+            .map(|s| {
+                let mut m = match &s.params {
+                    serde_json::Value::Object(m) => m.clone(),
+                    _ => serde_json::Map::new(),
+                };
+                m.insert("name".into(), s.name.clone().into());
+                m.insert("weight".into(), s.weight.into());
+                serde_json::Value::Object(m)
+            })
+            .collect();
+        let text = serde_json::Value::Array(specs).to_string();
+        Ok(py
+            .import("json")?
+            .call_method1("loads", (text,))?
+            .cast_into::<PyList>()?)
+    }
+
+    /// A snapshot: plugins, endpoints, their states and everything learned.
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let inner = self.inner();
+        let mut w = Writer::new(MAGIC, SNAPSHOT_VERSION);
+        match &inner.preset {
+            Some(p) => w.u8(1).str(p),
+            None => w.u8(0),
+        };
+        inner.pipeline.write(&mut w);
+        for s in &inner.states {
+            s.write(&mut w);
+        }
+        PyBytes::new(py, &w.finish())
+    }
+
+    /// Restores a snapshot written by ``to_bytes``; ValueError if invalid.
+    #[staticmethod]
+    fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
+        let read = |r: &mut Reader<'_>| -> Result<(Option<String>, Pipeline, Vec<EndpointState>)> {
+            let preset = match r.u8()? {
+                0 => None,
+                1 => Some(r.str()?),
+                b => return Err(Error::Snapshot(format!("bad preset flag {b}"))),
+            };
+            let pipeline = Pipeline::read(r)?;
+            let states = (0..pipeline.endpoints().len())
+                .map(|_| EndpointState::read(r))
+                .collect::<Result<Vec<_>>>()?;
+            Ok((preset, pipeline, states))
+        };
+        let (preset, pipeline, states) =
+            restore(data, MAGIC, SNAPSHOT_VERSION, "endpoint picker", read)?;
+        let mut inner = Inner::new(pipeline, preset, py);
+        inner.states = states;
+        Ok(Self {
+            block: inner.block(),
+            inner: Mutex::new(inner),
+        })
+    }
+
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        reduce(slf, slf.get().to_bytes(slf.py()))
+    }
+
+    fn __repr__(&self) -> String {
+        let inner = self.inner();
+        let how = match &inner.preset {
+            Some(p) => format!("preset={p:?}"),
+            None => format!("plugins={}", inner.pipeline.specs().len()),
+        };
+        format!(
+            "EndpointPicker(endpoints={:?}, {how})",
+            inner.pipeline.endpoints().names()
+        )
+    }
+}
