@@ -149,11 +149,17 @@ mod tests {
         let kv = kv_with("e2", &prompt[..8], None);
         let mut p = pipeline(&kv);
         let states = vec![EndpointState::default(); 3];
-        assert_eq!(p.pick_one(&request(&[], Some(&prompt)), &states), Ok(Some(2)));
+        assert_eq!(
+            p.pick_one(&request(&[], Some(&prompt)), &states),
+            Ok(Some(2))
+        );
         // Another prompt sharing no first block: no endpoint holds it; ties
         // go to the least loaded (the first here).
         let other: Vec<u32> = (100..116).collect();
-        assert_eq!(p.pick_one(&request(&[], Some(&other)), &states), Ok(Some(0)));
+        assert_eq!(
+            p.pick_one(&request(&[], Some(&other)), &states),
+            Ok(Some(0))
+        );
     }
 
     #[test]
