@@ -193,4 +193,32 @@ mod tests {
         kv.set_connected("e1", false).expect("e1");
         assert_eq!(p.pick_one(&with_ids, &states), Ok(Some(1)));
     }
+
+    /// `precise-prefix+queue+kv`: the holder wins over a shorter queue; once
+    /// its engine clears its cache the next request goes by load.
+    #[test]
+    fn a_held_prompt_goes_to_its_holder_until_the_engine_clears() {
+        let prompt: Vec<u32> = (0..32).collect();
+        let kv = kv_with("e1", &prompt, None);
+        let config = PickConfig {
+            kv_index: Some(Arc::clone(&kv)),
+            ..PickConfig::default()
+        };
+        let mut p = Pipeline::preset("precise-prefix+queue+kv", &names(), &config).expect("p");
+        let states: Vec<EndpointState> = [1.0, 2.0, 3.0]
+            .into_iter()
+            .map(|w| EndpointState {
+                waiting: Some(w),
+                running: Some(0.0),
+                kv_usage: Some(0.1),
+                ..EndpointState::default()
+            })
+            .collect();
+        let r = request(&[], Some(&prompt));
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(1)));
+        kv.observe("e1", 1).expect("seq");
+        kv.apply("e1", 1, &[Ok(Event::Cleared)], 0.0)
+            .expect("apply");
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(0)), "by load");
+    }
 }
