@@ -498,12 +498,6 @@ impl KvIndex {
         Ok(was != e.live())
     }
 
-    /// Clears `name`'s entries (its engine restarted).
-    pub fn clear(&self, name: &str) -> Result<()> {
-        lock(&self.get(name)?).clear();
-        Ok(())
-    }
-
     pub fn stats(&self, name: &str) -> Result<KvStats> {
         let e = self.get(name)?;
         let e = lock(&e);

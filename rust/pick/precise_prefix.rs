@@ -38,9 +38,6 @@ impl PrecisePrefixScorer {
         }
     }
 
-    pub fn kv(&self) -> &Arc<KvIndex> {
-        &self.kv
-    }
     /// The approximate scorer that stands in for endpoints without live events.
     pub fn approx(&self) -> &PrefixScorer {
         &self.approx
