@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 
 import msgpack
 import pytest
+from mock_kv_publisher import CLEARED, MockKvPublisher, removed, stored
 
 import routecore
-from tests.mock_kv_publisher import CLEARED, MockKvPublisher, removed, stored
 
 BS = 4
 
