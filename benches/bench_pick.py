@@ -41,7 +41,7 @@ def ties_first(preset):
     the plain-Python twin does (for the decision check)."""
     plugins = EndpointPicker(["x"], preset=preset).plugins
     for p in plugins:
-        if p["name"] == "max-score":
+        if p["name"] == "max-score" and p["ties"] == "random":
             p.pop("seed", None)
             p["ties"] = "first"
     return plugins
@@ -66,7 +66,7 @@ def test_pick_queue_kv_routecore(benchmark, n):
 @pytest.mark.parametrize("n", [16, 256])
 @pytest.mark.benchmark(group="EndpointPicker.pick, queue+kv")
 def test_pick_queue_kv_plain_python(benchmark, n):
-    p = scraped(baseline.EndpointPicker(names(n), prefix=False), n)
+    p = scraped(baseline.EndpointPicker(names(n), preset="queue+kv"), n)
     assert benchmark(p.pick) in names(n)
 
 
@@ -84,11 +84,23 @@ def test_pick_prefix_queue_kv_plain_python(benchmark, n):
     assert benchmark(p.pick, tokens) in names(n)
 
 
-@pytest.mark.parametrize("preset", ["queue+kv", "prefix+queue+kv"])
+@pytest.mark.benchmark(group="EndpointPicker.pick, prefix (AIBrix), 512-block prompt")
+def test_pick_prefix_routecore(benchmark):
+    p, tokens = warmed(EndpointPicker(names(16), preset="prefix"), 16)
+    assert benchmark(p.pick, tokens, now=0.0) in names(16)
+
+
+@pytest.mark.benchmark(group="EndpointPicker.pick, prefix (AIBrix), 512-block prompt")
+def test_pick_prefix_plain_python(benchmark):
+    p, tokens = warmed(baseline.EndpointPicker(names(16), preset="prefix"), 16)
+    assert benchmark(p.pick, tokens) in names(16)
+
+
+@pytest.mark.parametrize("preset", ["queue+kv", "prefix+queue+kv", "prefix"])
 def test_the_baseline_decides_like_routecore(preset):
     n = 16
     rc = scraped(EndpointPicker(names(n), plugins=ties_first(preset)), n)
-    py = scraped(baseline.EndpointPicker(names(n), prefix=preset.startswith("prefix")), n)
+    py = scraped(baseline.EndpointPicker(names(n), preset=preset), n)
     system = prompt(1, TOKENS // 2)
     for k in range(60):
         p = np.concatenate([system[: 256 * (k % 9)], prompt(k % 13, 1000)])

@@ -158,10 +158,23 @@ fn chain<'a, T: 'a>(
 
 /// The chained block hashes of one prompt (see the module docs).
 pub fn block_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64) -> Result<Vec<u64>> {
-    let block_size = check_block_size(block_size)?;
-    let mut out = Vec::with_capacity(tokens.len() / block_size);
-    extend_hashes(tokens, block_size, seed, seed, &mut out);
+    let mut out = Vec::new();
+    block_hashes_into(tokens, block_size, seed, &mut out)?;
     Ok(out)
+}
+
+/// `block_hashes` into `out` (cleared first; its buffer is reused).
+pub fn block_hashes_into(
+    tokens: Tokens<'_>,
+    block_size: usize,
+    seed: u64,
+    out: &mut Vec<u64>,
+) -> Result<()> {
+    let block_size = check_block_size(block_size)?;
+    out.clear();
+    out.reserve(tokens.len() / block_size);
+    extend_hashes(tokens, block_size, seed, seed, out);
+    Ok(())
 }
 
 /// The chained hashes of `tokens`' full blocks when they follow the block
@@ -277,6 +290,11 @@ impl EndpointBits {
     }
     /// Adds `id`; false if it was there already.
     fn add(&mut self, id: u32) -> bool {
+        if id < 64 {
+            let new = self.low >> id & 1 == 0;
+            self.low |= 1 << id;
+            return new;
+        }
         let new = !self.holds(id);
         *self.word_mut(id as usize / 64) |= 1 << (id % 64);
         new
@@ -598,19 +616,36 @@ impl PrefixIndex {
         };
         let mut i = 0;
         while i < hashes.len() && !alive.is_empty() {
-            let Some(slot) = self.lookup(hashes[i], now) else {
-                break;
+            // A prompt's blocks are recorded in prompt order, one after the
+            // other in recency order: the next block is most often the next
+            // entry, found without a hash-table lookup.
+            let next = found.last().map_or(NIL, |&p| self.entries[p as usize].next);
+            let hit = next != NIL
+                && self.entries[next as usize].hash == hashes[i]
+                && !self.expired(next, now);
+            let slot = match hit {
+                true => next,
+                false => match self.lookup(hashes[i], now) {
+                    Some(slot) => slot,
+                    None => break,
+                },
             };
             found.push(slot);
             let bits = &self.entries[slot as usize].endpoints;
-            for w in 0..alive.words() {
-                let a = alive.word(w);
-                let kept = a & bits.word(w);
-                settle(w, a & !kept, i);
-                *alive.word_mut(w) = kept;
-            }
-            while alive.high.last() == Some(&0) {
-                alive.high.pop();
+            if alive.high.is_empty() {
+                let kept = alive.low & bits.low;
+                settle(0, alive.low & !kept, i);
+                alive.low = kept;
+            } else {
+                for w in 0..alive.words() {
+                    let a = alive.word(w);
+                    let kept = a & bits.word(w);
+                    settle(w, a & !kept, i);
+                    *alive.word_mut(w) = kept;
+                }
+                while alive.high.last() == Some(&0) {
+                    alive.high.pop();
+                }
             }
             i += 1;
         }
@@ -1233,6 +1268,24 @@ mod tests {
         assert!(PrefixIndex::new(1, Some(f64::NAN)).is_err());
         assert!(ix.record(&[1], "a", f64::NAN).is_err());
         assert!(ix.record(&[1], "", 0.0).is_err());
+    }
+
+    #[test]
+    fn a_match_along_the_recency_list_stops_at_an_expired_block() {
+        let mut ix = PrefixIndex::new(100, Some(10.0)).expect("index");
+        ix.record(&[1, 2, 3], "a", 0.0).expect("record");
+        ix.record(&[1], "a", 5.0).expect("record");
+        // Recency order is still 1, 2, 3; at t = 12 block 1 (t = 5) is live,
+        // block 2 (t = 0), the next entry, expired.
+        let order: Vec<u64> = ix.dump().iter().map(|e| e.0).collect();
+        assert_eq!(order, vec![1, 2, 3]);
+        assert_eq!(ix.match_prefix(&[1, 2, 3], 12.0), Ok(vec![("a".into(), 1)]));
+        // The next entry with another hash is not taken for the next block.
+        ix.record(&[7, 8], "b", 12.0).expect("record");
+        ix.record(&[7, 9], "b", 12.0).expect("record");
+        assert_eq!(ix.match_prefix(&[7, 8], 12.0), Ok(vec![("b".into(), 2)]));
+        assert_eq!(ix.match_prefix(&[7, 9], 12.0), Ok(vec![("b".into(), 2)]));
+        assert_eq!(ix.match_prefix(&[7, 3], 12.0), Ok(vec![("b".into(), 1)]));
     }
 
     #[test]

@@ -1,22 +1,31 @@
-"""Plain-Python endpoint picker: the `queue+kv` and `prefix+queue+kv` presets
-(healthy and saturation filters; prefix, queue-depth and KV-use scorers,
-weights 3, 2, 2; the highest total, ties to the first) with the same rules as
+"""Plain-Python endpoint picker: the `queue+kv`, `prefix+queue+kv` and `prefix`
+presets (healthy and saturation filters; prefix, queue-depth and KV-use
+scorers, weights 3, 2, 2, or the prefix scorer alone; the highest total, ties
+to the first, or to the least loaded for `prefix`) with the same rules as
 routecore.EndpointPicker, over per-endpoint dicts of scraped state."""
 
 from benches.baselines.prefix import PrefixIndex, block_hashes
+
+WEIGHTS = {
+    "queue+kv": {"prefix": 0.0, "queue": 2.0, "kv": 2.0},
+    "prefix+queue+kv": {"prefix": 3.0, "queue": 2.0, "kv": 2.0},
+    "prefix": {"prefix": 1.0, "queue": 0.0, "kv": 0.0},
+}
 
 
 class EndpointPicker:
     def __init__(
         self,
         endpoints,
-        prefix=True,
+        preset="prefix+queue+kv",
         block_size=16,
         imbalance_abs_count=16,
         std_factor=2.0,
         max_waiting=5.0,
         max_kv_usage=0.8,
     ):
+        self.preset = preset
+        self.w = WEIGHTS[preset]
         self.endpoints = list(endpoints)
         self.states = [
             {
@@ -29,7 +38,7 @@ class EndpointPicker:
             }
             for _ in self.endpoints
         ]
-        self.index = PrefixIndex() if prefix else None
+        self.index = PrefixIndex() if self.w["prefix"] else None
         self.block_size = block_size
         self.imbalance = imbalance_abs_count
         self.std_factor = std_factor
@@ -62,8 +71,9 @@ class EndpointPicker:
 
     def pick(self, tokens=None):
         cand = [i for i, s in enumerate(self.states) if s["healthy"]]
-        kept = [i for i in cand if not self.saturated(self.states[i])]
-        cand = kept or cand
+        if self.preset != "prefix":
+            kept = [i for i in cand if not self.saturated(self.states[i])]
+            cand = kept or cand
         if not cand:
             return None
         states = [self.states[i] for i in cand]
@@ -80,13 +90,19 @@ class EndpointPicker:
                 for k, i in enumerate(cand):
                     m = matched[self.endpoints[i]]
                     if m > 0 and loads[k] <= limit:
-                        total[k] += 3.0 * m / len(hashes)
-        for k, q in enumerate(self.lower_is_better([self.queue(s) for s in states])):
-            total[k] += 2.0 * q
-        for k, s in enumerate(states):
-            kv = s["kv_usage"]
-            total[k] += 2.0 * (0.5 if kv is None else min(max(1.0 - kv, 0.0), 1.0))
-        best = max(range(len(cand)), key=lambda k: (total[k], -cand[k]))
+                        total[k] += self.w["prefix"] * m / len(hashes)
+        if self.w["queue"]:
+            for k, q in enumerate(self.lower_is_better([self.queue(s) for s in states])):
+                total[k] += self.w["queue"] * q
+        if self.w["kv"]:
+            for k, s in enumerate(states):
+                kv = s["kv_usage"]
+                total[k] += self.w["kv"] * (0.5 if kv is None else min(max(1.0 - kv, 0.0), 1.0))
+        if self.preset == "prefix":
+            key = lambda k: (total[k], -self.load(states[k]), -cand[k])  # noqa: E731
+        else:
+            key = lambda k: (total[k], -cand[k])  # noqa: E731
+        best = max(range(len(cand)), key=key)
         chosen = cand[best]
         if self.index is not None:
             self.index.record(hashes, self.endpoints[chosen])

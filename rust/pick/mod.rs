@@ -46,7 +46,6 @@ use std::sync::{Arc, Mutex};
 pub use endpoints::{EndpointSet, EndpointState};
 pub use max_score::Ties;
 pub use presets::{preset_specs, PRESETS};
-pub use saturation::Saturation;
 
 use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::prefix::PrefixIndex;
@@ -92,8 +91,8 @@ pub enum Filter {
     /// Endpoints serving the request's adapter, when it names one (soft: an
     /// engine can load an adapter it does not hold yet).
     ServesAdapter,
-    /// Endpoints below the queue and KV-cache thresholds (soft).
-    Saturation(Saturation),
+    /// Endpoints at or below the queue and KV-cache thresholds (soft).
+    Saturation { max_waiting: f64, max_kv_usage: f64 },
 }
 
 impl Filter {
@@ -102,12 +101,15 @@ impl Filter {
             Filter::Healthy => healthy::keep(s),
             Filter::SubsetHint => subset::keep(req, i),
             Filter::ServesAdapter => adapter::keep(req, s),
-            Filter::Saturation(sat) => sat.keep(s),
+            Filter::Saturation {
+                max_waiting,
+                max_kv_usage,
+            } => saturation::keep(*max_waiting, *max_kv_usage, s),
         }
     }
     /// A soft filter that would leave no candidate is skipped.
     fn soft(&self) -> bool {
-        matches!(self, Filter::ServesAdapter | Filter::Saturation(_))
+        matches!(self, Filter::ServesAdapter | Filter::Saturation { .. })
     }
 }
 

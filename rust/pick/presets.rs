@@ -27,9 +27,10 @@ use serde_json::{Map, Value};
 
 use super::precise_prefix::PrecisePrefixScorer;
 use super::prefix::PrefixScorer;
+use super::saturation::{self, DEFAULT_MAX_KV_USAGE, DEFAULT_MAX_WAITING};
 use super::session::{SessionAffinity, DEFAULT_MAX_SESSIONS};
 use super::vtc::VtcScorer;
-use super::{Filter, PickConfig, Picker, PluginSpec, Saturation, Scorer, Ties};
+use super::{Filter, PickConfig, Picker, PluginSpec, Scorer, Ties};
 use crate::error::{invalid, Result};
 use crate::prefix::{PrefixConfig, PrefixIndex, DEFAULT_CAPACITY_BLOCKS};
 use crate::vtc::VtcConfig;
@@ -224,11 +225,13 @@ pub(super) fn build(spec: &PluginSpec, config: &PickConfig) -> Result<Plugin> {
         "subset-hint" => Plugin::Filter(Filter::SubsetHint),
         "serves-adapter" => Plugin::Filter(Filter::ServesAdapter),
         "saturation" => {
-            let d = Saturation::default();
-            Plugin::Filter(Filter::Saturation(Saturation::new(
-                p.f64("max_waiting", d.max_waiting)?,
-                p.f64("max_kv_usage", d.max_kv_usage)?,
-            )?))
+            let max_waiting = p.f64("max_waiting", DEFAULT_MAX_WAITING)?;
+            let max_kv_usage = p.f64("max_kv_usage", DEFAULT_MAX_KV_USAGE)?;
+            saturation::check(max_waiting, max_kv_usage)?;
+            Plugin::Filter(Filter::Saturation {
+                max_waiting,
+                max_kv_usage,
+            })
         }
         "least-request" => Plugin::Scorer(Scorer::LeastRequest),
         "queue-depth" => Plugin::Scorer(Scorer::QueueDepth),

@@ -11,38 +11,19 @@ use crate::error::{invalid, non_negative, Result};
 pub const DEFAULT_MAX_WAITING: f64 = 5.0;
 pub const DEFAULT_MAX_KV_USAGE: f64 = 0.8;
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Saturation {
-    pub max_waiting: f64,
-    pub max_kv_usage: f64,
+/// Checks the thresholds of a saturation filter.
+pub fn check(max_waiting: f64, max_kv_usage: f64) -> Result<()> {
+    non_negative("max_waiting", max_waiting)?;
+    if !(0.0..=1.0).contains(&max_kv_usage) {
+        return Err(invalid(format!(
+            "max_kv_usage must be in [0, 1], got {max_kv_usage}"
+        )));
+    }
+    Ok(())
 }
 
-impl Default for Saturation {
-    fn default() -> Self {
-        Self {
-            max_waiting: DEFAULT_MAX_WAITING,
-            max_kv_usage: DEFAULT_MAX_KV_USAGE,
-        }
-    }
-}
-
-impl Saturation {
-    pub fn new(max_waiting: f64, max_kv_usage: f64) -> Result<Self> {
-        non_negative("max_waiting", max_waiting)?;
-        if !(0.0..=1.0).contains(&max_kv_usage) {
-            return Err(invalid(format!(
-                "max_kv_usage must be in [0, 1], got {max_kv_usage}"
-            )));
-        }
-        Ok(Self {
-            max_waiting,
-            max_kv_usage,
-        })
-    }
-
-    pub fn keep(&self, s: &EndpointState) -> bool {
-        let queue = s.waiting.map(|w| w + f64::from(s.dispatched_since_scrape));
-        !(queue.is_some_and(|q| q > self.max_waiting)
-            || s.kv_usage.is_some_and(|k| k > self.max_kv_usage))
-    }
+/// Whether `s` is at or below both thresholds (unknown values pass).
+pub fn keep(max_waiting: f64, max_kv_usage: f64, s: &EndpointState) -> bool {
+    let queue = s.waiting.map(|w| w + f64::from(s.dispatched_since_scrape));
+    !(queue.is_some_and(|q| q > max_waiting) || s.kv_usage.is_some_and(|k| k > max_kv_usage))
 }

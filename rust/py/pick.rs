@@ -11,7 +11,7 @@ use crate::budget::MAX_TOKENS;
 use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::pick::endpoints::complete_one;
 use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec, PRESETS};
-use crate::prefix::{block_hashes, block_hashes_many, check_offsets};
+use crate::prefix::{block_hashes_into, block_hashes_many, check_offsets};
 use crate::snapshot::{restore, Reader, Writer};
 
 /// The default preset (the GIE's default scorers plus prefix match).
@@ -125,8 +125,9 @@ impl Inner {
 
 impl PyEndpointPicker {
     /// A request's block hashes: `hashes` as given, else the tokens' with
-    /// the prefix plugin's settings (none without one). Long prompts are
-    /// hashed with the interpreter released (no lock is held).
+    /// the prefix plugin's settings (none without one), in a reused buffer.
+    /// Long prompts are hashed with the interpreter released (no lock on
+    /// the picker is held meanwhile).
     fn hashes(
         &self,
         py: Python<'_>,
@@ -144,10 +145,21 @@ impl PyEndpointPicker {
         };
         let arg = TokenArg::new(tokens, "tokens")?;
         let t = arg.tokens()?;
-        Ok(detach_if(py, t.len() >= DETACH_TOKENS, || {
-            block_hashes(t, size, seed)
-        })?)
+        let mut out = std::mem::take(&mut *lock(&self.spare));
+        detach_if(py, t.len() >= DETACH_TOKENS, || {
+            block_hashes_into(t, size, seed, &mut out)
+        })?;
+        Ok(out)
     }
+
+    /// Gives a hash buffer back for the next call.
+    fn give_back(&self, buf: Vec<u64>) {
+        *lock(&self.spare) = buf;
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn count_start(s: &mut EndpointState) {
@@ -239,11 +251,13 @@ pub struct PyEndpointPicker {
     inner: Mutex<Inner>,
     /// The prefix plugin's block size and hash seed (fixed at construction).
     block: Option<(usize, u64)>,
+    /// A spare hash buffer, filled outside the lock and swapped in.
+    spare: Mutex<Vec<u64>>,
 }
 
 impl PyEndpointPicker {
     fn inner(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner)
     }
 }
 
@@ -292,6 +306,7 @@ impl PyEndpointPicker {
         Ok(Self {
             block: inner.block(),
             inner: Mutex::new(inner),
+            spare: Mutex::new(Vec::new()),
         })
     }
 
@@ -335,10 +350,13 @@ impl PyEndpointPicker {
             output_tokens: tokens_arg("output_tokens", output_tokens)?,
             now: now.unwrap_or_else(monotonic),
         };
-        inner.check(&args)?;
-        inner.hashes = hashes;
-        let chosen = inner.pick(&args, true)?;
-        Ok(chosen.map(|e| inner.names[e].clone_ref(py)))
+        let mut buf = hashes;
+        std::mem::swap(&mut inner.hashes, &mut buf);
+        let chosen = inner.pick(&args, true);
+        let name = chosen.map(|c| c.map(|e| inner.names[e].clone_ref(py)));
+        drop(inner);
+        self.give_back(buf);
+        Ok(name?)
     }
 
     /// Every candidate endpoint for one request, best first (the chosen one
@@ -723,6 +741,7 @@ impl PyEndpointPicker {
         Ok(Self {
             block: inner.block(),
             inner: Mutex::new(inner),
+            spare: Mutex::new(Vec::new()),
         })
     }
 
