@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from routecore._baselines import scrape as baseline
 from routecore import DataPlane
+from routecore._baselines import scrape as baseline
 from routecore.config import parse_config
 
 N = 200

@@ -11,6 +11,7 @@ pub mod calibrate;
 pub mod classify;
 pub mod compress;
 pub mod error;
+pub mod kv;
 pub mod openai;
 pub mod pick;
 pub mod planner;
@@ -53,6 +54,9 @@ mod _core {
         PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
         PyRoutedRequest,
     };
+    #[cfg(feature = "kv-events")]
+    #[pymodule_export]
+    use crate::py::kv::PyKvEventIndex;
     #[cfg(feature = "server")]
     #[pymodule_export]
     use crate::py::loadgen::load;

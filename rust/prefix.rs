@@ -99,13 +99,15 @@ fn check_block_size(block_size: usize) -> Result<usize> {
     Ok(block_size)
 }
 
-/// Appends the chained hashes of `tokens`' full blocks to `out`.
-fn extend_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64, out: &mut Vec<u64>) {
+/// Appends the chained hashes of `tokens`' full blocks to `out`, the first
+/// chained to `prev` (`seed` for a prompt's first block).
+fn extend_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64, prev: u64, out: &mut Vec<u64>) {
     match tokens {
         Tokens::Ids(ids) => chain(
             ids.chunks_exact(block_size),
             4 * block_size,
             seed,
+            prev,
             out,
             |dst, block| {
                 for (d, id) in dst.chunks_exact_mut(4).zip(block) {
@@ -117,6 +119,7 @@ fn extend_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64, out: &mut Vec
             bytes.chunks_exact(block_size),
             block_size,
             seed,
+            prev,
             out,
             |dst, block| dst.copy_from_slice(block),
         ),
@@ -128,6 +131,7 @@ fn chain<'a, T: 'a>(
     blocks: impl Iterator<Item = &'a [T]>,
     block_bytes: usize,
     seed: u64,
+    mut prev: u64,
     out: &mut Vec<u64>,
     fill: impl Fn(&mut [u8], &[T]),
 ) {
@@ -138,7 +142,6 @@ fn chain<'a, T: 'a>(
     if let Some(first) = blocks.peek() {
         fill(&mut bufs[0][8..], first);
     }
-    let mut prev = seed;
     let mut cur = 0;
     while blocks.next().is_some() {
         let [a, b] = &mut bufs;
@@ -170,8 +173,22 @@ pub fn block_hashes_into(
     let block_size = check_block_size(block_size)?;
     out.clear();
     out.reserve(tokens.len() / block_size);
-    extend_hashes(tokens, block_size, seed, out);
+    extend_hashes(tokens, block_size, seed, seed, out);
     Ok(())
+}
+
+/// The chained hashes of `tokens`' full blocks when they follow the block
+/// whose hash is `parent`: the tail of `block_hashes` over the whole prompt.
+pub fn block_hashes_after(
+    parent: u64,
+    tokens: Tokens<'_>,
+    block_size: usize,
+    seed: u64,
+) -> Result<Vec<u64>> {
+    let block_size = check_block_size(block_size)?;
+    let mut out = Vec::with_capacity(tokens.len() / block_size);
+    extend_hashes(tokens, block_size, seed, parent, &mut out);
+    Ok(out)
 }
 
 /// Checks ragged-batch offsets: `offsets[0] == 0`, non-decreasing, last equal
@@ -203,7 +220,13 @@ pub fn block_hashes_many(
     let mut out = Vec::with_capacity(offsets.len());
     out.push(0);
     for w in offsets.windows(2) {
-        extend_hashes(tokens.slice(w[0], w[1]), block_size, seed, &mut hashes);
+        extend_hashes(
+            tokens.slice(w[0], w[1]),
+            block_size,
+            seed,
+            seed,
+            &mut hashes,
+        );
         out.push(hashes.len() as i64);
     }
     Ok((hashes, out))
@@ -983,6 +1006,7 @@ impl PrefixCacheRouter {
         let pick = PickConfig {
             seed: 0,
             prefix_index: Some(index),
+            kv_index: None,
         };
         let pipeline = Pipeline::from_specs(&prefix_preset(&config), endpoints, &pick)?;
         Ok(Self {

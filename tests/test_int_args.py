@@ -249,6 +249,10 @@ CASES = {
     "load.body_bytes": lambda v: _load(body_bytes=v),
     "load.server_pid": lambda v: _load(server_pid=v),
     "load.threads": lambda v: _load(threads=v),
+    "KvEventIndex.__new__.block_size": lambda v: core.KvEventIndex(block_size=v),
+    "KvEventIndex.__new__.capacity_blocks": lambda v: core.KvEventIndex(capacity_blocks=v),
+    "KvEventIndex.__new__.seed": lambda v: core.KvEventIndex(seed=v),
+    "KvEventIndex.leading_blocks.token_ids": lambda v: core.KvEventIndex().leading_blocks([v]),
 }
 
 
@@ -355,6 +359,7 @@ def test_every_integer_parameter_is_covered():
 
 UNSIGNED_64 = {
     "Endpoint.latency.batch_size",
+    "KvEventIndex.__new__.seed",
     "TokenBudgetRouter.route_request.default_max_tokens",
     "parse_openai_request.default_max_tokens",
     "Calibrator.__new__.max_categories",

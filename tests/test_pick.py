@@ -21,6 +21,8 @@ def test_presets_and_the_default():
         "queue+kv",
         "prefix",
         "prefix+queue+kv",
+        "precise-prefix",
+        "precise-prefix+queue+kv",
         "vtc",
     ]
     p = EndpointPicker(NAMES)

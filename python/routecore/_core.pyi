@@ -1217,6 +1217,32 @@ class AdmissionController:
     def from_bytes(data: bytes) -> AdmissionController: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
 
+# --- precise prefix routing from KV events (capability 11) --------------------
+
+@final
+class KvEventIndex:
+    """The precise prefix index: what each endpoint's engine holds in its KV
+    cache, built from the engine's KV-cache events (vLLM's ZeroMQ publisher),
+    keyed by routecore's own chained block hashes of the events' token ids."""
+
+    def __new__(
+        cls,
+        block_size: int = 16,
+        capacity_blocks: int = 262144,
+        seed: int = 0,
+        stale_after_s: float | None = None,
+    ) -> Self: ...
+    def subscribe(
+        self, endpoint: str, zmq: str, topic: str = "", replay: str | None = None
+    ) -> None: ...
+    def endpoints(self) -> list[str]: ...
+    def leading_blocks(
+        self, token_ids: list[int], adapter: str | None = None
+    ) -> dict[str, int | None]: ...
+    def blocks(self, endpoint: str) -> list[int]: ...
+    def stats(self, endpoint: str) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
 # --- the data plane of routecore serve (capability 9) ------------------------
 
 @final

@@ -15,6 +15,8 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
              models, adapters}]
     tenants: [{name, api_keys: [...], expires_at, entitlement}]
     models: [{name, tokenizer, chat_template, bos_token, eos_token}]
+    kv_events: {block_size, seed, capacity_blocks, stale_after_s,
+                endpoints: {"ip:port": {zmq, topic, replay}}}
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ POLICIES = (
     "prefix+queue+kv",
     "queue+kv",
     "prefix",
+    "precise-prefix",
+    "precise-prefix+queue+kv",
     "least-request",
     "vtc",
     "random",
@@ -211,6 +215,49 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class KvEventSource:
+    """Where one endpoint's engine publishes its KV-cache events (vLLM's
+    ``--kv-events-config``: ``endpoint``, ``topic``, ``replay_endpoint``)."""
+
+    endpoint: str
+    #: The engine's ZeroMQ PUB address, ``tcp://host:port``.
+    zmq: str
+    topic: str = ""
+    #: The engine's replay ROUTER address (None: sequence gaps are not replayed).
+    replay: str | None = None
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    """The precise prefix index fed by the engines' KV events (README,
+    "Precise prefix routing"); off without sources."""
+
+    #: The engines' KV block size, in tokens (vLLM's ``--block-size``).
+    block_size: int = 16
+    #: Seed of routecore's block hashes of the events' token ids.
+    seed: int = 0
+    #: Blocks kept per endpoint.
+    capacity_blocks: int = 1 << 18
+    #: An endpoint silent this long falls back to the approximate index (None: never).
+    stale_after_s: float | None = None
+    sources: tuple[KvEventSource, ...] = ()
+
+    def spec(self) -> dict[str, Any] | None:
+        if not self.sources:
+            return None
+        return {
+            "block_size": self.block_size,
+            "seed": self.seed,
+            "capacity_blocks": self.capacity_blocks,
+            "stale_after_s": self.stale_after_s,
+            "sources": [
+                {"endpoint": s.endpoint, "zmq": s.zmq, "topic": s.topic, "replay": s.replay}
+                for s in self.sources
+            ],
+        }
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig
     limits: Limits
@@ -220,6 +267,7 @@ class Config:
     tenants: tuple[TenantConfig, ...]
     models: tuple[ModelConfig, ...] = ()
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:
@@ -301,6 +349,7 @@ class Config:
                     }
                     for m in self.models
                 ],
+                "kv_events": self.kv_events.spec(),
             }
         )
 
@@ -392,6 +441,62 @@ def _names(raw: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
     if len(set(items)) != len(items):
         raise ConfigError(f"{where}.{key}: a name is listed twice")
     return tuple(items)
+
+
+def _zmq(raw: dict[str, Any], key: str, where: str, required: bool) -> str | None:
+    v = raw.get(key)
+    if v is None and not required:
+        return None
+    host, sep, port = v[len("tcp://") :].rpartition(":") if isinstance(v, str) else ("", "", "")
+    if (
+        not isinstance(v, str)
+        or not v.startswith("tcp://")
+        or not sep
+        or not host
+        or not port.isdigit()
+        or not 1 <= int(port) <= 65535
+    ):
+        raise ConfigError(f"{where}.{key}: expected a ZeroMQ address 'tcp://host:port', got {v!r}")
+    return v
+
+
+def _kv_events(raw: Any, pools: tuple[PoolConfig, ...]) -> KvEventsConfig:
+    k = _section(
+        raw,
+        "kv_events",
+        {"block_size", "seed", "capacity_blocks", "stale_after_s", "endpoints"},
+    )
+    endpoints = k.get("endpoints", {})
+    if not isinstance(endpoints, dict):
+        raise ConfigError(
+            "kv_events.endpoints: expected a mapping of endpoint to its event source, "
+            f"got {type(endpoints).__name__}"
+        )
+    known = {e for p in pools for e in p.endpoints}
+    sources = []
+    for name, raw_source in endpoints.items():
+        where = f"kv_events.endpoints[{name!r}]"
+        if name not in known:
+            raise ConfigError(f"{where}: not an endpoint of any pool")
+        src = _section(raw_source, where, {"zmq", "topic", "replay"})
+        zmq = _zmq(src, "zmq", where, required=True)
+        assert zmq is not None
+        sources.append(
+            KvEventSource(
+                endpoint=name,
+                zmq=zmq,
+                topic=_str(src, "topic", where, ""),
+                replay=_zmq(src, "replay", where, required=False),
+            )
+        )
+    d = KvEventsConfig()
+    return KvEventsConfig(
+        block_size=_int(k, "block_size", "kv_events", 1, 1 << 16, d.block_size),
+        seed=_int(k, "seed", "kv_events", 0, (1 << 64) - 1, d.seed),
+        capacity_blocks=_int(k, "capacity_blocks", "kv_events", 1, 1 << 26, d.capacity_blocks),
+        stale_after_s=_float(k, "stale_after_s", "kv_events", 0.001, 86400.0, None),
+        sources=tuple(sources),
+    )
 
 
 def _pools(raw_list: list[Any], engines: dict[str, Any]) -> tuple[PoolConfig, ...]:
@@ -647,7 +752,17 @@ def parse_config(raw: Any) -> Config:
     top = _section(
         raw,
         "config",
-        {"server", "limits", "router", "scrape", "admission", "pools", "tenants", "models"},
+        {
+            "server",
+            "limits",
+            "router",
+            "scrape",
+            "admission",
+            "pools",
+            "tenants",
+            "models",
+            "kv_events",
+        },
     )
     scrape = _scrape(top.get("scrape"))
     s = _section(
@@ -733,6 +848,7 @@ def parse_config(raw: Any) -> Config:
         tenants=_tenants(_list(top, "tenants", "config"), admission),
         models=_models(_list(top, "models", "config")),
         scrape=scrape,
+        kv_events=_kv_events(top.get("kv_events"), pools),
     )
 
 

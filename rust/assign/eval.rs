@@ -290,7 +290,7 @@ pub fn run(cfg: &EvalConfig, fleet: &[Tier], policy: Policy) -> Result<Outcome> 
     };
     let pick_config = PickConfig {
         seed: cfg.seed ^ 0x5eed_7a11,
-        prefix_index: None,
+        ..PickConfig::default()
     };
     let mut picker = Pipeline::preset(preset, &names, &pick_config)?;
     let mut states = vec![EndpointState::default(); n];

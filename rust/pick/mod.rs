@@ -29,6 +29,7 @@ mod healthy;
 mod kv_usage;
 mod least_request;
 mod max_score;
+pub mod precise_prefix;
 pub mod prefix;
 mod presets;
 mod queue;
@@ -50,6 +51,7 @@ use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::prefix::PrefixIndex;
 use crate::rng::Rng;
 use crate::snapshot::{restore, Reader, Writer};
+use precise_prefix::PrecisePrefixScorer;
 use prefix::PrefixScorer;
 use session::SessionAffinity;
 use vtc::VtcScorer;
@@ -127,6 +129,7 @@ pub enum Scorer {
     QueueDepth,
     KvUsage,
     Prefix(Box<PrefixScorer>),
+    PrecisePrefix(Box<PrecisePrefixScorer>),
     Vtc(Box<VtcScorer>),
     SessionAffinity(Box<SessionAffinity>),
 }
@@ -138,6 +141,7 @@ impl Scorer {
             Scorer::QueueDepth => queue::score(ctx, out),
             Scorer::KvUsage => kv_usage::score(ctx, out),
             Scorer::Prefix(p) => return p.score(req, ctx, out),
+            Scorer::PrecisePrefix(p) => return p.score(req, ctx, out),
             Scorer::Vtc(v) => v.score(req, ctx, out),
             Scorer::SessionAffinity(s) => s.score(req, ctx, out),
         }
@@ -146,6 +150,7 @@ impl Scorer {
     fn started(&mut self, req: &PickRequest<'_>, names: &[String], endpoint: usize) -> Result<()> {
         match self {
             Scorer::Prefix(p) => p.started(req, names, endpoint),
+            Scorer::PrecisePrefix(p) => p.approx_mut().started(req, names, endpoint),
             Scorer::Vtc(v) => {
                 v.started(req);
                 Ok(())
@@ -165,6 +170,7 @@ impl Scorer {
     fn removed(&mut self, i: usize, name: &str) -> Result<()> {
         match self {
             Scorer::Prefix(p) => p.removed(name),
+            Scorer::PrecisePrefix(p) => p.approx_mut().removed(name),
             Scorer::SessionAffinity(s) => {
                 s.removed(i);
                 Ok(())
@@ -173,8 +179,10 @@ impl Scorer {
         }
     }
     fn added(&mut self) {
-        if let Scorer::Prefix(p) = self {
-            p.added();
+        match self {
+            Scorer::Prefix(p) => p.added(),
+            Scorer::PrecisePrefix(p) => p.approx_mut().added(),
+            _ => {}
         }
     }
 }
@@ -223,6 +231,9 @@ pub struct PickConfig {
     pub seed: u64,
     /// A prefix index to share (the prefix scorer makes its own without).
     pub prefix_index: Option<Arc<Mutex<PrefixIndex>>>,
+    /// The precise prefix index fed by KV events (the precise-prefix scorer
+    /// makes an empty one without, and so always falls back).
+    pub kv_index: Option<Arc<crate::kv::KvIndex>>,
 }
 
 /// Filters, then weighted scorers, then a picker (see the module docs).
@@ -304,10 +315,12 @@ impl Pipeline {
         self.picker
     }
 
-    /// The prefix scorer, if the pipeline has one.
+    /// The prefix scorer, if the pipeline has one (precise-prefix's
+    /// approximate fallback counts).
     pub fn prefix(&self) -> Option<&PrefixScorer> {
         self.scorers.iter().find_map(|(s, _)| match s {
             Scorer::Prefix(p) => Some(&**p),
+            Scorer::PrecisePrefix(p) => Some(p.approx()),
             _ => None,
         })
     }
@@ -334,8 +347,10 @@ impl Pipeline {
     pub fn prepare(&mut self) -> Result<()> {
         let names = self.endpoints.names();
         for (s, _) in &mut self.scorers {
-            if let Scorer::Prefix(p) = s {
-                p.prepare(names)?;
+            match s {
+                Scorer::Prefix(p) => p.prepare(names)?,
+                Scorer::PrecisePrefix(p) => p.approx_mut().prepare(names)?,
+                _ => {}
             }
         }
         Ok(())
@@ -584,6 +599,7 @@ impl Pipeline {
         for (s, _) in &self.scorers {
             match s {
                 Scorer::Prefix(p) => p.write(w),
+                Scorer::PrecisePrefix(p) => p.write(w),
                 Scorer::Vtc(v) => v.write(w),
                 Scorer::SessionAffinity(a) => a.write(w),
                 Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => {}
@@ -623,6 +639,7 @@ impl Pipeline {
         for (s, _) in &mut p.scorers {
             match s {
                 Scorer::Prefix(x) => x.read(r)?,
+                Scorer::PrecisePrefix(x) => x.read(r)?,
                 Scorer::Vtc(x) => x.read(r)?,
                 Scorer::SessionAffinity(x) => x.read(r, endpoints.len())?,
                 Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => {}

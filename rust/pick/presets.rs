@@ -11,6 +11,7 @@
 //! | `queue-depth` | scorer | |
 //! | `kv-usage` | scorer | |
 //! | `prefix` | scorer | `block_size` (16), `seed` (0), `imbalance_abs_count` (16), `std_factor` (2.0), `capacity_blocks` (200000), `ttl_s` (none) |
+//! | `precise-prefix` | scorer | those of `prefix`, for its approximate fallback (the KV-event index is `PickConfig::kv_index`) |
 //! | `vtc` | scorer | `window_s` (300), `input_weight` (1), `output_weight` (2), `min_tokens` (1000), `max_tokens` (8000), `fairness_weight` (1), `utilization_weight` (1), `max_endpoint_load` (100), `max_users` (100000) |
 //! | `session-affinity` | scorer | `max_sessions` (100000) |
 //! | `max-score` | picker | `ties`: `first`, `least-request`, `round-robin` (default) or `random`; `seed` |
@@ -24,6 +25,7 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{Map, Value};
 
+use super::precise_prefix::PrecisePrefixScorer;
 use super::prefix::PrefixScorer;
 use super::saturation::{self, DEFAULT_MAX_KV_USAGE, DEFAULT_MAX_WAITING};
 use super::session::{SessionAffinity, DEFAULT_MAX_SESSIONS};
@@ -34,13 +36,15 @@ use crate::prefix::{PrefixConfig, PrefixIndex, DEFAULT_CAPACITY_BLOCKS};
 use crate::vtc::VtcConfig;
 
 /// The presets, by name.
-pub const PRESETS: [&str; 7] = [
+pub const PRESETS: [&str; 9] = [
     "random",
     "round-robin",
     "least-request",
     "queue+kv",
     "prefix",
     "prefix+queue+kv",
+    "precise-prefix",
+    "precise-prefix+queue+kv",
     "vtc",
 ];
 
@@ -57,6 +61,8 @@ const BASE_FILTERS: [&str; 3] = ["healthy", "subset-hint", "serves-adapter"];
 ///   least-loaded;
 /// - `prefix+queue+kv` (the default): saturation filter, prefix,
 ///   queue-depth and kv-usage scorers (weights 3, 2, 2, llm-d's), ties random;
+/// - `precise-prefix`, `precise-prefix+queue+kv`: `prefix` and
+///   `prefix+queue+kv` with the precise-prefix scorer in place of prefix;
 /// - `vtc` (`VtcRouter`): the vtc scorer, ties to the first.
 pub fn preset_specs(name: &str) -> Result<Vec<PluginSpec>> {
     let ties = |t: &str| PluginSpec::with("max-score", 1.0, serde_json::json!({ "ties": t }));
@@ -78,6 +84,17 @@ pub fn preset_specs(name: &str) -> Result<Vec<PluginSpec>> {
         "prefix+queue+kv" => vec![
             PluginSpec::new("saturation", 1.0),
             PluginSpec::new("prefix", 3.0),
+            PluginSpec::new("queue-depth", 2.0),
+            PluginSpec::new("kv-usage", 2.0),
+            ties("random"),
+        ],
+        "precise-prefix" => vec![
+            PluginSpec::new("precise-prefix", 1.0),
+            ties("least-request"),
+        ],
+        "precise-prefix+queue+kv" => vec![
+            PluginSpec::new("saturation", 1.0),
+            PluginSpec::new("precise-prefix", 3.0),
             PluginSpec::new("queue-depth", 2.0),
             PluginSpec::new("kv-usage", 2.0),
             ties("random"),
@@ -182,6 +199,24 @@ impl<'a> Params<'a> {
     }
 }
 
+/// The `prefix` scorer's parameters (also the `precise-prefix` fallback's).
+fn prefix_scorer(p: &mut Params<'_>, config: &PickConfig) -> Result<PrefixScorer> {
+    let block_size = p.usize("block_size", 16)?;
+    let seed = p.u64("seed", 0)?;
+    let imbalance = p.u64("imbalance_abs_count", 16)?;
+    let imbalance = i64::try_from(imbalance)
+        .map_err(|_| invalid("prefix: imbalance_abs_count is too large"))?;
+    let std_factor = p.f64("std_factor", 2.0)?;
+    let capacity = p.usize("capacity_blocks", DEFAULT_CAPACITY_BLOCKS)?;
+    let ttl = p.opt_f64("ttl_s")?;
+    let prefix = PrefixConfig::new(block_size, imbalance, std_factor, seed)?;
+    let index = match &config.prefix_index {
+        Some(ix) => Arc::clone(ix),
+        None => Arc::new(Mutex::new(PrefixIndex::new(capacity, ttl)?)),
+    };
+    Ok(PrefixScorer::new(prefix, index))
+}
+
 /// The plugin a spec names, with its parameters.
 pub(super) fn build(spec: &PluginSpec, config: &PickConfig) -> Result<Plugin> {
     let mut p = Params::new(spec)?;
@@ -201,21 +236,11 @@ pub(super) fn build(spec: &PluginSpec, config: &PickConfig) -> Result<Plugin> {
         "least-request" => Plugin::Scorer(Scorer::LeastRequest),
         "queue-depth" => Plugin::Scorer(Scorer::QueueDepth),
         "kv-usage" => Plugin::Scorer(Scorer::KvUsage),
-        "prefix" => {
-            let block_size = p.usize("block_size", 16)?;
-            let seed = p.u64("seed", 0)?;
-            let imbalance = p.u64("imbalance_abs_count", 16)?;
-            let imbalance = i64::try_from(imbalance)
-                .map_err(|_| invalid("prefix: imbalance_abs_count is too large"))?;
-            let std_factor = p.f64("std_factor", 2.0)?;
-            let capacity = p.usize("capacity_blocks", DEFAULT_CAPACITY_BLOCKS)?;
-            let ttl = p.opt_f64("ttl_s")?;
-            let prefix = PrefixConfig::new(block_size, imbalance, std_factor, seed)?;
-            let index = match &config.prefix_index {
-                Some(ix) => Arc::clone(ix),
-                None => Arc::new(Mutex::new(PrefixIndex::new(capacity, ttl)?)),
-            };
-            Plugin::Scorer(Scorer::Prefix(Box::new(PrefixScorer::new(prefix, index))))
+        "prefix" => Plugin::Scorer(Scorer::Prefix(Box::new(prefix_scorer(&mut p, config)?))),
+        "precise-prefix" => {
+            let kv = config.kv_index.clone().unwrap_or_default();
+            let approx = prefix_scorer(&mut p, config)?;
+            Plugin::Scorer(Scorer::PrecisePrefix(Box::new(PrecisePrefixScorer::new(kv, approx))))
         }
         "vtc" => {
             let d = VtcConfig::default();
@@ -258,7 +283,7 @@ pub(super) fn build(spec: &PluginSpec, config: &PickConfig) -> Result<Plugin> {
         other => {
             return Err(invalid(format!(
                 "unknown plugin {other:?} (filters: healthy, subset-hint, serves-adapter, \
-                 saturation; scorers: least-request, queue-depth, kv-usage, prefix, vtc, \
+                 saturation; scorers: least-request, queue-depth, kv-usage, prefix, precise-prefix, vtc, \
                  session-affinity; pickers: max-score, random, round-robin)"
             )))
         }

@@ -271,6 +271,7 @@ fn prefix_started_after_the_shared_index_changed_records_every_block() {
     let cfg = PickConfig {
         seed: 0,
         prefix_index: Some(Arc::clone(&index)),
+        kv_index: None,
     };
     let mut a = Pipeline::preset("prefix", &["a0", "a1"], &cfg).expect("p");
     let s = states(2);

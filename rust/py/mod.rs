@@ -10,6 +10,8 @@ pub mod budget;
 pub mod calibrate;
 pub mod classify;
 pub mod compress;
+#[cfg(feature = "kv-events")]
+pub mod kv;
 #[cfg(feature = "server")]
 pub mod loadgen;
 pub mod openai;

@@ -284,6 +284,7 @@ impl PyEndpointPicker {
         let config = PickConfig {
             seed,
             prefix_index: None,
+            kv_index: None,
         };
         let (pipeline, preset) = match (preset, plugins) {
             (Some(_), Some(_)) => {

@@ -133,6 +133,27 @@ pub struct ModelSpec {
     pub eos_token: Option<String>,
 }
 
+/// One endpoint's KV-event source (`kv_events.endpoints` of the config).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvSourceSpec {
+    pub endpoint: String,
+    pub zmq: String,
+    pub topic: String,
+    pub replay: Option<String>,
+}
+
+/// The precise prefix index and its subscribers (`kv_events`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventsSpec {
+    pub block_size: usize,
+    pub seed: u64,
+    pub capacity_blocks: usize,
+    pub stale_after_s: Option<f64>,
+    pub sources: Vec<KvSourceSpec>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Spec {
@@ -149,6 +170,9 @@ pub struct Spec {
     /// The endpoints' metrics scrapes (None: not scraped).
     #[serde(default)]
     pub scrape: Option<ScrapeSpec>,
+    /// KV-event sources (None: no precise prefix index).
+    #[serde(default)]
+    pub kv_events: Option<KvEventsSpec>,
 }
 
 impl Spec {

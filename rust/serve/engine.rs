@@ -218,13 +218,16 @@ impl Chooser {
         pool: &super::config::PoolSpec,
         router: &super::config::RouterSpec,
         probes: Vec<Arc<Probe>>,
+        kv: &Arc<crate::kv::KvIndex>,
     ) -> Result<Self> {
         let sat = router.saturation;
         let mut specs =
             preset_specs(&router.policy).map_err(|e| invalid(format!("router.policy: {e}")))?;
         for s in &mut specs {
             match s.name.as_str() {
-                "prefix" => s.params = serde_json::json!({"block_size": router.prefix_block_size}),
+                "prefix" | "precise-prefix" => {
+                    s.params = serde_json::json!({"block_size": router.prefix_block_size})
+                }
                 "saturation" => {
                     s.params = serde_json::json!({
                         "max_waiting": sat.max_waiting, "max_kv_usage": sat.max_kv_usage
@@ -233,7 +236,11 @@ impl Chooser {
                 _ => {}
             }
         }
-        let mut pipeline = Pipeline::from_specs(&specs, &pool.endpoints, &PickConfig::default())?;
+        let config = PickConfig {
+            kv_index: Some(Arc::clone(kv)),
+            ..PickConfig::default()
+        };
+        let mut pipeline = Pipeline::from_specs(&specs, &pool.endpoints, &config)?;
         pipeline.prepare()?;
         let prefix = pipeline
             .prefix()
@@ -432,6 +439,8 @@ pub struct Shared {
     faults: Mutex<HashSet<&'static str>>,
     /// The endpoints' metrics scrapes, shared by the engines of every reload.
     pub scraper: Scraper,
+    /// The precise prefix index fed by the engines' KV events (crate::kv).
+    pub kv: Arc<crate::kv::KvIndex>,
 }
 
 impl Shared {
@@ -452,7 +461,16 @@ impl Shared {
             epoch: Instant::now(),
             handle,
             faults: Mutex::new(HashSet::new()),
+            kv: Arc::default(),
         }
+    }
+
+    /// Uses `kv` as the precise prefix index (and reports it in the metrics).
+    pub fn with_kv(mut self, kv: Arc<crate::kv::KvIndex>) -> Self {
+        #[cfg(feature = "kv-events")]
+        self.metrics.kv.set(Arc::clone(&kv));
+        self.kv = kv;
+        self
     }
 
     /// Seconds on the data plane's monotonic clock (what the choosers are given).
@@ -673,7 +691,7 @@ impl Engine {
                     }
                     _ => Vec::new(),
                 };
-                Chooser::new(p, &spec.router, probes)
+                Chooser::new(p, &spec.router, probes, &shared.kv)
                     .map_err(|e| invalid(format!("pools: {:?}: {e}", p.name)))
             })
             .collect::<Result<Vec<_>>>()?;

@@ -108,6 +108,9 @@ pub struct Metrics {
     pub scrapes: Family<ScrapeLabels, FCounter>,
     pub endpoint_healthy: Family<EndpointLabel, FGauge>,
     pub endpoint_transitions: Family<TransitionLabels, FCounter>,
+    /// The KV-event metrics, read from the precise prefix index at each scrape.
+    #[cfg(feature = "kv-events")]
+    pub kv: Arc<crate::kv::metrics::KvCollector>,
 }
 
 impl Default for Metrics {
@@ -204,8 +207,14 @@ impl Metrics {
             "Endpoints turning healthy or unhealthy, per endpoint and state turned to",
             endpoint_transitions.clone(),
         );
+        #[cfg(feature = "kv-events")]
+        let kv = Arc::new(crate::kv::metrics::KvCollector::default());
+        #[cfg(feature = "kv-events")]
+        registry.register_collector(Box::new(Arc::clone(&kv)));
         Self {
             registry,
+            #[cfg(feature = "kv-events")]
+            kv,
             decisions,
             spillovers,
             rejections,

@@ -265,7 +265,9 @@ impl DataPlane {
         shards: &[Shard],
     ) -> Result<Self> {
         let first = &shards[0].runtime;
-        let shared = Arc::new(Shared::new(calibrator, first.handle().clone()));
+        let kv_spec = spec.kv_events.clone();
+        let kv = crate::kv::index_for(kv_spec.as_ref())?;
+        let shared = Arc::new(Shared::new(calibrator, first.handle().clone()).with_kv(kv));
         let max_message = usize::try_from(spec.limits.max_message_bytes).unwrap_or(usize::MAX);
         let engine = Engine::build(spec, &shared, None)?;
         let current: Current = Arc::new(RwLock::new(engine));
@@ -284,6 +286,7 @@ impl DataPlane {
             .map(|a| a.port());
         let (stop, stopped) = watch::channel(false);
         let (closing, closing_rx) = watch::channel(false);
+        crate::kv::subscribe(kv_spec.as_ref(), &shared.kv, first.handle(), &stopped)?;
         let (health, health_service) = tonic_health::server::health_reporter();
         let processor = ExternalProcessorServer::new(Processor {
             current: Arc::clone(&current),

@@ -487,7 +487,7 @@ impl<'a> Fleet<'a> {
                 .collect();
             let pick = PickConfig {
                 seed: config.seed.wrapping_add(p as u64),
-                prefix_index: None,
+                ..PickConfig::default()
             };
             pickers.push(Pipeline::from_specs(&config.picker, &names, &pick)?);
             for _ in 0..pool.endpoints {

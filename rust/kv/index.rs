@@ -1,0 +1,539 @@
+//! The precise prefix index: what each endpoint's engine holds in its KV
+//! cache, built from the engine's own KV-cache events (vLLM's `BlockStored`,
+//! `BlockRemoved`, `AllBlocksCleared`).
+//!
+//! Blocks are keyed by routecore's chained block hashes
+//! (`crate::prefix::block_hashes`) of the event's token ids, never by the
+//! engine's hashes, so the index does not depend on the engine's hash seed or
+//! algorithm; a map from the engine's hash to ours serves `BlockRemoved` and
+//! the `parent_block_hash` of the next `BlockStored`. A LoRA adapter's blocks
+//! chain from a seed of their own (`lora_seed`), so a base-model prompt never
+//! matches an adapter's blocks. Each endpoint keeps at most `capacity_blocks`
+//! blocks; past that the least recently stored eighth is forgotten (the index
+//! then under-reports, never over-reports).
+//!
+//! An endpoint's entries are *live* while its event stream is connected and,
+//! with `stale_after_s`, an event came in the last `stale_after_s` seconds.
+//! A prefix scorer asks `leading_blocks`, which answers None for an endpoint
+//! that is not live: the caller then falls back to the approximate index.
+//!
+//! Sequence numbers (one per batch, from 0 per publisher) are checked by
+//! `observe`: the next one is applied, an old one is a duplicate, a jump is a
+//! gap (the caller replays the missed batches, or calls `unrecovered`), and a
+//! return to 0 or an older number after a disconnect is an engine restart.
+//! A batch that cannot be recovered clears the endpoint: what was missed may
+//! have removed blocks, and the index must not claim blocks the engine lost.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::error::{invalid, unknown, Result};
+use crate::prefix::{
+    block_hashes, block_hashes_after, Tokens, MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS,
+};
+
+/// vLLM's default KV-cache block size, in tokens.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// Blocks kept per endpoint unless configured otherwise.
+pub const DEFAULT_CAPACITY_BLOCKS: usize = 1 << 18;
+/// The storage tier the index follows (vLLM's `MEDIUM_GPU`); events of other
+/// tiers (CPU offload) are skipped.
+pub const MEDIUM_GPU: &str = "GPU";
+
+/// One decoded KV-cache event. Engine hashes are u64: vLLM's integer hashes
+/// as their 64-bit pattern, byte-string hashes by their xxh3-64.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Stored(Stored),
+    Removed {
+        hashes: Vec<u64>,
+        medium: Option<String>,
+    },
+    Cleared,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stored {
+    pub hashes: Vec<u64>,
+    pub parent: Option<u64>,
+    pub token_ids: Vec<u32>,
+    pub block_size: usize,
+    /// The adapter: vLLM's `lora_name`, else `lora_id` written as `#<id>`.
+    pub lora: Option<String>,
+    pub medium: Option<String>,
+}
+
+/// Why an event (or part of one) changed nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Skip {
+    /// Not the GPU tier.
+    Medium(String),
+    /// A block size other than the configured one.
+    BlockSize(usize),
+    /// Token ids that are not `block_size` per block hash, or a bad field.
+    Malformed(String),
+    /// An event tag the index does not know.
+    UnknownTag(String),
+    /// A `BlockStored` whose parent block the index does not hold.
+    UnknownParent(u64),
+    /// A `BlockRemoved` hash the index does not hold.
+    UnknownBlock(u64),
+}
+
+impl std::fmt::Display for Skip {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Skip::Medium(m) => write!(f, "medium {m:?} is not {MEDIUM_GPU}"),
+            Skip::BlockSize(b) => write!(f, "block size {b} differs from the configured one"),
+            Skip::Malformed(why) => write!(f, "malformed event: {why}"),
+            Skip::UnknownTag(t) => write!(f, "unknown event tag {t:?}"),
+            Skip::UnknownParent(h) => write!(f, "parent block {h:#x} is not held"),
+            Skip::UnknownBlock(h) => write!(f, "removed block {h:#x} was never stored"),
+        }
+    }
+}
+
+/// The index's settings (one per data plane: every endpoint hashes alike).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvConfig {
+    pub block_size: usize,
+    pub seed: u64,
+    pub capacity_blocks: usize,
+    /// None: an endpoint's entries never go stale while its stream is connected.
+    pub stale_after_s: Option<f64>,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        Self {
+            block_size: DEFAULT_BLOCK_SIZE,
+            seed: 0,
+            capacity_blocks: DEFAULT_CAPACITY_BLOCKS,
+            stale_after_s: None,
+        }
+    }
+}
+
+impl KvConfig {
+    pub fn check(self) -> Result<Self> {
+        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
+            return Err(invalid(format!(
+                "block_size must be in [1, {MAX_BLOCK_SIZE}], got {}",
+                self.block_size
+            )));
+        }
+        if self.capacity_blocks == 0 || self.capacity_blocks > MAX_CAPACITY_BLOCKS {
+            return Err(invalid(format!(
+                "capacity_blocks must be in [1, {MAX_CAPACITY_BLOCKS}], got {}",
+                self.capacity_blocks
+            )));
+        }
+        if let Some(s) = self.stale_after_s {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(invalid("stale_after_s must be > 0 (or None)"));
+            }
+        }
+        Ok(self)
+    }
+}
+
+/// An endpoint's counters, as the metrics and the Python handle show them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KvStats {
+    /// Batches applied (in order, replayed ones included).
+    pub batches: u64,
+    /// Events that changed the index.
+    pub events: u64,
+    /// Events or block hashes skipped (see `Skip`).
+    pub skipped: u64,
+    /// Frames that were not a batch (bad framing or msgpack).
+    pub garbage: u64,
+    pub duplicates: u64,
+    /// Sequence gaps seen, and how many of them replay closed.
+    pub gaps: u64,
+    pub replays: u64,
+    /// Gaps replay could not close (the endpoint was cleared).
+    pub unrecovered: u64,
+    pub restarts: u64,
+    /// Clears: `AllBlocksCleared`, restarts, unrecovered gaps.
+    pub clears: u64,
+    pub evicted: u64,
+    /// Blocks held now.
+    pub blocks: u64,
+    pub last_seq: Option<u64>,
+    pub live: bool,
+}
+
+#[derive(Debug, Default)]
+struct EndpointKv {
+    /// Our hash -> (engine hash, store stamp).
+    blocks: HashMap<u64, (u64, u64)>,
+    /// Engine hash -> our hash.
+    ours: HashMap<u64, u64>,
+    stamp: u64,
+    connected: bool,
+    stale: bool,
+    /// A disconnect was seen: an older sequence number next is a restart.
+    resync: bool,
+    last_event: Option<f64>,
+    stats: KvStats,
+}
+
+impl EndpointKv {
+    fn live(&self) -> bool {
+        self.connected && !self.stale
+    }
+    fn clear(&mut self) {
+        self.blocks.clear();
+        self.ours.clear();
+        self.stats.clears += 1;
+    }
+    fn insert(&mut self, ours: u64, engine: u64) {
+        self.stamp += 1;
+        if let Some((old, _)) = self.blocks.insert(ours, (engine, self.stamp)) {
+            if old != engine {
+                self.ours.remove(&old);
+            }
+        }
+        self.ours.insert(engine, ours);
+    }
+    /// Forgets the least recently stored blocks down to 7/8 of `capacity`.
+    fn evict(&mut self, capacity: usize) {
+        if self.blocks.len() <= capacity {
+            return;
+        }
+        let keep = capacity - capacity / 8;
+        let mut stamps: Vec<u64> = self.blocks.values().map(|&(_, s)| s).collect();
+        let cut = stamps.len() - keep;
+        let (_, &mut oldest_kept, _) = stamps.select_nth_unstable(cut);
+        let before = self.blocks.len();
+        let ours = &mut self.ours;
+        self.blocks.retain(|_, &mut (engine, s)| {
+            let keep = s >= oldest_kept;
+            if !keep {
+                ours.remove(&engine);
+            }
+            keep
+        });
+        self.stats.evicted += (before - self.blocks.len()) as u64;
+    }
+}
+
+/// What `observe` makes of a batch's sequence number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seq {
+    /// The next batch (or the first one seen): apply it.
+    Next,
+    /// Seen already: skip it.
+    Duplicate,
+    /// Batches `from..seq` were missed: replay them, then apply.
+    Gap { from: u64 },
+    /// The engine restarted: its entries were cleared; apply.
+    Restart,
+}
+
+/// What one batch did.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Applied {
+    pub events: usize,
+    pub skipped: Vec<Skip>,
+    /// The endpoint just went back to live (the caller logs the switch).
+    pub revived: bool,
+}
+
+/// The seed a LoRA adapter's blocks chain from (the base model's is `seed`).
+pub fn lora_seed(seed: u64, lora: Option<&str>) -> u64 {
+    match lora {
+        None => seed,
+        Some(name) => xxh3_64_with_seed(name.as_bytes(), seed),
+    }
+}
+
+type Shared = Arc<Mutex<EndpointKv>>;
+
+/// Every endpoint's precise prefix entries (see the module docs). Shared
+/// between the event subscribers (writers) and the scorers (readers).
+#[derive(Debug)]
+pub struct KvIndex {
+    config: KvConfig,
+    endpoints: RwLock<HashMap<String, Shared>>,
+}
+
+impl Default for KvIndex {
+    /// The default configuration, no endpoints.
+    fn default() -> Self {
+        Self {
+            config: KvConfig::default(),
+            endpoints: RwLock::new(HashMap::new()),
+        }
+    }
+}
+
+fn lock(e: &Shared) -> MutexGuard<'_, EndpointKv> {
+    e.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl KvIndex {
+    pub fn new(config: KvConfig) -> Result<Self> {
+        Ok(Self {
+            config: config.check()?,
+            endpoints: RwLock::new(HashMap::new()),
+        })
+    }
+
+    pub fn config(&self) -> &KvConfig {
+        &self.config
+    }
+
+    /// Adds `name` (no entries, not live); an endpoint already there is kept.
+    pub fn add_endpoint(&self, name: &str) {
+        self.endpoints
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(name.to_owned())
+            .or_default();
+    }
+
+    /// The endpoint names, sorted.
+    pub fn endpoints(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn get(&self, name: &str) -> Result<Shared> {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
+            .ok_or_else(|| unknown("endpoint", name))
+    }
+
+    /// Classifies batch `seq` of `name` and counts duplicates and gaps; a
+    /// restart clears the endpoint.
+    pub fn observe(&self, name: &str, seq: u64) -> Result<Seq> {
+        let e = self.get(name)?;
+        let mut e = lock(&e);
+        let verdict = match e.stats.last_seq {
+            None if seq == 0 => Seq::Next,
+            None => Seq::Gap { from: 0 },
+            Some(last) if seq == last.wrapping_add(1) => Seq::Next,
+            Some(last) if seq > last => Seq::Gap { from: last + 1 },
+            Some(last) if (seq == 0 && last > 0) || e.resync => Seq::Restart,
+            Some(_) => Seq::Duplicate,
+        };
+        e.resync = false;
+        match verdict {
+            Seq::Duplicate => e.stats.duplicates += 1,
+            Seq::Gap { .. } => e.stats.gaps += 1,
+            Seq::Restart => {
+                e.stats.restarts += 1;
+                e.stats.last_seq = None;
+                e.clear();
+            }
+            Seq::Next => {}
+        }
+        Ok(verdict)
+    }
+
+    /// Whether `seq` is the batch `name` expects next (after a replay).
+    pub fn expects(&self, name: &str, seq: u64) -> Result<bool> {
+        let e = self.get(name)?;
+        let last = lock(&e).stats.last_seq;
+        Ok(match last {
+            None => seq == 0,
+            Some(l) => seq == l.wrapping_add(1),
+        })
+    }
+
+    /// Counts a gap that replay closed.
+    pub fn replayed(&self, name: &str) -> Result<()> {
+        lock(&self.get(name)?).stats.replays += 1;
+        Ok(())
+    }
+
+    /// A gap replay could not close: clears `name` (the missed batches may
+    /// have removed blocks) and forgets its sequence number.
+    pub fn unrecovered(&self, name: &str) -> Result<()> {
+        let e = self.get(name)?;
+        let mut e = lock(&e);
+        e.stats.unrecovered += 1;
+        e.stats.last_seq = None;
+        e.clear();
+        Ok(())
+    }
+
+    /// Counts a frame that was not a batch.
+    pub fn garbage(&self, name: &str) -> Result<()> {
+        lock(&self.get(name)?).stats.garbage += 1;
+        Ok(())
+    }
+
+    /// Applies batch `seq` (already `observe`d) of `name` at time `now`
+    /// (seconds, the caller's clock). Undecodable events come as `Err(skip)`.
+    pub fn apply(
+        &self,
+        name: &str,
+        seq: u64,
+        events: &[std::result::Result<Event, Skip>],
+        now: f64,
+    ) -> Result<Applied> {
+        let e = self.get(name)?;
+        let mut e = lock(&e);
+        let mut out = Applied {
+            revived: e.stale && e.connected,
+            ..Applied::default()
+        };
+        e.stale = false;
+        e.last_event = Some(now);
+        e.stats.last_seq = Some(seq);
+        e.stats.batches += 1;
+        for event in events {
+            match event {
+                Err(skip) => out.skipped.push(skip.clone()),
+                Ok(event) => {
+                    let before = out.skipped.len();
+                    self.apply_event(&mut e, event, &mut out.skipped);
+                    if out.skipped.len() == before {
+                        out.events += 1;
+                    }
+                }
+            }
+        }
+        e.evict(self.config.capacity_blocks);
+        e.stats.events += out.events as u64;
+        e.stats.skipped += out.skipped.len() as u64;
+        e.stats.blocks = e.blocks.len() as u64;
+        Ok(out)
+    }
+
+    fn apply_event(&self, e: &mut EndpointKv, event: &Event, skipped: &mut Vec<Skip>) {
+        match event {
+            Event::Cleared => e.clear(),
+            Event::Removed { hashes, medium } => {
+                if let Some(m) = medium.as_deref().filter(|m| *m != MEDIUM_GPU) {
+                    return skipped.push(Skip::Medium(m.to_owned()));
+                }
+                for h in hashes {
+                    match e.ours.remove(h) {
+                        Some(ours) => {
+                            e.blocks.remove(&ours);
+                        }
+                        None => skipped.push(Skip::UnknownBlock(*h)),
+                    }
+                }
+            }
+            Event::Stored(s) => match self.stored_hashes(e, s) {
+                Err(skip) => skipped.push(skip),
+                Ok(ours) => {
+                    for (o, engine) in ours.into_iter().zip(&s.hashes) {
+                        e.insert(o, *engine);
+                    }
+                }
+            },
+        }
+    }
+
+    /// Our hashes of a `BlockStored`'s blocks, or why it is skipped.
+    fn stored_hashes(&self, e: &EndpointKv, s: &Stored) -> std::result::Result<Vec<u64>, Skip> {
+        if let Some(m) = s.medium.as_deref().filter(|m| *m != MEDIUM_GPU) {
+            return Err(Skip::Medium(m.to_owned()));
+        }
+        let bs = self.config.block_size;
+        if s.block_size != bs {
+            return Err(Skip::BlockSize(s.block_size));
+        }
+        if s.token_ids.len() != s.hashes.len() * bs {
+            return Err(Skip::Malformed(format!(
+                "{} token ids for {} blocks of {bs}",
+                s.token_ids.len(),
+                s.hashes.len()
+            )));
+        }
+        let seed = lora_seed(self.config.seed, s.lora.as_deref());
+        let tokens = Tokens::Ids(&s.token_ids);
+        let hashes = match s.parent {
+            None => block_hashes(tokens, bs, seed),
+            Some(p) => {
+                let parent = *e.ours.get(&p).ok_or(Skip::UnknownParent(p))?;
+                block_hashes_after(parent, tokens, bs, seed)
+            }
+        };
+        hashes.map_err(|err| Skip::Malformed(err.to_string()))
+    }
+
+    /// The stream of `name` connected (true) or dropped (false). Returns
+    /// whether the endpoint's liveness changed (the caller logs the switch).
+    pub fn set_connected(&self, name: &str, connected: bool) -> Result<bool> {
+        let e = self.get(name)?;
+        let mut e = lock(&e);
+        let was = e.live();
+        e.connected = connected;
+        if !connected {
+            e.resync = true;
+        }
+        Ok(was != e.live())
+    }
+
+    /// Marks `name` stale when no event came for `stale_after_s` by `now`;
+    /// returns whether that changed its liveness.
+    pub fn check_stale(&self, name: &str, now: f64) -> Result<bool> {
+        let Some(after) = self.config.stale_after_s else {
+            return Ok(false);
+        };
+        let e = self.get(name)?;
+        let mut e = lock(&e);
+        let was = e.live();
+        let last = *e.last_event.get_or_insert(now);
+        e.stale = now - last > after;
+        Ok(was != e.live())
+    }
+
+    pub fn stats(&self, name: &str) -> Result<KvStats> {
+        let e = self.get(name)?;
+        let e = lock(&e);
+        let mut stats = e.stats.clone();
+        stats.blocks = e.blocks.len() as u64;
+        stats.live = e.live();
+        Ok(stats)
+    }
+
+    /// A request's block hashes as the index keys them (`adapter`: its LoRA).
+    pub fn request_hashes(&self, token_ids: &[u32], adapter: Option<&str>) -> Vec<u64> {
+        let seed = lora_seed(self.config.seed, adapter);
+        block_hashes(Tokens::Ids(token_ids), self.config.block_size, seed).unwrap_or_default()
+    }
+
+    /// How many of `hashes` (a request's, from `request_hashes`) `name` holds
+    /// from the first on; None when `name` is unknown or not live.
+    pub fn leading_blocks(&self, name: &str, hashes: &[u64]) -> Option<usize> {
+        let e = self.get(name).ok()?;
+        let e = lock(&e);
+        e.live().then(|| {
+            hashes
+                .iter()
+                .take_while(|h| e.blocks.contains_key(h))
+                .count()
+        })
+    }
+
+    /// `name`'s blocks (our hashes), sorted: replicas fed the same events agree.
+    pub fn blocks(&self, name: &str) -> Result<Vec<u64>> {
+        let e = self.get(name)?;
+        let mut out: Vec<u64> = lock(&e).blocks.keys().copied().collect();
+        out.sort_unstable();
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests;

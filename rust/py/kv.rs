@@ -1,0 +1,189 @@
+//! `KvEventIndex`: the precise prefix index and its KV-event subscribers on a
+//! runtime of their own, for tests, notebooks and routers outside `serve`
+//! (which runs the same subscribers on the data plane's runtime).
+
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use tokio::sync::watch;
+
+use crate::kv::subscriber::{spawn, Source};
+use crate::kv::{KvConfig, KvIndex};
+use crate::py::int_arg;
+
+/// The precise prefix index: what each endpoint's engine holds in its KV
+/// cache, built from the engine's KV-cache events (vLLM's ZeroMQ publisher:
+/// ``--kv-events-config``), keyed by routecore's own chained block hashes of
+/// the events' token ids (``block_hashes`` with ``block_size`` and ``seed``;
+/// a LoRA adapter's blocks chain from a seed of their own).
+///
+/// ``subscribe`` starts a subscriber (a tokio task of this object) on an
+/// engine's PUB socket; sequence gaps are replayed from its ROUTER socket
+/// when ``replay`` is given. Each endpoint keeps at most ``capacity_blocks``
+/// blocks. An endpoint whose stream is down, or silent for
+/// ``stale_after_s`` seconds, is not live: ``leading_blocks`` answers None
+/// for it (a router then uses its approximate prefix index).
+#[pyclass(frozen, name = "KvEventIndex", module = "routecore")]
+pub struct PyKvEventIndex {
+    index: Arc<KvIndex>,
+    runtime: Mutex<Option<tokio::runtime::Runtime>>,
+    stop: watch::Sender<bool>,
+}
+
+#[pymethods]
+impl PyKvEventIndex {
+    #[new]
+    // 262144: crate::kv::index::DEFAULT_CAPACITY_BLOCKS (a literal shows in help()).
+    #[pyo3(signature = (block_size = 16, capacity_blocks = 262144, seed = 0, stale_after_s = None))]
+    fn new(
+        #[pyo3(from_py_with = int_arg)] block_size: usize,
+        #[pyo3(from_py_with = int_arg)] capacity_blocks: usize,
+        #[pyo3(from_py_with = int_arg)] seed: u64,
+        stale_after_s: Option<f64>,
+    ) -> PyResult<Self> {
+        let index = KvIndex::new(KvConfig {
+            block_size,
+            seed,
+            capacity_blocks,
+            stale_after_s,
+        })?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("routecore-kv")
+            .enable_all()
+            .build()
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot start the runtime: {e}")))?;
+        Ok(Self {
+            index: Arc::new(index),
+            runtime: Mutex::new(Some(runtime)),
+            stop: watch::channel(false).0,
+        })
+    }
+
+    /// Subscribes ``endpoint`` to the KV events published at ``zmq`` (e.g.
+    /// ``"tcp://127.0.0.1:5557"``) under ``topic``; ``replay`` is the engine's
+    /// replay address. The subscriber connects (and reconnects) on its own.
+    #[pyo3(signature = (endpoint, zmq, topic = "", replay = None))]
+    fn subscribe(
+        &self,
+        endpoint: &str,
+        zmq: &str,
+        topic: &str,
+        replay: Option<String>,
+    ) -> PyResult<()> {
+        let guard = self.runtime.lock().unwrap_or_else(|e| e.into_inner());
+        let rt = guard
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the KvEventIndex is closed"))?;
+        let source = Source {
+            endpoint: endpoint.to_owned(),
+            zmq: zmq.to_owned(),
+            topic: topic.to_owned(),
+            replay,
+        };
+        crate::kv::subscriber::check(&source)?;
+        spawn(rt.handle(), &self.index, &[source], &self.stop.subscribe());
+        Ok(())
+    }
+
+    /// The endpoints known, sorted.
+    fn endpoints(&self) -> Vec<String> {
+        self.index.endpoints()
+    }
+
+    /// Per endpoint, how many of the prompt's leading blocks (``token_ids``
+    /// cut into blocks of ``block_size``) its engine holds; None for an
+    /// endpoint that is not live.
+    #[pyo3(signature = (token_ids, adapter = None))]
+    fn leading_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = int_arg)] token_ids: Vec<u32>,
+        adapter: Option<&str>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let hashes = self.index.request_hashes(&token_ids, adapter);
+        let d = PyDict::new(py);
+        for e in self.index.endpoints() {
+            d.set_item(&e, self.index.leading_blocks(&e, &hashes))?;
+        }
+        Ok(d)
+    }
+
+    /// The endpoint's block hashes (routecore's), sorted: two indexes fed the
+    /// same events hold the same list.
+    fn blocks(&self, endpoint: &str) -> PyResult<Vec<u64>> {
+        Ok(self.index.blocks(endpoint)?)
+    }
+
+    /// The endpoint's counters: ``batches``, ``events``, ``skipped``,
+    /// ``garbage``, ``duplicates``, ``gaps``, ``replays``, ``unrecovered``,
+    /// ``restarts``, ``clears``, ``evicted``, ``blocks``, ``last_seq`` (None
+    /// before the first batch) and ``live``.
+    fn stats<'py>(&self, py: Python<'py>, endpoint: &str) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, &self.index, endpoint)
+    }
+
+    /// Stops the subscribers (idempotent).
+    fn close(&self, py: Python<'_>) {
+        let _ = self.stop.send(true);
+        let rt = self
+            .runtime
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(rt) = rt {
+            py.detach(|| rt.shutdown_timeout(std::time::Duration::from_secs(1)));
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.index.config();
+        format!(
+            "KvEventIndex(block_size={}, capacity_blocks={}, endpoints={})",
+            c.block_size,
+            c.capacity_blocks,
+            self.index.endpoints().len()
+        )
+    }
+}
+
+/// One endpoint's `KvStats` as a dict (also the data plane's debug view).
+pub fn stats_dict<'py>(
+    py: Python<'py>,
+    index: &KvIndex,
+    endpoint: &str,
+) -> PyResult<Bound<'py, PyDict>> {
+    let s = index.stats(endpoint)?;
+    let d = PyDict::new(py);
+    d.set_item("batches", s.batches)?;
+    d.set_item("events", s.events)?;
+    d.set_item("skipped", s.skipped)?;
+    d.set_item("garbage", s.garbage)?;
+    d.set_item("duplicates", s.duplicates)?;
+    d.set_item("gaps", s.gaps)?;
+    d.set_item("replays", s.replays)?;
+    d.set_item("unrecovered", s.unrecovered)?;
+    d.set_item("restarts", s.restarts)?;
+    d.set_item("clears", s.clears)?;
+    d.set_item("evicted", s.evicted)?;
+    d.set_item("blocks", s.blocks)?;
+    d.set_item("last_seq", s.last_seq)?;
+    d.set_item("live", s.live)?;
+    Ok(d)
+}
+
+impl Drop for PyKvEventIndex {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(rt) = self
+            .runtime
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            rt.shutdown_background();
+        }
+    }
+}

@@ -1,0 +1,181 @@
+"""A mock vLLM engine for KV-event tests: an LRU cache of KV blocks that
+publishes what it stores and evicts in vLLM's wire format (a ZeroMQ PUB
+socket sending ``(topic, seq, payload)``, payload a msgpack ``EventBatch``
+``[ts, events, data_parallel_rank]``; a ROUTER socket replaying buffered
+batches from a requested sequence number, then ``(-1, b"")``), on 127.0.0.1.
+
+Faults on demand: a batch dropped on the PUB socket (kept for replay), a
+batch sent twice, frames that are not a batch, events with unknown tags,
+another block size, removals of blocks never stored, and a restart
+(sequence numbers from 0 again, empty cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Any
+
+import msgpack
+import zmq
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def stored(
+    hashes: list[Any],
+    parent: Any,
+    token_ids: list[int],
+    block_size: int,
+    lora_name: str | None = None,
+    medium: str | None = "GPU",
+) -> list[Any]:
+    """A ``BlockStored`` event as msgspec encodes it (array, tag first)."""
+    return ["BlockStored", hashes, parent, token_ids, block_size, None, medium, lora_name]
+
+
+def removed(hashes: list[Any], medium: str | None = "GPU") -> list[Any]:
+    return ["BlockRemoved", hashes, medium]
+
+
+CLEARED = ["AllBlocksCleared"]
+
+
+class MockKvPublisher:
+    """One engine: ``serve(prompt)`` touches the prompt's full blocks in the
+    LRU cache of ``capacity_blocks`` and publishes one batch of the blocks it
+    evicted and stored. Engine block hashes are 8-byte strings (newer vLLM) or
+    ints, from a salt of this engine: not routecore's hashes."""
+
+    def __init__(
+        self,
+        block_size: int = 4,
+        capacity_blocks: int = 64,
+        topic: str = "kv",
+        bytes_hashes: bool = False,
+        buffer_steps: int = 1000,
+    ) -> None:
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self.topic = topic.encode()
+        self.bytes_hashes = bytes_hashes
+        self.ctx = zmq.Context.instance()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.zmq = f"tcp://127.0.0.1:{port}"
+        self._router = self.ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        rport = self._router.bind_to_random_port("tcp://127.0.0.1")
+        self.replay = f"tcp://127.0.0.1:{rport}"
+        self.seq = 0
+        self.salt = 0
+        self.replay_requests: list[int] = []
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        # engine hash -> the prompt prefix ending with that block (LRU first).
+        self.cache: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
+
+    # -- the engine ---------------------------------------------------------
+    def _hash(self, prefix: tuple[int, ...], lora: str | None) -> Any:
+        h = hashlib.blake2b(repr((self.salt, lora, prefix)).encode(), digest_size=8).digest()
+        return h if self.bytes_hashes else int.from_bytes(h, "big") >> 1
+
+    def serve(self, token_ids: list[int], lora: str | None = None, drop: bool = False) -> int:
+        """Serves a prompt; returns the blocks it already held (its cache hit).
+        ``drop``: the batch is buffered for replay but never sent."""
+        bs = self.block_size
+        events: list[Any] = []
+        parent = None
+        hits = 0
+        new: list[tuple[Any, list[int]]] = []
+        for end in range(bs, len(token_ids) + 1, bs):
+            prefix = tuple(token_ids[:end])
+            h = self._hash(prefix, lora)
+            if h in self.cache and not new:
+                self.cache.move_to_end(h)
+                hits += 1
+                parent = h
+                continue
+            if h in self.cache:
+                self.cache.move_to_end(h)
+            else:
+                if len(self.cache) >= self.capacity_blocks:
+                    old, _ = self.cache.popitem(last=False)
+                    events.append(removed([old]))
+                self.cache[h] = prefix
+            new.append((h, list(prefix[-bs:])))
+        if new:
+            hashes = [h for h, _ in new]
+            tokens = [t for _, block in new for t in block]
+            events.append(stored(hashes, parent, tokens, bs, lora_name=lora))
+        if events:
+            self.publish(events, drop=drop)
+        return hits
+
+    def clear(self) -> None:
+        """Frees every block (vLLM's reset_prefix_cache): ``AllBlocksCleared``."""
+        self.cache.clear()
+        self.publish([CLEARED])
+
+    def restart(self) -> None:
+        """The engine restarts: empty cache, new hashes, sequence from 0."""
+        with self._lock:
+            self._buffer.clear()
+        self.cache.clear()
+        self.seq = 0
+        self.salt += 1
+
+    # -- the wire -----------------------------------------------------------
+    def publish(self, events: list[Any], drop: bool = False) -> int:
+        payload = msgpack.packb([time.time(), events, 0])
+        return self.publish_payload(payload, drop=drop)
+
+    def publish_payload(self, payload: bytes, drop: bool = False) -> int:
+        """Sends ``payload`` as the next batch (any bytes: garbage too)."""
+        seq = self.seq
+        self.seq += 1
+        with self._lock:
+            self._buffer.append((seq, payload))
+        if not drop:
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    def resend_last(self) -> None:
+        """Sends the last batch again (a duplicate)."""
+        with self._lock:
+            seq, payload = self._buffer[-1]
+        self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        """Sends raw frames (a malformed message)."""
+        self.pub.send_multipart(frames)
+
+    def _serve_replay(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(20):
+                continue
+            frames = self._router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            self.replay_requests.append(start_seq)
+            with self._lock:
+                batches = [(s, p) for s, p in self._buffer if s >= start_seq]
+            for s, p in batches:
+                self._router.send_multipart([client, b"", s.to_bytes(8, "big"), p])
+            self._router.send_multipart([client, b"", END_SEQ, b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.pub.close(0)
+        self._router.close(0)
