@@ -390,3 +390,79 @@ def test_the_data_plane_subscribes_and_reports_kv_metrics(pub):
         wait_for(lambda: metric("routecore_kv_events_live") == 0.0, what="fallback")
     finally:
         plane.drain(0.1)
+
+
+def test_serve_routes_a_stored_prompt_to_its_engine_then_by_load_after_a_clear():
+    """The data plane `routecore serve` runs, three engines publishing KV events:
+    a prompt (token ids in a completions body) goes to the engine that stored
+    it, whatever the load elsewhere; once that engine clears its cache, the
+    next requests go by load (one per idle endpoint)."""
+    from routecore.config import parse_config
+
+    endpoints = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
+    pubs = [MockKvPublisher(block_size=BS, capacity_blocks=64) for _ in endpoints]
+    cfg = parse_config(
+        {
+            "router": {"policy": "precise-prefix+queue+kv"},
+            "scrape": {"enabled": False},
+            "pools": [{"name": "short", "max_context": 8192, "endpoints": endpoints}],
+            "kv_events": {
+                "block_size": BS,
+                "endpoints": {
+                    e: {"zmq": p.zmq, "topic": "kv", "replay": p.replay}
+                    for e, p in zip(endpoints, pubs, strict=True)
+                },
+            },
+        }
+    )
+    plane = routecore.DataPlane.start(cfg.spec_json())
+
+    def metric(name: str, endpoint: str) -> float | None:
+        for line in plane.metrics_text().splitlines():
+            if line.startswith(f'{name}{{endpoint="{endpoint}"}}'):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def blocks(endpoint: str) -> float | None:
+        return metric("routecore_kv_blocks", endpoint)
+
+    warmups = iter(range(1000, 2000))
+
+    def subscribed(k: int) -> bool:
+        """A new warm-up block reached engine k's subscriber (a SUB socket
+        misses what is published before its subscription lands)."""
+        pubs[k].serve(prompt(next(warmups), 1))
+        time.sleep(0.02)
+        return (metric("routecore_kv_event_batches_total", endpoints[k]) or 0) > 0
+
+    def route(ids: list[int]) -> dict:
+        body = json.dumps({"model": "m", "prompt": ids, "max_tokens": 16}).encode()
+        routed = plane.route_body(body)
+        assert routed["admitted"], routed
+        return routed
+
+    try:
+        for k in range(len(endpoints)):
+            wait_for(lambda k=k: subscribed(k), what=f"engine {k} subscribed")
+        ids = prompt(7, 8)
+        before = blocks(endpoints[1]) or 0.0
+        pubs[1].serve(ids)
+        wait_for(lambda: blocks(endpoints[1]) == before + 8, what="blocks indexed")
+        held = [route(ids) for _ in range(4)]  # held open: the holder gets busier
+        assert [r["endpoint"] for r in held] == [endpoints[1]] * 4
+        for r in held:
+            plane.finish(r["request_id"])
+        pubs[1].clear()
+        wait_for(lambda: blocks(endpoints[1]) == 0.0, what="cleared")
+        pubs[0].clear()
+        pubs[2].clear()
+        wait_for(lambda: blocks(endpoints[0]) == blocks(endpoints[2]) == 0.0, what="all cleared")
+        held = [route(ids) for _ in range(3)]
+        assert sorted(r["endpoint"] for r in held) == endpoints
+        for r in held:
+            plane.finish(r["request_id"])
+        assert plane.in_flight()["leases"] == 0
+    finally:
+        plane.drain(0.1)
+        for p in pubs:
+            p.close()

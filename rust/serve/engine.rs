@@ -299,17 +299,21 @@ impl Chooser {
         est: (u64, u64),
         now: f64,
     ) -> Result<Choice> {
-        let hashes = match (self.prefix, key) {
-            (Some((size, seed)), Key::Body(b)) => match prompt_of(b) {
-                Some(prompt) => block_hashes(prompt.tokens(), size, seed)?,
-                None => Vec::new(),
-            },
-            (Some((size, seed)), Key::Ids(t)) => block_hashes(Tokens::Ids(t), size, seed)?,
-            _ => Vec::new(),
-        };
-        let token_ids = match key {
-            Key::Ids(t) => Some(t),
+        // A body's prompt is read only when a prefix plugin asks for it; a
+        // prompt given as token ids also feeds the precise-prefix scorer.
+        let read = match (self.prefix, key) {
+            (Some(_), Key::Body(b)) => prompt_of(b),
             _ => None,
+        };
+        let token_ids = match (key, &read) {
+            (Key::Ids(t), _) => Some(t),
+            (_, Some(Prompt::Ids(t))) => Some(t.as_slice()),
+            _ => None,
+        };
+        let hashes = match (self.prefix, token_ids, &read) {
+            (Some((size, seed)), Some(t), _) => block_hashes(Tokens::Ids(t), size, seed)?,
+            (Some((size, seed)), None, Some(prompt)) => block_hashes(prompt.tokens(), size, seed)?,
+            _ => Vec::new(),
         };
         let mut guard = lock(&self.state);
         let st = &mut *guard;
