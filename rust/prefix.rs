@@ -51,11 +51,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{finite, invalid, non_negative, unknown, Error, Result};
-use crate::pick::endpoints::{
-    check_endpoint_name, check_in_flight, complete_one, set_in_flight, MAX_ENDPOINTS,
-};
+use crate::pick::endpoints::{check_endpoint_name, check_in_flight, set_in_flight, MAX_ENDPOINTS};
 use crate::pick::prefix::PrefixScorer;
-use crate::pick::{preset_specs, EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec};
+use crate::pick::{preset_specs, Counted, PickConfig, PickRequest, Pipeline, PluginSpec};
 use crate::snapshot::{restore, Reader, Writer};
 
 /// Largest block size, in tokens.
@@ -989,8 +987,7 @@ impl PrefixDecision {
 #[derive(Debug)]
 pub struct PrefixCacheRouter {
     config: PrefixConfig,
-    pipeline: Pipeline,
-    states: Vec<EndpointState>,
+    on: Counted,
 }
 
 pub(crate) fn lock(index: &Mutex<PrefixIndex>) -> MutexGuard<'_, PrefixIndex> {
@@ -1011,8 +1008,7 @@ impl PrefixCacheRouter {
         let pipeline = Pipeline::from_specs(&prefix_preset(&config), endpoints, &pick)?;
         Ok(Self {
             config,
-            states: vec![EndpointState::default(); endpoints.len()],
-            pipeline,
+            on: Counted::new(pipeline),
         })
     }
 
@@ -1020,17 +1016,17 @@ impl PrefixCacheRouter {
         &self.config
     }
     pub fn endpoints(&self) -> &[String] {
-        self.pipeline.endpoints().names()
+        self.on.names()
     }
     /// Running requests per endpoint, in endpoint order.
     pub fn running(&self) -> Vec<u64> {
-        self.states.iter().map(|s| s.in_flight).collect()
+        self.on.running()
     }
     pub fn index(&self) -> &Arc<Mutex<PrefixIndex>> {
         self.scorer().index()
     }
     fn scorer(&self) -> &PrefixScorer {
-        match self.pipeline.prefix() {
+        match self.on.pipeline.prefix() {
             Some(p) => p,
             None => unreachable!("the prefix preset has a prefix scorer"),
         }
@@ -1060,17 +1056,17 @@ impl PrefixCacheRouter {
     ) -> Result<Vec<PrefixDecision>> {
         let now = finite("now", now)?;
         let offsets = check_offsets(offsets, hashes.len())?;
-        if self.states.is_empty() {
+        if self.on.states.is_empty() {
             return Err(invalid("the router has no endpoints"));
         }
         if let Some(r) = running {
-            check_in_flight(&self.states, r)?;
+            check_in_flight(&self.on.states, r)?;
         }
         // Interning the endpoints in the index is the one step that may
         // fail (a full index): done before anything changes.
-        self.pipeline.prepare()?;
+        self.on.pipeline.prepare()?;
         if let Some(r) = running {
-            set_in_flight(&mut self.states, r)?;
+            set_in_flight(&mut self.on.states, r)?;
         }
         let mut out = Vec::with_capacity(offsets.len().saturating_sub(1));
         for w in offsets.windows(2) {
@@ -1079,13 +1075,8 @@ impl PrefixCacheRouter {
                 now,
                 ..PickRequest::default()
             };
-            let endpoint = self
-                .pipeline
-                .pick_one(&req, &self.states)?
-                .ok_or_else(|| invalid("no endpoint"))?;
+            let endpoint = self.on.start(&req)?.ok_or_else(|| invalid("no endpoint"))?;
             let matched_blocks = self.scorer().matched(endpoint);
-            self.pipeline.started(&req, endpoint)?;
-            self.states[endpoint].in_flight += 1;
             out.push(PrefixDecision {
                 endpoint,
                 matched_blocks,
@@ -1096,26 +1087,21 @@ impl PrefixCacheRouter {
     }
 
     pub fn add_endpoint(&mut self, name: &str) -> Result<()> {
-        self.pipeline.add_endpoint(name)?;
-        self.states.push(EndpointState::default());
-        Ok(())
+        self.on.add_endpoint(name)
     }
 
     /// Removes an endpoint from the router and its blocks from the index.
     pub fn remove_endpoint(&mut self, name: &str) -> Result<()> {
-        let i = self.pipeline.remove_endpoint(name)?;
-        self.states.remove(i);
-        Ok(())
+        self.on.remove_endpoint(name).map(drop)
     }
 
     /// Ends one running request on `name`; refused when none is running.
     pub fn complete(&mut self, name: &str) -> Result<()> {
-        let i = self.pipeline.endpoints().index(name)?;
-        complete_one(&mut self.states[i], name)
+        self.on.complete(name).map(drop)
     }
 
     pub fn set_running(&mut self, counts: &[i64]) -> Result<()> {
-        set_in_flight(&mut self.states, counts)
+        self.on.set_running(counts)
     }
 
     /// Settings, endpoints, running counts and the index.
@@ -1126,10 +1112,7 @@ impl PrefixCacheRouter {
             .u64(c.imbalance_abs_count)
             .f64(c.std_factor)
             .u64(c.seed);
-        w.u64(self.states.len() as u64);
-        for (name, s) in self.endpoints().iter().zip(&self.states) {
-            w.str(name).u64(s.in_flight);
-        }
+        self.on.write_counts(&mut w);
         lock(self.index()).write(&mut w);
         w.finish()
     }
@@ -1153,18 +1136,10 @@ impl PrefixCacheRouter {
             return Err(Error::Snapshot("bad settings".into()));
         }
         let config = PrefixConfig::new(block_size as usize, imbalance as i64, std_factor, seed)?;
-        let n = r.count(12)?;
-        let mut names = Vec::with_capacity(n);
-        let mut running = Vec::with_capacity(n);
-        for _ in 0..n {
-            names.push(r.str()?);
-            running.push(r.u64()?);
-        }
+        let (names, running) = Counted::read_counts(r)?;
         let index = PrefixIndex::read(r)?;
         let mut router = Self::new(&names, config, Arc::new(Mutex::new(index)))?;
-        for (s, c) in router.states.iter_mut().zip(running) {
-            s.in_flight = c;
-        }
+        router.on.restore_running(&running);
         Ok(router)
     }
 }

@@ -42,8 +42,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use crate::budget::MAX_TOKENS;
 use crate::error::{finite, invalid, non_negative, positive, Error, Result};
-use crate::pick::endpoints::{complete_one, set_in_flight};
-use crate::pick::{preset_specs, EndpointState, PickConfig, PickRequest, Pipeline};
+use crate::pick::endpoints::set_in_flight;
+use crate::pick::{preset_specs, Counted, PickConfig, PickRequest, Pipeline};
 use crate::snapshot::{restore, Reader, Writer};
 
 /// Buckets per window.
@@ -422,8 +422,7 @@ impl Fairness {
 /// alone, ties to the first) over named endpoints and their running counts.
 #[derive(Debug, Clone)]
 pub struct VtcRouter {
-    pipeline: Pipeline,
-    states: Vec<EndpointState>,
+    on: Counted,
 }
 
 impl PartialEq for VtcRouter {
@@ -441,14 +440,14 @@ impl VtcRouter {
                 s.params = config.to_params();
             }
         }
+        let pipeline = Pipeline::from_specs(&specs, endpoints, &PickConfig::default())?;
         Ok(Self {
-            pipeline: Pipeline::from_specs(&specs, endpoints, &PickConfig::default())?,
-            states: vec![EndpointState::default(); endpoints.len()],
+            on: Counted::new(pipeline),
         })
     }
 
     fn fairness(&self) -> &Fairness {
-        match self.pipeline.vtc() {
+        match self.on.pipeline.vtc() {
             Some(v) => v.fairness(),
             None => unreachable!("the vtc preset has a vtc scorer"),
         }
@@ -458,11 +457,11 @@ impl VtcRouter {
         self.fairness().config()
     }
     pub fn endpoints(&self) -> &[String] {
-        self.pipeline.endpoints().names()
+        self.on.names()
     }
     /// Running requests per endpoint, in endpoint order.
     pub fn running(&self) -> Vec<u64> {
-        self.states.iter().map(|s| s.in_flight).collect()
+        self.on.running()
     }
     /// Users with a non-empty window (as of the latest time seen).
     pub fn users_len(&self) -> usize {
@@ -472,7 +471,7 @@ impl VtcRouter {
     /// The user's weighted token count in the window at `now`.
     pub fn user_tokens(&mut self, user: &str, now: f64) -> Result<f64> {
         let now = finite("now", now)?;
-        match self.pipeline.vtc_mut() {
+        match self.on.pipeline.vtc_mut() {
             Some(v) => Ok(v.tokens(user, now)),
             None => unreachable!("the vtc preset has a vtc scorer"),
         }
@@ -498,7 +497,7 @@ impl VtcRouter {
                 output_tokens.len()
             )));
         }
-        if self.states.is_empty() {
+        if self.on.states.is_empty() {
             return Err(invalid("the router has no endpoints"));
         }
         for ((user, &i), &o) in users.iter().zip(input_tokens).zip(output_tokens) {
@@ -507,7 +506,7 @@ impl VtcRouter {
             check_tokens("output_tokens", o)?;
         }
         if let Some(r) = running {
-            set_in_flight(&mut self.states, r)?;
+            set_in_flight(&mut self.on.states, r)?;
         }
         let mut out = Vec::with_capacity(users.len());
         for ((user, &i), &o) in users.iter().zip(input_tokens).zip(output_tokens) {
@@ -518,12 +517,7 @@ impl VtcRouter {
                 now,
                 ..PickRequest::default()
             };
-            let endpoint = self
-                .pipeline
-                .pick_one(&req, &self.states)?
-                .ok_or_else(|| invalid("no endpoint"))?;
-            self.pipeline.started(&req, endpoint)?;
-            self.states[endpoint].in_flight += 1;
+            let endpoint = self.on.start(&req)?.ok_or_else(|| invalid("no endpoint"))?;
             out.push(endpoint);
         }
         Ok(out)
@@ -566,8 +560,7 @@ impl VtcRouter {
         let eo = check_tokens("est_output_tokens", est_output_tokens)?;
         let i = check_tokens("input_tokens", input_tokens)?;
         let o = check_tokens("output_tokens", output_tokens)?;
-        let e = self.pipeline.endpoints().index(endpoint)?;
-        complete_one(&mut self.states[e], endpoint)?;
+        let e = self.on.complete(endpoint)?;
         let req = PickRequest {
             fairness_id: Some(user),
             input_tokens: ei as u64,
@@ -575,30 +568,25 @@ impl VtcRouter {
             now,
             ..PickRequest::default()
         };
-        self.pipeline.completed_request(&req, e, i as u64, o as u64)
+        self.on
+            .pipeline
+            .completed_request(&req, e, i as u64, o as u64)
     }
 
     pub fn add_endpoint(&mut self, name: &str) -> Result<()> {
-        self.pipeline.add_endpoint(name)?;
-        self.states.push(EndpointState::default());
-        Ok(())
+        self.on.add_endpoint(name)
     }
     pub fn remove_endpoint(&mut self, name: &str) -> Result<()> {
-        let i = self.pipeline.remove_endpoint(name)?;
-        self.states.remove(i);
-        Ok(())
+        self.on.remove_endpoint(name).map(drop)
     }
     pub fn set_running(&mut self, counts: &[i64]) -> Result<()> {
-        set_in_flight(&mut self.states, counts)
+        self.on.set_running(counts)
     }
 
     /// Settings, endpoints, running counts and every user's buckets.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut w = Writer::new(MAGIC, SNAPSHOT_VERSION);
-        w.u64(self.states.len() as u64);
-        for (name, s) in self.endpoints().iter().zip(&self.states) {
-            w.str(name).u64(s.in_flight);
-        }
+        self.on.write_counts(&mut w);
         self.fairness().write(&mut w);
         w.finish()
     }
@@ -608,19 +596,11 @@ impl VtcRouter {
     }
 
     fn read(r: &mut Reader<'_>) -> Result<Self> {
-        let n = r.count(12)?;
-        let mut names = Vec::with_capacity(n);
-        let mut running = Vec::with_capacity(n);
-        for _ in 0..n {
-            names.push(r.str()?);
-            running.push(r.u64()?);
-        }
+        let (names, running) = Counted::read_counts(r)?;
         let fairness = Fairness::read(r)?;
         let mut router = Self::new(&names, *fairness.config())?;
-        for (s, c) in router.states.iter_mut().zip(running) {
-            s.in_flight = c;
-        }
-        match router.pipeline.vtc_mut() {
+        router.on.restore_running(&running);
+        match router.on.pipeline.vtc_mut() {
             Some(v) => v.set_fairness(fairness),
             None => unreachable!("the vtc preset has a vtc scorer"),
         }
@@ -637,7 +617,7 @@ mod tests {
     }
 
     fn fair(r: &mut VtcRouter) -> &mut Fairness {
-        r.pipeline
+        r.on.pipeline
             .vtc_mut()
             .map(|v| v.fairness_mut())
             .expect("a vtc scorer")

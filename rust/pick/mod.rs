@@ -43,7 +43,7 @@ pub mod vtc;
 use std::cmp::Ordering;
 use std::sync::{Arc, Mutex};
 
-pub use endpoints::{EndpointSet, EndpointState};
+pub use endpoints::{Counted, EndpointSet, EndpointState};
 pub use max_score::Ties;
 pub use presets::{preset_specs, PRESETS};
 
