@@ -46,7 +46,27 @@ struct Args<'a> {
     now: f64,
 }
 
-impl Args<'_> {
+impl<'a> Args<'a> {
+    /// The arguments of one `pick` / `rank` call, checked.
+    fn of_call(
+        inner: &Inner,
+        adapter: Option<&'a str>,
+        subset: Option<Vec<String>>,
+        (fairness_id, session): (Option<&'a str>, Option<&'a str>),
+        (input_tokens, output_tokens): (u64, u64),
+        now: Option<f64>,
+    ) -> Result<Self> {
+        Ok(Args {
+            adapter,
+            subset: subset_indices(inner, subset)?,
+            fairness_id,
+            session,
+            input_tokens: tokens_arg("input_tokens", input_tokens)?,
+            output_tokens: tokens_arg("output_tokens", output_tokens)?,
+            now: now.unwrap_or_else(monotonic),
+        })
+    }
+
     fn request<'h>(&'h self, hashes: &'h [u64]) -> PickRequest<'h> {
         PickRequest {
             hashes,
@@ -60,6 +80,20 @@ impl Args<'_> {
             now: self.now,
         }
     }
+}
+
+/// What is known of one endpoint, as `EndpointPicker.state` and
+/// `DataPlane.endpoints` show it.
+pub(crate) fn state_dict<'py>(py: Python<'py>, s: &EndpointState) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("healthy", s.healthy)?;
+    d.set_item("in_flight", s.in_flight)?;
+    d.set_item("dispatched_since_scrape", s.dispatched_since_scrape)?;
+    d.set_item("waiting", s.waiting)?;
+    d.set_item("running", s.running)?;
+    d.set_item("kv_usage", s.kv_usage)?;
+    d.set_item("adapters", s.adapters.clone())?;
+    Ok(d)
 }
 
 fn tokens_arg(what: &str, v: u64) -> Result<u64> {
@@ -341,15 +375,14 @@ impl PyEndpointPicker {
     ) -> PyResult<Option<Py<PyString>>> {
         let hashes = self.hashes(py, tokens, hashes)?;
         let mut inner = self.inner();
-        let args = Args {
+        let args = Args::of_call(
+            &inner,
             adapter,
-            subset: subset_indices(&inner, subset)?,
-            fairness_id,
-            session,
-            input_tokens: tokens_arg("input_tokens", input_tokens)?,
-            output_tokens: tokens_arg("output_tokens", output_tokens)?,
-            now: now.unwrap_or_else(monotonic),
-        };
+            subset,
+            (fairness_id, session),
+            (input_tokens, output_tokens),
+            now,
+        )?;
         let mut buf = hashes;
         std::mem::swap(&mut inner.hashes, &mut buf);
         let chosen = inner.pick(&args, true);
@@ -380,15 +413,14 @@ impl PyEndpointPicker {
     ) -> PyResult<Vec<String>> {
         let hashes = self.hashes(py, tokens, hashes)?;
         let mut inner = self.inner();
-        let args = Args {
+        let args = Args::of_call(
+            &inner,
             adapter,
-            subset: subset_indices(&inner, subset)?,
-            fairness_id,
-            session,
-            input_tokens: tokens_arg("input_tokens", input_tokens)?,
-            output_tokens: tokens_arg("output_tokens", output_tokens)?,
-            now: now.unwrap_or_else(monotonic),
-        };
+            subset,
+            (fairness_id, session),
+            (input_tokens, output_tokens),
+            now,
+        )?;
         inner.check(&args)?;
         inner.hashes = hashes;
         let Inner {
@@ -630,16 +662,7 @@ impl PyEndpointPicker {
     /// (``None``: unknown) and ``adapters``.
     fn state<'py>(&self, py: Python<'py>, endpoint: &str) -> PyResult<Bound<'py, PyDict>> {
         let inner = self.inner();
-        let s = &inner.states[inner.endpoint(endpoint)?];
-        let d = PyDict::new(py);
-        d.set_item("healthy", s.healthy)?;
-        d.set_item("in_flight", s.in_flight)?;
-        d.set_item("dispatched_since_scrape", s.dispatched_since_scrape)?;
-        d.set_item("waiting", s.waiting)?;
-        d.set_item("running", s.running)?;
-        d.set_item("kv_usage", s.kv_usage)?;
-        d.set_item("adapters", s.adapters.clone())?;
-        Ok(d)
+        state_dict(py, &inner.states[inner.endpoint(endpoint)?])
     }
 
     /// Adds an endpoint (healthy, idle, nothing cached).

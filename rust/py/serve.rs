@@ -290,15 +290,7 @@ impl PyDataPlane {
         for (p, chooser) in engine.spec.pools.iter().zip(&engine.choosers) {
             let pool = PyDict::new(py);
             for (name, s) in chooser.endpoints().iter().zip(chooser.states()) {
-                let d = PyDict::new(py);
-                d.set_item("healthy", s.healthy)?;
-                d.set_item("in_flight", s.in_flight)?;
-                d.set_item("dispatched_since_scrape", s.dispatched_since_scrape)?;
-                d.set_item("waiting", s.waiting)?;
-                d.set_item("running", s.running)?;
-                d.set_item("kv_usage", s.kv_usage)?;
-                d.set_item("adapters", s.adapters)?;
-                pool.set_item(name, d)?;
+                pool.set_item(name, super::pick::state_dict(py, &s)?)?;
             }
             out.set_item(&p.name, pool)?;
         }
