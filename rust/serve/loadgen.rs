@@ -552,9 +552,12 @@ mod tests {
         }
     }
 
-    /// A mock server on its own thread and runtime; its address.
-    fn mock(refuse: bool) -> SocketAddr {
+    /// A mock server on its own thread and runtime: its address, and a
+    /// sender that stops it (dropping the sender stops it too, so callers
+    /// hold it for as long as the server must run).
+    fn mock(refuse: bool) -> (SocketAddr, std::sync::mpsc::Sender<()>) {
         let (tx, rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
         std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -565,32 +568,11 @@ mod tests {
                     .expect("bind")
                     .with_nodelay(Some(true));
                 tx.send(incoming.local_addr().expect("addr")).expect("send");
-                let _ = tonic::transport::Server::builder()
-                    .add_service(ExternalProcessorServer::new(Mock { refuse }))
-                    .serve_with_incoming(incoming)
-                    .await;
-            });
-        });
-        rx.recv().expect("address")
-    }
-
-    /// A mock server that stops when told; its address.
-    fn mock_stoppable() -> (SocketAddr, std::sync::mpsc::Sender<()>) {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let incoming = TcpIncoming::bind(([127, 0, 0, 1], 0).into()).expect("bind");
-                tx.send(incoming.local_addr().expect("addr")).expect("send");
                 let stopped = async move {
                     let _ = tokio::task::spawn_blocking(move || stop_rx.recv()).await;
                 };
                 let _ = tonic::transport::Server::builder()
-                    .add_service(ExternalProcessorServer::new(Mock { refuse: false }))
+                    .add_service(ExternalProcessorServer::new(Mock { refuse }))
                     .serve_with_incoming_shutdown(incoming, stopped)
                     .await;
             });
@@ -608,7 +590,7 @@ mod tests {
 
     #[tokio::test]
     async fn load_runs_every_conversation_to_its_end() {
-        let addr = mock(false);
+        let (addr, _server) = mock(false);
         let r = run(&LoadSpec {
             requests: 300,
             ..spec(addr)
@@ -620,9 +602,10 @@ mod tests {
         assert!(r.refusals.is_empty());
         assert!(0.0 < r.p50_ms && r.p50_ms <= r.p99_ms);
         assert!(r.server_cpu_ms.is_some() && r.server_context_switches.is_some());
+        let (refusing, _refusing_server) = mock(true);
         let refused = run(&LoadSpec {
             requests: 20,
-            ..spec(mock(true))
+            ..spec(refusing)
         })
         .await
         .expect("run");
@@ -667,7 +650,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_server_that_goes_away_mid_run_is_reported() {
-        let (addr, stop) = mock_stoppable();
+        let (addr, stop) = mock(false);
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(200)).await;
             let _ = stop.send(());
@@ -695,7 +678,7 @@ mod tests {
 
     #[tokio::test]
     async fn load_refuses_bad_specs_and_unreachable_targets() {
-        let addr = mock(false);
+        let (addr, _server) = mock(false);
         for bad in [
             LoadSpec {
                 requests: 0,
@@ -743,7 +726,7 @@ mod tests {
     #[tokio::test]
     #[ignore]
     async fn load_client_cpu() {
-        let addr = mock(false);
+        let (addr, _server) = mock(false);
         for concurrency in [1, 8, 64] {
             let before = stat_cpu_s("/proc/thread-self/stat").expect("cpu");
             let r = run(&LoadSpec {
