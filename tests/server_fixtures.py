@@ -16,8 +16,11 @@ from pathlib import Path
 import grpc
 import redis
 import yaml
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from routecore.server.app import Server
+from routecore.server.envoy_client import Conversation, buffered
 
 SHORT = ["127.0.0.1:8001", "127.0.0.1:8002"]
 LONG = ["127.0.0.1:8011"]
@@ -287,3 +290,19 @@ def wait_redis_settled(url: str, timeout: float = 5.0) -> None:
     while (n := redis_in_flight(url)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert n == 0, f"{n} reservations left in Redis"
+
+
+def converse(target: str, *args, **kwargs) -> Conversation:
+    """One buffered conversation (``envoy_client.buffered``) with the server at ``target``."""
+
+    async def go():
+        async with grpc.aio.insecure_channel(target) as channel:
+            return await buffered(pb_grpc.ExternalProcessorStub(channel), *args, **kwargs)
+
+    return asyncio.run(go())
+
+
+def stream_all(target: str, messages: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    """Sends every message, then reads every answer (for the streamed body modes)."""
+    with grpc.insecure_channel(target) as channel:
+        return list(pb_grpc.ExternalProcessorStub(channel).Process(iter(messages)))

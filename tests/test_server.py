@@ -23,8 +23,10 @@ from server_fixtures import (
     Running,
     admission,
     base_config,
+    converse,
     free_port,
     serve_command,
+    stream_all,
     tenants,
     wait_settled,
 )
@@ -32,7 +34,6 @@ from server_fixtures import (
 from routecore import Profile, Workload, plan
 from routecore._core import DataPlane
 from routecore.server.envoy_client import (
-    Conversation,
     buffered,
     chat_body,
     header_map,
@@ -64,20 +65,6 @@ def serve(tmp_path):
 @pytest.fixture
 def server(serve) -> Running:
     return serve()
-
-
-def converse(target: str, *args, **kwargs) -> Conversation:
-    async def go():
-        async with grpc.aio.insecure_channel(target) as channel:
-            return await buffered(pb_grpc.ExternalProcessorStub(channel), *args, **kwargs)
-
-    return asyncio.run(go())
-
-
-def stream_all(target: str, messages: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
-    """Sends every message, then reads every answer (for the streamed body modes)."""
-    with grpc.insecure_channel(target) as channel:
-        return list(pb_grpc.ExternalProcessorStub(channel).Process(iter(messages)))
 
 
 async def hold(stub: pb_grpc.ExternalProcessorStub, text: str):

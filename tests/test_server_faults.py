@@ -27,11 +27,13 @@ from server_fixtures import (
     Running,
     admission,
     base_config,
+    converse,
     free_port,
     in_flight,
     redis_admission,
     redis_in_flight,
     serve_command,
+    stream_all,
     tenants,
     wait_redis_settled,
     wait_settled,
@@ -64,19 +66,6 @@ def serve(tmp_path):
     yield start
     for r in started:
         r.stop()
-
-
-def converse(target: str, *args, **kwargs):
-    async def go():
-        async with grpc.aio.insecure_channel(target) as channel:
-            return await buffered(pb_grpc.ExternalProcessorStub(channel), *args, **kwargs)
-
-    return asyncio.run(go())
-
-
-def stream_all(target: str, messages: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
-    with grpc.insecure_channel(target) as channel:
-        return list(pb_grpc.ExternalProcessorStub(channel).Process(iter(messages)))
 
 
 async def hold(stub, text: str = "hold me"):
