@@ -94,3 +94,58 @@ def test_calibration_study_command(capsys):
     assert main(["calibration-study", "--requests", "500"]) == 0
     out = capsys.readouterr().out
     assert "| cjk | 2.01 |" in out
+
+
+def options_of_every_command():
+    """(command name, {option: argparse action}) for every subcommand."""
+    import argparse
+
+    from routecore.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [
+        (name, {o: a for a in p._actions for o in a.option_strings})
+        for name, p in sub.choices.items()
+    ]
+
+
+def test_every_seed_defaults_to_the_one_constant():
+    from routecore.commands._args import DEFAULT_SEED
+
+    commands = options_of_every_command()
+    seeded = [(name, opts["--seed"]) for name, opts in commands if "--seed" in opts]
+    assert {name for name, _ in seeded} >= {"simulate", "plan", "pick-eval", "assign-eval"}
+    assert {name: a.default for name, a in seeded} == {name: DEFAULT_SEED for name, _ in seeded}
+    assert all(f"(default {DEFAULT_SEED})" in a.help for _, a in seeded)
+
+
+@pytest.mark.parametrize("name", [n for n, opts in options_of_every_command() if "--plot" in opts])
+def test_every_plot_into_a_missing_directory_is_refused_before_any_work(name, tmp_path, capsys):
+    argv = {"admission-scenario": ["1"]}.get(name, [])
+    assert main([name, *argv, "--plot", str(tmp_path / "missing" / "x.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "does not exist" in err and err.count("\n") == 1
+    assert main([name, *argv, "--plot", str(tmp_path)]) == 2  # a directory is not a file
+    assert "expected a file path" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["simulate", "plan"])
+def test_profile_takes_a_preset_name_or_a_toml_file_in_every_command(command, tmp_path, capsys):
+    from routecore.profiles import PRESETS
+
+    opts = dict(options_of_every_command())[command]
+    assert all(name in opts["--profile"].help for name in PRESETS)
+    toml = tmp_path / "qwen.toml"
+    toml.write_text('preset = "qwen3_235b_mi300x"\n')
+    extra = ["--duration", "2", "--rate", "20", "--no-verify", "--quiet"]
+
+    def run(*profile: str) -> dict:
+        argv = [command, "--json", *profile, *(extra if command == "simulate" else [])]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)
+
+    by_name = run("--profile", "qwen3_235b_mi300x")
+    assert by_name == run("--profile", str(toml))
+    assert by_name != run()  # the default preset, llama3_70b_a100
+    assert main([command, "--profile", "no_such_preset"]) == 2
+    assert "no_such_preset" in capsys.readouterr().err

@@ -46,3 +46,28 @@ def test_the_written_configuration_loads(tmp_path, monkeypatch):
     assert main(["init-config"]) == 0
     config = load_config(tmp_path / "routecore.yaml")
     assert [p.name for p in config.pools] == ["short", "long"]
+
+
+def test_the_default_metrics_port_is_not_prometheus_own(tmp_path):
+    pytest.importorskip("yaml")
+    from routecore.config import ServerConfig, load_config
+
+    assert ServerConfig.metrics_port == 9464  # 9090 is Prometheus's own port
+    assert main(["init-config", str(tmp_path)]) == 0
+    assert load_config(tmp_path / "routecore.yaml").server.metrics_port == 9464
+
+
+def test_no_scrape_writes_the_example_with_scraping_off_and_nothing_else(tmp_path):
+    pytest.importorskip("yaml")
+    import yaml
+
+    from routecore.config import load_config
+
+    assert main(["init-config", str(tmp_path), "--no-scrape"]) == 0
+    written = (tmp_path / "routecore.yaml").read_text()
+    assert load_config(tmp_path / "routecore.yaml").scrape.enabled is False
+    example = yaml.safe_load((EXAMPLES / "routecore.yaml").read_text())
+    example["scrape"]["enabled"] = False
+    assert yaml.safe_load(written) == example
+    assert "# A complete routecore serve" in written  # the comments are kept
+    assert (tmp_path / "envoy.yaml").read_bytes() == (EXAMPLES / "envoy.yaml").read_bytes()

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from routecore import __version__
-from routecore._extras import MissingExtra
+from routecore._extras import MissingExtra, pyplot
 from routecore.commands import (
     admission_scenario,
     assign_eval,
@@ -81,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "plot", None):
+            pyplot()  # the 'plot' extra of a --plot, checked before any work
         return args.run(args)
     except BrokenPipeError:
         return 0

@@ -74,7 +74,9 @@ class ServerConfig:
     port: int = 9002
     #: The RouteCore API (Route / Feedback / Plan) and its grpc.health.v1.
     api_port: int = 9003
-    metrics_port: int = 9090
+    #: Prometheus /metrics, served by the data plane: 9464, the OpenTelemetry
+    #: Prometheus exporter's port (9090 is Prometheus's own).
+    metrics_port: int = 9464
     host: str = "127.0.0.1"
     #: The request header that carries the tenant's API key.
     key_header: str = "x-api-key"

@@ -31,6 +31,8 @@ PRESETS = {
     "llama3_70b_a100": Profile.llama3_70b_a100,
     "qwen3_235b_mi300x": Profile.qwen3_235b_mi300x,
 }
+#: The profile of the commands that take one (Llama-3-70B on A100-80GB).
+DEFAULT_PRESET = "llama3_70b_a100"
 
 
 def profile_from_dict(fields: dict[str, Any]) -> Profile:
@@ -58,3 +60,11 @@ def load_profile(path: str | PathLike[str]) -> Profile:
         return profile_from_dict(data)
     except TypeError as e:
         raise ValueError(f"{path}: {e}") from e
+
+
+def resolve(spec: str | PathLike[str]) -> Profile:
+    """A preset by name (``PRESETS``) or else a Profile read from a TOML file:
+    what every ``--profile`` option accepts."""
+    if isinstance(spec, str) and spec in PRESETS:
+        return PRESETS[spec]()
+    return load_profile(spec)

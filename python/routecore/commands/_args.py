@@ -1,9 +1,13 @@
-"""The ``type=`` of every numeric option of the ``routecore`` commands.
+"""The options the ``routecore`` commands share, and the ``type=`` of every
+numeric option.
 
-Each parses one value and refuses what the option cannot mean (a negative
-count, a zero rate, NaN or infinity, a port outside 1..65535, a token count
-above what the router accepts) with ``argparse.ArgumentTypeError``, which
-argparse reports as one line and exit status 2.
+Each type parses one value and refuses what the option cannot mean (a
+negative count, a zero rate, NaN or infinity, a port outside 1..65535, a
+token count above what the router accepts) with
+``argparse.ArgumentTypeError``, which argparse reports as one line and exit
+status 2. ``add_seed``, ``add_plot``, ``add_profile``, ``add_json`` and
+``add_quiet`` declare the options several commands have, once, so they mean
+the same in each.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import argparse
 import math
 import os
 from collections.abc import Callable
+
+from routecore.profiles import DEFAULT_PRESET, PRESETS
 
 #: The largest token count the router accepts (``MAX_TOKENS``, 2^30).
 MAX_TOKENS = 1 << 30
@@ -99,3 +105,46 @@ def new_file(text: str) -> str:
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"directory {parent!r} of {text!r} does not exist")
     return text
+
+
+#: The seed of every command with a ``--seed`` (one default, so two commands
+#: run on the same draw unless told otherwise).
+DEFAULT_SEED = 0
+
+
+def add_seed(p: argparse.ArgumentParser, what: str = "random seed") -> None:
+    """``--seed``: an unsigned 64-bit integer, default ``DEFAULT_SEED``."""
+    p.add_argument(
+        "--seed", type=random_seed, default=DEFAULT_SEED, help=f"{what} (default {DEFAULT_SEED})"
+    )
+
+
+def add_plot(p: argparse.ArgumentParser, what: str) -> None:
+    """``--plot FILE.png``: one PNG, its path checked before any work (and the
+    'plot' extra too, by ``routecore.cli.main``)."""
+    p.add_argument(
+        "--plot",
+        type=new_file,
+        metavar="FILE.png",
+        help=f"draw {what} to this PNG (its directory must exist; the 'plot' extra)",
+    )
+
+
+def add_profile(p: argparse.ArgumentParser) -> None:
+    """``--profile``: a preset name or a TOML file (``routecore.profiles.resolve``)."""
+    p.add_argument(
+        "--profile",
+        default=DEFAULT_PRESET,
+        help=f"model + GPU profile: a preset ({', '.join(PRESETS)}) or a TOML file "
+        f"(see routecore.profiles; default {DEFAULT_PRESET})",
+    )
+
+
+def add_json(p: argparse.ArgumentParser, what: str = "one JSON object") -> None:
+    """``--json``: machine-readable output instead of the table."""
+    p.add_argument("--json", action="store_true", help=f"print {what} instead of the table")
+
+
+def add_quiet(p: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress on stderr."""
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from routecore import admission_scenarios
-from routecore.commands._args import positive_int
+from routecore.commands._args import add_plot, positive_int
 
 NAME = "admission-scenario"
 HELP = (
@@ -17,7 +17,7 @@ HELP = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("experiment", type=int, choices=[1, 2], help="which experiment")
     p.add_argument("--every", type=positive_int, default=10, help="table row every N seconds (10)")
-    p.add_argument("--plot", metavar="FILE", help="also draw the timeline to a PNG (matplotlib)")
+    add_plot(p, "the timeline too")
 
 
 def run(args: argparse.Namespace) -> int:

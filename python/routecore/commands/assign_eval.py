@@ -9,8 +9,8 @@ import json
 from typing import Any
 
 from routecore._core import assign_eval
-from routecore._extras import pyplot
-from routecore.commands._args import positive_float, positive_int, random_seed
+from routecore.commands import _plot
+from routecore.commands._args import add_json, add_plot, add_seed, positive_float, positive_int
 
 NAME = "assign-eval"
 HELP = (
@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate", type=positive_float, default=8.0, help="arrivals per second (default 8)"
     )
     p.add_argument("--requests", type=positive_int, default=3000, help="requests (default 3000)")
-    p.add_argument("--seed", type=random_seed, default=0, help="workload seed (default 0)")
+    add_seed(p, "workload seed")
     p.add_argument(
         "--max-batch", type=positive_int, default=16, help="decode slots per endpoint (default 16)"
     )
@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.05,
         help="seconds between scheduler firings (default 0.05)",
     )
-    p.add_argument("--plot", metavar="FILE", help="write the frontier plot (PNG) to FILE")
-    p.add_argument("--json", action="store_true", help="print one JSON object a line")
+    add_plot(p, "quality against latency and cost, per policy")
+    add_json(p, "one JSON object a line")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -57,52 +57,46 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Quality against mean latency and against cost, one line per sweep."""
-    plt = pyplot()
-    import matplotlib.ticker
+#: Markers of the named policies (presets, then the plain dispatchers), one each.
+MARKERS = "*PXDv^<>"
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    styles = {
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """Quality against mean latency and against cost per request (micro-USD),
+    a line per sweep and a marker per named policy, named in one legend below
+    the panels (no label on the data)."""
+    fig, (latency, cost) = _plot.figure(title, 2, (11, 5.4))
+    sweeps = {
         "scheduler sweep": dict(marker="o", color="C0", label="BatchScheduler (latency priced)"),
         "decoupled sweep": dict(
             marker="s", color="C1", label="decoupled: router, then shortest queue"
         ),
     }
-    for ax, x, xlabel in [
-        (axes[0], "mean_latency_s", "mean latency (s)"),
-        (axes[1], "cost_per_request_usd", "cost per request (USD)"),
+    named = [r for r in rows if r["family"] in ("preset", "dispatcher")]
+    for ax, x, scale, xlabel in [
+        (latency, "mean_latency_s", 1.0, "mean latency (s, log scale)"),
+        (cost, "cost_per_request_usd", 1e6, "cost per request (micro-USD)"),
     ]:
-        for family, style in styles.items():
+        for family, style in sweeps.items():
             pts = sorted(
-                ((r[x], r["quality"]) for r in rows if r["family"] == family),
+                ((scale * r[x], r["quality"]) for r in rows if r["family"] == family),
                 key=lambda p: p[1],
             )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], **style)
-        for r in rows:
-            if r["family"] in ("preset", "dispatcher"):
-                marker = "*" if r["family"] == "preset" else "x"
-                ax.scatter(r[x], r["quality"], marker=marker, s=90, color="k", zorder=3)
-                ax.annotate(
-                    r["policy"],
-                    (r[x], r["quality"]),
-                    fontsize=8,
-                    xytext=(4, 4),
-                    textcoords="offset points",
-                )
+        for r, marker in zip(named, MARKERS):
+            kind = "preset" if r["family"] == "preset" else "dispatcher"
+            ax.scatter(scale * r[x], r["quality"], marker=marker, s=80, zorder=3,
+                       color="k" if kind == "preset" else "dimgrey",
+                       label=f"{r['policy']} ({kind})")  # fmt: skip
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("mean quality")
+        ax.set_ylabel("mean quality (0-1)")
         ax.grid(alpha=0.3)
-    axes[0].set_xscale("log")
-    axes[0].xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
-    axes[0].xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    axes[0].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    axes[1].ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    axes[0].legend(fontsize=8, loc="lower right")
-    fig.suptitle("Batched model+endpoint assignment on the RouteBalance fleet")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _plot.plain_log_axis(latency.xaxis)
+    latency.set_title("quality against latency")
+    cost.set_title("quality against cost")
+    handles, labels = latency.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=4, fontsize=8)
+    _plot.save(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,5 +113,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table(rows))
     if args.plot:
-        plot(rows, args.plot)
+        title = (
+            f"Batched model+endpoint assignment on the RouteBalance fleet: "
+            f"{args.requests:,} requests at {args.rate:g}/s"
+        )
+        plot(rows, args.plot, title)
     return 0

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from routecore._extras import require
-from routecore.commands._args import positive_float
+from routecore.commands._args import add_json, positive_float
 
 NAME = "bench"
 HELP = (
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"run only this case (repeat; one of {', '.join(c.name for c in CASES)})",
     )
-    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    add_json(p, "the results as one JSON object")
 
 
 def time_call(call, seconds: float) -> tuple[float, float]:

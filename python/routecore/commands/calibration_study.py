@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 
 from routecore.calibration import calibration_study, format_table
-from routecore.commands._args import positive_int, random_seed
+from routecore.commands._args import add_seed, positive_int
 
 NAME = "calibration-study"
 HELP = "Reproduce the calibration study (Table 4 of the token-budget paper)."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=random_seed, default=0, help="random seed (default 0)")
+    add_seed(p)
     p.add_argument("--requests", type=positive_int, default=5000, help="requests per category")
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from routecore._extras import require
 from routecore.commands._args import (
+    add_json,
     float_in,
     int_in,
     port,
@@ -72,7 +73,7 @@ def _header(text: str) -> tuple[str, str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, type=_target, help="HOST:PORT of the ext_proc server")
     p.add_argument("--api-key", default="demo-key", help="x-api-key sent ('' for none; demo-key)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_json(p, "the result as one JSON object")
     one = p.add_argument_group("one conversation (without --load)")
     one.add_argument(
         "--prompt",

@@ -27,14 +27,17 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from routecore._core import PrefixWorkload, SimPool, SimReport, simulate
-from routecore._extras import pyplot
+from routecore.commands import _plot
 from routecore.commands._args import (
+    add_json,
+    add_plot,
+    add_quiet,
+    add_seed,
     fraction,
     non_negative_float,
     positive_float,
     positive_int,
     proper_fraction,
-    random_seed,
 )
 from routecore.commands.simulate import Progress
 
@@ -94,13 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "dispatches in between (default 0.05, the scraper's; 0: read at every decision)",
     )
     p.add_argument("--warmup", type=proper_fraction, default=0.2, help="warm-up fraction (0.2)")
-    p.add_argument("--seed", type=random_seed, default=0, help="workload and picker seed (0)")
+    add_seed(p, "workload and picker seed")
     p.add_argument(
         "--policy", action="append", choices=POLICIES, help="a policy to run (repeat; default all)"
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="FILE", help="write a bar chart of the figures (PNG)")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_json(p)
+    add_plot(p, "the hit rate, TTFT and imbalance of each policy")
+    add_quiet(p)
 
 
 #: The longest context the workload can build (system prompt, eight turns of
@@ -165,42 +168,30 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[Row], path: str) -> None:
+def plot(rows: list[Row], path: str, title: str) -> None:
     """Three panels of bars, one bar per policy: hit rate, TTFT p50 and p99,
     imbalance."""
-    plt = pyplot()
+    fig, (hits, ttft, imbalance) = _plot.figure(title, 3, (13, 4.6))
     names = [r.policy for r in rows]
-    x = np.arange(len(rows))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
-    bars = axes[0].bar(x, [100 * r.hit_rate for r in rows], color="C0")
-    axes[0].bar_label(bars, fmt="%.1f", fontsize=8)
-    axes[0].set_ylabel("prompt tokens from cache (%)")
-    axes[0].set_title("prefix-cache hit rate")
-    axes[0].set_ylim(0, 112)
-    axes[0].set_yticks(range(0, 101, 20))
-    width = 0.4
-    for dx, name, color in [(-width / 2, "p50", "C1"), (width / 2, "p99", "C3")]:
+    _plot.bars(hits, [100 * r.hit_rate for r in rows], "%.1f", color="C0")
+    hits.set_ylabel("prompt tokens from cache (%)")
+    hits.set_title("prefix-cache hit rate")
+    hits.set_ylim(0, 100)
+    for dx, name, color in [(-0.2, "p50", "C1"), (0.2, "p99", "C3")]:
         values = [getattr(r, f"ttft_{name}_s") for r in rows]
-        bars = axes[1].bar(x + dx, values, width, label=name, color=color)
-        axes[1].bar_label(bars, fmt="%.2f", fontsize=7)
-    axes[1].set_ylabel("time to first token (s)")
-    axes[1].set_title("TTFT")
-    top = max(r.ttft_p99_s for r in rows)
-    axes[1].set_ylim(0, top * 1.35 if top > 0 else 1.0)
-    axes[1].legend(loc="upper right", ncols=2, fontsize=9)
-    bars = axes[2].bar(x, [r.imbalance for r in rows], color="C2")
-    axes[2].bar_label(bars, fmt="%.2f", fontsize=8)
-    axes[2].axhline(1.0, color="k", lw=0.8, ls="--")
-    axes[2].set_ylabel("busiest endpoint's work / mean")
-    axes[2].set_title("load imbalance (1 = even)")
-    axes[2].set_ylim(0, max(r.imbalance for r in rows) * 1.2)
-    for ax in axes:
-        ax.set_xticks(x, names, rotation=25, ha="right", fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("Endpoint-picker policies on a shared-prefix workload (simulated)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        _plot.bars(ttft, values, "%.2f", offset=dx, width=0.4, label=name, color=color)
+    ttft.set_ylabel("time to first token (s)")
+    ttft.set_title("TTFT")
+    ttft.legend(loc="upper right", ncols=2, fontsize=8)
+    _plot.bars(imbalance, [r.imbalance for r in rows], "%.2f", color="C2")
+    _plot.target_line(imbalance, 1.0, "even load", vertical=False)
+    imbalance.set_ylabel("busiest endpoint's work / mean")
+    imbalance.set_title("load imbalance (1 = even)")
+    imbalance.set_ylim(0, max(1.0, *(r.imbalance for r in rows)) * 1.25)
+    imbalance.legend(loc="upper right", fontsize=8)
+    for ax in (hits, ttft, imbalance):
+        _plot.categories(ax, names)
+    _plot.save(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -215,5 +206,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if args.plot:
-        plot(rows, args.plot)
+        title = (
+            f"Endpoint-picker policies on a shared-prefix workload (simulated): "
+            f"{args.requests:,} requests at {args.rate:g}/s, {args.endpoints} endpoints"
+        )
+        plot(rows, args.plot, title)
     return 0

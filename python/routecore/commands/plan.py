@@ -7,17 +7,20 @@ import json
 import math
 from typing import Any
 
+from routecore import profiles
 from routecore._core import Candidate, Plan, Profile, Workload, plan
 from routecore._extras import pyplot
+from routecore.commands import _plot
 from routecore.commands._args import (
+    add_json,
+    add_plot,
+    add_profile,
+    add_seed,
     fraction,
-    new_file,
     positive_float,
-    random_seed,
     token_count,
 )
 from routecore.planning import fleetopt_profile, fleetopt_workload, table3_rows
-from routecore.profiles import PRESETS, load_profile
 
 NAME = "plan"
 HELP = (
@@ -44,11 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--category-column", help="CSV category column (for --p-c-category)")
     p.add_argument("--rate", type=positive_float, default=1000.0, help="arrival rate, req/s (1000)")
     p.add_argument("--slo-ms", type=positive_float, default=500.0, help="P99 TTFT target, ms (500)")
-    p.add_argument(
-        "--profile",
-        default="llama3_70b_a100",
-        help=f"preset ({', '.join(PRESETS)}) or a TOML file (default llama3_70b_a100)",
-    )
+    add_profile(p)
     p.add_argument("--price", type=positive_float, help="$/GPU-hour (default: the profile's)")
     p.add_argument(
         "--h-ref-tokens",
@@ -107,14 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="simulated seconds of arrivals per verification run (60)",
     )
-    p.add_argument("--seed", type=random_seed, default=42, help="verification seed (42)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument(
-        "--plot",
-        type=new_file,
-        metavar="FILE.png",
-        help="draw the savings of each B_short and gamma to this PNG (its directory must exist)",
-    )
+    add_seed(p, "verification seed")
+    add_json(p, "the plan as JSON")
+    add_plot(p, "the savings of each B_short and gamma")
 
 
 def load_inputs(args: argparse.Namespace) -> tuple[Workload, Profile]:
@@ -127,10 +121,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[Workload, Profile]:
         )
     else:
         workload = Workload.azure_2023()
-    if args.profile in PRESETS:
-        profile = PRESETS[args.profile]()
-    else:
-        profile = load_profile(args.profile)
+    profile = profiles.resolve(args.profile)
     if args.price is not None:
         profile = profile.replace(price_per_gpu_hour=args.price)
     if args.h_ref_tokens is not None:
@@ -272,8 +263,7 @@ def plot_savings(result: Plan, path: str, title: str) -> list[str]:
     heat.set_ylabel("compression band gamma")
     heat.set_title("savings (%) of each (B_short, gamma); '-': misses the SLO", fontsize=9)
     fig.colorbar(image, ax=heat, label="savings (%)")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _plot.save(fig, path)
     return [t.get_text() for t in legend.get_texts()]
 
 
@@ -325,8 +315,6 @@ def format_verification(v: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.plot:
-        pyplot()  # the 'plot' extra, checked before any work
     result = run_plan(args)
     verification = verify_plan(result, args) if args.verify else None
     if args.json:

@@ -4,7 +4,7 @@ With no arguments: the Azure LLM inference trace 2023 at 1,000 req/s on
 Llama-3-70B / A100-80GB, as (1) a homogeneous 64K fleet, (2) token-budget pool
 routing and (3) the FleetOpt optimum with compress-and-route, each sized by the
 planner and then simulated request by request with routecore's own router in
-the loop. Prints a table (or ``--json``), draws ``--plot DIR``.
+the loop. Prints a table (or ``--json``), draws ``--plot FILE.png``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from routecore import profiles
 from routecore._core import (
     EndpointPicker,
     Plan,
@@ -29,18 +29,21 @@ from routecore._core import (
     plan,
     simulate,
 )
-from routecore._extras import pyplot
+from routecore.commands import _plot
 from routecore.commands._args import (
+    add_json,
+    add_plot,
+    add_profile,
+    add_quiet,
+    add_seed,
     band,
     non_negative_int,
     positive_float,
     positive_fraction,
     positive_int,
     proper_fraction,
-    random_seed,
     token_count,
 )
-from routecore.profiles import load_profile
 
 NAME = "simulate"
 HELP = (
@@ -113,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="simulated seconds of arrivals: rate x DURATION requests, the trace repeated "
         "end to end as needed (default 120, long enough for steady state)",
     )
-    p.add_argument("--profile", help="profile TOML (default: Llama-3-70B on A100-80GB)")
+    add_profile(p)
     p.add_argument(
         "--fleet",
         action="append",
@@ -179,10 +182,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--verify-rounds", type=non_negative_int, default=20, help="simulations at most (20)"
     )
     p.add_argument("--warmup", type=proper_fraction, default=0.2, help="warm-up fraction (0.2)")
-    p.add_argument("--seed", type=random_seed, default=42, help="seed (42)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="DIR", help="write latency CDFs and utilization PNGs")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_seed(p, "arrival, dispatch and verification seed")
+    add_json(p)
+    add_plot(p, "the TTFT, TPOT and latency CDFs with the SLOs and the utilization per pool")
+    add_quiet(p)
 
 
 def load_trace(spec: str) -> Workload:
@@ -520,48 +523,53 @@ def print_table(result: dict[str, Any]) -> None:
         )
 
 
-def plot(result: dict[str, Any], reports: dict[str, SimReport], out: str) -> list[Path]:
-    plt = pyplot()
-
-    d = Path(out)
-    d.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for metric, label in (("ttft", "TTFT (s)"), ("tpot", "TPOT (s)"), ("e2e", "latency (s)")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, rep in reports.items():
-            xs = np.sort(getattr(rep, metric)[rep.measured])
-            xs = xs[np.isfinite(xs)]
-            ax.plot(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), label=name)
-        ax.set_xscale("log")
-        ax.set_xlabel(label)
-        ax.set_ylabel("fraction of requests")
-        ax.legend()
+def plot(result: dict[str, Any], reports: dict[str, SimReport], path: str) -> None:
+    """One PNG of four panels: the CDFs of TTFT, TPOT and end-to-end latency
+    per fleet (the SLOs as lines) and each pool's utilization, engine model
+    beside simulated."""
+    fig, (ttft, tpot, e2e, util) = _plot.figure(
+        f"routecore simulate: {result['trace']} at {result['rate']:g} req/s, "
+        f"{result['requests']:,} requests, {result['profile']}",
+        4,
+        (11, 8),
+    )
+    for name, rep in reports.items():
+        _plot.cdf(ttft, rep.ttft[rep.measured], name)
+        _plot.cdf(tpot, 1000 * rep.tpot[rep.measured], name)
+        _plot.cdf(e2e, rep.e2e[rep.measured], name)
+    _plot.target_line(ttft, result["slo_ttft_s"], f"SLO {result['slo_ttft_s']:g} s", vertical=True)
+    slo_tpot_ms = 1000 * result["slo_tpot_s"]
+    _plot.target_line(tpot, slo_tpot_ms, f"SLO {slo_tpot_ms:g} ms", vertical=True)
+    for ax, title, unit in [
+        (ttft, "time to first token", "TTFT (s, log scale)"),
+        (tpot, "time per output token", "TPOT (ms)"),
+        (e2e, "end-to-end latency", "latency (s, log scale)"),
+    ]:
+        ax.set_title(title)
+        ax.set_xlabel(unit)
+        ax.set_ylabel("share of requests")
+        ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        paths.append(d / f"{metric}_cdf.png")
-        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-        plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels, ana, sim = [], [], []
-    for f in result["fleets"]:
-        for p in f["pools"]:
-            labels.append(f"{f['name']}\n{p['name']}")
-            ana.append(p["utilization_model"])
-            sim.append(p["utilization_simulated"])
-    x = np.arange(len(labels))
-    ax.bar(x - 0.2, ana, 0.4, label="engine model")
-    ax.bar(x + 0.2, sim, 0.4, label="simulated")
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylabel("utilization")
-    ax.legend()
-    paths.append(d / "utilization.png")
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return paths
+        ax.legend(fontsize=8, loc="upper left")
+    _plot.plain_log_axis(ttft.xaxis)
+    _plot.plain_log_axis(e2e.xaxis)
+    pools = [(f["name"], p) for f in result["fleets"] for p in f["pools"]]
+    _plot.bars(util, [p["utilization_model"] for _, p in pools], "%.2f",
+               offset=-0.2, width=0.4, label="engine model")  # fmt: skip
+    _plot.bars(util, [p["utilization_simulated"] for _, p in pools], "%.2f",
+               offset=0.2, width=0.4, label="simulated")  # fmt: skip
+    _plot.categories(util, [f"{fleet} {p['name']}" if fleet != p["name"] else fleet
+                            for fleet, p in pools])  # fmt: skip
+    util.set_title("utilization per pool (slot-time held / slots)")
+    util.set_ylabel("utilization")
+    util.set_ylim(0, 1.15)
+    util.legend(fontsize=8, loc="upper right", ncols=2)
+    _plot.save(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
     w = load_trace(args.trace)
-    profile = load_profile(args.profile) if args.profile else Profile.llama3_70b_a100()
+    profile = profiles.resolve(args.profile)
     if profile.h_ref_tokens is not None:
         raise ValueError(
             "the simulator's timing model is t_iter = W + H * n_active; profiles with "
@@ -601,6 +609,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_table(result)
     if args.plot:
-        for path in plot(result, reports, args.plot):
-            print(f"wrote {path}", file=sys.stderr)
+        plot(result, reports, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0

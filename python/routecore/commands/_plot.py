@@ -1,0 +1,76 @@
+"""The figures of the ``routecore`` commands, drawn one way.
+
+Every ``--plot FILE.png`` is one figure: a title saying what was run, panels
+with units on their axes, a target (an SLO) as a dashed red line, legends
+outside the data, plain tick labels (``0.5``, ``2``, ``20``; never ``2x10^-2``).
+Needs the 'plot' extra (matplotlib, on the file-only Agg backend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from routecore._extras import pyplot
+
+#: Resolution of every PNG the commands write.
+DPI = 110
+#: The colour of a target line (an SLO, an even load).
+TARGET = "tab:red"
+
+
+def figure(title: str, panels: int, size: tuple[float, float]) -> tuple[Any, list[Any]]:
+    """A figure of ``panels`` panels side by side (two rows when more than
+    three) under ``title``, laid out so labels never overlap."""
+    plt = pyplot()
+    rows = 2 if panels > 3 else 1
+    cols = -(-panels // rows)
+    fig, axes = plt.subplots(rows, cols, figsize=size, layout="constrained", squeeze=False)
+    fig.suptitle(title)
+    return fig, list(axes.flat)
+
+
+def save(fig: Any, path: str) -> None:
+    """Writes ``fig`` to ``path`` (PNG) and frees it."""
+    fig.savefig(path, dpi=DPI)
+    pyplot().close(fig)
+
+
+def target_line(ax: Any, value: float, label: str, *, vertical: bool) -> None:
+    """A target (an SLO) as a dashed red line, named in the legend."""
+    line = ax.axvline if vertical else ax.axhline
+    line(value, color=TARGET, linestyle="--", linewidth=1.2, label=label)
+
+
+def plain_log_axis(axis: Any) -> None:
+    """A log axis whose ticks read as plain numbers at 1, 2 and 5 of each decade."""
+    ticker = __import__("matplotlib.ticker").ticker
+    axis.axes.set(**{f"{axis.axis_name}scale": "log"})
+    axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def cdf(ax: Any, values: np.ndarray, label: str) -> None:
+    """The empirical CDF of the finite ``values`` as a line."""
+    xs = np.sort(values[np.isfinite(values)])
+    ax.plot(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), label=label)
+
+
+def bars(
+    ax: Any, values: Sequence[float], fmt: str, *, offset: float = 0.0, width: float = 0.8,
+    **style: Any,
+) -> None:  # fmt: skip
+    """One bar per category, its value written above it."""
+    container = ax.bar(np.arange(len(values)) + offset, values, width, **style)
+    ax.bar_label(container, fmt=fmt, fontsize=7)
+
+
+def categories(ax: Any, names: Sequence[str]) -> None:
+    """Category names under the bars (slanted so they never overlap), a
+    horizontal grid, and room above the tallest bar for its value."""
+    ax.set_xticks(np.arange(len(names)), names, rotation=25, ha="right", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.margins(y=0.15)

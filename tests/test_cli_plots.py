@@ -1,0 +1,147 @@
+"""Every ``--plot`` of the commands: one PNG at the path given, a title, units
+on the axes, the SLO as a line where there is one, and no text drawn over
+other text (tick labels, bar values, legends). Each figure is kept as the
+command saves it (``_plot.save``) and measured after layout."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from routecore.cli import main  # noqa: E402
+from routecore.commands import _plot  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the commands save, in order, measured before they are freed."""
+    saved = []
+    save = _plot.save
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        saved.append(Figure(fig))
+        save(fig, path)
+
+    monkeypatch.setattr(_plot, "save", keep)
+    return saved
+
+
+class Figure:
+    """What a reader sees of a drawn figure."""
+
+    def __init__(self, fig) -> None:
+        renderer = fig.canvas.get_renderer()
+        self.title = fig._suptitle.get_text() if fig._suptitle else ""
+        self.axes = fig.axes
+        texts = [
+            t
+            for ax in fig.axes
+            for t in [
+                *ax.get_xticklabels(),
+                *ax.get_yticklabels(),
+                *ax.texts,
+                ax.xaxis.label,
+                ax.yaxis.label,
+                ax.title,
+            ]
+            if t.get_visible() and t.get_text()
+        ]
+        self.boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+        self.legends = [
+            leg.get_window_extent(renderer)
+            for leg in [*fig.legends, *(ax.get_legend() for ax in fig.axes)]
+            if leg is not None
+        ]
+        self.labels = [
+            text for ax in fig.axes for text in (ax.get_xlabel(), ax.get_ylabel()) if text
+        ]
+
+    def overlapping_texts(self) -> list[tuple[str, str]]:
+        return [
+            (a, b)
+            for (a, box_a), (b, box_b) in itertools.combinations(self.boxes, 2)
+            if box_a.overlaps(box_b) and box_a.width > 0 and box_b.width > 0
+        ]
+
+    def texts_under_legends(self) -> list[str]:
+        return [text for text, box in self.boxes for leg in self.legends if leg.overlaps(box)]
+
+    def vertical_lines_at(self, ax) -> set[float]:
+        return {
+            round(float(line.get_xdata()[0]), 6)
+            for line in ax.get_lines()
+            if len(set(line.get_xdata())) == 1 and line.get_linestyle() == "--"
+        }
+
+
+def assert_readable(fig: Figure) -> None:
+    assert fig.title
+    assert fig.overlapping_texts() == []
+    assert fig.texts_under_legends() == []
+    for ax in fig.axes:
+        # plain numbers on the ticks: no '1e-4' scale written beside the axis
+        assert ax.xaxis.get_offset_text().get_text() == ""
+        assert ax.yaxis.get_offset_text().get_text() == ""
+
+
+def test_simulate_plot_is_one_png_with_the_slos_as_lines(tmp_path, figures, capsys):
+    png = tmp_path / "sim.png"
+    argv = ["simulate", "--rate", "40", "--duration", "20", "--no-verify", "--quiet"]
+    assert main([*argv, "--slo-ttft", "1.5", "--slo-tpot", "0.07", "--plot", str(png)]) == 0
+    assert png.is_file() and png.read_bytes().startswith(PNG_MAGIC)
+    (fig,) = figures
+    assert_readable(fig)
+    assert "40 req/s" in fig.title
+    ttft, tpot, e2e, util = fig.axes
+    assert ttft.get_xlabel() == "TTFT (s, log scale)" and tpot.get_xlabel() == "TPOT (ms)"
+    assert 1.5 in fig.vertical_lines_at(ttft)
+    assert 70.0 in fig.vertical_lines_at(tpot)
+    assert [t.get_text() for t in util.get_legend().get_texts()] == ["engine model", "simulated"]
+
+
+def test_simulate_plot_into_a_missing_directory_is_refused_before_the_run(tmp_path, capsys):
+    assert main(["simulate", "--quiet", "--plot", str(tmp_path / "no" / "sim.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "does not exist" in err and err.count("\n") == 1
+
+
+def test_assign_eval_plot_prices_in_micro_usd_and_names_points_in_a_legend(tmp_path, figures):
+    png = tmp_path / "assign.png"
+    assert main(["assign-eval", "--requests", "300", "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    (fig,) = figures
+    assert_readable(fig)
+    latency, cost = fig.axes
+    assert cost.get_xlabel() == "cost per request (micro-USD)"
+    # costs of a few tens of micro-USD, written as such
+    assert 1 < max(cost.get_xlim()) < 10_000
+    # the named policies are in the legend, not written on the data
+    assert latency.texts == [] and cost.texts == []
+
+
+def test_pick_eval_plot_is_readable(tmp_path, figures):
+    png = tmp_path / "pick.png"
+    argv = ["pick-eval", "--requests", "300", "--quiet", "--plot", str(png)]
+    assert main(argv) == 0
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    (fig,) = figures
+    assert_readable(fig)
+    assert [ax.get_title() for ax in fig.axes] == [
+        "prefix-cache hit rate",
+        "TTFT",
+        "load imbalance (1 = even)",
+    ]
+
+
+def test_plan_plot_is_readable(tmp_path, figures, capsys):
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    (fig,) = figures
+    assert_readable(fig)
