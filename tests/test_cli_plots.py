@@ -32,6 +32,15 @@ def figures(monkeypatch):
     return saved
 
 
+def shown_ticks(ax) -> list:
+    """The tick labels drawn: those inside the axes' limits."""
+    lo_x, hi_x = sorted(ax.get_xlim())
+    lo_y, hi_y = sorted(ax.get_ylim())
+    return [t for t in ax.get_xticklabels() if lo_x <= t.get_position()[0] <= hi_x] + [
+        t for t in ax.get_yticklabels() if lo_y <= t.get_position()[1] <= hi_y
+    ]
+
+
 class Figure:
     """What a reader sees of a drawn figure."""
 
@@ -42,14 +51,7 @@ class Figure:
         texts = [
             t
             for ax in fig.axes
-            for t in [
-                *ax.get_xticklabels(),
-                *ax.get_yticklabels(),
-                *ax.texts,
-                ax.xaxis.label,
-                ax.yaxis.label,
-                ax.title,
-            ]
+            for t in [*shown_ticks(ax), *ax.texts, ax.xaxis.label, ax.yaxis.label, ax.title]
             if t.get_visible() and t.get_text()
         ]
         self.boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
@@ -58,9 +60,7 @@ class Figure:
             for leg in [*fig.legends, *(ax.get_legend() for ax in fig.axes)]
             if leg is not None
         ]
-        self.labels = [
-            text for ax in fig.axes for text in (ax.get_xlabel(), ax.get_ylabel()) if text
-        ]
+        self.figure_legends = [[t.get_text() for t in leg.get_texts()] for leg in fig.legends]
 
     def overlapping_texts(self) -> list[tuple[str, str]]:
         return [
@@ -102,7 +102,12 @@ def test_simulate_plot_is_one_png_with_the_slos_as_lines(tmp_path, figures, caps
     assert ttft.get_xlabel() == "TTFT (s, log scale)" and tpot.get_xlabel() == "TPOT (ms)"
     assert 1.5 in fig.vertical_lines_at(ttft)
     assert 70.0 in fig.vertical_lines_at(tpot)
-    assert [t.get_text() for t in util.get_legend().get_texts()] == ["engine model", "simulated"]
+    # the fleets and the SLO in one legend under the panels
+    assert fig.figure_legends == [
+        ["homogeneous", "pool-routing", "fleetopt", "SLO (TTFT 1.5 s, TPOT 70 ms)"]
+    ]
+    assert ttft.get_legend() is None and tpot.get_legend() is None
+    assert "inf" not in [t.get_text() for t in util.texts]
 
 
 def test_simulate_plot_into_a_missing_directory_is_refused_before_the_run(tmp_path, capsys):
@@ -122,7 +127,7 @@ def test_assign_eval_plot_prices_in_micro_usd_and_names_points_in_a_legend(tmp_p
     # costs of a few tens of micro-USD, written as such
     assert 1 < max(cost.get_xlim()) < 10_000
     # the named policies are in the legend, not written on the data
-    assert latency.texts == [] and cost.texts == []
+    assert list(latency.texts) == [] and list(cost.texts) == []
 
 
 def test_pick_eval_plot_is_readable(tmp_path, figures):
@@ -145,3 +150,13 @@ def test_plan_plot_is_readable(tmp_path, figures, capsys):
     assert png.read_bytes().startswith(PNG_MAGIC)
     (fig,) = figures
     assert_readable(fig)
+
+
+@pytest.mark.parametrize("experiment", ["1", "2"])
+def test_admission_scenario_plot_is_readable(experiment, tmp_path, figures, capsys):
+    png = tmp_path / "timeline.png"
+    assert main(["admission-scenario", experiment, "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    (fig,) = figures
+    assert_readable(fig)
+    assert fig.axes[-1].get_xlabel() == "time (s)"

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from routecore._core import AdmissionController, Entitlement, Quota
 from routecore._extras import pyplot
+from routecore.commands import _plot
 
 SLOT_RATE = 15.0  # tokens/s per slot: 240 tokens/s over 16 slots
 QUOTA = "qwen3-8b"
@@ -248,19 +249,21 @@ def plot(timeline: list[Second], title: str, path: str) -> None:
 
     names = list(timeline[0].in_flight)
     t = [s.t for s in timeline]
-    fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(9, 10.5), sharex=True, layout="constrained")
     for n in names:
         axes[0].plot(t, [s.in_flight[n] for s in timeline], label=n)
         axes[1].plot(t, [sum(c for (e, _), c in s.denied.items() if e == n) for s in timeline])
         axes[2].plot(t, [s.debt[n] for s in timeline])
         axes[3].plot(t, [s.priority[n] for s in timeline])
     axes[0].step(t, [s.slots for s in timeline], "k--", where="post", label="quota slots")
-    axes[0].legend(fontsize=8)
-    for ax, label in zip(axes, ["in flight", "denials / s", "service debt d_e", "priority w_e"]):
+    labels = ["requests in flight", "denials per second", "service debt d_e", "priority w_e (log)"]
+    for ax, label in zip(axes, labels):
         ax.set_ylabel(label)
-    axes[3].set_yscale("log")
+        ax.grid(alpha=0.3)
+    for counts in axes[:2]:  # whole requests
+        counts.yaxis.get_major_locator().set_params(integer=True)
+    _plot.plain_log_axis(axes[3].yaxis)
     axes[3].set_xlabel("time (s)")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fig.legend(loc="outside lower center", ncols=len(names) + 1, fontsize=8)
+    _plot.save(fig, path)

@@ -61,16 +61,20 @@ def cdf(ax: Any, values: np.ndarray, label: str) -> None:
 
 def bars(
     ax: Any, values: Sequence[float], fmt: str, *, offset: float = 0.0, width: float = 0.8,
-    **style: Any,
+    missing: str = "n/a", **style: Any,
 ) -> None:  # fmt: skip
-    """One bar per category, its value written above it."""
-    container = ax.bar(np.arange(len(values)) + offset, values, width, **style)
-    ax.bar_label(container, fmt=fmt, fontsize=7)
+    """One horizontal bar per category, its value written at its end
+    (``missing`` for a value that is not finite, with no bar)."""
+    finite = [float(v) if np.isfinite(v) else 0.0 for v in values]
+    labels = [fmt % v if np.isfinite(v) else missing for v in values]
+    container = ax.barh(np.arange(len(values)) + offset, finite, width, **style)
+    ax.bar_label(container, labels=labels, fontsize=7, padding=2)
 
 
 def categories(ax: Any, names: Sequence[str]) -> None:
-    """Category names under the bars (slanted so they never overlap), a
-    horizontal grid, and room above the tallest bar for its value."""
-    ax.set_xticks(np.arange(len(names)), names, rotation=25, ha="right", fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.margins(y=0.15)
+    """Category names beside the bars, first at the top (horizontal text,
+    which never overlaps), a vertical grid, and room after the longest bar
+    for its value."""
+    ax.set_yticks(np.arange(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)

@@ -171,26 +171,30 @@ def table(rows: list[Row]) -> str:
 def plot(rows: list[Row], path: str, title: str) -> None:
     """Three panels of bars, one bar per policy: hit rate, TTFT p50 and p99,
     imbalance."""
-    fig, (hits, ttft, imbalance) = _plot.figure(title, 3, (13, 4.6))
-    names = [r.policy for r in rows]
+    fig, (hits, ttft, imbalance) = _plot.figure(title, 3, (13, 1.6 + 0.5 * len(rows)))
     _plot.bars(hits, [100 * r.hit_rate for r in rows], "%.1f", color="C0")
-    hits.set_ylabel("prompt tokens from cache (%)")
+    hits.set_xlabel("prompt tokens from cache (%)")
     hits.set_title("prefix-cache hit rate")
-    hits.set_ylim(0, 100)
-    for dx, name, color in [(-0.2, "p50", "C1"), (0.2, "p99", "C3")]:
+    hits.set_xlim(0, 110)
+    hits.set_xticks(range(0, 101, 20))
+    for dy, name, color in [(-0.2, "p50", "C1"), (0.2, "p99", "C3")]:
         values = [getattr(r, f"ttft_{name}_s") for r in rows]
-        _plot.bars(ttft, values, "%.2f", offset=dx, width=0.4, label=name, color=color)
-    ttft.set_ylabel("time to first token (s)")
+        _plot.bars(ttft, values, "%.2f", offset=dy, width=0.4, label=name, color=color)
+    ttft.set_xlabel("time to first token (s)")
     ttft.set_title("TTFT")
-    ttft.legend(loc="upper right", ncols=2, fontsize=8)
+    ttft.set_xlim(0, max(r.ttft_p99_s for r in rows) * 1.25 or 1.0)
     _plot.bars(imbalance, [r.imbalance for r in rows], "%.2f", color="C2")
-    _plot.target_line(imbalance, 1.0, "even load", vertical=False)
-    imbalance.set_ylabel("busiest endpoint's work / mean")
+    _plot.target_line(imbalance, 1.0, "even load", vertical=True)
+    imbalance.set_xlabel("busiest endpoint's work / mean")
     imbalance.set_title("load imbalance (1 = even)")
-    imbalance.set_ylim(0, max(1.0, *(r.imbalance for r in rows)) * 1.25)
-    imbalance.legend(loc="upper right", fontsize=8)
+    imbalance.set_xlim(0, max(1.0, *(r.imbalance for r in rows)) * 1.2)
     for ax in (hits, ttft, imbalance):
-        _plot.categories(ax, names)
+        _plot.categories(ax, [r.policy for r in rows])
+    handles, labels = [], []
+    for ax in (ttft, imbalance):
+        h, lab = ax.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=8)
     _plot.save(fig, path)
 
 

@@ -526,20 +526,21 @@ def print_table(result: dict[str, Any]) -> None:
 def plot(result: dict[str, Any], reports: dict[str, SimReport], path: str) -> None:
     """One PNG of four panels: the CDFs of TTFT, TPOT and end-to-end latency
     per fleet (the SLOs as lines) and each pool's utilization, engine model
-    beside simulated."""
+    beside simulated. The fleets' legend is under the panels, off the data."""
     fig, (ttft, tpot, e2e, util) = _plot.figure(
         f"routecore simulate: {result['trace']} at {result['rate']:g} req/s, "
         f"{result['requests']:,} requests, {result['profile']}",
         4,
-        (11, 8),
+        (11, 8.4),
     )
     for name, rep in reports.items():
         _plot.cdf(ttft, rep.ttft[rep.measured], name)
         _plot.cdf(tpot, 1000 * rep.tpot[rep.measured], name)
         _plot.cdf(e2e, rep.e2e[rep.measured], name)
-    _plot.target_line(ttft, result["slo_ttft_s"], f"SLO {result['slo_ttft_s']:g} s", vertical=True)
-    slo_tpot_ms = 1000 * result["slo_tpot_s"]
-    _plot.target_line(tpot, slo_tpot_ms, f"SLO {slo_tpot_ms:g} ms", vertical=True)
+    slo_ttft_s, slo_tpot_ms = result["slo_ttft_s"], 1000 * result["slo_tpot_s"]
+    _plot.target_line(ttft, slo_ttft_s, f"SLO (TTFT {slo_ttft_s:g} s, TPOT {slo_tpot_ms:g} ms)",
+                      vertical=True)  # fmt: skip
+    _plot.target_line(tpot, slo_tpot_ms, "", vertical=True)
     for ax, title, unit in [
         (ttft, "time to first token", "TTFT (s, log scale)"),
         (tpot, "time per output token", "TPOT (ms)"),
@@ -550,20 +551,23 @@ def plot(result: dict[str, Any], reports: dict[str, SimReport], path: str) -> No
         ax.set_ylabel("share of requests")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
     _plot.plain_log_axis(ttft.xaxis)
     _plot.plain_log_axis(e2e.xaxis)
+    handles, labels = ttft.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=9)
     pools = [(f["name"], p) for f in result["fleets"] for p in f["pools"]]
-    _plot.bars(util, [p["utilization_model"] for _, p in pools], "%.2f",
-               offset=-0.2, width=0.4, label="engine model")  # fmt: skip
-    _plot.bars(util, [p["utilization_simulated"] for _, p in pools], "%.2f",
-               offset=0.2, width=0.4, label="simulated")  # fmt: skip
+    _plot.bars(util, [p["utilization_model"] for _, p in pools], "%.2f", offset=-0.2,
+               width=0.4, missing="over", label="engine model (over: overloaded)",
+               color="tab:gray")  # fmt: skip
+    _plot.bars(util, [p["utilization_simulated"] for _, p in pools], "%.2f", offset=0.2,
+               width=0.4, label="simulated", color="tab:purple")  # fmt: skip
     _plot.categories(util, [f"{fleet} {p['name']}" if fleet != p["name"] else fleet
                             for fleet, p in pools])  # fmt: skip
     util.set_title("utilization per pool (slot-time held / slots)")
-    util.set_ylabel("utilization")
-    util.set_ylim(0, 1.15)
-    util.legend(fontsize=8, loc="upper right", ncols=2)
+    util.set_xlabel("utilization")
+    util.set_xlim(0, 1.25)
+    util.set_xticks(np.arange(0, 1.01, 0.2))
+    util.legend(fontsize=8, loc="lower right")
     _plot.save(fig, path)
 
 
