@@ -6,6 +6,7 @@ import pytest
 
 from routecore import Workload, plan
 from routecore.cli import main
+from routecore.commands._args import DEFAULT_SEED
 from routecore.planning import fleetopt_profile, fleetopt_workload
 
 
@@ -127,7 +128,7 @@ def test_verify_reports_planned_and_verified(capsys):
             "--b-short", "4096", "--json"]  # fmt: skip
     assert main(args) == 0
     v = json.loads(capsys.readouterr().out)["verification"]
-    assert v["requests"] == 10_000 and v["seed"] == 42
+    assert v["requests"] == 10_000 and v["seed"] == DEFAULT_SEED
     assert [f["name"] for f in v["fleets"]] == ["homogeneous", "pool-routing", "fleetopt"]
     for f in v["fleets"]:
         for p in f["pools"]:

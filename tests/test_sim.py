@@ -378,7 +378,9 @@ def test_fleet_verification_finds_the_smallest_passing_size(capsys):
     assert not planned["verification"]["enabled"]
     assert main(base) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["verification"] == {"enabled": True, "requests": 20_000, "seed": 42,
+    from routecore.commands._args import DEFAULT_SEED
+
+    assert out["verification"] == {"enabled": True, "requests": 20_000, "seed": DEFAULT_SEED,
                                    "target": 0.99}  # fmt: skip
     verified = out["fleets"][0]
     assert verified["gpus_planned"] == fleet["gpus"]

@@ -45,10 +45,15 @@ def target_line(ax: Any, value: float, label: str, *, vertical: bool) -> None:
 
 
 def plain_log_axis(axis: Any) -> None:
-    """A log axis whose ticks read as plain numbers at 1, 2 and 5 of each decade."""
+    """A log axis (of data already drawn) whose ticks read as plain numbers:
+    at 1, 2, 3 and 5 of each decade over a short range, at 1, 2 and 5 over a
+    few decades, at the powers of ten over more."""
     ticker = __import__("matplotlib.ticker").ticker
     axis.axes.set(**{f"{axis.axis_name}scale": "log"})
-    axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    lo, hi = sorted(axis.get_view_interval())
+    decades = np.log10(hi / lo) if lo > 0 else np.inf
+    subs = (1.0, 2.0, 3.0, 5.0) if decades < 1.5 else (1.0, 2.0, 5.0) if decades < 4 else (1.0,)
+    axis.set_major_locator(ticker.LogLocator(subs=subs))
     axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(ticker.NullFormatter())
 

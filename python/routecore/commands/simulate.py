@@ -557,7 +557,7 @@ def plot(result: dict[str, Any], reports: dict[str, SimReport], path: str) -> No
     fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=9)
     pools = [(f["name"], p) for f in result["fleets"] for p in f["pools"]]
     _plot.bars(util, [p["utilization_model"] for _, p in pools], "%.2f", offset=-0.2,
-               width=0.4, missing="over", label="engine model (over: overloaded)",
+               width=0.4, missing="∞", label="engine model (∞: saturated in the model)",
                color="tab:gray")  # fmt: skip
     _plot.bars(util, [p["utilization_simulated"] for _, p in pools], "%.2f", offset=0.2,
                width=0.4, label="simulated", color="tab:purple")  # fmt: skip
