@@ -148,4 +148,5 @@ def test_profile_takes_a_preset_name_or_a_toml_file_in_every_command(command, tm
     assert by_name == run("--profile", str(toml))
     assert by_name != run()  # the default preset, llama3_70b_a100
     assert main([command, "--profile", "no_such_preset"]) == 2
-    assert "no_such_preset" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "'no_such_preset': neither a preset (llama3_70b_a100, qwen3_235b_mi300x)" in err

@@ -16,6 +16,7 @@ override it::
 
 from __future__ import annotations
 
+import os
 import sys
 from os import PathLike
 from typing import Any
@@ -67,4 +68,8 @@ def resolve(spec: str | PathLike[str]) -> Profile:
     what every ``--profile`` option accepts."""
     if isinstance(spec, str) and spec in PRESETS:
         return PRESETS[spec]()
+    if not os.path.isfile(spec):
+        raise ValueError(
+            f"profile {str(spec)!r}: neither a preset ({', '.join(PRESETS)}) nor a TOML file"
+        )
     return load_profile(spec)
