@@ -5,6 +5,7 @@ small budget."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("yaml")
 
-from server_fixtures import Spawned  # noqa: E402
+from server_fixtures import Running, Spawned, base_config  # noqa: E402
 
 from routecore.cli import main  # noqa: E402
 from routecore.config import load_config  # noqa: E402
@@ -57,4 +58,20 @@ def test_the_quick_start_runs_as_written(tmp_path, monkeypatch, capsys):
     finally:
         server.proc.terminate()
         assert server.proc.wait(timeout=30) == 0, server.stop()
+        server.stop()
+
+
+@pytest.mark.parametrize("tenants", [[], None])
+def test_serve_with_no_tenants_routes_every_request_without_a_key(tenants, tmp_path, capsys):
+    # the README's serve section: no tenants (an empty list or no key) is no auth
+    config = base_config(tenants=tenants)
+    if tenants is None:
+        del config["tenants"]
+    server = Running(tmp_path / "open.yaml", config)
+    try:
+        for key in ("", "anything"):
+            assert main(["client", "--target", server.target, "--api-key", key, "--json"]) == 0
+            out = json.loads(capsys.readouterr().out)
+            assert out["routed"] and out["endpoint"].startswith("127.0.0.1:80")
+    finally:
         server.stop()
