@@ -150,3 +150,17 @@ def test_profile_takes_a_preset_name_or_a_toml_file_in_every_command(command, tm
     assert main([command, "--profile", "no_such_preset"]) == 2
     err = capsys.readouterr().err
     assert "'no_such_preset': neither a preset (llama3_70b_a100, qwen3_235b_mi300x)" in err
+
+
+def test_a_plot_without_the_plot_extra_is_refused_before_any_work(monkeypatch, tmp_path, capsys):
+    from routecore import cli
+    from routecore._extras import MissingExtra
+
+    def missing():
+        raise MissingExtra("this needs the 'plot' extra (matplotlib is not installed)")
+
+    monkeypatch.setattr(cli, "pyplot", missing)
+    assert main(["plan", "--plot", str(tmp_path / "x.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "'plot' extra" in err
+    assert not (tmp_path / "x.png").exists()
