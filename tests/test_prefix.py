@@ -9,7 +9,13 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routecore import PrefixCacheRouter, PrefixIndex, block_hashes, block_hashes_many
+from routecore import (
+    NotInFlightError,
+    PrefixCacheRouter,
+    PrefixIndex,
+    block_hashes,
+    block_hashes_many,
+)
 
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=80)
 
@@ -257,7 +263,7 @@ def test_endpoints_at_run_time_and_complete():
     assert r.route(p) == ("b", 0.0)  # a's blocks left with it
     r.complete("b")
     assert r.running == [0, 0]
-    with pytest.raises(ValueError):
+    with pytest.raises(NotInFlightError):
         r.complete("b")
     with pytest.raises(KeyError):
         r.complete("zz")
