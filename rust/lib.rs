@@ -9,6 +9,7 @@ pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
+pub mod clock;
 pub mod compress;
 pub mod error;
 pub mod kv;

@@ -87,6 +87,21 @@ def test_a_second_release_is_the_not_in_flight_error():
     assert counts(d) == [0] * 6
 
 
+def test_bad_usage_raises_before_anything_is_released():
+    d = parts()
+    lease = acquire(d)
+    for bad in ((-1, 5), (5, 2**40), (True, 1)):
+        with pytest.raises(ValueError):
+            lease.release(*bad)
+        with pytest.raises(ValueError):
+            lease.record_usage(*bad)
+    with pytest.raises(ValueError):
+        lease.release(now=float("nan"))
+    assert not lease.released and counts(d) == [1, 0, 1, 0, 0, 1]
+    lease.release(10, 5)
+    assert counts(d) == [0] * 6
+
+
 def test_a_refusing_step_gives_back_what_earlier_steps_took():
     d = parts(concurrency=1)
     held = acquire(d)

@@ -16,6 +16,8 @@ says which step refused, with the HTTP status a gateway would answer.
 
 from __future__ import annotations
 
+import math
+import operator
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from routecore._core import (
     TokenBudgetRouter,
     monotonic,
 )
+from routecore.admission import MAX_TOKENS
 from routecore.admission.backend import AdmissionBackend
 
 
@@ -115,8 +118,12 @@ class Lease:
 
     def record_usage(self, input_tokens: int, output_tokens: int) -> None:
         """What the request really used (``usage.prompt_tokens`` and
-        ``usage.completion_tokens``), charged when the lease is released."""
-        self._usage = (input_tokens, output_tokens)
+        ``usage.completion_tokens``), charged when the lease is released.
+        ValueError for counts outside [0, MAX_TOKENS]."""
+        self._usage = (
+            _tokens("input_tokens", input_tokens),
+            _tokens("output_tokens", output_tokens),
+        )
 
     def release(
         self,
@@ -130,13 +137,16 @@ class Lease:
         ``now`` is passed to the parts (None: their clocks); the admission
         latency is the time since ``acquire`` on ``routecore.monotonic``, or
         on the explicit clock when both calls were given ``now``.
-        ``NotInFlightError`` when already released."""
+        ``NotInFlightError`` when already released; bad counts raise
+        ValueError first, with everything still held."""
+        if input_tokens is not None and output_tokens is not None:
+            self.record_usage(input_tokens, output_tokens)
+        if now is not None and not math.isfinite(now):
+            raise ValueError(f"now must be a finite number, got {now}")
         with self._lock:
             if self._released:
                 raise NotInFlightError("release: the lease is released already")
             self._released = True
-        if input_tokens is not None and output_tokens is not None:
-            self._usage = (input_tokens, output_tokens)
         usage = self._usage or (self._held.input_tokens, 0)
         if now is None or self._held.now is None:
             latency = monotonic() - self._started_at
@@ -292,6 +302,13 @@ class Dispatcher:
                 first = first or e
         if first is not None:
             raise first
+
+
+def _tokens(what: str, value: int) -> int:
+    """A token count every part accepts, checked before anything is released."""
+    if isinstance(value, bool) or not 0 <= operator.index(value) <= MAX_TOKENS:
+        raise ValueError(f"{what} must be an int in [0, {MAX_TOKENS}], got {value!r}")
+    return operator.index(value)
 
 
 def _text_length(tokens: Any) -> int:

@@ -27,9 +27,6 @@ pub mod tokenize;
 pub mod vtc;
 pub mod workload;
 
-use std::sync::OnceLock;
-use std::time::Instant;
-
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::{PyKeyError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -64,13 +61,12 @@ impl From<Error> for PyErr {
 /// default one.
 #[pyfunction]
 pub fn monotonic() -> f64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_secs_f64()
+    crate::clock::monotonic()
 }
 
 /// `now` as given, else `monotonic()`.
 pub fn now_or_monotonic(now: Option<f64>) -> f64 {
-    now.unwrap_or_else(monotonic)
+    now.unwrap_or_else(crate::clock::monotonic)
 }
 
 /// The extractor of every integer argument (`#[pyo3(from_py_with = int_arg)]`,
