@@ -195,6 +195,13 @@ class Dispatcher:
         self.router = router
         self.pickers = pickers
         self.admission = admission
+        # Sorted out once (an isinstance on an ABC costs a microsecond per call).
+        self._by_pool: Mapping[str, EndpointPicker] | None = None
+        self._for_all: EndpointPicker | None = None
+        if isinstance(pickers, Mapping):
+            self._by_pool = pickers
+        else:
+            self._for_all = pickers
 
     def acquire(
         self,
@@ -260,11 +267,11 @@ class Dispatcher:
         return Lease(self, held)
 
     def _picker(self, decision: RouteDecision | None) -> EndpointPicker | None:
-        if isinstance(self.pickers, Mapping):
-            if decision is None or decision.pool is None:
-                return None
-            return self.pickers[decision.pool]
-        return self.pickers
+        if self._by_pool is None:
+            return self._for_all
+        if decision is None or decision.pool is None:
+            return None
+        return self._by_pool[decision.pool]
 
     def _give_back(
         self, held: _Held, usage: tuple[int, int], latency_s: float, now: float | None
