@@ -41,7 +41,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use crate::budget::MAX_TOKENS;
-use crate::error::{finite, invalid, non_negative, positive, unknown, Result};
+use crate::error::{finite, invalid, non_negative, not_in_flight, positive, unknown, Result};
 use crate::snapshot::{restore, Reader, Writer};
 
 /// Coefficients of equation 1 (the paper's typical values).
@@ -793,7 +793,7 @@ impl AdmissionController {
     /// Ends an admitted request with what it really used: releases its slot,
     /// charges its real tokens to the window, and updates the served rate,
     /// the debt (equation 2), the burst intensity (equation 3), the latency
-    /// estimate and the priority. KeyError for a ticket not in flight.
+    /// estimate and the priority. `NotInFlight` for a ticket not in flight.
     pub fn complete(
         &mut self,
         ticket: u64,
@@ -812,7 +812,9 @@ impl AdmissionController {
             .get(i)
             .is_none_or(|e| !e.in_flight.contains_key(&ticket))
         {
-            return Err(unknown("ticket", ticket.to_string()));
+            return Err(not_in_flight(format!(
+                "complete: ticket {ticket} is not in flight"
+            )));
         }
         let now = self.tick(now)?;
         let window_s = self.window_s;

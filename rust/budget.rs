@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::calibrate::{estimate, Calibrator, MAX_PROMPT_BYTES};
-use crate::error::{invalid, unknown, Result};
+use crate::error::{invalid, not_in_flight, unknown, Result};
 
 /// Largest `max_output_tokens` / context a request or pool may name: 2^30
 /// tokens (about a billion) is far beyond any model and marks corrupt input.
@@ -388,7 +388,7 @@ impl TokenBudgetRouter {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
             .map(|_| ())
             .map_err(|_| {
-                invalid(format!(
+                not_in_flight(format!(
                     "complete: pool {:?} has no request in flight",
                     self.pools[pool].name
                 ))

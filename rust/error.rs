@@ -1,6 +1,7 @@
 //! The one error type of the pure core. The Python layer maps it to exceptions in
 //! one place (`py/mod.rs`): `InvalidArgument` and `Snapshot` become `ValueError`,
-//! `UnknownName` becomes `KeyError`.
+//! `UnknownName` becomes `KeyError`, `NotInFlight` becomes `NotInFlightError`
+//! (a `ValueError`).
 
 /// Everything the core can refuse. Every fallible core call returns this, and a
 /// call that returns an error has changed no state.
@@ -13,6 +14,10 @@ pub enum Error {
     /// A pool, endpoint, tenant, entitlement or category name that is not known.
     #[error("unknown {kind}: {name:?}")]
     UnknownName { kind: &'static str, name: String },
+    /// Ending a request that is not in flight (completed already, never
+    /// started, or its lease expired): every `complete` says so the same way.
+    #[error("{0}")]
+    NotInFlight(String),
     /// Bytes given to `from_bytes` that are not a snapshot this version wrote.
     #[error("invalid snapshot: {0}")]
     Snapshot(String),
@@ -31,6 +36,11 @@ pub fn unknown(kind: &'static str, name: impl Into<String>) -> Error {
         kind,
         name: name.into(),
     }
+}
+
+/// Shorthand for `Error::NotInFlight`.
+pub fn not_in_flight(message: impl Into<String>) -> Error {
+    Error::NotInFlight(message.into())
 }
 
 /// `Ok(x)` if `x` is finite, else an `InvalidArgument` naming `what`.

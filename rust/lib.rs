@@ -9,6 +9,7 @@ pub mod assign;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
+pub mod clock;
 pub mod compress;
 pub mod error;
 pub mod kv;
@@ -61,6 +62,8 @@ mod _core {
     #[pymodule_export]
     use crate::py::loadgen::load;
     #[pymodule_export]
+    use crate::py::monotonic;
+    #[pymodule_export]
     use crate::py::openai::parse_openai_request;
     #[pymodule_export]
     use crate::py::pick::PyEndpointPicker;
@@ -89,6 +92,10 @@ mod _core {
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        m.add(
+            "NotInFlightError",
+            m.py().get_type::<crate::py::NotInFlightError>(),
+        )?;
         m.add("__version__", env!("CARGO_PKG_VERSION"))
     }
 }

@@ -18,6 +18,7 @@ from routecore import (
     AdmissionController,
     Entitlement,
     InMemoryAdmission,
+    NotInFlightError,
     Quota,
     admission_from_config,
     admission_scenarios,
@@ -104,7 +105,7 @@ def test_quota_contention_and_evictions():
     assert ctl.evictions(2.0) == [p2]  # one over, youngest preemptible first
     ctl.complete(p2, 10, 5, 1.0, 2.5)
     assert ctl.evictions(2.5) == []
-    with pytest.raises(KeyError):
+    with pytest.raises(NotInFlightError):
         ctl.complete(p2, 10, 5, 1.0, 2.5)
     ctl.complete(p1, 10, 5, 1.0, 2.5)
 
@@ -169,8 +170,9 @@ def test_bad_input_changes_nothing():
     ]:
         with pytest.raises(ValueError):
             call()
+    with pytest.raises(NotInFlightError, match="not in flight"):
+        ctl.complete(t + 1, 1, 1, 1.0, 2.0)
     for call in [
-        lambda: ctl.complete(t + 1, 1, 1, 1.0, 2.0),
         lambda: ctl.set_state("nobody", "bound"),
         lambda: ctl.set_capacity("q", concurrency=1),
         lambda: ctl.priority("nobody"),
@@ -240,8 +242,11 @@ def test_in_memory_backend_and_config():
     assert backend.quota_in_flight("p") == 1
     assert backend.admit("e", 10, 10).reason == "concurrency"
     assert backend.complete(a.ticket, 10, 10, 0.1) is True
-    assert backend.complete(a.ticket, 10, 10, 0.1) is False  # never twice
-    assert backend.complete(None, 0, 0, 0.0) is False
+    before = backend.controller.to_bytes()
+    for ticket in (a.ticket, None):  # completed already; admitted without a ticket
+        with pytest.raises(NotInFlightError):
+            backend.complete(ticket, 10, 10, 0.1)
+    assert backend.controller.to_bytes() == before  # never twice
     assert backend.quota_in_flight("p") == 0
     with pytest.raises(ValueError):
         admission_from_config({"backend": "etcd", "quotas": [], "entitlements": []})

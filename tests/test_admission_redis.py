@@ -14,6 +14,7 @@ import redis
 from routecore import (
     Entitlement,
     InMemoryAdmission,
+    NotInFlightError,
     Quota,
     RedisAdmission,
     admission_from_config,
@@ -110,7 +111,8 @@ def test_leaked_reservations_expire(redis_server):
     assert red.admit("s", 10, 10, now=104.0).admitted and red.quota_in_flight("p") == 2
     fresh = red.admit("s", 10, 10, now=105.5)
     assert fresh.admitted and red.quota_in_flight("p") == 2
-    assert red.complete(leaked.ticket, 10, 10, 1.0, now=106.0) is False  # never twice
+    with pytest.raises(NotInFlightError):  # its lease released it: never twice
+        red.complete(leaked.ticket, 10, 10, 1.0, now=106.0)
     assert red.complete(fresh.ticket, 10, 10, 1.0, now=106.0) is True
     assert red.quota_in_flight("p") == 1
     red.close()
@@ -183,8 +185,9 @@ def test_redis_crash_fail_open_or_closed_and_no_double_count(redis_server):
     )
     b = opened.admit("s", 10, 10, now=2.0)
     assert (b.admitted, b.status, b.reason, b.ticket) == (True, 200, "fail-open", None)
-    assert closed.complete(before[0].ticket, 10, 10, 1.0, now=2.0) is False
-    assert opened.complete(b.ticket, 10, 10, 1.0, now=2.0) is False
+    assert closed.complete(before[0].ticket, 10, 10, 1.0, now=2.0) is False  # deferred
+    with pytest.raises(NotInFlightError):  # fail-open: admitted without a ticket
+        opened.complete(b.ticket, 10, 10, 1.0, now=2.0)
 
     redis_server.start()  # back, empty: the configuration is written again on use
     after = closed.admit("s", 10, 10, now=3.0)
@@ -192,7 +195,8 @@ def test_redis_crash_fail_open_or_closed_and_no_double_count(redis_server):
     assert opened.quota_in_flight("p") == 1
     # Tickets from before the crash match nothing: no double release.
     for old in before:
-        assert opened.complete(old.ticket, 10, 10, 1.0, now=3.0) is False
+        with pytest.raises(NotInFlightError):
+            opened.complete(old.ticket, 10, 10, 1.0, now=3.0)
     assert closed.quota_in_flight("p") == 1
     assert opened.complete(after.ticket, 10, 10, 1.0, now=3.0) is True
     assert closed.quota_in_flight("p") == 0

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routecore import Calibrator, Pool, TokenBudgetRouter
+from routecore import Calibrator, NotInFlightError, Pool, TokenBudgetRouter
 
 
 def two_pools(short_budget=None, short_limit=None, long_limit=None):
@@ -76,7 +76,7 @@ def test_spillover_picks_the_least_loaded_of_many():
 
 def test_complete_and_in_flight():
     r = two_pools()
-    with pytest.raises(ValueError, match="no request in flight"):
+    with pytest.raises(NotInFlightError, match="no request in flight"):
         r.complete("short")
     d = r.route(100, "prose", 10)
     assert r.in_flight(d.index) == 1

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routecore import EndpointPicker, PrefixCacheRouter, VtcRouter
+from routecore import EndpointPicker, NotInFlightError, PrefixCacheRouter, VtcRouter
 
 NAMES = ["e0", "e1", "e2", "e3"]
 
@@ -50,7 +50,7 @@ def test_least_request_counts_starts_and_completions():
     p.completed("e0", now=1.0)
     p.completed("e0", now=1.0)
     assert p.pick(now=1.0) == "e0"
-    with pytest.raises(ValueError, match="no running request"):
+    with pytest.raises(NotInFlightError, match="no request in flight"):
         p.completed("e0", now=1.0) or p.completed("e0", now=1.0)
     assert p.in_flight == [0, 1, 1]
 

@@ -9,7 +9,13 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routecore import PrefixCacheRouter, PrefixIndex, block_hashes, block_hashes_many
+from routecore import (
+    NotInFlightError,
+    PrefixCacheRouter,
+    PrefixIndex,
+    block_hashes,
+    block_hashes_many,
+)
 
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=80)
 
@@ -137,9 +143,9 @@ def test_index_lru_order_ttl_and_remove_endpoint():
     ix.record(h(3), "b", 1.0)
     ix.record(h(4), "b", 2.0)  # full: evicts 2, the least recent
     assert len(ix) == 3
-    assert ix.match_prefix(h(1, 2)) == {"a": 1}
+    assert ix.match_prefix(h(1, 2), now=2.0) == {"a": 1}
     assert ix.match_prefix(h(3, 4), now=2.0) == {"b": 2}
-    assert ix.match_prefix(h(2, 1)) == {}  # matching stops at the first miss
+    assert ix.match_prefix(h(2, 1), now=2.0) == {}  # matching stops at the first miss
     ix.record(h(1), "b", 5.0)
     assert ix.match_prefix(h(1), 5.0) == {"a": 1, "b": 1}
     assert ix.expire(12.5) == 2  # 3 (t=1) and 4 (t=2) idle > 10 s; 1 (t=5) is not
@@ -257,7 +263,7 @@ def test_endpoints_at_run_time_and_complete():
     assert r.route(p) == ("b", 0.0)  # a's blocks left with it
     r.complete("b")
     assert r.running == [0, 0]
-    with pytest.raises(ValueError):
+    with pytest.raises(NotInFlightError):
         r.complete("b")
     with pytest.raises(KeyError):
         r.complete("zz")

@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routecore import VtcRouter
+from routecore import NotInFlightError, VtcRouter
 
 
 def test_scores_worked_by_hand():
     r = VtcRouter(["p0", "p1", "p2"])
     # No active user: bucket = max(1000, (1000 + 8000) / 2), x = 0 -> p0.
-    assert r.route("a", 100, 200) == "p0"
-    assert r.user_tokens("a") == 100 * 1.0 + 200 * 2.0
+    assert r.route("a", 100, 200, now=0.0) == "p0"
+    assert r.user_tokens("a", now=0.0) == 100 * 1.0 + 200 * 2.0
     # Only a (500) active: bucket = max(1000, 500) = 1000, x = 0.5;
     # p0 scores 0.5 + 1/100, p1 0.5 + 0: p1.
     assert r.route("a", 100, 200, now=1.0) == "p1"
@@ -74,13 +74,14 @@ def test_bad_input_leaves_state_unchanged():
         lambda: r.route("a", 1, 1, running=[1, -1]),
         lambda: r.route_many(["a", "b"], [1, 1], [1]),
         lambda: r.route_many(["a", ""], [1, 1], [1, 1]),
-        lambda: r.complete("p1", "a", 1, 1, 1, 1),  # nothing running on p1
         lambda: r.complete("p0", "a", 1, -1, 1, 1),
         lambda: r.add_endpoint("p0"),
     ]
     for call in bad:
         with pytest.raises(ValueError):
             call()
+    with pytest.raises(NotInFlightError):
+        r.complete("p1", "a", 1, 1, 1, 1)  # nothing running on p1
     with pytest.raises(KeyError):
         r.complete("nope", "a", 1, 1, 1, 1)
     with pytest.raises(KeyError):

@@ -21,6 +21,7 @@ from routecore._core import (
     ErlangScan,
     KnnEstimator,
     KvEventIndex,
+    NotInFlightError,
     Plan,
     Pool,
     PrefixCacheRouter,
@@ -48,6 +49,7 @@ from routecore._core import (
     erlang_c,
     erlang_c_many,
     g_dual,
+    monotonic,
     p99_wait,
     parse_openai_request,
     plan,
@@ -61,6 +63,7 @@ from routecore.admission import (
     RedisAdmission,
     admission_from_config,
 )
+from routecore.lease import Dispatcher, Lease, RequestRefused
 from routecore.profiles import (
     load_profile,
 )
@@ -78,6 +81,7 @@ __all__ = [
     "block_hashes_many",
     "Calibrator",
     "DataPlane",
+    "Dispatcher",
     "KvEventIndex",
     "Candidate",
     "classify",
@@ -94,7 +98,10 @@ __all__ = [
     "g_dual",
     "InMemoryAdmission",
     "KnnEstimator",
+    "Lease",
     "load_profile",
+    "monotonic",
+    "NotInFlightError",
     "p99_wait",
     "parse_openai_request",
     "Plan",
@@ -107,6 +114,7 @@ __all__ = [
     "Profile",
     "RedisAdmission",
     "RequestCompression",
+    "RequestRefused",
     "RouteDecision",
     "RoutedRequest",
     "Service",

@@ -9,6 +9,13 @@ from typing_extensions import Self, disjoint_base
 
 __version__: str
 
+# --- conventions: the clock and the not-in-flight error -----------------------
+
+class NotInFlightError(ValueError):
+    """Ending a request that is not in flight; the state is unchanged."""
+
+def monotonic() -> float: ...
+
 # --- token-budget routing (capability 1) -------------------------------------
 
 @final
@@ -301,10 +308,14 @@ class PrefixIndex:
     """Block hash -> the endpoints that hold it, for prefix-cache-aware routing."""
 
     def __new__(cls, capacity_blocks: int = 200000, ttl_s: float | None = None) -> Self: ...
-    def record(self, hashes: npt.NDArray[np.uint64], endpoint: str, now: float = 0.0) -> None: ...
-    def match_prefix(self, hashes: npt.NDArray[np.uint64], now: float = 0.0) -> dict[str, int]: ...
+    def record(
+        self, hashes: npt.NDArray[np.uint64], endpoint: str, now: float | None = None
+    ) -> None: ...
+    def match_prefix(
+        self, hashes: npt.NDArray[np.uint64], now: float | None = None
+    ) -> dict[str, int]: ...
     def remove_endpoint(self, endpoint: str) -> int: ...
-    def expire(self, now: float) -> int: ...
+    def expire(self, now: float | None = None) -> int: ...
     def __len__(self) -> int: ...
     @property
     def capacity_blocks(self) -> int: ...
@@ -334,14 +345,14 @@ class PrefixCacheRouter:
         self,
         tokens: npt.ArrayLike | bytes | str,
         running: npt.ArrayLike | None = None,
-        now: float = 0.0,
+        now: float | None = None,
     ) -> tuple[str, float]: ...
     def route_many(
         self,
         tokens: npt.ArrayLike | bytes | str,
         offsets: npt.ArrayLike,
         running: npt.ArrayLike | None = None,
-        now: float = 0.0,
+        now: float | None = None,
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]: ...
     def complete(self, endpoint: str) -> None: ...
     def set_running(self, counts: npt.ArrayLike) -> None: ...
@@ -391,7 +402,7 @@ class VtcRouter:
         input_tokens: int,
         output_tokens: int,
         running: npt.ArrayLike | None = None,
-        now: float = 0.0,
+        now: float | None = None,
     ) -> str: ...
     def route_many(
         self,
@@ -399,7 +410,7 @@ class VtcRouter:
         input_tokens: npt.ArrayLike,
         output_tokens: npt.ArrayLike,
         running: npt.ArrayLike | None = None,
-        now: float = 0.0,
+        now: float | None = None,
     ) -> npt.NDArray[np.int64]: ...
     def complete(
         self,
@@ -409,9 +420,9 @@ class VtcRouter:
         est_output_tokens: int,
         input_tokens: int,
         output_tokens: int,
-        now: float = 0.0,
+        now: float | None = None,
     ) -> None: ...
-    def user_tokens(self, user: str, now: float = 0.0) -> float: ...
+    def user_tokens(self, user: str, now: float | None = None) -> float: ...
     @property
     def users(self) -> int: ...
     def set_running(self, counts: npt.ArrayLike) -> None: ...
@@ -1179,20 +1190,29 @@ class AdmissionController:
         window_s: float = 60.0,
     ) -> Self: ...
     def admit(
-        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
+        self,
+        entitlement: str,
+        input_tokens: int,
+        max_tokens: int | None = None,
+        now: float | None = None,
     ) -> Admission: ...
     def admit_many(
         self,
         entitlement_ids: npt.ArrayLike,
         input_tokens: npt.ArrayLike,
-        max_tokens: npt.ArrayLike | None,
-        now: float,
+        max_tokens: npt.ArrayLike | None = None,
+        now: float | None = None,
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
     def entitlement_id(self, name: str) -> int: ...
     def complete(
-        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
+        self,
+        ticket: int,
+        actual_input: int,
+        actual_output: int,
+        latency_s: float,
+        now: float | None = None,
     ) -> None: ...
-    def evictions(self, now: float) -> list[int]: ...
+    def evictions(self, now: float | None = None) -> list[int]: ...
     def priority(self, entitlement: str) -> float: ...
     def stats(self, entitlement: str) -> dict[str, float]: ...
     def quota_in_flight(self, quota: str) -> int: ...

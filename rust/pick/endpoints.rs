@@ -8,7 +8,7 @@
 //! requests in flight are either kept by the caller (one more on `start`,
 //! one less on `complete`) or set wholesale from telemetry (`set_in_flight`).
 
-use crate::error::{invalid, unknown, Error, Result};
+use crate::error::{invalid, not_in_flight, unknown, Error, Result};
 use crate::snapshot::{Reader, Writer};
 
 /// Most endpoints one set holds.
@@ -167,8 +167,8 @@ pub fn complete_one(state: &mut EndpointState, name: &str) -> Result<()> {
             state.in_flight = n;
             Ok(())
         }
-        None => Err(invalid(format!(
-            "complete: endpoint {name:?} has no running request"
+        None => Err(not_in_flight(format!(
+            "complete: endpoint {name:?} has no request in flight"
         ))),
     }
 }

@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use super::{int_arg, int_array, reduce};
+use super::{int_arg, int_array, now_or_monotonic, reduce};
 use crate::admission::{self, AdmissionController, Entitlement, Quota, ServiceClass};
 
 /// Two int64 arrays of one length.
@@ -311,8 +311,10 @@ pub fn priority_weight(
 /// concurrency, token budget over a rolling ``window_s``, quota contention)
 /// and returns an ``Admission``; ``complete`` releases the ticket with the
 /// real token counts and latency and updates served rate, debt, burst and
-/// priority. Time ``now`` is explicit seconds. Bad numbers raise ValueError
-/// and change nothing; an unknown entitlement is a 401 decision.
+/// priority. ``now`` (seconds) defaults to ``monotonic()``; an explicit
+/// ``now`` earlier than one already seen counts as the latest. Bad numbers
+/// raise ValueError and change nothing; an unknown entitlement is a 401
+/// decision; completing a ticket not in flight raises ``NotInFlightError``.
 ///
 /// >>> quota = Quota("p", 240.0, 2**30, 16)
 /// >>> e = Entitlement("copilot", "acme", "p", "elastic", 500.0, 75.0, 2**28, 5)
@@ -352,14 +354,15 @@ impl PyAdmissionController {
     }
 
     /// Decides one request. ``max_tokens=None`` charges the default output bound.
-    #[pyo3(signature = (entitlement, input_tokens, max_tokens, now))]
+    #[pyo3(signature = (entitlement, input_tokens, max_tokens=None, now=None))]
     fn admit(
         &self,
         entitlement: &str,
         #[pyo3(from_py_with = int_arg)] input_tokens: i64,
         #[pyo3(from_py_with = int_arg)] max_tokens: Option<i64>,
-        now: f64,
+        now: Option<f64>,
     ) -> PyResult<PyAdmission> {
+        let now = now_or_monotonic(now);
         Ok(self
             .lock()
             .admit(entitlement, input_tokens, max_tokens, now)?
@@ -371,15 +374,16 @@ impl PyAdmissionController {
     /// default. Returns ``(status, ticket)`` int64 arrays, ticket -1 when
     /// rejected. Everything is checked first: an error admits nothing. The
     /// arrays are copied first, so the caller may reuse them at once.
-    #[pyo3(signature = (entitlement_ids, input_tokens, max_tokens, now))]
+    #[pyo3(signature = (entitlement_ids, input_tokens, max_tokens=None, now=None))]
     fn admit_many<'py>(
         &self,
         py: Python<'py>,
         entitlement_ids: &Bound<'py, PyAny>,
         input_tokens: &Bound<'py, PyAny>,
         max_tokens: Option<&Bound<'py, PyAny>>,
-        now: f64,
+        now: Option<f64>,
     ) -> PyResult<Int64Pair<'py>> {
+        let now = now_or_monotonic(now);
         let ids = int_array(entitlement_ids, "entitlement_ids")?;
         let inputs = int_array(input_tokens, "input_tokens")?;
         let maxes = max_tokens.map(|m| int_array(m, "max_tokens")).transpose()?;
@@ -398,15 +402,18 @@ impl PyAdmissionController {
     }
 
     /// Ends an admitted request with its real token counts and latency.
-    /// KeyError for a ticket that is not in flight.
+    /// ``NotInFlightError`` for a ticket that is not in flight (completed
+    /// already, or never admitted); nothing changes then.
+    #[pyo3(signature = (ticket, actual_input, actual_output, latency_s, now=None))]
     fn complete(
         &self,
         #[pyo3(from_py_with = int_arg)] ticket: u64,
         #[pyo3(from_py_with = int_arg)] actual_input: i64,
         #[pyo3(from_py_with = int_arg)] actual_output: i64,
         latency_s: f64,
-        now: f64,
+        now: Option<f64>,
     ) -> PyResult<()> {
+        let now = now_or_monotonic(now);
         Ok(self
             .lock()
             .complete(ticket, actual_input, actual_output, latency_s, now)?)
@@ -415,8 +422,9 @@ impl PyAdmissionController {
     /// Tickets of preemptible requests to terminate now because protected
     /// classes need the capacity (lowest priority, then youngest first).
     /// Changes nothing: terminate them, then ``complete`` each.
-    fn evictions(&self, now: f64) -> PyResult<Vec<u64>> {
-        Ok(self.lock().evictions(now)?)
+    #[pyo3(signature = (now=None))]
+    fn evictions(&self, now: Option<f64>) -> PyResult<Vec<u64>> {
+        Ok(self.lock().evictions(now_or_monotonic(now))?)
     }
 
     /// The entitlement's priority weight w_e now (equation 1).

@@ -365,7 +365,8 @@ impl PyTokenBudgetRouter {
             .observe(category, prompt_bytes, prompt_tokens)?)
     }
 
-    /// Ends one in-flight request on ``pool`` (name or index).
+    /// Ends one in-flight request on ``pool`` (name or index);
+    /// ``NotInFlightError`` when none is in flight there.
     fn complete(&self, pool: &Bound<'_, PyAny>) -> PyResult<()> {
         Ok(self.inner.complete(self.pool_arg(pool)?)?)
     }

@@ -35,13 +35,38 @@ use pyo3::types::{PyBytes, PyString, PyTuple};
 use crate::error::Error;
 use crate::prefix::Tokens;
 
+pyo3::create_exception!(
+    routecore,
+    NotInFlightError,
+    PyValueError,
+    "Ending a request that is not in flight: completed or released already, never\n\
+     started, or its lease expired. Every ``complete`` / ``completed`` / ``release``\n\
+     raises it for that mistake and changes nothing. A ``ValueError``."
+);
+
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
         match e {
             Error::UnknownName { .. } => PyKeyError::new_err(e.to_string()),
+            Error::NotInFlight(_) => NotInFlightError::new_err(e.to_string()),
             Error::InvalidArgument(_) | Error::Snapshot(_) => PyValueError::new_err(e.to_string()),
         }
     }
+}
+
+/// Seconds on routecore's monotonic clock: the default ``now`` of every call
+/// that takes one (windows, EWMAs, TTLs, Retry-After). Its epoch is fixed when
+/// first read in this process, so values are small and only differences mean
+/// anything. Pass ``monotonic()`` where an explicit ``now`` must agree with the
+/// default one.
+#[pyfunction]
+pub fn monotonic() -> f64 {
+    crate::clock::monotonic()
+}
+
+/// `now` as given, else `monotonic()`.
+pub fn now_or_monotonic(now: Option<f64>) -> f64 {
+    now.unwrap_or_else(crate::clock::monotonic)
 }
 
 /// The extractor of every integer argument (`#[pyo3(from_py_with = int_arg)]`,

@@ -1,12 +1,13 @@
-use std::sync::{Mutex, MutexGuard, OnceLock};
-use std::time::Instant;
+use std::sync::{Mutex, MutexGuard};
 
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
-use super::{detach_if, hash_array, int_arg, int_array, reduce, TokenArg, DETACH_TOKENS};
+use super::{
+    detach_if, hash_array, int_arg, int_array, now_or_monotonic, reduce, TokenArg, DETACH_TOKENS,
+};
 use crate::budget::MAX_TOKENS;
 use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::pick::endpoints::complete_one;
@@ -18,12 +19,6 @@ use crate::snapshot::{restore, Reader, Writer};
 const DEFAULT_PRESET: &str = "prefix+queue+kv";
 const MAGIC: &[u8; 4] = b"RCPK";
 const SNAPSHOT_VERSION: u16 = 1;
-
-/// Seconds on a monotonic clock (the default `now`).
-fn monotonic() -> f64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_secs_f64()
-}
 
 struct Inner {
     pipeline: Pipeline,
@@ -63,7 +58,7 @@ impl<'a> Args<'a> {
             session,
             input_tokens: tokens_arg("input_tokens", input_tokens)?,
             output_tokens: tokens_arg("output_tokens", output_tokens)?,
-            now: now.unwrap_or_else(monotonic),
+            now: now_or_monotonic(now),
         })
     }
 
@@ -357,7 +352,7 @@ impl PyEndpointPicker {
     /// ``tokens`` (token ids, or ``str``/``bytes``) are hashed with the
     /// prefix plugin's block size and seed, or ``hashes`` (from
     /// ``block_hashes``) given directly. ``subset``: endpoint names (Envoy's
-    /// subset hint). ``now``: seconds, default a monotonic clock.
+    /// subset hint). ``now``: seconds, default ``monotonic()``.
     #[pyo3(signature = (tokens=None, *, hashes=None, adapter=None, subset=None, fairness_id=None, session=None, input_tokens=0, output_tokens=0, now=None))]
     #[allow(clippy::too_many_arguments)]
     fn pick(
@@ -491,7 +486,7 @@ impl PyEndpointPicker {
         }
         let token_arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
         let t = token_arg.as_ref().map(|t| t.tokens()).transpose()?;
-        let now = now.unwrap_or_else(monotonic);
+        let now = now_or_monotonic(now);
         let block = self.block;
         let count = |v: &Option<Vec<i64>>, i: usize, what: &str| -> Result<u64> {
             let x = v.as_ref().map_or(0, |v| v[i]);
@@ -563,7 +558,7 @@ impl PyEndpointPicker {
             session,
             input_tokens: tokens_arg("input_tokens", input_tokens)?,
             output_tokens: tokens_arg("output_tokens", output_tokens)?,
-            now: now.unwrap_or_else(monotonic),
+            now: now_or_monotonic(now),
         };
         inner.check(&args)?;
         inner.hashes = hashes;
@@ -578,8 +573,8 @@ impl PyEndpointPicker {
         Ok(())
     }
 
-    /// Ends one request on ``endpoint`` (ValueError when none is in
-    /// flight) with its usage; with ``fairness_id`` the VTC charge is
+    /// Ends one request on ``endpoint`` (``NotInFlightError`` when none is
+    /// in flight) with its usage; with ``fairness_id`` the VTC charge is
     /// corrected from the estimates given at ``pick`` (``est_*``) to it.
     #[pyo3(signature = (endpoint, input_tokens=0, output_tokens=0, *, fairness_id=None, est_input_tokens=0, est_output_tokens=0, now=None))]
     #[allow(clippy::too_many_arguments)]
@@ -602,7 +597,7 @@ impl PyEndpointPicker {
             session: None,
             input_tokens: tokens_arg("est_input_tokens", est_input_tokens)?,
             output_tokens: tokens_arg("est_output_tokens", est_output_tokens)?,
-            now: now.unwrap_or_else(monotonic),
+            now: now_or_monotonic(now),
         };
         tokens_arg("input_tokens", input_tokens)?;
         tokens_arg("output_tokens", output_tokens)?;

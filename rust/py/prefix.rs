@@ -4,7 +4,10 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use super::{detach_if, hash_array, int_arg, int_array, reduce, size_arg, TokenArg, DETACH_TOKENS};
+use super::{
+    detach_if, hash_array, int_arg, int_array, now_or_monotonic, reduce, size_arg, TokenArg,
+    DETACH_TOKENS,
+};
 use crate::prefix::{
     block_hashes as core_block_hashes, block_hashes_many as core_block_hashes_many,
     PrefixCacheRouter, PrefixConfig, PrefixIndex, DEFAULT_CAPACITY_BLOCKS,
@@ -77,7 +80,7 @@ const _: () = assert!(DEFAULT_CAPACITY_BLOCKS == 200_000);
 ///
 /// Holds at most ``capacity_blocks`` hashes, evicting the least recently
 /// recorded; with ``ttl_s`` a hash not recorded for longer than ``ttl_s``
-/// seconds is dropped. Time (``now``, seconds) is passed in. A prompt's first
+/// seconds is dropped. ``now`` (seconds) defaults to ``monotonic()``. A prompt's first
 /// block is recorded last, so shared prefixes are evicted last. Endpoints get one
 /// of 4,096 ids; when all are taken, the ids of endpoints that hold no block any
 /// more are reused (those endpoints leave ``endpoints``), so any number of distinct endpoints
@@ -110,22 +113,22 @@ impl PyPrefixIndex {
     }
 
     /// Records that ``endpoint`` holds every block of ``hashes`` (uint64) at ``now``.
-    #[pyo3(signature = (hashes, endpoint, now=0.0))]
-    fn record(&self, hashes: &Bound<'_, PyAny>, endpoint: &str, now: f64) -> PyResult<()> {
+    #[pyo3(signature = (hashes, endpoint, now=None))]
+    fn record(&self, hashes: &Bound<'_, PyAny>, endpoint: &str, now: Option<f64>) -> PyResult<()> {
         let hashes = hash_array(hashes)?;
-        Ok(lock(&self.inner).record(&hashes, endpoint, now)?)
+        Ok(lock(&self.inner).record(&hashes, endpoint, now_or_monotonic(now))?)
     }
 
     /// ``{endpoint: leading blocks of hashes it holds}``, endpoints with none left out.
-    #[pyo3(signature = (hashes, now=0.0))]
+    #[pyo3(signature = (hashes, now=None))]
     fn match_prefix<'py>(
         &self,
         py: Python<'py>,
         hashes: &Bound<'py, PyAny>,
-        now: f64,
+        now: Option<f64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let hashes = hash_array(hashes)?;
-        let matched = lock(&self.inner).match_prefix(&hashes, now)?;
+        let matched = lock(&self.inner).match_prefix(&hashes, now_or_monotonic(now))?;
         let d = PyDict::new(py);
         for (endpoint, n) in matched {
             d.set_item(endpoint, n)?;
@@ -139,8 +142,9 @@ impl PyPrefixIndex {
     }
 
     /// Drops hashes idle longer than ``ttl_s`` at ``now``; returns how many.
-    fn expire(&self, now: f64) -> PyResult<usize> {
-        Ok(lock(&self.inner).expire(now)?)
+    #[pyo3(signature = (now=None))]
+    fn expire(&self, now: Option<f64>) -> PyResult<usize> {
+        Ok(lock(&self.inner).expire(now_or_monotonic(now))?)
     }
 
     fn __len__(&self) -> usize {
@@ -257,15 +261,16 @@ impl PyPrefixCacheRouter {
 
     /// Routes one prompt: ``(endpoint, match_fraction)``, the fraction of the
     /// prompt's full blocks the chosen endpoint held (0.0 below one block).
-    #[pyo3(signature = (tokens, running=None, now=0.0))]
+    #[pyo3(signature = (tokens, running=None, now=None))]
     fn route(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         running: Option<&Bound<'_, PyAny>>,
-        now: f64,
+        now: Option<f64>,
     ) -> PyResult<(String, f64)> {
         let running = running_arg(running)?;
+        let now = now_or_monotonic(now);
         let arg = TokenArg::new(tokens, "tokens")?;
         let t = arg.tokens()?;
         let c = self.config;
@@ -285,16 +290,17 @@ impl PyPrefixCacheRouter {
     /// ``tokens[offsets[i]:offsets[i + 1]]``) exactly as ``route`` one by one
     /// would, ``running`` applied before the first. Returns ``(endpoint indices
     /// into endpoints, match fractions)``.
-    #[pyo3(signature = (tokens, offsets, running=None, now=0.0))]
+    #[pyo3(signature = (tokens, offsets, running=None, now=None))]
     fn route_many<'py>(
         &self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
         offsets: &Bound<'py, PyAny>,
         running: Option<&Bound<'py, PyAny>>,
-        now: f64,
+        now: Option<f64>,
     ) -> PyResult<ArrayPair<'py, i64, f64>> {
         let running = running_arg(running)?;
+        let now = now_or_monotonic(now);
         let offsets = int_array(offsets, "offsets")?;
         let arg = TokenArg::new(tokens, "tokens")?;
         let t = arg.tokens()?;
@@ -309,7 +315,8 @@ impl PyPrefixCacheRouter {
         Ok((chosen.into_pyarray(py), fractions.into_pyarray(py)))
     }
 
-    /// Ends one running request on ``endpoint``.
+    /// Ends one running request on ``endpoint``; ``NotInFlightError`` when
+    /// none is running there.
     fn complete(&self, endpoint: &str) -> PyResult<()> {
         Ok(self.router().complete(endpoint)?)
     }

@@ -4,7 +4,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use super::{int_arg, int_array, reduce, size_arg};
+use super::{int_arg, int_array, now_or_monotonic, reduce, size_arg};
 use crate::vtc::{VtcConfig, VtcRouter, DEFAULT_MAX_USERS};
 
 // The signature's default is written as a literal (for the text signature).
@@ -22,8 +22,11 @@ const _: () = assert!(DEFAULT_MAX_USERS == 100_000);
 /// min(running_i / max_endpoint_load, 1)``; the lowest score wins (lowest index on
 /// ties). At most ``max_users`` users are held: a new user beyond that
 /// forgets the least recently active one (oldest latest charge bucket, then
-/// smallest name), in O(log users). Time (``now``, seconds) is passed in. ``running``, where accepted, first overwrites every endpoint's count.
-///
+/// smallest name), in O(log users). ``now`` (seconds) defaults to
+/// ``monotonic()``, so the window moves on its own; an explicit ``now``
+/// earlier than one already seen counts as the latest. ``running``, where
+/// accepted, first overwrites every endpoint's count. ``complete`` on an
+/// endpoint with nothing running raises ``NotInFlightError``.
 ///
 ///     >>> r = VtcRouter(["p0", "p1"])
 ///     >>> r.route("alice", 100, 200)
@@ -89,24 +92,30 @@ impl PyVtcRouter {
 
     /// Routes one request of ``user`` with estimated token counts; charges
     /// them and counts the request running on the returned endpoint.
-    #[pyo3(signature = (user, input_tokens, output_tokens, running=None, now=0.0))]
+    #[pyo3(signature = (user, input_tokens, output_tokens, running=None, now=None))]
     fn route(
         &self,
         user: &str,
         #[pyo3(from_py_with = int_arg)] input_tokens: i64,
         #[pyo3(from_py_with = int_arg)] output_tokens: i64,
         running: Option<&Bound<'_, PyAny>>,
-        now: f64,
+        now: Option<f64>,
     ) -> PyResult<String> {
         let running = running.map(|r| int_array(r, "running")).transpose()?;
         let mut router = self.router();
-        let endpoint = router.route(user, input_tokens, output_tokens, running.as_deref(), now)?;
+        let endpoint = router.route(
+            user,
+            input_tokens,
+            output_tokens,
+            running.as_deref(),
+            now_or_monotonic(now),
+        )?;
         Ok(router.endpoints()[endpoint].clone())
     }
 
     /// Routes a batch exactly as ``route`` one by one would (``running``
     /// applied before the first); returns endpoint indices into ``endpoints``.
-    #[pyo3(signature = (users, input_tokens, output_tokens, running=None, now=0.0))]
+    #[pyo3(signature = (users, input_tokens, output_tokens, running=None, now=None))]
     fn route_many<'py>(
         &self,
         py: Python<'py>,
@@ -114,11 +123,12 @@ impl PyVtcRouter {
         input_tokens: &Bound<'py, PyAny>,
         output_tokens: &Bound<'py, PyAny>,
         running: Option<&Bound<'py, PyAny>>,
-        now: f64,
+        now: Option<f64>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let ins = int_array(input_tokens, "input_tokens")?;
         let outs = int_array(output_tokens, "output_tokens")?;
         let running = running.map(|r| int_array(r, "running")).transpose()?;
+        let now = now_or_monotonic(now);
         let chosen = py.detach(|| {
             self.router()
                 .route_many(&users, &ins, &outs, running.as_deref(), now)
@@ -132,7 +142,7 @@ impl PyVtcRouter {
 
     /// Ends a request on ``endpoint`` and corrects ``user``'s charge from the
     /// estimates given to ``route`` to the actual token counts.
-    #[pyo3(signature = (endpoint, user, est_input_tokens, est_output_tokens, input_tokens, output_tokens, now=0.0))]
+    #[pyo3(signature = (endpoint, user, est_input_tokens, est_output_tokens, input_tokens, output_tokens, now=None))]
     #[allow(clippy::too_many_arguments)]
     fn complete(
         &self,
@@ -142,7 +152,7 @@ impl PyVtcRouter {
         #[pyo3(from_py_with = int_arg)] est_output_tokens: i64,
         #[pyo3(from_py_with = int_arg)] input_tokens: i64,
         #[pyo3(from_py_with = int_arg)] output_tokens: i64,
-        now: f64,
+        now: Option<f64>,
     ) -> PyResult<()> {
         Ok(self.router().complete(
             endpoint,
@@ -151,14 +161,14 @@ impl PyVtcRouter {
             est_output_tokens,
             input_tokens,
             output_tokens,
-            now,
+            now_or_monotonic(now),
         )?)
     }
 
     /// ``user``'s weighted token count in the window at ``now``.
-    #[pyo3(signature = (user, now=0.0))]
-    fn user_tokens(&self, user: &str, now: f64) -> PyResult<f64> {
-        Ok(self.router().user_tokens(user, now)?)
+    #[pyo3(signature = (user, now=None))]
+    fn user_tokens(&self, user: &str, now: Option<f64>) -> PyResult<f64> {
+        Ok(self.router().user_tokens(user, now_or_monotonic(now))?)
     }
 
     /// Number of users with a non-empty window.

@@ -3,8 +3,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{latency, monotonic_s, usage, AdmissionSpec, Ticket, Verdict};
+use super::{latency, usage, AdmissionSpec, Ticket, Verdict};
 use crate::admission::AdmissionController;
+use crate::clock::monotonic;
 use crate::error::Error;
 
 /// The state of one configuration; after a reload, it forwards to the next.
@@ -63,7 +64,7 @@ impl MemoryAdmission {
         ) else {
             return Verdict::invalid();
         };
-        let now = monotonic_s();
+        let now = monotonic();
         self.with(|c, _| match c.admit(entitlement, input, max, now) {
             Ok(a) => Verdict::from_core(a),
             Err(_) => Verdict::invalid(),
@@ -71,7 +72,7 @@ impl MemoryAdmission {
     }
 
     pub fn complete(&self, ticket: Ticket, input: u64, output: u64, latency_s: f64) -> bool {
-        let now = monotonic_s();
+        let now = monotonic();
         self.with(|c, renumbered| {
             let t = renumbered.remove(&ticket.0).unwrap_or(ticket.0);
             c.complete(t, usage(input), usage(output), latency(latency_s), now)
@@ -80,7 +81,7 @@ impl MemoryAdmission {
     }
 
     pub fn evictions(&self) -> Vec<Ticket> {
-        let now = monotonic_s();
+        let now = monotonic();
         self.with(|c, _| c.evictions(now).unwrap_or_default())
             .into_iter()
             .map(Ticket)

@@ -16,9 +16,6 @@ pub mod memory;
 pub mod redis;
 pub mod scripts;
 
-use std::sync::OnceLock;
-use std::time::Instant;
-
 use serde::Deserialize;
 
 use crate::admission::{AdmissionController, Entitlement, Quota};
@@ -260,13 +257,6 @@ fn latency(latency_s: f64) -> f64 {
     } else {
         0.0
     }
-}
-
-/// Seconds on this process's monotonic clock (one origin for every memory
-/// backend, so state carried over a reload keeps its times).
-fn monotonic_s() -> f64 {
-    static ORIGIN: OnceLock<Instant> = OnceLock::new();
-    ORIGIN.get_or_init(Instant::now).elapsed().as_secs_f64()
 }
 
 /// The admission layer of the data plane (one per configuration, so the

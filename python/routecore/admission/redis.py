@@ -1,37 +1,5 @@
-"""Quota admission with one interface over two backends.
-
-``InMemoryAdmission`` (the default) keeps the state in this process, in the
-Rust ``AdmissionController``. ``RedisAdmission`` keeps it in Redis so that
-many gateway replicas share one quota without ever over-admitting: every
-decision is one Lua script that checks and reserves atomically, with the same
-checks, priority, debt and burst as the Rust controller. Choose one with
-``admission_from_config``.
-
-Both backends answer::
-
-    admission = backend.admit(entitlement, input_tokens, max_tokens=None, now=None)
-    # admission.admitted, .status (200/401/403/413/429/503), .reason,
-    # .retry_after_s (seconds or None), .ticket (int or None)
-    backend.complete(admission.ticket, actual_input, actual_output, latency_s, now=None)
-
-``now`` defaults to the backend's clock (``time.monotonic`` in memory,
-``time.time`` for Redis, which replicas share). ``complete`` returns True when
-it released the ticket and False when the ticket is not in flight (None, done
-already, or its Redis lease expired): completing twice never counts twice.
-Both backends may be called from several threads at once (e.g. a server's
-thread pool); bad numbers raise ValueError.
-
-Redis specifics (see ``RedisAdmission``): keys ``{prefix}:{<quota>}:...`` per
-quota and entitlement, all of one quota in one hash slot; a reservation whose
-replica died mid-request is released after ``lease_s``. Construction never
-contacts Redis. Any Redis failure (down, stalled past ``socket_timeout_s``,
-an error reply such as OOM) goes through ``failure_mode``: ``"closed"`` (the
-default) rejects with 503, ``"open"`` admits without a ticket (unaccounted),
-so an outage either sheds load or protects availability, as configured; it is
-logged and counted in ``RedisAdmission.failures``, never raised. A reservation
-whose reply was lost (a stalled Redis runs the script after the client gave
-up) is voided by its request id as soon as Redis answers again.
-"""
+"""The shared admission backend: quota state in Redis, one atomic Lua script
+per decision (see ``RedisAdmission``)."""
 
 from __future__ import annotations
 
@@ -43,26 +11,24 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from routecore._core import (
     Admission,
     AdmissionController,
     Entitlement,
+    NotInFlightError,
     Quota,
     admission_lua,
     admission_redis_config,
 )
 from routecore._extras import require
+from routecore.admission.backend import FAILURE_KINDS, AdmissionBackend
 
 MAX_TOKENS = 1 << 30
 MAX_QUOTAS = 256
 FAILURE_MODES = ("open", "closed")
-#: The kinds ``RedisAdmission.failures`` counts: no connection, no answer in
-#: time, an error reply (OOM, NOSCRIPT, BUSY, READONLY, ...).
-FAILURE_KINDS = ("connection", "timeout", "reply")
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
 #: The keys of a configuration's ``redis`` mapping (``RedisAdmission`` keywords).
 REDIS_OPTIONS = (
@@ -79,155 +45,8 @@ MAX_PENDING = 10_000
 #: How many of them one call settles before its own work.
 RECONCILE_BATCH = 256
 _INF = float("inf")
-_log = logging.getLogger(__name__)
-
-
-class AdmissionBackend:
-    """What a gateway or server needs from an admission backend; both backends
-    derive from it and supply ``_admit``, ``_complete`` and the rest."""
-
-    clock: Callable[[], float]
-    #: Failures of the shared state by kind (``FAILURE_KINDS``), for a metric;
-    #: empty in memory.
-    failures: Mapping[str, int] = MappingProxyType({})
-
-    def admit(
-        self,
-        entitlement: str,
-        input_tokens: int,
-        max_tokens: int | None = None,
-        now: float | None = None,
-    ) -> Admission:
-        """Decides one request: ``admitted``, ``status`` (200; 401 unknown
-        entitlement, 403 not bound, 413 over the whole budget, 429 throttled,
-        503 state unreachable), ``reason``, ``retry_after_s``, ``ticket``.
-        ``max_tokens=None`` charges the default output bound; ``now`` defaults
-        to the backend's clock. Bad numbers raise ValueError."""
-        return self._admit(entitlement, input_tokens, max_tokens, self._now(now))
-
-    def complete(
-        self,
-        ticket: int | None,
-        actual_input: int,
-        actual_output: int,
-        latency_s: float,
-        now: float | None = None,
-    ) -> bool:
-        """Ends an admitted request with what it really used and updates served
-        rate, debt, burst and priority. True when this call released the ticket,
-        False when it is not in flight (None, done already, lease expired, or
-        the state is unreachable): completing twice never counts twice."""
-        if ticket is None:
-            return False
-        return self._complete(ticket, actual_input, actual_output, latency_s, self._now(now))
-
-    def evictions(self, now: float | None = None) -> list[int]:
-        """Tickets of preemptible requests to terminate now because protected
-        classes need the capacity (lowest priority, then youngest, first).
-        Changes nothing: terminate them, then ``complete`` each."""
-        return self._evictions(self._now(now))
-
-    def reconcile(self, now: float | None = None) -> bool:
-        """Settles in the shared state what failed calls left behind; True when
-        nothing is left. Nothing to do in memory."""
-        return True
-
-    def pending(self) -> int:
-        """Failed calls whose effect is not yet settled in the shared state."""
-        return 0
-
-    def _now(self, now: float | None) -> float:
-        return self.clock() if now is None else float(now)
-
-    def _admit(
-        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
-    ) -> Admission:
-        raise NotImplementedError
-
-    def _complete(
-        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
-    ) -> bool:
-        raise NotImplementedError
-
-    def _evictions(self, now: float) -> list[int]:
-        raise NotImplementedError
-
-    def set_capacity(
-        self,
-        quota: str,
-        tokens_per_s: float | None = None,
-        kv_bytes: int | None = None,
-        concurrency: int | None = None,
-    ) -> None:
-        """Changes a quota's capacity at run time (outage, recovery, scaling)."""
-        raise NotImplementedError
-
-    def set_state(self, entitlement: str, state: str) -> None:
-        """Moves an entitlement to pending, bound, degraded or expired."""
-        raise NotImplementedError
-
-    def quota_in_flight(self, quota: str) -> int:
-        """Requests in flight in ``quota``."""
-        raise NotImplementedError
-
-    def priority(self, entitlement: str) -> float:
-        """The entitlement's priority weight w_e now (equation 1)."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Releases connections, if any."""
-
-
-class InMemoryAdmission(AdmissionBackend):
-    """The in-process backend (the default): ``AdmissionController`` with a clock."""
-
-    def __init__(
-        self,
-        quotas: Sequence[Quota],
-        entitlements: Sequence[Entitlement],
-        default_max_tokens: int = 4096,
-        window_s: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.controller = AdmissionController(
-            list(quotas), list(entitlements), default_max_tokens, window_s
-        )
-        self.clock = clock
-
-    def _admit(
-        self, entitlement: str, input_tokens: int, max_tokens: int | None, now: float
-    ) -> Admission:
-        return self.controller.admit(entitlement, input_tokens, max_tokens, now)
-
-    def _complete(
-        self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
-    ) -> bool:
-        try:
-            self.controller.complete(ticket, actual_input, actual_output, latency_s, now)
-        except KeyError:
-            return False
-        return True
-
-    def _evictions(self, now: float) -> list[int]:
-        return self.controller.evictions(now)
-
-    def set_capacity(
-        self,
-        quota: str,
-        tokens_per_s: float | None = None,
-        kv_bytes: int | None = None,
-        concurrency: int | None = None,
-    ) -> None:
-        self.controller.set_capacity(quota, tokens_per_s, kv_bytes, concurrency)
-
-    def set_state(self, entitlement: str, state: str) -> None:
-        self.controller.set_state(entitlement, state)
-
-    def quota_in_flight(self, quota: str) -> int:
-        return self.controller.quota_in_flight(quota)
-
-    def priority(self, entitlement: str) -> float:
-        return self.controller.priority(entitlement)
+# The logger the docs name (``routecore.admission``), whichever module logs.
+_log = logging.getLogger("routecore.admission")
 
 
 # One script per operation, the same text and constants as the data plane's
@@ -270,6 +89,12 @@ class RedisAdmission(AdmissionBackend):
     be stalled, one call at a time asks it and concurrent calls answer by
     ``failure_mode`` at once (not counted in ``failures``), so a stall holds one
     thread for ``socket_timeout_s``, not every caller's.
+
+    ``now`` defaults to ``clock``, the wall clock (``time.time``), not
+    ``routecore.monotonic``: the state is shared by processes, possibly on
+    several hosts, whose monotonic clocks do not agree. ``complete`` on a
+    ticket Redis no longer holds (completed already, lease expired, or issued
+    before Redis lost its data) raises ``NotInFlightError``.
 
     No reservation whose reply was lost can leak: every admit carries a request
     id chosen here, so when the call fails (its script may still run in a
@@ -544,7 +369,7 @@ class RedisAdmission(AdmissionBackend):
             raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s}")
         seq, index = divmod(ticket, MAX_QUOTAS)
         if index >= len(self._quotas):
-            return False
+            raise NotInFlightError(f"complete: ticket {ticket} is not in flight")
         quota = self._quotas[index]
         args = (seq, actual, repr(float(latency_s)), repr(now))
         with self._turn() as mine:
@@ -558,7 +383,9 @@ class RedisAdmission(AdmissionBackend):
                     self._failed("complete", e)
                 else:
                     self._succeeded(settled)
-                    return bool(done)
+                    if not done:  # completed already, or its lease expired
+                        raise NotInFlightError(f"complete: ticket {ticket} is not in flight")
+                    return True
         with self._lock:  # replayed when Redis answers; a replay counts once
             _keep(self._replays[quota], [args])
         return False
@@ -679,59 +506,3 @@ def _keep(queue: deque[Any], items: Sequence[Any], *, front: bool = False) -> No
         queue.extend(items)
     while len(queue) > MAX_PENDING:
         queue.popleft()
-
-
-#: Keys of the admission configuration renamed when its capacities became
-#: quotas (the router's context pools keep the name ``pools``): old -> new.
-RENAMED_KEYS = {"pools": "quotas", "pool": "quota"}
-
-
-def check_renamed(mapping: Mapping[str, Any], where: str = "") -> None:
-    """ValueError naming the new key when ``mapping`` (the admission
-    configuration, or one entitlement at ``where``) uses a renamed one."""
-    for old, new in RENAMED_KEYS.items():
-        if old in mapping:
-            raise ValueError(
-                f"{where}{old}: renamed to {new!r} (admission capacities are quotas; "
-                "pools are the router's)"
-            )
-
-
-def admission_from_config(config: Mapping[str, Any]) -> InMemoryAdmission | RedisAdmission:
-    """A backend from a configuration mapping (e.g. parsed YAML/JSON)::
-
-    {"backend": "memory" | "redis",          # default "memory"
-     "quotas": [{"name", "tokens_per_s", "kv_bytes", "concurrency",
-                "kv_bytes_per_token"?}],
-     "entitlements": [{"name", "tenant", "quota", "service_class",
-                       "slo_target_ms", "tokens_per_s", "kv_bytes",
-                       "concurrency", "state"?}],
-     "default_max_tokens"?: 4096, "window_s"?: 60.0,
-     "redis"?: {"url", "prefix", "lease_s", "failure_mode": "open" | "closed",
-                "unavailable_retry_s", "socket_timeout_s"}}
-
-    The keys ``pools`` and an entitlement's ``pool`` (before quotas had their
-    own name) are a ValueError naming the new key.
-    """
-    check_renamed(config)
-    for i, e in enumerate(config.get("entitlements", [])):
-        if isinstance(e, Mapping):
-            check_renamed(e, f"entitlements[{i}].")
-    quotas = [Quota(**p) for p in config.get("quotas", [])]
-    entitlements = [Entitlement(**e) for e in config.get("entitlements", [])]
-    common = {
-        "default_max_tokens": config.get("default_max_tokens", 4096),
-        "window_s": config.get("window_s", 60.0),
-    }
-    backend = config.get("backend", "memory")
-    if backend == "memory":
-        return InMemoryAdmission(quotas, entitlements, **common)
-    if backend == "redis":
-        options = config.get("redis", {})
-        if not isinstance(options, Mapping):
-            raise ValueError(f"redis: expected a mapping, got {type(options).__name__}")
-        for key in options:
-            if key not in REDIS_OPTIONS:
-                raise ValueError(f"redis.{key}: unknown key (expected one of {REDIS_OPTIONS})")
-        return RedisAdmission(quotas, entitlements, **common, **options)
-    raise ValueError(f"backend must be 'memory' or 'redis', got {backend!r}")
