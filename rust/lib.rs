@@ -14,6 +14,7 @@ pub mod error;
 pub mod kv;
 pub mod openai;
 pub mod pick;
+pub mod pipeline;
 pub mod planner;
 pub mod prefix;
 pub mod profile;
@@ -52,7 +53,6 @@ mod _core {
     #[pymodule_export]
     use crate::py::compress::{
         PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
-        PyRoutedRequest,
     };
     #[cfg(feature = "kv-events")]
     #[pymodule_export]
@@ -64,6 +64,8 @@ mod _core {
     use crate::py::openai::parse_openai_request;
     #[pymodule_export]
     use crate::py::pick::PyEndpointPicker;
+    #[pymodule_export]
+    use crate::py::pipeline::PyRoutedRequest;
     #[pymodule_export]
     use crate::py::planner::{
         annual_cost_usd, g_dual, plan, pool_routing_savings, PyCandidate, PyPlan,

@@ -4,7 +4,7 @@
 //!
 //! One [`Engine`] is built from one configuration [`Spec`]. It authenticates
 //! the tenant (SHA-256 digests of the API keys, compared in constant time),
-//! parses and routes the request with the core's `route_request`
+//! parses and routes the request with the core's `pipeline::route_request`
 //! (token-budget pool, compress-and-route), or on the exact prompt token
 //! count when the request's model has a tokenizer (`crate::tokenize`),
 //! picks the endpoint inside the pool (least-request, prefix or VTC, over
@@ -27,10 +27,11 @@ use subtle::ConstantTimeEq;
 
 use crate::budget::{compressible_category, Action, Decision, Pool, Request, TokenBudgetRouter};
 use crate::calibrate::Calibrator;
-use crate::compress::{route_request, Compressor};
+use crate::compress::Compressor;
 use crate::error::{invalid, Error, Result};
 use crate::openai::{MediaTokens, ParsedRequest};
 use crate::pick::{preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline};
+use crate::pipeline::route_request;
 use crate::prefix::{block_hashes, Tokens};
 use crate::tokenize::{route_tokenized, SpecialTokens, Tokenized, Tokenizer};
 
