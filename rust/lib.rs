@@ -91,6 +91,12 @@ mod _core {
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
-        m.add("__version__", env!("CARGO_PKG_VERSION"))
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        // The core's constants, so that Python never re-types them.
+        m.add(
+            "CATEGORIES",
+            pyo3::types::PyTuple::new(m.py(), crate::classify::CATEGORIES)?,
+        )?;
+        m.add("MAX_TOKENS", crate::budget::MAX_TOKENS)
     }
 }

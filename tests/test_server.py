@@ -466,7 +466,7 @@ def test_plan_through_grpc_equals_the_library(server):
         "workload": {"input_tokens": [900, 100, 3000], "output_tokens": [100, 50, 1000]},
         "arrival_rate": 10.0,
         "slo_ttft_s": 0.5,
-        "profile": "llama3-70b-a100",
+        "profile": "llama3_70b_a100",
     }
     with grpc.insecure_channel(server.api_target) as channel:
         resp = rc_grpc.RouteCoreStub(channel).Plan(rc.PlanRequest(params_json=json.dumps(params)))

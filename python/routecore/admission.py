@@ -48,6 +48,7 @@ from types import MappingProxyType
 from typing import Any
 
 from routecore._core import (
+    MAX_TOKENS,
     Admission,
     AdmissionController,
     Entitlement,
@@ -57,7 +58,6 @@ from routecore._core import (
 )
 from routecore._extras import require
 
-MAX_TOKENS = 1 << 30
 MAX_QUOTAS = 256
 FAILURE_MODES = ("open", "closed")
 #: The kinds ``RedisAdmission.failures`` counts: no connection, no answer in

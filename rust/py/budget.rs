@@ -8,7 +8,6 @@ use super::{int_arg, int_view};
 use crate::budget::{
     compressible_category, Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS,
 };
-use crate::calibrate::DEFAULT_MAX_CATEGORIES;
 
 /// A pool of model instances sharing one context window.
 ///
@@ -194,7 +193,7 @@ impl PyTokenBudgetRouter {
                 py,
                 PyCalibrator {
                     inner: std::sync::Arc::new(std::sync::RwLock::new(
-                        crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, DEFAULT_MAX_CATEGORIES)?,
+                        crate::calibrate::Calibrator::with_defaults(),
                     )),
                 },
             )?,

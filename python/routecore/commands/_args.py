@@ -13,8 +13,8 @@ import math
 import os
 from collections.abc import Callable
 
-#: The largest token count the router accepts (``MAX_TOKENS``, 2^30).
-MAX_TOKENS = 1 << 30
+from routecore._core import MAX_TOKENS
+
 #: Counts handed to Rust as signed 64-bit integers.
 MAX_COUNT = (1 << 63) - 1
 
