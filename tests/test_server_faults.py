@@ -236,7 +236,8 @@ def test_failure_mode_applies_identically_through_both_front_ends(serve, phase, 
 def test_key_and_body_limit_refusals_are_the_same_through_both_front_ends(serve):
     s = serve(admission=admission(3), tenants=tenants())
     body = chat_body("hi " * 2000)  # about 6 KB
-    for key, expected in [("wrong-key", (401, "unknown-key")), ("expired-key", (403, "expired-key"))]:
+    refusals = [("wrong-key", (401, "unknown-key")), ("expired-key", (403, "expired-key"))]
+    for key, expected in refusals:
         assert through_extproc(s, {"x-api-key": key}, body) == expected
         assert through_api(s, key, body) == expected
     # The limit is the running configuration's: a reload to 4 KB applies to both.
