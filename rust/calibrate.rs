@@ -37,6 +37,12 @@ pub const MIN_RATIO: f64 = 0.5;
 /// stay under about 8 bytes per token even on repetitive English; 32 leaves room
 /// for long whitespace runs while refusing nonsense.
 pub const MAX_RATIO: f64 = 32.0;
+/// Default EMA decay `beta` (the paper's 0.95; see `Calibrator::new`).
+pub const DEFAULT_BETA: f64 = 0.95;
+/// Default number of deviations `gamma` the conservative ratio subtracts.
+pub const DEFAULT_GAMMA: f64 = 1.0;
+/// Default ratio of a category with no feedback yet (English prose).
+pub const DEFAULT_COLD_START: f64 = 4.0;
 /// Default bound on distinct categories (see `Calibrator::new`).
 pub const DEFAULT_MAX_CATEGORIES: usize = 1024;
 /// The longest category name accepted, in bytes.
@@ -102,6 +108,20 @@ impl Calibrator {
             ids: HashMap::new(),
             stats: Vec::new(),
         })
+    }
+
+    /// A calibrator with the defaults: [`DEFAULT_BETA`], [`DEFAULT_GAMMA`],
+    /// [`DEFAULT_COLD_START`], [`DEFAULT_MAX_CATEGORIES`].
+    pub fn with_defaults() -> Self {
+        Self {
+            beta: DEFAULT_BETA,
+            gamma: DEFAULT_GAMMA,
+            cold_start: DEFAULT_COLD_START,
+            max_categories: DEFAULT_MAX_CATEGORIES,
+            names: Vec::new(),
+            ids: HashMap::new(),
+            stats: Vec::new(),
+        }
     }
 
     pub fn beta(&self) -> f64 {
@@ -299,6 +319,17 @@ mod tests {
 
     fn cal() -> Calibrator {
         Calibrator::new(0.95, 1.0, 4.0, 8).expect("valid")
+    }
+
+    #[test]
+    fn the_defaults_are_a_valid_calibrator() {
+        let checked = Calibrator::new(
+            DEFAULT_BETA,
+            DEFAULT_GAMMA,
+            DEFAULT_COLD_START,
+            DEFAULT_MAX_CATEGORIES,
+        );
+        assert_eq!(checked, Ok(Calibrator::with_defaults()));
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod error;
 pub mod kv;
 pub mod openai;
 pub mod pick;
+pub mod pipeline;
 pub mod planner;
 pub mod prefix;
 pub mod profile;
@@ -53,7 +54,6 @@ mod _core {
     #[pymodule_export]
     use crate::py::compress::{
         PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
-        PyRoutedRequest,
     };
     #[cfg(feature = "kv-events")]
     #[pymodule_export]
@@ -67,6 +67,8 @@ mod _core {
     use crate::py::openai::parse_openai_request;
     #[pymodule_export]
     use crate::py::pick::PyEndpointPicker;
+    #[pymodule_export]
+    use crate::py::pipeline::PyRoutedRequest;
     #[pymodule_export]
     use crate::py::planner::{
         annual_cost_usd, g_dual, plan, pool_routing_savings, PyCandidate, PyPlan,
@@ -96,6 +98,12 @@ mod _core {
             "NotInFlightError",
             m.py().get_type::<crate::py::NotInFlightError>(),
         )?;
-        m.add("__version__", env!("CARGO_PKG_VERSION"))
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        // The core's constants, so that Python never re-types them.
+        m.add(
+            "CATEGORIES",
+            pyo3::types::PyTuple::new(m.py(), crate::classify::CATEGORIES)?,
+        )?;
+        m.add("MAX_TOKENS", crate::budget::MAX_TOKENS)
     }
 }

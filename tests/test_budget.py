@@ -200,3 +200,17 @@ def test_repr_and_properties():
     assert r.pools[0].queue_limit == 3 and r.pools[1].budget == 65536
     assert "short" in repr(r) and "Pool(" in repr(r.pools[0])
     assert "RouteDecision(" in repr(r.route(1, "prose", 1))
+
+
+def test_the_cores_constants_are_what_it_does():
+    # Exported once from the core (never re-typed in Python), and true of it.
+    from routecore._core import CATEGORIES, MAX_TOKENS, classify
+
+    samples = ["Plain prose.", "def f(x):\n    return x + 1\n", "日本語の文章です。", "mix 日本"]
+    assert {classify(s) for s in samples} == set(CATEGORIES)
+    cal = Calibrator()
+    assert cal.estimate_tokens(4000, "unseen") == -(-4000 // Calibrator.DEFAULT_COLD_START)
+    router = TokenBudgetRouter([Pool("only", MAX_TOKENS)], cal)
+    assert router.route(100, "prose", MAX_TOKENS - 100).pool == "only"
+    with pytest.raises(ValueError, match=str(MAX_TOKENS)):
+        router.route(100, "prose", MAX_TOKENS + 1)

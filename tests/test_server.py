@@ -33,6 +33,7 @@ from server_fixtures import (
 
 from routecore import Profile, Workload, plan
 from routecore._core import DataPlane
+from routecore.planning import plan_json
 from routecore.server.envoy_client import (
     buffered,
     chat_body,
@@ -466,13 +467,14 @@ def test_plan_through_grpc_equals_the_library(server):
         "workload": {"input_tokens": [900, 100, 3000], "output_tokens": [100, 50, 1000]},
         "arrival_rate": 10.0,
         "slo_ttft_s": 0.5,
-        "profile": "llama3-70b-a100",
+        "profile": "llama3_70b_a100",
     }
     with grpc.insecure_channel(server.api_target) as channel:
         resp = rc_grpc.RouteCoreStub(channel).Plan(rc.PlanRequest(params_json=json.dumps(params)))
     got = json.loads(resp.plan_json)
     direct = plan(Workload([900, 100, 3000], [100, 50, 1000]), 10.0, 0.5, Profile.llama3_70b_a100())
-    assert got["best"] == json.loads(json.dumps(direct.best.as_dict()))
+    # One serialisation for the API and `routecore plan --json`.
+    assert got == json.loads(json.dumps(plan_json(direct)))
     assert got["homogeneous"]["gpus"] == direct.homogeneous.gpus
     assert got["best"]["gpus"] <= got["homogeneous"]["gpus"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,30 @@ def test_serve_command_reports_a_bad_config(tmp_path, capsys):
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "routecore serve: error:" in err and "pools[0].max_context" in err
+
+
+def test_config_never_imports_the_server_package():
+    # Loading and checking a configuration (the control plane's first step,
+    # also used by `routecore serve --check`) needs no gRPC server code.
+    code = (
+        "import sys\n"
+        "from routecore.config import load_config\n"
+        f"load_config({str(ROOT / 'examples/routecore.yaml')!r}).spec_json()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('routecore.server')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_token_limits_are_the_cores():
+    # One MAX_TOKENS: the router's, refused alike by the configuration.
+    from routecore import _core
+    from routecore.admission import MAX_TOKENS
+
+    assert MAX_TOKENS is _core.MAX_TOKENS
+    raw = base_config()
+    raw["pools"][0]["max_context"] = _core.MAX_TOKENS + 1
+    with pytest.raises(ConfigError, match=f"{_core.MAX_TOKENS}"):
+        parse_config(raw)
+    raw["pools"][0]["max_context"] = _core.MAX_TOKENS
+    parse_config(raw)

@@ -179,7 +179,7 @@ def test_routecore_api_failure_is_internal_without_detail(serve, monkeypatch):
     s = serve(admission=admission(3), tenants=tenants())
     with grpc.insecure_channel(s.api_target) as channel:
         stub = rc_grpc.RouteCoreStub(channel)
-        monkeypatch.setattr(service, "BAD_REQUEST", None)  # the handler raises (TypeError)
+        monkeypatch.setattr(service.pb, "Admission", None)  # the handler raises (TypeError)
         with pytest.raises(grpc.RpcError) as e:
             stub.Route(rc.RouteRequest(body=chat_body("x"), api_key="wrong-key"))
         assert e.value.code() == grpc.StatusCode.INTERNAL
@@ -188,6 +188,68 @@ def test_routecore_api_failure_is_internal_without_detail(serve, monkeypatch):
         s.server.plane.inject_fault("admission")  # a failure while routing: failure_mode (closed)
         resp = stub.Route(rc.RouteRequest(body=chat_body("x"), api_key="demo-key"))
         assert resp.admission.status == 503 and resp.admission.reason == "internal-error"
+    wait_settled(s)
+
+
+# -- one front door: ext_proc and the RouteCore API apply the same rules --------------
+
+
+def through_extproc(s: Running, key: dict, body: bytes) -> tuple[int, str]:
+    """(status, pool or reason) of one ext_proc conversation."""
+    conv = converse(s.target, key, body, [usage_body(5, 1)])
+    if conv.immediate is not None:
+        return conv.immediate.status.code, json.loads(conv.immediate.body)["error"]["type"]
+    return 200, conv.routing_headers["x-routecore-pool"]
+
+
+def through_api(s: Running, key: str, body: bytes) -> tuple[int, str]:
+    """(status, pool or reason) of one RouteCore Route (ended at once by a
+    Feedback); a bad request's INVALID_ARGUMENT as status 400 and its detail."""
+    with grpc.insecure_channel(s.api_target) as channel:
+        stub = rc_grpc.RouteCoreStub(channel)
+        try:
+            resp = stub.Route(rc.RouteRequest(body=body, api_key=key))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+            return 400, e.details()
+        if not resp.admission.admitted:
+            return resp.admission.status, resp.admission.reason
+        stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id))
+        return 200, resp.pool
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+@pytest.mark.parametrize("phase", ["routing", "admission"])
+def test_failure_mode_applies_identically_through_both_front_ends(serve, phase, mode):
+    s = serve(admission=admission(3), tenants=tenants(), server={"failure_mode": mode})
+    body = chat_body("x" * 40_000)  # the long pool when routing works
+    expected = (200, "short") if mode == "open" else (503, "internal-error")  # short: default
+    s.server.plane.inject_fault(phase)
+    assert through_extproc(s, KEY, body) == expected
+    s.server.plane.inject_fault(phase)
+    assert through_api(s, "demo-key", body) == expected
+    assert metric(s, "failures", mode) == 2
+    assert through_api(s, "demo-key", body) == through_extproc(s, KEY, body) == (200, "long")
+    wait_settled(s)
+
+
+def test_key_and_body_limit_refusals_are_the_same_through_both_front_ends(serve):
+    s = serve(admission=admission(3), tenants=tenants())
+    body = chat_body("hi " * 2000)  # about 6 KB
+    refusals = [("wrong-key", (401, "unknown-key")), ("expired-key", (403, "expired-key"))]
+    for key, expected in refusals:
+        assert through_extproc(s, {"x-api-key": key}, body) == expected
+        assert through_api(s, key, body) == expected
+    # The limit is the running configuration's: a reload to 4 KB applies to both.
+    config = base_config(admission=admission(3), tenants=tenants())
+    config["limits"]["max_body_bytes"] = 4096
+    s.path.write_text(yaml.safe_dump(config))
+    assert s.run(s.server.reload)
+    assert through_extproc(s, KEY, body) == (413, "body-too-large")
+    assert through_api(s, "demo-key", body) == (400, "request body exceeds 4096 bytes")
+    refused = s.server.plane.route_body(body, b"demo-key")
+    assert (refused["status"], refused["bad_request"]) == (413, True)
+    assert metric(s, "rejections", "guaranteed", "body-too-large") == 3
     wait_settled(s)
 
 
@@ -286,7 +348,7 @@ def test_routecore_out_of_range_fields_and_deep_plan_params_are_invalid_argument
             with pytest.raises(grpc.RpcError) as e:
                 stub.Route(rc.RouteRequest(measured=m, api_key="demo-key"))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "at most" in e.value.details()
+            assert "must be" in e.value.details()
         huge = '{"arrival_rate": 1, "slo_ttft_s": 0.5, "workload": '
         huge += '{"input_tokens": [99999999999999999999999], "output_tokens": [1]}}'
         for bad in ("[" * 100_000, '{"a":' * 50_000, huge, '{"arrival_rate": 1e999}'):

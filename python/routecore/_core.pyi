@@ -1,13 +1,17 @@
 # Type stubs for routecore._core, the Rust extension. Kept honest by
 # `python -m mypy.stubtest routecore._core` in the test command.
 import pathlib
-from typing import Any, Literal, final
+from typing import Any, ClassVar, Literal, final
 
 import numpy as np
 import numpy.typing as npt
 from typing_extensions import Self, disjoint_base
 
 __version__: str
+#: The categories ``classify`` assigns and the calibrator learns.
+CATEGORIES: tuple[str, ...]
+#: The largest token count (prompt, output, budget) any call accepts, 2^30.
+MAX_TOKENS: int
 
 # --- conventions: the clock and the not-in-flight error -----------------------
 
@@ -22,12 +26,16 @@ def monotonic() -> float: ...
 class Calibrator:
     """Per-category bytes-per-token EMA learned from ``usage.prompt_tokens``."""
 
+    DEFAULT_BETA: ClassVar[float]
+    DEFAULT_GAMMA: ClassVar[float]
+    DEFAULT_COLD_START: ClassVar[float]
+    DEFAULT_MAX_CATEGORIES: ClassVar[int]
     def __new__(
         cls,
-        beta: float = 0.95,
-        gamma: float = 1.0,
-        cold_start: float = 4.0,
-        max_categories: int = 1024,
+        beta: float = ...,
+        gamma: float = ...,
+        cold_start: float = ...,
+        max_categories: int = ...,
     ) -> Self: ...
     def observe(self, category: str, prompt_bytes: int, prompt_tokens: int) -> None: ...
     def ratio(self, category: str) -> float: ...

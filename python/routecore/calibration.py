@@ -79,7 +79,7 @@ def calibration_study(seed: int = 0, requests: int = 5000) -> list[CategoryResul
     results = []
     for category, ratio in TRUE_RATIOS.items():
         stream = _stream(rng, ratio, requests)
-        learned = TokenBudgetRouter(pools, Calibrator(beta=0.95, gamma=1.0, cold_start=4.0))
+        learned = TokenBudgetRouter(pools, Calibrator())
         misrouted, at_50 = _misroutes(learned, category, *stream, learn=True)
         static = TokenBudgetRouter(pools, Calibrator(gamma=0.0, cold_start=4.0))
         static_misrouted, _ = _misroutes(static, category, *stream, learn=False)

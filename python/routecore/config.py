@@ -28,8 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from routecore._core import Entitlement, Pool, Quota, Tokenizer
-from routecore.admission import REDIS_OPTIONS, URL_SCHEMES, admission_from_config, check_renamed
+from routecore._core import MAX_TOKENS, Entitlement, Pool, Quota, Tokenizer
+from routecore.admission import (
+    FAILURE_MODES,
+    REDIS_OPTIONS,
+    URL_SCHEMES,
+    admission_from_config,
+    check_renamed,
+)
 
 #: How the endpoint inside a pool is picked (``router.policy``): the endpoint
 #: picker's presets, see the README.
@@ -60,7 +66,6 @@ ENGINE_METRICS: dict[str, dict[str, Any]] = {
         "adapters": None,
     },
 }
-FAILURE_MODES = ("open", "closed")
 ADMISSION_BACKENDS = ("memory", "redis")
 
 
@@ -521,8 +526,8 @@ def _pools(raw_list: list[Any], engines: dict[str, Any]) -> tuple[PoolConfig, ..
             raise ConfigError(f"{where}.endpoints: an endpoint is listed twice")
         pool = PoolConfig(
             name=name,
-            max_context=_int(raw, "max_context", where, 1, 1 << 30, REQUIRED),
-            budget=_int(raw, "budget", where, 1, 1 << 30, None),
+            max_context=_int(raw, "max_context", where, 1, MAX_TOKENS, REQUIRED),
+            budget=_int(raw, "budget", where, 1, MAX_TOKENS, None),
             queue_limit=_int(raw, "queue_limit", where, 0, 1 << 30, None),
             endpoints=tuple(endpoints),
             engine=_str(raw, "engine", where, "vllm", tuple(engines)),
@@ -666,7 +671,7 @@ def _admission(raw: Any) -> AdmissionConfig:
     if backend == "redis" and not redis.get("url"):
         raise ConfigError("admission.redis.url: required when admission.backend is 'redis'")
     _redis(redis)
-    _int(a, "default_max_tokens", "admission", 1, 1 << 30, 4096)
+    _int(a, "default_max_tokens", "admission", 1, MAX_TOKENS, 4096)
     _float(a, "window_s", "admission", 0.001, 86400.0, 60.0)
     try:  # cross-references (an entitlement's quota) are checked by a trial build in memory
         if classes:
@@ -819,10 +824,10 @@ def parse_config(raw: Any) -> Config:
             lim, "request_timeout_s", "limits", 0.001, 86400.0, Limits.request_timeout_s
         ),
         default_max_tokens=_int(
-            lim, "default_max_tokens", "limits", 1, 1 << 30, Limits.default_max_tokens
+            lim, "default_max_tokens", "limits", 1, MAX_TOKENS, Limits.default_max_tokens
         ),
-        image_tokens=_int(lim, "image_tokens", "limits", 0, 1 << 30, Limits.image_tokens),
-        audio_tokens=_int(lim, "audio_tokens", "limits", 0, 1 << 30, Limits.audio_tokens),
+        image_tokens=_int(lim, "image_tokens", "limits", 0, MAX_TOKENS, Limits.image_tokens),
+        audio_tokens=_int(lim, "audio_tokens", "limits", 0, MAX_TOKENS, Limits.audio_tokens),
     )
     r = _section(
         top.get("router"),

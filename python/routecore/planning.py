@@ -31,6 +31,7 @@ import argparse
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import Any
 
 from routecore._core import Candidate, Plan, Profile, Workload
 
@@ -90,6 +91,24 @@ FIDELITY_WORKLOADS = ("azure-conversation", "azure-code", "lmsys-chat-1m")
 FIDELITY_RATES = (100.0, 1000.0, 10000.0)
 FIDELITY_SLOS = (0.5, 2.0)
 FIDELITY_FLEETS = ("homogeneous", "pool-routing")
+
+
+def plan_json(result: Plan) -> dict[str, Any]:
+    """A plan as JSON-ready data (``routecore plan --json`` and the RouteCore
+    API's Plan): ``{"homogeneous", "pool_routing", "best"}`` (each a
+    candidate's fields, or None), ``"table"`` (the rows of
+    :func:`table3_rows` by name) and ``"sweep"`` (every candidate)."""
+
+    def d(c: Candidate | None) -> dict[str, Any] | None:
+        return None if c is None else c.as_dict()
+
+    return {
+        "homogeneous": d(result.homogeneous),
+        "pool_routing": d(result.pool_routing),
+        "best": d(result.best),
+        "table": {name: d(c) for name, c in table3_rows(result)},
+        "sweep": [c.as_dict() for c in result.sweep],
+    }
 
 
 def lmsys_workload() -> Workload:

@@ -4,16 +4,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyString;
 
 use super::calibrate::PyCalibrator;
-use super::compress::{PyCompressor, PyRequestCompression, PyRoutedRequest};
-use super::tokenize::PyTokenizer;
-use super::{int_arg, int_view, text_bytes};
+use super::{int_arg, int_view};
 use crate::budget::{
     compressible_category, Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS,
 };
-use crate::calibrate::DEFAULT_MAX_CATEGORIES;
-use crate::compress::{route_request, Compressor, RoutedRequest};
-use crate::openai::MediaTokens;
-use crate::tokenize::route_tokenized;
 
 /// A pool of model instances sharing one context window.
 ///
@@ -155,7 +149,7 @@ impl PyRouteDecision {
 /// 'long'
 #[pyclass(frozen, name = "TokenBudgetRouter", module = "routecore")]
 pub struct PyTokenBudgetRouter {
-    inner: TokenBudgetRouter,
+    pub(super) inner: TokenBudgetRouter,
     calibrator: Py<PyCalibrator>,
     pools: Vec<Py<PyPool>>,
     names: Vec<Py<PyString>>,
@@ -175,7 +169,7 @@ impl PyTokenBudgetRouter {
         Ok(i as usize)
     }
 
-    fn decision(&self, py: Python<'_>, decision: Decision) -> PyRouteDecision {
+    pub(super) fn decision(&self, py: Python<'_>, decision: Decision) -> PyRouteDecision {
         PyRouteDecision {
             pool: decision.pool.map(|i| self.names[i].clone_ref(py)),
             decision,
@@ -199,7 +193,7 @@ impl PyTokenBudgetRouter {
                 py,
                 PyCalibrator {
                     inner: std::sync::Arc::new(std::sync::RwLock::new(
-                        crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, DEFAULT_MAX_CATEGORIES)?,
+                        crate::calibrate::Calibrator::with_defaults(),
                     )),
                 },
             )?,
@@ -240,65 +234,6 @@ impl PyTokenBudgetRouter {
             self.inner
                 .route_with(est, req.max_output_tokens, compressible_category(category)),
         ))
-    }
-
-    /// Parses an OpenAI body (str or bytes), routes it and carries out
-    /// compress-and-route: when the decision is "compress", the body is
-    /// compressed with ``compressor`` (default ``Compressor()``) to the target,
-    /// counting with the calibrator's conservative ratio for its category. If
-    /// that fails the request is routed as it is (``action`` "route",
-    /// ``compression.status`` says why). The estimate counts what
-    /// ``parse_openai_request`` counts (message text, tool schemas and calls,
-    /// ``response_format``, ``image_tokens`` / ``audio_tokens`` per media part)
-    /// and the output bound is ``n`` times the per-choice bound; only message
-    /// prose is ever compressed. Counts the request in flight.
-    ///
-    /// With a ``tokenizer`` (``routecore.Tokenizer``), the prompt is tokenized
-    /// (``Tokenizer.encode_request``) and routed on its exact token count plus
-    /// the media tokens: no estimate, no compression.
-    #[pyo3(signature = (body, compressor=None, default_max_tokens=4096, *, image_tokens=765, audio_tokens=750, tokenizer=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn route_request(
-        &self,
-        py: Python<'_>,
-        body: &Bound<'_, PyAny>,
-        compressor: Option<&Bound<'_, PyCompressor>>,
-        #[pyo3(from_py_with = int_arg)] default_max_tokens: u64,
-        #[pyo3(from_py_with = int_arg)] image_tokens: i64,
-        #[pyo3(from_py_with = int_arg)] audio_tokens: i64,
-        tokenizer: Option<&Bound<'_, PyTokenizer>>,
-    ) -> PyResult<PyRoutedRequest> {
-        let bytes = text_bytes(body, "body")?;
-        let compressor = compressor.map_or_else(Compressor::default, |c| c.get().inner);
-        let media = MediaTokens::new(image_tokens, audio_tokens)?;
-        let r = match tokenizer {
-            Some(t) => {
-                let t = &t.get().inner;
-                let r = py
-                    .detach(|| route_tokenized(&self.inner, t, bytes, default_max_tokens, media))?;
-                RoutedRequest {
-                    request: r.request,
-                    decision: r.decision,
-                    body: bytes.to_vec(),
-                    compression: None,
-                }
-            }
-            None => py.detach(|| {
-                route_request(&self.inner, &compressor, bytes, default_max_tokens, media)
-            })?,
-        };
-        Ok(PyRoutedRequest {
-            decision: Py::new(py, self.decision(py, r.decision))?,
-            body: r.body,
-            compression: r
-                .compression
-                .map(|c| PyRequestCompression::new(py, c))
-                .transpose()?,
-            category: r.request.category,
-            prompt_bytes: r.request.prompt_bytes,
-            media_tokens: r.request.media_tokens,
-            max_output_tokens: r.request.max_output_tokens,
-        })
     }
 
     /// The compress-and-route band gamma, or None when off.

@@ -4,7 +4,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
 use super::int_arg;
-use crate::calibrate::{Calibrator, MAX_PROMPT_BYTES};
+use crate::calibrate::{
+    Calibrator, DEFAULT_BETA, DEFAULT_COLD_START, DEFAULT_GAMMA, DEFAULT_MAX_CATEGORIES,
+    MAX_PROMPT_BYTES,
+};
 use crate::error::invalid;
 
 /// Per-category bytes-per-token EMA learned from ``usage.prompt_tokens``.
@@ -15,7 +18,11 @@ use crate::error::invalid;
 /// Routing uses ``conservative_ratio = c_hat - gamma * sigma_hat``, never below
 /// 0.5 bytes/token. Feedback outside [0.5, 32] bytes/token, zero or negative
 /// sizes raise ValueError and change nothing. At most ``max_categories`` names
-/// are learned; unseen names estimate with ``cold_start``.
+/// are learned; unseen names estimate with ``cold_start``. The defaults are
+/// class attributes (``beta`` the paper's, ``cold_start`` English prose's):
+///
+/// >>> Calibrator.DEFAULT_BETA, Calibrator.DEFAULT_GAMMA, Calibrator.DEFAULT_COLD_START
+/// (0.95, 1.0, 4.0)
 ///
 /// >>> cal = Calibrator()
 /// >>> cal.observe("code", 3500, 1000)
@@ -37,8 +44,21 @@ impl PyCalibrator {
 
 #[pymethods]
 impl PyCalibrator {
+    /// The default ``beta`` (the paper's EMA decay).
+    #[classattr]
+    const DEFAULT_BETA: f64 = DEFAULT_BETA;
+    /// The default ``gamma`` (deviations the conservative ratio subtracts).
+    #[classattr]
+    const DEFAULT_GAMMA: f64 = DEFAULT_GAMMA;
+    /// The default ``cold_start`` (bytes per token of a category not seen yet).
+    #[classattr]
+    const DEFAULT_COLD_START: f64 = DEFAULT_COLD_START;
+    /// The default ``max_categories``.
+    #[classattr]
+    const DEFAULT_MAX_CATEGORIES: usize = DEFAULT_MAX_CATEGORIES;
+
     #[new]
-    #[pyo3(signature = (beta=0.95, gamma=1.0, cold_start=4.0, max_categories=1024))]
+    #[pyo3(signature = (beta=DEFAULT_BETA, gamma=DEFAULT_GAMMA, cold_start=DEFAULT_COLD_START, max_categories=DEFAULT_MAX_CATEGORIES))]
     fn new(
         beta: f64,
         gamma: f64,

@@ -3,7 +3,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 use pyo3::PyClassInitializer;
 
-use super::budget::PyRouteDecision;
 use super::{int_arg, text_bytes};
 use crate::compress::{Compression, Compressor, RequestCompression, Summary, Weights};
 
@@ -285,45 +284,5 @@ impl PyRequestCompression {
     fn __repr__(slf: &Bound<'_, Self>) -> String {
         let extra = format!("compressed_messages={:?}", slf.get().compressed);
         slf.as_super().get().repr("RequestCompression", extra)
-    }
-}
-
-/// A request routed by ``TokenBudgetRouter.route_request``: ``decision``,
-/// ``body`` (bytes to send to ``decision.pool``: compressed when
-/// ``decision.action`` is "compress"), ``compression`` (the outcome when
-/// compression was tried, else None), and what was read from the body:
-/// ``category``, ``prompt_bytes`` (of the original body), ``media_tokens``
-/// (charged for its image and audio parts), ``max_output_tokens`` (times
-/// ``n``).
-#[pyclass(frozen, name = "RoutedRequest", module = "routecore")]
-pub struct PyRoutedRequest {
-    #[pyo3(get)]
-    pub decision: Py<PyRouteDecision>,
-    pub body: Vec<u8>,
-    #[pyo3(get)]
-    pub compression: Option<Py<PyRequestCompression>>,
-    #[pyo3(get)]
-    pub category: &'static str,
-    #[pyo3(get)]
-    pub prompt_bytes: u64,
-    #[pyo3(get)]
-    pub media_tokens: u64,
-    #[pyo3(get)]
-    pub max_output_tokens: u64,
-}
-
-#[pymethods]
-impl PyRoutedRequest {
-    #[getter]
-    fn body<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &self.body)
-    }
-    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        Ok(format!(
-            "RoutedRequest(decision={}, category={:?}, body_bytes={})",
-            self.decision.bind(py).repr()?,
-            self.category,
-            self.body.len()
-        ))
     }
 }

@@ -16,6 +16,7 @@ pub mod kv;
 pub mod loadgen;
 pub mod openai;
 pub mod pick;
+pub mod pipeline;
 pub mod planner;
 pub mod prefix;
 pub mod profile;

@@ -8,7 +8,8 @@ use crate::calibrate::Calibrator;
 use crate::py::calibrate::PyCalibrator;
 use crate::py::int_arg;
 use crate::serve::config::Spec;
-use crate::serve::engine::{Engine, Hints, Outcome};
+use crate::serve::engine::{Hints, Outcome};
+use crate::serve::front::{route_once, Fields, Routing};
 use crate::serve::runtime::{DataPlane, Listen};
 
 /// The data plane of ``routecore serve``: Envoy's ext_proc (and
@@ -45,6 +46,7 @@ fn outcome_dict<'py>(py: Python<'py>, outcome: Outcome) -> PyResult<Bound<'py, P
         Err(rej) => {
             d.set_item("admitted", false)?;
             d.set_item("status", rej.status)?;
+            d.set_item("bad_request", rej.is_bad_request())?;
             d.set_item("reason", rej.reason)?;
             d.set_item("message", rej.message)?;
             d.set_item("retry_after_s", rej.retry_after_s)?;
@@ -54,35 +56,24 @@ fn outcome_dict<'py>(py: Python<'py>, outcome: Outcome) -> PyResult<Bound<'py, P
 }
 
 impl PyDataPlane {
-    /// Authenticates (when `api_key` is given) and runs `route` under the
-    /// failure mode, timing the decision.
-    fn route<'py, F, Fut>(
+    /// One request through the data plane's front door (`serve::front`):
+    /// the key, the body limit, the routing under the failure mode, timed.
+    fn route<'py>(
         &self,
         py: Python<'py>,
         api_key: Option<&[u8]>,
-        route: F,
-    ) -> PyResult<Bound<'py, PyDict>>
-    where
-        F: FnOnce(Arc<Engine>, Option<usize>) -> Fut + Send,
-        Fut: std::future::Future<Output = crate::error::Result<Outcome>> + Send,
-    {
+        routing: Routing<'_>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.inner.engine();
-        let metrics = Arc::clone(&self.inner.shared.metrics);
+        let shared = Arc::clone(&self.inner.shared);
         let outcome = py.detach(|| {
-            self.inner.block_on(async move {
-                let start = std::time::Instant::now();
-                let tenant = match api_key.map(|k| engine.authenticate(Some(k))) {
-                    Some(Err(rej)) => return Err(rej),
-                    Some(Ok(t)) => t,
-                    None => None,
-                };
-                let outcome = route(Arc::clone(&engine), tenant).await;
-                let outcome = engine.decide(tenant, &Hints::default(), outcome).await;
-                metrics
-                    .decision_seconds
-                    .observe(start.elapsed().as_secs_f64());
-                outcome
-            })
+            self.inner.block_on(route_once(
+                engine,
+                shared,
+                api_key,
+                routing,
+                &Hints::default(),
+            ))
         })?;
         outcome_dict(py, outcome)
     }
@@ -121,7 +112,7 @@ impl PyDataPlane {
         let spec = Spec::from_json(spec_json)?;
         let calibrator = match calibrator {
             Some(b) => Calibrator::from_bytes(b)?,
-            None => Calibrator::new(0.95, 1.0, 4.0, 1024)?,
+            None => Calibrator::with_defaults(),
         };
         let listen = Listen {
             host: host.into(),
@@ -177,8 +168,11 @@ impl PyDataPlane {
     /// tenant (None: no tenant, for trusted callers). Returns a dict:
     /// ``admitted`` True with ``request_id, pool, endpoint, est_input_tokens,
     /// est_output_tokens, spilled, reason, compress_target_tokens, body``
-    /// (the compressed body or None), or False with ``status, reason,
-    /// message, retry_after_s``.
+    /// (the compressed body or None), or False with ``status`` (the HTTP
+    /// status Envoy's client would get), ``bad_request`` (True for 400 and
+    /// 413: the request itself is bad), ``reason, message, retry_after_s``.
+    /// The rules are ext_proc's: the key, ``limits.max_body_bytes`` (413),
+    /// ``server.failure_mode`` when routing fails.
     #[pyo3(signature = (body, api_key=None))]
     fn route_body<'py>(
         &self,
@@ -186,9 +180,7 @@ impl PyDataPlane {
         body: &[u8],
         api_key: Option<&[u8]>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        self.route(py, api_key, |engine, tenant| async move {
-            engine.route_body(body, tenant, &Hints::default()).await
-        })
+        self.route(py, api_key, Routing::Body(body))
     }
 
     /// Routes a request by its measured fields (``prompt_tokens`` when known
@@ -199,26 +191,21 @@ impl PyDataPlane {
     fn route_fields<'py>(
         &self,
         py: Python<'py>,
-        #[pyo3(from_py_with = int_arg)] prompt_bytes: i64,
+        #[pyo3(from_py_with = int_arg)] prompt_bytes: u64,
         category: &str,
-        #[pyo3(from_py_with = int_arg)] max_output_tokens: i64,
-        #[pyo3(from_py_with = int_arg)] prompt_tokens: Option<i64>,
+        #[pyo3(from_py_with = int_arg)] max_output_tokens: u64,
+        #[pyo3(from_py_with = int_arg)] prompt_tokens: Option<u64>,
         api_key: Option<&[u8]>,
         #[pyo3(from_py_with = int_arg)] token_ids: Option<Vec<u32>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        self.route(py, api_key, |engine, tenant| async move {
-            engine
-                .route_fields(
-                    prompt_bytes,
-                    category,
-                    max_output_tokens,
-                    prompt_tokens,
-                    tenant,
-                    token_ids.as_deref(),
-                    &Hints::default(),
-                )
-                .await
-        })
+        let fields = Fields {
+            prompt_bytes,
+            category,
+            max_output_tokens,
+            prompt_tokens,
+            token_ids: token_ids.as_deref(),
+        };
+        self.route(py, api_key, Routing::Fields(fields))
     }
 
     /// Releases the request ``request_id`` with its usage (None or 0 prompt

@@ -4,7 +4,7 @@
 //!
 //! One [`Engine`] is built from one configuration [`Spec`]. It authenticates
 //! the tenant (SHA-256 digests of the API keys, compared in constant time),
-//! parses and routes the request with the core's `route_request`
+//! parses and routes the request with the core's `pipeline::route_request`
 //! (token-budget pool, compress-and-route), or on the exact prompt token
 //! count when the request's model has a tokenizer (`crate::tokenize`),
 //! picks the endpoint inside the pool (least-request, prefix or VTC, over
@@ -25,17 +25,22 @@ use futures_util::FutureExt;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::budget::{compressible_category, Action, Decision, Pool, Request, TokenBudgetRouter};
+use crate::budget::{
+    compressible_category, Action, Decision, Pool, Request, TokenBudgetRouter, MAX_TOKENS,
+};
 use crate::calibrate::Calibrator;
-use crate::compress::{route_request, Compressor};
+use crate::classify::CATEGORIES;
+use crate::compress::Compressor;
 use crate::error::{invalid, Error, Result};
 use crate::openai::{MediaTokens, ParsedRequest};
 use crate::pick::{preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline};
+use crate::pipeline::route_request;
 use crate::prefix::{block_hashes, Tokens};
 use crate::tokenize::{route_tokenized, SpecialTokens, Tokenized, Tokenizer};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
 use super::config::{digest_from_hex, FailureMode, Spec};
+use super::front::Fields;
 use super::metrics::{FCounter, FGauge, Metrics};
 use super::scrape::{Probe, Scraper};
 use super::usage::{plausible, Usage};
@@ -662,6 +667,11 @@ fn int(v: u64) -> i64 {
     v.min(i64::MAX as u64) as i64
 }
 
+/// A measured field as the core's signed argument (beyond i64 is a 400).
+fn signed(what: &str, v: u64) -> Result<i64> {
+    i64::try_from(v).map_err(|_| invalid(format!("{what} must be at most {}, got {v}", i64::MAX)))
+}
+
 impl Engine {
     /// Builds an engine; `previous` (a reload) hands over in-memory admission state.
     pub fn build(spec: Spec, shared: &Arc<Shared>, previous: Option<&Engine>) -> Result<Arc<Self>> {
@@ -861,38 +871,6 @@ impl Engine {
 
     // -- routing ------------------------------------------------------------
 
-    /// Runs a routing step under `server.failure_mode`: when it fails, open
-    /// sends the request to the default pool (not put to admission again: the
-    /// failure is handled once), closed refuses with 503. The client never
-    /// sees the failure's detail; it is logged as `route-failed`.
-    pub async fn decide(
-        self: &Arc<Self>,
-        tenant: Option<usize>,
-        hints: &Hints,
-        outcome: Result<Outcome>,
-    ) -> Outcome {
-        let err = match outcome {
-            Ok(o) => return o,
-            Err(e) => e,
-        };
-        let mode = self.failure_mode();
-        let name = match mode {
-            FailureMode::Open => "open",
-            FailureMode::Closed => "closed",
-        };
-        if let Ok(shared) = self.shared() {
-            shared.metrics.failure(name);
-        }
-        tracing::error!(error = %err, failure_mode = name, "route-failed");
-        if mode == FailureMode::Open {
-            match self.route_default(tenant, hints, false).await {
-                Ok(o) => return o,
-                Err(e) => tracing::error!(error = %e, failure_mode = name, "route-failed"),
-            }
-        }
-        Err(self.refuse(tenant, 503, "internal-error", "routing failed", 0.0))
-    }
-
     /// Routes an OpenAI request body (parse, route, compress: one core call).
     /// A malformed body is a 400. A compressed prompt is not learned from
     /// (the prompt the calibrator counted is not the one the model read).
@@ -988,15 +966,10 @@ impl Engine {
     }
 
     /// Routes a request given its measured fields (bad values are a 400).
-    #[allow(clippy::too_many_arguments)]
     pub async fn route_fields(
         self: &Arc<Self>,
-        prompt_bytes: i64,
-        category: &str,
-        max_output_tokens: i64,
-        prompt_tokens: Option<i64>,
+        fields: &Fields<'_>,
         tenant: Option<usize>,
-        token_ids: Option<&[u32]>,
         hints: &Hints,
     ) -> Result<Outcome> {
         let bad = |e: Error| {
@@ -1008,38 +981,36 @@ impl Engine {
                 0.0,
             )))
         };
-        let req = match Request::new(prompt_bytes, None, max_output_tokens) {
+        let req = match signed("prompt_bytes", fields.prompt_bytes).and_then(|bytes| {
+            Request::new(
+                bytes,
+                None,
+                signed("max_output_tokens", fields.max_output_tokens)?,
+            )
+        }) {
             Ok(r) => r,
             Err(e) => return bad(e),
         };
         let ask = Ask {
-            key: token_ids.map_or(Key::None, Key::Ids),
+            key: fields.token_ids.map_or(Key::None, Key::Ids),
             model: None,
             hints,
         };
-        if let Some(tokens) = prompt_tokens {
-            if tokens < 0 || tokens as u64 > crate::budget::MAX_TOKENS {
+        if let Some(tokens) = fields.prompt_tokens {
+            if tokens > MAX_TOKENS {
                 let e = invalid(format!(
-                    "prompt_tokens must be in [0, {}], got {tokens}",
-                    crate::budget::MAX_TOKENS
+                    "prompt_tokens must be in [0, {MAX_TOKENS}], got {tokens}"
                 ));
                 return bad(e);
             }
-            let d = self
-                .router
-                .route_estimated(tokens as u64, req.max_output_tokens);
+            let d = self.router.route_estimated(tokens, req.max_output_tokens);
             return self.place(d, tenant, None, ask, None).await;
         }
-        let category: &'static str = match ["prose", "code", "cjk", "mixed"]
-            .into_iter()
-            .find(|&c| c == category)
-        {
-            Some(c) => c,
-            None => {
-                return bad(invalid(format!(
-                    "category must be one of ['prose', 'code', 'cjk', 'mixed'], got {category:?}"
-                )))
-            }
+        let Some(category) = CATEGORIES.into_iter().find(|&c| c == fields.category) else {
+            return bad(invalid(format!(
+                "category must be one of {CATEGORIES:?}, got {:?}",
+                fields.category
+            )));
         };
         let est = self
             .router

@@ -40,7 +40,6 @@ use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
-use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -58,6 +57,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::engine::{Engine, Hints, Outcome, Reject, Routed, Shared};
+use super::front::{Door, Routing};
 use super::usage::UsageReader;
 use crate::error::Result;
 
@@ -227,8 +227,8 @@ pub struct Conversation {
     shared: Arc<Shared>,
     request_mode: i32,
     response_mode: i32,
-    tenant: Option<usize>,
-    authenticated: bool,
+    /// The key, the body limit, the routing under the failure mode.
+    door: Door,
     body: Vec<u8>,
     lease: Option<u64>,
     routed: bool,
@@ -246,12 +246,11 @@ pub struct Conversation {
 impl Conversation {
     pub fn new(engine: Arc<Engine>, shared: Arc<Shared>) -> Self {
         Self {
+            door: Door::new(Arc::clone(&engine), Arc::clone(&shared)),
             engine,
             shared,
             request_mode: BUFFERED,
             response_mode: BodySendMode::None as i32,
-            tenant: None,
-            authenticated: false,
             body: Vec::new(),
             lease: None,
             routed: false,
@@ -340,22 +339,14 @@ impl Conversation {
 
     /// An unexpected failure: release, then refuse (request phase) or pass (response).
     fn fail(&mut self, msg: Option<&Msg>, error: &str) -> Vec<ProcessingResponse> {
-        let mode = match self.engine.failure_mode() {
-            super::config::FailureMode::Open => "open",
-            super::config::FailureMode::Closed => "closed",
-        };
-        tracing::error!(error, failure_mode = mode, "stream-failed");
+        self.door.fail(error);
         self.close();
-        self.shared.metrics.failure(mode);
         if self.responding {
             self.failed = true;
             return self.passthrough(msg);
         }
         self.done = true;
-        let rej = self
-            .engine
-            .refuse(self.tenant, 503, "internal-error", "internal error", 0.0);
-        vec![immediate(&rej)]
+        vec![immediate(&self.door.internal_error())]
     }
 
     /// The answer that lets `msg` pass unchanged.
@@ -394,24 +385,13 @@ impl Conversation {
         self.hints.objective = text(OBJECTIVE_HEADER);
         self.hints.fairness_id = text(FAIRNESS_HEADER);
         let key = find_header(headers, &self.engine.key_header);
-        match self.engine.authenticate(key) {
-            Err(rej) => return Ok(self.refuse(rej)),
-            Ok(t) => {
-                self.tenant = t;
-                self.authenticated = true;
-            }
+        if let Err(rej) = self.door.authenticate(key) {
+            return Ok(self.refuse(rej));
         }
         if headers.end_of_stream {
             // No body to route on: the default pool.
             self.routed = true;
-            let engine = Arc::clone(&self.engine);
-            let start = Instant::now();
-            let outcome = engine.route_default(self.tenant, &self.hints, true).await;
-            let outcome = engine.decide(self.tenant, &self.hints, outcome).await;
-            self.shared
-                .metrics
-                .decision_seconds
-                .observe(start.elapsed().as_secs_f64());
+            let outcome = self.door.route(Routing::Default, &self.hints).await;
             return Ok(self.answer(outcome, false));
         }
         if self.request_mode == FULL_DUPLEX {
@@ -431,22 +411,8 @@ impl Conversation {
             // Chunks after routing pass through (duplex: echoed back).
             return Ok(self.pass_body(chunk, end, true));
         }
-        if !self.authenticated {
-            // Envoy skipped the headers: there is no key to check.
-            match self.engine.authenticate(None) {
-                Err(rej) => return Ok(self.refuse(rej)),
-                Ok(t) => {
-                    self.tenant = t;
-                    self.authenticated = true;
-                }
-            }
-        }
-        let limit = self.engine.spec.limits.max_body_bytes;
-        if (self.body.len() + chunk.len()) as u64 > limit {
-            let message = format!("request body exceeds {limit} bytes");
-            let rej = self
-                .engine
-                .refuse(self.tenant, 413, "body-too-large", message, 0.0);
+        // (When Envoy skipped the headers, the door checks a request without a key.)
+        if let Err(rej) = self.door.check_body(self.body.len() + chunk.len()) {
             return Ok(self.refuse(rej));
         }
         self.body.extend_from_slice(chunk);
@@ -461,16 +427,10 @@ impl Conversation {
 
     async fn route_now(&mut self) -> Vec<ProcessingResponse> {
         self.routed = true;
-        let engine = Arc::clone(&self.engine);
-        let start = Instant::now();
-        let outcome = engine
-            .route_body(&self.body, self.tenant, &self.hints)
+        let outcome = self
+            .door
+            .route(Routing::Body(&self.body), &self.hints)
             .await;
-        let outcome = engine.decide(self.tenant, &self.hints, outcome).await;
-        self.shared
-            .metrics
-            .decision_seconds
-            .observe(start.elapsed().as_secs_f64());
         self.answer(outcome, true)
     }
 
@@ -482,7 +442,7 @@ impl Conversation {
         self.lease = Some(routed.id);
         tracing::debug!(
             request_id = routed.request_id.as_str(),
-            tenant = self.engine.tenant_name(self.tenant),
+            tenant = self.engine.tenant_name(self.door.tenant()),
             pool = routed.pool.as_str(),
             endpoint = routed.endpoint.as_str(),
             reason = routed.reason,
@@ -544,7 +504,7 @@ impl Conversation {
         tracing::info!(
             status = rej.status,
             reason = rej.reason.as_str(),
-            tenant = self.engine.tenant_name(self.tenant),
+            tenant = self.engine.tenant_name(self.door.tenant()),
             "refused"
         );
         self.done = true;

@@ -8,6 +8,7 @@ pub mod admission;
 pub mod config;
 pub mod engine;
 pub mod extproc;
+pub mod front;
 pub mod loadgen;
 pub mod logs;
 pub mod metrics;

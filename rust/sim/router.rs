@@ -16,7 +16,7 @@
 use std::sync::{Arc, RwLock};
 
 use crate::budget::{Pool, Request, TokenBudgetRouter};
-use crate::calibrate::{Calibrator, DEFAULT_MAX_CATEGORIES};
+use crate::calibrate::Calibrator;
 use crate::error::{invalid, Result};
 
 use super::{Category, SimRequest};
@@ -71,13 +71,13 @@ pub struct TokenBudgetRouting {
 
 impl TokenBudgetRouting {
     /// `pools` in the fleet's order (name, max_context, budget); the
-    /// calibrator starts cold (beta 0.95, gamma 1.0, c0 = 4.0, the paper's).
+    /// calibrator starts cold with the defaults (`Calibrator::with_defaults`).
     pub fn new(
         pools: Vec<Pool>,
         categories: &[Category],
         compress: Option<Compress>,
     ) -> Result<Self> {
-        let mut cal = Calibrator::new(0.95, 1.0, 4.0, DEFAULT_MAX_CATEGORIES)?;
+        let mut cal = Calibrator::with_defaults();
         let ids = categories
             .iter()
             .map(|c| cal.intern(&c.name))

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import math
 
+from routecore._core import Calibrator as _Core
+
+#: The core's defaults (one source for both).
+_DEFAULTS = (_Core.DEFAULT_BETA, _Core.DEFAULT_GAMMA, _Core.DEFAULT_COLD_START)
+
 
 class Calibrator:
-    def __init__(self, beta=0.95, gamma=1.0, cold_start=4.0):
+    def __init__(self, beta=_DEFAULTS[0], gamma=_DEFAULTS[1], cold_start=_DEFAULTS[2]):
         self.beta, self.gamma, self.cold_start = beta, gamma, cold_start
         self.stats: dict[str, list[float]] = {}  # category -> [ratio, sigma, count]
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from routecore._core import (
+    MAX_TOKENS,
     Admission,
     AdmissionController,
     Entitlement,
@@ -26,7 +27,6 @@ from routecore._core import (
 from routecore._extras import require
 from routecore.admission.backend import FAILURE_KINDS, AdmissionBackend
 
-MAX_TOKENS = 1 << 30
 MAX_QUOTAS = 256
 FAILURE_MODES = ("open", "closed")
 URL_SCHEMES = ("redis://", "rediss://", "unix://")

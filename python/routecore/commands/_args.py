@@ -17,10 +17,9 @@ import math
 import os
 from collections.abc import Callable
 
+from routecore._core import MAX_TOKENS
 from routecore.profiles import DEFAULT_PRESET, PRESETS
 
-#: The largest token count the router accepts (``MAX_TOKENS``, 2^30).
-MAX_TOKENS = 1 << 30
 #: Counts handed to Rust as signed 64-bit integers.
 MAX_COUNT = (1 << 63) - 1
 

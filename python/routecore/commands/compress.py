@@ -9,7 +9,7 @@ import math
 import sys
 from pathlib import Path
 
-from routecore._core import Compressor
+from routecore._core import MAX_TOKENS, Compressor
 from routecore.commands._args import positive_float, proper_fraction, token_count
 from routecore.fidelity import rouge_l_recall, tfidf_cosine
 
@@ -69,7 +69,7 @@ def study(
     if budget is None:
         if not 0.0 <= reduction < 1.0:
             raise ValueError(f"reduction must be in [0, 1), got {reduction}")
-        full = compressor.compress(text, 2**30, bytes_per_token=bytes_per_token)
+        full = compressor.compress(text, MAX_TOKENS, bytes_per_token=bytes_per_token)
         budget = max(1, math.floor(full.tokens_before * (1.0 - reduction)))
     r = compressor.compress(text, budget, bytes_per_token=bytes_per_token)
     report: dict[str, object] = {

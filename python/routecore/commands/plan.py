@@ -20,7 +20,7 @@ from routecore.commands._args import (
     positive_float,
     token_count,
 )
-from routecore.planning import fleetopt_profile, fleetopt_workload, table3_rows
+from routecore.planning import fleetopt_profile, fleetopt_workload, plan_json, table3_rows
 
 NAME = "plan"
 HELP = (
@@ -181,19 +181,6 @@ def format_table(rows: list[tuple[str, Candidate | None]]) -> str:
             f"{binding:>17}{flag}"
         )
     return "\n".join(lines)
-
-
-def plan_json(result: Plan) -> dict[str, Any]:
-    def d(c: Candidate | None) -> dict[str, Any] | None:
-        return None if c is None else c.as_dict()
-
-    return {
-        "homogeneous": d(result.homogeneous),
-        "pool_routing": d(result.pool_routing),
-        "best": d(result.best),
-        "table": {name: d(c) for name, c in table3_rows(result)},
-        "sweep": [c.as_dict() for c in result.sweep],
-    }
 
 
 def _tokens(n: int) -> str:

@@ -110,9 +110,7 @@ class Server:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        routecore_pb2_grpc.add_RouteCoreServicer_to_server(
-            RouteCoreService(self.plane, self.config.limits.max_body_bytes), self._api
-        )
+        routecore_pb2_grpc.add_RouteCoreServicer_to_server(RouteCoreService(self.plane), self._api)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._api)
         address = f"{s.host}:{self.api_port}"
         try:

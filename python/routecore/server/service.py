@@ -2,14 +2,16 @@
 
 A thin wrapper over the Rust data plane (:class:`routecore.DataPlane`): Route
 and Feedback use the same calibrator, leases and admission as Envoy's
-ext_proc. Refusals that are decisions (unknown key, no endpoint, admission)
+ext_proc, and Route goes through the same front door (the key, the body
+limit, ``server.failure_mode``, the decision's timing; ``rust/serve/front.rs``):
+this module only translates messages. Refusals that are decisions (unknown or
+expired key, no endpoint, admission, a failure under ``failure_mode: closed``)
 come back in ``RouteResponse.admission`` with the HTTP status a gateway would
-answer; requests that cannot be routed at all (malformed body, bad fields,
-too long for every pool, a count beyond ``MAX_TOKENS``) are
-``INVALID_ARGUMENT``, and a Feedback for an unknown request id is
-``NOT_FOUND``; a Feedback whose usage cannot be real still ends the request
-(the usage is ignored and counted). A failure while routing follows
-``server.failure_mode`` and never shows internal detail; any other
+answer; requests that are bad themselves (the refusal's ``bad_request``:
+malformed body, bad fields, too long for every pool, over
+``limits.max_body_bytes``) are ``INVALID_ARGUMENT``, and a Feedback for an
+unknown request id is ``NOT_FOUND``; a Feedback whose usage cannot be real
+still ends the request (the usage is ignored and counted). Any other
 unexpected failure is ``INTERNAL`` with no detail. ``Plan`` runs the FleetOpt
 planner (``routecore.plan``) off the event loop; bad, too deep or
 out-of-range parameters are ``INVALID_ARGUMENT``.
@@ -24,17 +26,13 @@ import logging
 
 import grpc
 
-from routecore._core import DataPlane, Profile, Workload, plan
+from routecore._core import DataPlane, Plan, Workload, plan
+from routecore.planning import plan_json
+from routecore.profiles import PRESETS
 from routecore.server.gen import routecore_pb2 as pb
 from routecore.server.gen import routecore_pb2_grpc as pb_grpc
 from routecore.server.logs import log
 
-#: The categories ``routecore.classify`` assigns (and the calibrator learns).
-CATEGORIES = ("prose", "code", "cjk", "mixed")
-#: Statuses that mean the request itself is bad (INVALID_ARGUMENT), not refused.
-BAD_REQUEST = (400, 413)
-#: More tokens than any request or response ever used.
-MAX_TOKENS = 1 << 30
 #: The longest ``params_json`` a Plan request may carry.
 MAX_PARAMS_JSON = 1 << 20
 
@@ -57,34 +55,17 @@ def guarded(method):
 
 
 class RouteCoreService(pb_grpc.RouteCoreServicer):
-    def __init__(self, plane: DataPlane, max_body_bytes: int) -> None:
+    def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
-        self.max_body_bytes = max_body_bytes
 
     @guarded
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         key = request.api_key.encode()
         kind = request.WhichOneof("request")
         if kind == "body":
-            if len(request.body) > self.max_body_bytes:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"body exceeds {self.max_body_bytes} bytes",
-                )
             outcome = await asyncio.to_thread(self.plane.route_body, request.body, key)
         elif kind == "measured":
             m = request.measured
-            if m.category not in CATEGORIES and not m.prompt_tokens:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"category must be one of {list(CATEGORIES)}, got {m.category!r}",
-                )
-            for name in ("prompt_bytes", "max_output_tokens", "prompt_tokens"):
-                if getattr(m, name) > MAX_TOKENS:
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"measured.{name} must be at most {MAX_TOKENS}",
-                    )
             outcome = await asyncio.to_thread(
                 self.plane.route_fields,
                 m.prompt_bytes,
@@ -97,7 +78,7 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set body or measured")
         if not outcome["admitted"]:
-            if outcome["status"] in BAD_REQUEST:
+            if outcome["bad_request"]:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, outcome["message"])
             return pb.RouteResponse(
                 admission=pb.Admission(
@@ -140,7 +121,7 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
                 f"plan: params_json exceeds {MAX_PARAMS_JSON} bytes",
             )
         try:
-            result = await asyncio.to_thread(plan_json, request.params_json)
+            result = await asyncio.to_thread(plan_from_params, request.params_json)
         except RecursionError:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "plan: params_json nests too deep"
@@ -149,14 +130,9 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan: number out of range: {e}")
         except (ValueError, KeyError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan: {e}")
-        return pb.PlanResponse(plan_json=result)
+        return pb.PlanResponse(plan_json=json.dumps(plan_json(result)))
 
 
-#: Profiles a Plan request may name.
-PROFILES = {
-    "llama3-70b-a100": Profile.llama3_70b_a100,
-    "qwen3-235b-mi300x": Profile.qwen3_235b_mi300x,
-}
 PLAN_OPTIONS = {
     "b_short",
     "gammas",
@@ -169,13 +145,13 @@ PLAN_OPTIONS = {
 }
 
 
-def plan_json(params_json: str) -> str:
-    """Runs ``routecore.plan`` on a JSON object of its arguments; returns the plan as JSON.
+def plan_from_params(params_json: str) -> Plan:
+    """Runs ``routecore.plan`` on a JSON object of its arguments.
 
     ``{"arrival_rate": req/s, "slo_ttft_s": s, "workload": "azure-2023" or
-    {"input_tokens": [...], "output_tokens": [...]}, "profile": a name of
-    PROFILES (default: the planner's), and any keyword option of plan}`` ->
-    ``{"homogeneous", "pool_routing", "best"}``, each a candidate's fields or null.
+    {"input_tokens": [...], "output_tokens": [...]}, "profile": a preset name
+    of ``routecore.profiles.PRESETS`` (default: the planner's), and any keyword
+    option of plan}``; the answer is ``routecore.planning.plan_json`` of it.
     """
     params = json.loads(params_json or "{}")
     if not isinstance(params, dict):
@@ -192,12 +168,10 @@ def plan_json(params_json: str) -> str:
         raise ValueError('workload must be "azure-2023" or {input_tokens, output_tokens}')
     profile = params.pop("profile", None)
     if profile is not None:
-        if profile not in PROFILES:
-            raise ValueError(f"profile must be one of {sorted(PROFILES)}")
-        profile = PROFILES[profile]()
+        if profile not in PRESETS:
+            raise ValueError(f"profile must be one of {sorted(PRESETS)}")
+        profile = PRESETS[profile]()
     arrival_rate, slo = params.pop("arrival_rate", None), params.pop("slo_ttft_s", None)
     if arrival_rate is None or slo is None:
         raise ValueError("arrival_rate and slo_ttft_s are required")
-    p = plan(workload, arrival_rate, slo, profile, **params)
-    fleets = {"homogeneous": p.homogeneous, "pool_routing": p.pool_routing, "best": p.best}
-    return json.dumps({k: c.as_dict() if c is not None else None for k, c in fleets.items()})
+    return plan(workload, arrival_rate, slo, profile, **params)
