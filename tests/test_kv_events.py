@@ -6,24 +6,23 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgpack
 import pytest
-from mock_kv_publisher import CLEARED, MockKvPublisher, removed, stored
+from mock_kv_publisher import (
+    CLEARED,
+    MockKvPublisher,
+    removed,
+    stored,
+    subscribe,
+    synced,
+    wait_for,
+)
 
 import routecore
 
 BS = 4
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -38,18 +37,6 @@ def index() -> Iterator[routecore.KvEventIndex]:
     idx = routecore.KvEventIndex(block_size=BS)
     yield idx
     idx.close()
-
-
-def subscribe(
-    idx: routecore.KvEventIndex, name: str, p: MockKvPublisher, replay: bool = True
-) -> None:
-    idx.subscribe(name, p.zmq, topic="kv", replay=p.replay if replay else None)
-    wait_for(lambda: idx.stats(name)["live"], what=f"{name} connected")
-
-
-def synced(idx: routecore.KvEventIndex, name: str, p: MockKvPublisher) -> Callable[[], bool]:
-    """True once the index applied every batch `p` published."""
-    return lambda: idx.stats(name)["last_seq"] == p.seq - 1
 
 
 def serve_synced(idx: routecore.KvEventIndex, name: str, p: MockKvPublisher, prompt) -> int:

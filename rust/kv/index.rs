@@ -31,7 +31,8 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{invalid, unknown, Result};
 use crate::prefix::{
-    block_hashes, block_hashes_after, Tokens, MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS,
+    block_hashes, block_hashes_after, block_hashes_into, Tokens, MAX_BLOCK_SIZE,
+    MAX_CAPACITY_BLOCKS,
 };
 
 /// vLLM's default KV-cache block size, in tokens.
@@ -509,8 +510,23 @@ impl KvIndex {
 
     /// A request's block hashes as the index keys them (`adapter`: its LoRA).
     pub fn request_hashes(&self, token_ids: &[u32], adapter: Option<&str>) -> Vec<u64> {
+        let mut out = Vec::new();
+        self.request_hashes_into(token_ids, adapter, &mut out);
+        out
+    }
+
+    /// `request_hashes` into `out` (cleared first; its buffer is reused).
+    pub fn request_hashes_into(
+        &self,
+        token_ids: &[u32],
+        adapter: Option<&str>,
+        out: &mut Vec<u64>,
+    ) {
         let seed = lora_seed(self.config.seed, adapter);
-        block_hashes(Tokens::Ids(token_ids), self.config.block_size, seed).unwrap_or_default()
+        // The block size was checked with the config: this cannot fail.
+        if block_hashes_into(Tokens::Ids(token_ids), self.config.block_size, seed, out).is_err() {
+            out.clear();
+        }
     }
 
     /// How many of `hashes` (a request's, from `request_hashes`) `name` holds
