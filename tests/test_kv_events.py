@@ -381,8 +381,8 @@ def test_the_data_plane_subscribes_and_reports_kv_metrics(pub):
 
 def test_serve_routes_a_stored_prompt_to_its_engine_then_by_load_after_a_clear():
     """The data plane `routecore serve` runs, three engines publishing KV events:
-    a prompt (token ids in a completions body) goes to the engine that stored
-    it, whatever the load elsewhere; once that engine clears its cache, the
+    a prompt (token ids in a completions body, or given beside a chat body)
+    goes to the engine that stored it, whatever the load elsewhere; once that engine clears its cache, the
     next requests go by load (one per idle endpoint)."""
     from routecore.config import parse_config
 
@@ -437,6 +437,11 @@ def test_serve_routes_a_stored_prompt_to_its_engine_then_by_load_after_a_clear()
         wait_for(lambda: blocks(endpoints[1]) == before + 8, what="blocks indexed")
         held = [route(ids) for _ in range(4)]  # held open: the holder gets busier
         assert [r["endpoint"] for r in held] == [endpoints[1]] * 4
+        # A chat body (text: no prefix match, and the holder is the busiest) with
+        # the caller's token ids, as the RouteCore API's Route takes them.
+        chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        held.append(plane.route_body(chat.encode(), token_ids=ids))
+        assert held[-1]["endpoint"] == endpoints[1]
         for r in held:
             plane.finish(r["request_id"])
         pubs[1].clear()

@@ -178,16 +178,23 @@ impl PyDataPlane {
     /// ``admitted`` True with ``request_id, pool, endpoint, est_input_tokens,
     /// est_output_tokens, spilled, reason, compress_target_tokens, body``
     /// (the compressed body or None), or False with ``status, reason,
-    /// message, retry_after_s``.
-    #[pyo3(signature = (body, api_key=None))]
+    /// message, retry_after_s``. ``token_ids``: the prompt's, from the
+    /// caller; they key the prefix policies in place of the body's prompt
+    /// (not a compressed one's).
+    #[pyo3(signature = (body, api_key=None, token_ids=None))]
     fn route_body<'py>(
         &self,
         py: Python<'py>,
         body: &[u8],
         api_key: Option<&[u8]>,
+        #[pyo3(from_py_with = int_arg)] token_ids: Option<Vec<u32>>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let hints = Hints {
+            token_ids,
+            ..Hints::default()
+        };
         self.route(py, api_key, |engine, tenant| async move {
-            engine.route_body(body, tenant, &Hints::default()).await
+            engine.route_body(body, tenant, &hints).await
         })
     }
 

@@ -71,7 +71,9 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"body exceeds {self.max_body_bytes} bytes",
                 )
-            outcome = await asyncio.to_thread(self.plane.route_body, request.body, key)
+            outcome = await asyncio.to_thread(
+                self.plane.route_body, request.body, key, list(request.token_ids) or None
+            )
         elif kind == "measured":
             m = request.measured
             if m.category not in CATEGORIES and not m.prompt_tokens:
