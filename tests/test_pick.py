@@ -353,7 +353,6 @@ def test_empty_or_repeated_endpoints_are_refused():
 def test_bad_calls_leave_the_state_unchanged():
     p = EndpointPicker(NAMES, preset="vtc")
     p.pick(fairness_id="u", input_tokens=10, now=0.0)
-    before = p.to_bytes()
     bad = [
         lambda: p.pick(now=math.nan),
         lambda: p.pick(fairness_id="", now=0.0),
@@ -373,7 +372,28 @@ def test_bad_calls_leave_the_state_unchanged():
         lambda: p.pick_many(fairness_ids=["a", ""], now=0.0),
         lambda: p.pick_many(np.arange(4, dtype=np.uint32), [0, 5], now=0.0),
     ]
-    for call in bad:
+    assert_refused_unchanged(p, bad)
+
+
+def test_bad_precise_calls_leave_the_state_unchanged(kv):
+    p = picker("precise-prefix+queue+kv", kv)
+    p.pick(HELD, now=0.0)
+    bad = [
+        lambda: p.pick([-1], now=0.0),
+        lambda: p.pick([2**32], now=0.0),
+        lambda: p.rank(np.array([0.5, 1.5]), now=0.0),
+        lambda: p.pick(HELD, adapter="sql", now=math.nan),
+        lambda: p.pick(HELD, hashes=HELD, now=0.0),  # hashes are uint64 block hashes
+        lambda: p.pick_many(HELD, [0, 65], now=0.0),
+        lambda: p.started("e0", [1, -2], now=0.0),
+    ]
+    assert_refused_unchanged(p, bad)
+
+
+def assert_refused_unchanged(p: EndpointPicker, calls) -> None:
+    """Each call raises a clear error and leaves `p` as it was."""
+    before = p.to_bytes()
+    for call in calls:
         with pytest.raises((ValueError, KeyError, TypeError)):
             call()
         assert p.to_bytes() == before

@@ -132,8 +132,9 @@ def test_requests_without_a_template_count_their_texts(tokenizer_path, reference
 
 
 def test_bad_files_are_refused_at_load(tmp_path):
-    with pytest.raises(ValueError, match="tokenizer: cannot read"):
-        Tokenizer(tmp_path / "missing.json")
+    for unreadable in (tmp_path / "missing.json", tmp_path):  # missing, a directory
+        with pytest.raises(ValueError, match="tokenizer: cannot read"):
+            Tokenizer(unreadable)
     for name, content in [("a.json", '{"hello": 1}'), ("b.json", "not json"), ("c.txt", "")]:
         (tmp_path / name).write_text(content)
         with pytest.raises(ValueError, match="not a Hugging Face tokenizer.json"):

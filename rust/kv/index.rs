@@ -145,7 +145,7 @@ impl KvConfig {
 pub struct KvStats {
     /// Batches applied (in order, replayed ones included).
     pub batches: u64,
-    /// Events that changed the index.
+    /// Events applied, in whole or in part (see `Skip`).
     pub events: u64,
     /// Events or block hashes skipped (see `Skip`).
     pub skipped: u64,
@@ -402,9 +402,7 @@ impl KvIndex {
             match event {
                 Err(skip) => out.skipped.push(skip.clone()),
                 Ok(event) => {
-                    let before = out.skipped.len();
-                    self.apply_event(&mut e, event, &mut out.skipped);
-                    if out.skipped.len() == before {
+                    if self.apply_event(&mut e, event, &mut out.skipped) {
                         out.events += 1;
                     }
                 }
@@ -417,13 +415,17 @@ impl KvIndex {
         Ok(out)
     }
 
-    fn apply_event(&self, e: &mut EndpointKv, event: &Event, skipped: &mut Vec<Skip>) {
+    /// Applies one event; false when it is skipped whole (a removal naming
+    /// blocks never stored still removes the others it names).
+    fn apply_event(&self, e: &mut EndpointKv, event: &Event, skipped: &mut Vec<Skip>) -> bool {
         match event {
             Event::Cleared => e.clear(),
             Event::Removed { hashes, medium } => {
                 if let Some(m) = medium.as_deref().filter(|m| *m != MEDIUM_GPU) {
-                    return skipped.push(Skip::Medium(m.to_owned()));
+                    skipped.push(Skip::Medium(m.to_owned()));
+                    return false;
                 }
+                let before = skipped.len();
                 for h in hashes {
                     match e.ours.remove(h) {
                         Some(ours) => {
@@ -432,9 +434,13 @@ impl KvIndex {
                         None => skipped.push(Skip::UnknownBlock(*h)),
                     }
                 }
+                return hashes.is_empty() || skipped.len() - before < hashes.len();
             }
             Event::Stored(s) => match self.stored_hashes(e, s) {
-                Err(skip) => skipped.push(skip),
+                Err(skip) => {
+                    skipped.push(skip);
+                    return false;
+                }
                 Ok(ours) => {
                     for (o, engine) in ours.into_iter().zip(&s.hashes) {
                         e.insert(o, *engine);
@@ -442,6 +448,7 @@ impl KvIndex {
                 }
             },
         }
+        true
     }
 
     /// Our hashes of a `BlockStored`'s blocks, or why it is skipped.
