@@ -382,8 +382,9 @@ def test_the_data_plane_subscribes_and_reports_kv_metrics(pub):
 def test_serve_routes_a_stored_prompt_to_its_engine_then_by_load_after_a_clear():
     """The data plane `routecore serve` runs, three engines publishing KV events:
     a prompt (token ids in a completions body, or given beside a chat body)
-    goes to the engine that stored it, whatever the load elsewhere; once that engine clears its cache, the
-    next requests go by load (one per idle endpoint)."""
+    goes to the engine that stored it, whatever the load elsewhere; once that
+    engine clears its cache, the next requests go by load (one per idle
+    endpoint)."""
     from routecore.config import parse_config
 
     endpoints = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]

@@ -25,13 +25,14 @@
 //! have removed blocks, and the index must not claim blocks the engine lost.
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{invalid, unknown, Result};
 use crate::prefix::{
-    block_hashes, block_hashes_after, block_hashes_into, Tokens, MAX_BLOCK_SIZE,
+    block_hashes, block_hashes_after, block_hashes_into, BlockHasher, Tokens, MAX_BLOCK_SIZE,
     MAX_CAPACITY_BLOCKS,
 };
 
@@ -170,7 +171,7 @@ pub struct KvStats {
 #[derive(Debug, Default)]
 struct EndpointKv {
     /// Our hash -> (engine hash, store stamp).
-    blocks: HashMap<u64, (u64, u64)>,
+    blocks: HashMap<u64, (u64, u64), BuildHasherDefault<BlockHasher>>,
     /// Engine hash -> our hash.
     ours: HashMap<u64, u64>,
     stamp: u64,
