@@ -6,10 +6,10 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
-use super::kv::PyKvEventIndex;
 use super::{detach_if, hash_array, int_arg, int_array, reduce, TokenArg, DETACH_TOKENS};
 use crate::budget::MAX_TOKENS;
 use crate::error::{finite, invalid, non_negative, Error, Result};
+use crate::kv::KvIndex;
 use crate::pick::endpoints::complete_one;
 use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec, PRESETS};
 use crate::prefix::{block_hashes_into, block_hashes_many, check_offsets, Tokens};
@@ -107,12 +107,30 @@ fn ids_of(tokens: Option<Tokens<'_>>) -> Option<&[u32]> {
     }
 }
 
+/// The index of a `kv_index` argument (a `KvEventIndex`).
+fn kv_index_arg(kv_index: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc<KvIndex>>> {
+    let Some(obj) = kv_index else {
+        return Ok(None);
+    };
+    #[cfg(feature = "kv-events")]
+    {
+        let k = obj
+            .cast::<super::kv::PyKvEventIndex>()
+            .map_err(|_| PyTypeError::new_err("kv_index must be a KvEventIndex"))?;
+        Ok(Some(Arc::clone(k.get().index())))
+    }
+    #[cfg(not(feature = "kv-events"))]
+    {
+        let _ = obj;
+        Err(PyValueError::new_err(
+            "kv_index: this build has no KvEventIndex (cargo feature kv-events)",
+        ))
+    }
+}
+
 /// A pipeline's `kv_index`, checked: a precise-prefix scorer needs one, and
 /// nothing else reads one.
-fn check_kv_index(
-    pipeline: &Pipeline,
-    kv_index: Option<&Bound<'_, PyKvEventIndex>>,
-) -> PyResult<()> {
+fn check_kv_index(pipeline: &Pipeline, kv_index: Option<&Arc<KvIndex>>) -> PyResult<()> {
     match (pipeline.wants_kv_index(), kv_index.is_some()) {
         (true, false) => Err(PyValueError::new_err(
             "the precise-prefix scorer needs kv_index= (a KvEventIndex fed by the engines' \
@@ -123,15 +141,6 @@ fn check_kv_index(
              precise-prefix+queue+kv)",
         )),
         _ => Ok(()),
-    }
-}
-
-/// The pipeline config with the KV-event index of `kv_index`.
-fn pick_config(seed: u64, kv_index: Option<&Bound<'_, PyKvEventIndex>>) -> PickConfig {
-    PickConfig {
-        seed,
-        prefix_index: None,
-        kv_index: kv_index.map(|k| Arc::clone(k.get().index())),
     }
 }
 
@@ -356,12 +365,16 @@ impl PyEndpointPicker {
         preset: Option<String>,
         plugins: Option<&Bound<'_, PyList>>,
         #[pyo3(from_py_with = int_arg)] seed: u64,
-        kv_index: Option<&Bound<'_, PyKvEventIndex>>,
+        kv_index: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         if endpoints.is_empty() {
             return Err(PyValueError::new_err("endpoints must not be empty"));
         }
-        let config = pick_config(seed, kv_index);
+        let config = PickConfig {
+            seed,
+            prefix_index: None,
+            kv_index: kv_index_arg(kv_index)?,
+        };
         let (pipeline, preset) = match (preset, plugins) {
             (Some(_), Some(_)) => {
                 return Err(PyValueError::new_err("give a preset or plugins, not both"))
@@ -378,7 +391,7 @@ impl PyEndpointPicker {
                 (Pipeline::preset(&name, &endpoints, &config)?, Some(name))
             }
         };
-        check_kv_index(&pipeline, kv_index)?;
+        check_kv_index(&pipeline, config.kv_index.as_ref())?;
         let inner = Inner::new(pipeline, preset, py);
         Ok(Self {
             block: inner.block(),
@@ -811,9 +824,12 @@ impl PyEndpointPicker {
     fn from_bytes(
         py: Python<'_>,
         data: &[u8],
-        kv_index: Option<&Bound<'_, PyKvEventIndex>>,
+        kv_index: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let config = pick_config(0, kv_index);
+        let config = PickConfig {
+            kv_index: kv_index_arg(kv_index)?,
+            ..PickConfig::default()
+        };
         let read = |r: &mut Reader<'_>| -> Result<(Option<String>, Pipeline, Vec<EndpointState>)> {
             let preset = match r.u8()? {
                 0 => None,
@@ -828,7 +844,7 @@ impl PyEndpointPicker {
         };
         let (preset, pipeline, states) =
             restore(data, MAGIC, SNAPSHOT_VERSION, "endpoint picker", read)?;
-        check_kv_index(&pipeline, kv_index)?;
+        check_kv_index(&pipeline, config.kv_index.as_ref())?;
         let mut inner = Inner::new(pipeline, preset, py);
         inner.states = states;
         Ok(Self {
