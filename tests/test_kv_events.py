@@ -459,3 +459,33 @@ def test_serve_routes_a_stored_prompt_to_its_engine_then_by_load_after_a_clear()
         plane.drain(0.1)
         for p in pubs:
             p.close()
+
+
+def test_route_keys_a_body_with_the_callers_token_ids(tmp_path):
+    """The RouteCore API's Route: `token_ids` beside a body key the prefix
+    policy in place of the body's prompt (two different texts, one prefix)."""
+    import grpc
+    from server_fixtures import SHORT, Running, base_config
+
+    from routecore.server.envoy_client import chat_body
+    from routecore.server.gen import routecore_pb2 as rc
+    from routecore.server.gen import routecore_pb2_grpc as rc_grpc
+
+    config = base_config(router={"policy": "prefix", "prefix_block_size": BS})
+    server = Running(tmp_path / "routecore.yaml", config)
+    ids = prompt(7, 8)
+    try:
+        with grpc.insecure_channel(server.api_target) as channel:
+            stub = rc_grpc.RouteCoreStub(channel)
+            routed = [
+                stub.Route(
+                    rc.RouteRequest(body=chat_body(text, 16), api_key="demo-key", token_ids=ids)
+                )
+                for text in ("first question", "another question entirely")
+            ]
+            # Held open: without the ids the second would go to the idle endpoint.
+            assert [r.endpoint for r in routed] == [SHORT[0], SHORT[0]]
+            for r in routed:
+                stub.Feedback(rc.FeedbackRequest(request_id=r.request_id))
+    finally:
+        server.stop()
