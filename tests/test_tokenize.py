@@ -12,10 +12,18 @@ import pytest
 import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mock_kv_publisher import MockKvPublisher, subscribe, synced, wait_for
 from server_fixtures import Running, base_config
 from tokenizer_fixtures import CHAT_TEMPLATE, WORDS, build_tokenizer, render_chatml
 
-from routecore import Pool, TokenBudgetRouter, Tokenizer, block_hashes
+from routecore import (
+    EndpointPicker,
+    KvEventIndex,
+    Pool,
+    TokenBudgetRouter,
+    Tokenizer,
+    block_hashes,
+)
 from routecore.config import ConfigError, parse_config
 from routecore.server.envoy_client import chat_body
 from routecore.server.gen import routecore_pb2 as rc
@@ -85,6 +93,29 @@ def test_chat_template_renders_and_counts(tok, reference):
     assert expected.count(reference.token_to_id("<|im_start|>")) == 3
     body = json.dumps({"model": "m", "messages": messages})
     assert tok.encode_request(body).tolist() == expected
+
+
+def test_the_tokenizers_output_keys_the_precise_picker(tok):
+    """A chat's token ids from Tokenizer.encode_chat, as an engine stored them
+    (its KV events), lead a precise-prefix picker to that engine."""
+    messages = [
+        {"role": "system", "content": "route the prompt " * 20},
+        {"role": "user", "content": "which engine holds my prefix"},
+    ]
+    ids = tok.encode_chat(messages)
+    engine = MockKvPublisher(block_size=4, capacity_blocks=1024)
+    index = KvEventIndex(block_size=4)
+    try:
+        subscribe(index, "e1", engine)
+        engine.serve(ids.tolist())
+        wait_for(synced(index, "e1", engine), what="the chat's blocks indexed")
+        picker = EndpointPicker(["e0", "e1"], preset="precise-prefix", kv_index=index)
+        assert picker.rank(ids, now=0.0) == ["e1", "e0"]
+        # The same chat as text keys only the approximate index: no match yet.
+        assert picker.rank(tok.render_chat(messages), now=0.0)[0] == "e0"
+    finally:
+        index.close()
+        engine.close()
 
 
 def test_template_sees_tools_and_python_methods(tokenizer_path):
