@@ -1,6 +1,7 @@
 """The endpoint picker: routecore.EndpointPicker.pick beside the plain-Python
-twin, same run, with the GIE's default scorers (queue + KV use) and with
-prefix match added (the default preset).
+twin, same run, with the GIE's default scorers (queue + KV use), with prefix
+match added (the default preset), and with the precise prefix scorer reading
+a KvEventIndex fed by mock engines' KV events.
 
 Run: .venv/bin/python -m pytest benches/bench_pick.py
 """
@@ -8,8 +9,10 @@ Run: .venv/bin/python -m pytest benches/bench_pick.py
 import numpy as np
 import pytest
 
-from routecore import EndpointPicker
+from routecore import EndpointPicker, KvEventIndex
 from routecore._baselines import pick as baseline
+from routecore._baselines.prefix import block_hashes
+from tests.mock_kv_publisher import MockKvPublisher, subscribe, synced, wait_for
 
 TOKENS = 8192
 BLOCK = 16  # 512 blocks
@@ -36,10 +39,11 @@ def scraped(picker, n, seed=0):
     return picker
 
 
-def ties_first(preset):
+def ties_first(preset, kv=None):
     """A routecore picker equal to `preset` but breaking ties to the first, as
-    the plain-Python twin does (for the decision check)."""
-    plugins = EndpointPicker(["x"], preset=preset).plugins
+    the plain-Python twin does (for the decision check); `kv`: a precise
+    preset's KvEventIndex."""
+    plugins = EndpointPicker(["x"], preset=preset, kv_index=kv).plugins
     for p in plugins:
         if p["name"] == "max-score" and p["ties"] == "random":
             p.pop("seed", None)
@@ -104,6 +108,72 @@ def test_the_baseline_decides_like_routecore(preset):
     system = prompt(1, TOKENS // 2)
     for k in range(60):
         p = np.concatenate([system[: 256 * (k % 9)], prompt(k % 13, 1000)])
+        assert rc.pick(p, now=0.0) == py.pick(p)
+        if k % 20 == 19:
+            scraped(rc, n, k)
+            scraped(py, n, k)
+    assert rc.in_flight == [s["in_flight"] for s in py.states]
+
+
+PRECISE = "precise-prefix+queue+kv"
+ENGINES = 4
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """16 endpoints on 4 mock engines publishing KV events (endpoint i reads
+    engine i % 4's stream); engine j served the warm-up prompts k = j mod 4 of
+    16 sharing a 4,096-token system prompt. Yields the KvEventIndex, each
+    endpoint's held block hashes (for the twin) and the warm-up prompts."""
+    n = 16
+    system = prompt(1, TOKENS // 2)
+    warm = [np.concatenate([system, prompt(100 + k, TOKENS // 2)]) for k in range(16)]
+    pubs = [MockKvPublisher(block_size=BLOCK, capacity_blocks=4096) for _ in range(ENGINES)]
+    index = KvEventIndex(block_size=BLOCK)
+    try:
+        for i, e in enumerate(names(n)):
+            subscribe(index, e, pubs[i % ENGINES])
+        for k, w in enumerate(warm):
+            pubs[k % ENGINES].serve(w.tolist())
+        for i, e in enumerate(names(n)):
+            wait_for(synced(index, e, pubs[i % ENGINES]), what=f"{e} synced")
+        held = {
+            e: {
+                h
+                for k, w in enumerate(warm)
+                if k % ENGINES == i % ENGINES
+                for h in block_hashes(w, BLOCK)
+            }
+            for i, e in enumerate(names(n))
+        }
+        yield index, held, warm
+    finally:
+        index.close()
+        for p in pubs:
+            p.close()
+
+
+@pytest.mark.benchmark(group="EndpointPicker.pick, precise-prefix+queue+kv, 512-block prompt")
+def test_pick_precise_prefix_queue_kv_routecore(benchmark, engines):
+    index, _, warm = engines
+    p = scraped(EndpointPicker(names(16), preset=PRECISE, kv_index=index), 16)
+    assert benchmark(p.pick, warm[5], now=0.0) in names(16)
+
+
+@pytest.mark.benchmark(group="EndpointPicker.pick, precise-prefix+queue+kv, 512-block prompt")
+def test_pick_precise_prefix_queue_kv_plain_python(benchmark, engines):
+    _, held, warm = engines
+    p = scraped(baseline.EndpointPicker(names(16), preset=PRECISE, held=held), 16)
+    assert benchmark(p.pick, warm[5]) in names(16)
+
+
+def test_the_baseline_decides_like_routecore_precise(engines):
+    index, held, warm = engines
+    n = 16
+    rc = scraped(EndpointPicker(names(n), plugins=ties_first(PRECISE, index), kv_index=index), n)
+    py = scraped(baseline.EndpointPicker(names(n), preset=PRECISE, held=held), n)
+    for k in range(60):
+        p = np.concatenate([warm[k % 16][: 512 * (k % 17)], prompt(k % 13, 1000)])
         assert rc.pick(p, now=0.0) == py.pick(p)
         if k % 20 == 19:
             scraped(rc, n, k)

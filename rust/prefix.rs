@@ -230,10 +230,10 @@ pub fn block_hashes_many(
     Ok((hashes, out))
 }
 
-/// Block hashes are xxh3 outputs, already uniform: the index uses them as
-/// their own hash-table hash.
+/// Block hashes are xxh3 outputs, already uniform: the index (and the KV
+/// index's) use them as their own hash-table hash.
 #[derive(Default)]
-struct BlockHasher(u64);
+pub(crate) struct BlockHasher(u64);
 
 impl Hasher for BlockHasher {
     fn finish(&self) -> u64 {

@@ -16,6 +16,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -179,3 +180,26 @@ class MockKvPublisher:
         self._thread.join(timeout=2)
         self.pub.close(0)
         self._router.close(0)
+
+
+# -- a subscriber's view (a routecore.KvEventIndex) ---------------------------
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def subscribe(idx: Any, name: str, p: MockKvPublisher, replay: bool = True) -> None:
+    """Subscribes index ``idx`` to ``p`` as endpoint ``name``, until live."""
+    idx.subscribe(name, p.zmq, topic="kv", replay=p.replay if replay else None)
+    wait_for(lambda: idx.stats(name)["live"], what=f"{name} connected")
+
+
+def synced(idx: Any, name: str, p: MockKvPublisher) -> Callable[[], bool]:
+    """True once the index applied every batch `p` published."""
+    return lambda: idx.stats(name)["last_seq"] == p.seq - 1

@@ -242,6 +242,9 @@ CASES = {
     "DataPlane.route_fields.max_output_tokens": lambda v: _route(10, "prose", v),
     "DataPlane.route_fields.prompt_tokens": lambda v: _route(10, "prose", 10, v),
     "DataPlane.route_fields.token_ids": lambda v: _route(10, "prose", 10, token_ids=[v]),
+    "DataPlane.route_body.token_ids": lambda v: _settle(
+        plane().route_body(b'{"prompt": "x", "max_tokens": 5}', token_ids=[v])
+    ),
     "DataPlane.finish.prompt_tokens": lambda v: _finish(v, 1),
     "DataPlane.finish.completion_tokens": lambda v: _finish(1, v),
     "load.requests": lambda v: _load(requests=v),
@@ -297,7 +300,11 @@ def _start(**kwargs):
 
 def _route(*args, **kwargs):
     """``route_fields`` on the plane; a refusal (a 400 for bad fields) as ValueError."""
-    routed = plane().route_fields(*args, **kwargs)
+    _settle(plane().route_fields(*args, **kwargs))
+
+
+def _settle(routed):
+    """Finishes a routed request; a refusal as ValueError."""
     if not routed["admitted"]:
         raise ValueError(routed["message"])
     plane().finish(routed["request_id"])
@@ -401,6 +408,7 @@ UNSIGNED_64 = {
     "DataPlane.route_fields.max_output_tokens",
     "DataPlane.route_fields.prompt_tokens",
     "DataPlane.route_fields.token_ids",
+    "DataPlane.route_body.token_ids",
     "load.requests",
     "DataPlane.finish.prompt_tokens",
     "DataPlane.finish.completion_tokens",

@@ -6,24 +6,23 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgpack
 import pytest
-from mock_kv_publisher import CLEARED, MockKvPublisher, removed, stored
+from mock_kv_publisher import (
+    CLEARED,
+    MockKvPublisher,
+    removed,
+    stored,
+    subscribe,
+    synced,
+    wait_for,
+)
 
 import routecore
 
 BS = 4
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -38,18 +37,6 @@ def index() -> Iterator[routecore.KvEventIndex]:
     idx = routecore.KvEventIndex(block_size=BS)
     yield idx
     idx.close()
-
-
-def subscribe(
-    idx: routecore.KvEventIndex, name: str, p: MockKvPublisher, replay: bool = True
-) -> None:
-    idx.subscribe(name, p.zmq, topic="kv", replay=p.replay if replay else None)
-    wait_for(lambda: idx.stats(name)["live"], what=f"{name} connected")
-
-
-def synced(idx: routecore.KvEventIndex, name: str, p: MockKvPublisher) -> Callable[[], bool]:
-    """True once the index applied every batch `p` published."""
-    return lambda: idx.stats(name)["last_seq"] == p.seq - 1
 
 
 def serve_synced(idx: routecore.KvEventIndex, name: str, p: MockKvPublisher, prompt) -> int:
@@ -394,9 +381,10 @@ def test_the_data_plane_subscribes_and_reports_kv_metrics(pub):
 
 def test_serve_routes_a_stored_prompt_to_its_engine_then_by_load_after_a_clear():
     """The data plane `routecore serve` runs, three engines publishing KV events:
-    a prompt (token ids in a completions body) goes to the engine that stored
-    it, whatever the load elsewhere; once that engine clears its cache, the
-    next requests go by load (one per idle endpoint)."""
+    a prompt (token ids in a completions body, or given beside a chat body)
+    goes to the engine that stored it, whatever the load elsewhere; once that
+    engine clears its cache, the next requests go by load (one per idle
+    endpoint)."""
     from routecore.config import parse_config
 
     endpoints = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
@@ -450,6 +438,11 @@ def test_serve_routes_a_stored_prompt_to_its_engine_then_by_load_after_a_clear()
         wait_for(lambda: blocks(endpoints[1]) == before + 8, what="blocks indexed")
         held = [route(ids) for _ in range(4)]  # held open: the holder gets busier
         assert [r["endpoint"] for r in held] == [endpoints[1]] * 4
+        # A chat body (text: no prefix match, and the holder is the busiest) with
+        # the caller's token ids, as the RouteCore API's Route takes them.
+        chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        held.append(plane.route_body(chat.encode(), token_ids=ids))
+        assert held[-1]["endpoint"] == endpoints[1]
         for r in held:
             plane.finish(r["request_id"])
         pubs[1].clear()
@@ -466,3 +459,33 @@ def test_serve_routes_a_stored_prompt_to_its_engine_then_by_load_after_a_clear()
         plane.drain(0.1)
         for p in pubs:
             p.close()
+
+
+def test_route_keys_a_body_with_the_callers_token_ids(tmp_path):
+    """The RouteCore API's Route: `token_ids` beside a body key the prefix
+    policy in place of the body's prompt (two different texts, one prefix)."""
+    import grpc
+    from server_fixtures import SHORT, Running, base_config
+
+    from routecore.server.envoy_client import chat_body
+    from routecore.server.gen import routecore_pb2 as rc
+    from routecore.server.gen import routecore_pb2_grpc as rc_grpc
+
+    config = base_config(router={"policy": "prefix", "prefix_block_size": BS})
+    server = Running(tmp_path / "routecore.yaml", config)
+    ids = prompt(7, 8)
+    try:
+        with grpc.insecure_channel(server.api_target) as channel:
+            stub = rc_grpc.RouteCoreStub(channel)
+            routed = [
+                stub.Route(
+                    rc.RouteRequest(body=chat_body(text, 16), api_key="demo-key", token_ids=ids)
+                )
+                for text in ("first question", "another question entirely")
+            ]
+            # Held open: without the ids the second would go to the idle endpoint.
+            assert [r.endpoint for r in routed] == [SHORT[0], SHORT[0]]
+            for r in routed:
+                stub.Feedback(rc.FeedbackRequest(request_id=r.request_id))
+    finally:
+        server.stop()

@@ -1,16 +1,45 @@
-"""The endpoint picker: presets, plugins, single vs batched, snapshots, bad input."""
+"""The endpoint picker: presets, plugins, single vs batched, snapshots, bad input,
+and the precise-prefix scorer on a KvEventIndex fed by a mock engine's KV events."""
 
 import math
 import pickle
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mock_kv_publisher import MockKvPublisher, subscribe, synced, wait_for
 
-from routecore import EndpointPicker, NotInFlightError, PrefixCacheRouter, VtcRouter
+from routecore import EndpointPicker, KvEventIndex, NotInFlightError, PrefixCacheRouter, VtcRouter
 
 NAMES = ["e0", "e1", "e2", "e3"]
+# The prompt the mock engine of "e2" holds (4 blocks of 16 tokens): the head of
+# the shared prefixes of `batch`.
+HELD = np.arange(64, dtype=np.uint32)
+
+
+@pytest.fixture(scope="module")
+def kv() -> Iterator[KvEventIndex]:
+    """A KV-event index where e2's engine publishes and holds HELD; the other
+    endpoints have no event stream (their prefix scores are approximate)."""
+    engine = MockKvPublisher(block_size=16)
+    index = KvEventIndex(block_size=16)
+    try:
+        subscribe(index, "e2", engine)
+        engine.serve(HELD.tolist())
+        wait_for(synced(index, "e2", engine), what="e2's blocks indexed")
+        yield index
+    finally:
+        index.close()
+        engine.close()
+
+
+def picker(preset: str, kv: KvEventIndex, **kwargs) -> EndpointPicker:
+    """A picker of `preset` over NAMES; the precise presets read `kv`."""
+    if "precise" in preset:
+        kwargs["kv_index"] = kv
+    return EndpointPicker(NAMES, preset=preset, **kwargs)
 
 
 def test_presets_and_the_default():
@@ -187,13 +216,13 @@ def batch(seed, n):
     seed=st.integers(0, 2**32),
     n=st.integers(1, 40),
 )
-def test_pick_many_equals_pick_one_by_one(preset, seed, n):
+def test_pick_many_equals_pick_one_by_one(kv, preset, seed, n):
     prompts, flat, offsets = batch(seed, n)
     users = [f"u{i % 3}" for i in range(n)]
     sessions = [f"s{i % 5}" for i in range(n)]
     ins = np.arange(n) * 10
-    one = EndpointPicker(NAMES, preset=preset, seed=seed)
-    many = EndpointPicker(NAMES, preset=preset, seed=seed)
+    one = picker(preset, kv, seed=seed)
+    many = picker(preset, kv, seed=seed)
     for p in (one, many):
         p.set_state("e1", waiting=2, running=1, kv_usage=0.4)
         p.set_state("e3", healthy=False)
@@ -214,6 +243,59 @@ def test_pick_many_equals_pick_one_by_one(preset, seed, n):
     )
     assert got.tolist() == singles
     assert one.to_bytes() == many.to_bytes()
+
+
+def test_precise_prefix_scores_what_the_engines_hold(kv):
+    """Token ids (an array, a list, a Tokenizer's output) key the KV-event
+    index; text, an adapter's blocks and endpoints without an event stream
+    score from the approximate index (what the picker routed)."""
+    p = EndpointPicker(NAMES, preset="precise-prefix", kv_index=kv)
+    longer = np.concatenate([HELD, np.arange(500, 532, dtype=np.uint32)])
+    assert p.rank(HELD, now=0.0)[0] == "e2"
+    assert p.rank(longer.tolist(), now=0.0)[0] == "e2"
+    # No load guard on what the engine holds: e2 stays first when busier.
+    p.set_state("e2", waiting=30, running=8)
+    assert p.rank(longer, now=0.0)[0] == "e2"
+    p.set_state("e2", waiting=0, running=0)
+    # Nothing routed yet: text, or the adapter's own blocks, tie at 0 and go
+    # to the least loaded (e0).
+    assert p.rank("a prompt as text " * 10, now=0.0)[0] == "e0"
+    assert p.rank(HELD, adapter="sql", now=0.0)[0] == "e0"
+    # e1 has no event stream: its score comes from the approximate index,
+    # which learns what was started there.
+    other = np.arange(1000, 1064, dtype=np.uint32)
+    assert p.rank(other, now=0.0)[0] == "e0"
+    p.started("e1", other, now=0.0)
+    assert p.rank(other, now=0.0)[0] == "e1"
+    # e2's stream is live and e2 does not hold `other`: 0 for e2, whatever was
+    # started there.
+    p.completed("e1", now=0.0)
+    p.started("e2", other, now=0.0)
+    assert p.rank(other, now=0.0)[0] == "e1"
+    # Scored like PrefixCacheRouter when no endpoint has live events.
+    approx = EndpointPicker(NAMES, preset="prefix")
+    approx.started("e1", other, now=0.0)
+    assert approx.rank(other, now=0.0)[0] == "e1"
+
+
+def test_precise_prefix_needs_a_kv_index_which_snapshots_do_not_hold(kv):
+    for kwargs in ({"preset": "precise-prefix"}, {"plugins": [{"name": "precise-prefix"}]}):
+        with pytest.raises(ValueError, match="needs kv_index"):
+            EndpointPicker(NAMES, **kwargs)
+    with pytest.raises(ValueError, match="precise-prefix scorer only"):
+        EndpointPicker(NAMES, preset="prefix+queue+kv", kv_index=kv)
+    with pytest.raises(TypeError):
+        EndpointPicker(NAMES, preset="precise-prefix", kv_index="tcp://127.0.0.1:5557")
+    p = picker("precise-prefix+queue+kv", kv, seed=3)
+    p.pick(HELD, now=0.0)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(p)
+    data = p.to_bytes()
+    with pytest.raises(ValueError, match="needs kv_index"):
+        EndpointPicker.from_bytes(data)
+    q = EndpointPicker.from_bytes(data, kv_index=kv)
+    assert q.to_bytes() == data
+    assert [q.pick(HELD, now=1.0) for _ in range(3)] == [p.pick(HELD, now=1.0) for _ in range(3)]
 
 
 def test_rank_starts_nothing_and_leads_with_the_pick():
@@ -271,7 +353,6 @@ def test_empty_or_repeated_endpoints_are_refused():
 def test_bad_calls_leave_the_state_unchanged():
     p = EndpointPicker(NAMES, preset="vtc")
     p.pick(fairness_id="u", input_tokens=10, now=0.0)
-    before = p.to_bytes()
     bad = [
         lambda: p.pick(now=math.nan),
         lambda: p.pick(fairness_id="", now=0.0),
@@ -291,7 +372,28 @@ def test_bad_calls_leave_the_state_unchanged():
         lambda: p.pick_many(fairness_ids=["a", ""], now=0.0),
         lambda: p.pick_many(np.arange(4, dtype=np.uint32), [0, 5], now=0.0),
     ]
-    for call in bad:
+    assert_refused_unchanged(p, bad)
+
+
+def test_bad_precise_calls_leave_the_state_unchanged(kv):
+    p = picker("precise-prefix+queue+kv", kv)
+    p.pick(HELD, now=0.0)
+    bad = [
+        lambda: p.pick([-1], now=0.0),
+        lambda: p.pick([2**32], now=0.0),
+        lambda: p.rank(np.array([0.5, 1.5]), now=0.0),
+        lambda: p.pick(HELD, adapter="sql", now=math.nan),
+        lambda: p.pick(HELD, hashes=HELD, now=0.0),  # hashes are uint64 block hashes
+        lambda: p.pick_many(HELD, [0, 65], now=0.0),
+        lambda: p.started("e0", [1, -2], now=0.0),
+    ]
+    assert_refused_unchanged(p, bad)
+
+
+def assert_refused_unchanged(p: EndpointPicker, calls) -> None:
+    """Each call raises a clear error and leaves `p` as it was."""
+    before = p.to_bytes()
+    for call in calls:
         with pytest.raises((ValueError, KeyError, TypeError)):
             call()
         assert p.to_bytes() == before

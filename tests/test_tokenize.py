@@ -12,10 +12,18 @@ import pytest
 import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mock_kv_publisher import MockKvPublisher, subscribe, synced, wait_for
 from server_fixtures import Running, base_config
 from tokenizer_fixtures import CHAT_TEMPLATE, WORDS, build_tokenizer, render_chatml
 
-from routecore import Pool, TokenBudgetRouter, Tokenizer, block_hashes
+from routecore import (
+    EndpointPicker,
+    KvEventIndex,
+    Pool,
+    TokenBudgetRouter,
+    Tokenizer,
+    block_hashes,
+)
 from routecore.config import ConfigError, parse_config
 from routecore.server.envoy_client import chat_body
 from routecore.server.gen import routecore_pb2 as rc
@@ -87,6 +95,29 @@ def test_chat_template_renders_and_counts(tok, reference):
     assert tok.encode_request(body).tolist() == expected
 
 
+def test_the_tokenizers_output_keys_the_precise_picker(tok):
+    """A chat's token ids from Tokenizer.encode_chat, as an engine stored them
+    (its KV events), lead a precise-prefix picker to that engine."""
+    messages = [
+        {"role": "system", "content": "route the prompt " * 20},
+        {"role": "user", "content": "which engine holds my prefix"},
+    ]
+    ids = tok.encode_chat(messages)
+    engine = MockKvPublisher(block_size=4, capacity_blocks=1024)
+    index = KvEventIndex(block_size=4)
+    try:
+        subscribe(index, "e1", engine)
+        engine.serve(ids.tolist())
+        wait_for(synced(index, "e1", engine), what="the chat's blocks indexed")
+        picker = EndpointPicker(["e0", "e1"], preset="precise-prefix", kv_index=index)
+        assert picker.rank(ids, now=0.0) == ["e1", "e0"]
+        # The same chat as text keys only the approximate index: no match yet.
+        assert picker.rank(tok.render_chat(messages), now=0.0)[0] == "e0"
+    finally:
+        index.close()
+        engine.close()
+
+
 def test_template_sees_tools_and_python_methods(tokenizer_path):
     template = (
         "{% for m in messages %}{{ m['content'].strip().upper() }}|{% endfor %}"
@@ -132,8 +163,9 @@ def test_requests_without_a_template_count_their_texts(tokenizer_path, reference
 
 
 def test_bad_files_are_refused_at_load(tmp_path):
-    with pytest.raises(ValueError, match="tokenizer: cannot read"):
-        Tokenizer(tmp_path / "missing.json")
+    for unreadable in (tmp_path / "missing.json", tmp_path):  # missing, a directory
+        with pytest.raises(ValueError, match="tokenizer: cannot read"):
+            Tokenizer(unreadable)
     for name, content in [("a.json", '{"hello": 1}'), ("b.json", "not json"), ("c.txt", "")]:
         (tmp_path / name).write_text(content)
         with pytest.raises(ValueError, match="not a Hugging Face tokenizer.json"):

@@ -461,6 +461,7 @@ class EndpointPicker:
         preset: str | None = None,
         plugins: list[dict[str, Any]] | None = None,
         seed: int = 0,
+        kv_index: KvEventIndex | None = None,
     ) -> Self: ...
     @staticmethod
     def presets() -> list[str]: ...
@@ -547,7 +548,7 @@ class EndpointPicker:
     def plugins(self) -> list[dict[str, Any]]: ...
     def to_bytes(self) -> bytes: ...
     @staticmethod
-    def from_bytes(data: bytes) -> EndpointPicker: ...
+    def from_bytes(data: bytes, kv_index: KvEventIndex | None = None) -> EndpointPicker: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
 
 # --- compress-and-route (capability 8) ---------------------------------------
@@ -1308,8 +1309,11 @@ class DataPlane:
     @property
     def calibrator(self) -> Calibrator:
         """The learned calibrator, live (shared with the data plane)."""
-    def route_body(self, body: bytes, api_key: bytes | None = None) -> dict[str, Any]:
-        """Routes an OpenAI request body (``api_key`` None: no tenant)."""
+    def route_body(
+        self, body: bytes, api_key: bytes | None = None, token_ids: list[int] | None = None
+    ) -> dict[str, Any]:
+        """Routes an OpenAI request body (``api_key`` None: no tenant; ``token_ids``
+        key the prefix policies in place of the body's prompt)."""
     def route_fields(
         self,
         prompt_bytes: int,

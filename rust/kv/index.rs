@@ -25,13 +25,15 @@
 //! have removed blocks, and the index must not claim blocks the engine lost.
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{invalid, unknown, Result};
 use crate::prefix::{
-    block_hashes, block_hashes_after, Tokens, MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS,
+    block_hashes, block_hashes_after, block_hashes_into, BlockHasher, Tokens, MAX_BLOCK_SIZE,
+    MAX_CAPACITY_BLOCKS,
 };
 
 /// vLLM's default KV-cache block size, in tokens.
@@ -144,7 +146,7 @@ impl KvConfig {
 pub struct KvStats {
     /// Batches applied (in order, replayed ones included).
     pub batches: u64,
-    /// Events that changed the index.
+    /// Events applied, in whole or in part (see `Skip`).
     pub events: u64,
     /// Events or block hashes skipped (see `Skip`).
     pub skipped: u64,
@@ -169,7 +171,7 @@ pub struct KvStats {
 #[derive(Debug, Default)]
 struct EndpointKv {
     /// Our hash -> (engine hash, store stamp).
-    blocks: HashMap<u64, (u64, u64)>,
+    blocks: HashMap<u64, (u64, u64), BuildHasherDefault<BlockHasher>>,
     /// Engine hash -> our hash.
     ours: HashMap<u64, u64>,
     stamp: u64,
@@ -401,9 +403,7 @@ impl KvIndex {
             match event {
                 Err(skip) => out.skipped.push(skip.clone()),
                 Ok(event) => {
-                    let before = out.skipped.len();
-                    self.apply_event(&mut e, event, &mut out.skipped);
-                    if out.skipped.len() == before {
+                    if self.apply_event(&mut e, event, &mut out.skipped) {
                         out.events += 1;
                     }
                 }
@@ -416,13 +416,17 @@ impl KvIndex {
         Ok(out)
     }
 
-    fn apply_event(&self, e: &mut EndpointKv, event: &Event, skipped: &mut Vec<Skip>) {
+    /// Applies one event; false when it is skipped whole (a removal naming
+    /// blocks never stored still removes the others it names).
+    fn apply_event(&self, e: &mut EndpointKv, event: &Event, skipped: &mut Vec<Skip>) -> bool {
         match event {
             Event::Cleared => e.clear(),
             Event::Removed { hashes, medium } => {
                 if let Some(m) = medium.as_deref().filter(|m| *m != MEDIUM_GPU) {
-                    return skipped.push(Skip::Medium(m.to_owned()));
+                    skipped.push(Skip::Medium(m.to_owned()));
+                    return false;
                 }
+                let before = skipped.len();
                 for h in hashes {
                     match e.ours.remove(h) {
                         Some(ours) => {
@@ -431,9 +435,13 @@ impl KvIndex {
                         None => skipped.push(Skip::UnknownBlock(*h)),
                     }
                 }
+                return hashes.is_empty() || skipped.len() - before < hashes.len();
             }
             Event::Stored(s) => match self.stored_hashes(e, s) {
-                Err(skip) => skipped.push(skip),
+                Err(skip) => {
+                    skipped.push(skip);
+                    return false;
+                }
                 Ok(ours) => {
                     for (o, engine) in ours.into_iter().zip(&s.hashes) {
                         e.insert(o, *engine);
@@ -441,6 +449,7 @@ impl KvIndex {
                 }
             },
         }
+        true
     }
 
     /// Our hashes of a `BlockStored`'s blocks, or why it is skipped.
@@ -509,8 +518,23 @@ impl KvIndex {
 
     /// A request's block hashes as the index keys them (`adapter`: its LoRA).
     pub fn request_hashes(&self, token_ids: &[u32], adapter: Option<&str>) -> Vec<u64> {
+        let mut out = Vec::new();
+        self.request_hashes_into(token_ids, adapter, &mut out);
+        out
+    }
+
+    /// `request_hashes` into `out` (cleared first; its buffer is reused).
+    pub fn request_hashes_into(
+        &self,
+        token_ids: &[u32],
+        adapter: Option<&str>,
+        out: &mut Vec<u64>,
+    ) {
         let seed = lora_seed(self.config.seed, adapter);
-        block_hashes(Tokens::Ids(token_ids), self.config.block_size, seed).unwrap_or_default()
+        // The block size was checked with the config: this cannot fail.
+        if block_hashes_into(Tokens::Ids(token_ids), self.config.block_size, seed, out).is_err() {
+            out.clear();
+        }
     }
 
     /// How many of `hashes` (a request's, from `request_hashes`) `name` holds

@@ -29,7 +29,6 @@ mod healthy;
 mod kv_usage;
 mod least_request;
 mod max_score;
-pub mod precise_prefix;
 pub mod prefix;
 mod presets;
 mod queue;
@@ -51,7 +50,6 @@ use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::prefix::PrefixIndex;
 use crate::rng::Rng;
 use crate::snapshot::{restore, Reader, Writer};
-use precise_prefix::PrecisePrefixScorer;
 use prefix::PrefixScorer;
 use session::SessionAffinity;
 use vtc::VtcScorer;
@@ -128,8 +126,8 @@ pub enum Scorer {
     LeastRequest,
     QueueDepth,
     KvUsage,
+    /// `prefix` and `precise-prefix` (see `prefix.rs`).
     Prefix(Box<PrefixScorer>),
-    PrecisePrefix(Box<PrecisePrefixScorer>),
     Vtc(Box<VtcScorer>),
     SessionAffinity(Box<SessionAffinity>),
 }
@@ -141,7 +139,6 @@ impl Scorer {
             Scorer::QueueDepth => queue::score(ctx, out),
             Scorer::KvUsage => kv_usage::score(ctx, out),
             Scorer::Prefix(p) => return p.score(req, ctx, out),
-            Scorer::PrecisePrefix(p) => return p.score(req, ctx, out),
             Scorer::Vtc(v) => v.score(req, ctx, out),
             Scorer::SessionAffinity(s) => s.score(req, ctx, out),
         }
@@ -150,7 +147,6 @@ impl Scorer {
     fn started(&mut self, req: &PickRequest<'_>, names: &[String], endpoint: usize) -> Result<()> {
         match self {
             Scorer::Prefix(p) => p.started(req, names, endpoint),
-            Scorer::PrecisePrefix(p) => p.approx_mut().started(req, names, endpoint),
             Scorer::Vtc(v) => {
                 v.started(req);
                 Ok(())
@@ -170,7 +166,6 @@ impl Scorer {
     fn removed(&mut self, i: usize, name: &str) -> Result<()> {
         match self {
             Scorer::Prefix(p) => p.removed(name),
-            Scorer::PrecisePrefix(p) => p.approx_mut().removed(name),
             Scorer::SessionAffinity(s) => {
                 s.removed(i);
                 Ok(())
@@ -179,10 +174,8 @@ impl Scorer {
         }
     }
     fn added(&mut self) {
-        match self {
-            Scorer::Prefix(p) => p.added(),
-            Scorer::PrecisePrefix(p) => p.approx_mut().added(),
-            _ => {}
+        if let Scorer::Prefix(p) = self {
+            p.added();
         }
     }
 }
@@ -232,7 +225,7 @@ pub struct PickConfig {
     /// A prefix index to share (the prefix scorer makes its own without).
     pub prefix_index: Option<Arc<Mutex<PrefixIndex>>>,
     /// The precise prefix index fed by KV events (the precise-prefix scorer
-    /// makes an empty one without, and so always falls back).
+    /// is approximate only without; snapshots do not hold it).
     pub kv_index: Option<Arc<crate::kv::KvIndex>>,
 }
 
@@ -315,14 +308,17 @@ impl Pipeline {
         self.picker
     }
 
-    /// The prefix scorer, if the pipeline has one (precise-prefix's
-    /// approximate fallback counts).
+    /// The prefix scorer (`prefix` or `precise-prefix`), if the pipeline has one.
     pub fn prefix(&self) -> Option<&PrefixScorer> {
         self.scorers.iter().find_map(|(s, _)| match s {
             Scorer::Prefix(p) => Some(&**p),
-            Scorer::PrecisePrefix(p) => Some(p.approx()),
             _ => None,
         })
+    }
+
+    /// Whether a `precise-prefix` scorer reads `PickConfig::kv_index`.
+    pub fn wants_kv_index(&self) -> bool {
+        self.specs.iter().any(|s| s.name == presets::PRECISE_PREFIX)
     }
 
     /// The VTC scorer, if the pipeline has one.
@@ -347,10 +343,8 @@ impl Pipeline {
     pub fn prepare(&mut self) -> Result<()> {
         let names = self.endpoints.names();
         for (s, _) in &mut self.scorers {
-            match s {
-                Scorer::Prefix(p) => p.prepare(names)?,
-                Scorer::PrecisePrefix(p) => p.approx_mut().prepare(names)?,
-                _ => {}
+            if let Scorer::Prefix(p) = s {
+                p.prepare(names)?;
             }
         }
         Ok(())
@@ -599,7 +593,6 @@ impl Pipeline {
         for (s, _) in &self.scorers {
             match s {
                 Scorer::Prefix(p) => p.write(w),
-                Scorer::PrecisePrefix(p) => p.write(w),
                 Scorer::Vtc(v) => v.write(w),
                 Scorer::SessionAffinity(a) => a.write(w),
                 Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => {}
@@ -609,16 +602,14 @@ impl Pipeline {
 
     /// Restores a snapshot written by `to_bytes`.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        restore(
-            bytes,
-            MAGIC,
-            SNAPSHOT_VERSION,
-            "endpoint picker",
-            Self::read,
-        )
+        restore(bytes, MAGIC, SNAPSHOT_VERSION, "endpoint picker", |r| {
+            Self::read(r, &PickConfig::default())
+        })
     }
 
-    pub fn read(r: &mut Reader<'_>) -> Result<Self> {
+    /// Reads a pipeline written by `write`; `config` gives what a snapshot
+    /// does not hold (the KV-event index; the prefix index is read).
+    pub fn read(r: &mut Reader<'_>, config: &PickConfig) -> Result<Self> {
         let n = r.count(16)?;
         let mut specs = Vec::with_capacity(n);
         for _ in 0..n {
@@ -633,13 +624,12 @@ impl Pipeline {
             });
         }
         let endpoints = EndpointSet::read(r)?;
-        let mut p = Self::from_specs(&specs, endpoints.names(), &PickConfig::default())?;
+        let mut p = Self::from_specs(&specs, endpoints.names(), config)?;
         p.picks = r.u64()?;
         p.cursor = usize::try_from(r.u64()?).unwrap_or(0) % endpoints.len().max(1);
         for (s, _) in &mut p.scorers {
             match s {
                 Scorer::Prefix(x) => x.read(r)?,
-                Scorer::PrecisePrefix(x) => x.read(r)?,
                 Scorer::Vtc(x) => x.read(r)?,
                 Scorer::SessionAffinity(x) => x.read(r, endpoints.len())?,
                 Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => {}

@@ -1,24 +1,31 @@
-//! Scorer `prefix`: approximate prefix-cache match (AIBrix's "prefix cache
-//! aware" algorithm) over routecore's `PrefixIndex` of chained block hashes.
+//! Scorers `prefix` and `precise-prefix`: the share of the prompt's leading
+//! blocks each candidate holds (`held / blocks`), from one of two sources.
 //!
-//! It reads the request's block hashes and the candidates' loads
-//! (`EndpointState::load`), and scores each candidate:
+//! - **Approximate** (`prefix`, AIBrix's "prefix cache aware" algorithm):
+//!   routecore's `PrefixIndex` of what it routed, matched with the request's
+//!   block hashes (`PickRequest::hashes`) and guarded by the candidates'
+//!   loads (`EndpointState::load`): every candidate scores 0 when the loads
+//!   are imbalanced (`max - min` above `imbalance_abs_count`), and one whose
+//!   load is above `mean + std_factor * std` scores 0 (the hot-spot guard).
+//!   With the max-score picker and ties to the least-loaded this is AIBrix's
+//!   decision exactly (the `prefix` preset, `PrefixCacheRouter`).
+//! - **Precise** (`precise-prefix`, llm-d's precise prefix-cache scorer and
+//!   Dynamo's KV router): what the engine actually holds, from its KV-cache
+//!   events (`crate::kv::KvIndex`), for a request with token ids
+//!   (`PickRequest::token_ids`, hashed as the index keys blocks: its block
+//!   size, the request's adapter's seed). No load guard: the engine says
+//!   what it holds, and the load scorers weigh the rest.
 //!
-//! - 0 for all when the loads are imbalanced (`max - min` over the
-//!   candidates above `imbalance_abs_count`);
-//! - else `matched_blocks / blocks` (the leading blocks of the prompt the
-//!   index says it holds) for a candidate whose load is at or below
-//!   `mean + std_factor * std` over the candidates (the hot-spot guard),
-//!   and 0 for one above.
-//!
-//! With the max-score picker and ties to the least-loaded this is AIBrix's
-//! decision exactly (the `prefix` preset, `PrefixCacheRouter`). `started`
-//! records the prompt's blocks for the chosen endpoint.
+//! A precise scorer scores approximately every candidate the KV index cannot
+//! answer for: a request without token ids, an endpoint whose event stream is
+//! down or stale, a pipeline without a KV index. `started` records every
+//! routed prompt in the approximate index, so that fallback stays warm.
 
 use std::sync::{Arc, Mutex};
 
 use super::{Ctx, PickRequest};
 use crate::error::Result;
+use crate::kv::KvIndex;
 use crate::prefix::{lock, PrefixConfig, PrefixIndex, NO_SLOT};
 use crate::snapshot::{Reader, Writer};
 
@@ -37,10 +44,21 @@ pub struct PrefixScorer {
     /// The slots the last match walked, at slot generation `found_gen`.
     found: Vec<u32>,
     found_gen: u64,
+    /// The engines' KV-event index (`precise-prefix`); None: approximate only.
+    kv: Option<Arc<KvIndex>>,
+    /// Scratch of the precise source: the request's hashes as the KV index
+    /// keys blocks, and per candidate whether the KV index answered.
+    kv_hashes: Vec<u64>,
+    precise: Vec<bool>,
 }
 
 impl PrefixScorer {
-    pub fn new(config: PrefixConfig, index: Arc<Mutex<PrefixIndex>>) -> Self {
+    /// `kv`: the KV-event index a precise scorer asks first (None: `prefix`).
+    pub fn new(
+        config: PrefixConfig,
+        index: Arc<Mutex<PrefixIndex>>,
+        kv: Option<Arc<KvIndex>>,
+    ) -> Self {
         Self {
             config,
             index,
@@ -50,6 +68,9 @@ impl PrefixScorer {
             matched: Vec::new(),
             found: Vec::new(),
             found_gen: u64::MAX,
+            kv,
+            kv_hashes: Vec::new(),
+            precise: Vec::new(),
         }
     }
 
@@ -91,6 +112,28 @@ impl PrefixScorer {
         ctx: &Ctx<'_>,
         out: &mut [f64],
     ) -> Result<()> {
+        out.fill(0.0);
+        self.precise.clear();
+        self.precise.resize(ctx.cand.len(), false);
+        if let (Some(kv), Some(ids)) = (&self.kv, req.token_ids) {
+            kv.request_hashes_into(ids, req.adapter, &mut self.kv_hashes);
+            for (k, o) in out.iter_mut().enumerate() {
+                let name = &ctx.names[ctx.cand[k]];
+                if let Some(held) = kv.leading_blocks(name, &self.kv_hashes) {
+                    *o = share(held, self.kv_hashes.len());
+                    self.precise[k] = true;
+                }
+            }
+            if self.precise.iter().all(|&p| p) {
+                return Ok(());
+            }
+        }
+        self.approximate(req, ctx, out)
+    }
+
+    /// Scores the candidates the KV index did not answer for from the
+    /// approximate index, behind the load guards (over every candidate).
+    fn approximate(&mut self, req: &PickRequest<'_>, ctx: &Ctx<'_>, out: &mut [f64]) -> Result<()> {
         let index = Arc::clone(&self.index);
         let mut index = lock(&index);
         self.ensure_ids(&mut index, ctx.names)?;
@@ -115,7 +158,6 @@ impl PrefixScorer {
             hi = hi.max(l);
             sum += l;
         }
-        out.fill(0.0);
         let blocks = req.hashes.len();
         if hi - lo > self.config.imbalance_abs_count as f64 || blocks == 0 {
             return Ok(());
@@ -127,9 +169,8 @@ impl PrefixScorer {
             / m as f64;
         let limit = mean + self.config.std_factor * var.sqrt();
         for (k, o) in out.iter_mut().enumerate() {
-            let matched = self.matched[ctx.cand[k]];
-            if matched > 0 && load(k) <= limit {
-                *o = matched as f64 / blocks as f64;
+            if !self.precise[k] && load(k) <= limit {
+                *o = share(self.matched[ctx.cand[k]], blocks);
             }
         }
         Ok(())
@@ -179,5 +220,148 @@ impl PrefixScorer {
         self.index = Arc::new(Mutex::new(PrefixIndex::read(r)?));
         self.ids_gen = None;
         Ok(())
+    }
+}
+
+/// `held` of `blocks` leading blocks as a score (0 for an empty prompt).
+fn share(held: usize, blocks: usize) -> f64 {
+    if blocks == 0 {
+        0.0
+    } else {
+        held as f64 / blocks as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{EndpointState, PickConfig, Pipeline};
+    use super::*;
+    use crate::kv::{Event, KvConfig, Stored};
+    use crate::prefix::{block_hashes, Tokens};
+
+    const BS: usize = 4;
+
+    fn names() -> Vec<String> {
+        (0..3).map(|i| format!("e{i}")).collect()
+    }
+
+    /// A KV index where every endpoint is live and `holder` holds `prompt`.
+    fn kv_with(holder: &str, prompt: &[u32], lora: Option<&str>) -> Arc<KvIndex> {
+        let kv = KvIndex::new(KvConfig {
+            block_size: BS,
+            ..KvConfig::default()
+        })
+        .expect("kv");
+        for n in names() {
+            kv.add_endpoint(&n);
+            kv.set_connected(&n, true).expect("endpoint");
+        }
+        let blocks = prompt.len() / BS;
+        let event = Event::Stored(Stored {
+            hashes: (0..blocks as u64).collect(),
+            parent: None,
+            token_ids: prompt[..blocks * BS].to_vec(),
+            block_size: BS,
+            lora: lora.map(str::to_owned),
+            medium: None,
+        });
+        kv.observe(holder, 0).expect("seq");
+        kv.apply(holder, 0, &[Ok(event)], 0.0).expect("apply");
+        Arc::new(kv)
+    }
+
+    fn pipeline(kv: &Arc<KvIndex>) -> Pipeline {
+        let config = PickConfig {
+            kv_index: Some(Arc::clone(kv)),
+            ..PickConfig::default()
+        };
+        Pipeline::preset("precise-prefix", &names(), &config).expect("pipeline")
+    }
+
+    fn request<'a>(hashes: &'a [u64], ids: Option<&'a [u32]>) -> PickRequest<'a> {
+        PickRequest {
+            hashes,
+            token_ids: ids,
+            ..PickRequest::default()
+        }
+    }
+
+    #[test]
+    fn the_endpoint_holding_the_most_leading_blocks_wins() {
+        let prompt: Vec<u32> = (0..16).collect();
+        let kv = kv_with("e2", &prompt[..8], None);
+        let mut p = pipeline(&kv);
+        let states = vec![EndpointState::default(); 3];
+        assert_eq!(
+            p.pick_one(&request(&[], Some(&prompt)), &states),
+            Ok(Some(2))
+        );
+        // Another prompt sharing no first block: no endpoint holds it; ties
+        // go to the least loaded (the first here).
+        let other: Vec<u32> = (100..116).collect();
+        assert_eq!(
+            p.pick_one(&request(&[], Some(&other)), &states),
+            Ok(Some(0))
+        );
+    }
+
+    #[test]
+    fn adapters_match_only_their_own_blocks() {
+        let prompt: Vec<u32> = (0..8).collect();
+        let kv = kv_with("e1", &prompt, Some("sql"));
+        let mut p = pipeline(&kv);
+        let states = vec![EndpointState::default(); 3];
+        let mut r = request(&[], Some(&prompt));
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(0)), "base model: no hit");
+        r.adapter = Some("sql");
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(1)));
+    }
+
+    /// Without token ids, or for an endpoint whose stream is not live, the
+    /// approximate prefix index (what routecore routed) scores.
+    #[test]
+    fn without_token_ids_or_live_events_the_approximate_index_scores() {
+        let prompt: Vec<u32> = (0..32).collect();
+        let hashes = block_hashes(Tokens::Ids(&prompt), 16, 0).expect("hashes");
+        let kv = kv_with("e2", &[], None);
+        let mut p = pipeline(&kv);
+        let states = vec![EndpointState::default(); 3];
+        // The approximate index learns that e1 got this prompt.
+        p.started(&request(&hashes, None), 1).expect("started");
+        assert_eq!(p.pick_one(&request(&hashes, None), &states), Ok(Some(1)));
+        // With token ids, the live events say nobody holds it.
+        let with_ids = request(&hashes, Some(&prompt));
+        assert_eq!(p.pick_one(&with_ids, &states), Ok(Some(0)));
+        // e1's stream goes down: its score comes from the approximate index.
+        kv.set_connected("e1", false).expect("e1");
+        assert_eq!(p.pick_one(&with_ids, &states), Ok(Some(1)));
+    }
+
+    /// `precise-prefix+queue+kv`: the holder wins over a shorter queue; once
+    /// its engine clears its cache the next request goes by load.
+    #[test]
+    fn a_held_prompt_goes_to_its_holder_until_the_engine_clears() {
+        let prompt: Vec<u32> = (0..32).collect();
+        let kv = kv_with("e1", &prompt, None);
+        let config = PickConfig {
+            kv_index: Some(Arc::clone(&kv)),
+            ..PickConfig::default()
+        };
+        let mut p = Pipeline::preset("precise-prefix+queue+kv", &names(), &config).expect("p");
+        let states: Vec<EndpointState> = [1.0, 2.0, 3.0]
+            .into_iter()
+            .map(|w| EndpointState {
+                waiting: Some(w),
+                running: Some(0.0),
+                kv_usage: Some(0.1),
+                ..EndpointState::default()
+            })
+            .collect();
+        let r = request(&[], Some(&prompt));
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(1)));
+        kv.observe("e1", 1).expect("seq");
+        kv.apply("e1", 1, &[Ok(Event::Cleared)], 0.0)
+            .expect("apply");
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(0)), "by load");
     }
 }

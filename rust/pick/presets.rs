@@ -25,13 +25,13 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{Map, Value};
 
-use super::precise_prefix::PrecisePrefixScorer;
 use super::prefix::PrefixScorer;
 use super::saturation::{self, DEFAULT_MAX_KV_USAGE, DEFAULT_MAX_WAITING};
 use super::session::{SessionAffinity, DEFAULT_MAX_SESSIONS};
 use super::vtc::VtcScorer;
 use super::{Filter, PickConfig, Picker, PluginSpec, Scorer, Ties};
 use crate::error::{invalid, Result};
+use crate::kv::KvIndex;
 use crate::prefix::{PrefixConfig, PrefixIndex, DEFAULT_CAPACITY_BLOCKS};
 use crate::vtc::VtcConfig;
 
@@ -47,6 +47,9 @@ pub const PRESETS: [&str; 9] = [
     "precise-prefix+queue+kv",
     "vtc",
 ];
+
+/// The scorer that reads the engines' KV events (`PickConfig::kv_index`).
+pub(super) const PRECISE_PREFIX: &str = "precise-prefix";
 
 /// The filters of every preset: health, the subset hint, the adapter.
 const BASE_FILTERS: [&str; 3] = ["healthy", "subset-hint", "serves-adapter"];
@@ -199,8 +202,13 @@ impl<'a> Params<'a> {
     }
 }
 
-/// The `prefix` scorer's parameters (also the `precise-prefix` fallback's).
-fn prefix_scorer(p: &mut Params<'_>, config: &PickConfig) -> Result<PrefixScorer> {
+/// The `prefix` scorer from its parameters (also `precise-prefix`'s, for its
+/// approximate fallback); `kv`: the KV-event index of a precise one.
+fn prefix_scorer(
+    p: &mut Params<'_>,
+    config: &PickConfig,
+    kv: Option<Arc<KvIndex>>,
+) -> Result<PrefixScorer> {
     let block_size = p.usize("block_size", 16)?;
     let seed = p.u64("seed", 0)?;
     let imbalance = p.u64("imbalance_abs_count", 16)?;
@@ -214,7 +222,7 @@ fn prefix_scorer(p: &mut Params<'_>, config: &PickConfig) -> Result<PrefixScorer
         Some(ix) => Arc::clone(ix),
         None => Arc::new(Mutex::new(PrefixIndex::new(capacity, ttl)?)),
     };
-    Ok(PrefixScorer::new(prefix, index))
+    Ok(PrefixScorer::new(prefix, index, kv))
 }
 
 /// The plugin a spec names, with its parameters.
@@ -236,12 +244,14 @@ pub(super) fn build(spec: &PluginSpec, config: &PickConfig) -> Result<Plugin> {
         "least-request" => Plugin::Scorer(Scorer::LeastRequest),
         "queue-depth" => Plugin::Scorer(Scorer::QueueDepth),
         "kv-usage" => Plugin::Scorer(Scorer::KvUsage),
-        "prefix" => Plugin::Scorer(Scorer::Prefix(Box::new(prefix_scorer(&mut p, config)?))),
-        "precise-prefix" => {
-            let kv = config.kv_index.clone().unwrap_or_default();
-            let approx = prefix_scorer(&mut p, config)?;
-            Plugin::Scorer(Scorer::PrecisePrefix(Box::new(PrecisePrefixScorer::new(kv, approx))))
-        }
+        "prefix" => Plugin::Scorer(Scorer::Prefix(Box::new(prefix_scorer(
+            &mut p, config, None,
+        )?))),
+        PRECISE_PREFIX => Plugin::Scorer(Scorer::Prefix(Box::new(prefix_scorer(
+            &mut p,
+            config,
+            config.kv_index.clone(),
+        )?))),
         "vtc" => {
             let d = VtcConfig::default();
             let c = VtcConfig {

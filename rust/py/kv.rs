@@ -149,6 +149,13 @@ impl PyKvEventIndex {
     }
 }
 
+impl PyKvEventIndex {
+    /// The index its subscribers feed (an `EndpointPicker`'s `kv_index`).
+    pub(crate) fn index(&self) -> &Arc<KvIndex> {
+        &self.index
+    }
+}
+
 /// One endpoint's `KvStats` as a dict (also the data plane's debug view).
 pub fn stats_dict<'py>(
     py: Python<'py>,

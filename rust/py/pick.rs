@@ -1,4 +1,4 @@
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -10,9 +10,10 @@ use super::{
 };
 use crate::budget::MAX_TOKENS;
 use crate::error::{finite, invalid, non_negative, Error, Result};
+use crate::kv::KvIndex;
 use crate::pick::endpoints::complete_one;
 use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec, PRESETS};
-use crate::prefix::{block_hashes_into, block_hashes_many, check_offsets};
+use crate::prefix::{block_hashes_into, block_hashes_many, check_offsets, Tokens};
 use crate::snapshot::{restore, Reader, Writer};
 
 /// The default preset (the GIE's default scorers plus prefix match).
@@ -62,10 +63,11 @@ impl<'a> Args<'a> {
         })
     }
 
-    fn request<'h>(&'h self, hashes: &'h [u64]) -> PickRequest<'h> {
+    /// The request with its block hashes and token ids (`ids_of`).
+    fn request<'h>(&'h self, hashes: &'h [u64], token_ids: Option<&'h [u32]>) -> PickRequest<'h> {
         PickRequest {
             hashes,
-            token_ids: None,
+            token_ids,
             adapter: self.adapter,
             subset: self.subset.as_deref(),
             fairness_id: self.fairness_id,
@@ -89,6 +91,52 @@ pub(crate) fn state_dict<'py>(py: Python<'py>, s: &EndpointState) -> PyResult<Bo
     d.set_item("kv_usage", s.kv_usage)?;
     d.set_item("adapters", s.adapters.clone())?;
     Ok(d)
+}
+
+/// The token ids of a prompt given as ids (the precise-prefix scorer reads
+/// them); None for text, which only the approximate index can key.
+fn ids_of(tokens: Option<Tokens<'_>>) -> Option<&[u32]> {
+    match tokens {
+        Some(Tokens::Ids(ids)) => Some(ids),
+        _ => None,
+    }
+}
+
+/// The index of a `kv_index` argument (a `KvEventIndex`).
+fn kv_index_arg(kv_index: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc<KvIndex>>> {
+    let Some(obj) = kv_index else {
+        return Ok(None);
+    };
+    #[cfg(feature = "kv-events")]
+    {
+        let k = obj
+            .cast::<super::kv::PyKvEventIndex>()
+            .map_err(|_| PyTypeError::new_err("kv_index must be a KvEventIndex"))?;
+        Ok(Some(Arc::clone(k.get().index())))
+    }
+    #[cfg(not(feature = "kv-events"))]
+    {
+        let _ = obj;
+        Err(PyValueError::new_err(
+            "kv_index: this build has no KvEventIndex (cargo feature kv-events)",
+        ))
+    }
+}
+
+/// A pipeline's `kv_index`, checked: a precise-prefix scorer needs one, and
+/// nothing else reads one.
+fn check_kv_index(pipeline: &Pipeline, kv_index: Option<&Arc<KvIndex>>) -> PyResult<()> {
+    match (pipeline.wants_kv_index(), kv_index.is_some()) {
+        (true, false) => Err(PyValueError::new_err(
+            "the precise-prefix scorer needs kv_index= (a KvEventIndex fed by the engines' \
+             KV events); without one use the prefix scorer",
+        )),
+        (false, true) => Err(PyValueError::new_err(
+            "kv_index is read by the precise-prefix scorer only (presets precise-prefix, \
+             precise-prefix+queue+kv)",
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn tokens_arg(what: &str, v: u64) -> Result<u64> {
@@ -130,19 +178,20 @@ impl Inner {
     }
 
     fn check(&self, a: &Args<'_>) -> Result<()> {
-        let req = a.request(&[]);
+        let req = a.request(&[], None);
         self.pipeline.check(&req, &self.states)
     }
 
-    /// Picks for one request; `start` counts it started on the chosen one.
-    fn pick(&mut self, a: &Args<'_>, start: bool) -> Result<Option<usize>> {
+    /// Picks for one request (its block hashes in `self.hashes`, its token
+    /// ids); `start` counts it started on the chosen one.
+    fn pick(&mut self, a: &Args<'_>, ids: Option<&[u32]>, start: bool) -> Result<Option<usize>> {
         let Inner {
             pipeline,
             states,
             hashes,
             ..
         } = self;
-        let req = a.request(hashes);
+        let req = a.request(hashes, ids);
         let chosen = pipeline.pick_one(&req, states)?;
         if let (Some(e), true) = (chosen, start) {
             pipeline.started(&req, e)?;
@@ -160,20 +209,15 @@ impl PyEndpointPicker {
     fn hashes(
         &self,
         py: Python<'_>,
-        tokens: Option<&Bound<'_, PyAny>>,
+        tokens: Option<Tokens<'_>>,
         hashes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u64>> {
         if let Some(h) = hashes {
             return hash_array(h);
         }
-        let (Some(tokens), Some((size, seed))) = (tokens, self.block) else {
-            if let Some(t) = tokens {
-                TokenArg::new(t, "tokens")?;
-            }
+        let (Some(t), Some((size, seed))) = (tokens, self.block) else {
             return Ok(Vec::new());
         };
-        let arg = TokenArg::new(tokens, "tokens")?;
-        let t = arg.tokens()?;
         let mut out = std::mem::take(&mut *lock(&self.spare));
         detach_if(py, t.len() >= DETACH_TOKENS, || {
             block_hashes_into(t, size, seed, &mut out)
@@ -253,14 +297,24 @@ pub(crate) fn plugin_spec(d: &Bound<'_, PyAny>) -> PyResult<PluginSpec> {
 /// picker").
 ///
 /// Built from a preset (``"random"``, ``"round-robin"``, ``"least-request"``,
-/// ``"queue+kv"``, ``"prefix"``, ``"prefix+queue+kv"`` (the default) or
-/// ``"vtc"``) or from ``plugins``, a list of ``{"name": ..., "weight": ...,
-/// **params}`` dicts (filters ``healthy``, ``subset-hint``,
-/// ``serves-adapter``, ``saturation``; scorers ``least-request``,
-/// ``queue-depth``, ``kv-usage``, ``prefix``, ``vtc``, ``session-affinity``;
-/// pickers ``max-score``, ``random``, ``round-robin``). ``seed`` seeds the
-/// random draws. Thread-safe; pickling and ``to_bytes`` keep everything
-/// learned (prefix index, VTC counters, sessions, endpoint states).
+/// ``"queue+kv"``, ``"prefix"``, ``"prefix+queue+kv"`` (the default),
+/// ``"precise-prefix"``, ``"precise-prefix+queue+kv"`` or ``"vtc"``) or from
+/// ``plugins``, a list of ``{"name": ..., "weight": ..., **params}`` dicts
+/// (filters ``healthy``, ``subset-hint``, ``serves-adapter``, ``saturation``;
+/// scorers ``least-request``, ``queue-depth``, ``kv-usage``, ``prefix``,
+/// ``precise-prefix``, ``vtc``, ``session-affinity``; pickers ``max-score``,
+/// ``random``, ``round-robin``). ``seed`` seeds the random draws.
+/// Thread-safe; pickling and ``to_bytes`` keep everything learned (prefix
+/// index, VTC counters, sessions, endpoint states).
+///
+/// The ``precise-prefix`` scorer needs ``kv_index``, a ``KvEventIndex`` (the
+/// engines' KV-cache events; ValueError without one, and for a ``kv_index``
+/// nothing reads): it scores the prompt's leading blocks an engine holds,
+/// for a request whose ``tokens`` are token ids. A request given as text or
+/// ``hashes`` only, and an endpoint whose event stream is down or stale, is
+/// scored by the approximate prefix index instead (what routecore routed).
+/// The index is not in snapshots: ``from_bytes(data, kv_index=...)``
+/// restores such a picker, and pickling one is a TypeError.
 ///
 /// ``pick`` returns the chosen endpoint and counts the request started
 /// there (``None`` when no endpoint is healthy); ``rank`` returns every
@@ -299,13 +353,14 @@ fn subset_indices(inner: &Inner, subset: Option<Vec<String>>) -> Result<Option<V
 #[pymethods]
 impl PyEndpointPicker {
     #[new]
-    #[pyo3(signature = (endpoints, preset=None, plugins=None, seed=0))]
+    #[pyo3(signature = (endpoints, preset=None, plugins=None, seed=0, kv_index=None))]
     fn new(
         py: Python<'_>,
         endpoints: Vec<String>,
         preset: Option<String>,
         plugins: Option<&Bound<'_, PyList>>,
         #[pyo3(from_py_with = int_arg)] seed: u64,
+        kv_index: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         if endpoints.is_empty() {
             return Err(PyValueError::new_err("endpoints must not be empty"));
@@ -313,7 +368,7 @@ impl PyEndpointPicker {
         let config = PickConfig {
             seed,
             prefix_index: None,
-            kv_index: None,
+            kv_index: kv_index_arg(kv_index)?,
         };
         let (pipeline, preset) = match (preset, plugins) {
             (Some(_), Some(_)) => {
@@ -331,6 +386,7 @@ impl PyEndpointPicker {
                 (Pipeline::preset(&name, &endpoints, &config)?, Some(name))
             }
         };
+        check_kv_index(&pipeline, config.kv_index.as_ref())?;
         let inner = Inner::new(pipeline, preset, py);
         Ok(Self {
             block: inner.block(),
@@ -349,10 +405,13 @@ impl PyEndpointPicker {
     /// (in flight, prefix blocks recorded, VTC charged, session bound);
     /// ``None`` when no endpoint passes the health and subset filters.
     ///
-    /// ``tokens`` (token ids, or ``str``/``bytes``) are hashed with the
+    /// ``tokens`` (token ids: a sequence of int, a uint32 NumPy array such
+    /// as ``Tokenizer.encode``'s; or ``str``/``bytes``) are hashed with the
     /// prefix plugin's block size and seed, or ``hashes`` (from
-    /// ``block_hashes``) given directly. ``subset``: endpoint names (Envoy's
-    /// subset hint). ``now``: seconds, default ``monotonic()``.
+    /// ``block_hashes``) given directly; token ids also key the
+    /// precise-prefix scorer (with the request's ``adapter``). ``subset``:
+    /// endpoint names (Envoy's subset hint). ``now``: seconds, default
+    /// ``monotonic()``.
     #[pyo3(signature = (tokens=None, *, hashes=None, adapter=None, subset=None, fairness_id=None, session=None, input_tokens=0, output_tokens=0, now=None))]
     #[allow(clippy::too_many_arguments)]
     fn pick(
@@ -368,7 +427,9 @@ impl PyEndpointPicker {
         #[pyo3(from_py_with = int_arg)] output_tokens: u64,
         now: Option<f64>,
     ) -> PyResult<Option<Py<PyString>>> {
-        let hashes = self.hashes(py, tokens, hashes)?;
+        let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
+        let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
+        let hashes = self.hashes(py, t, hashes)?;
         let mut inner = self.inner();
         let args = Args::of_call(
             &inner,
@@ -380,7 +441,7 @@ impl PyEndpointPicker {
         )?;
         let mut buf = hashes;
         std::mem::swap(&mut inner.hashes, &mut buf);
-        let chosen = inner.pick(&args, true);
+        let chosen = inner.pick(&args, ids_of(t), true);
         let name = chosen.map(|c| c.map(|e| inner.names[e].clone_ref(py)));
         drop(inner);
         self.give_back(buf);
@@ -406,7 +467,9 @@ impl PyEndpointPicker {
         #[pyo3(from_py_with = int_arg)] output_tokens: u64,
         now: Option<f64>,
     ) -> PyResult<Vec<String>> {
-        let hashes = self.hashes(py, tokens, hashes)?;
+        let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
+        let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
+        let hashes = self.hashes(py, t, hashes)?;
         let mut inner = self.inner();
         let args = Args::of_call(
             &inner,
@@ -425,7 +488,7 @@ impl PyEndpointPicker {
             ..
         } = &mut *inner;
         let mut out = Vec::new();
-        pipeline.pick(&args.request(hashes), states, &mut out)?;
+        pipeline.pick(&args.request(hashes, ids_of(t)), states, &mut out)?;
         let names = pipeline.endpoints().names();
         Ok(out.into_iter().map(|e| names[e].clone()).collect())
     }
@@ -433,7 +496,8 @@ impl PyEndpointPicker {
     /// Picks for a batch exactly as ``pick`` one by one would (each started
     /// before the next is picked). Prompt ``i`` is
     /// ``tokens[offsets[i]:offsets[i + 1]]`` (flat token ids); without
-    /// tokens, the batch is as long as the per-request arrays given.
+    /// tokens, the batch is as long as the per-request arrays given (token
+    /// ids key the precise-prefix scorer too).
     /// Returns endpoint indices into ``endpoints`` (-1: no endpoint).
     #[pyo3(signature = (tokens=None, offsets=None, *, input_tokens=None, output_tokens=None, fairness_ids=None, sessions=None, now=None))]
     #[allow(clippy::too_many_arguments)]
@@ -520,12 +584,17 @@ impl PyEndpointPicker {
                 batch.push(args);
             }
             inner.pipeline.prepare()?;
+            // Checked above with the hashes' offsets.
+            let ids = |i: usize| {
+                let o = offsets.as_deref()?;
+                ids_of(t).map(|all| &all[o[i] as usize..o[i + 1] as usize])
+            };
             let mut out = Vec::with_capacity(n);
             for (i, args) in batch.iter().enumerate() {
                 let h = &hashes[hash_offsets[i] as usize..hash_offsets[i + 1] as usize];
                 inner.hashes.clear();
                 inner.hashes.extend_from_slice(h);
-                out.push(inner.pick(args, true)?.map_or(-1, |e| e as i64));
+                out.push(inner.pick(args, ids(i), true)?.map_or(-1, |e| e as i64));
             }
             Ok(out)
         })?;
@@ -548,7 +617,9 @@ impl PyEndpointPicker {
         #[pyo3(from_py_with = int_arg)] output_tokens: u64,
         now: Option<f64>,
     ) -> PyResult<()> {
-        let hashes = self.hashes(py, tokens, hashes)?;
+        let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
+        let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
+        let hashes = self.hashes(py, t, hashes)?;
         let mut inner = self.inner();
         let e = inner.endpoint(endpoint)?;
         let args = Args {
@@ -568,7 +639,7 @@ impl PyEndpointPicker {
             hashes,
             ..
         } = &mut *inner;
-        pipeline.started(&args.request(hashes), e)?;
+        pipeline.started(&args.request(hashes, None), e)?;
         count_start(&mut states[e]);
         Ok(())
     }
@@ -603,9 +674,12 @@ impl PyEndpointPicker {
         tokens_arg("output_tokens", output_tokens)?;
         inner.check(&args)?;
         complete_one(&mut inner.states[e], endpoint)?;
-        inner
-            .pipeline
-            .completed_request(&args.request(&[]), e, input_tokens, output_tokens)?;
+        inner.pipeline.completed_request(
+            &args.request(&[], None),
+            e,
+            input_tokens,
+            output_tokens,
+        )?;
         Ok(())
     }
 
@@ -738,15 +812,26 @@ impl PyEndpointPicker {
     }
 
     /// Restores a snapshot written by ``to_bytes``; ValueError if invalid.
+    /// A snapshot does not hold the KV-event index (the engines' state): a
+    /// precise-prefix picker is restored with ``kv_index`` given again.
     #[staticmethod]
-    fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
+    #[pyo3(signature = (data, kv_index=None))]
+    fn from_bytes(
+        py: Python<'_>,
+        data: &[u8],
+        kv_index: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let config = PickConfig {
+            kv_index: kv_index_arg(kv_index)?,
+            ..PickConfig::default()
+        };
         let read = |r: &mut Reader<'_>| -> Result<(Option<String>, Pipeline, Vec<EndpointState>)> {
             let preset = match r.u8()? {
                 0 => None,
                 1 => Some(r.str()?),
                 b => return Err(Error::Snapshot(format!("bad preset flag {b}"))),
             };
-            let pipeline = Pipeline::read(r)?;
+            let pipeline = Pipeline::read(r, &config)?;
             let states = (0..pipeline.endpoints().len())
                 .map(|_| EndpointState::read(r))
                 .collect::<Result<Vec<_>>>()?;
@@ -754,6 +839,7 @@ impl PyEndpointPicker {
         };
         let (preset, pipeline, states) =
             restore(data, MAGIC, SNAPSHOT_VERSION, "endpoint picker", read)?;
+        check_kv_index(&pipeline, config.kv_index.as_ref())?;
         let mut inner = Inner::new(pipeline, preset, py);
         inner.states = states;
         Ok(Self {
@@ -764,6 +850,13 @@ impl PyEndpointPicker {
     }
 
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        if slf.get().inner().pipeline.wants_kv_index() {
+            return Err(PyTypeError::new_err(
+                "an EndpointPicker with a kv_index cannot be pickled (its KvEventIndex is \
+                 live: subscribers on the engines); use to_bytes() and \
+                 EndpointPicker.from_bytes(data, kv_index=...)",
+            ));
+        }
         reduce(slf, slf.get().to_bytes(slf.py()))
     }
 

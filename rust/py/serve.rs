@@ -63,6 +63,7 @@ impl PyDataPlane {
         py: Python<'py>,
         api_key: Option<&[u8]>,
         routing: Routing<'_>,
+        hints: &Hints,
     ) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.inner.engine();
         let shared = Arc::clone(&self.inner.shared);
@@ -72,7 +73,7 @@ impl PyDataPlane {
                 shared,
                 api_key,
                 routing,
-                &Hints::default(),
+                hints,
             ))
         })?;
         outcome_dict(py, outcome)
@@ -172,15 +173,22 @@ impl PyDataPlane {
     /// status Envoy's client would get), ``bad_request`` (True for 400 and
     /// 413: the request itself is bad), ``reason, message, retry_after_s``.
     /// The rules are ext_proc's: the key, ``limits.max_body_bytes`` (413),
-    /// ``server.failure_mode`` when routing fails.
-    #[pyo3(signature = (body, api_key=None))]
+    /// ``server.failure_mode`` when routing fails. ``token_ids``: the
+    /// prompt's, from the caller; they key the prefix policies in place of
+    /// the body's prompt (not a compressed one's).
+    #[pyo3(signature = (body, api_key=None, token_ids=None))]
     fn route_body<'py>(
         &self,
         py: Python<'py>,
         body: &[u8],
         api_key: Option<&[u8]>,
+        #[pyo3(from_py_with = int_arg)] token_ids: Option<Vec<u32>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        self.route(py, api_key, Routing::Body(body))
+        let hints = Hints {
+            token_ids,
+            ..Hints::default()
+        };
+        self.route(py, api_key, Routing::Body(body), &hints)
     }
 
     /// Routes a request by its measured fields (``prompt_tokens`` when known
@@ -205,7 +213,7 @@ impl PyDataPlane {
             prompt_tokens,
             token_ids: token_ids.as_deref(),
         };
-        self.route(py, api_key, Routing::Fields(fields))
+        self.route(py, api_key, Routing::Fields(fields), &Hints::default())
     }
 
     /// Releases the request ``request_id`` with its usage (None or 0 prompt

@@ -161,7 +161,8 @@ impl Prompt {
 }
 
 /// What a request tells the endpoint picker beside its body: the Envoy
-/// protocol's hints (read by the ext_proc front end; none from the RouteCore API).
+/// protocol's hints (read by the ext_proc front end), and the prompt's token
+/// ids a RouteCore API caller gives.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Hints {
     /// `x-gateway-destination-endpoint-subset` of the `envoy.lb.subset_hint`
@@ -172,6 +173,16 @@ pub struct Hints {
     pub objective: Option<String>,
     /// `x-gateway-inference-fairness-id`: the VTC user (default: the tenant).
     pub fairness_id: Option<String>,
+    /// The prompt's token ids from the caller: they key the prefix plugins
+    /// (precise-prefix included) in place of the body's prompt.
+    pub token_ids: Option<Vec<u32>>,
+}
+
+impl Hints {
+    /// What keys the prefix plugins: the caller's token ids, else `prompt`.
+    fn key<'a>(&'a self, prompt: Key<'a>) -> Key<'a> {
+        self.token_ids.as_deref().map_or(prompt, Key::Ids)
+    }
 }
 
 /// What the endpoint choice reads of one request.
@@ -883,7 +894,7 @@ impl Engine {
         if let Some(t) = self.route_tokenized(body) {
             let learn = learnable(&t.request);
             let ask = Ask {
-                key: Key::Ids(&t.ids),
+                key: hints.key(Key::Ids(&t.ids)),
                 model: t.request.model.as_deref(),
                 hints,
             };
@@ -925,7 +936,7 @@ impl Engine {
         // text: such requests are not learned from.
         let learn = learnable(&r.request);
         let ask = Ask {
-            key: Key::Body(body),
+            key: hints.key(Key::Body(body)),
             model,
             hints,
         };

@@ -1,14 +1,18 @@
-"""Plain-Python endpoint picker: the `queue+kv`, `prefix+queue+kv` and `prefix`
-presets (healthy and saturation filters; prefix, queue-depth and KV-use
-scorers, weights 3, 2, 2, or the prefix scorer alone; the highest total, ties
-to the first, or to the least loaded for `prefix`) with the same rules as
-routecore.EndpointPicker, over per-endpoint dicts of scraped state."""
+"""Plain-Python endpoint picker: the `queue+kv`, `prefix+queue+kv`,
+`precise-prefix+queue+kv` and `prefix` presets (healthy and saturation
+filters; prefix, queue-depth and KV-use scorers, weights 3, 2, 2, or the
+prefix scorer alone; the highest total, ties to the first, or to the least
+loaded for `prefix`) with the same rules as routecore.EndpointPicker, over
+per-endpoint dicts of scraped state. The precise preset reads `held`: the
+block hashes each endpoint's engine holds (what its KV events said), for the
+endpoints whose event stream is live."""
 
 from routecore._baselines.prefix import PrefixIndex, block_hashes
 
 WEIGHTS = {
     "queue+kv": {"prefix": 0.0, "queue": 2.0, "kv": 2.0},
     "prefix+queue+kv": {"prefix": 3.0, "queue": 2.0, "kv": 2.0},
+    "precise-prefix+queue+kv": {"prefix": 3.0, "queue": 2.0, "kv": 2.0},
     "prefix": {"prefix": 1.0, "queue": 0.0, "kv": 0.0},
 }
 
@@ -23,8 +27,10 @@ class EndpointPicker:
         std_factor=2.0,
         max_waiting=5.0,
         max_kv_usage=0.8,
+        held=None,
     ):
         self.preset = preset
+        self.held = held or {}
         self.w = WEIGHTS[preset]
         self.endpoints = list(endpoints)
         self.states = [
@@ -89,8 +95,13 @@ class EndpointPicker:
                 limit = mean + self.std_factor * std
                 for k, i in enumerate(cand):
                     m = matched[self.endpoints[i]]
-                    if m > 0 and loads[k] <= limit:
+                    if m > 0 and loads[k] <= limit and self.endpoints[i] not in self.held:
                         total[k] += self.w["prefix"] * m / len(hashes)
+            for k, i in enumerate(cand):
+                held = self.held.get(self.endpoints[i])
+                if held is not None and hashes:  # no load guard on what an engine holds
+                    m = next((j for j, h in enumerate(hashes) if h not in held), len(hashes))
+                    total[k] += self.w["prefix"] * m / len(hashes)
         if self.w["queue"]:
             for k, q in enumerate(self.lower_is_better([self.queue(s) for s in states])):
                 total[k] += self.w["queue"] * q

@@ -63,7 +63,9 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
         key = request.api_key.encode()
         kind = request.WhichOneof("request")
         if kind == "body":
-            outcome = await asyncio.to_thread(self.plane.route_body, request.body, key)
+            outcome = await asyncio.to_thread(
+                self.plane.route_body, request.body, key, list(request.token_ids) or None
+            )
         elif kind == "measured":
             m = request.measured
             outcome = await asyncio.to_thread(

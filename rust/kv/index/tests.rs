@@ -111,6 +111,38 @@ fn bad_events_are_skipped_and_change_nothing() {
     assert_eq!((s.skipped, s.events, s.blocks), (5, 1, 1));
 }
 
+/// A batch applies its good events around the bad ones, and a removal naming
+/// blocks never stored still removes the ones the index holds.
+#[test]
+fn a_batch_applies_its_good_events_around_the_bad_ones() {
+    let kv = index(100, None);
+    assert_eq!(kv.observe("e", 0).expect("e"), Seq::Next);
+    let batch = vec![
+        Ok(stored(&[1, 2], None, &[1, 2, 3, 4])),
+        Err(Skip::UnknownTag("BlockMoved".into())),
+        Ok(stored(&[3], Some(999), &[5, 6])),
+        Ok(removed(&[2, 12345])),
+        Ok(stored(&[4], Some(1), &[7, 8])),
+    ];
+    let a = kv.apply("e", 0, &batch, 0.0).expect("apply");
+    assert_eq!(
+        a.skipped,
+        vec![
+            Skip::UnknownTag("BlockMoved".into()),
+            Skip::UnknownParent(999),
+            Skip::UnknownBlock(12345),
+        ]
+    );
+    assert_eq!(leading(&kv, &[1, 2, 3, 4]), Some(1), "block 2 removed");
+    assert_eq!(
+        leading(&kv, &[1, 2, 7, 8]),
+        Some(2),
+        "block 4 after block 1"
+    );
+    let s = kv.stats("e").expect("e");
+    assert_eq!((s.events, s.skipped, s.blocks), (3, 3, 2));
+}
+
 #[test]
 fn removed_and_cleared_blocks_stop_matching() {
     let kv = index(100, None);
