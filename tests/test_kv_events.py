@@ -11,19 +11,11 @@ from collections.abc import Callable, Iterator
 import msgpack
 import pytest
 from mock_kv_publisher import CLEARED, MockKvPublisher, removed, stored
+from server_fixtures import wait_for
 
 import routecore
 
 BS = 4
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

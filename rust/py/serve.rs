@@ -7,6 +7,7 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::calibrate::Calibrator;
 use crate::py::calibrate::PyCalibrator;
 use crate::py::int_arg;
+use crate::py::tokenize::PyTokenizer;
 use crate::serve::config::Spec;
 use crate::serve::engine::{Engine, Hints, Outcome};
 use crate::serve::runtime::{DataPlane, Listen};
@@ -53,6 +54,20 @@ fn outcome_dict<'py>(py: Python<'py>, outcome: Outcome) -> PyResult<Bound<'py, P
     Ok(d)
 }
 
+/// The spec of ``spec_json`` with the models' ``tokenizers`` (name ->
+/// Tokenizer), loaded by the caller, handed over.
+fn spec_with(
+    spec_json: &str,
+    tokenizers: Option<HashMap<String, Bound<'_, PyTokenizer>>>,
+) -> PyResult<Spec> {
+    let loaded = tokenizers
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(name, t)| (name, Arc::clone(&t.get().inner)))
+        .collect();
+    Ok(Spec::from_json(spec_json)?.with_tokenizers(loaded)?)
+}
+
 impl PyDataPlane {
     /// Authenticates (when `api_key` is given) and runs `route` under the
     /// failure mode, timing the decision.
@@ -96,10 +111,13 @@ impl PyDataPlane {
     /// serves the connections given to it, a new one to the thread with the
     /// fewest open), the learned ``calibrator``
     /// state (``Calibrator.to_bytes()``, None: cold start) and logs at the
-    /// Python logging level ``log_level``. ValueError for a bad spec or a
-    /// port that cannot be bound.
+    /// Python logging level ``log_level``. ``tokenizers`` hands over the
+    /// spec's models' tokenizers already loaded (model name -> Tokenizer:
+    /// ``Config.tokenizers()``), so their files are read once; a model not
+    /// given is loaded from its spec. ValueError for a bad spec or a port
+    /// that cannot be bound.
     #[staticmethod]
-    #[pyo3(signature = (spec_json, host="127.0.0.1", port=0, metrics_port=None, worker_threads=2, calibrator=None, log_level=20))]
+    #[pyo3(signature = (spec_json, host="127.0.0.1", port=0, metrics_port=None, worker_threads=2, calibrator=None, log_level=20, *, tokenizers=None))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
@@ -110,6 +128,7 @@ impl PyDataPlane {
         #[pyo3(from_py_with = int_arg)] worker_threads: usize,
         calibrator: Option<&[u8]>,
         #[pyo3(from_py_with = int_arg)] log_level: u8,
+        tokenizers: Option<HashMap<String, Bound<'_, PyTokenizer>>>,
     ) -> PyResult<Self> {
         if !(1..=256).contains(&worker_threads) {
             return Err(crate::error::invalid(format!(
@@ -118,7 +137,7 @@ impl PyDataPlane {
             .into());
         }
         crate::serve::logs::set_level(log_level);
-        let spec = Spec::from_json(spec_json)?;
+        let spec = spec_with(spec_json, tokenizers)?;
         let calibrator = match calibrator {
             Some(b) => Calibrator::from_bytes(b)?,
             None => Calibrator::new(0.95, 1.0, 4.0, 1024)?,
@@ -147,9 +166,16 @@ impl PyDataPlane {
 
     /// Swaps in a new configuration atomically: new streams use it, open
     /// ones finish on the one they started with; in-memory admission keeps
-    /// its in-flight state. ValueError (and nothing changes) for a bad spec.
-    fn reload(&self, py: Python<'_>, spec_json: &str) -> PyResult<()> {
-        let spec = Spec::from_json(spec_json)?;
+    /// its in-flight state. ``tokenizers`` as in :meth:`start`. ValueError
+    /// (and nothing changes) for a bad spec.
+    #[pyo3(signature = (spec_json, *, tokenizers=None))]
+    fn reload(
+        &self,
+        py: Python<'_>,
+        spec_json: &str,
+        tokenizers: Option<HashMap<String, Bound<'_, PyTokenizer>>>,
+    ) -> PyResult<()> {
+        let spec = spec_with(spec_json, tokenizers)?;
         Ok(py.detach(|| self.inner.reload(spec))?)
     }
 
