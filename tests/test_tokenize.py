@@ -326,7 +326,7 @@ def test_the_data_plane_uses_the_tokenizers_the_config_loaded(tokenizer_path, re
         routed = plane.route_body(chat_body(text, 50))
         assert routed["est_input_tokens"] == exact  # the estimate is len(text) // 4
         plane.finish(routed["request_id"])
-        with pytest.raises(ValueError, match=r"tokenizers: 'x' is not a model"):
+        with pytest.raises(ValueError, match='tokenizers: "x" is not a model'):
             plane.reload(config.spec_json(), tokenizers={"x": config.tokenizers()["m"]})
         with pytest.raises(ValueError, match=r"models\[0\]\.tokenizer: cannot read"):
             plane.reload(config.spec_json())

@@ -108,7 +108,7 @@ class Limits:
     audio_tokens: int = 750
     #: A body this long or longer whose model has a tokenizer is tokenized off the
     #: data plane's event loop (shorter ones inline: the hand-off would cost more).
-    tokenize_inline_bytes: int = 1024
+    tokenize_inline_bytes: int = 512
 
 
 @dataclass(frozen=True)

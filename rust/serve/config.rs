@@ -44,7 +44,7 @@ pub struct LimitsSpec {
 
 /// Below this, tokenizing inline costs less than handing it to another
 /// thread (benches/RESULTS.md, "Tokenizing off the worker").
-pub const TOKENIZE_INLINE_BYTES: u64 = 1024;
+pub const TOKENIZE_INLINE_BYTES: u64 = 512;
 
 fn default_tokenize_inline_bytes() -> u64 {
     TOKENIZE_INLINE_BYTES

@@ -1370,7 +1370,11 @@ impl Engine {
                     .complete(ticket, actual.0, actual.1, latency)
                     .await;
             });
-            // In memory it completes at once; a remote backend finishes on the runtime.
+            // In memory it completes at once; a remote backend finishes on the
+            // runtime. Polled in the runtime's context: the caller may be a
+            // Python thread (`DataPlane.finish`), and Redis's future needs the
+            // runtime's timers.
+            let _runtime = shared.handle.enter();
             if done.as_mut().now_or_never().is_none() {
                 shared.handle.spawn(done);
             }
