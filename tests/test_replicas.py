@@ -149,6 +149,10 @@ def subscribe_all(replicas: list[Spawned], engines: list[Engine]) -> None:
 
 
 def test_replicas_converge_and_send_a_prefix_to_its_engine(engines, replicas):
+    """Both replicas' precise indexes hold exactly what each engine's cache
+    holds after every step; a prompt some engine holds goes to that engine
+    from either replica, including prompts neither replica ever routed (the
+    approximate index of neither knows them: only the events do)."""
     subscribe_all(replicas, engines)
     by_address = {e.address: e for e in engines}
     heads = [100 * (k + 1) for k in range(6)]

@@ -965,9 +965,9 @@ impl Engine {
     /// estimate instead (None).
     ///
     /// A body of `limits.tokenize_inline_bytes` or more is tokenized on the
-    /// runtime's blocking pool (`spawn_blocking`, as many threads as cores),
-    /// so a long prompt does not hold the worker that serves the other
-    /// streams; a shorter one is tokenized inline, where the hand-off costs
+    /// data plane's blocking pool (the first shard's `spawn_blocking`, one
+    /// pool for every shard, at most as many threads as cores), so a long
+    /// prompt does not hold the worker that serves the other streams; a shorter one is tokenized inline, where the hand-off costs
     /// more than the tokenizing (benches/RESULTS.md, "Tokenizing off the
     /// worker"). Only routing touches shared state, after the ids are in:
     /// a stream dropped meanwhile has counted nothing.
@@ -987,7 +987,8 @@ impl Engine {
             Encoded::new(tokenizer, body, max_tokens, media)
         } else {
             let (tokenizer, body) = (Arc::clone(tokenizer), body.to_vec());
-            tokio::task::spawn_blocking(move || Encoded::new(&tokenizer, &body, max_tokens, media))
+            let pool = self.shared().ok()?.handle.clone();
+            pool.spawn_blocking(move || Encoded::new(&tokenizer, &body, max_tokens, media))
                 .await
                 .unwrap_or_else(|e| Err(invalid(format!("tokenizing stopped: {e}"))))
         };

@@ -13,9 +13,10 @@
 //! conversation on loopback.)
 //!
 //! Work that would hold a shard's thread (tokenizing a long prompt) goes to
-//! the shard's blocking pool (`spawn_blocking`), at most as many threads as
-//! the machine has cores: CPU-bound work gains nothing from more, and a
-//! burst of long prompts queues there instead of stalling every stream.
+//! one blocking pool for all shards (shard 0's `spawn_blocking`), at most as
+//! many threads as the machine has cores: CPU-bound work gains nothing from
+//! more, and a burst of long prompts queues there instead of stalling every
+//! stream.
 
 use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
 use std::pin::Pin;
