@@ -21,7 +21,9 @@
 //!   concatenated); a prompt of token ids as it is.
 //! - [`route_tokenized`]: token-budget routing on the exact count (plus the
 //!   fixed cost of image and audio parts) instead of the bytes-per-token
-//!   estimate.
+//!   estimate; in two steps, [`Encoded::new`] (parse and tokenize: slow,
+//!   no shared state) and [`Encoded::route`], for a caller that tokenizes
+//!   on another thread.
 //!
 //! A file that cannot be read or is not a tokenizer, and a template that does
 //! not compile or cannot render a one-message conversation, are refused at
@@ -149,6 +151,18 @@ pub struct Tokenizer {
     chat: Option<ChatTemplate>,
 }
 
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field(
+                "chat_template",
+                &self.chat.as_ref().map(ChatTemplate::source),
+            )
+            .finish()
+    }
+}
+
 impl Tokenizer {
     /// Reads a `tokenizer.json` and compiles its chat template (Jinja
     /// source) with the special tokens it writes, which need a template.
@@ -254,6 +268,44 @@ impl Tokenizer {
     }
 }
 
+/// A request and its prompt's token ids: the slow part of exact routing
+/// (parse, render, encode), which touches no shared state, so it can run on
+/// any thread.
+#[derive(Debug, Clone)]
+pub struct Encoded {
+    pub request: ParsedRequest,
+    /// The prompt's token ids (what prefix hashing reads).
+    pub ids: Vec<u32>,
+}
+
+impl Encoded {
+    /// Parses an OpenAI body and tokenizes its prompt.
+    pub fn new(
+        tokenizer: &Tokenizer,
+        body: &[u8],
+        default_max_tokens: u64,
+        media: MediaTokens,
+    ) -> Result<Self> {
+        let request = parse_request(body, default_max_tokens, media)?;
+        let v: Value =
+            serde_json::from_slice(body).map_err(|e| invalid(format!("malformed JSON: {e}")))?;
+        let ids = tokenizer.encode_request(&v)?;
+        Ok(Self { request, ids })
+    }
+
+    /// Routes on the exact count (plus the request's media tokens; no
+    /// bytes-per-token estimate, no compress-and-route); counted in flight.
+    pub fn route(self, router: &TokenBudgetRouter) -> Tokenized {
+        let input = (self.ids.len() as u64).saturating_add(self.request.media_tokens);
+        let decision = router.route_estimated(input, self.request.max_output_tokens);
+        Tokenized {
+            request: self.request,
+            ids: self.ids,
+            decision,
+        }
+    }
+}
+
 /// A request routed on its exact prompt length.
 #[derive(Debug, Clone)]
 pub struct Tokenized {
@@ -265,8 +317,8 @@ pub struct Tokenized {
 }
 
 /// Parses an OpenAI body, tokenizes its prompt and routes it on the exact
-/// count (no bytes-per-token estimate, no compress-and-route). Nothing is
-/// counted when parsing or tokenizing fails.
+/// count ([`Encoded::new`] then [`Encoded::route`]). Nothing is counted when
+/// parsing or tokenizing fails.
 pub fn route_tokenized(
     router: &TokenBudgetRouter,
     tokenizer: &Tokenizer,
@@ -274,17 +326,7 @@ pub fn route_tokenized(
     default_max_tokens: u64,
     media: MediaTokens,
 ) -> Result<Tokenized> {
-    let request = parse_request(body, default_max_tokens, media)?;
-    let v: Value =
-        serde_json::from_slice(body).map_err(|e| invalid(format!("malformed JSON: {e}")))?;
-    let ids = tokenizer.encode_request(&v)?;
-    let input = (ids.len() as u64).saturating_add(request.media_tokens);
-    let decision = router.route_estimated(input, request.max_output_tokens);
-    Ok(Tokenized {
-        request,
-        ids,
-        decision,
-    })
+    Ok(Encoded::new(tokenizer, body, default_max_tokens, media)?.route(router))
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from server_fixtures import wait_for
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -183,15 +184,6 @@ class MockKvPublisher:
 
 
 # -- a subscriber's view (a routecore.KvEventIndex) ---------------------------
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def subscribe(idx: Any, name: str, p: MockKvPublisher, replay: bool = True) -> None:

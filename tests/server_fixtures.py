@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -32,8 +33,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(config: str, port: int, metrics_port: int, *extra: str) -> list[str]:
-    """The command line that runs ``routecore serve`` with this interpreter."""
+def serve_command(
+    config: str, port: int, metrics_port: int, *extra: str, api_port: int | None = None
+) -> list[str]:
+    """The command line that runs ``routecore serve`` with this interpreter
+    (the RouteCore API on ``api_port``, None: a free port)."""
     return [
         sys.executable,
         "-m",
@@ -46,7 +50,7 @@ def serve_command(config: str, port: int, metrics_port: int, *extra: str) -> lis
         "--metrics-port",
         str(metrics_port),
         "--api-port",
-        str(free_port()),
+        str(free_port() if api_port is None else api_port),
         *extra,
     ]
 
@@ -151,16 +155,21 @@ class Spawned:
             path.write_text(yaml.safe_dump(config))
         self.path = path
         self.text = ""
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port, self.api_port = free_port(), free_port(), free_port()
         # Its log in a file: a pipe nobody reads would stall the server when full.
         fd, name = tempfile.mkstemp(suffix=".log")
         os.close(fd)
         self.log = Path(name)
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                serve_command(str(path), self.port, self.metrics_port, *extra), stderr=log
+                serve_command(
+                    str(path), self.port, self.metrics_port, *extra, api_port=self.api_port
+                ),
+                stderr=log,
             )
         self.target = f"127.0.0.1:{self.port}"
+        #: The RouteCore API.
+        self.api_target = f"127.0.0.1:{self.api_port}"
 
         async def ready():
             async with grpc.aio.insecure_channel(self.target) as channel:
@@ -172,14 +181,15 @@ class Spawned:
             self.stop()
             raise
 
-    def metric(self, name: str) -> float:
-        """A metric from the metrics port, summed over its labels."""
+    def metric(self, name: str, **labels: str) -> float:
+        """A metric from the metrics port, summed over the series carrying ``labels``."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
             text = r.read().decode()
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
-            if line.startswith(name + "{")
+            if line.startswith(name + "{") and all(w in line for w in wanted)
         )
 
     def wait_gauge_zero(self, timeout: float = 5.0) -> None:
@@ -264,6 +274,16 @@ def wait_settled(r: Running, timeout: float = 5.0) -> dict[str, int]:
         if time.monotonic() > deadline:
             raise AssertionError(f"still in flight: {counts}")
         time.sleep(0.02)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Polls ``cond`` every 10 ms until it holds; fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def redis_admission(url: str, failure_mode: str, concurrency: int = 3) -> dict:

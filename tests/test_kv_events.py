@@ -10,15 +10,8 @@ from collections.abc import Iterator
 
 import msgpack
 import pytest
-from mock_kv_publisher import (
-    CLEARED,
-    MockKvPublisher,
-    removed,
-    stored,
-    subscribe,
-    synced,
-    wait_for,
-)
+from mock_kv_publisher import CLEARED, MockKvPublisher, removed, stored, subscribe, synced
+from server_fixtures import wait_for
 
 import routecore
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mock_kv_publisher import MockKvPublisher, subscribe, synced, wait_for
+from mock_kv_publisher import MockKvPublisher, subscribe, synced
+from server_fixtures import wait_for
 
 from routecore import EndpointPicker, KvEventIndex, NotInFlightError, PrefixCacheRouter, VtcRouter
 

@@ -4,19 +4,23 @@ router on exact counts, and the errors at load and at request time."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 
 import grpc
 import numpy as np
 import pytest
 import tokenizers
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mock_kv_publisher import MockKvPublisher, subscribe, synced, wait_for
-from server_fixtures import Running, base_config
+from mock_kv_publisher import MockKvPublisher, subscribe, synced
+from server_fixtures import Running, base_config, wait_for
 from tokenizer_fixtures import CHAT_TEMPLATE, WORDS, build_tokenizer, render_chatml
 
 from routecore import (
+    DataPlane,
     EndpointPicker,
     KvEventIndex,
     Pool,
@@ -25,7 +29,7 @@ from routecore import (
     block_hashes,
 )
 from routecore.config import ConfigError, parse_config
-from routecore.server.envoy_client import chat_body
+from routecore.server.envoy_client import buffered, chat_body, usage_body
 from routecore.server.gen import routecore_pb2 as rc
 from routecore.server.gen import routecore_pb2_grpc as rc_grpc
 
@@ -287,11 +291,13 @@ def test_config_errors_name_the_model_key(tokenizer_path, tmp_path):
             parse_config(base_config(models=models))
 
 
-def test_serve_routes_on_the_tokenizers_count(tokenizer_path, reference, tmp_path):
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 30], ids=["handed-off", "inline"])
+def test_serve_routes_on_the_tokenizers_count(tokenizer_path, reference, tmp_path, inline_bytes):
     """End to end: with a tokenizer configured for model "m", a request's routed
     input tokens are the tokenizer's count of its rendered chat; another model's
     request, and one the template refuses, are estimated (the refusal is logged
-    and counted), and the server keeps routing."""
+    and counted), and the server keeps routing; alike whether the data plane
+    tokenizes inline or on its blocking pool."""
     template = tmp_path / "strict.jinja"
     template.write_text("{{ bos_token }}" + STRICT)
     models = models_config(tokenizer_path, template)
@@ -299,6 +305,7 @@ def test_serve_routes_on_the_tokenizers_count(tokenizer_path, reference, tmp_pat
     config = base_config(
         models=models,
         router={"policy": "prefix", "prefix_block_size": 4},
+        limits={"tokenize_inline_bytes": inline_bytes},
     )
     server = Running(tmp_path / "routecore.yaml", config)
     try:
@@ -331,3 +338,72 @@ def check_exact_routing(server: Running, reference) -> None:
         assert server.metric("tokenize_skipped") == 1
         assert route(chat_body(text, 50)).est_input_tokens == exact
     assert server.metric("tokenize_skipped") == 1
+
+
+def test_the_data_plane_uses_the_tokenizers_the_config_loaded(tokenizer_path, reference, tmp_path):
+    """Each tokenizer file is read once, when the configuration is validated:
+    the data plane is handed the loaded tokenizer, so it counts exactly even
+    when the file is gone by the time it starts. Without the hand-over it
+    reads the file itself, and its error names the model's key."""
+    path = tmp_path / "tokenizer.json"
+    shutil.copy(tokenizer_path, path)
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    config = parse_config(base_config(models=models_config(path, template)))
+    path.unlink()
+    text = "count the prompt once " * 10
+    rendered = render_chatml([{"role": "user", "content": text}])
+    exact = len(reference.encode(rendered, add_special_tokens=False).ids)
+    plane = DataPlane.start(config.spec_json(), tokenizers=config.tokenizers())
+    try:
+        routed = plane.route_body(chat_body(text, 50))
+        assert routed["est_input_tokens"] == exact  # the estimate is len(text) // 4
+        plane.finish(routed["request_id"])
+        with pytest.raises(ValueError, match='tokenizers: "x" is not a model'):
+            plane.reload(config.spec_json(), tokenizers={"x": config.tokenizers()["m"]})
+        with pytest.raises(ValueError, match=r"models\[0\]\.tokenizer: cannot read"):
+            plane.reload(config.spec_json())
+        assert plane.route_body(chat_body(text, 50))["est_input_tokens"] == exact
+    finally:
+        plane.drain(0)
+    with pytest.raises(ValueError, match=r"models\[0\]\.tokenizer: cannot read"):
+        DataPlane.start(config.spec_json())
+
+
+def test_a_long_prompt_being_tokenized_does_not_hold_the_worker(tokenizer_path, tmp_path):
+    """One data-plane worker thread: while a prompt of about 400K tokens is
+    tokenized (off the worker), a short request on another stream is routed
+    and answered; it finishes first. Tokenized inline, it would wait."""
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    config = parse_config(
+        base_config(
+            limits={"max_body_bytes": 4 << 20},
+            pools=[{"name": "short", "max_context": 1 << 24, "endpoints": ["127.0.0.1:8001"]}],
+            models=models_config(tokenizer_path, template),
+        )
+    )
+    plane = DataPlane.start(config.spec_json(), worker_threads=1, tokenizers=config.tokenizers())
+    target = f"127.0.0.1:{plane.port}"
+    headers = {"x-api-key": "demo-key"}
+    long_text = "the request router counts every token of a long prompt " * 40_000
+    finished: list[str] = []
+
+    async def conversation(name: str, body: bytes) -> None:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            conv = await buffered(stub, headers, body, [usage_body(10, 1)])
+            assert conv.routing is not None, conv.responses
+            finished.append(name)
+
+    async def both() -> None:
+        long = asyncio.create_task(conversation("long", chat_body(long_text, 10)))
+        await asyncio.sleep(0.2)  # the long body is being tokenized
+        await conversation("short", chat_body("hello", 10))
+        await long
+
+    try:
+        asyncio.run(both())
+    finally:
+        plane.drain(1)
+    assert finished == ["short", "long"]

@@ -1290,16 +1290,19 @@ class DataPlane:
         worker_threads: int = 2,
         calibrator: bytes | None = None,
         log_level: int = 20,
+        *,
+        tokenizers: dict[str, Tokenizer] | None = None,
     ) -> DataPlane:
-        """Starts serving ``spec_json`` (``Config.spec_json()``); ValueError for a bad
-        spec or a port that cannot be bound."""
+        """Starts serving ``spec_json`` (``Config.spec_json()``) with the models'
+        ``tokenizers`` handed over loaded (``Config.tokenizers()``); ValueError for a
+        bad spec or a port that cannot be bound."""
     @property
     def port(self) -> int:
         """The gRPC port (ext_proc and health)."""
     @property
     def metrics_port(self) -> int | None:
         """The metrics port, or None."""
-    def reload(self, spec_json: str) -> None:
+    def reload(self, spec_json: str, *, tokenizers: dict[str, Tokenizer] | None = None) -> None:
         """Swaps in a new configuration atomically; open streams finish on theirs."""
     def drain(self, grace_s: float) -> None:
         """Stops taking streams, gives open ones ``grace_s`` seconds, then stops."""

@@ -6,7 +6,7 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
     server: {port, api_port, metrics_port, host, key_header, failure_mode, default_pool,
              grace_s, state_file, worker_threads}
     limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens,
-             image_tokens, audio_tokens}
+             image_tokens, audio_tokens, tokenize_inline_bytes}
     router: {policy, compress_band, prefix_block_size, fallbacks, saturation, objectives}
     scrape: {enabled, interval_s, timeout_s, unhealthy_after, stale_after, max_page_bytes,
              engines: {KIND: {waiting, running, kv_usage, adapters}}}
@@ -113,6 +113,9 @@ class Limits:
     image_tokens: int = 765
     #: Prompt tokens charged per audio part (30 s at Qwen2-Audio's 40 ms per token).
     audio_tokens: int = 750
+    #: A body this long or longer whose model has a tokenizer is tokenized off the
+    #: data plane's event loop (shorter ones inline: the hand-off would cost more).
+    tokenize_inline_bytes: int = 512
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,8 @@ class ModelConfig:
     #: The special tokens the template writes (the model's ``tokenizer_config.json``'s).
     bos_token: str | None = None
     eos_token: str | None = None
+    #: The tokenizer, loaded once while validating; the data plane is handed this one.
+    loaded: Tokenizer | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -301,6 +306,7 @@ class Config:
                     "default_max_tokens": self.limits.default_max_tokens,
                     "image_tokens": self.limits.image_tokens,
                     "audio_tokens": self.limits.audio_tokens,
+                    "tokenize_inline_bytes": self.limits.tokenize_inline_bytes,
                 },
                 "router": {
                     "policy": self.router.policy,
@@ -359,6 +365,10 @@ class Config:
                 "kv_events": self.kv_events.spec(),
             }
         )
+
+    def tokenizers(self) -> dict[str, Tokenizer]:
+        """The models' loaded tokenizers by model name (``DataPlane.start(tokenizers=...)``)."""
+        return {m.name: m.loaded for m in self.models if m.loaded is not None}
 
     def key_index(self) -> dict[bytes, TenantConfig]:
         """Tenant by API-key digest (see :func:`find_tenant`)."""
@@ -582,7 +592,8 @@ def _tenants(raw_list: list[Any], admission: AdmissionConfig) -> tuple[TenantCon
 
 
 def _models(raw_list: list[Any]) -> tuple[ModelConfig, ...]:
-    """Checks every model's tokenizer and chat template by loading them."""
+    """Checks every model's tokenizer and chat template by loading them (once: the
+    loaded tokenizer is what the data plane uses)."""
     models, names = [], set()
     for i, raw in enumerate(raw_list):
         where = f"models[{i}]"
@@ -607,13 +618,15 @@ def _models(raw_list: list[Any]) -> tuple[ModelConfig, ...]:
             if raw.get(key) is not None
         }
         try:
-            Tokenizer(path, chat_template=template, **special)
+            loaded = Tokenizer(path, chat_template=template, **special)
         except ValueError as e:
             # The core's message starts with the key at fault: tokenizer, chat_template,
             # bos_token or eos_token.
             raise ConfigError(f"{where}.{e}") from e
         models.append(
-            ModelConfig(name=name, tokenizer=str(path), chat_template=template, **special)
+            ModelConfig(
+                name=name, tokenizer=str(path), chat_template=template, loaded=loaded, **special
+            )
         )
     return tuple(models)
 
@@ -813,6 +826,7 @@ def parse_config(raw: Any) -> Config:
             "default_max_tokens",
             "image_tokens",
             "audio_tokens",
+            "tokenize_inline_bytes",
         },
     )
     limits = Limits(
@@ -828,6 +842,9 @@ def parse_config(raw: Any) -> Config:
         ),
         image_tokens=_int(lim, "image_tokens", "limits", 0, MAX_TOKENS, Limits.image_tokens),
         audio_tokens=_int(lim, "audio_tokens", "limits", 0, MAX_TOKENS, Limits.audio_tokens),
+        tokenize_inline_bytes=_int(
+            lim, "tokenize_inline_bytes", "limits", 0, 1 << 40, Limits.tokenize_inline_bytes
+        ),
     )
     r = _section(
         top.get("router"),

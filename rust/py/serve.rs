@@ -7,6 +7,7 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::calibrate::Calibrator;
 use crate::py::calibrate::PyCalibrator;
 use crate::py::int_arg;
+use crate::py::tokenize::PyTokenizer;
 use crate::serve::config::Spec;
 use crate::serve::engine::{Hints, Outcome};
 use crate::serve::front::{route_once, Fields, Routing};
@@ -55,6 +56,20 @@ fn outcome_dict<'py>(py: Python<'py>, outcome: Outcome) -> PyResult<Bound<'py, P
     Ok(d)
 }
 
+/// The spec of ``spec_json`` with the models' ``tokenizers`` (name ->
+/// Tokenizer), loaded by the caller, handed over.
+fn spec_with(
+    spec_json: &str,
+    tokenizers: Option<HashMap<String, Bound<'_, PyTokenizer>>>,
+) -> PyResult<Spec> {
+    let loaded = tokenizers
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(name, t)| (name, Arc::clone(&t.get().inner)))
+        .collect();
+    Ok(Spec::from_json(spec_json)?.with_tokenizers(loaded)?)
+}
+
 impl PyDataPlane {
     /// One request through the data plane's front door (`serve::front`):
     /// the key, the body limit, the routing under the failure mode, timed.
@@ -88,10 +103,13 @@ impl PyDataPlane {
     /// serves the connections given to it, a new one to the thread with the
     /// fewest open), the learned ``calibrator``
     /// state (``Calibrator.to_bytes()``, None: cold start) and logs at the
-    /// Python logging level ``log_level``. ValueError for a bad spec or a
-    /// port that cannot be bound.
+    /// Python logging level ``log_level``. ``tokenizers`` hands over the
+    /// spec's models' tokenizers already loaded (model name -> Tokenizer:
+    /// ``Config.tokenizers()``), so their files are read once; a model not
+    /// given is loaded from its spec. ValueError for a bad spec or a port
+    /// that cannot be bound.
     #[staticmethod]
-    #[pyo3(signature = (spec_json, host="127.0.0.1", port=0, metrics_port=None, worker_threads=2, calibrator=None, log_level=20))]
+    #[pyo3(signature = (spec_json, host="127.0.0.1", port=0, metrics_port=None, worker_threads=2, calibrator=None, log_level=20, *, tokenizers=None))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
@@ -102,6 +120,7 @@ impl PyDataPlane {
         #[pyo3(from_py_with = int_arg)] worker_threads: usize,
         calibrator: Option<&[u8]>,
         #[pyo3(from_py_with = int_arg)] log_level: u8,
+        tokenizers: Option<HashMap<String, Bound<'_, PyTokenizer>>>,
     ) -> PyResult<Self> {
         if !(1..=256).contains(&worker_threads) {
             return Err(crate::error::invalid(format!(
@@ -110,7 +129,7 @@ impl PyDataPlane {
             .into());
         }
         crate::serve::logs::set_level(log_level);
-        let spec = Spec::from_json(spec_json)?;
+        let spec = spec_with(spec_json, tokenizers)?;
         let calibrator = match calibrator {
             Some(b) => Calibrator::from_bytes(b)?,
             None => Calibrator::with_defaults(),
@@ -139,9 +158,16 @@ impl PyDataPlane {
 
     /// Swaps in a new configuration atomically: new streams use it, open
     /// ones finish on the one they started with; in-memory admission keeps
-    /// its in-flight state. ValueError (and nothing changes) for a bad spec.
-    fn reload(&self, py: Python<'_>, spec_json: &str) -> PyResult<()> {
-        let spec = Spec::from_json(spec_json)?;
+    /// its in-flight state. ``tokenizers`` as in :meth:`start`. ValueError
+    /// (and nothing changes) for a bad spec.
+    #[pyo3(signature = (spec_json, *, tokenizers=None))]
+    fn reload(
+        &self,
+        py: Python<'_>,
+        spec_json: &str,
+        tokenizers: Option<HashMap<String, Bound<'_, PyTokenizer>>>,
+    ) -> PyResult<()> {
+        let spec = spec_with(spec_json, tokenizers)?;
         Ok(py.detach(|| self.inner.reload(spec))?)
     }
 

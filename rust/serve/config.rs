@@ -4,11 +4,13 @@
 //! cores check anyway (pools, policies) and refuses anything malformed.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde::Deserialize;
 
 use super::scrape::ScrapeSpec;
 use crate::error::{invalid, Result};
+use crate::tokenize::Tokenizer;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -35,6 +37,17 @@ pub struct LimitsSpec {
     /// Tokens charged per image and per audio part of a request.
     pub image_tokens: u64,
     pub audio_tokens: u64,
+    /// Bodies at least this long are tokenized off the async worker.
+    #[serde(default = "default_tokenize_inline_bytes")]
+    pub tokenize_inline_bytes: u64,
+}
+
+/// Below this, tokenizing inline costs less than handing it to another
+/// thread (benches/RESULTS.md, "Tokenizing off the worker").
+pub const TOKENIZE_INLINE_BYTES: u64 = 512;
+
+fn default_tokenize_inline_bytes() -> u64 {
+    TOKENIZE_INLINE_BYTES
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -131,6 +144,10 @@ pub struct ModelSpec {
     /// The special tokens the template writes (`tokenizer_config.json`'s).
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// The tokenizer, already loaded ([`Spec::with_tokenizers`]); None: the
+    /// engine loads it from the fields above.
+    #[serde(skip)]
+    pub loaded: Option<Arc<Tokenizer>>,
 }
 
 /// One endpoint's KV-event source (`kv_events.endpoints` of the config).
@@ -209,6 +226,22 @@ impl Spec {
             }
         }
         Ok(spec)
+    }
+
+    /// Hands over the models' tokenizers, loaded by the caller (the Python
+    /// control plane loads each while it validates the file), by model name.
+    pub fn with_tokenizers(mut self, loaded: HashMap<String, Arc<Tokenizer>>) -> Result<Self> {
+        for (name, tokenizer) in loaded {
+            let model = self
+                .models
+                .iter_mut()
+                .find(|m| m.name == name)
+                .ok_or_else(|| {
+                    invalid(format!("tokenizers: {name:?} is not a model of the spec"))
+                })?;
+            model.loaded = Some(tokenizer);
+        }
+        Ok(self)
     }
 }
 

@@ -36,7 +36,7 @@ use crate::openai::{MediaTokens, ParsedRequest};
 use crate::pick::{preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline};
 use crate::pipeline::route_request;
 use crate::prefix::{block_hashes, Tokens};
-use crate::tokenize::{route_tokenized, SpecialTokens, Tokenized, Tokenizer};
+use crate::tokenize::{Encoded, SpecialTokens, Tokenized, Tokenizer};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
 use super::config::{digest_from_hex, FailureMode, Spec};
@@ -600,7 +600,7 @@ pub struct Engine {
     media: MediaTokens,
     pub choosers: Vec<Chooser>,
     /// Tokenizer by model name (`models` of the configuration).
-    tokenizers: HashMap<String, Tokenizer>,
+    tokenizers: HashMap<String, Arc<Tokenizer>>,
     tenants: Vec<Tenant>,
     keys: HashMap<[u8; 32], usize>,
     pub admission: Option<Arc<Admission>>,
@@ -720,18 +720,23 @@ impl Engine {
                     .map_err(|e| invalid(format!("pools: {:?}: {e}", p.name)))
             })
             .collect::<Result<Vec<_>>>()?;
+        // A tokenizer handed over loaded (`Spec::with_tokenizers`) is used as
+        // it is: the file is read once, by whoever validated it.
         let tokenizers = spec
             .models
             .iter()
             .enumerate()
             .map(|(i, m)| {
+                if let Some(t) = &m.loaded {
+                    return Ok((m.name.clone(), Arc::clone(t)));
+                }
                 let special = SpecialTokens {
                     bos_token: m.bos_token.clone(),
                     eos_token: m.eos_token.clone(),
                 };
                 let t = Tokenizer::load(m.tokenizer.as_ref(), m.chat_template.as_deref(), special)
                     .map_err(|e| invalid(format!("models[{i}].{e}")))?;
-                Ok((m.name.clone(), t))
+                Ok((m.name.clone(), Arc::new(t)))
             })
             .collect::<Result<HashMap<_, _>>>()?;
         let mut tenants = Vec::new();
@@ -891,7 +896,7 @@ impl Engine {
         tenant: Option<usize>,
         hints: &Hints,
     ) -> Result<Outcome> {
-        if let Some(t) = self.route_tokenized(body) {
+        if let Some(t) = self.route_tokenized(body).await {
             let learn = learnable(&t.request);
             let ask = Ask {
                 key: hints.key(Key::Ids(&t.ids)),
@@ -947,7 +952,15 @@ impl Engine {
     /// tokenizer. A tokenizer or template that fails is logged
     /// (`tokenize-skipped`) and counted, and the request is routed on the
     /// estimate instead (None).
-    fn route_tokenized(&self, body: &[u8]) -> Option<Tokenized> {
+    ///
+    /// A body of `limits.tokenize_inline_bytes` or more is tokenized on the
+    /// data plane's blocking pool (the first shard's `spawn_blocking`, one
+    /// pool for every shard, at most as many threads as cores), so a long
+    /// prompt does not hold the worker that serves the other streams; a shorter one is tokenized inline, where the hand-off costs
+    /// more than the tokenizing (benches/RESULTS.md, "Tokenizing off the
+    /// worker"). Only routing touches shared state, after the ids are in:
+    /// a stream dropped meanwhile has counted nothing.
+    async fn route_tokenized(&self, body: &[u8]) -> Option<Tokenized> {
         #[derive(serde::Deserialize)]
         struct Model {
             model: Option<String>,
@@ -958,14 +971,18 @@ impl Engine {
         let model = serde_json::from_slice::<Model>(body).ok()?.model?;
         let tokenizer = self.tokenizers.get(&model)?;
         let limits = &self.spec.limits;
-        match route_tokenized(
-            &self.router,
-            tokenizer,
-            body,
-            limits.default_max_tokens,
-            self.media,
-        ) {
-            Ok(t) => Some(t),
+        let (max_tokens, media) = (limits.default_max_tokens, self.media);
+        let encoded = if (body.len() as u64) < limits.tokenize_inline_bytes {
+            Encoded::new(tokenizer, body, max_tokens, media)
+        } else {
+            let (tokenizer, body) = (Arc::clone(tokenizer), body.to_vec());
+            let pool = self.shared().ok()?.handle.clone();
+            pool.spawn_blocking(move || Encoded::new(&tokenizer, &body, max_tokens, media))
+                .await
+                .unwrap_or_else(|e| Err(invalid(format!("tokenizing stopped: {e}"))))
+        };
+        match encoded {
+            Ok(e) => Some(e.route(&self.router)),
             Err(e) => {
                 tracing::warn!(model = model.as_str(), error = %e, "tokenize-skipped");
                 if let Ok(shared) = self.shared() {
@@ -1336,7 +1353,11 @@ impl Engine {
                     .complete(ticket, actual.0, actual.1, latency)
                     .await;
             });
-            // In memory it completes at once; a remote backend finishes on the runtime.
+            // In memory it completes at once; a remote backend finishes on the
+            // runtime. Polled in the runtime's context: the caller may be a
+            // Python thread (`DataPlane.finish`), and Redis's future needs the
+            // runtime's timers.
+            let _runtime = shared.handle.enter();
             if done.as_mut().now_or_never().is_none() {
                 shared.handle.spawn(done);
             }

@@ -11,6 +11,12 @@
 //! answers. (The multi-thread scheduler runs the task a task wakes next, its
 //! LIFO slot, which makes that one write per answer, twice the CPU per
 //! conversation on loopback.)
+//!
+//! Work that would hold a shard's thread (tokenizing a long prompt) goes to
+//! one blocking pool for all shards (shard 0's `spawn_blocking`), at most as
+//! many threads as the machine has cores: CPU-bound work gains nothing from
+//! more, and a burst of long prompts queues there instead of stalling every
+//! stream.
 
 use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
 use std::pin::Pin;
@@ -69,6 +75,7 @@ impl Shard {
         let runtime = Arc::new(
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
+                .max_blocking_threads(std::thread::available_parallelism().map_or(1, |n| n.get()))
                 .build()
                 .map_err(|e| invalid(format!("cannot start the runtime: {e}")))?,
         );

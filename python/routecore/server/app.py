@@ -97,6 +97,7 @@ class Server:
                 s.worker_threads,
                 self.calibrator_state,
                 logger.getEffectiveLevel(),
+                tokenizers=self.config.tokenizers(),
             )
         except ValueError as e:
             raise OSError(str(e)) from e
@@ -142,7 +143,7 @@ class Server:
         try:
             config = load_config(self.config_path)
             assert self.plane is not None
-            self.plane.reload(config.spec_json())
+            self.plane.reload(config.spec_json(), tokenizers=config.tokenizers())
         except (ConfigError, OSError, ValueError) as e:
             log(logging.ERROR, "reload-failed", error=str(e))
             return False
