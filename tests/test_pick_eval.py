@@ -66,6 +66,16 @@ def test_prefix_workload_turns_extend_the_context():
         last[s] = i
 
 
+def test_prefix_workload_block_tokens_hash_to_its_block_hashes():
+    w = rc.PrefixWorkload(**SMALL, seed=4)
+    tokens = w.block_tokens
+    assert tokens.dtype == np.uint32 and tokens.size == 16 * w.block_hashes.size
+    for i in (0, 17, len(w) - 1):
+        lo, hi = w.block_offsets[i], w.block_offsets[i + 1]
+        ids = tokens[16 * lo : 16 * hi]
+        np.testing.assert_array_equal(rc.block_hashes(ids, 16), w.block_hashes[lo:hi])
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -98,6 +108,36 @@ def test_a_repeated_prompt_hits_the_endpoint_prefix_cache():
         rc.simulate([0.0], [10], [1], pools, blocks=(hashes, np.array([0, 5])))
     with pytest.raises(TypeError):
         rc.simulate([0.0], [10], [1], pools, blocks=(hashes.astype(np.int64), np.array([0, 186])))
+
+
+def simulate_prefix(w: rc.PrefixWorkload, dispatch: str, **kw) -> rc.SimReport:
+    pool = rc.SimPool("p", 3, 16384, 16, kv_blocks=1024)
+    return rc.simulate(
+        w.arrival_s, w.input_tokens, w.output_tokens, [pool], router="homogeneous",
+        dispatch=dispatch, blocks=w.blocks, **kw,
+    )  # fmt: skip
+
+
+def test_precise_prefix_without_block_tokens_picks_as_the_approximate_prefix():
+    # No token ids: the precise scorer's approximate fallback scores alone.
+    w = rc.PrefixWorkload(**SMALL, seed=5)
+    approx = simulate_prefix(w, "prefix+queue+kv")
+    precise = simulate_prefix(w, "precise-prefix+queue+kv")
+    np.testing.assert_array_equal(precise.endpoint, approx.endpoint)
+    np.testing.assert_array_equal(precise.cached_tokens, approx.cached_tokens)
+    # With them, the engines' events decide.
+    with_ids = simulate_prefix(w, "precise-prefix+queue+kv", block_tokens=w.block_tokens)
+    assert not np.array_equal(with_ids.endpoint, approx.endpoint)
+
+
+def test_block_tokens_must_match_the_blocks():
+    w = rc.PrefixWorkload(**SMALL, seed=6)
+    with pytest.raises(ValueError, match="16 token ids per block hash"):
+        simulate_prefix(w, "precise-prefix", block_tokens=w.block_tokens[:-1])
+    with pytest.raises(ValueError, match="not text"):
+        simulate_prefix(w, "precise-prefix", block_tokens=b"abc")
+    with pytest.raises(ValueError, match="needs blocks"):
+        rc.simulate([0.0], [10], [1], [rc.SimPool("p", 1, 64, 1)], block_tokens=w.block_tokens)
 
 
 ARGS = ["pick-eval", "--requests", "1500", "--quiet", "--json"]

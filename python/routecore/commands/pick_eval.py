@@ -7,7 +7,13 @@ LRU prefix cache of its KV blocks, serves a seeded ``routecore.PrefixWorkload``
 is dispatched by the endpoint-picker pipeline of a policy, fed with each
 endpoint's queue, running count and KV-cache use as a metrics scraper reads
 them every ``--scrape-interval`` seconds (the picker adding its own
-dispatches in between). Per policy:
+dispatches in between). The approximate ``prefix`` policies score endpoints
+by what routecore routed to them; the ``precise-prefix`` ones by what each
+engine's cache holds, from the KV-cache events the simulated caches publish
+(``BlockStored``, ``BlockRemoved``) into the index ``serve`` feeds from real
+engines. The default workload puts the caches under pressure: each endpoint
+caches fewer blocks than the prefixes its sessions need, so engines evict
+what the approximate index still counts on. Per policy:
 
 - ``hit_rate``: prompt tokens served from the endpoints' prefix caches over
   prompt tokens, over the measured (post-warm-up) requests;
@@ -40,16 +46,26 @@ from routecore.commands.simulate import Progress
 
 NAME = "pick-eval"
 HELP = (
-    "Compare endpoint-picker policies (random, least-request, queue+kv, prefix, "
-    "prefix+queue+kv) in the fleet simulator on a seeded workload with shared prefixes: "
+    "Compare endpoint-picker policies (random, least-request, queue+kv, approximate prefix, "
+    "prefix+queue+kv, precise-prefix from the engines' KV events, precise-prefix+queue+kv) "
+    "in the fleet simulator on a seeded shared-prefix workload under KV-cache pressure: "
     "prefix-cache hit rate, TTFT p50/p99 and load imbalance."
 )
 
 #: The policies compared, by their EndpointPicker preset names: uniform random,
 #: fewest requests in flight, the Gateway API Inference Extension's default
-#: scorers (queue depth and KV-cache use), AIBrix's prefix-cache routing, and
-#: the three scorers together (routecore's default).
-POLICIES = ("random", "least-request", "queue+kv", "prefix", "prefix+queue+kv")
+#: scorers (queue depth and KV-cache use), AIBrix's (approximate) prefix-cache
+#: routing, the three scorers together (routecore's default), and the same two
+#: with the precise prefix scorer (llm-d's, from the engines' KV events).
+POLICIES = (
+    "random",
+    "least-request",
+    "queue+kv",
+    "prefix",
+    "prefix+queue+kv",
+    "precise-prefix",
+    "precise-prefix+queue+kv",
+)
 
 
 @dataclass
@@ -143,7 +159,8 @@ def evaluate(args: argparse.Namespace) -> list[Row]:
     for policy in args.policy or POLICIES:
         report = simulate(
             workload.arrival_s, workload.input_tokens, workload.output_tokens, [pool],
-            router="homogeneous", dispatch=policy, blocks=workload.blocks, seed=args.seed,
+            router="homogeneous", dispatch=policy, blocks=workload.blocks,
+            block_tokens=workload.block_tokens, seed=args.seed,
             warmup=args.warmup, scrape_interval=args.scrape_interval,
             progress=Progress(policy, not args.quiet),
         )  # fmt: skip
