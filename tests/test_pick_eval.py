@@ -158,9 +158,13 @@ def test_pick_eval_json_is_seeded_and_prefix_aware_policies_hit_more(capsys):
         assert 0.0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
         assert r["imbalance"] >= 1.0
     # The shared-prefix workload rewards routing on prefixes.
-    for prefix_aware in ("prefix", "prefix+queue+kv"):
+    for prefix_aware in ("prefix", "prefix+queue+kv", "precise-prefix", "precise-prefix+queue+kv"):
         assert rows[prefix_aware]["hit_rate"] > rows["random"]["hit_rate"] + 0.1
         assert rows[prefix_aware]["ttft_p50_s"] < rows["random"]["ttft_p50_s"]
+    # Under KV-cache pressure the engines evict what the approximate index
+    # still counts on; the index fed by their KV events knows what they hold.
+    for approximate in ("prefix", "prefix+queue+kv"):
+        assert rows[f"precise-{approximate}"]["hit_rate"] > rows[approximate]["hit_rate"]
     assert run_json(capsys) == out
     assert run_json(capsys, "--seed", "1") != out
 
