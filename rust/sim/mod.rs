@@ -695,9 +695,9 @@ impl<'a> Fleet<'a> {
     }
 
     /// Applies the KV-cache events endpoint `i`'s cache published since the
-    /// last call, as one batch at `now`, to the precise prefix index: the
-    /// same `KvIndex::observe` and `apply` as `serve`'s event subscribers
-    /// (without their transport: no delay, no loss).
+    /// last call (the step that ends at `now`), as one batch, to the precise
+    /// prefix index: the same `KvIndex::observe` and `apply` as `serve`'s
+    /// event subscribers (without their transport: no delay, no loss).
     fn publish(&mut self, i: usize, now: f64) -> Result<()> {
         let Some(kv) = &self.kv else {
             return Ok(());
@@ -843,8 +843,10 @@ impl<'a> Fleet<'a> {
                 for e in events.drain(..) {
                     self.handle(e, router)?;
                 }
-                self.start(i, now, &mut heap);
+                // The ended step's events (its prefills, its finished
+                // sequences), before the next step makes more.
                 self.publish(i, now)?;
+                self.start(i, now, &mut heap);
             }
         }
         progress.store(self.requests.len() as u64, Ordering::Relaxed);

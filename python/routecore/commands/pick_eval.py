@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from routecore._core import PrefixWorkload, SimPool, SimReport, simulate
+from routecore._core import EndpointPicker, PrefixWorkload, SimPool, SimReport, simulate
 from routecore._extras import pyplot
 from routecore.commands._args import (
     fraction,
@@ -52,20 +52,13 @@ HELP = (
     "prefix-cache hit rate, TTFT p50/p99 and load imbalance."
 )
 
-#: The policies compared, by their EndpointPicker preset names: uniform random,
-#: fewest requests in flight, the Gateway API Inference Extension's default
-#: scorers (queue depth and KV-cache use), AIBrix's (approximate) prefix-cache
-#: routing, the three scorers together (routecore's default), and the same two
-#: with the precise prefix scorer (llm-d's, from the engines' KV events).
-POLICIES = (
-    "random",
-    "least-request",
-    "queue+kv",
-    "prefix",
-    "prefix+queue+kv",
-    "precise-prefix",
-    "precise-prefix+queue+kv",
-)
+#: The policies compared: the EndpointPicker presets but round-robin (random's
+#: twin here) and vtc (fairness, not locality): uniform random, fewest requests
+#: in flight, the Gateway API Inference Extension's default scorers (queue depth
+#: and KV-cache use), AIBrix's (approximate) prefix-cache routing, the three
+#: scorers together (routecore's default), and the same two with the precise
+#: prefix scorer (llm-d's, from the engines' KV events).
+POLICIES = tuple(p for p in EndpointPicker.presets() if p not in ("round-robin", "vtc"))
 
 
 @dataclass
