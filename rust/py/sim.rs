@@ -400,6 +400,7 @@ pub fn simulate(
             },
         });
     }
+    let has_blocks = blocks.is_some();
     let blocks = match blocks {
         None => RequestBlocks::none(n),
         Some((hashes, offsets)) => {
@@ -412,9 +413,7 @@ pub fn simulate(
     };
     let blocks = match block_tokens {
         None => blocks,
-        Some(_) if blocks.hashes.is_empty() => {
-            return Err(PyValueError::new_err("block_tokens needs blocks"))
-        }
+        Some(_) if !has_blocks => return Err(PyValueError::new_err("block_tokens needs blocks")),
         Some(t) => match TokenArg::new(t, "block_tokens")?.tokens()? {
             Tokens::Ids(ids) => blocks.with_tokens(ids.to_vec())?,
             Tokens::Bytes(_) => {

@@ -402,9 +402,7 @@ impl Endpoint {
 /// The full blocks of `s`'s first `tokens` tokens (as many as the workload
 /// gave), as indices into the blocks.
 fn full_blocks(s: &Seq, tokens: u64) -> std::ops::Range<usize> {
-    let (start, end) = s.hashes;
-    let n = (end - start).min((tokens / BLOCK_TOKENS) as usize);
-    start..start + n
+    super::leading_blocks(s.hashes, tokens)
 }
 
 /// Caches blocks `range` (one sequence's computed blocks) with their token ids.

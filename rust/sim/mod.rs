@@ -136,9 +136,7 @@ impl RequestBlocks {
     /// Request `i`'s prompt blocks: the indices of its `input_tokens`' full
     /// blocks in `hashes`.
     fn prompt_range(&self, request: usize, input_tokens: u64) -> std::ops::Range<usize> {
-        let (start, end) = self.range(request);
-        let n = (end - start).min((input_tokens / engine::BLOCK_TOKENS) as usize);
-        start..start + n
+        leading_blocks(self.range(request), input_tokens)
     }
 
     /// Request `i`'s prompt blocks: the hashes of its `input_tokens`' full blocks.
@@ -159,6 +157,13 @@ impl RequestBlocks {
     pub fn prompt_tokens(&self, request: usize, input_tokens: u64) -> Option<&[u32]> {
         self.tokens_of(self.prompt_range(request, input_tokens))
     }
+}
+
+/// The full blocks of the first `tokens` tokens of a request whose blocks
+/// are `start..end` (as many as there are).
+fn leading_blocks((start, end): (usize, usize), tokens: u64) -> std::ops::Range<usize> {
+    let n = (end - start).min((tokens / engine::BLOCK_TOKENS) as usize);
+    start..start + n
 }
 
 /// A traffic category: its name (the calibrator's), its true bytes-per-token
