@@ -170,22 +170,21 @@ impl PrefixCache {
     /// `tokens`: the blocks' token ids, `BLOCK_TOKENS` per hash, which the
     /// published `BlockStored` events carry (unused when not publishing).
     pub fn insert(&mut self, hashes: &[u64], tokens: &[u32]) {
-        if self.events.is_none() {
-            for &h in hashes.iter().rev() {
-                self.touch(h);
-            }
-            return;
-        }
+        let publishing = self.events.is_some();
         let mut fresh = std::mem::take(&mut self.fresh);
         fresh.clear();
-        fresh.extend(hashes.iter().map(|&h| !self.contains(h)));
-        self.evicted.clear();
+        if publishing {
+            fresh.extend(hashes.iter().map(|&h| !self.contains(h)));
+            self.evicted.clear();
+        }
         for &h in hashes.iter().rev() {
             self.touch(h);
         }
-        let events = self.inserted(hashes, tokens, &fresh);
+        if publishing {
+            let events = self.inserted(hashes, tokens, &fresh);
+            self.events.get_or_insert_with(Vec::new).extend(events);
+        }
         self.fresh = fresh;
-        self.events.get_or_insert_with(Vec::new).extend(events);
     }
 
     /// The events of an insertion of `hashes` of which `fresh` were not
