@@ -1,6 +1,6 @@
 """Fleet simulator: routecore beside the plain-Python discrete-event simulator
 of the same model (routecore/_baselines/sim.py), same trace slice, same run; and
-the default ``routecore simulate`` end to end.
+the default ``routecore simulate`` and ``routecore pick-eval`` end to end.
 
 Run: .venv/bin/python -m pytest benches/bench_sim.py
 """
@@ -51,3 +51,10 @@ def test_simulate_command_default(benchmark, capsys):
     code = benchmark.pedantic(main, (["simulate", "--quiet"],), rounds=3, iterations=1)
     assert code == 0
     assert "fleetopt" in capsys.readouterr().out
+
+
+@pytest.mark.benchmark(group="routecore pick-eval (default: 7 policies, 4,000 requests)")
+def test_pick_eval_command_default(benchmark, capsys):
+    code = benchmark.pedantic(main, (["pick-eval", "--quiet"],), rounds=3, iterations=1)
+    assert code == 0
+    assert "| precise-prefix+queue+kv |" in capsys.readouterr().out

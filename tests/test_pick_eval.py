@@ -66,6 +66,16 @@ def test_prefix_workload_turns_extend_the_context():
         last[s] = i
 
 
+def test_prefix_workload_block_tokens_hash_to_its_block_hashes():
+    w = rc.PrefixWorkload(**SMALL, seed=4)
+    tokens = w.block_tokens
+    assert tokens.dtype == np.uint32 and tokens.size == 16 * w.block_hashes.size
+    for i in (0, 17, len(w) - 1):
+        lo, hi = w.block_offsets[i], w.block_offsets[i + 1]
+        ids = tokens[16 * lo : 16 * hi]
+        np.testing.assert_array_equal(rc.block_hashes(ids, 16), w.block_hashes[lo:hi])
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -100,6 +110,36 @@ def test_a_repeated_prompt_hits_the_endpoint_prefix_cache():
         rc.simulate([0.0], [10], [1], pools, blocks=(hashes.astype(np.int64), np.array([0, 186])))
 
 
+def simulate_prefix(w: rc.PrefixWorkload, dispatch: str, **kw) -> rc.SimReport:
+    pool = rc.SimPool("p", 3, 16384, 16, kv_blocks=1024)
+    return rc.simulate(
+        w.arrival_s, w.input_tokens, w.output_tokens, [pool], router="homogeneous",
+        dispatch=dispatch, blocks=w.blocks, **kw,
+    )  # fmt: skip
+
+
+def test_precise_prefix_without_block_tokens_picks_as_the_approximate_prefix():
+    # No token ids: the precise scorer's approximate fallback scores alone.
+    w = rc.PrefixWorkload(**SMALL, seed=5)
+    approx = simulate_prefix(w, "prefix+queue+kv")
+    precise = simulate_prefix(w, "precise-prefix+queue+kv")
+    np.testing.assert_array_equal(precise.endpoint, approx.endpoint)
+    np.testing.assert_array_equal(precise.cached_tokens, approx.cached_tokens)
+    # With them, the engines' events decide.
+    with_ids = simulate_prefix(w, "precise-prefix+queue+kv", block_tokens=w.block_tokens)
+    assert not np.array_equal(with_ids.endpoint, approx.endpoint)
+
+
+def test_block_tokens_must_match_the_blocks():
+    w = rc.PrefixWorkload(**SMALL, seed=6)
+    with pytest.raises(ValueError, match="16 token ids per block hash"):
+        simulate_prefix(w, "precise-prefix", block_tokens=w.block_tokens[:-1])
+    with pytest.raises(ValueError, match="not text"):
+        simulate_prefix(w, "precise-prefix", block_tokens=b"abc")
+    with pytest.raises(ValueError, match="needs blocks"):
+        rc.simulate([0.0], [10], [1], [rc.SimPool("p", 1, 64, 1)], block_tokens=w.block_tokens)
+
+
 ARGS = ["pick-eval", "--requests", "1500", "--quiet", "--json"]
 
 
@@ -118,9 +158,13 @@ def test_pick_eval_json_is_seeded_and_prefix_aware_policies_hit_more(capsys):
         assert 0.0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
         assert r["imbalance"] >= 1.0
     # The shared-prefix workload rewards routing on prefixes.
-    for prefix_aware in ("prefix", "prefix+queue+kv"):
+    for prefix_aware in ("prefix", "prefix+queue+kv", "precise-prefix", "precise-prefix+queue+kv"):
         assert rows[prefix_aware]["hit_rate"] > rows["random"]["hit_rate"] + 0.1
         assert rows[prefix_aware]["ttft_p50_s"] < rows["random"]["ttft_p50_s"]
+    # Under KV-cache pressure the engines evict what the approximate index
+    # still counts on; the index fed by their KV events knows what they hold.
+    for approximate in ("prefix", "prefix+queue+kv"):
+        assert rows[f"precise-{approximate}"]["hit_rate"] > rows[approximate]["hit_rate"]
     assert run_json(capsys) == out
     assert run_json(capsys, "--seed", "1") != out
 

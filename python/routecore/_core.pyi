@@ -1028,6 +1028,7 @@ def simulate(
     seed: int = 0,
     warmup: float = 0.2,
     blocks: tuple[npt.NDArray[np.uint64], npt.ArrayLike] | None = None,
+    block_tokens: npt.ArrayLike | None = None,
     scrape_interval: float = 0.0,
     progress: Callable[[int, int], object] | None = None,
 ) -> SimReport: ...
@@ -1067,6 +1068,8 @@ class PrefixWorkload:
     def block_hashes(self) -> npt.NDArray[np.uint64]: ...
     @property
     def block_offsets(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def block_tokens(self) -> npt.NDArray[np.uint32]: ...
     @property
     def blocks(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]: ...
 

@@ -9,8 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::pick::plugin_spec;
-use super::{float_array, hash_array, int_arg, int_array, size_arg};
+use super::{float_array, hash_array, int_arg, int_array, size_arg, TokenArg};
 use crate::pick::{preset_specs, PluginSpec};
+use crate::prefix::Tokens;
 use crate::sim::engine::blocks_for;
 use crate::sim::prefix_workload::{generate, PrefixWorkload, PrefixWorkloadConfig};
 use crate::sim::timing::LinearTiming;
@@ -320,14 +321,21 @@ impl PySimReport {
 /// prompt followed by its output (``PrefixWorkload.blocks``): request ``i``'s
 /// block hashes are ``hashes[offsets[i]:offsets[i + 1]]``; each endpoint keeps
 /// an LRU prefix cache of ``kv_blocks`` blocks and a prompt's cached leading
-/// blocks skip their prefill. ``progress(done, total)`` is called about
+/// blocks skip their prefill. ``block_tokens``: those blocks' token ids, 16
+/// per hash (``PrefixWorkload.block_tokens``: block ``j``'s are
+/// ``block_tokens[16 * j:16 * (j + 1)]``); with them each endpoint's cache
+/// publishes vLLM's KV-cache events (``BlockStored``, ``BlockRemoved``) into
+/// the precise prefix index the ``precise-prefix`` scorer reads, and the
+/// picker gets each prompt's token ids; without them that scorer falls back
+/// to the approximate index. ``progress(done, total)`` is called about
 /// ten times a second from this thread while the simulation runs without the
 /// interpreter lock.
 #[pyfunction]
 #[pyo3(signature = (arrival_s, input_tokens, output_tokens, pools, *, category=None,
                     session=None, categories=None, router="token-budget", gamma=1.5,
                     dispatch=None, arrivals="trace", rate=None, seed=0,
-                    warmup=0.2, blocks=None, scrape_interval=0.0, progress=None))]
+                    warmup=0.2, blocks=None, block_tokens=None, scrape_interval=0.0,
+                    progress=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate(
     py: Python<'_>,
@@ -346,6 +354,7 @@ pub fn simulate(
     #[pyo3(from_py_with = int_arg)] seed: u64,
     warmup: f64,
     blocks: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+    block_tokens: Option<&Bound<'_, PyAny>>,
     scrape_interval: f64,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<PySimReport> {
@@ -391,6 +400,7 @@ pub fn simulate(
             },
         });
     }
+    let has_blocks = blocks.is_some();
     let blocks = match blocks {
         None => RequestBlocks::none(n),
         Some((hashes, offsets)) => {
@@ -400,6 +410,18 @@ pub fn simulate(
                 .collect::<PyResult<Vec<_>>>()?;
             RequestBlocks::new(hash_array(&hashes)?, offsets, n)?
         }
+    };
+    let blocks = match block_tokens {
+        None => blocks,
+        Some(_) if !has_blocks => return Err(PyValueError::new_err("block_tokens needs blocks")),
+        Some(t) => match TokenArg::new(t, "block_tokens")?.tokens()? {
+            Tokens::Ids(ids) => blocks.with_tokens(ids.to_vec())?,
+            Tokens::Bytes(_) => {
+                return Err(PyValueError::new_err(
+                    "block_tokens must be an array of token ids, not text",
+                ))
+            }
+        },
     };
     let categories = categories
         .unwrap_or_else(|| vec![("prose".to_owned(), 4.48, true)])
@@ -580,6 +602,13 @@ impl PyPrefixWorkload {
     #[getter]
     fn block_hashes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
         self.inner.blocks.hashes.clone().into_pyarray(py)
+    }
+    /// The token ids of those blocks, 16 per hash: block ``j``'s are
+    /// ``block_tokens[16 * j:16 * (j + 1)]`` (the ``block_tokens`` argument of
+    /// ``simulate``).
+    #[getter]
+    fn block_tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        self.inner.blocks.tokens.clone().into_pyarray(py)
     }
     /// Request ``i``'s hashes are ``block_hashes[block_offsets[i]:block_offsets[i + 1]]``.
     #[getter]

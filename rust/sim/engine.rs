@@ -35,7 +35,9 @@
 //! computed, as in vLLM), so a hit skips that part of the prefill; a sequence
 //! still allocates the blocks of its whole prompt (sharing is not modelled).
 //! A prompt's full blocks are cached when its prefill completes, and every full
-//! block of prompt and output when the sequence finishes.
+//! block of prompt and output when the sequence finishes. A publishing cache
+//! (the blocks' token ids known) emits the engine's KV-cache events for
+//! these insertions and evictions ([`super::cache`]).
 //!
 //! Fast-forward: when every running sequence is decoding and the free blocks
 //! hold all of them to their last token, the next iterations are identical
@@ -49,6 +51,7 @@ use std::collections::VecDeque;
 
 use super::cache::PrefixCache;
 use super::timing::{Batch, TimingModel};
+use super::RequestBlocks;
 
 /// Tokens per KV block (vLLM's default block size).
 pub const BLOCK_TOKENS: u64 = 16;
@@ -96,8 +99,8 @@ struct Seq {
     prompt: u64,
     prefilled: u64,
     blocks: u64,
-    /// The request's block hashes (prompt and output): `hashes[start..end]`
-    /// of the slice the caller passes to `step`.
+    /// The request's blocks (prompt and output): `hashes[start..end]` of the
+    /// blocks the caller passes to `step`.
     hashes: (usize, usize),
 }
 
@@ -202,13 +205,13 @@ impl Endpoint {
     /// duration, or None when there is nothing to run. Admissions and
     /// preemptions happen now; sequences leave at the end, in `end_iteration`.
     /// Events go to `pending`. Slot occupancy inside `window` is added to
-    /// `slot_seconds`. `hashes` holds every request's block hashes.
+    /// `slot_seconds`. `blocks` holds every request's blocks.
     pub fn step(
         &mut self,
         now: f64,
         timing: &dyn TimingModel,
         window: (f64, f64),
-        hashes: &[u64],
+        blocks: &RequestBlocks,
     ) -> Option<f64> {
         // 1. Admission.
         while let Some(head) = self.waiting.front() {
@@ -219,8 +222,8 @@ impl Endpoint {
             if let Some(mut s) = self.waiting.pop_front() {
                 self.free_blocks -= need;
                 s.blocks = need;
-                let prompt_blocks = full_blocks(&s, s.prompt, hashes);
-                let hit = self.cache.lookup(prompt_blocks) as u64;
+                let prompt_blocks = full_blocks(&s, s.prompt);
+                let hit = self.cache.lookup(&blocks.hashes[prompt_blocks]) as u64;
                 s.prefilled = (hit * BLOCK_TOKENS).min(s.prompt - 1);
                 self.pending.push(Event::Admitted {
                     request: s.request,
@@ -270,7 +273,7 @@ impl Endpoint {
                     n_active += 1;
                     continue;
                 }
-                self.cache.insert(full_blocks(s, s.prompt, hashes));
+                insert(&mut self.cache, blocks, full_blocks(s, s.prompt));
             }
             // A decode step, or the end of a prefill: one token is sampled.
             n_active += 1;
@@ -300,7 +303,7 @@ impl Endpoint {
 
     /// First tokens and finished sequences of an iteration ending at `end`.
     /// Sequences still prefilling did not sample.
-    fn release(&mut self, end: f64, hashes: &[u64]) {
+    fn release(&mut self, end: f64, blocks: &RequestBlocks) {
         let pending = &mut self.pending;
         let free = &mut self.free_blocks;
         let cache = &mut self.cache;
@@ -320,7 +323,7 @@ impl Endpoint {
                     time: end,
                 });
                 // Its KV holds the prompt and every output token but the last.
-                cache.insert(full_blocks(s, s.input + s.output - 1, hashes));
+                insert(cache, blocks, full_blocks(s, s.input + s.output - 1));
                 *free += s.blocks;
                 return false;
             }
@@ -371,9 +374,9 @@ impl Endpoint {
 
     /// At the end of the iteration or stretch under way: applies it, records
     /// first tokens, and lets finished sequences leave with their blocks.
-    pub fn end_iteration(&mut self, window: (f64, f64), hashes: &[u64]) {
+    pub fn end_iteration(&mut self, window: (f64, f64), blocks: &RequestBlocks) {
         if let Some(end) = self.iteration_end.take() {
-            self.release(end, hashes);
+            self.release(end, blocks);
         }
         let Some(st) = self.stretch.take() else {
             return;
@@ -392,14 +395,18 @@ impl Endpoint {
             self.free_blocks -= blocks - s.blocks;
             s.blocks = blocks;
         }
-        self.release(end, hashes);
+        self.release(end, blocks);
     }
 }
 
-/// The hashes of the full blocks of `s`'s first `tokens` tokens (as many as
-/// the workload gave).
-fn full_blocks<'h>(s: &Seq, tokens: u64, hashes: &'h [u64]) -> &'h [u64] {
-    let (start, end) = s.hashes;
-    let n = (end - start).min((tokens / BLOCK_TOKENS) as usize);
-    &hashes[start..start + n]
+/// The full blocks of `s`'s first `tokens` tokens (as many as the workload
+/// gave), as indices into the blocks.
+fn full_blocks(s: &Seq, tokens: u64) -> std::ops::Range<usize> {
+    super::leading_blocks(s.hashes, tokens)
+}
+
+/// Caches blocks `range` (one sequence's computed blocks) with their token ids.
+fn insert(cache: &mut PrefixCache, blocks: &RequestBlocks, range: std::ops::Range<usize>) {
+    let tokens = blocks.tokens_of(range.clone()).unwrap_or_default();
+    cache.insert(&blocks.hashes[range], tokens);
 }

@@ -37,6 +37,7 @@ use std::sync::Arc;
 
 use crate::budget::{Pool, MAX_TOKENS};
 use crate::error::{invalid, non_negative, positive, Result};
+use crate::kv::{KvConfig, KvIndex};
 use crate::pick::endpoints::MAX_ENDPOINTS;
 use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec};
 use crate::planner::{engine_state, EngineLoad, EngineShape, EngineState};
@@ -63,11 +64,16 @@ pub struct SimRequest {
 /// The requests' KV block hashes, for the endpoints' prefix caches (see
 /// [`engine`]): request `i`'s are `hashes[offsets[i]..offsets[i + 1]]`, the
 /// chained hashes ([`crate::prefix::block_hashes`]) of the full 16-token
-/// blocks of its prompt followed by its output.
+/// blocks of its prompt followed by its output. With the blocks' token ids
+/// (`tokens`, 16 per hash: block `j`'s are `tokens[16 j..16 (j + 1)]`) the
+/// endpoints publish vLLM's KV-cache events and the picker gets each prompt's
+/// token ids, which the `precise-prefix` scorer needs; without (empty), it
+/// falls back to the approximate index.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestBlocks {
     pub hashes: Vec<u64>,
     pub offsets: Vec<usize>,
+    pub tokens: Vec<u32>,
 }
 
 impl RequestBlocks {
@@ -88,7 +94,25 @@ impl RequestBlocks {
                 "block hash offsets must start at 0, never decrease and end at the hash count",
             ));
         }
-        Ok(Self { hashes, offsets })
+        Ok(Self {
+            hashes,
+            offsets,
+            tokens: Vec::new(),
+        })
+    }
+
+    /// The same with the blocks' token ids, `BLOCK_TOKENS` per hash.
+    pub fn with_tokens(mut self, tokens: Vec<u32>) -> Result<Self> {
+        let want = self.hashes.len() * engine::BLOCK_TOKENS as usize;
+        if tokens.len() != want {
+            return Err(invalid(format!(
+                "block tokens must hold {} token ids per block hash ({want}), got {}",
+                engine::BLOCK_TOKENS,
+                tokens.len()
+            )));
+        }
+        self.tokens = tokens;
+        Ok(self)
     }
 
     /// No hashes: every prefix cache stays empty.
@@ -96,19 +120,50 @@ impl RequestBlocks {
         Self {
             hashes: Vec::new(),
             offsets: vec![0; requests + 1],
+            tokens: Vec::new(),
         }
+    }
+
+    /// Whether the blocks' token ids are known.
+    pub fn has_tokens(&self) -> bool {
+        !self.tokens.is_empty()
     }
 
     fn range(&self, request: usize) -> (usize, usize) {
         (self.offsets[request], self.offsets[request + 1])
     }
 
+    /// Request `i`'s prompt blocks: the indices of its `input_tokens`' full
+    /// blocks in `hashes`.
+    fn prompt_range(&self, request: usize, input_tokens: u64) -> std::ops::Range<usize> {
+        leading_blocks(self.range(request), input_tokens)
+    }
+
     /// Request `i`'s prompt blocks: the hashes of its `input_tokens`' full blocks.
     pub fn prompt(&self, request: usize, input_tokens: u64) -> &[u64] {
-        let (start, end) = self.range(request);
-        let n = (end - start).min((input_tokens / engine::BLOCK_TOKENS) as usize);
-        &self.hashes[start..start + n]
+        &self.hashes[self.prompt_range(request, input_tokens)]
     }
+
+    /// The token ids of blocks `blocks` (indices into `hashes`); None when
+    /// the tokens are not known.
+    pub fn tokens_of(&self, blocks: std::ops::Range<usize>) -> Option<&[u32]> {
+        let b = engine::BLOCK_TOKENS as usize;
+        self.tokens
+            .get(blocks.start * b..blocks.end * b)
+            .filter(|_| self.has_tokens())
+    }
+
+    /// Request `i`'s prompt token ids (its full blocks'), when known.
+    pub fn prompt_tokens(&self, request: usize, input_tokens: u64) -> Option<&[u32]> {
+        self.tokens_of(self.prompt_range(request, input_tokens))
+    }
+}
+
+/// The full blocks of the first `tokens` tokens of a request whose blocks
+/// are `start..end` (as many as there are).
+fn leading_blocks((start, end): (usize, usize), tokens: u64) -> std::ops::Range<usize> {
+    let n = (end - start).min((tokens / engine::BLOCK_TOKENS) as usize);
+    start..start + n
 }
 
 /// A traffic category: its name (the calibrator's), its true bytes-per-token
@@ -427,6 +482,26 @@ pub fn make_router(kind: RouterKind, config: &SimConfig) -> Result<Box<dyn Fleet
     })
 }
 
+/// The precise prefix index of a run whose picker has a `precise-prefix`
+/// scorer and whose blocks carry their token ids (None otherwise): keyed
+/// like the endpoints' caches (16-token blocks; its own seed, which need not
+/// be the workload's) and large enough to follow the largest cache.
+fn kv_index(blocks: &RequestBlocks, config: &SimConfig) -> Result<Option<Arc<KvIndex>>> {
+    let precise = config.picker.iter().any(|s| s.name == "precise-prefix");
+    if !(precise && blocks.has_tokens()) {
+        return Ok(None);
+    }
+    let largest = config.pools.iter().map(|p| p.kv_blocks).max().unwrap_or(1);
+    let capacity_blocks = usize::try_from(largest)
+        .unwrap_or(usize::MAX)
+        .min(crate::prefix::MAX_CAPACITY_BLOCKS);
+    Ok(Some(Arc::new(KvIndex::new(KvConfig {
+        block_size: engine::BLOCK_TOKENS as usize,
+        capacity_blocks,
+        ..KvConfig::default()
+    })?)))
+}
+
 /// Runs the simulation. `progress` counts processed arrivals as it goes.
 pub fn simulate(
     requests: &[SimRequest],
@@ -459,6 +534,12 @@ struct Fleet<'a> {
     version: Vec<u64>,
     /// Each pool's endpoint picker.
     pickers: Vec<Pipeline>,
+    /// Every endpoint's name, as the pickers and the KV index know it.
+    names: Vec<String>,
+    /// The precise prefix index the endpoints' KV-cache events feed, and the
+    /// next event batch's sequence number per endpoint (see [`Fleet::publish`]).
+    kv: Option<Arc<KvIndex>>,
+    kv_seq: Vec<u64>,
     /// What the pickers know of every endpoint.
     states: Vec<EndpointState>,
     /// The next scrape is the `scrapes`-th multiple of the interval.
@@ -481,17 +562,28 @@ impl<'a> Fleet<'a> {
         let mut endpoints = Vec::new();
         let mut pool_of = Vec::new();
         let mut pickers = Vec::new();
+        let mut all_names = Vec::new();
+        let kv = kv_index(blocks, config)?;
         for (p, pool) in config.pools.iter().enumerate() {
             let names: Vec<String> = (0..pool.endpoints)
                 .map(|j| format!("{}-{j}", pool.name))
                 .collect();
             let pick = PickConfig {
                 seed: config.seed.wrapping_add(p as u64),
+                kv_index: kv.clone(),
                 ..PickConfig::default()
             };
             pickers.push(Pipeline::from_specs(&config.picker, &names, &pick)?);
-            for _ in 0..pool.endpoints {
-                endpoints.push(Endpoint::new(pool.limits(config.fast_forward)));
+            for name in names {
+                let mut endpoint = Endpoint::new(pool.limits(config.fast_forward));
+                if let Some(kv) = &kv {
+                    // The endpoint's event stream is up from the start.
+                    kv.add_endpoint(&name);
+                    kv.set_connected(&name, true)?;
+                    endpoint.cache.publish();
+                }
+                endpoints.push(endpoint);
+                all_names.push(name);
                 pool_of.push(p);
             }
             first.push(endpoints.len());
@@ -511,8 +603,11 @@ impl<'a> Fleet<'a> {
             first,
             version: vec![0; pool_of.len()],
             states: vec![EndpointState::default(); pool_of.len()],
+            kv_seq: vec![0; pool_of.len()],
             pool_of,
             pickers,
+            names: all_names,
+            kv,
             scrapes: 0,
             session: String::new(),
             window,
@@ -585,6 +680,11 @@ impl<'a> Fleet<'a> {
             } else {
                 blocks.prompt(k, routed.input_tokens)
             },
+            token_ids: if routed.compressed {
+                None
+            } else {
+                blocks.prompt_tokens(k, routed.input_tokens)
+            },
             input_tokens: routed.input_tokens,
             output_tokens: r.output_tokens,
             now: r.arrival,
@@ -599,10 +699,30 @@ impl<'a> Fleet<'a> {
         Ok(lo + j)
     }
 
+    /// Applies the KV-cache events endpoint `i`'s cache published since the
+    /// last call (the step that ends at `now`), as one batch, to the precise
+    /// prefix index: the same `KvIndex::observe` and `apply` as `serve`'s
+    /// event subscribers (without their transport: no delay, no loss).
+    fn publish(&mut self, i: usize, now: f64) -> Result<()> {
+        let Some(kv) = &self.kv else {
+            return Ok(());
+        };
+        let events = self.endpoints[i].cache.take_events();
+        if events.is_empty() {
+            return Ok(());
+        }
+        let (name, seq) = (&self.names[i], self.kv_seq[i]);
+        kv.observe(name, seq)?;
+        let batch: Vec<_> = events.into_iter().map(Ok).collect();
+        kv.apply(name, seq, &batch, now)?;
+        self.kv_seq[i] += 1;
+        Ok(())
+    }
+
     fn start(&mut self, i: usize, now: f64, heap: &mut Heap) {
         let timing = self.config.pools[self.pool_of[i]].timing.as_ref();
         let inst = &mut self.endpoints[i];
-        match inst.step(now, timing, self.window, &self.blocks.hashes) {
+        match inst.step(now, timing, self.window, self.blocks) {
             Some(dt) => {
                 inst.busy = true;
                 self.version[i] += 1;
@@ -722,12 +842,16 @@ impl<'a> Fleet<'a> {
                 if version != self.version[i] {
                     continue;
                 }
-                self.endpoints[i].end_iteration(self.window, &self.blocks.hashes);
+                let now = f64::from_bits(te);
+                self.endpoints[i].end_iteration(self.window, self.blocks);
                 std::mem::swap(&mut events, &mut self.endpoints[i].pending);
                 for e in events.drain(..) {
                     self.handle(e, router)?;
                 }
-                self.start(i, f64::from_bits(te), &mut heap);
+                // The ended step's events (its prefills, its finished
+                // sequences), before the next step makes more.
+                self.publish(i, now)?;
+                self.start(i, now, &mut heap);
             }
         }
         progress.store(self.requests.len() as u64, Ordering::Relaxed);

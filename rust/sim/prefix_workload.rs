@@ -17,7 +17,8 @@
 //!
 //! Each request carries the chained block hashes ([`crate::prefix::block_hashes`],
 //! 16-token blocks, seed 0) of its prompt followed by its reply, which the
-//! simulated endpoints' prefix caches key on ([`super::RequestBlocks`]).
+//! simulated endpoints' prefix caches key on, and those blocks' token ids
+//! ([`super::RequestBlocks`]).
 //! Everything is a function of the seed.
 
 use crate::error::{invalid, positive, Result};
@@ -173,6 +174,8 @@ pub fn generate(cfg: &PrefixWorkloadConfig) -> Result<PrefixWorkload> {
         let input = s.context.len() as u64;
         s.context.extend(text(&mut rng, reply));
         let hashes = block_hashes(Tokens::Ids(&s.context), BLOCK_TOKENS as usize, 0)?;
+        let full = hashes.len() * BLOCK_TOKENS as usize;
+        out.blocks.tokens.extend_from_slice(&s.context[..full]);
         out.blocks.hashes.extend(hashes);
         out.blocks.offsets.push(out.blocks.hashes.len());
         out.arrival_s.push(t);
@@ -234,6 +237,11 @@ mod tests {
             }
             let blocks = (w.input_tokens[i] + w.output_tokens[i]) / BLOCK_TOKENS;
             assert_eq!(hashes(&w, i).len() as u64, blocks);
+            // The blocks' token ids hash to the blocks' hashes.
+            let range = w.blocks.offsets[i]..w.blocks.offsets[i + 1];
+            let ids = w.blocks.tokens_of(range).expect("tokens");
+            let rehashed = block_hashes(Tokens::Ids(ids), BLOCK_TOKENS as usize, 0);
+            assert_eq!(rehashed.expect("hashes"), hashes(&w, i));
             last.insert(w.session[i], i);
         }
         assert!(follow_ups > 200, "{follow_ups}");

@@ -526,3 +526,90 @@ fn session_affinity_keeps_a_conversation_on_its_endpoint() {
     );
     assert_eq!(run_sessions([None; 5]), vec![0, 1, 2, 0, 1]);
 }
+
+/// The shared-prefix workload as simulator input: requests and blocks
+/// (with their token ids unless `tokens` is false).
+fn prefix_run_input(
+    cfg: &super::prefix_workload::PrefixWorkloadConfig,
+    tokens: bool,
+) -> (Vec<SimRequest>, RequestBlocks) {
+    let w = super::prefix_workload::generate(cfg).expect("workload");
+    let requests = (0..w.arrival_s.len())
+        .map(|i| req(w.arrival_s[i], w.input_tokens[i], w.output_tokens[i]))
+        .collect();
+    let mut blocks = w.blocks;
+    if !tokens {
+        blocks.tokens.clear();
+    }
+    (requests, blocks)
+}
+
+fn hit_rate(requests: &[SimRequest], rep: &SimReport) -> f64 {
+    let cached: u64 = rep.cached_tokens.iter().sum();
+    let prompt: u64 = requests.iter().map(|r| r.input_tokens).sum();
+    cached as f64 / prompt as f64
+}
+
+/// Without the blocks' token ids the precise-prefix scorer has nothing to
+/// look up and scores by its approximate fallback: the same picks as prefix.
+#[test]
+fn without_token_ids_precise_prefix_picks_as_the_approximate_prefix() {
+    let wl = super::prefix_workload::PrefixWorkloadConfig {
+        requests: 300,
+        sessions: 16,
+        ..Default::default()
+    };
+    let (work, blocks) = prefix_run_input(&wl, false);
+    let pools = || vec![pool("p", 3, 16384, 16, 2048)];
+    for (approx, precise) in [
+        ("prefix", "precise-prefix"),
+        ("prefix+queue+kv", "precise-prefix+queue+kv"),
+    ] {
+        let a = run_with_blocks(
+            &work,
+            &blocks,
+            &config(pools(), approx),
+            RouterKind::Homogeneous,
+        );
+        let p = run_with_blocks(
+            &work,
+            &blocks,
+            &config(pools(), precise),
+            RouterKind::Homogeneous,
+        );
+        assert_eq!(a.endpoint, p.endpoint, "{precise}");
+        assert_eq!(a.cached_tokens, p.cached_tokens, "{precise}");
+    }
+}
+
+/// Engines too small to hold every prefix: the approximate index still
+/// believes an endpoint holds what was routed to it after the engine evicted
+/// it; the index fed by the engines' events knows, so precise routing serves
+/// more prompt tokens from cache.
+#[test]
+fn under_cache_pressure_precise_prefix_hits_more_than_the_approximate_index() {
+    let wl = super::prefix_workload::PrefixWorkloadConfig {
+        requests: 800,
+        rate: 4.0,
+        sessions: 48,
+        turns: (2, 6),
+        seed: 11,
+        ..Default::default()
+    };
+    let (work, blocks) = prefix_run_input(&wl, true);
+    let pools = || vec![pool("p", 4, 16384, 16, 1024)];
+    let rate = |preset: &str| {
+        let rep = run_with_blocks(
+            &work,
+            &blocks,
+            &config(pools(), preset),
+            RouterKind::Homogeneous,
+        );
+        hit_rate(&work, &rep)
+    };
+    let (approx, precise) = (rate("prefix"), rate("precise-prefix"));
+    assert!(
+        precise > approx,
+        "precise {precise} vs approximate {approx}"
+    );
+}

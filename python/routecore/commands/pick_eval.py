@@ -7,7 +7,13 @@ LRU prefix cache of its KV blocks, serves a seeded ``routecore.PrefixWorkload``
 is dispatched by the endpoint-picker pipeline of a policy, fed with each
 endpoint's queue, running count and KV-cache use as a metrics scraper reads
 them every ``--scrape-interval`` seconds (the picker adding its own
-dispatches in between). Per policy:
+dispatches in between). The approximate ``prefix`` policies score endpoints
+by what routecore routed to them; the ``precise-prefix`` ones by what each
+engine's cache holds, from the KV-cache events the simulated caches publish
+(``BlockStored``, ``BlockRemoved``) into the index ``serve`` feeds from real
+engines. The default workload puts the caches under pressure: each endpoint
+caches fewer blocks than the prefixes its sessions need, so engines evict
+what the approximate index still counts on. Per policy:
 
 - ``hit_rate``: prompt tokens served from the endpoints' prefix caches over
   prompt tokens, over the measured (post-warm-up) requests;
@@ -26,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from routecore._core import PrefixWorkload, SimPool, SimReport, simulate
+from routecore._core import EndpointPicker, PrefixWorkload, SimPool, SimReport, simulate
 from routecore.commands import _plot
 from routecore.commands._args import (
     add_json,
@@ -43,16 +49,19 @@ from routecore.commands.simulate import Progress
 
 NAME = "pick-eval"
 HELP = (
-    "Compare endpoint-picker policies (random, least-request, queue+kv, prefix, "
-    "prefix+queue+kv) in the fleet simulator on a seeded workload with shared prefixes: "
+    "Compare endpoint-picker policies (random, least-request, queue+kv, approximate prefix, "
+    "prefix+queue+kv, precise-prefix from the engines' KV events, precise-prefix+queue+kv) "
+    "in the fleet simulator on a seeded shared-prefix workload under KV-cache pressure: "
     "prefix-cache hit rate, TTFT p50/p99 and load imbalance."
 )
 
-#: The policies compared, by their EndpointPicker preset names: uniform random,
-#: fewest requests in flight, the Gateway API Inference Extension's default
-#: scorers (queue depth and KV-cache use), AIBrix's prefix-cache routing, and
-#: the three scorers together (routecore's default).
-POLICIES = ("random", "least-request", "queue+kv", "prefix", "prefix+queue+kv")
+#: The policies compared: the EndpointPicker presets but round-robin (random's
+#: twin here) and vtc (fairness, not locality): uniform random, fewest requests
+#: in flight, the Gateway API Inference Extension's default scorers (queue depth
+#: and KV-cache use), AIBrix's (approximate) prefix-cache routing, the three
+#: scorers together (routecore's default), and the same two with the precise
+#: prefix scorer (llm-d's, from the engines' KV events).
+POLICIES = tuple(p for p in EndpointPicker.presets() if p not in ("round-robin", "vtc"))
 
 
 @dataclass
@@ -66,13 +75,13 @@ class Row:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=positive_int, default=4000, help="requests (default 4000)")
-    p.add_argument("--rate", type=positive_float, default=38.0, help="arrivals/s (default 38)")
+    p.add_argument("--rate", type=positive_float, default=20.0, help="arrivals/s (default 20)")
     p.add_argument("--endpoints", type=positive_int, default=8, help="endpoints (default 8)")
     p.add_argument(
         "--sessions", type=positive_int, default=128, help="open sessions at a time (default 128)"
     )
     p.add_argument(
-        "--system-prompts", type=positive_int, default=8, help="shared system prompts (default 8)"
+        "--system-prompts", type=positive_int, default=32, help="shared system prompts (default 32)"
     )
     p.add_argument(
         "--shared-fraction",
@@ -83,8 +92,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-blocks",
         type=positive_int,
-        default=8192,
-        help="KV blocks of 16 tokens per endpoint, which bound its prefix cache (default 8192)",
+        default=1536,
+        help="KV blocks of 16 tokens per endpoint, which bound its prefix cache (default 1536: "
+        "KV-cache pressure; the 8 endpoints cache 12,288 blocks in all, while the default "
+        "workload's 128 open sessions hold about 14,500 distinct blocks of context at any "
+        "time, prompts averaging 138 blocks, and 106,262 distinct blocks over the run)",
     )
     p.add_argument(
         "--max-num-seqs", type=positive_int, default=64, help="slots per endpoint (default 64)"
@@ -146,7 +158,8 @@ def evaluate(args: argparse.Namespace) -> list[Row]:
     for policy in args.policy or POLICIES:
         report = simulate(
             workload.arrival_s, workload.input_tokens, workload.output_tokens, [pool],
-            router="homogeneous", dispatch=policy, blocks=workload.blocks, seed=args.seed,
+            router="homogeneous", dispatch=policy, blocks=workload.blocks,
+            block_tokens=workload.block_tokens, seed=args.seed,
             warmup=args.warmup, scrape_interval=args.scrape_interval,
             progress=Progress(policy, not args.quiet),
         )  # fmt: skip
