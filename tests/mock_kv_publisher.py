@@ -64,8 +64,12 @@ class MockKvPublisher:
         self.topic = topic.encode()
         self.bytes_hashes = bytes_hashes
         self.ctx = zmq.Context.instance()
-        self.pub = self.ctx.socket(zmq.PUB)
+        # An XPUB: a PUB to its subscribers that also hears their subscriptions
+        # (see wait_subscribed).
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.subscriptions = 0
         port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.zmq = f"tcp://127.0.0.1:{port}"
         self._router = self.ctx.socket(zmq.ROUTER)
@@ -158,6 +162,19 @@ class MockKvPublisher:
         """Sends raw frames (a malformed message)."""
         self.pub.send_multipart(frames)
 
+    def wait_subscribed(self, count: int, timeout: float = 10.0) -> None:
+        """Blocks until ``count`` subscriptions in all reached the socket. A
+        ZeroMQ subscriber that is connected but whose subscription has not
+        arrived yet misses what is published meanwhile (the slow joiner), and
+        a test that publishes once and waits would wait forever."""
+        deadline = time.monotonic() + timeout
+        while self.subscriptions < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{self.subscriptions} of {count} subscriptions arrived")
+            if self.pub.poll(int(left * 1000) + 1, zmq.POLLIN) and self.pub.recv()[:1] == b"\x01":
+                self.subscriptions += 1
+
     def _serve_replay(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
@@ -190,6 +207,7 @@ def subscribe(idx: Any, name: str, p: MockKvPublisher, replay: bool = True) -> N
     """Subscribes index ``idx`` to ``p`` as endpoint ``name``, until live."""
     idx.subscribe(name, p.zmq, topic="kv", replay=p.replay if replay else None)
     wait_for(lambda: idx.stats(name)["live"], what=f"{name} connected")
+    p.wait_subscribed(p.subscriptions + 1)
 
 
 def synced(idx: Any, name: str, p: MockKvPublisher) -> Callable[[], bool]:

@@ -360,6 +360,7 @@ def test_the_data_plane_subscribes_and_reports_kv_metrics(pub):
             return None
 
         wait_for(lambda: metric("routecore_kv_events_live") == 1.0, what="live")
+        pub.wait_subscribed(pub.subscriptions + 1)
         pub.serve(prompt(1, 3))
         pub.serve(prompt(2, 1), drop=True)
         pub.serve(prompt(3, 1))

@@ -454,7 +454,6 @@ pub struct Shared {
     engines: Mutex<Vec<Weak<Engine>>>,
     next_id: AtomicU64,
     prefix: String,
-    epoch: Instant,
     handle: tokio::runtime::Handle,
     faults: Mutex<HashSet<&'static str>>,
     /// The endpoints' metrics scrapes, shared by the engines of every reload.
@@ -478,7 +477,6 @@ impl Shared {
             engines: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             prefix: format!("{nanos:x}"),
-            epoch: Instant::now(),
             handle,
             faults: Mutex::new(HashSet::new()),
             kv: Arc::default(),
@@ -493,9 +491,10 @@ impl Shared {
         self
     }
 
-    /// Seconds on the data plane's monotonic clock (what the choosers are given).
+    /// Seconds on the core's monotonic clock (`crate::clock`, what
+    /// `routecore.monotonic()` reads): what the choosers are given.
     pub fn now(&self) -> f64 {
-        self.epoch.elapsed().as_secs_f64()
+        crate::clock::monotonic()
     }
 
     pub fn request_id(&self, id: u64) -> String {
