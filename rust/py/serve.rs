@@ -83,13 +83,8 @@ impl PyDataPlane {
         let engine = self.inner.engine();
         let shared = Arc::clone(&self.inner.shared);
         let outcome = py.detach(|| {
-            self.inner.block_on(route_once(
-                engine,
-                shared,
-                api_key,
-                routing,
-                hints,
-            ))
+            self.inner
+                .block_on(route_once(engine, shared, api_key, routing, hints))
         })?;
         outcome_dict(py, outcome)
     }
