@@ -303,7 +303,7 @@ impl Admission {
     /// [`admit`](Self::admit) for a caller that may be dropped while it
     /// waits (a cancelled stream): a decision not ready at once (Redis) runs
     /// on its own task on `handle`, and a ticket granted after the caller
-    /// left is completed at once (see [`Detached`]).
+    /// left is completed at once (see `Detached`).
     pub async fn admit_detached(
         self: &Arc<Self>,
         handle: &Handle,
