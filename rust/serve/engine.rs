@@ -633,39 +633,6 @@ impl Drop for Undo<'_> {
     }
 }
 
-/// Asks admission; a decision that is not ready at once (Redis) runs on its
-/// own task, so a stream dropped meanwhile cannot lose it: a ticket granted
-/// after the caller left is completed at once.
-async fn admit_detached(
-    shared: &Shared,
-    admission: &Arc<Admission>,
-    entitlement: &str,
-    est_in: u64,
-    est_out: u64,
-    request_id: &str,
-) -> Verdict {
-    let owned = Arc::clone(admission);
-    let (ent, rid) = (entitlement.to_owned(), request_id.to_owned());
-    let mut decision =
-        Box::pin(async move { owned.admit(&ent, est_in, Some(est_out), &rid).await });
-    if let Some(v) = decision.as_mut().now_or_never() {
-        return v;
-    }
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let owned = Arc::clone(admission);
-    shared.handle.spawn(async move {
-        let verdict = decision.await;
-        if let Err(Verdict::Admitted { ticket: Some(t) }) = tx.send(verdict) {
-            owned.complete(t, est_in, 0, 0.0).await;
-        }
-    });
-    rx.await.unwrap_or(Verdict::Refused {
-        status: 503,
-        reason: "internal-error".into(),
-        retry_after_s: None,
-    })
-}
-
 /// The prompt bytes and category a request's usage teaches the calibrator.
 /// Token ids are exact, and the usage of image and audio parts is not text:
 /// such requests are not learned from.
@@ -1253,7 +1220,10 @@ impl Engine {
         let entitlement = tenant.and_then(|t| self.tenants[t].entitlement.as_deref());
         if let (Some(admission), Some(ent), true) = (self.admission.as_ref(), entitlement, admit) {
             shared.fault("admission")?;
-            match admit_detached(&shared, admission, ent, est_in, est_out, &request_id).await {
+            let verdict = admission
+                .admit_detached(&shared.handle, ent, est_in, est_out, &request_id)
+                .await;
+            match verdict {
                 Verdict::Admitted { ticket: t } => ticket = t,
                 Verdict::Refused {
                     status,

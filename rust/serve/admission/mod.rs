@@ -16,7 +16,12 @@ pub mod memory;
 pub mod redis;
 pub mod scripts;
 
+use std::sync::Arc;
+
+use futures_util::FutureExt;
 use serde::Deserialize;
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
 
 use crate::admission::{AdmissionController, Entitlement, Quota};
 use crate::budget::MAX_TOKENS;
@@ -295,6 +300,48 @@ impl Admission {
         }
     }
 
+    /// [`admit`](Self::admit) for a caller that may be dropped while it
+    /// waits (a cancelled stream): a decision not ready at once (Redis) runs
+    /// on its own task on `handle`, and a ticket granted after the caller
+    /// left is completed at once (see `Detached`).
+    pub async fn admit_detached(
+        self: &Arc<Self>,
+        handle: &Handle,
+        entitlement: &str,
+        input_tokens: u64,
+        max_tokens: u64,
+        request_id: &str,
+    ) -> Verdict {
+        let owned = Arc::clone(self);
+        let (ent, rid) = (entitlement.to_owned(), request_id.to_owned());
+        let mut decision = Box::pin(async move {
+            owned
+                .admit(&ent, input_tokens, Some(max_tokens), &rid)
+                .await
+        });
+        if let Some(v) = decision.as_mut().now_or_never() {
+            return v;
+        }
+        let (tx, rx) = oneshot::channel();
+        let mut waiting = Detached {
+            rx,
+            admission: Arc::clone(self),
+            handle: handle.clone(),
+            input_tokens,
+        };
+        let owned = Arc::clone(self);
+        handle.spawn(async move {
+            if let Err(verdict) = tx.send(decision.await) {
+                unclaimed(owned, verdict, input_tokens).await;
+            }
+        });
+        (&mut waiting.rx).await.unwrap_or(Verdict::Refused {
+            status: 503,
+            reason: "internal-error".into(),
+            retry_after_s: None,
+        })
+    }
+
     /// Ends an admitted request with what it used (capped at the largest
     /// count the core takes; a bad latency counts as 0). True when this call
     /// released the ticket; completing twice never counts twice.
@@ -359,6 +406,35 @@ impl Admission {
             Admission::Memory(_) => 0,
             Admission::Redis(r) => r.failures(),
         }
+    }
+}
+
+/// The caller's end of a detached decision. Dropped before the verdict is
+/// read, it closes the channel: a verdict sent later comes back to the
+/// deciding task (`send` fails), and one sent already is taken out here, so
+/// a ticket granted to a caller that left is completed either way.
+struct Detached {
+    rx: oneshot::Receiver<Verdict>,
+    admission: Arc<Admission>,
+    handle: Handle,
+    input_tokens: u64,
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        self.rx.close();
+        if let Ok(verdict) = self.rx.try_recv() {
+            let admission = Arc::clone(&self.admission);
+            self.handle
+                .spawn(unclaimed(admission, verdict, self.input_tokens));
+        }
+    }
+}
+
+/// Completes the ticket of a verdict nobody will use (nothing was served).
+async fn unclaimed(admission: Arc<Admission>, verdict: Verdict, input_tokens: u64) {
+    if let Verdict::Admitted { ticket: Some(t) } = verdict {
+        admission.complete(t, input_tokens, 0, 0.0).await;
     }
 }
 

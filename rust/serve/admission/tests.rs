@@ -8,6 +8,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
+
 use super::{Admission, AdmissionSpec, Backend, FailureMode, Verdict};
 
 struct RedisServer {
@@ -352,6 +354,52 @@ fn stalled_redis_leaves_no_phantom_reservation() {
         assert!(red.complete(held, 1, 1, 0.1).await);
         assert_eq!(server.in_flight(), 0);
     });
+}
+
+/// Polls `cond` every 10 ms for at most `within`; whether it came true.
+fn eventually(within: Duration, cond: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while !cond() {
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
+#[test]
+fn a_ticket_granted_after_its_caller_left_is_completed() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let rt = runtime();
+    let _context = rt.enter();
+    let red = Arc::new(
+        Admission::from_spec(&spec(&server.url(), FailureMode::Closed, 5.0)).expect("redis"),
+    );
+    rt.block_on(async {
+        let warm = red
+            .admit("s", 1, Some(1), "warm")
+            .await
+            .ticket()
+            .expect("t");
+        assert!(red.complete(warm, 1, 1, 0.1).await);
+    });
+    server.signal("-STOP");
+    let mut caller = Box::pin(red.admit_detached(rt.handle(), "s", 1, 1, "left"));
+    assert!(caller.as_mut().now_or_never().is_none(), "waits on Redis");
+    server.signal("-CONT");
+    // The deciding task holds the ticket and sends it; the caller (a stream
+    // cancelled meanwhile) is dropped before it reads the verdict.
+    assert!(eventually(Duration::from_secs(5), || red.in_flight() == 1));
+    std::thread::sleep(Duration::from_millis(50));
+    drop(caller);
+    assert!(
+        eventually(Duration::from_secs(5), || red.in_flight() == 0),
+        "the unread ticket is still held"
+    );
+    assert!(eventually(Duration::from_secs(5), || server.in_flight() == 0));
 }
 
 #[test]
