@@ -8,9 +8,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from server_fixtures import Running, base_config
 
 
 class RedisServer:
@@ -82,3 +84,19 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[..., Running]]:
+    """Starts ``routecore serve`` with ``base_config(**overrides)`` (see
+    server_fixtures.py) as often as a test asks; stops every one after it."""
+    started: list[Running] = []
+
+    def start(**overrides) -> Running:
+        r = Running(tmp_path / f"routecore{len(started)}.yaml", base_config(**overrides))
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()

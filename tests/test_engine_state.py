@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from mock_engine import GPU_CACHE_USAGE, KV_USAGE, LORA_INFO, RUNNING, WAITING, MockEngine
-from server_fixtures import Running, base_config
+from server_fixtures import Running
 
 from routecore.server.envoy_client import chat_body, header_map, http_headers
 
@@ -43,13 +43,14 @@ def engines():
 
 
 @pytest.fixture
-def serve(tmp_path):
-    started: list[Running] = []
+def serve(serve):
+    """The shared ``serve`` (conftest.py) of pools over ``endpoints``,
+    scraped every INTERVAL."""
 
     def start(endpoints: list[str], **overrides) -> Running:
         scrape = {"enabled": True, "interval_s": INTERVAL, "unhealthy_after": K}
         scrape.update(overrides.pop("scrape", {}))
-        config = base_config(
+        return serve(
             scrape=scrape,
             pools=[
                 {"name": "short", "max_context": 8192, "endpoints": endpoints},
@@ -57,13 +58,8 @@ def serve(tmp_path):
             ],
             **overrides,
         )
-        r = Running(tmp_path / f"routecore{len(started)}.yaml", config)
-        started.append(r)
-        return r
 
-    yield start
-    for r in started:
-        r.stop()
+    return start
 
 
 def route(r: Running, text: str = "hello") -> dict:

@@ -22,7 +22,6 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from server_fixtures import (
-    Running,
     Spawned,
     admission,
     base_config,
@@ -45,20 +44,6 @@ from routecore.server.envoy_client import (
 
 KEY = {"x-api-key": "demo-key"}
 Mode = processing_mode_pb2.ProcessingMode
-
-
-@pytest.fixture
-def serve(tmp_path):
-    started: list[Running] = []
-
-    def start(**overrides) -> Running:
-        r = Running(tmp_path / f"routecore{len(started)}.yaml", base_config(**overrides))
-        started.append(r)
-        return r
-
-    yield start
-    for r in started:
-        r.stop()
 
 
 def background(target: str, **kwargs) -> Future:

@@ -51,20 +51,6 @@ KEY = {"x-api-key": "demo-key"}
 
 
 @pytest.fixture
-def serve(tmp_path):
-    started = []
-
-    def start(**overrides) -> Running:
-        r = Running(tmp_path / f"routecore{len(started)}.yaml", base_config(**overrides))
-        started.append(r)
-        return r
-
-    yield start
-    for r in started:
-        r.stop()
-
-
-@pytest.fixture
 def server(serve) -> Running:
     return serve()
 

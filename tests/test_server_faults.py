@@ -54,20 +54,6 @@ KEY = {"x-api-key": "demo-key"}
 ABSURD = 2**31  # above MAX_TOKENS = 2^30: no response ever used that many tokens
 
 
-@pytest.fixture
-def serve(tmp_path):
-    started: list[Running] = []
-
-    def start(**overrides) -> Running:
-        r = Running(tmp_path / f"routecore{len(started)}.yaml", base_config(**overrides))
-        started.append(r)
-        return r
-
-    yield start
-    for r in started:
-        r.stop()
-
-
 async def hold(stub, text: str = "hold me"):
     """A BUFFERED conversation stopped once routed: the request stays in flight."""
     call = stub.Process()
