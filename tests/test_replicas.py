@@ -8,7 +8,6 @@ replica counts against the quota on the other."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,21 +130,10 @@ def indexed(replicas: list[Spawned], engines: list[Engine]) -> bool:
 
 
 def subscribe_all(replicas: list[Spawned], engines: list[Engine]) -> None:
-    """Publishes warm-up blocks until every replica's subscriber applied one
-    from every engine (a SUB socket misses what precedes its subscription;
-    the missed batches come back through replay)."""
-    warmups = iter(range(10_000, 20_000, 100))
-
-    def subscribed(e: Engine) -> bool:
-        e.kv.serve(prompt(next(warmups), 1))
-        time.sleep(0.05)
-        return all(
-            r.metric("routecore_kv_event_batches_total", endpoint=e.address) > 0 for r in replicas
-        )
-
+    """Waits until every replica's subscription reached every engine (a SUB
+    socket misses what is published before its subscription arrives)."""
     for e in engines:
-        wait_for(lambda e=e: subscribed(e), timeout=20, what=f"{e.address} subscribed")
-    wait_for(lambda: indexed(replicas, engines), what="the warm-up batches indexed")
+        e.kv.wait_subscribed(len(replicas), timeout=20)
 
 
 def test_replicas_converge_and_send_a_prefix_to_its_engine(engines, replicas):
