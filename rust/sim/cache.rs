@@ -242,7 +242,10 @@ impl PrefixCache {
     }
 
     /// Drops every block (vLLM's prefix-cache reset), publishing
-    /// `AllBlocksCleared`.
+    /// `AllBlocksCleared`. The simulated engines never reset their caches:
+    /// only the tests do, to check that a `KvIndex` fed by these events
+    /// forgets everything.
+    #[cfg(test)]
     pub fn clear(&mut self) {
         self.index.clear();
         self.nodes.clear();
