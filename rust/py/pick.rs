@@ -439,13 +439,9 @@ impl PyEndpointPicker {
             (input_tokens, output_tokens),
             now,
         )?;
-        let mut buf = hashes;
-        std::mem::swap(&mut inner.hashes, &mut buf);
-        let chosen = inner.pick(&args, ids_of(t), true);
-        let name = chosen.map(|c| c.map(|e| inner.names[e].clone_ref(py)));
-        drop(inner);
-        self.give_back(buf);
-        Ok(name?)
+        self.give_back(std::mem::replace(&mut inner.hashes, hashes));
+        let chosen = inner.pick(&args, ids_of(t), true)?;
+        Ok(chosen.map(|e| inner.names[e].clone_ref(py)))
     }
 
     /// Every candidate endpoint for one request, best first (the chosen one
@@ -480,7 +476,7 @@ impl PyEndpointPicker {
             now,
         )?;
         inner.check(&args)?;
-        inner.hashes = hashes;
+        self.give_back(std::mem::replace(&mut inner.hashes, hashes));
         let Inner {
             pipeline,
             states,
@@ -632,7 +628,7 @@ impl PyEndpointPicker {
             now: now_or_monotonic(now),
         };
         inner.check(&args)?;
-        inner.hashes = hashes;
+        self.give_back(std::mem::replace(&mut inner.hashes, hashes));
         let Inner {
             pipeline,
             states,
