@@ -5,8 +5,8 @@
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Once;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::{Mutex, Once};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Map, Value};
 use tracing::field::{Field, Visit};
@@ -115,5 +115,105 @@ impl<S: Subscriber> Layer<S> for JsonLines {
         let mut line = Value::Object(entry).to_string();
         line.push('\n');
         let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    }
+}
+
+/// How often a fault that goes on is summarised ([`Repeats::period`]).
+pub const REPEAT_PERIOD: Duration = Duration::from_secs(60);
+
+/// What a [`Repeats`] says about one occurrence of a fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Occurrence {
+    /// The first of a run, or the first after a period of silence: write it,
+    /// with `suppressed` (the occurrences not written since the last line).
+    Log { suppressed: u64 },
+    /// A repeat inside the period: counted, not written.
+    Quiet,
+}
+
+/// One log line per state change, never one per occurrence: a fault that
+/// repeats (Redis down, a garbage KV frame, a dead endpoint, a flood of
+/// refusals) is written the first time, then counted silently; while it goes
+/// on, one line every `period` carries the count suppressed since the last
+/// line, and [`Repeats::end`] (the state changed back) hands the count to
+/// the recovery line. Cheap on the hot path: one uncontended lock, no
+/// allocation. The fault's metric is counted by the caller for every
+/// occurrence, written or not.
+pub struct Repeats {
+    period: Duration,
+    state: Mutex<RepeatState>,
+}
+
+#[derive(Default)]
+struct RepeatState {
+    /// When the last line of the current run was written (None: no run).
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Default for Repeats {
+    fn default() -> Self {
+        Self::new(REPEAT_PERIOD)
+    }
+}
+
+impl Repeats {
+    pub fn new(period: Duration) -> Self {
+        Self {
+            period,
+            state: Mutex::new(RepeatState::default()),
+        }
+    }
+
+    /// One occurrence at `now`: whether to write it.
+    pub fn occur(&self, now: Instant) -> Occurrence {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match st.last {
+            Some(last) if now.saturating_duration_since(last) < self.period => {
+                st.suppressed += 1;
+                Occurrence::Quiet
+            }
+            _ => {
+                st.last = Some(now);
+                Occurrence::Log {
+                    suppressed: std::mem::take(&mut st.suppressed),
+                }
+            }
+        }
+    }
+
+    /// The fault is over: `Some(suppressed)` when a run was going on (write
+    /// the recovery line with that count), `None` when there was none.
+    pub fn end(&self) -> Option<u64> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.last.take().map(|_| std::mem::take(&mut st.suppressed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repeats_write_the_first_then_one_summary_per_period_and_the_end() {
+        let r = Repeats::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert_eq!(r.occur(t0), Occurrence::Log { suppressed: 0 });
+        for i in 1..=5 {
+            assert_eq!(r.occur(t0 + Duration::from_secs(i)), Occurrence::Quiet);
+        }
+        // A period after the last line: written, with what was held back.
+        assert_eq!(
+            r.occur(t0 + Duration::from_secs(10)),
+            Occurrence::Log { suppressed: 5 }
+        );
+        assert_eq!(r.occur(t0 + Duration::from_secs(11)), Occurrence::Quiet);
+        assert_eq!(r.end(), Some(1));
+        // Nothing going on: no recovery line; the next fault starts a new run.
+        assert_eq!(r.end(), None);
+        assert_eq!(
+            r.occur(t0 + Duration::from_secs(12)),
+            Occurrence::Log { suppressed: 0 }
+        );
     }
 }

@@ -87,6 +87,14 @@ impl ScrapeCounters {
     }
 }
 
+/// A fault of a peer or a client, by where it came from (`redis`,
+/// `kv_events`, `scrape`, `client`, ...) and its kind.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FaultLabels {
+    pub source: String,
+    pub kind: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModeLabel {
     pub mode: String,
@@ -105,6 +113,7 @@ pub struct Metrics {
     pub protocol_errors: FCounter,
     pub tokenize_skipped: FCounter,
     pub failures: Family<ModeLabel, FCounter>,
+    pub faults: Family<FaultLabels, FCounter>,
     pub scrapes: Family<ScrapeLabels, FCounter>,
     pub endpoint_healthy: Family<EndpointLabel, FGauge>,
     pub endpoint_transitions: Family<TransitionLabels, FCounter>,
@@ -188,6 +197,13 @@ impl Metrics {
             "Internal failures, per failure mode applied (open or closed)",
             failures.clone(),
         );
+        let faults = Family::default();
+        registry.register(
+            "routecore_faults",
+            "Faults of peers and clients (Redis, KV-event publishers, engines, \
+             clients), per source and kind; each counted whether or not it was logged",
+            faults.clone(),
+        );
         let scrapes = Family::default();
         registry.register(
             "routecore_scrapes",
@@ -226,6 +242,7 @@ impl Metrics {
             protocol_errors,
             tokenize_skipped,
             failures,
+            faults,
             scrapes,
             endpoint_healthy,
             endpoint_transitions,
@@ -286,6 +303,16 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts one fault of `source` (`redis`, `kv_events`, ...) of `kind`.
+    pub fn fault(&self, source: &str, kind: &str) {
+        self.faults
+            .get_or_create(&FaultLabels {
+                source: source.into(),
+                kind: kind.into(),
+            })
+            .inc();
+    }
+
     /// The exposition text (OpenMetrics).
     pub fn text(&self) -> String {
         let mut out = String::new();
@@ -319,6 +346,14 @@ impl Metrics {
             "failures" => Some(
                 self.failures
                     .get_or_create(&ModeLabel { mode: s(0)? })
+                    .get(),
+            ),
+            "faults" => Some(
+                self.faults
+                    .get_or_create(&FaultLabels {
+                        source: s(0)?,
+                        kind: s(1)?,
+                    })
                     .get(),
             ),
             "calibration_ratio" => Some(
