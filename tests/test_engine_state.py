@@ -346,10 +346,14 @@ def test_protocol_subset_hint_fallbacks_and_404(engines, serve):
     resp = ext_proc(r, KEY, chat_body("q"), subset=[])
     assert resp.immediate_response.status.code == 503
     resp = ext_proc(r, KEY, chat_body("q"))
+    # GIE v1.0: the header and the envoy.lb metadata carry the same ordered
+    # list, the chosen endpoint first, then the fallbacks; no other key.
     lb = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields
-    chosen = lb["x-gateway-destination-endpoint"].string_value
-    fallbacks = lb["x-gateway-destination-endpoint-fallback"].string_value.split(",")
-    assert sorted([chosen, *fallbacks]) == sorted(e.address for e in es)
+    listed = lb["x-gateway-destination-endpoint"].string_value
+    assert list(lb) == ["x-gateway-destination-endpoint"]
+    header = header_map(resp.request_body.response.header_mutation)
+    assert header["x-gateway-destination-endpoint"] == listed
+    assert sorted(listed.split(",")) == sorted(e.address for e in es)
 
 
 def test_protocol_sheddable_objective_and_fairness_id(engines, serve):
@@ -361,9 +365,17 @@ def test_protocol_sheddable_objective_and_fairness_id(engines, serve):
     for e in es:
         e.set_load(waiting=50)  # every endpoint saturated
     wait_for(lambda: all((s["waiting"] or 0) >= 50 for s in state(r).values()), 5, "saturated")
-    shed = ext_proc(r, {**KEY, "x-gateway-inference-objective": "batch"}, chat_body("q"))
-    assert shed.immediate_response.status.code == 429
-    kept = ext_proc(r, {**KEY, "x-gateway-inference-objective": "chat"}, chat_body("q"))
-    assert kept.HasField("request_body")
-    fair = ext_proc(r, {**KEY, "x-gateway-inference-fairness-id": "team-a"}, chat_body("q"))
-    assert fair.HasField("request_body")
+    # llm-d's header names, and the GIE's as aliases; llm-d's wins when both come.
+    for objective in ("x-llm-d-inference-objective", "x-gateway-inference-objective"):
+        shed = ext_proc(r, {**KEY, objective: "batch"}, chat_body("q"))
+        assert shed.immediate_response.status.code == 429
+        kept = ext_proc(r, {**KEY, objective: "chat"}, chat_body("q"))
+        assert kept.HasField("request_body")
+    both = {"x-llm-d-inference-objective": "chat", "x-gateway-inference-objective": "batch"}
+    assert ext_proc(r, {**KEY, **both}, chat_body("q")).HasField("request_body")
+    for fairness in ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id"):
+        fair = ext_proc(r, {**KEY, fairness: "team-a"}, chat_body("q"))
+        assert fair.HasField("request_body")
+        # Read, not ignored: a fairness id longer than a VTC user name is a 400.
+        bad = ext_proc(r, {**KEY, fairness: "x" * 300}, chat_body("q"))
+        assert bad.immediate_response.status.code == 400
