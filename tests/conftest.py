@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from envoy_proxy import Envoy
 from server_fixtures import Running, base_config
 
 
@@ -100,3 +101,20 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., Running]]:
     yield start
     for r in started:
         r.stop()
+
+
+@pytest.fixture
+def envoy(tmp_path: Path) -> Iterator[Callable[[dict], Envoy]]:
+    """Starts a real Envoy with a configuration (a dict, e.g.
+    ``envoy_proxy.shipped_config(...)``) as often as a test asks, each ready
+    on its ports; kills every one after the test."""
+    started: list[Envoy] = []
+
+    def start(config: dict) -> Envoy:
+        e = Envoy(config, tmp_path)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.stop()

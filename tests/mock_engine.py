@@ -93,6 +93,10 @@ class MockEngine:
     hits: dict[str, int] = field(default_factory=dict)
     #: The ``name[]`` filters of the last metrics request.
     last_filter: list[str] = field(default_factory=list)
+    #: Seconds between two SSE events of a streamed answer (a long stream).
+    token_s: float = 0.0
+    #: The headers of every completion request received, in order (lower-case names).
+    requests: list[dict[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.running = 0
@@ -230,6 +234,7 @@ class MockEngine:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         self._hit(request.path)
+        self.requests.append({k.lower(): v for k, v in request.headers.items()})
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -283,6 +288,8 @@ class MockEngine:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(completion_tokens):
+            if i and self.token_s:
+                await asyncio.sleep(self.token_s)
             delta = {"delta": {"content": "ok "}} if chat else {"text": "ok "}
             event = {"id": "mock-1", "object": f"{kind}.chunk", "choices": [{"index": 0, **delta}]}
             if i == completion_tokens - 1:
