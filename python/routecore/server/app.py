@@ -5,8 +5,8 @@ Envoy's ext_proc, ``grpc.health.v1`` and the Prometheus metrics are served by
 and validates the configuration, starts the data plane, serves the RouteCore
 API (grpcio, on its own port, over the same Rust state), owns the signals
 (SIGHUP: validate, then swap the configuration atomically; SIGTERM: drain
-until the last open stream ends, within the grace period) and the state file, and writes the control plane's
-log events.
+until the last open stream ends, within the grace period) and the state
+file, and writes the control plane's log events.
 """
 
 from __future__ import annotations
