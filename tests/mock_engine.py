@@ -19,6 +19,10 @@ Bad metrics pages for the scraper's tests: :attr:`MockEngine.metrics_mode` is
 of comments), ``"slow"`` (answers after ``slow_s``) or ``"error"`` (500).
 :meth:`MockEngine.set_load` pins the reported queue and KV use.
 
+:attr:`MockEngine.token_s` spaces the events of a streamed answer (a long
+SSE stream); :attr:`MockEngine.requests` records the headers of every
+completion request received (what reached the engine through a gateway).
+
 Another helper can attach to the engine's request stream: every request served
 calls each of :attr:`MockEngine.listeners` with a :class:`Served` (prompt text,
 token ids when given, the model), e.g. a KV-event publisher.
