@@ -137,7 +137,7 @@ class RouterConfig:
     #: is above ``max_kv_usage`` is saturated (the GIE's defaults).
     max_waiting: float = 5.0
     max_kv_usage: float = 0.8
-    #: Priority by objective name (``x-gateway-inference-objective``); a
+    #: Priority by objective name (``x-llm-d-inference-objective``); a
     #: request with a negative priority is sheddable: 429 when every endpoint
     #: is saturated.
     objectives: dict[str, int] = field(default_factory=dict)
