@@ -103,10 +103,14 @@ impl PyKvEventIndex {
         #[pyo3(from_py_with = int_arg)] token_ids: Vec<u32>,
         adapter: Option<&str>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let hashes = self.index.request_hashes(&token_ids, adapter);
+        let names = self.index.endpoints();
+        let ids = self.index.endpoint_ids(&names);
+        let mut held = Vec::with_capacity(names.len());
+        self.index
+            .match_prompt(&token_ids, adapter, &ids, &mut held);
         let d = PyDict::new(py);
-        for e in self.index.endpoints() {
-            d.set_item(&e, self.index.leading_blocks(&e, &hashes))?;
+        for (e, h) in names.iter().zip(held) {
+            d.set_item(e, h)?;
         }
         Ok(d)
     }
