@@ -72,17 +72,21 @@ def route() -> tuple[Call, Call]:
     return (lambda: rc.route(12_000, "prose", 1024)), (lambda: py.route(12_000, "prose", 1024))
 
 
+def budget_numpy_twin(r: TokenBudgetRouter):
+    """The NumPy router over ``BUDGET_POOLS`` with ``r``'s conservative ratios,
+    indexed by ``r``'s category ids."""
+    from routecore._baselines import budget
+
+    cal = r.calibrator
+    return budget.NumpyRouter(BUDGET_POOLS, [cal.conservative_ratio(c) for c in cal.categories])
+
+
 def route_many(n: int = 10_000) -> tuple[Call, Call]:
-    rc, py = budget_router(), budget_twin()
+    rc = budget_router()
     b, c, o = budget_workload(n)
     ids = np.array([rc.category_id(name) for name in CATEGORIES])[c]
-    rows = list(zip(b.tolist(), [CATEGORIES[i] for i in c.tolist()], o.tolist()))
-
-    def loop() -> list[int]:
-        r = py.route
-        return [r(*row) for row in rows]
-
-    return (lambda: rc.route_many(b, ids, o)), loop
+    py = budget_numpy_twin(rc)
+    return (lambda: rc.route_many(b, ids, o)), (lambda: py.route_many(b, ids, o))
 
 
 # --- prefix-cache-aware routing -------------------------------------------------------
