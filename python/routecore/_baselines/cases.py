@@ -267,9 +267,12 @@ def erlang() -> tuple[Call, Call]:
 SHORT = ["127.0.0.1:8001", "127.0.0.1:8002"]
 LONG = ["127.0.0.1:8011"]
 #: Nothing listens at the endpoints: they are not scraped, so none is ever
-#: marked unhealthy (a failed scrape would turn routing into 503s).
+#: marked unhealthy (a failed scrape would turn routing into 503s). The
+#: endpoint is picked as the twin picks it: least request, first on ties, no
+#: fallbacks offered.
 SERVER_CONFIG: dict[str, Any] = {
     "scrape": {"enabled": False},
+    "router": {"policy": "least-request", "fallbacks": 0},
     "pools": [
         {"name": "short", "max_context": 8192, "endpoints": SHORT},
         {"name": "long", "max_context": 65536, "endpoints": LONG},
