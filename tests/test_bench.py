@@ -43,7 +43,7 @@ def test_table_for_chosen_cases(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[0] == "case" and "min / median" in lines[0]
     assert [x.split()[0] for x in lines[2:4]] == ["route", "erlang_c"]
-    assert lines[2].endswith("x") and lines[-1].startswith("ratio: plain-Python median")
+    assert lines[2].endswith("x") and lines[-1].startswith("ratio: Python-twin median")
 
 
 @pytest.mark.parametrize("bad", [["--seconds", "0"], ["--seconds", "nan"], ["--only", "nope"]])

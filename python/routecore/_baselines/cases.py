@@ -1,6 +1,10 @@
 """The hot-path cases of ``routecore bench``: each builds one routecore call and its
-plain-Python twin on the same input, as zero-argument callables. The
-pytest-benchmark suite in benches/ builds its inputs from the same helpers.
+Python twin on the same input, as zero-argument callables. A twin is the fastest
+way a Python user would compute the same answer: NumPy where the call
+vectorises (``route_many``), the same algorithm as routecore otherwise (VTC's
+per-bucket totals, the prefix index), checked to give routecore's answers
+(tests/test_bench.py). The pytest-benchmark suite in benches/ builds its inputs
+from the same helpers.
 
 Imports of optional packages (xxhash for the block-hash twin, grpcio and the
 Envoy protos for the conversation) happen inside the case that needs them.
