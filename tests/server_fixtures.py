@@ -307,6 +307,30 @@ def redis_in_flight(url: str) -> int:
         client.close()
 
 
+def redis_unread_bytes(port: int) -> int:
+    """Bytes clients sent to the redis-server listening on ``port`` that it has
+    not read yet (the receive queues of its connections, /proc/net/tcp): above
+    zero while a stopped server holds a command."""
+    total = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if int(local.rsplit(":", 1)[1], 16) == port and state == "01":  # established
+                total += int(queues.split(":")[1], 16)
+    return total
+
+
+async def until(predicate, timeout: float, what: str) -> None:
+    """Polls ``predicate`` every 10 ms without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 def wait_redis_settled(url: str, timeout: float = 5.0) -> None:
     """Polls :func:`redis_in_flight` until it is zero; fails with the count."""
     deadline = time.monotonic() + timeout
