@@ -68,9 +68,6 @@ def routecore_config(engines: list[VllmEngine], model_dir: Path, redis_url: str)
             "host": "127.0.0.1",
             "key_header": "x-api-key",
             "failure_mode": "closed",
-            # A stream open at SIGTERM is cut after this (README): short, so a
-            # rolling restart that does not drain shows it.
-            "grace_s": 0.5,
             "worker_threads": 1,
         },
         "limits": {
