@@ -149,16 +149,24 @@ class Spawned:
     """``routecore serve`` in its own process on free ports."""
 
     def __init__(
-        self, path: Path, config: dict | None = None, *extra: str, port: int | None = None
+        self,
+        path: Path,
+        config: dict | None = None,
+        *extra: str,
+        ports: tuple[int, int, int] | None = None,
     ) -> None:
         """Serves ``config`` written to ``path`` (None: the file as it is),
-        ``extra`` added to the command line, ext_proc on ``port`` (None: a free one)."""
+        ``extra`` added to the command line, on ``ports`` (ext_proc, metrics,
+        RouteCore API; None: free ports)."""
         if config is not None:
             path.write_text(yaml.safe_dump(config))
         self.path = path
         self.text = ""
-        self.port = free_port() if port is None else port
-        self.metrics_port, self.api_port = free_port(), free_port()
+        self.port, self.metrics_port, self.api_port = ports or (
+            free_port(),
+            free_port(),
+            free_port(),
+        )
         # Its log in a file: a pipe nobody reads would stall the server when full.
         fd, name = tempfile.mkstemp(suffix=".log")
         os.close(fd)

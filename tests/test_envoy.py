@@ -227,7 +227,7 @@ def test_a_rolling_restart_of_two_replicas_cuts_no_stream(engines, envoy, tmp_pa
     del config["server"]["grace_s"]  # the default: drain until the last stream ends
     path = tmp_path / "rc.yaml"
     ports = [free_port(), free_port()]
-    replicas = [Spawned(path, config, port=p) for p in ports]
+    replicas = [Spawned(path, config, ports=(p, free_port(), free_port())) for p in ports]
     try:
         targets = [x.target for x in replicas]
         gw = envoy(shipped_config("envoy.yaml", free_port(), targets, [e.address]))
@@ -265,7 +265,7 @@ def test_a_rolling_restart_of_two_replicas_cuts_no_stream(engines, envoy, tmp_pa
                 # It waited for its open streams (each about 5.6 s long).
                 assert drained > 2, drained
                 old.stop()
-                replicas[k] = Spawned(path, None, port=ports[k])
+                replicas[k] = Spawned(path, None, ports=(ports[k], free_port(), free_port()))
         finally:
             done.set()
             driver.join()
