@@ -521,6 +521,9 @@ pub struct Shared {
     pub calibrator: Arc<RwLock<Calibrator>>,
     leases: Mutex<HashMap<u128, (Arc<Engine>, Lease)>>,
     engines: Mutex<Vec<Weak<Engine>>>,
+    /// Engines built so far, and the number of the one built last.
+    built: AtomicU64,
+    latest: AtomicU64,
     ids: RequestIds,
     /// The refusals logged, one run per reason ([`Engine::refuse`]).
     refusals: Mutex<HashMap<String, Repeats>>,
@@ -544,6 +547,8 @@ impl Shared {
             calibrator: Arc::new(RwLock::new(calibrator)),
             leases: Mutex::new(HashMap::new()),
             engines: Mutex::new(Vec::new()),
+            built: AtomicU64::new(0),
+            latest: AtomicU64::new(0),
             ids: RequestIds::new(),
             refusals: Mutex::new(HashMap::new()),
             handle,
@@ -691,6 +696,7 @@ impl Shared {
 
     fn register(&self, engine: &Arc<Engine>) {
         lock(&self.engines).push(Arc::downgrade(engine));
+        self.latest.store(engine.number, Ordering::Release);
     }
 
     /// The engine built last (the running configuration).
@@ -750,6 +756,8 @@ pub struct Engine {
     pub strip_headers: Vec<String>,
     /// The entitlements of its admission section.
     entitlements: HashSet<String>,
+    /// Its number among the engines of its data plane, in build order.
+    number: u64,
     shared: Weak<Shared>,
 }
 
@@ -928,6 +936,7 @@ impl Engine {
             key_header,
             strip_headers,
             entitlements,
+            number: shared.built.fetch_add(1, Ordering::Relaxed) + 1,
             shared: Arc::downgrade(shared),
         });
         shared.register(&engine);
@@ -1042,6 +1051,9 @@ impl Engine {
     /// its admission state, so the streams still routed on this one (they
     /// finish on the configuration they opened on) skip admission for it.
     fn entitlement_live(&self, entitlement: &str, shared: &Shared) -> bool {
+        if shared.latest.load(Ordering::Acquire) == self.number {
+            return true; // the running configuration
+        }
         match shared.latest() {
             Some(latest) if !std::ptr::eq(Arc::as_ptr(&latest), self) => {
                 latest.entitlements.contains(entitlement)
