@@ -357,13 +357,13 @@ def test_a_hostile_metrics_page_does_not_slow_conversations(engines, serve, page
     )
     wait_for(lambda: all(s["waiting"] is not None for s in state(r).values()), 10, "scrapes")
 
-    def p50_ms() -> float:
-        # Paced over 2 s: the conversations meet the scrapes.
+    def latency_ms() -> tuple[float, float]:
+        """ext_proc's p50 and p99, 400 conversations paced over 2 s (they meet the scrapes)."""
         report = load(r.target, requests=400, concurrency=4, rate=200.0, duration_s=5.0)
         assert report["statuses"] == {"OK": report["requests"]}
-        return report["p50_ms"]
+        return report["p50_ms"], report["p99_ms"]
 
-    base = p50_ms()
+    base = latency_ms()
     for k, v in HOSTILE[page]().items():
         setattr(bad, k, v)
     if page == "lora":
@@ -371,16 +371,16 @@ def test_a_hostile_metrics_page_does_not_slow_conversations(engines, serve, page
     ok = r.metric("scrapes", bad.address, "ok")
     wait_for(lambda: r.metric("scrapes", bad.address, "ok") >= ok + 3, 30, "hostile pages read")
     scraper_s = thread_cpu_s("routecore-scrap")
-    hostile = p50_ms()
+    hostile = latency_ms()
     scraper_s = thread_cpu_s("routecore-scrap") - scraper_s
-    print(
-        f"{page}: ext_proc p50 {base:.2f} ms -> {hostile:.2f} ms; scraper thread {scraper_s:.2f} s"
-    )
+    print(f"{page}: ext_proc p50, p99 {base} -> {hostile} ms; scraper thread {scraper_s:.2f} s")
     # The pages are read on the scraper's own thread, not the shard's ...
     assert scraper_s > 0.02
     assert state(r)[bad.address]["healthy"]
-    # ... so a conversation waits for none of it (main: 86-636 ms).
-    assert hostile < 5 * base + 10
+    # ... so a conversation waits for none of it (main, read on the shard:
+    # p99 140-250 ms with the series, p50 0.7-1 s and p99 1.5 s with the adapters).
+    assert hostile[0] < 5 * base[0] + 10
+    assert hostile[1] < 5 * base[1] + 20
 
 
 def test_flapping_endpoint_turns_unhealthy_and_back_each_time(engines, serve):

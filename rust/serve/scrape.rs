@@ -40,9 +40,13 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
-use hyper::client::conn::http1::SendRequest;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::client::conn::http1::{Connection, SendRequest};
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 
@@ -594,45 +598,66 @@ impl Drop for Scraper {
     }
 }
 
-type Conn = SendRequest<Empty<Bytes>>;
+/// A kept-alive HTTP/1 connection to an endpoint, driven by its scrape task
+/// itself (no task of its own: no wakeup between two tasks per scrape).
+struct Link {
+    sender: SendRequest<Empty<Bytes>>,
+    conn: Connection<TokioIo<tokio::net::TcpStream>, Empty<Bytes>>,
+}
 
 const READ_BUF: usize = 64 << 10;
 
-/// One GET over the kept-alive connection (opened when there is none); the
-/// body is read into `page` (reused from scrape to scrape), at most `max`
-/// bytes.
-async fn fetch(
-    conn: &mut Option<Conn>,
-    endpoint: &str,
-    request: &hyper::Request<Empty<Bytes>>,
-    page: &mut Vec<u8>,
+impl Link {
+    async fn open(endpoint: &str) -> std::result::Result<Self, Failure> {
+        let stream = tokio::net::TcpStream::connect(endpoint)
+            .await
+            .map_err(|_| Failure::Connect)?;
+        let _ = stream.set_nodelay(true);
+        // Reads of 64 KiB: a whole page in one read, one body chunk.
+        let (sender, conn) = hyper::client::conn::http1::Builder::new()
+            .read_buf_exact_size(Some(READ_BUF))
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(|_| Failure::Connect)?;
+        Ok(Self { sender, conn })
+    }
+
+    /// Whether the endpoint closed the connection while it was idle.
+    fn closed(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        Pin::new(&mut self.conn).poll(&mut cx).is_ready()
+    }
+
+    /// One GET, the connection driven meanwhile. The page is the body as
+    /// hyper read it (one chunk: no copy), at most `max` bytes.
+    async fn get(
+        &mut self,
+        request: hyper::Request<Empty<Bytes>>,
+        max: usize,
+    ) -> std::result::Result<Bytes, Failure> {
+        let answer = answer(&mut self.sender, request, max);
+        let mut answer = std::pin::pin!(answer);
+        let conn = &mut self.conn;
+        std::future::poll_fn(|cx| match answer.as_mut().poll(cx) {
+            Poll::Ready(out) => Poll::Ready(out),
+            // The connection ended before the answer did.
+            Poll::Pending if Pin::new(&mut *conn).poll(cx).is_ready() => {
+                Poll::Ready(Err(Failure::Connect))
+            }
+            Poll::Pending => Poll::Pending,
+        })
+        .await
+    }
+}
+
+async fn answer(
+    sender: &mut SendRequest<Empty<Bytes>>,
+    request: hyper::Request<Empty<Bytes>>,
     max: usize,
-) -> std::result::Result<(), Failure> {
-    let mut sender = match conn.take() {
-        Some(c) if !c.is_closed() => c,
-        _ => {
-            let stream = tokio::net::TcpStream::connect(endpoint)
-                .await
-                .map_err(|_| Failure::Connect)?;
-            let _ = stream.set_nodelay(true);
-            // Reads of 64 KiB: a whole page in one read, one body chunk.
-            let (sender, driver) = hyper::client::conn::http1::Builder::new()
-                .read_buf_exact_size(Some(READ_BUF))
-                .handshake(TokioIo::new(stream))
-                .await
-                .map_err(|_| Failure::Connect)?;
-            tokio::spawn(async move {
-                let _ = driver.await;
-            });
-            sender
-        }
-    };
+) -> std::result::Result<Bytes, Failure> {
     sender.ready().await.map_err(|_| Failure::Connect)?;
-    let mut req = hyper::Request::new(Empty::<Bytes>::new());
-    *req.uri_mut() = request.uri().clone();
-    *req.headers_mut() = request.headers().clone();
     let resp = sender
-        .send_request(req)
+        .send_request(request)
         .await
         .map_err(|_| Failure::Connect)?;
     if resp.status() != hyper::StatusCode::OK {
@@ -645,19 +670,38 @@ async fn fetch(
     if announced.is_some_and(|n| n > max as u64) {
         return Err(Failure::TooLarge);
     }
-    page.clear();
-    let mut body = resp.into_body();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|_| Failure::Connect)?;
-        if let Ok(data) = frame.into_data() {
-            if page.len() + data.len() > max {
-                return Err(Failure::TooLarge);
+    Ok(Limited::new(resp.into_body(), max)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                Failure::TooLarge
+            } else {
+                Failure::Connect
             }
-            page.extend_from_slice(&data);
-        }
-    }
-    *conn = Some(sender);
-    Ok(())
+        })?
+        .to_bytes())
+}
+
+/// One GET over the kept-alive connection (opened when there is none, or
+/// when the endpoint closed it); a failure drops the connection.
+async fn fetch(
+    link: &mut Option<Link>,
+    endpoint: &str,
+    request: &hyper::Request<Empty<Bytes>>,
+    max: usize,
+) -> std::result::Result<Bytes, Failure> {
+    let open = link.as_mut().is_some_and(|l| !l.closed());
+    let mut l = match link.take() {
+        Some(l) if open => l,
+        _ => Link::open(endpoint).await?,
+    };
+    let mut req = hyper::Request::new(Empty::<Bytes>::new());
+    *req.uri_mut() = request.uri().clone();
+    *req.headers_mut() = request.headers().clone();
+    let page = l.get(req, max).await?;
+    *link = Some(l);
+    Ok(page)
 }
 
 /// Scrapes one endpoint every interval until its probe is dropped, with the
@@ -687,8 +731,7 @@ async fn run(probe: Weak<Probe>, metrics: Arc<Metrics>) {
         t
     };
     let mut ticks = ticker(spec.interval());
-    let mut conn: Option<Conn> = None;
-    let mut page = Vec::new();
+    let mut link: Option<Link> = None;
     let outcomes = metrics.scrape_counters(&endpoint);
     let failing = Repeats::default();
     loop {
@@ -705,16 +748,13 @@ async fn run(probe: Weak<Probe>, metrics: Arc<Metrics>) {
         }
         let fetched = tokio::time::timeout(
             Duration::from_secs_f64(spec.timeout_s),
-            fetch(&mut conn, &endpoint, &request, &mut page, spec.max_page()),
+            fetch(&mut link, &endpoint, &request, spec.max_page()),
         )
         .await
         .unwrap_or(Err(Failure::Timeout));
-        let outcome = fetched.and_then(|()| reader.read(&page));
-        if page.capacity() > KEEP_BUF {
-            page = Vec::new();
-        }
+        let outcome = fetched.and_then(|page| reader.read(&page));
         if outcome.is_err() {
-            conn = None;
+            link = None;
         }
         outcomes.count(outcome.as_ref().err().map(|f| f.label()));
         let now = Instant::now();
