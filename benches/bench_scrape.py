@@ -1,6 +1,7 @@
 """The cost of knowing the engines' state: 200 endpoints scraped every 50 ms,
-each answering vLLM 0.32's full page (``tests/fixtures/vllm/metrics.txt``:
-629 lines, 51 KB; vLLM ignores the ``name[]`` filter). routecore's Rust
+each answering vLLM 0.32's full page as captured from a real engine
+(``tests/fixtures/vllm/metrics.txt``: 644 lines, 55 KB; vLLM ignores the
+``name[]`` filter). routecore's Rust
 scraper (on its own thread, ``routecore-scrape``; its CPU time is read from
 /proc) beside the plain-Python twin (aiohttp + prometheus_client's parser,
 ``routecore/_baselines/scrape.py``). The pages come from a separate process,
@@ -80,7 +81,7 @@ def report(benchmark, cpu_s: float, scrapes: float, seconds: float) -> None:
 
 def test_page_is_vllm_sized_and_read_alike():
     page = PAGE.read_bytes()
-    assert 50_000 < len(page) < 52_000 and page.count(b"\n") == 629
+    assert 55_000 < len(page) < 56_000 and page.count(b"\n") == 644
     values = baseline.read_page(page)
     assert values["vllm:num_requests_waiting"] == 0.0
     assert values["vllm:kv_cache_usage_perc"] == 0.0

@@ -18,8 +18,9 @@ It serves what routecore reads from a real engine:
 Bad metrics pages for the scraper's tests: :attr:`MockEngine.metrics_mode` is
 ``"ok"``, ``"garbage"`` (not the exposition format), ``"huge"`` (``huge_bytes``
 of comments), ``"slow"`` (answers after ``slow_s``) or ``"error"`` (500);
-:attr:`MockEngine.extra` is appended to a good page (a hostile engine's
-lines). :meth:`MockEngine.set_load` pins the reported queue and KV use.
+:attr:`MockEngine.queue_series` adds lines to a good page's queue
+(``vllm:num_requests_waiting``) group: more data-parallel ranks, or a hostile
+engine's. :meth:`MockEngine.set_load` pins the reported queue and KV use.
 
 Another helper can attach to the engine's request stream: every request served
 calls each of :attr:`MockEngine.listeners` with a :class:`Served` (prompt text,
@@ -57,17 +58,23 @@ METRICS_MODES = ("ok", "garbage", "huge", "slow", "error")
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm"
 #: What vLLM's ``/metrics`` answers with (prometheus_client's latest text format).
 CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
-#: The model name on the fixture pages.
-FIXTURE_MODEL = "tiny"
+#: The model name on the captured page.
+FIXTURE_MODEL = "tiny-llama"
 
 
-def _template(name: str) -> list[str]:
+def _lines(name: str) -> list[str]:
     return (FIXTURES / name).read_text().splitlines(keepends=True)
 
 
-#: The page without and with LoRA, as lines.
-PAGE = _template("metrics.txt")
-PAGE_LORA = _template("metrics_lora.txt")
+#: The captured page (no LoRA), as lines.
+PAGE = _lines("metrics.txt")
+#: With LoRA on: the LoRA gauge as vLLM writes it (``metrics_lora.txt``,
+#: rendered by vLLM's own metric classes) where vLLM writes it, before
+#: ``vllm:cache_config_info``.
+_AT = next(i for i, line in enumerate(PAGE) if line.startswith("# HELP vllm:cache_config_info"))
+PAGE_LORA = (
+    PAGE[:_AT] + [line for line in _lines("metrics_lora.txt") if LORA_INFO in line] + PAGE[_AT:]
+)
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,9 @@ class MockEngine:
     metrics_mode: str = "ok"
     huge_bytes: int = 4 << 20
     slow_s: float = 2.0
-    #: Appended to every good metrics page (a hostile engine's lines).
-    extra: str = ""
+    #: Written after the queue's sample, in its group (more data-parallel
+    #: ranks, or a hostile engine's lines).
+    queue_series: str = ""
     listeners: list[Callable[[Served], None]] = field(default_factory=list)
     #: Counts by path (``/metrics``: how often it was scraped).
     hits: dict[str, int] = field(default_factory=dict)
@@ -237,7 +245,9 @@ class MockEngine:
                 lines[i] = f"{head} {floatToGoString(time.time())}\n"
             elif what in values:
                 lines[i] = f"{head} {floatToGoString(values[what])}\n"
-        return "".join(lines) + self.extra
+            if what == WAITING:
+                lines[i] += self.queue_series
+        return "".join(lines)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)

@@ -5,10 +5,11 @@
 //! reads it with the same metric names, across reloads) polls
 //! `GET /metrics?name[]=...` every `interval_s` over a kept-alive HTTP/1
 //! connection. The `name[]` filter is prometheus_client's; vLLM (0.32) ignores
-//! it and sends its whole page (about 51 KB, 629 lines), so a page is read in
-//! one pass that keeps only the lines of the metrics read (newlines found with
-//! `memchr`, most lines ruled out by their first 8 bytes, no allocation per
-//! line), and only those are parsed by `prom_text_format_parser`.
+//! it and sends its whole page (about 51 KB, 629 lines), so only the lines of
+//! the metrics read are kept ([`Reader`]: line by line, most lines ruled out
+//! by their first 8 bytes, until only a name or two can still give a value,
+//! then those are searched for in the rest of the page), and only those are
+//! parsed by `prom_text_format_parser`.
 //!
 //! Every scrape (the HTTP exchange and the parsing) runs on the scraper's own
 //! current-thread runtime (`routecore-scrape`), never on a thread that serves
@@ -164,14 +165,45 @@ pub struct Reading {
     pub adapters: Option<Vec<String>>,
 }
 
-/// Does `line` hold a sample of one of `names`? (Comments are skipped: the
-/// parser reads the kept samples as untyped values.) The exact name only:
-/// `vllm:num_requests_waiting_by_reason` is not `vllm:num_requests_waiting`.
-fn wanted(line: &[u8], names: &EngineMetrics) -> bool {
-    names.names().any(|n| {
-        line.strip_prefix(n.as_bytes())
+/// One name read: the quantity it gives (waiting, running, KV use,
+/// adapters: 0 to 3), whether it is the quantity's first choice, and a
+/// searcher for its lines (`\n` and the name).
+struct Name {
+    text: String,
+    quantity: usize,
+    first: bool,
+    finder: memchr::memmem::Finder<'static>,
+}
+
+impl Name {
+    fn all(names: &EngineMetrics) -> Vec<Self> {
+        let quantities = [
+            &names.waiting[..],
+            &names.running[..],
+            &names.kv_usage[..],
+            names.adapters.as_slice(),
+        ];
+        let mut out = Vec::new();
+        for (quantity, list) in quantities.into_iter().enumerate() {
+            for (rank, text) in list.iter().enumerate() {
+                out.push(Self {
+                    finder: memchr::memmem::Finder::new(&format!("\n{text}")).into_owned(),
+                    text: text.clone(),
+                    quantity,
+                    first: rank == 0,
+                });
+            }
+        }
+        out
+    }
+
+    /// Does `line` hold a sample of this name? (Comments never do: the
+    /// parser reads the kept samples as untyped values.) The exact name only:
+    /// `vllm:num_requests_waiting_by_reason` is not `vllm:num_requests_waiting`.
+    fn holds(&self, line: &[u8]) -> bool {
+        line.strip_prefix(self.text.as_bytes())
             .is_some_and(|rest| matches!(rest.first(), Some(b'{' | b' ' | b'\t')))
-    })
+    }
 }
 
 /// The first 8 bytes of the names read, as integers: most lines of a page
@@ -185,10 +217,10 @@ fn head(b: &[u8]) -> Option<u64> {
 }
 
 impl Heads {
-    fn new(names: &EngineMetrics) -> Self {
+    fn new(names: &[Name]) -> Self {
         let mut heads = Vec::new();
-        for n in names.names() {
-            match head(n.as_bytes()) {
+        for n in names {
+            match head(n.text.as_bytes()) {
                 Some(h) if !heads.contains(&h) => heads.push(h),
                 Some(_) => {}
                 None => return Self(None),
@@ -210,27 +242,36 @@ impl Heads {
 /// does not hold its memory for good).
 const KEEP_BUF: usize = 64 << 10;
 
+/// Past how many names still to find the line-by-line pass goes on
+/// (each is then searched for in the rest of the page).
+const SEARCHED: usize = 2;
+
 /// Reads the metrics pages of one endpoint: the names read, the series
 /// limit, and a buffer for the kept lines reused from page to page.
 pub struct Reader {
     names: EngineMetrics,
+    list: Vec<Name>,
     heads: Heads,
     max_series: usize,
     kept: Vec<u8>,
+    /// Per name of `list`: its group of lines has ended on this page.
+    closed: Vec<bool>,
 }
 
 impl Reader {
     pub fn new(names: EngineMetrics, max_series: u64) -> Self {
+        let list = Name::all(&names);
         Self {
-            heads: Heads::new(&names),
+            heads: Heads::new(&list),
+            closed: vec![false; list.len()],
+            list,
             names,
             max_series: usize::try_from(max_series).unwrap_or(usize::MAX),
             kept: Vec::new(),
         }
     }
 
-    /// Reads one metrics page: keeps the lines of the metrics read (one pass,
-    /// newlines found with `memchr`, most lines skipped by [`Heads`]; more
+    /// Reads one metrics page: keeps the lines of the metrics read (more
     /// than `max_series` of them: too large, before any parsing), parses them
     /// with the exposition-format library and sums each quantity over its
     /// series (an engine with several data-parallel ranks reports one series
@@ -238,6 +279,7 @@ impl Reader {
     /// or none of the metrics read.
     pub fn read(&mut self, page: &[u8]) -> std::result::Result<Reading, Failure> {
         self.kept.clear();
+        self.closed.iter_mut().for_each(|c| *c = false);
         let out = self.keep(page).and_then(|()| self.parse());
         if self.kept.capacity() > KEEP_BUF {
             self.kept = Vec::new();
@@ -245,21 +287,90 @@ impl Reader {
         out
     }
 
+    /// The name whose sample `line` is.
+    fn which(&self, line: &[u8]) -> Option<usize> {
+        if !self.heads.may_be(line) {
+            return None;
+        }
+        self.list.iter().position(|n| n.holds(line))
+    }
+
+    fn take(&mut self, line: &[u8], series: &mut usize) -> std::result::Result<(), Failure> {
+        *series += 1;
+        if *series > self.max_series {
+            return Err(Failure::TooLarge);
+        }
+        self.kept
+            .extend_from_slice(line.strip_suffix(b"\r").unwrap_or(line));
+        self.kept.push(b'\n');
+        Ok(())
+    }
+
+    /// The names that can still give a value: those of the quantities whose
+    /// first choice has not been read, whose lines have not ended yet.
+    fn to_find(&self) -> impl Iterator<Item = usize> + '_ {
+        let settled = |q: usize| {
+            self.list
+                .iter()
+                .zip(&self.closed)
+                .any(|(n, &c)| n.quantity == q && n.first && c)
+        };
+        (0..self.list.len()).filter(move |&i| !self.closed[i] && !settled(self.list[i].quantity))
+    }
+
+    /// Keeps the lines of the metrics read. The exposition format writes the
+    /// lines of one metric as one group: line by line (newlines found with
+    /// `memchr`, most lines ruled out by [`Heads`]) until at most
+    /// [`SEARCHED`] names can still give a value (on vLLM's page: its
+    /// LoRA gauge, near the end, once the queue, running and KV lines are
+    /// read near the start), then the rest of the page is searched for
+    /// those names only (`memmem`).
     fn keep(&mut self, page: &[u8]) -> std::result::Result<(), Failure> {
         let mut series = 0;
+        let mut current: Option<usize> = None;
         let mut start = 0;
-        let ends = memchr::memchr_iter(b'\n', page).chain(std::iter::once(page.len()));
-        for end in ends {
+        let mut rest = page.len();
+        while start < page.len() {
+            let end = memchr::memchr(b'\n', &page[start..]).map_or(page.len(), |e| start + e);
             let line = &page[start..end];
             start = end + 1;
-            if self.heads.may_be(line) && wanted(line, &self.names) {
-                series += 1;
-                if series > self.max_series {
-                    return Err(Failure::TooLarge);
+            match self.which(line) {
+                Some(i) => {
+                    if let Some(c) = current.filter(|&c| c != i) {
+                        self.closed[c] = true;
+                    }
+                    current = Some(i);
+                    self.take(line, &mut series)?;
                 }
-                self.kept
-                    .extend_from_slice(line.strip_suffix(b"\r").unwrap_or(line));
-                self.kept.push(b'\n');
+                None => {
+                    if let Some(c) = current.take() {
+                        self.closed[c] = true;
+                        if self.to_find().count() <= SEARCHED {
+                            rest = end;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        // The rest (from the newline before the next line), name by name.
+        let left: Vec<usize> = self.to_find().collect();
+        let tail = page.get(rest..).unwrap_or_default();
+        for i in left {
+            let mut from = 0;
+            while let Some(hit) = self.list[i].finder.find(&tail[from..]) {
+                // The group starts after the newline: read it to its end.
+                let mut at = from + hit + 1;
+                while at < tail.len() {
+                    let end = memchr::memchr(b'\n', &tail[at..]).map_or(tail.len(), |e| at + e);
+                    let line = &tail[at..end];
+                    if !self.list[i].holds(line) {
+                        break;
+                    }
+                    self.take(line, &mut series)?;
+                    at = end + 1;
+                }
+                from = at.min(tail.len());
             }
         }
         Ok(())
@@ -857,8 +968,10 @@ vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"old\",waiting_lor
         );
     }
 
-    /// vLLM 0.32's page as captured (tests/fixtures/vllm/metrics.txt).
+    /// vLLM 0.32's page as captured (tests/fixtures/vllm/metrics.txt), idle,
+    /// and busy (5 running, 5 waiting, KV 0.93).
     const FIXTURE: &str = include_str!("../../tests/fixtures/vllm/metrics.txt");
+    const BUSY: &str = include_str!("../../tests/fixtures/vllm/metrics-busy.txt");
 
     /// The value of the sample line of `name` (the first) on `page`.
     fn value(page: &str, name: &str) -> f64 {
@@ -870,33 +983,57 @@ vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"old\",waiting_lor
 
     #[test]
     fn the_real_page_is_read_by_its_exact_names() {
-        let r = read_page(FIXTURE.as_bytes(), &vllm()).expect("the captured page");
+        for page in [FIXTURE, BUSY] {
+            let r = read_page(page.as_bytes(), &vllm()).expect("the captured page");
+            assert_eq!(r.running, Some(value(page, "vllm:num_requests_running")));
+            assert_eq!(r.kv_usage, Some(value(page, "vllm:kv_cache_usage_perc")));
+            // No LoRA: no adapters gauge, so the adapters are not reported.
+            assert_eq!(r.adapters, None);
+        }
+        // `vllm:num_requests_waiting_by_reason` starts with the queue's name;
+        // its series (capacity 5, deferred 0) are not the queue (5, not 10).
         let waiting = "vllm:num_requests_waiting";
-        assert_eq!(r.waiting, Some(value(FIXTURE, waiting)));
-        assert_eq!(r.running, Some(value(FIXTURE, "vllm:num_requests_running")));
-        assert_eq!(r.kv_usage, Some(value(FIXTURE, "vllm:kv_cache_usage_perc")));
-        // No LoRA: no adapters gauge, so the adapters are not reported.
-        assert_eq!(r.adapters, None);
-        // `vllm:num_requests_waiting_by_reason` starts with the queue's name:
-        // its series (given values of their own here) are never read as it.
-        let by_reason = format!("{waiting}_by_reason{{");
-        assert!(FIXTURE.contains(&by_reason));
-        let page: String = FIXTURE
-            .lines()
-            .map(|l| match l {
-                l if l.starts_with(&format!("{waiting}{{")) => {
-                    format!("{} 2.0\n", l.rsplit_once(' ').map_or(l, |(h, _)| h))
-                }
-                l if l.starts_with(&by_reason) => {
-                    format!("{} 7.0\n", l.rsplit_once(' ').map_or(l, |(h, _)| h))
-                }
-                l => format!("{l}\n"),
-            })
-            .collect();
+        assert!(BUSY.contains(&format!("\n{waiting}_by_reason{{")));
+        let r = read_page(BUSY.as_bytes(), &vllm()).expect("page");
+        assert_eq!((r.waiting, r.running), (Some(5.0), Some(5.0)));
+        assert!(r.kv_usage.is_some_and(|kv| (kv - 0.926).abs() < 1e-3));
         assert_eq!(
-            read_page(page.as_bytes(), &vllm()).expect("page").waiting,
-            Some(2.0)
+            read_page(FIXTURE.as_bytes(), &vllm())
+                .expect("page")
+                .waiting,
+            Some(0.0)
         );
+    }
+
+    #[test]
+    fn names_still_to_find_are_searched_in_the_rest_of_the_page() {
+        const LORA: &str = include_str!("../../tests/fixtures/vllm/metrics_lora.txt");
+        let want = Reading {
+            waiting: Some(value(LORA, "vllm:num_requests_waiting")),
+            running: Some(value(LORA, "vllm:num_requests_running")),
+            kv_usage: Some(value(LORA, "vllm:kv_cache_usage_perc")),
+            adapters: Some(vec!["sql-lora".into()]),
+        };
+        // The LoRA gauge is near the end, long after the other groups.
+        assert_eq!(read_page(LORA.as_bytes(), &vllm()), Ok(want.clone()));
+        assert_eq!(
+            read_page(LORA.replace('\n', "\r\n").as_bytes(), &vllm()),
+            Ok(want.clone())
+        );
+        // Only the older KV name (the second choice): both KV names are
+        // still looked for after it, the first choice would win.
+        let old = LORA.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc");
+        assert_eq!(read_page(old.as_bytes(), &vllm()), Ok(want.clone()));
+        let moved = format!("{old}vllm:kv_cache_usage_perc{{engine=\"0\"}} 0.5\n");
+        let r = read_page(moved.as_bytes(), &vllm()).expect("page");
+        assert_eq!(r.kv_usage, Some(0.5));
+        // Data-parallel ranks: a group of several lines, each read.
+        let ranks = LORA.replace(
+            "vllm:lora_requests_info{",
+            "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"a\",\
+             waiting_lora_adapters=\"\"} 1.0\nvllm:lora_requests_info{",
+        );
+        assert_eq!(read_page(ranks.as_bytes(), &vllm()), Ok(want));
     }
 
     #[test]
