@@ -5,7 +5,7 @@
 //! reads it with the same metric names, across reloads) polls
 //! `GET /metrics?name[]=...` every `interval_s` over a kept-alive HTTP/1
 //! connection. The `name[]` filter is prometheus_client's; vLLM (0.32) ignores
-//! it and sends its whole page (about 51 KB, 629 lines), so only the lines of
+//! it and sends its whole page (about 55 KB, 644 lines), so only the lines of
 //! the metrics read are kept ([`Reader`]: line by line, most lines ruled out
 //! by their first 8 bytes, until only a name or two can still give a value,
 //! then those are searched for in the rest of the page), and only those are
@@ -37,13 +37,12 @@
 //! and notices a new scrape by its sequence number.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
-
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
@@ -324,7 +323,8 @@ impl Reader {
     /// [`SEARCHED`] names can still give a value (on vLLM's page: its
     /// LoRA gauge, near the end, once the queue, running and KV lines are
     /// read near the start), then the rest of the page is searched for
-    /// those names only (`memmem`).
+    /// those names only (`memmem`). Lines of a metric after its group has
+    /// ended (a page that breaks the format) are not read.
     fn keep(&mut self, page: &[u8]) -> std::result::Result<(), Failure> {
         let mut series = 0;
         let mut current: Option<usize> = None;
