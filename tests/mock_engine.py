@@ -54,7 +54,7 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 GPU_CACHE_USAGE = "vllm:gpu_cache_usage_perc"
 LORA_INFO = "vllm:lora_requests_info"
 METRICS_MODES = ("ok", "garbage", "huge", "slow", "error")
-#: vLLM 0.32's pages (see tests/fixtures/vllm/README.txt).
+#: vLLM 0.32's pages (see tests/fixtures/vllm/README.md, and render_metrics.py for the LoRA one).
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm"
 #: What vLLM's ``/metrics`` answers with (prometheus_client's latest text format).
 CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
