@@ -10,7 +10,7 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
              max_buffered_bytes, max_streams_per_connection, max_connections}
     router: {policy, compress_band, prefix_block_size, fallbacks, saturation, objectives}
     scrape: {enabled, interval_s, timeout_s, unhealthy_after, stale_after, max_page_bytes,
-             engines: {KIND: {waiting, running, kv_usage, adapters}}}
+             max_series, engines: {KIND: {waiting, running, kv_usage, adapters}}}
     admission: {backend, quotas, entitlements, default_max_tokens, window_s, redis}
     pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...], engine,
              models, adapters}]
@@ -173,6 +173,8 @@ class ScrapeConfig:
     stale_after: int = 4
     #: A larger metrics page is a failure.
     max_page_bytes: int = 4 << 20
+    #: A page with more series of the metrics read is a failure (too large).
+    max_series: int = 1000
     #: Metric names by engine kind (defaults: :data:`ENGINE_METRICS`).
     engines: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(ENGINE_METRICS))
 
@@ -348,6 +350,7 @@ class Config:
                     "unhealthy_after": self.scrape.unhealthy_after,
                     "stale_after": self.scrape.stale_after,
                     "max_page_bytes": self.scrape.max_page_bytes,
+                    "max_series": self.scrape.max_series,
                     "engines": self.scrape.engines,
                 },
                 "pools": [
@@ -766,6 +769,7 @@ def _scrape(raw: Any) -> ScrapeConfig:
             "unhealthy_after",
             "stale_after",
             "max_page_bytes",
+            "max_series",
             "engines",
         },
     )
@@ -785,6 +789,7 @@ def _scrape(raw: Any) -> ScrapeConfig:
         unhealthy_after=_int(s, "unhealthy_after", "scrape", 1, 1000, d.unhealthy_after),
         stale_after=_int(s, "stale_after", "scrape", 1, 1000, d.stale_after),
         max_page_bytes=_int(s, "max_page_bytes", "scrape", 1024, 1 << 30, d.max_page_bytes),
+        max_series=_int(s, "max_series", "scrape", 1, 10_000_000, d.max_series),
         engines=engines,
     )
 

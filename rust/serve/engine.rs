@@ -229,6 +229,9 @@ struct PoolState {
     states: Vec<EndpointState>,
     /// The probe sequence number each state was last refreshed from.
     seen: Vec<u64>,
+    /// The probe's adapter list each state copied last (copied again only
+    /// when the probe's list is another one).
+    adapters: Vec<Arc<Vec<String>>>,
     ranked: Vec<usize>,
 }
 
@@ -291,6 +294,7 @@ impl Chooser {
                 pipeline,
                 states: vec![EndpointState::default(); n],
                 seen: vec![0; n],
+                adapters: vec![Arc::default(); n],
                 ranked: Vec::new(),
             }),
         })
@@ -314,8 +318,9 @@ impl Chooser {
                 st.seen[i] = r.seq;
                 s.dispatched_since_scrape = 0;
                 let adapters = p.adapters();
-                if *adapters != s.adapters {
+                if !Arc::ptr_eq(&adapters, &st.adapters[i]) {
                     s.adapters = (*adapters).clone();
+                    st.adapters[i] = adapters;
                 }
             }
         }
@@ -567,7 +572,7 @@ impl Shared {
     pub fn new(calibrator: Calibrator, handle: tokio::runtime::Handle) -> Self {
         let metrics = Arc::new(Metrics::new());
         Self {
-            scraper: Scraper::new(Arc::clone(&metrics), handle.clone()),
+            scraper: Scraper::new(Arc::clone(&metrics)),
             overload: Arc::new(Overload::new(Arc::clone(&metrics))),
             metrics,
             calibrator: Arc::new(RwLock::new(calibrator)),
@@ -875,19 +880,22 @@ impl Engine {
         if let Some(gamma) = spec.router.compress_band {
             router = router.with_compress_band(gamma)?;
         }
+        let scrape = spec
+            .scrape
+            .as_ref()
+            .filter(|s| s.enabled)
+            .map(|s| Arc::new(s.clone()));
         let choosers = spec
             .pools
             .iter()
             .map(|p| {
-                let probes = match &spec.scrape {
-                    Some(s) if s.enabled => {
-                        let s = Arc::new(s.clone());
-                        p.endpoints
-                            .iter()
-                            .map(|e| shared.scraper.probe(e, &s, &p.engine))
-                            .collect::<Result<Vec<_>>>()?
-                    }
-                    _ => Vec::new(),
+                let probes = match &scrape {
+                    Some(s) => p
+                        .endpoints
+                        .iter()
+                        .map(|e| shared.scraper.probe(e, s, &p.engine))
+                        .collect::<Result<Vec<_>>>()?,
+                    None => Vec::new(),
                 };
                 Chooser::new(p, &spec.router, probes, &shared.kv)
                     .map_err(|e| invalid(format!("pools: {:?}: {e}", p.name)))
@@ -996,6 +1004,13 @@ impl Engine {
             number: shared.built.fetch_add(1, Ordering::Relaxed) + 1,
             shared: Arc::downgrade(shared),
         });
+        // The endpoints that stay keep their probes (health, values); the
+        // settings change now that the configuration is valid as a whole.
+        if let Some(s) = &scrape {
+            for p in engine.choosers.iter().flat_map(|c| &c.probes) {
+                p.configure(s);
+            }
+        }
         shared.register(&engine);
         Ok(engine)
     }

@@ -471,6 +471,7 @@ impl DataPlane {
                 }
             }
         });
+        self.shared.scraper.stop();
         let shards = std::mem::take(&mut *self.shards.lock().unwrap_or_else(|e| e.into_inner()));
         shards.into_iter().for_each(Shard::stop);
     }
