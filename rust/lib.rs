@@ -12,6 +12,7 @@ pub mod classify;
 pub mod clock;
 pub mod compress;
 pub mod error;
+pub mod flow;
 pub mod kv;
 pub mod openai;
 pub mod pick;
