@@ -56,6 +56,8 @@ mod _core {
     use crate::py::compress::{
         PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
     };
+    #[pymodule_export]
+    use crate::py::flow::PyFlowQueue;
     #[cfg(feature = "kv-events")]
     #[pymodule_export]
     use crate::py::kv::PyKvEventIndex;

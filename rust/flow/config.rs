@@ -156,11 +156,6 @@ pub struct FlowConfig {
     pub max_requests: i64,
     #[serde(default = "default_max_bytes")]
     pub max_bytes: i64,
-    /// Flows (band, fairness id) remembered at once, idle ones forgotten
-    /// oldest first; None: `max_requests`. Bounds what distinct fairness ids
-    /// sent by clients can make the queue hold.
-    #[serde(default)]
-    pub max_flows: Option<i64>,
     #[serde(default = "default_ttl_s")]
     pub ttl_s: f64,
 }
@@ -220,14 +215,19 @@ impl FlowConfig {
             default_band: None,
             max_requests: DEFAULT_MAX_REQUESTS,
             max_bytes: DEFAULT_MAX_BYTES,
-            max_flows: None,
             ttl_s: DEFAULT_TTL_S,
         }
     }
 
     /// Parses and checks the JSON form (unknown keys refused).
     pub fn from_json(text: &str) -> Result<Self> {
-        let c: Self = serde_json::from_str(text).map_err(|e| invalid(format!("flow: {e}")))?;
+        let v = serde_json::from_str(text).map_err(|e| invalid(format!("flow: {e}")))?;
+        Self::from_value(v)
+    }
+
+    /// [`FlowConfig::from_json`] of a parsed value.
+    pub fn from_value(v: serde_json::Value) -> Result<Self> {
+        let c: Self = serde_json::from_value(v).map_err(|e| invalid(format!("flow: {e}")))?;
         c.check()?;
         Ok(c)
     }
@@ -237,9 +237,6 @@ impl FlowConfig {
         let max_requests = check_limit("flow.max_requests", self.max_requests)?;
         let max_bytes = check_limit("flow.max_bytes", self.max_bytes)?;
         let ttl_s = check_positive("flow.ttl_s", self.ttl_s)?;
-        if let Some(f) = self.max_flows {
-            check_limit("flow.max_flows", f)?;
-        }
         if self.bands.is_empty() || self.bands.len() > MAX_BANDS {
             return Err(invalid(format!(
                 "flow.bands must hold 1 to {MAX_BANDS} bands, got {}",
@@ -307,9 +304,13 @@ impl FlowConfig {
             .unwrap_or(self.bands.len().saturating_sub(1))
     }
 
-    /// The flows remembered at once.
+    /// The flows (band, fairness id) remembered at once, idle ones
+    /// forgotten oldest first: one more than the requests that may wait, so
+    /// that an arrival always finds a record (a flow with a request waiting
+    /// is never forgotten) while distinct fairness ids sent by clients
+    /// cannot grow the table past the pool's own bound.
     pub fn flows_bound(&self) -> u64 {
-        self.max_flows.unwrap_or(self.max_requests).max(1) as u64
+        self.max_requests.max(1) as u64 + 1
     }
 }
 
@@ -339,10 +340,6 @@ mod tests {
             (
                 format!(r#"{{"bands": [{band}], "ttl_s": 0}}"#),
                 "flow.ttl_s must be a finite number > 0, got 0",
-            ),
-            (
-                format!(r#"{{"bands": [{band}], "max_flows": 0}}"#),
-                "flow.max_flows must be >= 1",
             ),
             (
                 r#"{"bands": [{"name": "a"}, {"name": "b", "max_requests": -1}]}"#.into(),
@@ -426,7 +423,7 @@ mod tests {
         assert_eq!(c.band_of(Some("low")), 1);
         assert_eq!(c.band_of(Some("spot")), 1, "the default: the last band");
         assert_eq!(c.band_of(None), 1);
-        assert_eq!(c.flows_bound(), 50);
+        assert_eq!(c.flows_bound(), 51);
     }
 
     #[test]

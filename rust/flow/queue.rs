@@ -132,8 +132,6 @@ pub enum Refusal {
     BandBytes,
     PoolRequests,
     PoolBytes,
-    /// Every remembered flow is waiting: the flow table is full.
-    Flows,
 }
 
 impl Refusal {
@@ -144,7 +142,6 @@ impl Refusal {
             Refusal::BandBytes => "band-bytes",
             Refusal::PoolRequests => "pool-full",
             Refusal::PoolBytes => "pool-bytes",
-            Refusal::Flows => "too-many-flows",
         }
     }
 }
@@ -457,6 +454,11 @@ impl<T> FlowQueue<T> {
     pub fn waits(&self, band: usize) -> Result<&WaitHistogram> {
         Ok(&self.band(band)?.waits)
     }
+    /// Whether flow `flow` of band `band` is remembered (tests).
+    #[cfg(test)]
+    pub(super) fn remembers(&self, band: usize, flow: &str) -> bool {
+        self.bands[band].flows.contains_key(flow)
+    }
     /// Whether `ticket` is waiting.
     pub fn contains(&self, ticket: Ticket) -> bool {
         self.live(ticket).is_some()
@@ -558,11 +560,6 @@ impl<T> FlowQueue<T> {
             Some(Refusal::BandRequests)
         } else if self.bands[b].bytes + a.bytes > band_max_bytes {
             Some(Refusal::BandBytes)
-        } else if !self.bands[b].flows.contains_key(a.flow)
-            && self.flows.len() as u64 >= self.max_flows
-            && self.idle_head == NIL
-        {
-            Some(Refusal::Flows)
         } else {
             None
         };
@@ -677,8 +674,8 @@ impl<T> FlowQueue<T> {
     }
 
     /// A flow record for `name` in band `b`: a new one while the table has
-    /// room, else the oldest idle one, forgotten (the caller checked that
-    /// one of the two exists).
+    /// room, else the oldest idle one, forgotten (one is idle: the table
+    /// holds one more flow than requests may wait).
     fn new_flow(&mut self, b: usize, name: &str) -> u32 {
         let fresh = Flow {
             name: name.into(),
@@ -699,6 +696,7 @@ impl<T> FlowQueue<T> {
             (self.flows.len() - 1) as u32
         } else {
             let f = self.idle_head;
+            debug_assert!(f != NIL, "a full flow table has an idle flow");
             self.unlink_idle(f);
             let old = &mut self.flows[f as usize];
             self.bands[old.band as usize].flows.remove(&old.name);

@@ -259,11 +259,11 @@ const RUNS: [&str; 5] = [
         "max_requests": 30, "max_bytes": 5000, "ttl_s": 6}"#,
     r#"{"bands": [{"name": "a", "ordering": "deadline", "fairness": "least-attained-service"},
                   {"name": "b", "fairness": "debt"}],
-        "max_requests": 8, "max_flows": 5, "ttl_s": 1.5}"#,
+        "max_requests": 8, "ttl_s": 1.5}"#,
     r#"{"bands": [{"name": "only", "fairness": "debt"}], "max_requests": 50, "max_bytes": 400}"#,
     r#"{"bands": [{"name": "g", "share": 1000}, {"name": "e", "share": 100},
                   {"name": "s", "share": 1, "max_requests": 5}],
-        "max_requests": 40, "max_flows": 12, "ttl_s": 4}"#,
+        "max_requests": 40, "ttl_s": 4}"#,
     r#"{"bands": [{"name": "a"}, {"name": "b", "ordering": "deadline"},
                   {"name": "c", "fairness": "least-attained-service"}],
         "max_requests": 6, "max_bytes": 1200, "ttl_s": 50}"#,
@@ -661,33 +661,38 @@ fn ttl_expiry_cancel_and_drain_each_return_what_waits() {
 }
 
 #[test]
-fn the_flow_table_is_bounded_and_forgets_idle_flows() {
-    let mut q = queue(r#"{"bands": [{"name": "b"}], "max_flows": 2}"#);
-    accepted(push(&mut q, Arrival::new(0, "a"), 1, 0.0));
-    accepted(push(&mut q, Arrival::new(0, "b"), 2, 0.0));
-    let e = push(&mut q, Arrival::new(0, "c"), 3, 0.0);
-    assert!(matches!(
-        e,
-        Enqueued::Refused {
-            reason: Refusal::Flows,
-            payload: 3,
-            ..
-        }
-    ));
-    assert_eq!(send(&mut q, 1, 0.0), [1]);
-    // a is idle now: c takes its place; a known flow is always welcome.
-    accepted(push(&mut q, Arrival::new(0, "c"), 4, 0.0));
-    accepted(push(&mut q, Arrival::new(0, "b"), 5, 0.0));
-    assert_eq!(q.flows(), 2);
-    let e = push(&mut q, Arrival::new(0, "a"), 6, 0.0);
-    assert!(matches!(
-        e,
-        Enqueued::Refused {
-            reason: Refusal::Flows,
-            ..
-        }
-    ));
-    assert_eq!(send(&mut q, 3, 0.0), [2, 4, 5]);
+fn the_flow_table_is_bounded_and_forgets_idle_flows_oldest_first() {
+    // Two requests may wait: three flows are remembered.
+    let mut q = queue(
+        r#"{"bands": [{"name": "b", "fairness": "least-attained-service"}],
+                         "max_requests": 2}"#,
+    );
+    let one = |q: &mut FlowQueue<u64>, flow: &str, id| {
+        accepted(push(q, Arrival::new(0, flow), id, 0.0));
+        assert_eq!(send(q, 1, 0.0), [id]);
+    };
+    for (id, flow) in ["a", "b", "c", "a", "d", "e"].into_iter().enumerate() {
+        one(&mut q, flow, id as u64);
+        assert!(q.flows() <= 3);
+    }
+    // d and e took the places of b and c (idle longest), not a's (used again
+    // after them).
+    let remembered: Vec<&str> = ["a", "b", "c", "d", "e"]
+        .into_iter()
+        .filter(|f| q.remembers(0, f))
+        .collect();
+    assert_eq!(remembered, ["a", "d", "e"]);
+    // A full pool of waiting flows still admits an arrival that displaces.
+    let mut q = queue(r#"{"bands": [{"name": "hi"}, {"name": "lo"}], "max_requests": 2}"#);
+    accepted(push(&mut q, Arrival::new(1, "x"), 1, 0.0));
+    accepted(push(&mut q, Arrival::new(1, "y"), 2, 0.0));
+    let mut displaced = Vec::new();
+    let e = q
+        .enqueue(Arrival::new(0, "z"), 3, 0.0, &mut displaced)
+        .expect("e");
+    assert!(matches!(e, Enqueued::Accepted(_)));
+    assert_eq!(displaced[0].payload, 2);
+    assert_eq!(q.flows(), 3);
 }
 
 #[test]
