@@ -49,6 +49,12 @@ def scheduler():
     return core.BatchScheduler([ENDPOINT])
 
 
+def flow_queue():
+    q = core.FlowQueue()
+    q.enqueue("spot", "t", "waiting", now=0.0)  # ticket 0
+    return q
+
+
 def plan():
     return core.plan(WORKLOAD, 10.0, 1.0, b_short=[4096], gammas=[1.0])
 
@@ -225,6 +231,8 @@ CASES = {
     "AdmissionController.admit.input_tokens": lambda v: admission().admit("e", v, 10, 0.0),
     "AdmissionController.admit.max_tokens": lambda v: admission().admit("e", 10, v, 0.0),
     "AdmissionController.complete.ticket": lambda v: _admitted_complete(1, 1, v),
+    "FlowQueue.enqueue.bytes": lambda v: flow_queue().enqueue("spot", "t", None, bytes=v),
+    "FlowQueue.cancel.ticket": lambda v: flow_queue().cancel(v),
     "AdmissionController.complete.actual_input": lambda v: _admitted_complete(v, 1),
     "AdmissionController.complete.actual_output": lambda v: _admitted_complete(1, v),
     "AdmissionController.set_capacity.kv_bytes": lambda v: admission().set_capacity(
@@ -411,6 +419,7 @@ UNSIGNED_64 = {
     "PrefixWorkload.__new__.seed",
     "Admission.__new__.ticket",
     "AdmissionController.complete.ticket",
+    "FlowQueue.cancel.ticket",
     "DataPlane.route_fields.prompt_bytes",
     "DataPlane.route_fields.max_output_tokens",
     "DataPlane.route_fields.prompt_tokens",
@@ -488,6 +497,7 @@ VALID = {
     "Admission.__new__.status": 200,
     "AdmissionController.__new__.default_max_tokens": 100,
     "AdmissionController.complete.ticket": admission().admit("e", 10, 10, 0.0).ticket,
+    "FlowQueue.cancel.ticket": 0,
     "DataPlane.start.port": 0,
     "DataPlane.start.metrics_port": 0,
     "DataPlane.start.log_level": 30,
