@@ -7,6 +7,8 @@
 
 #[cfg(feature = "kv-events")]
 pub mod decode;
+#[cfg(feature = "kv-events")]
+pub mod guard;
 pub mod index;
 #[cfg(feature = "kv-events")]
 pub mod metrics;
