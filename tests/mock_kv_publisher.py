@@ -37,6 +37,21 @@ from server_fixtures import wait_for
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+def bind(sock: zmq.Socket, addr: str) -> str:
+    """Binds ``sock`` to ``addr`` and returns the address bound. A port just
+    released by a closed socket is free once libzmq's I/O thread has closed
+    it: a few retries."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            sock.bind(addr)
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def encode_batch(events: list[Any], ts: float | None = None, rank: int = 0) -> bytes:
     """An ``EventBatch`` as vLLM 0.32 encodes it: an array (msgspec's
     ``array_like``) around the events (maps)."""
@@ -116,12 +131,10 @@ class MockKvPublisher:
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.subscriptions = 0
-        self.pub.bind(zmq_addr)
-        self.zmq = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.zmq = bind(self.pub, zmq_addr)
         self._router = self.ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(replay)
-        self.replay = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay = bind(self._router, replay)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
         self._thread.start()
