@@ -265,6 +265,9 @@ CASES = {
     "KvEventIndex.__new__.block_size": lambda v: core.KvEventIndex(block_size=v),
     "KvEventIndex.__new__.capacity_blocks": lambda v: core.KvEventIndex(capacity_blocks=v),
     "KvEventIndex.__new__.seed": lambda v: core.KvEventIndex(seed=v),
+    "KvEventIndex.__new__.max_message_bytes": lambda v: core.KvEventIndex(max_message_bytes=v),
+    "KvEventIndex.__new__.max_batch_events": lambda v: core.KvEventIndex(max_batch_events=v),
+    "KvEventIndex.__new__.max_batch_blocks": lambda v: core.KvEventIndex(max_batch_blocks=v),
     "KvEventIndex.leading_blocks.token_ids": lambda v: core.KvEventIndex().leading_blocks([v]),
 }
 
@@ -501,6 +504,7 @@ VALID = {
     "DataPlane.start.port": 0,
     "DataPlane.start.metrics_port": 0,
     "DataPlane.start.log_level": 30,
+    "KvEventIndex.__new__.max_message_bytes": 1 << 20,
     "DataPlane.set_log_level.level": 30,
     "load.server_pid": os.getpid(),
     "load.body_bytes": 100,

@@ -1300,6 +1300,9 @@ class KvEventIndex:
         capacity_blocks: int = 262144,
         seed: int = 0,
         stale_after_s: float | None = None,
+        max_message_bytes: int = 16777216,
+        max_batch_events: int = 131072,
+        max_batch_blocks: int = 262144,
     ) -> Self: ...
     def subscribe(
         self, endpoint: str, zmq: str, topic: str = "", replay: str | None = None

@@ -320,7 +320,14 @@ impl DataPlane {
             .map(|a| a.port());
         let (stop, stopped) = watch::channel(false);
         let (closing, closing_rx) = watch::channel(false);
-        crate::kv::subscribe(kv_spec.as_ref(), &shared.kv, first.handle(), &stopped)?;
+        let metrics = Arc::clone(&shared.metrics);
+        crate::kv::subscribe(
+            kv_spec.as_ref(),
+            &shared.kv,
+            first.handle(),
+            &stopped,
+            Arc::new(move |kind| metrics.fault("kv_events", kind)),
+        )?;
         let (health, health_service) = tonic_health::server::health_reporter();
         let processor = ExternalProcessorServer::new(Processor {
             current: Arc::clone(&current),
