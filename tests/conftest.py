@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import realstack
+from envoy_proxy import Envoy
 from server_fixtures import Running, base_config
 
 
@@ -100,3 +102,36 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., Running]]:
     yield start
     for r in started:
         r.stop()
+
+
+@pytest.fixture
+def envoy(tmp_path: Path) -> Iterator[Callable[[dict], Envoy]]:
+    """Starts a real Envoy with a configuration (a dict, e.g.
+    ``envoy_proxy.shipped_config(...)``) as often as a test asks, each ready
+    on its ports; kills every one after the test."""
+    started: list[Envoy] = []
+
+    def start(config: dict) -> Envoy:
+        e = Envoy(config, tmp_path)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+# -- the real stack (marker realstack): real vLLM engines, Redis, routecore, Envoy --
+
+
+@pytest.fixture(scope="session")
+def _real_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[realstack.Stack]:
+    yield from realstack.running(tmp_path_factory.mktemp("realstack"), RedisServer())
+
+
+@pytest.fixture
+def stack(_real_stack: realstack.Stack) -> realstack.Stack:
+    """The real stack of tests/realstack.py, started once per session; any
+    engine or replica an earlier test killed is running again."""
+    _real_stack.revive()
+    return _real_stack

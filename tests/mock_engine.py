@@ -4,8 +4,9 @@ It serves what routecore reads from a real engine:
 
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: an OpenAI answer
   with ``usage`` (JSON, or SSE when ``stream`` is true, with a usage event when
-  ``stream_options.include_usage`` is set); a ``model`` it does not serve is a
-  404 as vLLM answers it.
+  ``stream_options.include_usage`` is set), field for field as vLLM 0.32
+  answers (:func:`answer`, :func:`chunks`; tests/fixtures/vllm/); a ``model``
+  it does not serve is a 404 as vLLM answers it.
 - ``GET /health``: 200 while serving.
 - ``GET /metrics``: the Prometheus exposition (``prometheus_client``) with
   vLLM's exact metric names, whose values follow the engine's load: a request
@@ -18,6 +19,10 @@ Bad metrics pages for the scraper's tests: :attr:`MockEngine.metrics_mode` is
 ``"ok"``, ``"garbage"`` (not the exposition format), ``"huge"`` (``huge_bytes``
 of comments), ``"slow"`` (answers after ``slow_s``) or ``"error"`` (500).
 :meth:`MockEngine.set_load` pins the reported queue and KV use.
+
+:attr:`MockEngine.token_s` spaces the events of a streamed answer (a long
+SSE stream); :attr:`MockEngine.requests` records the headers of every
+completion request received (what reached the engine through a gateway).
 
 Another helper can attach to the engine's request stream: every request served
 calls each of :attr:`MockEngine.listeners` with a :class:`Served` (prompt text,
@@ -34,12 +39,16 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
+#: The vLLM release whose answers the mock gives (tests/fixtures/vllm/).
+FINGERPRINT = "vllm-0.32.0-mock"
 #: vLLM's metric names (v1 engine; ``gpu_cache_usage_perc`` is the older name).
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -93,6 +102,10 @@ class MockEngine:
     hits: dict[str, int] = field(default_factory=dict)
     #: The ``name[]`` filters of the last metrics request.
     last_filter: list[str] = field(default_factory=list)
+    #: Seconds between two SSE events of a streamed answer (a long stream).
+    token_s: float = 0.0
+    #: The headers of every completion request received, in order (lower-case names).
+    requests: list[dict[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.running = 0
@@ -230,6 +243,7 @@ class MockEngine:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         self._hit(request.path)
+        self.requests.append({k.lower(): v for k, v in request.headers.items()})
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -257,43 +271,106 @@ class MockEngine:
         served = Served(model, prompt, ids, prompt_tokens, completion_tokens)
         for listener in self.listeners:
             listener(served)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
-        kind = "chat.completion" if chat else "text_completion"
-        text = "ok " * completion_tokens
+        usage = (prompt_tokens, completion_tokens)
+        texts = ["ok "] * completion_tokens
         if not body.get("stream"):
-            choice = (
-                {"index": 0, "message": {"role": "assistant", "content": text}}
-                if chat
-                else {"index": 0, "text": text}
-            )
-            choice["finish_reason"] = "length"
-            return web.json_response(
-                {
-                    "id": "mock-1",
-                    "object": kind,
-                    "model": model,
-                    "choices": [choice],
-                    "usage": usage,
-                }
-            )
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            return web.Response(body=_json(answer(chat, model, texts, usage)), content_type=JSON)
+        resp = web.StreamResponse(headers={"content-type": SSE})
         await resp.prepare(request)
-        for i in range(completion_tokens):
-            delta = {"delta": {"content": "ok "}} if chat else {"text": "ok "}
-            event = {"id": "mock-1", "object": f"{kind}.chunk", "choices": [{"index": 0, **delta}]}
-            if i == completion_tokens - 1:
-                event["choices"][0]["finish_reason"] = "length"
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-        if (body.get("stream_options") or {}).get("include_usage"):
-            event = {"id": "mock-1", "object": f"{kind}.chunk", "choices": [], "usage": usage}
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        include_usage = (body.get("stream_options") or {}).get("include_usage")
+        for i, event in enumerate(chunks(chat, model, texts, usage if include_usage else None)):
+            if i and self.token_s:
+                await asyncio.sleep(self.token_s)
+            await resp.write(b"data: " + _json(event) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+# -- vLLM's answers, as tests/fixtures/vllm/ has them (tests/test_mock_engine.py) --
+
+#: vLLM's Content-Types of a JSON answer and of a stream.
+JSON = "application/json"
+SSE = "text/event-stream; charset=utf-8"
+
+
+def _json(value: Any) -> bytes:
+    """JSON as vLLM writes it (no spaces, UTF-8 as is)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _head(chat: bool, model: str, chunk: bool) -> dict[str, Any]:
+    """The fields every answer and chunk starts with."""
+    kind = "chat.completion" if chat else "text_completion"
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
+        "object": f"{kind}.chunk" if chunk and chat else kind,
+        "created": int(time.time()),
+        "model": model,
+    }
+
+
+def _usage(usage: tuple[int, int]) -> dict[str, int]:
+    prompt, completion = usage
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+
+
+def answer(chat: bool, model: str, texts: list[str], usage: tuple[int, int]) -> dict[str, Any]:
+    """A JSON answer (``stream`` false) of ``texts`` (one a token), finished by
+    length; ``usage`` is (prompt, completion) tokens."""
+    done = {"logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": None}
+    if chat:
+        message = {"role": "assistant", "content": "".join(texts)}
+        message.update(
+            dict.fromkeys(("refusal", "annotations", "audio", "function_call", "reasoning"))
+        )
+        choice = {"index": 0, "message": message, **done, "routed_experts": None}
+    else:
+        choice = {"index": 0, "text": "".join(texts), **done}
+        choice.update(dict.fromkeys(("prompt_logprobs", "prompt_token_ids", "routed_experts")))
+    details = dict.fromkeys(("prompt_tokens_details", "completion_tokens_details"))
+    tail = ("prompt_logprobs", "prompt_token_ids", "prompt_text") if chat else ()
+    return {
+        **_head(chat, model, chunk=False),
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": FINGERPRINT,
+        "usage": {**_usage(usage), **details},
+        **dict.fromkeys((*tail, "kv_transfer_params", "ec_transfer_params", "metrics")),
+    }
+
+
+def chunks(
+    chat: bool, model: str, texts: list[str], usage: tuple[int, int] | None
+) -> list[dict[str, Any]]:
+    """The events of a stream of ``texts`` (one chunk a token, the last with
+    the finish reason), the usage event when ``usage`` is given (the request's
+    ``stream_options.include_usage``); ``[DONE]`` is not an event."""
+    head = _head(chat, model, chunk=True)
+    events = []
+    if chat:
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+        role.update(logprobs=None, finish_reason=None)
+        events.append({**head, "choices": [role], "prompt_token_ids": None, "prompt_text": None})
+    for i, text in enumerate(texts):
+        last = i == len(texts) - 1
+        choice: dict[str, Any] = {"index": 0}
+        choice.update({"delta": {"content": text}} if chat else {"text": text})
+        choice.update(logprobs=None, finish_reason="length" if last else None)
+        if last or not chat:
+            choice["stop_reason"] = None
+        if not chat:
+            choice["prompt_token_ids"] = None
+        choice["token_ids"] = None
+        events.append({**head, "choices": [choice]})
+    if usage is not None:
+        events.append({**head, "choices": [], "usage": _usage(usage)})
+    events[-1]["system_fingerprint"] = FINGERPRINT  # the last event carries it
+    return events
 
 
 def _prompt(body: dict, chat: bool) -> tuple[str, tuple[int, ...] | None]:

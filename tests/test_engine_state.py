@@ -12,6 +12,7 @@ import urllib.request
 
 import grpc
 import pytest
+from aiohttp import web
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -28,12 +29,26 @@ SLACK = 1.0
 KEY = {"x-api-key": "demo-key"}
 
 
+class FailingScrapes(MockEngine):
+    """A mock engine whose next ``fail`` metrics answers are 500s, counted
+    exactly (``metrics_mode = "error"`` fails for as long as it is set)."""
+
+    fail = 0
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.fail > 0:
+            self.fail -= 1
+            self._hit("/metrics")
+            return web.Response(status=500, text="engine error")
+        return await super()._metrics(request)
+
+
 @pytest.fixture
 def engines():
     started: list[MockEngine] = []
 
-    def start(n: int, **kwargs) -> list[MockEngine]:
-        new = [MockEngine(**kwargs).start() for _ in range(n)]
+    def start(n: int, cls: type[MockEngine] = MockEngine, **kwargs) -> list[MockEngine]:
+        new = [cls(**kwargs).start() for _ in range(n)]
         started.extend(new)
         return new
 
@@ -273,19 +288,28 @@ def test_bad_metrics_pages_are_counted_failures_and_the_server_keeps_serving(
 
 
 def test_flapping_endpoint_turns_unhealthy_and_back_each_time(engines, serve):
-    good, flappy = engines(2)
+    (good,), (flappy,) = engines(1), engines(1, cls=FailingScrapes)
     r = serve([good.address, flappy.address])
+    addr = flappy.address
+
+    def transitions() -> tuple[float, float]:
+        return tuple(r.metric("endpoint_transitions", addr, to) for to in ("unhealthy", "healthy"))
+
     for cycle in range(1, 3):
         flappy.metrics_mode = "error"
-        wait_for(lambda: not state(r)[flappy.address]["healthy"], 5, "unhealthy")
+        wait_for(lambda: not state(r)[addr]["healthy"], 5, "unhealthy")
         flappy.metrics_mode = "ok"
-        wait_for(lambda: state(r)[flappy.address]["healthy"], 5, "healthy")
-        assert r.metric("endpoint_transitions", flappy.address, "unhealthy") == cycle
-        assert r.metric("endpoint_transitions", flappy.address, "healthy") == cycle
-    # One failure between successes changes nothing.
-    flappy.metrics_mode = "error"
-    time.sleep(INTERVAL * 1.5)
-    flappy.metrics_mode = "ok"
+        wait_for(lambda: state(r)[addr]["healthy"], 5, "healthy")
+        assert transitions() == (cycle, cycle)
+    # K - 1 failures in a row between successes change nothing.
+    failed = r.metric("scrapes", addr, "status")
+    flappy.fail = K - 1
+    wait_for(lambda: r.metric("scrapes", addr, "status") == failed + K - 1, 5, "failed scrapes")
+    ok = r.metric("scrapes", addr, "ok")
+    wait_for(lambda: r.metric("scrapes", addr, "ok") > ok, 5, "a scrape after them")
+    assert r.metric("scrapes", addr, "status") == failed + K - 1
+    assert transitions() == (2, 2)
+    assert state(r)[addr]["healthy"]
     assert route(r)["admitted"]
 
 
@@ -346,10 +370,14 @@ def test_protocol_subset_hint_fallbacks_and_404(engines, serve):
     resp = ext_proc(r, KEY, chat_body("q"), subset=[])
     assert resp.immediate_response.status.code == 503
     resp = ext_proc(r, KEY, chat_body("q"))
+    # GIE v1.0: the header and the envoy.lb metadata carry the same ordered
+    # list, the chosen endpoint first, then the fallbacks; no other key.
     lb = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields
-    chosen = lb["x-gateway-destination-endpoint"].string_value
-    fallbacks = lb["x-gateway-destination-endpoint-fallback"].string_value.split(",")
-    assert sorted([chosen, *fallbacks]) == sorted(e.address for e in es)
+    listed = lb["x-gateway-destination-endpoint"].string_value
+    assert list(lb) == ["x-gateway-destination-endpoint"]
+    header = header_map(resp.request_body.response.header_mutation)
+    assert header["x-gateway-destination-endpoint"] == listed
+    assert sorted(listed.split(",")) == sorted(e.address for e in es)
 
 
 def test_protocol_sheddable_objective_and_fairness_id(engines, serve):
@@ -361,9 +389,17 @@ def test_protocol_sheddable_objective_and_fairness_id(engines, serve):
     for e in es:
         e.set_load(waiting=50)  # every endpoint saturated
     wait_for(lambda: all((s["waiting"] or 0) >= 50 for s in state(r).values()), 5, "saturated")
-    shed = ext_proc(r, {**KEY, "x-gateway-inference-objective": "batch"}, chat_body("q"))
-    assert shed.immediate_response.status.code == 429
-    kept = ext_proc(r, {**KEY, "x-gateway-inference-objective": "chat"}, chat_body("q"))
-    assert kept.HasField("request_body")
-    fair = ext_proc(r, {**KEY, "x-gateway-inference-fairness-id": "team-a"}, chat_body("q"))
-    assert fair.HasField("request_body")
+    # llm-d's header names, and the GIE's as aliases; llm-d's wins when both come.
+    for objective in ("x-llm-d-inference-objective", "x-gateway-inference-objective"):
+        shed = ext_proc(r, {**KEY, objective: "batch"}, chat_body("q"))
+        assert shed.immediate_response.status.code == 429
+        kept = ext_proc(r, {**KEY, objective: "chat"}, chat_body("q"))
+        assert kept.HasField("request_body")
+    both = {"x-llm-d-inference-objective": "chat", "x-gateway-inference-objective": "batch"}
+    assert ext_proc(r, {**KEY, **both}, chat_body("q")).HasField("request_body")
+    for fairness in ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id"):
+        fair = ext_proc(r, {**KEY, fairness: "team-a"}, chat_body("q"))
+        assert fair.HasField("request_body")
+        # Read, not ignored: a fairness id longer than a VTC user name is a 400.
+        bad = ext_proc(r, {**KEY, fairness: "x" * 300}, chat_body("q"))
+        assert bad.immediate_response.status.code == 400

@@ -115,7 +115,7 @@ def route(replica: Spawned, ids: list[int]) -> str:
     """One whole ext_proc conversation on ``replica``; the endpoint it chose."""
     conv = converse(replica.target, KEY, body(ids), [usage_body(len(ids), 8)])
     assert conv.immediate is None, conv.immediate
-    return conv.routing_headers["x-gateway-destination-endpoint"]
+    return conv.endpoints[0]
 
 
 def indexed(replicas: list[Spawned], engines: list[Engine]) -> bool:

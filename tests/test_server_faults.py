@@ -32,9 +32,11 @@ from server_fixtures import (
     in_flight,
     redis_admission,
     redis_in_flight,
+    redis_unread_bytes,
     serve_command,
     stream_all,
     tenants,
+    until,
     wait_redis_settled,
     wait_settled,
 )
@@ -487,7 +489,8 @@ def test_stalled_redis_never_blocks_the_event_loop(serve, redis_server):
                 )
                 for i in range(5)
             ]
-            await asyncio.sleep(0.1)
+            # Admission calls reached the stopped Redis and wait for its answer.
+            await until(lambda: redis_unread_bytes(redis_server.port) > 0, 10, "admits")
             health = health_pb2_grpc.HealthStub(channel)
             answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
@@ -526,7 +529,8 @@ def test_cancel_while_admission_waits_on_a_stalled_redis_leaks_nothing(serve, re
             await call.read()
             body = pb.HttpBody(body=chat_body("stalled"), end_of_stream=True)
             await call.write(pb.ProcessingRequest(request_body=body))
-            await asyncio.sleep(0.1)  # the admission call is waiting in its thread
+            # The admission call reached the stopped Redis and waits for its answer.
+            await until(lambda: redis_unread_bytes(redis_server.port) > 0, 10, "the admit")
             redis_server.cont()
             call.cancel()
 

@@ -90,8 +90,10 @@ class ServerConfig:
     failure_mode: str = "closed"
     #: The pool for bodyless requests and fail-open routing (default: the first pool).
     default_pool: str = ""
-    #: Seconds open streams get to finish at shutdown.
-    grace_s: float = 5.0
+    #: Seconds open streams get to finish at shutdown (SIGTERM). Left out: until
+    #: the last one ends, at most ``limits.request_timeout_s`` (a rolling restart
+    #: cuts no stream).
+    grace_s: float | None = None
     #: Where the learned calibrator is kept across restarts ("" = not kept): read at
     #: start, written (atomically) at shutdown.
     state_file: str = ""
@@ -136,7 +138,7 @@ class RouterConfig:
     #: is above ``max_kv_usage`` is saturated (the GIE's defaults).
     max_waiting: float = 5.0
     max_kv_usage: float = 0.8
-    #: Priority by objective name (``x-gateway-inference-objective``); a
+    #: Priority by objective name (``x-llm-d-inference-objective``); a
     #: request with a negative priority is sheddable: 429 when every endpoint
     #: is saturated.
     objectives: dict[str, int] = field(default_factory=dict)
@@ -815,7 +817,7 @@ def parse_config(raw: Any) -> Config:
         key_header=_str(s, "key_header", "server", ServerConfig.key_header).lower(),
         failure_mode=_str(s, "failure_mode", "server", "closed", FAILURE_MODES),
         default_pool=_str(s, "default_pool", "server", pools[0].name, [p.name for p in pools]),
-        grace_s=_float(s, "grace_s", "server", 0.0, 3600.0, ServerConfig.grace_s),
+        grace_s=_float(s, "grace_s", "server", 0.0, 86400.0, None),
         state_file=_str(s, "state_file", "server", ""),
         worker_threads=_int(s, "worker_threads", "server", 1, 256, ServerConfig.worker_threads),
     )

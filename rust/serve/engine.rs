@@ -33,7 +33,9 @@ use crate::classify::CATEGORIES;
 use crate::compress::Compressor;
 use crate::error::{invalid, Error, Result};
 use crate::openai::{MediaTokens, ParsedRequest};
-use crate::pick::{preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline};
+use crate::pick::{
+    preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline, Recorded,
+};
 use crate::pipeline::route_request;
 use crate::prefix::{block_hashes, Tokens};
 use crate::tokenize::{Encoded, SpecialTokens, Tokenized, Tokenizer};
@@ -98,7 +100,7 @@ pub struct Lease {
     pool: usize,
     endpoint: usize,
     tenant: Option<usize>,
-    /// The request's `x-gateway-inference-fairness-id` (None: the tenant's name).
+    /// The request's fairness id (None: the tenant's name).
     fairness_id: Option<String>,
     est_input_tokens: u64,
     est_output_tokens: u64,
@@ -107,6 +109,9 @@ pub struct Lease {
     started: Instant,
     deadline: Instant,
     ticket: Option<Ticket>,
+    /// What the prefix plugin recorded for `endpoint`, moved with the lease
+    /// when another endpoint serves the request ([`Shared::served`]).
+    recorded: Recorded,
 }
 
 /// What the endpoint picker reads of a request's prompt: the prefix plugin
@@ -168,10 +173,11 @@ pub struct Hints {
     /// `x-gateway-destination-endpoint-subset` of the `envoy.lb.subset_hint`
     /// filter metadata: pick only among these.
     pub subset: Option<Vec<String>>,
-    /// `x-gateway-inference-objective`: its priority (`router.objectives`);
-    /// a negative one is sheddable.
+    /// `x-llm-d-inference-objective` (alias `x-gateway-inference-objective`):
+    /// its priority (`router.objectives`); a negative one is sheddable.
     pub objective: Option<String>,
-    /// `x-gateway-inference-fairness-id`: the VTC user (default: the tenant).
+    /// `x-llm-d-inference-fairness-id` (alias `x-gateway-inference-fairness-id`):
+    /// the VTC user (default: the tenant).
     pub fairness_id: Option<String>,
     /// The prompt's token ids from the caller: they key the prefix plugins
     /// (precise-prefix included) in place of the body's prompt.
@@ -197,8 +203,9 @@ struct Ask<'a> {
 /// What the picker of a pool answered.
 #[derive(Debug, Clone, PartialEq)]
 enum Choice {
-    /// The chosen endpoint first, then the fallbacks (counted in flight).
-    Ranked(Vec<usize>),
+    /// The chosen endpoint first, then the fallbacks; the chosen one is
+    /// counted in flight, and what the prefix plugin recorded for it.
+    Ranked(Vec<usize>, Recorded),
     /// No endpoint is healthy (or in the subset hint).
     NoEndpoint,
     /// A sheddable request, and every candidate is saturated.
@@ -371,12 +378,12 @@ impl Chooser {
             let Some(&chosen) = ranked.first() else {
                 return Ok(Choice::NoEndpoint);
             };
-            st.pipeline.started(&req, chosen)?;
+            let recorded = st.pipeline.started_recorded(&req, chosen)?;
             let s = &mut st.states[chosen];
             s.in_flight += 1;
             s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
             ranked.truncate(1 + self.fallbacks);
-            Ok(Choice::Ranked(ranked.clone()))
+            Ok(Choice::Ranked(ranked.clone(), recorded))
         });
         st.ranked = ranked;
         out
@@ -409,6 +416,20 @@ impl Chooser {
             .completed_request(&req, endpoint, actual.0, actual.1)
     }
 
+    /// A request counted on `from` was served by `to`: its in-flight count
+    /// and what the prefix plugin recorded move (see `Pipeline::moved`).
+    fn moved(&self, from: usize, to: usize, recorded: &Recorded, now: f64) -> Result<()> {
+        let mut st = lock(&self.state);
+        st.pipeline.moved(from, to, recorded, now)?;
+        let s = &mut st.states[from];
+        s.in_flight = s.in_flight.saturating_sub(1);
+        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_sub(1);
+        let s = &mut st.states[to];
+        s.in_flight += 1;
+        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+        Ok(())
+    }
+
     /// Requests in flight per endpoint.
     pub fn loads(&self) -> Vec<u64> {
         lock(&self.state)
@@ -427,6 +448,12 @@ impl Chooser {
 
     pub fn endpoints(&self) -> &[String] {
         &self.endpoints
+    }
+
+    /// Every endpoint's state is known: scraped once, or found unhealthy
+    /// (true at once when the endpoints are not scraped).
+    fn synced(&self) -> bool {
+        self.probes.iter().all(|p| p.seq() > 0 || !p.healthy())
     }
 }
 
@@ -536,6 +563,37 @@ impl Shared {
             }
             None => false,
         }
+    }
+
+    /// The gateway reports that `endpoint` served the lease `id` (Envoy's
+    /// `x-gateway-destination-endpoint-served`, after its retries): when it
+    /// is another endpoint of the lease's pool than the chosen one, the
+    /// lease's in-flight count, what the prefix plugin recorded and the
+    /// usage to come move there, once. False when nothing moved (the lease
+    /// is not in flight, was served where it was sent, or `endpoint` is not
+    /// in its pool: then the chosen endpoint keeps the accounting).
+    pub fn served(&self, id: u64, endpoint: &str) -> bool {
+        let mut leases = lock(&self.leases);
+        let Some((engine, lease)) = leases.get_mut(&id) else {
+            return false;
+        };
+        let chooser = &engine.choosers[lease.pool];
+        let Some(to) = chooser.endpoints.iter().position(|e| e == endpoint) else {
+            return false;
+        };
+        if to == lease.endpoint {
+            return false;
+        }
+        let recorded = std::mem::take(&mut lease.recorded);
+        if let Err(e) = chooser.moved(lease.endpoint, to, &recorded, self.now()) {
+            tracing::error!(request_id = self.request_id(id), error = %e, "move-failed");
+            return false;
+        }
+        let gauges = &engine.pool_metrics[lease.pool].in_flight;
+        gauges[lease.endpoint].dec();
+        gauges[to].inc();
+        lease.endpoint = to;
+        true
     }
 
     /// `release` by the request id the front end was given.
@@ -822,6 +880,12 @@ impl Engine {
 
     pub fn router(&self) -> &TokenBudgetRouter {
         &self.router
+    }
+
+    /// The endpoints' state is synced (see `Chooser::synced`): the
+    /// readiness the health service reports.
+    pub fn synced(&self) -> bool {
+        self.choosers.iter().all(Chooser::synced)
     }
 
     pub fn failure_mode(&self) -> FailureMode {
@@ -1182,7 +1246,7 @@ impl Engine {
         if let Some(f) = hints.fairness_id.as_deref() {
             if let Err(e) = crate::vtc::check_user(f) {
                 self.router.complete(pool)?;
-                let message = format!("x-gateway-inference-fairness-id: {e}");
+                let message = format!("fairness id: {e}");
                 return Ok(Err(self.refuse(
                     tenant,
                     400,
@@ -1216,8 +1280,8 @@ impl Engine {
                 now,
             )
         });
-        let ranked = match chosen {
-            Ok(Choice::Ranked(r)) => r,
+        let (ranked, recorded) = match chosen {
+            Ok(Choice::Ranked(r, recorded)) => (r, recorded),
             Ok(refused) => {
                 self.router.complete(pool)?;
                 let (status, reason, message) = if refused == Choice::Saturated {
@@ -1287,6 +1351,7 @@ impl Engine {
             started,
             deadline: started + self.timeout,
             ticket,
+            recorded,
         };
         lock(&shared.leases).insert(id, (Arc::clone(self), lease));
         let m = &self.pool_metrics[pool];

@@ -43,12 +43,21 @@ use super::metrics;
 use crate::calibrate::Calibrator;
 use crate::error::{invalid, Result};
 
-/// The services the health service reports on ("" is the server as a whole).
-pub const SERVICES: [&str; 3] = [
+/// The services the health service reports as ready: SERVING once every
+/// endpoint's state is synced (scraped once, or found unhealthy), NOT_SERVING
+/// from the start of a drain ("" is the server as a whole; `readiness` is
+/// the Endpoint Picker Protocol's).
+pub const SERVICES: [&str; 4] = [
     "",
+    "readiness",
     "envoy.service.ext_proc.v3.ExternalProcessor",
     "routecore.v1.RouteCore",
 ];
+/// SERVING while the process answers, through a drain too (the Endpoint
+/// Picker Protocol's liveness).
+pub const LIVENESS: &str = "liveness";
+/// How often readiness looks at the endpoints' state until it is synced.
+const SYNC_POLL: Duration = Duration::from_millis(10);
 
 /// How long the streams ended past the drain's grace get to send their status.
 const CLOSE_S: Duration = Duration::from_secs(1);
@@ -228,6 +237,8 @@ pub struct DataPlane {
     /// Ends the streams still open when the drain's grace runs out.
     closing: watch::Sender<bool>,
     health: tonic_health::server::HealthReporter,
+    /// Set by the drain; readiness is never reported SERVING after it.
+    draining: Arc<tokio::sync::Mutex<bool>>,
 }
 
 fn bind(host: &str, port: u16) -> Result<StdListener> {
@@ -327,12 +338,22 @@ impl DataPlane {
                 }
             }));
         }
+        let draining = Arc::new(tokio::sync::Mutex::new(false));
         first.block_on(async {
+            health
+                .set_service_status(LIVENESS, ServingStatus::Serving)
+                .await;
             for name in SERVICES {
                 health
-                    .set_service_status(name, ServingStatus::Serving)
+                    .set_service_status(name, ServingStatus::NotServing)
                     .await;
             }
+            tokio::spawn(ready_when_synced(
+                Arc::clone(&current),
+                health.clone(),
+                Arc::clone(&draining),
+                stopped.clone(),
+            ));
             let grpc =
                 TcpListener::from_std(grpc).map_err(|e| invalid(format!("cannot listen: {e}")))?;
             tokio::spawn(accept_forever(grpc, inboxes, stopped.clone()));
@@ -362,6 +383,7 @@ impl DataPlane {
             closing,
             servers: Mutex::new(servers),
             health,
+            draining,
         })
     }
 
@@ -394,9 +416,11 @@ impl DataPlane {
     /// stops the runtime.
     pub fn drain(&self, grace_s: f64) {
         let servers = std::mem::take(&mut *self.servers.lock().unwrap_or_else(|e| e.into_inner()));
-        let grace = Duration::from_secs_f64(grace_s.clamp(0.0, 3600.0));
+        let grace = Duration::from_secs_f64(grace_s.clamp(0.0, 86_400.0));
         let health = self.health.clone();
+        let draining = Arc::clone(&self.draining);
         let _ = self.block_on(async {
+            *draining.lock().await = true;
             for name in SERVICES {
                 health
                     .set_service_status(name, ServingStatus::NotServing)
@@ -433,6 +457,30 @@ impl Drop for DataPlane {
         let shards = std::mem::take(&mut *self.shards.lock().unwrap_or_else(|e| e.into_inner()));
         for shard in shards {
             let _ = shard.halt.send(true);
+        }
+    }
+}
+
+/// Reports the ready services SERVING once the endpoints' state is synced
+/// (unless a drain started first).
+async fn ready_when_synced(
+    current: Current,
+    health: tonic_health::server::HealthReporter,
+    draining: Arc<tokio::sync::Mutex<bool>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    while !super::extproc::current(&current).synced() {
+        tokio::select! {
+            _ = tokio::time::sleep(SYNC_POLL) => {}
+            _ = stop.changed() => return,
+        }
+    }
+    let draining = draining.lock().await;
+    if !*draining {
+        for name in SERVICES {
+            health
+                .set_service_status(name, ServingStatus::Serving)
+                .await;
         }
     }
 }

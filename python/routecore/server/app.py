@@ -5,8 +5,8 @@ Envoy's ext_proc, ``grpc.health.v1`` and the Prometheus metrics are served by
 and validates the configuration, starts the data plane, serves the RouteCore
 API (grpcio, on its own port, over the same Rust state), owns the signals
 (SIGHUP: validate, then swap the configuration atomically; SIGTERM: drain
-within the grace period) and the state file, and writes the control plane's
-log events.
+until the last open stream ends, within the grace period) and the state
+file, and writes the control plane's log events.
 """
 
 from __future__ import annotations
@@ -157,8 +157,13 @@ class Server:
         return True
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stops taking new streams and gives open ones ``grace`` seconds to finish."""
-        grace = self.config.server.grace_s if grace is None else grace
+        """Stops taking new streams and gives open ones ``grace`` seconds to finish
+        (None: ``server.grace_s``; that left out, until the last one ends, at most
+        ``limits.request_timeout_s``)."""
+        if grace is None:
+            grace = self.config.server.grace_s
+        if grace is None:
+            grace = self.config.limits.request_timeout_s
         await self.health.enter_graceful_shutdown()
         plane = self.plane
         stops = [self._api.stop(grace)] if self._api is not None else []

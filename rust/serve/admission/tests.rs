@@ -1,7 +1,8 @@
 //! The Redis backend against a real redis-server (started here on a free
-//! loopback port; the tests print a note and pass when `redis-server` is not
-//! on PATH): decisions as in memory, every fault through `failure_mode`, no
-//! phantom reservation, no over-admission under concurrency.
+//! loopback port; without `redis-server` on PATH the tests fail, as the
+//! Python ones do: scripts/setup installs it): decisions as in memory, every
+//! fault through `failure_mode`, no phantom reservation, no over-admission
+//! under concurrency.
 
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -19,35 +20,31 @@ struct RedisServer {
 }
 
 impl RedisServer {
-    /// None (with a note) when redis-server is not installed.
-    fn start() -> Option<Self> {
+    /// Panics when redis-server cannot be started (not installed): a missing
+    /// server is a broken setup, never a pass.
+    fn start() -> Self {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("free port")
             .port();
         let mut server = Self { port, child: None };
-        if !server.spawn() {
-            println!("note: redis-server not on PATH; Redis admission test skipped");
-            return None;
-        }
-        Some(server)
+        server.spawn();
+        server
     }
 
-    fn spawn(&mut self) -> bool {
-        let Ok(child) = Command::new("redis-server")
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-        else {
-            return false;
-        };
+            .unwrap_or_else(|e| panic!("cannot start redis-server ({e}): run scripts/setup"));
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if self.probe().is_ok() {
-                return true;
+                return;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -199,9 +196,7 @@ fn assert_failed_as(v: &Verdict, mode: FailureMode) {
 
 #[test]
 fn redis_decides_as_memory() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = RedisServer::start();
     runtime().block_on(async {
         let s = spec(&server.url(), FailureMode::Closed, 1.0);
         let red = Admission::from_spec(&s).expect("redis");
@@ -251,9 +246,7 @@ fn redis_decides_as_memory() {
 
 #[test]
 fn construction_never_connects_and_a_killed_redis_goes_through_failure_mode() {
-    let Some(mut server) = RedisServer::start() else {
-        return;
-    };
+    let mut server = RedisServer::start();
     for mode in [FailureMode::Open, FailureMode::Closed] {
         server.cmd(&["FLUSHALL"]);
         let rt = runtime();
@@ -264,7 +257,7 @@ fn construction_never_connects_and_a_killed_redis_goes_through_failure_mode() {
             assert_failed_as(&a, mode);
             assert!(red.failures() >= 1);
         });
-        assert!(server.spawn());
+        server.spawn();
         rt.block_on(async {
             let a = red.admit("g", 1, Some(1), "k2").await;
             let t = a.ticket().expect("Redis is back: accounted");
@@ -274,7 +267,7 @@ fn construction_never_connects_and_a_killed_redis_goes_through_failure_mode() {
             assert!(!red.complete(t, 1, 1, 0.1).await, "deferred, not done");
             assert!(red.evictions().await.is_empty());
         });
-        assert!(server.spawn());
+        server.spawn();
         rt.block_on(async {
             // Redis came back empty: the quota is configured again.
             assert!(red.admit("g", 1, Some(1), "k4").await.ticket().is_some());
@@ -285,9 +278,7 @@ fn construction_never_connects_and_a_killed_redis_goes_through_failure_mode() {
 
 #[test]
 fn error_replies_go_through_failure_mode_and_completions_replay_once() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = RedisServer::start();
     for mode in [FailureMode::Open, FailureMode::Closed] {
         server.cmd(&["FLUSHALL"]);
         runtime().block_on(async {
@@ -324,9 +315,7 @@ fn error_replies_go_through_failure_mode_and_completions_replay_once() {
 
 #[test]
 fn stalled_redis_leaves_no_phantom_reservation() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = RedisServer::start();
     runtime().block_on(async {
         let red = Arc::new(
             Admission::from_spec(&spec(&server.url(), FailureMode::Closed, 0.2)).expect("redis"),
@@ -400,9 +389,7 @@ fn eventually(within: Duration, cond: impl Fn() -> bool) -> bool {
 
 #[test]
 fn a_ticket_granted_after_its_caller_left_is_completed() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = RedisServer::start();
     let rt = runtime();
     let _context = rt.enter();
     let red = Arc::new(
@@ -434,9 +421,7 @@ fn a_ticket_granted_after_its_caller_left_is_completed() {
 
 #[test]
 fn a_settlement_cut_short_by_a_stall_keeps_what_it_owes() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = RedisServer::start();
     runtime().block_on(async {
         let red =
             Admission::from_spec(&spec(&server.url(), FailureMode::Closed, 0.2)).expect("redis");
@@ -481,9 +466,7 @@ fn a_settlement_cut_short_by_a_stall_keeps_what_it_owes() {
 
 #[test]
 fn concurrent_tasks_never_over_admit() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = RedisServer::start();
     runtime().block_on(async {
         // Two replicas on one quota: g may hold 2, the quota 4.
         let a = Arc::new(
@@ -533,9 +516,7 @@ fn concurrent_tasks_never_over_admit() {
 #[test]
 #[ignore]
 fn redis_admit_complete_timing() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = RedisServer::start();
     let mut s = spec(&server.url(), FailureMode::Closed, 1.0);
     s.quotas[0].concurrency = 1 << 20;
     s.entitlements[1].concurrency = 1 << 20;
