@@ -595,7 +595,7 @@ fn roomy(url: &str, mode: FailureMode, window_s: f64) -> AdmissionSpec {
 
 #[test]
 fn full_redis_refuses_admits_whole_still_releases_and_counts_them() {
-    let server = RedisServer::start().expect("redis-server is required: run scripts/setup");
+    let server = RedisServer::start();
     for mode in [FailureMode::Open, FailureMode::Closed] {
         server.cmd(&["FLUSHALL"]);
         runtime().block_on(async {
@@ -627,7 +627,7 @@ fn full_redis_refuses_admits_whole_still_releases_and_counts_them() {
 
 #[test]
 fn redis_filled_by_admission_state_recovers_by_itself() {
-    let server = RedisServer::start().expect("redis-server is required: run scripts/setup");
+    let server = RedisServer::start();
     let window_s = 3.0;
     for mode in [FailureMode::Open, FailureMode::Closed] {
         server.cmd(&["FLUSHALL"]);
