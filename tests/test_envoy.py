@@ -202,7 +202,8 @@ def test_routecore_killed_fails_closed_or_open_as_the_file_says(name, engines, e
         for i in range(4):
             status, _, body = request(gw.url, chat(f"up {i}", 5, stream=True))
             assert status == 200
-            assert events(body)[-1] == "[DONE]" and len(events(body)) == 7
+            # vLLM's shape: the role chunk, 5 tokens, the usage chunk, [DONE].
+            assert events(body)[-1] == "[DONE]" and len(events(body)) == 8
         assert live[0].hits == {} and live[1].hits["/v1/chat/completions"] == 4
         assert server.metric("routecore_decisions_total") == 4
     finally:
@@ -275,7 +276,9 @@ def test_a_rolling_restart_of_two_replicas_cuts_no_stream(engines, envoy, tmp_pa
         assert [s for s, _ in results if s != 200] == []
         for _, body in results:
             data = events(body)
-            assert data[-1] == "[DONE]" and len(data) == 14 + 2, data
+            assert data[-1] == "[DONE]" and len(data) == 14 + 3, (
+                data
+            )  # role, 14 tokens, usage, [DONE]
             text = "".join(
                 c["delta"].get("content", "") for d in data[:-1] for c in json.loads(d)["choices"]
             )

@@ -253,6 +253,8 @@ CASES = {
     ),
     "DataPlane.finish.prompt_tokens": lambda v: _finish(v, 1),
     "DataPlane.finish.completion_tokens": lambda v: _finish(1, v),
+    "DataPlane.feedback.prompt_tokens": lambda v: _finish(v, 1, feedback=True),
+    "DataPlane.feedback.completion_tokens": lambda v: _finish(1, v, feedback=True),
     "load.requests": lambda v: _load(requests=v),
     "load.concurrency": lambda v: _load(concurrency=v),
     "load.body_bytes": lambda v: _load(body_bytes=v),
@@ -324,10 +326,15 @@ def _load(**kwargs):
     core.load(f"127.0.0.1:{plane().port}", **{"requests": 1, **kwargs})
 
 
-def _finish(prompt_tokens, completion_tokens):
+def _finish(prompt_tokens, completion_tokens, feedback=False):
+    """Ends a request routed through the API with this usage: ``finish``, or
+    ``feedback`` (the RouteCore API's, with a key: none is needed here)."""
     routed = plane().route_fields(10, "prose", 10)
     try:
-        plane().finish(routed["request_id"], prompt_tokens, completion_tokens)
+        if feedback:
+            plane().feedback(routed["request_id"], b"", prompt_tokens, completion_tokens)
+        else:
+            plane().finish(routed["request_id"], prompt_tokens, completion_tokens)
     finally:
         plane().finish(routed["request_id"])
 
@@ -424,6 +431,8 @@ UNSIGNED_64 = {
     "admission_redis_config.max_void_markers",
     "DataPlane.finish.prompt_tokens",
     "DataPlane.finish.completion_tokens",
+    "DataPlane.feedback.prompt_tokens",
+    "DataPlane.feedback.completion_tokens",
 }
 
 

@@ -480,6 +480,6 @@ def test_route_keys_a_body_with_the_callers_token_ids(tmp_path):
             # Held open: without the ids the second would go to the idle endpoint.
             assert [r.endpoint for r in routed] == [SHORT[0], SHORT[0]]
             for r in routed:
-                stub.Feedback(rc.FeedbackRequest(request_id=r.request_id))
+                stub.Feedback(rc.FeedbackRequest(request_id=r.request_id, api_key="demo-key"))
     finally:
         server.stop()

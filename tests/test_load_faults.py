@@ -198,7 +198,8 @@ def test_streams_cancelled_in_every_phase_under_load_leak_nothing(serve):
 @pytest.mark.slow
 def test_two_thousand_concurrent_streams_are_all_served_and_released(serve):
     n = 2000
-    s = serve(admission=admission(n), tenants=tenants())
+    # The load client multiplexes its streams on one connection, as an Envoy worker does.
+    s = serve(admission=admission(n), tenants=tenants(), limits={"max_streams_per_connection": n})
     start = time.monotonic()
     # Each routed conversation holds its stream 1 s (the upstream's time).
     run = background(s.target, requests=2 * n, concurrency=n, response_delay_s=1.0, timeout_s=20.0)

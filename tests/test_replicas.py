@@ -178,7 +178,8 @@ def test_admission_is_shared_between_replicas(engines, replicas, redis_server):
 
     def call(replica: Spawned, rpc: str, request):
         with grpc.insecure_channel(replica.api_target) as channel:
-            return getattr(rc_grpc.RouteCoreStub(channel), rpc)(request, timeout=10)
+            stub = rc_grpc.RouteCoreStub(channel)
+            return getattr(stub, rpc)(request, timeout=10, metadata=[("x-api-key", "demo-key")])
 
     def route_api(replica: Spawned, head: int) -> rc.RouteResponse:
         return call(

@@ -114,7 +114,10 @@ def test_absurd_usage_in_sse_and_feedback_is_ignored(serve):
             assert resp.admission.admitted
             stub.Feedback(
                 rc.FeedbackRequest(
-                    request_id=resp.request_id, prompt_tokens=ABSURD, completion_tokens=ABSURD
+                    request_id=resp.request_id,
+                    prompt_tokens=ABSURD,
+                    completion_tokens=ABSURD,
+                    api_key="demo-key",
                 )
             )
     assert metric(s, "absurd_usage", "short") == 3
@@ -202,7 +205,7 @@ def through_api(s: Running, key: str, body: bytes) -> tuple[int, str]:
             return 400, e.details()
         if not resp.admission.admitted:
             return resp.admission.status, resp.admission.reason
-        stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id))
+        stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id, api_key=key))
         return 200, resp.pool
 
 
@@ -341,7 +344,7 @@ def test_routecore_out_of_range_fields_and_deep_plan_params_are_invalid_argument
         huge += '{"input_tokens": [99999999999999999999999], "output_tokens": [1]}}'
         for bad in ("[" * 100_000, '{"a":' * 50_000, huge, '{"arrival_rate": 1e999}'):
             with pytest.raises(grpc.RpcError) as e:
-                stub.Plan(rc.PlanRequest(params_json=bad))
+                stub.Plan(rc.PlanRequest(params_json=bad), metadata=list(KEY.items()))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad[:40]
     wait_settled(s)
 
@@ -621,7 +624,9 @@ def test_redis_error_replies_go_through_failure_mode_without_detail(serve, redis
             assert resp.admission.admitted == (mode == "open")
             if resp.request_id:
                 rc_grpc.RouteCoreStub(channel).Feedback(
-                    rc.FeedbackRequest(request_id=resp.request_id, prompt_tokens=5)
+                    rc.FeedbackRequest(
+                        request_id=resp.request_id, prompt_tokens=5, api_key="demo-key"
+                    )
                 )
         wait_settled(s)
     finally:

@@ -323,7 +323,7 @@ def check_exact_routing(server: Running, reference) -> None:
         def route(body: bytes):
             resp = stub.Route(rc.RouteRequest(body=body, api_key="demo-key"))
             assert resp.admission.admitted
-            stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id))
+            stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id, api_key="demo-key"))
             return resp
 
         exact = len(reference.encode("<|im_start|>" + text, add_special_tokens=False).ids)

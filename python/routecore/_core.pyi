@@ -1339,7 +1339,22 @@ class DataPlane:
         prompt_tokens: int | None = None,
         completion_tokens: int | None = None,
     ) -> bool:
-        """Releases a request with its usage; False when it is not in flight."""
+        """Releases any request with its usage (a trusted caller); False when it is
+        not in flight."""
+    def feedback(
+        self,
+        request_id: str,
+        api_key: bytes,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """The RouteCore API's Feedback through the front door: releases a request
+        the key's tenant routed through ``route_body`` / ``route_fields``;
+        ``{"done": True}`` or ``{"done": False, "status", "reason", "message", ...}``
+        (401 / 403 the key, 400 an id over 64 bytes, 404 none of the caller's)."""
+    def authenticate(self, api_key: bytes) -> dict[str, Any]:
+        """Checks a key as the front door does: ``{"authenticated": True, "tenant":
+        name or None}`` or ``{"authenticated": False, "status", "reason", ...}``."""
     def reap(self) -> int:
         """Releases every request past its deadline now; returns how many."""
     def leases(self) -> list[str]:
