@@ -14,7 +14,7 @@ With ``access_log=True`` Envoy writes one JSON line per request
 chose (the request's ``x-gateway-destination-endpoint`` as Envoy forwarded
 it), the endpoint Envoy connected to last (``%UPSTREAM_HOST%``), the status,
 the number of upstream attempts and the ``x-api-key`` header as it was when
-the request left (``-``: removed); :meth:`Envoy.entry` finds a request's line.
+the request left (null: none); :meth:`Envoy.entry` finds a request's line.
 """
 
 from __future__ import annotations
