@@ -23,6 +23,7 @@ import copy
 import ctypes
 import json
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -109,6 +110,11 @@ class Envoy:
         self.log = self.dir / f"envoy-{self.admin_port}.log"
         self.access_log = self.dir / f"envoy-{self.admin_port}-access.log" if access_log else None
         listeners = self.config["static_resources"]["listeners"]
+        port = listeners[0]["address"]["socket_address"]["port_value"]
+        with socket.socket() as s:
+            # Envoy would share a port in use (it binds with SO_REUSEPORT).
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
         if self.access_log is not None:
             (manager,) = (f["typed_config"] for f in listeners[0]["filter_chains"][0]["filters"])
             manager["access_log"] = [
@@ -123,9 +129,7 @@ class Envoy:
             ]
         self.path.write_text(yaml.safe_dump(self.config))
         #: The HTTP listener's address, ``http://127.0.0.1:PORT``.
-        self.url = "http://127.0.0.1:{}".format(
-            listeners[0]["address"]["socket_address"]["port_value"]
-        )
+        self.url = f"http://127.0.0.1:{port}"
         with self.log.open("w") as log:
             # One worker thread: this machine has two cores and others use them.
             self.proc = subprocess.Popen(
