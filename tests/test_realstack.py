@@ -3,9 +3,6 @@ requests (plain HTTP) to Envoy's listener, routecore choosing among real vLLM
 engines on CPU, answers JSON and SSE. What each engine did is read from the
 engine itself (its /metrics, its /tokenize) and from Envoy's access log
 (the endpoint routecore chose and the one Envoy connected to).
-
-Tests that need fixes being made on other branches are strict xfails naming
-the branch; the lead flips them when merging it.
 """
 
 from __future__ import annotations
@@ -361,7 +358,6 @@ def test_routecore_killed_fails_closed_and_recovers_on_restart(stack: Stack) -> 
     wait_for(lambda: send(stack.url, chat("hello", max_tokens=2)).status == 200, 30)
 
 
-@pytest.mark.xfail(strict=True, reason="needs harden-kv (vLLM's four-frame replay)")
 def test_a_late_replica_learns_the_engines_caches_by_replay(stack: Stack) -> None:
     target = stack.engines[0]
     cache_on(stack, target, prompt(10_000))
