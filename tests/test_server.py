@@ -407,10 +407,11 @@ def test_routecore_service(server):
         assert (resp.est_input_tokens, resp.est_output_tokens) == (100, 50)
         assert resp.est_total_tokens == 150 and resp.reason == "budget"
         assert server.run(server.engine.router.in_flight, "short") == 1
-        stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id, prompt_tokens=80))
+        done = rc.FeedbackRequest(request_id=resp.request_id, prompt_tokens=80, api_key="demo-key")
+        stub.Feedback(done)
         assert server.run(server.engine.router.calibrator.ratio, "prose") == 5.0
         with pytest.raises(grpc.RpcError) as e:
-            stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id, prompt_tokens=80))
+            stub.Feedback(done)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
         measured = rc.MeasuredRequest(prompt_bytes=0, category="code", max_output_tokens=9000)
@@ -420,7 +421,7 @@ def test_routecore_service(server):
         resp2 = stub.Route(rc.RouteRequest(measured=tokens, api_key="demo-key"))
         assert resp2.pool == "long" and resp2.est_input_tokens == 8100
         for r in (resp, resp2):
-            stub.Feedback(rc.FeedbackRequest(request_id=r.request_id))
+            stub.Feedback(rc.FeedbackRequest(request_id=r.request_id, api_key="demo-key"))
 
         refused = stub.Route(rc.RouteRequest(body=chat_body("x"), api_key="wrong-key"))
         assert not refused.admission.admitted and refused.admission.status == 401
@@ -446,7 +447,7 @@ def test_routecore_service(server):
             '{"arrival_rate": -1, "slo_ttft_s": 0.5, "workload": "azure-2023"}',
         ]:
             with pytest.raises(grpc.RpcError) as e:
-                stub.Plan(rc.PlanRequest(params_json=bad))
+                stub.Plan(rc.PlanRequest(params_json=bad), metadata=list(KEY.items()))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
     settled(server)
 
@@ -459,7 +460,9 @@ def test_plan_through_grpc_equals_the_library(server):
         "profile": "llama3_70b_a100",
     }
     with grpc.insecure_channel(server.api_target) as channel:
-        resp = rc_grpc.RouteCoreStub(channel).Plan(rc.PlanRequest(params_json=json.dumps(params)))
+        resp = rc_grpc.RouteCoreStub(channel).Plan(
+            rc.PlanRequest(params_json=json.dumps(params)), metadata=list(KEY.items())
+        )
     got = json.loads(resp.plan_json)
     direct = plan(Workload([900, 100, 3000], [100, 50, 1000]), 10.0, 0.5, Profile.llama3_70b_a100())
     # One serialisation for the API and `routecore plan --json`.

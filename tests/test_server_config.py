@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +132,7 @@ def bad(path: str, value):
         (bad("scrape.unhealthy_after", 0), "scrape.unhealthy_after"),
         (bad("scrape.enabled", "yes"), "scrape.enabled"),
         (bad("scrape.max_page_bytes", 10), "scrape.max_page_bytes"),
+        (bad("scrape.max_series", 0), "scrape.max_series"),
         (
             bad("scrape.engines", {"tgi": {"waiting": ["q"]}}),
             "scrape.engines.tgi.running: required",
@@ -252,3 +255,63 @@ def test_token_limits_are_the_cores():
         parse_config(raw)
     raw["pools"][0]["max_context"] = _core.MAX_TOKENS
     parse_config(raw)
+
+
+# -- YAML errors never show the file's text (issue 22, item 9) -------------------------
+
+SECRET = "sk-live-0123456789abcdef"
+CONFIG_TEXT = """\
+scrape: {enabled: false}
+pools:
+  - {name: short, max_context: 8192, endpoints: ["127.0.0.1:8001"]}
+tenants:
+  - name: demo
+    API_KEYS
+"""
+#: Syntax errors on or next to the ``api_keys`` line (each quoted PyYAML's
+#: snippet, or a name from the line, with the key in clear).
+BROKEN_KEYS = {
+    "missing closing quote": f'api_keys: ["{SECRET}]',
+    "missing closing single quote": f"api_keys: ['{SECRET}",
+    "bad indent": f"api_keys:\n      - {SECRET}\n     - other-key-1234",
+    "tab": f"api_keys:\n\t- {SECRET}",
+    "tab after the value": f"api_keys: [{SECRET}]\t\n  x: y",
+    "duplicate key": f'api_keys: ["{SECRET}"]\n    api_keys: ["other-key-1234"]',
+    "mapping in a value": f"api_keys: {SECRET}: x",
+    "unclosed flow": f"api_keys: [{SECRET}, {{]",
+    "alias": f"api_keys: [*{SECRET}]",
+    "tag": f"api_keys: [!{SECRET} x]",
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN_KEYS))
+def test_a_yaml_error_next_to_a_key_never_shows_it(tmp_path, capsys, variant):
+    from routecore.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(CONFIG_TEXT.replace("API_KEYS", f'api_keys: ["{SECRET}"]'))
+    assert load_config(path).tenants[0].name == "demo"  # the file is good but for the error
+    path.write_text(CONFIG_TEXT.replace("API_KEYS", BROKEN_KEYS[variant]))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    message = str(e.value)
+    assert "not valid YAML" in message and re.search(r"line \d+, column \d+", message)
+    assert SECRET not in message and SECRET[:8] not in message, message
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained snippet
+    # The start error of `routecore serve`.
+    assert main(["serve", "--config", str(path)]) == 2
+    out = capsys.readouterr()
+    assert "not valid YAML" in out.err and SECRET not in out.err + out.out
+
+
+def test_a_reload_into_a_yaml_error_next_to_a_key_never_logs_it(serve, caplog):
+    s = serve()
+    caplog.set_level(logging.INFO, logger="routecore.server")
+    for variant, text in BROKEN_KEYS.items():
+        s.path.write_text(CONFIG_TEXT.replace("API_KEYS", text))
+        assert s.run(s.server.reload) is False, variant
+    failed = [r for r in caplog.records if r.getMessage() == "reload-failed"]
+    assert len(failed) == len(BROKEN_KEYS)
+    for r in failed:
+        assert "not valid YAML" in r.fields["error"]
+        assert SECRET not in r.fields["error"] and SECRET[:8] not in repr(r.__dict__)

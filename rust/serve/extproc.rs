@@ -6,20 +6,26 @@
 //!
 //! - Request headers: the tenant's API key is read from the key header
 //!   (`raw_value`, or `value` when that is empty: the same bytes either way;
-//!   401 / 403 as an ImmediateResponse when unknown or expired). In BUFFERED
-//!   and STREAMED body modes the headers are answered at once; in
-//!   FULL_DUPLEX_STREAMED the answer waits for the whole body, so that it can
-//!   carry the routing headers. Headers that end the stream route to the
-//!   default pool. The objective and fairness id come from llm-d's
+//!   401 / 403 as an ImmediateResponse when unknown or expired). Every answer
+//!   that mutates the request's headers removes the key header and
+//!   `server.strip_headers`, so they never reach the engine whatever Envoy's
+//!   configuration, and the headers routecore sets overwrite any the client
+//!   sent. In BUFFERED and STREAMED body modes the headers are answered at
+//!   once; in FULL_DUPLEX_STREAMED the answer waits for the whole body, so
+//!   that it can carry the routing headers. Headers that end the stream route
+//!   to the default pool. The objective and fairness id come from llm-d's
 //!   `x-llm-d-inference-objective` / `x-llm-d-inference-fairness-id`, or the
 //!   GIE's `x-gateway-inference-*` names (aliases).
 //! - Request body: chunks are accumulated up to `limits.max_body_bytes` (413
-//!   above), parsed and routed (pool by token budget, endpoint inside it,
-//!   admission). The answer sets `x-gateway-destination-endpoint` to the
-//!   ordered list `ip:port,ip:port,...` (the chosen endpoint, then its
-//!   fallbacks, for Envoy's retries) and `x-routecore-pool` with
-//!   `clear_route_cache`, and the `envoy.lb` dynamic metadata
-//!   `{x-gateway-destination-endpoint: <the same list>}`; a compressed body
+//!   above; 503 when every stream's buffers together would pass
+//!   `limits.max_buffered_bytes`; 408 when the stream is not routed within
+//!   `limits.body_timeout_s` of its opening: `serve::limits`), parsed and
+//!   routed (pool by token budget, endpoint inside it, admission). The answer
+//!   sets `x-gateway-destination-endpoint` to the ordered list
+//!   `ip:port,ip:port,...` (the chosen endpoint, then its fallbacks, for
+//!   Envoy's retries) and `x-routecore-pool` with `clear_route_cache`, and
+//!   the `envoy.lb` dynamic metadata `{x-gateway-destination-endpoint: <the
+//!   same list>}`; a compressed body
 //!   is sent as a body mutation with its `content-length`.
 //!   In STREAMED mode every chunk but the last is answered empty and the last
 //!   carries the routing; in FULL_DUPLEX_STREAMED the headers answer comes
@@ -48,6 +54,7 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
 
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
@@ -65,6 +72,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::engine::{Engine, Hints, Outcome, Reject, Routed, Shared};
 use super::front::{Door, Routing};
+use super::limits::{
+    Buffer, StreamCount, StreamSlot, BODY_TIMEOUT, BUFFERS_FULL, MAX_STREAMS_PER_CONNECTION,
+};
 use super::usage::UsageReader;
 use crate::error::Result;
 
@@ -106,6 +116,7 @@ fn answer(a: Answer) -> ProcessingResponse {
     }
 }
 
+/// A header routecore sets: it replaces any value the client sent.
 fn header(key: &str, value: &[u8]) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
@@ -113,6 +124,7 @@ fn header(key: &str, value: &[u8]) -> HeaderValueOption {
             raw_value: value.to_vec(),
             ..Default::default()
         }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
         ..Default::default()
     }
 }
@@ -260,8 +272,8 @@ pub struct Conversation {
     response_mode: i32,
     /// The key, the body limit, the routing under the failure mode.
     door: Door,
-    body: Vec<u8>,
-    lease: Option<u64>,
+    body: Buffer,
+    lease: Option<u128>,
     routed: bool,
     usage: Option<UsageReader>,
     /// The stream is answered for good (an ImmediateResponse was sent).
@@ -280,11 +292,11 @@ impl Conversation {
     pub fn new(engine: Arc<Engine>, shared: Arc<Shared>) -> Self {
         Self {
             door: Door::new(Arc::clone(&engine), Arc::clone(&shared)),
+            body: Buffer::new(&shared.overload),
             engine,
             shared,
             request_mode: BUFFERED,
             response_mode: BodySendMode::None as i32,
-            body: Vec::new(),
             lease: None,
             routed: false,
             usage: None,
@@ -451,9 +463,59 @@ impl Conversation {
         if self.request_mode == FULL_DUPLEX {
             return Ok(Vec::new());
         }
-        Ok(vec![answer(Answer::RequestHeaders(
-            HeadersResponse::default(),
-        ))])
+        Ok(vec![answer(Answer::RequestHeaders(HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(self.mutation(Vec::new())),
+                ..Default::default()
+            }),
+        }))])
+    }
+
+    /// A mutation of the request's headers: `set` (without what the
+    /// configuration strips), and the key header and `server.strip_headers`
+    /// removed.
+    fn mutation(&self, mut set: Vec<HeaderValueOption>) -> HeaderMutation {
+        let strip = &self.engine.strip_headers;
+        set.retain(|h| h.header.as_ref().is_none_or(|h| !strip.contains(&h.key)));
+        HeaderMutation {
+            set_headers: set,
+            remove_headers: strip.clone(),
+        }
+    }
+
+    /// Whether the request is still to be routed (its headers and body are
+    /// awaited, within `limits.body_timeout_s`).
+    pub fn awaits_routing(&self) -> bool {
+        !self.routed && !self.done
+    }
+
+    /// The request was not routed within `limits.body_timeout_s`: 408, and
+    /// what its body held is freed.
+    pub fn time_out(&mut self) -> Vec<ProcessingResponse> {
+        self.shared.overload.reached(BODY_TIMEOUT);
+        let secs = self.engine.spec.limits.body_timeout_s;
+        let message = format!("the request was not received within {secs} s");
+        let rej = self
+            .engine
+            .refuse(self.door.tenant(), 408, "body-timeout", message, 0.0);
+        self.body.release();
+        self.refuse(rej)
+    }
+
+    /// The data plane's buffers cannot hold this request
+    /// (`limits.max_buffered_bytes`): 503, retry; what its body held is freed.
+    pub fn buffers_full(&mut self) -> Vec<ProcessingResponse> {
+        let message = "too many requests are being received; retry";
+        let rej = self
+            .engine
+            .refuse(self.door.tenant(), 503, "buffers-full", message, 1.0);
+        self.body.release();
+        self.refuse(rej)
+    }
+
+    /// The answers carrying copies of the body are sent: its budget is given back.
+    pub fn settle(&mut self) {
+        self.body.settle();
     }
 
     async fn on_request_body(
@@ -469,7 +531,9 @@ impl Conversation {
         if let Err(rej) = self.door.check_body(self.body.len() + chunk.len()) {
             return Ok(self.refuse(rej));
         }
-        self.body.extend_from_slice(chunk);
+        if !self.body.extend(chunk, self.limit()) {
+            return Ok(self.buffers_full());
+        }
         if end || (self.request_mode != STREAMED && self.request_mode != FULL_DUPLEX) {
             return Ok(self.route_now().await);
         }
@@ -483,7 +547,7 @@ impl Conversation {
         self.routed = true;
         let outcome = self
             .door
-            .route(Routing::Body(&self.body), &self.hints)
+            .route(Routing::Body(self.body.data()), &self.hints)
             .await;
         self.answer(outcome, true)
     }
@@ -515,10 +579,7 @@ impl Conversation {
             set_headers.push(header("content-length", b.len().to_string().as_bytes()));
         }
         let mut common = CommonResponse {
-            header_mutation: Some(HeaderMutation {
-                set_headers,
-                ..Default::default()
-            }),
+            header_mutation: Some(self.mutation(set_headers)),
             clear_route_cache: true,
             ..Default::default()
         };
@@ -530,7 +591,9 @@ impl Conversation {
             r.dynamic_metadata = md;
             return vec![r];
         }
-        let original = std::mem::take(&mut self.body);
+        // Copies of the body go out in the answers: its budget is held until
+        // they are sent (`settle`).
+        let original = self.body.free();
         if self.request_mode == FULL_DUPLEX {
             let body = routed.body.as_deref().unwrap_or(&original);
             let mut first = answer(Answer::RequestHeaders(HeadersResponse {
@@ -559,13 +622,8 @@ impl Conversation {
         vec![r]
     }
 
+    /// Answers a refusal (counted and logged by `Engine::refuse`).
     fn refuse(&mut self, rej: Reject) -> Vec<ProcessingResponse> {
-        tracing::info!(
-            status = rej.status,
-            reason = rej.reason.as_str(),
-            tenant = self.engine.tenant_name(self.door.tenant()),
-            "refused"
-        );
         self.done = true;
         vec![immediate(&rej)]
     }
@@ -590,7 +648,7 @@ impl Conversation {
         self.shared.fault("response_headers")?;
         let sse = find_header(headers, b"content-type")
             .is_some_and(|v| v.windows(17).any(|w| w == b"text/event-stream"));
-        self.usage = Some(UsageReader::new(sse, self.limit()));
+        self.usage = Some(UsageReader::new(sse, self.limit(), &self.shared.overload));
         if headers.end_of_stream {
             self.finish();
         }
@@ -606,8 +664,9 @@ impl Conversation {
     fn on_response_body(&mut self, chunk: &[u8], end: bool) -> Result<Vec<ProcessingResponse>> {
         self.shared.fault("response_body")?;
         let limit = self.limit();
+        let overload = &self.shared.overload;
         self.usage
-            .get_or_insert_with(|| UsageReader::new(false, limit))
+            .get_or_insert_with(|| UsageReader::new(false, limit, overload))
             .feed(chunk, end);
         if end {
             self.finish();
@@ -657,6 +716,11 @@ struct StreamState {
     pending: VecDeque<ProcessingResponse>,
     ended: bool,
     closing: watch::Receiver<bool>,
+    /// `limits.body_timeout_s` after the stream opened: the request must be
+    /// routed by then.
+    deadline: tokio::time::Instant,
+    /// Counts the stream on its connection while it is open.
+    _slot: Option<StreamSlot>,
 }
 
 type ResponseStream =
@@ -678,13 +742,21 @@ async fn next(
         if st.ended || st.conv.done {
             return None;
         }
+        st.conv.settle();
         // The end of the client's stream, a client error or a cancel ends the
         // stream (with the error's status); dropping the state releases. So
-        // does the end of the drain's grace: UNAVAILABLE, retry elsewhere.
+        // does the end of the drain's grace: UNAVAILABLE, retry elsewhere; and
+        // a request not routed by its deadline: 408.
+        let routing = st.conv.awaits_routing();
         let message = tokio::select! {
             biased;
             m = st.inbound.message() => Some(m),
             _ = st.closing.wait_for(|closing| *closing) => None,
+            () = tokio::time::sleep_until(st.deadline), if routing => {
+                let out = st.conv.time_out();
+                st.pending.extend(out);
+                continue;
+            }
         };
         let Some(message) = message else {
             st.ended = true;
@@ -693,6 +765,14 @@ async fn next(
         let msg = match message {
             Ok(Some(msg)) => msg,
             Ok(None) => return None,
+            // The buffer budget cannot hold what the stream sends
+            // (`limits::Received`): a request still to be routed is refused.
+            Err(status) if status.message() == BUFFERS_FULL && st.conv.awaits_routing() => {
+                st.ended = true;
+                let out = st.conv.buffers_full();
+                st.pending.extend(out);
+                continue;
+            }
             Err(status) => {
                 st.ended = true;
                 // tonic reports a message over the size limit as OUT_OF_RANGE;
@@ -726,12 +806,33 @@ impl ExternalProcessor for Processor {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> std::result::Result<Response<Self::ProcessStream>, Status> {
+        let engine = current(&self.current);
+        let limits = &engine.spec.limits;
+        // The connection's streams (none known: a connection not accepted by
+        // the data plane's listener, e.g. in a test).
+        let slot = match request.extensions().get::<StreamCount>() {
+            Some(streams) => {
+                let max = usize::try_from(limits.max_streams_per_connection).unwrap_or(usize::MAX);
+                let Some(slot) = streams.open(max) else {
+                    self.shared.overload.reached(MAX_STREAMS_PER_CONNECTION);
+                    return Err(Status::resource_exhausted(format!(
+                        "more than {max} streams open on this connection"
+                    )));
+                };
+                Some(slot)
+            }
+            None => None,
+        };
+        let deadline = tokio::time::Instant::now()
+            + std::time::Duration::from_secs_f64(limits.body_timeout_s.min(1e9));
         let state = Box::new(StreamState {
-            conv: Conversation::new(current(&self.current), Arc::clone(&self.shared)),
+            conv: Conversation::new(Arc::clone(&engine), Arc::clone(&self.shared)),
             inbound: request.into_inner(),
             pending: VecDeque::new(),
             ended: false,
             closing: self.closing.clone(),
+            deadline,
+            _slot: slot,
         });
         Ok(Response::new(Box::pin(futures_util::stream::unfold(
             state, next,

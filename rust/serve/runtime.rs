@@ -33,12 +33,13 @@ use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::Connected;
 use tonic_health::ServingStatus;
 
 use super::config::Spec;
 use super::engine::{Engine, Shared};
 use super::extproc::{current, Current, Processor};
+use super::limits::{Bounded, Overload, StreamCount, MAX_CONNECTIONS};
 use super::metrics;
 use crate::calibrate::Calibrator;
 use crate::error::{invalid, Result};
@@ -135,13 +136,16 @@ impl Drop for Open {
 struct Conn {
     io: TcpStream,
     _open: Open,
+    /// Its open ext_proc streams (`limits.max_streams_per_connection`).
+    streams: StreamCount,
 }
 
 impl Connected for Conn {
-    type ConnectInfo = TcpConnectInfo;
+    /// What each of its requests carries in its extensions.
+    type ConnectInfo = StreamCount;
 
-    fn connect_info(&self) -> TcpConnectInfo {
-        self.io.connect_info()
+    fn connect_info(&self) -> StreamCount {
+        self.streams.clone()
     }
 }
 
@@ -191,10 +195,13 @@ struct Inbox {
     open: Arc<AtomicUsize>,
 }
 
-/// Accepts connections and gives each to the shard with the fewest open.
+/// Accepts connections and gives each to the shard with the fewest open;
+/// past `limits.max_connections` open, a new one is closed at once.
 async fn accept_forever(
     listener: TcpListener,
     inboxes: Vec<Inbox>,
+    current: Current,
+    overload: Arc<Overload>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -211,6 +218,15 @@ async fn accept_forever(
                 continue;
             }
         };
+        let open: usize = inboxes.iter().map(|i| i.open.load(Ordering::Relaxed)).sum();
+        let max = super::extproc::current(&current)
+            .spec
+            .limits
+            .max_connections;
+        if open as u64 >= max {
+            overload.reached(MAX_CONNECTIONS);
+            continue; // dropped: closed
+        }
         let _ = stream.set_nodelay(true);
         let Ok(stream) = stream.into_std() else {
             continue;
@@ -304,7 +320,14 @@ impl DataPlane {
             .map(|a| a.port());
         let (stop, stopped) = watch::channel(false);
         let (closing, closing_rx) = watch::channel(false);
-        crate::kv::subscribe(kv_spec.as_ref(), &shared.kv, first.handle(), &stopped)?;
+        let metrics = Arc::clone(&shared.metrics);
+        crate::kv::subscribe(
+            kv_spec.as_ref(),
+            &shared.kv,
+            first.handle(),
+            &stopped,
+            Arc::new(move |kind| metrics.fault("kv_events", kind)),
+        )?;
         let (health, health_service) = tonic_health::server::health_reporter();
         let processor = ExternalProcessorServer::new(Processor {
             current: Arc::clone(&current),
@@ -313,6 +336,8 @@ impl DataPlane {
         })
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);
+        // What each stream sends is held in the buffer budget before tonic has it.
+        let processor = Bounded::new(processor, &shared.overload);
         let mut inboxes = Vec::new();
         let mut servers = Vec::new();
         for shard in shards {
@@ -323,7 +348,11 @@ impl DataPlane {
             });
             // Registered with the reactor of the shard that polls it.
             let incoming = UnboundedReceiverStream::new(receive).map(|(stream, open)| {
-                TcpStream::from_std(stream).map(|io| Conn { io, _open: open })
+                TcpStream::from_std(stream).map(|io| Conn {
+                    io,
+                    _open: open,
+                    streams: StreamCount::default(),
+                })
             });
             let mut until = stopped.clone();
             let server = tonic::transport::Server::builder()
@@ -356,7 +385,13 @@ impl DataPlane {
             ));
             let grpc =
                 TcpListener::from_std(grpc).map_err(|e| invalid(format!("cannot listen: {e}")))?;
-            tokio::spawn(accept_forever(grpc, inboxes, stopped.clone()));
+            tokio::spawn(accept_forever(
+                grpc,
+                inboxes,
+                Arc::clone(&current),
+                Arc::clone(&shared.overload),
+                stopped.clone(),
+            ));
             if let Some(l) = metrics_listener {
                 let l =
                     TcpListener::from_std(l).map_err(|e| invalid(format!("cannot listen: {e}")))?;
@@ -443,6 +478,10 @@ impl DataPlane {
                 }
             }
         });
+        // The releases of the streams just ended reach a remote admission
+        // backend before the runtime stops (bounded by its flush timeout).
+        let _ = self.block_on(self.shared.close());
+        self.shared.scraper.stop();
         let shards = std::mem::take(&mut *self.shards.lock().unwrap_or_else(|e| e.into_inner()));
         shards.into_iter().for_each(Shard::stop);
     }

@@ -111,7 +111,9 @@ class Server:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        routecore_pb2_grpc.add_RouteCoreServicer_to_server(RouteCoreService(self.plane), self._api)
+        routecore_pb2_grpc.add_RouteCoreServicer_to_server(
+            RouteCoreService(self.plane, s.key_header), self._api
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._api)
         address = f"{s.host}:{self.api_port}"
         try:

@@ -233,6 +233,66 @@ fn an_unrecovered_gap_clears_the_endpoint() {
 }
 
 #[test]
+fn an_endpoint_that_follows_nothing_takes_any_batch_first() {
+    let kv = index(100, None);
+    assert!(
+        kv.expects("e", 5000).expect("e"),
+        "a fresh endpoint starts anywhere"
+    );
+    kv.apply("e", 5000, &[Ok(stored(&[1], None, &[1, 2]))], 0.0)
+        .expect("a");
+    assert!(!kv.expects("e", 5000).expect("e"));
+    assert!(!kv.expects("e", 5002).expect("e"));
+    assert!(kv.expects("e", 5001).expect("e"));
+    // A restart seen by replay: cleared, and again any batch is first.
+    kv.restarted("e").expect("e");
+    let s = kv.stats("e").expect("e");
+    assert_eq!((s.blocks, s.last_seq, s.restarts), (0, None, 1));
+    assert!(kv.expects("e", 7).expect("e"));
+}
+
+#[test]
+fn a_batch_that_cannot_be_read_consumes_its_number_and_clears() {
+    let kv = index(100, None);
+    feed(&kv, vec![stored(&[1], None, &[1, 2])]);
+    assert_eq!(kv.observe("e", 1).expect("e"), Seq::Next);
+    kv.refused("e", 1, 0.0).expect("e");
+    let s = kv.stats("e").expect("e");
+    assert_eq!((s.blocks, s.last_seq, s.garbage), (0, Some(1), 1));
+    assert_eq!(kv.observe("e", 2).expect("e"), Seq::Next, "no gap");
+}
+
+#[test]
+fn a_batch_larger_than_the_capacity_keeps_its_newest_blocks() {
+    let kv = index(16, None);
+    let events: Vec<_> = (0..1000u32)
+        .map(|i| Ok(stored(&[u64::from(i)], None, &[i, i])))
+        .collect();
+    assert_eq!(kv.observe("e", 0).expect("e"), Seq::Next);
+    let applied = kv.apply("e", 0, &events, 0.0).expect("a");
+    assert_eq!(applied.events, 1000);
+    let s = kv.stats("e").expect("e");
+    assert!(s.blocks <= 16 && s.blocks + s.evicted == 1000, "{s:?}");
+    assert_eq!(leading(&kv, &[999, 999]), Some(1));
+}
+
+#[test]
+fn an_idle_endpoint_that_answers_stays_live() {
+    let kv = index(100, Some(1.0));
+    feed(&kv, vec![stored(&[1], None, &[1, 2])]);
+    // Heard from (a replay answered, nothing missed) though no event came.
+    for t in 1..10 {
+        assert!(!kv.heard("e", f64::from(t) * 0.9).expect("e"));
+        assert!(!kv.check_stale("e", f64::from(t) * 0.9 + 0.5).expect("e"));
+    }
+    assert_eq!(leading(&kv, &[1, 2]), Some(1));
+    assert!(kv.check_stale("e", 20.0).expect("e"), "no answer: stale");
+    assert!(kv.heard("e", 20.5).expect("e"), "an answer revives it");
+    assert_eq!(leading(&kv, &[1, 2]), Some(1));
+    assert!(kv.heard("nope", 0.0).is_err());
+}
+
+#[test]
 fn a_stale_or_disconnected_endpoint_answers_none_for_the_fallback() {
     let kv = index(100, Some(1.0));
     feed(&kv, vec![stored(&[1], None, &[1, 2])]);
@@ -564,14 +624,15 @@ impl Fleet {
         self.seq[p] += 1;
         self.last[p] = Some((seq, events.clone()));
         if !lost {
-            self.deliver(p, seq, &events);
+            self.deliver(p, seq, Some(&events));
         }
     }
 
     /// The index receives batch `seq` of `p` as the subscriber would hand
-    /// it over (a gap replay cannot close clears the endpoint), the oracle
-    /// the same, and they must agree on what it did.
-    fn deliver(&mut self, p: usize, seq: u64, events: &[Event]) {
+    /// it over (a gap replay cannot close clears the endpoint; a frame that
+    /// could not be read, `events` None, is refused), the oracle the same,
+    /// and they must agree on what it did.
+    fn deliver(&mut self, p: usize, seq: u64, events: Option<&[Event]>) {
         let name = &self.names[p];
         let o = &mut self.oracle[p];
         match self.kv.observe(name, seq).expect("e") {
@@ -583,6 +644,16 @@ impl Fleet {
             }
             Seq::Next => {}
         }
+        let Some(events) = events else {
+            let got = self.kv.refused(name, seq, self.now).expect("refused");
+            o.clear();
+            let want = Applied {
+                revived: o.heard(self.now),
+                ..Applied::default()
+            };
+            assert_eq!(got, want, "{name} refused batch {seq}");
+            return;
+        };
         let batch: Vec<_> = events.iter().cloned().map(Ok).collect();
         let got = self.kv.apply(name, seq, &batch, self.now).expect("apply");
         let mut want = Applied {
@@ -594,8 +665,8 @@ impl Fleet {
             if o.apply_event(&config, e, &mut want.skipped) {
                 want.events += 1;
             }
+            o.evict(config.capacity_blocks);
         }
-        o.evict(config.capacity_blocks);
         assert_eq!(got, want, "{name} batch {seq}");
     }
 
@@ -715,7 +786,7 @@ fn the_table_answers_as_the_per_endpoint_index_did_on_random_streams() {
                 }
                 3 => {
                     if let Some((seq, events)) = f.last[p].clone() {
-                        f.deliver(p, seq, &events);
+                        f.deliver(p, seq, Some(&events));
                     }
                 }
                 4 => {
@@ -731,6 +802,35 @@ fn the_table_answers_as_the_per_endpoint_index_did_on_random_streams() {
                     for (name, o) in f.names.iter().zip(&mut f.oracle) {
                         assert_eq!(f.kv.check_stale(name, f.now), Ok(o.check_stale(5.0, f.now)));
                     }
+                }
+                6 => {
+                    // A replay that missed nothing: heard from, as by an event.
+                    assert_eq!(
+                        f.kv.heard(&f.names[p], f.now),
+                        Ok(f.oracle[p].heard(f.now))
+                    );
+                }
+                7 => {
+                    // A frame that is not a batch: its number is consumed,
+                    // what the engine did is unknown to the index.
+                    let (tokens, lora) = prompt(&mut rng);
+                    let mut events = Vec::new();
+                    f.engines[p].serve(&tokens, lora, &mut events);
+                    let seq = f.seq[p];
+                    f.seq[p] += 1;
+                    f.last[p] = None;
+                    f.deliver(p, seq, None);
+                }
+                8 => {
+                    // A restart that a replay showed (no batch came): the
+                    // engine comes back empty and numbers batches from 0.
+                    f.kv.restarted(&f.names[p]).expect("e");
+                    f.oracle[p].clear();
+                    let e = &mut f.engines[p];
+                    e.lru.clear();
+                    e.salt += 1;
+                    f.seq[p] = 0;
+                    f.last[p] = None;
                 }
                 _ => {
                     let (tokens, lora) = prompt(&mut rng);
@@ -757,6 +857,7 @@ fn the_table_answers_as_the_per_endpoint_index_did_on_random_streams() {
             t.duplicates += s.duplicates;
             t.skipped += s.skipped;
             t.clears += s.clears;
+            t.garbage += s.garbage;
             t
         });
         assert!(
@@ -765,7 +866,8 @@ fn the_table_answers_as_the_per_endpoint_index_did_on_random_streams() {
                 total.restarts,
                 total.unrecovered,
                 total.duplicates,
-                total.skipped
+                total.skipped,
+                total.garbage
             ]
             .iter()
             .all(|&c| c > 0),
