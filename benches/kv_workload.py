@@ -6,9 +6,10 @@ chosen at random, until ``stored`` blocks were stored. Every engine
 publishes what its cache does as vLLM's KV events, one batch per prompt
 served: a ``BlockRemoved`` per block it evicts (the least recently used,
 a prompt's blocks freed last one first, as vLLM frees them), a
-``BlockStored`` (with its parent) per run of new blocks. Engine block hashes chain like vLLM's, from a
-salt of each engine, so they differ between engines (as vLLM's do without a
-shared ``PYTHONHASHSEED``). Deterministic in ``seed``.
+``BlockStored`` (with its parent) per run of new blocks. Engine block hashes
+chain like vLLM's, from a salt of each engine, so they differ between engines
+(as vLLM's do without a shared ``PYTHONHASHSEED``). Deterministic in
+``seed``.
 
 The queries are 8,192-token prompts that no engine saw: each system prompt
 followed by new tokens (the prefix hit of a new conversation), and the last

@@ -6,10 +6,10 @@ many of a prompt's leading blocks its engine holds, with the same rules:
 blocks keyed by routecore's chained xxh3 block hashes of the events' token
 ids (a LoRA adapter's from a seed of its own), one dict from our hash to the
 endpoints holding it as a bitmask, a dict per endpoint from the engine's
-hash to ours (in store order: past ``capacity_blocks`` the least recently
-stored eighth goes), a block held while the engine holds it under any of
-its hashes. A query hashes the prompt block by block while some endpoint
-still holds every block so far (one walk for all endpoints).
+hash to ours (in store order: past ``capacity_blocks``, after an event, the
+least recently stored eighth goes), a block held while the engine holds it
+under any of its hashes. A query hashes the prompt block by block while some
+endpoint still holds every block so far (one walk for all endpoints).
 """
 
 from __future__ import annotations
@@ -109,6 +109,12 @@ class KvIndex:
                         if old is not None:
                             self._release(p, old)
                         self._hold(p, prev)
+                # Per event: a batch never holds more than one event's blocks
+                # past the capacity.
+                if len(blocks) > self.capacity:
+                    keep = self.capacity - self.capacity // 8
+                    for h in list(blocks)[: len(blocks) - keep]:
+                        self._release(p, blocks.pop(h))
             elif tag == "BlockRemoved":
                 if len(e) > 2 and e[2] not in (None, MEDIUM_GPU):
                     continue
@@ -118,10 +124,6 @@ class KvIndex:
                         self._release(p, ours)
             elif tag == "AllBlocksCleared":
                 self._clear(p)
-        if len(blocks) > self.capacity:
-            keep = self.capacity - self.capacity // 8
-            for h in list(blocks)[: len(blocks) - keep]:
-                self._release(p, blocks.pop(h))
 
     def leading_blocks(self, token_ids: np.ndarray, adapter: str | None = None) -> dict[str, int]:
         """Per endpoint, how many of the prompt's leading blocks it holds."""
@@ -133,7 +135,9 @@ class KvIndex:
         prev, n = seed, 0
         holders = self.holders
         for start in range(0, len(data) - step + 1, step):
-            prev = xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + data[start : start + step], seed)
+            prev = xxhash.xxh3_64_intdigest(
+                prev.to_bytes(8, "little") + data[start : start + step], seed
+            )
             kept = alive & holders.get(prev, 0)
             gone = alive & ~kept
             while gone:
