@@ -474,20 +474,32 @@ fn main() {
         // ways always; Dynamo's where it did not refuse a removal (see
         // `split_then_remove`).
         let mut q = RoutecoreQuery::new(&kv, &w.endpoints);
-        let (mut differ_rt, mut differ_crtc) = (0, 0);
+        // Per Dynamo structure: queries where some endpoint's overlap is
+        // higher than routecore's (blocks Dynamo kept after their removal),
+        // and where some endpoint's is lower (which would be a miss).
+        let (mut higher, mut lower) = ([0; 2], [0; 2]);
         for p in w.queries.iter().chain(&w.served) {
             let each = q.each(p).to_vec();
             #[cfg(not(feature = "before"))]
             assert_eq!(q.walk(p), each.as_slice());
             let seq = dynamo_hash(&w, p);
-            differ_rt += usize::from(overlaps(&w, &tree.find_matches(seq.clone(), false)) != each);
-            differ_crtc +=
-                usize::from(overlaps(&w, &crtc.backend().find_matches(&seq, false)) != each);
+            let theirs = [
+                overlaps(&w, &tree.find_matches(seq.clone(), false)),
+                overlaps(&w, &crtc.backend().find_matches(&seq, false)),
+            ];
+            for (k, t) in theirs.iter().enumerate() {
+                higher[k] += usize::from(t.iter().zip(&each).any(|(t, o)| t > o));
+                lower[k] += usize::from(t.iter().zip(&each).any(|(t, o)| t < o));
+            }
         }
         println!(
-            "queries where Dynamo's overlaps differ from routecore's: RadixTree {differ_rt}, \
-             ConcurrentRadixTreeCompressed {differ_crtc} of {}",
-            w.queries.len() + w.served.len()
+            "queries where Dynamo's overlap is higher / lower than routecore's for some \
+             endpoint, of {}: RadixTree {} / {}, ConcurrentRadixTreeCompressed {} / {}",
+            w.queries.len() + w.served.len(),
+            higher[0],
+            lower[0],
+            higher[1],
+            lower[1]
         );
 
         for (what, prompts) in [

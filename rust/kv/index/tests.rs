@@ -805,10 +805,7 @@ fn the_table_answers_as_the_per_endpoint_index_did_on_random_streams() {
                 }
                 6 => {
                     // A replay that missed nothing: heard from, as by an event.
-                    assert_eq!(
-                        f.kv.heard(&f.names[p], f.now),
-                        Ok(f.oracle[p].heard(f.now))
-                    );
+                    assert_eq!(f.kv.heard(&f.names[p], f.now), Ok(f.oracle[p].heard(f.now)));
                 }
                 7 => {
                     // A frame that is not a batch: its number is consumed,
@@ -820,6 +817,16 @@ fn the_table_answers_as_the_per_endpoint_index_did_on_random_streams() {
                     f.seq[p] += 1;
                     f.last[p] = None;
                     f.deliver(p, seq, None);
+                }
+                9 => {
+                    // Several prompts in one batch (past the capacity
+                    // between its events).
+                    let mut events = Vec::new();
+                    for _ in 0..2 + rng.below(3) {
+                        let (tokens, lora) = prompt(&mut rng);
+                        f.engines[p].serve(&tokens, lora, &mut events);
+                    }
+                    f.publish(p, events, false);
                 }
                 8 => {
                     // A restart that a replay showed (no batch came): the
