@@ -358,7 +358,10 @@ impl Table {
             let Some(mut s) = self.find(step.hash(prev, block(n))) else {
                 break;
             };
-            if !self.keep(alive, slab[s].holders, n, &mut settle) {
+            // The holders last kept: `alive` is a subset of them, so a block
+            // with the same holders (most of a run) keeps every endpoint.
+            let mut kept = slab[s].holders;
+            if !self.keep(alive, kept, n, &mut settle) {
                 return;
             }
             n += 1;
@@ -376,8 +379,11 @@ impl Table {
                     if x.holders == DEAD || x.hash != h {
                         break 'run;
                     }
-                    if !self.keep(alive, x.holders, n, &mut settle) {
-                        return;
+                    if x.holders != kept {
+                        if !self.keep(alive, x.holders, n, &mut settle) {
+                            return;
+                        }
+                        kept = x.holders;
                     }
                     n += 1;
                     s += 1;
