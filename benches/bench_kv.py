@@ -178,14 +178,18 @@ def test_query_plain_python(benchmark, n, kind):
 
 
 @pytest.mark.parametrize("n", FLEETS)
-def test_the_twin_answers_like_routecore(n):
-    """Same blocks held per endpoint, same answers to every query."""
+def test_the_twin_answers_like_routecore_and_the_engines(n):
+    """Same blocks held per endpoint, and for every query the answers the
+    engines' own caches give."""
     f, kv = fed(n)
     w = workload(n)[0]
     for p, name in enumerate(w.endpoints):
         assert f.index.blocks(name) == sorted(kv.names_of[p])
+        assert len(kv.names_of[p]) == len(w.engines[p].cache)
     for q in [*w.queries, *w.served]:
-        assert f.index.leading_blocks(q) == kv.leading_blocks(q)
+        truth = w.truth(q)
+        assert f.index.leading_blocks(q) == truth
+        assert kv.leading_blocks(q) == truth
 
 
 def scraped(picker, names):

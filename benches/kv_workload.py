@@ -52,6 +52,12 @@ class Workload:
     served: list[np.ndarray] = field(default_factory=list)
     stored: int = 0
     removed: int = 0
+    #: The engines as the last batch left them (their caches: the truth).
+    engines: list[_Engine] = field(default_factory=list, repr=False)
+
+    def truth(self, prompt: np.ndarray) -> dict[str, int]:
+        """Per endpoint, how many of `prompt`'s leading blocks its engine caches."""
+        return {n: e.leading(prompt, self.block_size) for n, e in zip(self.endpoints, self.engines)}
 
     def to_json(self) -> dict:
         return {
@@ -78,6 +84,16 @@ class _Engine:
         digest = hashlib.blake2b(parent.to_bytes(8, "little") + block, key=self.salt, digest_size=8)
         # 63 bits: an integer every msgpack decoder reads as a signed one too.
         return int.from_bytes(digest.digest(), "little") >> 1
+
+    def leading(self, prompt: np.ndarray, bs: int) -> int:
+        """How many of `prompt`'s leading blocks the cache holds."""
+        data = prompt.astype("<u4").tobytes()
+        parent = 0
+        for b in range(len(prompt) // bs):
+            parent = self.hash(parent, data[4 * bs * b : 4 * bs * (b + 1)])
+            if parent not in self.cache:
+                return b
+        return len(prompt) // bs
 
     def serve(self, prompt: np.ndarray, bs: int) -> tuple[list, int, int]:
         """The events of serving `prompt`, and the blocks stored and removed."""
@@ -157,6 +173,7 @@ def generate(
         w.removed += r
         served = [*served[-(SYSTEM_PROMPTS - 1) :], p]
     w.served = served
+    w.engines = engines
     w.queries = [
         np.concatenate([s, rng.integers(0, VOCAB, PROMPT_TOKENS - len(s), np.uint32)])
         for s in systems
