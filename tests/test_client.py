@@ -4,6 +4,9 @@ against a routecore server the test starts, printed as Envoy acts on it."""
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 
 import pytest
 
@@ -98,11 +101,40 @@ def test_a_body_too_long_for_every_pool_is_refused_400(server, capsys):
     assert code == 1 and out["http_status"] == 400
 
 
-def test_unreachable_target_is_one_error_line(capsys):
-    argv = ["client", "--target", f"127.0.0.1:{free_port()}", "--timeout", "0.5"]
+def test_nothing_listening_is_said_at_once_not_after_the_timeout(capsys):
+    argv = ["client", "--target", f"127.0.0.1:{free_port()}", "--timeout", "60"]
+    start = time.monotonic()
     assert cli.main(argv) == 2
+    assert time.monotonic() - start < 30  # the refusal, not the 60 s timeout
     err = capsys.readouterr().err
     assert err.startswith("routecore client: error: cannot connect") and err.count("\n") == 1
+    assert "connection refused" in err
+
+
+def test_a_server_that_accepts_and_stalls_gets_the_timeout(capsys):
+    with socket.socket() as listener:  # the kernel accepts; nothing ever answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert cli.main(["client", "--target", f"127.0.0.1:{port}", "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot connect to 127.0.0.1:{port} within 0.5 s" in err
+
+
+def test_wait_keeps_trying_until_a_server_starts(tmp_path, capsys):
+    port = free_port()
+    result: list[int] = []
+    argv = ["client", "--target", f"127.0.0.1:{port}", "--wait", "60", "--json"]
+    client = threading.Thread(target=lambda: result.append(cli.main(argv)))
+    client.start()
+    time.sleep(0.5)  # the client finds nothing listening, and keeps trying
+    server = Running(tmp_path / "routecore.yaml", base_config(), port=port)
+    try:
+        client.join(timeout=90)
+        assert result == [0]
+        assert json.loads(capsys.readouterr().out)["routed"]
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(
