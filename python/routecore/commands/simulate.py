@@ -244,19 +244,31 @@ def fleets_from_plan(result: Plan, args: argparse.Namespace) -> list[FleetSpec]:
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """Progress of one simulation on stderr: on a terminal a bar redrawn in
+    place; otherwise (a log file, a pipe) a plain line at each quarter done."""
+
+    #: The steps of the plain lines, in percent.
+    STEP = 25
 
     def __init__(self, label: str, enabled: bool) -> None:
         self.label, self.enabled = label, enabled
+        self.terminal = sys.stderr.isatty()
+        self.shown = 0  # the last step written as a plain line
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
-        frac = done / total if total else 1.0
-        bar = "#" * int(30 * frac)
-        print(f"\r{self.label:<14} [{bar:<30}] {100 * frac:5.1f}%", end="", file=sys.stderr)
-        if done >= total:
-            print(file=sys.stderr)
+        frac = min(done / total, 1.0) if total else 1.0
+        if self.terminal:
+            bar = "#" * int(30 * frac)
+            print(f"\r{self.label:<14} [{bar:<30}] {100 * frac:5.1f}%", end="", file=sys.stderr)
+            if done >= total:
+                print(file=sys.stderr)
+            return
+        step = int(100 * frac) // self.STEP * self.STEP
+        if step > self.shown:
+            self.shown = step
+            print(f"{self.label:<14} {step:3d}% of {total} requests", file=sys.stderr)
 
 
 @dataclass
