@@ -545,10 +545,10 @@ def plot(result: dict[str, Any], reports: dict[str, SimReport], path: str) -> No
         4,
         (11, 8.4),
     )
-    for name, rep in reports.items():
-        _plot.cdf(ttft, rep.ttft[rep.measured], name)
-        _plot.cdf(tpot, 1000 * rep.tpot[rep.measured], name)
-        _plot.cdf(e2e, rep.e2e[rep.measured], name)
+    for i, (name, rep) in enumerate(reports.items()):
+        _plot.cdf(ttft, rep.ttft[rep.measured], name, i)
+        _plot.cdf(tpot, 1000 * rep.tpot[rep.measured], name, i)
+        _plot.cdf(e2e, rep.e2e[rep.measured], name, i)
     slo_ttft_s, slo_tpot_ms = result["slo_ttft_s"], 1000 * result["slo_tpot_s"]
     _plot.target_line(ttft, slo_ttft_s, f"SLO (TTFT {slo_ttft_s:g} s, TPOT {slo_tpot_ms:g} ms)",
                       vertical=True)  # fmt: skip
