@@ -4,16 +4,19 @@ against a routecore server the test starts, printed as Envoy acts on it."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
 
 import pytest
+import yaml
 
 pytest.importorskip("grpc")
 pytest.importorskip("envoy")
 
 from server_fixtures import SHORT, Running, base_config, free_port, wait_settled  # noqa: E402
+from test_readme import PAGES  # noqa: E402
 
 from routecore import cli  # noqa: E402
 
@@ -154,3 +157,30 @@ def test_every_client_option_has_help():
     for action in sub._actions:
         assert action.help, action.option_strings
     assert "200" in sub.format_help() and "(default 10)" in sub.format_help()
+
+
+def test_the_readmes_sample_output_is_what_client_prints(tmp_path, capsys):
+    pages = "".join(page.read_text("utf-8") for page in PAGES)
+    sample = r"```text\n(\$ routecore client --target 127\.0\.0\.1:9002\n.*?)```"
+    text = re.search(sample, pages, re.S)
+    assert text, "no client sample in README.md or docs/"
+    samples = re.split(r"^\$ routecore (.*)\n", text.group(1), flags=re.M)[1:]
+
+    def same(output: str) -> str:
+        # what varies from run to run: the latency, and which of the two
+        # equally free endpoints comes first
+        output = re.sub(r"added latency [\d.]+ ms", "added latency X ms", output)
+        return re.sub(r"127\.0\.0\.1:800[12]", "127.0.0.1:800N", output)
+
+    # the quick start's server: init-config --no-scrape
+    assert cli.main(["init-config", str(tmp_path), "--no-scrape"]) == 0
+    config = yaml.safe_load((tmp_path / "routecore.yaml").read_text())
+    server = Running(tmp_path / "served.yaml", config)
+    try:
+        capsys.readouterr()
+        for command, sample in zip(samples[::2], samples[1::2]):
+            argv = command.replace("127.0.0.1:9002", server.target).split()
+            cli.main(argv)
+            assert same(capsys.readouterr().out) == same(sample), command
+    finally:
+        server.stop()
