@@ -8,17 +8,20 @@ It serves what routecore reads from a real engine:
   answers (:func:`answer`, :func:`chunks`; tests/fixtures/vllm/); a ``model``
   it does not serve is a 404 as vLLM answers it.
 - ``GET /health``: 200 while serving.
-- ``GET /metrics``: the Prometheus exposition (``prometheus_client``) with
-  vLLM's exact metric names, whose values follow the engine's load: a request
-  runs for ``service_s`` seconds in one of ``max_num_seqs`` slots, others wait;
-  KV use is the running requests' tokens over ``kv_capacity_tokens``. The
-  ``name[]`` query filter is honoured as vLLM's exposition does. Histograms are
-  exposed too, so an unfiltered page is the size of a real one.
+- ``GET /metrics``: the page vLLM 0.32 serves, line for line
+  (``tests/fixtures/vllm/metrics.txt``: its HELP texts, labels and
+  Content-Type, no ``vllm:gpu_cache_usage_perc``, ``vllm:lora_requests_info``
+  only when the engine serves adapters), the ``name[]`` query ignored as vLLM
+  ignores it, with the values of the engine's load: a request runs for
+  ``service_s`` seconds in one of ``max_num_seqs`` slots, others wait; KV use
+  is the running requests' tokens over ``kv_capacity_tokens``.
 
 Bad metrics pages for the scraper's tests: :attr:`MockEngine.metrics_mode` is
 ``"ok"``, ``"garbage"`` (not the exposition format), ``"huge"`` (``huge_bytes``
-of comments), ``"slow"`` (answers after ``slow_s``) or ``"error"`` (500).
-:meth:`MockEngine.set_load` pins the reported queue and KV use.
+of comments), ``"slow"`` (answers after ``slow_s``) or ``"error"`` (500);
+:attr:`MockEngine.queue_series` adds lines to a good page's queue
+(``vllm:num_requests_waiting``) group: more data-parallel ranks, or a hostile
+engine's. :meth:`MockEngine.set_load` pins the reported queue and KV use.
 
 :attr:`MockEngine.token_s` spaces the events of a streamed answer (a long
 SSE stream); :attr:`MockEngine.requests` records the headers of every
@@ -37,38 +40,50 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.utils import floatToGoString
 
 #: The vLLM release whose answers the mock gives (tests/fixtures/vllm/).
 FINGERPRINT = "vllm-0.32.0-mock"
-#: vLLM's metric names (v1 engine; ``gpu_cache_usage_perc`` is the older name).
+#: vLLM's metric names (v1 engine; ``gpu_cache_usage_perc`` is the older KV
+#: name routecore also asks for, absent from vLLM 0.32's page).
 WAITING = "vllm:num_requests_waiting"
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 GPU_CACHE_USAGE = "vllm:gpu_cache_usage_perc"
 LORA_INFO = "vllm:lora_requests_info"
-#: Histograms a real page carries (what makes it tens of KB).
-HISTOGRAMS = (
-    "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds",
-    "vllm:request_decode_time_seconds",
-    "vllm:request_prompt_tokens",
-    "vllm:request_generation_tokens",
-)
-BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5)
-BUCKETS += (10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 METRICS_MODES = ("ok", "garbage", "huge", "slow", "error")
+#: vLLM 0.32's pages (see tests/fixtures/vllm/README.md, and render_metrics.py for the LoRA one).
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm"
+#: What vLLM's ``/metrics`` answers with (prometheus_client's latest text format).
+CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
+#: The model name on the captured page.
+FIXTURE_MODEL = "tiny-llama"
+
+
+def _lines(name: str) -> list[str]:
+    return (FIXTURES / name).read_text().splitlines(keepends=True)
+
+
+#: The captured page (no LoRA), as lines.
+PAGE = _lines("metrics.txt")
+#: With LoRA on: the LoRA gauge as vLLM writes it (``metrics_lora.txt``,
+#: rendered by vLLM's own metric classes) where vLLM writes it, before
+#: ``vllm:cache_config_info``.
+_AT = next(i for i, line in enumerate(PAGE) if line.startswith("# HELP vllm:cache_config_info"))
+PAGE_LORA = (
+    PAGE[:_AT] + [line for line in _lines("metrics_lora.txt") if LORA_INFO in line] + PAGE[_AT:]
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +110,9 @@ class MockEngine:
     metrics_mode: str = "ok"
     huge_bytes: int = 4 << 20
     slow_s: float = 2.0
-    #: Label sets per histogram (more: a bigger unfiltered page).
-    histogram_series: int = 2
+    #: Written after the queue's sample, in its group (more data-parallel
+    #: ranks, or a hostile engine's lines).
+    queue_series: str = ""
     listeners: list[Callable[[Served], None]] = field(default_factory=list)
     #: Counts by path (``/metrics``: how often it was scraped).
     hits: dict[str, int] = field(default_factory=dict)
@@ -117,18 +133,14 @@ class MockEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._runner: web.AppRunner | None = None
-        self._registry = CollectorRegistry()
-        labels = ["model_name", "engine"]
-        self._gauges = {
-            name: Gauge(name, "mock", labels, registry=self._registry)
-            for name in (WAITING, RUNNING, KV_USAGE, GPU_CACHE_USAGE)
+        model = f'model_name="{self.model}"'
+        self._pages = {
+            lora: ([line.replace(f'model_name="{FIXTURE_MODEL}"', model) for line in page], slots)
+            for lora, page, slots in (
+                (False, PAGE, _slots(PAGE)),
+                (True, PAGE_LORA, _slots(PAGE_LORA)),
+            )
         }
-        lora_labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
-        self._lora = Gauge(LORA_INFO, "mock", lora_labels, registry=self._registry)
-        for name in HISTOGRAMS:
-            h = Histogram(name, "mock", labels, buckets=BUCKETS, registry=self._registry)
-            for i in range(self.histogram_series):
-                h.labels(self.model, str(i)).observe(0.05)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -219,21 +231,36 @@ class MockEngine:
         if mode == "huge":
             line = "# " + "x" * 1000 + "\n"
             return web.Response(text=line * (self.huge_bytes // len(line)))
-        kv = self._value(KV_USAGE)
-        for name in (WAITING, RUNNING):
-            self._gauges[name].labels(self.model, "0").set(self._value(name))
-        self._gauges[KV_USAGE].labels(self.model, "0").set(kv)
-        self._gauges[GPU_CACHE_USAGE].labels(self.model, "0").set(kv)
-        loaded = ",".join(self.adapters)
-        self._lora.clear()
-        self._lora.labels("4", loaded, "").set(time.time())
-        wanted = set(self.last_filter)
-        registry = self._registry
-        if wanted:
-            # prometheus_client's own filter (what vLLM's /metrics uses).
-            registry = registry.restricted_registry(sorted(wanted))  # type: ignore[assignment]
-        body = generate_latest(registry)
-        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+        body = self.metrics_page().encode()
+        return web.Response(body=body, headers={"content-type": CONTENT_TYPE})
+
+    def metrics_page(self) -> str:
+        """The page as vLLM 0.32 writes it, with this engine's values."""
+        waiting = self._value(WAITING)
+        values = {
+            WAITING: waiting,
+            RUNNING: self._value(RUNNING),
+            KV_USAGE: self._value(KV_USAGE),
+            # Every waiting request waits for capacity (none deferred).
+            f"{WAITING_BY_REASON}:capacity": waiting,
+            f"{WAITING_BY_REASON}:deferred": 0.0,
+        }
+        page, slots = self._pages[bool(self.adapters)]
+        lines = list(page)
+        for i, what in slots.items():
+            head = lines[i].rsplit(" ", 1)[0]
+            if what == LORA_INFO:
+                running = ",".join(self.adapters)
+                head = (
+                    f'{LORA_INFO}{{max_lora="4",running_lora_adapters="{running}",'
+                    'waiting_lora_adapters=""}'
+                )
+                lines[i] = f"{head} {floatToGoString(time.time())}\n"
+            elif what in values:
+                lines[i] = f"{head} {floatToGoString(values[what])}\n"
+            if what == WAITING:
+                lines[i] += self.queue_series
+        return "".join(lines)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
@@ -285,6 +312,19 @@ class MockEngine:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _slots(page: list[str]) -> dict[int, str]:
+    """The lines of ``page`` whose value the engine sets, by what they report."""
+    read = (WAITING, WAITING_BY_REASON, RUNNING, KV_USAGE, LORA_INFO)
+    slots = {}
+    for i, line in enumerate(page):
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if line.startswith("#") or name not in read:
+            continue
+        reason = re.search(r'reason="([^"]*)"', line) if name == WAITING_BY_REASON else None
+        slots[i] = f"{name}:{reason.group(1)}" if reason else name
+    return slots
 
 
 # -- vLLM's answers, as tests/fixtures/vllm/ has them (tests/test_mock_engine.py) --

@@ -132,6 +132,7 @@ def bad(path: str, value):
         (bad("scrape.unhealthy_after", 0), "scrape.unhealthy_after"),
         (bad("scrape.enabled", "yes"), "scrape.enabled"),
         (bad("scrape.max_page_bytes", 10), "scrape.max_page_bytes"),
+        (bad("scrape.max_series", 0), "scrape.max_series"),
         (
             bad("scrape.engines", {"tgi": {"waiting": ["q"]}}),
             "scrape.engines.tgi.running: required",

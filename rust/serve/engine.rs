@@ -229,6 +229,9 @@ struct PoolState {
     states: Vec<EndpointState>,
     /// The probe sequence number each state was last refreshed from.
     seen: Vec<u64>,
+    /// The probe's adapter list each state copied last (copied again only
+    /// when the probe's list is another one).
+    adapters: Vec<Arc<Vec<String>>>,
     ranked: Vec<usize>,
 }
 
@@ -291,6 +294,7 @@ impl Chooser {
                 pipeline,
                 states: vec![EndpointState::default(); n],
                 seen: vec![0; n],
+                adapters: vec![Arc::default(); n],
                 ranked: Vec::new(),
             }),
         })
@@ -314,8 +318,9 @@ impl Chooser {
                 st.seen[i] = r.seq;
                 s.dispatched_since_scrape = 0;
                 let adapters = p.adapters();
-                if *adapters != s.adapters {
+                if !Arc::ptr_eq(&adapters, &st.adapters[i]) {
                     s.adapters = (*adapters).clone();
+                    st.adapters[i] = adapters;
                 }
             }
         }
@@ -567,7 +572,7 @@ impl Shared {
     pub fn new(calibrator: Calibrator, handle: tokio::runtime::Handle) -> Self {
         let metrics = Arc::new(Metrics::new());
         Self {
-            scraper: Scraper::new(Arc::clone(&metrics), handle.clone()),
+            scraper: Scraper::new(Arc::clone(&metrics)),
             overload: Arc::new(Overload::new(Arc::clone(&metrics))),
             metrics,
             calibrator: Arc::new(RwLock::new(calibrator)),
@@ -733,6 +738,43 @@ impl Shared {
         n
     }
 
+    /// At shutdown, once the streams have ended: ends every lease still held
+    /// (a RouteCore API request whose `Feedback` can no longer come) and waits
+    /// until each admission backend has sent what it owes (the releases under
+    /// way), at most its `flush_timeout`; what is left then is logged
+    /// (`admission-unsettled`) and left to the backend's lease.
+    pub async fn close(&self) {
+        let mut admissions: Vec<Arc<Admission>> = Vec::new();
+        for engine in self.engines() {
+            if let Some(a) = &engine.admission {
+                if !admissions.iter().any(|b| Arc::ptr_eq(a, b)) {
+                    admissions.push(Arc::clone(a));
+                }
+            }
+        }
+        let wait = admissions.iter().map(|a| a.flush_timeout()).max();
+        let deadline = tokio::time::Instant::now() + wait.unwrap_or_default();
+        loop {
+            let ended: Vec<(u128, (Arc<Engine>, Lease))> = lock(&self.leases).drain().collect();
+            for (id, (engine, lease)) in ended {
+                engine.finish(id, lease, None, self);
+            }
+            let mut left = 0u64;
+            for a in &admissions {
+                let settled = tokio::time::timeout_at(deadline, a.settled()).await;
+                left += u64::from(!settled.unwrap_or(false));
+            }
+            if left == 0 {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(backends = left, "admission-unsettled");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     pub fn lease_ids(&self) -> Vec<String> {
         lock(&self.leases)
             .keys()
@@ -875,19 +917,22 @@ impl Engine {
         if let Some(gamma) = spec.router.compress_band {
             router = router.with_compress_band(gamma)?;
         }
+        let scrape = spec
+            .scrape
+            .as_ref()
+            .filter(|s| s.enabled)
+            .map(|s| Arc::new(s.clone()));
         let choosers = spec
             .pools
             .iter()
             .map(|p| {
-                let probes = match &spec.scrape {
-                    Some(s) if s.enabled => {
-                        let s = Arc::new(s.clone());
-                        p.endpoints
-                            .iter()
-                            .map(|e| shared.scraper.probe(e, &s, &p.engine))
-                            .collect::<Result<Vec<_>>>()?
-                    }
-                    _ => Vec::new(),
+                let probes = match &scrape {
+                    Some(s) => p
+                        .endpoints
+                        .iter()
+                        .map(|e| shared.scraper.probe(e, s, &p.engine))
+                        .collect::<Result<Vec<_>>>()?,
+                    None => Vec::new(),
                 };
                 Chooser::new(p, &spec.router, probes, &shared.kv)
                     .map_err(|e| invalid(format!("pools: {:?}: {e}", p.name)))
@@ -938,7 +983,7 @@ impl Engine {
             Some(a) => {
                 let a = AdmissionSpec::from_json(&a.to_string())?;
                 entitlements.extend(a.entitlements.iter().map(|e| e.name.clone()));
-                let backend = Admission::from_spec(&a)?;
+                let backend = Admission::from_spec(&a)?.with_metrics(Arc::clone(&shared.metrics));
                 if let Some(old) = previous.and_then(|p| p.admission.as_ref()) {
                     backend.adopt(old)?;
                 }
@@ -996,6 +1041,13 @@ impl Engine {
             number: shared.built.fetch_add(1, Ordering::Relaxed) + 1,
             shared: Arc::downgrade(shared),
         });
+        // The endpoints that stay keep their probes (health, values); the
+        // settings change now that the configuration is valid as a whole.
+        if let Some(s) = &scrape {
+            for p in engine.choosers.iter().flat_map(|c| &c.probes) {
+                p.configure(s);
+            }
+        }
         shared.register(&engine);
         Ok(engine)
     }
