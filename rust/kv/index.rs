@@ -217,9 +217,13 @@ impl Liveness {
     fn live(&self, id: u32) -> bool {
         Self::get(&self.connected, id) && !Self::get(&self.stale, id)
     }
-    /// Word `w` of the set of live endpoints.
+    /// Word `w` of the set of live endpoints (none past the endpoints added:
+    /// a table of no endpoint still has a word).
     fn live_word(&self, w: usize) -> u64 {
-        self.connected[w].load(Ordering::Relaxed) & !self.stale[w].load(Ordering::Relaxed)
+        match (self.connected.get(w), self.stale.get(w)) {
+            (Some(c), Some(s)) => c.load(Ordering::Relaxed) & !s.load(Ordering::Relaxed),
+            _ => 0,
+        }
     }
 }
 

@@ -914,3 +914,17 @@ fn a_block_stored_under_two_engine_hashes_is_held_until_both_go() {
         "block 3 stays, nothing skipped"
     );
 }
+
+/// An index no endpoint was added to answers a query (a picker built before
+/// any engine publishes): None for every name asked, no block.
+#[test]
+fn a_query_on_an_index_of_no_endpoint_answers_none() {
+    let kv = KvIndex::default();
+    let mut held = vec![Some(3)];
+    let prompt: Vec<u32> = (0..64).collect();
+    assert_eq!(
+        kv.match_prompt(&prompt, None, &[None, Some(0)], &mut held),
+        4
+    );
+    assert_eq!(held, vec![None, None]);
+}
