@@ -76,7 +76,11 @@ def shipped_config(
 class Envoy:
     """One Envoy process serving ``config`` (its admin on a free port)."""
 
-    def __init__(self, config: dict, directory: Path | None = None) -> None:
+    def __init__(
+        self, config: dict, directory: Path | None = None, concurrency: int = 1
+    ) -> None:
+        """``concurrency``: Envoy's worker threads (one by default: this
+        machine has two cores and others use them)."""
         self.config = dict(config)
         self.admin_port = free_port()
         self.config["admin"] = {"address": socket_address(f"127.0.0.1:{self.admin_port}")}
@@ -90,14 +94,13 @@ class Envoy:
             listeners[0]["address"]["socket_address"]["port_value"]
         )
         with self.log.open("w") as log:
-            # One worker thread: this machine has two cores and others use them.
             self.proc = subprocess.Popen(
                 [
                     envoy_binary(),
                     "-c",
                     str(self.path),
                     "--concurrency",
-                    "1",
+                    str(concurrency),
                     "--disable-hot-restart",
                     "--log-level",
                     "warning",
