@@ -16,7 +16,8 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
              models, adapters}]
     tenants: [{name, api_keys: [...], expires_at, entitlement}]
     models: [{name, tokenizer, chat_template, bos_token, eos_token}]
-    kv_events: {block_size, seed, capacity_blocks, stale_after_s,
+    kv_events: {block_size, seed, capacity_blocks, stale_after_s, max_message_bytes,
+                max_batch_events, max_batch_blocks,
                 endpoints: {"ip:port": {zmq, topic, replay}}}
 """
 
@@ -33,6 +34,7 @@ from typing import Any
 from routecore._core import MAX_TOKENS, Entitlement, Pool, Quota, Tokenizer
 from routecore.admission import (
     FAILURE_MODES,
+    MAX_BOUND,
     REDIS_OPTIONS,
     URL_SCHEMES,
     admission_from_config,
@@ -269,8 +271,14 @@ class KvEventsConfig:
     seed: int = 0
     #: Blocks kept per endpoint.
     capacity_blocks: int = 1 << 18
-    #: An endpoint silent this long falls back to the approximate index (None: never).
+    #: With a replay address: an endpoint whose engine neither publishes nor answers a
+    #: replay this long falls back to the approximate index (None: only a lost connection).
     stale_after_s: float | None = None
+    #: A peer's ZeroMQ message (and frame) over this cuts its connection before allocation.
+    max_message_bytes: int = 16 << 20
+    #: A batch with more events, or more block hashes, is refused whole (the endpoint cleared).
+    max_batch_events: int = 1 << 17
+    max_batch_blocks: int = 1 << 18
     sources: tuple[KvEventSource, ...] = ()
 
     def spec(self) -> dict[str, Any] | None:
@@ -281,6 +289,9 @@ class KvEventsConfig:
             "seed": self.seed,
             "capacity_blocks": self.capacity_blocks,
             "stale_after_s": self.stale_after_s,
+            "max_message_bytes": self.max_message_bytes,
+            "max_batch_events": self.max_batch_events,
+            "max_batch_blocks": self.max_batch_blocks,
             "sources": [
                 {"endpoint": s.endpoint, "zmq": s.zmq, "topic": s.topic, "replay": s.replay}
                 for s in self.sources
@@ -525,7 +536,16 @@ def _kv_events(raw: Any, pools: tuple[PoolConfig, ...]) -> KvEventsConfig:
     k = _section(
         raw,
         "kv_events",
-        {"block_size", "seed", "capacity_blocks", "stale_after_s", "endpoints"},
+        {
+            "block_size",
+            "seed",
+            "capacity_blocks",
+            "stale_after_s",
+            "max_message_bytes",
+            "max_batch_events",
+            "max_batch_blocks",
+            "endpoints",
+        },
     )
     endpoints = k.get("endpoints", {})
     if not isinstance(endpoints, dict):
@@ -556,6 +576,11 @@ def _kv_events(raw: Any, pools: tuple[PoolConfig, ...]) -> KvEventsConfig:
         seed=_int(k, "seed", "kv_events", 0, (1 << 64) - 1, d.seed),
         capacity_blocks=_int(k, "capacity_blocks", "kv_events", 1, 1 << 26, d.capacity_blocks),
         stale_after_s=_float(k, "stale_after_s", "kv_events", 0.001, 86400.0, None),
+        max_message_bytes=_int(
+            k, "max_message_bytes", "kv_events", 1 << 10, 1 << 30, d.max_message_bytes
+        ),
+        max_batch_events=_int(k, "max_batch_events", "kv_events", 1, 1 << 24, d.max_batch_events),
+        max_batch_blocks=_int(k, "max_batch_blocks", "kv_events", 1, 1 << 24, d.max_batch_blocks),
         sources=tuple(sources),
     )
 
@@ -688,6 +713,10 @@ def _redis(raw: dict[str, Any]) -> None:
     _float(raw, "lease_s", where, 0.001, 1e6, 300.0)
     _float(raw, "unavailable_retry_s", where, 0.001, 3600.0, 1.0)
     _float(raw, "socket_timeout_s", where, 0.001, 60.0, 0.5)
+    _int(raw, "max_window_entries", where, 1, MAX_BOUND, 1024)
+    _int(raw, "max_window_entries_per_quota", where, 1, MAX_BOUND, 16384)
+    _int(raw, "max_void_markers", where, 1, MAX_BOUND, 1024)
+    _float(raw, "flush_timeout_s", where, 0.0, 3600.0, 5.0)
 
 
 def _renamed(raw: dict[str, Any], where: str) -> None:

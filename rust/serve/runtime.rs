@@ -320,7 +320,14 @@ impl DataPlane {
             .map(|a| a.port());
         let (stop, stopped) = watch::channel(false);
         let (closing, closing_rx) = watch::channel(false);
-        crate::kv::subscribe(kv_spec.as_ref(), &shared.kv, first.handle(), &stopped)?;
+        let metrics = Arc::clone(&shared.metrics);
+        crate::kv::subscribe(
+            kv_spec.as_ref(),
+            &shared.kv,
+            first.handle(),
+            &stopped,
+            Arc::new(move |kind| metrics.fault("kv_events", kind)),
+        )?;
         let (health, health_service) = tonic_health::server::health_reporter();
         let processor = ExternalProcessorServer::new(Processor {
             current: Arc::clone(&current),
@@ -471,6 +478,9 @@ impl DataPlane {
                 }
             }
         });
+        // The releases of the streams just ended reach a remote admission
+        // backend before the runtime stops (bounded by its flush timeout).
+        let _ = self.block_on(self.shared.close());
         self.shared.scraper.stop();
         let shards = std::mem::take(&mut *self.shards.lock().unwrap_or_else(|e| e.into_inner()));
         shards.into_iter().for_each(Shard::stop);
