@@ -16,8 +16,8 @@ Setups (each in front of the same fake engines):
   aware; ``sglang-rr`` / ``sglang-ca``: ``sglang-router`` 0.3.2, the same.
   Each is installed by this script into its own venv under the cache folder.
 
-The engines: one nginx (Debian's ``nginx-light``) listening on four ports,
-answering every request with the captured vLLM answer
+The engines: one nginx (Debian's ``nginx``, installed with apt-get when
+absent) listening on four ports, answering every request with the captured vLLM answer
 (tests/fixtures/vllm/chat.json, usage in proportion to the body) and ``GET
 /metrics`` with the captured vLLM page (tests/fixtures/vllm/metrics.txt).
 
@@ -62,7 +62,8 @@ from envoy_proxy import EXAMPLES, Envoy, shipped_config  # noqa: E402
 from server_fixtures import Spawned, free_port  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm"
-CACHE = Path(os.environ.get("ROUTECORE_BENCH_CACHE", Path.home() / ".cache" / "routecore-bench"))
+#: What the script installs (oha, the two routers' venvs): under target/, which git ignores.
+CACHE = Path(os.environ.get("ROUTECORE_BENCH_CACHE", ROOT / "target" / "envoy-path"))
 OHA_VERSION = "1.16.0"
 ROUTERS = {"vllm": ("vllm-router", "0.1.17"), "sglang": ("sglang-router", "0.3.2")}
 CONNECTIONS = 64
@@ -80,16 +81,15 @@ HELD_P50_S = 0.020
 
 
 def oha() -> str:
-    """The oha binary, installed from crates.io into the cache the first time."""
+    """The oha binary, installed from crates.io into the cache the first time
+    (its build folder kept there: an interrupted install resumes)."""
     root = CACHE / f"oha-{OHA_VERSION}"
     binary = root / "bin" / "oha"
     if not binary.exists():
-        print(f"installing oha {OHA_VERSION} into {root} (cargo install, a few minutes)")
-        subprocess.run(
-            ["cargo", "install", "oha", "--locked", "--version", OHA_VERSION, "--root", str(root)],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+        print(f"installing oha {OHA_VERSION} into {root} (cargo install, about 10 min)")
+        argv = ["cargo", "install", "oha", "--locked", "--version", OHA_VERSION]
+        argv += ["--root", str(root), "--target-dir", str(CACHE / "oha-build")]
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
     return str(binary)
 
 
@@ -108,10 +108,18 @@ def router(kind: str) -> str:
 
 
 def nginx() -> str:
-    for path in ("/usr/sbin/nginx", "/usr/bin/nginx"):
+    """Debian's nginx, installed with apt-get when absent and this is root;
+    otherwise the script stops and says what to install."""
+    paths = ("/usr/sbin/nginx", "/usr/bin/nginx")
+    if not any(os.access(p, os.X_OK) for p in paths) and os.geteuid() == 0:
+        print("installing nginx (apt-get)")
+        quiet = {"stdout": subprocess.DEVNULL, "check": False}
+        subprocess.run(["apt-get", "update", "-q"], **quiet)
+        subprocess.run(["apt-get", "install", "-y", "-q", "nginx"], **quiet)
+    for path in paths:
         if os.access(path, os.X_OK):
             return path
-    sys.exit("nginx is needed for the fake engines: apt-get install nginx-light")
+    sys.exit("nginx is needed for the fake engines: apt-get install nginx (as root)")
 
 
 # --- processes -----------------------------------------------------------
@@ -146,9 +154,7 @@ def tree(pid: int) -> list[int]:
 
 
 def post(url: str, body: bytes, timeout: float = 5.0) -> int:
-    req = urllib.request.Request(
-        url, body, {"content-type": "application/json", "x-api-key": KEY}
-    )
+    req = urllib.request.Request(url, body, {"content-type": "application/json", "x-api-key": KEY})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             r.read()
@@ -509,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in names
         if n != "direct"
     }
-    print("\nmedian proxy CPU per request (ms):", {n: round(v * 1e3, 3) for n, v in medians.items()})
+    rounded = {n: round(v * 1e3, 3) for n, v in medians.items()}
+    print("\nmedian proxy CPU per request (ms):", rounded)
     return 0
 
 
