@@ -75,7 +75,7 @@ use super::front::{Door, Routing};
 use super::limits::{
     Buffer, StreamCount, StreamSlot, BODY_TIMEOUT, BUFFERS_FULL, MAX_STREAMS_PER_CONNECTION,
 };
-use super::usage::UsageReader;
+use super::usage::{looks_like_sse, UsageReader};
 use crate::error::Result;
 
 /// The header and `envoy.lb` key of the endpoints to try, in order:
@@ -666,7 +666,7 @@ impl Conversation {
         let limit = self.limit();
         let overload = &self.shared.overload;
         self.usage
-            .get_or_insert_with(|| UsageReader::new(false, limit, overload))
+            .get_or_insert_with(|| UsageReader::new(looks_like_sse(chunk), limit, overload))
             .feed(chunk, end);
         if end {
             self.finish();
