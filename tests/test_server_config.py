@@ -191,7 +191,8 @@ def test_example_envoy_config_parses_with_xds_protos_and_matches_routecore_yaml(
     modes = processing_mode_pb2.ProcessingMode
     assert mode.request_header_mode == modes.SEND
     if name == "envoy.yaml":  # fail closed; header mutations only, no echo
-        assert mode.request_body_mode == modes.BUFFERED and not ext_proc.failure_mode_allow
+        assert mode.request_body_mode == modes.STREAMED and not ext_proc.failure_mode_allow
+        assert ext_proc.send_body_without_waiting_for_header_response
         assert mode.response_header_mode == modes.SKIP
         assert mode.response_body_mode == modes.STREAMED
     elif name == "envoy-full-duplex.yaml":  # fail closed, the GIE's streaming mode
