@@ -1181,6 +1181,35 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn sse_usage_is_learned_when_the_response_headers_are_skipped() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        c.handle(&headers(&[("x-api-key", KEY)], true, false))
+            .await
+            .expect("ok");
+        c.handle(&body(&chat(&"hello ".repeat(80)), true, false))
+            .await
+            .expect("ok");
+        // No response headers (Envoy's response_header_mode: SKIP): the SSE
+        // stream is told by its first bytes.
+        let events = [
+            &b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n"[..],
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":120,\"completion_tokens\":1}}\n\n",
+            b"data: [DONE]\n\n",
+        ];
+        for (i, e) in events.iter().enumerate() {
+            c.handle(&body(e, i + 1 == events.len(), true))
+                .await
+                .expect("ok");
+        }
+        assert_eq!(shared.lease_count(), 0);
+        assert_eq!(
+            shared.calibrator.read().expect("cal").stats("prose").count,
+            1
+        );
+    }
+
+    #[tokio::test]
     async fn streamed_body_with_headers_answered_at_once_routes_on_its_last_chunk() {
         let (shared, engine) = plane();
         let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
