@@ -20,9 +20,7 @@ the request left (null: none); :meth:`Envoy.entry` finds a request's line.
 from __future__ import annotations
 
 import copy
-import ctypes
 import json
-import signal
 import socket
 import subprocess
 import tempfile
@@ -59,11 +57,12 @@ def envoy_binary() -> str:
     return str(binary.locate())
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: killed when the test process dies (Linux's
-    PR_SET_PDEATHSIG; the thread that started it, in fact: start Envoy from the
-    test's own thread), so a test killed by a timeout leaves no Envoy behind."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+#: Envoy is killed when the test process dies (Linux's PR_SET_PDEATHSIG, set by
+#: util-linux's setpriv, which then execs Envoy: the signal follows the thread
+#: that started it, so start Envoy from the test's own thread), so a test killed
+#: by a timeout leaves no Envoy behind. Not a preexec_fn: that forks the test
+#: process with gRPC's fork handlers, which aborted Envoy's child now and then.
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL"]
 
 
 def socket_address(address: str) -> dict:
@@ -139,6 +138,7 @@ class Envoy:
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
                 [
+                    *DIE_WITH_PARENT,
                     envoy_binary(),
                     "-c",
                     str(self.path),
@@ -153,7 +153,6 @@ class Envoy:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
             )
         try:
             self._wait_ready()
