@@ -687,6 +687,13 @@ impl ServiceTable {
     pub fn prefill_chunks_quantile(&self, span: Span, q: f64) -> u64 {
         self.chunks.quantile(span.start, span.end, q)
     }
+
+    /// The weighted distribution of the prefill chunk count over a span:
+    /// `(chunks, weight)` for each count present, ascending, appended to `out`
+    /// with every weight times `scale`.
+    pub fn prefill_chunks_histogram(&self, span: Span, scale: f64, out: &mut Vec<(u64, f64)>) {
+        self.chunks.histogram(span.start, span.end, scale, out);
+    }
 }
 
 /// A wavelet matrix over non-negative integers with weights: the weighted
@@ -747,6 +754,42 @@ impl WaveletMatrix {
             });
         }
         Self { levels }
+    }
+
+    /// `(value, weight * scale)` of every value in `l..r`, ascending: a walk of
+    /// the levels that splits the range into its zero and one halves, O(levels)
+    /// per distinct value.
+    fn histogram(&self, l: usize, r: usize, scale: f64, out: &mut Vec<(u64, f64)>) {
+        fn walk(
+            levels: &[Level],
+            (l, r): (usize, usize),
+            value: u64,
+            scale: f64,
+            out: &mut Vec<(u64, f64)>,
+        ) {
+            let Some((lev, rest)) = levels.split_first() else {
+                return;
+            };
+            let (zl, zr) = (lev.zeros[l] as usize, lev.zeros[r] as usize);
+            let w0 = lev.zero_weight[r] - lev.zero_weight[l];
+            let w1 = (lev.all_weight[r] - lev.all_weight[l]) - w0;
+            for (bit, (a, b), w) in [
+                (0, (zl, zr), w0),
+                (1, (lev.n_zeros + (l - zl), lev.n_zeros + (r - zr)), w1),
+            ] {
+                if b > a && w > 0.0 {
+                    let v = value << 1 | bit;
+                    if rest.is_empty() {
+                        out.push((v, w * scale));
+                    } else {
+                        walk(rest, (a, b), v, scale, out);
+                    }
+                }
+            }
+        }
+        if r > l {
+            walk(&self.levels, (l, r), 0, scale, out);
+        }
     }
 
     fn quantile(&self, mut l: usize, mut r: usize, q: f64) -> u64 {
@@ -853,6 +896,36 @@ mod tests {
             .moments(&w, s, 0, 1.0, 0.0)
             .merge(t.moments(&w, s, 1, 1.0, 0.0));
         assert!((merged.mean - 11.0 / 3.0).abs() < 1e-12);
+    }
+
+    /// Every span's chunk histogram equals a count over its requests.
+    #[test]
+    fn chunk_histogram_matches_a_scan() {
+        let mut rng = crate::rng::Rng::new(3);
+        let n = 300;
+        let input: Vec<i64> = (0..n)
+            .map(|_| 1 + (rng.uniform() * 5000.0) as i64)
+            .collect();
+        let output: Vec<i64> = (0..n).map(|_| (rng.uniform() * 300.0) as i64).collect();
+        let w = Workload::new(&input, &output, None, None).expect("ok");
+        let t = w.service_table(512).expect("table");
+        for (lo, hi) in [
+            (0.0, 1e9),
+            (0.0, 800.0),
+            (1000.0, 2500.0),
+            (4000.0, 4100.0),
+            (9e9, 1e10),
+        ] {
+            let span = w.span(lo, hi);
+            let mut got = Vec::new();
+            t.prefill_chunks_histogram(span, 2.0, &mut got);
+            let mut want = std::collections::BTreeMap::new();
+            for &i in &w.order[span.start..span.end] {
+                *want.entry(w.input[i as usize].div_ceil(512)).or_insert(0.0) += 2.0;
+            }
+            let want: Vec<(u64, f64)> = want.into_iter().collect();
+            assert_eq!(got, want, "({lo}, {hi}]");
+        }
     }
 
     #[test]
