@@ -34,6 +34,7 @@ from statistics import NormalDist
 from typing import Any
 
 from routecore._core import Candidate, Plan, Profile, Workload
+from routecore._json import strict
 
 FLEETOPT_BREAKPOINTS = (
     64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096,
@@ -93,22 +94,43 @@ FIDELITY_SLOS = (0.5, 2.0)
 FIDELITY_FLEETS = ("homogeneous", "pool-routing")
 
 
+def savings_note(result: Plan) -> str:
+    """What the plan's savings are counted against: the homogeneous fleet
+    when it meets the SLO; otherwise they are not computed (None), and why."""
+    h = result.homogeneous
+    if h.feasible:
+        return f"savings against the homogeneous fleet of {h.gpus} GPUs (meets the SLO)"
+    return (
+        "savings not computed: no homogeneous fleet meets the SLO (its pool binds on "
+        f"{h.binding_long}; sized at the stability bound, {h.gpus} GPUs)"
+    )
+
+
 def plan_json(result: Plan) -> dict[str, Any]:
-    """A plan as JSON-ready data (``routecore plan --json`` and the RouteCore
-    API's Plan): ``{"homogeneous", "pool_routing", "best"}`` (each a
+    """A plan as strict-JSON-ready data (``routecore plan --json`` and the
+    RouteCore API's Plan): ``{"homogeneous", "pool_routing", "best"}`` (each a
     candidate's fields, or None), ``"table"`` (the rows of
-    :func:`table3_rows` by name) and ``"sweep"`` (every candidate)."""
+    :func:`table3_rows` by name), ``"sweep"`` (every candidate) and
+    ``"savings_baseline"`` (:func:`savings_note`). Non-finite figures (the
+    waits of a pool that no GPU count serves) are null, listed under
+    ``"nulls"`` with their reason (``routecore._json.strict``)."""
 
     def d(c: Candidate | None) -> dict[str, Any] | None:
         return None if c is None else c.as_dict()
 
-    return {
-        "homogeneous": d(result.homogeneous),
-        "pool_routing": d(result.pool_routing),
-        "best": d(result.best),
-        "table": {name: d(c) for name, c in table3_rows(result)},
-        "sweep": [c.as_dict() for c in result.sweep],
-    }
+    data, nulls = strict(
+        {
+            "homogeneous": d(result.homogeneous),
+            "pool_routing": d(result.pool_routing),
+            "best": d(result.best),
+            "table": {name: d(c) for name, c in table3_rows(result)},
+            "sweep": [c.as_dict() for c in result.sweep],
+            "savings_baseline": savings_note(result),
+        }
+    )
+    if nulls:
+        data["nulls"] = nulls
+    return data
 
 
 def lmsys_workload() -> Workload:
