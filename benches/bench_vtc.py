@@ -4,7 +4,7 @@ Run: .venv/bin/python -m pytest benches/bench_vtc.py
 """
 
 import itertools
-from collections import deque
+import random
 
 import pytest
 
@@ -30,17 +30,39 @@ def test_the_baseline_decides_like_routecore():
         assert rc.route(*args, now=float(k)) == py.route(*args, now=float(k))
 
 
+def test_the_baseline_decides_like_routecore_on_random_traffic():
+    """Users come and go, time jumps across buckets and whole windows, and the
+    table is bounded: the cached twin decides like routecore throughout."""
+    rng = random.Random(5)
+    rc = VtcRouter(ENDPOINTS[:6], max_users=20)
+    py = baseline.VtcRouter(ENDPOINTS[:6], max_users=20)
+    now = 0.0
+    for k in range(5000):
+        now += rng.choice([0.0] * 30 + [0.5, 7.0, 31.0, 400.0]) * rng.random()
+        # The active users drift, so heavy ones go quiet and are forgotten.
+        u = (k // 200 + rng.randrange(25)) % 40
+        tokens = rng.choice([0, 10, 500, 4000]) * (1 + u % 7)
+        args = (f"u{u}", tokens, rng.randrange(3) * 300)
+        assert rc.route(*args, now=now) == py.route(*args, now=now)
+
+
+def test_the_baseline_decides_like_routecore_on_the_bench_input():
+    rc, py = vtc_route_next(vtc_warmed(VtcRouter)), vtc_route_next(vtc_warmed(baseline.VtcRouter))
+    assert [rc() for _ in range(3 * len(USERS))] == [py() for _ in range(3 * len(USERS))]
+
+
 FULL = 100_000  # VtcRouter's default max_users
 
 
 def full_table(router_cls):
     """A router whose `FULL` users (the default max_users) are all active."""
     r = router_cls(ENDPOINTS, max_users=FULL)
+    old = [f"old-{i}" for i in range(FULL)]
     if router_cls is VtcRouter:
-        n = FULL
-        r.route_many([f"old-{i}" for i in range(n)], [100] * n, [50] * n, now=1.0)
-    else:  # filled directly: routing 100,000 users one by one takes hours
-        r.users = {f"old-{i}": deque([[0, 200.0]]) for i in range(FULL)}
+        r.route_many(old, [100] * FULL, [50] * FULL, now=1.0)
+    else:
+        for user in old:
+            r.route(user, 100, 50, now=1.0)
     return r
 
 

@@ -12,6 +12,7 @@ pub mod classify;
 pub mod clock;
 pub mod compress;
 pub mod error;
+pub mod flow;
 pub mod kv;
 pub mod openai;
 pub mod pick;
@@ -55,6 +56,8 @@ mod _core {
     use crate::py::compress::{
         PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
     };
+    #[pymodule_export]
+    use crate::py::flow::PyFlowQueue;
     #[cfg(feature = "kv-events")]
     #[pymodule_export]
     use crate::py::kv::PyKvEventIndex;

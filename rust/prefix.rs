@@ -676,7 +676,8 @@ impl PrefixIndex {
     /// blocks are recorded (the later ones would evict each other). `found`
     /// holds the live slots of the leading blocks as `match_into` walked them
     /// when the slots were at generation `found_gen`: while no slot changed
-    /// since, those need no second hash lookup.
+    /// since, those need no second hash lookup. The blocks `id` did not hold
+    /// before are appended to `added` when given.
     pub(crate) fn record_id(
         &mut self,
         hashes: &[u64],
@@ -684,6 +685,7 @@ impl PrefixIndex {
         found_gen: u64,
         id: u32,
         now: f64,
+        mut added: Option<&mut Vec<u64>>,
     ) {
         while self.tail != NIL && self.expired(self.tail, now) {
             self.drop_entry(self.tail);
@@ -711,6 +713,9 @@ impl PrefixIndex {
             e.last = now;
             if e.endpoints.add(id) {
                 self.endpoint_blocks[id as usize] += 1;
+                if let Some(a) = added.as_deref_mut() {
+                    a.push(h);
+                }
             }
             cursor = slot;
         }
@@ -762,8 +767,32 @@ impl PrefixIndex {
     pub fn record(&mut self, hashes: &[u64], endpoint: &str, now: f64) -> Result<()> {
         let now = finite("now", now)?;
         let id = self.intern(endpoint)?;
-        self.record_id(hashes, &[], 0, id, now);
+        self.record_id(hashes, &[], 0, id, now, None);
         Ok(())
+    }
+
+    /// Forgets that `endpoint` holds the blocks of `hashes` (a block no endpoint
+    /// holds any more is dropped); an unknown endpoint or hash is a no-op.
+    /// Returns how many of them it held.
+    pub fn forget(&mut self, hashes: &[u64], endpoint: &str) -> usize {
+        let Some(id) = self.endpoint_id(endpoint) else {
+            return 0;
+        };
+        let mut held = 0;
+        for h in hashes {
+            let Some(&slot) = self.map.get(h) else {
+                continue;
+            };
+            let e = &mut self.entries[slot as usize];
+            if e.endpoints.remove(id) {
+                held += 1;
+                self.endpoint_blocks[id as usize] -= 1;
+                if e.endpoints.is_empty() {
+                    self.drop_entry(slot);
+                }
+            }
+        }
+        held
     }
 
     /// Forgets `endpoint`: removes it from every block (a block no endpoint holds any
@@ -1213,6 +1242,22 @@ mod tests {
         for bad in [&[1i64, 50][..], &[0, 51], &[0, 30, 20, 50], &[]] {
             assert!(block_hashes_many(Tokens::Ids(&t), bad, 4, 3).is_err());
         }
+    }
+
+    #[test]
+    fn forget_removes_one_endpoint_from_those_blocks_only() {
+        let mut ix = PrefixIndex::new(10, None).expect("index");
+        ix.record(&[1, 2, 3], "a", 0.0).expect("record");
+        ix.record(&[1, 9], "b", 0.0).expect("record");
+        assert_eq!(ix.forget(&[1, 2, 3, 7], "a"), 3, "7 is not in the index");
+        assert_eq!(ix.forget(&[1, 2], "a"), 0, "forgotten already");
+        assert_eq!(ix.forget(&[1], "nobody"), 0);
+        // Blocks 2 and 3 were a's only: dropped; 1 and 9 stay b's.
+        assert_eq!(ix.len(), 2);
+        assert_eq!(ix.match_prefix(&[1, 2, 3], 0.0), Ok(vec![("b".into(), 1)]));
+        assert_eq!(ix.match_prefix(&[1, 9], 0.0), Ok(vec![("b".into(), 2)]));
+        // a holds nothing now: removing it reports no block.
+        assert_eq!(ix.remove_endpoint("a"), Ok(0));
     }
 
     #[test]

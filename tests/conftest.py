@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import realstack
+from envoy_proxy import Envoy
 from server_fixtures import Running, base_config
+from setup_errors import pytest_runtest_makereport  # noqa: F401 (a hook: errors at setup)
 
 
 class RedisServer:
@@ -100,3 +103,37 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., Running]]:
     yield start
     for r in started:
         r.stop()
+
+
+@pytest.fixture
+def envoy(tmp_path: Path) -> Iterator[Callable[..., Envoy]]:
+    """Starts a real Envoy with a configuration (a dict, e.g.
+    ``envoy_proxy.shipped_config(...)``; ``access_log=True`` for its access
+    log) as often as a test asks, each ready on its ports; kills every one
+    after the test."""
+    started: list[Envoy] = []
+
+    def start(config: dict, access_log: bool = False) -> Envoy:
+        e = Envoy(config, tmp_path, access_log)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+# -- the real stack (marker realstack): real vLLM engines, Redis, routecore, Envoy --
+
+
+@pytest.fixture(scope="session")
+def _real_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[realstack.Stack]:
+    yield from realstack.running(tmp_path_factory.mktemp("realstack"), RedisServer())
+
+
+@pytest.fixture
+def stack(_real_stack: realstack.Stack) -> realstack.Stack:
+    """The real stack of tests/realstack.py, started once per session; any
+    engine or replica an earlier test killed is running again."""
+    _real_stack.revive()
+    return _real_stack

@@ -4,20 +4,28 @@ It serves what routecore reads from a real engine:
 
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: an OpenAI answer
   with ``usage`` (JSON, or SSE when ``stream`` is true, with a usage event when
-  ``stream_options.include_usage`` is set); a ``model`` it does not serve is a
-  404 as vLLM answers it.
+  ``stream_options.include_usage`` is set), field for field as vLLM 0.32
+  answers (:func:`answer`, :func:`chunks`; tests/fixtures/vllm/); a ``model``
+  it does not serve is a 404 as vLLM answers it.
 - ``GET /health``: 200 while serving.
-- ``GET /metrics``: the Prometheus exposition (``prometheus_client``) with
-  vLLM's exact metric names, whose values follow the engine's load: a request
-  runs for ``service_s`` seconds in one of ``max_num_seqs`` slots, others wait;
-  KV use is the running requests' tokens over ``kv_capacity_tokens``. The
-  ``name[]`` query filter is honoured as vLLM's exposition does. Histograms are
-  exposed too, so an unfiltered page is the size of a real one.
+- ``GET /metrics``: the page vLLM 0.32 serves, line for line
+  (``tests/fixtures/vllm/metrics.txt``: its HELP texts, labels and
+  Content-Type, no ``vllm:gpu_cache_usage_perc``, ``vllm:lora_requests_info``
+  only when the engine serves adapters), the ``name[]`` query ignored as vLLM
+  ignores it, with the values of the engine's load: a request runs for
+  ``service_s`` seconds in one of ``max_num_seqs`` slots, others wait; KV use
+  is the running requests' tokens over ``kv_capacity_tokens``.
 
 Bad metrics pages for the scraper's tests: :attr:`MockEngine.metrics_mode` is
 ``"ok"``, ``"garbage"`` (not the exposition format), ``"huge"`` (``huge_bytes``
-of comments), ``"slow"`` (answers after ``slow_s``) or ``"error"`` (500).
-:meth:`MockEngine.set_load` pins the reported queue and KV use.
+of comments), ``"slow"`` (answers after ``slow_s``) or ``"error"`` (500);
+:attr:`MockEngine.queue_series` adds lines to a good page's queue
+(``vllm:num_requests_waiting``) group: more data-parallel ranks, or a hostile
+engine's. :meth:`MockEngine.set_load` pins the reported queue and KV use.
+
+:attr:`MockEngine.token_s` spaces the events of a streamed answer (a long
+SSE stream); :attr:`MockEngine.requests` records the headers of every
+completion request received (what reached the engine through a gateway).
 
 Another helper can attach to the engine's request stream: every request served
 calls each of :attr:`MockEngine.listeners` with a :class:`Served` (prompt text,
@@ -32,34 +40,50 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.utils import floatToGoString
 
-#: vLLM's metric names (v1 engine; ``gpu_cache_usage_perc`` is the older name).
+#: The vLLM release whose answers the mock gives (tests/fixtures/vllm/).
+FINGERPRINT = "vllm-0.32.0-mock"
+#: vLLM's metric names (v1 engine; ``gpu_cache_usage_perc`` is the older KV
+#: name routecore also asks for, absent from vLLM 0.32's page).
 WAITING = "vllm:num_requests_waiting"
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 GPU_CACHE_USAGE = "vllm:gpu_cache_usage_perc"
 LORA_INFO = "vllm:lora_requests_info"
-#: Histograms a real page carries (what makes it tens of KB).
-HISTOGRAMS = (
-    "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds",
-    "vllm:request_decode_time_seconds",
-    "vllm:request_prompt_tokens",
-    "vllm:request_generation_tokens",
-)
-BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5)
-BUCKETS += (10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 METRICS_MODES = ("ok", "garbage", "huge", "slow", "error")
+#: vLLM 0.32's pages (see tests/fixtures/vllm/README.md, and render_metrics.py for the LoRA one).
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm"
+#: What vLLM's ``/metrics`` answers with (prometheus_client's latest text format).
+CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
+#: The model name on the captured page.
+FIXTURE_MODEL = "tiny-llama"
+
+
+def _lines(name: str) -> list[str]:
+    return (FIXTURES / name).read_text().splitlines(keepends=True)
+
+
+#: The captured page (no LoRA), as lines.
+PAGE = _lines("metrics.txt")
+#: With LoRA on: the LoRA gauge as vLLM writes it (``metrics_lora.txt``,
+#: rendered by vLLM's own metric classes) where vLLM writes it, before
+#: ``vllm:cache_config_info``.
+_AT = next(i for i, line in enumerate(PAGE) if line.startswith("# HELP vllm:cache_config_info"))
+PAGE_LORA = (
+    PAGE[:_AT] + [line for line in _lines("metrics_lora.txt") if LORA_INFO in line] + PAGE[_AT:]
+)
 
 
 @dataclass(frozen=True)
@@ -86,13 +110,18 @@ class MockEngine:
     metrics_mode: str = "ok"
     huge_bytes: int = 4 << 20
     slow_s: float = 2.0
-    #: Label sets per histogram (more: a bigger unfiltered page).
-    histogram_series: int = 2
+    #: Written after the queue's sample, in its group (more data-parallel
+    #: ranks, or a hostile engine's lines).
+    queue_series: str = ""
     listeners: list[Callable[[Served], None]] = field(default_factory=list)
     #: Counts by path (``/metrics``: how often it was scraped).
     hits: dict[str, int] = field(default_factory=dict)
     #: The ``name[]`` filters of the last metrics request.
     last_filter: list[str] = field(default_factory=list)
+    #: Seconds between two SSE events of a streamed answer (a long stream).
+    token_s: float = 0.0
+    #: The headers of every completion request received, in order (lower-case names).
+    requests: list[dict[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.running = 0
@@ -104,18 +133,14 @@ class MockEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._runner: web.AppRunner | None = None
-        self._registry = CollectorRegistry()
-        labels = ["model_name", "engine"]
-        self._gauges = {
-            name: Gauge(name, "mock", labels, registry=self._registry)
-            for name in (WAITING, RUNNING, KV_USAGE, GPU_CACHE_USAGE)
+        model = f'model_name="{self.model}"'
+        self._pages = {
+            lora: ([line.replace(f'model_name="{FIXTURE_MODEL}"', model) for line in page], slots)
+            for lora, page, slots in (
+                (False, PAGE, _slots(PAGE)),
+                (True, PAGE_LORA, _slots(PAGE_LORA)),
+            )
         }
-        lora_labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
-        self._lora = Gauge(LORA_INFO, "mock", lora_labels, registry=self._registry)
-        for name in HISTOGRAMS:
-            h = Histogram(name, "mock", labels, buckets=BUCKETS, registry=self._registry)
-            for i in range(self.histogram_series):
-                h.labels(self.model, str(i)).observe(0.05)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -206,21 +231,36 @@ class MockEngine:
         if mode == "huge":
             line = "# " + "x" * 1000 + "\n"
             return web.Response(text=line * (self.huge_bytes // len(line)))
-        kv = self._value(KV_USAGE)
-        for name in (WAITING, RUNNING):
-            self._gauges[name].labels(self.model, "0").set(self._value(name))
-        self._gauges[KV_USAGE].labels(self.model, "0").set(kv)
-        self._gauges[GPU_CACHE_USAGE].labels(self.model, "0").set(kv)
-        loaded = ",".join(self.adapters)
-        self._lora.clear()
-        self._lora.labels("4", loaded, "").set(time.time())
-        wanted = set(self.last_filter)
-        registry = self._registry
-        if wanted:
-            # prometheus_client's own filter (what vLLM's /metrics uses).
-            registry = registry.restricted_registry(sorted(wanted))  # type: ignore[assignment]
-        body = generate_latest(registry)
-        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+        body = self.metrics_page().encode()
+        return web.Response(body=body, headers={"content-type": CONTENT_TYPE})
+
+    def metrics_page(self) -> str:
+        """The page as vLLM 0.32 writes it, with this engine's values."""
+        waiting = self._value(WAITING)
+        values = {
+            WAITING: waiting,
+            RUNNING: self._value(RUNNING),
+            KV_USAGE: self._value(KV_USAGE),
+            # Every waiting request waits for capacity (none deferred).
+            f"{WAITING_BY_REASON}:capacity": waiting,
+            f"{WAITING_BY_REASON}:deferred": 0.0,
+        }
+        page, slots = self._pages[bool(self.adapters)]
+        lines = list(page)
+        for i, what in slots.items():
+            head = lines[i].rsplit(" ", 1)[0]
+            if what == LORA_INFO:
+                running = ",".join(self.adapters)
+                head = (
+                    f'{LORA_INFO}{{max_lora="4",running_lora_adapters="{running}",'
+                    'waiting_lora_adapters=""}'
+                )
+                lines[i] = f"{head} {floatToGoString(time.time())}\n"
+            elif what in values:
+                lines[i] = f"{head} {floatToGoString(values[what])}\n"
+            if what == WAITING:
+                lines[i] += self.queue_series
+        return "".join(lines)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
@@ -230,6 +270,7 @@ class MockEngine:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         self._hit(request.path)
+        self.requests.append({k.lower(): v for k, v in request.headers.items()})
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -257,43 +298,119 @@ class MockEngine:
         served = Served(model, prompt, ids, prompt_tokens, completion_tokens)
         for listener in self.listeners:
             listener(served)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
-        kind = "chat.completion" if chat else "text_completion"
-        text = "ok " * completion_tokens
+        usage = (prompt_tokens, completion_tokens)
+        texts = ["ok "] * completion_tokens
         if not body.get("stream"):
-            choice = (
-                {"index": 0, "message": {"role": "assistant", "content": text}}
-                if chat
-                else {"index": 0, "text": text}
-            )
-            choice["finish_reason"] = "length"
-            return web.json_response(
-                {
-                    "id": "mock-1",
-                    "object": kind,
-                    "model": model,
-                    "choices": [choice],
-                    "usage": usage,
-                }
-            )
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            return web.Response(body=_json(answer(chat, model, texts, usage)), content_type=JSON)
+        resp = web.StreamResponse(headers={"content-type": SSE})
         await resp.prepare(request)
-        for i in range(completion_tokens):
-            delta = {"delta": {"content": "ok "}} if chat else {"text": "ok "}
-            event = {"id": "mock-1", "object": f"{kind}.chunk", "choices": [{"index": 0, **delta}]}
-            if i == completion_tokens - 1:
-                event["choices"][0]["finish_reason"] = "length"
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-        if (body.get("stream_options") or {}).get("include_usage"):
-            event = {"id": "mock-1", "object": f"{kind}.chunk", "choices": [], "usage": usage}
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        include_usage = (body.get("stream_options") or {}).get("include_usage")
+        for i, event in enumerate(chunks(chat, model, texts, usage if include_usage else None)):
+            if i and self.token_s:
+                await asyncio.sleep(self.token_s)
+            await resp.write(b"data: " + _json(event) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _slots(page: list[str]) -> dict[int, str]:
+    """The lines of ``page`` whose value the engine sets, by what they report."""
+    read = (WAITING, WAITING_BY_REASON, RUNNING, KV_USAGE, LORA_INFO)
+    slots = {}
+    for i, line in enumerate(page):
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if line.startswith("#") or name not in read:
+            continue
+        reason = re.search(r'reason="([^"]*)"', line) if name == WAITING_BY_REASON else None
+        slots[i] = f"{name}:{reason.group(1)}" if reason else name
+    return slots
+
+
+# -- vLLM's answers, as tests/fixtures/vllm/ has them (tests/test_mock_engine.py) --
+
+#: vLLM's Content-Types of a JSON answer and of a stream.
+JSON = "application/json"
+SSE = "text/event-stream; charset=utf-8"
+
+
+def _json(value: Any) -> bytes:
+    """JSON as vLLM writes it (no spaces, UTF-8 as is)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _head(chat: bool, model: str, chunk: bool) -> dict[str, Any]:
+    """The fields every answer and chunk starts with."""
+    kind = "chat.completion" if chat else "text_completion"
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
+        "object": f"{kind}.chunk" if chunk and chat else kind,
+        "created": int(time.time()),
+        "model": model,
+    }
+
+
+def _usage(usage: tuple[int, int]) -> dict[str, int]:
+    prompt, completion = usage
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+
+
+def answer(chat: bool, model: str, texts: list[str], usage: tuple[int, int]) -> dict[str, Any]:
+    """A JSON answer (``stream`` false) of ``texts`` (one a token), finished by
+    length; ``usage`` is (prompt, completion) tokens."""
+    done = {"logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": None}
+    if chat:
+        message = {"role": "assistant", "content": "".join(texts)}
+        message.update(
+            dict.fromkeys(("refusal", "annotations", "audio", "function_call", "reasoning"))
+        )
+        choice = {"index": 0, "message": message, **done, "routed_experts": None}
+    else:
+        choice = {"index": 0, "text": "".join(texts), **done}
+        choice.update(dict.fromkeys(("prompt_logprobs", "prompt_token_ids", "routed_experts")))
+    details = dict.fromkeys(("prompt_tokens_details", "completion_tokens_details"))
+    tail = ("prompt_logprobs", "prompt_token_ids", "prompt_text") if chat else ()
+    return {
+        **_head(chat, model, chunk=False),
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": FINGERPRINT,
+        "usage": {**_usage(usage), **details},
+        **dict.fromkeys((*tail, "kv_transfer_params", "ec_transfer_params", "metrics")),
+    }
+
+
+def chunks(
+    chat: bool, model: str, texts: list[str], usage: tuple[int, int] | None
+) -> list[dict[str, Any]]:
+    """The events of a stream of ``texts`` (one chunk a token, the last with
+    the finish reason), the usage event when ``usage`` is given (the request's
+    ``stream_options.include_usage``); ``[DONE]`` is not an event."""
+    head = _head(chat, model, chunk=True)
+    events = []
+    if chat:
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+        role.update(logprobs=None, finish_reason=None)
+        events.append({**head, "choices": [role], "prompt_token_ids": None, "prompt_text": None})
+    for i, text in enumerate(texts):
+        last = i == len(texts) - 1
+        choice: dict[str, Any] = {"index": 0}
+        choice.update({"delta": {"content": text}} if chat else {"text": text})
+        choice.update(logprobs=None, finish_reason="length" if last else None)
+        if last or not chat:
+            choice["stop_reason"] = None
+        if not chat:
+            choice["prompt_token_ids"] = None
+        choice["token_ids"] = None
+        events.append({**head, "choices": [choice]})
+    if usage is not None:
+        events.append({**head, "choices": [], "usage": _usage(usage)})
+    events[-1]["system_fingerprint"] = FINGERPRINT  # the last event carries it
+    return events
 
 
 def _prompt(body: dict, chat: bool) -> tuple[str, tuple[int, ...] | None]:

@@ -1,13 +1,24 @@
 """A mock vLLM engine for KV-event tests: an LRU cache of KV blocks that
-publishes what it stores and evicts in vLLM's wire format (a ZeroMQ PUB
-socket sending ``(topic, seq, payload)``, payload a msgpack ``EventBatch``
-``[ts, events, data_parallel_rank]``; a ROUTER socket replaying buffered
-batches from a requested sequence number, then ``(-1, b"")``), on 127.0.0.1.
+publishes what it stores and evicts exactly as vLLM 0.32's
+``ZmqEventPublisher`` does (``vllm/distributed/kv_events.py``; checked
+against the captured ``tests/fixtures/vllm/`` by test_kv_events.py), on
+127.0.0.1:
+
+- a PUB socket sending ``(topic, seq, payload)``, ``seq`` 8 bytes big-endian,
+  ``payload`` a msgpack ``EventBatch`` ``[ts, events, data_parallel_rank]``
+  whose events are maps tagged by ``"type"`` (msgspec's tagged structs; the
+  fields with a default left out), block hashes ints over the whole u64
+  range (or, like ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, 32-byte
+  strings);
+- a ROUTER socket answering a request ``["", start_seq]`` with
+  ``[identity, "", topic, seq, payload]`` per buffered batch from
+  ``start_seq`` on, then ``[identity, "", "", -1, ""]``.
 
 Faults on demand: a batch dropped on the PUB socket (kept for replay), a
 batch sent twice, frames that are not a batch, events with unknown tags,
-another block size, removals of blocks never stored, and a restart
-(sequence numbers from 0 again, empty cache).
+another block size, removals of blocks never stored, a restart (sequence
+numbers from 0 again, empty cache), and a replay socket that stops
+answering (``replay_paused``).
 """
 
 from __future__ import annotations
@@ -26,6 +37,27 @@ from server_fixtures import wait_for
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+def bind(sock: zmq.Socket, addr: str) -> str:
+    """Binds ``sock`` to ``addr`` and returns the address bound. A port just
+    released by a closed socket is free once libzmq's I/O thread has closed
+    it: a few retries."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            sock.bind(addr)
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def encode_batch(events: list[Any], ts: float | None = None, rank: int = 0) -> bytes:
+    """An ``EventBatch`` as vLLM 0.32 encodes it: an array (msgspec's
+    ``array_like``) around the events (maps)."""
+    return msgpack.packb([time.time() if ts is None else ts, events, rank])
+
+
 def stored(
     hashes: list[Any],
     parent: Any,
@@ -33,23 +65,38 @@ def stored(
     block_size: int,
     lora_name: str | None = None,
     medium: str | None = "GPU",
-) -> list[Any]:
-    """A ``BlockStored`` event as msgspec encodes it (array, tag first)."""
-    return ["BlockStored", hashes, parent, token_ids, block_size, None, medium, lora_name]
+) -> dict[str, Any]:
+    """A ``BlockStored`` event as vLLM 0.32 sends it (no extra keys per block,
+    one full-attention KV cache group; ``lora_id`` given with ``lora_name``,
+    as vLLM does)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": token_ids,
+        "block_size": block_size,
+        "lora_id": None if lora_name is None else 1,
+        "medium": medium,
+        "lora_name": lora_name,
+        "extra_keys": [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
 
 
-def removed(hashes: list[Any], medium: str | None = "GPU") -> list[Any]:
-    return ["BlockRemoved", hashes, medium]
+def removed(hashes: list[Any], medium: str | None = "GPU") -> dict[str, Any]:
+    """A ``BlockRemoved`` event as vLLM 0.32 sends it (one per evicted block)."""
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": 0}
 
 
-CLEARED = ["AllBlocksCleared"]
+CLEARED = {"type": "AllBlocksCleared"}
 
 
 class MockKvPublisher:
     """One engine: ``serve(prompt)`` touches the prompt's full blocks in the
     LRU cache of ``capacity_blocks`` and publishes one batch of the blocks it
-    evicted and stored. Engine block hashes are 8-byte strings (newer vLLM) or
-    ints, from a salt of this engine: not routecore's hashes."""
+    evicted and stored. Engine block hashes are u64 ints (vLLM's default) or
+    32-byte strings, from a salt of this engine: not routecore's hashes."""
 
     def __init__(
         self,
@@ -64,33 +111,39 @@ class MockKvPublisher:
         self.topic = topic.encode()
         self.bytes_hashes = bytes_hashes
         self.ctx = zmq.Context.instance()
+        self._open()
+        self.seq = 0
+        self.salt = 0
+        self.replay_requests: list[int] = []
+        #: While set, replay requests are read and never answered (a hung engine).
+        self.replay_paused = False
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        # engine hash -> the prompt prefix ending with that block (LRU first).
+        self.cache: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
+
+    def _open(self, zmq_addr: str = "tcp://127.0.0.1:*", replay: str = "tcp://127.0.0.1:*") -> None:
+        """Binds the sockets (any free ports, or the ones given) and starts
+        the replay thread."""
         # An XPUB: a PUB to its subscribers that also hears their subscriptions
         # (see wait_subscribed).
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.subscriptions = 0
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.zmq = f"tcp://127.0.0.1:{port}"
+        self.zmq = bind(self.pub, zmq_addr)
         self._router = self.ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        rport = self._router.bind_to_random_port("tcp://127.0.0.1")
-        self.replay = f"tcp://127.0.0.1:{rport}"
-        self.seq = 0
-        self.salt = 0
-        self.replay_requests: list[int] = []
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._lock = threading.Lock()
-        # engine hash -> the prompt prefix ending with that block (LRU first).
-        self.cache: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
+        self.replay = bind(self._router, replay)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
         self._thread.start()
 
     # -- the engine ---------------------------------------------------------
     def _hash(self, prefix: tuple[int, ...], lora: str | None) -> Any:
-        h = hashlib.blake2b(repr((self.salt, lora, prefix)).encode(), digest_size=8).digest()
-        return h if self.bytes_hashes else int.from_bytes(h, "big") >> 1
+        h = hashlib.blake2b(repr((self.salt, lora, prefix)).encode(), digest_size=32).digest()
+        # vLLM's int hashes: the digest's low 64 bits, the whole u64 range.
+        return h if self.bytes_hashes else int.from_bytes(h, "big") & ((1 << 64) - 1)
 
     def serve(self, token_ids: list[int], lora: str | None = None, drop: bool = False) -> int:
         """Serves a prompt; returns the blocks it already held (its cache hit).
@@ -129,8 +182,13 @@ class MockKvPublisher:
         self.cache.clear()
         self.publish([CLEARED])
 
-    def restart(self) -> None:
-        """The engine restarts: empty cache, new hashes, sequence from 0."""
+    def restart(self, sockets: bool = False) -> None:
+        """The engine restarts: empty cache, new hashes, sequence from 0;
+        with ``sockets``, as a new process does, its sockets close and bind
+        again on the same ports (its subscribers see the stream drop)."""
+        if sockets:
+            self.close()
+            self._open(self.zmq, self.replay)
         with self._lock:
             self._buffer.clear()
         self.cache.clear()
@@ -139,8 +197,7 @@ class MockKvPublisher:
 
     # -- the wire -----------------------------------------------------------
     def publish(self, events: list[Any], drop: bool = False) -> int:
-        payload = msgpack.packb([time.time(), events, 0])
-        return self.publish_payload(payload, drop=drop)
+        return self.publish_payload(encode_batch(events), drop=drop)
 
     def publish_payload(self, payload: bytes, drop: bool = False) -> int:
         """Sends ``payload`` as the next batch (any bytes: garbage too)."""
@@ -182,7 +239,7 @@ class MockKvPublisher:
             if not poller.poll(20):
                 continue
             frames = self._router.recv_multipart()
-            if len(frames) != 3:
+            if len(frames) != 3 or self.replay_paused:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
@@ -190,8 +247,8 @@ class MockKvPublisher:
             with self._lock:
                 batches = [(s, p) for s, p in self._buffer if s >= start_seq]
             for s, p in batches:
-                self._router.send_multipart([client, b"", s.to_bytes(8, "big"), p])
-            self._router.send_multipart([client, b"", END_SEQ, b""])
+                self._router.send_multipart([client, b"", self.topic, s.to_bytes(8, "big"), p])
+            self._router.send_multipart([client, b"", b"", END_SEQ, b""])
 
     def close(self) -> None:
         self._stop.set()

@@ -148,14 +148,25 @@ class Running:
 class Spawned:
     """``routecore serve`` in its own process on free ports."""
 
-    def __init__(self, path: Path, config: dict | None = None, *extra: str) -> None:
+    def __init__(
+        self,
+        path: Path,
+        config: dict | None = None,
+        *extra: str,
+        ports: tuple[int, int, int] | None = None,
+    ) -> None:
         """Serves ``config`` written to ``path`` (None: the file as it is),
-        ``extra`` added to the command line."""
+        ``extra`` added to the command line, on ``ports`` (ext_proc, metrics,
+        RouteCore API; None: free ports)."""
         if config is not None:
             path.write_text(yaml.safe_dump(config))
         self.path = path
         self.text = ""
-        self.port, self.metrics_port, self.api_port = free_port(), free_port(), free_port()
+        self.port, self.metrics_port, self.api_port = ports or (
+            free_port(),
+            free_port(),
+            free_port(),
+        )
         # Its log in a file: a pipe nobody reads would stall the server when full.
         fd, name = tempfile.mkstemp(suffix=".log")
         os.close(fd)
@@ -302,6 +313,30 @@ def redis_in_flight(url: str) -> int:
         return sum(int(client.hget(k, "in_flight") or 0) for k in client.keys("*:quota"))
     finally:
         client.close()
+
+
+def redis_unread_bytes(port: int) -> int:
+    """Bytes clients sent to the redis-server listening on ``port`` that it has
+    not read yet (the receive queues of its connections, /proc/net/tcp): above
+    zero while a stopped server holds a command."""
+    total = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if int(local.rsplit(":", 1)[1], 16) == port and state == "01":  # established
+                total += int(queues.split(":")[1], 16)
+    return total
+
+
+async def until(predicate, timeout: float, what: str) -> None:
+    """Polls ``predicate`` every 10 ms without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
 
 
 def wait_redis_settled(url: str, timeout: float = 5.0) -> None:

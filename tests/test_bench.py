@@ -43,7 +43,7 @@ def test_table_for_chosen_cases(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[0] == "case" and "min / median" in lines[0]
     assert [x.split()[0] for x in lines[2:4]] == ["route", "erlang_c"]
-    assert lines[2].endswith("x") and lines[-1].startswith("ratio: plain-Python median")
+    assert lines[2].endswith("x") and lines[-1].startswith("ratio: Python-twin median")
 
 
 @pytest.mark.parametrize("bad", [["--seconds", "0"], ["--seconds", "nan"], ["--only", "nope"]])
@@ -63,3 +63,24 @@ def test_each_twin_computes_what_routecore_computes():
         assert rc().pool == "short" and py() == 0
     with by_name["assign"].calls() as (rc, py):
         assert rc().tolist() == py()
+    with by_name["route_many"].calls() as (rc, py):
+        assert rc().tolist() == py().tolist()
+    with by_name["vtc"].calls() as (rc, py):
+        assert [rc() for _ in range(2000)] == [py() for _ in range(2000)]
+    with by_name["prefix_pick"].calls() as (rc, py):
+        assert [rc() for _ in range(3)] == [py() for _ in range(3)]
+
+
+def test_each_stateful_twin_answers_as_routecore_call_after_call():
+    """The admission pair (every pair admitted on both sides; the twin's
+    decisions are checked on random traffic in benches/bench_admission.py) and
+    the whole ext_proc conversation: the same protobuf answers (pool, endpoint,
+    metadata) for each message of each conversation."""
+    by_name = {c.name: c for c in CASES}
+    with by_name["admission"].calls() as (rc, py):
+        assert all(rc() is not None and py() is not None for _ in range(500))
+    with by_name["ext_proc_conversation"].calls() as (rc, py):
+        for _ in range(5):
+            answers = rc()
+            assert answers == py()
+            assert answers[1].request_body.response.header_mutation.set_headers

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routecore import Calibrator, NotInFlightError, Pool, TokenBudgetRouter
+from routecore._baselines.budget import NumpyRouter
 
 
 def two_pools(short_budget=None, short_limit=None, long_limit=None):
@@ -192,6 +193,46 @@ def test_route_many_equals_route_one_by_one(limits, reqs):
     batched = many.route_many(arr[:, 0], np.array(ids)[arr[:, 1]], arr[:, 2])
     assert batched.tolist() == singles
     assert [one.in_flight(i) for i in range(3)] == [many.in_flight(i) for i in range(3)]
+
+
+pool_shapes = st.lists(
+    st.tuples(st.integers(1, 200_000), st.integers(1, 200_000)).map(lambda t: (max(t), min(t))),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shapes=pool_shapes,
+    reqs=st.lists(
+        st.tuples(st.integers(0, 900_000), st.integers(0, 2), st.integers(1, 40_000)),
+        max_size=200,
+    ),
+    near=st.lists(st.integers(-3, 3), max_size=200),
+)
+def test_route_many_equals_the_numpy_twin(shapes, reqs, near):
+    """Without queue limits or a compress band, routecore's batch decides and
+    counts as the NumPy router of ``routecore._baselines`` (the bench's twin),
+    also for prompts within a few bytes of a pool's budget."""
+    pools = [(f"p{i}", ctx, budget, None) for i, (ctx, budget) in enumerate(shapes)]
+    r = make_router([None] * 3)
+    r = TokenBudgetRouter([Pool(*p) for p in pools], r.calibrator)
+    names = ["prose", "code", "cjk"]
+    ids = [r.category_id(n) for n in names]
+    ratios = [r.calibrator.conservative_ratio(n) for n in r.calibrator.categories]
+    # Prompts at a pool's budget: bytes = (budget - output) * ratio, nudged.
+    edges = [
+        (max(0, int((shapes[k % len(shapes)][1] - o) * ratios[ids[c]]) + d), c, o)
+        for k, ((_, c, o), d) in enumerate(zip(reqs, near))
+    ]
+    arr = np.array(reqs + edges, dtype=np.int64).reshape(-1, 3)
+    cats = np.array(ids)[arr[:, 1]]
+    twin = NumpyRouter(pools, ratios)
+    assert r.route_many(arr[:, 0], cats, arr[:, 2]).tolist() == (
+        twin.route_many(arr[:, 0], cats, arr[:, 2]).tolist()
+    )
+    assert [r.in_flight(i) for i in range(len(pools))] == twin.in_flight.tolist()
 
 
 def test_repr_and_properties():

@@ -31,13 +31,15 @@ def test_one_conversation_shows_the_routing_answer_as_envoy_sees_it(server, caps
     code, out = client_json(capsys, "--target", server.target)
     assert code == 0 and out["routed"] and out["http_status"] is None
     assert out["endpoint"] in SHORT and out["pool"] == "short"
+    assert sorted([out["endpoint"], *out["fallbacks"]]) == SHORT
     phases = [a["phase"] for a in out["answers"]]
     assert phases == ["request_headers", "request_body"]
     body = out["answers"][1]
     assert body["status"] == "CONTINUE" and body["clear_route_cache"]
-    assert body["set_headers"]["x-gateway-destination-endpoint"] == out["endpoint"]
+    listed = ",".join([out["endpoint"], *out["fallbacks"]])
+    assert body["set_headers"]["x-gateway-destination-endpoint"] == listed
     lb = body["dynamic_metadata"]["envoy.lb"]
-    assert lb["x-gateway-destination-endpoint"] == out["endpoint"]
+    assert lb["x-gateway-destination-endpoint"] == listed
     assert out["added_ms"] > 0
     # the request phase alone: the server releases it when the stream closes
     wait_settled(server)

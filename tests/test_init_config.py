@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from routecore.cli import main
-from routecore.commands.init_config import FILES, example
+from routecore.commands.init_config import FILES, SHIPPED, example
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("name", SHIPPED)
 def test_the_shipped_files_are_byte_identical_to_examples(name):
     # examples/ is the one source: after editing it, copy it to
     # python/routecore/data/examples/ (this test names the file that differs).
@@ -71,3 +71,15 @@ def test_no_scrape_writes_the_example_with_scraping_off_and_nothing_else(tmp_pat
     assert yaml.safe_load(written) == example
     assert "# A complete routecore serve" in written  # the comments are kept
     assert (tmp_path / "envoy.yaml").read_bytes() == (EXAMPLES / "envoy.yaml").read_bytes()
+
+
+def test_fail_open_writes_the_fail_open_envoy_configuration_as_envoy_yaml(tmp_path):
+    assert main(["init-config", str(tmp_path), "--fail-open"]) == 0
+    written = (tmp_path / "envoy.yaml").read_bytes()
+    assert written == (EXAMPLES / "envoy-fail-open.yaml").read_bytes()
+    assert b"failure_mode_allow: true" in written
+    assert (tmp_path / "routecore.yaml").read_bytes() == (EXAMPLES / "routecore.yaml").read_bytes()
+    assert not (tmp_path / "envoy-fail-open.yaml").exists()
+    assert main(["init-config", str(tmp_path), "--force"]) == 0
+    written = (tmp_path / "envoy.yaml").read_bytes()
+    assert b"failure_mode_allow: false" in written

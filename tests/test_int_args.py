@@ -49,6 +49,12 @@ def scheduler():
     return core.BatchScheduler([ENDPOINT])
 
 
+def flow_queue():
+    q = core.FlowQueue()
+    q.enqueue("spot", "t", "waiting", now=0.0)  # ticket 0
+    return q
+
+
 def plan():
     return core.plan(WORKLOAD, 10.0, 1.0, b_short=[4096], gammas=[1.0])
 
@@ -79,6 +85,12 @@ def pair_keyword(make, args, name):
 
 
 # "Class.method.parameter" -> a call with the value in that parameter.
+def _redis_config(window_entries, window_entries_per_quota, void_markers):
+    return core.admission_redis_config(
+        [POOL], [ENT], 60.0, 300.0, window_entries, window_entries_per_quota, void_markers
+    )
+
+
 CASES = {
     "Calibrator.__new__.max_categories": lambda v: core.Calibrator(max_categories=v),
     "Calibrator.observe.prompt_bytes": lambda v: core.Calibrator().observe("prose", v, 10),
@@ -225,6 +237,8 @@ CASES = {
     "AdmissionController.admit.input_tokens": lambda v: admission().admit("e", v, 10, 0.0),
     "AdmissionController.admit.max_tokens": lambda v: admission().admit("e", 10, v, 0.0),
     "AdmissionController.complete.ticket": lambda v: _admitted_complete(1, 1, v),
+    "FlowQueue.enqueue.bytes": lambda v: flow_queue().enqueue("spot", "t", None, bytes=v),
+    "FlowQueue.cancel.ticket": lambda v: flow_queue().cancel(v),
     "AdmissionController.complete.actual_input": lambda v: _admitted_complete(v, 1),
     "AdmissionController.complete.actual_output": lambda v: _admitted_complete(1, v),
     "AdmissionController.set_capacity.kv_bytes": lambda v: admission().set_capacity(
@@ -247,6 +261,8 @@ CASES = {
     ),
     "DataPlane.finish.prompt_tokens": lambda v: _finish(v, 1),
     "DataPlane.finish.completion_tokens": lambda v: _finish(1, v),
+    "DataPlane.feedback.prompt_tokens": lambda v: _finish(v, 1, feedback=True),
+    "DataPlane.feedback.completion_tokens": lambda v: _finish(1, v, feedback=True),
     "load.requests": lambda v: _load(requests=v),
     "load.concurrency": lambda v: _load(concurrency=v),
     "load.body_bytes": lambda v: _load(body_bytes=v),
@@ -255,7 +271,13 @@ CASES = {
     "KvEventIndex.__new__.block_size": lambda v: core.KvEventIndex(block_size=v),
     "KvEventIndex.__new__.capacity_blocks": lambda v: core.KvEventIndex(capacity_blocks=v),
     "KvEventIndex.__new__.seed": lambda v: core.KvEventIndex(seed=v),
+    "KvEventIndex.__new__.max_message_bytes": lambda v: core.KvEventIndex(max_message_bytes=v),
+    "KvEventIndex.__new__.max_batch_events": lambda v: core.KvEventIndex(max_batch_events=v),
+    "KvEventIndex.__new__.max_batch_blocks": lambda v: core.KvEventIndex(max_batch_blocks=v),
     "KvEventIndex.leading_blocks.token_ids": lambda v: core.KvEventIndex().leading_blocks([v]),
+    "admission_redis_config.max_window_entries": lambda v: _redis_config(v, 1, 1),
+    "admission_redis_config.max_window_entries_per_quota": lambda v: _redis_config(1, v, 1),
+    "admission_redis_config.max_void_markers": lambda v: _redis_config(1, 1, v),
 }
 
 
@@ -315,10 +337,15 @@ def _load(**kwargs):
     core.load(f"127.0.0.1:{plane().port}", **{"requests": 1, **kwargs})
 
 
-def _finish(prompt_tokens, completion_tokens):
+def _finish(prompt_tokens, completion_tokens, feedback=False):
+    """Ends a request routed through the API with this usage: ``finish``, or
+    ``feedback`` (the RouteCore API's, with a key: none is needed here)."""
     routed = plane().route_fields(10, "prose", 10)
     try:
-        plane().finish(routed["request_id"], prompt_tokens, completion_tokens)
+        if feedback:
+            plane().feedback(routed["request_id"], b"", prompt_tokens, completion_tokens)
+        else:
+            plane().finish(routed["request_id"], prompt_tokens, completion_tokens)
     finally:
         plane().finish(routed["request_id"])
 
@@ -404,14 +431,20 @@ UNSIGNED_64 = {
     "PrefixWorkload.__new__.seed",
     "Admission.__new__.ticket",
     "AdmissionController.complete.ticket",
+    "FlowQueue.cancel.ticket",
     "DataPlane.route_fields.prompt_bytes",
     "DataPlane.route_fields.max_output_tokens",
     "DataPlane.route_fields.prompt_tokens",
     "DataPlane.route_fields.token_ids",
     "DataPlane.route_body.token_ids",
     "load.requests",
+    "admission_redis_config.max_window_entries",
+    "admission_redis_config.max_window_entries_per_quota",
+    "admission_redis_config.max_void_markers",
     "DataPlane.finish.prompt_tokens",
     "DataPlane.finish.completion_tokens",
+    "DataPlane.feedback.prompt_tokens",
+    "DataPlane.feedback.completion_tokens",
 }
 
 
@@ -479,9 +512,11 @@ VALID = {
     "Admission.__new__.status": 200,
     "AdmissionController.__new__.default_max_tokens": 100,
     "AdmissionController.complete.ticket": admission().admit("e", 10, 10, 0.0).ticket,
+    "FlowQueue.cancel.ticket": 0,
     "DataPlane.start.port": 0,
     "DataPlane.start.metrics_port": 0,
     "DataPlane.start.log_level": 30,
+    "KvEventIndex.__new__.max_message_bytes": 1 << 20,
     "DataPlane.set_log_level.level": 30,
     "load.server_pid": os.getpid(),
     "load.body_bytes": 100,

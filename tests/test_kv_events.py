@@ -7,10 +7,12 @@ import json
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import pytest
-from mock_kv_publisher import CLEARED, MockKvPublisher, removed, stored, subscribe, synced
+import zmq
+from mock_kv_publisher import MockKvPublisher, removed, stored, subscribe, synced
 from server_fixtures import wait_for
 
 import routecore
@@ -106,7 +108,7 @@ def test_a_gap_without_replay_clears_the_endpoint(index, pub):
     assert index.leading_blocks(prompt(3, 2)) == {"e0": 2}
 
 
-def test_duplicates_garbage_and_bad_events_change_nothing(index, pub):
+def test_duplicates_garbage_frames_and_bad_events_change_nothing(index, pub):
     subscribe(index, "e0", pub)
     serve_synced(index, "e0", pub, prompt(1, 2))
     blocks = index.blocks("e0")
@@ -114,10 +116,9 @@ def test_duplicates_garbage_and_bad_events_change_nothing(index, pub):
     pub.resend_last()
     pub.send_frames([b"kv", b"short"])
     pub.send_frames([b"kv"])
-    pub.publish_payload(b"\xc1 not msgpack")
     pub.publish(
         [
-            ["BlockMoved", [1]],
+            {"type": "BlockMoved", "block_hashes": [1]},
             stored([7], None, [1, 2, 3], 3),  # another block size
             stored([8], 12345, [1, 2, 3, 4], BS),  # a parent never stored
             stored([9], None, [1, 2, 3, 4], BS, medium="CPU"),
@@ -129,10 +130,26 @@ def test_duplicates_garbage_and_bad_events_change_nothing(index, pub):
     s = index.stats("e0")
     assert index.blocks("e0") == blocks
     assert s["duplicates"] == before["duplicates"] + 1
-    assert s["garbage"] == before["garbage"] + 3
+    assert s["garbage"] == before["garbage"] + 2
     assert s["skipped"] == before["skipped"] + 6
     assert s["gaps"] == before["gaps"] and s["clears"] == before["clears"]
     # The stream still works.
+    serve_synced(index, "e0", pub, prompt(2, 1))
+    assert index.leading_blocks(prompt(2, 1)) == {"e0": 1}
+
+
+def test_a_batch_that_cannot_be_read_clears_the_endpoint_and_is_no_gap(index, pub):
+    """What an unreadable batch said (removals too) is unknown: the index
+    forgets the endpoint's blocks rather than claim one the engine dropped."""
+    subscribe(index, "e0", pub)
+    serve_synced(index, "e0", pub, prompt(1, 2))
+    before = index.stats("e0")
+    pub.publish_payload(b"\xc1 not msgpack")
+    wait_for(synced(index, "e0", pub), what="the garbage batch seen")
+    s = index.stats("e0")
+    assert index.blocks("e0") == []
+    assert (s["garbage"], s["clears"]) == (before["garbage"] + 1, before["clears"] + 1)
+    assert (s["gaps"], s["unrecovered"]) == (before["gaps"], before["unrecovered"])
     serve_synced(index, "e0", pub, prompt(2, 1))
     assert index.leading_blocks(prompt(2, 1)) == {"e0": 1}
 
@@ -160,19 +177,104 @@ def test_evictions_cleared_caches_and_restarts_remove_entries(index):
         p.close()
 
 
-def test_a_silent_stream_goes_stale_and_falls_back(pub):
+def test_an_idle_engine_that_answers_stays_live_and_a_hung_one_falls_back(pub):
+    """An idle engine sends no events: it stays precise while its replay socket
+    answers (asked when silent for half of stale_after_s); one that answers
+    nothing falls back, and comes back when it answers again."""
     idx = routecore.KvEventIndex(block_size=BS, stale_after_s=0.3)
     try:
         subscribe(idx, "e0", pub)
         serve_synced(idx, "e0", pub, prompt(1, 2))
+        asked = len(pub.replay_requests)
+        time.sleep(1.5)  # five times stale_after_s, no event
+        assert idx.stats("e0")["live"], "an idle engine is not stale"
         assert idx.leading_blocks(prompt(1, 2)) == {"e0": 2}
+        assert len(pub.replay_requests) > asked
+        assert pub.replay_requests[-1] == pub.seq, "asked from the batch after its last"
+        pub.replay_paused = True
         wait_for(lambda: not idx.stats("e0")["live"], what="stale")
         assert idx.leading_blocks(prompt(1, 2)) == {"e0": None}
-        serve_synced(idx, "e0", pub, prompt(2, 1))
-        assert idx.stats("e0")["live"]
+        pub.replay_paused = False
+        wait_for(lambda: idx.stats("e0")["live"], what="live again")
         assert idx.leading_blocks(prompt(1, 2)) == {"e0": 2}
     finally:
         idx.close()
+
+
+def test_without_replay_only_a_lost_stream_falls_back(pub):
+    idx = routecore.KvEventIndex(block_size=BS, stale_after_s=0.3)
+    try:
+        subscribe(idx, "e0", pub, replay=False)
+        deadline = time.monotonic() + 10
+        while idx.stats("e0")["batches"] == 0 and time.monotonic() < deadline:
+            pub.publish([])
+            time.sleep(0.02)
+        serve_synced(idx, "e0", pub, prompt(1, 2))
+        time.sleep(1.5)
+        assert idx.leading_blocks(prompt(1, 2)) == {"e0": 2}, "idle, connected: precise"
+        pub.close()
+        wait_for(lambda: not idx.stats("e0")["live"], what="the stream lost")
+    finally:
+        idx.close()
+
+
+def test_a_late_subscriber_learns_an_idle_engines_cache_by_replay(index, pub):
+    """A replica started after the engine (a restart, a scale-out) asks the
+    replay socket from 0 at once: it learns what the engine caches without
+    waiting for the engine's next event."""
+    pub.serve(prompt(1, 3))
+    pub.serve(prompt(2, 2))
+    subscribe(index, "e0", pub)
+    wait_for(synced(index, "e0", pub), what="replayed from 0")
+    assert pub.replay_requests[0] == 0
+    assert index.leading_blocks(prompt(1, 3)) == {"e0": 3}
+    assert index.leading_blocks(prompt(2, 2)) == {"e0": 2}
+    s = index.stats("e0")
+    assert (s["batches"], s["gaps"], s["unrecovered"]) == (2, 0, 0)
+
+
+def test_a_late_subscriber_learns_what_the_engine_still_buffers():
+    """The engine keeps only its last batches: a late subscriber follows from
+    the oldest it still has (what came before is under-reported, never
+    over-reported: replica and engine agree on every block learned)."""
+    p = MockKvPublisher(block_size=BS, capacity_blocks=64, buffer_steps=3)
+    idx = routecore.KvEventIndex(block_size=BS)
+    try:
+        for head in range(1, 6):
+            p.serve(prompt(head, 1))
+        subscribe(idx, "e0", p)
+        wait_for(synced(idx, "e0", p), what="replayed")
+        got = idx.leading_blocks
+        assert [got(prompt(h, 1))["e0"] for h in range(1, 6)] == [0, 0, 1, 1, 1]
+        p.wait_subscribed(1)
+        p.serve(prompt(6, 1))
+        wait_for(synced(idx, "e0", p))
+        assert got(prompt(6, 1)) == {"e0": 1}
+        assert idx.stats("e0")["gaps"] == 0
+    finally:
+        idx.close()
+        p.close()
+
+
+def test_an_engine_restarted_while_the_stream_was_down_is_seen_at_reconnect(index):
+    """The engine restarts (new sockets on the same ports, an empty cache) and
+    stays idle: on reconnect the subscriber asks from its last batch, the
+    engine does not have it, and the endpoint is cleared, not left claiming
+    blocks the engine lost."""
+    p = MockKvPublisher(block_size=BS)
+    try:
+        subscribe(index, "e0", p)
+        serve_synced(index, "e0", p, prompt(1, 2))
+        restarts = index.stats("e0")["restarts"]
+        p.restart(sockets=True)
+        wait_for(lambda: index.stats("e0")["restarts"] == restarts + 1, what="the restart")
+        assert index.blocks("e0") == []
+        wait_for(lambda: index.stats("e0")["live"], what="reconnected")
+        p.wait_subscribed(1)
+        serve_synced(index, "e0", p, prompt(2, 1))
+        assert index.leading_blocks(prompt(2, 1)) == {"e0": 1}
+    finally:
+        p.close()
 
 
 def test_a_lost_stream_falls_back(index):
@@ -230,6 +332,13 @@ def test_bad_arguments_are_value_errors(index):
         index.subscribe("e0", "localhost:5557")
     with pytest.raises(ValueError, match="kv_events.replay"):
         index.subscribe("e0", "tcp://127.0.0.1:5557", replay="nope")
+    # vLLM's bind address is not one to connect to.
+    with pytest.raises(ValueError, match="bind address"):
+        index.subscribe("e0", "tcp://*:5557")
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        routecore.KvEventIndex(max_message_bytes=10)
+    with pytest.raises(ValueError, match="max_batch_blocks"):
+        routecore.KvEventIndex(max_batch_blocks=0)
     assert index.endpoints() == []
     with pytest.raises(KeyError):
         index.stats("e0")
@@ -245,16 +354,134 @@ def test_a_closed_index_refuses_to_subscribe():
         idx.subscribe("e0", "tcp://127.0.0.1:1")
 
 
-def test_mock_batches_are_vllm_event_batches():
-    """The mock speaks the wire format the decoder documents."""
-    p = MockKvPublisher(block_size=BS)
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
+
+
+def captured() -> list[list[bytes]]:
+    """The KV-event messages a real vLLM 0.32 engine sent (see its README)."""
+    return msgpack.unpackb((FIXTURES / "kv_events.msgpack").read_bytes())
+
+
+def shapes(payloads: list[bytes]) -> tuple[set[tuple], dict[str, list[str]], dict[tuple, set]]:
+    """What the bytes of some batches look like: the batch's element types,
+    each event type's keys in order, and the value types seen per key."""
+    batch: set[tuple] = set()
+    keys: dict[str, list[str]] = {}
+    types: dict[tuple, set] = {}
+
+    def kind(v) -> str:
+        if isinstance(v, list):
+            return "list[" + ",".join(sorted({kind(x) for x in v})) + "]"
+        return type(v).__name__
+
+    for payload in payloads:
+        b = msgpack.unpackb(payload)
+        batch.add(tuple(kind(x) if not isinstance(x, list) else "list" for x in b))
+        for e in b[1]:
+            keys.setdefault(e["type"], list(e))
+            assert list(e) == keys[e["type"]], "one key order per event type"
+            for k, v in e.items():
+                types.setdefault((e["type"], k), set()).add(kind(v))
+    return batch, keys, types
+
+
+def test_the_mock_sends_what_vllm_032_sends():
+    """The mock's bytes have the captured engine's shape: an array batch of
+    map events with the same keys in the same order and values of the same
+    types (u64 hashes past 2^63 included), and replay answers of the same
+    four frames and end marker."""
+    real = shapes([m[2] for m in captured()])
+    p = MockKvPublisher(block_size=BS, capacity_blocks=4)
     try:
-        p.serve(prompt(1, 1))
-        ts, events, rank = msgpack.unpackb(p._buffer[-1][1])
-        assert rank == 0 and isinstance(ts, float)
-        tag, hashes, parent, tokens, bs, lora_id, medium, lora_name = events[0]
-        assert (tag, parent, tokens, bs, medium) == ("BlockStored", None, prompt(1, 1), BS, "GPU")
-        assert CLEARED == ["AllBlocksCleared"]
+        for head in range(40):
+            p.serve(prompt(head, 2))
+            p.serve(prompt(head, 3))
+        p.clear()
+        mock = shapes([payload for _, payload in p._buffer])
+        assert mock[0] == real[0] == {("float", "list", "int")}
+        assert mock[1] == real[1]
+        for key, seen in mock[2].items():
+            assert seen <= real[2][key], key
+
+        def high(payloads) -> bool:
+            events = [e for payload in payloads for e in msgpack.unpackb(payload)[1]]
+            return max(h for e in events for h in e.get("block_hashes", [])) >= 1 << 63
+
+        assert high(m[2] for m in captured()) and high(b for _, b in p._buffer)
+
+        exchange = msgpack.unpackb((FIXTURES / "replay.msgpack").read_bytes())
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(p.replay)
+        dealer.send_multipart(exchange["request"])
+        answers = []
+        while not answers or answers[-1][2] != (-1).to_bytes(8, "big", signed=True):
+            assert dealer.poll(5000), "the mock's replay answered"
+            answers.append(dealer.recv_multipart())
+        dealer.close(0)
+
+        def frames(answer: list[bytes]) -> list:
+            empty, topic, seq, payload = answer
+            return [empty, bool(topic), len(seq), bool(payload)]
+
+        for got in (answers, exchange["answers"]):
+            assert [frames(a) for a in got[:-1]] == [[b"", True, 8, True]] * (len(got) - 1)
+            assert got[-1] == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+        assert int.from_bytes(answers[0][2], "big") == 1
+    finally:
+        p.close()
+
+
+def engine_blocks(messages: list[list[bytes]]) -> set[int]:
+    """The engine hashes a cache holds after ``messages`` (from the events)."""
+    held: set[int] = set()
+    for _, _, payload in messages:
+        for e in msgpack.unpackb(payload)[1]:
+            if e["type"] == "BlockStored":
+                held.update(e["block_hashes"])
+            elif e["type"] == "BlockRemoved":
+                held.difference_update(e["block_hashes"])
+            else:
+                held.clear()
+    return held
+
+
+def test_a_captured_vllm_stream_is_indexed_by_a_late_subscriber():
+    """The real engine's batches (block size 32), buffered for replay before
+    anyone subscribes: a late subscriber learns them all from replay and holds
+    exactly as many blocks as the engine's cache, through its evictions and
+    its AllBlocksCleared."""
+    messages = captured()
+    p = MockKvPublisher(block_size=32, topic="kv-events")
+    idx = routecore.KvEventIndex(block_size=32)
+    try:
+        for _topic, seq, payload in messages[:-1]:
+            assert p.publish_payload(payload, drop=True) == int.from_bytes(seq, "big")
+        idx.subscribe("e0", p.zmq, topic="kv-events", replay=p.replay)
+        wait_for(synced(idx, "e0", p), what="replayed")
+        s = idx.stats("e0")
+        assert len(engine_blocks(messages[:-1])) == s["blocks"] > 0
+        # The removals of blocks stored before the capture began are the only skips.
+        assert (s["garbage"], s["skipped"], s["gaps"]) == (0, 3, 0)
+        p.wait_subscribed(1)
+        p.publish_payload(messages[-1][2])  # AllBlocksCleared, then one block
+        wait_for(synced(idx, "e0", p), what="the last batch")
+        assert idx.stats("e0")["blocks"] == len(engine_blocks(messages)) == 1
+    finally:
+        idx.close()
+        p.close()
+
+
+def test_block_hashes_over_the_whole_u64_range_are_stored_and_removed(index):
+    p = MockKvPublisher(block_size=BS, capacity_blocks=8)
+    try:
+        subscribe(index, "e0", p)
+        for head in range(30):
+            serve_synced(index, "e0", p, prompt(head, 2))
+        assert any(h >= 1 << 63 for h in p.cache), "the engine used high hashes"
+        truth = sorted(int(routecore.block_hashes(list(b), BS)[-1]) for b in p.cache.values())
+        assert index.blocks("e0") == truth
+        s = index.stats("e0")
+        assert s["skipped"] == 0 and s["blocks"] == 8
     finally:
         p.close()
 
@@ -292,6 +519,9 @@ def test_kv_events_config_reaches_the_data_plane_spec():
         "seed": 0,
         "capacity_blocks": 1 << 18,
         "stale_after_s": 2.0,
+        "max_message_bytes": 16 << 20,
+        "max_batch_events": 1 << 17,
+        "max_batch_blocks": 1 << 18,
         "sources": [
             {
                 "endpoint": "127.0.0.1:8001",
@@ -328,6 +558,10 @@ def test_kv_events_config_reaches_the_data_plane_spec():
         ({"block_size": 0}, r"kv_events.block_size"),
         ({"capacity_blocks": -1}, r"kv_events.capacity_blocks"),
         ({"stale_after_s": 0}, r"kv_events.stale_after_s"),
+        ({"max_message_bytes": 100}, r"kv_events.max_message_bytes"),
+        ({"max_message_bytes": 1 << 31}, r"kv_events.max_message_bytes"),
+        ({"max_batch_events": 0}, r"kv_events.max_batch_events"),
+        ({"max_batch_blocks": True}, r"kv_events.max_batch_blocks"),
         ({"bloc_size": 16}, r"kv_events.bloc_size: unknown key"),
     ],
 )
@@ -480,6 +714,6 @@ def test_route_keys_a_body_with_the_callers_token_ids(tmp_path):
             # Held open: without the ids the second would go to the idle endpoint.
             assert [r.endpoint for r in routed] == [SHORT[0], SHORT[0]]
             for r in routed:
-                stub.Feedback(rc.FeedbackRequest(request_id=r.request_id))
+                stub.Feedback(rc.FeedbackRequest(request_id=r.request_id, api_key="demo-key"))
     finally:
         server.stop()

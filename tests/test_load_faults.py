@@ -77,6 +77,14 @@ def routed(target: str) -> bool:
 # -- Redis stalled or killed under load ------------------------------------------
 
 
+CONCURRENCY = 16
+
+
+def decisions(s) -> float:
+    """Requests routed (and admitted) by the data plane so far, both pools."""
+    return s.metric("decisions", "short") + s.metric("decisions", "long")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["open", "closed"])
 @pytest.mark.parametrize("fault", ["stall", "kill"])
@@ -85,15 +93,29 @@ def test_redis_fault_under_load_goes_through_failure_mode_and_leaks_nothing(
 ):
     s = serve(admission=redis_admission(redis_server.url, mode, 1000), tenants=tenants())
     assert routed(s.target)  # Redis configured
-    run = background(s.target, requests=200_000, concurrency=16, duration_s=2.5, timeout_s=5.0)
-    time.sleep(0.5)
+    start = decisions(s)
+    run = background(
+        s.target, requests=200_000, concurrency=CONCURRENCY, duration_s=4.0, timeout_s=5.0
+    )
+    wait_for(lambda: decisions(s) > start + CONCURRENCY, 10, "the load running")
     if fault == "stall":
         redis_server.stop()  # SIGSTOP: every call waits its socket timeout (0.5 s)
-        time.sleep(1.0)
-        redis_server.cont()
     else:
         redis_server.kill()
-        time.sleep(1.0)
+    # From here Redis answers nothing. At most one admit per open stream was
+    # answered before, so more decisions than streams prove that requests
+    # met the fault (admitted without Redis under "open", refused under
+    # "closed").
+    during = decisions(s)
+    if mode == "open":
+        wait_for(lambda: decisions(s) > during + CONCURRENCY, 10, "admissions without Redis")
+    else:
+        unavailable = ("rejections", "guaranteed", "admission-unavailable")  # admission()'s class
+        wait_for(lambda: s.metric(*unavailable) > 0, 10, "refusals while Redis is away")
+        assert decisions(s) <= during + CONCURRENCY
+    if fault == "stall":
+        redis_server.cont()
+    else:
         redis_server.start()  # back, empty, on the same port
     report = check(run.result(timeout=30))
     assert report["errors"] == 0
@@ -176,7 +198,8 @@ def test_streams_cancelled_in_every_phase_under_load_leak_nothing(serve):
 @pytest.mark.slow
 def test_two_thousand_concurrent_streams_are_all_served_and_released(serve):
     n = 2000
-    s = serve(admission=admission(n), tenants=tenants())
+    # The load client multiplexes its streams on one connection, as an Envoy worker does.
+    s = serve(admission=admission(n), tenants=tenants(), limits={"max_streams_per_connection": n})
     start = time.monotonic()
     # Each routed conversation holds its stream 1 s (the upstream's time).
     run = background(s.target, requests=2 * n, concurrency=n, response_delay_s=1.0, timeout_s=20.0)

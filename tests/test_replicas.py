@@ -115,7 +115,7 @@ def route(replica: Spawned, ids: list[int]) -> str:
     """One whole ext_proc conversation on ``replica``; the endpoint it chose."""
     conv = converse(replica.target, KEY, body(ids), [usage_body(len(ids), 8)])
     assert conv.immediate is None, conv.immediate
-    return conv.routing_headers["x-gateway-destination-endpoint"]
+    return conv.endpoints[0]
 
 
 def indexed(replicas: list[Spawned], engines: list[Engine]) -> bool:
@@ -178,7 +178,8 @@ def test_admission_is_shared_between_replicas(engines, replicas, redis_server):
 
     def call(replica: Spawned, rpc: str, request):
         with grpc.insecure_channel(replica.api_target) as channel:
-            return getattr(rc_grpc.RouteCoreStub(channel), rpc)(request, timeout=10)
+            stub = rc_grpc.RouteCoreStub(channel)
+            return getattr(stub, rpc)(request, timeout=10, metadata=[("x-api-key", "demo-key")])
 
     def route_api(replica: Spawned, head: int) -> rc.RouteResponse:
         return call(
@@ -193,6 +194,8 @@ def test_admission_is_shared_between_replicas(engines, replicas, redis_server):
         assert not refused.admission.admitted
         assert refused.admission.status == 429
     call(replicas[0], "Feedback", rc.FeedbackRequest(request_id=held[0].request_id))
+    # The release reaches Redis on the data plane's runtime, after the answer.
+    wait_for(lambda: redis_in_flight(redis_server.url) == 1, what="the release in Redis")
     again = route_api(replicas[1], 4)
     assert again.admission.admitted
     for r in (held[1], again):  # both on the second replica, which holds their leases

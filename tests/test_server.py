@@ -91,7 +91,8 @@ def test_buffered_chat_conversation_routes_and_learns(server):
     assert routing is not None and routing.WhichOneof("response") == "request_body"
     headers = conv.routing_headers
     assert headers["x-routecore-pool"] == "short"
-    assert headers["x-gateway-destination-endpoint"] in SHORT
+    # The chosen endpoint, then its fallback.
+    assert sorted(conv.endpoints) == SHORT
     assert routing.request_body.response.clear_route_cache
     lb = routing.dynamic_metadata.fields["envoy.lb"].struct_value
     assert (
@@ -145,13 +146,13 @@ def test_full_duplex_streamed_request_and_sse_response(server):
     routing = out[0].request_headers.response
     assert header_map(routing.header_mutation)["x-routecore-pool"] == "short"
     assert routing.clear_route_cache
-    assert (
+    listed = (
         out[0]
         .dynamic_metadata.fields["envoy.lb"]
         .struct_value.fields["x-gateway-destination-endpoint"]
         .string_value
-        in SHORT
     )
+    assert sorted(listed.split(",")) == SHORT
     echoed = out[1].request_body.response.body_mutation.streamed_response
     assert echoed.body == body and echoed.end_of_stream
     back = [r.response_body.response.body_mutation.streamed_response for r in out[3:]]
@@ -406,10 +407,11 @@ def test_routecore_service(server):
         assert (resp.est_input_tokens, resp.est_output_tokens) == (100, 50)
         assert resp.est_total_tokens == 150 and resp.reason == "budget"
         assert server.run(server.engine.router.in_flight, "short") == 1
-        stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id, prompt_tokens=80))
+        done = rc.FeedbackRequest(request_id=resp.request_id, prompt_tokens=80, api_key="demo-key")
+        stub.Feedback(done)
         assert server.run(server.engine.router.calibrator.ratio, "prose") == 5.0
         with pytest.raises(grpc.RpcError) as e:
-            stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id, prompt_tokens=80))
+            stub.Feedback(done)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
         measured = rc.MeasuredRequest(prompt_bytes=0, category="code", max_output_tokens=9000)
@@ -419,7 +421,7 @@ def test_routecore_service(server):
         resp2 = stub.Route(rc.RouteRequest(measured=tokens, api_key="demo-key"))
         assert resp2.pool == "long" and resp2.est_input_tokens == 8100
         for r in (resp, resp2):
-            stub.Feedback(rc.FeedbackRequest(request_id=r.request_id))
+            stub.Feedback(rc.FeedbackRequest(request_id=r.request_id, api_key="demo-key"))
 
         refused = stub.Route(rc.RouteRequest(body=chat_body("x"), api_key="wrong-key"))
         assert not refused.admission.admitted and refused.admission.status == 401
@@ -445,7 +447,7 @@ def test_routecore_service(server):
             '{"arrival_rate": -1, "slo_ttft_s": 0.5, "workload": "azure-2023"}',
         ]:
             with pytest.raises(grpc.RpcError) as e:
-                stub.Plan(rc.PlanRequest(params_json=bad))
+                stub.Plan(rc.PlanRequest(params_json=bad), metadata=list(KEY.items()))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
     settled(server)
 
@@ -458,7 +460,9 @@ def test_plan_through_grpc_equals_the_library(server):
         "profile": "llama3_70b_a100",
     }
     with grpc.insecure_channel(server.api_target) as channel:
-        resp = rc_grpc.RouteCoreStub(channel).Plan(rc.PlanRequest(params_json=json.dumps(params)))
+        resp = rc_grpc.RouteCoreStub(channel).Plan(
+            rc.PlanRequest(params_json=json.dumps(params)), metadata=list(KEY.items())
+        )
     got = json.loads(resp.plan_json)
     direct = plan(Workload([900, 100, 3000], [100, 50, 1000]), 10.0, 0.5, Profile.llama3_70b_a100())
     # One serialisation for the API and `routecore plan --json`.
@@ -499,12 +503,8 @@ def test_serve_command_sighup_reload_keeps_open_streams_and_stops_gracefully(tmp
             await asyncio.wait_for(channel.channel_ready(), 30)
             stub = pb_grpc.ExternalProcessorStub(channel)
             held, first = await hold(stub, "before reload " * 10)  # in flight across the reload
-            assert (
-                header_map(first.request_body.response.header_mutation)[
-                    "x-gateway-destination-endpoint"
-                ]
-                in SHORT
-            )
+            listed = header_map(first.request_body.response.header_mutation)
+            assert sorted(listed["x-gateway-destination-endpoint"].split(",")) == SHORT
 
             config = base_config()
             config["pools"][0]["endpoints"] = ["127.0.0.1:9101"]
@@ -512,7 +512,7 @@ def test_serve_command_sighup_reload_keeps_open_streams_and_stops_gracefully(tmp
             proc.send_signal(signal.SIGHUP)
             for _ in range(100):
                 conv = await buffered(stub, KEY, chat_body("after"), [usage_body(1, 1)])
-                if conv.routing_headers["x-gateway-destination-endpoint"] == "127.0.0.1:9101":
+                if conv.endpoints == ["127.0.0.1:9101"]:
                     break
                 await asyncio.sleep(0.05)
             else:
@@ -522,7 +522,7 @@ def test_serve_command_sighup_reload_keeps_open_streams_and_stops_gracefully(tmp
             proc.send_signal(signal.SIGHUP)
             await asyncio.sleep(0.3)
             conv = await buffered(stub, KEY, chat_body("still"), [usage_body(1, 1)])
-            assert conv.routing_headers["x-gateway-destination-endpoint"] == "127.0.0.1:9101"
+            assert conv.endpoints == ["127.0.0.1:9101"]
 
             # The held stream finishes normally on the engine that routed it.
             answers = await finish_held(held, usage_body(40, 2))
@@ -642,7 +642,7 @@ def test_prefix_and_vtc_policies_route_and_release(serve, policy):
         converse(s.target, KEY, chat_body(system + f"question {i}"), [usage_body(160, 5)])
         for i in range(6)
     ]
-    endpoints = {c.routing_headers["x-gateway-destination-endpoint"] for c in convs}
+    endpoints = {c.endpoints[0] for c in convs}
     assert endpoints <= set(SHORT)
     if policy.startswith("prefix"):
         # Requests share a long prefix and none are in flight together: one endpoint holds it.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,11 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401 - registers the type
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from envoy.extensions.load_balancing_policies.override_host.v3 import (  # noqa: F401 - the types
+    override_host_pb2,
+)
+from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2  # noqa: F401
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import json_format
 from server_fixtures import base_config
@@ -125,6 +132,7 @@ def bad(path: str, value):
         (bad("scrape.unhealthy_after", 0), "scrape.unhealthy_after"),
         (bad("scrape.enabled", "yes"), "scrape.enabled"),
         (bad("scrape.max_page_bytes", 10), "scrape.max_page_bytes"),
+        (bad("scrape.max_series", 0), "scrape.max_series"),
         (
             bad("scrape.engines", {"tgi": {"waiting": ["q"]}}),
             "scrape.engines.tgi.running: required",
@@ -167,9 +175,12 @@ def test_checked_in_stubs_are_current(tmp_path):
         )
 
 
-def test_example_envoy_config_parses_with_xds_protos():
-    raw = yaml.safe_load((ROOT / "examples/envoy.yaml").read_text())
-    bootstrap = json_format.ParseDict(raw, bootstrap_pb2.Bootstrap())
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-fail-open.yaml"])
+def test_example_envoy_config_parses_with_xds_protos_and_matches_routecore_yaml(name):
+    # (Envoy 1.40 itself validates them: tests/test_envoy.py; the xds-protos
+    # package may predate a field, e.g. override_host's selected_host_key.)
+    raw = yaml.safe_load((ROOT / "examples" / name).read_text())
+    bootstrap = json_format.ParseDict(raw, bootstrap_pb2.Bootstrap(), ignore_unknown_fields=True)
     hcm = http_connection_manager_pb2.HttpConnectionManager()
     bootstrap.static_resources.listeners[0].filter_chains[0].filters[0].typed_config.Unpack(hcm)
     names = [f.name for f in hcm.http_filters]
@@ -177,10 +188,18 @@ def test_example_envoy_config_parses_with_xds_protos():
     ext_proc = ext_proc_pb2.ExternalProcessor()
     assert hcm.http_filters[0].typed_config.Unpack(ext_proc)
     mode = ext_proc.processing_mode
-    send = processing_mode_pb2.ProcessingMode.SEND
-    duplex = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-    assert mode.request_header_mode == send and mode.request_trailer_mode == send
-    assert mode.request_body_mode == duplex and mode.response_body_mode == duplex
+    modes = processing_mode_pb2.ProcessingMode
+    assert mode.request_header_mode == modes.SEND
+    assert mode.response_body_mode == modes.FULL_DUPLEX_STREAMED
+    if name == "envoy.yaml":  # fail closed
+        assert mode.request_body_mode == modes.FULL_DUPLEX_STREAMED
+        assert mode.request_trailer_mode == modes.SEND and not ext_proc.failure_mode_allow
+    else:  # fail open: Envoy honours failure_mode_allow only with these
+        assert mode.request_body_mode == modes.BUFFERED and ext_proc.failure_mode_allow
+    # routecore's envoy.lb metadata reaches the load balancer, and comes back.
+    metadata = ext_proc.metadata_options
+    assert list(metadata.receiving_namespaces.untyped) == ["envoy.lb"]
+    assert list(metadata.forwarding_namespaces.untyped) == ["envoy.lb"]
     clusters = {c.name: c for c in bootstrap.static_resources.clusters}
     grpc_cluster = clusters[ext_proc.grpc_service.envoy_grpc.cluster_name]
     options = http_protocol_options_pb2.HttpProtocolOptions()
@@ -188,11 +207,17 @@ def test_example_envoy_config_parses_with_xds_protos():
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
     ].Unpack(options)
     assert options.explicit_http_config.HasField("http2_protocol_options")
-    route = hcm.route_config.virtual_hosts[0].routes[0].route
-    upstream = clusters[route.cluster]
-    assert upstream.type == cluster_pb2.Cluster.ORIGINAL_DST
-    assert upstream.original_dst_lb_config.use_http_header
-    assert upstream.original_dst_lb_config.http_header_name == "x-gateway-destination-endpoint"
+    routecore = load_config(ROOT / "examples/routecore.yaml")
+    listener = bootstrap.static_resources.listeners[0]
+    assert listener.per_connection_buffer_limit_bytes.value == routecore.limits.max_body_bytes
+    route = hcm.route_config.virtual_hosts[0].routes[0]
+    assert list(route.request_headers_to_remove) == [routecore.server.key_header]
+    assert route.route.retry_policy.num_retries.value == routecore.router.fallbacks
+    assert route.route.timeout.seconds == routecore.limits.request_timeout_s
+    upstream = clusters[route.route.cluster]
+    assert upstream.type == cluster_pb2.Cluster.STATIC
+    (policy,) = upstream.load_balancing_policy.policies
+    assert policy.typed_extension_config.name == "envoy.load_balancing_policies.override_host"
 
 
 def test_serve_command_reports_a_bad_config(tmp_path, capsys):
@@ -230,3 +255,63 @@ def test_token_limits_are_the_cores():
         parse_config(raw)
     raw["pools"][0]["max_context"] = _core.MAX_TOKENS
     parse_config(raw)
+
+
+# -- YAML errors never show the file's text (issue 22, item 9) -------------------------
+
+SECRET = "sk-live-0123456789abcdef"
+CONFIG_TEXT = """\
+scrape: {enabled: false}
+pools:
+  - {name: short, max_context: 8192, endpoints: ["127.0.0.1:8001"]}
+tenants:
+  - name: demo
+    API_KEYS
+"""
+#: Syntax errors on or next to the ``api_keys`` line (each quoted PyYAML's
+#: snippet, or a name from the line, with the key in clear).
+BROKEN_KEYS = {
+    "missing closing quote": f'api_keys: ["{SECRET}]',
+    "missing closing single quote": f"api_keys: ['{SECRET}",
+    "bad indent": f"api_keys:\n      - {SECRET}\n     - other-key-1234",
+    "tab": f"api_keys:\n\t- {SECRET}",
+    "tab after the value": f"api_keys: [{SECRET}]\t\n  x: y",
+    "duplicate key": f'api_keys: ["{SECRET}"]\n    api_keys: ["other-key-1234"]',
+    "mapping in a value": f"api_keys: {SECRET}: x",
+    "unclosed flow": f"api_keys: [{SECRET}, {{]",
+    "alias": f"api_keys: [*{SECRET}]",
+    "tag": f"api_keys: [!{SECRET} x]",
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN_KEYS))
+def test_a_yaml_error_next_to_a_key_never_shows_it(tmp_path, capsys, variant):
+    from routecore.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(CONFIG_TEXT.replace("API_KEYS", f'api_keys: ["{SECRET}"]'))
+    assert load_config(path).tenants[0].name == "demo"  # the file is good but for the error
+    path.write_text(CONFIG_TEXT.replace("API_KEYS", BROKEN_KEYS[variant]))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    message = str(e.value)
+    assert "not valid YAML" in message and re.search(r"line \d+, column \d+", message)
+    assert SECRET not in message and SECRET[:8] not in message, message
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained snippet
+    # The start error of `routecore serve`.
+    assert main(["serve", "--config", str(path)]) == 2
+    out = capsys.readouterr()
+    assert "not valid YAML" in out.err and SECRET not in out.err + out.out
+
+
+def test_a_reload_into_a_yaml_error_next_to_a_key_never_logs_it(serve, caplog):
+    s = serve()
+    caplog.set_level(logging.INFO, logger="routecore.server")
+    for variant, text in BROKEN_KEYS.items():
+        s.path.write_text(CONFIG_TEXT.replace("API_KEYS", text))
+        assert s.run(s.server.reload) is False, variant
+    failed = [r for r in caplog.records if r.getMessage() == "reload-failed"]
+    assert len(failed) == len(BROKEN_KEYS)
+    for r in failed:
+        assert "not valid YAML" in r.fields["error"]
+        assert SECRET not in r.fields["error"] and SECRET[:8] not in repr(r.__dict__)

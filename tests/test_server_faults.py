@@ -32,9 +32,11 @@ from server_fixtures import (
     in_flight,
     redis_admission,
     redis_in_flight,
+    redis_unread_bytes,
     serve_command,
     stream_all,
     tenants,
+    until,
     wait_redis_settled,
     wait_settled,
 )
@@ -112,7 +114,10 @@ def test_absurd_usage_in_sse_and_feedback_is_ignored(serve):
             assert resp.admission.admitted
             stub.Feedback(
                 rc.FeedbackRequest(
-                    request_id=resp.request_id, prompt_tokens=ABSURD, completion_tokens=ABSURD
+                    request_id=resp.request_id,
+                    prompt_tokens=ABSURD,
+                    completion_tokens=ABSURD,
+                    api_key="demo-key",
                 )
             )
     assert metric(s, "absurd_usage", "short") == 3
@@ -200,7 +205,7 @@ def through_api(s: Running, key: str, body: bytes) -> tuple[int, str]:
             return 400, e.details()
         if not resp.admission.admitted:
             return resp.admission.status, resp.admission.reason
-        stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id))
+        stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id, api_key=key))
         return 200, resp.pool
 
 
@@ -339,7 +344,7 @@ def test_routecore_out_of_range_fields_and_deep_plan_params_are_invalid_argument
         huge += '{"input_tokens": [99999999999999999999999], "output_tokens": [1]}}'
         for bad in ("[" * 100_000, '{"a":' * 50_000, huge, '{"arrival_rate": 1e999}'):
             with pytest.raises(grpc.RpcError) as e:
-                stub.Plan(rc.PlanRequest(params_json=bad))
+                stub.Plan(rc.PlanRequest(params_json=bad), metadata=list(KEY.items()))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad[:40]
     wait_settled(s)
 
@@ -487,7 +492,8 @@ def test_stalled_redis_never_blocks_the_event_loop(serve, redis_server):
                 )
                 for i in range(5)
             ]
-            await asyncio.sleep(0.1)
+            # Admission calls reached the stopped Redis and wait for its answer.
+            await until(lambda: redis_unread_bytes(redis_server.port) > 0, 10, "admits")
             health = health_pb2_grpc.HealthStub(channel)
             answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
@@ -526,7 +532,8 @@ def test_cancel_while_admission_waits_on_a_stalled_redis_leaks_nothing(serve, re
             await call.read()
             body = pb.HttpBody(body=chat_body("stalled"), end_of_stream=True)
             await call.write(pb.ProcessingRequest(request_body=body))
-            await asyncio.sleep(0.1)  # the admission call is waiting in its thread
+            # The admission call reached the stopped Redis and waits for its answer.
+            await until(lambda: redis_unread_bytes(redis_server.port) > 0, 10, "the admit")
             redis_server.cont()
             call.cancel()
 
@@ -617,7 +624,9 @@ def test_redis_error_replies_go_through_failure_mode_without_detail(serve, redis
             assert resp.admission.admitted == (mode == "open")
             if resp.request_id:
                 rc_grpc.RouteCoreStub(channel).Feedback(
-                    rc.FeedbackRequest(request_id=resp.request_id, prompt_tokens=5)
+                    rc.FeedbackRequest(
+                        request_id=resp.request_id, prompt_tokens=5, api_key="demo-key"
+                    )
                 )
         wait_settled(s)
     finally:

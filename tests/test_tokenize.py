@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 import tokenizers
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +30,7 @@ from routecore import (
     block_hashes,
 )
 from routecore.config import ConfigError, parse_config
-from routecore.server.envoy_client import buffered, chat_body, usage_body
+from routecore.server.envoy_client import buffered, chat_body, http_headers, usage_body
 from routecore.server.gen import routecore_pb2 as rc
 from routecore.server.gen import routecore_pb2_grpc as rc_grpc
 
@@ -322,7 +323,7 @@ def check_exact_routing(server: Running, reference) -> None:
         def route(body: bytes):
             resp = stub.Route(rc.RouteRequest(body=body, api_key="demo-key"))
             assert resp.admission.admitted
-            stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id))
+            stub.Feedback(rc.FeedbackRequest(request_id=resp.request_id, api_key="demo-key"))
             return resp
 
         exact = len(reference.encode("<|im_start|>" + text, add_special_tokens=False).ids)
@@ -373,7 +374,8 @@ def test_the_data_plane_uses_the_tokenizers_the_config_loaded(tokenizer_path, re
 def test_a_long_prompt_being_tokenized_does_not_hold_the_worker(tokenizer_path, tmp_path):
     """One data-plane worker thread: while a prompt of about 400K tokens is
     tokenized (off the worker), a short request on another stream is routed
-    and answered; it finishes first. Tokenized inline, it would wait."""
+    and answered: its whole conversation ends before the long one is routed.
+    Tokenized inline, it would wait."""
     template = tmp_path / "chatml.jinja"
     template.write_text(CHAT_TEMPLATE)
     config = parse_config(
@@ -389,21 +391,32 @@ def test_a_long_prompt_being_tokenized_does_not_hold_the_worker(tokenizer_path, 
     long_text = "the request router counts every token of a long prompt " * 40_000
     finished: list[str] = []
 
-    async def conversation(name: str, body: bytes) -> None:
+    async def short() -> None:
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.ExternalProcessorStub(channel)
-            conv = await buffered(stub, headers, body, [usage_body(10, 1)])
+            conv = await buffered(stub, headers, chat_body("hello", 10), [usage_body(10, 1)])
             assert conv.routing is not None, conv.responses
-            finished.append(name)
+            finished.append("short")
 
-    async def both() -> None:
-        long = asyncio.create_task(conversation("long", chat_body(long_text, 10)))
-        await asyncio.sleep(0.2)  # the long body is being tokenized
-        await conversation("short", chat_body("hello", 10))
-        await long
+    async def long() -> None:
+        """Headers, then the long body; the short conversation starts once the
+        body is written (gRPC flow control: the server has read all but a
+        window of it, so its tokenization is about to start, not over)."""
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(pb.ProcessingRequest(request_headers=http_headers(headers)))
+            await call.read()
+            body = pb.HttpBody(body=chat_body(long_text, 10), end_of_stream=True)
+            await call.write(pb.ProcessingRequest(request_body=body))
+            other = asyncio.create_task(short())
+            routed = await call.read()
+            assert routed.request_body.response.header_mutation.set_headers, routed
+            finished.append("long")
+            call.cancel()
+            await other
 
     try:
-        asyncio.run(both())
+        asyncio.run(long())
     finally:
         plane.drain(1)
     assert finished == ["short", "long"]

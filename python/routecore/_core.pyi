@@ -1191,6 +1191,9 @@ def admission_redis_config(
     entitlements: list[Entitlement],
     window_s: float,
     lease_s: float,
+    max_window_entries: int,
+    max_window_entries_per_quota: int,
+    max_void_markers: int,
 ) -> dict[str, str]: ...
 
 @final
@@ -1252,6 +1255,43 @@ class AdmissionController:
     def from_bytes(data: bytes) -> AdmissionController: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
 
+# --- flow control (capability 12) ---------------------------------------------
+
+#: A request that left a FlowQueue: (ticket, band, outcome, item, waited_s).
+_FlowLeft = tuple[int, str, str, Any, float]
+
+@final
+class FlowQueue:
+    """One pool's flow-control queue (WDRR across bands, fairness across
+    flows, FCFS or earliest deadline inside a flow); for benches and
+    evaluations, not re-exported from ``routecore``."""
+
+    def __new__(cls, config: Mapping[str, Any] | None = None) -> Self: ...
+    @property
+    def bands(self) -> list[str]: ...
+    def band_of(self, key: str | None = None) -> str: ...
+    def __len__(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    def enqueue(
+        self,
+        band: str,
+        flow: str,
+        item: Any,
+        bytes: int = 0,
+        cost: float = 1.0,
+        weight: float = 1.0,
+        deadline: float | None = None,
+        now: float | None = None,
+    ) -> tuple[int | None, str, float | None, list[_FlowLeft]]: ...
+    def dispatch(self, now: float | None = None) -> _FlowLeft | None: ...
+    def cancel(self, ticket: int, now: float | None = None) -> _FlowLeft: ...
+    def expire(self, now: float | None = None) -> list[_FlowLeft]: ...
+    def drain(self, now: float | None = None) -> list[_FlowLeft]: ...
+    def next_expiry(self) -> float | None: ...
+    def retry_after_s(self, band: str, now: float | None = None) -> float: ...
+    def stats(self, band: str) -> dict[str, int]: ...
+
 # --- precise prefix routing from KV events (capability 11) --------------------
 
 @final
@@ -1266,6 +1306,9 @@ class KvEventIndex:
         capacity_blocks: int = 262144,
         seed: int = 0,
         stale_after_s: float | None = None,
+        max_message_bytes: int = 16777216,
+        max_batch_events: int = 131072,
+        max_batch_blocks: int = 262144,
     ) -> Self: ...
     def subscribe(
         self, endpoint: str, zmq: str, topic: str = "", replay: str | None = None
@@ -1339,7 +1382,22 @@ class DataPlane:
         prompt_tokens: int | None = None,
         completion_tokens: int | None = None,
     ) -> bool:
-        """Releases a request with its usage; False when it is not in flight."""
+        """Releases any request with its usage (a trusted caller); False when it is
+        not in flight."""
+    def feedback(
+        self,
+        request_id: str,
+        api_key: bytes,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """The RouteCore API's Feedback through the front door: releases a request
+        the key's tenant routed through ``route_body`` / ``route_fields``;
+        ``{"done": True}`` or ``{"done": False, "status", "reason", "message", ...}``
+        (401 / 403 the key, 400 an id over 64 bytes, 404 none of the caller's)."""
+    def authenticate(self, api_key: bytes) -> dict[str, Any]:
+        """Checks a key as the front door does: ``{"authenticated": True, "tenant":
+        name or None}`` or ``{"authenticated": False, "status", "reason", ...}``."""
     def reap(self) -> int:
         """Releases every request past its deadline now; returns how many."""
     def leases(self) -> list[str]:

@@ -3,19 +3,21 @@
 Every error names the bad key (``pools[1].endpoints[0]: ...``) and never
 repeats an API key. See ``examples/routecore.yaml`` for a complete file::
 
-    server: {port, api_port, metrics_port, host, key_header, failure_mode, default_pool,
-             grace_s, state_file, worker_threads}
+    server: {port, api_port, metrics_port, host, key_header, strip_headers, failure_mode,
+             default_pool, grace_s, state_file, worker_threads}
     limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens,
-             image_tokens, audio_tokens, tokenize_inline_bytes}
+             image_tokens, audio_tokens, tokenize_inline_bytes, body_timeout_s,
+             max_buffered_bytes, max_streams_per_connection, max_connections}
     router: {policy, compress_band, prefix_block_size, fallbacks, saturation, objectives}
     scrape: {enabled, interval_s, timeout_s, unhealthy_after, stale_after, max_page_bytes,
-             engines: {KIND: {waiting, running, kv_usage, adapters}}}
+             max_series, engines: {KIND: {waiting, running, kv_usage, adapters}}}
     admission: {backend, quotas, entitlements, default_max_tokens, window_s, redis}
     pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...], engine,
              models, adapters}]
     tenants: [{name, api_keys: [...], expires_at, entitlement}]
     models: [{name, tokenizer, chat_template, bos_token, eos_token}]
-    kv_events: {block_size, seed, capacity_blocks, stale_after_s,
+    kv_events: {block_size, seed, capacity_blocks, stale_after_s, max_message_bytes,
+                max_batch_events, max_batch_blocks,
                 endpoints: {"ip:port": {zmq, topic, replay}}}
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ from typing import Any
 from routecore._core import MAX_TOKENS, Entitlement, Pool, Quota, Tokenizer
 from routecore.admission import (
     FAILURE_MODES,
+    MAX_BOUND,
     REDIS_OPTIONS,
     URL_SCHEMES,
     admission_from_config,
@@ -83,14 +87,19 @@ class ServerConfig:
     #: Prometheus exporter's port (9090 is Prometheus's own).
     metrics_port: int = 9464
     host: str = "127.0.0.1"
-    #: The request header that carries the tenant's API key.
+    #: The request header that carries the tenant's API key (never sent on to
+    #: the engines).
     key_header: str = "x-api-key"
+    #: More request headers removed before a request leaves for its engine.
+    strip_headers: tuple[str, ...] = ()
     #: "open": on an internal failure route to ``default_pool``; "closed": answer 503.
     failure_mode: str = "closed"
     #: The pool for bodyless requests and fail-open routing (default: the first pool).
     default_pool: str = ""
-    #: Seconds open streams get to finish at shutdown.
-    grace_s: float = 5.0
+    #: Seconds open streams get to finish at shutdown (SIGTERM). Left out: until
+    #: the last one ends, at most ``limits.request_timeout_s`` (a rolling restart
+    #: cuts no stream).
+    grace_s: float | None = None
     #: Where the learned calibrator is kept across restarts ("" = not kept): read at
     #: start, written (atomically) at shutdown.
     state_file: str = ""
@@ -116,6 +125,16 @@ class Limits:
     #: A body this long or longer whose model has a tokenizer is tokenized off the
     #: data plane's event loop (shorter ones inline: the hand-off would cost more).
     tokenize_inline_bytes: int = 512
+    #: A stream not routed this long after it opened (its headers and whole
+    #: body received) is refused with 408.
+    body_timeout_s: float = 60.0
+    #: Bytes all ext_proc streams may buffer together (request bodies being
+    #: received, response bodies read for their usage); a body past it: 503.
+    max_buffered_bytes: int = 256 << 20
+    #: ext_proc streams open at once on one connection; past it: RESOURCE_EXHAUSTED.
+    max_streams_per_connection: int = 1024
+    #: Connections to the ext_proc port open at once; past it a new one is closed.
+    max_connections: int = 64
 
 
 @dataclass(frozen=True)
@@ -135,7 +154,7 @@ class RouterConfig:
     #: is above ``max_kv_usage`` is saturated (the GIE's defaults).
     max_waiting: float = 5.0
     max_kv_usage: float = 0.8
-    #: Priority by objective name (``x-gateway-inference-objective``); a
+    #: Priority by objective name (``x-llm-d-inference-objective``); a
     #: request with a negative priority is sheddable: 429 when every endpoint
     #: is saturated.
     objectives: dict[str, int] = field(default_factory=dict)
@@ -156,6 +175,8 @@ class ScrapeConfig:
     stale_after: int = 4
     #: A larger metrics page is a failure.
     max_page_bytes: int = 4 << 20
+    #: A page with more series of the metrics read is a failure (too large).
+    max_series: int = 1000
     #: Metric names by engine kind (defaults: :data:`ENGINE_METRICS`).
     engines: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(ENGINE_METRICS))
 
@@ -250,8 +271,14 @@ class KvEventsConfig:
     seed: int = 0
     #: Blocks kept per endpoint.
     capacity_blocks: int = 1 << 18
-    #: An endpoint silent this long falls back to the approximate index (None: never).
+    #: With a replay address: an endpoint whose engine neither publishes nor answers a
+    #: replay this long falls back to the approximate index (None: only a lost connection).
     stale_after_s: float | None = None
+    #: A peer's ZeroMQ message (and frame) over this cuts its connection before allocation.
+    max_message_bytes: int = 16 << 20
+    #: A batch with more events, or more block hashes, is refused whole (the endpoint cleared).
+    max_batch_events: int = 1 << 17
+    max_batch_blocks: int = 1 << 18
     sources: tuple[KvEventSource, ...] = ()
 
     def spec(self) -> dict[str, Any] | None:
@@ -262,6 +289,9 @@ class KvEventsConfig:
             "seed": self.seed,
             "capacity_blocks": self.capacity_blocks,
             "stale_after_s": self.stale_after_s,
+            "max_message_bytes": self.max_message_bytes,
+            "max_batch_events": self.max_batch_events,
+            "max_batch_blocks": self.max_batch_blocks,
             "sources": [
                 {"endpoint": s.endpoint, "zmq": s.zmq, "topic": s.topic, "replay": s.replay}
                 for s in self.sources
@@ -296,6 +326,7 @@ class Config:
             {
                 "server": {
                     "key_header": self.server.key_header,
+                    "strip_headers": list(self.server.strip_headers),
                     "failure_mode": self.server.failure_mode,
                     "default_pool": self.server.default_pool,
                 },
@@ -307,6 +338,10 @@ class Config:
                     "image_tokens": self.limits.image_tokens,
                     "audio_tokens": self.limits.audio_tokens,
                     "tokenize_inline_bytes": self.limits.tokenize_inline_bytes,
+                    "body_timeout_s": self.limits.body_timeout_s,
+                    "max_buffered_bytes": self.limits.max_buffered_bytes,
+                    "max_streams_per_connection": self.limits.max_streams_per_connection,
+                    "max_connections": self.limits.max_connections,
                 },
                 "router": {
                     "policy": self.router.policy,
@@ -326,6 +361,7 @@ class Config:
                     "unhealthy_after": self.scrape.unhealthy_after,
                     "stale_after": self.scrape.stale_after,
                     "max_page_bytes": self.scrape.max_page_bytes,
+                    "max_series": self.scrape.max_series,
                     "engines": self.scrape.engines,
                 },
                 "pools": [
@@ -460,6 +496,25 @@ def _names(raw: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+#: An HTTP header name (RFC 9110 token, lower case).
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
+
+
+def _header_names(raw: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    """Header names, lower-cased; pseudo-headers and ``host`` (which Envoy never
+    lets an external processor remove) are refused."""
+    names = []
+    for j, v in enumerate(_list(raw, key, where)):
+        name = v.lower() if isinstance(v, str) else None
+        if name is None or not _HEADER_NAME.fullmatch(name) or name == "host":
+            raise ConfigError(
+                f"{where}.{key}[{j}]: expected a header name (not a pseudo-header or host), "
+                f"got {v!r}"
+            )
+        names.append(name)
+    return tuple(dict.fromkeys(names))
+
+
 def _zmq(raw: dict[str, Any], key: str, where: str, required: bool) -> str | None:
     v = raw.get(key)
     if v is None and not required:
@@ -481,7 +536,16 @@ def _kv_events(raw: Any, pools: tuple[PoolConfig, ...]) -> KvEventsConfig:
     k = _section(
         raw,
         "kv_events",
-        {"block_size", "seed", "capacity_blocks", "stale_after_s", "endpoints"},
+        {
+            "block_size",
+            "seed",
+            "capacity_blocks",
+            "stale_after_s",
+            "max_message_bytes",
+            "max_batch_events",
+            "max_batch_blocks",
+            "endpoints",
+        },
     )
     endpoints = k.get("endpoints", {})
     if not isinstance(endpoints, dict):
@@ -512,6 +576,11 @@ def _kv_events(raw: Any, pools: tuple[PoolConfig, ...]) -> KvEventsConfig:
         seed=_int(k, "seed", "kv_events", 0, (1 << 64) - 1, d.seed),
         capacity_blocks=_int(k, "capacity_blocks", "kv_events", 1, 1 << 26, d.capacity_blocks),
         stale_after_s=_float(k, "stale_after_s", "kv_events", 0.001, 86400.0, None),
+        max_message_bytes=_int(
+            k, "max_message_bytes", "kv_events", 1 << 10, 1 << 30, d.max_message_bytes
+        ),
+        max_batch_events=_int(k, "max_batch_events", "kv_events", 1, 1 << 24, d.max_batch_events),
+        max_batch_blocks=_int(k, "max_batch_blocks", "kv_events", 1, 1 << 24, d.max_batch_blocks),
         sources=tuple(sources),
     )
 
@@ -644,6 +713,10 @@ def _redis(raw: dict[str, Any]) -> None:
     _float(raw, "lease_s", where, 0.001, 1e6, 300.0)
     _float(raw, "unavailable_retry_s", where, 0.001, 3600.0, 1.0)
     _float(raw, "socket_timeout_s", where, 0.001, 60.0, 0.5)
+    _int(raw, "max_window_entries", where, 1, MAX_BOUND, 1024)
+    _int(raw, "max_window_entries_per_quota", where, 1, MAX_BOUND, 16384)
+    _int(raw, "max_void_markers", where, 1, MAX_BOUND, 1024)
+    _float(raw, "flush_timeout_s", where, 0.0, 3600.0, 5.0)
 
 
 def _renamed(raw: dict[str, Any], where: str) -> None:
@@ -725,6 +798,7 @@ def _scrape(raw: Any) -> ScrapeConfig:
             "unhealthy_after",
             "stale_after",
             "max_page_bytes",
+            "max_series",
             "engines",
         },
     )
@@ -744,6 +818,7 @@ def _scrape(raw: Any) -> ScrapeConfig:
         unhealthy_after=_int(s, "unhealthy_after", "scrape", 1, 1000, d.unhealthy_after),
         stale_after=_int(s, "stale_after", "scrape", 1, 1000, d.stale_after),
         max_page_bytes=_int(s, "max_page_bytes", "scrape", 1024, 1 << 30, d.max_page_bytes),
+        max_series=_int(s, "max_series", "scrape", 1, 10_000_000, d.max_series),
         engines=engines,
     )
 
@@ -794,6 +869,7 @@ def parse_config(raw: Any) -> Config:
             "metrics_port",
             "host",
             "key_header",
+            "strip_headers",
             "failure_mode",
             "default_pool",
             "grace_s",
@@ -808,9 +884,10 @@ def parse_config(raw: Any) -> Config:
         metrics_port=_int(s, "metrics_port", "server", 0, 65535, ServerConfig.metrics_port),
         host=_str(s, "host", "server", ServerConfig.host),
         key_header=_str(s, "key_header", "server", ServerConfig.key_header).lower(),
+        strip_headers=_header_names(s, "strip_headers", "server"),
         failure_mode=_str(s, "failure_mode", "server", "closed", FAILURE_MODES),
         default_pool=_str(s, "default_pool", "server", pools[0].name, [p.name for p in pools]),
-        grace_s=_float(s, "grace_s", "server", 0.0, 3600.0, ServerConfig.grace_s),
+        grace_s=_float(s, "grace_s", "server", 0.0, 86400.0, None),
         state_file=_str(s, "state_file", "server", ""),
         worker_threads=_int(s, "worker_threads", "server", 1, 256, ServerConfig.worker_threads),
     )
@@ -827,6 +904,10 @@ def parse_config(raw: Any) -> Config:
             "image_tokens",
             "audio_tokens",
             "tokenize_inline_bytes",
+            "body_timeout_s",
+            "max_buffered_bytes",
+            "max_streams_per_connection",
+            "max_connections",
         },
     )
     limits = Limits(
@@ -845,7 +926,27 @@ def parse_config(raw: Any) -> Config:
         tokenize_inline_bytes=_int(
             lim, "tokenize_inline_bytes", "limits", 0, 1 << 40, Limits.tokenize_inline_bytes
         ),
+        body_timeout_s=_float(
+            lim, "body_timeout_s", "limits", 0.001, 86400.0, Limits.body_timeout_s
+        ),
+        max_buffered_bytes=_int(
+            lim, "max_buffered_bytes", "limits", 1, 1 << 40, Limits.max_buffered_bytes
+        ),
+        max_streams_per_connection=_int(
+            lim,
+            "max_streams_per_connection",
+            "limits",
+            1,
+            1 << 20,
+            Limits.max_streams_per_connection,
+        ),
+        max_connections=_int(lim, "max_connections", "limits", 1, 1 << 20, Limits.max_connections),
     )
+    if limits.max_buffered_bytes < limits.max_body_bytes:
+        raise ConfigError(
+            "limits.max_buffered_bytes: must be at least limits.max_body_bytes "
+            f"({limits.max_body_bytes}), or no body that large could be received"
+        )
     r = _section(
         top.get("router"),
         "router",
@@ -876,14 +977,72 @@ def parse_config(raw: Any) -> Config:
     )
 
 
+#: What PyYAML quotes of the file in its messages that may be shown: one or
+#: two characters ('\\t', ']') and its token names ('<block end>').
+_SAFE_QUOTE = re.compile(r"'(.{0,2}|<[a-z ]+>)'")
+
+
+def _yaml_error(e: Exception) -> str:
+    """A YAML error without any text of the file: PyYAML's message quotes
+    the lines around the error (a snippet) and names in it (an alias, a tag),
+    which on or next to an ``api_keys`` line is a key. What is kept: the
+    description, with any quoted text but a character or a token name
+    elided, and the line and column."""
+    import yaml
+
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return type(e).__name__
+
+    def redact(text: str) -> str:
+        return re.sub(
+            r"'[^'\n]*'", lambda m: m[0] if _SAFE_QUOTE.fullmatch(m[0]) else "'...'", text
+        )
+
+    parts = [
+        redact(text) + (f" (line {mark.line + 1}, column {mark.column + 1})" if mark else "")
+        for text, mark in ((e.context, e.context_mark), (e.problem, e.problem_mark))
+        if text
+    ]
+    return ", ".join(parts)
+
+
+def _yaml_loader():
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML
+    keeps the last one silently: a second ``api_keys`` would drop the keys of
+    the first)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, _ in node.value:
+                    if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                        continue
+                    key = self.construct_object(key_node)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            "while constructing a mapping",
+                            node.start_mark,
+                            "found a key given twice",
+                            key_node.start_mark,
+                        )
+                    seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return Loader
+
+
 def load_config(path: str | Path) -> Config:
-    """Reads and validates a YAML configuration file."""
+    """Reads and validates a YAML configuration file. No error shows the
+    file's text (:func:`_yaml_error`)."""
     import yaml
 
     try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        raw = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_yaml_loader())
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        # Not chained: the original's message quotes the file.
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_error(e)}") from None
     try:
         return parse_config(raw)
     except ConfigError as e:

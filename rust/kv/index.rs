@@ -13,9 +13,12 @@
 //! then under-reports, never over-reports).
 //!
 //! An endpoint's entries are *live* while its event stream is connected and,
-//! with `stale_after_s`, an event came in the last `stale_after_s` seconds.
-//! A prefix scorer asks `leading_blocks`, which answers None for an endpoint
-//! that is not live: the caller then falls back to the approximate index.
+//! with `stale_after_s`, the engine was heard from in the last
+//! `stale_after_s` seconds: an event, or an answer showing that nothing was
+//! missed ([`KvIndex::heard`]; an idle engine sends no events, and idle is
+//! not stale). A prefix scorer asks `leading_blocks`, which answers None
+//! for an endpoint that is not live: the caller then falls back to the
+//! approximate index.
 //!
 //! Sequence numbers (one per batch, from 0 per publisher) are checked by
 //! `observe`: the next one is applied, an old one is a duplicate, a jump is a
@@ -23,6 +26,9 @@
 //! return to 0 or an older number after a disconnect is an engine restart.
 //! A batch that cannot be recovered clears the endpoint: what was missed may
 //! have removed blocks, and the index must not claim blocks the engine lost.
+//! An endpoint that follows no stream yet (empty, no sequence number) takes
+//! any batch as its first: a suffix of the stream applied to nothing claims
+//! no block the engine does not hold (it under-reports the older ones).
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
@@ -179,7 +185,8 @@ struct EndpointKv {
     stale: bool,
     /// A disconnect was seen: an older sequence number next is a restart.
     resync: bool,
-    last_event: Option<f64>,
+    /// When the engine was last heard from (an event or [`KvIndex::heard`]).
+    last_heard: Option<f64>,
     stats: KvStats,
 }
 
@@ -191,6 +198,20 @@ impl EndpointKv {
         self.blocks.clear();
         self.ours.clear();
         self.stats.clears += 1;
+    }
+    /// The stream followed so far is gone (an engine restart): clears and
+    /// forgets its sequence number.
+    fn restart(&mut self) {
+        self.stats.restarts += 1;
+        self.stats.last_seq = None;
+        self.clear();
+    }
+    /// Heard from the engine at `now`: whether that revived the endpoint.
+    fn hear(&mut self, now: f64) -> bool {
+        let revived = self.stale && self.connected;
+        self.stale = false;
+        self.last_heard = Some(now);
+        revived
     }
     fn insert(&mut self, ours: u64, engine: u64) {
         self.stamp += 1;
@@ -337,24 +358,33 @@ impl KvIndex {
         match verdict {
             Seq::Duplicate => e.stats.duplicates += 1,
             Seq::Gap { .. } => e.stats.gaps += 1,
-            Seq::Restart => {
-                e.stats.restarts += 1;
-                e.stats.last_seq = None;
-                e.clear();
-            }
+            Seq::Restart => e.restart(),
             Seq::Next => {}
         }
         Ok(verdict)
     }
 
-    /// Whether `seq` is the batch `name` expects next (after a replay).
+    /// Whether batch `seq` can be applied next (during a replay): the next
+    /// number, or any while `name` follows no stream yet (see the module docs).
     pub fn expects(&self, name: &str, seq: u64) -> Result<bool> {
         let e = self.get(name)?;
         let last = lock(&e).stats.last_seq;
-        Ok(match last {
-            None => seq == 0,
-            Some(l) => seq == l.wrapping_add(1),
-        })
+        Ok(last.is_none_or(|l| seq == l.wrapping_add(1)))
+    }
+
+    /// The engine's replay showed that the stream `name` followed is not the
+    /// one it publishes now (a restart while no batch came): clears `name`
+    /// and forgets its sequence number, counted as a restart.
+    pub fn restarted(&self, name: &str) -> Result<()> {
+        lock(&self.get(name)?).restart();
+        Ok(())
+    }
+
+    /// The engine answered at `now` and nothing was missed (a replay that
+    /// ended without a gap): liveness as from an event. Returns whether the
+    /// endpoint went back to live (the caller logs the switch).
+    pub fn heard(&self, name: &str, now: f64) -> Result<bool> {
+        Ok(lock(&self.get(name)?).hear(now))
     }
 
     /// Counts a gap that replay closed.
@@ -380,6 +410,19 @@ impl KvIndex {
         Ok(())
     }
 
+    /// Batch `seq` (already `observe`d) of `name` could not be read (not a
+    /// batch, or over a limit) at `now`: counted as garbage, its number is
+    /// consumed (it is no gap) and the endpoint cleared, since what it said,
+    /// removals too, is unknown.
+    pub fn refused(&self, name: &str, seq: u64, now: f64) -> Result<Applied> {
+        let e = self.get(name)?;
+        let mut e = lock(&e);
+        e.stats.garbage += 1;
+        e.clear();
+        drop(e);
+        self.apply(name, seq, &[], now)
+    }
+
     /// Applies batch `seq` (already `observe`d) of `name` at time `now`
     /// (seconds, the caller's clock). Undecodable events come as `Err(skip)`.
     pub fn apply(
@@ -392,11 +435,9 @@ impl KvIndex {
         let e = self.get(name)?;
         let mut e = lock(&e);
         let mut out = Applied {
-            revived: e.stale && e.connected,
+            revived: e.hear(now),
             ..Applied::default()
         };
-        e.stale = false;
-        e.last_event = Some(now);
         e.stats.last_seq = Some(seq);
         e.stats.batches += 1;
         for event in events {
@@ -406,10 +447,12 @@ impl KvIndex {
                     if self.apply_event(&mut e, event, &mut out.skipped) {
                         out.events += 1;
                     }
+                    // Per event: a large batch never holds more than one
+                    // event's blocks past the capacity.
+                    e.evict(self.config.capacity_blocks);
                 }
             }
         }
-        e.evict(self.config.capacity_blocks);
         e.stats.events += out.events as u64;
         e.stats.skipped += out.skipped.len() as u64;
         e.stats.blocks = e.blocks.len() as u64;
@@ -493,8 +536,8 @@ impl KvIndex {
         Ok(was != e.live())
     }
 
-    /// Marks `name` stale when no event came for `stale_after_s` by `now`;
-    /// returns whether that changed its liveness.
+    /// Marks `name` stale when it was not heard from for `stale_after_s` by
+    /// `now`; returns whether that changed its liveness.
     pub fn check_stale(&self, name: &str, now: f64) -> Result<bool> {
         let Some(after) = self.config.stale_after_s else {
             return Ok(false);
@@ -502,7 +545,7 @@ impl KvIndex {
         let e = self.get(name)?;
         let mut e = lock(&e);
         let was = e.live();
-        let last = *e.last_event.get_or_insert(now);
+        let last = *e.last_heard.get_or_insert(now);
         e.stale = now - last > after;
         Ok(was != e.live())
     }

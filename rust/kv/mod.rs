@@ -2,11 +2,14 @@
 //!
 //! `index` (pure Rust, always built) holds what each endpoint's engine caches,
 //! keyed by routecore's own block hashes; the feature `kv-events` adds the
-//! wire format (`decode`, msgpack via `rmpv`), the ZeroMQ subscribers on the
-//! data plane's runtime (`subscriber`) and their metrics.
+//! wire format (`decode`, msgpack via `rmp`), the ZeroMQ subscribers on the
+//! data plane's runtime (`subscriber`) behind a size guard (`guard`) and
+//! their metrics.
 
 #[cfg(feature = "kv-events")]
 pub mod decode;
+#[cfg(feature = "kv-events")]
+pub mod guard;
 pub mod index;
 #[cfg(feature = "kv-events")]
 pub mod metrics;
@@ -37,18 +40,26 @@ mod plane {
         })?))
     }
 
-    /// Starts a subscriber per source of `spec` on `runtime`, until `stop`.
+    /// Starts a subscriber per source of `spec` on `runtime`, until `stop`;
+    /// `faults` counts the peers' faults by kind.
     #[cfg(feature = "kv-events")]
     pub fn subscribe(
         spec: Option<&KvEventsSpec>,
         index: &Arc<KvIndex>,
         runtime: &tokio::runtime::Handle,
         stop: &tokio::sync::watch::Receiver<bool>,
+        faults: super::Faults,
     ) -> Result<()> {
-        use super::subscriber::{check, spawn, Source};
+        use super::subscriber::{check, spawn, PeerLimits, Source};
+        let Some(spec) = spec else { return Ok(()) };
+        let limits = PeerLimits {
+            max_message_bytes: spec.max_message_bytes,
+            max_batch_events: spec.max_batch_events,
+            max_batch_blocks: spec.max_batch_blocks,
+        }
+        .check()?;
         let sources: Vec<Source> = spec
-            .map(|k| &k.sources[..])
-            .unwrap_or_default()
+            .sources
             .iter()
             .map(|s| Source {
                 endpoint: s.endpoint.clone(),
@@ -58,7 +69,7 @@ mod plane {
             })
             .collect();
         sources.iter().try_for_each(check)?;
-        spawn(runtime, index, &sources, stop);
+        spawn(runtime, index, &sources, limits, &faults, stop);
         Ok(())
     }
 
@@ -69,6 +80,7 @@ mod plane {
         _index: &Arc<KvIndex>,
         _runtime: &tokio::runtime::Handle,
         _stop: &tokio::sync::watch::Receiver<bool>,
+        _faults: super::Faults,
     ) -> Result<()> {
         match spec {
             Some(k) if !k.sources.is_empty() => Err(crate::error::invalid(
@@ -81,3 +93,8 @@ mod plane {
 
 #[cfg(feature = "server")]
 pub use plane::{index_for, subscribe};
+
+/// Counts one fault of a KV-event peer by kind (the data plane's
+/// `routecore_faults_total{source="kv_events", kind}`).
+#[cfg(feature = "server")]
+pub type Faults = std::sync::Arc<dyn Fn(&'static str) + Send + Sync>;

@@ -18,7 +18,9 @@
 //!
 //! Stateful plugins (prefix, VTC, session affinity) learn through two
 //! hooks: [`Pipeline::started`] (a request went to an endpoint) and
-//! [`Pipeline::completed`] (it ended, with its usage). Plugins are enums
+//! [`Pipeline::completed`] (it ended, with its usage); the prefix plugins
+//! also through [`Pipeline::moved`] (another endpoint served it: Envoy
+//! retried it on a fallback). Plugins are enums
 //! dispatched by `match` (no dynamic dispatch, no allocation per pick once
 //! the pipeline has seen its largest pool). Presets are lists of
 //! [`PluginSpec`]s (see `presets.rs`).
@@ -68,7 +70,7 @@ pub struct PickRequest<'a> {
     pub adapter: Option<&'a str>,
     /// Subset hint, resolved to endpoint indices.
     pub subset: Option<&'a [usize]>,
-    /// VTC user (`x-gateway-inference-fairness-id`).
+    /// VTC user (the request's fairness id).
     pub fairness_id: Option<&'a str>,
     /// Session affinity key.
     pub session: Option<&'a str>,
@@ -77,6 +79,15 @@ pub struct PickRequest<'a> {
     pub output_tokens: u64,
     /// Seconds, any epoch; never NaN.
     pub now: f64,
+}
+
+/// What [`Pipeline::started_recorded`] recorded of a request in the prefix
+/// index: its blocks, and those the endpoint did not hold before (what
+/// [`Pipeline::moved`] takes back from it). Empty without a prefix plugin.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Recorded {
+    pub hashes: Vec<u64>,
+    pub added: Vec<u64>,
 }
 
 /// Keeps a subset of the candidates.
@@ -144,9 +155,15 @@ impl Scorer {
         }
         Ok(())
     }
-    fn started(&mut self, req: &PickRequest<'_>, names: &[String], endpoint: usize) -> Result<()> {
+    fn started(
+        &mut self,
+        req: &PickRequest<'_>,
+        names: &[String],
+        endpoint: usize,
+        recorded: Option<&mut Recorded>,
+    ) -> Result<()> {
         match self {
-            Scorer::Prefix(p) => p.started(req, names, endpoint),
+            Scorer::Prefix(p) => p.started(req, names, endpoint, recorded),
             Scorer::Vtc(v) => {
                 v.started(req);
                 Ok(())
@@ -156,6 +173,19 @@ impl Scorer {
                 Ok(())
             }
             Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => Ok(()),
+        }
+    }
+    fn moved(
+        &mut self,
+        names: &[String],
+        from: usize,
+        to: usize,
+        recorded: &Recorded,
+        now: f64,
+    ) -> Result<()> {
+        match self {
+            Scorer::Prefix(p) => p.moved(names, from, to, recorded, now),
+            _ => Ok(()),
         }
     }
     fn completed(&mut self, req: &PickRequest<'_>, input_tokens: u64, output_tokens: u64) {
@@ -501,16 +531,53 @@ impl Pipeline {
     /// blocks recorded, VTC charged the estimate, session bound). The
     /// caller counts it in its `EndpointState::in_flight`.
     pub fn started(&mut self, req: &PickRequest<'_>, endpoint: usize) -> Result<()> {
+        self.start(req, endpoint, None)
+    }
+
+    /// [`Pipeline::started`], keeping what the prefix index recorded, for
+    /// [`Pipeline::moved`] when another endpoint serves the request.
+    pub fn started_recorded(&mut self, req: &PickRequest<'_>, endpoint: usize) -> Result<Recorded> {
+        let mut recorded = Recorded::default();
+        self.start(req, endpoint, Some(&mut recorded))?;
+        Ok(recorded)
+    }
+
+    fn start(
+        &mut self,
+        req: &PickRequest<'_>,
+        endpoint: usize,
+        mut recorded: Option<&mut Recorded>,
+    ) -> Result<()> {
         finite("now", req.now)?;
+        self.check_index(endpoint)?;
+        let names = self.endpoints.names();
+        for (s, _) in &mut self.scorers {
+            s.started(req, names, endpoint, recorded.as_deref_mut())?;
+        }
+        Ok(())
+    }
+
+    /// A request started on `from` was served by `to` (the gateway retried
+    /// it on a fallback): the prefix plugins move what `started_recorded`
+    /// recorded (`from` forgets the blocks the request added, `to` holds
+    /// them all). The caller moves it in its `EndpointState::in_flight`.
+    pub fn moved(&mut self, from: usize, to: usize, recorded: &Recorded, now: f64) -> Result<()> {
+        finite("now", now)?;
+        self.check_index(from)?;
+        self.check_index(to)?;
+        let names = self.endpoints.names();
+        for (s, _) in &mut self.scorers {
+            s.moved(names, from, to, recorded, now)?;
+        }
+        Ok(())
+    }
+
+    fn check_index(&self, endpoint: usize) -> Result<()> {
         if endpoint >= self.endpoints.len() {
             return Err(invalid(format!(
                 "endpoint index {endpoint} out of range for {} endpoints",
                 self.endpoints.len()
             )));
-        }
-        let names = self.endpoints.names();
-        for (s, _) in &mut self.scorers {
-            s.started(req, names, endpoint)?;
         }
         Ok(())
     }
@@ -541,12 +608,7 @@ impl Pipeline {
         output_tokens: u64,
     ) -> Result<()> {
         finite("now", req.now)?;
-        if endpoint >= self.endpoints.len() {
-            return Err(invalid(format!(
-                "endpoint index {endpoint} out of range for {} endpoints",
-                self.endpoints.len()
-            )));
-        }
+        self.check_index(endpoint)?;
         for (s, _) in &mut self.scorers {
             s.completed(req, input_tokens, output_tokens);
         }

@@ -23,7 +23,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::{Ctx, PickRequest};
+use super::{Ctx, PickRequest, Recorded};
 use crate::error::Result;
 use crate::kv::KvIndex;
 use crate::prefix::{lock, PrefixConfig, PrefixIndex, NO_SLOT};
@@ -176,24 +176,50 @@ impl PrefixScorer {
         Ok(())
     }
 
-    /// Records the prompt's blocks for `endpoint`.
+    /// Records the prompt's blocks for `endpoint` (and in `recorded`, when
+    /// given, the blocks recorded and those it did not hold before).
     pub(super) fn started(
         &mut self,
         req: &PickRequest<'_>,
         names: &[String],
         endpoint: usize,
+        recorded: Option<&mut Recorded>,
     ) -> Result<()> {
         let index = Arc::clone(&self.index);
         let mut index = lock(&index);
         self.ensure_ids(&mut index, names)?;
+        let added = recorded.map(|r| {
+            let n = req.hashes.len().min(index.capacity());
+            r.hashes = req.hashes[..n].to_vec();
+            &mut r.added
+        });
         index.record_id(
             req.hashes,
             &self.found,
             self.found_gen,
             self.ids[endpoint],
             req.now,
+            added,
         );
         self.found.clear();
+        Ok(())
+    }
+
+    /// A request recorded for `from` was served by `to`: `from` forgets the
+    /// blocks the request added, `to` holds all of them.
+    pub(super) fn moved(
+        &mut self,
+        names: &[String],
+        from: usize,
+        to: usize,
+        recorded: &Recorded,
+        now: f64,
+    ) -> Result<()> {
+        let index = Arc::clone(&self.index);
+        let mut index = lock(&index);
+        index.forget(&recorded.added, &names[from]);
+        self.ensure_ids(&mut index, names)?;
+        index.record_id(&recorded.hashes, &[], 0, self.ids[to], now, None);
         Ok(())
     }
 

@@ -292,3 +292,46 @@ fn prefix_started_after_the_shared_index_changed_records_every_block() {
     let m = ix.match_prefix(&h, 0.0).expect("match");
     assert!(m.contains(&("a0".to_owned(), 4)), "{m:?}");
 }
+
+#[test]
+fn moved_takes_back_only_what_the_request_added_and_gives_it_all_to_the_server() {
+    let index = Arc::new(Mutex::new(PrefixIndex::new(100, None).expect("index")));
+    let cfg = PickConfig {
+        seed: 0,
+        prefix_index: Some(Arc::clone(&index)),
+        kv_index: None,
+    };
+    let mut p = Pipeline::preset("prefix", &["a", "b", "c"], &cfg).expect("p");
+    let held = [1u64, 2];
+    p.started(
+        &PickRequest {
+            hashes: &held,
+            ..req(0.0)
+        },
+        0,
+    )
+    .expect("start");
+    // A request sharing a's two blocks is recorded for a, then served by b.
+    let h = [1u64, 2, 3, 4];
+    let r = PickRequest {
+        hashes: &h,
+        ..req(1.0)
+    };
+    let rec = p.started_recorded(&r, 0).expect("start");
+    assert_eq!(rec.hashes, h);
+    assert_eq!(rec.added, vec![3, 4], "a held 1 and 2 already");
+    p.moved(0, 1, &rec, 2.0).expect("moved");
+    let m = crate::prefix::lock(&index)
+        .match_prefix(&h, 2.0)
+        .expect("m");
+    assert_eq!(m, vec![("a".to_owned(), 2), ("b".to_owned(), 4)]);
+    // The next request with that prompt goes to b, which holds all of it.
+    assert_eq!(p.pick_one(&r, &states(3)), Ok(Some(1)));
+    assert!(p.moved(0, 3, &rec, 2.0).is_err(), "out of range");
+    assert!(p.moved(0, 1, &rec, f64::NAN).is_err());
+    // No prefix plugin: nothing recorded, nothing to move.
+    let mut q = Pipeline::preset("least-request", &["a", "b"], &cfg).expect("q");
+    let rec = q.started_recorded(&r, 0).expect("start");
+    assert_eq!(rec, Recorded::default());
+    q.moved(0, 1, &rec, 2.0).expect("moved");
+}

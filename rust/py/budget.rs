@@ -265,8 +265,10 @@ impl PyTokenBudgetRouter {
 
     /// Routes a batch exactly as ``route`` one by one would (in-flight counts
     /// included). Arrays of any integer dtype; ``category_ids`` come from
-    /// ``category_id``. Returns pool indices as int64, -1 for rejected. The
-    /// arrays are copied before routing, so the caller may reuse them at once.
+    /// ``category_id``. Returns pool indices as int64, -1 for rejected.
+    /// Contiguous int64 arrays are read in place with the interpreter
+    /// released (others are converted first): do not write to them from
+    /// another thread until the call returns.
     fn route_many<'py>(
         &self,
         py: Python<'py>,

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::sync::watch;
 
-use crate::kv::subscriber::{spawn, Source};
+use crate::kv::subscriber::{spawn, PeerLimits, Source};
 use crate::kv::{KvConfig, KvIndex};
 use crate::py::int_arg;
 
@@ -20,14 +20,22 @@ use crate::py::int_arg;
 /// a LoRA adapter's blocks chain from a seed of their own).
 ///
 /// ``subscribe`` starts a subscriber (a tokio task of this object) on an
-/// engine's PUB socket; sequence gaps are replayed from its ROUTER socket
-/// when ``replay`` is given. Each endpoint keeps at most ``capacity_blocks``
-/// blocks. An endpoint whose stream is down, or silent for
-/// ``stale_after_s`` seconds, is not live: ``leading_blocks`` answers None
-/// for it (a router then uses its approximate prefix index).
+/// engine's PUB socket; with ``replay`` (its ROUTER socket) the subscriber
+/// learns what the engine already caches when it starts, and fills sequence
+/// gaps. Each endpoint keeps at most ``capacity_blocks`` blocks. An endpoint
+/// whose stream is down, or (with ``replay``) whose engine neither publishes
+/// nor answers a replay for ``stale_after_s`` seconds, is not live:
+/// ``leading_blocks`` answers None for it (a router then uses its
+/// approximate prefix index); an idle engine that answers stays live.
+///
+/// A peer's message over ``max_message_bytes`` cuts its connection before
+/// anything of that size is allocated (then it reconnects); a batch of more
+/// than ``max_batch_events`` events or ``max_batch_blocks`` block hashes is
+/// refused whole and clears the endpoint (counted as garbage).
 #[pyclass(frozen, name = "KvEventIndex", module = "routecore")]
 pub struct PyKvEventIndex {
     index: Arc<KvIndex>,
+    limits: PeerLimits,
     runtime: Mutex<Option<tokio::runtime::Runtime>>,
     stop: watch::Sender<bool>,
 }
@@ -35,13 +43,26 @@ pub struct PyKvEventIndex {
 #[pymethods]
 impl PyKvEventIndex {
     #[new]
-    // 262144: crate::kv::index::DEFAULT_CAPACITY_BLOCKS (a literal shows in help()).
-    #[pyo3(signature = (block_size = 16, capacity_blocks = 262144, seed = 0, stale_after_s = None))]
+    // Literals show in help(): 262144 is crate::kv::index::DEFAULT_CAPACITY_BLOCKS,
+    // the limits are crate::kv::subscriber::DEFAULT_MAX_* (a test checks they agree).
+    #[pyo3(signature = (
+        block_size = 16,
+        capacity_blocks = 262144,
+        seed = 0,
+        stale_after_s = None,
+        max_message_bytes = 16777216,
+        max_batch_events = 131072,
+        max_batch_blocks = 262144,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         #[pyo3(from_py_with = int_arg)] block_size: usize,
         #[pyo3(from_py_with = int_arg)] capacity_blocks: usize,
         #[pyo3(from_py_with = int_arg)] seed: u64,
         stale_after_s: Option<f64>,
+        #[pyo3(from_py_with = int_arg)] max_message_bytes: u64,
+        #[pyo3(from_py_with = int_arg)] max_batch_events: usize,
+        #[pyo3(from_py_with = int_arg)] max_batch_blocks: usize,
     ) -> PyResult<Self> {
         let index = KvIndex::new(KvConfig {
             block_size,
@@ -49,6 +70,12 @@ impl PyKvEventIndex {
             capacity_blocks,
             stale_after_s,
         })?;
+        let limits = PeerLimits {
+            max_message_bytes,
+            max_batch_events,
+            max_batch_blocks,
+        }
+        .check()?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("routecore-kv")
@@ -57,6 +84,7 @@ impl PyKvEventIndex {
             .map_err(|e| PyRuntimeError::new_err(format!("cannot start the runtime: {e}")))?;
         Ok(Self {
             index: Arc::new(index),
+            limits,
             runtime: Mutex::new(Some(runtime)),
             stop: watch::channel(false).0,
         })
@@ -84,7 +112,16 @@ impl PyKvEventIndex {
             replay,
         };
         crate::kv::subscriber::check(&source)?;
-        spawn(rt.handle(), &self.index, &[source], &self.stop.subscribe());
+        // Outside `serve` there is no faults metric: the counters of `stats` show them.
+        let faults: crate::kv::Faults = Arc::new(|_| {});
+        spawn(
+            rt.handle(),
+            &self.index,
+            &[source],
+            self.limits,
+            &faults,
+            &self.stop.subscribe(),
+        );
         Ok(())
     }
 

@@ -10,6 +10,7 @@ pub mod budget;
 pub mod calibrate;
 pub mod classify;
 pub mod compress;
+pub mod flow;
 #[cfg(feature = "kv-events")]
 pub mod kv;
 #[cfg(feature = "server")]
@@ -33,7 +34,7 @@ use pyo3::exceptions::{PyKeyError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString, PyTuple};
 
-use crate::error::Error;
+use crate::error::{invalid, Error};
 use crate::prefix::Tokens;
 
 pyo3::create_exception!(
@@ -53,6 +54,19 @@ impl From<Error> for PyErr {
             Error::InvalidArgument(_) | Error::Snapshot(_) => PyValueError::new_err(e.to_string()),
         }
     }
+}
+
+/// A Python object (a list of message dicts, a tools list, a config
+/// mapping) as JSON, through ``json.dumps`` (a value it cannot serialize is
+/// a ValueError).
+pub fn json_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<serde_json::Value> {
+    let text = obj
+        .py()
+        .import("json")?
+        .call_method1("dumps", (obj,))
+        .map_err(|e| invalid(format!("{what} must be JSON-serializable: {e}")))?;
+    let text = text.cast::<PyString>()?.to_str()?;
+    Ok(serde_json::from_str(text).map_err(|e| invalid(format!("{what}: {e}")))?)
 }
 
 /// Seconds on routecore's monotonic clock: the default ``now`` of every call

@@ -9,8 +9,8 @@ use crate::py::calibrate::PyCalibrator;
 use crate::py::int_arg;
 use crate::py::tokenize::PyTokenizer;
 use crate::serve::config::Spec;
-use crate::serve::engine::{Hints, Outcome};
-use crate::serve::front::{route_once, Fields, Routing};
+use crate::serve::engine::{Caller, Hints, Outcome, Reject};
+use crate::serve::front::{authenticate_once, feedback_once, route_once, Fields, Routing};
 use crate::serve::runtime::{DataPlane, Listen};
 
 /// The data plane of ``routecore serve``: Envoy's ext_proc (and
@@ -46,14 +46,27 @@ fn outcome_dict<'py>(py: Python<'py>, outcome: Outcome) -> PyResult<Bound<'py, P
         }
         Err(rej) => {
             d.set_item("admitted", false)?;
-            d.set_item("status", rej.status)?;
-            d.set_item("bad_request", rej.is_bad_request())?;
-            d.set_item("reason", rej.reason)?;
-            d.set_item("message", rej.message)?;
-            d.set_item("retry_after_s", rej.retry_after_s)?;
+            refusal(&d, rej)?;
         }
     }
     Ok(d)
+}
+
+/// A refusal's fields: ``status`` (HTTP), ``bad_request``, ``reason``,
+/// ``message``, ``retry_after_s``.
+fn refusal(d: &Bound<'_, PyDict>, rej: Reject) -> PyResult<()> {
+    d.set_item("status", rej.status)?;
+    d.set_item("bad_request", rej.is_bad_request())?;
+    d.set_item("reason", rej.reason)?;
+    d.set_item("message", rej.message)?;
+    d.set_item("retry_after_s", rej.retry_after_s)?;
+    Ok(())
+}
+
+/// A usage from its counts as given (None: not reported).
+fn usage_of(prompt_tokens: Option<u64>, completion_tokens: Option<u64>) -> Option<(u64, u64)> {
+    (prompt_tokens.is_some() || completion_tokens.is_some())
+        .then(|| (prompt_tokens.unwrap_or(0), completion_tokens.unwrap_or(0)))
 }
 
 /// The spec of ``spec_json`` with the models' ``tokenizers`` (name ->
@@ -238,8 +251,10 @@ impl PyDataPlane {
     }
 
     /// Releases the request ``request_id`` with its usage (None or 0 prompt
-    /// tokens: unknown; usage that cannot be real is ignored and counted).
-    /// False when it is not in flight (released already or unknown).
+    /// tokens: unknown, not learned from; usage that cannot be real, more
+    /// tokens than its pool's context, is ignored and counted), for a
+    /// trusted caller: any request in flight. False when it is not in
+    /// flight (released already or unknown).
     #[pyo3(signature = (request_id, prompt_tokens=None, completion_tokens=None))]
     fn finish(
         &self,
@@ -248,8 +263,63 @@ impl PyDataPlane {
         #[pyo3(from_py_with = int_arg)] prompt_tokens: Option<u64>,
         #[pyo3(from_py_with = int_arg)] completion_tokens: Option<u64>,
     ) -> bool {
-        let usage = prompt_tokens.map(|p| (p, completion_tokens.unwrap_or(0)));
-        py.detach(|| self.inner.shared.release_request(request_id, usage))
+        let usage = usage_of(prompt_tokens, completion_tokens);
+        py.detach(|| {
+            self.inner
+                .shared
+                .release_request(request_id, Caller::Trusted, usage)
+        })
+    }
+
+    /// The RouteCore API's Feedback through the front door: ``api_key``
+    /// authenticates the caller as :meth:`route_body` does, and only a
+    /// request its tenant routed through :meth:`route_body` /
+    /// :meth:`route_fields` is released, with its usage as in
+    /// :meth:`finish`. Returns ``{"done": True}``, or ``{"done": False}``
+    /// with the refusal's ``status`` (401 / 403: the key; 400: an id longer
+    /// than 64 bytes; 404: no request of the caller's in flight under this
+    /// id), ``bad_request, reason, message, retry_after_s``. The id is
+    /// never echoed.
+    #[pyo3(signature = (request_id, api_key, prompt_tokens=None, completion_tokens=None))]
+    fn feedback<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &str,
+        api_key: &[u8],
+        #[pyo3(from_py_with = int_arg)] prompt_tokens: Option<u64>,
+        #[pyo3(from_py_with = int_arg)] completion_tokens: Option<u64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let usage = usage_of(prompt_tokens, completion_tokens);
+        let engine = self.inner.engine();
+        let shared = Arc::clone(&self.inner.shared);
+        let done = py.detach(|| feedback_once(engine, shared, api_key, request_id, usage));
+        let d = PyDict::new(py);
+        d.set_item("done", done.is_ok())?;
+        if let Err(rej) = done {
+            refusal(&d, rej)?;
+        }
+        Ok(d)
+    }
+
+    /// Authenticates a RouteCore call that routes nothing (``Plan``) by
+    /// ``api_key``, as :meth:`route_body` does. Returns ``{"authenticated":
+    /// True, "tenant": name}`` (None: no tenants configured), or
+    /// ``{"authenticated": False}`` with the refusal's fields (401, 403).
+    fn authenticate<'py>(&self, py: Python<'py>, api_key: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+        let engine = self.inner.engine();
+        let shared = Arc::clone(&self.inner.shared);
+        let d = PyDict::new(py);
+        match authenticate_once(engine, shared, api_key) {
+            Ok(tenant) => {
+                d.set_item("authenticated", true)?;
+                d.set_item("tenant", tenant)?;
+            }
+            Err(rej) => {
+                d.set_item("authenticated", false)?;
+                refusal(&d, rej)?;
+            }
+        }
+        Ok(d)
     }
 
     /// Releases every request past its deadline now; returns how many.

@@ -3,24 +3,11 @@ use std::sync::Arc;
 
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
-use pyo3::types::PyString;
 use serde_json::Value;
 
-use super::text_bytes;
+use super::{json_arg, text_bytes};
 use crate::error::invalid;
 use crate::tokenize::{SpecialTokens, Tokenizer};
-
-/// A Python object (a list of message dicts, a tools list) as JSON, through
-/// ``json.dumps`` (a value it cannot serialize is a ValueError).
-fn json_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Value> {
-    let text = obj
-        .py()
-        .import("json")?
-        .call_method1("dumps", (obj,))
-        .map_err(|e| invalid(format!("{what} must be JSON-serializable: {e}")))?;
-    let text = text.cast::<PyString>()?.to_str()?;
-    Ok(serde_json::from_str(text).map_err(|e| invalid(format!("{what}: {e}")))?)
-}
 
 fn optional_json(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<Value>> {
     obj.filter(|o| !o.is_none())

@@ -25,6 +25,10 @@ pub struct ServerSpec {
     pub key_header: String,
     pub failure_mode: FailureMode,
     pub default_pool: String,
+    /// Request headers removed before the request leaves for the engine,
+    /// beside the key header (which always is), lower case.
+    #[serde(default)]
+    pub strip_headers: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -40,6 +44,34 @@ pub struct LimitsSpec {
     /// Bodies at least this long are tokenized off the async worker.
     #[serde(default = "default_tokenize_inline_bytes")]
     pub tokenize_inline_bytes: u64,
+    /// What a client can make the data plane hold (`serve::limits`): the
+    /// time from a stream's opening to its routing, the bytes all streams
+    /// buffer together, streams per connection, connections.
+    #[serde(default = "default_body_timeout_s")]
+    pub body_timeout_s: f64,
+    #[serde(default = "default_max_buffered_bytes")]
+    pub max_buffered_bytes: u64,
+    #[serde(default = "default_max_streams_per_connection")]
+    pub max_streams_per_connection: u64,
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u64,
+}
+
+// The defaults of `routecore.config.Limits` (the Python side fills them in).
+fn default_body_timeout_s() -> f64 {
+    60.0
+}
+
+fn default_max_buffered_bytes() -> u64 {
+    256 << 20
+}
+
+fn default_max_streams_per_connection() -> u64 {
+    1024
+}
+
+fn default_max_connections() -> u64 {
+    64
 }
 
 /// Below this, tokenizing inline costs less than handing it to another
@@ -168,6 +200,10 @@ pub struct KvEventsSpec {
     pub seed: u64,
     pub capacity_blocks: usize,
     pub stale_after_s: Option<f64>,
+    /// What a peer may send (`kv::subscriber::PeerLimits`).
+    pub max_message_bytes: u64,
+    pub max_batch_events: usize,
+    pub max_batch_blocks: usize,
     pub sources: Vec<KvSourceSpec>,
 }
 
@@ -206,8 +242,13 @@ impl Spec {
                 spec.server.default_pool
             )));
         }
-        if !(spec.limits.request_timeout_s.is_finite() && spec.limits.request_timeout_s > 0.0) {
-            return Err(invalid("limits.request_timeout_s must be > 0"));
+        for (name, s) in [
+            ("request_timeout_s", spec.limits.request_timeout_s),
+            ("body_timeout_s", spec.limits.body_timeout_s),
+        ] {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(invalid(format!("limits.{name} must be > 0")));
+            }
         }
         crate::pick::saturation::check(
             spec.router.saturation.max_waiting,

@@ -13,6 +13,12 @@
 //! the stream drops or the reaper finds it past its deadline. Whoever removes
 //! a lease from the table releases it: exactly once, whatever the path.
 //!
+//! A request id is 128 random bits (SHA-256 of a secret drawn from the OS
+//! at start and a counter), 32 hex digits: nobody can guess another
+//! request's. A lease is ended by its own front end: its ext_proc stream, or
+//! a RouteCore `Feedback` from the tenant that routed it ([`Caller`]);
+//! Feedback never ends a stream's lease.
+//!
 //! A reload builds a new engine sharing the calibrator, the metrics and the
 //! lease table; a lease is released by the engine that issued it.
 
@@ -33,7 +39,9 @@ use crate::classify::CATEGORIES;
 use crate::compress::Compressor;
 use crate::error::{invalid, Error, Result};
 use crate::openai::{MediaTokens, ParsedRequest};
-use crate::pick::{preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline};
+use crate::pick::{
+    preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline, Recorded,
+};
 use crate::pipeline::route_request;
 use crate::prefix::{block_hashes, Tokens};
 use crate::tokenize::{Encoded, SpecialTokens, Tokenized, Tokenizer};
@@ -41,6 +49,8 @@ use crate::tokenize::{Encoded, SpecialTokens, Tokenized, Tokenizer};
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
 use super::config::{digest_from_hex, FailureMode, Spec};
 use super::front::Fields;
+use super::limits::Overload;
+use super::logs::{Occurrence, Repeats};
 use super::metrics::{FCounter, FGauge, Metrics};
 use super::scrape::{Probe, Scraper};
 use super::usage::{plausible, Usage};
@@ -74,7 +84,7 @@ pub struct Reject {
 /// What a routed request was given (the answer to the front end).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routed {
-    pub id: u64,
+    pub id: u128,
     pub request_id: String,
     pub pool: String,
     pub endpoint: String,
@@ -98,8 +108,12 @@ pub struct Lease {
     pool: usize,
     endpoint: usize,
     tenant: Option<usize>,
-    /// The request's `x-gateway-inference-fairness-id` (None: the tenant's name).
-    fairness_id: Option<String>,
+    /// The VTC user when it is not the tenant's name: the request's
+    /// fairness id, scoped to its tenant ([`Engine::vtc_user`]).
+    user: Option<String>,
+    /// A RouteCore `Feedback` from its tenant may end it (routed through
+    /// the RouteCore API, not an ext_proc stream).
+    feedback: bool,
     est_input_tokens: u64,
     est_output_tokens: u64,
     /// Prompt bytes and category to feed the calibrator (None: not learned from).
@@ -107,6 +121,9 @@ pub struct Lease {
     started: Instant,
     deadline: Instant,
     ticket: Option<Ticket>,
+    /// What the prefix plugin recorded for `endpoint`, moved with the lease
+    /// when another endpoint serves the request ([`Shared::served`]).
+    recorded: Recorded,
 }
 
 /// What the endpoint picker reads of a request's prompt: the prefix plugin
@@ -168,10 +185,11 @@ pub struct Hints {
     /// `x-gateway-destination-endpoint-subset` of the `envoy.lb.subset_hint`
     /// filter metadata: pick only among these.
     pub subset: Option<Vec<String>>,
-    /// `x-gateway-inference-objective`: its priority (`router.objectives`);
-    /// a negative one is sheddable.
+    /// `x-llm-d-inference-objective` (alias `x-gateway-inference-objective`):
+    /// its priority (`router.objectives`); a negative one is sheddable.
     pub objective: Option<String>,
-    /// `x-gateway-inference-fairness-id`: the VTC user (default: the tenant).
+    /// `x-llm-d-inference-fairness-id` (alias `x-gateway-inference-fairness-id`):
+    /// the VTC user (default: the tenant), scoped to the tenant that sent it.
     pub fairness_id: Option<String>,
     /// The prompt's token ids from the caller: they key the prefix plugins
     /// (precise-prefix included) in place of the body's prompt.
@@ -197,8 +215,9 @@ struct Ask<'a> {
 /// What the picker of a pool answered.
 #[derive(Debug, Clone, PartialEq)]
 enum Choice {
-    /// The chosen endpoint first, then the fallbacks (counted in flight).
-    Ranked(Vec<usize>),
+    /// The chosen endpoint first, then the fallbacks; the chosen one is
+    /// counted in flight, and what the prefix plugin recorded for it.
+    Ranked(Vec<usize>, Recorded),
     /// No endpoint is healthy (or in the subset hint).
     NoEndpoint,
     /// A sheddable request, and every candidate is saturated.
@@ -210,6 +229,9 @@ struct PoolState {
     states: Vec<EndpointState>,
     /// The probe sequence number each state was last refreshed from.
     seen: Vec<u64>,
+    /// The probe's adapter list each state copied last (copied again only
+    /// when the probe's list is another one).
+    adapters: Vec<Arc<Vec<String>>>,
     ranked: Vec<usize>,
 }
 
@@ -272,6 +294,7 @@ impl Chooser {
                 pipeline,
                 states: vec![EndpointState::default(); n],
                 seen: vec![0; n],
+                adapters: vec![Arc::default(); n],
                 ranked: Vec::new(),
             }),
         })
@@ -295,8 +318,9 @@ impl Chooser {
                 st.seen[i] = r.seq;
                 s.dispatched_since_scrape = 0;
                 let adapters = p.adapters();
-                if *adapters != s.adapters {
+                if !Arc::ptr_eq(&adapters, &st.adapters[i]) {
                     s.adapters = (*adapters).clone();
+                    st.adapters[i] = adapters;
                 }
             }
         }
@@ -371,12 +395,12 @@ impl Chooser {
             let Some(&chosen) = ranked.first() else {
                 return Ok(Choice::NoEndpoint);
             };
-            st.pipeline.started(&req, chosen)?;
+            let recorded = st.pipeline.started_recorded(&req, chosen)?;
             let s = &mut st.states[chosen];
             s.in_flight += 1;
             s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
             ranked.truncate(1 + self.fallbacks);
-            Ok(Choice::Ranked(ranked.clone()))
+            Ok(Choice::Ranked(ranked.clone(), recorded))
         });
         st.ranked = ranked;
         out
@@ -409,6 +433,20 @@ impl Chooser {
             .completed_request(&req, endpoint, actual.0, actual.1)
     }
 
+    /// A request counted on `from` was served by `to`: its in-flight count
+    /// and what the prefix plugin recorded move (see `Pipeline::moved`).
+    fn moved(&self, from: usize, to: usize, recorded: &Recorded, now: f64) -> Result<()> {
+        let mut st = lock(&self.state);
+        st.pipeline.moved(from, to, recorded, now)?;
+        let s = &mut st.states[from];
+        s.in_flight = s.in_flight.saturating_sub(1);
+        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_sub(1);
+        let s = &mut st.states[to];
+        s.in_flight += 1;
+        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+        Ok(())
+    }
+
     /// Requests in flight per endpoint.
     pub fn loads(&self) -> Vec<u64> {
         lock(&self.state)
@@ -428,6 +466,12 @@ impl Chooser {
     pub fn endpoints(&self) -> &[String] {
         &self.endpoints
     }
+
+    /// Every endpoint's state is known: scraped once, or found unhealthy
+    /// (true at once when the endpoints are not scraped).
+    fn synced(&self) -> bool {
+        self.probes.iter().all(|p| p.seq() > 0 || !p.healthy())
+    }
 }
 
 struct Tenant {
@@ -446,14 +490,76 @@ struct PoolMetrics {
     in_flight: Vec<FGauge>,
 }
 
+/// Who ends a request in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caller<'a> {
+    /// The request's own ext_proc stream, or the Python control plane
+    /// (`DataPlane.finish`): any lease.
+    Trusted,
+    /// A RouteCore `Feedback` authenticated as this tenant (None: no tenants
+    /// configured): only the leases it routed through the RouteCore API.
+    Tenant(Option<&'a str>),
+}
+
+/// The longest request id a caller may name (the ids are 32 hex digits).
+pub const MAX_REQUEST_ID_BYTES: usize = 64;
+
+/// Request ids: 128 bits of SHA-256 over a secret drawn from the OS at
+/// start and a counter, so that no id tells anything of another.
+struct RequestIds {
+    secret: [u8; 32],
+    counter: AtomicU64,
+}
+
+impl RequestIds {
+    fn new() -> Self {
+        let mut secret = [0u8; 32];
+        if getrandom::fill(&mut secret).is_err() {
+            // No OS generator (never on Linux): std's hash keys, which are
+            // drawn from the OS too, hashed with the time.
+            use std::hash::{BuildHasher, Hasher};
+            let nanos = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            for (i, part) in secret.chunks_mut(8).enumerate() {
+                let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+                h.write_u128(nanos);
+                h.write_usize(i);
+                part.copy_from_slice(&h.finish().to_le_bytes());
+            }
+        }
+        Self {
+            secret,
+            counter: AtomicU64::new(0),
+        }
+    }
+
+    fn next(&self) -> u128 {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let digest = Sha256::new()
+            .chain_update(self.secret)
+            .chain_update(n.to_le_bytes())
+            .finalize();
+        let mut id = [0u8; 16];
+        id.copy_from_slice(&digest[..16]);
+        u128::from_le_bytes(id)
+    }
+}
+
 /// What every engine of one data plane shares across reloads.
 pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub calibrator: Arc<RwLock<Calibrator>>,
-    leases: Mutex<HashMap<u64, (Arc<Engine>, Lease)>>,
+    leases: Mutex<HashMap<u128, (Arc<Engine>, Lease)>>,
     engines: Mutex<Vec<Weak<Engine>>>,
-    next_id: AtomicU64,
-    prefix: String,
+    /// Engines built so far, and the number of the one built last.
+    built: AtomicU64,
+    latest: AtomicU64,
+    ids: RequestIds,
+    /// The refusals logged, one run per reason ([`Engine::refuse`]).
+    refusals: Mutex<HashMap<String, Repeats>>,
+    /// What the streams hold, bounded by `limits.*` (`serve::limits`).
+    pub overload: Arc<Overload>,
     handle: tokio::runtime::Handle,
     faults: Mutex<HashSet<&'static str>>,
     /// The endpoints' metrics scrapes, shared by the engines of every reload.
@@ -464,19 +570,18 @@ pub struct Shared {
 
 impl Shared {
     pub fn new(calibrator: Calibrator, handle: tokio::runtime::Handle) -> Self {
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
         let metrics = Arc::new(Metrics::new());
         Self {
-            scraper: Scraper::new(Arc::clone(&metrics), handle.clone()),
+            scraper: Scraper::new(Arc::clone(&metrics)),
+            overload: Arc::new(Overload::new(Arc::clone(&metrics))),
             metrics,
             calibrator: Arc::new(RwLock::new(calibrator)),
             leases: Mutex::new(HashMap::new()),
             engines: Mutex::new(Vec::new()),
-            next_id: AtomicU64::new(1),
-            prefix: format!("{nanos:x}"),
+            built: AtomicU64::new(0),
+            latest: AtomicU64::new(0),
+            ids: RequestIds::new(),
+            refusals: Mutex::new(HashMap::new()),
             handle,
             faults: Mutex::new(HashSet::new()),
             kv: Arc::default(),
@@ -497,13 +602,16 @@ impl Shared {
         crate::clock::monotonic()
     }
 
-    pub fn request_id(&self, id: u64) -> String {
-        format!("{}-{id}", self.prefix)
+    pub fn request_id(&self, id: u128) -> String {
+        format!("{id:032x}")
     }
 
-    fn parse_id(&self, request_id: &str) -> Option<u64> {
-        let (prefix, n) = request_id.rsplit_once('-')?;
-        (prefix == self.prefix).then(|| n.parse().ok()).flatten()
+    fn parse_id(&self, request_id: &str) -> Option<u128> {
+        let hex = request_id.as_bytes();
+        if hex.len() != 32 || !hex.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            return None;
+        }
+        u128::from_str_radix(request_id, 16).ok()
     }
 
     /// Makes `phase` fail once (tests of the failure paths).
@@ -527,8 +635,36 @@ impl Shared {
 
     /// Releases the lease `id` (false when it is not in flight: released
     /// already). `usage` is learned from when it could be real.
-    pub fn release(&self, id: u64, usage: Option<Usage>) -> bool {
-        let found = lock(&self.leases).remove(&id);
+    pub fn release(&self, id: u128, usage: Option<Usage>) -> bool {
+        self.release_if(id, Caller::Trusted, usage)
+    }
+
+    /// `release` by the request id the front end was given, for `caller`:
+    /// false when no lease of that id is in flight or `caller` may not end it
+    /// (the two are not told apart).
+    pub fn release_request(
+        &self,
+        request_id: &str,
+        caller: Caller<'_>,
+        usage: Option<Usage>,
+    ) -> bool {
+        self.parse_id(request_id)
+            .is_some_and(|id| self.release_if(id, caller, usage))
+    }
+
+    fn release_if(&self, id: u128, caller: Caller<'_>, usage: Option<Usage>) -> bool {
+        let found = {
+            let mut leases = lock(&self.leases);
+            let allowed = leases.get(&id).is_some_and(|(engine, lease)| match caller {
+                Caller::Trusted => true,
+                Caller::Tenant(name) => lease.feedback && engine.tenant_name(lease.tenant) == name,
+            });
+            if allowed {
+                leases.remove(&id)
+            } else {
+                None
+            }
+        };
         match found {
             Some((engine, lease)) => {
                 engine.finish(id, lease, usage, self);
@@ -538,18 +674,51 @@ impl Shared {
         }
     }
 
-    /// `release` by the request id the front end was given.
-    pub fn release_request(&self, request_id: &str, usage: Option<Usage>) -> bool {
-        self.parse_id(request_id)
-            .is_some_and(|id| self.release(id, usage))
+    /// The gateway reports that `endpoint` served the lease `id` (Envoy's
+    /// `x-gateway-destination-endpoint-served`, after its retries): when it
+    /// is another endpoint of the lease's pool than the chosen one, the
+    /// lease's in-flight count, what the prefix plugin recorded and the
+    /// usage to come move there, once. False when nothing moved (the lease
+    /// is not in flight, was served where it was sent, or `endpoint` is not
+    /// in its pool: then the chosen endpoint keeps the accounting).
+    pub fn served(&self, id: u128, endpoint: &str) -> bool {
+        let mut leases = lock(&self.leases);
+        let Some((engine, lease)) = leases.get_mut(&id) else {
+            return false;
+        };
+        let chooser = &engine.choosers[lease.pool];
+        let Some(to) = chooser.endpoints.iter().position(|e| e == endpoint) else {
+            return false;
+        };
+        if to == lease.endpoint {
+            return false;
+        }
+        let recorded = std::mem::take(&mut lease.recorded);
+        if let Err(e) = chooser.moved(lease.endpoint, to, &recorded, self.now()) {
+            tracing::error!(request_id = self.request_id(id), error = %e, "move-failed");
+            return false;
+        }
+        let gauges = &engine.pool_metrics[lease.pool].in_flight;
+        gauges[lease.endpoint].dec();
+        gauges[to].inc();
+        lease.endpoint = to;
+        true
+    }
+
+    /// Lets a RouteCore `Feedback` from the lease's tenant end it (a request
+    /// routed through the RouteCore API).
+    pub fn accept_feedback(&self, id: u128) {
+        if let Some((_, lease)) = lock(&self.leases).get_mut(&id) {
+            lease.feedback = true;
+        }
     }
 
     /// Releases every lease past its deadline; returns how many.
     pub fn reap(&self) -> usize {
         let now = Instant::now();
-        let expired: Vec<(u64, Arc<Engine>, Lease)> = {
+        let expired: Vec<(u128, Arc<Engine>, Lease)> = {
             let mut leases = lock(&self.leases);
-            let ids: Vec<u64> = leases
+            let ids: Vec<u128> = leases
                 .iter()
                 .filter(|(_, (_, l))| l.deadline <= now)
                 .map(|(id, _)| *id)
@@ -567,6 +736,43 @@ impl Shared {
             tracing::warn!(count = n as u64, "requests-timed-out");
         }
         n
+    }
+
+    /// At shutdown, once the streams have ended: ends every lease still held
+    /// (a RouteCore API request whose `Feedback` can no longer come) and waits
+    /// until each admission backend has sent what it owes (the releases under
+    /// way), at most its `flush_timeout`; what is left then is logged
+    /// (`admission-unsettled`) and left to the backend's lease.
+    pub async fn close(&self) {
+        let mut admissions: Vec<Arc<Admission>> = Vec::new();
+        for engine in self.engines() {
+            if let Some(a) = &engine.admission {
+                if !admissions.iter().any(|b| Arc::ptr_eq(a, b)) {
+                    admissions.push(Arc::clone(a));
+                }
+            }
+        }
+        let wait = admissions.iter().map(|a| a.flush_timeout()).max();
+        let deadline = tokio::time::Instant::now() + wait.unwrap_or_default();
+        loop {
+            let ended: Vec<(u128, (Arc<Engine>, Lease))> = lock(&self.leases).drain().collect();
+            for (id, (engine, lease)) in ended {
+                engine.finish(id, lease, None, self);
+            }
+            let mut left = 0u64;
+            for a in &admissions {
+                let settled = tokio::time::timeout_at(deadline, a.settled()).await;
+                left += u64::from(!settled.unwrap_or(false));
+            }
+            if left == 0 {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(backends = left, "admission-unsettled");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     pub fn lease_ids(&self) -> Vec<String> {
@@ -589,6 +795,42 @@ impl Shared {
 
     fn register(&self, engine: &Arc<Engine>) {
         lock(&self.engines).push(Arc::downgrade(engine));
+        self.latest.store(engine.number, Ordering::Release);
+    }
+
+    /// The engine built last (the running configuration).
+    fn latest(&self) -> Option<Arc<Engine>> {
+        lock(&self.engines).last().and_then(Weak::upgrade)
+    }
+
+    /// Logs a refusal once per state change of its reason (the first, then
+    /// a line a period with the count held back: `serve::logs::Repeats`);
+    /// every one is counted in `routecore_rejections_total`.
+    fn log_refusal(&self, rej: &Reject, tenant: Option<&str>) {
+        /// Reasons followed apart (they come from the code and the admission
+        /// scripts: a handful); any other is only counted.
+        const REASONS: usize = 64;
+        let occurrence = {
+            let mut runs = lock(&self.refusals);
+            let full = runs.len() >= REASONS;
+            match runs.get(&rej.reason) {
+                Some(r) => r.occur(Instant::now()),
+                None if full => Occurrence::Quiet,
+                None => runs
+                    .entry(rej.reason.clone())
+                    .or_default()
+                    .occur(Instant::now()),
+            }
+        };
+        if let Occurrence::Log { suppressed } = occurrence {
+            tracing::info!(
+                status = rej.status,
+                reason = rej.reason.as_str(),
+                tenant,
+                suppressed,
+                "refused"
+            );
+        }
     }
 }
 
@@ -608,6 +850,13 @@ pub struct Engine {
     timeout: Duration,
     /// The request header carrying the API key, lower case, as bytes.
     pub key_header: Vec<u8>,
+    /// The request headers never sent on to the engine: the key header and
+    /// `server.strip_headers`, lower case.
+    pub strip_headers: Vec<String>,
+    /// The entitlements of its admission section.
+    entitlements: HashSet<String>,
+    /// Its number among the engines of its data plane, in build order.
+    number: u64,
     shared: Weak<Shared>,
 }
 
@@ -668,19 +917,22 @@ impl Engine {
         if let Some(gamma) = spec.router.compress_band {
             router = router.with_compress_band(gamma)?;
         }
+        let scrape = spec
+            .scrape
+            .as_ref()
+            .filter(|s| s.enabled)
+            .map(|s| Arc::new(s.clone()));
         let choosers = spec
             .pools
             .iter()
             .map(|p| {
-                let probes = match &spec.scrape {
-                    Some(s) if s.enabled => {
-                        let s = Arc::new(s.clone());
-                        p.endpoints
-                            .iter()
-                            .map(|e| shared.scraper.probe(e, &s, &p.engine))
-                            .collect::<Result<Vec<_>>>()?
-                    }
-                    _ => Vec::new(),
+                let probes = match &scrape {
+                    Some(s) => p
+                        .endpoints
+                        .iter()
+                        .map(|e| shared.scraper.probe(e, s, &p.engine))
+                        .collect::<Result<Vec<_>>>()?,
+                    None => Vec::new(),
                 };
                 Chooser::new(p, &spec.router, probes, &shared.kv)
                     .map_err(|e| invalid(format!("pools: {:?}: {e}", p.name)))
@@ -726,9 +978,12 @@ impl Engine {
                 entitlement: t.entitlement.clone(),
             });
         }
+        let mut entitlements = HashSet::new();
         let admission = match &spec.admission {
             Some(a) => {
-                let backend = Admission::from_spec(&AdmissionSpec::from_json(&a.to_string())?)?;
+                let a = AdmissionSpec::from_json(&a.to_string())?;
+                entitlements.extend(a.entitlements.iter().map(|e| e.name.clone()));
+                let backend = Admission::from_spec(&a)?.with_metrics(Arc::clone(&shared.metrics));
                 if let Some(old) = previous.and_then(|p| p.admission.as_ref()) {
                     backend.adopt(old)?;
                 }
@@ -754,8 +1009,19 @@ impl Engine {
             .collect();
         let default_pool = router.pool_index(&spec.server.default_pool)?;
         let timeout = Duration::from_secs_f64(spec.limits.request_timeout_s);
-        let key_header = spec.server.key_header.to_ascii_lowercase().into_bytes();
+        let key_header = spec.server.key_header.to_ascii_lowercase();
+        let mut strip_headers = vec![key_header.clone()];
+        for h in &spec.server.strip_headers {
+            let h = h.to_ascii_lowercase();
+            if !strip_headers.contains(&h) {
+                strip_headers.push(h);
+            }
+        }
+        let key_header = key_header.into_bytes();
         let media = MediaTokens::new(int(spec.limits.image_tokens), int(spec.limits.audio_tokens))?;
+        shared
+            .overload
+            .set_max_buffered(spec.limits.max_buffered_bytes);
         let engine = Arc::new(Self {
             spec,
             router,
@@ -770,8 +1036,18 @@ impl Engine {
             pool_metrics,
             timeout,
             key_header,
+            strip_headers,
+            entitlements,
+            number: shared.built.fetch_add(1, Ordering::Relaxed) + 1,
             shared: Arc::downgrade(shared),
         });
+        // The endpoints that stay keep their probes (health, values); the
+        // settings change now that the configuration is valid as a whole.
+        if let Some(s) = &scrape {
+            for p in engine.choosers.iter().flat_map(|c| &c.probes) {
+                p.configure(s);
+            }
+        }
         shared.register(&engine);
         Ok(engine)
     }
@@ -784,6 +1060,12 @@ impl Engine {
 
     pub fn router(&self) -> &TokenBudgetRouter {
         &self.router
+    }
+
+    /// The endpoints' state is synced (see `Chooser::synced`): the
+    /// readiness the health service reports.
+    pub fn synced(&self) -> bool {
+        self.choosers.iter().all(Chooser::synced)
     }
 
     pub fn failure_mode(&self) -> FailureMode {
@@ -830,7 +1112,8 @@ impl Engine {
         Ok(Some(t))
     }
 
-    /// A refusal, counted per service class and reason.
+    /// A refusal, counted per service class and reason, and logged
+    /// (`refused`) once per state change of its reason.
     pub fn refuse(
         &self,
         tenant: Option<usize>,
@@ -840,14 +1123,57 @@ impl Engine {
         retry_after_s: f64,
     ) -> Reject {
         let class = tenant.map_or("none", |t| self.tenants[t].service_class.as_str());
-        if let Ok(shared) = self.shared() {
-            shared.metrics.reject(class, reason);
-        }
-        Reject {
+        let rej = Reject {
             status,
             reason: reason.into(),
             message: message.into(),
             retry_after_s,
+        };
+        if let Ok(shared) = self.shared() {
+            shared.metrics.reject(class, reason);
+            shared.log_refusal(&rej, self.tenant_name(tenant));
+        }
+        rej
+    }
+
+    /// The VTC user of a request: its fairness id scoped to its tenant (a
+    /// tenant cannot weigh on another's share by naming its id), else the
+    /// tenant's name; with no tenants (no one is authenticated), the
+    /// fairness id as sent, else `anonymous`. Err: the fairness id is empty
+    /// or too long.
+    fn vtc_user(&self, tenant: Option<usize>, fairness_id: Option<&str>) -> Result<Option<String>> {
+        let Some(f) = fairness_id else {
+            return Ok(None);
+        };
+        let Some(name) = self.tenant_name(tenant) else {
+            crate::vtc::check_user(f)?;
+            return Ok(Some(f.to_owned()));
+        };
+        // "<name length>:<name>:<id>": no two (tenant, id) pairs meet.
+        let user = format!("{}:{name}:{f}", name.len());
+        if f.is_empty() || user.len() > crate::vtc::MAX_USER_NAME_BYTES {
+            return Err(invalid(format!(
+                "must be 1 to {} bytes for tenant {name:?}, got {} bytes",
+                crate::vtc::MAX_USER_NAME_BYTES - (user.len() - f.len()),
+                f.len()
+            )));
+        }
+        Ok(Some(user))
+    }
+
+    /// Whether `entitlement` of this engine's configuration is still one of
+    /// the running configuration's: a reload that removed it also removed
+    /// its admission state, so the streams still routed on this one (they
+    /// finish on the configuration they opened on) skip admission for it.
+    fn entitlement_live(&self, entitlement: &str, shared: &Shared) -> bool {
+        if shared.latest.load(Ordering::Acquire) == self.number {
+            return true; // the running configuration
+        }
+        match shared.latest() {
+            Some(latest) if !std::ptr::eq(Arc::as_ptr(&latest), self) => {
+                latest.entitlements.contains(entitlement)
+            }
+            _ => true,
         }
     }
 
@@ -1141,10 +1467,11 @@ impl Engine {
         let shared = self.shared()?;
         let now = shared.now();
         let hints = ask.hints;
-        if let Some(f) = hints.fairness_id.as_deref() {
-            if let Err(e) = crate::vtc::check_user(f) {
+        let scoped = match self.vtc_user(tenant, hints.fairness_id.as_deref()) {
+            Ok(u) => u,
+            Err(e) => {
                 self.router.complete(pool)?;
-                let message = format!("x-gateway-inference-fairness-id: {e}");
+                let message = format!("fairness id: {e}");
                 return Ok(Err(self.refuse(
                     tenant,
                     400,
@@ -1153,9 +1480,8 @@ impl Engine {
                     0.0,
                 )));
             }
-        }
-        let user = hints
-            .fairness_id
+        };
+        let user = scoped
             .as_deref()
             .or(self.tenant_name(tenant))
             .unwrap_or(ANONYMOUS);
@@ -1178,8 +1504,8 @@ impl Engine {
                 now,
             )
         });
-        let ranked = match chosen {
-            Ok(Choice::Ranked(r)) => r,
+        let (ranked, recorded) = match chosen {
+            Ok(Choice::Ranked(r, recorded)) => (r, recorded),
             Ok(refused) => {
                 self.router.complete(pool)?;
                 let (status, reason, message) = if refused == Choice::Saturated {
@@ -1214,10 +1540,12 @@ impl Engine {
             now,
             armed: true,
         };
-        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = shared.ids.next();
         let request_id = shared.request_id(id);
         let mut ticket = None;
-        let entitlement = tenant.and_then(|t| self.tenants[t].entitlement.as_deref());
+        let entitlement = tenant
+            .and_then(|t| self.tenants[t].entitlement.as_deref())
+            .filter(|e| self.entitlement_live(e, &shared));
         if let (Some(admission), Some(ent), true) = (self.admission.as_ref(), entitlement, admit) {
             shared.fault("admission")?;
             let verdict = admission
@@ -1242,14 +1570,17 @@ impl Engine {
             pool,
             endpoint,
             tenant,
-            fairness_id: hints.fairness_id.clone(),
+            user: scoped.clone(),
+            feedback: false,
             est_input_tokens: est_in,
             est_output_tokens: est_out,
             learn,
             started,
             deadline: started + self.timeout,
             ticket,
+            recorded,
         };
+        // 128 random bits: two ids in flight at once never meet (2^-128 a pair).
         lock(&shared.leases).insert(id, (Arc::clone(self), lease));
         let m = &self.pool_metrics[pool];
         m.decisions.inc();
@@ -1277,13 +1608,16 @@ impl Engine {
 
     /// Releases a lease taken out of the table: every step runs even when
     /// another fails (logged as `release-failed`); usage that cannot be real
-    /// is ignored for learning (logged, counted) and the admission ticket is
-    /// completed with the estimate.
-    fn finish(&self, id: u64, lease: Lease, usage: Option<Usage>, shared: &Shared) {
+    /// (more tokens than the pool's context, whoever reported it: the
+    /// engine's response or a RouteCore `Feedback`) is ignored for learning
+    /// and charging (logged, counted), as is usage without prompt tokens,
+    /// and the admission ticket is completed with the estimate.
+    fn finish(&self, id: u128, lease: Lease, usage: Option<Usage>, shared: &Shared) {
         let now = shared.now();
         let m = &self.pool_metrics[lease.pool];
-        let usage = usage.filter(|u| u.0 > 0).and_then(|u| {
-            if plausible(u) {
+        let context = self.spec.pools[lease.pool].max_context;
+        let usage = usage.and_then(|u| {
+            if plausible(u, context) {
                 return Some(u);
             }
             m.absurd_usage.inc();
@@ -1297,6 +1631,7 @@ impl Engine {
             );
             None
         });
+        let usage = usage.filter(|u| u.0 > 0);
         let fail = |step: &str, e: Error| {
             tracing::error!(request_id = shared.request_id(id), step, error = %e, "release-failed");
         };
@@ -1304,7 +1639,7 @@ impl Engine {
             fail("router", e);
         }
         let user = lease
-            .fairness_id
+            .user
             .as_deref()
             .or(self.tenant_name(lease.tenant))
             .unwrap_or(ANONYMOUS);
@@ -1406,6 +1741,91 @@ mod tests {
             })
         };
         assert_ne!(split("ab", "c"), split("a", "bc"));
+    }
+
+    /// A data plane routing by VTC over four endpoints, for tenants `demo`
+    /// (0) and `other` (1).
+    fn vtc_plane() -> (Arc<Shared>, Arc<Engine>) {
+        let digest = |k: &str| -> String {
+            Sha256::digest(k.as_bytes())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        };
+        let tenant = |name: &str| {
+            serde_json::json!({"name": name, "key_digests": [digest(name)], "expires_at": null,
+                               "service_class": "none", "entitlement": null})
+        };
+        let json = serde_json::json!({
+            "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
+            "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
+                       "request_timeout_s": 30.0, "default_max_tokens": 100,
+                       "image_tokens": 765, "audio_tokens": 750},
+            "router": {"policy": "vtc", "compress_band": null, "prefix_block_size": 16},
+            "pools": [{"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
+                       "endpoints": ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]}],
+            "tenants": [tenant("demo"), tenant("other")],
+            "admission": null
+        });
+        let spec = Spec::from_json(&json.to_string()).expect("spec");
+        let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+        let engine = Engine::build(spec, &shared, None).expect("engine");
+        (shared, engine)
+    }
+
+    /// Where `demo`'s next request goes after `other` sent 20 heavy
+    /// requests under the fairness id `label`.
+    async fn demo_after_other_labelled(label: &str) -> String {
+        let (shared, engine) = vtc_plane();
+        let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}"#;
+        let labelled = Hints {
+            fairness_id: Some(label.into()),
+            ..Hints::default()
+        };
+        for _ in 0..20 {
+            let r = engine.route_body(body, Some(1), &labelled).await;
+            let routed = r.expect("ok").expect("routed");
+            assert!(shared.release(routed.id, Some((2000, 2000))));
+        }
+        let r = engine.route_body(body, Some(0), &Hints::default()).await;
+        let routed = r.expect("ok").expect("routed");
+        assert!(shared.release(routed.id, None));
+        routed.endpoint
+    }
+
+    #[tokio::test]
+    async fn a_tenant_cannot_weigh_on_anothers_fairness_by_naming_its_id() {
+        // "demo" is demo's VTC user (its name); "x" is nobody's.
+        let named = demo_after_other_labelled("demo").await;
+        assert_eq!(named, demo_after_other_labelled("x").await);
+        assert_eq!(
+            named, "10.0.0.1:1",
+            "demo has used nothing: the lightest end"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_scoped_fairness_id_too_long_for_its_tenant_is_a_400() {
+        let (_shared, engine) = vtc_plane();
+        let body = br#"{"messages": [{"role": "user", "content": "hi"}]}"#;
+        // 256 bytes fit a user name, not "5:other:" + 256.
+        let long = Hints {
+            fairness_id: Some("f".repeat(256)),
+            ..Hints::default()
+        };
+        let rej = engine.route_body(body, Some(1), &long).await.expect("ok");
+        assert_eq!(rej.map(|_| ()).expect_err("refused").status, 400);
+        let fits = Hints {
+            fairness_id: Some("f".repeat(256 - 8)),
+            ..Hints::default()
+        };
+        assert!(engine
+            .route_body(body, Some(1), &fits)
+            .await
+            .expect("ok")
+            .is_ok());
+        assert_eq!(engine.router().in_flight(0).expect("pool"), 1);
     }
 
     #[test]

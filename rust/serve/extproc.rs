@@ -1,22 +1,32 @@
 //! Envoy's `envoy.service.ext_proc.v3.ExternalProcessor`, on tonic with the
 //! `envoy-types` wire types.
 //!
-//! One gRPC stream is one HTTP request. Following the conventions of the
-//! Gateway API Inference Extension's endpoint picker:
+//! One gRPC stream is one HTTP request. Following the Gateway API Inference
+//! Extension's Endpoint Picker Protocol (v1.0):
 //!
 //! - Request headers: the tenant's API key is read from the key header
 //!   (`raw_value`, or `value` when that is empty: the same bytes either way;
-//!   401 / 403 as an ImmediateResponse when unknown or expired). In BUFFERED
-//!   and STREAMED body modes the headers are answered at once; in
-//!   FULL_DUPLEX_STREAMED the answer waits for the whole body, so that it can
-//!   carry the routing headers. Headers that end the stream route to the
-//!   default pool.
+//!   401 / 403 as an ImmediateResponse when unknown or expired). Every answer
+//!   that mutates the request's headers removes the key header and
+//!   `server.strip_headers`, so they never reach the engine whatever Envoy's
+//!   configuration, and the headers routecore sets overwrite any the client
+//!   sent. In BUFFERED and STREAMED body modes the headers are answered at
+//!   once; in FULL_DUPLEX_STREAMED the answer waits for the whole body, so
+//!   that it can carry the routing headers. Headers that end the stream route
+//!   to the default pool. The objective and fairness id come from llm-d's
+//!   `x-llm-d-inference-objective` / `x-llm-d-inference-fairness-id`, or the
+//!   GIE's `x-gateway-inference-*` names (aliases).
 //! - Request body: chunks are accumulated up to `limits.max_body_bytes` (413
-//!   above), parsed and routed (pool by token budget, endpoint inside it,
-//!   admission). The answer sets `x-gateway-destination-endpoint: ip:port`
-//!   and `x-routecore-pool` with `clear_route_cache`, and the `envoy.lb`
-//!   dynamic metadata `{x-gateway-destination-endpoint: ip:port}`; a
-//!   compressed body is sent as a body mutation with its `content-length`.
+//!   above; 503 when every stream's buffers together would pass
+//!   `limits.max_buffered_bytes`; 408 when the stream is not routed within
+//!   `limits.body_timeout_s` of its opening: `serve::limits`), parsed and
+//!   routed (pool by token budget, endpoint inside it, admission). The answer
+//!   sets `x-gateway-destination-endpoint` to the ordered list
+//!   `ip:port,ip:port,...` (the chosen endpoint, then its fallbacks, for
+//!   Envoy's retries) and `x-routecore-pool` with `clear_route_cache`, and
+//!   the `envoy.lb` dynamic metadata `{x-gateway-destination-endpoint: <the
+//!   same list>}`; a compressed body
+//!   is sent as a body mutation with its `content-length`.
 //!   In STREAMED mode every chunk but the last is answered empty and the last
 //!   carries the routing; in FULL_DUPLEX_STREAMED the headers answer comes
 //!   first, then the body is sent back as `streamed_response` chunks.
@@ -24,7 +34,10 @@
 //!   endpoint 503, admission 429 with Retry-After, an internal failure under
 //!   `failure_mode: closed` 503) are an ImmediateResponse with a JSON error
 //!   body, and end the stream.
-//! - Response: usage is read from a JSON body or from the SSE event that
+//! - Response: the endpoint that served (after Envoy's retries) arrives in the
+//!   `envoy.lb` metadata `x-gateway-destination-endpoint-served`; when it is
+//!   not the chosen one, the lease's accounting moves there once
+//!   ([`Shared::served`]). Usage is read from a JSON body or from the SSE event that
 //!   carries it ([`UsageReader`]); at the end of the response the lease is
 //!   released (calibrator fed, in-flight counts and the admission ticket
 //!   released). A stream that ends, fails or is cancelled before that
@@ -41,6 +54,7 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
 
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
@@ -58,17 +72,30 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::engine::{Engine, Hints, Outcome, Reject, Routed, Shared};
 use super::front::{Door, Routing};
+use super::limits::{
+    Buffer, StreamCount, StreamSlot, BODY_TIMEOUT, BUFFERS_FULL, MAX_STREAMS_PER_CONNECTION,
+};
 use super::usage::UsageReader;
 use crate::error::Result;
 
+/// The header and `envoy.lb` key of the endpoints to try, in order:
+/// `ip:port,ip:port,...` (the chosen endpoint, then its fallbacks).
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
-/// The `envoy.lb` key of the endpoints Envoy may retry on, comma-separated.
-pub const FALLBACK_KEY: &str = "x-gateway-destination-endpoint-fallback";
+/// The `envoy.lb` key of the endpoint that served, in the response's metadata.
+pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 /// The filter-metadata namespace and key of the subset hint.
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
-pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
-pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
+/// The request's objective: llm-d's header, then the GIE's name (an alias).
+pub const OBJECTIVE_HEADERS: [&str; 2] = [
+    "x-llm-d-inference-objective",
+    "x-gateway-inference-objective",
+];
+/// The request's fairness id: llm-d's header, then the GIE's name (an alias).
+pub const FAIRNESS_HEADERS: [&str; 2] = [
+    "x-llm-d-inference-fairness-id",
+    "x-gateway-inference-fairness-id",
+];
 pub const POOL_HEADER: &str = "x-routecore-pool";
 pub const LB_NAMESPACE: &str = "envoy.lb";
 /// Size of the streamed_response chunks a body is sent back in (as the GIE does).
@@ -89,6 +116,7 @@ fn answer(a: Answer) -> ProcessingResponse {
     }
 }
 
+/// A header routecore sets: it replaces any value the client sent.
 fn header(key: &str, value: &[u8]) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
@@ -96,6 +124,7 @@ fn header(key: &str, value: &[u8]) -> HeaderValueOption {
             raw_value: value.to_vec(),
             ..Default::default()
         }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
         ..Default::default()
     }
 }
@@ -147,19 +176,17 @@ pub fn immediate(rej: &Reject) -> ProcessingResponse {
     }))
 }
 
-/// The `envoy.lb` dynamic metadata: the chosen endpoint (as in the header)
-/// and, when there are any, the fallbacks Envoy may retry on.
-fn lb_metadata(endpoint: &str, fallbacks: &[String]) -> Struct {
-    let string = |s: String| Value {
-        kind: Some(Kind::StringValue(s)),
-    };
-    let mut fields: std::collections::HashMap<String, Value> =
-        [(DESTINATION_HEADER.to_string(), string(endpoint.into()))].into();
-    if !fallbacks.is_empty() {
-        fields.insert(FALLBACK_KEY.to_string(), string(fallbacks.join(",")));
-    }
+/// The `envoy.lb` dynamic metadata: the endpoints to try, the same list as
+/// the header.
+fn lb_metadata(destination: &str) -> Struct {
     let inner = Struct {
-        fields: fields.into_iter().collect(),
+        fields: [(
+            DESTINATION_HEADER.to_string(),
+            Value {
+                kind: Some(Kind::StringValue(destination.into())),
+            },
+        )]
+        .into(),
     };
     Struct {
         fields: [(
@@ -220,6 +247,22 @@ pub fn subset_hint(req: &ProcessingRequest) -> Option<Vec<String>> {
     }
 }
 
+/// The endpoint that served, from a response message's `envoy.lb` metadata.
+pub fn served_endpoint(req: &ProcessingRequest) -> Option<&str> {
+    let md = req.metadata_context.as_ref()?;
+    match md
+        .filter_metadata
+        .get(LB_NAMESPACE)?
+        .fields
+        .get(SERVED_KEY)?
+        .kind
+        .as_ref()?
+    {
+        Kind::StringValue(s) => Some(s.trim()),
+        _ => None,
+    }
+}
+
 /// The state of one ext_proc stream (one HTTP request and its response).
 pub struct Conversation {
     /// Pinned: a reload does not move this request.
@@ -229,8 +272,8 @@ pub struct Conversation {
     response_mode: i32,
     /// The key, the body limit, the routing under the failure mode.
     door: Door,
-    body: Vec<u8>,
-    lease: Option<u64>,
+    body: Buffer,
+    lease: Option<u128>,
     routed: bool,
     usage: Option<UsageReader>,
     /// The stream is answered for good (an ImmediateResponse was sent).
@@ -241,17 +284,19 @@ pub struct Conversation {
     failed: bool,
     /// The protocol's hints (subset, objective, fairness id) read so far.
     hints: Hints,
+    /// The served endpoint was read from the response's metadata.
+    served: bool,
 }
 
 impl Conversation {
     pub fn new(engine: Arc<Engine>, shared: Arc<Shared>) -> Self {
         Self {
             door: Door::new(Arc::clone(&engine), Arc::clone(&shared)),
+            body: Buffer::new(&shared.overload),
             engine,
             shared,
             request_mode: BUFFERED,
             response_mode: BodySendMode::None as i32,
-            body: Vec::new(),
             lease: None,
             routed: false,
             usage: None,
@@ -260,6 +305,7 @@ impl Conversation {
             responding: false,
             failed: false,
             hints: Hints::default(),
+            served: false,
         }
     }
 
@@ -310,6 +356,9 @@ impl Conversation {
             };
             self.response_mode = pc.response_body_mode;
         }
+        if self.responding && !self.served {
+            self.read_served(req);
+        }
         match req.request.as_ref() {
             Some(Msg::RequestHeaders(h)) => self.on_request_headers(h).await,
             Some(Msg::RequestBody(b)) => self.on_request_body(&b.body, b.end_of_stream).await,
@@ -334,6 +383,22 @@ impl Conversation {
                 ))])
             }
             None => Ok(Vec::new()),
+        }
+    }
+
+    /// The first response message naming the endpoint that served moves the
+    /// lease's accounting there when Envoy retried it elsewhere.
+    fn read_served(&mut self, req: &ProcessingRequest) {
+        let (Some(id), Some(endpoint)) = (self.lease, served_endpoint(req)) else {
+            return;
+        };
+        self.served = true;
+        if self.shared.served(id, endpoint) {
+            tracing::debug!(
+                request_id = self.shared.request_id(id),
+                endpoint,
+                "served-by-fallback"
+            );
         }
     }
 
@@ -382,8 +447,9 @@ impl Conversation {
                 .map(|v| String::from_utf8_lossy(v).trim().to_string())
                 .filter(|v| !v.is_empty())
         };
-        self.hints.objective = text(OBJECTIVE_HEADER);
-        self.hints.fairness_id = text(FAIRNESS_HEADER);
+        let first = |names: [&str; 2]| names.into_iter().find_map(text);
+        self.hints.objective = first(OBJECTIVE_HEADERS);
+        self.hints.fairness_id = first(FAIRNESS_HEADERS);
         let key = find_header(headers, &self.engine.key_header);
         if let Err(rej) = self.door.authenticate(key) {
             return Ok(self.refuse(rej));
@@ -397,9 +463,59 @@ impl Conversation {
         if self.request_mode == FULL_DUPLEX {
             return Ok(Vec::new());
         }
-        Ok(vec![answer(Answer::RequestHeaders(
-            HeadersResponse::default(),
-        ))])
+        Ok(vec![answer(Answer::RequestHeaders(HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(self.mutation(Vec::new())),
+                ..Default::default()
+            }),
+        }))])
+    }
+
+    /// A mutation of the request's headers: `set` (without what the
+    /// configuration strips), and the key header and `server.strip_headers`
+    /// removed.
+    fn mutation(&self, mut set: Vec<HeaderValueOption>) -> HeaderMutation {
+        let strip = &self.engine.strip_headers;
+        set.retain(|h| h.header.as_ref().is_none_or(|h| !strip.contains(&h.key)));
+        HeaderMutation {
+            set_headers: set,
+            remove_headers: strip.clone(),
+        }
+    }
+
+    /// Whether the request is still to be routed (its headers and body are
+    /// awaited, within `limits.body_timeout_s`).
+    pub fn awaits_routing(&self) -> bool {
+        !self.routed && !self.done
+    }
+
+    /// The request was not routed within `limits.body_timeout_s`: 408, and
+    /// what its body held is freed.
+    pub fn time_out(&mut self) -> Vec<ProcessingResponse> {
+        self.shared.overload.reached(BODY_TIMEOUT);
+        let secs = self.engine.spec.limits.body_timeout_s;
+        let message = format!("the request was not received within {secs} s");
+        let rej = self
+            .engine
+            .refuse(self.door.tenant(), 408, "body-timeout", message, 0.0);
+        self.body.release();
+        self.refuse(rej)
+    }
+
+    /// The data plane's buffers cannot hold this request
+    /// (`limits.max_buffered_bytes`): 503, retry; what its body held is freed.
+    pub fn buffers_full(&mut self) -> Vec<ProcessingResponse> {
+        let message = "too many requests are being received; retry";
+        let rej = self
+            .engine
+            .refuse(self.door.tenant(), 503, "buffers-full", message, 1.0);
+        self.body.release();
+        self.refuse(rej)
+    }
+
+    /// The answers carrying copies of the body are sent: its budget is given back.
+    pub fn settle(&mut self) {
+        self.body.settle();
     }
 
     async fn on_request_body(
@@ -415,7 +531,9 @@ impl Conversation {
         if let Err(rej) = self.door.check_body(self.body.len() + chunk.len()) {
             return Ok(self.refuse(rej));
         }
-        self.body.extend_from_slice(chunk);
+        if !self.body.extend(chunk, self.limit()) {
+            return Ok(self.buffers_full());
+        }
         if end || (self.request_mode != STREAMED && self.request_mode != FULL_DUPLEX) {
             return Ok(self.route_now().await);
         }
@@ -429,7 +547,7 @@ impl Conversation {
         self.routed = true;
         let outcome = self
             .door
-            .route(Routing::Body(&self.body), &self.hints)
+            .route(Routing::Body(self.body.data()), &self.hints)
             .await;
         self.answer(outcome, true)
     }
@@ -448,22 +566,24 @@ impl Conversation {
             reason = routed.reason,
             "routed"
         );
+        let destination = std::iter::once(&routed.endpoint)
+            .chain(&routed.fallbacks)
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+            .join(",");
         let mut set_headers = vec![
-            header(DESTINATION_HEADER, routed.endpoint.as_bytes()),
+            header(DESTINATION_HEADER, destination.as_bytes()),
             header(POOL_HEADER, routed.pool.as_bytes()),
         ];
         if let Some(b) = &routed.body {
             set_headers.push(header("content-length", b.len().to_string().as_bytes()));
         }
         let mut common = CommonResponse {
-            header_mutation: Some(HeaderMutation {
-                set_headers,
-                ..Default::default()
-            }),
+            header_mutation: Some(self.mutation(set_headers)),
             clear_route_cache: true,
             ..Default::default()
         };
-        let md = Some(lb_metadata(&routed.endpoint, &routed.fallbacks));
+        let md = Some(lb_metadata(&destination));
         if !has_body {
             let mut r = answer(Answer::RequestHeaders(HeadersResponse {
                 response: Some(common),
@@ -471,7 +591,9 @@ impl Conversation {
             r.dynamic_metadata = md;
             return vec![r];
         }
-        let original = std::mem::take(&mut self.body);
+        // Copies of the body go out in the answers: its budget is held until
+        // they are sent (`settle`).
+        let original = self.body.free();
         if self.request_mode == FULL_DUPLEX {
             let body = routed.body.as_deref().unwrap_or(&original);
             let mut first = answer(Answer::RequestHeaders(HeadersResponse {
@@ -500,13 +622,8 @@ impl Conversation {
         vec![r]
     }
 
+    /// Answers a refusal (counted and logged by `Engine::refuse`).
     fn refuse(&mut self, rej: Reject) -> Vec<ProcessingResponse> {
-        tracing::info!(
-            status = rej.status,
-            reason = rej.reason.as_str(),
-            tenant = self.engine.tenant_name(self.door.tenant()),
-            "refused"
-        );
         self.done = true;
         vec![immediate(&rej)]
     }
@@ -531,7 +648,7 @@ impl Conversation {
         self.shared.fault("response_headers")?;
         let sse = find_header(headers, b"content-type")
             .is_some_and(|v| v.windows(17).any(|w| w == b"text/event-stream"));
-        self.usage = Some(UsageReader::new(sse, self.limit()));
+        self.usage = Some(UsageReader::new(sse, self.limit(), &self.shared.overload));
         if headers.end_of_stream {
             self.finish();
         }
@@ -547,8 +664,9 @@ impl Conversation {
     fn on_response_body(&mut self, chunk: &[u8], end: bool) -> Result<Vec<ProcessingResponse>> {
         self.shared.fault("response_body")?;
         let limit = self.limit();
+        let overload = &self.shared.overload;
         self.usage
-            .get_or_insert_with(|| UsageReader::new(false, limit))
+            .get_or_insert_with(|| UsageReader::new(false, limit, overload))
             .feed(chunk, end);
         if end {
             self.finish();
@@ -598,6 +716,11 @@ struct StreamState {
     pending: VecDeque<ProcessingResponse>,
     ended: bool,
     closing: watch::Receiver<bool>,
+    /// `limits.body_timeout_s` after the stream opened: the request must be
+    /// routed by then.
+    deadline: tokio::time::Instant,
+    /// Counts the stream on its connection while it is open.
+    _slot: Option<StreamSlot>,
 }
 
 type ResponseStream =
@@ -619,13 +742,21 @@ async fn next(
         if st.ended || st.conv.done {
             return None;
         }
+        st.conv.settle();
         // The end of the client's stream, a client error or a cancel ends the
         // stream (with the error's status); dropping the state releases. So
-        // does the end of the drain's grace: UNAVAILABLE, retry elsewhere.
+        // does the end of the drain's grace: UNAVAILABLE, retry elsewhere; and
+        // a request not routed by its deadline: 408.
+        let routing = st.conv.awaits_routing();
         let message = tokio::select! {
             biased;
             m = st.inbound.message() => Some(m),
             _ = st.closing.wait_for(|closing| *closing) => None,
+            () = tokio::time::sleep_until(st.deadline), if routing => {
+                let out = st.conv.time_out();
+                st.pending.extend(out);
+                continue;
+            }
         };
         let Some(message) = message else {
             st.ended = true;
@@ -634,6 +765,14 @@ async fn next(
         let msg = match message {
             Ok(Some(msg)) => msg,
             Ok(None) => return None,
+            // The buffer budget cannot hold what the stream sends
+            // (`limits::Received`): a request still to be routed is refused.
+            Err(status) if status.message() == BUFFERS_FULL && st.conv.awaits_routing() => {
+                st.ended = true;
+                let out = st.conv.buffers_full();
+                st.pending.extend(out);
+                continue;
+            }
             Err(status) => {
                 st.ended = true;
                 // tonic reports a message over the size limit as OUT_OF_RANGE;
@@ -667,12 +806,33 @@ impl ExternalProcessor for Processor {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> std::result::Result<Response<Self::ProcessStream>, Status> {
+        let engine = current(&self.current);
+        let limits = &engine.spec.limits;
+        // The connection's streams (none known: a connection not accepted by
+        // the data plane's listener, e.g. in a test).
+        let slot = match request.extensions().get::<StreamCount>() {
+            Some(streams) => {
+                let max = usize::try_from(limits.max_streams_per_connection).unwrap_or(usize::MAX);
+                let Some(slot) = streams.open(max) else {
+                    self.shared.overload.reached(MAX_STREAMS_PER_CONNECTION);
+                    return Err(Status::resource_exhausted(format!(
+                        "more than {max} streams open on this connection"
+                    )));
+                };
+                Some(slot)
+            }
+            None => None,
+        };
+        let deadline = tokio::time::Instant::now()
+            + std::time::Duration::from_secs_f64(limits.body_timeout_s.min(1e9));
         let state = Box::new(StreamState {
-            conv: Conversation::new(current(&self.current), Arc::clone(&self.shared)),
+            conv: Conversation::new(Arc::clone(&engine), Arc::clone(&self.shared)),
             inbound: request.into_inner(),
             pending: VecDeque::new(),
             ended: false,
             closing: self.closing.clone(),
+            deadline,
+            _slot: slot,
         });
         Ok(Response::new(Box::pin(futures_util::stream::unfold(
             state, next,
@@ -806,7 +966,10 @@ mod tests {
             .handle(&body(&chat(&text), true, false))
             .await
             .expect("ok");
-        assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.1:8000"));
+        assert_eq!(
+            routed_to(&out[0]).as_deref(),
+            Some("10.0.0.1:8000,10.0.0.2:8000")
+        );
         assert_eq!(shared.lease_count(), 1);
         let usage = br#"{"usage":{"prompt_tokens":120,"completion_tokens":2}}"#;
         c.handle(&body(usage, true, true)).await.expect("ok");
@@ -831,7 +994,7 @@ mod tests {
                 .expect("ok");
             assert_eq!(
                 routed_to(&out[0]).as_deref(),
-                Some("10.0.0.1:8000"),
+                Some("10.0.0.1:8000,10.0.0.2:8000"),
                 "raw {raw}"
             );
         }
@@ -994,9 +1157,12 @@ mod tests {
             );
             c.handle(&h).await.expect("ok");
             let out = c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
-            assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.2:8000"));
             // The hint allows one endpoint: no fallback to offer.
-            assert_eq!(lb_field(&out[0], FALLBACK_KEY), None);
+            assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.2:8000"));
+            assert_eq!(
+                lb_field(&out[0], DESTINATION_HEADER).as_deref(),
+                Some("10.0.0.2:8000")
+            );
         }
         let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
         let h = with_subset(
@@ -1019,14 +1185,127 @@ mod tests {
             .await
             .expect("ok");
         let out = c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
-        let chosen = routed_to(&out[0]).expect("routed");
-        assert_eq!(lb_field(&out[0], DESTINATION_HEADER), Some(chosen.clone()));
-        let other = if chosen == "10.0.0.1:8000" {
-            "10.0.0.2:8000"
-        } else {
-            "10.0.0.1:8000"
+        // One ordered list, the same in the header and the metadata (GIE v1.0).
+        let listed = routed_to(&out[0]).expect("routed");
+        assert_eq!(lb_field(&out[0], DESTINATION_HEADER), Some(listed.clone()));
+        let (chosen, other) = listed.split_once(',').expect("a fallback");
+        let loads = engine.choosers[0].loads();
+        let i = usize::from(chosen == "10.0.0.2:8000");
+        assert_eq!((loads[i], loads[1 - i]), (1, 0), "the first one is chosen");
+        assert_eq!(
+            [chosen, other]
+                .iter()
+                .collect::<std::collections::BTreeSet<_>>()
+                .len(),
+            2
+        );
+        let md = out[0].dynamic_metadata.as_ref().expect("metadata");
+        let Some(Kind::StructValue(lb)) = md.fields[LB_NAMESPACE].kind.as_ref() else {
+            panic!("no envoy.lb")
         };
-        assert_eq!(lb_field(&out[0], FALLBACK_KEY).as_deref(), Some(other));
+        assert_eq!(
+            lb.fields.len(),
+            1,
+            "no other key (v0.3's -fallback is gone)"
+        );
+    }
+
+    fn served_by(mut req: ProcessingRequest, endpoint: &str) -> ProcessingRequest {
+        use envoy_types::pb::envoy::config::core::v3::Metadata;
+        let lb = Struct {
+            fields: [(
+                SERVED_KEY.to_string(),
+                Value {
+                    kind: Some(Kind::StringValue(endpoint.into())),
+                },
+            )]
+            .into(),
+        };
+        req.metadata_context = Some(Metadata {
+            filter_metadata: [(LB_NAMESPACE.to_string(), lb)].into(),
+            ..Default::default()
+        });
+        req
+    }
+
+    fn response_headers() -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(Msg::ResponseHeaders(HttpHeaders::default())),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn the_served_endpoint_gets_the_in_flight_count_prefix_and_usage_once() {
+        let mut spec = spec();
+        spec.router.policy = "prefix".into();
+        let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+        let engine = Engine::build(spec, &shared, None).expect("engine");
+        let prompt = "a long shared system prompt ".repeat(40);
+        let route = || async {
+            let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+            c.handle(&headers(&[("x-api-key", KEY)], true, false))
+                .await
+                .expect("ok");
+            let out = c
+                .handle(&body(&chat(&prompt), true, false))
+                .await
+                .expect("ok");
+            let listed = routed_to(&out[0]).expect("routed");
+            let (chosen, fallback) = listed.split_once(',').expect("a fallback");
+            (c, chosen.to_string(), fallback.to_string())
+        };
+        let (mut c, chosen, fallback) = route().await;
+        let index = |e: &str| usize::from(e == "10.0.0.2:8000");
+        let (from, to) = (index(&chosen), index(&fallback));
+        assert_eq!(engine.choosers[0].loads()[from], 1);
+        // Envoy retried on the fallback: the served endpoint comes with the response.
+        c.handle(&served_by(response_headers(), &fallback))
+            .await
+            .expect("ok");
+        let loads = engine.choosers[0].loads();
+        assert_eq!((loads[from], loads[to]), (0, 1), "moved to the server");
+        // Every later message carries it too: moved once, not again.
+        let usage = br#"{"usage":{"prompt_tokens":300,"completion_tokens":2}}"#;
+        c.handle(&served_by(body(&usage[..10], false, true), &fallback))
+            .await
+            .expect("ok");
+        assert_eq!(engine.choosers[0].loads()[to], 1);
+        c.handle(&served_by(body(&usage[10..], true, true), &chosen))
+            .await
+            .expect("ok");
+        assert_eq!(engine.choosers[0].loads(), vec![0, 0]);
+        assert_eq!(shared.lease_count(), 0);
+        assert_eq!(
+            shared.calibrator.read().expect("cal").stats("prose").count,
+            1
+        );
+        // The prompt is known on the server now: the next one goes there first.
+        let (mut c, next, _) = route().await;
+        assert_eq!(next, fallback);
+        c.close();
+        assert_eq!(engine.choosers[0].loads(), vec![0, 0]);
+    }
+
+    #[tokio::test]
+    async fn a_served_endpoint_outside_the_pool_or_unknown_leaves_the_lease_as_chosen() {
+        let (shared, engine) = plane();
+        for served in ["10.0.0.3:8000", "10.9.9.9:1", ""] {
+            let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+            c.handle(&headers(&[("x-api-key", KEY)], true, false))
+                .await
+                .expect("ok");
+            c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+            let before = engine.choosers[0].loads();
+            c.handle(&served_by(response_headers(), served))
+                .await
+                .expect("ok");
+            assert_eq!(engine.choosers[0].loads(), before, "{served}");
+            drop(c);
+            assert_eq!(engine.choosers[0].loads(), vec![0, 0], "{served}");
+            assert_eq!(engine.choosers[1].loads(), vec![0], "{served}");
+        }
     }
 
     #[tokio::test]

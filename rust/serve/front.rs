@@ -1,13 +1,19 @@
 //! The front door of a request, shared by both front ends: Envoy's ext_proc
 //! ([`super::extproc`], one stream per request) and the RouteCore API
-//! (`DataPlane.route_body` / `route_fields`, one call per request, through
-//! [`route_once`]). A front end only translates its messages into the calls
-//! of a [`Door`] and the [`Outcome`] back into its own answer; the rules live
-//! here, once:
+//! (`DataPlane.route_body` / `route_fields` / `feedback` / `authenticate`,
+//! one call per RPC, through [`route_once`], [`feedback_once`] and
+//! [`authenticate_once`]). A front end only translates its messages into the
+//! calls of a [`Door`] and the [`Outcome`] back into its own answer; the
+//! rules live here, once:
 //!
 //! - the tenant's API key ([`Engine::authenticate`]: 401 missing or unknown,
-//!   403 expired); a body that comes before any key was checked is checked
-//!   as a request without a key;
+//!   403 expired), for every call (Route, Feedback, Plan); a body that comes
+//!   before any key was checked is checked as a request without a key;
+//! - who may end a request ([`Door::feedback`]): the RouteCore API ends only
+//!   what its caller's tenant routed through it, by an id that is bounded
+//!   ([`MAX_REQUEST_ID_BYTES`], 400 past it) and never echoed; a request
+//!   that is not in flight and one that is not the caller's are the same
+//!   404;
 //! - the body limit `limits.max_body_bytes` of the current configuration
 //!   (413 above), checked as the chunks come and again on the whole body;
 //! - the time of each decision (`routecore_decision_seconds`);
@@ -27,7 +33,8 @@ use std::time::Instant;
 use futures_util::FutureExt;
 
 use super::config::FailureMode;
-use super::engine::{Engine, Hints, Outcome, Reject, Shared};
+use super::engine::{Caller, Engine, Hints, Outcome, Reject, Shared, MAX_REQUEST_ID_BYTES};
+use super::usage::Usage;
 use crate::error::{invalid, Result};
 
 /// What a request is routed on.
@@ -109,6 +116,34 @@ impl Door {
     /// tenant, nothing to check.
     pub fn trust(&mut self) {
         self.checked = true;
+    }
+
+    /// Ends the request `request_id` with its usage if the caller's tenant
+    /// routed it through the RouteCore API. The id is never echoed: 400
+    /// past [`MAX_REQUEST_ID_BYTES`], 404 when no request of the caller's is
+    /// in flight under it.
+    pub fn feedback(
+        &mut self,
+        request_id: &str,
+        usage: Option<Usage>,
+    ) -> std::result::Result<(), Reject> {
+        if !self.checked {
+            self.authenticate(None)?;
+        }
+        if request_id.len() > MAX_REQUEST_ID_BYTES {
+            let message = format!("request_id exceeds {MAX_REQUEST_ID_BYTES} bytes");
+            return Err(self
+                .engine
+                .refuse(self.tenant, 400, "invalid-request", message, 0.0));
+        }
+        let caller = Caller::Tenant(self.engine.tenant_name(self.tenant));
+        if self.shared.release_request(request_id, caller, usage) {
+            return Ok(());
+        }
+        let message = "no request of yours is in flight with this id";
+        Err(self
+            .engine
+            .refuse(self.tenant, 404, "not-in-flight", message, 0.0))
     }
 
     /// Checks the key if it was not (as a request without one), then that a
@@ -200,8 +235,24 @@ impl Door {
     }
 }
 
+/// The door of one RouteCore call: the key checked (None: a trusted
+/// caller, no tenant).
+fn door_for(
+    engine: Arc<Engine>,
+    shared: Arc<Shared>,
+    key: Option<&[u8]>,
+) -> std::result::Result<Door, Reject> {
+    let mut door = Door::new(engine, shared);
+    match key {
+        Some(k) => door.authenticate(Some(k))?,
+        None => door.trust(),
+    }
+    Ok(door)
+}
+
 /// The whole door in one call, for a unary API: the key (None: a trusted
-/// caller, no tenant), the body limit, then the routing.
+/// caller, no tenant), the body limit, then the routing. The request is
+/// ended by a [`feedback_once`] from the same tenant (or the timeout).
 pub async fn route_once(
     engine: Arc<Engine>,
     shared: Arc<Shared>,
@@ -209,10 +260,30 @@ pub async fn route_once(
     routing: Routing<'_>,
     hints: &Hints,
 ) -> Outcome {
-    let mut door = Door::new(engine, shared);
-    match key {
-        Some(k) => door.authenticate(Some(k))?,
-        None => door.trust(),
-    }
-    door.route(routing, hints).await
+    let shared_ = Arc::clone(&shared);
+    let routed = door_for(engine, shared, key)?.route(routing, hints).await?;
+    shared_.accept_feedback(routed.id);
+    Ok(routed)
+}
+
+/// A RouteCore `Feedback`: the key, then [`Door::feedback`].
+pub fn feedback_once(
+    engine: Arc<Engine>,
+    shared: Arc<Shared>,
+    key: &[u8],
+    request_id: &str,
+    usage: Option<Usage>,
+) -> std::result::Result<(), Reject> {
+    door_for(engine, shared, Some(key))?.feedback(request_id, usage)
+}
+
+/// A RouteCore call that touches no request (`Plan`): the key only. The
+/// tenant's name (None: no tenants configured).
+pub fn authenticate_once(
+    engine: Arc<Engine>,
+    shared: Arc<Shared>,
+    key: &[u8],
+) -> std::result::Result<Option<String>, Reject> {
+    let door = door_for(engine, shared, Some(key))?;
+    Ok(door.engine.tenant_name(door.tenant).map(String::from))
 }

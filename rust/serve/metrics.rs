@@ -117,6 +117,8 @@ pub struct Metrics {
     pub scrapes: Family<ScrapeLabels, FCounter>,
     pub endpoint_healthy: Family<EndpointLabel, FGauge>,
     pub endpoint_transitions: Family<TransitionLabels, FCounter>,
+    /// Bytes the ext_proc streams' buffers hold (`limits.max_buffered_bytes`).
+    pub buffered_bytes: FGauge,
     /// The KV-event metrics, read from the precise prefix index at each scrape.
     #[cfg(feature = "kv-events")]
     pub kv: Arc<crate::kv::metrics::KvCollector>,
@@ -223,6 +225,13 @@ impl Metrics {
             "Endpoints turning healthy or unhealthy, per endpoint and state turned to",
             endpoint_transitions.clone(),
         );
+        let buffered_bytes = FGauge::default();
+        registry.register(
+            "routecore_buffered_bytes",
+            "Bytes held by the ext_proc streams' buffers (request bodies being \
+             accumulated, response bodies read for their usage)",
+            buffered_bytes.clone(),
+        );
         #[cfg(feature = "kv-events")]
         let kv = Arc::new(crate::kv::metrics::KvCollector::default());
         #[cfg(feature = "kv-events")]
@@ -246,6 +255,7 @@ impl Metrics {
             scrapes,
             endpoint_healthy,
             endpoint_transitions,
+            buffered_bytes,
         }
     }
 
@@ -335,6 +345,7 @@ impl Metrics {
             "absurd_usage" => pool(&self.absurd_usage),
             "protocol_errors" => Some(self.protocol_errors.get()),
             "tokenize_skipped" => Some(self.tokenize_skipped.get()),
+            "buffered_bytes" => Some(self.buffered_bytes.get()),
             "rejections" => Some(
                 self.rejections
                     .get_or_create(&RejectionLabels {

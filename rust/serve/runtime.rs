@@ -33,22 +33,32 @@ use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::Connected;
 use tonic_health::ServingStatus;
 
 use super::config::Spec;
 use super::engine::{Engine, Shared};
 use super::extproc::{current, Current, Processor};
+use super::limits::{Bounded, Overload, StreamCount, MAX_CONNECTIONS};
 use super::metrics;
 use crate::calibrate::Calibrator;
 use crate::error::{invalid, Result};
 
-/// The services the health service reports on ("" is the server as a whole).
-pub const SERVICES: [&str; 3] = [
+/// The services the health service reports as ready: SERVING once every
+/// endpoint's state is synced (scraped once, or found unhealthy), NOT_SERVING
+/// from the start of a drain ("" is the server as a whole; `readiness` is
+/// the Endpoint Picker Protocol's).
+pub const SERVICES: [&str; 4] = [
     "",
+    "readiness",
     "envoy.service.ext_proc.v3.ExternalProcessor",
     "routecore.v1.RouteCore",
 ];
+/// SERVING while the process answers, through a drain too (the Endpoint
+/// Picker Protocol's liveness).
+pub const LIVENESS: &str = "liveness";
+/// How often readiness looks at the endpoints' state until it is synced.
+const SYNC_POLL: Duration = Duration::from_millis(10);
 
 /// How long the streams ended past the drain's grace get to send their status.
 const CLOSE_S: Duration = Duration::from_secs(1);
@@ -126,13 +136,16 @@ impl Drop for Open {
 struct Conn {
     io: TcpStream,
     _open: Open,
+    /// Its open ext_proc streams (`limits.max_streams_per_connection`).
+    streams: StreamCount,
 }
 
 impl Connected for Conn {
-    type ConnectInfo = TcpConnectInfo;
+    /// What each of its requests carries in its extensions.
+    type ConnectInfo = StreamCount;
 
-    fn connect_info(&self) -> TcpConnectInfo {
-        self.io.connect_info()
+    fn connect_info(&self) -> StreamCount {
+        self.streams.clone()
     }
 }
 
@@ -182,10 +195,13 @@ struct Inbox {
     open: Arc<AtomicUsize>,
 }
 
-/// Accepts connections and gives each to the shard with the fewest open.
+/// Accepts connections and gives each to the shard with the fewest open;
+/// past `limits.max_connections` open, a new one is closed at once.
 async fn accept_forever(
     listener: TcpListener,
     inboxes: Vec<Inbox>,
+    current: Current,
+    overload: Arc<Overload>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -202,6 +218,15 @@ async fn accept_forever(
                 continue;
             }
         };
+        let open: usize = inboxes.iter().map(|i| i.open.load(Ordering::Relaxed)).sum();
+        let max = super::extproc::current(&current)
+            .spec
+            .limits
+            .max_connections;
+        if open as u64 >= max {
+            overload.reached(MAX_CONNECTIONS);
+            continue; // dropped: closed
+        }
         let _ = stream.set_nodelay(true);
         let Ok(stream) = stream.into_std() else {
             continue;
@@ -228,6 +253,8 @@ pub struct DataPlane {
     /// Ends the streams still open when the drain's grace runs out.
     closing: watch::Sender<bool>,
     health: tonic_health::server::HealthReporter,
+    /// Set by the drain; readiness is never reported SERVING after it.
+    draining: Arc<tokio::sync::Mutex<bool>>,
 }
 
 fn bind(host: &str, port: u16) -> Result<StdListener> {
@@ -293,7 +320,14 @@ impl DataPlane {
             .map(|a| a.port());
         let (stop, stopped) = watch::channel(false);
         let (closing, closing_rx) = watch::channel(false);
-        crate::kv::subscribe(kv_spec.as_ref(), &shared.kv, first.handle(), &stopped)?;
+        let metrics = Arc::clone(&shared.metrics);
+        crate::kv::subscribe(
+            kv_spec.as_ref(),
+            &shared.kv,
+            first.handle(),
+            &stopped,
+            Arc::new(move |kind| metrics.fault("kv_events", kind)),
+        )?;
         let (health, health_service) = tonic_health::server::health_reporter();
         let processor = ExternalProcessorServer::new(Processor {
             current: Arc::clone(&current),
@@ -302,6 +336,8 @@ impl DataPlane {
         })
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);
+        // What each stream sends is held in the buffer budget before tonic has it.
+        let processor = Bounded::new(processor, &shared.overload);
         let mut inboxes = Vec::new();
         let mut servers = Vec::new();
         for shard in shards {
@@ -312,7 +348,11 @@ impl DataPlane {
             });
             // Registered with the reactor of the shard that polls it.
             let incoming = UnboundedReceiverStream::new(receive).map(|(stream, open)| {
-                TcpStream::from_std(stream).map(|io| Conn { io, _open: open })
+                TcpStream::from_std(stream).map(|io| Conn {
+                    io,
+                    _open: open,
+                    streams: StreamCount::default(),
+                })
             });
             let mut until = stopped.clone();
             let server = tonic::transport::Server::builder()
@@ -327,15 +367,31 @@ impl DataPlane {
                 }
             }));
         }
+        let draining = Arc::new(tokio::sync::Mutex::new(false));
         first.block_on(async {
+            health
+                .set_service_status(LIVENESS, ServingStatus::Serving)
+                .await;
             for name in SERVICES {
                 health
-                    .set_service_status(name, ServingStatus::Serving)
+                    .set_service_status(name, ServingStatus::NotServing)
                     .await;
             }
+            tokio::spawn(ready_when_synced(
+                Arc::clone(&current),
+                health.clone(),
+                Arc::clone(&draining),
+                stopped.clone(),
+            ));
             let grpc =
                 TcpListener::from_std(grpc).map_err(|e| invalid(format!("cannot listen: {e}")))?;
-            tokio::spawn(accept_forever(grpc, inboxes, stopped.clone()));
+            tokio::spawn(accept_forever(
+                grpc,
+                inboxes,
+                Arc::clone(&current),
+                Arc::clone(&shared.overload),
+                stopped.clone(),
+            ));
             if let Some(l) = metrics_listener {
                 let l =
                     TcpListener::from_std(l).map_err(|e| invalid(format!("cannot listen: {e}")))?;
@@ -362,6 +418,7 @@ impl DataPlane {
             closing,
             servers: Mutex::new(servers),
             health,
+            draining,
         })
     }
 
@@ -394,9 +451,11 @@ impl DataPlane {
     /// stops the runtime.
     pub fn drain(&self, grace_s: f64) {
         let servers = std::mem::take(&mut *self.servers.lock().unwrap_or_else(|e| e.into_inner()));
-        let grace = Duration::from_secs_f64(grace_s.clamp(0.0, 3600.0));
+        let grace = Duration::from_secs_f64(grace_s.clamp(0.0, 86_400.0));
         let health = self.health.clone();
+        let draining = Arc::clone(&self.draining);
         let _ = self.block_on(async {
+            *draining.lock().await = true;
             for name in SERVICES {
                 health
                     .set_service_status(name, ServingStatus::NotServing)
@@ -419,6 +478,10 @@ impl DataPlane {
                 }
             }
         });
+        // The releases of the streams just ended reach a remote admission
+        // backend before the runtime stops (bounded by its flush timeout).
+        let _ = self.block_on(self.shared.close());
+        self.shared.scraper.stop();
         let shards = std::mem::take(&mut *self.shards.lock().unwrap_or_else(|e| e.into_inner()));
         shards.into_iter().for_each(Shard::stop);
     }
@@ -430,6 +493,30 @@ impl Drop for DataPlane {
         let shards = std::mem::take(&mut *self.shards.lock().unwrap_or_else(|e| e.into_inner()));
         for shard in shards {
             let _ = shard.halt.send(true);
+        }
+    }
+}
+
+/// Reports the ready services SERVING once the endpoints' state is synced
+/// (unless a drain started first).
+async fn ready_when_synced(
+    current: Current,
+    health: tonic_health::server::HealthReporter,
+    draining: Arc<tokio::sync::Mutex<bool>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    while !super::extproc::current(&current).synced() {
+        tokio::select! {
+            _ = tokio::time::sleep(SYNC_POLL) => {}
+            _ = stop.changed() => return,
+        }
+    }
+    let draining = draining.lock().await;
+    if !*draining {
+        for name in SERVICES {
+            health
+                .set_service_status(name, ServingStatus::Serving)
+                .await;
         }
     }
 }

@@ -4,9 +4,15 @@
 //! bodies are scanned as they pass: only the new bytes are searched for line
 //! ends and only the unfinished line is kept, up to [`MAX_SSE_LINE`] bytes (a
 //! longer line is skipped to its end); the last `data:` event carrying usage
-//! wins.
+//! wins. What is kept is held in the data plane's buffer budget
+//! (`limits.max_buffered_bytes`, [`Buffer`]): when it is full, the usage of
+//! the body is not read.
+
+use std::sync::Arc;
 
 use serde_json::Value;
+
+use super::limits::{Buffer, Overload};
 
 /// The longest SSE line kept while looking for usage.
 pub const MAX_SSE_LINE: usize = 64 * 1024;
@@ -38,26 +44,30 @@ pub fn usage_of(body: &[u8]) -> Option<Usage> {
     Some((prompt, completion))
 }
 
-/// Whether a reported usage could be real.
-pub fn plausible(usage: Usage) -> bool {
-    usage.0 <= MAX_TOKENS && usage.1 <= MAX_TOKENS
+/// Whether a reported usage could be real on an engine whose context is
+/// `context` tokens (a pool's `max_context`): the prompt and the completion
+/// fit in it together. One check for every report, the engine's response
+/// and a RouteCore `Feedback` alike.
+pub fn plausible(usage: Usage, context: u64) -> bool {
+    usage.0.saturating_add(usage.1) <= context.min(MAX_TOKENS)
 }
 
-#[derive(Debug)]
 pub struct UsageReader {
     sse: bool,
     limit: usize,
-    buf: Vec<u8>,
+    buf: Buffer,
     skipping: bool,
     usage: Option<Usage>,
 }
 
 impl UsageReader {
-    pub fn new(sse: bool, limit: usize) -> Self {
+    /// A reader of a JSON body of at most `limit` bytes, or of an SSE body
+    /// (`sse`), whose buffer is held in `overload`'s budget.
+    pub fn new(sse: bool, limit: usize, overload: &Arc<Overload>) -> Self {
         Self {
             sse,
             limit,
-            buf: Vec::new(),
+            buf: Buffer::new(overload),
             skipping: false,
             usage: None,
         }
@@ -81,17 +91,17 @@ impl UsageReader {
             }
             return;
         }
-        if self.buf.len() + chunk.len() > self.limit {
-            self.buf = Vec::new(); // too large to hold: usage is not learned from it
+        if self.buf.len() + chunk.len() > self.limit || !self.buf.extend(chunk, self.limit) {
+            // Too large to hold: usage is not learned from it.
+            self.buf.release();
             self.limit = 0;
             return;
         }
-        self.buf.extend_from_slice(chunk);
         if end {
-            if let Some(u) = usage_of(&self.buf) {
+            if let Some(u) = usage_of(self.buf.data()) {
                 self.usage = Some(u);
             }
-            self.buf = Vec::new();
+            self.buf.release();
         }
     }
 
@@ -99,17 +109,15 @@ impl UsageReader {
         if self.skipping || part.is_empty() {
             return;
         }
-        if self.buf.len() + part.len() > MAX_SSE_LINE {
-            self.buf.clear();
+        if self.buf.len() + part.len() > MAX_SSE_LINE || !self.buf.extend(part, MAX_SSE_LINE) {
+            self.buf.release();
             self.skipping = true;
-        } else {
-            self.buf.extend_from_slice(part);
         }
     }
 
     fn end_line(&mut self) {
         if !self.skipping {
-            if let Some(data) = self.buf.strip_prefix(b"data:") {
+            if let Some(data) = self.buf.data().strip_prefix(b"data:") {
                 if contains(data, b"\"usage\"") {
                     if let Some(u) = usage_of(data) {
                         self.usage = Some(u);
@@ -129,6 +137,17 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::serve::metrics::Metrics;
+
+    fn budget(bytes: u64) -> Arc<Overload> {
+        let o = Arc::new(Overload::new(Arc::new(Metrics::new())));
+        o.set_max_buffered(bytes);
+        o
+    }
+
+    fn reader(sse: bool, limit: usize) -> UsageReader {
+        UsageReader::new(sse, limit, &budget(u64::MAX))
+    }
 
     fn sse(prompt: u64, completion: u64) -> Vec<u8> {
         format!(
@@ -143,7 +162,7 @@ mod tests {
     fn json_usage_is_read_at_the_end_in_any_chunking() {
         let body = br#"{"id":"x","usage":{"prompt_tokens":120,"completion_tokens":20}}"#;
         for size in [1, 3, 7, body.len()] {
-            let mut r = UsageReader::new(false, 1 << 20);
+            let mut r = reader(false, 1 << 20);
             let chunks: Vec<&[u8]> = body.chunks(size).collect();
             for (i, c) in chunks.iter().enumerate() {
                 r.feed(c, i + 1 == chunks.len());
@@ -156,7 +175,7 @@ mod tests {
     fn sse_usage_is_read_from_the_last_event_in_any_chunking() {
         let body = sse(170, 3);
         for size in [1, 2, 5, 64, body.len()] {
-            let mut r = UsageReader::new(true, 1 << 20);
+            let mut r = reader(true, 1 << 20);
             let chunks: Vec<&[u8]> = body.chunks(size).collect();
             for (i, c) in chunks.iter().enumerate() {
                 r.feed(c, i + 1 == chunks.len());
@@ -167,14 +186,39 @@ mod tests {
 
     #[test]
     fn json_body_over_the_limit_is_not_learned_from() {
-        let mut r = UsageReader::new(false, 10);
+        let mut r = reader(false, 10);
         r.feed(br#"{"usage":{"prompt_tokens":1}}"#, true);
         assert_eq!(r.usage(), None);
     }
 
     #[test]
+    fn a_body_the_buffer_budget_cannot_hold_is_not_read_and_holds_nothing() {
+        let o = budget(48);
+        let body = br#"{"id":"x","usage":{"prompt_tokens":120,"completion_tokens":20}}"#;
+        assert!(body.len() > 48);
+        let sse = [&b"data: "[..], body, b"\n"].concat();
+        for (is_sse, bytes) in [(false, &body[..]), (true, &sse[..])] {
+            let mut r = UsageReader::new(is_sse, 1 << 20, &o);
+            let chunks: Vec<&[u8]> = bytes.chunks(16).collect();
+            for (i, c) in chunks.iter().enumerate() {
+                r.feed(c, i + 1 == chunks.len());
+            }
+            assert_eq!(r.usage(), None, "sse {is_sse}");
+            assert!(o.buffered() <= 48);
+            drop(r);
+            assert_eq!(o.buffered(), 0);
+            // With room, the same body is read.
+            let mut r = UsageReader::new(is_sse, 1 << 20, &budget(1 << 10));
+            for (i, c) in chunks.iter().enumerate() {
+                r.feed(c, i + 1 == chunks.len());
+            }
+            assert_eq!(r.usage(), Some((120, 20)), "sse {is_sse}");
+        }
+    }
+
+    #[test]
     fn long_sse_line_is_skipped_and_later_lines_still_read() {
-        let mut r = UsageReader::new(true, 1 << 20);
+        let mut r = reader(true, 1 << 20);
         let junk = vec![b'x'; 1024];
         for _ in 0..(2 * MAX_SSE_LINE / 1024) {
             r.feed(&junk, false);
@@ -194,8 +238,13 @@ mod tests {
         assert_eq!(usage_of(br#"{"usage":{"prompt_tokens":7}}"#), Some((7, 0)));
         let huge = usage_of(br#"{"usage":{"prompt_tokens":1000000000000000000000000000000}}"#);
         assert_eq!(huge, Some((u64::MAX, 0)));
-        assert!(!plausible((u64::MAX, 0)));
-        assert!(!plausible((1, MAX_TOKENS + 1)));
-        assert!(plausible((MAX_TOKENS, 0)));
+        assert!(!plausible((u64::MAX, 0), MAX_TOKENS));
+        assert!(!plausible((u64::MAX, u64::MAX), u64::MAX));
+        assert!(!plausible((1, MAX_TOKENS), MAX_TOKENS));
+        assert!(plausible((MAX_TOKENS, 0), MAX_TOKENS));
+        // 2^30 / 2^30 (a Feedback that locked a tenant out) on an 8K pool.
+        assert!(!plausible((1 << 30, 1 << 30), 8192));
+        assert!(!plausible((0, 8193), 8192));
+        assert!(plausible((8000, 192), 8192));
     }
 }

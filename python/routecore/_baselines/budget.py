@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from routecore._core import Calibrator as _Core
 
 #: The core's defaults (one source for both).
@@ -62,3 +64,36 @@ class TokenBudgetRouter:
                 target = min(alternates, key=lambda i: self.in_flight[i])
         self.in_flight[target] += 1
         return target
+
+
+class NumpyRouter:
+    """``route_many`` the way a NumPy user writes it for pools without queue
+    limits (nothing spills) and without a compress band, the benched case:
+    the estimate of every request at once (``ceil(bytes / ratio[category]) +
+    output``, in float64, exact below 2^53), then one ``np.where`` per bound
+    from the largest window down to the smallest budget, and the in-flight
+    counts by ``np.count_nonzero``. ``ratios[c]`` is the conservative ratio
+    of category id ``c``, as the calibrator gives it."""
+
+    def __init__(self, pools, ratios):
+        # pools: list of (name, max_context, budget, queue_limit) as TokenBudgetRouter's.
+        if any(p[3] is not None for p in pools):
+            raise ValueError("NumpyRouter routes pools without queue limits")
+        order = sorted(range(len(pools)), key=lambda i: (pools[i][2], pools[i][1]))
+        self.widest = max(p[1] for p in pools)
+        #: The pool of the largest window (the last in budget order among equals).
+        self.largest = [i for i in order if pools[i][1] == self.widest][-1]
+        #: (budget, pool), largest budget first: the first in budget order wins ties.
+        self.budgets = [(pools[i][2], i) for i in reversed(order)]
+        self.ratios = np.asarray(ratios, dtype=np.float64)
+        self.in_flight = np.zeros(len(pools), dtype=np.int64)
+
+    def route_many(self, prompt_bytes, category_ids, max_output_tokens):
+        total = np.ceil(prompt_bytes / self.ratios[category_ids])
+        total += max_output_tokens
+        chosen = np.where(total <= self.widest, self.largest, -1)
+        for budget, pool in self.budgets:
+            chosen = np.where(total <= budget, pool, chosen)
+        for pool in range(len(self.in_flight)):
+            self.in_flight[pool] += np.count_nonzero(chosen == pool)
+        return chosen

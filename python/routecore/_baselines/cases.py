@@ -1,6 +1,10 @@
 """The hot-path cases of ``routecore bench``: each builds one routecore call and its
-plain-Python twin on the same input, as zero-argument callables. The
-pytest-benchmark suite in benches/ builds its inputs from the same helpers.
+Python twin on the same input, as zero-argument callables. A twin is the fastest
+way a Python user would compute the same answer: NumPy where the call
+vectorises (``route_many``), the same algorithm as routecore otherwise (VTC's
+per-bucket totals, the prefix index), checked to give routecore's answers
+(tests/test_bench.py). The pytest-benchmark suite in benches/ builds its inputs
+from the same helpers.
 
 Imports of optional packages (xxhash for the block-hash twin, grpcio and the
 Envoy protos for the conversation) happen inside the case that needs them.
@@ -72,17 +76,21 @@ def route() -> tuple[Call, Call]:
     return (lambda: rc.route(12_000, "prose", 1024)), (lambda: py.route(12_000, "prose", 1024))
 
 
+def budget_numpy_twin(r: TokenBudgetRouter):
+    """The NumPy router over ``BUDGET_POOLS`` with ``r``'s conservative ratios,
+    indexed by ``r``'s category ids."""
+    from routecore._baselines import budget
+
+    cal = r.calibrator
+    return budget.NumpyRouter(BUDGET_POOLS, [cal.conservative_ratio(c) for c in cal.categories])
+
+
 def route_many(n: int = 10_000) -> tuple[Call, Call]:
-    rc, py = budget_router(), budget_twin()
+    rc = budget_router()
     b, c, o = budget_workload(n)
     ids = np.array([rc.category_id(name) for name in CATEGORIES])[c]
-    rows = list(zip(b.tolist(), [CATEGORIES[i] for i in c.tolist()], o.tolist()))
-
-    def loop() -> list[int]:
-        r = py.route
-        return [r(*row) for row in rows]
-
-    return (lambda: rc.route_many(b, ids, o)), loop
+    py = budget_numpy_twin(rc)
+    return (lambda: rc.route_many(b, ids, o)), (lambda: py.route_many(b, ids, o))
 
 
 # --- prefix-cache-aware routing -------------------------------------------------------
@@ -263,9 +271,12 @@ def erlang() -> tuple[Call, Call]:
 SHORT = ["127.0.0.1:8001", "127.0.0.1:8002"]
 LONG = ["127.0.0.1:8011"]
 #: Nothing listens at the endpoints: they are not scraped, so none is ever
-#: marked unhealthy (a failed scrape would turn routing into 503s).
+#: marked unhealthy (a failed scrape would turn routing into 503s). The
+#: endpoint is picked as the twin picks it: least request, first on ties, no
+#: fallbacks offered.
 SERVER_CONFIG: dict[str, Any] = {
     "scrape": {"enabled": False},
+    "router": {"policy": "least-request", "fallbacks": 0},
     "pools": [
         {"name": "short", "max_context": 8192, "endpoints": SHORT},
         {"name": "long", "max_context": 65536, "endpoints": LONG},

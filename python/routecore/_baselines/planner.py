@@ -2,14 +2,17 @@
 as ``routecore.plan`` (prefix sums over the requests sorted by total tokens,
 Erlang C by the Poisson ratio with a saddle-point log-pmf; the paper model's
 cap-first sizing, the engine model's fixed point, prefill queue and galloping
-search), written the way a Python planner would. The prefill quantile of a
-range is taken by sorting that range's chunk counts (routecore uses a wavelet
-matrix)."""
+search), written the way a Python planner would: the trace's sort and prefix
+sums in NumPy (built once per trace, as routecore builds its table once per
+workload), the sweep's scalar arithmetic in Python floats. The prefill
+quantile of a range is taken by ``np.partition`` of that range's chunk counts
+(routecore uses a wavelet matrix)."""
 
 from __future__ import annotations
 
-import bisect
 import math
+
+import numpy as np
 
 LN_SQRT_2PI = 0.9189385332046728
 
@@ -67,37 +70,49 @@ def p99_wait(c, mu, cs2, lam):
 
 
 class Trace:
-    """Requests sorted by total tokens with prefix sums of k, k L, k^2, k^2 L,
-    k^2 L^2, L_in, L_in^2."""
+    """Requests sorted by total tokens (stable) with prefix sums of k, k L, k^2,
+    k^2 L, k^2 L^2, L_in, L_in^2 (float64, exact: every term is below 2^53, and
+    ``np.cumsum`` adds in order) and of L; ``c_chunk`` is the prefill chunk."""
 
     def __init__(self, inputs, outputs, c_chunk):
-        rows = sorted(zip(inputs, outputs), key=lambda r: r[0] + r[1])
-        self.totals = [i + o for i, o in rows]
-        self.chunks = [-(-i // c_chunk) for i, _ in rows]
-        self.n = len(rows)
-        self.sums = [[0.0] * 7]
-        self.tokens = [0.0]
-        for (i, o), ch in zip(rows, self.chunks):
-            k, L = ch + o, i + o
-            p = self.sums[-1]
-            self.sums.append([p[0] + k, p[1] + k * L, p[2] + k * k, p[3] + k * k * L,
-                              p[4] + k * k * L * L, p[5] + i, p[6] + i * i])  # fmt: skip
-            self.tokens.append(self.tokens[-1] + L)
+        i, o = np.asarray(inputs, dtype=np.int64), np.asarray(outputs, dtype=np.int64)
+        order = np.argsort(i + o, kind="stable")
+        i, o = i[order], o[order]
+        self.c_chunk = c_chunk
+        self.totals = i + o
+        self.chunks = -(-i // c_chunk)
+        self.n = len(i)
+        k, big_l, fi = (self.chunks + o).astype(float), self.totals.astype(float), i.astype(float)
+        terms = np.stack([k, k * big_l, k * k, k * k * big_l, k * k * big_l * big_l, fi, fi * fi])
+        self.sums = np.zeros((self.n + 1, 7))
+        np.cumsum(terms, axis=1, out=self.sums[1:].T)
+        self.tokens = np.concatenate([[0.0], np.cumsum(big_l)])
 
     def span(self, lo, hi):
-        return bisect.bisect_right(self.totals, lo), bisect.bisect_right(self.totals, hi)
+        s, e = np.searchsorted(self.totals, [lo, hi], side="right").tolist()
+        return s, e
+
+    def diff(self, s, e):
+        """The seven sums over requests ``s..e``, as Python floats."""
+        return (self.sums[e] - self.sums[s]).tolist()
+
+    def token_sum(self, s, e):
+        return float(self.tokens[e] - self.tokens[s])
+
+    def chunk_rank(self, s, e, rank):
+        """The ``rank``-th smallest chunk count of requests ``s..e``."""
+        return int(np.partition(self.chunks[s:e], rank)[rank])
 
     def service(self, s, e, n_slots, w, h, h_ref, quantile=0.99):
         cnt = e - s
         if cnt == 0:
             return None
-        d = [self.sums[e][j] - self.sums[s][j] for j in range(5)]
+        d = self.diff(s, e)
         a0, a1 = (w + h * n_slots, 0.0) if h_ref is None else (w, h * n_slots / h_ref)
         mean = (a0 * d[0] + a1 * d[1]) / cnt
         second = (a0 * a0 * d[2] + 2 * a0 * a1 * d[3] + a1 * a1 * d[4]) / cnt
-        t_iter = a0 + a1 * (self.tokens[e] - self.tokens[s]) / cnt
-        ch = sorted(self.chunks[s:e])
-        p99 = ch[max(0, math.ceil(quantile * cnt) - 1)]
+        t_iter = a0 + a1 * self.token_sum(s, e) / cnt
+        p99 = self.chunk_rank(s, e, max(0, math.ceil(quantile * cnt) - 1))
         return mean, max(0.0, second / mean**2 - 1), t_iter, p99 * t_iter
 
 
@@ -129,11 +144,11 @@ def slots(kv_bytes, per_token, ctx):
     return math.floor(kv_bytes / (per_token * ctx) * (1 + 1e-12))
 
 
-def plan(inputs, outputs, lam, slo, *, b_short, gammas, w=0.008, h=0.00065, h_ref=None,
-         c_chunk=512, kv_bytes=40 * 2**30, per_token=40 * 1024, long_context=65536,
+def plan(t, lam, slo, *, b_short, gammas, w=0.008, h=0.00065, h_ref=None,
+         kv_bytes=40 * 2**30, per_token=40 * 1024, long_context=65536,
          rho_max=0.85):  # fmt: skip
-    """Returns (homogeneous GPUs, {(b, gamma): (n_short, n_long)}) for p_c = 1."""
-    t = Trace(inputs, outputs, c_chunk)
+    """The paper model over trace ``t``: (homogeneous GPUs, {(b, gamma): (n_short,
+    n_long)}) for p_c = 1."""
     n_long = slots(kv_bytes, per_token, long_context)
     s_all, e_all = 0, t.n
     homo, _ = size_pool(lam, t.service(s_all, e_all, n_long, w, h, h_ref), n_long, rho_max, slo)
@@ -158,7 +173,7 @@ def mix(t, s, e):
     cnt = e - s
     if cnt == 0:
         return None
-    d = [t.sums[e][j] - t.sums[s][j] for j in range(7)]
+    d = t.diff(s, e)
     return (cnt, d[0] / cnt, d[2] / cnt, d[1] / cnt, d[5] / cnt, d[6] / cnt)
 
 
@@ -169,14 +184,14 @@ def merge(a, b):
     return (w, *((a[0] * x + b[0] * y) / w for x, y in zip(a[1:], b[1:])))
 
 
-def compressed(t, s, e, b, c_chunk):
+def compressed(t, s, e, b):
     """The band's requests cut to L_total = b, L_out at its mean."""
     cnt = e - s
     if cnt == 0:
         return None
-    out = max((t.tokens[e] - t.tokens[s]) / cnt - (t.sums[e][5] - t.sums[s][5]) / cnt, 0.0)
+    out = max(t.token_sum(s, e) / cnt - t.diff(s, e)[5] / cnt, 0.0)
     p = max(b - out, 1.0)
-    k = math.ceil(p / c_chunk) + out
+    k = math.ceil(p / t.c_chunk) + out
     return (cnt, k, k * k, k * b, p, p * p)
 
 
@@ -187,8 +202,7 @@ def engine_load(t, m, s, e, quantile=0.99):
     _, k, k2, kl, p, p2 = m
     a = max(k - 1, 0.0)
     cs2 = max((k2 - k * k) / (a * a), 0.0) if a > 0 else 0.0
-    ch = sorted(t.chunks[s:e])
-    q = ch[max(0, math.ceil((1 + quantile) / 2 * (e - s)) - 1)]
+    q = t.chunk_rank(s, e, max(0, math.ceil((1 + quantile) / 2 * (e - s)) - 1))
     return a, cs2, p, p2, kl, q
 
 
@@ -261,11 +275,11 @@ def size_engine(lam, load, n_slots, ctx, w, h, c, slo, tpot, hint):
     )
 
 
-def plan_engine(inputs, outputs, lam, slo, tpot, *, b_short, gammas, w=0.008, h=0.00065,
-                c_chunk=512, kv_bytes=40 * 2**30, per_token=40 * 1024,
-                long_context=65536):  # fmt: skip
-    """The engine model: (homogeneous GPUs, {(b, gamma): (n_short, n_long)}), p_c = 1."""
-    t = Trace(inputs, outputs, c_chunk)
+def plan_engine(t, lam, slo, tpot, *, b_short, gammas, w=0.008, h=0.00065,
+                kv_bytes=40 * 2**30, per_token=40 * 1024, long_context=65536):  # fmt: skip
+    """The engine model over trace ``t``: (homogeneous GPUs, {(b, gamma): (n_short,
+    n_long)}), p_c = 1."""
+    c_chunk = t.c_chunk
     n_long = slots(kv_bytes, per_token, long_context)
     homo = size_engine(lam, engine_load(t, mix(t, 0, t.n), 0, t.n), n_long, long_context, w, h,
                        c_chunk, slo, tpot, None)  # fmt: skip
@@ -280,7 +294,7 @@ def plan_engine(inputs, outputs, lam, slo, tpot, *, b_short, gammas, w=0.008, h=
             _, band_end = t.span(b, math.floor(g * b))
             alpha_p = band_end / t.n
             if last is None or last[0] != alpha_p:
-                m = merge(short_mix, compressed(t, e, band_end, b, c_chunk))
+                m = merge(short_mix, compressed(t, e, band_end, b))
                 ns = size_engine(alpha_p * lam, engine_load(t, m, s, e), n_short, b, w, h, c_chunk,
                                  slo, tpot, short_hint)  # fmt: skip
                 short_hint = ns or short_hint

@@ -1,13 +1,14 @@
 """The engines' metrics, scraped in plain Python: what a Python endpoint
 picker would do (aiohttp client, the same line filter, prometheus_client's
 parser), beside routecore's Rust scraper. Also the bench's page server: a
-separate process answering every ``GET`` with the same full vLLM-sized page
-(as an engine that ignores the ``name[]`` filter would)."""
+separate process answering every ``GET`` with the same full page (vLLM 0.32's,
+which ignores the ``name[]`` filter)."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,58 +19,6 @@ READ = (
     "vllm:gpu_cache_usage_perc",
     "vllm:lora_requests_info",
 )
-HISTOGRAMS = (
-    "time_to_first_token_seconds",
-    "inter_token_latency_seconds",
-    "e2e_request_latency_seconds",
-    "request_queue_time_seconds",
-    "request_inference_time_seconds",
-    "request_prefill_time_seconds",
-    "request_decode_time_seconds",
-    "request_prompt_tokens",
-    "request_generation_tokens",
-    "request_params_max_tokens",
-    "request_params_n",
-    "request_max_num_generation_tokens",
-    "iteration_tokens_total",
-    "time_per_output_token_seconds",
-)
-BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5)
-BUCKETS += (10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-
-
-def vllm_page() -> bytes:
-    """A metrics page the size and shape of a real vLLM one (~45 KB)."""
-    labels = 'engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"'
-    out = []
-    for name, kind, value in (
-        ("num_requests_running", "gauge", 3),
-        ("num_requests_waiting", "gauge", 1),
-        ("kv_cache_usage_perc", "gauge", 0.42),
-        ("prompt_tokens_total", "counter", 123456),
-        ("generation_tokens_total", "counter", 654321),
-        ("num_preemptions_total", "counter", 0),
-        ("prefix_cache_queries_total", "counter", 99999),
-        ("prefix_cache_hits_total", "counter", 55555),
-    ):
-        out += [f"# HELP vllm:{name} {name}.", f"# TYPE vllm:{name} {kind}"]
-        out.append(f"vllm:{name}{{{labels}}} {value}")
-    out += ["# HELP vllm:lora_requests_info Running stats on lora requests."]
-    out += ["# TYPE vllm:lora_requests_info gauge"]
-    out.append(
-        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql-lora,chat-lora",'
-        'waiting_lora_adapters=""} 1.7e+09'
-    )
-    for h in HISTOGRAMS:
-        out += [f"# HELP vllm:{h} Histogram of {h}.", f"# TYPE vllm:{h} histogram"]
-        for lab in (labels,):
-            for i, le in enumerate(BUCKETS):
-                out.append(f'vllm:{h}_bucket{{{lab},le="{le}"}} {i * 7}.0')
-            out.append(f'vllm:{h}_bucket{{{lab},le="+Inf"}} 200.0')
-            out += [f"vllm:{h}_count{{{lab}}} 200.0", f"vllm:{h}_sum{{{lab}}} 123.4"]
-    for i in range(40):  # the process / python collectors' lines
-        out.append(f'python_gc_objects_collected_total{{generation="{i % 3}"}} {i}.0')
-    return ("\n".join(out) + "\n").encode()
 
 
 def wanted(line: str) -> bool:
@@ -126,9 +75,11 @@ class PageServer(asyncio.Protocol):
             self.transport.write(self.response)
 
 
-async def serve_pages(n: int) -> None:
-    page = vllm_page()
-    head = f"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {len(page)}\r\n\r\n"
+async def serve_pages(n: int, page: bytes) -> None:
+    head = (
+        "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=1.0.0; charset=utf-8\r\n"
+        f"content-length: {len(page)}\r\n\r\n"
+    )
     PageServer.response = head.encode() + page
     loop = asyncio.get_running_loop()
     servers = [await loop.create_server(PageServer, "127.0.0.1", 0) for _ in range(n)]
@@ -138,4 +89,5 @@ async def serve_pages(n: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(serve_pages(int(sys.argv[1])))
+    # python -m routecore._baselines.scrape N PAGE_FILE
+    asyncio.run(serve_pages(int(sys.argv[1]), Path(sys.argv[2]).read_bytes()))

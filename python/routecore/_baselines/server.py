@@ -19,10 +19,14 @@ from google.protobuf import struct_pb2
 
 from routecore._baselines.budget import TokenBudgetRouter
 
+#: The tenant's key header, removed before the request leaves for an engine.
+KEY_HEADER = "x-api-key"
+
 
 def header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
     )
 
 
@@ -31,7 +35,8 @@ def routing_mutation(pool: str, endpoint: str) -> pb.HeaderMutation:
         set_headers=[
             header("x-gateway-destination-endpoint", endpoint),
             header("x-routecore-pool", pool),
-        ]
+        ],
+        remove_headers=[KEY_HEADER],
     )
 
 
@@ -56,11 +61,16 @@ class Processor:
             kind = req.WhichOneof("request")
             if kind == "request_headers":
                 key = next(
-                    h.raw_value for h in req.request_headers.headers.headers if h.key == "x-api-key"
+                    h.raw_value for h in req.request_headers.headers.headers if h.key == KEY_HEADER
                 )
                 digest = hashlib.sha256(key).digest()
                 assert any(hmac.compare_digest(digest, d) for d in self.keys)
-                out.append(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+                strip = pb.CommonResponse(
+                    header_mutation=pb.HeaderMutation(remove_headers=[KEY_HEADER])
+                )
+                out.append(
+                    pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=strip))
+                )
             elif kind == "request_body":
                 body = json.loads(req.request_body.body)
                 text = "".join(m["content"] for m in body["messages"])

@@ -1,5 +1,6 @@
-"""``routecore bench``: per-call cost of each hot path on this machine, beside a
-plain-Python version of the same call."""
+"""``routecore bench``: per-call cost of each hot path on this machine, beside
+its Python twin: the fastest way a Python user would compute the same answer
+(NumPy where it vectorises, the same algorithm as routecore otherwise)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ NAME = "bench"
 HELP = (
     "Time each hot path of the installed routecore (route, route_many, block_hashes, "
     "prefix pick, VTC, admission admit + complete, assign, erlang_c, one ext_proc "
-    "conversation in process) beside a plain-Python version of the same call on the same "
-    "input: min and median per call and the ratio plain Python / routecore (above 1: "
+    "conversation in process) beside its Python twin on the same input (NumPy where it "
+    "vectorises, the same algorithm as routecore otherwise, checked to give the same "
+    "answers): min and median per call and the ratio twin / routecore (above 1: "
     "routecore is faster). About 20 s by default."
 )
 #: One timing sample lasts at least this long (many calls of a fast path).
@@ -61,7 +63,7 @@ def time_call(call, seconds: float) -> tuple[float, float]:
 
 
 def measure(names: list[str] | None, seconds: float) -> list[dict[str, Any]]:
-    """One result per case: routecore's and plain Python's min / median ns per call."""
+    """One result per case: routecore's and the Python twin's min / median ns per call."""
     from routecore._baselines.cases import CASES
 
     results = []
@@ -97,15 +99,14 @@ def _ns(x: float) -> str:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     head = (
-        f"{'case':<22} {'routecore min / median':>24} {'plain Python min / median':>27} "
-        f"{'ratio':>8}"
+        f"{'case':<22} {'routecore min / median':>24} {'Python twin min / median':>27} {'ratio':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         rc = f"{_ns(r['routecore_min_ns'])} / {_ns(r['routecore_ns'])}"
         py = f"{_ns(r['python_min_ns'])} / {_ns(r['python_ns'])}"
         lines.append(f"{r['name']:<22} {rc:>24} {py:>27} {r['ratio']:>7.1f}x")
-    lines.append("ratio: plain-Python median / routecore median (above 1: routecore is faster)")
+    lines.append("ratio: Python-twin median / routecore median (above 1: routecore is faster)")
     return "\n".join(lines)
 
 

@@ -209,11 +209,13 @@ def converse(args: argparse.Namespace) -> dict[str, Any]:
                 raise OSError(f"no answer from {args.target} within {args.timeout:g} s") from None
         immediate = conv.immediate
         routing = conv.routing_headers
+        endpoints = conv.endpoints
         return {
             "target": args.target,
             "routed": bool(routing),
             "http_status": immediate.status.code if immediate is not None else None,
-            "endpoint": routing.get("x-gateway-destination-endpoint"),
+            "endpoint": endpoints[0] if endpoints else None,
+            "fallbacks": endpoints[1:],
             "pool": routing.get("x-routecore-pool"),
             "added_ms": conv.added_s * 1e3,
             "answers": conv.envoy_view(),
@@ -241,7 +243,8 @@ def format_conversation(result: dict[str, Any]) -> str:
         if "dynamic_metadata" in a:
             lines.append(f"  dynamic metadata: {json.dumps(a['dynamic_metadata'])}")
     if result["routed"]:
-        outcome = f"routed to {result['endpoint']} (pool {result['pool']})"
+        fallbacks = ", ".join(result["fallbacks"]) or "none"
+        outcome = f"routed to {result['endpoint']} (pool {result['pool']}; fallbacks {fallbacks})"
     elif result["http_status"] is not None:
         outcome = f"refused: HTTP {result['http_status']}"
     else:

@@ -9,11 +9,13 @@ from pathlib import Path
 NAME = "init-config"
 HELP = (
     "Write a working routecore.yaml (two pools on 127.0.0.1, tenant 'demo' with key "
-    "'demo-key') and the matching envoy.yaml into DIR, ready for "
+    "'demo-key') and the matching envoy.yaml (Envoy 1.40) into DIR, ready for "
     "`routecore serve --config DIR/routecore.yaml`. Refuses to overwrite without --force."
 )
 #: The files written, shipped in the wheel (the same bytes as examples/ in the repository).
 FILES = ("routecore.yaml", "envoy.yaml")
+#: The shipped files, the fail-open Envoy configuration included (written as envoy.yaml).
+SHIPPED = (*FILES, "envoy-fail-open.yaml")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,10 +34,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "true when they run). Default: the endpoints' metrics are scraped, and endpoints "
         "nothing answers at are never chosen",
     )
+    p.add_argument(
+        "--fail-open",
+        action="store_true",
+        help="write the fail-open Envoy configuration as envoy.yaml: when routecore cannot be "
+        "reached, Envoy sends the request to the engines round robin (no key check, no "
+        "admission) instead of failing it with HTTP 500; routecore gets request bodies "
+        "BUFFERED. Default: fail closed",
+    )
 
 
 def example(name: str) -> bytes:
-    """The shipped example file ``name`` (one of ``FILES``)."""
+    """The shipped example file ``name`` (one of ``SHIPPED``)."""
     return resources.files("routecore").joinpath("data/examples", name).read_bytes()
 
 
@@ -43,10 +53,13 @@ def example(name: str) -> bytes:
 NO_SCRAPE = b"  enabled: false        # no engines yet: every endpoint counts as healthy\n"
 
 
-def config_file(name: str, scrape: bool) -> bytes:
-    """The file ``name`` to write: the example, with scraping off unless ``scrape``."""
+def config_file(name: str, scrape: bool, fail_open: bool = False) -> bytes:
+    """The file ``name`` to write: the example, with scraping off unless
+    ``scrape``; envoy.yaml is the fail-open one when ``fail_open``."""
+    if name == "envoy.yaml":
+        return example("envoy-fail-open.yaml" if fail_open else name)
     data = example(name)
-    if scrape or name != "routecore.yaml":
+    if scrape:
         return data
     head, sep, tail = data.partition(b"\nscrape:\n")
     if not sep:
@@ -62,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(existing)} already exist(s): pass --force to overwrite")
     out.mkdir(parents=True, exist_ok=True)
     for name, target in zip(FILES, targets):
-        target.write_bytes(config_file(name, scrape=not args.no_scrape))
+        target.write_bytes(config_file(name, scrape=not args.no_scrape, fail_open=args.fail_open))
         print(f"wrote {target}")
     print(f"next: routecore serve --config {targets[0]}")
     return 0

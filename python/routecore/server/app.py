@@ -5,8 +5,8 @@ Envoy's ext_proc, ``grpc.health.v1`` and the Prometheus metrics are served by
 and validates the configuration, starts the data plane, serves the RouteCore
 API (grpcio, on its own port, over the same Rust state), owns the signals
 (SIGHUP: validate, then swap the configuration atomically; SIGTERM: drain
-within the grace period) and the state file, and writes the control plane's
-log events.
+until the last open stream ends, within the grace period) and the state
+file, and writes the control plane's log events.
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ class Server:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        routecore_pb2_grpc.add_RouteCoreServicer_to_server(RouteCoreService(self.plane), self._api)
+        routecore_pb2_grpc.add_RouteCoreServicer_to_server(
+            RouteCoreService(self.plane, s.key_header), self._api
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._api)
         address = f"{s.host}:{self.api_port}"
         try:
@@ -157,8 +159,13 @@ class Server:
         return True
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stops taking new streams and gives open ones ``grace`` seconds to finish."""
-        grace = self.config.server.grace_s if grace is None else grace
+        """Stops taking new streams and gives open ones ``grace`` seconds to finish
+        (None: ``server.grace_s``; that left out, until the last one ends, at most
+        ``limits.request_timeout_s``)."""
+        if grace is None:
+            grace = self.config.server.grace_s
+        if grace is None:
+            grace = self.config.limits.request_timeout_s
         await self.health.enter_graceful_shutdown()
         plane = self.plane
         stops = [self._api.stop(grace)] if self._api is not None else []

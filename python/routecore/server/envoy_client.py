@@ -140,6 +140,13 @@ class Conversation:
             return {}
         return header_map(getattr(r, r.WhichOneof("response")).response.header_mutation)
 
+    @property
+    def endpoints(self) -> list[str]:
+        """The endpoints routed to, in order: the chosen one, then its fallbacks
+        (``x-gateway-destination-endpoint``; empty when not routed)."""
+        listed = self.routing_headers.get("x-gateway-destination-endpoint", "")
+        return listed.split(",") if listed else []
+
 
 async def buffered(
     stub: pb_grpc.ExternalProcessorStub,

@@ -2,19 +2,28 @@
 
 A thin wrapper over the Rust data plane (:class:`routecore.DataPlane`): Route
 and Feedback use the same calibrator, leases and admission as Envoy's
-ext_proc, and Route goes through the same front door (the key, the body
+ext_proc, and every call goes through the same front door (the key, the body
 limit, ``server.failure_mode``, the decision's timing; ``rust/serve/front.rs``):
-this module only translates messages. Refusals that are decisions (unknown or
-expired key, no endpoint, admission, a failure under ``failure_mode: closed``)
-come back in ``RouteResponse.admission`` with the HTTP status a gateway would
-answer; requests that are bad themselves (the refusal's ``bad_request``:
-malformed body, bad fields, too long for every pool, over
-``limits.max_body_bytes``) are ``INVALID_ARGUMENT``, and a Feedback for an
-unknown request id is ``NOT_FOUND``; a Feedback whose usage cannot be real
-still ends the request (the usage is ignored and counted). Any other
-unexpected failure is ``INTERNAL`` with no detail. ``Plan`` runs the FleetOpt
-planner (``routecore.plan``) off the event loop; bad, too deep or
-out-of-range parameters are ``INVALID_ARGUMENT``.
+this module only translates messages.
+
+Every call authenticates as Envoy's requests do: the tenant's API key in the
+call's metadata under ``server.key_header`` (``x-api-key``), or in the
+message's ``api_key`` field (Route, Feedback). A Feedback ends only a request
+its caller's tenant routed through Route (never an Envoy stream's), by an id
+of at most 64 bytes that is never echoed. Refusals of Route that are
+decisions (unknown or expired key, no endpoint, admission, a failure under
+``failure_mode: closed``) come back in ``RouteResponse.admission`` with the
+HTTP status a gateway would answer; requests that are bad themselves (the
+refusal's ``bad_request``: malformed body, bad fields, too long for every
+pool, over ``limits.max_body_bytes``, an id too long) are
+``INVALID_ARGUMENT``. Feedback and Plan answer a refused key with
+``UNAUTHENTICATED`` (401) or ``PERMISSION_DENIED`` (403 expired), and a
+Feedback for a request that is not its caller's in flight with
+``NOT_FOUND``; a Feedback whose usage cannot be real still ends the request
+(the usage is ignored and counted). Any other unexpected failure is
+``INTERNAL`` with no detail. ``Plan`` runs the FleetOpt planner
+(``routecore.plan``) off the event loop; bad, too deep or out-of-range
+parameters are ``INVALID_ARGUMENT``.
 """
 
 from __future__ import annotations
@@ -36,6 +45,14 @@ from routecore.server.logs import log
 #: The longest ``params_json`` a Plan request may carry.
 MAX_PARAMS_JSON = 1 << 20
 
+#: The gRPC status of a refusal by its HTTP status (Feedback, Plan).
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+}
+
 
 def guarded(method):
     """An unexpected exception in ``method`` ends the RPC with INTERNAL and no
@@ -55,12 +72,26 @@ def guarded(method):
 
 
 class RouteCoreService(pb_grpc.RouteCoreServicer):
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, key_header: str = "x-api-key") -> None:
         self.plane = plane
+        self.key_header = key_header
+
+    def api_key(self, context: grpc.aio.ServicerContext, field: str = "") -> bytes:
+        """The caller's API key: the metadata's key header, else ``field``
+        (b"" when neither: a call without a key)."""
+        for name, value in context.invocation_metadata() or ():
+            if name == self.key_header:
+                return value if isinstance(value, bytes) else value.encode()
+        return field.encode()
+
+    async def refuse(self, context: grpc.aio.ServicerContext, refusal: dict) -> None:
+        """Ends the call with the refusal's gRPC status and message."""
+        code = STATUS_CODES.get(refusal["status"], grpc.StatusCode.INTERNAL)
+        await context.abort(code, refusal["message"])
 
     @guarded
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        key = request.api_key.encode()
+        key = self.api_key(context, request.api_key)
         kind = request.WhichOneof("request")
         if kind == "body":
             outcome = await asyncio.to_thread(
@@ -106,17 +137,21 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
 
     @guarded
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        done = self.plane.finish(
-            request.request_id, request.prompt_tokens or None, request.completion_tokens or None
+        done = self.plane.feedback(
+            request.request_id,
+            self.api_key(context, request.api_key),
+            request.prompt_tokens or None,
+            request.completion_tokens or None,
         )
-        if not done:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"no request in flight with id {request.request_id!r}"
-            )
+        if not done["done"]:
+            await self.refuse(context, done)
         return pb.FeedbackResponse()
 
     @guarded
     async def Plan(self, request: pb.PlanRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        caller = self.plane.authenticate(self.api_key(context))
+        if not caller["authenticated"]:
+            await self.refuse(context, caller)
         if len(request.params_json) > MAX_PARAMS_JSON:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

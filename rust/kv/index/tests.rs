@@ -233,6 +233,66 @@ fn an_unrecovered_gap_clears_the_endpoint() {
 }
 
 #[test]
+fn an_endpoint_that_follows_nothing_takes_any_batch_first() {
+    let kv = index(100, None);
+    assert!(
+        kv.expects("e", 5000).expect("e"),
+        "a fresh endpoint starts anywhere"
+    );
+    kv.apply("e", 5000, &[Ok(stored(&[1], None, &[1, 2]))], 0.0)
+        .expect("a");
+    assert!(!kv.expects("e", 5000).expect("e"));
+    assert!(!kv.expects("e", 5002).expect("e"));
+    assert!(kv.expects("e", 5001).expect("e"));
+    // A restart seen by replay: cleared, and again any batch is first.
+    kv.restarted("e").expect("e");
+    let s = kv.stats("e").expect("e");
+    assert_eq!((s.blocks, s.last_seq, s.restarts), (0, None, 1));
+    assert!(kv.expects("e", 7).expect("e"));
+}
+
+#[test]
+fn a_batch_that_cannot_be_read_consumes_its_number_and_clears() {
+    let kv = index(100, None);
+    feed(&kv, vec![stored(&[1], None, &[1, 2])]);
+    assert_eq!(kv.observe("e", 1).expect("e"), Seq::Next);
+    kv.refused("e", 1, 0.0).expect("e");
+    let s = kv.stats("e").expect("e");
+    assert_eq!((s.blocks, s.last_seq, s.garbage), (0, Some(1), 1));
+    assert_eq!(kv.observe("e", 2).expect("e"), Seq::Next, "no gap");
+}
+
+#[test]
+fn a_batch_larger_than_the_capacity_keeps_its_newest_blocks() {
+    let kv = index(16, None);
+    let events: Vec<_> = (0..1000u32)
+        .map(|i| Ok(stored(&[u64::from(i)], None, &[i, i])))
+        .collect();
+    assert_eq!(kv.observe("e", 0).expect("e"), Seq::Next);
+    let applied = kv.apply("e", 0, &events, 0.0).expect("a");
+    assert_eq!(applied.events, 1000);
+    let s = kv.stats("e").expect("e");
+    assert!(s.blocks <= 16 && s.blocks + s.evicted == 1000, "{s:?}");
+    assert_eq!(leading(&kv, &[999, 999]), Some(1));
+}
+
+#[test]
+fn an_idle_endpoint_that_answers_stays_live() {
+    let kv = index(100, Some(1.0));
+    feed(&kv, vec![stored(&[1], None, &[1, 2])]);
+    // Heard from (a replay answered, nothing missed) though no event came.
+    for t in 1..10 {
+        assert!(!kv.heard("e", f64::from(t) * 0.9).expect("e"));
+        assert!(!kv.check_stale("e", f64::from(t) * 0.9 + 0.5).expect("e"));
+    }
+    assert_eq!(leading(&kv, &[1, 2]), Some(1));
+    assert!(kv.check_stale("e", 20.0).expect("e"), "no answer: stale");
+    assert!(kv.heard("e", 20.5).expect("e"), "an answer revives it");
+    assert_eq!(leading(&kv, &[1, 2]), Some(1));
+    assert!(kv.heard("nope", 0.0).is_err());
+}
+
+#[test]
 fn a_stale_or_disconnected_endpoint_answers_none_for_the_fallback() {
     let kv = index(100, Some(1.0));
     feed(&kv, vec![stored(&[1], None, &[1, 2])]);

@@ -69,16 +69,18 @@ class RouteResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., pool: _Optional[str] = ..., endpoint: _Optional[str] = ..., est_input_tokens: _Optional[int] = ..., est_output_tokens: _Optional[int] = ..., est_total_tokens: _Optional[int] = ..., spilled: _Optional[bool] = ..., reason: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ..., compress_target_tokens: _Optional[int] = ..., compressed_body: _Optional[bytes] = ...) -> None: ...
 
 class FeedbackRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "completion_tokens", "latency_s")
+    __slots__ = ("request_id", "prompt_tokens", "completion_tokens", "latency_s", "api_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     completion_tokens: int
     latency_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., latency_s: _Optional[float] = ...) -> None: ...
+    api_key: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., latency_s: _Optional[float] = ..., api_key: _Optional[str] = ...) -> None: ...
 
 class FeedbackResponse(_message.Message):
     __slots__ = ()

@@ -26,7 +26,12 @@ if _version_not_supported:
 
 
 class RouteCoreStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every call authenticates as Envoy's requests do: the tenant's API key in the
+    call's metadata under the server's key header (x-api-key by default), or in
+    the message's api_key field (Route, Feedback). A refused key is
+    UNAUTHENTICATED (PERMISSION_DENIED once expired) for Feedback and Plan, and
+    admission.status 401 / 403 for Route.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +57,12 @@ class RouteCoreStub:
 
 
 class RouteCoreServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every call authenticates as Envoy's requests do: the tenant's API key in the
+    call's metadata under the server's key header (x-api-key by default), or in
+    the message's api_key field (Route, Feedback). A refused key is
+    UNAUTHENTICATED (PERMISSION_DENIED once expired) for Feedback and Plan, and
+    admission.status 401 / 403 for Route.
+    """
 
     def Route(self, request, context):
         """Routes one request: token-budget pool, endpoint inside the pool,
@@ -65,6 +75,8 @@ class RouteCoreServicer:
 
     def Feedback(self, request, context):
         """Usage after the response: feeds the calibrator and releases the request.
+        Only the tenant that routed it may (NOT_FOUND otherwise, as for an id
+        that is not in flight).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,7 +116,12 @@ def add_RouteCoreServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RouteCore:
-    """Missing associated documentation comment in .proto file."""
+    """Every call authenticates as Envoy's requests do: the tenant's API key in the
+    call's metadata under the server's key header (x-api-key by default), or in
+    the message's api_key field (Route, Feedback). A refused key is
+    UNAUTHENTICATED (PERMISSION_DENIED once expired) for Feedback and Plan, and
+    admission.status 401 / 403 for Route.
+    """
 
     @staticmethod
     def Route(request,
