@@ -589,16 +589,22 @@ pub(super) fn engine_eval(
     Ok(eval)
 }
 
+/// The most GPUs a pool is searched to (2^50): a pool that needs more, one
+/// whose SLO is met only as the iteration time tends to `W`, is reported
+/// infeasible.
+pub const MAX_GPUS: u64 = 1 << 50;
+
 /// The smallest `n > bad` with `ok(n)`, for `ok` monotone in `n` (false
-/// up to some count, true from it on) and `ok(n)` true for some finite `n`:
-/// galloping from `start` (steps 1, 2, 4, ... down while it holds, up while
-/// it fails) until the answer is bracketed, then bisection. A good `start`
-/// (the neighbouring candidate's count) costs a handful of evaluations.
+/// up to some count, true from it on): galloping from `start` (steps 1, 2,
+/// 4, ... down while it holds, up while it fails) until the answer is
+/// bracketed, then bisection; None when no `n` below [`MAX_GPUS`] holds. A
+/// good `start` (the neighbouring candidate's count) costs a handful of
+/// evaluations.
 pub(super) fn smallest_ok(
     mut bad: u64,
     start: u64,
     mut ok: impl FnMut(u64) -> Result<bool>,
-) -> Result<u64> {
+) -> Result<Option<u64>> {
     let mut hi = start.max(bad + 1);
     let mut step = 1u64;
     if ok(hi)? {
@@ -615,10 +621,10 @@ pub(super) fn smallest_ok(
     } else {
         bad = hi;
         loop {
-            hi = bad
-                .checked_add(step)
-                .filter(|&h| h < 1 << 50)
-                .ok_or_else(|| invalid("fleet size overflows"))?;
+            match bad.checked_add(step).filter(|&h| h < MAX_GPUS) {
+                Some(h) => hi = h,
+                None => return Ok(None),
+            }
             if ok(hi)? {
                 break;
             }
@@ -634,7 +640,7 @@ pub(super) fn smallest_ok(
             bad = mid;
         }
     }
-    Ok(hi)
+    Ok(Some(hi))
 }
 
 /// Sizes one pool under the engine model: the smallest GPU count meeting
@@ -703,13 +709,16 @@ pub(super) fn size_engine_pool(
         seen.push((n, e));
         Ok(e)
     };
-    let n = match never {
-        Some(_) => bad + 1,
+    let found = match never {
+        Some(_) => None,
         None => smallest_ok(bad, hint.unwrap_or(bad + 1), |n| {
             Ok(eval(n, chunks)?.fails.is_none())
         })?,
     };
+    let n = found.unwrap_or(bad + 1);
     let e = eval(n, chunks)?;
+    // No count below MAX_GPUS meets the SLO: what fails at the stability bound.
+    let never = never.or_else(|| found.is_none().then(|| e.fails.unwrap_or(Binding::Prefill)));
     pool.gpus = n;
     pool.utilization = e.state.utilization;
     pool.occupancy = e.state.occupancy;
@@ -749,11 +758,20 @@ mod tests {
                         Ok(n >= threshold)
                     })
                     .expect("ok");
-                    assert_eq!(n, threshold, "bad {bad} start {start}");
+                    assert_eq!(n, Some(threshold), "bad {bad} start {start}");
                     assert!(calls <= 20, "{calls} evaluations");
                 }
             }
         }
+        // Never true below MAX_GPUS: None after about 50 doublings, not an error.
+        let mut calls = 0;
+        let n = smallest_ok(3, 10, |n| {
+            calls += 1;
+            Ok(n >= MAX_GPUS)
+        })
+        .expect("ok");
+        assert_eq!(n, None);
+        assert!(calls <= 52, "{calls} evaluations");
     }
 
     /// With exponential prompts (`E[X^2] = 2 E[X]^2`) mean-value analysis is
