@@ -24,6 +24,7 @@ from routecore.commands import (
     init_config,
     pick_eval,
     plan,
+    plan_fidelity,
     route,
     simulate,
 )
@@ -43,6 +44,8 @@ COMMANDS.append(serve_command)
 COMMANDS.append(client)
 COMMANDS.append(init_config)
 COMMANDS.append(bench)
+# The planner's fidelity grid (issue 27).
+COMMANDS.append(plan_fidelity)
 
 
 class UsageError(Exception):
