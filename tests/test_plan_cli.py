@@ -210,3 +210,58 @@ def test_verify_reports_planned_and_verified(capsys):
         saved = 1 - fleets[name]["gpus"] / homo
         assert fleets[name]["savings_vs_homogeneous"] == pytest.approx(saved, abs=1e-12)
         assert fleets[name]["gpus"] != homo
+
+
+def test_plan_fidelity_runs_a_scenario_with_progress(capsys):
+    """One small scenario: per pool, planned beside the simulated minimum
+    (which meets the SLO, one GPU fewer does not: simulate's bisection), a
+    progress line per scenario on stderr, the rows as strict JSON."""
+    args = ["plan-fidelity", "--workload", "azure-code", "--rate", "100", "--slo-ttft", "2",
+            "--fleet", "homogeneous", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("[1/1] azure-code 100 req/s TTFT 2 s (") and err.count("\n") == 1
+    data = json.loads(out)
+    (row,) = data["rows"]
+    assert (row["workload"], row["fleet"], row["pool"], row["requests"]) == (
+        "azure-code", "homogeneous", "homogeneous", 20_000
+    )  # fmt: skip
+    assert row["within"] == (abs(row["planned"] - row["simulated"]) <= 1)
+    assert data["summary"].startswith(f"{int(row['within'])} of 1 pools within 3% or 1 GPU")
+    assert data["skipped"] == []
+
+
+def test_plan_fidelity_skips_what_the_simulator_cannot_run(monkeypatch, capsys):
+    from routecore.commands import plan_fidelity
+
+    def too_big(workload, rate, *a, **k):
+        raise ValueError('pool "homogeneous": endpoints must be in [1, 4096], got 5332')
+
+    monkeypatch.setattr(plan_fidelity, "fidelity_scenario", too_big)
+    args = ["plan-fidelity", "--workload", "agent-heavy", "--rate", "1000", "--slo-ttft", "0.5"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "skipped: agent-heavy 1000 req/s TTFT 0.5 s: pool" in err
+    assert out.endswith("skipped: agent-heavy 1000 req/s TTFT 0.5 s: pool \"homogeneous\": "
+                        "endpoints must be in [1, 4096], got 5332\n")  # fmt: skip
+
+
+def test_fidelity_summary_and_table_by_hand():
+    from routecore.planning import FidelityRow, fidelity_markdown, fidelity_summary
+
+    rows = [
+        FidelityRow("w", 1000.0, 1.0, "p", "pool-routing", "short", "compute", 110, 100, 9),
+        FidelityRow("w", 1000.0, 1.0, "p", "pool-routing", "long", "prefill", 9, 10, 9),
+        FidelityRow("w", 1000.0, 1.0, "p", "homogeneous", "homogeneous", "slot", 203, 200, 9),
+    ]
+    # tolerance max(1, floor(3%)): 3, 1 and 6 GPUs
+    assert [r.within for r in rows] == [False, True, True]
+    assert fidelity_summary(rows) == (
+        "2 of 3 pools within 3% or 1 GPU of the simulated minimum; median absolute error "
+        "10.0%; largest over +10 (w, 1000 req/s, 1 s, pool-routing short), largest under "
+        "-1 (w, 1000 req/s, 1 s, pool-routing long)"
+    )
+    table = fidelity_markdown(rows).splitlines()
+    assert table[2] == (
+        "| w | 1,000 | 1 s | p | pool-routing | short | compute | 110 | 100 | +10 (+10.0%) | no |"
+    )

@@ -108,20 +108,27 @@ def run(args: argparse.Namespace) -> int:
         for s in args.slo_ttft or FIDELITY_SLOS
     ]
     rows: list[FidelityRow] = []
+    skipped: list[str] = []
     start = time.monotonic()
     for i, (workload, rate, slo) in enumerate(scenarios, 1):
         t0 = time.monotonic()
-        got = fidelity_scenario(
-            workload,
-            rate,
-            slo,
-            args.profile,
-            slo_tpot_s=args.slo_tpot,
-            seed=args.seed,
-            duration_s=args.duration,
-            max_requests=args.max_requests,
-            fleets=tuple(args.fleet or FIDELITY_FLEETS),
-        )
+        try:
+            got = fidelity_scenario(
+                workload,
+                rate,
+                slo,
+                args.profile,
+                slo_tpot_s=args.slo_tpot,
+                seed=args.seed,
+                duration_s=args.duration,
+                max_requests=args.max_requests,
+                fleets=tuple(args.fleet or FIDELITY_FLEETS),
+            )
+        except ValueError as e:
+            # A plan the simulator cannot run (a pool above its endpoint
+            # limit): the scenario is skipped and listed, the grid goes on.
+            got = []
+            skipped.append(f"{workload} {rate:g} req/s TTFT {slo:g} s: {e}")
         rows += got
         if not args.quiet:
             pools = ", ".join(
@@ -131,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"[{i}/{len(scenarios)}] {workload} {rate:g} req/s TTFT {slo:g} s "
                 f"({time.monotonic() - t0:.0f} s, {time.monotonic() - start:.0f} s in all): "
-                f"planned/simulated {pools}",
+                + (f"planned/simulated {pools}" if got else f"skipped: {skipped[-1]}"),
                 file=sys.stderr,
                 flush=True,
             )
@@ -141,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
                 {
                     "rows": [dataclasses.asdict(r) | {"within": r.within} for r in rows],
                     "summary": fidelity_summary(rows),
+                    "skipped": skipped,
                 }
             )
         )
@@ -148,4 +156,6 @@ def run(args: argparse.Namespace) -> int:
         print(fidelity_markdown(rows))
         print()
         print(fidelity_summary(rows))
+        for line in skipped:
+            print(f"skipped: {line}")
     return 0
