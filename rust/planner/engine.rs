@@ -147,30 +147,52 @@ struct Loop {
 /// service `x1` and second moment `x2` seconds and a decode delay `think`:
 /// the population where the throughput reaches `rate`, if at most
 /// `max_population`.
+///
+/// The recursion is walked without a division per step: with `X(k) = k /
+/// (D + R(k))`, `R(k + 1) = x1 + X(k) x1 (R(k) + c)` (`c = E[X^2] / (2 E[X]) -
+/// E[X]`) is a Moebius map of `R(k)`, so `R(k) = p / q` with `p' = x1 (1 + k)
+/// p + x1 (D + k c) q`, `q' = p + D q`, and `X(k) >= rate` reads `k q >= rate
+/// (D q + p)`. The figures at the crossing are divided out once.
 fn closed_loop(rate: f64, x1: f64, x2: f64, think: f64, max_population: u64) -> Option<Loop> {
-    let residual = x2 / (2.0 * x1);
-    let (mut q, mut u) = (0.0f64, 0.0f64);
-    // (throughput, time at the server, utilization) at k - 1.
-    let mut prev = (0.0f64, 0.0f64, 0.0f64);
+    let c = x2 / (2.0 * x1) - x1;
+    // R(1) = x1; (p, q) at k - 1 and k - 2 (q = 0: none, X = 0).
+    let (mut p, mut q) = (x1, 1.0f64);
+    let (mut prev, mut prev2) = ((0.0f64, 0.0f64), (0.0f64, 0.0f64));
+    let through = |(p, q): (f64, f64), k: f64| {
+        if q > 0.0 {
+            let r = p / q;
+            (k / (think + r), r)
+        } else {
+            (0.0, 0.0)
+        }
+    };
     for k in 1..=max_population {
-        let r = x1 + (q - u) * x1 + u * residual;
-        let x = k as f64 / (think + r);
-        if x >= rate {
+        let kf = k as f64;
+        if kf * q >= rate * (think * q + p) {
+            let (x, r) = through((p, q), kf);
+            let (xp, rp) = through(prev, kf - 1.0);
+            // U(k - 1) and U(k - 2): an arrival sees the loop without itself
+            // (the arrival theorem).
+            let (u, up) = (xp * x1, through(prev2, kf - 2.0).0 * x1);
             // Between k - 1 and k, the time at the server interpolated and the
             // population from Little's law at the rate.
-            let (xp, rp, up) = prev;
             let f = if x > xp { (rate - xp) / (x - xp) } else { 1.0 };
             let at = if k == 1 { r } else { rp + f * (r - rp) };
             return Some(Loop {
                 population: rate * (think + at),
                 wait: (at - x1).max(0.0),
-                // The arrival theorem: an arrival sees the loop without itself.
                 busy: up + f * (u - up),
             });
         }
-        prev = (x, r, u);
-        q = x * r;
-        u = x * x1;
+        prev2 = prev;
+        prev = (p, q);
+        (p, q) = (
+            x1 * (1.0 + kf) * p + x1 * (think + kf * c) * q,
+            p + think * q,
+        );
+        if !(1e-100..=1e100).contains(&q) {
+            (p, q) = (p / q, 1.0);
+        }
     }
     None
 }

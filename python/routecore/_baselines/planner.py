@@ -233,19 +233,31 @@ MAX_GPUS = 1 << 50
 
 def closed_loop(rate, x1, x2, think, max_population):
     """Mean-value analysis of one endpoint's prefill loop: (population, wait,
-    busy) where the throughput reaches ``rate``, or None."""
-    residual = x2 / (2 * x1)
-    q = u = 0.0
-    xp = rp = up = 0.0
+    busy) where the throughput reaches ``rate``, or None; R(k) = p / q walked
+    as routecore walks it (a Moebius map, no division per step)."""
+    c = x2 / (2 * x1) - x1
+    p, q = x1, 1.0
+    prev = prev2 = (0.0, 0.0)
+
+    def through(pq, k):
+        if pq[1] > 0:
+            r = pq[0] / pq[1]
+            return k / (think + r), r
+        return 0.0, 0.0
+
     for k in range(1, max_population + 1):
-        r = x1 + (q - u) * x1 + u * residual
-        x = k / (think + r)
-        if x >= rate:
+        kf = float(k)
+        if kf * q >= rate * (think * q + p):
+            x, r = through((p, q), kf)
+            xp, rp = through(prev, kf - 1)
+            u, up = xp * x1, through(prev2, kf - 2)[0] * x1
             f = (rate - xp) / (x - xp) if x > xp else 1.0
             at = r if k == 1 else rp + f * (r - rp)
             return rate * (think + at), max(at - x1, 0.0), up + f * (u - up)
-        xp, rp, up = x, r, u
-        q, u = x * r, x * x1
+        prev2, prev = prev, (p, q)
+        p, q = x1 * (1 + kf) * p + x1 * (think + kf * c) * q, p + think * q
+        if not 1e-100 <= q <= 1e100:
+            p, q = p / q, 1.0
     return None
 
 
