@@ -589,7 +589,7 @@ impl Ctx<'_> {
             .spans
             .iter()
             .filter(|(span, scale)| *scale > 0.0 && span.end > span.start)
-            .map(|&(span, _)| self.table.prefill_chunks_quantile(span, 0.0))
+            .map(|&(span, _)| self.table.prefill_chunks_min(span))
             .chain((sources.point.1 > 0.0).then_some(sources.point.0))
             .min()
             .unwrap_or(0);
@@ -617,6 +617,9 @@ impl Ctx<'_> {
             * HOURS_PER_YEAR
     }
 }
+
+/// A search's starting count: the last pool's `(gpus, arrival rate)`.
+type Hint = Option<(u64, f64)>;
 
 /// The moments the engine model needs of a mixture of requests: of
 /// `k = ceil(L_in / C) + L_out`, of `k L_total` and of `L_in`.
@@ -810,8 +813,18 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
 
     let (la0, la1) = profile.service_coefficients(ctx.long_slots);
     let mut sweep = Vec::with_capacity(b_list.len() * gammas.len());
-    // Neighbouring candidates need similar counts: each search starts there.
-    let (mut short_hint, mut long_hint) = (None, None);
+    // Neighbouring candidates need similar counts: each search starts at the
+    // last count scaled by the rate, `(gpus, rate)` kept (see `scaled`).
+    let (mut short_hint, mut long_hint): (Hint, Hint) = (None, None);
+    let scaled = |hint: Hint, rate: f64| {
+        hint.map(|(n, r)| {
+            if r > 0.0 {
+                (n as f64 * rate / r).round() as u64
+            } else {
+                n
+            }
+        })
+    };
     // With p_c = 1 the long pool is its tail alone: equal tails, equal pools.
     let mut long_cache: Option<(Span, f64, PoolPlan)> = None;
     for &b in &b_list {
@@ -894,8 +907,9 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                         sources.point = (chunks, weight);
                     }
                     let load = ctx.engine_load(mix, chunks_q);
-                    let p = ctx.size_engine(lam_s, &load, sources, b, n_short, short_hint)?;
-                    short_hint = Some(p.gpus);
+                    let hint = scaled(short_hint, lam_s);
+                    let p = ctx.size_engine(lam_s, &load, sources, b, n_short, hint)?;
+                    short_hint = Some((p.gpus, lam_s));
                     short_cache = Some((lam_s, p));
                     p
                 }
@@ -914,8 +928,9 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                         point: (0, 0.0),
                     };
                     let (context, slots) = (cfg.long_context, ctx.long_slots);
-                    let p = ctx.size_engine(lam_l, &load, sources, context, slots, long_hint)?;
-                    long_hint = Some(p.gpus);
+                    let hint = scaled(long_hint, lam_l);
+                    let p = ctx.size_engine(lam_l, &load, sources, context, slots, hint)?;
+                    long_hint = Some((p.gpus, lam_l));
                     if ctx.p_c.iter().all(|&pc| pc >= 1.0) {
                         long_cache = Some((tail, lam_l, p));
                     }
