@@ -629,7 +629,9 @@ def plot(result: dict[str, Any], reports: dict[str, SimReport], path: str) -> No
     util.set_xlabel("utilization")
     util.set_xlim(0, 1.25)
     util.set_xticks(np.arange(0, 1.01, 0.2))
-    util.legend(fontsize=8, loc="lower right")
+    # Under the axis, off the bars and their labels (any bar may reach the
+    # right side of the panel).
+    util.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=2)
     _plot.save(fig, path)
 
 
