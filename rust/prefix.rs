@@ -50,8 +50,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::endpoint::{check_endpoint_name, check_in_flight, set_in_flight, MAX_ENDPOINTS};
 use crate::error::{finite, invalid, non_negative, unknown, Error, Result};
-use crate::pick::endpoints::{check_endpoint_name, check_in_flight, set_in_flight, MAX_ENDPOINTS};
 use crate::pick::prefix::PrefixScorer;
 use crate::pick::{preset_specs, Counted, PickConfig, PickRequest, Pipeline, PluginSpec};
 use crate::snapshot::{restore, Reader, Writer};

@@ -41,8 +41,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use crate::budget::MAX_TOKENS;
+use crate::endpoint::set_in_flight;
 use crate::error::{finite, invalid, non_negative, positive, Error, Result};
-use crate::pick::endpoints::set_in_flight;
 use crate::pick::{preset_specs, Counted, PickConfig, PickRequest, Pipeline};
 use crate::snapshot::{restore, Reader, Writer};
 

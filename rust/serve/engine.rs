@@ -37,11 +37,10 @@ use crate::budget::{
 use crate::calibrate::Calibrator;
 use crate::classify::CATEGORIES;
 use crate::compress::Compressor;
+use crate::endpoint::EndpointState;
 use crate::error::{invalid, Error, Result};
 use crate::openai::{MediaTokens, ParsedRequest};
-use crate::pick::{
-    preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline, Recorded,
-};
+use crate::pick::{preset_specs, PickConfig, PickRequest, Pipeline, Recorded};
 use crate::pipeline::route_request;
 use crate::prefix::{block_hashes, Tokens};
 use crate::tokenize::{Encoded, SpecialTokens, Tokenized, Tokenizer};
@@ -247,7 +246,7 @@ pub struct Chooser {
     /// The prefix plugin's (block size, seed), when the pipeline has one.
     prefix: Option<(usize, u64)>,
     fallbacks: usize,
-    saturation: super::config::SaturationSpec,
+    saturation: crate::endpoint::Saturation,
     state: Mutex<PoolState>,
 }
 
@@ -372,7 +371,7 @@ impl Chooser {
             let mut any = false;
             if candidates.all(|(_, s)| {
                 any = true;
-                !saturation::keep(self.saturation.max_waiting, self.saturation.max_kv_usage, s)
+                self.saturation.saturated(s)
             }) && any
             {
                 return Ok(Choice::Saturated);

@@ -36,10 +36,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::budget::{Pool, MAX_TOKENS};
+use crate::endpoint::{EndpointState, MAX_ENDPOINTS};
 use crate::error::{invalid, non_negative, positive, Result};
 use crate::kv::{KvConfig, KvIndex};
-use crate::pick::endpoints::MAX_ENDPOINTS;
-use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec};
+use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec};
 use crate::planner::{engine_state, EngineLoad, EngineShape, EngineState};
 use crate::rng::Rng;
 
