@@ -15,6 +15,7 @@ import pytest
 import realstack
 from envoy_proxy import Envoy
 from server_fixtures import Running, base_config
+from setup_errors import pytest_runtest_makereport  # noqa: F401 (a hook: errors at setup)
 
 
 class RedisServer:
@@ -105,14 +106,15 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., Running]]:
 
 
 @pytest.fixture
-def envoy(tmp_path: Path) -> Iterator[Callable[[dict], Envoy]]:
+def envoy(tmp_path: Path) -> Iterator[Callable[..., Envoy]]:
     """Starts a real Envoy with a configuration (a dict, e.g.
-    ``envoy_proxy.shipped_config(...)``) as often as a test asks, each ready
-    on its ports; kills every one after the test."""
+    ``envoy_proxy.shipped_config(...)``; ``access_log=True`` for its access
+    log) as often as a test asks, each ready on its ports; kills every one
+    after the test."""
     started: list[Envoy] = []
 
-    def start(config: dict) -> Envoy:
-        e = Envoy(config, tmp_path)
+    def start(config: dict, access_log: bool = False) -> Envoy:
+        e = Envoy(config, tmp_path, access_log)
         started.append(e)
         return e
 

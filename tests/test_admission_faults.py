@@ -83,16 +83,13 @@ def _readonly_off(probe: redis.Redis) -> None:
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])
-@pytest.mark.parametrize(
-    ("fault", "heal"), [(_oom, _oom_off), (_readonly, _readonly_off)], ids=["oom", "readonly"]
-)
-def test_error_replies_go_through_failure_mode_and_never_raise(redis_server, mode, fault, heal):
+def test_error_replies_go_through_failure_mode_and_never_raise(redis_server, mode):
     red = _backend(redis_server.url, mode)
     probe = redis.Redis.from_url(redis_server.url)
     held = red.admit("s", 10, 10, now=1.0)
     assert held.admitted and held.ticket is not None
 
-    fault(probe)
+    _readonly(probe)
     a = red.admit("s", 10, 10, now=2.0)
     _assert_failed_as(a, mode)
     assert red.complete(held.ticket, 10, 10, 1.0, now=2.0) is False
@@ -100,7 +97,7 @@ def test_error_replies_go_through_failure_mode_and_never_raise(redis_server, mod
     assert red.failures["reply"] >= 2 and red.failures["connection"] == 0
     assert red.pending() == 2  # the refused admit's id, the failed completion
 
-    heal(probe)
+    _readonly_off(probe)
     # The next call settles both: the completion counts (once), the refused
     # admit reserved nothing; then its own request is accounted.
     b = red.admit("s", 10, 10, now=3.0)
@@ -111,6 +108,31 @@ def test_error_replies_go_through_failure_mode_and_never_raise(redis_server, mod
     assert red.quota_in_flight("p") == 1
     assert red.complete(b.ticket, 10, 10, 1.0, now=3.0) is True
     assert red.quota_in_flight("p") == 0
+    red.close()
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_full_redis_refuses_admits_whole_and_still_releases(redis_server, mode):
+    red = _backend(redis_server.url, mode)
+    probe = redis.Redis.from_url(redis_server.url)
+    held = red.admit("s", 10, 10, now=1.0)
+    assert held.admitted and held.ticket is not None
+
+    _oom(probe)
+    a = red.admit("s", 10, 10, now=2.0)
+    _assert_failed_as(a, mode)
+    assert red.failures == {"connection": 0, "timeout": 0, "reply": 0, "oom": 1}
+    assert red.pending() == 0  # refused at its start: it never ran, nothing to void
+    # A release runs although Redis is full (its script may free, never grow).
+    assert red.complete(held.ticket, 10, 10, 1.0, now=2.0) is True
+    assert red.quota_in_flight("p") == 0
+    assert red.evictions(now=2.0) == []
+
+    _oom_off(probe)
+    b = red.admit("s", 10, 10, now=3.0)
+    assert b.admitted and b.ticket is not None and red.pending() == 0
+    assert red.quota_in_flight("p") == 1
+    assert red.complete(b.ticket, 10, 10, 1.0, now=3.0) is True
     red.close()
 
 
@@ -129,7 +151,9 @@ def test_error_reply_detail_is_logged_not_returned(redis_server, caplog):
     caplog.clear()
     with caplog.at_level("WARNING", logger="routecore.admission"):
         assert red.admit("s", 1, 1, now=3.0).admitted
-    assert [r.getMessage() for r in caplog.records] == ["redis admission: Redis answers again"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "redis admission: Redis takes writes again (1 more failures logged at debug)"
+    ]
 
 
 def test_busy_redis_goes_through_failure_mode(redis_server):

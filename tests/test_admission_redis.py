@@ -257,6 +257,13 @@ ADMISSION = {
         ("socket_timeout_s", float("nan")),
         ("socket_timeout_s", float("inf")),
         ("socket_timeout_s", [0.5]),
+        ("max_window_entries", 0),
+        ("max_window_entries", 2.5),
+        ("max_window_entries_per_quota", (1 << 24) + 1),
+        ("max_void_markers", -1),
+        ("max_void_markers", "many"),
+        ("flush_timeout_s", -0.5),
+        ("flush_timeout_s", 3601),
     ],
 )
 def test_redis_config_values_are_checked_by_name(key, value):
@@ -281,6 +288,10 @@ def test_redis_config_accepts_good_values_without_contacting_redis():
         "failure_mode": "open",
         "unavailable_retry_s": 0.5,
         "socket_timeout_s": 0.1,
+        "max_window_entries": 64,
+        "max_window_entries_per_quota": 256,
+        "max_void_markers": 32,
+        "flush_timeout_s": 0,
     }
     raw = {"pools": [{"name": "gpu", "max_context": 8192}]}
     config = parse_config({**raw, "admission": {**ADMISSION, "redis": redis_section}})

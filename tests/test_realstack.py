@@ -3,13 +3,11 @@ requests (plain HTTP) to Envoy's listener, routecore choosing among real vLLM
 engines on CPU, answers JSON and SSE. What each engine did is read from the
 engine itself (its /metrics, its /tokenize) and from Envoy's access log
 (the endpoint routecore chose and the one Envoy connected to).
-
-Tests that need fixes being made on other branches are strict xfails naming
-the branch; the lead flips them when merging it.
 """
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import os
@@ -17,13 +15,15 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
+from envoy_proxy import Envoy, shipped_config
 from realstack import KEYS, MAX_BODY_BYTES, Stack
-from server_fixtures import Spawned, wait_for
+from server_fixtures import Spawned, free_port, wait_for
 from tiny_model import BOS, EOS, MODEL_NAME, TEMPLATE
 from vllm_engine import BLOCK_SIZE, VllmEngine
 
@@ -293,13 +293,50 @@ def test_over_concurrency_is_429_with_retry_after(stack: Stack) -> None:
     wait_for(lambda: send(stack.url, chat("hello", max_tokens=2), KEYS["tight"]).status == 200)
 
 
-@pytest.mark.xfail(strict=True, reason="needs envoy (the tenant's key removed before the engine)")
-def test_the_tenant_key_never_reaches_an_engine(stack: Stack) -> None:
-    assert stack.envoy is not None
+def without_key_removal(config: dict) -> dict:
+    """An Envoy configuration whose routes keep the tenant's key (no
+    ``request_headers_to_remove``): only routecore may remove it."""
+    config = copy.deepcopy(config)
+    (listener,) = config["static_resources"]["listeners"]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = [r for h in manager["route_config"]["virtual_hosts"] for r in h["routes"]]
+    assert all(r.pop("request_headers_to_remove") == ["x-api-key"] for r in routes)
+    return config
+
+
+def forwarded_key(stack: Stack, envoy: Envoy) -> tuple[str | None, str | None]:
+    """Sends a request through ``envoy`` (answered 200); the ``x-api-key``
+    of Envoy's access log and the one the engine that served it received
+    (None: none)."""
     test_id = f"key-{uuid.uuid4()}"
-    assert send(stack.url, chat("hello", max_tokens=2), test_id=test_id).status == 200
-    # The request headers as Envoy forwarded them upstream.
-    assert stack.envoy.entry(test_id)["key"] in (None, "-")
+    answer = send(envoy.url, chat("hello", max_tokens=2), test_id=test_id)
+    assert answer.status == 200, answer.body
+    entry = envoy.entry(test_id)
+    (received,) = [
+        h for h in stack.engine(entry["upstream"]).received() if h.get("x-test-id") == test_id
+    ]
+    return entry["key"], received.get("x-api-key")
+
+
+def test_the_tenant_key_never_reaches_an_engine(stack: Stack, envoy: Callable[..., Envoy]) -> None:
+    engines = [e.address for e in stack.engines]
+    replicas = [r.target for r in stack.replicas]
+    assert stack.envoy is not None
+    # The shipped file: Envoy's route and routecore both remove it.
+    assert forwarded_key(stack, stack.envoy) == (None, None)
+    # routecore alone (its ext_proc header mutation).
+    shipped = shipped_config("envoy.yaml", free_port(), replicas, engines)
+    alone = envoy(without_key_removal(shipped), access_log=True)
+    assert forwarded_key(stack, alone) == (None, None)
+    # Without routecore (fail-open, routecore unreachable) Envoy's route alone
+    # removes it; and nothing else would: the key reached the engine, and the
+    # access log and the engine show it (so the checks above can fail).
+    dead = [f"127.0.0.1:{free_port()}"]
+    fail_open = shipped_config("envoy-fail-open.yaml", free_port(), dead, engines)
+    assert forwarded_key(stack, envoy(fail_open, access_log=True)) == (None, None)
+    fail_open = shipped_config("envoy-fail-open.yaml", free_port(), dead, engines)
+    leaky = envoy(without_key_removal(fail_open), access_log=True)
+    assert forwarded_key(stack, leaky) == (KEYS["demo"], KEYS["demo"])
 
 
 # -- failures -------------------------------------------------------------------
@@ -321,7 +358,6 @@ def test_routecore_killed_fails_closed_and_recovers_on_restart(stack: Stack) -> 
     wait_for(lambda: send(stack.url, chat("hello", max_tokens=2)).status == 200, 30)
 
 
-@pytest.mark.xfail(strict=True, reason="needs harden-kv (vLLM's four-frame replay)")
 def test_a_late_replica_learns_the_engines_caches_by_replay(stack: Stack) -> None:
     target = stack.engines[0]
     cache_on(stack, target, prompt(10_000))
@@ -334,7 +370,6 @@ def test_a_late_replica_learns_the_engines_caches_by_replay(stack: Stack) -> Non
         late.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="needs envoy (a rolling restart drains streams)")
 def test_a_rolling_restart_of_the_replicas_cuts_no_stream(stack: Stack) -> None:
     stop = threading.Event()
     answers: list[Answer] = []
@@ -349,11 +384,15 @@ def test_a_rolling_restart_of_the_replicas_cuts_no_stream(stack: Stack) -> None:
         c.start()
     try:
         for i, r in enumerate(list(stack.replicas)):
-            wait_for(lambda: len(answers) >= 1, 60)
+            # A stream is open through the replica when it is told to stop.
+            wait_for(lambda r=r: r.metric("routecore_in_flight") > 0, 120, "a stream on it")
             os.kill(r.proc.pid, signal.SIGTERM)
-            r.proc.wait(timeout=60)
+            # It drains (at most limits.request_timeout_s), then exits.
+            assert r.proc.wait(timeout=stack.config["limits"]["request_timeout_s"] + 30) == 0
             stack.start_replica(i, (r.port, r.metrics_port, r.api_port))
-        time.sleep(2)
+        # The restarted replicas route streams too (each ends before the join).
+        for r in stack.replicas:
+            wait_for(lambda r=r: r.metric("routecore_decisions_total") > 0, 120, "routed")
     finally:
         stop.set()
         for c in clients:
@@ -404,50 +443,65 @@ def stack_as_left(_real_stack: Stack) -> Stack:
     return _real_stack
 
 
-@pytest.mark.xfail(strict=True, reason="needs envoy (override_host + retries, the served endpoint)")
 def test_a_request_to_a_just_killed_engine_is_retried_and_counted_where_served(
-    stack_as_left: Stack,
+    stack_as_left: Stack, envoy: Callable[..., Envoy]
 ) -> None:
+    """routecore learns an engine is gone from its failed scrapes (the
+    stack's replicas after 3, 0.75 s): a request routed in between goes to
+    the dead engine first. So that this happens every time, a replica of its
+    own that does not scrape (its endpoints stay healthy) routes here, behind
+    an Envoy of its own."""
     stack = stack_as_left
-    assert stack.envoy is not None
-    alive = [e for e in stack.engines if e.proc is not None and e.proc.poll() is None]
+    alive = [e.address for e in stack.engines if e.proc is not None and e.proc.poll() is None]
     assert len(alive) >= 2
-    # Each replica routes the prompt (Envoy takes them in turn) and remembers
-    # where (its own prefix index, which it keeps scoring when an engine's
-    # KV-event stream drops).
-    content = prompt(8_000)
-    for test_id in ("first", "second"):
-        assert send(stack.url, chat(content, max_tokens=1), test_id=test_id).status == 200
-    victim = stack.engine(stack.envoy.entry("first")["upstream"])
-    assert stack.envoy.entry("second")["upstream"] == victim.address
-    victim.kill()
-    # Before routecore can see the engine gone (3 failed scrapes), it chooses it
-    # again for the same prompt; Envoy retries on the next endpoint of the list.
-    long = chat(content, max_tokens=1800, ignore_eos=True, stream=True)
-    result: list[Answer] = []
-    t = threading.Thread(target=lambda: result.append(send(stack.url, long, test_id="retried")))
-    t.start()
-
-    def in_flight() -> dict[str, float]:
-        return {
-            e.address: sum(
-                r.metric("routecore_in_flight", endpoint=e.address) for r in stack.replicas
-            )
-            for e in stack.engines
-        }
-
-    # While it streams from the endpoint that served, that one holds it.
-    counted: dict[str, float] = {}
+    config = copy.deepcopy(stack.config)
+    config["scrape"] = {"enabled": False}
+    config["pools"][0]["endpoints"] = alive
+    kv = config["kv_events"]["endpoints"]
+    config["kv_events"]["endpoints"] = {a: kv[a] for a in alive}
+    replica = Spawned(stack.workdir / "no-scrape.yaml", config)
     try:
-        deadline = time.monotonic() + 15
-        while not counted and t.is_alive() and time.monotonic() < deadline:
-            now = in_flight()
-            counted = now if sum(now.values()) == 1 else {}
-            time.sleep(0.01)
+        gw = envoy(shipped_config("envoy.yaml", free_port(), [replica.target], alive), True)
+        # The replica routes the prompt twice to one engine (the second time
+        # once the engine's KV events told it what the first left cached) and
+        # remembers where (its prefix index, which it keeps scoring when an
+        # engine's KV-event stream drops).
+        content = prompt(8_000)
+        first = send(gw.url, chat(content, max_tokens=1), test_id="first")
+        assert first.status == 200, first.body
+        victim = stack.engine(gw.entry("first")["upstream"])
+        blocks = first.json()["usage"]["prompt_tokens"] // BLOCK_SIZE
+        wait_for(lambda: known_blocks(replica, victim.address) >= blocks, 10, "KV events")
+        assert send(gw.url, chat(content, max_tokens=1), test_id="second").status == 200
+        assert gw.entry("second")["upstream"] == victim.address
+        victim.kill()
+        # It chooses the dead engine again; Envoy retries on the next endpoint
+        # of the list.
+        long = chat(content, max_tokens=1800, ignore_eos=True, stream=True)
+        result: list[Answer] = []
+        t = threading.Thread(target=lambda: result.append(send(gw.url, long, test_id="retried")))
+        t.start()
+
+        def in_flight() -> dict[str, float]:
+            return {a: replica.metric("routecore_in_flight", endpoint=a) for a in alive}
+
+        # Counted on the chosen endpoint until the response's headers name the
+        # one that served: from then on, while it streams, that one holds it.
+        counted: dict[str, float] = {}
+        try:
+            deadline = time.monotonic() + 30
+            while not counted and t.is_alive() and time.monotonic() < deadline:
+                now = in_flight()
+                counted = now if sum(now.values()) == 1 and not now[victim.address] else {}
+                time.sleep(0.01)
+        finally:
+            t.join(timeout=120)
+        entry = gw.entry("retried")
+        assert entry["chosen"].split(",")[0] == victim.address
+        assert entry["upstream"] != victim.address
+        assert entry["attempts"] == 2
+        assert result[0].status == 200 and result[0].events[-1][1] == "[DONE]"
+        assert counted.get(entry["upstream"]) == 1, counted
+        replica.wait_gauge_zero(10)  # released once, where it was counted
     finally:
-        t.join(timeout=60)
-    entry = stack.envoy.entry("retried")
-    assert entry["chosen"].split(",")[0] == victim.address
-    assert entry["upstream"] != victim.address
-    assert result[0].status == 200 and result[0].events[-1][1] == "[DONE]"
-    assert counted.get(entry["upstream"]) == 1, counted
+        replica.stop()

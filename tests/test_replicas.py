@@ -194,6 +194,8 @@ def test_admission_is_shared_between_replicas(engines, replicas, redis_server):
         assert not refused.admission.admitted
         assert refused.admission.status == 429
     call(replicas[0], "Feedback", rc.FeedbackRequest(request_id=held[0].request_id))
+    # The release reaches Redis on the data plane's runtime, after the answer.
+    wait_for(lambda: redis_in_flight(redis_server.url) == 1, what="the release in Redis")
     again = route_api(replicas[1], 4)
     assert again.admission.admitted
     for r in (held[1], again):  # both on the second replica, which holds their leases

@@ -9,7 +9,10 @@ published on ``tcp://[::ffff:127.0.0.1]:P`` (vLLM binds only an address with
 
 :meth:`VllmEngine.start` returns at once (an engine takes a minute or two to
 load), :meth:`VllmEngine.wait_ready` waits for ``/health``; so several start
-in parallel. The engine runs in a process group of its own (API server,
+in parallel (:func:`start_all`). An engine's ports are picked when it is
+made but bound a minute or two later, when it has loaded: another process
+may take one meanwhile. :func:`start_all` then starts that engine again on
+fresh ports. The engine runs in a process group of its own (API server,
 engine core, worker): :meth:`VllmEngine.kill` and :meth:`VllmEngine.stop` end
 the whole group.
 """
@@ -36,6 +39,14 @@ BLOCK_SIZE = 32
 KV_TOPIC = "kv-events"
 
 
+#: Seconds an engine gets to load and answer ``/health`` (1-2 min here).
+READY_S = 420.0
+#: The ASGI middleware of ``record_headers`` (run by the engine's Python).
+MIDDLEWARE = Path(__file__).resolve().parent / "engine_middleware"
+#: Starts of one engine on fresh ports when a port was taken (:func:`start_all`).
+TRIES = 3
+
+
 def engine_installed() -> bool:
     """Whether scripts/setup-engine has installed the engine's environment."""
     return ENGINE_PYTHON.exists() and (ENGINE_PYTHON.parent.parent / ".installed").exists()
@@ -50,19 +61,27 @@ class VllmEngine:
         workdir: Path,
         num_blocks: int = 256,
         dev_mode: bool = False,
+        record_headers: bool = False,
     ) -> None:
         """``workdir`` holds its log and caches; ``num_blocks`` KV blocks of
         BLOCK_SIZE tokens; ``dev_mode`` serves vLLM's development endpoints
-        (``/reset_prefix_cache``)."""
+        (``/reset_prefix_cache``); ``record_headers``: the headers of every
+        POST it receives are kept (:meth:`received`)."""
         self.model_dir = model_dir
         self.workdir = workdir
         self.num_blocks = num_blocks
         self.dev_mode = dev_mode
-        self.port = free_port()
-        self.kv_port = free_port()
-        self.replay_port = free_port()
-        self.log = workdir / f"vllm-{self.port}.log"
+        self.record_headers = record_headers
+        self.headers_log = workdir / "received-headers.jsonl"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.new_ports()
+
+    def new_ports(self) -> None:
+        """Picks free ports for the API, the KV events and their replay
+        (before :meth:`start`: they are bound when the engine has loaded)."""
+        assert self.proc is None or self.proc.poll() is not None, "running"
+        self.port, self.kv_port, self.replay_port = free_port(), free_port(), free_port()
+        self.log = self.workdir / f"vllm-{self.port}.log"
 
     @property
     def address(self) -> str:
@@ -114,6 +133,7 @@ class VllmEngine:
             "8",
             "--kv-events-config",
             json.dumps(kv_events),
+            *(["--middleware", "record_headers.RecordHeaders"] if self.record_headers else []),
         ]
 
     def environment(self) -> dict[str, str]:
@@ -133,6 +153,9 @@ class VllmEngine:
             VLLM_SERVER_DEV_MODE="1" if self.dev_mode else "0",
         )
         env.pop("VIRTUAL_ENV", None)
+        if self.record_headers:
+            env["PYTHONPATH"] = str(MIDDLEWARE)
+            env["RECORD_HEADERS_TO"] = str(self.headers_log)
         return env
 
     def start(self) -> VllmEngine:
@@ -157,19 +180,16 @@ class VllmEngine:
         except (OSError, urllib.error.URLError):
             return False
 
-    def wait_ready(self, timeout: float = 420) -> VllmEngine:
-        """Waits until ``/health`` answers 200; fails with the log's tail if
-        the engine exits or takes longer than ``timeout`` seconds."""
-        assert self.proc is not None, "not started"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.tail()}")
-            if self.healthy():
-                return self
-            time.sleep(1)
-        self.kill()
-        raise RuntimeError(f"vLLM not healthy after {timeout} s:\n{self.tail()}")
+    def wait_ready(self, timeout: float = READY_S) -> VllmEngine:
+        """Waits until ``/health`` answers 200 (on the ports it has: a
+        restart keeps them); fails with the log's tail if the engine exits or
+        takes longer than ``timeout`` seconds."""
+        wait_all([self], timeout, tries=1)
+        return self
+
+    def port_taken(self) -> bool:
+        """Whether the engine exited because an address it binds was in use."""
+        return "address already in use" in self.tail().lower()
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -200,6 +220,15 @@ class VllmEngine:
             except ProcessLookupError:
                 pass
 
+    def received(self) -> list[dict[str, str]]:
+        """The headers of each POST the engine received (``record_headers``),
+        oldest first."""
+        assert self.record_headers, "started without record_headers"
+        if not self.headers_log.exists():
+            return []
+        *lines, _partial = self.headers_log.read_text().split("\n")
+        return [dict(json.loads(line)) for line in lines]
+
     def metrics(self) -> str:
         """The engine's own /metrics page."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
@@ -212,3 +241,43 @@ class VllmEngine:
             for line in self.metrics().splitlines()
             if line.split("{", 1)[0].split(" ", 1)[0] == name
         )
+
+
+def start_all(engines: list[VllmEngine], timeout: float = READY_S) -> None:
+    """Starts ``engines`` (not started yet) in parallel and waits until each
+    answers ``/health``. One that exits because a port it binds was taken
+    meanwhile starts again on fresh ports, :data:`TRIES` starts in all; any
+    other exit, or a start taking longer than ``timeout`` seconds, raises
+    (the engines are left to the caller to stop)."""
+    for e in engines:
+        e.start()
+    wait_all(engines, timeout, TRIES)
+
+
+def wait_all(engines: list[VllmEngine], timeout: float, tries: int) -> None:
+    """Waits until every engine (started) answers ``/health``; an engine that
+    exited because a port was taken starts again on fresh ports while it has
+    had fewer than ``tries`` starts; any other exit or ``timeout`` seconds
+    (from an engine's last start) raises RuntimeError with its log's tail."""
+    started = {id(e): (time.monotonic(), 1) for e in engines}
+    waiting = list(engines)
+    while waiting:
+        for e in list(waiting):
+            assert e.proc is not None, "not started"
+            since, n = started[id(e)]
+            if e.proc.poll() is not None:
+                if n < tries and e.port_taken():
+                    e.new_ports()
+                    e.start()
+                    started[id(e)] = (time.monotonic(), n + 1)
+                    continue
+                raise RuntimeError(
+                    f"vLLM exited ({e.proc.returncode}, start {n} of {tries}):\n{e.tail()}"
+                )
+            if e.healthy():
+                waiting.remove(e)
+            elif time.monotonic() - since > timeout:
+                e.kill()
+                raise RuntimeError(f"vLLM not healthy after {timeout} s:\n{e.tail()}")
+        if waiting:
+            time.sleep(1)

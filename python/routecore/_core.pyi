@@ -1188,6 +1188,9 @@ def admission_redis_config(
     entitlements: list[Entitlement],
     window_s: float,
     lease_s: float,
+    max_window_entries: int,
+    max_window_entries_per_quota: int,
+    max_void_markers: int,
 ) -> dict[str, str]: ...
 
 @final

@@ -34,6 +34,7 @@ from typing import Any
 from routecore._core import MAX_TOKENS, Entitlement, Pool, Quota, Tokenizer
 from routecore.admission import (
     FAILURE_MODES,
+    MAX_BOUND,
     REDIS_OPTIONS,
     URL_SCHEMES,
     admission_from_config,
@@ -712,6 +713,10 @@ def _redis(raw: dict[str, Any]) -> None:
     _float(raw, "lease_s", where, 0.001, 1e6, 300.0)
     _float(raw, "unavailable_retry_s", where, 0.001, 3600.0, 1.0)
     _float(raw, "socket_timeout_s", where, 0.001, 60.0, 0.5)
+    _int(raw, "max_window_entries", where, 1, MAX_BOUND, 1024)
+    _int(raw, "max_window_entries_per_quota", where, 1, MAX_BOUND, 16384)
+    _int(raw, "max_void_markers", where, 1, MAX_BOUND, 1024)
+    _float(raw, "flush_timeout_s", where, 0.0, 3600.0, 5.0)
 
 
 def _renamed(raw: dict[str, Any], where: str) -> None:

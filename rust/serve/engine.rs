@@ -737,6 +737,43 @@ impl Shared {
         n
     }
 
+    /// At shutdown, once the streams have ended: ends every lease still held
+    /// (a RouteCore API request whose `Feedback` can no longer come) and waits
+    /// until each admission backend has sent what it owes (the releases under
+    /// way), at most its `flush_timeout`; what is left then is logged
+    /// (`admission-unsettled`) and left to the backend's lease.
+    pub async fn close(&self) {
+        let mut admissions: Vec<Arc<Admission>> = Vec::new();
+        for engine in self.engines() {
+            if let Some(a) = &engine.admission {
+                if !admissions.iter().any(|b| Arc::ptr_eq(a, b)) {
+                    admissions.push(Arc::clone(a));
+                }
+            }
+        }
+        let wait = admissions.iter().map(|a| a.flush_timeout()).max();
+        let deadline = tokio::time::Instant::now() + wait.unwrap_or_default();
+        loop {
+            let ended: Vec<(u128, (Arc<Engine>, Lease))> = lock(&self.leases).drain().collect();
+            for (id, (engine, lease)) in ended {
+                engine.finish(id, lease, None, self);
+            }
+            let mut left = 0u64;
+            for a in &admissions {
+                let settled = tokio::time::timeout_at(deadline, a.settled()).await;
+                left += u64::from(!settled.unwrap_or(false));
+            }
+            if left == 0 {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(backends = left, "admission-unsettled");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     pub fn lease_ids(&self) -> Vec<String> {
         lock(&self.leases)
             .keys()
@@ -945,7 +982,7 @@ impl Engine {
             Some(a) => {
                 let a = AdmissionSpec::from_json(&a.to_string())?;
                 entitlements.extend(a.entitlements.iter().map(|e| e.name.clone()));
-                let backend = Admission::from_spec(&a)?;
+                let backend = Admission::from_spec(&a)?.with_metrics(Arc::clone(&shared.metrics));
                 if let Some(old) = previous.and_then(|p| p.admission.as_ref()) {
                     backend.adopt(old)?;
                 }

@@ -478,6 +478,9 @@ impl DataPlane {
                 }
             }
         });
+        // The releases of the streams just ended reach a remote admission
+        // backend before the runtime stops (bounded by its flush timeout).
+        let _ = self.block_on(self.shared.close());
         self.shared.scraper.stop();
         let shards = std::mem::take(&mut *self.shards.lock().unwrap_or_else(|e| e.into_inner()));
         shards.into_iter().for_each(Shard::stop);

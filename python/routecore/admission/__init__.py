@@ -54,6 +54,7 @@ from routecore.admission.backend import (
 from routecore.admission.memory import InMemoryAdmission
 from routecore.admission.redis import (
     FAILURE_MODES,
+    MAX_BOUND,
     MAX_PENDING,
     MAX_QUOTAS,
     MAX_TOKENS,
@@ -66,6 +67,7 @@ from routecore.admission.redis import (
 __all__ = [
     "FAILURE_KINDS",
     "FAILURE_MODES",
+    "MAX_BOUND",
     "MAX_PENDING",
     "MAX_QUOTAS",
     "MAX_TOKENS",
@@ -92,7 +94,9 @@ def admission_from_config(config: Mapping[str, Any]) -> InMemoryAdmission | Redi
                        "concurrency", "state"?}],
      "default_max_tokens"?: 4096, "window_s"?: 60.0,
      "redis"?: {"url", "prefix", "lease_s", "failure_mode": "open" | "closed",
-                "unavailable_retry_s", "socket_timeout_s"}}
+                "unavailable_retry_s", "socket_timeout_s", "max_window_entries",
+                "max_window_entries_per_quota", "max_void_markers",
+                "flush_timeout_s"}}
 
     The keys ``pools`` and an entitlement's ``pool`` (before quotas had their
     own name) are a ValueError naming the new key.

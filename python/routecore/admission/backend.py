@@ -10,8 +10,9 @@ from typing import Any
 from routecore._core import Admission, NotInFlightError
 
 #: The kinds ``RedisAdmission.failures`` counts: no connection, no answer in
-#: time, an error reply (OOM, NOSCRIPT, BUSY, READONLY, ...).
-FAILURE_KINDS = ("connection", "timeout", "reply")
+#: time, an error reply (NOSCRIPT, BUSY, READONLY, ...), Redis full (an admit
+#: refused over ``maxmemory``).
+FAILURE_KINDS = ("connection", "timeout", "reply", "oom")
 #: Keys of the admission configuration renamed when its capacities became
 #: quotas (the router's context pools keep the name ``pools``): old -> new.
 RENAMED_KEYS = {"pools": "quotas", "pool": "quota"}

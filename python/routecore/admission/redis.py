@@ -38,12 +38,20 @@ REDIS_OPTIONS = (
     "failure_mode",
     "unavailable_retry_s",
     "socket_timeout_s",
+    "max_window_entries",
+    "max_window_entries_per_quota",
+    "max_void_markers",
+    "flush_timeout_s",
 )
 #: Lost admits and failed completions a quota keeps to settle when Redis answers
 #: again; beyond it the oldest are left to their leases.
 MAX_PENDING = 10_000
 #: How many of them one call settles before its own work.
 RECONCILE_BATCH = 256
+#: While Redis is full, how often an admit may sweep its quota (seconds).
+SWEEP_EVERY_S = 0.1
+#: The largest value of the ``max_*`` bounds (``Bounds`` in rust/serve/admission/scripts.rs).
+MAX_BOUND = 1 << 24
 _INF = float("inf")
 # The logger the docs name (``routecore.admission``), whichever module logs.
 _log = logging.getLogger("routecore.admission")
@@ -84,11 +92,29 @@ class RedisAdmission(AdmissionBackend):
     ``admission-unavailable`` (Retry-After ``unavailable_retry_s``), ``"open"``
     admits without a ticket, unaccounted. ``admit``, ``complete`` and
     ``evictions`` never raise for Redis; the detail is logged (logger
-    ``routecore.admission``) and counted in ``failures`` by kind
-    (``connection``, ``timeout``, ``reply``). After a timeout, while Redis may
-    be stalled, one call at a time asks it and concurrent calls answer by
-    ``failure_mode`` at once (not counted in ``failures``), so a stall holds one
-    thread for ``socket_timeout_s``, not every caller's.
+    ``routecore.admission``: the first failure of an outage as a warning, the
+    rest at debug, and one warning with their count when it ends) and counted
+    in ``failures`` by kind (``connection``, ``timeout``, ``reply``, ``oom``).
+    After a timeout, while Redis may be stalled, one call at a time asks it and
+    concurrent calls answer by ``failure_mode`` at once (not counted in
+    ``failures``), so a stall holds one thread for ``socket_timeout_s``, not
+    every caller's.
+
+    Redis full (over ``maxmemory`` with ``noeviction``; Redis 7 or later):
+    admits are refused whole (counted as ``oom``, with a warning of their own
+    and one when Redis takes writes again) while completions and voids still
+    run, so nothing held is stuck. An admit refused so first sweeps its quota
+    (at most every ``SWEEP_EVERY_S``: expired leases, void markers and every
+    entitlement's expired window charges) and tries once more, so a Redis
+    filled by this state recovers by itself as it expires. What the scripts
+    keep is bounded: ``max_window_entries`` window entries per entitlement and
+    ``max_window_entries_per_quota`` for all a quota's entitlements together
+    (an equal share each, at least one; past half its bound an entitlement's
+    charges close in time share an entry, which may leave the window up to
+    ``window_s / (bound - bound // 2)`` early), ``max_void_markers`` void
+    markers per quota (the oldest dropped first); reservations by the
+    concurrency limits. ``close`` first gives what failed calls left
+    behind up to ``flush_timeout_s`` to reach Redis.
 
     ``now`` defaults to ``clock``, the wall clock (``time.time``), not
     ``routecore.monotonic``: the state is shared by processes, possibly on
@@ -120,6 +146,10 @@ class RedisAdmission(AdmissionBackend):
         failure_mode: str = "closed",
         unavailable_retry_s: float = 1.0,
         socket_timeout_s: float = 0.5,
+        max_window_entries: int = 1024,
+        max_window_entries_per_quota: int = 16384,
+        max_void_markers: int = 1024,
+        flush_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         (redis,) = require("redis", "redis")
@@ -136,6 +166,19 @@ class RedisAdmission(AdmissionBackend):
             ("socket_timeout_s", socket_timeout_s),
         ):
             _positive(what, value)
+        for what, value in (
+            ("max_window_entries", max_window_entries),
+            ("max_window_entries_per_quota", max_window_entries_per_quota),
+            ("max_void_markers", max_void_markers),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BOUND:
+                raise ValueError(f"{what} must be an integer in [1, {MAX_BOUND}], got {value!r}")
+        if (
+            isinstance(flush_timeout_s, bool)
+            or not isinstance(flush_timeout_s, (int, float))
+            or not 0 <= flush_timeout_s <= 3600
+        ):
+            raise ValueError(f"flush_timeout_s must be in [0, 3600], got {flush_timeout_s!r}")
         if url is not None and (not isinstance(url, str) or not url.startswith(URL_SCHEMES)):
             # Not echoed: a URL may hold a password.
             raise ValueError("url must be a redis://, rediss:// or unix:// URL")
@@ -162,8 +205,13 @@ class RedisAdmission(AdmissionBackend):
         self._redis_errors = (redis.exceptions.RedisError, OSError)
         self._timeout = redis.exceptions.TimeoutError
         self._connection = (redis.exceptions.ConnectionError, OSError)
+        self._oom = redis.exceptions.OutOfMemoryError
         self._lock = threading.Lock()
-        self._reachable = True
+        # Per fault under way ("unreachable", "full"): the failures not logged
+        # as a warning since it began; absent when none is under way.
+        self._quiet: dict[str, int] = {}
+        self._swept: dict[str, float] = {}
+        self._flush_timeout_s = float(flush_timeout_s)
         # After a timeout Redis may be stalled: then one call at a time asks it
         # (holding _probe), the others answer by failure_mode at once.
         self._stalled = False
@@ -181,12 +229,21 @@ class RedisAdmission(AdmissionBackend):
         self._quota_of = {e.name: e.quota for e in entitlements}
         self._class_of = {e.name: e.service_class for e in entitlements}
         self._keys = {p.name: f"{prefix}:{{{p.name}}}" for p in quotas}
-        self._config = admission_redis_config(list(quotas), list(entitlements), window_s, lease_s)
+        self._config = admission_redis_config(
+            list(quotas),
+            list(entitlements),
+            window_s,
+            lease_s,
+            max_window_entries,
+            max_window_entries_per_quota,
+            max_void_markers,
+        )
         self._configure_script = client.register_script(_LUA["configure"])
         self._admit_script = client.register_script(_LUA["admit"])
         self._complete_script = client.register_script(_LUA["complete"])
         self._void_script = client.register_script(_LUA["void"])
         self._set_state_script = client.register_script(_LUA["set_state"])
+        self._sweep_script = client.register_script(_LUA["sweep"])
 
     def _configure(self, quota: str) -> None:
         seq_base = int(time.time() * 1000) * 1024
@@ -228,7 +285,7 @@ class RedisAdmission(AdmissionBackend):
             with self._lock:
                 _keep(self._voids[quota], voids, front=True)
                 _keep(self._replays[quota], replays, front=True)
-            if self._kind(e) != "reply":
+            if self._kind(e) in ("connection", "timeout"):
                 raise
             self._failed("reconcile", e)
             return False
@@ -260,6 +317,8 @@ class RedisAdmission(AdmissionBackend):
             return sum(map(len, self._voids.values())) + sum(map(len, self._replays.values()))
 
     def _kind(self, error: BaseException) -> str:
+        if isinstance(error, self._oom):
+            return "oom"
         if isinstance(error, self._timeout):
             return "timeout"
         if isinstance(error, self._connection):
@@ -268,15 +327,19 @@ class RedisAdmission(AdmissionBackend):
 
     def _failed(self, call: str, error: BaseException) -> None:
         kind = self._kind(error)
+        # Redis full is a fault of its own: releases still reach Redis meanwhile,
+        # which ends an outage but not that.
+        fault = "full" if kind == "oom" else "unreachable"
         with self._lock:
             self.failures[kind] += 1
-            was_reachable, self._reachable = self._reachable, False
+            quiet = self._quiet.get(fault)
+            self._quiet[fault] = 0 if quiet is None else quiet + 1
             if kind == "timeout":
                 self._stalled = True
         # The first failure of an outage is a warning, the rest debug: an outage
         # under load must not flood the log.
         _log.log(
-            logging.WARNING if was_reachable else logging.DEBUG,
+            logging.WARNING if quiet is None else logging.DEBUG,
             "redis admission: %s failed (%s: %s: %s); failing %s",
             call,
             kind,
@@ -285,14 +348,40 @@ class RedisAdmission(AdmissionBackend):
             self.failure_mode,
         )
 
+    def _ended(self, fault: str, message: str) -> None:
+        """``fault`` is over: one warning with the count of failures logged at debug."""
+        with self._lock:
+            quiet = self._quiet.pop(fault, None)
+        if quiet is not None:
+            _log.warning("redis admission: %s (%d more failures logged at debug)", message, quiet)
+
     def _succeeded(self, settled: bool = True) -> None:
         """Redis answered; ``settled``: and nothing failed calls left is stuck."""
         self._stalled = False
-        if settled and not self._reachable:
-            with self._lock:
-                was_reachable, self._reachable = self._reachable, True
-            if not was_reachable:
-                _log.warning("redis admission: Redis answers again")
+        if settled:
+            self._ended("unreachable", "Redis answers again")
+
+    def _may_sweep(self, quota: str) -> bool:
+        """Whether an admit refused because Redis is full may sweep ``quota`` now
+        (at most every ``SWEEP_EVERY_S``); marks it swept."""
+        at = time.monotonic()
+        with self._lock:
+            if at - self._swept.get(quota, -_INF) < SWEEP_EVERY_S:
+                return False
+            self._swept[quota] = at
+        return True
+
+    def _run_admit(self, quota: str, args: list[Any], now: float) -> Any:
+        """The admit script; refused because Redis is full (so it did not run),
+        the quota is swept and it is tried once more. Raises the Redis error."""
+        key = self._keys[quota]
+        try:
+            return self._admit_script(keys=[key], args=args)
+        except self._oom:
+            if not self._may_sweep(quota):
+                raise
+        self._sweep_script(keys=[key], args=[repr(now)])
+        return self._admit_script(keys=[key], args=args)
 
     @contextlib.contextmanager
     def _turn(self) -> Iterator[bool]:
@@ -329,7 +418,6 @@ class RedisAdmission(AdmissionBackend):
             return self._decide(quota, entitlement, tokens, now) if mine else self._unavailable()
 
     def _decide(self, quota: str, entitlement: str, tokens: int, now: float) -> Admission:
-        key = self._keys[quota]
         try:
             settled = self._ready(quota, now)
         except self._redis_errors as e:
@@ -338,10 +426,10 @@ class RedisAdmission(AdmissionBackend):
         rid = f"{self._rid_prefix}{next(self._rids):x}"
         args = [entitlement, tokens, repr(now), rid]
         try:
-            out = self._admit_script(keys=[key], args=args)
+            out = self._run_admit(quota, args, now)
             if out[0] == b"unconfigured":
                 self._configure(quota)
-                out = self._admit_script(keys=[key], args=args)
+                out = self._run_admit(quota, args, now)
             status, reason, retry, seq, priority = (x.decode() for x in out)
             decision = Admission(
                 status == "200",
@@ -351,6 +439,9 @@ class RedisAdmission(AdmissionBackend):
                 int(seq) * MAX_QUOTAS + self._quotas.index(quota) if seq else None,
                 float(priority),
             )
+        except self._oom as e:  # refused at its start: it never ran, nothing to void
+            self._failed("admit", e)
+            return self._unavailable()
         except (*self._redis_errors, ValueError) as e:
             # The script may have run (or may yet run, in a stalled Redis) with
             # nobody to complete its ticket: void the id when Redis answers.
@@ -359,6 +450,7 @@ class RedisAdmission(AdmissionBackend):
             self._failed("admit", e)
             return self._unavailable()
         self._succeeded(settled)
+        self._ended("full", "Redis takes writes again")
         return decision
 
     def _complete(
@@ -484,6 +576,11 @@ class RedisAdmission(AdmissionBackend):
         return int(value or 0)
 
     def close(self) -> None:
+        """Gives what failed calls left behind (``pending``) up to
+        ``flush_timeout_s`` to reach Redis, then closes the client."""
+        deadline = time.monotonic() + self._flush_timeout_s
+        while not self.reconcile() and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.client.close()
 
 

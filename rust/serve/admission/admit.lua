@@ -20,14 +20,7 @@ if redis.call('ZCARD', ek..':fl') >= tonumber(e[2]) and not may_burst then
   local retry = 1 / completion_rate(ek, quota)
   return {'429', 'concurrency', f(math.max(retry, quota.min_retry)), '', w}
 end
-local wt = tonumber(e[6])
-local old = redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - quota.window))
-for _, s in ipairs(old) do
-  wt = wt - tonumber(redis.call('HGET', ek..':wtok', s))
-  redis.call('HDEL', ek..':wtok', s)
-  redis.call('ZREM', ek..':win', s)
-end
-if #old > 0 then redis.call('HSET', ek, 'window_tokens', wt) end
+local wt = expire(ek, tonumber(e[6]), now, quota)
 local limit = tonumber(e[3]) * quota.window
 local excess = wt + tokens - limit
 if excess > 0 and not may_burst then
@@ -61,8 +54,7 @@ redis.call('HSET', P..':tickets', seq, string.format('%d|%d|', kv, tokens)..ent)
 redis.call('HSET', P..':rid', seq, rid, rid, seq)
 redis.call('ZADD', P..':leases', f(now + quota.lease), seq)
 redis.call('ZADD', ek..':fl', f(now), seq)
-redis.call('ZADD', ek..':win', f(now), seq)
-redis.call('HSET', ek..':wtok', seq, tokens)
+charge(ek, seq, tokens, now, quota)
 redis.call('HINCRBY', ek, 'window_tokens', tokens)
 redis.call('HINCRBY', ek, 'tokens_in_flight', tokens)
 redis.call('HINCRBY', P..':quota', 'in_flight', 1)

@@ -6,7 +6,7 @@ if not info then return 0 end
 local now = tick(quota, tonumber(ARGV[4]))
 purge(now)
 if redis.call('HEXISTS', P..':tickets', seq) == 0 then return 0 end
-local ent = string.match(info, '^%d+|%d+|(.*)$')
+local est, ent = string.match(info, '^%d+|(%d+)|(.*)$')
 local ek = P..':e:'..ent
 local v = redis.call('HMGET', ek, 'served_rate', 'served_at', 'tps', 'kv', 'conc', 'debt',
   'burst', 'latency', 'baseline', 'weight', 'slo', 'kv_in_flight')
@@ -25,11 +25,7 @@ end
 if v[8] ~= '' then
   latency = quota.gamma_latency * tonumber(v[8]) + (1 - quota.gamma_latency) * latency
 end
-local old = redis.call('HGET', ek..':wtok', seq)
-if old then
-  redis.call('HSET', ek..':wtok', seq, actual)
-  redis.call('HINCRBY', ek, 'window_tokens', actual - tonumber(old))
-end
+recharge(ek, seq, actual - tonumber(est)) -- the window counts what it used
 release(seq)
 local w = weight(quota, {weight = v[10], slo = v[11], burst = burst, debt = debt}, quota.mean)
 redis.call('HSET', ek, 'served_rate', f(rate), 'served_at', f(now), 'burst', f(burst),

@@ -2,7 +2,8 @@ local cfg = cjson.decode(ARGV[1])
 local pk = P..':quota'
 redis.call('HSET', pk, 'tokens_per_s', f(cfg.tokens_per_s), 'kv_bytes', f(cfg.kv_bytes),
   'concurrency', f(cfg.concurrency), 'kv_per_token', f(cfg.kv_bytes_per_token),
-  'window_s', f(cfg.window_s), 'lease_s', f(cfg.lease_s))
+  'window_s', f(cfg.window_s), 'lease_s', f(cfg.lease_s),
+  'window_entries', cfg.window_entries, 'void_markers', cfg.void_markers)
 local k = cfg.constants
 redis.call('HSET', pk, 'alpha_slo', f(k.alpha_slo), 'alpha_burst', f(k.alpha_burst),
   'alpha_debt', f(k.alpha_debt), 'gamma_debt', f(k.gamma_debt),

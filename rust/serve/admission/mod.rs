@@ -17,6 +17,7 @@ pub mod redis;
 pub mod scripts;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use serde::Deserialize;
@@ -26,6 +27,7 @@ use tokio::sync::oneshot;
 use crate::admission::{AdmissionController, Entitlement, Quota};
 use crate::budget::MAX_TOKENS;
 use crate::error::{invalid, Error};
+use crate::serve::metrics::Metrics;
 
 pub use memory::MemoryAdmission;
 pub use redis::RedisAdmission;
@@ -95,6 +97,16 @@ pub struct RedisSpec {
     pub unavailable_retry_s: f64,
     /// Bound of every call: connecting, the script, settling lost replies.
     pub socket_timeout_s: f64,
+    /// Window entries one entitlement keeps in Redis (charges close in time
+    /// share one past half of them; see `scripts::Bounds`).
+    pub max_window_entries: u64,
+    /// Window entries of all a quota's entitlements together.
+    pub max_window_entries_per_quota: u64,
+    /// Void markers (request ids refused in advance) a quota keeps.
+    pub max_void_markers: u64,
+    /// At shutdown, how long what is owed to Redis (releases of the streams
+    /// that ended, lost replies) gets to reach it.
+    pub flush_timeout_s: f64,
 }
 
 impl Default for RedisSpec {
@@ -106,6 +118,10 @@ impl Default for RedisSpec {
             failure_mode: FailureMode::Closed,
             unavailable_retry_s: 1.0,
             socket_timeout_s: 0.5,
+            max_window_entries: 1024,
+            max_window_entries_per_quota: 16384,
+            max_void_markers: 1024,
+            flush_timeout_s: 5.0,
         }
     }
 }
@@ -281,6 +297,15 @@ impl Admission {
         })
     }
 
+    /// Counts a remote backend's failures in `metrics` too
+    /// (`routecore_faults_total{source, kind}`).
+    pub fn with_metrics(self, metrics: Arc<Metrics>) -> Self {
+        match self {
+            Admission::Redis(r) => Admission::Redis(r.with_metrics(metrics)),
+            memory => memory,
+        }
+    }
+
     /// Decides one request. `request_id` must be unique per call (the data
     /// plane makes it; never a client's header): Redis reserves under it so
     /// that a reservation whose reply was lost is voided.
@@ -390,7 +415,6 @@ impl Admission {
         }
     }
 
-    /// Backend failures counted since construction (0 in memory).
     /// Settles what a remote backend still has to (lost admits voided, failed
     /// completions replayed); true when nothing is left. The data plane's
     /// reaper calls it every tick, so this happens without new traffic.
@@ -401,10 +425,29 @@ impl Admission {
         }
     }
 
+    /// Backend failures counted since construction (0 in memory).
     pub fn failures(&self) -> u64 {
         match self {
             Admission::Memory(_) => 0,
             Admission::Redis(r) => r.failures(),
+        }
+    }
+
+    /// Whether a remote backend has nothing left to send (settling what it
+    /// can now; see `RedisAdmission::settled`). Always true in memory.
+    pub async fn settled(&self) -> bool {
+        match self {
+            Admission::Memory(_) => true,
+            Admission::Redis(r) => r.settled().await,
+        }
+    }
+
+    /// How long a shutdown waits for [`settled`](Self::settled)
+    /// (`admission.redis.flush_timeout_s`; 0 in memory).
+    pub fn flush_timeout(&self) -> Duration {
+        match self {
+            Admission::Memory(_) => Duration::ZERO,
+            Admission::Redis(r) => r.flush_timeout(),
         }
     }
 }

@@ -1,21 +1,24 @@
 -- Shared by every admission script (rust/serve/admission/*.lua). KEYS[1] is
 -- the quota's key prefix. The constants of rust/admission.rs (equation 1's
--- alphas, the EWMA decays, the shortest Retry-After) and the service-class
--- table come from Rust through the configure script's JSON into the quota hash.
+-- alphas, the EWMA decays, the shortest Retry-After), the service-class
+-- table and the bounds on what the scripts keep (window entries per
+-- entitlement, void markers) come from Rust through the configure script's
+-- JSON into the quota hash.
 local P = KEYS[1]
 local function f(x) return string.format('%.17g', x) end
 local function quota_get()
   local v = redis.call('HMGET', P..':quota', 'tokens_per_s', 'kv_bytes', 'concurrency',
     'kv_per_token', 'mean_slo', 'window_s', 'lease_s', 'in_flight', 'kv_in_flight', 'clock',
     'alpha_slo', 'alpha_burst', 'alpha_debt', 'gamma_debt', 'gamma_burst', 'gamma_latency',
-    'min_retry')
+    'min_retry', 'window_entries', 'void_markers')
   if not v[17] then return nil end -- written by the configure script only, last
   return {tps = tonumber(v[1]), kv = tonumber(v[2]), conc = tonumber(v[3]),
     kvpt = tonumber(v[4]), mean = tonumber(v[5]), window = tonumber(v[6]),
     lease = tonumber(v[7]), in_flight = tonumber(v[8]), kv_in_flight = tonumber(v[9]),
     clock = tonumber(v[10]), alpha_slo = tonumber(v[11]), alpha_burst = tonumber(v[12]),
     alpha_debt = tonumber(v[13]), gamma_debt = tonumber(v[14]), gamma_burst = tonumber(v[15]),
-    gamma_latency = tonumber(v[16]), min_retry = tonumber(v[17])}
+    gamma_latency = tonumber(v[16]), min_retry = tonumber(v[17]),
+    window_entries = tonumber(v[18]) or math.huge, void_markers = tonumber(v[19]) or math.huge}
 end
 local function tick(quota, now)
   if quota.clock and quota.clock >= now then return quota.clock end
@@ -26,6 +29,7 @@ local function weight(quota, e, mean)
   return tonumber(e.weight) / (1 + quota.alpha_slo * tonumber(e.slo) / mean)
     / (1 + quota.alpha_burst * tonumber(e.burst)) * (1 + quota.alpha_debt * tonumber(e.debt))
 end
+-- Releases ticket `seq`: its entitlement and estimate, nil if not held.
 local function release(seq)
   local info = redis.call('HGET', P..':tickets', seq)
   if not info then return nil end
@@ -42,13 +46,52 @@ local function release(seq)
     redis.call('HINCRBY', ek, 'kv_in_flight', '-'..kv)
     redis.call('HINCRBY', P..':quota', 'kv_in_flight', '-'..kv)
   end
-  return ent
+  return ent, tokens
 end
 local function purge(now)
   redis.call('ZREMRANGEBYSCORE', P..':void', '-inf', f(now))
   local dead = redis.call('ZRANGEBYSCORE', P..':leases', '-inf', f(now))
   for _, seq in ipairs(dead) do release(seq) end
   return #dead
+end
+-- Drops the window charges of entitlement `ek` older than the window; `wt`:
+-- its window_tokens. Returns the tokens left in the window.
+local function expire(ek, wt, now, quota)
+  local old = redis.call('ZRANGEBYSCORE', ek..':win', '-inf', f(now - quota.window))
+  for _, s in ipairs(old) do
+    wt = wt - tonumber(redis.call('HGET', ek..':wtok', s))
+    redis.call('HDEL', ek..':wtok', s)
+    redis.call('ZREM', ek..':win', s)
+  end
+  if #old > 0 then redis.call('HSET', ek, 'window_tokens', wt) end
+  return wt
+end
+-- Charges `tokens` to entitlement `ek`'s window at `now` under ticket `seq`.
+-- Its entries stay within quota.window_entries (n): from n/2 of them on, a
+-- charge made less than window / (n - n/2) after the newest entry joins it
+-- (and leaves the window that much early at most), so the entries past the
+-- first n/2 are that far apart and at most n - n/2 fit in one window.
+local function charge(ek, seq, tokens, now, quota)
+  local n = quota.window_entries
+  local half = math.floor(n / 2)
+  if redis.call('ZCARD', ek..':win') >= half then
+    local newest = redis.call('ZRANGE', ek..':win', -1, -1, 'WITHSCORES')
+    if newest[1] and now - tonumber(newest[2]) < quota.window / (n - half) then
+      redis.call('HINCRBY', ek..':wtok', newest[1], tokens)
+      return
+    end
+  end
+  redis.call('ZADD', ek..':win', f(now), seq)
+  redis.call('HSET', ek..':wtok', seq, tokens)
+end
+-- Takes `tokens` (a ticket's estimate, `delta` from it: its real use) off or
+-- onto the window charge of ticket `seq`, if the charge is still its own entry
+-- (one that others joined keeps theirs). Returns whether it was there.
+local function recharge(ek, seq, delta)
+  if redis.call('HEXISTS', ek..':wtok', seq) == 0 then return false end
+  redis.call('HINCRBY', ek..':wtok', seq, delta)
+  redis.call('HINCRBY', ek, 'window_tokens', delta)
+  return true
 end
 local function completion_rate(ek, quota)
   local n = redis.call('ZCARD', ek..':fl')

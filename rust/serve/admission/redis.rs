@@ -4,9 +4,20 @@
 //! - Construction never connects; the first call does, and a call after a
 //!   connection error or a timeout connects again.
 //! - Every call (connecting, settling, configuring, the script) is bounded by
-//!   `socket_timeout_s`; a failure (no connection, no answer in time, an error
-//!   reply such as OOM) goes through `failure_mode` and is counted by kind,
-//!   and no detail reaches the verdict.
+//!   `socket_timeout_s`; a failure (no connection, no answer in time, Redis
+//!   full, another error reply) goes through `failure_mode`, is counted by
+//!   kind (`routecore_faults_total{source="redis"}`) and no detail reaches the
+//!   verdict. An outage is one warning (`redis-unavailable`) and one line when
+//!   it ends (`redis-recovered`), each with the count of failures not
+//!   written; Redis full likewise (`redis-full`, `redis-writable`).
+//! - Redis full (over `maxmemory`): admits are refused whole (the scripts'
+//!   flags, see `scripts`), completions, voids and the sweep still run. An
+//!   admit refused so sweeps its quota (at most every [`SWEEP_EVERY`]: what
+//!   expired is freed, any entitlement's) and tries once more, so a Redis
+//!   filled by routecore's own state recovers by itself as it expires.
+//! - What the scripts keep is bounded (`scripts::Bounds`): window entries per
+//!   entitlement and per quota, void markers per quota; reservations by the
+//!   concurrency limits.
 //! - After a timeout, while Redis may be stalled, one call at a time asks it
 //!   and concurrent calls answer by `failure_mode` at once (not counted as
 //!   failures; a completion is kept to replay), so a stall holds one call
@@ -19,49 +30,63 @@
 //!   refusing it if a stalled Redis has not run the script yet); a failed
 //!   completion is replayed then (it counts once). Beyond that, a lease
 //!   (`lease_s`) releases what a dead replica held.
+//! - At shutdown the data plane waits until [`RedisAdmission::settled`], at
+//!   most `flush_timeout_s`: the admits and completions under way (the
+//!   releases of the streams just ended) and the lost replies still to settle
+//!   reach Redis before the process exits.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ::redis::aio::MultiplexedConnection;
 use ::redis::{AsyncConnectionConfig, Client, RedisError, Script};
 
-use super::scripts::{self, MAX_QUOTAS};
+use super::scripts::{self, Bounds, MAX_QUOTAS};
 use super::{latency, usage, AdmissionSpec, FailureMode, Ticket, Verdict};
 use crate::admission::{ServiceClass, Shrink};
 use crate::budget::MAX_TOKENS;
 use crate::error::{invalid, Error};
+use crate::serve::logs::{Occurrence, Repeats};
+use crate::serve::metrics::Metrics;
 
 /// Lost admits and failed completions a quota keeps to settle when Redis
 /// answers again; beyond it the oldest are left to their leases.
 pub const MAX_PENDING: usize = 10_000;
 /// How many of them one call settles before its own work.
 pub const RECONCILE_BATCH: usize = 256;
+/// While Redis is full, how often an admit may sweep its quota.
+pub const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
 /// Why a call to Redis failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailureKind {
     Connection,
     Timeout,
+    /// An error reply other than OOM.
     Reply,
+    /// Redis over `maxmemory` refused a script that may grow the state.
+    Oom,
 }
 
 impl FailureKind {
-    pub const ALL: [FailureKind; 3] = [Self::Connection, Self::Timeout, Self::Reply];
+    pub const ALL: [FailureKind; 4] = [Self::Connection, Self::Timeout, Self::Reply, Self::Oom];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Connection => "connection",
             Self::Timeout => "timeout",
             Self::Reply => "reply",
+            Self::Oom => "oom",
         }
     }
 
     fn of(e: &RedisError) -> Self {
-        if e.is_timeout() {
+        if e.code() == Some("OOM") {
+            Self::Oom
+        } else if e.is_timeout() {
             Self::Timeout
         } else if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
             Self::Connection
@@ -126,6 +151,8 @@ struct Quota {
     pending: Mutex<Pending>,
     /// Entitlements of the quota with their class (evictions).
     ents: Vec<(String, ServiceClass)>,
+    /// When an admit of this instance last swept the quota (Redis full).
+    swept: Mutex<Option<Instant>>,
 }
 
 struct Scripts {
@@ -133,6 +160,23 @@ struct Scripts {
     admit: Script,
     complete: Script,
     void: Script,
+    sweep: Script,
+}
+
+/// Counts a call under way until dropped (what [`RedisAdmission::settled`] waits for).
+struct Busy<'a>(&'a AtomicUsize);
+
+impl<'a> Busy<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(count)
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl From<RedisError> for FailureKind {
@@ -171,13 +215,22 @@ pub struct RedisAdmission {
     unavailable_retry_s: f64,
     timeout: Duration,
     rid_prefix: String,
-    failures: [AtomicU64; 3],
+    failures: [AtomicU64; 4],
+    /// Where failures are counted by kind (`routecore_faults_total`).
+    metrics: Option<Arc<Metrics>>,
+    /// The outage under way (no connection, timeouts, error replies).
+    outage: Repeats,
+    /// Redis full: admits refused for OOM.
+    full: Repeats,
     /// The last call timed out: Redis may be stalled.
     stalled: AtomicBool,
     /// Held by the one call that asks a possibly stalled Redis.
     probe: tokio::sync::Mutex<()>,
     /// Tickets this instance admitted and has not completed.
     held: Mutex<HashSet<u64>>,
+    /// Admits and completions under way.
+    busy: AtomicUsize,
+    flush_timeout: Duration,
 }
 
 fn positive_setting(what: &str, v: f64) -> Result<f64, Error> {
@@ -202,6 +255,18 @@ impl RedisAdmission {
         let lease_s = positive_setting("lease_s", r.lease_s)?;
         let timeout = positive_setting("socket_timeout_s", r.socket_timeout_s)?;
         let unavailable_retry_s = positive_setting("unavailable_retry_s", r.unavailable_retry_s)?;
+        let bounds = Bounds::new(
+            r.max_window_entries,
+            r.max_window_entries_per_quota,
+            r.max_void_markers,
+        )
+        .map_err(|e| invalid(format!("admission.redis.{e}")))?;
+        if !(r.flush_timeout_s.is_finite() && (0.0..=3600.0).contains(&r.flush_timeout_s)) {
+            return Err(invalid(format!(
+                "admission.redis.flush_timeout_s must be in [0, 3600], got {}",
+                r.flush_timeout_s
+            )));
+        }
         if r.prefix.is_empty() {
             return Err(invalid("admission.redis.prefix must not be empty"));
         }
@@ -222,7 +287,7 @@ impl RedisAdmission {
             .map(|p| Quota {
                 name: p.name.clone(),
                 key: format!("{}:{{{}}}", r.prefix, p.name),
-                config: scripts::quota_config(p, &ents, window_s, lease_s),
+                config: scripts::quota_config(p, &ents, window_s, lease_s, &bounds),
                 configured: AtomicBool::new(false),
                 pending: Mutex::new(Pending::default()),
                 ents: ents
@@ -230,6 +295,7 @@ impl RedisAdmission {
                     .filter(|e| e.quota == p.name)
                     .map(|e| (e.name.clone(), e.service_class))
                     .collect(),
+                swept: Mutex::new(None),
             })
             .collect();
         let quota_of = ents
@@ -250,6 +316,7 @@ impl RedisAdmission {
                 admit: Script::new(scripts::ADMIT),
                 complete: Script::new(scripts::COMPLETE),
                 void: Script::new(scripts::VOID),
+                sweep: Script::new(scripts::SWEEP),
             },
             quotas,
             quota_of,
@@ -259,10 +326,21 @@ impl RedisAdmission {
             timeout: Duration::from_secs_f64(timeout),
             rid_prefix: format!("{:016x}:", rand_u64()),
             failures: Default::default(),
+            metrics: None,
+            outage: Repeats::default(),
+            full: Repeats::default(),
             stalled: AtomicBool::new(false),
             probe: tokio::sync::Mutex::new(()),
             held: Mutex::new(HashSet::new()),
+            busy: AtomicUsize::new(0),
+            flush_timeout: Duration::from_secs_f64(r.flush_timeout_s),
         })
+    }
+
+    /// Counts failures in `metrics` too (`routecore_faults_total{source="redis", kind}`).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// The connection, connecting first if there is none (one connect at a time).
@@ -301,6 +379,9 @@ impl RedisAdmission {
         let kind = match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(v)) => {
                 self.stalled.store(false, Ordering::Relaxed);
+                if let Some(suppressed) = self.outage.end() {
+                    tracing::info!(suppressed, "redis-recovered");
+                }
                 return Ok(v);
             }
             Ok(Err(kind)) => kind,
@@ -312,6 +393,27 @@ impl RedisAdmission {
 
     fn failed(&self, kind: FailureKind) {
         self.failures[kind as usize].fetch_add(1, Ordering::Relaxed);
+        if let Some(m) = &self.metrics {
+            m.fault("redis", kind.as_str());
+        }
+        // One line per state change: Redis full is its own (releases still
+        // reach Redis meanwhile, ending an outage but not that).
+        let (run, event) = match kind {
+            FailureKind::Oom => (&self.full, "redis-full"),
+            _ => (&self.outage, "redis-unavailable"),
+        };
+        if let Occurrence::Log { suppressed } = run.occur(Instant::now()) {
+            let mode = match self.failure_mode {
+                FailureMode::Open => "open",
+                FailureMode::Closed => "closed",
+            };
+            tracing::warn!(
+                kind = kind.as_str(),
+                failure_mode = mode,
+                suppressed,
+                "{event}"
+            );
+        }
         if kind == FailureKind::Timeout {
             self.stalled.store(true, Ordering::Relaxed);
         }
@@ -417,6 +519,18 @@ impl RedisAdmission {
         Verdict::unavailable(self.failure_mode, self.unavailable_retry_s)
     }
 
+    /// Whether an admit refused because Redis is full may sweep quota `p`
+    /// now (at most every [`SWEEP_EVERY`] per instance); marks it swept.
+    fn may_sweep(&self, p: usize) -> bool {
+        let mut last = lock(&self.quotas[p].swept);
+        let now = Instant::now();
+        if last.is_some_and(|t| now.saturating_duration_since(t) < SWEEP_EVERY) {
+            return false;
+        }
+        *last = Some(now);
+        true
+    }
+
     pub async fn admit(
         &self,
         entitlement: &str,
@@ -436,6 +550,7 @@ impl RedisAdmission {
             };
         };
         let quota = &self.quotas[p];
+        let _busy = Busy::new(&self.busy);
         let now = wall_s();
         let rid = format!("{}{request_id}", self.rid_prefix);
         let sent = AtomicBool::new(false);
@@ -443,9 +558,10 @@ impl RedisAdmission {
             let mut c = self.connection().await?;
             self.ready(&mut c, p, now).await?;
             let mut out = Vec::new();
-            for _ in 0..2 {
+            let mut swept = false;
+            for _ in 0..3 {
                 sent.store(true, Ordering::Relaxed);
-                out = self
+                let result = self
                     .scripts
                     .admit
                     .key(&quota.key)
@@ -454,7 +570,27 @@ impl RedisAdmission {
                     .arg(now)
                     .arg(&rid)
                     .invoke_async::<Vec<String>>(&mut c)
-                    .await?;
+                    .await;
+                out = match result {
+                    // Refused at its start (Redis full): it never runs, so
+                    // there is nothing to void. Free what expired, try again.
+                    Err(e) if FailureKind::of(&e) == FailureKind::Oom => {
+                        if swept || !self.may_sweep(p) {
+                            sent.store(false, Ordering::Relaxed);
+                            return Err(FailureKind::Oom);
+                        }
+                        swept = true;
+                        let _: i64 = self
+                            .scripts
+                            .sweep
+                            .key(&quota.key)
+                            .arg(now)
+                            .invoke_async(&mut c)
+                            .await?;
+                        continue;
+                    }
+                    result => result?,
+                };
                 if out.first().map(String::as_str) != Some("unconfigured") {
                     break;
                 }
@@ -466,6 +602,9 @@ impl RedisAdmission {
             Ok(out) => out,
             Err(()) => return self.lost(p, rid, &sent),
         };
+        if let Some(suppressed) = self.full.end() {
+            tracing::info!(suppressed, "redis-writable");
+        }
         let [status, reason, retry, seq, _priority] = out.as_slice() else {
             // 'void' (a request id used twice) or 'unconfigured' twice.
             self.failed(FailureKind::Reply);
@@ -504,6 +643,8 @@ impl RedisAdmission {
     }
 
     pub async fn complete(&self, ticket: Ticket, input: u64, output: u64, latency_s: f64) -> bool {
+        // Busy before the ticket leaves `held`: `settled` sees one or the other.
+        let _busy = Busy::new(&self.busy);
         if !lock(&self.held).remove(&ticket.0) {
             return false;
         }
@@ -611,7 +752,7 @@ impl RedisAdmission {
     }
 
     /// Failures since construction by kind.
-    pub fn failures_by_kind(&self) -> [(FailureKind, u64); 3] {
+    pub fn failures_by_kind(&self) -> [(FailureKind, u64); 4] {
         FailureKind::ALL.map(|k| (k, self.failures[k as usize].load(Ordering::Relaxed)))
     }
 
@@ -624,6 +765,25 @@ impl RedisAdmission {
                 q.voids.len() + q.replays.len()
             })
             .sum()
+    }
+
+    /// Whether nothing is owed to Redis any more: no admit or completion
+    /// under way, no ticket held, nothing pending (settling what it can now).
+    pub async fn settled(&self) -> bool {
+        {
+            // Read under `held`'s lock: an admit adds its ticket before it
+            // stops being busy, a completion is busy before it takes it out.
+            let held = lock(&self.held);
+            if !held.is_empty() || self.busy.load(Ordering::Acquire) > 0 {
+                return false;
+            }
+        }
+        self.pending() == 0 || self.reconcile().await
+    }
+
+    /// How long a shutdown waits for [`settled`](Self::settled).
+    pub fn flush_timeout(&self) -> Duration {
+        self.flush_timeout
     }
 
     /// Settles everything pending on every quota; true when nothing is left.

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use futures_util::FutureExt;
 
 use super::{Admission, AdmissionSpec, Backend, FailureMode, Verdict};
+use crate::serve::metrics::Metrics;
 
 struct RedisServer {
     port: u16,
@@ -74,6 +75,36 @@ impl RedisServer {
             redis::Value::Nil => 0,
             other => panic!("in_flight: {other:?}"),
         }
+    }
+
+    /// A replica of a master that does not exist: every write refused
+    /// (READONLY), whatever the memory.
+    fn readonly(&self, on: bool) {
+        if on {
+            self.cmd(&["REPLICAOF", "127.0.0.1", "1"]);
+        } else {
+            self.cmd(&["REPLICAOF", "NO", "ONE"]);
+        }
+    }
+
+    /// `maxmemory` (0: none) with `noeviction`: full past it.
+    fn maxmemory(&self, bytes: u64) {
+        self.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+        self.cmd(&["CONFIG", "SET", "maxmemory", &bytes.to_string()]);
+    }
+
+    /// Over `maxmemory` (1 byte), or back to no limit.
+    fn full(&self, on: bool) {
+        self.maxmemory(u64::from(on));
+    }
+
+    /// `used_memory` of INFO.
+    fn used_memory(&self) -> u64 {
+        let text: String = redis::from_redis_value(self.cmd(&["INFO", "memory"])).expect("INFO");
+        text.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("used_memory")
     }
 
     fn signal(&self, sig: &str) {
@@ -261,14 +292,13 @@ fn error_replies_go_through_failure_mode_and_completions_replay_once() {
                 .await
                 .ticket()
                 .expect("t");
-            server.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
-            server.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+            server.readonly(true);
             assert_failed_as(&red.admit("s", 10, Some(10), "o2").await, mode);
             assert!(!red.complete(held, 10, 10, 1.0).await);
             let kinds = red.failures_by_kind();
             assert!(kinds[2].1 >= 2 && kinds[0].1 == 0, "{kinds:?}");
             assert_eq!(red.pending(), 2);
-            server.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+            server.readonly(false);
             let b = red
                 .admit("s", 10, Some(10), "o3")
                 .await
@@ -403,12 +433,11 @@ fn a_settlement_cut_short_by_a_stall_keeps_what_it_owes() {
             .await
             .ticket()
             .expect("t");
-        // Its completion fails with an error reply (OOM): owed as a replay,
-        // the connection kept.
-        server.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
-        server.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+        // Its completion fails with an error reply (READONLY): owed as a
+        // replay, the connection kept.
+        server.readonly(true);
         assert!(!red.complete(held, 1, 1, 0.1).await);
-        server.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+        server.readonly(false);
         assert_eq!(r.pending(), 1);
         // The next call settles it first, and Redis stalls meanwhile: the call
         // is cut short by its timeout, and the replay is still owed.
@@ -542,4 +571,130 @@ fn redis_admit_complete_timing() {
         assert_eq!(red.failures(), 0);
         assert_eq!(server.in_flight(), 0);
     });
+}
+
+/// A quota with room for any load: `a` loads it, `b` (2 at once) is never
+/// under load. Window entries unbounded in practice, so the load's own state
+/// can fill a small Redis.
+fn roomy(url: &str, mode: FailureMode, window_s: f64) -> AdmissionSpec {
+    let mut s = spec(url, mode, 1.0);
+    s.quotas[0].concurrency = 1 << 20;
+    s.quotas[0].tokens_per_s = 1e9;
+    for (e, name, concurrency) in [(0, "b", 2), (1, "a", 1 << 20)] {
+        let ent = &mut s.entitlements[e];
+        ent.name = name.into();
+        ent.service_class = "guaranteed".into();
+        ent.tokens_per_s = 1e9;
+        ent.concurrency = concurrency;
+    }
+    s.window_s = window_s;
+    s.redis.max_window_entries = 1 << 20;
+    s.redis.max_window_entries_per_quota = 1 << 20;
+    s
+}
+
+#[test]
+fn full_redis_refuses_admits_whole_still_releases_and_counts_them() {
+    let server = RedisServer::start();
+    for mode in [FailureMode::Open, FailureMode::Closed] {
+        server.cmd(&["FLUSHALL"]);
+        runtime().block_on(async {
+            let metrics = Arc::new(Metrics::new());
+            let Admission::Redis(red) = Admission::from_spec(&roomy(&server.url(), mode, 10.0))
+                .expect("redis")
+                .with_metrics(Arc::clone(&metrics))
+            else {
+                panic!("redis backend");
+            };
+            let held = red.admit("a", 10, Some(10), "h").await.ticket().expect("t");
+            server.full(true);
+            assert_failed_as(&red.admit("a", 10, Some(10), "f").await, mode);
+            let kinds = red.failures_by_kind();
+            assert_eq!(kinds.map(|k| k.1), [0, 0, 0, 1], "{kinds:?}");
+            assert_eq!(metrics.value("faults", &["redis", "oom"]), Some(1.0));
+            // Refused at its start: it never ran, there is nothing to void.
+            assert_eq!(red.pending(), 0);
+            // A release runs although Redis is full.
+            assert!(red.complete(held, 10, 10, 0.1).await);
+            assert_eq!(server.in_flight(), 0);
+            server.full(false);
+            let b = red.admit("a", 10, Some(10), "b").await.ticket().expect("t");
+            assert!(red.complete(b, 10, 10, 0.1).await);
+            assert_eq!(red.failures(), 1);
+        });
+    }
+}
+
+#[test]
+fn redis_filled_by_admission_state_recovers_by_itself() {
+    let server = RedisServer::start();
+    let window_s = 3.0;
+    for mode in [FailureMode::Open, FailureMode::Closed] {
+        server.cmd(&["FLUSHALL"]);
+        server.full(false);
+        runtime().block_on(async {
+            let red = Admission::from_spec(&roomy(&server.url(), mode, window_s)).expect("redis");
+            let Admission::Redis(r) = &red else {
+                unreachable!()
+            };
+            let mut held = Vec::new();
+            for k in 0..20 {
+                let v = red.admit("a", 10, Some(10), &format!("h{k}")).await;
+                held.push(v.ticket().expect("t"));
+            }
+            // Room for a few thousand window charges above what Redis holds.
+            server.maxmemory(server.used_memory() + 400_000);
+            // The load: admitted, completed, charged, until Redis is full.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let mut k = 0;
+            while r.failures_by_kind()[3].1 == 0 {
+                assert!(Instant::now() < deadline, "Redis never filled up");
+                k += 1;
+                if let Some(t) = red
+                    .admit("a", 10, Some(10), &format!("l{k}"))
+                    .await
+                    .ticket()
+                {
+                    red.complete(t, 10, 10, 0.01).await;
+                }
+            }
+            let stopped = Instant::now();
+            assert_eq!(r.failures(), r.failures_by_kind()[3].1, "only oom");
+            // Full: the releases still go through; nothing stays held.
+            for t in held {
+                assert!(red.complete(t, 10, 10, 0.01).await);
+            }
+            assert_eq!(server.in_flight(), 0);
+            // Within the window and a sweep, b (never under load) is decided
+            // again, its concurrency enforced.
+            let b1 = loop {
+                if let Some(t) = red
+                    .admit("b", 10, Some(10), &format!("b{k}"))
+                    .await
+                    .ticket()
+                {
+                    break t;
+                }
+                k += 1;
+                assert!(
+                    stopped.elapsed().as_secs_f64() < window_s + 2.0,
+                    "never recovered"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            println!(
+                "recovered {:.2} s after the load stopped",
+                stopped.elapsed().as_secs_f64()
+            );
+            let b2 = red
+                .admit("b", 10, Some(10), "b2")
+                .await
+                .ticket()
+                .expect("t");
+            let b3 = red.admit("b", 10, Some(10), "b3").await;
+            assert_eq!(status(&b3), (429, "concurrency".into()));
+            assert!(red.complete(b1, 10, 10, 0.01).await && red.complete(b2, 10, 10, 0.01).await);
+            assert_eq!(server.in_flight(), 0);
+        });
+    }
 }
