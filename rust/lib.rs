@@ -11,6 +11,7 @@ pub mod calibrate;
 pub mod classify;
 pub mod clock;
 pub mod compress;
+pub mod dispatch;
 pub mod endpoint;
 pub mod error;
 pub mod flow;
