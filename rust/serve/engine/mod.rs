@@ -27,7 +27,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use futures_util::FutureExt;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -53,6 +52,9 @@ use super::logs::{Occurrence, Repeats};
 use super::metrics::{FCounter, FGauge, Metrics};
 use super::scrape::{Probe, Scraper};
 use super::usage::{plausible, Usage};
+use dispatch::Routing;
+
+mod dispatch;
 
 /// The VTC user of requests from no tenant (when no tenants are configured).
 pub const ANONYMOUS: &str = "anonymous";
@@ -219,8 +221,6 @@ enum Choice {
     Ranked(Vec<usize>, Recorded),
     /// No endpoint is healthy (or in the subset hint).
     NoEndpoint,
-    /// A sheddable request, and every candidate is saturated.
-    Saturated,
 }
 
 struct PoolState {
@@ -325,16 +325,40 @@ impl Chooser {
         }
     }
 
+    /// The endpoints in the request's subset hint (every endpoint without one).
+    fn subset(&self, st: &PoolState, hints: &Hints) -> Option<Vec<usize>> {
+        hints.subset.as_ref().map(|names| {
+            names
+                .iter()
+                .filter_map(|n| st.pipeline.endpoints().index(n).ok())
+                .collect()
+        })
+    }
+
+    /// Whether every healthy endpoint the request may go to is saturated
+    /// (false when there is none: that is the pick's 503).
+    fn saturated(&self, hints: &Hints) -> bool {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        self.refresh(st);
+        let subset = self.subset(st, hints);
+        let mut candidates = st
+            .states
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| s.healthy && subset.as_ref().is_none_or(|sub| sub.contains(i)))
+            .peekable();
+        candidates.peek().is_some() && candidates.all(|(_, s)| self.saturation.saturated(s))
+    }
+
     /// Ranks the pool's endpoints for a request and counts the chosen one in
     /// flight (and as dispatched since the last scrape).
-    #[allow(clippy::too_many_arguments)]
     fn choose(
         &self,
         key: Key<'_>,
         user: &str,
         adapter: Option<&str>,
         hints: &Hints,
-        sheddable: bool,
         est: (u64, u64),
         now: f64,
     ) -> Result<Choice> {
@@ -357,26 +381,7 @@ impl Chooser {
         let mut guard = lock(&self.state);
         let st = &mut *guard;
         self.refresh(st);
-        let subset: Option<Vec<usize>> = hints.subset.as_ref().map(|names| {
-            names
-                .iter()
-                .filter_map(|n| st.pipeline.endpoints().index(n).ok())
-                .collect()
-        });
-        if sheddable {
-            let mut candidates =
-                st.states.iter().enumerate().filter(|(i, s)| {
-                    s.healthy && subset.as_ref().is_none_or(|sub| sub.contains(i))
-                });
-            let mut any = false;
-            if candidates.all(|(_, s)| {
-                any = true;
-                self.saturation.saturated(s)
-            }) && any
-            {
-                return Ok(Choice::Saturated);
-            }
-        }
+        let subset = self.subset(st, hints);
         let req = PickRequest {
             hashes: &hashes,
             token_ids,
@@ -859,28 +864,6 @@ pub struct Engine {
     shared: Weak<Shared>,
 }
 
-/// Releases an endpoint and pool count taken for a request that never got
-/// its lease (refused, failed, or its stream dropped while admission waited).
-struct Undo<'a> {
-    engine: &'a Engine,
-    pool: usize,
-    endpoint: usize,
-    user: &'a str,
-    est: (u64, u64),
-    now: f64,
-    armed: bool,
-}
-
-impl Drop for Undo<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            let chooser = &self.engine.choosers[self.pool];
-            let _ = chooser.release(self.endpoint, self.user, self.est, None, self.now);
-            let _ = self.engine.router.complete(self.pool);
-        }
-    }
-}
-
 /// The prompt bytes and category a request's usage teaches the calibrator.
 /// Token ids are exact, and the usage of image and audio parts is not text:
 /// such requests are not learned from.
@@ -1194,7 +1177,7 @@ impl Engine {
                 model: t.request.model.as_deref(),
                 hints,
             };
-            return self.place(t.decision, tenant, learn, ask, None).await;
+            return self.routed(t.decision, tenant, learn, ask, None).await;
         }
         let r = match route_request(
             &self.router,
@@ -1225,7 +1208,7 @@ impl Engine {
                 hints,
             };
             return self
-                .place(d, tenant, None, ask, Some(new_body.clone()))
+                .routed(d, tenant, None, ask, Some(new_body.clone()))
                 .await;
         }
         // Token ids are exact, and the usage of image and audio parts is not
@@ -1236,7 +1219,7 @@ impl Engine {
             model,
             hints,
         };
-        self.place(d, tenant, learn, ask, None).await
+        self.routed(d, tenant, learn, ask, None).await
     }
 
     /// Routes a body on its exact prompt token count when its `model` has a
@@ -1323,7 +1306,7 @@ impl Engine {
                 return bad(e);
             }
             let d = self.router.route_estimated(tokens, req.max_output_tokens);
-            return self.place(d, tenant, None, ask, None).await;
+            return self.routed(d, tenant, None, ask, None).await;
         }
         let Some(category) = CATEGORIES.into_iter().find(|&c| c == fields.category) else {
             return bad(invalid(format!(
@@ -1338,7 +1321,7 @@ impl Engine {
         let d = self
             .router
             .route_with(est, req.max_output_tokens, compressible_category(category));
-        self.place(d, tenant, Some((req.prompt_bytes, category)), ask, None)
+        self.routed(d, tenant, Some((req.prompt_bytes, category)), ask, None)
             .await
     }
 
@@ -1351,14 +1334,27 @@ impl Engine {
         hints: &Hints,
         admit: bool,
     ) -> Result<Outcome> {
-        let pool = self.default_pool;
-        self.router.start(pool)?;
         let ask = Ask {
             key: Key::None,
             model: None,
             hints,
         };
-        self.admit(pool, 1, 1, false, tenant, admit, None, ask, None)
+        self.dispatch(Routing::Default, (1, 1), tenant, admit, None, ask, None)
+            .await
+    }
+
+    /// A request the token budget routed, through the rest of its steps.
+    async fn routed(
+        self: &Arc<Self>,
+        d: Decision,
+        tenant: Option<usize>,
+        learn: Option<(u64, &'static str)>,
+        ask: Ask<'_>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Outcome> {
+        let est = (d.est_input_tokens, d.est_output_tokens);
+        let routing = Routing::Decided(d);
+        self.dispatch(routing, est, tenant, true, learn, ask, body)
             .await
     }
 
@@ -1378,229 +1374,6 @@ impl Engine {
             .filter(|&i| self.spec.pools[i].max_context >= tokens)
             .min_by_key(|&i| (self.spec.pools[i].max_context, i))
             .ok_or(400)
-    }
-
-    async fn place(
-        self: &Arc<Self>,
-        d: Decision,
-        tenant: Option<usize>,
-        learn: Option<(u64, &'static str)>,
-        ask: Ask<'_>,
-        body: Option<Vec<u8>>,
-    ) -> Result<Outcome> {
-        let Some(mut pool) = d.pool else {
-            let message = format!(
-                "request needs {} tokens, more than any pool's context",
-                d.est_total_tokens
-            );
-            return Ok(Err(self.refuse(
-                tenant,
-                400,
-                d.reason.as_str(),
-                message,
-                0.0,
-            )));
-        };
-        if !self.spec.pools[pool].serves(ask.model) {
-            self.router.complete(pool)?;
-            match self.pool_for_model(ask.model, d.est_total_tokens) {
-                Ok(p) => {
-                    self.router.start(p)?;
-                    pool = p;
-                }
-                Err(status) => {
-                    let name = ask.model.unwrap_or("");
-                    let (reason, message) = if status == 404 {
-                        (
-                            "model-not-found",
-                            format!("The model `{name}` does not exist."),
-                        )
-                    } else {
-                        (
-                            "context-too-long",
-                            format!(
-                                "request needs {} tokens, more than the context of any pool \
-                                 serving `{name}`",
-                                d.est_total_tokens
-                            ),
-                        )
-                    };
-                    return Ok(Err(self.refuse(tenant, status, reason, message, 0.0)));
-                }
-            }
-        }
-        let mut outcome = self
-            .admit(
-                pool,
-                d.est_input_tokens,
-                d.est_output_tokens,
-                d.spilled,
-                tenant,
-                true,
-                learn,
-                ask,
-                body,
-            )
-            .await?;
-        if let Ok(r) = outcome.as_mut() {
-            r.reason = d.reason.as_str();
-            r.compress_target_tokens = d.compress_target_tokens.unwrap_or(0);
-        }
-        Ok(outcome)
-    }
-
-    /// Chooses the endpoint and runs admission; on refusal or failure undoes both counts.
-    #[allow(clippy::too_many_arguments)]
-    async fn admit(
-        self: &Arc<Self>,
-        pool: usize,
-        est_in: u64,
-        est_out: u64,
-        spilled: bool,
-        tenant: Option<usize>,
-        admit: bool,
-        learn: Option<(u64, &'static str)>,
-        ask: Ask<'_>,
-        body: Option<Vec<u8>>,
-    ) -> Result<Outcome> {
-        let shared = self.shared()?;
-        let now = shared.now();
-        let hints = ask.hints;
-        let scoped = match self.vtc_user(tenant, hints.fairness_id.as_deref()) {
-            Ok(u) => u,
-            Err(e) => {
-                self.router.complete(pool)?;
-                let message = format!("fairness id: {e}");
-                return Ok(Err(self.refuse(
-                    tenant,
-                    400,
-                    "invalid-request",
-                    message,
-                    0.0,
-                )));
-            }
-        };
-        let user = scoped
-            .as_deref()
-            .or(self.tenant_name(tenant))
-            .unwrap_or(ANONYMOUS);
-        let spec = &self.spec.pools[pool];
-        let adapter = ask.model.filter(|m| spec.adapters.iter().any(|a| a == m));
-        let sheddable = hints
-            .objective
-            .as_ref()
-            .and_then(|o| self.spec.router.objectives.get(o))
-            .is_some_and(|&p| p < 0);
-        let chooser = &self.choosers[pool];
-        let chosen = shared.fault("routing").and_then(|()| {
-            chooser.choose(
-                ask.key,
-                user,
-                adapter,
-                hints,
-                sheddable,
-                (est_in, est_out),
-                now,
-            )
-        });
-        let (ranked, recorded) = match chosen {
-            Ok(Choice::Ranked(r, recorded)) => (r, recorded),
-            Ok(refused) => {
-                self.router.complete(pool)?;
-                let (status, reason, message) = if refused == Choice::Saturated {
-                    (
-                        429,
-                        "saturated",
-                        "every endpoint is saturated; sheddable requests are dropped".to_string(),
-                    )
-                } else {
-                    (
-                        503,
-                        "no-endpoint",
-                        format!("pool {:?} has no healthy endpoint", spec.name),
-                    )
-                };
-                return Ok(Err(self.refuse(tenant, status, reason, message, 0.0)));
-            }
-            Err(e) => {
-                let _ = self.router.complete(pool);
-                return Err(e);
-            }
-        };
-        let endpoint = ranked[0];
-        // Undone on every way out before the lease exists, a dropped (cancelled)
-        // stream included: the guard releases the endpoint and the pool count.
-        let mut undo = Undo {
-            engine: self,
-            pool,
-            endpoint,
-            user,
-            est: (est_in, est_out),
-            now,
-            armed: true,
-        };
-        let id = shared.ids.next();
-        let request_id = shared.request_id(id);
-        let mut ticket = None;
-        let entitlement = tenant
-            .and_then(|t| self.tenants[t].entitlement.as_deref())
-            .filter(|e| self.entitlement_live(e, &shared));
-        if let (Some(admission), Some(ent), true) = (self.admission.as_ref(), entitlement, admit) {
-            shared.fault("admission")?;
-            let verdict = admission
-                .admit_detached(&shared.handle, ent, est_in, est_out, &request_id)
-                .await;
-            match verdict {
-                Verdict::Admitted { ticket: t } => ticket = t,
-                Verdict::Refused {
-                    status,
-                    reason,
-                    retry_after_s,
-                } => {
-                    let message = format!("not admitted: {reason}");
-                    let retry = retry_after_s.unwrap_or(0.0);
-                    return Ok(Err(self.refuse(tenant, status, &reason, message, retry)));
-                }
-            }
-        }
-        undo.armed = false;
-        let started = Instant::now();
-        let lease = Lease {
-            pool,
-            endpoint,
-            tenant,
-            user: scoped.clone(),
-            feedback: false,
-            est_input_tokens: est_in,
-            est_output_tokens: est_out,
-            learn,
-            started,
-            deadline: started + self.timeout,
-            ticket,
-            recorded,
-        };
-        // 128 random bits: two ids in flight at once never meet (2^-128 a pair).
-        lock(&shared.leases).insert(id, (Arc::clone(self), lease));
-        let m = &self.pool_metrics[pool];
-        m.decisions.inc();
-        m.in_flight[endpoint].inc();
-        if spilled {
-            m.spillovers.inc();
-        }
-        let names = chooser.endpoints();
-        Ok(Ok(Routed {
-            id,
-            request_id,
-            pool: spec.name.clone(),
-            endpoint: names[endpoint].clone(),
-            fallbacks: ranked[1..].iter().map(|&i| names[i].clone()).collect(),
-            est_input_tokens: est_in,
-            est_output_tokens: est_out,
-            spilled,
-            reason: "default",
-            compress_target_tokens: 0,
-            body,
-        }))
     }
 
     // -- completion -----------------------------------------------------------
@@ -1647,23 +1420,10 @@ impl Engine {
             fail("chooser", e);
         }
         m.in_flight[lease.endpoint].dec();
-        if let (Some(ticket), Some(admission)) = (lease.ticket, self.admission.as_ref()) {
-            let admission = Arc::clone(admission);
+        if let Some(ticket) = lease.ticket {
             let actual = usage.unwrap_or((lease.est_input_tokens, 0));
             let latency = lease.started.elapsed().as_secs_f64();
-            let mut done = Box::pin(async move {
-                admission
-                    .complete(ticket, actual.0, actual.1, latency)
-                    .await;
-            });
-            // In memory it completes at once; a remote backend finishes on the
-            // runtime. Polled in the runtime's context: the caller may be a
-            // Python thread (`DataPlane.finish`), and Redis's future needs the
-            // runtime's timers.
-            let _runtime = shared.handle.enter();
-            if done.as_mut().now_or_never().is_none() {
-                shared.handle.spawn(done);
-            }
+            self.complete_ticket(shared, ticket, actual, latency);
         }
         if let Err(e) = shared
             .fault("finish")
@@ -1745,26 +1505,39 @@ mod tests {
     /// A data plane routing by VTC over four endpoints, for tenants `demo`
     /// (0) and `other` (1).
     fn vtc_plane() -> (Arc<Shared>, Arc<Engine>) {
+        plane("vtc", serde_json::Value::Null)
+    }
+
+    /// A data plane routing by `policy` over four endpoints, for tenants
+    /// `demo` (0) and `other` (1), with this `admission` section; tenant
+    /// `name` has the entitlement `name` when the section names one.
+    fn plane(policy: &str, admission: serde_json::Value) -> (Arc<Shared>, Arc<Engine>) {
         let digest = |k: &str| -> String {
             Sha256::digest(k.as_bytes())
                 .iter()
                 .map(|b| format!("{b:02x}"))
                 .collect()
         };
+        let entitled = |name: &str| {
+            admission["entitlements"]
+                .as_array()
+                .is_some_and(|es| es.iter().any(|e| e["name"] == name))
+                .then(|| name.to_owned())
+        };
         let tenant = |name: &str| {
             serde_json::json!({"name": name, "key_digests": [digest(name)], "expires_at": null,
-                               "service_class": "none", "entitlement": null})
+                               "service_class": "none", "entitlement": entitled(name)})
         };
         let json = serde_json::json!({
             "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
             "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
                        "request_timeout_s": 30.0, "default_max_tokens": 100,
                        "image_tokens": 765, "audio_tokens": 750},
-            "router": {"policy": "vtc", "compress_band": null, "prefix_block_size": 16},
+            "router": {"policy": policy, "compress_band": null, "prefix_block_size": 16},
             "pools": [{"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
                        "endpoints": ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]}],
             "tenants": [tenant("demo"), tenant("other")],
-            "admission": null
+            "admission": admission
         });
         let spec = Spec::from_json(&json.to_string()).expect("spec");
         let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
@@ -1832,5 +1605,113 @@ mod tests {
         let body = br#"{"model": "m", "prompt": [1, 2, 3, 4]}"#;
         assert!(matches!(prompt_of(body), Some(Prompt::Ids(ids)) if ids == vec![1, 2, 3, 4]));
         assert!(prompt_of(b"not json").is_none());
+    }
+
+    /// What a data plane's request path keeps of the requests it saw: per
+    /// endpoint in flight, per pool in flight, admission's requests in
+    /// flight, each tenant's VTC charge, and which endpoints hold each
+    /// prompt's blocks in the approximate prefix index.
+    fn kept(engine: &Engine, prompts: &[Vec<u8>], now: f64) -> String {
+        let mut st = lock(&engine.choosers[0].state);
+        let st = &mut *st;
+        let loads: Vec<u64> = st.states.iter().map(|s| s.in_flight).collect();
+        let charges = st
+            .pipeline
+            .vtc_mut()
+            .map(|v| ["demo", "other"].map(|u| v.tokens(u, now)));
+        let held = st.pipeline.prefix().map(|p| {
+            let mut index = lock(p.index()).clone();
+            let (size, seed) = (p.config().block_size, p.config().seed);
+            let held: Vec<_> = prompts
+                .iter()
+                .map(|b| {
+                    let prompt = prompt_of(b).expect("a request");
+                    let h = block_hashes(prompt.tokens(), size, seed).expect("hashes");
+                    let mut m = index.match_prefix(&h, now).expect("match");
+                    m.sort();
+                    m
+                })
+                .collect();
+            (index.len(), held)
+        });
+        let admission = engine.admission.as_ref().map(|a| a.in_flight());
+        let pools = engine.router.in_flight(0).expect("pool");
+        format!(
+            "loads {loads:?} pools {pools} admission {admission:?} vtc {charges:?} prefix {held:?}"
+        )
+    }
+
+    /// Nothing a refused request touched stays changed: over random mixes of
+    /// requests answered (with usage), failed (no usage) and refused by
+    /// admission (tenant `other`'s entitlement admits one request at a time,
+    /// and its first is held to the end), the data plane keeps what a run
+    /// that never saw the refused requests keeps: every count, VTC charge
+    /// and prefix-index entry.
+    #[tokio::test]
+    async fn a_refused_request_leaves_no_trace() {
+        let quota = serde_json::json!({"name": "q", "tokens_per_s": 1e9, "kv_bytes": 1_i64 << 40,
+                                       "concurrency": 1000});
+        let entitlement = |name: &str, concurrency: i64| {
+            serde_json::json!({"name": name, "tenant": name, "quota": "q",
+                               "service_class": "guaranteed", "slo_target_ms": 1000.0,
+                               "tokens_per_s": 1e8, "kv_bytes": 1_i64 << 38,
+                               "concurrency": concurrency})
+        };
+        let admission = serde_json::json!({"quotas": [quota],
+            "entitlements": [entitlement("demo", 1000), entitlement("other", 1)]});
+        let prompts: Vec<Vec<u8>> = (0..4)
+            .map(|k| {
+                let text = format!("{k} shared context of prompt {k}. ").repeat(6);
+                serde_json::json!({"messages": [{"role": "user", "content": text}],
+                                   "max_tokens": 20})
+                .to_string()
+                .into_bytes()
+            })
+            .collect();
+        for policy in ["prefix", "vtc"] {
+            for seed in 0..20u64 {
+                let mut rng = crate::rng::Rng::new(seed);
+                // (tenant, prompt, usage); tenant 1's are refused.
+                let ops: Vec<(usize, usize, Option<Usage>)> = (0..30)
+                    .map(|_| {
+                        let tenant = usize::from(rng.next_u64() % 3 == 0);
+                        let prompt = (rng.next_u64() % 4) as usize;
+                        let usage = (rng.next_u64() % 2 == 0)
+                            .then(|| (10 + rng.next_u64() % 90, rng.next_u64() % 50));
+                        (tenant, prompt, usage)
+                    })
+                    .collect();
+                let mut runs = Vec::new();
+                for skip_refused in [false, true] {
+                    let (shared, engine) = plane(policy, admission.clone());
+                    let hints = Hints::default();
+                    let first = engine.route_body(&prompts[0], Some(1), &hints).await;
+                    let blocker = first.expect("ok").expect("admitted");
+                    let mut refused = 0;
+                    for &(tenant, prompt, usage) in &ops {
+                        if skip_refused && tenant == 1 {
+                            continue;
+                        }
+                        let r = engine
+                            .route_body(&prompts[prompt], Some(tenant), &hints)
+                            .await;
+                        match r.expect("ok") {
+                            Ok(routed) => assert!(shared.release(routed.id, usage)),
+                            Err(rej) => {
+                                assert_eq!((tenant, rej.status), (1, 429), "{rej:?}");
+                                refused += 1;
+                            }
+                        }
+                    }
+                    let mid = kept(&engine, &prompts, shared.now());
+                    assert!(shared.release(blocker.id, None));
+                    runs.push((mid, kept(&engine, &prompts, shared.now()), refused));
+                }
+                let want_refused = ops.iter().filter(|o| o.0 == 1).count();
+                assert_eq!((runs[0].2, runs[1].2), (want_refused, 0));
+                assert_eq!(runs[0].0, runs[1].0, "{policy} seed {seed}: held");
+                assert_eq!(runs[0].1, runs[1].1, "{policy} seed {seed}: after");
+            }
+        }
     }
 }
