@@ -16,6 +16,8 @@ pub mod endpoint;
 pub mod error;
 pub mod flow;
 pub mod kv;
+#[cfg(test)]
+mod layout;
 pub mod openai;
 pub mod pick;
 pub mod pipeline;

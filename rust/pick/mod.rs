@@ -32,6 +32,7 @@ mod least_request;
 mod max_score;
 mod pool;
 pub mod prefix;
+mod prefix_router;
 mod presets;
 mod queue;
 mod random;
@@ -40,13 +41,16 @@ mod saturation;
 mod session;
 mod subset;
 pub mod vtc;
+mod vtc_router;
 
 use std::cmp::Ordering;
 use std::sync::{Arc, Mutex};
 
 pub use max_score::Ties;
 pub use pool::Counted;
+pub use prefix_router::{PrefixCacheRouter, PrefixDecision};
 pub use presets::{preset_specs, PRESETS};
+pub use vtc_router::VtcRouter;
 
 use crate::endpoint::{EndpointSet, EndpointState, Saturation};
 use crate::error::{finite, invalid, non_negative, Error, Result};

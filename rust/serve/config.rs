@@ -185,7 +185,7 @@ pub struct KvEventsSpec {
     pub seed: u64,
     pub capacity_blocks: usize,
     pub stale_after_s: Option<f64>,
-    /// What a peer may send (`kv::subscriber::PeerLimits`).
+    /// What a peer may send (`kv_events::subscriber::PeerLimits`).
     pub max_message_bytes: u64,
     pub max_batch_events: usize,
     pub max_batch_blocks: usize,
