@@ -95,7 +95,8 @@ def base_config(**overrides) -> dict:
 class Running:
     """A :class:`Server` on 127.0.0.1 (free ports) in its own loop thread."""
 
-    def __init__(self, path: Path, config: dict) -> None:
+    def __init__(self, path: Path, config: dict, port: int = 0) -> None:
+        """Serves ``config`` written to ``path``, ext_proc on ``port`` (0: a free one)."""
         path.write_text(yaml.safe_dump(config))
         self.path = path
         self.loop = asyncio.new_event_loop()
@@ -103,7 +104,7 @@ class Running:
         self.thread.start()
 
         async def make() -> Server:
-            server = Server(path, port=0, metrics_port=0, api_port=0)
+            server = Server(path, port=port, metrics_port=0, api_port=0)
             await server.start()
             return server
 

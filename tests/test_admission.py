@@ -317,8 +317,8 @@ def test_admission_scenario_command(tmp_path, capsys):
 
 @pytest.mark.parametrize("number", [1, 2])
 def test_readme_tables_match_the_scenarios(number):
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
+    page = (Path(__file__).resolve().parent.parent / "docs/admission.md").read_text("utf-8")
     timeline = admission_scenarios.run(admission_scenarios.experiment(number))
     for line in admission_scenarios.summary(timeline).splitlines()[1:]:
         name, admitted, low, other, peak = line.split()
-        assert f"| {name} | {admitted} | {low} | {other} | {peak} |" in readme
+        assert f"| {name} | {admitted} | {low} | {other} | {peak} |" in page

@@ -46,6 +46,7 @@ class Figure:
 
     def __init__(self, fig) -> None:
         renderer = fig.canvas.get_renderer()
+        self.renderer = renderer
         self.title = fig._suptitle.get_text() if fig._suptitle else ""
         self.axes = fig.axes
         texts = [
@@ -108,6 +109,14 @@ def test_simulate_plot_is_one_png_with_the_slos_as_lines(tmp_path, figures, caps
     ]
     assert ttft.get_legend() is None and tpot.get_legend() is None
     assert "inf" not in [t.get_text() for t in util.texts]
+    # curves that follow each other stay apart: each fleet its own dashes,
+    # each drawn thinner than the one under it
+    for ax in (ttft, tpot, e2e):
+        curves = [line for line in ax.get_lines() if len(set(line.get_xdata())) > 1]
+        assert [c.get_label() for c in curves] == ["homogeneous", "pool-routing", "fleetopt"]
+        assert len({c.get_linestyle() for c in curves}) == 3
+        widths = [c.get_linewidth() for c in curves]
+        assert widths == sorted(widths, reverse=True) and len(set(widths)) == 3
 
 
 def test_simulate_plot_into_a_missing_directory_is_refused_before_the_run(tmp_path, capsys):
@@ -142,6 +151,28 @@ def test_pick_eval_plot_is_readable(tmp_path, figures):
         "TTFT",
         "load imbalance (1 = even)",
     ]
+    # p50 (tens of ms) and p99 (seconds) both visible: a log axis, every bar
+    # several pixels long
+    ttft = fig.axes[1]
+    assert ttft.get_xscale() == "log" and ttft.get_xlabel() == "time to first token (s, log scale)"
+    lengths = [bar.get_window_extent(fig.renderer).width for bar in ttft.patches]
+    assert len(lengths) == 2 * 7 and min(lengths) > 10
+
+
+@pytest.mark.parametrize("width", [3.0, 6.0])
+def test_log_axis_tick_labels_never_overlap_however_narrow_the_panel(width):
+    # the TTFT bars of the default pick-eval: 0.03 s to 8.7 s, on a panel as
+    # narrow as one of its three
+    fig, (ax,) = _plot.figure("TTFT", 1, (width, 2.0))
+    ax.barh([0, 1], [0.03, 8.7])
+    ax.set_xlim(0.015, 35.0)
+    _plot.plain_log_axis(ax.xaxis)
+    fig.canvas.draw()
+    drawn = Figure(fig)
+    _plot.save(fig, "/dev/null")
+    assert drawn.overlapping_texts() == []
+    labels = [t.get_text() for t in shown_ticks(ax)]
+    assert {"0.1", "1", "10"} <= set(labels)
 
 
 def test_plan_plot_is_readable(tmp_path, figures, capsys):

@@ -1,13 +1,16 @@
-"""The README's quick start, run as written: its commands are read from the
-README, so the two cannot drift apart. The server runs in its own process on
-free ports (the file's 9002 / 9003 / 9464 may be taken here); bench gets a
-small budget."""
+"""The README's quick start, run as written: its lines are read from the
+README, so the two cannot drift apart. The block runs in bash, in a stand-in
+for the clone, with ``routecore`` recording each command line and the
+directory it runs in; the test then runs each one there, the server in its
+own process on free ports (the file's 9002 / 9003 / 9464 may be taken here),
+bench with a small budget, and finds the clone as it was."""
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,26 +23,50 @@ from server_fixtures import Running, Spawned, base_config  # noqa: E402
 from routecore.cli import main  # noqa: E402
 from routecore.config import load_config  # noqa: E402
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
-def quick_start() -> list[list[str]]:
-    """The ``routecore`` commands of the README's quick start block, as argv
-    (comments and a trailing ``&`` removed)."""
-    text = README.read_text("utf-8")
-    block = re.search(r"\*\*Quick start\*\*.*?```bash\n(.*?)```", text, re.S)
+def quick_start_block() -> str:
+    """The README's quick start block, as bash runs it."""
+    block = re.search(r"\*\*Quick start\*\*.*?```bash\n(.*?)```", README.read_text("utf-8"), re.S)
     assert block, "README.md has no quick start block"
-    lines = [line.split("#", 1)[0].strip() for line in block.group(1).splitlines()]
-    assert any(line.startswith("pip install") for line in lines)
-    return [shlex.split(line.rstrip("&")) for line in lines if line.startswith("routecore ")]
+    return block.group(1)
 
 
-def test_the_quick_start_runs_as_written(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    commands = quick_start()
-    assert [argv[1] for argv in commands] == ["init-config", "serve", "client", "bench"]
-    init, serve, client, bench = (argv[1:] for argv in commands)
+def recorded_commands(clone: Path, tmp: Path) -> list[tuple[Path, list[str]]]:
+    """Runs the quick start block in bash from ``clone`` (temporary files
+    under ``tmp``) with ``routecore`` a function that records its directory
+    and arguments, in the background as written; returns them in order."""
+    record = tmp / "commands.jsonl"
+    recorder = (
+        f"routecore() {{ {sys.executable} -c 'import json, os, sys; "
+        f'print(json.dumps([os.getcwd(), sys.argv[1:]]))\' "$@" >> {record}; }}\n'
+        "kill() { :; }\n"  # the recorder in the background, not a server: waited for
+    )
+    script = recorder + quick_start_block() + "\nwait\n"
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp)}
+    subprocess.run(["bash", "-c", script], cwd=clone, env=env, check=False, capture_output=True)
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    return sorted(((Path(cwd), argv) for cwd, argv in lines), key=lambda c: ORDER.index(c[1][0]))
 
+
+#: The commands of the quick start, in the order it runs them.
+ORDER = ["init-config", "serve", "client", "bench"]
+
+
+def test_the_quick_start_runs_as_written_and_leaves_the_clone_as_it_was(
+    tmp_path, monkeypatch, capsys
+):
+    clone, tmp = tmp_path / "clone", tmp_path / "tmp"
+    clone.mkdir(), tmp.mkdir()
+    (clone / ".venv").symlink_to(ROOT / ".venv")  # the environment the set-up built
+    commands = recorded_commands(clone, tmp)
+    assert [argv[0] for _, argv in commands] == ORDER
+    (cwd, init), (_, serve), (_, client), (_, bench) = commands
+    assert all(c == cwd for c, _ in commands)
+
+    monkeypatch.chdir(cwd)
     assert main(init) == 0
     assert serve[:2] == ["serve", "--config"] and len(serve) == 3
     config = Path(serve[2])
@@ -59,6 +86,8 @@ def test_the_quick_start_runs_as_written(tmp_path, monkeypatch, capsys):
         server.proc.terminate()
         assert server.proc.wait(timeout=30) == 0, server.stop()
         server.stop()
+    # everything it wrote is in the scratch directory: the clone is as it was
+    assert [p.name for p in clone.iterdir()] == [".venv"]
 
 
 @pytest.mark.parametrize("tenants", [[], None])

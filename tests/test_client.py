@@ -4,13 +4,19 @@ against a routecore server the test starts, printed as Envoy acts on it."""
 from __future__ import annotations
 
 import json
+import re
+import socket
+import threading
+import time
 
 import pytest
+import yaml
 
 pytest.importorskip("grpc")
 pytest.importorskip("envoy")
 
 from server_fixtures import SHORT, Running, base_config, free_port, wait_settled  # noqa: E402
+from test_readme import PAGES  # noqa: E402
 
 from routecore import cli  # noqa: E402
 
@@ -98,11 +104,40 @@ def test_a_body_too_long_for_every_pool_is_refused_400(server, capsys):
     assert code == 1 and out["http_status"] == 400
 
 
-def test_unreachable_target_is_one_error_line(capsys):
-    argv = ["client", "--target", f"127.0.0.1:{free_port()}", "--timeout", "0.5"]
+def test_nothing_listening_is_said_at_once_not_after_the_timeout(capsys):
+    argv = ["client", "--target", f"127.0.0.1:{free_port()}", "--timeout", "60"]
+    start = time.monotonic()
     assert cli.main(argv) == 2
+    assert time.monotonic() - start < 30  # the refusal, not the 60 s timeout
     err = capsys.readouterr().err
     assert err.startswith("routecore client: error: cannot connect") and err.count("\n") == 1
+    assert "connection refused" in err
+
+
+def test_a_server_that_accepts_and_stalls_gets_the_timeout(capsys):
+    with socket.socket() as listener:  # the kernel accepts; nothing ever answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert cli.main(["client", "--target", f"127.0.0.1:{port}", "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot connect to 127.0.0.1:{port} within 0.5 s" in err
+
+
+def test_wait_keeps_trying_until_a_server_starts(tmp_path, capsys):
+    port = free_port()
+    result: list[int] = []
+    argv = ["client", "--target", f"127.0.0.1:{port}", "--wait", "60", "--json"]
+    client = threading.Thread(target=lambda: result.append(cli.main(argv)))
+    client.start()
+    time.sleep(0.5)  # the client finds nothing listening, and keeps trying
+    server = Running(tmp_path / "routecore.yaml", base_config(), port=port)
+    try:
+        client.join(timeout=90)
+        assert result == [0]
+        assert json.loads(capsys.readouterr().out)["routed"]
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(
@@ -122,3 +157,30 @@ def test_every_client_option_has_help():
     for action in sub._actions:
         assert action.help, action.option_strings
     assert "200" in sub.format_help() and "(default 10)" in sub.format_help()
+
+
+def test_the_readmes_sample_output_is_what_client_prints(tmp_path, capsys):
+    pages = "".join(page.read_text("utf-8") for page in PAGES)
+    sample = r"```text\n(\$ routecore client --target 127\.0\.0\.1:9002\n.*?)```"
+    text = re.search(sample, pages, re.S)
+    assert text, "no client sample in README.md or docs/"
+    samples = re.split(r"^\$ routecore (.*)\n", text.group(1), flags=re.M)[1:]
+
+    def same(output: str) -> str:
+        # what varies from run to run: the latency, and which of the two
+        # equally free endpoints comes first
+        output = re.sub(r"added latency [\d.]+ ms", "added latency X ms", output)
+        return re.sub(r"127\.0\.0\.1:800[12]", "127.0.0.1:800N", output)
+
+    # the quick start's server: init-config --no-scrape
+    assert cli.main(["init-config", str(tmp_path), "--no-scrape"]) == 0
+    config = yaml.safe_load((tmp_path / "routecore.yaml").read_text())
+    server = Running(tmp_path / "served.yaml", config)
+    try:
+        capsys.readouterr()
+        for command, sample in zip(samples[::2], samples[1::2]):
+            argv = command.replace("127.0.0.1:9002", server.target).split()
+            cli.main(argv)
+            assert same(capsys.readouterr().out) == same(sample), command
+    finally:
+        server.stop()

@@ -319,13 +319,13 @@ def test_liveness_at_once_readiness_once_the_endpoints_are_synced(engines, serve
 
 
 def test_the_readme_envoy_block_runs(tmp_path, monkeypatch, engines, envoy):
-    """The README's "Behind Envoy" block, run as written with its files
+    """The "Behind Envoy" block (docs/server.md), run as written with its files
     (ports changed to free ones; the engines are mock engines, which answer in
     the format captured from vLLM), and the answers it shows (a real vLLM's):
     the same fields in the same order, the same refusal (about 3 s)."""
     monkeypatch.chdir(tmp_path)
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
-    section = readme.split("**Behind Envoy**", 1)[1]
+    page = (Path(__file__).resolve().parent.parent / "docs/server.md").read_text("utf-8")
+    section = page.split("**Behind Envoy**", 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     shown = section.split("```text\n", 1)[1].split("```", 1)[0]
     answered, refused = (

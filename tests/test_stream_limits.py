@@ -78,7 +78,8 @@ def test_a_stream_not_routed_within_the_body_timeout_is_408_and_freed(serve):
             assert routed.routing is not None
 
     asyncio.run(go())
-    assert s.metric("buffered_bytes") == 0
+    # Streams end on the server a little after the client saw their end.
+    wait_for(lambda: s.metric("buffered_bytes") == 0, what="every buffer given back")
     assert s.metric("faults", "client", "body_timeout_s") == 2
     assert s.metric("rejections", "none", "body-timeout") == 2
     wait_settled(s)
@@ -95,6 +96,17 @@ async def opened(stub) -> grpc.aio.StreamStreamCall | grpc.aio.AioRpcError:
     return call
 
 
+def lost_the_race(call) -> bool:
+    """The server refused the stream before the client's first message left:
+    gRPC's client then fails that write with its own INTERNAL and the server's
+    status never reaches the caller (seen under load)."""
+    return (
+        isinstance(call, grpc.aio.AioRpcError)
+        and call.code() == grpc.StatusCode.INTERNAL
+        and "execute_batch" in (call.debug_error_string() or "")
+    )
+
+
 def test_a_connection_opens_at_most_its_streams(serve):
     s = serve(limits={"max_streams_per_connection": 4})
 
@@ -104,6 +116,10 @@ def test_a_connection_opens_at_most_its_streams(serve):
             calls = [await opened(stub) for _ in range(4)]
             assert not any(isinstance(c, grpc.aio.AioRpcError) for c in calls)
             fifth = await opened(stub)
+            refused = 1
+            while refused < 5 and lost_the_race(fifth):
+                fifth = await opened(stub)
+                refused += 1
             assert isinstance(fifth, grpc.aio.AioRpcError)
             assert fifth.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "streams open on this connection" in fifth.details()
@@ -111,7 +127,7 @@ def test_a_connection_opens_at_most_its_streams(serve):
             async with grpc.aio.insecure_channel(s.target, options=OWN_CONNECTION) as other:
                 conv = await buffered(pb_grpc.ExternalProcessorStub(other), KEY, chat_body("hi"))
                 assert conv.routing is not None
-            assert s.metric("faults", "client", "max_streams_per_connection") == 1
+            assert s.metric("faults", "client", "max_streams_per_connection") == refused
             # A stream that ends gives its place back.
             calls[0].cancel()
             for _ in range(50):

@@ -42,7 +42,7 @@ from routecore.admission import (
 )
 
 #: How the endpoint inside a pool is picked (``router.policy``): the endpoint
-#: picker's presets, see the README.
+#: picker's presets, see docs/picker.md.
 POLICIES = (
     "prefix+queue+kv",
     "queue+kv",
@@ -262,8 +262,8 @@ class KvEventSource:
 
 @dataclass(frozen=True)
 class KvEventsConfig:
-    """The precise prefix index fed by the engines' KV events (README,
-    "Precise prefix routing"); off without sources."""
+    """The precise prefix index fed by the engines' KV events
+    (docs/precise-prefix.md); off without sources."""
 
     #: The engines' KV block size, in tokens (vLLM's ``--block-size``).
     block_size: int = 16

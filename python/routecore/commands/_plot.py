@@ -44,24 +44,46 @@ def target_line(ax: Any, value: float, label: str, *, vertical: bool) -> None:
     line(value, color=TARGET, linestyle="--", linewidth=1.2, label=label)
 
 
+#: The room a tick label of a log axis needs along it, in inches ("0.05").
+TICK_ROOM_IN = 0.45
+
+
 def plain_log_axis(axis: Any) -> None:
     """A log axis (of data already drawn) whose ticks read as plain numbers:
     at 1, 2, 3 and 5 of each decade over a short range, at 1, 2 and 5 over a
-    few decades, at the powers of ten over more."""
+    few decades, at the powers of ten over more or where the axis is too
+    short for the labels of the denser ticks side by side."""
     ticker = __import__("matplotlib.ticker").ticker
     axis.axes.set(**{f"{axis.axis_name}scale": "log"})
     lo, hi = sorted(axis.get_view_interval())
     decades = np.log10(hi / lo) if lo > 0 else np.inf
+    box = axis.axes.get_position()
+    size = axis.axes.figure.get_size_inches()
+    length = box.width * size[0] if axis.axis_name == "x" else box.height * size[1]
     subs = (1.0, 2.0, 3.0, 5.0) if decades < 1.5 else (1.0, 2.0, 5.0) if decades < 4 else (1.0,)
+    if decades * len(subs) * TICK_ROOM_IN > length:
+        subs = (1.0,)
     axis.set_major_locator(ticker.LogLocator(subs=subs))
     axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(ticker.NullFormatter())
 
 
-def cdf(ax: Any, values: np.ndarray, label: str) -> None:
-    """The empirical CDF of the finite ``values`` as a line."""
+#: The line of each series of a panel, in drawing order: each one thinner and
+#: more broken than the one before, so a curve drawn over an earlier one that
+#: it follows closely leaves that one visible around it and in its gaps.
+SERIES = (
+    {"linestyle": "-", "linewidth": 3.2},
+    {"linestyle": "-.", "linewidth": 2.2},
+    {"linestyle": ":", "linewidth": 1.6},
+)
+
+
+def cdf(ax: Any, values: np.ndarray, label: str, series: int = 0) -> None:
+    """The empirical CDF of the finite ``values`` as a line, in the style of
+    the ``series``-th series (``SERIES``, repeated past its end)."""
     xs = np.sort(values[np.isfinite(values)])
-    ax.plot(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), label=label)
+    style = SERIES[series % len(SERIES)]
+    ax.plot(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), label=label, **style)
 
 
 def bars(

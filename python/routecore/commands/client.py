@@ -167,10 +167,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="give up connecting or waiting for an answer after this long; under --load a "
         "step past it counts as DEADLINE_EXCEEDED (default 10)",
     )
+    one.add_argument(
+        "--wait",
+        type=delay_s,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep trying a target that refuses the connection (a server still starting) for "
+        "up to this long (default 0: a refused connection is an error at once; a server that "
+        "accepts and stalls is given --timeout)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     return run_load(args) if args.load else run_one(args)
+
+
+#: Channel options of the single conversation: a refused connection is
+#: retried every 0.2 s to 1 s (gRPC's default backoff grows to 2 minutes).
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+async def connect(channel: Any, target: str, timeout_s: float, wait_s: float) -> None:
+    """Waits until ``channel`` is ready. A connection that fails (refused:
+    nothing listens there) is an ``OSError`` at once, or once ``wait_s`` has
+    passed; one that neither fails nor completes (a server that stalls) is an
+    ``OSError`` after ``timeout_s`` (or ``wait_s``, the longer)."""
+    import grpc
+
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    deadline = start + max(timeout_s, wait_s)
+    state = channel.get_state(try_to_connect=True)
+    while state != grpc.ChannelConnectivity.READY:
+        now = loop.time()
+        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE and now - start >= wait_s:
+            raise OSError(
+                f"cannot connect to {target}: connection refused or unreachable "
+                "(is routecore serve running there?)"
+            )
+        try:
+            await asyncio.wait_for(channel.wait_for_state_change(state), deadline - now)
+        except asyncio.TimeoutError:
+            waited = max(timeout_s, wait_s)
+            raise OSError(f"cannot connect to {target} within {waited:g} s") from None
+        state = channel.get_state(try_to_connect=True)
 
 
 def converse(args: argparse.Namespace) -> dict[str, Any]:
@@ -193,13 +233,8 @@ def converse(args: argparse.Namespace) -> dict[str, Any]:
     async def talk() -> dict[str, Any]:
         from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-        async with grpc.aio.insecure_channel(args.target) as channel:
-            try:
-                await asyncio.wait_for(channel.channel_ready(), args.timeout)
-            except asyncio.TimeoutError:
-                raise OSError(
-                    f"cannot connect to {args.target} within {args.timeout:g} s"
-                ) from None
+        async with grpc.aio.insecure_channel(args.target, options=RECONNECT) as channel:
+            await connect(channel, args.target, args.timeout, args.wait)
             stub = pb_grpc.ExternalProcessorStub(channel)
             try:
                 conv = await asyncio.wait_for(buffered(stub, headers, body, response), args.timeout)

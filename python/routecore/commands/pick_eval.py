@@ -190,12 +190,17 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     hits.set_title("prefix-cache hit rate")
     hits.set_xlim(0, 110)
     hits.set_xticks(range(0, 101, 20))
+    times = []
     for dy, name, color in [(-0.2, "p50", "C1"), (0.2, "p99", "C3")]:
         values = [getattr(r, f"ttft_{name}_s") for r in rows]
-        _plot.bars(ttft, values, "%.2f", offset=dy, width=0.4, label=name, color=color)
-    ttft.set_xlabel("time to first token (s)")
+        _plot.bars(ttft, values, "%.3g", offset=dy, width=0.4, label=name, color=color)
+        times += [v for v in values if np.isfinite(v) and v > 0]
+    # p50 and p99 lie decades apart: a log axis shows both, from half the
+    # shortest (each bar at least that long) to room after the longest's label
+    ttft.set_xlabel("time to first token (s, log scale)")
     ttft.set_title("TTFT")
-    ttft.set_xlim(0, max(r.ttft_p99_s for r in rows) * 1.25 or 1.0)
+    ttft.set_xlim(min(times, default=0.01) / 2, max(times, default=1.0) * 4)
+    _plot.plain_log_axis(ttft.xaxis)
     _plot.bars(imbalance, [r.imbalance for r in rows], "%.2f", color="C2")
     _plot.target_line(imbalance, 1.0, "even load", vertical=True)
     imbalance.set_xlabel("busiest endpoint's work / mean")

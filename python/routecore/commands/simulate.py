@@ -244,19 +244,31 @@ def fleets_from_plan(result: Plan, args: argparse.Namespace) -> list[FleetSpec]:
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """Progress of one simulation on stderr: on a terminal a bar redrawn in
+    place; otherwise (a log file, a pipe) a plain line at each quarter done."""
+
+    #: The steps of the plain lines, in percent.
+    STEP = 25
 
     def __init__(self, label: str, enabled: bool) -> None:
         self.label, self.enabled = label, enabled
+        self.terminal = sys.stderr.isatty()
+        self.shown = 0  # the last step written as a plain line
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
-        frac = done / total if total else 1.0
-        bar = "#" * int(30 * frac)
-        print(f"\r{self.label:<14} [{bar:<30}] {100 * frac:5.1f}%", end="", file=sys.stderr)
-        if done >= total:
-            print(file=sys.stderr)
+        frac = min(done / total, 1.0) if total else 1.0
+        if self.terminal:
+            bar = "#" * int(30 * frac)
+            print(f"\r{self.label:<14} [{bar:<30}] {100 * frac:5.1f}%", end="", file=sys.stderr)
+            if done >= total:
+                print(file=sys.stderr)
+            return
+        step = int(100 * frac) // self.STEP * self.STEP
+        if step > self.shown:
+            self.shown = step
+            print(f"{self.label:<14} {step:3d}% of {total} requests", file=sys.stderr)
 
 
 @dataclass
@@ -533,10 +545,10 @@ def plot(result: dict[str, Any], reports: dict[str, SimReport], path: str) -> No
         4,
         (11, 8.4),
     )
-    for name, rep in reports.items():
-        _plot.cdf(ttft, rep.ttft[rep.measured], name)
-        _plot.cdf(tpot, 1000 * rep.tpot[rep.measured], name)
-        _plot.cdf(e2e, rep.e2e[rep.measured], name)
+    for i, (name, rep) in enumerate(reports.items()):
+        _plot.cdf(ttft, rep.ttft[rep.measured], name, i)
+        _plot.cdf(tpot, 1000 * rep.tpot[rep.measured], name, i)
+        _plot.cdf(e2e, rep.e2e[rep.measured], name, i)
     slo_ttft_s, slo_tpot_ms = result["slo_ttft_s"], 1000 * result["slo_tpot_s"]
     _plot.target_line(ttft, slo_ttft_s, f"SLO (TTFT {slo_ttft_s:g} s, TPOT {slo_tpot_ms:g} ms)",
                       vertical=True)  # fmt: skip
