@@ -236,4 +236,256 @@ mod tests {
         assert_eq!((d.pool, d.admitted, d.picked), (1, 2, 4));
         assert_eq!(steps.log, ["route", "admit", "queue", "pick"]);
     }
+
+    /// The pure parts of one pool: a pipeline whose plugins learn (prefix,
+    /// VTC, session affinity) over counted endpoints, the admission layer,
+    /// and the router's count of requests in the pool.
+    struct Parts {
+        picker: crate::pick::Counted,
+        admission: crate::admission::AdmissionController,
+        routed: u64,
+    }
+
+    fn new_parts() -> Parts {
+        use crate::admission::{AdmissionController, Entitlement, Quota};
+        use crate::pick::{Counted, PickConfig, Pipeline, PluginSpec};
+        let specs = [
+            PluginSpec::new("healthy", 1.0),
+            PluginSpec::with("prefix", 1.0, serde_json::json!({"block_size": 4})),
+            PluginSpec::new("vtc", 1.0),
+            PluginSpec::new("session-affinity", 1.0),
+            PluginSpec::with("max-score", 1.0, serde_json::json!({"ties": "first"})),
+        ];
+        let pipeline = Pipeline::from_specs(&specs, &["e0", "e1", "e2"], &PickConfig::default())
+            .expect("pipeline");
+        let quota = Quota::new("q", 1e9, 1 << 40, 1000, 0).expect("quota");
+        let ent = |name: &str, concurrency| {
+            Entitlement::new(
+                name,
+                name,
+                "q",
+                "guaranteed",
+                1000.0,
+                1e8,
+                1 << 38,
+                concurrency,
+                "bound",
+            )
+            .expect("entitlement")
+        };
+        let admission = AdmissionController::new(
+            vec![quota],
+            vec![ent("open", 1000), ent("capped", 1)],
+            4096,
+            60.0,
+        )
+        .expect("admission");
+        Parts {
+            picker: Counted::new(pipeline),
+            admission,
+            routed: 0,
+        }
+    }
+
+    /// One request as the parts see it; `cancel`: the client leaves while
+    /// it waits in the queue.
+    struct Ask {
+        tenant: &'static str,
+        hashes: Vec<u64>,
+        session: String,
+        est: (u64, u64),
+        now: f64,
+        cancel: bool,
+    }
+
+    impl Ask {
+        fn pick_request(&self) -> crate::pick::PickRequest<'_> {
+            crate::pick::PickRequest {
+                hashes: &self.hashes,
+                fairness_id: Some(self.tenant),
+                session: Some(&self.session),
+                input_tokens: self.est.0,
+                output_tokens: self.est.1,
+                now: self.now,
+                ..Default::default()
+            }
+        }
+    }
+
+    /// One request's steps over [`Parts`].
+    struct Req<'p> {
+        parts: &'p mut Parts,
+        ask: Ask,
+    }
+
+    impl Steps for Req<'_> {
+        type Pool = ();
+        type Admitted = Option<u64>;
+        type Picked = usize;
+        type Refused = u16;
+        fn route(&mut self) -> Result<(), u16> {
+            self.parts.routed += 1;
+            Ok(())
+        }
+        fn admit(&mut self, _: &()) -> impl Future<Output = Result<Option<u64>, u16>> {
+            let (i, o) = (self.ask.est.0 as i64, self.ask.est.1 as i64);
+            let a = self
+                .parts
+                .admission
+                .admit(self.ask.tenant, i, Some(o), self.ask.now);
+            let a = a.expect("valid numbers");
+            std::future::ready(if a.admitted {
+                Ok(a.ticket)
+            } else {
+                Err(a.status)
+            })
+        }
+        fn queue(&mut self, _: &(), _: &Option<u64>) -> impl Future<Output = Result<(), u16>> {
+            let cancel = self.ask.cancel;
+            async move {
+                if cancel {
+                    std::future::pending::<()>().await;
+                }
+                Ok(())
+            }
+        }
+        fn pick(&mut self, _: &(), _: &Option<u64>) -> Result<usize, u16> {
+            let req = self.ask.pick_request();
+            match self.parts.picker.start(&req) {
+                Ok(Some(e)) => Ok(e),
+                _ => Err(503),
+            }
+        }
+        fn unadmit(&mut self, _: &(), ticket: Option<u64>) {
+            if let Some(t) = ticket {
+                let done = self.parts.admission.complete(t, 0, 0, 0.0, self.ask.now);
+                done.expect("in flight");
+            }
+        }
+        fn unroute(&mut self, _: ()) {
+            self.parts.routed -= 1;
+        }
+    }
+
+    /// Ends a request dispatched to `endpoint` with `ticket`, as a lease
+    /// does: the picker's count and charges (`req` as it was picked), the
+    /// ticket, the pool count.
+    fn end(parts: &mut Parts, ask: &Ask, taken: (Option<u64>, usize), usage: (u64, u64)) {
+        let (ticket, endpoint) = taken;
+        let name = parts.picker.names()[endpoint].clone();
+        let e = parts.picker.complete(&name).expect("in flight");
+        let mut pick = ask.pick_request();
+        pick.now += 0.5;
+        let p = &mut parts.picker.pipeline;
+        p.completed_request(&pick, e, usage.0, usage.1)
+            .expect("completed");
+        if let Some(t) = ticket {
+            let (i, o) = (usage.0 as i64, usage.1 as i64);
+            parts
+                .admission
+                .complete(t, i, o, 0.1, pick.now)
+                .expect("in flight");
+        }
+        parts.routed -= 1;
+    }
+
+    /// Everything the parts keep: the picker's snapshot (prefix index,
+    /// VTC counts, sessions, picks, cursor), counts in flight, the pool
+    /// count and admission's requests in flight.
+    fn kept(parts: &Parts) -> String {
+        let a = &parts.admission;
+        format!(
+            "{:?} {:?} {} {:?}",
+            parts.picker.pipeline.to_bytes(),
+            parts.picker.running(),
+            parts.routed,
+            a.quota_in_flight("q"),
+        )
+    }
+
+    /// Nothing a refused request touched stays changed: over random mixes
+    /// of requests answered, failed (no usage), cancelled in the queue and
+    /// refused by admission (`capped` admits one at a time and its first
+    /// request is held to the end), the parts keep exactly what a run that
+    /// never saw the refused requests keeps.
+    #[test]
+    fn a_refused_request_leaves_no_trace_in_the_pure_parts() {
+        for seed in 0..50u64 {
+            let mut rng = crate::rng::Rng::new(seed);
+            let mut draw = |m: u64| rng.next_u64() % m;
+            // (capped?, prompt, session, outcome: 0 answered, 1 failed, 2 cancelled)
+            let ops: Vec<(bool, u64, u64, u64)> = (0..40)
+                .map(|_| (draw(3) == 0, draw(4), draw(5), draw(3)))
+                .collect();
+            let mut runs = Vec::new();
+            for skip_refused in [false, true] {
+                let mut parts = new_parts();
+                let prompt = |k: u64| -> Vec<u64> { (0..3 + k).map(|b| k * 100 + b).collect() };
+                let mut blocker = Req {
+                    parts: &mut parts,
+                    ask: Ask {
+                        tenant: "capped",
+                        hashes: prompt(0),
+                        session: "s-held".into(),
+                        est: (10, 10),
+                        now: 0.0,
+                        cancel: false,
+                    },
+                };
+                let held = dispatch_now(&mut blocker)
+                    .expect("ready")
+                    .expect("admitted");
+                let (held_ticket, held_endpoint) = (held.admitted, held.picked);
+                let mut refused = 0;
+                for (n, &(capped, k, session, outcome)) in ops.iter().enumerate() {
+                    if skip_refused && capped {
+                        continue;
+                    }
+                    let mut req = Req {
+                        parts: &mut parts,
+                        ask: Ask {
+                            tenant: if capped { "capped" } else { "open" },
+                            hashes: prompt(k),
+                            session: format!("s{session}"),
+                            est: (20 + k, 30),
+                            now: 1.0 + n as f64,
+                            cancel: outcome == 2,
+                        },
+                    };
+                    let taken = match dispatch_now(&mut req) {
+                        None => {
+                            assert!(!capped && outcome == 2, "only a cancel waits");
+                            continue;
+                        }
+                        Some(Err(status)) => {
+                            assert!(capped && status == 429, "{status}");
+                            refused += 1;
+                            continue;
+                        }
+                        Some(Ok(d)) => (d.admitted, d.picked),
+                    };
+                    let usage = if outcome == 0 {
+                        (req.ask.est.0, 7)
+                    } else {
+                        (0, 0)
+                    };
+                    end(req.parts, &req.ask, taken, usage);
+                }
+                let mid = kept(&parts);
+                let name = parts.picker.names()[held_endpoint].clone();
+                parts.picker.complete(&name).expect("held");
+                if let Some(t) = held_ticket {
+                    parts
+                        .admission
+                        .complete(t, 10, 10, 0.1, 100.0)
+                        .expect("held");
+                }
+                runs.push((mid, kept(&parts), refused));
+            }
+            let capped = ops.iter().filter(|o| o.0).count();
+            assert_eq!((runs[0].2, runs[1].2), (capped, 0), "seed {seed}");
+            assert_eq!(runs[0].0, runs[1].0, "seed {seed}: while held");
+            assert_eq!(runs[0].1, runs[1].1, "seed {seed}: after");
+        }
+    }
 }
