@@ -100,8 +100,14 @@ class Envoy:
     ``access_log`` its access log, see the module doc)."""
 
     def __init__(
-        self, config: dict, directory: Path | None = None, access_log: bool = False
+        self,
+        config: dict,
+        directory: Path | None = None,
+        access_log: bool = False,
+        concurrency: int = 1,
     ) -> None:
+        """``concurrency``: Envoy's worker threads (one by default: this
+        machine has two cores and others use them)."""
         self.config = copy.deepcopy(config)
         self.admin_port = free_port()
         self.config["admin"] = {"address": socket_address(f"127.0.0.1:{self.admin_port}")}
@@ -131,14 +137,13 @@ class Envoy:
         #: The HTTP listener's address, ``http://127.0.0.1:PORT``.
         self.url = f"http://127.0.0.1:{port}"
         with self.log.open("w") as log:
-            # One worker thread: this machine has two cores and others use them.
             self.proc = subprocess.Popen(
                 [
                     envoy_binary(),
                     "-c",
                     str(self.path),
                     "--concurrency",
-                    "1",
+                    str(concurrency),
                     "--disable-hot-restart",
                     # The access log is read by the tests as they go.
                     "--file-flush-interval-msec",
