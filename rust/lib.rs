@@ -11,9 +11,13 @@ pub mod calibrate;
 pub mod classify;
 pub mod clock;
 pub mod compress;
+pub mod dispatch;
+pub mod endpoint;
 pub mod error;
 pub mod flow;
 pub mod kv;
+#[cfg(test)]
+mod layout;
 pub mod openai;
 pub mod pick;
 pub mod pipeline;

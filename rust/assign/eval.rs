@@ -36,8 +36,9 @@
 use std::collections::VecDeque;
 
 use super::{BatchScheduler, BudgetFallback, Endpoint, Load, LptKey, Weights};
+use crate::endpoint::EndpointState;
 use crate::error::{invalid, positive, Result};
-use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline};
+use crate::pick::{PickConfig, PickRequest, Pipeline};
 use crate::rng::Rng;
 
 /// One model tier of the paper's fleet.

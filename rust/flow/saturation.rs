@@ -22,9 +22,8 @@
 
 use serde::Deserialize;
 
+use crate::endpoint::{EndpointState, Saturation, DEFAULT_MAX_KV_USAGE, DEFAULT_MAX_WAITING};
 use crate::error::{invalid, Result};
-use crate::pick::saturation::{check, DEFAULT_MAX_KV_USAGE, DEFAULT_MAX_WAITING};
-use crate::pick::EndpointState;
 
 /// The GIE concurrency detector's default per-endpoint limit.
 pub const DEFAULT_MAX_IN_FLIGHT: i64 = 100;
@@ -92,8 +91,12 @@ pub struct SaturationDetector {
 
 impl SaturationDetector {
     pub fn new(config: SaturationConfig) -> Result<Self> {
-        check(config.max_waiting, config.max_kv_usage)
-            .map_err(|e| invalid(format!("saturation: {e}")))?;
+        Saturation {
+            max_waiting: config.max_waiting,
+            max_kv_usage: config.max_kv_usage,
+        }
+        .check()
+        .map_err(|e| invalid(format!("saturation: {e}")))?;
         if config.max_in_flight < 1 {
             return Err(invalid(format!(
                 "saturation: max_in_flight must be >= 1, got {}",

@@ -2,7 +2,8 @@
 //! adapter (`vllm:lora_requests_info`); every endpoint for the base model.
 //! Soft: when none serves it, any endpoint may load it.
 
-use super::{EndpointState, PickRequest};
+use super::PickRequest;
+use crate::endpoint::EndpointState;
 
 pub fn keep(req: &PickRequest<'_>, s: &EndpointState) -> bool {
     req.adapter

@@ -2,7 +2,7 @@
 //! (`EndpointState::healthy`, kept by the scraper). Hard: with none healthy
 //! the answer is empty, never a dead address.
 
-use super::EndpointState;
+use crate::endpoint::EndpointState;
 
 pub fn keep(s: &EndpointState) -> bool {
     s.healthy

@@ -26,28 +26,33 @@
 //! [`PluginSpec`]s (see `presets.rs`).
 
 mod adapter;
-pub mod endpoints;
 mod healthy;
 mod kv_usage;
 mod least_request;
 mod max_score;
+mod pool;
 pub mod prefix;
+mod prefix_router;
 mod presets;
 mod queue;
 mod random;
 mod round_robin;
-pub mod saturation;
+mod saturation;
 mod session;
 mod subset;
 pub mod vtc;
+mod vtc_router;
 
 use std::cmp::Ordering;
 use std::sync::{Arc, Mutex};
 
-pub use endpoints::{Counted, EndpointSet, EndpointState};
 pub use max_score::Ties;
+pub use pool::Counted;
+pub use prefix_router::{PrefixCacheRouter, PrefixDecision};
 pub use presets::{preset_specs, PRESETS};
+pub use vtc_router::VtcRouter;
 
+use crate::endpoint::{EndpointSet, EndpointState, Saturation};
 use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::prefix::PrefixIndex;
 use crate::rng::Rng;
@@ -101,7 +106,7 @@ pub enum Filter {
     /// engine can load an adapter it does not hold yet).
     ServesAdapter,
     /// Endpoints at or below the queue and KV-cache thresholds (soft).
-    Saturation { max_waiting: f64, max_kv_usage: f64 },
+    Saturation(Saturation),
 }
 
 impl Filter {
@@ -110,15 +115,12 @@ impl Filter {
             Filter::Healthy => healthy::keep(s),
             Filter::SubsetHint => subset::keep(req, i),
             Filter::ServesAdapter => adapter::keep(req, s),
-            Filter::Saturation {
-                max_waiting,
-                max_kv_usage,
-            } => saturation::keep(*max_waiting, *max_kv_usage, s),
+            Filter::Saturation(t) => !t.saturated(s),
         }
     }
     /// A soft filter that would leave no candidate is skipped.
     fn soft(&self) -> bool {
-        matches!(self, Filter::ServesAdapter | Filter::Saturation { .. })
+        matches!(self, Filter::ServesAdapter | Filter::Saturation(_))
     }
 }
 

@@ -278,8 +278,9 @@ fn share(held: usize, blocks: usize) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{EndpointState, PickConfig, Pipeline};
+    use super::super::{PickConfig, Pipeline};
     use super::*;
+    use crate::endpoint::EndpointState;
     use crate::kv::{Event, KvConfig, Stored};
     use crate::prefix::{block_hashes, Tokens};
 

@@ -26,10 +26,10 @@ use std::sync::{Arc, Mutex};
 use serde_json::{Map, Value};
 
 use super::prefix::PrefixScorer;
-use super::saturation::{self, DEFAULT_MAX_KV_USAGE, DEFAULT_MAX_WAITING};
 use super::session::{SessionAffinity, DEFAULT_MAX_SESSIONS};
 use super::vtc::VtcScorer;
 use super::{Filter, PickConfig, Picker, PluginSpec, Scorer, Ties};
+use crate::endpoint::{Saturation, DEFAULT_MAX_KV_USAGE, DEFAULT_MAX_WAITING};
 use crate::error::{invalid, Result};
 use crate::kv::KvIndex;
 use crate::prefix::{PrefixConfig, PrefixIndex, DEFAULT_CAPACITY_BLOCKS};
@@ -235,11 +235,11 @@ pub(super) fn build(spec: &PluginSpec, config: &PickConfig) -> Result<Plugin> {
         "saturation" => {
             let max_waiting = p.f64("max_waiting", DEFAULT_MAX_WAITING)?;
             let max_kv_usage = p.f64("max_kv_usage", DEFAULT_MAX_KV_USAGE)?;
-            saturation::check(max_waiting, max_kv_usage)?;
-            Plugin::Filter(Filter::Saturation {
+            let t = Saturation {
                 max_waiting,
                 max_kv_usage,
-            })
+            };
+            Plugin::Filter(Filter::Saturation(t.check()?))
         }
         "least-request" => Plugin::Scorer(Scorer::LeastRequest),
         "queue-depth" => Plugin::Scorer(Scorer::QueueDepth),

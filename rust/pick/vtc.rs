@@ -31,9 +31,6 @@ impl VtcScorer {
     pub fn fairness(&self) -> &Fairness {
         &self.fairness
     }
-    pub fn fairness_mut(&mut self) -> &mut Fairness {
-        &mut self.fairness
-    }
     pub fn set_fairness(&mut self, fairness: Fairness) {
         self.fairness = fairness;
     }

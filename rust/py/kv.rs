@@ -9,10 +9,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::sync::watch;
 
-use crate::kv::subscriber::{spawn, PeerLimits, Source};
 use crate::kv::{KvConfig, KvIndex};
 use crate::prefix::Tokens;
 use crate::py::{int_arg, TokenArg};
+use crate::serve::kv_events::subscriber::{spawn, PeerLimits, Source};
 
 /// The precise prefix index: what each endpoint's engine holds in its KV
 /// cache, built from the engine's KV-cache events (vLLM's ZeroMQ publisher:
@@ -45,7 +45,7 @@ pub struct PyKvEventIndex {
 impl PyKvEventIndex {
     #[new]
     // Literals show in help(): 262144 is crate::kv::index::DEFAULT_CAPACITY_BLOCKS,
-    // the limits are crate::kv::subscriber::DEFAULT_MAX_* (a test checks they agree).
+    // the limits are crate::serve::kv_events::subscriber::DEFAULT_MAX_* (a test checks they agree).
     #[pyo3(signature = (
         block_size = 16,
         capacity_blocks = 262144,
@@ -112,9 +112,9 @@ impl PyKvEventIndex {
             topic: topic.to_owned(),
             replay,
         };
-        crate::kv::subscriber::check(&source)?;
+        crate::serve::kv_events::subscriber::check(&source)?;
         // Outside `serve` there is no faults metric: the counters of `stats` show them.
-        let faults: crate::kv::Faults = Arc::new(|_| {});
+        let faults: crate::serve::kv_events::Faults = Arc::new(|_| {});
         spawn(
             rt.handle(),
             &self.index,

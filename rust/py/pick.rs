@@ -9,10 +9,10 @@ use super::{
     detach_if, hash_array, int_arg, int_array, now_or_monotonic, reduce, TokenArg, DETACH_TOKENS,
 };
 use crate::budget::MAX_TOKENS;
+use crate::endpoint::{complete_one, EndpointState};
 use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::kv::KvIndex;
-use crate::pick::endpoints::complete_one;
-use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec, PRESETS};
+use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, PRESETS};
 use crate::prefix::{block_hashes_into, block_hashes_many, check_offsets, Tokens};
 use crate::snapshot::{restore, Reader, Writer};
 

@@ -8,9 +8,10 @@ use super::{
     detach_if, hash_array, int_arg, int_array, now_or_monotonic, reduce, size_arg, TokenArg,
     DETACH_TOKENS,
 };
+use crate::pick::PrefixCacheRouter;
 use crate::prefix::{
-    block_hashes as core_block_hashes, block_hashes_many as core_block_hashes_many,
-    PrefixCacheRouter, PrefixConfig, PrefixIndex, DEFAULT_CAPACITY_BLOCKS,
+    block_hashes as core_block_hashes, block_hashes_many as core_block_hashes_many, PrefixConfig,
+    PrefixIndex, DEFAULT_CAPACITY_BLOCKS,
 };
 
 /// Two NumPy arrays returned together.

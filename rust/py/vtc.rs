@@ -5,7 +5,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
 use super::{int_arg, int_array, now_or_monotonic, reduce, size_arg};
-use crate::vtc::{VtcConfig, VtcRouter, DEFAULT_MAX_USERS};
+use crate::pick::VtcRouter;
+use crate::vtc::{VtcConfig, DEFAULT_MAX_USERS};
 
 // The signature's default is written as a literal (for the text signature).
 const _: () = assert!(DEFAULT_MAX_USERS == 100_000);

@@ -9,14 +9,29 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use super::scrape::ScrapeSpec;
+use crate::endpoint::Saturation;
 use crate::error::{invalid, Result};
 use crate::tokenize::Tokenizer;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+/// What a failure does to a request, the one enum of `server.failure_mode`
+/// (routing failed) and `admission.redis.failure_mode` (the backend
+/// failed): `Open` lets it through unaccounted (the default pool without
+/// admission; admitted without a ticket), `Closed` refuses it with 503.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FailureMode {
     Open,
+    #[default]
     Closed,
+}
+
+impl FailureMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureMode::Open => "open",
+            FailureMode::Closed => "closed",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -96,7 +111,7 @@ pub struct RouterSpec {
     /// pipeline's saturation filter, and sheddable requests (priority < 0)
     /// are refused with 429 when every endpoint is.
     #[serde(default)]
-    pub saturation: SaturationSpec,
+    pub saturation: Saturation,
     /// Priority by objective name (`x-gateway-inference-objective`).
     #[serde(default)]
     pub objectives: HashMap<String, i64>,
@@ -108,22 +123,6 @@ fn default_fallbacks() -> usize {
 
 fn default_engine() -> String {
     "vllm".into()
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SaturationSpec {
-    pub max_waiting: f64,
-    pub max_kv_usage: f64,
-}
-
-impl Default for SaturationSpec {
-    fn default() -> Self {
-        Self {
-            max_waiting: crate::pick::saturation::DEFAULT_MAX_WAITING,
-            max_kv_usage: crate::pick::saturation::DEFAULT_MAX_KV_USAGE,
-        }
-    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -200,7 +199,7 @@ pub struct KvEventsSpec {
     pub seed: u64,
     pub capacity_blocks: usize,
     pub stale_after_s: Option<f64>,
-    /// What a peer may send (`kv::subscriber::PeerLimits`).
+    /// What a peer may send (`kv_events::subscriber::PeerLimits`).
     pub max_message_bytes: u64,
     pub max_batch_events: usize,
     pub max_batch_blocks: usize,
@@ -250,11 +249,10 @@ impl Spec {
                 return Err(invalid(format!("limits.{name} must be > 0")));
             }
         }
-        crate::pick::saturation::check(
-            spec.router.saturation.max_waiting,
-            spec.router.saturation.max_kv_usage,
-        )
-        .map_err(|e| invalid(format!("router.saturation: {e}")))?;
+        spec.router
+            .saturation
+            .check()
+            .map_err(|e| invalid(format!("router.saturation: {e}")))?;
         if let Some(scrape) = &spec.scrape {
             scrape.check()?;
             for p in spec.pools.iter().filter(|p| !p.endpoints.is_empty()) {

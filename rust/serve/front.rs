@@ -68,13 +68,6 @@ impl Reject {
     }
 }
 
-fn mode_name(mode: FailureMode) -> &'static str {
-    match mode {
-        FailureMode::Open => "open",
-        FailureMode::Closed => "closed",
-    }
-}
-
 /// One request at the door, from its key to its routing.
 pub struct Door {
     engine: Arc<Engine>,
@@ -229,7 +222,7 @@ impl Door {
 
     /// Counts a failure under the failure mode; returns the mode's name.
     fn count_failure(&self) -> &'static str {
-        let mode = mode_name(self.engine.failure_mode());
+        let mode = self.engine.failure_mode().as_str();
         self.shared.metrics.failure(mode);
         mode
     }

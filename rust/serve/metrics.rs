@@ -121,7 +121,7 @@ pub struct Metrics {
     pub buffered_bytes: FGauge,
     /// The KV-event metrics, read from the precise prefix index at each scrape.
     #[cfg(feature = "kv-events")]
-    pub kv: Arc<crate::kv::metrics::KvCollector>,
+    pub kv: Arc<super::kv_events::metrics::KvCollector>,
 }
 
 impl Default for Metrics {
@@ -233,7 +233,7 @@ impl Metrics {
             buffered_bytes.clone(),
         );
         #[cfg(feature = "kv-events")]
-        let kv = Arc::new(crate::kv::metrics::KvCollector::default());
+        let kv = Arc::new(super::kv_events::metrics::KvCollector::default());
         #[cfg(feature = "kv-events")]
         registry.register_collector(Box::new(Arc::clone(&kv)));
         Self {

@@ -9,6 +9,7 @@ pub mod config;
 pub mod engine;
 pub mod extproc;
 pub mod front;
+pub mod kv_events;
 pub mod limits;
 pub mod loadgen;
 pub mod logs;

@@ -300,7 +300,7 @@ impl DataPlane {
     ) -> Result<Self> {
         let first = &shards[0].runtime;
         let kv_spec = spec.kv_events.clone();
-        let kv = crate::kv::index_for(kv_spec.as_ref())?;
+        let kv = super::kv_events::index_for(kv_spec.as_ref())?;
         let shared = Arc::new(Shared::new(calibrator, first.handle().clone()).with_kv(kv));
         let max_message = usize::try_from(spec.limits.max_message_bytes).unwrap_or(usize::MAX);
         let engine = Engine::build(spec, &shared, None)?;
@@ -321,7 +321,7 @@ impl DataPlane {
         let (stop, stopped) = watch::channel(false);
         let (closing, closing_rx) = watch::channel(false);
         let metrics = Arc::clone(&shared.metrics);
-        crate::kv::subscribe(
+        super::kv_events::subscribe(
             kv_spec.as_ref(),
             &shared.kv,
             first.handle(),

@@ -2,9 +2,10 @@
 //! engines ([`engine`]) behind a router ([`router`]), after the token-budget
 //! paper's Appendix A and FleetOpt's validation (section 7.4).
 //!
-//! Events are request arrivals and iteration ends. An arrival is routed to a
-//! pool, rejected if `L_in + L_out` exceeds the pool's `max_context` (never
-//! truncated), else dispatched to an endpoint of the pool by the pool's
+//! Events are request arrivals and iteration ends. An arrival goes through
+//! the data plane's steps ([`crate::dispatch`]): routed to a pool, admitted
+//! (rejected if `L_in + L_out` exceeds the pool's `max_context`, never
+//! truncated: the admission step's place), then dispatched to an endpoint of the pool by the pool's
 //! endpoint picker ([`crate::pick::Pipeline`], the server's) and queued there;
 //! an idle endpoint starts iterating. The picker sees every endpoint's
 //! [`EndpointState`] as a metrics scraper fills it: the engine's waiting and
@@ -32,14 +33,16 @@ pub mod timing;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::fmt::Write;
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::budget::{Pool, MAX_TOKENS};
+use crate::dispatch::{dispatch_now, Steps};
+use crate::endpoint::{EndpointState, MAX_ENDPOINTS};
 use crate::error::{invalid, non_negative, positive, Result};
 use crate::kv::{KvConfig, KvIndex};
-use crate::pick::endpoints::MAX_ENDPOINTS;
-use crate::pick::{EndpointState, PickConfig, PickRequest, Pipeline, PluginSpec};
+use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec};
 use crate::planner::{engine_state, EngineLoad, EngineShape, EngineState};
 use crate::rng::Rng;
 
@@ -523,6 +526,77 @@ pub fn simulate(
 /// version is not the endpoint's current one was superseded.
 type Heap = BinaryHeap<Reverse<(u64, usize, u64)>>;
 
+/// Why an arrival went no further than routing or admission (counted in
+/// the report), or the error that stops the run.
+enum Refused {
+    Rejected,
+    Failed(crate::error::Error),
+}
+
+impl From<crate::error::Error> for Refused {
+    fn from(e: crate::error::Error) -> Self {
+        Refused::Failed(e)
+    }
+}
+
+/// One arrival's steps, in the data plane's order ([`crate::dispatch`]):
+/// the fleet's router chooses the pool, admission (today the pool's hard
+/// context constraint; the place of the admission layer's quotas) admits it,
+/// the pool's picker chooses the endpoint.
+struct Arrival<'f, 'a> {
+    fleet: &'f mut Fleet<'a>,
+    router: &'f mut dyn FleetRouter,
+    k: usize,
+    request: SimRequest,
+    /// An error giving a step back (reported after the dispatch).
+    failed: Option<crate::error::Error>,
+}
+
+impl Steps for Arrival<'_, '_> {
+    type Pool = Routed;
+    type Admitted = ();
+    type Picked = usize;
+    type Refused = Refused;
+
+    fn route(&mut self) -> std::result::Result<Routed, Refused> {
+        let (rep, k) = (&mut self.fleet.report, self.k);
+        let Some(routed) = self.router.route(&self.request)? else {
+            rep.rejected[k] = true;
+            rep.router_rejections += 1;
+            return Err(Refused::Rejected);
+        };
+        if self.fleet.config.pools.get(routed.pool).is_none() {
+            let message = format!("router chose pool {} of none", routed.pool);
+            self.router.complete(&self.request, routed)?;
+            return Err(invalid(message).into());
+        }
+        rep.pool[k] = routed.pool as i64;
+        rep.compressed[k] = routed.compressed;
+        Ok(routed)
+    }
+
+    fn admit(&mut self, routed: &Routed) -> impl Future<Output = std::result::Result<(), Refused>> {
+        let context = self.fleet.config.pools[routed.pool].max_context;
+        let fits = routed.input_tokens + self.request.output_tokens <= context;
+        if !fits {
+            self.fleet.report.rejected[self.k] = true;
+        }
+        std::future::ready(if fits { Ok(()) } else { Err(Refused::Rejected) })
+    }
+
+    fn pick(&mut self, &routed: &Routed, _: &()) -> std::result::Result<usize, Refused> {
+        Ok(self.fleet.dispatch(routed.pool, self.k, routed)?)
+    }
+
+    fn unadmit(&mut self, _: &Routed, _: ()) {}
+
+    fn unroute(&mut self, routed: Routed) {
+        if let Err(e) = self.router.complete(&self.request, routed) {
+            self.failed.get_or_insert(e);
+        }
+    }
+}
+
 struct Fleet<'a> {
     requests: &'a [SimRequest],
     blocks: &'a RequestBlocks,
@@ -735,24 +809,24 @@ impl<'a> Fleet<'a> {
 
     fn arrive(&mut self, k: usize, router: &mut dyn FleetRouter, heap: &mut Heap) -> Result<()> {
         let r = self.requests[k];
-        let Some(routed) = router.route(&r)? else {
-            self.report.rejected[k] = true;
-            self.report.router_rejections += 1;
-            return Ok(());
+        let mut steps = Arrival {
+            fleet: self,
+            router,
+            k,
+            request: r,
+            failed: None,
         };
-        let pool = self
-            .config
-            .pools
-            .get(routed.pool)
-            .ok_or_else(|| invalid(format!("router chose pool {} of none", routed.pool)))?;
-        self.report.pool[k] = routed.pool as i64;
-        self.report.compressed[k] = routed.compressed;
-        if routed.input_tokens + r.output_tokens > pool.max_context {
-            self.report.rejected[k] = true;
-            return router.complete(&r, routed);
+        let outcome = dispatch_now(&mut steps);
+        if let Some(e) = steps.failed.take() {
+            return Err(e);
         }
+        let (routed, i) = match outcome {
+            Some(Ok(d)) => (d.pool, d.picked),
+            Some(Err(Refused::Rejected)) => return Ok(()),
+            Some(Err(Refused::Failed(e))) => return Err(e),
+            None => return Err(invalid("a simulator step waited")),
+        };
         self.routed[k] = Some(routed);
-        let i = self.dispatch(routed.pool, k, routed)?;
         self.report.endpoint[k] = (i - self.first[routed.pool]) as i64;
         let hashes = if routed.compressed {
             (0, 0)

@@ -29,18 +29,9 @@ use crate::budget::MAX_TOKENS;
 use crate::error::{invalid, Error};
 use crate::serve::metrics::Metrics;
 
+pub use crate::serve::config::FailureMode;
 pub use memory::MemoryAdmission;
 pub use redis::RedisAdmission;
-
-/// What a backend failure does to a request: `Open` admits it unaccounted
-/// (no ticket), `Closed` refuses it with 503.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FailureMode {
-    Open,
-    #[default]
-    Closed,
-}
 
 /// Where the state lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]

@@ -403,13 +403,9 @@ impl RedisAdmission {
             _ => (&self.outage, "redis-unavailable"),
         };
         if let Occurrence::Log { suppressed } = run.occur(Instant::now()) {
-            let mode = match self.failure_mode {
-                FailureMode::Open => "open",
-                FailureMode::Closed => "closed",
-            };
             tracing::warn!(
                 kind = kind.as_str(),
-                failure_mode = mode,
+                failure_mode = self.failure_mode.as_str(),
                 suppressed,
                 "{event}"
             );

@@ -31,7 +31,7 @@ use rmp::decode::{read_f32, read_f64, read_nil, MessageLen};
 use rmp::Marker;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::index::{Event, Skip, Stored};
+use crate::kv::{Event, Skip, Stored};
 
 /// Nesting deeper than this is not a batch (an event nests three levels).
 const MAX_DEPTH: usize = 16;

@@ -36,8 +36,8 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 
 use super::decode::{decode_batch, decode_seq, Limits};
 use super::guard::{self, Ended, Guard};
-use super::index::{KvIndex, Seq, Skip};
 use super::Faults;
+use crate::kv::index::{KvIndex, Seq, Skip};
 use crate::serve::logs::{Occurrence, Repeats};
 
 /// One endpoint's event source (the serve config's `kv_events` of an endpoint).

@@ -1,14 +1,18 @@
-//! The endpoints a picker chooses among: string names at the API, dense
-//! indices inside, and what is known of each at decision time
-//! ([`EndpointState`]).
+//! Endpoint basics, a leaf every layer reads: string names at the API,
+//! dense indices inside ([`EndpointSet`]), the limits on both, what is known
+//! of each endpoint at decision time ([`EndpointState`]) and the saturation
+//! signal ([`Saturation`]: the picker's soft filter, the data plane's
+//! shedding of sheddable requests and flow control's detector read the
+//! same thresholds).
 //!
-//! The names live in an [`EndpointSet`] (the pipeline's); the states are a
-//! `Vec<EndpointState>` owned by the caller (data plane, simulator, Python
-//! picker, the preset routers), one per endpoint in set order. Counts of
-//! requests in flight are either kept by the caller (one more on `start`,
+//! The states are a `Vec<EndpointState>` owned by the pool picker
+//! (`crate::pick::PoolPicker`), one per endpoint in set order. Counts of
+//! requests in flight are either kept by the picker (one more on `start`,
 //! one less on `complete`) or set wholesale from telemetry (`set_in_flight`).
 
-use crate::error::{invalid, not_in_flight, unknown, Error, Result};
+use serde::Deserialize;
+
+use crate::error::{invalid, non_negative, not_in_flight, unknown, Error, Result};
 use crate::snapshot::{Reader, Writer};
 
 /// Most endpoints one set holds.
@@ -130,6 +134,61 @@ impl EndpointState {
             Some(w) => w + f64::from(self.dispatched_since_scrape),
             None => self.in_flight as f64,
         }
+    }
+}
+
+/// The GIE's default saturation thresholds: a queue of 5, 80% KV-cache use.
+pub const DEFAULT_MAX_WAITING: f64 = 5.0;
+pub const DEFAULT_MAX_KV_USAGE: f64 = 0.8;
+
+fn default_max_waiting() -> f64 {
+    DEFAULT_MAX_WAITING
+}
+
+fn default_max_kv_usage() -> f64 {
+    DEFAULT_MAX_KV_USAGE
+}
+
+/// When an endpoint is saturated (the GIE's saturation detector): its
+/// engine queue (scraped waiting requests plus the dispatches since that
+/// scrape) above `max_waiting`, or its KV-cache use above `max_kv_usage`.
+/// Unknown values are not saturated.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Saturation {
+    #[serde(default = "default_max_waiting")]
+    pub max_waiting: f64,
+    #[serde(default = "default_max_kv_usage")]
+    pub max_kv_usage: f64,
+}
+
+impl Default for Saturation {
+    fn default() -> Self {
+        Self {
+            max_waiting: DEFAULT_MAX_WAITING,
+            max_kv_usage: DEFAULT_MAX_KV_USAGE,
+        }
+    }
+}
+
+impl Saturation {
+    /// Checks the thresholds: `max_waiting` >= 0, `max_kv_usage` in [0, 1].
+    pub fn check(self) -> Result<Self> {
+        non_negative("max_waiting", self.max_waiting)?;
+        if !(0.0..=1.0).contains(&self.max_kv_usage) {
+            return Err(invalid(format!(
+                "max_kv_usage must be in [0, 1], got {}",
+                self.max_kv_usage
+            )));
+        }
+        Ok(self)
+    }
+
+    /// Whether `s` is above either threshold.
+    pub fn saturated(&self, s: &EndpointState) -> bool {
+        let queue = s.waiting.map(|w| w + f64::from(s.dispatched_since_scrape));
+        queue.is_some_and(|q| q > self.max_waiting)
+            || s.kv_usage.is_some_and(|k| k > self.max_kv_usage)
     }
 }
 
@@ -292,82 +351,5 @@ mod tests {
         s.running = Some(3.0);
         s.dispatched_since_scrape = 4;
         assert_eq!((s.load(), s.queue()), (9.0, 6.0));
-    }
-}
-
-/// A pipeline and routecore's own count of requests in flight per endpoint:
-/// all the preset routers (`PrefixCacheRouter`, `VtcRouter`) keep besides
-/// their settings.
-#[derive(Debug, Clone)]
-pub struct Counted {
-    pub pipeline: super::Pipeline,
-    pub states: Vec<EndpointState>,
-}
-
-impl Counted {
-    pub fn new(pipeline: super::Pipeline) -> Self {
-        let states = vec![EndpointState::default(); pipeline.endpoints().len()];
-        Self { pipeline, states }
-    }
-    pub fn names(&self) -> &[String] {
-        self.pipeline.endpoints().names()
-    }
-    /// Running requests per endpoint, in endpoint order.
-    pub fn running(&self) -> Vec<u64> {
-        self.states.iter().map(|s| s.in_flight).collect()
-    }
-    pub fn add_endpoint(&mut self, name: &str) -> Result<()> {
-        self.pipeline.add_endpoint(name)?;
-        self.states.push(EndpointState::default());
-        Ok(())
-    }
-    /// Removes an endpoint (and what its plugins hold of it); returns its index.
-    pub fn remove_endpoint(&mut self, name: &str) -> Result<usize> {
-        let i = self.pipeline.remove_endpoint(name)?;
-        self.states.remove(i);
-        Ok(i)
-    }
-    pub fn set_running(&mut self, counts: &[i64]) -> Result<()> {
-        set_in_flight(&mut self.states, counts)
-    }
-    /// Picks for `req` and starts it there (one more in flight); None when
-    /// no endpoint is left.
-    pub fn start(&mut self, req: &super::PickRequest<'_>) -> Result<Option<usize>> {
-        let Some(endpoint) = self.pipeline.pick_one(req, &self.states)? else {
-            return Ok(None);
-        };
-        self.pipeline.started(req, endpoint)?;
-        self.states[endpoint].in_flight += 1;
-        Ok(Some(endpoint))
-    }
-    /// Ends one request in flight on `name`; returns its index.
-    pub fn complete(&mut self, name: &str) -> Result<usize> {
-        let i = self.pipeline.endpoints().index(name)?;
-        complete_one(&mut self.states[i], name)?;
-        Ok(i)
-    }
-    /// Endpoint names and running counts, for a snapshot.
-    pub fn write_counts(&self, w: &mut Writer) {
-        w.u64(self.states.len() as u64);
-        for (name, s) in self.names().iter().zip(&self.states) {
-            w.str(name).u64(s.in_flight);
-        }
-    }
-    /// What `write_counts` wrote: the names and the running counts.
-    pub fn read_counts(r: &mut Reader<'_>) -> Result<(Vec<String>, Vec<u64>)> {
-        let n = r.count(12)?;
-        let mut names = Vec::with_capacity(n);
-        let mut running = Vec::with_capacity(n);
-        for _ in 0..n {
-            names.push(r.str()?);
-            running.push(r.u64()?);
-        }
-        Ok((names, running))
-    }
-    /// Running counts from a snapshot (same order as the endpoints).
-    pub fn restore_running(&mut self, running: &[u64]) {
-        for (s, &c) in self.states.iter_mut().zip(running) {
-            s.in_flight = c;
-        }
     }
 }

@@ -27,7 +27,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use futures_util::FutureExt;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -37,11 +36,10 @@ use crate::budget::{
 use crate::calibrate::Calibrator;
 use crate::classify::CATEGORIES;
 use crate::compress::Compressor;
+use crate::endpoint::EndpointState;
 use crate::error::{invalid, Error, Result};
 use crate::openai::{MediaTokens, ParsedRequest};
-use crate::pick::{
-    preset_specs, saturation, EndpointState, PickConfig, PickRequest, Pipeline, Recorded,
-};
+use crate::pick::{preset_specs, PickConfig, PickRequest, Pipeline, Recorded};
 use crate::pipeline::route_request;
 use crate::prefix::{block_hashes, Tokens};
 use crate::tokenize::{Encoded, SpecialTokens, Tokenized, Tokenizer};
@@ -54,6 +52,15 @@ use super::logs::{Occurrence, Repeats};
 use super::metrics::{FCounter, FGauge, Metrics};
 use super::scrape::{Probe, Scraper};
 use super::usage::{plausible, Usage};
+use dispatch::Routing;
+
+mod auth;
+mod chooser;
+mod dispatch;
+mod leases;
+
+use chooser::Choice;
+pub use chooser::Chooser;
 
 /// The VTC user of requests from no tenant (when no tenants are configured).
 pub const ANONYMOUS: &str = "anonymous";
@@ -210,268 +217,6 @@ struct Ask<'a> {
     /// The request's `model` (routes to the pools serving it).
     model: Option<&'a str>,
     hints: &'a Hints,
-}
-
-/// What the picker of a pool answered.
-#[derive(Debug, Clone, PartialEq)]
-enum Choice {
-    /// The chosen endpoint first, then the fallbacks; the chosen one is
-    /// counted in flight, and what the prefix plugin recorded for it.
-    Ranked(Vec<usize>, Recorded),
-    /// No endpoint is healthy (or in the subset hint).
-    NoEndpoint,
-    /// A sheddable request, and every candidate is saturated.
-    Saturated,
-}
-
-struct PoolState {
-    pipeline: Pipeline,
-    states: Vec<EndpointState>,
-    /// The probe sequence number each state was last refreshed from.
-    seen: Vec<u64>,
-    /// The probe's adapter list each state copied last (copied again only
-    /// when the probe's list is another one).
-    adapters: Vec<Arc<Vec<String>>>,
-    ranked: Vec<usize>,
-}
-
-/// Picks the endpoint inside one pool: the endpoint-picker pipeline of
-/// `router.policy` (`crate::pick`) over one [`EndpointState`] per endpoint,
-/// fed by the endpoints' probes (health, queue, KV use, adapters: see
-/// `scrape`) and by this data plane's own dispatches (in flight, and since
-/// the last scrape).
-pub struct Chooser {
-    endpoints: Vec<String>,
-    /// One per endpoint; empty when the endpoints are not scraped.
-    probes: Vec<Arc<Probe>>,
-    /// The prefix plugin's (block size, seed), when the pipeline has one.
-    prefix: Option<(usize, u64)>,
-    fallbacks: usize,
-    saturation: super::config::SaturationSpec,
-    state: Mutex<PoolState>,
-}
-
-impl Chooser {
-    fn new(
-        pool: &super::config::PoolSpec,
-        router: &super::config::RouterSpec,
-        probes: Vec<Arc<Probe>>,
-        kv: &Arc<crate::kv::KvIndex>,
-    ) -> Result<Self> {
-        let sat = router.saturation;
-        let mut specs =
-            preset_specs(&router.policy).map_err(|e| invalid(format!("router.policy: {e}")))?;
-        for s in &mut specs {
-            match s.name.as_str() {
-                "prefix" | "precise-prefix" => {
-                    s.params = serde_json::json!({"block_size": router.prefix_block_size})
-                }
-                "saturation" => {
-                    s.params = serde_json::json!({
-                        "max_waiting": sat.max_waiting, "max_kv_usage": sat.max_kv_usage
-                    })
-                }
-                _ => {}
-            }
-        }
-        let config = PickConfig {
-            kv_index: Some(Arc::clone(kv)),
-            ..PickConfig::default()
-        };
-        let mut pipeline = Pipeline::from_specs(&specs, &pool.endpoints, &config)?;
-        pipeline.prepare()?;
-        let prefix = pipeline
-            .prefix()
-            .map(|p| (p.config().block_size, p.config().seed));
-        let n = pool.endpoints.len();
-        Ok(Self {
-            endpoints: pool.endpoints.clone(),
-            probes,
-            prefix,
-            fallbacks: router.fallbacks,
-            saturation: sat,
-            state: Mutex::new(PoolState {
-                pipeline,
-                states: vec![EndpointState::default(); n],
-                seen: vec![0; n],
-                adapters: vec![Arc::default(); n],
-                ranked: Vec::new(),
-            }),
-        })
-    }
-
-    /// Copies what the probes know into the states (lock-free reads); a new
-    /// scrape restarts the count of dispatches since the last one.
-    fn refresh(&self, st: &mut PoolState) {
-        if self.probes.is_empty() {
-            return;
-        }
-        let now = Instant::now();
-        for (i, p) in self.probes.iter().enumerate() {
-            let r = p.reading(now);
-            let s = &mut st.states[i];
-            s.healthy = r.healthy;
-            s.waiting = r.waiting;
-            s.running = r.running;
-            s.kv_usage = r.kv_usage;
-            if r.seq != st.seen[i] {
-                st.seen[i] = r.seq;
-                s.dispatched_since_scrape = 0;
-                let adapters = p.adapters();
-                if !Arc::ptr_eq(&adapters, &st.adapters[i]) {
-                    s.adapters = (*adapters).clone();
-                    st.adapters[i] = adapters;
-                }
-            }
-        }
-    }
-
-    /// Ranks the pool's endpoints for a request and counts the chosen one in
-    /// flight (and as dispatched since the last scrape).
-    #[allow(clippy::too_many_arguments)]
-    fn choose(
-        &self,
-        key: Key<'_>,
-        user: &str,
-        adapter: Option<&str>,
-        hints: &Hints,
-        sheddable: bool,
-        est: (u64, u64),
-        now: f64,
-    ) -> Result<Choice> {
-        // A body's prompt is read only when a prefix plugin asks for it; a
-        // prompt given as token ids also feeds the precise-prefix scorer.
-        let read = match (self.prefix, key) {
-            (Some(_), Key::Body(b)) => prompt_of(b),
-            _ => None,
-        };
-        let token_ids = match (key, &read) {
-            (Key::Ids(t), _) => Some(t),
-            (_, Some(Prompt::Ids(t))) => Some(t.as_slice()),
-            _ => None,
-        };
-        let hashes = match (self.prefix, token_ids, &read) {
-            (Some((size, seed)), Some(t), _) => block_hashes(Tokens::Ids(t), size, seed)?,
-            (Some((size, seed)), None, Some(prompt)) => block_hashes(prompt.tokens(), size, seed)?,
-            _ => Vec::new(),
-        };
-        let mut guard = lock(&self.state);
-        let st = &mut *guard;
-        self.refresh(st);
-        let subset: Option<Vec<usize>> = hints.subset.as_ref().map(|names| {
-            names
-                .iter()
-                .filter_map(|n| st.pipeline.endpoints().index(n).ok())
-                .collect()
-        });
-        if sheddable {
-            let mut candidates =
-                st.states.iter().enumerate().filter(|(i, s)| {
-                    s.healthy && subset.as_ref().is_none_or(|sub| sub.contains(i))
-                });
-            let mut any = false;
-            if candidates.all(|(_, s)| {
-                any = true;
-                !saturation::keep(self.saturation.max_waiting, self.saturation.max_kv_usage, s)
-            }) && any
-            {
-                return Ok(Choice::Saturated);
-            }
-        }
-        let req = PickRequest {
-            hashes: &hashes,
-            token_ids,
-            adapter,
-            subset: subset.as_deref(),
-            fairness_id: Some(user),
-            session: None,
-            input_tokens: est.0,
-            output_tokens: est.1,
-            now,
-        };
-        let mut ranked = std::mem::take(&mut st.ranked);
-        let picked = st.pipeline.pick(&req, &st.states, &mut ranked);
-        let out = picked.and_then(|()| {
-            let Some(&chosen) = ranked.first() else {
-                return Ok(Choice::NoEndpoint);
-            };
-            let recorded = st.pipeline.started_recorded(&req, chosen)?;
-            let s = &mut st.states[chosen];
-            s.in_flight += 1;
-            s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
-            ranked.truncate(1 + self.fallbacks);
-            Ok(Choice::Ranked(ranked.clone(), recorded))
-        });
-        st.ranked = ranked;
-        out
-    }
-
-    /// A request on `endpoint` ended (with its usage when known): out of
-    /// flight, and the stateful plugins learn it (VTC's charge corrected).
-    fn release(
-        &self,
-        endpoint: usize,
-        user: &str,
-        est: (u64, u64),
-        usage: Option<Usage>,
-        now: f64,
-    ) -> Result<()> {
-        let mut st = lock(&self.state);
-        let st = &mut *st;
-        if let Some(s) = st.states.get_mut(endpoint) {
-            s.in_flight = s.in_flight.saturating_sub(1);
-        }
-        let actual = usage.unwrap_or((est.0, 0));
-        let req = PickRequest {
-            fairness_id: Some(user),
-            input_tokens: est.0,
-            output_tokens: est.1,
-            now,
-            ..PickRequest::default()
-        };
-        st.pipeline
-            .completed_request(&req, endpoint, actual.0, actual.1)
-    }
-
-    /// A request counted on `from` was served by `to`: its in-flight count
-    /// and what the prefix plugin recorded move (see `Pipeline::moved`).
-    fn moved(&self, from: usize, to: usize, recorded: &Recorded, now: f64) -> Result<()> {
-        let mut st = lock(&self.state);
-        st.pipeline.moved(from, to, recorded, now)?;
-        let s = &mut st.states[from];
-        s.in_flight = s.in_flight.saturating_sub(1);
-        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_sub(1);
-        let s = &mut st.states[to];
-        s.in_flight += 1;
-        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
-        Ok(())
-    }
-
-    /// Requests in flight per endpoint.
-    pub fn loads(&self) -> Vec<u64> {
-        lock(&self.state)
-            .states
-            .iter()
-            .map(|s| s.in_flight)
-            .collect()
-    }
-
-    /// The endpoints' states as the picker sees them now.
-    pub fn states(&self) -> Vec<EndpointState> {
-        let mut st = lock(&self.state);
-        self.refresh(&mut st);
-        st.states.clone()
-    }
-
-    pub fn endpoints(&self) -> &[String] {
-        &self.endpoints
-    }
-
-    /// Every endpoint's state is known: scraped once, or found unhealthy
-    /// (true at once when the endpoints are not scraped).
-    fn synced(&self) -> bool {
-        self.probes.iter().all(|p| p.seq() > 0 || !p.healthy())
-    }
 }
 
 struct Tenant {
@@ -633,111 +378,6 @@ impl Shared {
         Ok(())
     }
 
-    /// Releases the lease `id` (false when it is not in flight: released
-    /// already). `usage` is learned from when it could be real.
-    pub fn release(&self, id: u128, usage: Option<Usage>) -> bool {
-        self.release_if(id, Caller::Trusted, usage)
-    }
-
-    /// `release` by the request id the front end was given, for `caller`:
-    /// false when no lease of that id is in flight or `caller` may not end it
-    /// (the two are not told apart).
-    pub fn release_request(
-        &self,
-        request_id: &str,
-        caller: Caller<'_>,
-        usage: Option<Usage>,
-    ) -> bool {
-        self.parse_id(request_id)
-            .is_some_and(|id| self.release_if(id, caller, usage))
-    }
-
-    fn release_if(&self, id: u128, caller: Caller<'_>, usage: Option<Usage>) -> bool {
-        let found = {
-            let mut leases = lock(&self.leases);
-            let allowed = leases.get(&id).is_some_and(|(engine, lease)| match caller {
-                Caller::Trusted => true,
-                Caller::Tenant(name) => lease.feedback && engine.tenant_name(lease.tenant) == name,
-            });
-            if allowed {
-                leases.remove(&id)
-            } else {
-                None
-            }
-        };
-        match found {
-            Some((engine, lease)) => {
-                engine.finish(id, lease, usage, self);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// The gateway reports that `endpoint` served the lease `id` (Envoy's
-    /// `x-gateway-destination-endpoint-served`, after its retries): when it
-    /// is another endpoint of the lease's pool than the chosen one, the
-    /// lease's in-flight count, what the prefix plugin recorded and the
-    /// usage to come move there, once. False when nothing moved (the lease
-    /// is not in flight, was served where it was sent, or `endpoint` is not
-    /// in its pool: then the chosen endpoint keeps the accounting).
-    pub fn served(&self, id: u128, endpoint: &str) -> bool {
-        let mut leases = lock(&self.leases);
-        let Some((engine, lease)) = leases.get_mut(&id) else {
-            return false;
-        };
-        let chooser = &engine.choosers[lease.pool];
-        let Some(to) = chooser.endpoints.iter().position(|e| e == endpoint) else {
-            return false;
-        };
-        if to == lease.endpoint {
-            return false;
-        }
-        let recorded = std::mem::take(&mut lease.recorded);
-        if let Err(e) = chooser.moved(lease.endpoint, to, &recorded, self.now()) {
-            tracing::error!(request_id = self.request_id(id), error = %e, "move-failed");
-            return false;
-        }
-        let gauges = &engine.pool_metrics[lease.pool].in_flight;
-        gauges[lease.endpoint].dec();
-        gauges[to].inc();
-        lease.endpoint = to;
-        true
-    }
-
-    /// Lets a RouteCore `Feedback` from the lease's tenant end it (a request
-    /// routed through the RouteCore API).
-    pub fn accept_feedback(&self, id: u128) {
-        if let Some((_, lease)) = lock(&self.leases).get_mut(&id) {
-            lease.feedback = true;
-        }
-    }
-
-    /// Releases every lease past its deadline; returns how many.
-    pub fn reap(&self) -> usize {
-        let now = Instant::now();
-        let expired: Vec<(u128, Arc<Engine>, Lease)> = {
-            let mut leases = lock(&self.leases);
-            let ids: Vec<u128> = leases
-                .iter()
-                .filter(|(_, (_, l))| l.deadline <= now)
-                .map(|(id, _)| *id)
-                .collect();
-            ids.into_iter()
-                .filter_map(|id| leases.remove(&id).map(|(e, l)| (id, e, l)))
-                .collect()
-        };
-        let n = expired.len();
-        for (id, engine, lease) in expired {
-            engine.pool_metrics[lease.pool].timeouts.inc();
-            engine.finish(id, lease, None, self);
-        }
-        if n > 0 {
-            tracing::warn!(count = n as u64, "requests-timed-out");
-        }
-        n
-    }
-
     /// At shutdown, once the streams have ended: ends every lease still held
     /// (a RouteCore API request whose `Feedback` can no longer come) and waits
     /// until each admission backend has sent what it owes (the releases under
@@ -858,28 +498,6 @@ pub struct Engine {
     /// Its number among the engines of its data plane, in build order.
     number: u64,
     shared: Weak<Shared>,
-}
-
-/// Releases an endpoint and pool count taken for a request that never got
-/// its lease (refused, failed, or its stream dropped while admission waited).
-struct Undo<'a> {
-    engine: &'a Engine,
-    pool: usize,
-    endpoint: usize,
-    user: &'a str,
-    est: (u64, u64),
-    now: f64,
-    armed: bool,
-}
-
-impl Drop for Undo<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            let chooser = &self.engine.choosers[self.pool];
-            let _ = chooser.release(self.endpoint, self.user, self.est, None, self.now);
-            let _ = self.engine.router.complete(self.pool);
-        }
-    }
 }
 
 /// The prompt bytes and category a request's usage teaches the calibrator.
@@ -1076,107 +694,6 @@ impl Engine {
         tenant.map(|t| self.tenants[t].name.as_str())
     }
 
-    // -- tenants ------------------------------------------------------------
-
-    /// The tenant owning `key` (None when no tenants are configured). A
-    /// missing or unknown key is a 401, an expired one a 403. The key is
-    /// hashed first, so the lookup's timing depends on the digest, not on how
-    /// much of a real key was guessed; the final comparison is constant-time.
-    pub fn authenticate(&self, key: Option<&[u8]>) -> std::result::Result<Option<usize>, Reject> {
-        if self.tenants.is_empty() {
-            return Ok(None);
-        }
-        let found = key.filter(|k| !k.is_empty()).and_then(|k| {
-            let digest: [u8; 32] = Sha256::digest(k).into();
-            let &t = self.keys.get(&digest)?;
-            let ok = self.tenants[t]
-                .digests
-                .iter()
-                .fold(subtle::Choice::from(0), |acc, d| {
-                    acc | d[..].ct_eq(&digest[..])
-                });
-            bool::from(ok).then_some(t)
-        });
-        let Some(t) = found else {
-            return Err(self.refuse(None, 401, "unknown-key", "missing or unknown API key", 0.0));
-        };
-        if let Some(at) = self.tenants[t].expires_at {
-            let now = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs_f64())
-                .unwrap_or(0.0);
-            if now >= at {
-                return Err(self.refuse(Some(t), 403, "expired-key", "API key expired", 0.0));
-            }
-        }
-        Ok(Some(t))
-    }
-
-    /// A refusal, counted per service class and reason, and logged
-    /// (`refused`) once per state change of its reason.
-    pub fn refuse(
-        &self,
-        tenant: Option<usize>,
-        status: u16,
-        reason: &str,
-        message: impl Into<String>,
-        retry_after_s: f64,
-    ) -> Reject {
-        let class = tenant.map_or("none", |t| self.tenants[t].service_class.as_str());
-        let rej = Reject {
-            status,
-            reason: reason.into(),
-            message: message.into(),
-            retry_after_s,
-        };
-        if let Ok(shared) = self.shared() {
-            shared.metrics.reject(class, reason);
-            shared.log_refusal(&rej, self.tenant_name(tenant));
-        }
-        rej
-    }
-
-    /// The VTC user of a request: its fairness id scoped to its tenant (a
-    /// tenant cannot weigh on another's share by naming its id), else the
-    /// tenant's name; with no tenants (no one is authenticated), the
-    /// fairness id as sent, else `anonymous`. Err: the fairness id is empty
-    /// or too long.
-    fn vtc_user(&self, tenant: Option<usize>, fairness_id: Option<&str>) -> Result<Option<String>> {
-        let Some(f) = fairness_id else {
-            return Ok(None);
-        };
-        let Some(name) = self.tenant_name(tenant) else {
-            crate::vtc::check_user(f)?;
-            return Ok(Some(f.to_owned()));
-        };
-        // "<name length>:<name>:<id>": no two (tenant, id) pairs meet.
-        let user = format!("{}:{name}:{f}", name.len());
-        if f.is_empty() || user.len() > crate::vtc::MAX_USER_NAME_BYTES {
-            return Err(invalid(format!(
-                "must be 1 to {} bytes for tenant {name:?}, got {} bytes",
-                crate::vtc::MAX_USER_NAME_BYTES - (user.len() - f.len()),
-                f.len()
-            )));
-        }
-        Ok(Some(user))
-    }
-
-    /// Whether `entitlement` of this engine's configuration is still one of
-    /// the running configuration's: a reload that removed it also removed
-    /// its admission state, so the streams still routed on this one (they
-    /// finish on the configuration they opened on) skip admission for it.
-    fn entitlement_live(&self, entitlement: &str, shared: &Shared) -> bool {
-        if shared.latest.load(Ordering::Acquire) == self.number {
-            return true; // the running configuration
-        }
-        match shared.latest() {
-            Some(latest) if !std::ptr::eq(Arc::as_ptr(&latest), self) => {
-                latest.entitlements.contains(entitlement)
-            }
-            _ => true,
-        }
-    }
-
     // -- routing ------------------------------------------------------------
 
     /// Routes an OpenAI request body (parse, route, compress: one core call).
@@ -1195,7 +712,7 @@ impl Engine {
                 model: t.request.model.as_deref(),
                 hints,
             };
-            return self.place(t.decision, tenant, learn, ask, None).await;
+            return self.routed(t.decision, tenant, learn, ask, None).await;
         }
         let r = match route_request(
             &self.router,
@@ -1226,7 +743,7 @@ impl Engine {
                 hints,
             };
             return self
-                .place(d, tenant, None, ask, Some(new_body.clone()))
+                .routed(d, tenant, None, ask, Some(new_body.clone()))
                 .await;
         }
         // Token ids are exact, and the usage of image and audio parts is not
@@ -1237,7 +754,7 @@ impl Engine {
             model,
             hints,
         };
-        self.place(d, tenant, learn, ask, None).await
+        self.routed(d, tenant, learn, ask, None).await
     }
 
     /// Routes a body on its exact prompt token count when its `model` has a
@@ -1324,7 +841,7 @@ impl Engine {
                 return bad(e);
             }
             let d = self.router.route_estimated(tokens, req.max_output_tokens);
-            return self.place(d, tenant, None, ask, None).await;
+            return self.routed(d, tenant, None, ask, None).await;
         }
         let Some(category) = CATEGORIES.into_iter().find(|&c| c == fields.category) else {
             return bad(invalid(format!(
@@ -1339,7 +856,7 @@ impl Engine {
         let d = self
             .router
             .route_with(est, req.max_output_tokens, compressible_category(category));
-        self.place(d, tenant, Some((req.prompt_bytes, category)), ask, None)
+        self.routed(d, tenant, Some((req.prompt_bytes, category)), ask, None)
             .await
     }
 
@@ -1352,14 +869,27 @@ impl Engine {
         hints: &Hints,
         admit: bool,
     ) -> Result<Outcome> {
-        let pool = self.default_pool;
-        self.router.start(pool)?;
         let ask = Ask {
             key: Key::None,
             model: None,
             hints,
         };
-        self.admit(pool, 1, 1, false, tenant, admit, None, ask, None)
+        self.dispatch(Routing::Default, (1, 1), tenant, admit, None, ask, None)
+            .await
+    }
+
+    /// A request the token budget routed, through the rest of its steps.
+    async fn routed(
+        self: &Arc<Self>,
+        d: Decision,
+        tenant: Option<usize>,
+        learn: Option<(u64, &'static str)>,
+        ask: Ask<'_>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Outcome> {
+        let est = (d.est_input_tokens, d.est_output_tokens);
+        let routing = Routing::Decided(d);
+        self.dispatch(routing, est, tenant, true, learn, ask, body)
             .await
     }
 
@@ -1379,328 +909,6 @@ impl Engine {
             .filter(|&i| self.spec.pools[i].max_context >= tokens)
             .min_by_key(|&i| (self.spec.pools[i].max_context, i))
             .ok_or(400)
-    }
-
-    async fn place(
-        self: &Arc<Self>,
-        d: Decision,
-        tenant: Option<usize>,
-        learn: Option<(u64, &'static str)>,
-        ask: Ask<'_>,
-        body: Option<Vec<u8>>,
-    ) -> Result<Outcome> {
-        let Some(mut pool) = d.pool else {
-            let message = format!(
-                "request needs {} tokens, more than any pool's context",
-                d.est_total_tokens
-            );
-            return Ok(Err(self.refuse(
-                tenant,
-                400,
-                d.reason.as_str(),
-                message,
-                0.0,
-            )));
-        };
-        if !self.spec.pools[pool].serves(ask.model) {
-            self.router.complete(pool)?;
-            match self.pool_for_model(ask.model, d.est_total_tokens) {
-                Ok(p) => {
-                    self.router.start(p)?;
-                    pool = p;
-                }
-                Err(status) => {
-                    let name = ask.model.unwrap_or("");
-                    let (reason, message) = if status == 404 {
-                        (
-                            "model-not-found",
-                            format!("The model `{name}` does not exist."),
-                        )
-                    } else {
-                        (
-                            "context-too-long",
-                            format!(
-                                "request needs {} tokens, more than the context of any pool \
-                                 serving `{name}`",
-                                d.est_total_tokens
-                            ),
-                        )
-                    };
-                    return Ok(Err(self.refuse(tenant, status, reason, message, 0.0)));
-                }
-            }
-        }
-        let mut outcome = self
-            .admit(
-                pool,
-                d.est_input_tokens,
-                d.est_output_tokens,
-                d.spilled,
-                tenant,
-                true,
-                learn,
-                ask,
-                body,
-            )
-            .await?;
-        if let Ok(r) = outcome.as_mut() {
-            r.reason = d.reason.as_str();
-            r.compress_target_tokens = d.compress_target_tokens.unwrap_or(0);
-        }
-        Ok(outcome)
-    }
-
-    /// Chooses the endpoint and runs admission; on refusal or failure undoes both counts.
-    #[allow(clippy::too_many_arguments)]
-    async fn admit(
-        self: &Arc<Self>,
-        pool: usize,
-        est_in: u64,
-        est_out: u64,
-        spilled: bool,
-        tenant: Option<usize>,
-        admit: bool,
-        learn: Option<(u64, &'static str)>,
-        ask: Ask<'_>,
-        body: Option<Vec<u8>>,
-    ) -> Result<Outcome> {
-        let shared = self.shared()?;
-        let now = shared.now();
-        let hints = ask.hints;
-        let scoped = match self.vtc_user(tenant, hints.fairness_id.as_deref()) {
-            Ok(u) => u,
-            Err(e) => {
-                self.router.complete(pool)?;
-                let message = format!("fairness id: {e}");
-                return Ok(Err(self.refuse(
-                    tenant,
-                    400,
-                    "invalid-request",
-                    message,
-                    0.0,
-                )));
-            }
-        };
-        let user = scoped
-            .as_deref()
-            .or(self.tenant_name(tenant))
-            .unwrap_or(ANONYMOUS);
-        let spec = &self.spec.pools[pool];
-        let adapter = ask.model.filter(|m| spec.adapters.iter().any(|a| a == m));
-        let sheddable = hints
-            .objective
-            .as_ref()
-            .and_then(|o| self.spec.router.objectives.get(o))
-            .is_some_and(|&p| p < 0);
-        let chooser = &self.choosers[pool];
-        let chosen = shared.fault("routing").and_then(|()| {
-            chooser.choose(
-                ask.key,
-                user,
-                adapter,
-                hints,
-                sheddable,
-                (est_in, est_out),
-                now,
-            )
-        });
-        let (ranked, recorded) = match chosen {
-            Ok(Choice::Ranked(r, recorded)) => (r, recorded),
-            Ok(refused) => {
-                self.router.complete(pool)?;
-                let (status, reason, message) = if refused == Choice::Saturated {
-                    (
-                        429,
-                        "saturated",
-                        "every endpoint is saturated; sheddable requests are dropped".to_string(),
-                    )
-                } else {
-                    (
-                        503,
-                        "no-endpoint",
-                        format!("pool {:?} has no healthy endpoint", spec.name),
-                    )
-                };
-                return Ok(Err(self.refuse(tenant, status, reason, message, 0.0)));
-            }
-            Err(e) => {
-                let _ = self.router.complete(pool);
-                return Err(e);
-            }
-        };
-        let endpoint = ranked[0];
-        // Undone on every way out before the lease exists, a dropped (cancelled)
-        // stream included: the guard releases the endpoint and the pool count.
-        let mut undo = Undo {
-            engine: self,
-            pool,
-            endpoint,
-            user,
-            est: (est_in, est_out),
-            now,
-            armed: true,
-        };
-        let id = shared.ids.next();
-        let request_id = shared.request_id(id);
-        let mut ticket = None;
-        let entitlement = tenant
-            .and_then(|t| self.tenants[t].entitlement.as_deref())
-            .filter(|e| self.entitlement_live(e, &shared));
-        if let (Some(admission), Some(ent), true) = (self.admission.as_ref(), entitlement, admit) {
-            shared.fault("admission")?;
-            let verdict = admission
-                .admit_detached(&shared.handle, ent, est_in, est_out, &request_id)
-                .await;
-            match verdict {
-                Verdict::Admitted { ticket: t } => ticket = t,
-                Verdict::Refused {
-                    status,
-                    reason,
-                    retry_after_s,
-                } => {
-                    let message = format!("not admitted: {reason}");
-                    let retry = retry_after_s.unwrap_or(0.0);
-                    return Ok(Err(self.refuse(tenant, status, &reason, message, retry)));
-                }
-            }
-        }
-        undo.armed = false;
-        let started = Instant::now();
-        let lease = Lease {
-            pool,
-            endpoint,
-            tenant,
-            user: scoped.clone(),
-            feedback: false,
-            est_input_tokens: est_in,
-            est_output_tokens: est_out,
-            learn,
-            started,
-            deadline: started + self.timeout,
-            ticket,
-            recorded,
-        };
-        // 128 random bits: two ids in flight at once never meet (2^-128 a pair).
-        lock(&shared.leases).insert(id, (Arc::clone(self), lease));
-        let m = &self.pool_metrics[pool];
-        m.decisions.inc();
-        m.in_flight[endpoint].inc();
-        if spilled {
-            m.spillovers.inc();
-        }
-        let names = chooser.endpoints();
-        Ok(Ok(Routed {
-            id,
-            request_id,
-            pool: spec.name.clone(),
-            endpoint: names[endpoint].clone(),
-            fallbacks: ranked[1..].iter().map(|&i| names[i].clone()).collect(),
-            est_input_tokens: est_in,
-            est_output_tokens: est_out,
-            spilled,
-            reason: "default",
-            compress_target_tokens: 0,
-            body,
-        }))
-    }
-
-    // -- completion -----------------------------------------------------------
-
-    /// Releases a lease taken out of the table: every step runs even when
-    /// another fails (logged as `release-failed`); usage that cannot be real
-    /// (more tokens than the pool's context, whoever reported it: the
-    /// engine's response or a RouteCore `Feedback`) is ignored for learning
-    /// and charging (logged, counted), as is usage without prompt tokens,
-    /// and the admission ticket is completed with the estimate.
-    fn finish(&self, id: u128, lease: Lease, usage: Option<Usage>, shared: &Shared) {
-        let now = shared.now();
-        let m = &self.pool_metrics[lease.pool];
-        let context = self.spec.pools[lease.pool].max_context;
-        let usage = usage.and_then(|u| {
-            if plausible(u, context) {
-                return Some(u);
-            }
-            m.absurd_usage.inc();
-            tracing::warn!(
-                request_id = shared.request_id(id),
-                pool = self.spec.pools[lease.pool].name.as_str(),
-                endpoint = self.choosers[lease.pool].endpoints[lease.endpoint].as_str(),
-                prompt_tokens = u.0,
-                completion_tokens = u.1,
-                "absurd-usage"
-            );
-            None
-        });
-        let usage = usage.filter(|u| u.0 > 0);
-        let fail = |step: &str, e: Error| {
-            tracing::error!(request_id = shared.request_id(id), step, error = %e, "release-failed");
-        };
-        if let Err(e) = self.router.complete(lease.pool) {
-            fail("router", e);
-        }
-        let user = lease
-            .user
-            .as_deref()
-            .or(self.tenant_name(lease.tenant))
-            .unwrap_or(ANONYMOUS);
-        let est = (lease.est_input_tokens, lease.est_output_tokens);
-        if let Err(e) = self.choosers[lease.pool].release(lease.endpoint, user, est, usage, now) {
-            fail("chooser", e);
-        }
-        m.in_flight[lease.endpoint].dec();
-        if let (Some(ticket), Some(admission)) = (lease.ticket, self.admission.as_ref()) {
-            let admission = Arc::clone(admission);
-            let actual = usage.unwrap_or((lease.est_input_tokens, 0));
-            let latency = lease.started.elapsed().as_secs_f64();
-            let mut done = Box::pin(async move {
-                admission
-                    .complete(ticket, actual.0, actual.1, latency)
-                    .await;
-            });
-            // In memory it completes at once; a remote backend finishes on the
-            // runtime. Polled in the runtime's context: the caller may be a
-            // Python thread (`DataPlane.finish`), and Redis's future needs the
-            // runtime's timers.
-            let _runtime = shared.handle.enter();
-            if done.as_mut().now_or_never().is_none() {
-                shared.handle.spawn(done);
-            }
-        }
-        if let Err(e) = shared
-            .fault("finish")
-            .and_then(|()| self.learn(lease.learn, usage, shared))
-        {
-            fail("learn", e);
-        }
-    }
-
-    fn learn(
-        &self,
-        learn: Option<(u64, &'static str)>,
-        usage: Option<Usage>,
-        shared: &Shared,
-    ) -> Result<()> {
-        let (Some((bytes, category)), Some((prompt, _))) = (learn, usage) else {
-            return Ok(());
-        };
-        if bytes == 0 {
-            return Ok(());
-        }
-        let ratio = {
-            let mut cal = self.router.write_calibrator();
-            if cal.observe(category, int(bytes), int(prompt)).is_err() {
-                return Ok(()); // a ratio the calibrator refuses: not learned from
-            }
-            cal.stats(category).ratio
-        };
-        shared
-            .metrics
-            .calibration_ratio
-            .get_or_create(&super::metrics::CategoryLabel {
-                category: category.into(),
-            })
-            .set(ratio);
-        Ok(())
     }
 }
 
@@ -1746,26 +954,39 @@ mod tests {
     /// A data plane routing by VTC over four endpoints, for tenants `demo`
     /// (0) and `other` (1).
     fn vtc_plane() -> (Arc<Shared>, Arc<Engine>) {
+        plane("vtc", serde_json::Value::Null)
+    }
+
+    /// A data plane routing by `policy` over four endpoints, for tenants
+    /// `demo` (0) and `other` (1), with this `admission` section; tenant
+    /// `name` has the entitlement `name` when the section names one.
+    fn plane(policy: &str, admission: serde_json::Value) -> (Arc<Shared>, Arc<Engine>) {
         let digest = |k: &str| -> String {
             Sha256::digest(k.as_bytes())
                 .iter()
                 .map(|b| format!("{b:02x}"))
                 .collect()
         };
+        let entitled = |name: &str| {
+            admission["entitlements"]
+                .as_array()
+                .is_some_and(|es| es.iter().any(|e| e["name"] == name))
+                .then(|| name.to_owned())
+        };
         let tenant = |name: &str| {
             serde_json::json!({"name": name, "key_digests": [digest(name)], "expires_at": null,
-                               "service_class": "none", "entitlement": null})
+                               "service_class": "none", "entitlement": entitled(name)})
         };
         let json = serde_json::json!({
             "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
             "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
                        "request_timeout_s": 30.0, "default_max_tokens": 100,
                        "image_tokens": 765, "audio_tokens": 750},
-            "router": {"policy": "vtc", "compress_band": null, "prefix_block_size": 16},
+            "router": {"policy": policy, "compress_band": null, "prefix_block_size": 16},
             "pools": [{"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
                        "endpoints": ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]}],
             "tenants": [tenant("demo"), tenant("other")],
-            "admission": null
+            "admission": admission
         });
         let spec = Spec::from_json(&json.to_string()).expect("spec");
         let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
@@ -1833,5 +1054,113 @@ mod tests {
         let body = br#"{"model": "m", "prompt": [1, 2, 3, 4]}"#;
         assert!(matches!(prompt_of(body), Some(Prompt::Ids(ids)) if ids == vec![1, 2, 3, 4]));
         assert!(prompt_of(b"not json").is_none());
+    }
+
+    /// What a data plane's request path keeps of the requests it saw: per
+    /// endpoint in flight, per pool in flight, admission's requests in
+    /// flight, each tenant's VTC charge, and which endpoints hold each
+    /// prompt's blocks in the approximate prefix index.
+    fn kept(engine: &Engine, prompts: &[Vec<u8>], now: f64) -> String {
+        let mut st = lock(&engine.choosers[0].state);
+        let st = &mut *st;
+        let loads: Vec<u64> = st.states.iter().map(|s| s.in_flight).collect();
+        let charges = st
+            .pipeline
+            .vtc_mut()
+            .map(|v| ["demo", "other"].map(|u| v.tokens(u, now)));
+        let held = st.pipeline.prefix().map(|p| {
+            let mut index = lock(p.index()).clone();
+            let (size, seed) = (p.config().block_size, p.config().seed);
+            let held: Vec<_> = prompts
+                .iter()
+                .map(|b| {
+                    let prompt = prompt_of(b).expect("a request");
+                    let h = block_hashes(prompt.tokens(), size, seed).expect("hashes");
+                    let mut m = index.match_prefix(&h, now).expect("match");
+                    m.sort();
+                    m
+                })
+                .collect();
+            (index.len(), held)
+        });
+        let admission = engine.admission.as_ref().map(|a| a.in_flight());
+        let pools = engine.router.in_flight(0).expect("pool");
+        format!(
+            "loads {loads:?} pools {pools} admission {admission:?} vtc {charges:?} prefix {held:?}"
+        )
+    }
+
+    /// Nothing a refused request touched stays changed: over random mixes of
+    /// requests answered (with usage), failed (no usage) and refused by
+    /// admission (tenant `other`'s entitlement admits one request at a time,
+    /// and its first is held to the end), the data plane keeps what a run
+    /// that never saw the refused requests keeps: every count, VTC charge
+    /// and prefix-index entry.
+    #[tokio::test]
+    async fn a_refused_request_leaves_no_trace() {
+        let quota = serde_json::json!({"name": "q", "tokens_per_s": 1e9, "kv_bytes": 1_i64 << 40,
+                                       "concurrency": 1000});
+        let entitlement = |name: &str, concurrency: i64| {
+            serde_json::json!({"name": name, "tenant": name, "quota": "q",
+                               "service_class": "guaranteed", "slo_target_ms": 1000.0,
+                               "tokens_per_s": 1e8, "kv_bytes": 1_i64 << 38,
+                               "concurrency": concurrency})
+        };
+        let admission = serde_json::json!({"quotas": [quota],
+            "entitlements": [entitlement("demo", 1000), entitlement("other", 1)]});
+        let prompts: Vec<Vec<u8>> = (0..4)
+            .map(|k| {
+                let text = format!("{k} shared context of prompt {k}. ").repeat(6);
+                serde_json::json!({"messages": [{"role": "user", "content": text}],
+                                   "max_tokens": 20})
+                .to_string()
+                .into_bytes()
+            })
+            .collect();
+        for policy in ["prefix", "vtc"] {
+            for seed in 0..20u64 {
+                let mut rng = crate::rng::Rng::new(seed);
+                // (tenant, prompt, usage); tenant 1's are refused.
+                let ops: Vec<(usize, usize, Option<Usage>)> = (0..30)
+                    .map(|_| {
+                        let tenant = usize::from(rng.next_u64() % 3 == 0);
+                        let prompt = (rng.next_u64() % 4) as usize;
+                        let usage = (rng.next_u64() % 2 == 0)
+                            .then(|| (10 + rng.next_u64() % 90, rng.next_u64() % 50));
+                        (tenant, prompt, usage)
+                    })
+                    .collect();
+                let mut runs = Vec::new();
+                for skip_refused in [false, true] {
+                    let (shared, engine) = plane(policy, admission.clone());
+                    let hints = Hints::default();
+                    let first = engine.route_body(&prompts[0], Some(1), &hints).await;
+                    let blocker = first.expect("ok").expect("admitted");
+                    let mut refused = 0;
+                    for &(tenant, prompt, usage) in &ops {
+                        if skip_refused && tenant == 1 {
+                            continue;
+                        }
+                        let r = engine
+                            .route_body(&prompts[prompt], Some(tenant), &hints)
+                            .await;
+                        match r.expect("ok") {
+                            Ok(routed) => assert!(shared.release(routed.id, usage)),
+                            Err(rej) => {
+                                assert_eq!((tenant, rej.status), (1, 429), "{rej:?}");
+                                refused += 1;
+                            }
+                        }
+                    }
+                    let mid = kept(&engine, &prompts, shared.now());
+                    assert!(shared.release(blocker.id, None));
+                    runs.push((mid, kept(&engine, &prompts, shared.now()), refused));
+                }
+                let want_refused = ops.iter().filter(|o| o.0 == 1).count();
+                assert_eq!((runs[0].2, runs[1].2), (want_refused, 0));
+                assert_eq!(runs[0].0, runs[1].0, "{policy} seed {seed}: held");
+                assert_eq!(runs[0].1, runs[1].1, "{policy} seed {seed}: after");
+            }
+        }
     }
 }

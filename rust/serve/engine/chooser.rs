@@ -1,0 +1,276 @@
+//! The endpoint choice inside one pool: the pool picker's pipeline over
+//! the endpoints' states, fed by their probes and by this data plane's own
+//! dispatches.
+
+use super::*;
+
+/// What the picker of a pool answered.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Choice {
+    /// The chosen endpoint first, then the fallbacks; the chosen one is
+    /// counted in flight, and what the prefix plugin recorded for it.
+    Ranked(Vec<usize>, Recorded),
+    /// No endpoint is healthy (or in the subset hint).
+    NoEndpoint,
+}
+
+pub(super) struct PoolState {
+    pub(super) pipeline: Pipeline,
+    pub(super) states: Vec<EndpointState>,
+    /// The probe sequence number each state was last refreshed from.
+    pub(super) seen: Vec<u64>,
+    /// The probe's adapter list each state copied last (copied again only
+    /// when the probe's list is another one).
+    pub(super) adapters: Vec<Arc<Vec<String>>>,
+    pub(super) ranked: Vec<usize>,
+}
+
+/// Picks the endpoint inside one pool: the endpoint-picker pipeline of
+/// `router.policy` (`crate::pick`) over one [`EndpointState`] per endpoint,
+/// fed by the endpoints' probes (health, queue, KV use, adapters: see
+/// `scrape`) and by this data plane's own dispatches (in flight, and since
+/// the last scrape).
+pub struct Chooser {
+    pub(super) endpoints: Vec<String>,
+    /// One per endpoint; empty when the endpoints are not scraped.
+    pub(super) probes: Vec<Arc<Probe>>,
+    /// The prefix plugin's (block size, seed), when the pipeline has one.
+    pub(super) prefix: Option<(usize, u64)>,
+    pub(super) fallbacks: usize,
+    pub(super) saturation: crate::endpoint::Saturation,
+    pub(super) state: Mutex<PoolState>,
+}
+
+impl Chooser {
+    pub(super) fn new(
+        pool: &crate::serve::config::PoolSpec,
+        router: &crate::serve::config::RouterSpec,
+        probes: Vec<Arc<Probe>>,
+        kv: &Arc<crate::kv::KvIndex>,
+    ) -> Result<Self> {
+        let sat = router.saturation;
+        let mut specs =
+            preset_specs(&router.policy).map_err(|e| invalid(format!("router.policy: {e}")))?;
+        for s in &mut specs {
+            match s.name.as_str() {
+                "prefix" | "precise-prefix" => {
+                    s.params = serde_json::json!({"block_size": router.prefix_block_size})
+                }
+                "saturation" => {
+                    s.params = serde_json::json!({
+                        "max_waiting": sat.max_waiting, "max_kv_usage": sat.max_kv_usage
+                    })
+                }
+                _ => {}
+            }
+        }
+        let config = PickConfig {
+            kv_index: Some(Arc::clone(kv)),
+            ..PickConfig::default()
+        };
+        let mut pipeline = Pipeline::from_specs(&specs, &pool.endpoints, &config)?;
+        pipeline.prepare()?;
+        let prefix = pipeline
+            .prefix()
+            .map(|p| (p.config().block_size, p.config().seed));
+        let n = pool.endpoints.len();
+        Ok(Self {
+            endpoints: pool.endpoints.clone(),
+            probes,
+            prefix,
+            fallbacks: router.fallbacks,
+            saturation: sat,
+            state: Mutex::new(PoolState {
+                pipeline,
+                states: vec![EndpointState::default(); n],
+                seen: vec![0; n],
+                adapters: vec![Arc::default(); n],
+                ranked: Vec::new(),
+            }),
+        })
+    }
+
+    /// Copies what the probes know into the states (lock-free reads); a new
+    /// scrape restarts the count of dispatches since the last one.
+    pub(super) fn refresh(&self, st: &mut PoolState) {
+        if self.probes.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        for (i, p) in self.probes.iter().enumerate() {
+            let r = p.reading(now);
+            let s = &mut st.states[i];
+            s.healthy = r.healthy;
+            s.waiting = r.waiting;
+            s.running = r.running;
+            s.kv_usage = r.kv_usage;
+            if r.seq != st.seen[i] {
+                st.seen[i] = r.seq;
+                s.dispatched_since_scrape = 0;
+                let adapters = p.adapters();
+                if !Arc::ptr_eq(&adapters, &st.adapters[i]) {
+                    s.adapters = (*adapters).clone();
+                    st.adapters[i] = adapters;
+                }
+            }
+        }
+    }
+
+    /// The endpoints in the request's subset hint (every endpoint without one).
+    pub(super) fn subset(&self, st: &PoolState, hints: &Hints) -> Option<Vec<usize>> {
+        hints.subset.as_ref().map(|names| {
+            names
+                .iter()
+                .filter_map(|n| st.pipeline.endpoints().index(n).ok())
+                .collect()
+        })
+    }
+
+    /// Whether every healthy endpoint the request may go to is saturated
+    /// (false when there is none: that is the pick's 503).
+    pub(super) fn saturated(&self, hints: &Hints) -> bool {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        self.refresh(st);
+        let subset = self.subset(st, hints);
+        let mut candidates = st
+            .states
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| s.healthy && subset.as_ref().is_none_or(|sub| sub.contains(i)))
+            .peekable();
+        candidates.peek().is_some() && candidates.all(|(_, s)| self.saturation.saturated(s))
+    }
+
+    /// Ranks the pool's endpoints for a request and counts the chosen one in
+    /// flight (and as dispatched since the last scrape).
+    pub(super) fn choose(
+        &self,
+        key: Key<'_>,
+        user: &str,
+        adapter: Option<&str>,
+        hints: &Hints,
+        est: (u64, u64),
+        now: f64,
+    ) -> Result<Choice> {
+        // A body's prompt is read only when a prefix plugin asks for it; a
+        // prompt given as token ids also feeds the precise-prefix scorer.
+        let read = match (self.prefix, key) {
+            (Some(_), Key::Body(b)) => prompt_of(b),
+            _ => None,
+        };
+        let token_ids = match (key, &read) {
+            (Key::Ids(t), _) => Some(t),
+            (_, Some(Prompt::Ids(t))) => Some(t.as_slice()),
+            _ => None,
+        };
+        let hashes = match (self.prefix, token_ids, &read) {
+            (Some((size, seed)), Some(t), _) => block_hashes(Tokens::Ids(t), size, seed)?,
+            (Some((size, seed)), None, Some(prompt)) => block_hashes(prompt.tokens(), size, seed)?,
+            _ => Vec::new(),
+        };
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        self.refresh(st);
+        let subset = self.subset(st, hints);
+        let req = PickRequest {
+            hashes: &hashes,
+            token_ids,
+            adapter,
+            subset: subset.as_deref(),
+            fairness_id: Some(user),
+            session: None,
+            input_tokens: est.0,
+            output_tokens: est.1,
+            now,
+        };
+        let mut ranked = std::mem::take(&mut st.ranked);
+        let picked = st.pipeline.pick(&req, &st.states, &mut ranked);
+        let out = picked.and_then(|()| {
+            let Some(&chosen) = ranked.first() else {
+                return Ok(Choice::NoEndpoint);
+            };
+            let recorded = st.pipeline.started_recorded(&req, chosen)?;
+            let s = &mut st.states[chosen];
+            s.in_flight += 1;
+            s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+            ranked.truncate(1 + self.fallbacks);
+            Ok(Choice::Ranked(ranked.clone(), recorded))
+        });
+        st.ranked = ranked;
+        out
+    }
+
+    /// A request on `endpoint` ended (with its usage when known): out of
+    /// flight, and the stateful plugins learn it (VTC's charge corrected).
+    pub(super) fn release(
+        &self,
+        endpoint: usize,
+        user: &str,
+        est: (u64, u64),
+        usage: Option<Usage>,
+        now: f64,
+    ) -> Result<()> {
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        if let Some(s) = st.states.get_mut(endpoint) {
+            s.in_flight = s.in_flight.saturating_sub(1);
+        }
+        let actual = usage.unwrap_or((est.0, 0));
+        let req = PickRequest {
+            fairness_id: Some(user),
+            input_tokens: est.0,
+            output_tokens: est.1,
+            now,
+            ..PickRequest::default()
+        };
+        st.pipeline
+            .completed_request(&req, endpoint, actual.0, actual.1)
+    }
+
+    /// A request counted on `from` was served by `to`: its in-flight count
+    /// and what the prefix plugin recorded move (see `Pipeline::moved`).
+    pub(super) fn moved(
+        &self,
+        from: usize,
+        to: usize,
+        recorded: &Recorded,
+        now: f64,
+    ) -> Result<()> {
+        let mut st = lock(&self.state);
+        st.pipeline.moved(from, to, recorded, now)?;
+        let s = &mut st.states[from];
+        s.in_flight = s.in_flight.saturating_sub(1);
+        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_sub(1);
+        let s = &mut st.states[to];
+        s.in_flight += 1;
+        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+        Ok(())
+    }
+
+    /// Requests in flight per endpoint.
+    pub fn loads(&self) -> Vec<u64> {
+        lock(&self.state)
+            .states
+            .iter()
+            .map(|s| s.in_flight)
+            .collect()
+    }
+
+    /// The endpoints' states as the picker sees them now.
+    pub fn states(&self) -> Vec<EndpointState> {
+        let mut st = lock(&self.state);
+        self.refresh(&mut st);
+        st.states.clone()
+    }
+
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    /// Every endpoint's state is known: scraped once, or found unhealthy
+    /// (true at once when the endpoints are not scraped).
+    pub(super) fn synced(&self) -> bool {
+        self.probes.iter().all(|p| p.seq() > 0 || !p.healthy())
+    }
+}

@@ -1,0 +1,333 @@
+//! One request's way through the data plane, in the order of
+//! [`crate::dispatch`]: route (the pool: the budget's decision, moved to a
+//! pool serving the request's model) -> admit (a valid fairness id, the
+//! saturation gate for sheddable requests, the admission backend) -> queue
+//! (dispatch now; flow control's place) -> pick (the pool's
+//! [`Chooser`](super::Chooser): its plugins learn only here) -> lease.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::FutureExt;
+
+use super::{
+    lock, Ask, Choice, Engine, Lease, Outcome, Reject, Routed, Shared, Ticket, Verdict, ANONYMOUS,
+};
+use crate::budget::Decision;
+use crate::dispatch::{dispatch, Steps};
+use crate::error::{Error, Result};
+use crate::pick::Recorded;
+
+/// How the pool was chosen.
+pub(super) enum Routing {
+    /// By the token budget (not counted yet when it names no pool).
+    Decided(Decision),
+    /// The default pool, without a budget decision.
+    Default,
+}
+
+/// What a step answers instead of going on.
+enum Refused {
+    Reject(Reject),
+    Error(Error),
+}
+
+impl From<Error> for Refused {
+    fn from(e: Error) -> Self {
+        Refused::Error(e)
+    }
+}
+
+/// What admission gave the request.
+struct Admitted {
+    ticket: Option<Ticket>,
+    id: u128,
+    request_id: String,
+    /// The VTC user when it is not the tenant's name ([`Engine::vtc_user`]).
+    scoped: Option<String>,
+}
+
+/// One request's steps on this data plane.
+struct Request<'a> {
+    engine: &'a Arc<Engine>,
+    shared: &'a Shared,
+    routing: &'a Routing,
+    tenant: Option<usize>,
+    /// False: the admission backend is not asked (`failure_mode: open`
+    /// after routing failed).
+    admit: bool,
+    est: (u64, u64),
+    ask: Ask<'a>,
+    now: f64,
+}
+
+impl Request<'_> {
+    fn reject(&self, status: u16, reason: &str, message: String, retry: f64) -> Refused {
+        Refused::Reject(
+            self.engine
+                .refuse(self.tenant, status, reason, message, retry),
+        )
+    }
+}
+
+impl Steps for Request<'_> {
+    type Pool = usize;
+    type Admitted = Admitted;
+    type Picked = (Vec<usize>, Recorded);
+    type Refused = Refused;
+
+    fn route(&mut self) -> std::result::Result<usize, Refused> {
+        let engine = self.engine;
+        let d = match self.routing {
+            Routing::Default => {
+                engine.router.start(engine.default_pool)?;
+                return Ok(engine.default_pool);
+            }
+            Routing::Decided(d) => d,
+        };
+        let Some(pool) = d.pool else {
+            let message = format!(
+                "request needs {} tokens, more than any pool's context",
+                d.est_total_tokens
+            );
+            return Err(self.reject(400, d.reason.as_str(), message, 0.0));
+        };
+        let model = self.ask.model;
+        if engine.spec.pools[pool].serves(model) {
+            return Ok(pool);
+        }
+        engine.router.complete(pool)?;
+        match engine.pool_for_model(model, d.est_total_tokens) {
+            Ok(p) => {
+                engine.router.start(p)?;
+                Ok(p)
+            }
+            Err(status) => {
+                let name = model.unwrap_or("");
+                let (reason, message) = if status == 404 {
+                    (
+                        "model-not-found",
+                        format!("The model `{name}` does not exist."),
+                    )
+                } else {
+                    (
+                        "context-too-long",
+                        format!(
+                            "request needs {} tokens, more than the context of any pool \
+                             serving `{name}`",
+                            d.est_total_tokens
+                        ),
+                    )
+                };
+                Err(self.reject(status, reason, message, 0.0))
+            }
+        }
+    }
+
+    async fn admit(&mut self, &pool: &usize) -> std::result::Result<Admitted, Refused> {
+        let (engine, shared, hints) = (self.engine, self.shared, self.ask.hints);
+        let scoped = match engine.vtc_user(self.tenant, hints.fairness_id.as_deref()) {
+            Ok(u) => u,
+            Err(e) => {
+                let message = format!("fairness id: {e}");
+                return Err(self.reject(400, "invalid-request", message, 0.0));
+            }
+        };
+        let sheddable = hints
+            .objective
+            .as_ref()
+            .and_then(|o| engine.spec.router.objectives.get(o))
+            .is_some_and(|&p| p < 0);
+        if sheddable && engine.choosers[pool].saturated(hints) {
+            let message = "every endpoint is saturated; sheddable requests are dropped";
+            return Err(self.reject(429, "saturated", message.into(), 0.0));
+        }
+        let id = shared.ids.next();
+        let request_id = shared.request_id(id);
+        let mut ticket = None;
+        let entitlement = self
+            .tenant
+            .and_then(|t| engine.tenants[t].entitlement.as_deref())
+            .filter(|e| engine.entitlement_live(e, shared));
+        if let (Some(admission), Some(ent), true) =
+            (engine.admission.as_ref(), entitlement, self.admit)
+        {
+            shared.fault("admission")?;
+            let (est_in, est_out) = self.est;
+            let verdict = admission
+                .admit_detached(&shared.handle, ent, est_in, est_out, &request_id)
+                .await;
+            match verdict {
+                Verdict::Admitted { ticket: t } => ticket = t,
+                Verdict::Refused {
+                    status,
+                    reason,
+                    retry_after_s,
+                } => {
+                    let message = format!("not admitted: {reason}");
+                    let retry = retry_after_s.unwrap_or(0.0);
+                    return Err(self.reject(status, &reason, message, retry));
+                }
+            }
+        }
+        Ok(Admitted {
+            ticket,
+            id,
+            request_id,
+            scoped,
+        })
+    }
+
+    fn pick(
+        &mut self,
+        &pool: &usize,
+        admitted: &Admitted,
+    ) -> std::result::Result<(Vec<usize>, Recorded), Refused> {
+        let engine = self.engine;
+        let spec = &engine.spec.pools[pool];
+        let user = admitted
+            .scoped
+            .as_deref()
+            .or(engine.tenant_name(self.tenant))
+            .unwrap_or(ANONYMOUS);
+        let adapter = self
+            .ask
+            .model
+            .filter(|m| spec.adapters.iter().any(|a| a == m));
+        let chosen = self.shared.fault("routing").and_then(|()| {
+            engine.choosers[pool].choose(
+                self.ask.key,
+                user,
+                adapter,
+                self.ask.hints,
+                self.est,
+                self.now,
+            )
+        })?;
+        match chosen {
+            Choice::Ranked(ranked, recorded) => Ok((ranked, recorded)),
+            Choice::NoEndpoint => {
+                let message = format!("pool {:?} has no healthy endpoint", spec.name);
+                Err(self.reject(503, "no-endpoint", message, 0.0))
+            }
+        }
+    }
+
+    fn unadmit(&mut self, _pool: &usize, admitted: Admitted) {
+        if let Some(ticket) = admitted.ticket {
+            // Never reached an endpoint: nothing used.
+            self.engine
+                .complete_ticket(self.shared, ticket, (0, 0), 0.0);
+        }
+    }
+
+    fn unroute(&mut self, pool: usize) {
+        if let Err(e) = self.engine.router.complete(pool) {
+            tracing::error!(step = "router", error = %e, "release-failed");
+        }
+    }
+}
+
+impl Engine {
+    /// Runs a request's steps ([`crate::dispatch`]) and gives it its lease.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn dispatch(
+        self: &Arc<Self>,
+        routing: Routing,
+        est: (u64, u64),
+        tenant: Option<usize>,
+        admit: bool,
+        learn: Option<(u64, &'static str)>,
+        ask: Ask<'_>,
+        body: Option<Vec<u8>>,
+    ) -> Result<Outcome> {
+        let shared = self.shared()?;
+        let mut steps = Request {
+            engine: self,
+            shared: &shared,
+            routing: &routing,
+            tenant,
+            admit,
+            est,
+            ask,
+            now: shared.now(),
+        };
+        let d = match dispatch(&mut steps).await {
+            Ok(d) => d,
+            Err(Refused::Reject(rej)) => return Ok(Err(rej)),
+            Err(Refused::Error(e)) => return Err(e),
+        };
+        let (pool, endpoint) = (d.pool, d.picked.0[0]);
+        let (ranked, recorded) = d.picked;
+        let admitted = d.admitted;
+        let started = Instant::now();
+        let lease = Lease {
+            pool,
+            endpoint,
+            tenant,
+            user: admitted.scoped,
+            feedback: false,
+            est_input_tokens: est.0,
+            est_output_tokens: est.1,
+            learn,
+            started,
+            deadline: started + self.timeout,
+            ticket: admitted.ticket,
+            recorded,
+        };
+        // 128 random bits: two ids in flight at once never meet (2^-128 a pair).
+        lock(&shared.leases).insert(admitted.id, (Arc::clone(self), lease));
+        let m = &self.pool_metrics[pool];
+        m.decisions.inc();
+        m.in_flight[endpoint].inc();
+        let (spilled, reason, compress_target_tokens) = match &routing {
+            Routing::Decided(d) => (
+                d.spilled,
+                d.reason.as_str(),
+                d.compress_target_tokens.unwrap_or(0),
+            ),
+            Routing::Default => (false, "default", 0),
+        };
+        if spilled {
+            m.spillovers.inc();
+        }
+        let names = self.choosers[pool].endpoints();
+        Ok(Ok(Routed {
+            id: admitted.id,
+            request_id: admitted.request_id,
+            pool: self.spec.pools[pool].name.clone(),
+            endpoint: names[endpoint].clone(),
+            fallbacks: ranked[1..].iter().map(|&i| names[i].clone()).collect(),
+            est_input_tokens: est.0,
+            est_output_tokens: est.1,
+            spilled,
+            reason,
+            compress_target_tokens,
+            body,
+        }))
+    }
+
+    /// Completes an admission ticket with what the request used (in memory
+    /// at once; a remote backend finishes on the runtime).
+    pub(super) fn complete_ticket(
+        &self,
+        shared: &Shared,
+        ticket: Ticket,
+        used: (u64, u64),
+        latency_s: f64,
+    ) {
+        let Some(admission) = self.admission.as_ref() else {
+            return;
+        };
+        let admission = Arc::clone(admission);
+        let mut done = Box::pin(async move {
+            admission.complete(ticket, used.0, used.1, latency_s).await;
+        });
+        // Polled in the runtime's context: the caller may be a Python thread
+        // (`DataPlane.finish`), and Redis's future needs the runtime's timers.
+        let _runtime = shared.handle.enter();
+        if done.as_mut().now_or_never().is_none() {
+            shared.handle.spawn(done);
+        }
+    }
+}
