@@ -352,6 +352,81 @@ pub struct EngineLoad {
     pub prefill_chunks_q: f64,
 }
 
+impl EngineLoad {
+    /// The load of a mixture of requests from its moments: of
+    /// `k = ceil(L_in / C) + L_out` (`iterations = E[k] - 1`, its squared
+    /// coefficient of variation `Var[k] / E[a]^2`), of `k L_total` and of
+    /// `L_in`, with `prefill_chunks_q` the `(1 + q) / 2` quantile of
+    /// `ceil(L_in / C)`. The planner's sweep and the autoscaler's live
+    /// windows (rust/autoscale/) both build their loads here.
+    pub fn from_moments(
+        k: RangeMoments,
+        kl: RangeMoments,
+        prompt: RangeMoments,
+        prefill_chunks_q: f64,
+    ) -> Self {
+        let iterations = (k.mean - 1.0).max(0.0);
+        EngineLoad {
+            iterations,
+            iterations_cs2: if iterations > 0.0 {
+                ((k.second - k.mean * k.mean) / (iterations * iterations)).max(0.0)
+            } else {
+                0.0
+            },
+            prompt_mean: prompt.mean,
+            prompt_second: prompt.second,
+            kv_token_iterations: kl.mean,
+            prefill_chunks_q,
+        }
+    }
+}
+
+/// The engine model's targets for one pool: P(TTFT <= `ttft_s`) >=
+/// `quantile`, and the TPOT at most `tpot_s` (None: no TPOT target).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineSlo {
+    pub ttft_s: f64,
+    pub tpot_s: Option<f64>,
+    pub quantile: f64,
+}
+
+/// Sizes one pool of `profile`'s engines with a context window of `context`
+/// tokens for `arrival_rate` requests per second of `load` under the engine
+/// model ([`size_engine_pool`]), the search starting at `hint`. The planner's
+/// sweep sizes each of its pools here and the autoscaler (rust/autoscale/)
+/// its live pools: one model. The caller validates `profile` and `slo`.
+pub fn size_engine(
+    profile: &Profile,
+    context: u64,
+    arrival_rate: f64,
+    load: &EngineLoad,
+    slo: EngineSlo,
+    hint: Option<u64>,
+) -> Result<PoolPlan> {
+    let n_slots = profile.slots(context)?;
+    let shape = EngineShape {
+        w_s: profile.w_s,
+        h_s: profile.h_s,
+        chunk: profile.c_chunk,
+        n_slots,
+        kv_tokens: n_slots as f64 * context as f64,
+    };
+    let targets = Targets {
+        ttft_s: slo.ttft_s,
+        tpot_s: slo.tpot_s.unwrap_or(f64::INFINITY),
+        quantile: slo.quantile,
+        z: normal_quantile(slo.quantile),
+    };
+    let pool = PoolPlan {
+        context,
+        n_slots,
+        arrival_rate,
+        cs2: load.iterations_cs2,
+        ..PoolPlan::EMPTY
+    };
+    size_engine_pool(arrival_rate, load, &shape, targets, hint, pool)
+}
+
 /// The steady state of one instance at a per-instance arrival rate.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EngineState {
@@ -875,19 +950,7 @@ impl Ctx<'_> {
     /// What the engine model needs of the mixture `mix`, with the prefill
     /// quantile `chunks_q` (from [`Self::chunks_quantile`]).
     fn engine_load(&self, mix: Mix, chunks_q: f64) -> EngineLoad {
-        let iterations = (mix.k.mean - 1.0).max(0.0);
-        EngineLoad {
-            iterations,
-            iterations_cs2: if iterations > 0.0 {
-                ((mix.k.second - mix.k.mean * mix.k.mean) / (iterations * iterations)).max(0.0)
-            } else {
-                0.0
-            },
-            prompt_mean: mix.prompt.mean,
-            prompt_second: mix.prompt.second,
-            kv_token_iterations: mix.kl.mean,
-            prefill_chunks_q: chunks_q,
-        }
+        EngineLoad::from_moments(mix.k, mix.kl, mix.prompt, chunks_q)
     }
 
     /// Sizes a pool at `context` for `arrival_rate` requests of `load` under
@@ -897,30 +960,14 @@ impl Ctx<'_> {
         arrival_rate: f64,
         load: &EngineLoad,
         context: u64,
-        n_slots: u64,
         hint: Option<u64>,
     ) -> Result<PoolPlan> {
-        let shape = EngineShape {
-            w_s: self.profile.w_s,
-            h_s: self.profile.h_s,
-            chunk: self.profile.c_chunk,
-            n_slots,
-            kv_tokens: n_slots as f64 * context as f64,
-        };
-        let targets = Targets {
+        let slo = EngineSlo {
             ttft_s: self.cfg.slo_ttft_s,
-            tpot_s: self.cfg.slo_tpot_s.unwrap_or(f64::INFINITY),
+            tpot_s: self.cfg.slo_tpot_s,
             quantile: self.cfg.prefill_quantile,
-            z: normal_quantile(self.cfg.prefill_quantile),
         };
-        let pool = PoolPlan {
-            context,
-            n_slots,
-            arrival_rate,
-            cs2: load.iterations_cs2,
-            ..PoolPlan::EMPTY
-        };
-        size_engine_pool(arrival_rate, load, &shape, targets, hint, pool)
+        size_engine(self.profile, context, arrival_rate, load, slo, hint)
     }
 
     fn cost(&self, short_gpus: u64, long_gpus: u64) -> f64 {
@@ -1039,7 +1086,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             ctx.mix(everything, None, 1.0),
             ctx.chunks_quantile(everything),
         );
-        ctx.size_engine(lam, &load, cfg.long_context, ctx.long_slots, None)?
+        ctx.size_engine(lam, &load, cfg.long_context, None)?
     } else {
         let (a0, a1) = profile.service_coefficients(ctx.long_slots);
         let m_all = ctx.table.moments_all(w, everything, a0, a1);
@@ -1170,7 +1217,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                         mix = mix.merge(ctx.compressed_mix(band, b, moved * w.total_weight()));
                     }
                     let load = ctx.engine_load(mix, chunks_q);
-                    let p = ctx.size_engine(lam_s, &load, b, n_short, short_hint)?;
+                    let p = ctx.size_engine(lam_s, &load, b, short_hint)?;
                     short_hint = Some(p.gpus);
                     short_cache = Some((lam_s, p));
                     p
@@ -1182,8 +1229,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                 }
                 Some(mix) => {
                     let load = ctx.engine_load(mix, ctx.chunks_quantile(long_prefill_span));
-                    let p =
-                        ctx.size_engine(lam_l, &load, cfg.long_context, ctx.long_slots, long_hint)?;
+                    let p = ctx.size_engine(lam_l, &load, cfg.long_context, long_hint)?;
                     long_hint = Some(p.gpus);
                     if ctx.p_c.iter().all(|&pc| pc >= 1.0) {
                         long_cache = Some((tail, lam_l, p));
