@@ -6,6 +6,7 @@
 
 pub mod admission;
 pub mod assign;
+pub mod autoscale;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
