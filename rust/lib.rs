@@ -48,6 +48,8 @@ mod _core {
     #[pymodule_export]
     use crate::py::assign::{assign_eval, PyBatchScheduler, PyEndpoint, PyKnnEstimator};
     #[pymodule_export]
+    use crate::py::autoscale::PyAutoscaler;
+    #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]
     use crate::py::calibrate::PyCalibrator;

@@ -94,10 +94,10 @@ fn one() -> u64 {
 }
 
 impl AutoscaleConfig {
-    /// The config from JSON (unknown keys refused), checked.
-    pub fn from_json(text: &str) -> Result<Self> {
+    /// The config from its JSON value (unknown keys refused), checked.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
         let cfg: Self =
-            serde_json::from_str(text).map_err(|e| invalid(format!("autoscale: {e}")))?;
+            serde_json::from_value(value).map_err(|e| invalid(format!("autoscale: {e}")))?;
         cfg.validate()?;
         Ok(cfg)
     }

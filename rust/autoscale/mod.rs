@@ -156,6 +156,39 @@ impl Autoscaler {
         state.live.observe(now, prompt, output)
     }
 
+    /// [`Self::observe`] for many requests (`now`, `prompt`, `output` of
+    /// equal length), all checked before any is counted.
+    pub fn observe_many(
+        &mut self,
+        pool: usize,
+        entitlement: Option<usize>,
+        now: &[f64],
+        prompt: &[u64],
+        output: &[u64],
+    ) -> Result<()> {
+        if prompt.len() != now.len() || output.len() != now.len() {
+            return Err(invalid(format!(
+                "now, prompt_tokens and output_tokens differ in length: {}, {}, {}",
+                now.len(),
+                prompt.len(),
+                output.len()
+            )));
+        }
+        self.pool_cfg(pool)?;
+        if let Some(e) = entitlement {
+            if e >= self.pools[pool].entitlements.len() {
+                return Err(invalid(format!("entitlement id {e} out of range")));
+            }
+        }
+        for ((&t, &p), &o) in now.iter().zip(prompt).zip(output) {
+            window::check(t, p, o)?;
+        }
+        for ((&t, &p), &o) in now.iter().zip(prompt).zip(output) {
+            self.observe(pool, entitlement, t, p, o)?;
+        }
+        Ok(())
+    }
+
     /// The live workload of a pool (or of one of its entitlements) at `now`.
     pub fn live(
         &mut self,

@@ -305,11 +305,12 @@ fn bad_configs_name_the_key() {
             .to_string();
         assert!(err.contains(want), "{err} lacks {want}");
     }
-    let err = AutoscaleConfig::from_json(r#"{"period_s": 10, "perod": 1}"#).expect_err("typo");
+    let err = AutoscaleConfig::from_value(serde_json::json!({"period_s": 10, "perod": 1}))
+        .expect_err("typo");
     assert!(err.to_string().contains("perod"), "{err}");
-    let ok = AutoscaleConfig::from_json(
-        r#"{"pools": [{"name": "s", "context": 8192, "max_endpoints": 4, "slo_ttft_s": 1}]}"#,
-    )
+    let ok = AutoscaleConfig::from_value(serde_json::json!(
+        {"pools": [{"name": "s", "context": 8192, "max_endpoints": 4, "slo_ttft_s": 1}]}
+    ))
     .expect("ok");
     assert_eq!((ok.period_s, ok.pools[0].min_endpoints), (10.0, 1));
 }

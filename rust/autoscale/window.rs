@@ -129,6 +129,20 @@ impl LiveWorkload {
     }
 }
 
+/// Refuses a request a window cannot count: `now` not finite, a token count
+/// above `MAX_TOKENS`.
+pub fn check(now: f64, prompt: u64, output: u64) -> Result<()> {
+    finite("now", now)?;
+    for (what, v) in [("prompt_tokens", prompt), ("output_tokens", output)] {
+        if v > MAX_TOKENS {
+            return Err(invalid(format!(
+                "{what} must be in [0, {MAX_TOKENS}], got {v}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// A sliding window over the requests of one pool or entitlement.
 #[derive(Debug, Clone)]
 pub struct LiveWindow {
@@ -192,14 +206,7 @@ impl LiveWindow {
     /// Counts one request of `prompt` and `output` tokens at `now` (seconds,
     /// the caller's monotonic clock). Allocation-free.
     pub fn observe(&mut self, now: f64, prompt: u64, output: u64) -> Result<()> {
-        finite("now", now)?;
-        for (what, v) in [("prompt_tokens", prompt), ("output_tokens", output)] {
-            if v > MAX_TOKENS {
-                return Err(invalid(format!(
-                    "{what} must be in [0, {MAX_TOKENS}], got {v}"
-                )));
-            }
-        }
+        check(now, prompt, output)?;
         self.advance(now);
         let n = self.slots.len() as u64;
         let slot = &mut self.slots[(self.epoch % n) as usize];
