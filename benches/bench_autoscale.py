@@ -34,7 +34,8 @@ def filled():
     for i, pool in enumerate(POOLS):
         sl = slice(i, None, len(POOLS))
         a.observe_many(pool["name"], PROMPTS[sl], OUTPUTS[sl], NOW[sl])
-        for t, p, o in zip(NOW[sl].tolist(), PROMPTS[sl].tolist(), OUTPUTS[sl].tolist(), strict=True):
+        rows = zip(NOW[sl].tolist(), PROMPTS[sl].tolist(), OUTPUTS[sl].tolist(), strict=True)
+        for t, p, o in rows:
             windows[i].observe(t, p, o)
     return a, windows
 

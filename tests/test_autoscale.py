@@ -84,7 +84,7 @@ def test_no_traffic_min_and_unreachable_max():
         ({"period_s": 0, "pools": []}, "autoscale.period_s must be > 0"),
         ({"window_s": -1, "pools": []}, "autoscale.window_s must be > 0"),
         ({"perod_s": 1}, "perod_s"),
-        (config(slo_ttft_s=float("nan")), "slo_ttft_s"),
+        (config(slo_ttft_s=-1.0), "autoscale.pools[0].slo_ttft_s must be > 0"),
     ],
 )
 def test_bad_config_names_the_key(cfg, message):
@@ -109,3 +109,14 @@ def test_bad_input_changes_nothing():
         a.step(now=2.0, promised={"nope": 1.0})
     assert a.live("p", now=2.0)["requests"] == 1
     assert a.live("p", entitlement="team", now=2.0)["requests"] == 1
+
+
+def test_the_docstring_example_runs():
+    import doctest
+
+    test = doctest.DocTestParser().get_doctest(
+        Autoscaler.__doc__, {"Autoscaler": Autoscaler, "Profile": Profile}, "Autoscaler", None, 0
+    )
+    runner = doctest.DocTestRunner()
+    runner.run(test)
+    assert runner.tries > 0 and runner.failures == 0

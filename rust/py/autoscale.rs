@@ -32,7 +32,7 @@ use crate::py::profile::PyProfile;
 ///     >>> for i in range(600):
 ///     ...     a.observe("p", 2000, 200, now=i / 10)
 ///     >>> a.step(now=60.0)[0]["endpoints"]
-///     5
+///     2
 #[pyclass(frozen, name = "Autoscaler", module = "routecore")]
 pub struct PyAutoscaler {
     inner: Mutex<Autoscaler>,

@@ -83,10 +83,6 @@ def step(windows, pools, profile, now):
             out.append(pool.get("min_endpoints", 1))
             continue
         n_slots = profile.slots(pool["context"])
-        out.append(
-            size_engine(
-                rate, load, n_slots, pool["context"], profile.w_s, profile.h_s,
-                profile.c_chunk, pool["slo_ttft_s"], pool["slo_tpot_s"], None,
-            )  # fmt: skip
-        )
+        shape = (n_slots, pool["context"], profile.w_s, profile.h_s, profile.c_chunk)
+        out.append(size_engine(rate, load, *shape, pool["slo_ttft_s"], pool["slo_tpot_s"], None))
     return out
