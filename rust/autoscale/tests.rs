@@ -314,3 +314,40 @@ fn bad_configs_name_the_key() {
     .expect("ok");
     assert_eq!((ok.period_s, ok.pools[0].min_endpoints), (10.0, 1));
 }
+
+/// Rust alone: the cost of one observed request (the window rotating as
+/// time moves) and of one step over eight pools. Prints, never asserts.
+/// `cargo test --release --lib -- --ignored --nocapture autoscale_timing`
+#[test]
+#[ignore]
+fn autoscale_timing() {
+    let profile = Profile::llama3_70b_a100();
+    let pools: Vec<PoolScaling> = (0..8)
+        .map(|i| PoolScaling {
+            name: format!("p{i}"),
+            max_endpoints: 1 << 20,
+            ..pool(1, 10)
+        })
+        .collect();
+    let mut a = Autoscaler::new(config(pools), vec![profile; 8], 0.0).expect("ok");
+    let mut rng = Rng::new(1);
+    let reqs = requests(&mut rng, 1 << 16);
+    let n = 10_000_000usize;
+    let start = std::time::Instant::now();
+    for k in 0..n {
+        let (p, o) = reqs[k & 0xffff];
+        // 1,600 req/s per pool: the window turns over many times.
+        a.observe(k % 8, None, k as f64 / 12_800.0, p, o)
+            .expect("ok");
+    }
+    let ns = start.elapsed().as_nanos() as f64 / n as f64;
+    println!("observe: {ns:.1} ns per request");
+    let now = n as f64 / 12_800.0;
+    let rounds = 2_000;
+    let start = std::time::Instant::now();
+    for r in 0..rounds {
+        std::hint::black_box(a.step(now + r as f64 * 1e-6, &[]).expect("ok"));
+    }
+    let us = start.elapsed().as_secs_f64() * 1e6 / rounds as f64;
+    println!("step, 8 pools: {us:.1} us");
+}
