@@ -757,10 +757,14 @@ impl Steps {
     }
 }
 
-/// Whether a category may be compressed: every category but "code" (code is
-/// never compressed; FleetOpt section 5.2's safety gate).
+/// The categories never compressed: code (FleetOpt section 5.2's safety
+/// gate). The planner's default compressibility and the simulator's follow it.
+pub const INCOMPRESSIBLE_CATEGORIES: [&str; 1] = ["code"];
+
+/// Whether a category may be compressed: every category but those of
+/// [`INCOMPRESSIBLE_CATEGORIES`].
 pub fn compressible_category(name: &str) -> bool {
-    name != "code"
+    !INCOMPRESSIBLE_CATEGORIES.contains(&name)
 }
 
 /// `compressible_category` for a category id (an unknown id is compressible).

@@ -110,6 +110,10 @@ mod _core {
             "CATEGORIES",
             pyo3::types::PyTuple::new(m.py(), crate::classify::CATEGORIES)?,
         )?;
+        m.add(
+            "INCOMPRESSIBLE_CATEGORIES",
+            pyo3::types::PyTuple::new(m.py(), crate::budget::INCOMPRESSIBLE_CATEGORIES)?,
+        )?;
         m.add("MAX_TOKENS", crate::budget::MAX_TOKENS)
     }
 }

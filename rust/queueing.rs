@@ -195,7 +195,7 @@ pub fn p99_wait(servers: u64, service_rate: f64, cs2: f64, arrival_rate: f64) ->
 /// An upper bound on Erlang C for 0 < A < c in O(1): `C <= B / (1 - rho)` and
 /// `B = P(X = c) / P(X <= c) <= 2 P(X = c)`, since the Poisson median is at
 /// most `ceil(A) <= c` so `P(X <= c) >= 1/2`.
-fn erlang_c_bound(c: f64, a: f64) -> f64 {
+pub(crate) fn erlang_c_bound(c: f64, a: f64) -> f64 {
     2.0 * ln_poisson_pmf(c, a).exp() / (1.0 - a / c)
 }
 

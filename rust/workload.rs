@@ -594,6 +594,10 @@ pub struct ServiceTable {
     pub c_chunk: u64,
     sums: Vec<Vec<[f64; 7]>>,
     chunks: WaveletMatrix,
+    /// The fewest chunks of the first `i` requests, and of those from `i`
+    /// on (`u64::MAX` for none): a pool's prefix or tail span in O(1).
+    fewest_before: Vec<u64>,
+    fewest_from: Vec<u64>,
 }
 
 impl ServiceTable {
@@ -627,10 +631,21 @@ impl ServiceTable {
             prefill.push(chunks);
             weights.push(wt);
         }
+        let mut fewest_before = Vec::with_capacity(n + 1);
+        fewest_before.push(u64::MAX);
+        for &c in &prefill {
+            fewest_before.push(c.min(fewest_before[fewest_before.len() - 1]));
+        }
+        let mut fewest_from = vec![u64::MAX; n + 1];
+        for (i, &c) in prefill.iter().enumerate().rev() {
+            fewest_from[i] = c.min(fewest_from[i + 1]);
+        }
         Self {
             c_chunk,
             sums,
             chunks: WaveletMatrix::new(&prefill, &weights),
+            fewest_before,
+            fewest_from,
         }
     }
 
@@ -686,6 +701,28 @@ impl ServiceTable {
     /// `q` of the span's weight. 0 for an empty span.
     pub fn prefill_chunks_quantile(&self, span: Span, q: f64) -> u64 {
         self.chunks.quantile(span.start, span.end, q)
+    }
+
+    /// The fewest prefill chunks of a span's requests (0 for a span of no
+    /// weight): `prefill_chunks_quantile(span, 0.0)`, in O(1) for a prefix or
+    /// a tail of the sorted requests.
+    pub fn prefill_chunks_min(&self, span: Span) -> u64 {
+        if span.end <= span.start || self.chunks.weight(span.start, span.end) <= 0.0 {
+            0
+        } else if span.start == 0 {
+            self.fewest_before[span.end]
+        } else if span.end + 1 == self.fewest_from.len() {
+            self.fewest_from[span.start]
+        } else {
+            self.chunks.quantile(span.start, span.end, 0.0)
+        }
+    }
+
+    /// The weighted distribution of the prefill chunk count over a span:
+    /// `(chunks, weight)` for each count present, ascending, appended to `out`
+    /// with every weight times `scale`.
+    pub fn prefill_chunks_histogram(&self, span: Span, scale: f64, out: &mut Vec<(u64, f64)>) {
+        self.chunks.histogram(span.start, span.end, scale, out);
     }
 }
 
@@ -747,6 +784,49 @@ impl WaveletMatrix {
             });
         }
         Self { levels }
+    }
+
+    /// The weight of the values in `l..r`.
+    fn weight(&self, l: usize, r: usize) -> f64 {
+        self.levels
+            .first()
+            .map_or(0.0, |top| top.all_weight[r] - top.all_weight[l])
+    }
+
+    /// `(value, weight * scale)` of every value in `l..r`, ascending: a walk of
+    /// the levels that splits the range into its zero and one halves, O(levels)
+    /// per distinct value.
+    fn histogram(&self, l: usize, r: usize, scale: f64, out: &mut Vec<(u64, f64)>) {
+        fn walk(
+            levels: &[Level],
+            (l, r): (usize, usize),
+            value: u64,
+            scale: f64,
+            out: &mut Vec<(u64, f64)>,
+        ) {
+            let Some((lev, rest)) = levels.split_first() else {
+                return;
+            };
+            let (zl, zr) = (lev.zeros[l] as usize, lev.zeros[r] as usize);
+            let w0 = lev.zero_weight[r] - lev.zero_weight[l];
+            let w1 = (lev.all_weight[r] - lev.all_weight[l]) - w0;
+            for (bit, (a, b), w) in [
+                (0, (zl, zr), w0),
+                (1, (lev.n_zeros + (l - zl), lev.n_zeros + (r - zr)), w1),
+            ] {
+                if b > a && w > 0.0 {
+                    let v = value << 1 | bit;
+                    if rest.is_empty() {
+                        out.push((v, w * scale));
+                    } else {
+                        walk(rest, (a, b), v, scale, out);
+                    }
+                }
+            }
+        }
+        if r > l {
+            walk(&self.levels, (l, r), 0, scale, out);
+        }
     }
 
     fn quantile(&self, mut l: usize, mut r: usize, q: f64) -> u64 {
@@ -853,6 +933,67 @@ mod tests {
             .moments(&w, s, 0, 1.0, 0.0)
             .merge(t.moments(&w, s, 1, 1.0, 0.0));
         assert!((merged.mean - 11.0 / 3.0).abs() < 1e-12);
+    }
+
+    /// The O(1) fewest chunks of a prefix or tail equal the range quantile at 0.
+    #[test]
+    fn chunk_minimum_matches_the_quantile() {
+        let mut rng = crate::rng::Rng::new(5);
+        let n = 200;
+        let input: Vec<i64> = (0..n)
+            .map(|_| 1 + (rng.uniform() * 9000.0) as i64)
+            .collect();
+        let output: Vec<i64> = (0..n).map(|_| (rng.uniform() * 3000.0) as i64).collect();
+        let w = Workload::new(&input, &output, None, None).expect("ok");
+        let t = w.service_table(512).expect("table");
+        for (lo, hi) in [
+            (0.0, 1e9),
+            (f64::NEG_INFINITY, 700.0),
+            (2000.0, 1e9),
+            (900.0, 4000.0),
+        ] {
+            for span in [
+                w.span(lo, hi),
+                w.span(f64::NEG_INFINITY, lo),
+                w.span(hi, f64::INFINITY),
+            ] {
+                assert_eq!(
+                    t.prefill_chunks_min(span),
+                    t.prefill_chunks_quantile(span, 0.0),
+                    "{span:?}"
+                );
+            }
+        }
+    }
+
+    /// Every span's chunk histogram equals a count over its requests.
+    #[test]
+    fn chunk_histogram_matches_a_scan() {
+        let mut rng = crate::rng::Rng::new(3);
+        let n = 300;
+        let input: Vec<i64> = (0..n)
+            .map(|_| 1 + (rng.uniform() * 5000.0) as i64)
+            .collect();
+        let output: Vec<i64> = (0..n).map(|_| (rng.uniform() * 300.0) as i64).collect();
+        let w = Workload::new(&input, &output, None, None).expect("ok");
+        let t = w.service_table(512).expect("table");
+        for (lo, hi) in [
+            (0.0, 1e9),
+            (0.0, 800.0),
+            (1000.0, 2500.0),
+            (4000.0, 4100.0),
+            (9e9, 1e10),
+        ] {
+            let span = w.span(lo, hi);
+            let mut got = Vec::new();
+            t.prefill_chunks_histogram(span, 2.0, &mut got);
+            let mut want = std::collections::BTreeMap::new();
+            for &i in &w.order[span.start..span.end] {
+                *want.entry(w.input[i as usize].div_ceil(512)).or_insert(0.0) += 2.0;
+            }
+            let want: Vec<(u64, f64)> = want.into_iter().collect();
+            assert_eq!(got, want, "({lo}, {hi}]");
+        }
     }
 
     #[test]

@@ -20,9 +20,7 @@ the request left (null: none); :meth:`Envoy.entry` finds a request's line.
 from __future__ import annotations
 
 import copy
-import ctypes
 import json
-import signal
 import socket
 import subprocess
 import tempfile
@@ -59,11 +57,12 @@ def envoy_binary() -> str:
     return str(binary.locate())
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: killed when the test process dies (Linux's
-    PR_SET_PDEATHSIG; the thread that started it, in fact: start Envoy from the
-    test's own thread), so a test killed by a timeout leaves no Envoy behind."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+#: Envoy is killed when the test process dies (Linux's PR_SET_PDEATHSIG, set by
+#: util-linux's setpriv, which then execs Envoy: the signal follows the thread
+#: that started it, so start Envoy from the test's own thread), so a test killed
+#: by a timeout leaves no Envoy behind. Not a preexec_fn: that forks the test
+#: process with gRPC's fork handlers, which aborted Envoy's child now and then.
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL"]
 
 
 def socket_address(address: str) -> dict:
@@ -100,8 +99,14 @@ class Envoy:
     ``access_log`` its access log, see the module doc)."""
 
     def __init__(
-        self, config: dict, directory: Path | None = None, access_log: bool = False
+        self,
+        config: dict,
+        directory: Path | None = None,
+        access_log: bool = False,
+        concurrency: int = 1,
     ) -> None:
+        """``concurrency``: Envoy's worker threads (one by default: this
+        machine has two cores and others use them)."""
         self.config = copy.deepcopy(config)
         self.admin_port = free_port()
         self.config["admin"] = {"address": socket_address(f"127.0.0.1:{self.admin_port}")}
@@ -131,14 +136,14 @@ class Envoy:
         #: The HTTP listener's address, ``http://127.0.0.1:PORT``.
         self.url = f"http://127.0.0.1:{port}"
         with self.log.open("w") as log:
-            # One worker thread: this machine has two cores and others use them.
             self.proc = subprocess.Popen(
                 [
+                    *DIE_WITH_PARENT,
                     envoy_binary(),
                     "-c",
                     str(self.path),
                     "--concurrency",
-                    "1",
+                    str(concurrency),
                     "--disable-hot-restart",
                     # The access log is read by the tests as they go.
                     "--file-flush-interval-msec",
@@ -148,7 +153,6 @@ class Envoy:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
             )
         try:
             self._wait_ready()

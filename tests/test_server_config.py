@@ -175,7 +175,7 @@ def test_checked_in_stubs_are_current(tmp_path):
         )
 
 
-@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-fail-open.yaml"])
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-full-duplex.yaml", "envoy-fail-open.yaml"])
 def test_example_envoy_config_parses_with_xds_protos_and_matches_routecore_yaml(name):
     # (Envoy 1.40 itself validates them: tests/test_envoy.py; the xds-protos
     # package may predate a field, e.g. override_host's selected_host_key.)
@@ -190,12 +190,18 @@ def test_example_envoy_config_parses_with_xds_protos_and_matches_routecore_yaml(
     mode = ext_proc.processing_mode
     modes = processing_mode_pb2.ProcessingMode
     assert mode.request_header_mode == modes.SEND
-    assert mode.response_body_mode == modes.FULL_DUPLEX_STREAMED
-    if name == "envoy.yaml":  # fail closed
+    if name == "envoy.yaml":  # fail closed; header mutations only, no echo
+        assert mode.request_body_mode == modes.STREAMED and not ext_proc.failure_mode_allow
+        assert ext_proc.send_body_without_waiting_for_header_response
+        assert mode.response_header_mode == modes.SKIP
+        assert mode.response_body_mode == modes.STREAMED
+    elif name == "envoy-full-duplex.yaml":  # fail closed, the GIE's streaming mode
         assert mode.request_body_mode == modes.FULL_DUPLEX_STREAMED
         assert mode.request_trailer_mode == modes.SEND and not ext_proc.failure_mode_allow
+        assert mode.response_body_mode == modes.FULL_DUPLEX_STREAMED
     else:  # fail open: Envoy honours failure_mode_allow only with these
         assert mode.request_body_mode == modes.BUFFERED and ext_proc.failure_mode_allow
+        assert mode.response_body_mode == modes.FULL_DUPLEX_STREAMED
     # routecore's envoy.lb metadata reaches the load balancer, and comes back.
     metadata = ext_proc.metadata_options
     assert list(metadata.receiving_namespaces.untyped) == ["envoy.lb"]

@@ -326,6 +326,10 @@ def test_simulate_command_json(capsys):
         assert 0 <= f["slo_attainment"] <= 1
         for p in f["pools"]:
             assert pool_keys <= set(p)
+    assert out["savings_baseline"] == (
+        f"savings against the homogeneous fleet of {fleets['homogeneous']['gpus']} GPUs "
+        "(meets the SLO)"
+    )
     assert fleets["homogeneous"]["savings_vs_homogeneous"] == 0
     g = fleets["pool-routing"]["gpus"] / fleets["homogeneous"]["gpus"]
     assert fleets["pool-routing"]["savings_vs_homogeneous"] == pytest.approx(1 - g)
@@ -334,6 +338,32 @@ def test_simulate_command_json(capsys):
         assert 15_900 < sum(p["requests"] for p in f["pools"]) <= 16_000
     short = fleets["pool-routing"]["pools"][0]
     assert short["max_context"] < 65536 and short["preemptions"] == 0
+
+
+def test_simulate_savings_need_a_homogeneous_fleet_that_meets_the_slo(capsys):
+    """A homogeneous fleet far too small misses the SLO: savings against it
+    are not computed (None, with the reason), where they were 1 - g / 20; and
+    the --json output is strict JSON: the model's +inf utilization of the
+    saturated pool is null, listed under "nulls", where it was Infinity."""
+    from routecore.cli import main
+
+    args = ["simulate", "--duration", "4", "--quiet", "--json", "--no-verify",
+            "--homogeneous-gpus", "20", "--fleet", "homogeneous",
+            "--fleet", "pool-routing"]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    out = json.loads(text, parse_constant=refuse)
+    assert out["savings_baseline"].startswith(
+        "savings not computed: the homogeneous fleet of 20 GPUs misses the SLO ("
+    )
+    assert [f["savings_vs_homogeneous"] for f in out["fleets"]] == [None, None]
+    homo = out["fleets"][0]["pools"][0]
+    assert homo["utilization_model"] is None
+    assert out["nulls"]["fleets/0/pools/0/utilization_model"].startswith("+inf")
 
 
 def test_simulate_command_table_flags_and_plots(capsys, tmp_path):

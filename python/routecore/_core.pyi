@@ -10,6 +10,9 @@ from typing_extensions import Self, disjoint_base
 __version__: str
 #: The categories ``classify`` assigns and the calibrator learns.
 CATEGORIES: tuple[str, ...]
+#: The categories compress-and-route never compresses (code), in the router,
+#: the planner and the simulator.
+INCOMPRESSIBLE_CATEGORIES: tuple[str, ...]
 #: The largest token count (prompt, output, budget) any call accepts, 2^30.
 MAX_TOKENS: int
 
@@ -901,7 +904,7 @@ class Candidate:
     @property
     def annual_cost_usd(self) -> float: ...
     @property
-    def savings_vs_homogeneous(self) -> float: ...
+    def savings_vs_homogeneous(self) -> float | None: ...
     def as_dict(self) -> dict[str, Any]: ...
 
 @final
@@ -930,7 +933,7 @@ def plan(
     p_c: float = 1.0,
     p_c_by_category: dict[str, float] | None = None,
     phi: float = 1.0,
-    rho_max: float = 0.85,
+    rho_max: float | None = None,
     long_context: int = 65536,
     prefill_quantile: float = 0.99,
     model: str = "engine",

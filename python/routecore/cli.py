@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from routecore import __version__
 from routecore._extras import MissingExtra, pyplot
@@ -24,6 +24,7 @@ from routecore.commands import (
     init_config,
     pick_eval,
     plan,
+    plan_fidelity,
     route,
     simulate,
 )
@@ -43,6 +44,8 @@ COMMANDS.append(serve_command)
 COMMANDS.append(client)
 COMMANDS.append(init_config)
 COMMANDS.append(bench)
+# The planner's fidelity grid (issue 27).
+COMMANDS.append(plan_fidelity)
 
 
 class UsageError(Exception):
@@ -50,7 +53,12 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """Raises ``UsageError`` on a bad command line instead of printing the usage."""
+    """Raises ``UsageError`` on a bad command line instead of printing the
+    usage. Options are spelled in full: no prefix of an option is taken for it
+    (``allow_abbrev=False``: ``--conf`` is not ``--config``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
@@ -66,14 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         p = sub.add_parser(command.NAME, help=command.HELP, description=command.HELP)
         command.add_arguments(p)
-        p.set_defaults(run=command.run)
+        p.set_defaults(run=command.run, parser=p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            # What the subcommand did not know, reported by the subcommand's parser.
+            getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2

@@ -21,8 +21,9 @@ routecore sums the distribution exactly.
 The planner's fidelity grid (README, "Planner fidelity"): ``fidelity_scenario``
 plans a workload with the engine model and finds, per pool, the smallest GPU
 count the simulator accepts (``routecore simulate``'s bisection);
-``fidelity_grid`` runs every workload x rate x SLO x profile;
-``fidelity_markdown`` prints the rows as the README's table.
+``routecore plan-fidelity`` runs the grid (workload x rate x TTFT target)
+with progress; ``fidelity_markdown`` prints the rows as the README's table
+and ``fidelity_summary`` its closing line.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from statistics import NormalDist
 from typing import Any
 
 from routecore._core import Candidate, Plan, Profile, Workload
+from routecore._json import strict
 
 FLEETOPT_BREAKPOINTS = (
     64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096,
@@ -87,28 +89,65 @@ def table3_rows(result: Plan, gamma_cr: float = 1.5) -> list[tuple[str, Candidat
 # gamma = 1.5). A log-normal of L_total through both points: sigma =
 # (ln 2304 - ln 1536) / (z_0.955 - z_0.909), mu = ln 1536 - sigma z_0.909.
 LMSYS_POINTS = ((1536, 0.909), (2304, 0.955))
-FIDELITY_WORKLOADS = ("azure-conversation", "azure-code", "lmsys-chat-1m")
-FIDELITY_RATES = (100.0, 1000.0, 10000.0)
-FIDELITY_SLOS = (0.5, 2.0)
-FIDELITY_FLEETS = ("homogeneous", "pool-routing")
+# An agent-heavy mix (FleetOpt's companion simulator, vllm-project/semantic-router
+# src/fleet-sim data/agent_heavy_cdf.json, Apache-2.0: a statistics-based
+# synthetic mixture of 40% SWE-bench, 25% BFCL and 35% RAG lengths): its CDF
+# of total tokens at FleetOpt's 18 breakpoints.
+AGENT_HEAVY_CDF = (
+    (64, 0.0), (128, 0.0), (256, 0.00007), (512, 0.00407), (768, 0.02237),
+    (1024, 0.05757), (1536, 0.15871), (2048, 0.26459), (3072, 0.43163),
+    (4096, 0.53802), (6144, 0.65987), (8192, 0.74042), (12288, 0.85213),
+    (16384, 0.91717), (24576, 0.97282), (32768, 0.99046), (49152, 0.99849),
+    (65536, 1.0),
+)  # fmt: skip
+FIDELITY_WORKLOADS = ("azure-conversation", "azure-code", "lmsys-chat-1m", "agent-heavy")
+FIDELITY_RATES = (100.0, 1000.0, 3000.0, 10000.0)
+FIDELITY_SLOS = (0.5, 1.0, 2.0)
+FIDELITY_FLEETS = ("homogeneous", "pool-routing", "fleetopt")
+#: Simulated seconds of arrivals per scenario (``rate x`` this many requests,
+#: at least ``FIDELITY_MIN_REQUESTS``): long enough for the long pools to reach
+#: their steady state (see ``routecore simulate --duration``).
+FIDELITY_DURATION_S = 120.0
+FIDELITY_MIN_REQUESTS = 20_000
+
+
+def savings_note(result: Plan) -> str:
+    """What the plan's savings are counted against: the homogeneous fleet
+    when it meets the SLO; otherwise they are not computed (None), and why."""
+    h = result.homogeneous
+    if h.feasible:
+        return f"savings against the homogeneous fleet of {h.gpus} GPUs (meets the SLO)"
+    return (
+        "savings not computed: no homogeneous fleet meets the SLO (its pool binds on "
+        f"{h.binding_long}; sized at the stability bound, {h.gpus} GPUs)"
+    )
 
 
 def plan_json(result: Plan) -> dict[str, Any]:
-    """A plan as JSON-ready data (``routecore plan --json`` and the RouteCore
-    API's Plan): ``{"homogeneous", "pool_routing", "best"}`` (each a
+    """A plan as strict-JSON-ready data (``routecore plan --json`` and the
+    RouteCore API's Plan): ``{"homogeneous", "pool_routing", "best"}`` (each a
     candidate's fields, or None), ``"table"`` (the rows of
-    :func:`table3_rows` by name) and ``"sweep"`` (every candidate)."""
+    :func:`table3_rows` by name), ``"sweep"`` (every candidate) and
+    ``"savings_baseline"`` (:func:`savings_note`). Non-finite figures (the
+    waits of a pool that no GPU count serves) are null, listed under
+    ``"nulls"`` with their reason (``routecore._json.strict``)."""
 
     def d(c: Candidate | None) -> dict[str, Any] | None:
         return None if c is None else c.as_dict()
 
-    return {
-        "homogeneous": d(result.homogeneous),
-        "pool_routing": d(result.pool_routing),
-        "best": d(result.best),
-        "table": {name: d(c) for name, c in table3_rows(result)},
-        "sweep": [c.as_dict() for c in result.sweep],
-    }
+    data, nulls = strict(
+        {
+            "homogeneous": d(result.homogeneous),
+            "pool_routing": d(result.pool_routing),
+            "best": d(result.best),
+            "table": {name: d(c) for name, c in table3_rows(result)},
+            "sweep": [c.as_dict() for c in result.sweep],
+            "savings_baseline": savings_note(result),
+        }
+    )
+    if nulls:
+        data["nulls"] = nulls
+    return data
 
 
 def lmsys_workload() -> Workload:
@@ -124,11 +163,21 @@ def lmsys_workload() -> Workload:
     return Workload.from_cdf([*points, (FLEETOPT_BREAKPOINTS[-1], 1.0)], FLEETOPT_INPUT_FRACTION)
 
 
+def agent_heavy_workload() -> Workload:
+    """The agent-heavy length distribution of ``AGENT_HEAVY_CDF`` (see the
+    data README), with FleetOpt's 80 % input / 20 % output split (our
+    assumption: the source gives total tokens only)."""
+    return Workload.from_cdf(list(AGENT_HEAVY_CDF), FLEETOPT_INPUT_FRACTION)
+
+
 def fidelity_workload(name: str) -> Workload:
     """One workload of the fidelity grid: a category of the shipped Azure 2023
-    trace (``azure-conversation``, ``azure-code``) or ``lmsys-chat-1m``."""
+    trace (``azure-conversation``, ``azure-code``), ``lmsys-chat-1m`` or
+    ``agent-heavy``."""
     if name == "lmsys-chat-1m":
         return lmsys_workload()
+    if name == "agent-heavy":
+        return agent_heavy_workload()
     prefix, _, category = name.partition("-")
     azure = Workload.azure_2023()
     if prefix != "azure" or azure.categories is None or category not in azure.category_names:
@@ -170,21 +219,24 @@ def fidelity_scenario(
     *,
     slo_tpot_s: float = 0.08,
     seed: int = 42,
-    max_requests: int = 120_000,
+    duration_s: float = FIDELITY_DURATION_S,
+    max_requests: int = 1_200_000,
     fleets: tuple[str, ...] = FIDELITY_FLEETS,
     quiet: bool = True,
 ) -> list[FidelityRow]:
     """Plans ``workload`` at ``rate`` under the engine model, then finds each
     pool's smallest GPU count meeting both SLOs for 99 % of its requests in
-    the simulator (``routecore simulate``'s bisection), with Poisson arrivals
-    (the planner's assumption) and ``rate x 120 s`` requests clamped to
-    [20,000, ``max_requests``]."""
+    the simulator (``routecore simulate``'s bisection: that count meets them,
+    one fewer does not), with Poisson arrivals of requests drawn from the
+    workload (the planner's assumption) for ``duration_s`` seconds: ``rate x
+    duration_s`` requests clamped to [``FIDELITY_MIN_REQUESTS``,
+    ``max_requests``], the first 20 % left out as warm-up."""
     from routecore.commands import simulate as sim
     from routecore.profiles import PRESETS
 
     w = fidelity_workload(workload)
     prof = PRESETS[profile]()
-    n = int(min(max(rate * 120.0, 20_000), max_requests))
+    n = int(min(max(rate * duration_s, FIDELITY_MIN_REQUESTS), max_requests))
     parser = argparse.ArgumentParser()
     sim.add_arguments(parser)
     args = parser.parse_args(
@@ -193,8 +245,7 @@ def fidelity_scenario(
         + [a for f in fleets for a in ("--fleet", f)] + (["--quiet"] if quiet else [])
     )  # fmt: skip
     fleets_ = sim.plan_fleets(w, prof, args)
-    # A CDF workload is weighted: draw the requests by weight.
-    trace = sim.trace_arrays(w.sample(n, seed) if workload == "lmsys-chat-1m" else w, n)
+    trace = sim.trace_arrays(w, n, "poisson", seed)
     rows = []
     for fleet in fleets_:
         report = sim.run_fleet(fleet, trace, prof, args)
@@ -235,15 +286,21 @@ def fidelity_markdown(rows: list[FidelityRow]) -> str:
     return "\n".join(lines)
 
 
-def fidelity_grid(**kwargs: object) -> list[FidelityRow]:
-    """Every scenario of the grid (workloads x rates x TTFT SLOs x profile
-    presets), one ``fidelity_scenario`` each."""
-    from routecore.profiles import PRESETS
-
-    rows: list[FidelityRow] = []
-    for workload in FIDELITY_WORKLOADS:
-        for rate in FIDELITY_RATES:
-            for slo in FIDELITY_SLOS:
-                for profile in PRESETS:
-                    rows += fidelity_scenario(workload, rate, slo, profile, **kwargs)  # type: ignore[arg-type]
-    return rows
+def fidelity_summary(rows: list[FidelityRow]) -> str:
+    """One line: how many pools are within the goal, the median absolute
+    error, and the largest misses either way."""
+    if not rows:
+        return "no pools"
+    errors = sorted(abs(r.planned - r.simulated) / max(r.simulated, 1) for r in rows)
+    mid = len(errors) // 2
+    median = errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
+    over = max(rows, key=lambda r: (r.planned - r.simulated) / max(r.simulated, 1))
+    under = min(rows, key=lambda r: (r.planned - r.simulated) / max(r.simulated, 1))
+    return (
+        f"{sum(r.within for r in rows)} of {len(rows)} pools within 3% or 1 GPU of the "
+        f"simulated minimum; median absolute error {100 * median:.1f}%; largest over "
+        f"{over.planned - over.simulated:+d} ({over.workload}, {over.rate:g} req/s, "
+        f"{over.slo_ttft_s:g} s, {over.fleet} {over.pool}), largest under "
+        f"{under.planned - under.simulated:+d} ({under.workload}, {under.rate:g} req/s, "
+        f"{under.slo_ttft_s:g} s, {under.fleet} {under.pool})"
+    )

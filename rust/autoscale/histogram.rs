@@ -87,6 +87,16 @@ impl LogHistogram {
         self.total
     }
 
+    /// `(value, count)` of every non-empty bucket, ascending, the value its
+    /// upper edge (exact below 32).
+    pub fn buckets(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.counts
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c > 0)
+            .map(|(i, &c)| (upper_edge(i), c))
+    }
+
     /// The `q` quantile (q in [0, 1]), the smallest value `x` with
     /// `F(x) >= q` as the planner's workload defines it, reported as its
     /// bucket's upper edge: in `[exact, exact * (1 + RELATIVE_ERROR)]`.

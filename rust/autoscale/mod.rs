@@ -232,12 +232,15 @@ impl Autoscaler {
         for (i, (state, p)) in self.pools.iter_mut().zip(&self.cfg.pools).enumerate() {
             let live = state.live.live(now, q)?;
             let d = demand.get(i).copied().unwrap_or_default();
+            let window = &state.live;
+            let chunks = |out: &mut Vec<(u64, f64)>| window.chunk_distribution(out);
             targets.push(sizing::target(
                 p,
                 &state.profile,
                 q,
                 drain,
                 &live,
+                &chunks,
                 d,
                 state.hint,
             )?);

@@ -14,7 +14,7 @@
 use std::fmt;
 
 use crate::error::{non_negative, Result};
-use crate::planner::{size_engine, Binding, EngineLoad, EngineSlo};
+use crate::planner::{size_engine, Binding, BuildChunks, EngineLoad, EngineSlo};
 use crate::profile::Profile;
 
 use super::config::PoolScaling;
@@ -92,14 +92,17 @@ pub struct Target {
     pub t_iter_s: f64,
 }
 
-/// Sizes one pool for its live workload `live` and demand; `hint` (the last
+/// Sizes one pool for its live workload `live` (`chunks`: its window's
+/// [`super::LiveWindow::chunk_distribution`]) and demand; `hint` (the last
 /// model count) only speeds the search.
+#[allow(clippy::too_many_arguments)]
 pub fn target(
     pool: &PoolScaling,
     profile: &Profile,
     quantile: f64,
     queue_drain_s: f64,
     live: &LiveWorkload,
+    chunks: BuildChunks<'_>,
     demand: PoolDemand,
     hint: Option<u64>,
 ) -> Result<Target> {
@@ -129,13 +132,29 @@ pub fn target(
     if live.requests == 0 || rate <= 0.0 {
         return Ok(t);
     }
-    let load = EngineLoad::from_moments(live.k, live.kl, live.prompt, live.prefill_chunks_q);
+    let load = EngineLoad::from_moments(
+        live.k,
+        live.kl,
+        live.prompt,
+        live.prefill_chunks_q,
+        live.prefill_chunks_min,
+    );
     let slo = EngineSlo {
         ttft_s: pool.slo_ttft_s,
         tpot_s: pool.slo_tpot_s,
         quantile,
     };
-    let plan = size_engine(profile, pool.context, rate, &load, slo, hint)?;
+    let n_slots = profile.slots(pool.context)?;
+    let plan = size_engine(
+        profile,
+        pool.context,
+        n_slots,
+        rate,
+        &load,
+        slo,
+        chunks,
+        hint,
+    )?;
     t.model_endpoints = plan.gpus;
     t.binding = plan.binding;
     t.p99_ttft_s = plan.p99_ttft_s;

@@ -118,8 +118,10 @@ pub struct LiveWorkload {
     pub output_mean: f64,
     pub prompt_tokens: Percentiles,
     pub output_tokens: Percentiles,
-    /// The `(1 + q) / 2` quantile of `ceil(L_in / C)` for the `q` asked.
+    /// The `(1 + q) / 2` quantile of `ceil(L_in / C)` for the `q` asked,
+    /// and the fewest chunks of any request.
     pub prefill_chunks_q: f64,
+    pub prefill_chunks_min: f64,
 }
 
 impl LiveWorkload {
@@ -269,6 +271,14 @@ impl LiveWindow {
             prompt_tokens: Percentiles::of(&self.totals.prompt),
             output_tokens: Percentiles::of(&self.totals.output),
             prefill_chunks_q: self.totals.chunks.quantile((1.0 + quantile) / 2.0) as f64,
+            prefill_chunks_min: self.totals.chunks.quantile(0.0) as f64,
         })
+    }
+
+    /// Appends the window's `(prefill chunks, count)` pairs (the planner's
+    /// chunk distribution; exact below 32 chunks, each bucket at its upper
+    /// edge above). Reads the window as its last `live` or `observe` left it.
+    pub fn chunk_distribution(&self, out: &mut Vec<(u64, f64)>) {
+        out.extend(self.totals.chunks.buckets().map(|(k, c)| (k, c as f64)));
     }
 }

@@ -61,7 +61,7 @@ pub struct PyCandidate {
     p99_ttft_short_s: f64,
     p99_ttft_long_s: f64,
     annual_cost_usd: f64,
-    savings_vs_homogeneous: f64,
+    savings_vs_homogeneous: Option<f64>,
 }
 
 impl From<&Candidate> for PyCandidate {
@@ -133,9 +133,11 @@ impl PyCandidate {
 
     fn __repr__(&self) -> String {
         format!(
-            "Candidate(b_short={}, gamma={}, n_short={}, n_long={}, gpus={}, annual_cost_usd={:.0}, savings_vs_homogeneous={:.4}, feasible={})",
+            "Candidate(b_short={}, gamma={}, n_short={}, n_long={}, gpus={}, annual_cost_usd={:.0}, savings_vs_homogeneous={}, feasible={})",
             self.b_short, self.gamma, self.n_short, self.n_long, self.gpus,
-            self.annual_cost_usd, self.savings_vs_homogeneous, self.feasible
+            self.annual_cost_usd,
+            self.savings_vs_homogeneous.map_or("None".to_string(), |s| format!("{s:.4}")),
+            self.feasible
         )
     }
 }
@@ -219,11 +221,15 @@ impl PyPlan {
 /// Sweeps ``b_short`` (default: 256 ... 49,152 tokens where a GPU holds more
 /// slots than at ``long_context``) and ``gammas`` (default 1.0, 1.1, ..., 2.0).
 /// ``p_c`` is the compressibility of borderline requests, overridden per
-/// category by ``p_c_by_category`` (e.g. ``{"code": 0.0}``; KeyError for a
-/// category the workload lacks); ``phi`` the long/short GPU cost ratio;
-/// ``rho_max`` the utilization cap (paper model). Each pool gets the fewest
-/// GPUs meeting every constraint. Cost is at the profile's $/GPU-hour for
-/// 8,760 h/year. ValueError when no fleet meets the SLO (naming the binding
+/// category by ``p_c_by_category`` (e.g. ``{"prose": 0.5}``; KeyError for a
+/// category the workload lacks); a ``code`` category is never compressed
+/// unless ``p_c_by_category`` says so (FleetOpt excludes code). ``phi`` is
+/// the long/short GPU cost ratio; ``rho_max`` the paper model's utilization
+/// cap (default FleetOpt's 0.85; a ValueError with the engine model, which
+/// sizes by the SLO directly). Each pool gets the fewest GPUs meeting every
+/// constraint. Cost is at the profile's $/GPU-hour for 8,760 h/year;
+/// ``savings_vs_homogeneous`` is None when the homogeneous fleet misses the
+/// SLO (no baseline). ValueError when no fleet meets the SLO (naming the binding
 /// constraint), for a non-positive rate, and for a workload with requests
 /// longer than ``long_context``.
 ///
@@ -233,7 +239,7 @@ impl PyPlan {
 #[pyfunction]
 #[pyo3(signature = (
     workload, arrival_rate, slo_ttft_s, profile=None, *, b_short=None, gammas=None,
-    p_c=1.0, p_c_by_category=None, phi=1.0, rho_max=0.85, long_context=65536,
+    p_c=1.0, p_c_by_category=None, phi=1.0, rho_max=None, long_context=65536,
     prefill_quantile=0.99, model="engine", slo_tpot_s=None
 ))]
 #[allow(clippy::too_many_arguments)]
@@ -248,7 +254,7 @@ pub fn plan(
     p_c: f64,
     p_c_by_category: Option<std::collections::BTreeMap<String, f64>>,
     phi: f64,
-    rho_max: f64,
+    rho_max: Option<f64>,
     #[pyo3(from_py_with = int_arg)] long_context: u64,
     prefill_quantile: f64,
     model: &str,

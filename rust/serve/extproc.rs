@@ -11,8 +11,9 @@
 //!   `server.strip_headers`, so they never reach the engine whatever Envoy's
 //!   configuration, and the headers routecore sets overwrite any the client
 //!   sent. In BUFFERED and STREAMED body modes the headers are answered at
-//!   once; in FULL_DUPLEX_STREAMED the answer waits for the whole body, so
-//!   that it can carry the routing headers. Headers that end the stream route
+//!   once; in FULL_DUPLEX_STREAMED, and in STREAMED when Envoy sends the body
+//!   without waiting for that answer (`send_body_without_waiting_for_header_response`),
+//!   the answer waits for the whole body, so that it can carry the routing headers. Headers that end the stream route
 //!   to the default pool. The objective and fairness id come from llm-d's
 //!   `x-llm-d-inference-objective` / `x-llm-d-inference-fairness-id`, or the
 //!   GIE's `x-gateway-inference-*` names (aliases).
@@ -28,8 +29,11 @@
 //!   same list>}`; a compressed body
 //!   is sent as a body mutation with its `content-length`.
 //!   In STREAMED mode every chunk but the last is answered empty and the last
-//!   carries the routing; in FULL_DUPLEX_STREAMED the headers answer comes
-//!   first, then the body is sent back as `streamed_response` chunks.
+//!   carries the routing; when the headers' answer waited for the body, it
+//!   carries the routing and every chunk's answer follows it (empty, or the
+//!   compressed body in the first and the others cleared); in
+//!   FULL_DUPLEX_STREAMED the headers answer comes first, then the body is
+//!   sent back as `streamed_response` chunks.
 //! - Refusals (malformed body 400, context too long 400, oversize 413, no
 //!   endpoint 503, admission 429 with Retry-After, an internal failure under
 //!   `failure_mode: closed` 503) are an ImmediateResponse with a JSON error
@@ -38,7 +42,9 @@
 //!   `envoy.lb` metadata `x-gateway-destination-endpoint-served`; when it is
 //!   not the chosen one, the lease's accounting moves there once
 //!   ([`Shared::served`]). Usage is read from a JSON body or from the SSE event that
-//!   carries it ([`UsageReader`]); at the end of the response the lease is
+//!   carries it ([`UsageReader`]; SSE told by the response's content-type, or
+//!   by the body's first bytes when Envoy skips the response headers, as the
+//!   shipped envoy.yaml does); at the end of the response the lease is
 //!   released (calibrator fed, in-flight counts and the admission ticket
 //!   released). A stream that ends, fails or is cancelled before that
 //!   releases the lease without usage (the conversation's `Drop`); one that
@@ -75,7 +81,7 @@ use super::front::{Door, Routing};
 use super::limits::{
     Buffer, StreamCount, StreamSlot, BODY_TIMEOUT, BUFFERS_FULL, MAX_STREAMS_PER_CONNECTION,
 };
-use super::usage::UsageReader;
+use super::usage::{looks_like_sse, UsageReader};
 use crate::error::Result;
 
 /// The header and `envoy.lb` key of the endpoints to try, in order:
@@ -270,6 +276,13 @@ pub struct Conversation {
     shared: Arc<Shared>,
     request_mode: i32,
     response_mode: i32,
+    /// The request headers are answered with the routing, once the body has
+    /// arrived: FULL_DUPLEX_STREAMED, or STREAMED with Envoy's
+    /// `send_body_without_waiting_for_header_response`.
+    defer_headers: bool,
+    /// STREAMED chunks received while the headers' answer waits: each gets
+    /// its answer after it, in order.
+    unanswered_chunks: usize,
     /// The key, the body limit, the routing under the failure mode.
     door: Door,
     body: Buffer,
@@ -297,6 +310,8 @@ impl Conversation {
             shared,
             request_mode: BUFFERED,
             response_mode: BodySendMode::None as i32,
+            defer_headers: false,
+            unanswered_chunks: 0,
             lease: None,
             routed: false,
             usage: None,
@@ -355,6 +370,9 @@ impl Conversation {
                 pc.request_body_mode
             };
             self.response_mode = pc.response_body_mode;
+            self.defer_headers = self.request_mode == FULL_DUPLEX
+                || (self.request_mode == STREAMED
+                    && pc.send_body_without_waiting_for_header_response);
         }
         if self.responding && !self.served {
             self.read_served(req);
@@ -460,7 +478,7 @@ impl Conversation {
             let outcome = self.door.route(Routing::Default, &self.hints).await;
             return Ok(self.answer(outcome, false));
         }
-        if self.request_mode == FULL_DUPLEX {
+        if self.defer_headers {
             return Ok(Vec::new());
         }
         Ok(vec![answer(Answer::RequestHeaders(HeadersResponse {
@@ -537,8 +555,11 @@ impl Conversation {
         if end || (self.request_mode != STREAMED && self.request_mode != FULL_DUPLEX) {
             return Ok(self.route_now().await);
         }
-        if self.request_mode == STREAMED {
+        if self.request_mode == STREAMED && !self.defer_headers {
             return Ok(vec![answer(Answer::RequestBody(BodyResponse::default()))]);
+        }
+        if self.request_mode == STREAMED {
+            self.unanswered_chunks += 1;
         }
         Ok(Vec::new())
     }
@@ -610,6 +631,33 @@ impl Conversation {
             }
             return out;
         }
+        if self.defer_headers {
+            // STREAMED, the headers held: their answer routes, then one answer
+            // per chunk received (this last one included). The body passes
+            // as it came, or the first chunk carries the compressed body and
+            // the others are cleared.
+            let mut first = answer(Answer::RequestHeaders(HeadersResponse {
+                response: Some(common),
+            }));
+            first.dynamic_metadata = md;
+            let chunks = std::mem::take(&mut self.unanswered_chunks) + 1;
+            let compressed = routed.body.is_some();
+            let mut rewritten = routed.body;
+            let mut out = vec![first];
+            for _ in 0..chunks {
+                let mutation = match rewritten.take() {
+                    Some(b) => Some(Mutation::Body(b)),
+                    None => compressed.then_some(Mutation::ClearBody(true)),
+                };
+                out.push(answer(Answer::RequestBody(BodyResponse {
+                    response: Some(CommonResponse {
+                        body_mutation: mutation.map(|m| BodyMutation { mutation: Some(m) }),
+                        ..Default::default()
+                    }),
+                })));
+            }
+            return out;
+        }
         if let Some(b) = routed.body {
             common.body_mutation = Some(BodyMutation {
                 mutation: Some(Mutation::Body(b)),
@@ -666,7 +714,7 @@ impl Conversation {
         let limit = self.limit();
         let overload = &self.shared.overload;
         self.usage
-            .get_or_insert_with(|| UsageReader::new(false, limit, overload))
+            .get_or_insert_with(|| UsageReader::new(looks_like_sse(chunk), limit, overload))
             .feed(chunk, end);
         if end {
             self.finish();
@@ -1085,6 +1133,107 @@ mod tests {
             }
             other => panic!("not a body: {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn streamed_body_sent_without_waiting_is_routed_in_the_headers_answer() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        let mut h = headers(&[("x-api-key", KEY)], true, false);
+        h.protocol_config = Some(ProtocolConfiguration {
+            request_body_mode: STREAMED,
+            send_body_without_waiting_for_header_response: true,
+            ..Default::default()
+        });
+        assert!(c.handle(&h).await.expect("ok").is_empty());
+        let b = chat("stream me");
+        let (first, rest) = b.split_at(10);
+        let (second, last) = rest.split_at(5);
+        for chunk in [first, second] {
+            let out = c.handle(&body(chunk, false, false)).await.expect("ok");
+            assert!(out.is_empty(), "no answer before the headers'");
+        }
+        let out = c.handle(&body(last, true, false)).await.expect("ok");
+        // The headers' answer routes, then one empty answer per chunk: the
+        // body passes unchanged (not sent back).
+        assert_eq!(out.len(), 4);
+        assert!(matches!(out[0].response, Some(Answer::RequestHeaders(_))));
+        assert_eq!(
+            routed_to(&out[0]).as_deref(),
+            Some("10.0.0.1:8000,10.0.0.2:8000")
+        );
+        assert!(out[0].dynamic_metadata.is_some());
+        for r in &out[1..] {
+            match r.response.as_ref() {
+                Some(Answer::RequestBody(b)) => {
+                    assert!(b
+                        .response
+                        .as_ref()
+                        .is_none_or(|c| c.body_mutation.is_none()));
+                }
+                other => panic!("not a body answer: {other:?}"),
+            }
+        }
+        assert_eq!(shared.lease_count(), 1);
+        let usage = br#"{"usage":{"prompt_tokens":120,"completion_tokens":2}}"#;
+        c.handle(&body(usage, true, true)).await.expect("ok");
+        assert_eq!(shared.lease_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn sse_usage_is_learned_when_the_response_headers_are_skipped() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        c.handle(&headers(&[("x-api-key", KEY)], true, false))
+            .await
+            .expect("ok");
+        c.handle(&body(&chat(&"hello ".repeat(80)), true, false))
+            .await
+            .expect("ok");
+        // No response headers (Envoy's response_header_mode: SKIP): the SSE
+        // stream is told by its first bytes.
+        let events = [
+            &b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n"[..],
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":120,\"completion_tokens\":1}}\n\n",
+            b"data: [DONE]\n\n",
+        ];
+        for (i, e) in events.iter().enumerate() {
+            c.handle(&body(e, i + 1 == events.len(), true))
+                .await
+                .expect("ok");
+        }
+        assert_eq!(shared.lease_count(), 0);
+        assert_eq!(
+            shared.calibrator.read().expect("cal").stats("prose").count,
+            1
+        );
+    }
+
+    #[tokio::test]
+    async fn streamed_body_with_headers_answered_at_once_routes_on_its_last_chunk() {
+        let (shared, engine) = plane();
+        let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        let mut h = headers(&[("x-api-key", KEY)], true, false);
+        h.protocol_config = Some(ProtocolConfiguration {
+            request_body_mode: STREAMED,
+            ..Default::default()
+        });
+        let out = c.handle(&h).await.expect("ok");
+        assert!(matches!(out[0].response, Some(Answer::RequestHeaders(_))));
+        assert!(routed_to(&out[0]).is_none());
+        let b = chat("stream me");
+        let (first, rest) = b.split_at(10);
+        let out = c.handle(&body(first, false, false)).await.expect("ok");
+        assert!(matches!(
+            out[..],
+            [ProcessingResponse {
+                response: Some(Answer::RequestBody(_)),
+                ..
+            }]
+        ));
+        let out = c.handle(&body(rest, true, false)).await.expect("ok");
+        assert_eq!(out.len(), 1);
+        assert!(routed_to(&out[0]).is_some());
     }
 
     #[tokio::test]

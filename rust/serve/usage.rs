@@ -52,6 +52,14 @@ pub fn plausible(usage: Usage, context: u64) -> bool {
     usage.0.saturating_add(usage.1) <= context.min(MAX_TOKENS)
 }
 
+/// Whether a response body whose headers routecore did not see (Envoy's
+/// `response_header_mode: SKIP`) is an SSE stream, from its first chunk: an
+/// OpenAI JSON answer is an object, an event stream starts with a field
+/// (`data:`) or a comment. An empty chunk reads as JSON.
+pub fn looks_like_sse(first: &[u8]) -> bool {
+    first.trim_ascii_start().first().is_some_and(|&b| b != b'{')
+}
+
 pub struct UsageReader {
     sse: bool,
     limit: usize,
@@ -182,6 +190,14 @@ mod tests {
             }
             assert_eq!(r.usage(), Some((170, 3)), "chunk size {size}");
         }
+    }
+
+    #[test]
+    fn the_first_chunk_tells_sse_from_json() {
+        assert!(looks_like_sse(&sse(1, 2)));
+        assert!(looks_like_sse(b": keep-alive\n\n"));
+        assert!(!looks_like_sse(b"  {\"id\":\"x\"}"));
+        assert!(!looks_like_sse(b""));
     }
 
     #[test]

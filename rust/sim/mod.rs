@@ -940,7 +940,7 @@ pub fn model_state(rate: f64, means: &[f64; 5], pool: &PoolConfig) -> EngineStat
         prompt_mean: p,
         prompt_second: p2,
         kv_token_iterations: al,
-        prefill_chunks_q: 0.0,
+        ..EngineLoad::default()
     };
     let shape = EngineShape {
         w_s: t(0),
@@ -949,7 +949,7 @@ pub fn model_state(rate: f64, means: &[f64; 5], pool: &PoolConfig) -> EngineStat
         n_slots: pool.max_num_seqs as u64,
         kv_tokens: (pool.kv_blocks * engine::BLOCK_TOKENS) as f64,
     };
-    engine_state(rate, &load, &shape)
+    engine_state(rate, pool.endpoints as u64, &load, &shape)
 }
 
 /// The `q`-th percentile (0..=100) of the finite values, linearly

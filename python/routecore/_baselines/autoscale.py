@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from itertools import accumulate
 
 from routecore._baselines.planner import size_engine
 
@@ -61,15 +62,13 @@ class Window:
             return 0.0, None
         oldest = self.start + max(self.epoch + 1 - len(self.sums), 0) * self.sub_s
         rate = n / max(self.last - oldest, self.sub_s)
-        target, seen = max(math.ceil((1 + quantile) / 2 * n), 1), 0
-        for q in sorted(c for c, m in self.total.items() if m > 0):
-            seen += self.total[q]
-            if seen >= target:
-                break
-        k, k2 = k / n, k2 / n
-        a = max(k - 1, 0.0)
-        cs2 = max((k2 - k * k) / (a * a), 0.0) if a > 0 else 0.0
-        return rate, (a, cs2, p / n, p2 / n, kl / n, q)
+        counts = sorted((c, m) for c, m in self.total.items() if m > 0)
+        target = max(math.ceil((1 + quantile) / 2 * n), 1)
+        cum = accumulate(m for _, m in counts)
+        q = next(c for (c, _), seen in zip(counts, cum, strict=True) if seen >= target)
+        hist = [(c, m / n) for c, m in counts]
+        a = max(k / n - 1, 0.0)
+        return rate, (a, p / n, p2 / n, kl / n, q, hist[0][0], hist)
 
 
 def step(windows, pools, profile, now):

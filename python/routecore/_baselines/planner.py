@@ -1,8 +1,10 @@
 """The FleetOpt planner in plain Python: the same models and the same algorithm
 as ``routecore.plan`` (prefix sums over the requests sorted by total tokens,
 Erlang C by the Poisson ratio with a saddle-point log-pmf; the paper model's
-cap-first sizing, the engine model's fixed point, prefill queue and galloping
-search), written the way a Python planner would: the trace's sort and prefix
+cap-first sizing; the engine model's iteration-time quadratic, each
+endpoint's closed prefill loop by mean-value analysis, the per-endpoint slot
+wait, the TTFT miss share over the chunk histogram and the galloping search),
+written the way a Python planner would: the trace's sort and prefix
 sums in NumPy (built once per trace, as routecore builds its table once per
 workload), the sweep's scalar arithmetic in Python floats. The prefill
 quantile of a range is taken by ``np.partition`` of that range's chunk counts
@@ -195,39 +197,29 @@ def compressed(t, s, e, b):
     return (cnt, k, k * k, k * b, p, p * p)
 
 
-def engine_load(t, m, s, e, quantile=0.99):
-    """(E[a], cs2 of a, E[L_in], E[L_in^2], E[k L], chunk quantile over s..e)."""
+def engine_load(t, m, s, e, quantile=0.99, point=None):
+    """(E[a], E[L_in], E[L_in^2], E[k L], chunk quantile, fewest chunks,
+    chunk histogram) of mixture ``m`` over s..e, plus the compressed requests'
+    ``point`` (chunks, weight) when given."""
     if m is None:
         return None
-    _, k, k2, kl, p, p2 = m
+    _, k, _, kl, p, p2 = m
     a = max(k - 1, 0.0)
-    cs2 = max((k2 - k * k) / (a * a), 0.0) if a > 0 else 0.0
-    q = t.chunk_rank(s, e, max(0, math.ceil((1 + quantile) / 2 * (e - s)) - 1))
-    return a, cs2, p, p2, kl, q
-
-
-def engine_ok(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99):
-    """Whether n GPUs meet every constraint of the engine model."""
-    a, cs2, p, p2, kl, q = load
-    rate = lam / n
-    x = h * rate * a
-    if x >= 1:
-        return False
-    t = w / (1 - x)
-    z = NORMAL_Z
-    if t + h * z * math.sqrt(max((t - w) / h, 0.0)) > tpot:
-        return False
-    rho_p = rate * p * t / c
-    if rho_p >= 1:
-        return False
-    wait = rate * p2 * (t / c) ** 2 / (2 * (1 - rho_p))
-    occ = rate * (a * t + wait)
-    if occ >= n_slots or rate * (kl * t + p * wait) >= n_slots * ctx:
-        return False
-    r = (1 - quantile) / 2
-    wq = wait / rho_p * math.log(rho_p / r) if rho_p > r else 0.0
-    slot = p99_wait(n * n_slots, rate / occ, cs2, lam) if occ > 0 else 0.0
-    return slot + wq + (q + 1) * t <= slo
+    q = t.chunk_rank(s, e, max(0, math.ceil((1 + quantile) / 2 * (e - s)) - 1)) if e > s else 0
+    counts = {}
+    fewest = None
+    if e > s:
+        ks, cs = np.unique(t.chunks[s:e], return_counts=True)
+        counts = dict(zip(ks.tolist(), map(float, cs.tolist())))
+        fewest = int(ks[0])
+    if point is not None:
+        q = max(q, point[0])
+        counts[point[0]] = counts.get(point[0], 0.0) + point[1]
+        fewest = point[0] if fewest is None else min(fewest, point[0])
+    hist = sorted(counts.items())
+    total = sum(w for _, w in hist)
+    hist = [(k_, w / total) for k_, w in hist]
+    return a, p, p2, kl, q, fewest or 0, hist
 
 
 # z_0.99 by Abramowitz and Stegun 26.2.23, as routecore computes it.
@@ -235,6 +227,183 @@ _T = math.sqrt(-2 * math.log(0.01))
 NORMAL_Z = _T - (2.515517 + 0.802853 * _T + 0.010328 * _T * _T) / (
     1 + 1.432788 * _T + 0.189269 * _T * _T + 0.001308 * _T**3
 )
+MAX_LOOP = 64
+MAX_GPUS = 1 << 50
+
+
+def closed_loop(rate, x1, x2, think, max_population):
+    """Mean-value analysis of one endpoint's prefill loop: (population, wait,
+    busy) where the throughput reaches ``rate``, or None; R(k) = p / q walked
+    as routecore walks it (a Moebius map, no division per step)."""
+    c = x2 / (2 * x1) - x1
+    p, q = x1, 1.0
+    prev = prev2 = (0.0, 0.0)
+
+    def through(pq, k):
+        if pq[1] > 0:
+            r = pq[0] / pq[1]
+            return k / (think + r), r
+        return 0.0, 0.0
+
+    for k in range(1, max_population + 1):
+        kf = float(k)
+        if kf * q >= rate * (think * q + p):
+            x, r = through((p, q), kf)
+            xp, rp = through(prev, kf - 1)
+            u, up = xp * x1, through(prev2, kf - 2)[0] * x1
+            f = (rate - xp) / (x - xp) if x > xp else 1.0
+            at = r if k == 1 else rp + f * (r - rp)
+            return rate * (think + at), max(at - x1, 0.0), up + f * (u - up)
+        prev2, prev = prev, (p, q)
+        p, q = x1 * (1 + kf) * p + x1 * (think + kf * c) * q, p + think * q
+        if not 1e-100 <= q <= 1e100:
+            p, q = p / q, 1.0
+    return None
+
+
+def engine_state(rate, endpoints, load, n_slots, ctx, w, h, c):
+    """(t, occupancy, prefill utilization, KV utilization, prefill wait, busy)."""
+    a, p, p2, kl = load[:4]
+    qa, qb = 0.5 * h * rate * rate * p / c, 1 - h * rate * a
+    disc = qb * qb - 4 * qa * w
+    if qb <= 0 or disc < 0:
+        t = math.inf
+    elif qa > 0:
+        t = 2 * w / (qb + math.sqrt(disc))
+    else:
+        t = w / qb
+    x1 = p * t / c
+    rho_p = rate * x1
+    if not (rho_p < 1 and math.isfinite(t)):
+        return t, math.inf, rho_p, math.inf, math.inf, 1.0
+    x2 = p2 * (t / c) ** 2
+    slots = max(n_slots, 1)
+    iterations = a + 0.5 * rho_p
+    think = max(iterations * t - x1, 0.0)
+    max_pop = min(slots, MAX_LOOP)
+    closed = None
+    if endpoints > 1 and rate * (think + x1) <= max_pop:
+        closed = closed_loop(rate, x1, x2, think, max_pop)
+    if x1 <= 0:
+        occ, wait, busy = rate * iterations * t, 0.0, 0.0
+    elif closed is not None:
+        occ, wait, busy = closed
+    elif endpoints > 1 and slots <= MAX_LOOP:
+        return t, math.inf, rho_p, math.inf, math.inf, 1.0
+    else:
+        wait = rate * x2 / (2 * (1 - rho_p))
+        occ, busy = rate * (iterations * t + wait), rho_p
+    kv = rate * (kl * t + p * wait)
+    return t, occ, rho_p, kv / (n_slots * ctx), wait, busy
+
+
+def wait_of(mean, p):
+    """(p, theta): 0 with probability 1 - p, else exponential of mean theta."""
+    if mean > 0 and p > 0:
+        p = min(p, 1.0)
+        return p, mean / p
+    return 0.0, 0.0
+
+
+def wait_quantile(wt, r):
+    p, theta = wt
+    return theta * math.log(p / r) if p > r else 0.0
+
+
+def survival(s, pw, y):
+    """P(W_s + W_p > y) of two independent waits."""
+    if y < 0:
+        return 1.0
+    es = math.exp(-y / s[1]) if s[0] > 0 else 0.0
+    ep = math.exp(-y / pw[1]) if pw[0] > 0 else 0.0
+    both = 0.0
+    if s[0] > 0 and pw[0] > 0:
+        a, b = s[1], pw[1]
+        both = (1 + y / a) * es if abs(a - b) <= 1e-9 * max(a, b) else (a * es - b * ep) / (a - b)
+    return s[0] * (1 - pw[0]) * es + pw[0] * (1 - s[0]) * ep + s[0] * pw[0] * both
+
+
+def miss(s, pw, hist, t, ttft):
+    """The share of requests whose W + (k + 1/2) t exceeds ttft over the chunk
+    histogram, the exponentials stepped from the largest k that fits down."""
+    split = 0
+    while split < len(hist) and ttft - (hist[split][0] + 0.5) * t >= 0:
+        split += 1
+    total = sum(prob for _, prob in hist[split:])
+    if split == 0:
+        return total
+    top = hist[split - 1][0]
+    y0 = ttft - (top + 0.5) * t
+
+    def start(wt):
+        return (math.exp(-y0 / wt[1]), math.exp(-t / wt[1])) if wt[0] > 0 else (0.0, 0.0)
+
+    (es, fs), (ep, fp) = start(s), start(pw)
+    k = top
+    both = s[0] > 0 and pw[0] > 0
+    equal = both and abs(s[1] - pw[1]) <= 1e-9 * max(s[1], pw[1])
+    for kk, prob in reversed(hist[:split]):
+        gap = k - kk
+        es *= fs**gap
+        ep *= fp**gap
+        k = kk
+        if not both:
+            sm = 0.0
+        elif equal:
+            sm = (1 + (ttft - (k + 0.5) * t) / s[1]) * es
+        else:
+            sm = (s[1] * es - pw[1] * ep) / (s[1] - pw[1])
+        total += prob * (s[0] * (1 - pw[0]) * es + pw[0] * (1 - s[0]) * ep + s[0] * pw[0] * sm)
+        if es < 1e-300 and ep < 1e-300:
+            break
+    return total
+
+
+def slot_wait(gpus, slots, mu, lam, exact):
+    """The per-endpoint slot wait: Erlang C (or its bound) drained at
+    (1 - rho^n) S mu."""
+    servers = gpus * slots
+    offered = lam / mu
+    rho = offered / servers
+    ln_pmf = -stirlerr(servers) - bd0(servers, offered) - 0.5 * math.log(2 * math.pi * servers)
+    bound = min(2 * math.exp(ln_pmf) / (1 - offered / servers), 1.0)
+    if offered <= 0 or bound < 1e-12:
+        p = 0.0
+    else:
+        p = erlang_c(servers, offered) if exact else bound
+    drain = (1 - rho**gpus) * slots * mu
+    return wait_of(p / drain, p)
+
+
+def engine_ok(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99):
+    """Whether n GPUs meet every constraint of the engine model."""
+    q, fewest, hist = load[4:]
+    rate = lam / n
+    t, occ, rho_p, kv, wait, busy = engine_state(rate, n, load, n_slots, ctx, w, h, c)
+    if not math.isfinite(t) or t + h * NORMAL_Z * math.sqrt(max((t - w) / h, 0.0)) > tpot:
+        return False
+    if rho_p >= 1 or not occ < n_slots or kv >= 1:
+        return False
+    mu = rate / occ if occ > 0 else 0.0
+    prefill = wait_of(wait, busy)
+    r = (1 - quantile) / 2
+
+    def slot(exact):
+        return slot_wait(n, n_slots, mu, lam, exact) if occ > 0 else (0.0, 0.0)
+
+    def passes(sw):
+        return wait_quantile(sw, r / 2) + wait_quantile(prefill, r / 2) + (q + 0.5) * t <= slo
+
+    rough = slot(False)
+    if passes(rough):
+        return True
+    exact = slot(True)
+    if exact != rough and passes(exact):
+        return True
+    allowed = 1 - quantile
+    if survival(exact, prefill, slo - (max(fewest, 1) + 0.5) * t) > allowed:
+        return False
+    return miss(exact, prefill, hist, t, slo) <= allowed
 
 
 def smallest_ok(bad, start, ok):
@@ -251,6 +420,8 @@ def smallest_ok(bad, start, ok):
         bad = hi
         while True:
             hi = bad + step
+            if hi >= MAX_GPUS:
+                return None
             if ok(hi):
                 break
             bad, step = hi, 2 * step
@@ -263,16 +434,20 @@ def smallest_ok(bad, start, ok):
 def size_engine(lam, load, n_slots, ctx, w, h, c, slo, tpot, hint):
     if lam <= 0 or load is None:
         return 0
-    a, _, p, _, _, q = load
+    a, p, _, _, q, _, hist = load
     room = 1 - w / tpot
-    if room <= 0 or (q + 1) * w >= slo:
-        return None
-    bad = int(max(math.floor(lam * h * a / room), math.floor(lam * p * w / c), 0))
-    return smallest_ok(
+    bad = int(
+        min(max(math.floor(lam * h * a / max(room, 1e-12)), math.floor(lam * p * w / c), 0), 1e15)
+    )
+    alone = (q + 0.5) * w > slo and sum(x for k, x in hist if slo - (k + 0.5) * w < 0) > 1 - 0.99
+    if room <= 0 or alone:
+        return bad + 1  # no count serves it: sized at the stability bound
+    found = smallest_ok(
         bad,
         hint or bad + 1,
         lambda n: engine_ok(lam, n, load, n_slots, ctx, w, h, c, slo, tpot),
     )
+    return bad + 1 if found is None else found
 
 
 def plan_engine(t, lam, slo, tpot, *, b_short, gammas, w=0.008, h=0.00065,
@@ -294,15 +469,20 @@ def plan_engine(t, lam, slo, tpot, *, b_short, gammas, w=0.008, h=0.00065,
             _, band_end = t.span(b, math.floor(g * b))
             alpha_p = band_end / t.n
             if last is None or last[0] != alpha_p:
-                m = merge(short_mix, compressed(t, e, band_end, b))
-                ns = size_engine(alpha_p * lam, engine_load(t, m, s, e), n_short, b, w, h, c_chunk,
-                                 slo, tpot, short_hint)  # fmt: skip
-                short_hint = ns or short_hint
+                comp = compressed(t, e, band_end, b)
+                point = None
+                if comp is not None:
+                    point = (math.ceil(comp[4] / c_chunk), float(comp[0]))
+                load = engine_load(t, merge(short_mix, comp), s, e, point=point)
+                ns = size_engine(alpha_p * lam, load, n_short, b, w, h, c_chunk, slo, tpot,
+                                 short_hint)  # fmt: skip
+                short_hint = ns
                 last = (alpha_p, ns)
             ns = last[1]
-            load = engine_load(t, mix(t, band_end, t.n), band_end, t.n)
+            lo = band_end if band_end < t.n else e
+            load = engine_load(t, mix(t, band_end, t.n), lo, t.n)
             nl = size_engine((1 - alpha_p) * lam, load, n_long, long_context, w, h, c_chunk, slo,
                              tpot, long_hint)  # fmt: skip
-            long_hint = nl or long_hint
+            long_hint = nl
             out[(b, g)] = (ns, nl)
     return homo, out

@@ -5,9 +5,9 @@ Each type parses one value and refuses what the option cannot mean (a
 negative count, a zero rate, NaN or infinity, a port outside 1..65535, a
 token count above what the router accepts) with
 ``argparse.ArgumentTypeError``, which argparse reports as one line and exit
-status 2. ``add_seed``, ``add_plot``, ``add_profile``, ``add_json`` and
-``add_quiet`` declare the options several commands have, once, so they mean
-the same in each.
+status 2. ``add_seed``, ``add_plot``, ``add_profile``, ``add_json``, ``add_quiet``
+and ``add_slo`` declare the options several commands have, once, so they
+mean the same in each.
 """
 
 from __future__ import annotations
@@ -142,6 +142,54 @@ def add_profile(p: argparse.ArgumentParser) -> None:
 def add_json(p: argparse.ArgumentParser, what: str = "one JSON object") -> None:
     """``--json``: machine-readable output instead of the table."""
     p.add_argument("--json", action="store_true", help=f"print {what} instead of the table")
+
+
+#: The SLO of ``plan`` and ``simulate``: P99 TTFT and TPOT targets, seconds
+#: (the token-budget paper's 2 s TTFT; an 80 ms TPOT).
+DEFAULT_SLO_TTFT_S = 2.0
+DEFAULT_SLO_TPOT_S = 0.08
+
+
+def add_slo(p: argparse.ArgumentParser) -> None:
+    """``--slo-ttft`` and ``--slo-tpot``, in seconds, with one default each."""
+    p.add_argument(
+        "--slo-ttft",
+        type=positive_float,
+        default=DEFAULT_SLO_TTFT_S,
+        metavar="SECONDS",
+        help=f"P99 TTFT target, seconds (default {DEFAULT_SLO_TTFT_S:g}): the planner's target "
+        "and each simulated request's SLO",
+    )
+    p.add_argument(
+        "--slo-tpot",
+        type=positive_float,
+        default=DEFAULT_SLO_TPOT_S,
+        metavar="SECONDS",
+        help=f"TPOT target, seconds (default {DEFAULT_SLO_TPOT_S:g})",
+    )
+    for old, new in (("--slo-ms", "--slo-ttft"), ("--slo-tpot-ms", "--slo-tpot")):
+        p.add_argument(old, action=_milliseconds_replaced(new), help=argparse.SUPPRESS)
+
+
+def _milliseconds_replaced(new: str) -> type[argparse.Action]:
+    """An action refusing a former milliseconds option with a message naming
+    ``new`` (seconds) and converting the value given."""
+
+    class Replaced(argparse.Action):
+        def __call__(
+            self,
+            parser: argparse.ArgumentParser,
+            namespace: argparse.Namespace,
+            values: object,
+            option_string: str | None = None,
+        ) -> None:
+            try:
+                seconds = f": {option_string} {values} is {new} {float(str(values)) / 1000:g}"
+            except ValueError:
+                seconds = ""
+            parser.error(f"{option_string} was replaced by {new}, in seconds{seconds}")
+
+    return Replaced
 
 
 def add_quiet(p: argparse.ArgumentParser) -> None:

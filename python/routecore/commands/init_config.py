@@ -14,8 +14,9 @@ HELP = (
 )
 #: The files written, shipped in the wheel (the same bytes as examples/ in the repository).
 FILES = ("routecore.yaml", "envoy.yaml")
-#: The shipped files, the fail-open Envoy configuration included (written as envoy.yaml).
-SHIPPED = (*FILES, "envoy-fail-open.yaml")
+#: The shipped files: the fail-open Envoy configuration (written as envoy.yaml with
+#: --fail-open) and the full-duplex one (the endpoint-picker protocol's streaming mode).
+SHIPPED = (*FILES, "envoy-fail-open.yaml", "envoy-full-duplex.yaml")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

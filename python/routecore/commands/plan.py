@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from typing import Any
 
 from routecore import profiles
 from routecore._core import Candidate, Plan, Profile, Workload, plan
 from routecore._extras import pyplot
+from routecore._json import dumps
 from routecore.commands import _plot
 from routecore.commands._args import (
     add_json,
     add_plot,
     add_profile,
     add_seed,
+    add_slo,
     fraction,
     positive_float,
     token_count,
 )
-from routecore.planning import fleetopt_profile, fleetopt_workload, plan_json, table3_rows
+from routecore.commands.simulate import percent
+from routecore.planning import (
+    fleetopt_profile,
+    fleetopt_workload,
+    plan_json,
+    savings_note,
+    table3_rows,
+)
 
 NAME = "plan"
 HELP = (
@@ -46,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-column", default="GeneratedTokens", help="CSV output-token column")
     p.add_argument("--category-column", help="CSV category column (for --p-c-category)")
     p.add_argument("--rate", type=positive_float, default=1000.0, help="arrival rate, req/s (1000)")
-    p.add_argument("--slo-ms", type=positive_float, default=500.0, help="P99 TTFT target, ms (500)")
+    add_slo(p)
     add_profile(p)
     p.add_argument("--price", type=positive_float, help="$/GPU-hour (default: the profile's)")
     p.add_argument(
@@ -86,12 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="engine",
         help="service model: 'engine' (the simulator's engine; default) or 'paper' "
         "(FleetOpt Eq. 3-4, which reproduces the paper's tables)",
-    )
-    p.add_argument(
-        "--slo-tpot-ms",
-        type=positive_float,
-        default=80.0,
-        help="TPOT target, ms (80; engine model and --verify)",
     )
     p.add_argument(
         "--verify",
@@ -137,7 +139,7 @@ def run_plan(args: argparse.Namespace) -> Plan:
     return plan(
         workload,
         args.rate,
-        args.slo_ms / 1000.0,
+        args.slo_ttft,
         profile,
         b_short=args.b_short,
         p_c=args.p_c,
@@ -145,7 +147,7 @@ def run_plan(args: argparse.Namespace) -> Plan:
         phi=args.phi,
         long_context=args.long_context,
         model="paper" if args.fleetopt_assumptions else args.model,
-        slo_tpot_s=args.slo_tpot_ms / 1000.0,
+        slo_tpot_s=args.slo_tpot,
     )
 
 
@@ -177,7 +179,7 @@ def format_table(rows: list[tuple[str, Candidate | None]]) -> str:
         )
         lines.append(
             f"{name:<22} {b:>7} {c.gamma:>5.1f} {c.n_short:>6} {c.n_long:>6} {c.gpus:>6} "
-            f"{c.annual_cost_usd / 1e3:>10,.0f} {c.savings_vs_homogeneous:>7.1%} {ttft:>15} "
+            f"{c.annual_cost_usd / 1e3:>10,.0f} {percent(c.savings_vs_homogeneous):>7} {ttft:>15} "
             f"{binding:>17}{flag}"
         )
     return "\n".join(lines)
@@ -195,7 +197,7 @@ def savings_grid(result: Plan) -> tuple[list[int], list[float], list[list[float]
     gammas = sorted({c.gamma for c in result.sweep})
     grid = [[math.nan] * len(bs) for _ in gammas]
     for c in result.sweep:
-        if c.b_short and c.feasible:
+        if c.b_short and c.feasible and c.savings_vs_homogeneous is not None:
             grid[gammas.index(c.gamma)][bs.index(c.b_short)] = c.savings_vs_homogeneous * 100
     return bs, gammas, grid
 
@@ -225,7 +227,7 @@ def plot_savings(result: Plan, path: str, title: str) -> list[str]:
     top.plot(xs, best, marker="s", color="tab:green",
              label="with compress-and-route, best gamma")  # fmt: skip
     opt = result.best
-    if opt is not None and opt.b_short in bs:
+    if opt is not None and opt.b_short in bs and opt.savings_vs_homogeneous is not None:
         top.plot([bs.index(opt.b_short)], [opt.savings_vs_homogeneous * 100], marker="*",
                  markersize=15, color="tab:red", linestyle="none",
                  label=f"optimum: B_short {_tokens(opt.b_short)}, gamma {opt.gamma:g}, "
@@ -257,8 +259,9 @@ def plot_savings(result: Plan, path: str, title: str) -> list[str]:
 def verify_plan(result: Plan, args: argparse.Namespace) -> dict[str, Any]:
     """The plan's three fleets verified in the simulator (``routecore
     simulate``'s bisection), on the planned workload at ``--rate`` with
-    ``--verify-duration`` seconds of arrivals (the trace's own timestamps when
-    it has them, else Poisson) and ``--seed``."""
+    ``--verify-duration`` seconds of Poisson arrivals of requests drawn from it
+    (the planner's assumption) and ``--seed``. Savings are against the
+    verified homogeneous fleet when it meets the SLO (``savings_baseline``)."""
     from routecore.commands import simulate as sim
 
     workload, profile = load_inputs(args)
@@ -268,26 +271,33 @@ def verify_plan(result: Plan, args: argparse.Namespace) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     sim.add_arguments(parser)
     sim_args = parser.parse_args(
-        ["--rate", str(args.rate), "--slo-ttft", str(args.slo_ms / 1000.0),
-         "--slo-tpot", str(args.slo_tpot_ms / 1000.0), "--seed", str(args.seed),
+        ["--rate", str(args.rate), "--slo-ttft", str(args.slo_ttft),
+         "--slo-tpot", str(args.slo_tpot), "--seed", str(args.seed),
          "--duration", str(args.verify_duration), "--model", args.model]
         + (["--json"] if args.json else [])
     )  # fmt: skip
     n = math.ceil(args.rate * args.verify_duration)
-    trace = sim.trace_arrays(workload, n)
+    trace = sim.trace_arrays(workload, n, sim_args.arrivals, args.seed)
     fleets = sim.fleets_from_plan(result, sim_args)
-    out = []
+    reports = {}
     for fleet in fleets:
         report = sim.run_fleet(fleet, trace, profile, sim_args)
-        report = sim.verify_fleet(fleet, trace, profile, sim_args, report)
-        out.append(sim.fleet_result(fleet, report, profile, None, sim_args))
-    return {"requests": n, "seed": args.seed, "fleets": out}
+        reports[fleet.name] = sim.verify_fleet(fleet, trace, profile, sim_args, report)
+    baseline, why = sim.savings_baseline(fleets, reports, sim_args)
+    out = [sim.fleet_result(f, reports[f.name], profile, baseline, sim_args) for f in fleets]
+    return {
+        "requests": n,
+        "arrivals": sim_args.arrivals,
+        "seed": args.seed,
+        "savings_baseline": why,
+        "fleets": out,
+    }
 
 
 def format_verification(v: dict[str, Any]) -> str:
     lines = [
-        f"verified in the simulator ({v['requests']} requests, seed {v['seed']}): "
-        "smallest GPU count per pool meeting both SLOs for 99% of its requests",
+        f"verified in the simulator ({v['requests']} requests, {v['arrivals']} arrivals, seed "
+        f"{v['seed']}): smallest GPU count per pool meeting both SLOs for 99% of its requests",
         f"{'fleet':<14}{'pool':<12}{'binding':>9}{'planned':>8}{'verified':>9}{'SLO':>8}"
         f"{'TTFT p99':>10}{'TPOT p99':>10}",
     ]
@@ -301,6 +311,17 @@ def format_verification(v: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def describe(args: argparse.Namespace, profile: Profile) -> str:
+    """What was planned: the workload, the rate, the SLO, the profile and the model."""
+    trace = args.trace or "Azure LLM inference trace 2023"
+    model = "paper" if args.fleetopt_assumptions else args.model
+    tpot = f", TPOT <= {1000 * args.slo_tpot:g} ms" if model == "engine" else ""
+    return (
+        f"{trace} at {args.rate:g} req/s, P99 TTFT <= {args.slo_ttft:g} s{tpot}, "
+        f"{profile.name} (${profile.price_per_gpu_hour:g}/GPU-hour), {model} model"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     result = run_plan(args)
     verification = verify_plan(result, args) if args.verify else None
@@ -308,17 +329,19 @@ def run(args: argparse.Namespace) -> int:
         out = plan_json(result)
         if verification is not None:
             out["verification"] = verification
-        print(json.dumps(out, indent=2))
+        print(dumps(out, indent=2))
     else:
+        print(describe(args, load_inputs(args)[1]))
         print(format_table(table3_rows(result)))
+        print(savings_note(result))
         if verification is not None:
             print()
             print(format_verification(verification))
     if args.plot:
         homogeneous = result.homogeneous
         title = (
-            f"FleetOpt (B_short, gamma) sweep at {args.rate:g} req/s, P99 TTFT {args.slo_ms:g} ms, "
-            f"{args.profile}"
+            f"FleetOpt (B_short, gamma) sweep at {args.rate:g} req/s, "
+            f"P99 TTFT {args.slo_ttft:g} s, {args.profile}"
             + (f"; homogeneous fleet: {homogeneous.gpus} GPUs" if homogeneous is not None else "")
         )
         plot_savings(result, args.plot, title)

@@ -10,7 +10,6 @@ the loop. Prints a table (or ``--json``), draws ``--plot FILE.png``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import numpy as np
 
 from routecore import profiles
 from routecore._core import (
+    INCOMPRESSIBLE_CATEGORIES,
     EndpointPicker,
     Plan,
     Profile,
@@ -29,6 +29,7 @@ from routecore._core import (
     plan,
     simulate,
 )
+from routecore._json import dumps
 from routecore.commands import _plot
 from routecore.commands._args import (
     add_json,
@@ -36,6 +37,7 @@ from routecore.commands._args import (
     add_profile,
     add_quiet,
     add_seed,
+    add_slo,
     band,
     non_negative_int,
     positive_float,
@@ -53,6 +55,11 @@ HELP = (
 )
 
 FLEETS = ("homogeneous", "pool-routing", "fleetopt")
+#: The simulated horizon and the share of it left out as warm-up: the
+#: planner sizes steady state, which pools of long requests reach only
+#: after minutes (see the README's "Fleet verification").
+DEFAULT_DURATION_S = 120.0
+DEFAULT_WARMUP = 0.2
 # True bytes per token of each trace category (token-budget paper, Table 4:
 # English prose 4.48, source code 3.52; anything else "mixed", 3.81).
 BYTES_PER_TOKEN = {"conversation": 4.48, "code": 3.52}
@@ -104,17 +111,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=positive_float, default=1000.0, help="requests/s (default 1000)")
     p.add_argument(
         "--arrivals",
-        choices=("trace", "poisson"),
-        default="trace",
-        help="the trace's own timestamps scaled to --rate, or a Poisson process "
-        "(default trace; poisson when the trace has no timestamps)",
+        choices=("poisson", "trace"),
+        default="poisson",
+        help="'poisson' (default): a Poisson process at --rate of requests drawn independently "
+        "from the trace, the planner's assumption (a fleet's load is the superposition of "
+        "many independent users); 'trace': the trace's own timestamps scaled to --rate, its "
+        "requests in their order (time-compressed bursts that the planner does not model)",
     )
     p.add_argument(
         "--duration",
         type=positive_float,
-        default=120.0,
-        help="simulated seconds of arrivals: rate x DURATION requests, the trace repeated "
-        "end to end as needed (default 120, long enough for steady state)",
+        default=DEFAULT_DURATION_S,
+        help=f"simulated seconds of arrivals: rate x DURATION requests (default "
+        f"{DEFAULT_DURATION_S:g}, with --warmup, long enough for the pools to reach their "
+        "steady state)",
     )
     add_profile(p)
     p.add_argument(
@@ -140,15 +150,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gamma", type=band, help="compress-and-route band (default: the planner's)")
     p.add_argument(
-        "--no-compress-code",
+        "--compress-code",
         action="store_true",
-        help="never compress code (plan with p_c = 0 for it); default: p_c = 1, as FleetOpt "
-        "evaluates Azure",
+        help="let compress-and-route compress code too (plan with p_c = 1 for it); by default "
+        "code is never compressed, as in FleetOpt section 5.2",
     )
     p.add_argument("--homogeneous-gpus", type=positive_int, help="override the homogeneous size")
     p.add_argument("--short-gpus", type=positive_int, help="override the short pools' size")
     p.add_argument("--long-gpus", type=positive_int, help="override the long pools' size")
-    p.add_argument("--rho-max", type=positive_fraction, default=0.85, help="utilization cap (0.85)")
+    p.add_argument(
+        "--rho-max",
+        type=positive_fraction,
+        help="the paper model's utilization cap (default FleetOpt's 0.85); refused with the "
+        "engine model, which sizes by the SLO itself",
+    )
     p.add_argument(
         "--model",
         choices=("engine", "paper"),
@@ -157,14 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "at the predicted occupancy, shared prefill budget, TPOT constraint; default) or "
         "'paper' (FleetOpt Eq. 3-4)",
     )
-    p.add_argument(
-        "--slo-ttft",
-        type=positive_float,
-        default=2.0,
-        help="P99 TTFT target for the planner and per-request SLO, s (2.0, the token-budget "
-        "paper's)",
-    )
-    p.add_argument("--slo-tpot", type=positive_float, default=0.08, help="TPOT target, s (0.08)")
+    add_slo(p)
     p.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
@@ -181,7 +189,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--verify-rounds", type=non_negative_int, default=20, help="simulations at most (20)"
     )
-    p.add_argument("--warmup", type=proper_fraction, default=0.2, help="warm-up fraction (0.2)")
+    p.add_argument(
+        "--warmup",
+        type=proper_fraction,
+        default=DEFAULT_WARMUP,
+        help=f"leading fraction of the requests left out of the figures (default "
+        f"{DEFAULT_WARMUP:g})",
+    )
     add_seed(p, "arrival, dispatch and verification seed")
     add_json(p)
     add_plot(p, "the TTFT, TPOT and latency CDFs with the SLOs and the utilization per pool")
@@ -201,7 +215,11 @@ def plan_fleets(w: Workload, profile: Profile, args: argparse.Namespace) -> list
     with compress-and-route. ``--b-short`` / ``--gamma`` restrict the sweep;
     the ``--*-gpus`` flags override sizes. Pools the plan gives 0 GPUs are left
     out."""
-    p_c_by_category = {"code": 0.0} if args.no_compress_code else None
+    p_c_by_category = (
+        {c: 1.0 for c in w.category_names or [] if c in INCOMPRESSIBLE_CATEGORIES}
+        if args.compress_code
+        else None
+    )
     result = plan(
         w, args.rate, args.slo_ttft, profile,
         b_short=[args.b_short] if args.b_short else None,
@@ -283,10 +301,15 @@ class Trace:
     names: list[str]
 
 
-def trace_arrays(w: Workload, n: int) -> Trace:
-    """The first ``n`` requests of the workload, repeating it end to end when
+def trace_arrays(w: Workload, n: int, arrivals: str = "trace", seed: int = 0) -> Trace:
+    """``n`` requests of the workload. ``arrivals="poisson"`` (or a workload
+    without timestamps): drawn independently by weight (``Workload.sample``,
+    seeded), to arrive as a Poisson process. ``"trace"``: the first ``n`` in
+    the trace's order with its timestamps, the trace repeated end to end when
     ``n`` is larger (each copy shifted by the trace's span plus one mean gap,
     so the arrival pattern repeats). Outputs of 0 tokens count as 1."""
+    if arrivals == "poisson" or w.arrival_s is None:
+        w = w.sample(n, seed)
     copies = -(-n // len(w))
     names = w.category_names or ["default"]
     if w.categories is None:
@@ -315,7 +338,7 @@ def run_fleet(
         (
             c,
             BYTES_PER_TOKEN.get(c, MIXED_BYTES_PER_TOKEN),
-            not (args.no_compress_code and c == "code"),
+            args.compress_code or c not in INCOMPRESSIBLE_CATEGORIES,
         )
         for c in trace.names
     ]
@@ -429,6 +452,24 @@ def pool_latency(report: SimReport, i: int, metric: str) -> float:
     return float(np.percentile(xs, 99)) if xs.size else float("nan")
 
 
+def savings_baseline(
+    fleets: list[FleetSpec], reports: dict[str, SimReport], args: argparse.Namespace
+) -> tuple[int | None, str]:
+    """The homogeneous fleet's GPUs, the baseline of the savings, when it
+    meets the SLO (every pool's requests within both SLOs at least
+    ``--verify-target`` of the time); else None. With the reason either way."""
+    homo = next((f for f in fleets if f.name == "homogeneous"), None)
+    if homo is None:
+        return None, "savings not computed: no homogeneous fleet simulated (--fleet homogeneous)"
+    att = min(pool_attainment(reports[homo.name], args))
+    if att < args.verify_target:
+        return None, (
+            f"savings not computed: the homogeneous fleet of {homo.gpus} GPUs misses the SLO "
+            f"({100 * att:.1f}% of its requests within it, {100 * args.verify_target:g}% needed)"
+        )
+    return homo.gpus, f"savings against the homogeneous fleet of {homo.gpus} GPUs (meets the SLO)"
+
+
 def fleet_result(
     fleet: FleetSpec,
     report: SimReport,
@@ -436,6 +477,8 @@ def fleet_result(
     baseline_gpus: int | None,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
+    """One fleet's figures; ``savings_vs_homogeneous`` is None without a
+    baseline (``savings_baseline``)."""
     s = report.summary()
     ok = slo_met(report, args)[report.measured]
     attainment = pool_attainment(report, args)
@@ -465,7 +508,7 @@ def fleet_result(
             }
         )
     cost = fleet.gpus * profile.price_per_gpu_hour * HOURS_PER_YEAR
-    savings = 1.0 - fleet.gpus / baseline_gpus if baseline_gpus else 0.0
+    savings = 1.0 - fleet.gpus / baseline_gpus if baseline_gpus else None
     return {
         "name": fleet.name,
         "router": fleet.router,
@@ -486,11 +529,17 @@ def fleet_result(
     }
 
 
+def percent(x: float | None) -> str:
+    """A share as a percentage, 'n/a' for None."""
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
 def print_table(result: dict[str, Any]) -> None:
     print(
-        f"{result['trace']}: {result['requests']} requests at {result['rate']:g} req/s, "
-        f"{result['profile']}, SLO TTFT <= {result['slo_ttft_s']:g} s and "
-        f"TPOT <= {1000 * result['slo_tpot_s']:g} ms"
+        f"{result['trace']}: {result['requests']} requests at {result['rate']:g} req/s "
+        f"({result['arrivals']} arrivals, {result['duration_s']:g} s, the first "
+        f"{100 * result['warmup']:g}% left out), {result['profile']}, SLO TTFT <= "
+        f"{result['slo_ttft_s']:g} s and TPOT <= {1000 * result['slo_tpot_s']:g} ms"
     )
     head = (
         f"{'fleet':<13}{'planned':>8}{'GPUs':>6}{'cost $/yr':>13}{'savings':>9}{'TTFT p50':>10}"
@@ -500,11 +549,12 @@ def print_table(result: dict[str, Any]) -> None:
     for f in result["fleets"]:
         print(
             f"{f['name']:<13}{f['gpus_planned']:>8}{f['gpus']:>6}{f['annual_cost_usd']:>13,.0f}"
-            f"{100 * f['savings_vs_homogeneous']:>8.1f}%{f['ttft_p50_s']:>9.3f}s"
+            f"{percent(f['savings_vs_homogeneous']):>9}{f['ttft_p50_s']:>9.3f}s"
             f"{f['ttft_p99_s']:>9.3f}s{1000 * f['tpot_p50_s']:>8.1f}ms"
             f"{1000 * f['tpot_p99_s']:>8.1f}ms{100 * f['slo_attainment']:>7.1f}%"
             f"{sum(p['preemptions'] for p in f['pools']):>9}"
         )
+    print(result["savings_baseline"])
     print()
     print(
         f"{'fleet':<13}{'pool':<12}{'planned':>8}{'verified':>9}{'binding':>9}{'SLO':>8}"
@@ -579,7 +629,9 @@ def plot(result: dict[str, Any], reports: dict[str, SimReport], path: str) -> No
     util.set_xlabel("utilization")
     util.set_xlim(0, 1.25)
     util.set_xticks(np.arange(0, 1.01, 0.2))
-    util.legend(fontsize=8, loc="lower right")
+    # Under the axis, off the bars and their labels (any bar may reach the
+    # right side of the panel).
+    util.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=2)
     _plot.save(fig, path)
 
 
@@ -594,19 +646,21 @@ def run(args: argparse.Namespace) -> int:
     if not (args.duration > 0 and args.rate > 0):
         raise ValueError("--duration and --rate must be > 0")
     n = math.ceil(args.rate * args.duration)
-    trace = trace_arrays(w, n)
+    trace = trace_arrays(w, n, args.arrivals, args.seed)
     fleets = plan_fleets(w, profile, args)
     reports: dict[str, SimReport] = {}
     for fleet in fleets:
         reports[fleet.name] = run_fleet(fleet, trace, profile, args)
         if args.verify:
             reports[fleet.name] = verify_fleet(fleet, trace, profile, args, reports[fleet.name])
-    baseline = next((f.gpus for f in fleets if f.name == "homogeneous"), None)
+    baseline, why = savings_baseline(fleets, reports, args)
     results = [fleet_result(f, reports[f.name], profile, baseline, args) for f in fleets]
     result = {
         "trace": args.trace,
+        "arrivals": args.arrivals,
         "requests": n,
         "duration_s": args.duration,
+        "warmup": args.warmup,
         "rate": args.rate,
         "profile": profile.name,
         "slo_ttft_s": args.slo_ttft,
@@ -618,10 +672,11 @@ def run(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "target": args.verify_target,
         },
+        "savings_baseline": why,
         "fleets": results,
     }
     if args.json:
-        print(json.dumps(result))
+        print(dumps(result))
     else:
         print_table(result)
     if args.plot:

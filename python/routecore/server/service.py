@@ -36,6 +36,7 @@ import logging
 import grpc
 
 from routecore._core import DataPlane, Plan, Workload, plan
+from routecore._json import dumps
 from routecore.planning import plan_json
 from routecore.profiles import PRESETS
 from routecore.server.gen import routecore_pb2 as pb
@@ -167,7 +168,7 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan: number out of range: {e}")
         except (ValueError, KeyError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan: {e}")
-        return pb.PlanResponse(plan_json=json.dumps(plan_json(result)))
+        return pb.PlanResponse(plan_json=dumps(plan_json(result)))
 
 
 PLAN_OPTIONS = {

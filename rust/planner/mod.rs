@@ -21,13 +21,22 @@
 //!   (Eq. 8, 11). W99 falls with n, so the search starts at the cap and
 //!   doubles, then bisects: a few Erlang-C evaluations even for millions of
 //!   slots, and the cap holds exactly for every pool of every candidate.
+//! - That is the paper model ([`ServiceModel::Paper`]); the default engine
+//!   model ([`engine`]) sizes each pool of the same sweep as the simulator's
+//!   engines behind least-request dispatch, with no utilization cap.
 //! - Cost `n_s + phi n_l` GPUs at the profile's $/GPU-hour (Eq. 9); the
 //!   homogeneous fleet is one pool at `long_context` holding every request,
 //!   priced as long-pool GPUs. Requests longer than `long_context` fit no
 //!   pool; they are counted in the long pool's traffic as if they did.
 
+mod engine;
+
 use std::sync::Arc;
 
+pub use engine::{engine_state, BuildChunks, EngineLoad, EngineShape, EngineState, MAX_LOOP};
+use engine::{size_engine_pool, Chunks, Targets};
+
+use crate::budget::compressible_category;
 use crate::error::{invalid, non_negative, positive, Result};
 use crate::profile::{Profile, Service};
 use crate::queueing::p99_wait;
@@ -35,6 +44,9 @@ use crate::workload::{RangeMoments, ServiceTable, Span, Workload};
 
 /// Hours in a year, for annual cost.
 pub const HOURS_PER_YEAR: f64 = 8760.0;
+
+/// FleetOpt's utilization cap (section 4.1), the paper model's default.
+pub const DEFAULT_RHO_MAX: f64 = 0.85;
 
 /// The default candidate boundaries: powers of two and their 1.5x between 256
 /// and 49,152 tokens, kept when below the long context and when they give
@@ -49,17 +61,22 @@ pub struct PlanConfig {
     pub arrival_rate: f64,
     /// P99 TTFT target, seconds.
     pub slo_ttft_s: f64,
-    /// Utilization cap per pool (0.85 in FleetOpt).
-    pub rho_max: f64,
+    /// The paper model's utilization cap per pool (None: FleetOpt's 0.85,
+    /// [`DEFAULT_RHO_MAX`]). The engine model takes none: it is an error there
+    /// (see [`ServiceModel::Engine`]).
+    pub rho_max: Option<f64>,
     /// Candidate short-pool boundaries (empty: `DEFAULT_B_SHORT`).
     pub b_short: Vec<u64>,
     /// Compression bandwidths (empty: 1.0, 1.1, ..., 2.0).
     pub gammas: Vec<f64>,
     /// Context window of the long pool (and the homogeneous fleet), tokens.
     pub long_context: u64,
-    /// Compressibility of borderline requests whose category is not listed.
+    /// Compressibility of borderline requests whose category is not listed
+    /// and compressible ([`crate::budget::compressible_category`]: code is
+    /// not, FleetOpt section 5.2, as the router decides).
     pub p_c: f64,
-    /// Per-category compressibility, e.g. `("code", 0.0)`.
+    /// Per-category compressibility, e.g. `("code", 1.0)`; it overrides `p_c`
+    /// and the code default.
     pub p_c_by_category: Vec<(String, f64)>,
     /// Cost of a long-pool GPU relative to a short-pool GPU.
     pub phi: f64,
@@ -77,7 +94,7 @@ impl PlanConfig {
         Self {
             arrival_rate,
             slo_ttft_s,
-            rho_max: 0.85,
+            rho_max: None,
             b_short: Vec::new(),
             gammas: Vec::new(),
             long_context: 65_536,
@@ -90,6 +107,11 @@ impl PlanConfig {
         }
     }
 
+    /// The paper model's utilization cap: `rho_max`, or FleetOpt's 0.85.
+    pub fn utilization_cap(&self) -> f64 {
+        self.rho_max.unwrap_or(DEFAULT_RHO_MAX)
+    }
+
     fn validate(&self) -> Result<()> {
         positive("arrival_rate", self.arrival_rate)?;
         positive("slo_ttft_s", self.slo_ttft_s)?;
@@ -97,11 +119,17 @@ impl PlanConfig {
         if let Some(t) = self.slo_tpot_s {
             positive("slo_tpot_s", t)?;
         }
-        if !(self.rho_max > 0.0 && self.rho_max < 1.0) {
-            return Err(invalid(format!(
-                "rho_max must be in (0, 1), got {}",
-                self.rho_max
-            )));
+        if let Some(rho_max) = self.rho_max {
+            if self.model == ServiceModel::Engine {
+                return Err(invalid(
+                    "rho_max is the paper model's utilization cap (FleetOpt section 4.1: it keeps \
+                     Erlang-C and Kimura's bound in their range); the engine model sizes each pool \
+                     by its SLO and stability and takes no cap: use model=\"paper\" or drop rho_max",
+                ));
+            }
+            if !(rho_max > 0.0 && rho_max < 1.0) {
+                return Err(invalid(format!("rho_max must be in (0, 1), got {rho_max}")));
+            }
         }
         if !(0.0..=1.0).contains(&self.prefill_quantile) {
             return Err(invalid(format!(
@@ -207,7 +235,9 @@ pub struct Candidate {
     pub feasible: bool,
     pub gpus: u64,
     pub annual_cost_usd: f64,
-    pub savings_vs_homogeneous: f64,
+    /// `1 - cost / homogeneous cost`; None when the homogeneous fleet misses
+    /// the SLO (no baseline to save against).
+    pub savings_vs_homogeneous: Option<f64>,
 }
 
 #[derive(Debug, Clone)]
@@ -321,452 +351,6 @@ impl Binding {
             Self::Prefill => "prefill",
         }
     }
-}
-
-/// One engine instance's shape: `t_iter = w_s + h_s n_active`, `chunk`
-/// prefill tokens per iteration, `n_slots` sequences, `kv_tokens` of KV.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EngineShape {
-    pub w_s: f64,
-    pub h_s: f64,
-    pub chunk: u64,
-    pub n_slots: u64,
-    pub kv_tokens: f64,
-}
-
-/// What the engine model needs of the requests a pool serves.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct EngineLoad {
-    /// `E[a]`, `a = ceil(L_in / C) + L_out - 1`: the iterations a request
-    /// takes part in (its prefill iterations, the last of which samples the
-    /// first token, then one per further output token).
-    pub iterations: f64,
-    /// `Var[a] / E[a]^2`.
-    pub iterations_cs2: f64,
-    /// `E[L_in]` and `E[L_in^2]`, tokens.
-    pub prompt_mean: f64,
-    pub prompt_second: f64,
-    /// `E[a L_total]`: token-iterations of KV a request holds at most.
-    pub kv_token_iterations: f64,
-    /// The `(1 + q) / 2` quantile of `ceil(L_in / C)` (see [`engine_pool`]).
-    pub prefill_chunks_q: f64,
-}
-
-impl EngineLoad {
-    /// The load of a mixture of requests from its moments: of
-    /// `k = ceil(L_in / C) + L_out` (`iterations = E[k] - 1`, its squared
-    /// coefficient of variation `Var[k] / E[a]^2`), of `k L_total` and of
-    /// `L_in`, with `prefill_chunks_q` the `(1 + q) / 2` quantile of
-    /// `ceil(L_in / C)`. The planner's sweep and the autoscaler's live
-    /// windows (rust/autoscale/) both build their loads here.
-    pub fn from_moments(
-        k: RangeMoments,
-        kl: RangeMoments,
-        prompt: RangeMoments,
-        prefill_chunks_q: f64,
-    ) -> Self {
-        let iterations = (k.mean - 1.0).max(0.0);
-        EngineLoad {
-            iterations,
-            iterations_cs2: if iterations > 0.0 {
-                ((k.second - k.mean * k.mean) / (iterations * iterations)).max(0.0)
-            } else {
-                0.0
-            },
-            prompt_mean: prompt.mean,
-            prompt_second: prompt.second,
-            kv_token_iterations: kl.mean,
-            prefill_chunks_q,
-        }
-    }
-}
-
-/// The engine model's targets for one pool: P(TTFT <= `ttft_s`) >=
-/// `quantile`, and the TPOT at most `tpot_s` (None: no TPOT target).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EngineSlo {
-    pub ttft_s: f64,
-    pub tpot_s: Option<f64>,
-    pub quantile: f64,
-}
-
-/// Sizes one pool of `profile`'s engines with a context window of `context`
-/// tokens for `arrival_rate` requests per second of `load` under the engine
-/// model ([`size_engine_pool`]), the search starting at `hint`. The planner's
-/// sweep sizes each of its pools here and the autoscaler (rust/autoscale/)
-/// its live pools: one model. The caller validates `profile` and `slo`.
-pub fn size_engine(
-    profile: &Profile,
-    context: u64,
-    arrival_rate: f64,
-    load: &EngineLoad,
-    slo: EngineSlo,
-    hint: Option<u64>,
-) -> Result<PoolPlan> {
-    let n_slots = profile.slots(context)?;
-    let shape = EngineShape {
-        w_s: profile.w_s,
-        h_s: profile.h_s,
-        chunk: profile.c_chunk,
-        n_slots,
-        kv_tokens: n_slots as f64 * context as f64,
-    };
-    let targets = Targets {
-        ttft_s: slo.ttft_s,
-        tpot_s: slo.tpot_s.unwrap_or(f64::INFINITY),
-        quantile: slo.quantile,
-        z: normal_quantile(slo.quantile),
-    };
-    let pool = PoolPlan {
-        context,
-        n_slots,
-        arrival_rate,
-        cs2: load.iterations_cs2,
-        ..PoolPlan::EMPTY
-    };
-    size_engine_pool(arrival_rate, load, &shape, targets, hint, pool)
-}
-
-/// The steady state of one instance at a per-instance arrival rate.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EngineState {
-    /// Iteration time at the predicted number of active sequences, seconds;
-    /// `+inf` when the per-sequence work alone fills every iteration.
-    pub t_iter_s: f64,
-    /// Sequences holding a slot, on average (the occupancy).
-    pub occupancy: f64,
-    /// `occupancy / n_slots`: the share of slot-time held. The one
-    /// utilization routecore reports, in the plan and in the simulator.
-    pub utilization: f64,
-    /// Prefill tokens per second over the prefill budget's capacity.
-    pub prefill_utilization: f64,
-    /// KV tokens held over the KV capacity (an upper bound: a request is
-    /// charged its whole `L_total` while it runs).
-    pub kv_utilization: f64,
-    /// Mean wait of a prompt for its share of the prefill budget, seconds.
-    pub prefill_wait_s: f64,
-}
-
-/// The steady state of one continuous-batching engine (rust/sim/engine.rs)
-/// receiving `rate` requests per second.
-///
-/// Derivation. Let `a` be the iterations a request takes part in,
-/// `a = ceil(L_in / C) + L_out - 1` (alone, its prompt takes `ceil(L_in / C)`
-/// iterations, the last samples the first token; each further token takes one
-/// decode iteration). By Little's law the mean number of *active* sequences
-/// per iteration is `n_a = rate E[a] t`, and the iteration time is
-/// `t = W + H n_a` (the engine's `W + H n_active`, not the full batch's).
-/// Substituting gives the fixed point in closed form:
-///
-/// `t = W / (1 - H rate E[a])`, stable iff `H rate E[a] < 1` (compute).
-///
-/// Prefill: every iteration shares `C` prompt tokens among the prefilling
-/// sequences in admission order, first come first served. The prefill budget
-/// is therefore one FCFS server of speed `C / t` tokens per second, and a
-/// prompt's service is `X = L_in t / C`: an M/G/1 queue with utilization
-/// `rho_p = rate E[L_in] t / C` (stable iff `< 1`) and Pollaczek-Khinchine
-/// mean wait `W_p = rate E[X^2] / (2 (1 - rho_p))`,
-/// `E[X^2] = E[L_in^2] t^2 / C^2`. A prompt waiting for the budget already
-/// holds its slot and its KV blocks (the engine admits first), so the
-/// occupancy is
-///
-/// `N = rate (E[a] t + W_p)`, utilization `N / n_slots`,
-///
-/// and the KV held is at most `rate (E[a L_total] t + E[L_in] W_p)` tokens.
-pub fn engine_state(rate: f64, load: &EngineLoad, shape: &EngineShape) -> EngineState {
-    let x = shape.h_s * rate * load.iterations;
-    let t = if x < 1.0 {
-        shape.w_s / (1.0 - x)
-    } else {
-        f64::INFINITY
-    };
-    let c = shape.chunk as f64;
-    let rho_p = rate * load.prompt_mean * t / c;
-    let wait = if rho_p < 1.0 {
-        rate * load.prompt_second * (t / c).powi(2) / (2.0 * (1.0 - rho_p))
-    } else {
-        f64::INFINITY
-    };
-    let occupancy = rate * (load.iterations * t + wait);
-    let kv = rate * (load.kv_token_iterations * t + load.prompt_mean * wait);
-    EngineState {
-        t_iter_s: t,
-        occupancy,
-        utilization: occupancy / shape.n_slots.max(1) as f64,
-        prefill_utilization: rho_p,
-        kv_utilization: kv / shape.kv_tokens,
-        prefill_wait_s: wait,
-    }
-}
-
-/// A pool of `gpus` engines under the engine model, and whether it meets the
-/// SLO (the failing constraint, if any).
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct EngineEval {
-    state: EngineState,
-    slot_wait_s: f64,
-    prefill_wait_q_s: f64,
-    ttft_s: f64,
-    fails: Option<Binding>,
-}
-
-/// Targets of the engine model: P(TTFT <= `ttft_s`) >= `quantile`, and the
-/// iteration time (the TPOT of a decoding sequence) at most `tpot_s`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Targets {
-    ttft_s: f64,
-    tpot_s: f64,
-    quantile: f64,
-    /// `normal_quantile(quantile)`, for the TPOT quantile.
-    z: f64,
-}
-
-/// The `q` quantile of the iteration time a decoding sequence sees, given
-/// the mean iteration time `t`: the active count `n_a = (t - W) / H` is the
-/// number in an M/G/infinity system (every active sequence is served at
-/// once), Poisson with mean `n_a`, taken normal: `n_q = n_a + z_q sqrt(n_a)`,
-/// `t_q = W + H n_q`. A request's TPOT averages the iterations of its decode,
-/// so its quantile is at most this (equal for two-token outputs).
-fn tpot_quantile(t: f64, shape: &EngineShape, z: f64) -> f64 {
-    if shape.h_s <= 0.0 {
-        return t;
-    }
-    let n = ((t - shape.w_s) / shape.h_s).max(0.0);
-    t + shape.h_s * z * n.sqrt()
-}
-
-/// The standard normal `q` quantile for `q` in [0.5, 1) (0 below),
-/// Abramowitz and Stegun 26.2.23 (absolute error < 4.5e-4).
-fn normal_quantile(q: f64) -> f64 {
-    if q <= 0.5 {
-        return 0.0;
-    }
-    let p = (1.0 - q).max(1e-300);
-    let t = (-2.0 * p.ln()).sqrt();
-    t - (2.515517 + 0.802853 * t + 0.010328 * t * t)
-        / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t)
-}
-
-/// Evaluates `gpus` engines receiving `arrival_rate` (spread evenly, as
-/// least-loaded dispatch does).
-///
-/// TTFT of a request = the wait for a slot plus the wait for the prefill
-/// budget plus its own prefill, `ceil(L_in / C)` iterations, plus up to one
-/// iteration under way when it arrives. Its `q` quantile is bounded by the union bound
-/// with the tail split evenly: `P(A + B > a_r + b_r) <= P(A > a_r) + P(B > b_r)`,
-/// so with `r = (1 - q) / 2` the bound is the prefill's `1 - r` quantile
-/// (`prefill_chunks_q * t`) plus the wait's. The prefill wait is taken as
-/// M/G/1's atom at 0 and an exponential tail, `P(W > y) = rho_p e^{-y rho_p / W_p}`,
-/// so its `1 - r` quantile is `(W_p / rho_p) ln(rho_p / r)` (0 when
-/// `rho_p <= r`). The slot wait is the Kimura P99 wait of M/G/c over all
-/// `gpus n_slots` slots with mean holding time `N / rate_instance`.
-///
-/// The slot wait is first bounded by Kimura's formula at `C = 1`,
-/// `ln(100) (1 + Cs^2) / (2 (c mu - lambda))`: when the TTFT meets the target
-/// with that bound it meets it with the exact wait, so the pass/fail answer
-/// is the same and Erlang C (O(sqrt c) near saturation) is skipped;
-/// `slot_wait_s` then holds the bound (unless `exact`).
-fn engine_eval(
-    arrival_rate: f64,
-    gpus: u64,
-    load: &EngineLoad,
-    shape: &EngineShape,
-    targets: Targets,
-    exact: bool,
-) -> Result<EngineEval> {
-    let rate = arrival_rate / gpus as f64;
-    let state = engine_state(rate, load, shape);
-    let t = state.t_iter_s;
-    let mut eval = EngineEval {
-        state,
-        slot_wait_s: f64::INFINITY,
-        prefill_wait_q_s: f64::INFINITY,
-        ttft_s: f64::INFINITY,
-        fails: None,
-    };
-    if !t.is_finite() || tpot_quantile(t, shape, targets.z) > targets.tpot_s {
-        eval.fails = Some(Binding::Compute);
-        return Ok(eval);
-    }
-    if state.prefill_utilization >= 1.0 {
-        eval.fails = Some(Binding::Prefill);
-        return Ok(eval);
-    }
-    if state.occupancy >= shape.n_slots as f64 {
-        eval.fails = Some(Binding::Slot);
-        return Ok(eval);
-    }
-    if state.kv_utilization >= 1.0 {
-        eval.fails = Some(Binding::Kv);
-        return Ok(eval);
-    }
-    let r = (1.0 - targets.quantile) / 2.0;
-    let rho_p = state.prefill_utilization;
-    eval.prefill_wait_q_s = if rho_p > r {
-        state.prefill_wait_s / rho_p * (rho_p / r).ln()
-    } else {
-        0.0
-    };
-    let own = (load.prefill_chunks_q + 1.0) * t;
-    if eval.prefill_wait_q_s + own > targets.ttft_s {
-        // Fails without the slot wait: no need to compute it.
-        eval.ttft_s = eval.prefill_wait_q_s + own;
-        eval.fails = Some(Binding::Prefill);
-        return Ok(eval);
-    }
-    let servers = gpus
-        .checked_mul(shape.n_slots)
-        .ok_or_else(|| invalid("fleet size overflows"))?;
-    let mu = rate / state.occupancy.max(f64::MIN_POSITIVE);
-    let drain = servers as f64 * mu - arrival_rate;
-    let bound = 100f64.ln() * (1.0 + load.iterations_cs2) / (2.0 * drain);
-    eval.slot_wait_s = if state.occupancy <= 0.0 {
-        0.0
-    } else if !exact && bound + eval.prefill_wait_q_s + own <= targets.ttft_s {
-        bound
-    } else {
-        p99_wait(servers, mu, load.iterations_cs2, arrival_rate)?
-    };
-    eval.ttft_s = eval.slot_wait_s + eval.prefill_wait_q_s + own;
-    if eval.ttft_s > targets.ttft_s {
-        eval.fails = Some(if eval.slot_wait_s > eval.prefill_wait_q_s {
-            Binding::Slot
-        } else {
-            Binding::Prefill
-        });
-    }
-    Ok(eval)
-}
-
-/// The smallest `n > bad` with `ok(n)`, for `ok` monotone in `n` (false
-/// up to some count, true from it on) and `ok(n)` true for some finite `n`:
-/// galloping from `start` (steps 1, 2, 4, ... down while it holds, up while
-/// it fails) until the answer is bracketed, then bisection. A good `start`
-/// (the neighbouring candidate's count) costs a handful of evaluations.
-fn smallest_ok(mut bad: u64, start: u64, mut ok: impl FnMut(u64) -> Result<bool>) -> Result<u64> {
-    let mut hi = start.max(bad + 1);
-    let mut step = 1u64;
-    if ok(hi)? {
-        while hi - bad > 1 {
-            let probe = hi - step.min(hi - bad - 1);
-            if ok(probe)? {
-                hi = probe;
-                step = step.saturating_mul(2);
-            } else {
-                bad = probe;
-                break;
-            }
-        }
-    } else {
-        bad = hi;
-        loop {
-            hi = bad
-                .checked_add(step)
-                .filter(|&h| h < 1 << 50)
-                .ok_or_else(|| invalid("fleet size overflows"))?;
-            if ok(hi)? {
-                break;
-            }
-            bad = hi;
-            step = step.saturating_mul(2);
-        }
-    }
-    while hi - bad > 1 {
-        let mid = bad + (hi - bad) / 2;
-        if ok(mid)? {
-            hi = mid;
-        } else {
-            bad = mid;
-        }
-    }
-    Ok(hi)
-}
-
-/// Sizes one pool under the engine model: the smallest GPU count meeting
-/// every constraint of [`engine_eval`] (each eases as GPUs are added), by
-/// [`smallest_ok`] from `hint`. Necessary counts from stability: compute
-/// needs `H lambda E[a] / n < 1 - W / TPOT`, prefill
-/// `lambda E[L_in] W / (n C) < 1`; no smaller count is tried. A pool that no
-/// GPU count serves (TPOT at or below `W`, or the TTFT target at or below the
-/// prefill of the quantile request alone at `t = W`) is returned infeasible,
-/// sized at the stability bound, with the binding constraint. Otherwise the
-/// binding constraint is the one that fails with one GPU fewer.
-fn size_engine_pool(
-    arrival_rate: f64,
-    load: &EngineLoad,
-    shape: &EngineShape,
-    targets: Targets,
-    hint: Option<u64>,
-    mut pool: PoolPlan,
-) -> Result<PoolPlan> {
-    if arrival_rate <= 0.0 || load.iterations + load.prompt_mean <= 0.0 {
-        return Ok(pool);
-    }
-    if shape.n_slots == 0 {
-        pool.feasible = false;
-        pool.binding = Binding::Kv;
-        return Ok(pool);
-    }
-    let compute_room = 1.0 - shape.w_s / targets.tpot_s;
-    let alone_ttft = (load.prefill_chunks_q + 1.0) * shape.w_s;
-    let never = if compute_room <= 0.0 {
-        Some(Binding::Compute)
-    } else if alone_ttft >= targets.ttft_s {
-        Some(Binding::Prefill)
-    } else {
-        None
-    };
-    let below = |v: f64| {
-        if v.is_finite() {
-            v.floor().max(0.0)
-        } else {
-            0.0
-        }
-    };
-    let bad = below(arrival_rate * shape.h_s * load.iterations / compute_room.max(1e-12))
-        .max(below(
-            arrival_rate * load.prompt_mean * shape.w_s / shape.chunk as f64,
-        ))
-        .min(1e15) as u64;
-    // The search's evaluations, kept: the answer's and its neighbour's are
-    // among them.
-    let mut seen: Vec<(u64, EngineEval)> = Vec::with_capacity(32);
-    let mut eval = |n: u64| -> Result<EngineEval> {
-        if let Some((_, e)) = seen.iter().find(|(m, _)| *m == n) {
-            return Ok(*e);
-        }
-        let e = engine_eval(arrival_rate, n, load, shape, targets, false)?;
-        seen.push((n, e));
-        Ok(e)
-    };
-    let n = match never {
-        Some(_) => bad + 1,
-        None => smallest_ok(bad, hint.unwrap_or(bad + 1), |n| {
-            Ok(eval(n)?.fails.is_none())
-        })?,
-    };
-    let e = eval(n)?;
-    pool.gpus = n;
-    pool.utilization = e.state.utilization;
-    pool.occupancy = e.state.occupancy;
-    pool.prefill_utilization = e.state.prefill_utilization;
-    pool.kv_utilization = e.state.kv_utilization;
-    pool.t_iter_s = e.state.t_iter_s;
-    pool.prefill_p99_s = load.prefill_chunks_q * e.state.t_iter_s;
-    pool.p99_wait_s = e.slot_wait_s + e.prefill_wait_q_s;
-    pool.p99_ttft_s = e.ttft_s;
-    pool.mu_gpu = if e.state.occupancy > 0.0 {
-        shape.n_slots as f64 * arrival_rate / (n as f64 * e.state.occupancy)
-    } else {
-        0.0
-    };
-    if let Some(b) = never {
-        pool.feasible = false;
-        pool.binding = b;
-    } else if n > 1 {
-        pool.binding = eval(n - 1)?.fails.unwrap_or(Binding::None);
-    }
-    Ok(pool)
 }
 
 /// The smallest n >= 1 with `arrival_rate / (n mu_gpu) <= rho_max`.
@@ -920,24 +504,27 @@ impl Ctx<'_> {
     /// E[L_total] - E[L_in]` (all categories), taking `L_out` at its mean:
     /// `L_in' = b - E[L_out]`, `k' = ceil(L_in' / C) + E[L_out]`, `k' L = k' b`
     /// (second moments of a point mass). Without this the short pool would be
-    /// sized as if compressed prompts were as short as its own.
-    fn compressed_mix(&self, band: Span, b: u64, weight: f64) -> Mix {
+    /// sized as if compressed prompts were as short as its own. Returns the
+    /// moments and the compressed prompts' chunk count.
+    fn compressed_mix(&self, band: Span, b: u64, weight: f64) -> (Mix, u64) {
         let prompt_all = (0..self.w.category_channels()).fold(RangeMoments::EMPTY, |m, c| {
             m.merge(self.table.prompt_moments(self.w, band, c))
         });
         let out = (self.w.mean_tokens(band) - prompt_all.mean).max(0.0);
         let p = (b as f64 - out).max(1.0);
-        let k = (p / self.profile.c_chunk as f64).ceil() + out;
+        let chunks = (p / self.profile.c_chunk as f64).ceil();
+        let k = chunks + out;
         let point = |x: f64| RangeMoments {
             weight,
             mean: x,
             second: x * x,
         };
-        Mix {
+        let mix = Mix {
             k: point(k),
             kl: point(k * b as f64),
             prompt: point(p),
-        }
+        };
+        (mix, chunks as u64)
     }
 
     /// The `(1 + q) / 2` quantile of `ceil(L_in / C)` over `span` (see
@@ -950,16 +537,19 @@ impl Ctx<'_> {
     /// What the engine model needs of the mixture `mix`, with the prefill
     /// quantile `chunks_q` (from [`Self::chunks_quantile`]).
     fn engine_load(&self, mix: Mix, chunks_q: f64) -> EngineLoad {
-        EngineLoad::from_moments(mix.k, mix.kl, mix.prompt, chunks_q)
+        EngineLoad::from_moments(mix.k, mix.kl, mix.prompt, chunks_q, 0.0)
     }
 
     /// Sizes a pool at `context` for `arrival_rate` requests of `load` under
-    /// the engine model, the search starting at `hint`.
+    /// the engine model, the search starting at `hint`; `sources` give its
+    /// chunk histogram when the search needs it.
     fn size_engine(
         &self,
         arrival_rate: f64,
         load: &EngineLoad,
+        sources: Sources,
         context: u64,
+        n_slots: u64,
         hint: Option<u64>,
     ) -> Result<PoolPlan> {
         let slo = EngineSlo {
@@ -967,7 +557,39 @@ impl Ctx<'_> {
             tpot_s: self.cfg.slo_tpot_s,
             quantile: self.cfg.prefill_quantile,
         };
-        size_engine(self.profile, context, arrival_rate, load, slo, hint)
+        // The fewest chunks of any of the pool's requests.
+        let fewest = sources
+            .spans
+            .iter()
+            .filter(|(span, scale)| *scale > 0.0 && span.end > span.start)
+            .map(|&(span, _)| self.table.prefill_chunks_min(span))
+            .chain((sources.point.1 > 0.0).then_some(sources.point.0))
+            .min()
+            .unwrap_or(0);
+        let load = &EngineLoad {
+            prefill_chunks_min: fewest as f64,
+            ..*load
+        };
+        let build = |out: &mut Vec<(u64, f64)>| {
+            for (span, scale) in sources.spans {
+                if scale > 0.0 {
+                    self.table.prefill_chunks_histogram(span, scale, out);
+                }
+            }
+            if sources.point.1 > 0.0 {
+                out.push(sources.point);
+            }
+        };
+        size_engine(
+            self.profile,
+            context,
+            n_slots,
+            arrival_rate,
+            load,
+            slo,
+            &build,
+            hint,
+        )
     }
 
     fn cost(&self, short_gpus: u64, long_gpus: u64) -> f64 {
@@ -976,6 +598,58 @@ impl Ctx<'_> {
             * HOURS_PER_YEAR
     }
 }
+
+/// The engine model's targets for one pool: P(TTFT <= `ttft_s`) >=
+/// `quantile`, and the TPOT at most `tpot_s` (None: no TPOT target).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineSlo {
+    pub ttft_s: f64,
+    pub tpot_s: Option<f64>,
+    pub quantile: f64,
+}
+
+/// Sizes one pool of `n_slots`-slot engines of `profile` with a context
+/// window of `context` tokens for `arrival_rate` requests per second of
+/// `load` under the engine model, the search starting at `hint`; `chunks`
+/// appends the pool's `(prefill chunks, weight)` pairs when the search needs
+/// them. The planner's sweep sizes each of its pools here and the autoscaler
+/// (rust/autoscale/) its live pools: one model.
+#[allow(clippy::too_many_arguments)]
+pub fn size_engine(
+    profile: &Profile,
+    context: u64,
+    n_slots: u64,
+    arrival_rate: f64,
+    load: &EngineLoad,
+    slo: EngineSlo,
+    chunks: BuildChunks<'_>,
+    hint: Option<u64>,
+) -> Result<PoolPlan> {
+    let shape = EngineShape {
+        w_s: profile.w_s,
+        h_s: profile.h_s,
+        chunk: profile.c_chunk,
+        n_slots,
+        kv_tokens: n_slots as f64 * context as f64,
+    };
+    let targets = Targets::new(
+        slo.ttft_s,
+        slo.tpot_s.unwrap_or(f64::INFINITY),
+        slo.quantile,
+    );
+    let pool = PoolPlan {
+        context,
+        n_slots,
+        arrival_rate,
+        cs2: load.iterations_cs2,
+        ..PoolPlan::EMPTY
+    };
+    let mut chunks = Chunks::new(chunks);
+    size_engine_pool(arrival_rate, load, &shape, targets, hint, &mut chunks, pool)
+}
+
+/// A search's starting count: the last pool's `(gpus, arrival rate)`.
+type Hint = Option<(u64, f64)>;
 
 /// The moments the engine model needs of a mixture of requests: of
 /// `k = ceil(L_in / C) + L_out`, of `k L_total` and of `L_in`.
@@ -998,6 +672,24 @@ impl Mix {
             k: self.k.merge(o.k),
             kl: self.kl.merge(o.kl),
             prompt: self.prompt.merge(o.prompt),
+        }
+    }
+}
+
+/// Where a pool's requests come from, for its chunk histogram: up to two
+/// spans, each with its weight scale (the uncompressed share of a band), and
+/// the compressed requests as one point `(chunks, weight)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Sources {
+    spans: [(Span, f64); 2],
+    point: (u64, f64),
+}
+
+impl Sources {
+    fn span(span: Span) -> Self {
+        Self {
+            spans: [(span, 1.0), (span, 0.0)],
+            point: (0, 0.0),
         }
     }
 }
@@ -1048,7 +740,17 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             names
                 .get(k)
                 .and_then(|n| cfg.p_c_by_category.iter().find(|(c, _)| c == n))
-                .map_or(cfg.p_c, |(_, v)| *v)
+                .map_or_else(
+                    || {
+                        let never = names.get(k).is_some_and(|n| !compressible_category(n));
+                        if never {
+                            0.0
+                        } else {
+                            cfg.p_c
+                        }
+                    },
+                    |(_, v)| *v,
+                )
         })
         .collect();
     let ctx = Ctx {
@@ -1086,7 +788,8 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             ctx.mix(everything, None, 1.0),
             ctx.chunks_quantile(everything),
         );
-        ctx.size_engine(lam, &load, cfg.long_context, None)?
+        let all = Sources::span(everything);
+        ctx.size_engine(lam, &load, all, cfg.long_context, ctx.long_slots, None)?
     } else {
         let (a0, a1) = profile.service_coefficients(ctx.long_slots);
         let m_all = ctx.table.moments_all(w, everything, a0, a1);
@@ -1095,7 +798,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             lam,
             &homo_svc,
             cfg.long_context,
-            cfg.rho_max,
+            cfg.utilization_cap(),
             cfg.slo_ttft_s,
         )?
     };
@@ -1111,7 +814,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
         feasible: homo_pool.feasible,
         gpus: homo_pool.gpus,
         annual_cost_usd: homo_cost,
-        savings_vs_homogeneous: 0.0,
+        savings_vs_homogeneous: homo_pool.feasible.then_some(0.0),
     };
 
     let b_list: Vec<u64> = if cfg.b_short.is_empty() {
@@ -1140,8 +843,18 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
 
     let (la0, la1) = profile.service_coefficients(ctx.long_slots);
     let mut sweep = Vec::with_capacity(b_list.len() * gammas.len());
-    // Neighbouring candidates need similar counts: each search starts there.
-    let (mut short_hint, mut long_hint) = (None, None);
+    // Neighbouring candidates need similar counts: each search starts at the
+    // last count scaled by the rate, `(gpus, rate)` kept (see `scaled`).
+    let (mut short_hint, mut long_hint): (Hint, Hint) = (None, None);
+    let scaled = |hint: Hint, rate: f64| {
+        hint.map(|(n, r)| {
+            if r > 0.0 {
+                (n as f64 * rate / r).round() as u64
+            } else {
+                n
+            }
+        })
+    };
     // With p_c = 1 the long pool is its tail alone: equal tails, equal pools.
     let mut long_cache: Option<(Span, f64, PoolPlan)> = None;
     for &b in &b_list {
@@ -1172,6 +885,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             };
             let mut beta = 0.0;
             let mut moved = 0.0;
+            let mut kept = 0.0;
             let mut m_long = RangeMoments::EMPTY;
             let mut mix_long = None;
             if engine {
@@ -1183,6 +897,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                 let bk = w.category_fraction(band, k);
                 beta += bk;
                 moved += bk * pc;
+                kept += bk * (1.0 - pc);
                 if pc < 1.0 && bk > 0.0 {
                     if let Some(m) = mix_long {
                         mix_long = Some(m.merge(ctx.mix(band, Some(k), 1.0 - pc)));
@@ -1207,18 +922,24 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             let short = match (short_cache, &short_svc) {
                 (Some((l, p)), _) if l == lam_s => p,
                 (_, Some(svc)) => {
-                    let p = size_pool(lam_s, svc, b, cfg.rho_max, cfg.slo_ttft_s)?;
+                    let p = size_pool(lam_s, svc, b, cfg.utilization_cap(), cfg.slo_ttft_s)?;
                     short_cache = Some((lam_s, p));
                     p
                 }
                 (_, None) => {
-                    let (mut mix, chunks_q) = short_mix.unwrap_or((Mix::EMPTY, 0.0));
+                    let (mut mix, mut chunks_q) = short_mix.unwrap_or((Mix::EMPTY, 0.0));
+                    let mut sources = Sources::span(short_span);
                     if moved > 0.0 {
-                        mix = mix.merge(ctx.compressed_mix(band, b, moved * w.total_weight()));
+                        let weight = moved * w.total_weight();
+                        let (compressed, chunks) = ctx.compressed_mix(band, b, weight);
+                        mix = mix.merge(compressed);
+                        chunks_q = chunks_q.max(chunks as f64);
+                        sources.point = (chunks, weight);
                     }
                     let load = ctx.engine_load(mix, chunks_q);
-                    let p = ctx.size_engine(lam_s, &load, b, short_hint)?;
-                    short_hint = Some(p.gpus);
+                    let hint = scaled(short_hint, lam_s);
+                    let p = ctx.size_engine(lam_s, &load, sources, b, n_short, hint)?;
+                    short_hint = Some((p.gpus, lam_s));
                     short_cache = Some((lam_s, p));
                     p
                 }
@@ -1229,8 +950,17 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                 }
                 Some(mix) => {
                     let load = ctx.engine_load(mix, ctx.chunks_quantile(long_prefill_span));
-                    let p = ctx.size_engine(lam_l, &load, cfg.long_context, long_hint)?;
-                    long_hint = Some(p.gpus);
+                    let sources = Sources {
+                        spans: [
+                            (tail, 1.0),
+                            (band, if beta > 0.0 { kept / beta } else { 0.0 }),
+                        ],
+                        point: (0, 0.0),
+                    };
+                    let (context, slots) = (cfg.long_context, ctx.long_slots);
+                    let hint = scaled(long_hint, lam_l);
+                    let p = ctx.size_engine(lam_l, &load, sources, context, slots, hint)?;
+                    long_hint = Some((p.gpus, lam_l));
                     if ctx.p_c.iter().all(|&pc| pc >= 1.0) {
                         long_cache = Some((tail, lam_l, p));
                     }
@@ -1242,7 +972,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                         lam_l,
                         &long_svc,
                         cfg.long_context,
-                        cfg.rho_max,
+                        cfg.utilization_cap(),
                         cfg.slo_ttft_s,
                     )?
                 }
@@ -1259,11 +989,8 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                 feasible: short.feasible && long.feasible,
                 gpus: short.gpus + long.gpus,
                 annual_cost_usd: cost,
-                savings_vs_homogeneous: if homo_cost > 0.0 {
-                    1.0 - cost / homo_cost
-                } else {
-                    0.0
-                },
+                savings_vs_homogeneous: (homogeneous.feasible && homo_cost > 0.0)
+                    .then(|| 1.0 - cost / homo_cost),
             });
         }
     }
@@ -1333,110 +1060,5 @@ mod tests {
         assert!(p.p99_wait_s <= 1.0);
         let fewer = p99_wait(p.gpus - 1, 1.0, 1.0, 0.5).expect("ok");
         assert!(fewer > 1.0);
-    }
-
-    #[test]
-    fn smallest_ok_matches_a_linear_scan() {
-        for threshold in 1..60u64 {
-            for start in 0..70u64 {
-                for bad in 0..threshold {
-                    let mut calls = 0;
-                    let n = smallest_ok(bad, start, |n| {
-                        calls += 1;
-                        Ok(n >= threshold)
-                    })
-                    .expect("ok");
-                    assert_eq!(n, threshold, "bad {bad} start {start}");
-                    assert!(calls <= 20, "{calls} evaluations");
-                }
-            }
-        }
-    }
-
-    fn load() -> EngineLoad {
-        EngineLoad {
-            iterations: 150.0,
-            iterations_cs2: 0.5,
-            prompt_mean: 2000.0,
-            prompt_second: 2000.0 * 2000.0 * 2.0,
-            kv_token_iterations: 150.0 * 2200.0,
-            prefill_chunks_q: 12.0,
-        }
-    }
-
-    fn shape() -> EngineShape {
-        EngineShape {
-            w_s: 0.008,
-            h_s: 0.00065,
-            chunk: 512,
-            n_slots: 64,
-            kv_tokens: 64.0 * 16384.0,
-        }
-    }
-
-    #[test]
-    fn engine_state_by_hand() {
-        let (l, s) = (load(), shape());
-        let e = engine_state(2.0, &l, &s);
-        let t = 0.008 / (1.0 - 0.00065 * 2.0 * 150.0);
-        assert!((e.t_iter_s - t).abs() < 1e-15);
-        let rho = 2.0 * 2000.0 * t / 512.0;
-        assert!((e.prefill_utilization - rho).abs() < 1e-12);
-        let wait = 2.0 * l.prompt_second * (t / 512.0).powi(2) / (2.0 * (1.0 - rho));
-        assert!((e.prefill_wait_s - wait).abs() < 1e-12);
-        assert!((e.occupancy - 2.0 * (150.0 * t + wait)).abs() < 1e-12);
-        assert!((e.utilization - e.occupancy / 64.0).abs() < 1e-15);
-        // Saturated compute and prefill: unbounded, not NaN.
-        assert!(engine_state(20.0, &l, &s).t_iter_s.is_infinite());
-        let heavy = EngineLoad {
-            prompt_mean: 1e6,
-            ..l
-        };
-        assert!(engine_state(2.0, &heavy, &s).prefill_wait_s.is_infinite());
-    }
-
-    #[test]
-    fn engine_pool_is_minimal_and_names_the_constraint() {
-        let (l, s) = (load(), shape());
-        for (rate, ttft, tpot) in [
-            (50.0, 2.0, 0.08),
-            (500.0, 2.0, 0.08),
-            (500.0, 0.6, 0.5),
-            (5000.0, 1.0, 0.03),
-        ] {
-            let targets = Targets {
-                ttft_s: ttft,
-                tpot_s: tpot,
-                quantile: 0.99,
-                z: normal_quantile(0.99),
-            };
-            let p = size_engine_pool(rate, &l, &s, targets, None, PoolPlan::EMPTY).expect("ok");
-            assert!(p.feasible && p.gpus > 1, "{p:?}");
-            let ok = engine_eval(rate, p.gpus, &l, &s, targets, true).expect("ok");
-            assert_eq!(ok.fails, None);
-            assert!(p.p99_ttft_s <= ttft);
-            let fewer = engine_eval(rate, p.gpus - 1, &l, &s, targets, true).expect("ok");
-            assert_eq!(fewer.fails, Some(p.binding));
-            // Any starting hint gives the same count.
-            for hint in [1, p.gpus / 3, p.gpus + 17, 10 * p.gpus] {
-                let q = size_engine_pool(rate, &l, &s, targets, Some(hint), PoolPlan::EMPTY)
-                    .expect("ok");
-                assert_eq!(q.gpus, p.gpus);
-            }
-        }
-        // No count meets a TPOT at W, or a TTFT below the quantile prompt alone.
-        let never = |ttft, tpot| {
-            let t = Targets {
-                ttft_s: ttft,
-                tpot_s: tpot,
-                quantile: 0.99,
-                z: normal_quantile(0.99),
-            };
-            size_engine_pool(50.0, &l, &s, t, None, PoolPlan::EMPTY).expect("ok")
-        };
-        let p = never(2.0, 0.008);
-        assert!(!p.feasible && p.binding == Binding::Compute);
-        let p = never(13.0 * 0.008, 1.0);
-        assert!(!p.feasible && p.binding == Binding::Prefill);
     }
 }

@@ -1,0 +1,1123 @@
+//! The engine model: one pool of the continuous-batching engines the
+//! simulator runs ([`crate::sim::engine`]) behind least-request dispatch, in
+//! steady state, and the fewest of them that meet a TTFT and a TPOT target.
+//!
+//! Each endpoint receives `r` requests per second. A request takes part in
+//! `a = ceil(L_in / C) + L_out - 1` iterations (its prefill chunks, the last of
+//! which samples the first token, then one per further token).
+//!
+//! - **Iteration time.** By Little's law the mean number of active sequences
+//!   per iteration is `n_a = r E[a'] t` and `t = W + H n_a`. `a'` counts one
+//!   more thing the engine does: a prompt that starts while another's last
+//!   chunk is under way shares that iteration, and its own last chunk then
+//!   ends half an iteration later on average: `E[a'] = E[a] + rho_p / 2`, with
+//!   `rho_p = r E[L_in] t / C` the share of prompts that find the budget in
+//!   use. So `t = W + H r (E[a] + r E[L_in] t / (2 C)) t`, a quadratic whose
+//!   smaller root is the iteration time (none: compute saturates; with no
+//!   prompts `t = W / (1 - H r E[a])`). The TPOT target bounds `t` plus the
+//!   Poisson fluctuation of `n_a` at the SLO's quantile.
+//! - **The prefill budget is a closed loop.** Every iteration shares `C`
+//!   prompt tokens among the prefilling sequences first come first served: a
+//!   server of speed `C / t` tokens per second, a prompt's service
+//!   `X = L_in t / C`, utilization `rho_p = r E[X]`. Least-request dispatch
+//!   keeps the request counts of the endpoints equal, so an endpoint is sent a
+//!   new request when one of its own has left: each endpoint is a closed loop
+//!   of `K` requests between its prefill server and the rest of their
+//!   iterations (a delay of `D = E[a] t - E[X]`, decoding and the part of the
+//!   last prefill chunk's iteration beyond the prompt's own tokens). Its queue is the machine-repairman model, not an
+//!   open M/G/1: a prompt that waits keeps the count up and holds off the next
+//!   arrival. Mean-value analysis (Reiser and Lavenberg 1980; the residual of
+//!   the prompt in service, `E[X^2] / (2 E[X])`, for general prompt lengths, as
+//!   in Schweitzer's extension) gives for `k = 1, 2, ...` the time at the
+//!   server `R(k) = E[X] + (Q(k-1) - U(k-1)) E[X] + U(k-1) E[X^2] / (2 E[X])`,
+//!   the throughput `X(k) = k / (D + R(k))`, the queue `Q(k) = X(k) R(k)` and
+//!   the utilization `U(k) = X(k) E[X]`; the loop's population `K` is where
+//!   `X(K) = r` (`R` interpolated between integers, `K = r (D + R)` by
+//!   Little's law), the mean prefill wait `R(K) - E[X]`, and an arrival finds
+//!   the server busy with probability `U(K - 1)` (the arrival theorem). Measured in the simulator this wait is
+//!   a quarter to a half of the open M/G/1's (Pollaczek-Khinchine), which the
+//!   loop tends to as `K` grows; above [`MAX_LOOP`] requests per endpoint the
+//!   open queue is used, which errs high by the loop's feedback (`Q / K`).
+//!   A pool of one endpoint is open too: its arrivals are the pool's own.
+//! - **Slots, queued per endpoint.** The loop needs `K` slots; with `n`
+//!   endpoints of `S` slots a request waits for one when all `n S` are held
+//!   (least-request sends it to a free one if any), with Erlang C's
+//!   probability `C` for `c = n S` slots held `K / r` each (`mu = r / K`,
+//!   utilization `rho = lambda / (c mu)`). But it then waits at the endpoint
+//!   it was sent to, not for the first slot freed anywhere: with the queues
+//!   kept equal it has `floor(Q / n)` requests ahead there, `Q` (the pool's
+//!   queue) geometric with ratio `rho`, so `floor(Q / n)` is geometric with
+//!   ratio `rho^n`, and each of the `floor(Q / n) + 1` departures it needs
+//!   comes at the endpoint's rate `S mu` (its `S` slots' departures, taken as
+//!   Poisson). A geometric number of exponential times is exponential: the
+//!   wait is `C` times an exponential of rate `(1 - rho^n) S mu`. With one
+//!   endpoint that is M/M/c's `c mu - lambda`; with many it is much slower
+//!   (the pooled queue drains at `(1 - rho) n S mu`), which the simulator
+//!   shows: at 246 endpoints and 99% of the slots held, a waiting request
+//!   waits 0.29 s on average, the pooled queue would say 0.08 s.
+//! - **TTFT.** A request waits for the iteration under way (half of one on
+//!   average), for a slot `W_s` and for the prefill server `W_p`, then its own
+//!   `k = ceil(L_in / C)` chunks: `TTFT = W_s + W_p + (k + 1/2) t`. Each wait is
+//!   an atom at 0 and an exponential tail with its mean (`W_p`: busy with
+//!   probability `U(K - 1)`, tail mean `wait / U`), and the share of
+//!   requests missing the target `T` is, over the pool's chunk distribution,
+//!   `sum_k p_k P(W_s + W_p > T - (k + 1/2) t)` (the sum of two such waits has a
+//!   closed-form survival). It must be at most `1 - q`.
+//!
+//! Evaluating the last sum needs the chunk histogram of the pool, so a count
+//! is first screened: it passes when the union bound does (the `(1 + q) / 2`
+//! quantile of the wait plus that of the prefill, each wait's quantile in
+//! closed form) and fails when every request, even of the pool's fewest
+//! chunks, misses with probability above `1 - q`; only counts between need
+//! the histogram, built once per pool from the workload's wavelet matrix.
+
+use super::{Binding, PoolPlan};
+use crate::error::{invalid, Result};
+use crate::queueing::{erlang_c, erlang_c_bound};
+use crate::workload::RangeMoments;
+
+/// Most requests per endpoint for which the closed loop is solved (its cost
+/// is linear in them); above, the open queue, its limit, is used.
+pub const MAX_LOOP: u64 = 64;
+
+/// One engine instance's shape: `t_iter = w_s + h_s n_active`, `chunk`
+/// prefill tokens per iteration, `n_slots` sequences, `kv_tokens` of KV.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineShape {
+    pub w_s: f64,
+    pub h_s: f64,
+    pub chunk: u64,
+    pub n_slots: u64,
+    pub kv_tokens: f64,
+}
+
+/// What the engine model needs of the requests a pool serves.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EngineLoad {
+    /// `E[a]`, `a = ceil(L_in / C) + L_out - 1`: the iterations a request
+    /// takes part in (its prefill iterations, the last of which samples the
+    /// first token, then one per further output token).
+    pub iterations: f64,
+    /// `Var[a] / E[a]^2`.
+    pub iterations_cs2: f64,
+    /// `E[L_in]` and `E[L_in^2]`, tokens.
+    pub prompt_mean: f64,
+    pub prompt_second: f64,
+    /// `E[a L_total]`: token-iterations of KV a request holds at most.
+    pub kv_token_iterations: f64,
+    /// The `(1 + q) / 2` quantile of `ceil(L_in / C)` (an upper bound of it
+    /// for a mixture): the prefill of the union bound (see [`engine_eval`]).
+    pub prefill_chunks_q: f64,
+    /// The smallest `ceil(L_in / C)` of the pool's requests (a lower bound).
+    pub prefill_chunks_min: f64,
+}
+
+impl EngineLoad {
+    /// The load of a mixture of requests from its moments: of
+    /// `k = ceil(L_in / C) + L_out` (`iterations = E[k] - 1`, its squared
+    /// coefficient of variation `Var[k] / E[a]^2`), of `k L_total` and of
+    /// `L_in`, with the `(1 + q) / 2` quantile and the fewest of
+    /// `ceil(L_in / C)`. The planner's sweep and the autoscaler's live
+    /// windows (rust/autoscale/) both build their loads here.
+    pub fn from_moments(
+        k: RangeMoments,
+        kl: RangeMoments,
+        prompt: RangeMoments,
+        prefill_chunks_q: f64,
+        prefill_chunks_min: f64,
+    ) -> Self {
+        let iterations = (k.mean - 1.0).max(0.0);
+        EngineLoad {
+            iterations,
+            iterations_cs2: if iterations > 0.0 {
+                ((k.second - k.mean * k.mean) / (iterations * iterations)).max(0.0)
+            } else {
+                0.0
+            },
+            prompt_mean: prompt.mean,
+            prompt_second: prompt.second,
+            kv_token_iterations: kl.mean,
+            prefill_chunks_q,
+            prefill_chunks_min,
+        }
+    }
+}
+
+/// The steady state of one instance at a per-instance arrival rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineState {
+    /// Iteration time at the predicted number of active sequences, seconds;
+    /// `+inf` when the per-sequence work alone fills every iteration.
+    pub t_iter_s: f64,
+    /// Sequences holding a slot, on average (the occupancy): the closed
+    /// loop's population `K`; `+inf` when the slots cannot carry the rate.
+    pub occupancy: f64,
+    /// `occupancy / n_slots`: the share of slot-time held. The one
+    /// utilization routecore reports, in the plan and in the simulator.
+    pub utilization: f64,
+    /// Prefill tokens per second over the prefill budget's capacity.
+    pub prefill_utilization: f64,
+    /// KV tokens held over the KV capacity (an upper bound: a request is
+    /// charged its whole `L_total` while it runs).
+    pub kv_utilization: f64,
+    /// Mean wait of a prompt for the prefill budget, seconds.
+    pub prefill_wait_s: f64,
+    /// The probability that a prompt finds the prefill budget in use.
+    pub prefill_busy: f64,
+}
+
+/// The closed loop of one endpoint at throughput `rate`: population, mean
+/// wait at the prefill server and the probability an arrival finds it busy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Loop {
+    population: f64,
+    wait: f64,
+    busy: f64,
+}
+
+/// Mean-value analysis of the loop (see the module docs) for prompts of mean
+/// service `x1` and second moment `x2` seconds and a decode delay `think`:
+/// the population where the throughput reaches `rate`, if at most
+/// `max_population`.
+///
+/// The recursion is walked without a division per step: with `X(k) = k /
+/// (D + R(k))`, `R(k + 1) = x1 + X(k) x1 (R(k) + c)` (`c = E[X^2] / (2 E[X]) -
+/// E[X]`) is a Moebius map of `R(k)`, so `R(k) = p / q` with `p' = x1 (1 + k)
+/// p + x1 (D + k c) q`, `q' = p + D q`, and `X(k) >= rate` reads `k q >= rate
+/// (D q + p)`. The figures at the crossing are divided out once.
+fn closed_loop(rate: f64, x1: f64, x2: f64, think: f64, max_population: u64) -> Option<Loop> {
+    let c = x2 / (2.0 * x1) - x1;
+    // R(1) = x1; (p, q) at k - 1 and k - 2 (q = 0: none, X = 0).
+    let (mut p, mut q) = (x1, 1.0f64);
+    let (mut prev, mut prev2) = ((0.0f64, 0.0f64), (0.0f64, 0.0f64));
+    let through = |(p, q): (f64, f64), k: f64| {
+        if q > 0.0 {
+            let r = p / q;
+            (k / (think + r), r)
+        } else {
+            (0.0, 0.0)
+        }
+    };
+    for k in 1..=max_population {
+        let kf = k as f64;
+        if kf * q >= rate * (think * q + p) {
+            let (x, r) = through((p, q), kf);
+            let (xp, rp) = through(prev, kf - 1.0);
+            // U(k - 1) and U(k - 2): an arrival sees the loop without itself
+            // (the arrival theorem).
+            let (u, up) = (xp * x1, through(prev2, kf - 2.0).0 * x1);
+            // Between k - 1 and k, the time at the server interpolated and the
+            // population from Little's law at the rate.
+            let f = if x > xp { (rate - xp) / (x - xp) } else { 1.0 };
+            let at = if k == 1 { r } else { rp + f * (r - rp) };
+            return Some(Loop {
+                population: rate * (think + at),
+                wait: (at - x1).max(0.0),
+                busy: up + f * (u - up),
+            });
+        }
+        prev2 = prev;
+        prev = (p, q);
+        (p, q) = (
+            x1 * (1.0 + kf) * p + x1 * (think + kf * c) * q,
+            p + think * q,
+        );
+        if !(1e-100..=1e100).contains(&q) {
+            (p, q) = (p / q, 1.0);
+        }
+    }
+    None
+}
+
+/// The steady state of one of `endpoints` continuous-batching engines each
+/// receiving `rate` requests per second (see the module docs): the iteration
+/// time from the fixed point, the prefill budget's utilization and wait from
+/// the closed loop (the open M/G/1 above [`MAX_LOOP`] requests, and for a
+/// single endpoint, which least-request cannot spare: its arrivals are the
+/// pool's Poisson stream), the occupancy `K`.
+pub fn engine_state(
+    rate: f64,
+    endpoints: u64,
+    load: &EngineLoad,
+    shape: &EngineShape,
+) -> EngineState {
+    let c = shape.chunk as f64;
+    // t = W + H r (E[a] + rho_p / 2) t with rho_p = r E[L_in] t / C: the
+    // quadratic A t^2 - B t + W = 0, its smaller root (none: saturated).
+    let (a, b) = (
+        0.5 * shape.h_s * rate * rate * load.prompt_mean / c,
+        1.0 - shape.h_s * rate * load.iterations,
+    );
+    let disc = b * b - 4.0 * a * shape.w_s;
+    let t = if b <= 0.0 || disc < 0.0 {
+        f64::INFINITY
+    } else if a > 0.0 {
+        // 2 W / (B + sqrt(disc)): the smaller root without cancellation.
+        2.0 * shape.w_s / (b + disc.sqrt())
+    } else {
+        shape.w_s / b
+    };
+    let x1 = load.prompt_mean * t / c;
+    let x2 = load.prompt_second * (t / c).powi(2);
+    let rho_p = rate * x1;
+    let mut state = EngineState {
+        t_iter_s: t,
+        occupancy: f64::INFINITY,
+        utilization: f64::INFINITY,
+        prefill_utilization: rho_p,
+        kv_utilization: f64::INFINITY,
+        prefill_wait_s: f64::INFINITY,
+        prefill_busy: 1.0,
+    };
+    if !(rho_p < 1.0 && t.is_finite()) {
+        return state;
+    }
+    let slots = shape.n_slots.max(1);
+    let iterations = load.iterations + 0.5 * rho_p;
+    // The iterations a request spends outside the prefill server: all but
+    // its prompt's token work (the last partial chunk's iteration included).
+    let think = (iterations * t - x1).max(0.0);
+    // The loop holds at least r (D + E[X]) requests (no wait): beyond
+    // MAX_LOOP there is no need to walk it.
+    let max_population = slots.min(MAX_LOOP);
+    let closed = (endpoints > 1 && rate * (think + x1) <= max_population as f64)
+        .then(|| closed_loop(rate, x1, x2, think, max_population))
+        .flatten();
+    let (occupancy, wait, busy) = if x1 <= 0.0 {
+        (rate * iterations * t, 0.0, 0.0)
+    } else if let Some(l) = closed {
+        (l.population, l.wait, l.busy)
+    } else if endpoints > 1 && slots <= MAX_LOOP {
+        // Even a loop as large as the slots does not carry the rate.
+        return state;
+    } else {
+        // The open M/G/1 (Pollaczek-Khinchine), the loop's limit.
+        let wait = rate * x2 / (2.0 * (1.0 - rho_p));
+        (rate * (iterations * t + wait), wait, rho_p)
+    };
+    let kv = rate * (load.kv_token_iterations * t + load.prompt_mean * wait);
+    state.occupancy = occupancy;
+    state.utilization = occupancy / slots as f64;
+    state.kv_utilization = kv / shape.kv_tokens;
+    state.prefill_wait_s = wait;
+    state.prefill_busy = busy;
+    state
+}
+
+/// Targets of the engine model: at most `1 - quantile` of the requests miss
+/// `ttft_s`, and the iteration time (the TPOT of a decoding sequence) is at
+/// most `tpot_s` at that quantile.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Targets {
+    pub ttft_s: f64,
+    pub tpot_s: f64,
+    pub quantile: f64,
+    /// `normal_quantile(quantile)`, for the TPOT quantile.
+    pub z: f64,
+}
+
+impl Targets {
+    pub fn new(ttft_s: f64, tpot_s: f64, quantile: f64) -> Self {
+        Self {
+            ttft_s,
+            tpot_s,
+            quantile,
+            z: normal_quantile(quantile),
+        }
+    }
+}
+
+/// The `q` quantile of the iteration time a decoding sequence sees, given
+/// the mean iteration time `t`: the active count `n_a = (t - W) / H` is the
+/// number in an M/G/infinity system (every active sequence is served at
+/// once), Poisson with mean `n_a`, taken normal: `n_q = n_a + z_q sqrt(n_a)`,
+/// `t_q = W + H n_q`. A request's TPOT averages the iterations of its decode,
+/// so its quantile is at most this (equal for two-token outputs).
+fn tpot_quantile(t: f64, shape: &EngineShape, z: f64) -> f64 {
+    if shape.h_s <= 0.0 {
+        return t;
+    }
+    let n = ((t - shape.w_s) / shape.h_s).max(0.0);
+    t + shape.h_s * z * n.sqrt()
+}
+
+/// The standard normal `q` quantile for `q` in [0.5, 1) (0 below),
+/// Abramowitz and Stegun 26.2.23 (absolute error < 4.5e-4).
+fn normal_quantile(q: f64) -> f64 {
+    if q <= 0.5 {
+        return 0.0;
+    }
+    let p = (1.0 - q).max(1e-300);
+    let t = (-2.0 * p.ln()).sqrt();
+    t - (2.515517 + 0.802853 * t + 0.010328 * t * t)
+        / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t)
+}
+
+/// One wait: 0 with probability `1 - p`, else exponential of mean `theta`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Wait {
+    p: f64,
+    theta: f64,
+}
+
+impl Wait {
+    const NONE: Wait = Wait { p: 0.0, theta: 0.0 };
+
+    /// From the mean and the probability of waiting at all.
+    fn from_mean(mean: f64, p: f64) -> Wait {
+        if mean > 0.0 && p > 0.0 {
+            Wait {
+                p: p.min(1.0),
+                theta: mean / p.min(1.0),
+            }
+        } else {
+            Wait::NONE
+        }
+    }
+
+    fn mean(self) -> f64 {
+        self.p * self.theta
+    }
+
+    /// The smallest `y` with `P(W > y) <= r`: `theta ln(p / r)`, 0 when `p <= r`.
+    fn quantile(self, r: f64) -> f64 {
+        if self.p > r {
+            self.theta * (self.p / r).ln()
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The wait of a request for a slot and then for the prefill budget, two
+/// independent [`Wait`]s: `P(W_s + W_p > y)` in closed form.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct TotalWait {
+    slot: Wait,
+    prefill: Wait,
+}
+
+impl TotalWait {
+    /// `P(W_s + W_p > y)`: 1 below 0; for `y >= 0` the four cases of which
+    /// wait is positive, the last the survival of a sum of two exponentials
+    /// (`(a e^{-y/a} - b e^{-y/b}) / (a - b)`, `(1 + y/a) e^{-y/a}` when equal).
+    fn survival(self, y: f64) -> f64 {
+        if y < 0.0 {
+            return 1.0;
+        }
+        let (s, p) = (self.slot, self.prefill);
+        let e = |w: Wait| if w.p > 0.0 { (-y / w.theta).exp() } else { 0.0 };
+        let (es, ep) = (e(s), e(p));
+        let both = if s.p > 0.0 && p.p > 0.0 {
+            let (a, b) = (s.theta, p.theta);
+            if (a - b).abs() <= 1e-9 * a.max(b) {
+                (1.0 + y / a) * es
+            } else {
+                (a * es - b * ep) / (a - b)
+            }
+        } else {
+            0.0
+        };
+        s.p * (1.0 - p.p) * es + p.p * (1.0 - s.p) * ep + s.p * p.p * both
+    }
+
+    /// A `y` with `P(W_s + W_p > y) <= r`: the sum of each wait's `r / 2`
+    /// quantile (the union bound).
+    fn quantile_bound(self, r: f64) -> f64 {
+        self.slot.quantile(r / 2.0) + self.prefill.quantile(r / 2.0)
+    }
+
+    /// The share of requests whose TTFT, `W + (k + 1/2) t`, exceeds `ttft`
+    /// over the chunk distribution `chunks` (`(k, probability)`, ascending).
+    /// Each exponential term is a geometric sequence in `k`: it is updated by
+    /// multiplication from the largest `k` that fits down, so no term
+    /// underflows before it is negligible.
+    fn miss(self, chunks: &[(u64, f64)], t: f64, ttft: f64) -> f64 {
+        let fits = |k: u64| ttft - (k as f64 + 0.5) * t;
+        let split = chunks.partition_point(|&(k, _)| fits(k) >= 0.0);
+        let mut miss: f64 = chunks[split..].iter().map(|&(_, p)| p).sum();
+        let Some(&(top, _)) = chunks[..split].last() else {
+            return miss;
+        };
+        let (s, p) = (self.slot, self.prefill);
+        let y0 = fits(top);
+        // e^{-y/theta} at the top, and its factor per chunk fewer.
+        let start = |w: Wait| {
+            if w.p > 0.0 {
+                ((-y0 / w.theta).exp(), (-t / w.theta).exp())
+            } else {
+                (0.0, 0.0)
+            }
+        };
+        let ((mut es, fs), (mut ep, fp)) = (start(s), start(p));
+        let mut k = top;
+        let both = s.p > 0.0 && p.p > 0.0;
+        let equal = both && (s.theta - p.theta).abs() <= 1e-9 * s.theta.max(p.theta);
+        for &(kk, prob) in chunks[..split].iter().rev() {
+            let gap = (k - kk) as i32;
+            es *= fs.powi(gap);
+            ep *= fp.powi(gap);
+            k = kk;
+            let sum = if !both {
+                0.0
+            } else if equal {
+                (1.0 + fits(k) / s.theta) * es
+            } else {
+                (s.theta * es - p.theta * ep) / (s.theta - p.theta)
+            };
+            miss += prob * (s.p * (1.0 - p.p) * es + p.p * (1.0 - s.p) * ep + s.p * p.p * sum);
+            if es < 1e-300 && ep < 1e-300 {
+                break;
+            }
+        }
+        miss
+    }
+}
+
+/// A pool of `gpus` engines under the engine model, and whether it meets the
+/// targets (the failing constraint, if any).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct EngineEval {
+    pub state: EngineState,
+    wait: TotalWait,
+    /// The union bound on the wait's and the TTFT's `q` quantile.
+    pub wait_q_s: f64,
+    pub ttft_q_s: f64,
+    pub fails: Option<Binding>,
+}
+
+/// Appends a pool's `(chunks, weight)` pairs to a vector.
+pub type BuildChunks<'a> = &'a dyn Fn(&mut Vec<(u64, f64)>);
+
+/// The chunk distribution of a pool, built on first use (see the module docs).
+pub(super) struct Chunks<'a> {
+    build: BuildChunks<'a>,
+    dist: Vec<(u64, f64)>,
+    built: bool,
+}
+
+impl<'a> Chunks<'a> {
+    /// `build` appends `(k, weight)` pairs, in any order and with repeats.
+    pub fn new(build: BuildChunks<'a>) -> Self {
+        Self {
+            build,
+            dist: Vec::new(),
+            built: false,
+        }
+    }
+
+    /// The distribution: ascending chunk counts with probabilities summing to 1.
+    fn get(&mut self) -> &[(u64, f64)] {
+        if !self.built {
+            self.built = true;
+            (self.build)(&mut self.dist);
+            self.dist.sort_by_key(|&(k, _)| k);
+            self.dist.dedup_by(|b, a| {
+                let same = a.0 == b.0;
+                if same {
+                    a.1 += b.1;
+                }
+                same
+            });
+            let total: f64 = self.dist.iter().map(|&(_, w)| w).sum();
+            if total > 0.0 {
+                for (_, w) in &mut self.dist {
+                    *w /= total;
+                }
+            }
+        }
+        &self.dist
+    }
+}
+
+/// The slot wait of `gpus` endpoints of `slots` slots each held `1 / mu`
+/// seconds by `arrival_rate` requests per second (see the module docs), with
+/// `p` the probability of waiting at all (Erlang C, or its O(1) upper bound
+/// when `exact` is false: a screen that errs high, and saves the O(sqrt c)
+/// series near saturation).
+fn slot_wait(gpus: u64, slots: u64, mu: f64, arrival_rate: f64, exact: bool) -> Result<Wait> {
+    let servers = gpus
+        .checked_mul(slots)
+        .ok_or_else(|| invalid("fleet size overflows"))?;
+    let offered = arrival_rate / mu;
+    let rho = offered / servers as f64;
+    let bound = erlang_c_bound(servers as f64, offered).min(1.0);
+    let p = if offered <= 0.0 || bound < 1e-12 {
+        0.0
+    } else if exact {
+        erlang_c(servers, offered)?
+    } else {
+        bound
+    };
+    let drain = (1.0 - rho.powf(gpus as f64)) * slots as f64 * mu;
+    Ok(Wait::from_mean(p / drain, p))
+}
+
+/// Evaluates `gpus` engines receiving `arrival_rate` (spread evenly, as
+/// least-loaded dispatch does): stability, TPOT, then the TTFT miss share,
+/// screened as the module docs say before the chunk histogram is asked for.
+pub(super) fn engine_eval(
+    arrival_rate: f64,
+    gpus: u64,
+    load: &EngineLoad,
+    shape: &EngineShape,
+    targets: Targets,
+    chunks: &mut Chunks<'_>,
+) -> Result<EngineEval> {
+    let rate = arrival_rate / gpus as f64;
+    let state = engine_state(rate, gpus, load, shape);
+    let t = state.t_iter_s;
+    let mut eval = EngineEval {
+        state,
+        wait: TotalWait {
+            slot: Wait::NONE,
+            prefill: Wait::NONE,
+        },
+        wait_q_s: f64::INFINITY,
+        ttft_q_s: f64::INFINITY,
+        fails: None,
+    };
+    if !t.is_finite() || tpot_quantile(t, shape, targets.z) > targets.tpot_s {
+        eval.fails = Some(Binding::Compute);
+        return Ok(eval);
+    }
+    if state.prefill_utilization >= 1.0 {
+        eval.fails = Some(Binding::Prefill);
+        return Ok(eval);
+    }
+    // NaN or +inf occupancy fails too.
+    if state.occupancy.partial_cmp(&(shape.n_slots as f64)) != Some(std::cmp::Ordering::Less) {
+        eval.fails = Some(Binding::Slot);
+        return Ok(eval);
+    }
+    if state.kv_utilization >= 1.0 {
+        eval.fails = Some(Binding::Kv);
+        return Ok(eval);
+    }
+    // Slot-time per request K / r: each slot frees at mu = r / K.
+    let mu = rate / state.occupancy;
+    let slot = |exact| {
+        if state.occupancy > 0.0 {
+            slot_wait(gpus, shape.n_slots, mu, arrival_rate, exact)
+        } else {
+            Ok(Wait::NONE)
+        }
+    };
+    let prefill = Wait::from_mean(state.prefill_wait_s, state.prefill_busy);
+    let r = (1.0 - targets.quantile) / 2.0;
+    let screen = |wait: TotalWait, eval: &mut EngineEval| {
+        eval.wait = wait;
+        eval.wait_q_s = wait.quantile_bound(r);
+        eval.ttft_q_s = eval.wait_q_s + (load.prefill_chunks_q + 0.5) * t;
+        eval.ttft_q_s <= targets.ttft_s
+    };
+    // The union bound with Erlang C's upper bound first, then with Erlang C.
+    let rough = TotalWait {
+        slot: slot(false)?,
+        prefill,
+    };
+    if screen(rough, &mut eval) {
+        return Ok(eval);
+    }
+    let wait = TotalWait {
+        slot: slot(true)?,
+        prefill,
+    };
+    if wait != rough && screen(wait, &mut eval) {
+        return Ok(eval);
+    }
+    let binding = if wait.slot.mean() > wait.prefill.mean() {
+        Binding::Slot
+    } else {
+        Binding::Prefill
+    };
+    let allowed = 1.0 - targets.quantile;
+    // Every request prefills at least its pool's fewest chunks.
+    if wait.survival(targets.ttft_s - (load.prefill_chunks_min.max(1.0) + 0.5) * t) > allowed {
+        eval.fails = Some(binding);
+        return Ok(eval);
+    }
+    if wait.miss(chunks.get(), t, targets.ttft_s) > allowed {
+        eval.fails = Some(binding);
+    }
+    Ok(eval)
+}
+
+/// The most GPUs a pool is searched to (2^50): a pool that needs more, one
+/// whose SLO is met only as the iteration time tends to `W`, is reported
+/// infeasible.
+pub const MAX_GPUS: u64 = 1 << 50;
+
+/// The smallest `n > bad` with `ok(n)`, for `ok` monotone in `n` (false
+/// up to some count, true from it on): galloping from `start` (steps 1, 2,
+/// 4, ... down while it holds, up while it fails) until the answer is
+/// bracketed, then bisection; None when no `n` below [`MAX_GPUS`] holds. A
+/// good `start` (the neighbouring candidate's count) costs a handful of
+/// evaluations.
+pub(super) fn smallest_ok(
+    mut bad: u64,
+    start: u64,
+    mut ok: impl FnMut(u64) -> Result<bool>,
+) -> Result<Option<u64>> {
+    let mut hi = start.max(bad + 1);
+    let mut step = 1u64;
+    if ok(hi)? {
+        while hi - bad > 1 {
+            let probe = hi - step.min(hi - bad - 1);
+            if ok(probe)? {
+                hi = probe;
+                step = step.saturating_mul(2);
+            } else {
+                bad = probe;
+                break;
+            }
+        }
+    } else {
+        bad = hi;
+        loop {
+            match bad.checked_add(step).filter(|&h| h < MAX_GPUS) {
+                Some(h) => hi = h,
+                None => return Ok(None),
+            }
+            if ok(hi)? {
+                break;
+            }
+            bad = hi;
+            step = step.saturating_mul(2);
+        }
+    }
+    while hi - bad > 1 {
+        let mid = bad + (hi - bad) / 2;
+        if ok(mid)? {
+            hi = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    Ok(Some(hi))
+}
+
+/// Sizes one pool under the engine model: the smallest GPU count meeting
+/// every constraint of [`engine_eval`] (each eases as GPUs are added), by
+/// [`smallest_ok`] from `hint`. Necessary counts from stability: compute
+/// needs `H lambda E[a] / n < 1 - W / TPOT`, prefill
+/// `lambda E[L_in] W / (n C) < 1`; no smaller count is tried. A pool that no
+/// GPU count serves (TPOT at or below `W`, or the TTFT target at or below the
+/// prefill of the quantile request alone at `t = W`) is returned infeasible,
+/// sized at the stability bound, with the binding constraint. Otherwise the
+/// binding constraint is the one that fails with one GPU fewer.
+pub(super) fn size_engine_pool(
+    arrival_rate: f64,
+    load: &EngineLoad,
+    shape: &EngineShape,
+    targets: Targets,
+    hint: Option<u64>,
+    chunks: &mut Chunks<'_>,
+    mut pool: PoolPlan,
+) -> Result<PoolPlan> {
+    if arrival_rate <= 0.0 || load.iterations + load.prompt_mean <= 0.0 {
+        return Ok(pool);
+    }
+    if shape.n_slots == 0 {
+        pool.feasible = false;
+        pool.binding = Binding::Kv;
+        return Ok(pool);
+    }
+    let compute_room = 1.0 - shape.w_s / targets.tpot_s;
+    // Alone, at t = W, with no wait: more than 1 - q of the prompts too long?
+    let alone = |chunks: &mut Chunks<'_>| {
+        let none = TotalWait {
+            slot: Wait::NONE,
+            prefill: Wait::NONE,
+        };
+        (load.prefill_chunks_q + 0.5) * shape.w_s > targets.ttft_s
+            && none.miss(chunks.get(), shape.w_s, targets.ttft_s) > 1.0 - targets.quantile
+    };
+    let never = if compute_room <= 0.0 {
+        Some(Binding::Compute)
+    } else if alone(chunks) {
+        Some(Binding::Prefill)
+    } else {
+        None
+    };
+    let below = |v: f64| {
+        if v.is_finite() {
+            v.floor().max(0.0)
+        } else {
+            0.0
+        }
+    };
+    let bad = below(arrival_rate * shape.h_s * load.iterations / compute_room.max(1e-12))
+        .max(below(
+            arrival_rate * load.prompt_mean * shape.w_s / shape.chunk as f64,
+        ))
+        .min(1e15) as u64;
+    // The search's evaluations, kept: the answer's and its neighbour's are
+    // among them.
+    let mut seen: Vec<(u64, EngineEval)> = Vec::with_capacity(32);
+    let mut eval = |n: u64, chunks: &mut Chunks<'_>| -> Result<EngineEval> {
+        if let Some((_, e)) = seen.iter().find(|(m, _)| *m == n) {
+            return Ok(*e);
+        }
+        let e = engine_eval(arrival_rate, n, load, shape, targets, chunks)?;
+        seen.push((n, e));
+        Ok(e)
+    };
+    let found = match never {
+        Some(_) => None,
+        None => smallest_ok(bad, hint.unwrap_or(bad + 1), |n| {
+            Ok(eval(n, chunks)?.fails.is_none())
+        })?,
+    };
+    let n = found.unwrap_or(bad + 1);
+    let e = eval(n, chunks)?;
+    // No count below MAX_GPUS meets the SLO: what fails at the stability bound.
+    let never = never.or_else(|| found.is_none().then(|| e.fails.unwrap_or(Binding::Prefill)));
+    pool.gpus = n;
+    pool.utilization = e.state.utilization;
+    pool.occupancy = e.state.occupancy;
+    pool.prefill_utilization = e.state.prefill_utilization;
+    pool.kv_utilization = e.state.kv_utilization;
+    pool.t_iter_s = e.state.t_iter_s;
+    pool.prefill_p99_s = (load.prefill_chunks_q + 0.5) * e.state.t_iter_s;
+    pool.p99_wait_s = e.wait_q_s;
+    pool.p99_ttft_s = e.ttft_q_s;
+    pool.mu_gpu = if e.state.occupancy > 0.0 {
+        shape.n_slots as f64 * arrival_rate / (n as f64 * e.state.occupancy)
+    } else {
+        0.0
+    };
+    if let Some(b) = never {
+        pool.feasible = false;
+        pool.binding = b;
+    } else if n > 1 {
+        pool.binding = eval(n - 1, chunks)?.fails.unwrap_or(Binding::None);
+    }
+    Ok(pool)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::queueing::erlang_b;
+
+    #[test]
+    fn smallest_ok_matches_a_linear_scan() {
+        for threshold in 1..60u64 {
+            for start in 0..70u64 {
+                for bad in 0..threshold {
+                    let mut calls = 0;
+                    let n = smallest_ok(bad, start, |n| {
+                        calls += 1;
+                        Ok(n >= threshold)
+                    })
+                    .expect("ok");
+                    assert_eq!(n, Some(threshold), "bad {bad} start {start}");
+                    assert!(calls <= 20, "{calls} evaluations");
+                }
+            }
+        }
+        // Never true below MAX_GPUS: None after about 50 doublings, not an error.
+        let mut calls = 0;
+        let n = smallest_ok(3, 10, |n| {
+            calls += 1;
+            Ok(n >= MAX_GPUS)
+        })
+        .expect("ok");
+        assert_eq!(n, None);
+        assert!(calls <= 52, "{calls} evaluations");
+    }
+
+    /// With exponential prompts (`E[X^2] = 2 E[X]^2`) mean-value analysis is
+    /// exact, and the loop is the machine-repairman model: the server idles
+    /// with probability Erlang B(K, D / E[X]), so `X(K) = (1 - B) / E[X]` and
+    /// the time at the server is `K / X - D`.
+    #[test]
+    fn the_loop_is_the_machine_repairman_model_for_exponential_prompts() {
+        for &(x1, think) in &[(0.05, 0.35), (0.1, 0.2), (0.02, 2.0), (1.0, 1.0)] {
+            for k in 1..=40u64 {
+                let idle = erlang_b(k, think / x1).expect("B");
+                if idle < 1e-6 {
+                    break; // the server saturated: X(k) no longer grows with k
+                }
+                let rate = (1.0 - idle) / x1;
+                let l = closed_loop(rate, x1, 2.0 * x1 * x1, think, 64).expect("reached");
+                assert!(
+                    (l.population - k as f64).abs() < 1e-6 * k as f64,
+                    "K {k}: {l:?}"
+                );
+                let wait = k as f64 / rate - think - x1;
+                assert!((l.wait - wait).abs() < 1e-6 * (1.0 + wait), "K {k}: {l:?}");
+                // An arrival sees the loop of K - 1: busy with 1 - B(K - 1).
+                let busy = if k == 1 {
+                    0.0
+                } else {
+                    1.0 - erlang_b(k - 1, think / x1).expect("B")
+                };
+                assert!((l.busy - busy).abs() < 1e-6, "K {k}: {l:?}");
+            }
+        }
+        // A rate the loop cannot carry with at most 3 requests.
+        assert_eq!(closed_loop(100.0, 0.05, 0.005, 0.35, 3), None);
+    }
+
+    /// The loop waits less than the open M/G/1 (Pollaczek-Khinchine) at the
+    /// same throughput, and tends to it as the decode delay (the population)
+    /// grows.
+    #[test]
+    fn the_loop_waits_less_than_the_open_queue_and_tends_to_it() {
+        for cs2 in [0.0, 0.3, 1.0, 3.0] {
+            for rho in [0.1, 0.5, 0.8, 0.95] {
+                let (x1, x2) = (1.0, 1.0 + cs2);
+                let open = rho * x2 / (2.0 * (1.0 - rho));
+                let mut last = 0.0;
+                for think in [1.0, 10.0, 100.0, 10_000.0, 1e6] {
+                    let l = closed_loop(rho, x1, x2, think, 1 << 20).expect("reached");
+                    assert!(l.wait <= open * (1.0 + 1e-9), "{cs2} {rho} {think}");
+                    assert!(l.wait >= last - 1e-12);
+                    last = l.wait;
+                }
+                assert!(last > 0.99 * open, "cs2 {cs2} rho {rho}: {last} vs {open}");
+            }
+        }
+    }
+
+    fn load() -> EngineLoad {
+        EngineLoad {
+            iterations: 150.0,
+            iterations_cs2: 0.5,
+            prompt_mean: 2000.0,
+            prompt_second: 2000.0 * 2000.0 * 2.0,
+            kv_token_iterations: 150.0 * 2200.0,
+            prefill_chunks_q: 12.0,
+            prefill_chunks_min: 2.0,
+        }
+    }
+
+    fn shape(n_slots: u64) -> EngineShape {
+        EngineShape {
+            w_s: 0.008,
+            h_s: 0.00065,
+            chunk: 512,
+            n_slots,
+            kv_tokens: n_slots as f64 * 16384.0,
+        }
+    }
+
+    #[test]
+    fn engine_state_by_hand() {
+        let l = load();
+        for slots in [64, 256] {
+            let s = shape(slots);
+            let e = engine_state(2.0, 8, &l, &s);
+            // t = W + H r (E[a] + r E[L] t / (2 C)) t, solved by hand.
+            let (a, b): (f64, f64) = (
+                0.5 * 0.00065 * 4.0 * 2000.0 / 512.0,
+                1.0 - 0.00065 * 2.0 * 150.0,
+            );
+            let t = (b - (b * b - 4.0 * a * 0.008).sqrt()) / (2.0 * a);
+            assert!((e.t_iter_s - t).abs() < 1e-12);
+            assert!(
+                (0.008 + 0.00065 * 2.0 * (150.0 + 2.0 * 2000.0 * t / 1024.0) * t - t).abs() < 1e-12
+            );
+            let x1 = 2000.0 * t / 512.0;
+            assert!((e.prefill_utilization - 2.0 * x1).abs() < 1e-12);
+            // Little's law on the loop: K = rate (E[a'] t + wait).
+            let k = 2.0 * ((150.0 + x1) * t + e.prefill_wait_s);
+            assert!((e.occupancy - k).abs() < 1e-9, "{e:?}");
+            assert!((e.utilization - e.occupancy / slots as f64).abs() < 1e-15);
+        }
+        // Above MAX_LOOP requests per endpoint: the open M/G/1.
+        let long_outputs = EngineLoad {
+            iterations: 401.0,
+            prompt_mean: 200.0,
+            prompt_second: 200.0 * 200.0 * 1.5,
+            ..l
+        };
+        let (s, rate) = (shape(4096), 3.5);
+        let e = engine_state(rate, 8, &long_outputs, &s);
+        let t = e.t_iter_s;
+        let (x1, x2) = (200.0 * t / 512.0, 60_000.0 * (t / 512.0).powi(2));
+        assert!(rate * 401.0 * t > MAX_LOOP as f64);
+        let wait = rate * x2 / (2.0 * (1.0 - rate * x1));
+        assert!((e.prefill_wait_s - wait).abs() < 1e-12, "{e:?}");
+        assert!((e.occupancy - rate * ((401.0 + rate * x1 / 2.0) * t + wait)).abs() < 1e-9);
+        // Saturated compute, prefill and slots: unbounded, not NaN.
+        assert!(engine_state(20.0, 8, &l, &shape(64)).t_iter_s.is_infinite());
+        let heavy = EngineLoad {
+            prompt_mean: 1e6,
+            ..l
+        };
+        assert!(engine_state(2.0, 8, &heavy, &shape(64))
+            .prefill_wait_s
+            .is_infinite());
+        assert!(engine_state(2.0, 8, &l, &shape(2)).occupancy.is_infinite());
+        // One endpoint: the open M/G/1, whatever the slots.
+        let one = engine_state(2.0, 1, &l, &shape(64));
+        let (t, x1) = (one.t_iter_s, 2000.0 * one.t_iter_s / 512.0);
+        let x2 = l.prompt_second * (t / 512.0).powi(2);
+        assert!((one.prefill_wait_s - 2.0 * x2 / (2.0 * (1.0 - 2.0 * x1))).abs() < 1e-12);
+    }
+
+    /// The closed forms of the total wait against numerical convolution of
+    /// the two waits' densities, and the miss share against a direct sum.
+    #[test]
+    fn total_wait_survival_and_miss_by_numerical_integration() {
+        for (s, p) in [
+            (
+                Wait { p: 0.3, theta: 0.2 },
+                Wait {
+                    p: 0.6,
+                    theta: 0.05,
+                },
+            ),
+            (Wait { p: 0.9, theta: 0.1 }, Wait { p: 0.9, theta: 0.1 }),
+            (Wait::NONE, Wait { p: 0.5, theta: 0.3 }),
+            (Wait { p: 0.2, theta: 1.0 }, Wait::NONE),
+        ] {
+            let w = TotalWait {
+                slot: s,
+                prefill: p,
+            };
+            for y in [0.0, 0.01, 0.1, 0.5, 2.0] {
+                // P(Ws + Wp > y) = P(Ws = 0) P(Wp > y) + P(Ws > y)
+                //   + int_0^y f_s(u) P(Wp > y - u) du (midpoint rule).
+                let sw = |x: f64, w: Wait| {
+                    if x < 0.0 {
+                        1.0
+                    } else if w.p > 0.0 {
+                        w.p * (-x / w.theta).exp()
+                    } else {
+                        0.0
+                    }
+                };
+                let n = 20_000;
+                let mut v = (1.0 - s.p) * sw(y, p) + sw(y, s);
+                if s.p > 0.0 {
+                    let h = y / n as f64;
+                    for i in 0..n {
+                        let u = (i as f64 + 0.5) * h;
+                        let f = s.p / s.theta * (-u / s.theta).exp();
+                        v += f * h * sw(y - u, p);
+                    }
+                }
+                assert!(
+                    (w.survival(y) - v).abs() < 1e-6,
+                    "{w:?} y {y}: {} vs {v}",
+                    w.survival(y)
+                );
+            }
+            let chunks = [(1u64, 0.5), (3, 0.3), (8, 0.15), (40, 0.05)];
+            for (t, ttft) in [(0.02, 0.5), (0.05, 1.0), (0.013, 0.3)] {
+                let direct: f64 = chunks
+                    .iter()
+                    .map(|&(k, q)| q * w.survival(ttft - (k as f64 + 0.5) * t))
+                    .sum();
+                assert!((w.miss(&chunks, t, ttft) - direct).abs() < 1e-12);
+            }
+            // The union bound's quantile holds.
+            for r in [0.005, 0.05] {
+                assert!(w.survival(w.quantile_bound(r)) <= r + 1e-12);
+            }
+        }
+    }
+
+    fn targets(ttft: f64, tpot: f64) -> Targets {
+        Targets::new(ttft, tpot, 0.99)
+    }
+
+    /// A chunk distribution for `load()`, whose (1 + q) / 2 quantile (12)
+    /// bounds its (8) from above.
+    fn dist(out: &mut Vec<(u64, f64)>) {
+        out.extend([(2, 0.6), (4, 0.3), (8, 0.095), (12, 0.005)]);
+    }
+
+    #[test]
+    fn engine_pool_is_minimal_and_names_the_constraint() {
+        let l = load();
+        for (slots, rate, ttft, tpot) in [
+            (64, 50.0, 2.0, 0.08),
+            (64, 500.0, 2.0, 0.08),
+            (64, 500.0, 0.6, 0.5),
+            (256, 5000.0, 1.0, 0.03),
+            (16, 300.0, 0.4, 0.1),
+        ] {
+            let s = shape(slots);
+            let tg = targets(ttft, tpot);
+            let mut chunks = Chunks::new(&dist);
+            let p =
+                size_engine_pool(rate, &l, &s, tg, None, &mut chunks, PoolPlan::EMPTY).expect("ok");
+            assert!(p.feasible && p.gpus > 1, "{p:?}");
+            let ok = engine_eval(rate, p.gpus, &l, &s, tg, &mut chunks).expect("ok");
+            assert_eq!(ok.fails, None);
+            let fewer = engine_eval(rate, p.gpus - 1, &l, &s, tg, &mut chunks).expect("ok");
+            assert_eq!(fewer.fails, Some(p.binding));
+            // Any starting hint gives the same count.
+            for hint in [1, p.gpus / 3, p.gpus + 17, 10 * p.gpus] {
+                let q =
+                    size_engine_pool(rate, &l, &s, tg, Some(hint), &mut chunks, PoolPlan::EMPTY)
+                        .expect("ok");
+                assert_eq!(q.gpus, p.gpus);
+            }
+            // The miss share at the answer, computed outright, is within the SLO.
+            let t = ok.state.t_iter_s;
+            let mut d = Vec::new();
+            dist(&mut d);
+            assert!(ok.wait.miss(&d, t, ttft) <= 0.01 + 1e-12, "{ok:?}");
+        }
+        // No count meets a TPOT at W, or a TTFT below the prefill alone.
+        let never = |ttft, tpot| {
+            let mut chunks = Chunks::new(&dist);
+            size_engine_pool(
+                50.0,
+                &l,
+                &shape(64),
+                targets(ttft, tpot),
+                None,
+                &mut chunks,
+                PoolPlan::EMPTY,
+            )
+            .expect("ok")
+        };
+        let p = never(2.0, 0.008);
+        assert!(!p.feasible && p.binding == Binding::Compute);
+        // 10% of the prompts need 8 chunks or more: 8.5 W > 0.06 s.
+        let p = never(0.06, 1.0);
+        assert!(!p.feasible && p.binding == Binding::Prefill);
+        // ... but with only 0.5% of them too long at W the SLO can be met.
+        let p = never(0.09, 1.0);
+        assert!(p.feasible, "{p:?}");
+    }
+
+    /// The screens agree with the miss share: a count the union bound passes
+    /// meets the SLO outright, a count failed because one-chunk requests miss
+    /// does not.
+    #[test]
+    fn screens_are_bounds_of_the_miss_share() {
+        let l = load();
+        let mut d = Vec::new();
+        dist(&mut d);
+        for slots in [16, 64, 256] {
+            for rate in [20.0, 200.0, 2000.0] {
+                for ttft in [0.2, 0.5, 1.0, 3.0] {
+                    let s = shape(slots);
+                    let tg = targets(ttft, 1.0);
+                    let mut chunks = Chunks::new(&dist);
+                    for n in 1..400 {
+                        let e = engine_eval(rate, n, &l, &s, tg, &mut chunks).expect("ok");
+                        let t = e.state.t_iter_s;
+                        if e.fails == Some(Binding::Compute) || !t.is_finite() {
+                            continue;
+                        }
+                        if e.ttft_q_s <= ttft {
+                            assert!(e.wait.miss(&d, t, ttft) <= 0.01 + 1e-12);
+                        }
+                        if e.wait.survival(ttft - 2.5 * t) > 0.01 {
+                            assert!(e.wait.miss(&d, t, ttft) > 0.01);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
