@@ -56,6 +56,9 @@ use crate::pick::prefix::PrefixScorer;
 use crate::pick::{preset_specs, Counted, PickConfig, PickRequest, Pipeline, PluginSpec};
 use crate::snapshot::{restore, Reader, Writer};
 
+mod chain;
+pub use chain::{BlockStep, IdChain};
+
 /// Largest block size, in tokens.
 pub const MAX_BLOCK_SIZE: usize = 1 << 16;
 /// AIBrix's default index size (AIBRIX_PREFIX_CACHE_BLOCK_NUMBER).
@@ -101,51 +104,32 @@ fn check_block_size(block_size: usize) -> Result<usize> {
 /// chained to `prev` (`seed` for a prompt's first block).
 fn extend_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64, prev: u64, out: &mut Vec<u64>) {
     match tokens {
-        Tokens::Ids(ids) => chain(
-            ids.chunks_exact(block_size),
-            4 * block_size,
-            seed,
-            prev,
-            out,
-            |dst, block| {
-                for (d, id) in dst.chunks_exact_mut(4).zip(block) {
-                    d.copy_from_slice(&id.to_le_bytes());
-                }
-            },
-        ),
-        Tokens::Bytes(bytes) => chain(
-            bytes.chunks_exact(block_size),
-            block_size,
-            seed,
-            prev,
-            out,
-            |dst, block| dst.copy_from_slice(block),
-        ),
+        Tokens::Ids(ids) => out.extend(IdChain::new(ids, block_size, seed, prev)),
+        Tokens::Bytes(bytes) => chain(bytes.chunks_exact(block_size), block_size, seed, prev, out),
     }
 }
 
-/// The hash chain over `blocks`, each written as `block_bytes` bytes by `fill`.
-fn chain<'a, T: 'a>(
-    blocks: impl Iterator<Item = &'a [T]>,
+/// The hash chain over byte `blocks` of `block_bytes` bytes each.
+fn chain<'a>(
+    blocks: impl Iterator<Item = &'a [u8]>,
     block_bytes: usize,
     seed: u64,
     mut prev: u64,
     out: &mut Vec<u64>,
-    fill: impl Fn(&mut [u8], &[T]),
 ) {
     // Two buffers: block i + 1 is copied in while block i is hashed, as
     // only the first 8 bytes wait for the previous hash.
     let mut bufs = [vec![0u8; 8 + block_bytes], vec![0u8; 8 + block_bytes]];
     let mut blocks = blocks.peekable();
     if let Some(first) = blocks.peek() {
-        fill(&mut bufs[0][8..], first);
+        bufs[0][8..].copy_from_slice(first);
     }
     let mut cur = 0;
     while blocks.next().is_some() {
         let [a, b] = &mut bufs;
         let (this, next) = if cur == 0 { (a, b) } else { (b, a) };
         if let Some(block) = blocks.peek() {
-            fill(&mut next[8..], block);
+            next[8..].copy_from_slice(block);
         }
         this[..8].copy_from_slice(&prev.to_le_bytes());
         prev = xxh3_64_with_seed(this, seed);

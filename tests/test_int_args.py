@@ -281,7 +281,6 @@ CASES = {
     "KvEventIndex.__new__.max_message_bytes": lambda v: core.KvEventIndex(max_message_bytes=v),
     "KvEventIndex.__new__.max_batch_events": lambda v: core.KvEventIndex(max_batch_events=v),
     "KvEventIndex.__new__.max_batch_blocks": lambda v: core.KvEventIndex(max_batch_blocks=v),
-    "KvEventIndex.leading_blocks.token_ids": lambda v: core.KvEventIndex().leading_blocks([v]),
     "admission_redis_config.max_window_entries": lambda v: _redis_config(v, 1, 1),
     "admission_redis_config.max_window_entries_per_quota": lambda v: _redis_config(1, v, 1),
     "admission_redis_config.max_void_markers": lambda v: _redis_config(1, 1, v),

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from mock_kv_publisher import MockKvPublisher, removed, stored, subscribe, synced
@@ -59,6 +60,15 @@ def test_stored_blocks_score_the_leading_prompt_blocks(index, pub):
     pub.serve(prompt(1, 3), lora="sql")
     wait_for(synced(index, "e0", pub))
     assert index.leading_blocks(prompt(1, 3), adapter="sql") == {"e0": 3}
+    # A NumPy array of token ids, read in place or converted, answers alike.
+    for ids in (np.array(prompt(1, 3), np.uint32), np.array(prompt(1, 3) + [7])[::1]):
+        assert index.leading_blocks(ids) == {"e0": 3}
+    assert index.leading_blocks(np.array(prompt(1, 3), np.uint32)[::2]) == {"e0": 0}
+    for bad in ([-1], [2**32], np.array([2**32])):
+        with pytest.raises(ValueError, match="outside"):
+            index.leading_blocks(bad)
+    with pytest.raises(TypeError, match="not text"):
+        index.leading_blocks("hello")
     s = index.stats("e0")
     assert s["blocks"] == 6 and s["gaps"] in (0, 1) and s["skipped"] == 0
 

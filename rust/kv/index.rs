@@ -5,8 +5,15 @@
 //! Blocks are keyed by routecore's chained block hashes
 //! (`crate::prefix::block_hashes`) of the event's token ids, never by the
 //! engine's hashes, so the index does not depend on the engine's hash seed or
-//! algorithm; a map from the engine's hash to ours serves `BlockRemoved` and
-//! the `parent_block_hash` of the next `BlockStored`. A LoRA adapter's blocks
+//! algorithm; a map per endpoint from the engine's hash to ours serves
+//! `BlockRemoved` and the `parent_block_hash` of the next `BlockStored`. One
+//! table over all endpoints maps our hash to the endpoints holding the block
+//! (`table`), so a query walks the prompt's blocks once for every endpoint
+//! (`match_prompt`), hashing them as it goes: its cost grows with the
+//! prompt's matched length. An endpoint holds a block while its engine holds
+//! it under some engine hash (engines that hash extra keys, such as a
+//! multimodal input or a cache salt, may store the same tokens under several).
+//! A LoRA adapter's blocks
 //! chain from a seed of their own (`lora_seed`), so a base-model prompt never
 //! matches an adapter's blocks. Each endpoint keeps at most `capacity_blocks`
 //! blocks; past that the least recently stored eighth is forgotten (the index
@@ -32,7 +39,8 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -41,6 +49,9 @@ use crate::prefix::{
     block_hashes, block_hashes_after, block_hashes_into, BlockHasher, Tokens, MAX_BLOCK_SIZE,
     MAX_CAPACITY_BLOCKS,
 };
+
+mod table;
+use table::Table;
 
 /// vLLM's default KV-cache block size, in tokens.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -174,15 +185,58 @@ pub struct KvStats {
     pub live: bool,
 }
 
+/// Which endpoints' entries answer queries (see the module docs): a bit per
+/// endpoint id for "its stream is connected" and one for "stale". Kept
+/// beside the table, where a query reads them for every endpoint at once;
+/// an endpoint changes its own bits, under its own lock.
+#[derive(Debug, Default)]
+struct Liveness {
+    connected: Vec<AtomicU64>,
+    stale: Vec<AtomicU64>,
+}
+
+impl Liveness {
+    fn grow(&mut self, endpoints: usize) {
+        let words = endpoints.div_ceil(64);
+        self.connected.resize_with(words, AtomicU64::default);
+        self.stale.resize_with(words, AtomicU64::default);
+    }
+    fn get(bits: &[AtomicU64], id: u32) -> bool {
+        bits[id as usize / 64].load(Ordering::Relaxed) >> (id % 64) & 1 == 1
+    }
+    /// Sets bit `id` of `bits` to `on`; returns what it was.
+    fn set(bits: &[AtomicU64], id: u32, on: bool) -> bool {
+        let bit = 1 << (id % 64);
+        let w = &bits[id as usize / 64];
+        let old = match on {
+            true => w.fetch_or(bit, Ordering::Relaxed),
+            false => w.fetch_and(!bit, Ordering::Relaxed),
+        };
+        old & bit != 0
+    }
+    fn live(&self, id: u32) -> bool {
+        Self::get(&self.connected, id) && !Self::get(&self.stale, id)
+    }
+    /// Word `w` of the set of live endpoints (none past the endpoints added:
+    /// a table of no endpoint still has a word).
+    fn live_word(&self, w: usize) -> u64 {
+        match (self.connected.get(w), self.stale.get(w)) {
+            (Some(c), Some(s)) => c.load(Ordering::Relaxed) & !s.load(Ordering::Relaxed),
+            _ => 0,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct EndpointKv {
-    /// Our hash -> (engine hash, store stamp).
-    blocks: HashMap<u64, (u64, u64), BuildHasherDefault<BlockHasher>>,
-    /// Engine hash -> our hash.
-    ours: HashMap<u64, u64>,
+    /// Its id in the table.
+    id: u32,
+    /// Engine hash -> (our hash, store stamp): the blocks it holds.
+    blocks: HashMap<u64, (u64, u64)>,
+    /// Our hashes held under more than one engine hash: how many more (the
+    /// table holds such a block for the endpoint until the last one goes).
+    aliases: HashMap<u64, u32, BuildHasherDefault<BlockHasher>>,
     stamp: u64,
-    connected: bool,
-    stale: bool,
     /// A disconnect was seen: an older sequence number next is a restart.
     resync: bool,
     /// When the engine was last heard from (an event or [`KvIndex::heard`]).
@@ -191,39 +245,66 @@ struct EndpointKv {
 }
 
 impl EndpointKv {
-    fn live(&self) -> bool {
-        self.connected && !self.stale
-    }
-    fn clear(&mut self) {
-        self.blocks.clear();
-        self.ours.clear();
+    fn clear(&mut self, t: &mut Table) {
+        for (_, (ours, _)) in self.blocks.drain() {
+            t.remove(ours, self.id);
+        }
+        self.aliases.clear();
         self.stats.clears += 1;
     }
     /// The stream followed so far is gone (an engine restart): clears and
     /// forgets its sequence number.
-    fn restart(&mut self) {
+    fn restart(&mut self, t: &mut Table) {
         self.stats.restarts += 1;
         self.stats.last_seq = None;
-        self.clear();
+        self.clear(t);
     }
     /// Heard from the engine at `now`: whether that revived the endpoint.
-    fn hear(&mut self, now: f64) -> bool {
-        let revived = self.stale && self.connected;
-        self.stale = false;
+    fn hear(&mut self, l: &Liveness, now: f64) -> bool {
         self.last_heard = Some(now);
-        revived
+        Liveness::set(&l.stale, self.id, false) && Liveness::get(&l.connected, self.id)
     }
-    fn insert(&mut self, ours: u64, engine: u64) {
-        self.stamp += 1;
-        if let Some((old, _)) = self.blocks.insert(ours, (engine, self.stamp)) {
-            if old != engine {
-                self.ours.remove(&old);
+    /// The table holds `ours` for this endpoint (once more, if it did).
+    fn hold(&mut self, t: &mut Table, ours: u64) {
+        if !t.add(ours, self.id) {
+            *self.aliases.entry(ours).or_insert(0) += 1;
+        }
+    }
+    /// One engine hash naming `ours` is gone.
+    fn release(&mut self, t: &mut Table, ours: u64) {
+        match self.aliases.get_mut(&ours) {
+            Some(1) => {
+                self.aliases.remove(&ours);
+            }
+            Some(more) => *more -= 1,
+            None => {
+                t.remove(ours, self.id);
             }
         }
-        self.ours.insert(engine, ours);
+    }
+    fn insert(&mut self, t: &mut Table, ours: u64, engine: u64) {
+        self.stamp += 1;
+        match self.blocks.insert(engine, (ours, self.stamp)) {
+            Some((old, _)) if old == ours => {}
+            Some((old, _)) => {
+                self.release(t, old);
+                self.hold(t, ours);
+            }
+            None => self.hold(t, ours),
+        }
+    }
+    /// Forgets the block the engine names `engine`; false if it held none.
+    fn remove(&mut self, t: &mut Table, engine: u64) -> bool {
+        match self.blocks.remove(&engine) {
+            Some((ours, _)) => {
+                self.release(t, ours);
+                true
+            }
+            None => false,
+        }
     }
     /// Forgets the least recently stored blocks down to 7/8 of `capacity`.
-    fn evict(&mut self, capacity: usize) {
+    fn evict(&mut self, t: &mut Table, capacity: usize) {
         if self.blocks.len() <= capacity {
             return;
         }
@@ -232,14 +313,17 @@ impl EndpointKv {
         let cut = stamps.len() - keep;
         let (_, &mut oldest_kept, _) = stamps.select_nth_unstable(cut);
         let before = self.blocks.len();
-        let ours = &mut self.ours;
-        self.blocks.retain(|_, &mut (engine, s)| {
+        let mut gone = Vec::with_capacity(cut);
+        self.blocks.retain(|_, &mut (ours, s)| {
             let keep = s >= oldest_kept;
             if !keep {
-                ours.remove(&engine);
+                gone.push(ours);
             }
             keep
         });
+        for ours in gone {
+            self.release(t, ours);
+        }
         self.stats.evicted += (before - self.blocks.len()) as u64;
     }
 }
@@ -276,12 +360,23 @@ pub fn lora_seed(seed: u64, lora: Option<&str>) -> u64 {
 
 type Shared = Arc<Mutex<EndpointKv>>;
 
+/// What a query reads: the table and which endpoints are live.
+#[derive(Debug, Default)]
+struct Blocks {
+    table: Table,
+    liveness: Liveness,
+    /// Endpoints added (ids below this are taken).
+    endpoints: usize,
+}
+
 /// Every endpoint's precise prefix entries (see the module docs). Shared
-/// between the event subscribers (writers) and the scorers (readers).
+/// between the event subscribers (writers) and the scorers (readers). Locks
+/// are taken in the order `endpoints`, an endpoint, `blocks`.
 #[derive(Debug)]
 pub struct KvIndex {
     config: KvConfig,
     endpoints: RwLock<HashMap<String, Shared>>,
+    blocks: RwLock<Blocks>,
 }
 
 impl Default for KvIndex {
@@ -290,6 +385,7 @@ impl Default for KvIndex {
         Self {
             config: KvConfig::default(),
             endpoints: RwLock::new(HashMap::new()),
+            blocks: RwLock::default(),
         }
     }
 }
@@ -303,6 +399,7 @@ impl KvIndex {
         Ok(Self {
             config: config.check()?,
             endpoints: RwLock::new(HashMap::new()),
+            blocks: RwLock::default(),
         })
     }
 
@@ -310,13 +407,33 @@ impl KvIndex {
         &self.config
     }
 
+    fn read_blocks(&self) -> RwLockReadGuard<'_, Blocks> {
+        self.blocks.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write_blocks(&self) -> RwLockWriteGuard<'_, Blocks> {
+        self.blocks.write().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Adds `name` (no entries, not live); an endpoint already there is kept.
+    /// Its id (`endpoint_ids`) is the number of endpoints added before it.
     pub fn add_endpoint(&self, name: &str) {
-        self.endpoints
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(name.to_owned())
-            .or_default();
+        let mut endpoints = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
+        if endpoints.contains_key(name) {
+            return;
+        }
+        let e = EndpointKv {
+            id: endpoints.len() as u32,
+            ..EndpointKv::default()
+        };
+        // In the table before anyone can find it by name.
+        let mut blocks = self.write_blocks();
+        blocks.endpoints += 1;
+        let count = blocks.endpoints;
+        blocks.table.grow(count);
+        blocks.liveness.grow(count);
+        drop(blocks);
+        endpoints.insert(name.to_owned(), Arc::new(Mutex::new(e)));
     }
 
     /// The endpoint names, sorted.
@@ -330,6 +447,21 @@ impl KvIndex {
             .collect();
         names.sort();
         names
+    }
+
+    /// How many endpoints were added: the ids of `endpoint_ids` hold while
+    /// it is unchanged (an endpoint keeps its id; only new names get one).
+    pub fn endpoint_count(&self) -> usize {
+        self.read_blocks().endpoints
+    }
+
+    /// The ids of `names` for `match_prompt` (None for a name not added).
+    pub fn endpoint_ids(&self, names: &[String]) -> Vec<Option<u32>> {
+        let endpoints = self.endpoints.read().unwrap_or_else(|p| p.into_inner());
+        names
+            .iter()
+            .map(|n| endpoints.get(n).map(|e| lock(e).id))
+            .collect()
     }
 
     fn get(&self, name: &str) -> Result<Shared> {
@@ -358,7 +490,7 @@ impl KvIndex {
         match verdict {
             Seq::Duplicate => e.stats.duplicates += 1,
             Seq::Gap { .. } => e.stats.gaps += 1,
-            Seq::Restart => e.restart(),
+            Seq::Restart => e.restart(&mut self.write_blocks().table),
             Seq::Next => {}
         }
         Ok(verdict)
@@ -376,7 +508,7 @@ impl KvIndex {
     /// one it publishes now (a restart while no batch came): clears `name`
     /// and forgets its sequence number, counted as a restart.
     pub fn restarted(&self, name: &str) -> Result<()> {
-        lock(&self.get(name)?).restart();
+        lock(&self.get(name)?).restart(&mut self.write_blocks().table);
         Ok(())
     }
 
@@ -384,7 +516,7 @@ impl KvIndex {
     /// ended without a gap): liveness as from an event. Returns whether the
     /// endpoint went back to live (the caller logs the switch).
     pub fn heard(&self, name: &str, now: f64) -> Result<bool> {
-        Ok(lock(&self.get(name)?).hear(now))
+        Ok(lock(&self.get(name)?).hear(&self.read_blocks().liveness, now))
     }
 
     /// Counts a gap that replay closed.
@@ -400,7 +532,7 @@ impl KvIndex {
         let mut e = lock(&e);
         e.stats.unrecovered += 1;
         e.stats.last_seq = None;
-        e.clear();
+        e.clear(&mut self.write_blocks().table);
         Ok(())
     }
 
@@ -418,7 +550,7 @@ impl KvIndex {
         let e = self.get(name)?;
         let mut e = lock(&e);
         e.stats.garbage += 1;
-        e.clear();
+        e.clear(&mut self.write_blocks().table);
         drop(e);
         self.apply(name, seq, &[], now)
     }
@@ -435,7 +567,7 @@ impl KvIndex {
         let e = self.get(name)?;
         let mut e = lock(&e);
         let mut out = Applied {
-            revived: e.hear(now),
+            revived: e.hear(&self.read_blocks().liveness, now),
             ..Applied::default()
         };
         e.stats.last_seq = Some(seq);
@@ -447,9 +579,6 @@ impl KvIndex {
                     if self.apply_event(&mut e, event, &mut out.skipped) {
                         out.events += 1;
                     }
-                    // Per event: a large batch never holds more than one
-                    // event's blocks past the capacity.
-                    e.evict(self.config.capacity_blocks);
                 }
             }
         }
@@ -460,22 +589,21 @@ impl KvIndex {
     }
 
     /// Applies one event; false when it is skipped whole (a removal naming
-    /// blocks never stored still removes the others it names).
+    /// blocks never stored still removes the others it names). The table is
+    /// locked per event, after its blocks are hashed.
     fn apply_event(&self, e: &mut EndpointKv, event: &Event, skipped: &mut Vec<Skip>) -> bool {
         match event {
-            Event::Cleared => e.clear(),
+            Event::Cleared => e.clear(&mut self.write_blocks().table),
             Event::Removed { hashes, medium } => {
                 if let Some(m) = medium.as_deref().filter(|m| *m != MEDIUM_GPU) {
                     skipped.push(Skip::Medium(m.to_owned()));
                     return false;
                 }
                 let before = skipped.len();
+                let mut blocks = self.write_blocks();
                 for h in hashes {
-                    match e.ours.remove(h) {
-                        Some(ours) => {
-                            e.blocks.remove(&ours);
-                        }
-                        None => skipped.push(Skip::UnknownBlock(*h)),
+                    if !e.remove(&mut blocks.table, *h) {
+                        skipped.push(Skip::UnknownBlock(*h));
                     }
                 }
                 return hashes.is_empty() || skipped.len() - before < hashes.len();
@@ -486,9 +614,13 @@ impl KvIndex {
                     return false;
                 }
                 Ok(ours) => {
+                    let mut blocks = self.write_blocks();
                     for (o, engine) in ours.into_iter().zip(&s.hashes) {
-                        e.insert(o, *engine);
+                        e.insert(&mut blocks.table, o, *engine);
                     }
+                    // Per event: a large batch never holds more than one
+                    // event's blocks past the capacity.
+                    e.evict(&mut blocks.table, self.config.capacity_blocks);
                 }
             },
         }
@@ -516,7 +648,7 @@ impl KvIndex {
         let hashes = match s.parent {
             None => block_hashes(tokens, bs, seed),
             Some(p) => {
-                let parent = *e.ours.get(&p).ok_or(Skip::UnknownParent(p))?;
+                let (parent, _) = *e.blocks.get(&p).ok_or(Skip::UnknownParent(p))?;
                 block_hashes_after(parent, tokens, bs, seed)
             }
         };
@@ -528,12 +660,14 @@ impl KvIndex {
     pub fn set_connected(&self, name: &str, connected: bool) -> Result<bool> {
         let e = self.get(name)?;
         let mut e = lock(&e);
-        let was = e.live();
-        e.connected = connected;
         if !connected {
             e.resync = true;
         }
-        Ok(was != e.live())
+        let blocks = self.read_blocks();
+        let l = &blocks.liveness;
+        let was = l.live(e.id);
+        Liveness::set(&l.connected, e.id, connected);
+        Ok(was != l.live(e.id))
     }
 
     /// Marks `name` stale when it was not heard from for `stale_after_s` by
@@ -544,10 +678,12 @@ impl KvIndex {
         };
         let e = self.get(name)?;
         let mut e = lock(&e);
-        let was = e.live();
         let last = *e.last_heard.get_or_insert(now);
-        e.stale = now - last > after;
-        Ok(was != e.live())
+        let blocks = self.read_blocks();
+        let l = &blocks.liveness;
+        let was = l.live(e.id);
+        Liveness::set(&l.stale, e.id, now - last > after);
+        Ok(was != l.live(e.id))
     }
 
     pub fn stats(&self, name: &str) -> Result<KvStats> {
@@ -555,7 +691,7 @@ impl KvIndex {
         let e = lock(&e);
         let mut stats = e.stats.clone();
         stats.blocks = e.blocks.len() as u64;
-        stats.live = e.live();
+        stats.live = self.read_blocks().liveness.live(e.id);
         Ok(stats)
     }
 
@@ -583,21 +719,73 @@ impl KvIndex {
     /// How many of `hashes` (a request's, from `request_hashes`) `name` holds
     /// from the first on; None when `name` is unknown or not live.
     pub fn leading_blocks(&self, name: &str, hashes: &[u64]) -> Option<usize> {
-        let e = self.get(name).ok()?;
-        let e = lock(&e);
-        e.live().then(|| {
-            hashes
-                .iter()
-                .take_while(|h| e.blocks.contains_key(h))
-                .count()
-        })
+        let id = lock(&self.get(name).ok()?).id;
+        let blocks = self.read_blocks();
+        blocks
+            .liveness
+            .live(id)
+            .then(|| blocks.table.leading(hashes, id))
+    }
+
+    /// Per endpoint of `ids` (from `endpoint_ids`), how many of the prompt's
+    /// leading blocks (`token_ids` cut into blocks, chained from `adapter`'s
+    /// seed) its engine holds, into `held` (cleared first): None for an
+    /// endpoint that is not live or a None id. Returns the prompt's full
+    /// blocks. One walk for all endpoints, hashing each block as it goes: it
+    /// stops at the first block none of them holds.
+    pub fn match_prompt(
+        &self,
+        token_ids: &[u32],
+        adapter: Option<&str>,
+        ids: &[Option<u32>],
+        held: &mut Vec<Option<usize>>,
+    ) -> usize {
+        let seed = lora_seed(self.config.seed, adapter);
+        let bs = self.config.block_size;
+        let blocks = self.read_blocks();
+        let words = blocks.table.words();
+        // The endpoints asked about that are live, and a copy the walk
+        // leaves alone.
+        let (mut small, mut large);
+        let (asked, alive): (&mut [u64], &mut [u64]) = match words <= 4 {
+            true => {
+                small = [0u64; 8];
+                small[..2 * words].split_at_mut(words)
+            }
+            false => {
+                large = vec![0u64; 2 * words];
+                large.split_at_mut(words)
+            }
+        };
+        for &id in ids
+            .iter()
+            .flatten()
+            .filter(|&&id| (id as usize) < blocks.endpoints)
+        {
+            asked[id as usize / 64] |= 1 << (id % 64);
+        }
+        for (w, (a, b)) in asked.iter_mut().zip(alive.iter_mut()).enumerate() {
+            *a &= blocks.liveness.live_word(w);
+            *b = *a;
+        }
+        let mut depth = vec![0u32; blocks.endpoints];
+        blocks.table.walk(alive, token_ids, bs, seed, |id, n| {
+            depth[id as usize] = n as u32
+        });
+        held.clear();
+        held.extend(ids.iter().map(|id| {
+            let id = (*id)? as usize;
+            (asked.get(id / 64)? >> (id % 64) & 1 == 1).then(|| depth[id] as usize)
+        }));
+        token_ids.len() / bs
     }
 
     /// `name`'s blocks (our hashes), sorted: replicas fed the same events agree.
     pub fn blocks(&self, name: &str) -> Result<Vec<u64>> {
         let e = self.get(name)?;
-        let mut out: Vec<u64> = lock(&e).blocks.keys().copied().collect();
+        let mut out: Vec<u64> = lock(&e).blocks.values().map(|&(ours, _)| ours).collect();
         out.sort_unstable();
+        out.dedup();
         Ok(out)
     }
 }

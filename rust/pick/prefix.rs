@@ -46,9 +46,14 @@ pub struct PrefixScorer {
     found_gen: u64,
     /// The engines' KV-event index (`precise-prefix`); None: approximate only.
     kv: Option<Arc<KvIndex>>,
-    /// Scratch of the precise source: the request's hashes as the KV index
-    /// keys blocks, and per candidate whether the KV index answered.
-    kv_hashes: Vec<u64>,
+    /// The KV index's ids of the endpoints, valid while it has `kv_ids_for`
+    /// endpoints (an id never changes; a new one may name one of ours).
+    kv_ids: Vec<Option<u32>>,
+    kv_ids_for: Option<usize>,
+    /// Scratch of the precise source: the candidates' KV ids, what the KV
+    /// index answered for each, and whether it answered.
+    kv_cand: Vec<Option<u32>>,
+    kv_held: Vec<Option<usize>>,
     precise: Vec<bool>,
 }
 
@@ -69,7 +74,10 @@ impl PrefixScorer {
             found: Vec::new(),
             found_gen: u64::MAX,
             kv,
-            kv_hashes: Vec::new(),
+            kv_ids: Vec::new(),
+            kv_ids_for: None,
+            kv_cand: Vec::new(),
+            kv_held: Vec::new(),
             precise: Vec::new(),
         }
     }
@@ -116,12 +124,19 @@ impl PrefixScorer {
         self.precise.clear();
         self.precise.resize(ctx.cand.len(), false);
         if let (Some(kv), Some(ids)) = (&self.kv, req.token_ids) {
-            kv.request_hashes_into(ids, req.adapter, &mut self.kv_hashes);
-            for (k, o) in out.iter_mut().enumerate() {
-                let name = &ctx.names[ctx.cand[k]];
-                if let Some(held) = kv.leading_blocks(name, &self.kv_hashes) {
-                    *o = share(held, self.kv_hashes.len());
-                    self.precise[k] = true;
+            let count = kv.endpoint_count();
+            if self.kv_ids_for != Some(count) || self.kv_ids.len() != ctx.names.len() {
+                self.kv_ids = kv.endpoint_ids(ctx.names);
+                self.kv_ids_for = Some(count);
+            }
+            self.kv_cand.clear();
+            self.kv_cand
+                .extend(ctx.cand.iter().map(|&c| self.kv_ids[c]));
+            let blocks = kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held);
+            for ((o, p), held) in out.iter_mut().zip(&mut self.precise).zip(&self.kv_held) {
+                if let Some(held) = *held {
+                    *o = share(held, blocks);
+                    *p = true;
                 }
             }
             if self.precise.iter().all(|&p| p) {
@@ -226,11 +241,13 @@ impl PrefixScorer {
     /// An endpoint was added: its id is interned at the next pick.
     pub(super) fn added(&mut self) {
         self.ids_gen = None;
+        self.kv_ids_for = None;
     }
 
     /// An endpoint was removed: its blocks leave the index.
     pub(super) fn removed(&mut self, name: &str) -> Result<()> {
         self.ids_gen = None;
+        self.kv_ids_for = None;
         let mut index = lock(&self.index);
         if index.endpoint_id(name).is_some() {
             index.remove_endpoint(name)?;
@@ -245,6 +262,7 @@ impl PrefixScorer {
     pub(super) fn read(&mut self, r: &mut Reader<'_>) -> Result<()> {
         self.index = Arc::new(Mutex::new(PrefixIndex::read(r)?));
         self.ids_gen = None;
+        self.kv_ids_for = None;
         Ok(())
     }
 }
@@ -361,6 +379,39 @@ mod tests {
         // e1's stream goes down: its score comes from the approximate index.
         kv.set_connected("e1", false).expect("e1");
         assert_eq!(p.pick_one(&with_ids, &states), Ok(Some(1)));
+    }
+
+    /// An endpoint whose KV events start after the picker's first pick is
+    /// scored from them from then on.
+    #[test]
+    fn an_endpoint_added_to_the_kv_index_later_is_scored_precisely() {
+        let prompt: Vec<u32> = (0..16).collect();
+        let kv = Arc::new(
+            KvIndex::new(KvConfig {
+                block_size: BS,
+                ..KvConfig::default()
+            })
+            .expect("kv"),
+        );
+        kv.add_endpoint("e0");
+        kv.set_connected("e0", true).expect("e0");
+        let mut p = pipeline(&kv);
+        let states = vec![EndpointState::default(); 3];
+        let r = request(&[], Some(&prompt));
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(0)), "nobody holds it");
+        kv.add_endpoint("e2");
+        kv.set_connected("e2", true).expect("e2");
+        let event = Event::Stored(Stored {
+            hashes: vec![1, 2],
+            parent: None,
+            token_ids: prompt[..8].to_vec(),
+            block_size: BS,
+            lora: None,
+            medium: None,
+        });
+        kv.observe("e2", 0).expect("seq");
+        kv.apply("e2", 0, &[Ok(event)], 0.0).expect("apply");
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(2)));
     }
 
     /// `precise-prefix+queue+kv`: the holder wins over a shorter queue; once

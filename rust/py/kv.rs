@@ -4,14 +4,15 @@
 
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::sync::watch;
 
 use crate::kv::subscriber::{spawn, PeerLimits, Source};
 use crate::kv::{KvConfig, KvIndex};
-use crate::py::int_arg;
+use crate::prefix::Tokens;
+use crate::py::{int_arg, TokenArg};
 
 /// The precise prefix index: what each endpoint's engine holds in its KV
 /// cache, built from the engine's KV-cache events (vLLM's ZeroMQ publisher:
@@ -132,18 +133,28 @@ impl PyKvEventIndex {
 
     /// Per endpoint, how many of the prompt's leading blocks (``token_ids``
     /// cut into blocks of ``block_size``) its engine holds; None for an
-    /// endpoint that is not live.
+    /// endpoint that is not live. ``token_ids``: a list of ints or a
+    /// uint32 NumPy array (read in place; do not mutate it during the call).
     #[pyo3(signature = (token_ids, adapter = None))]
     fn leading_blocks<'py>(
         &self,
         py: Python<'py>,
-        #[pyo3(from_py_with = int_arg)] token_ids: Vec<u32>,
+        token_ids: &Bound<'py, PyAny>,
         adapter: Option<&str>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let hashes = self.index.request_hashes(&token_ids, adapter);
+        let arg = TokenArg::new(token_ids, "token_ids")?;
+        let Tokens::Ids(token_ids) = arg.tokens()? else {
+            return Err(PyTypeError::new_err(
+                "token_ids must be token ids (a list of ints or a uint32 array), not text",
+            ));
+        };
+        let names = self.index.endpoints();
+        let ids = self.index.endpoint_ids(&names);
+        let mut held = Vec::with_capacity(names.len());
+        self.index.match_prompt(token_ids, adapter, &ids, &mut held);
         let d = PyDict::new(py);
-        for e in self.index.endpoints() {
-            d.set_item(&e, self.index.leading_blocks(&e, &hashes))?;
+        for (e, h) in names.iter().zip(held) {
+            d.set_item(e, h)?;
         }
         Ok(d)
     }

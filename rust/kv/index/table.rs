@@ -1,0 +1,569 @@
+//! Every endpoint's blocks in one table: our block hash -> the endpoints
+//! holding it. A query walks a prompt's blocks once for all endpoints
+//! (`Table::walk`): the set of endpoints still matching is intersected with
+//! each block's holders, and the walk stops when it is empty, so its cost
+//! grows with the prompt's matched length, not with endpoints x blocks.
+//!
+//! Blocks sit in `slab` in the order they were first stored, so the blocks
+//! of one `BlockStored` (most of a prompt, or a system prompt) are side by
+//! side. A walk that found block `i` at slot `s` checks slot `s + 1` first:
+//! it holds block `i + 1` when its hash is the chain's next hash after slot
+//! `s`'s hash and the block's tokens. That check reads the previous hash
+//! from the slab instead of waiting for the previous block's hash to be
+//! computed, so the blocks of a run are hashed side by side rather than one
+//! after the other (the chain's latency bounds hashing a whole prompt);
+//! only where the run ends does the walk look the next hash up in `index`.
+//! A block no endpoint holds any more is dead: it leaves `index`, keeps its
+//! slot until enough are dead to compact the slab (in order, so runs stay
+//! runs).
+//!
+//! A block's holders take 8 bytes (`Holders`): the endpoints of ids below 63
+//! as a bitset; else a single endpoint by its id; else a set out of line, in
+//! `wide` (`words` 64-bit words per set, one bit per endpoint id). A fleet
+//! of up to 63 endpoints never goes out of line; in a larger one only the
+//! blocks several endpoints hold do, one set per block shared by all its
+//! holders.
+
+use hashbrown::HashTable;
+
+use crate::prefix::BlockStep;
+
+/// Endpoint ids the inline bitset holds: `0..INLINE`.
+const INLINE: u32 = 63;
+const TAG: u64 = 0b11 << 62;
+const ONE: u64 = 0b10 << 62;
+const WIDE: u64 = 0b11 << 62;
+/// Dead slots the slab keeps before it is compacted: a quarter of it, and
+/// this many at least (a few in the tests, so that they compact often).
+const MIN_COMPACT: usize = if cfg!(test) { 4 } else { 1024 };
+/// Slots a walk checks at a time along a run (at most this many blocks
+/// past its end are hashed for nothing).
+const RUN_CHUNK: usize = 8;
+
+/// The endpoints holding one block (see the module docs): bit 63 clear, a
+/// bitset of ids below `INLINE` (empty: a dead slot); tag `ONE`, one id in
+/// the low 32 bits; tag `WIDE`, the index of a set in `Table::wide` in the
+/// low 32 bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Holders(u64);
+
+const DEAD: Holders = Holders(0);
+
+enum Form {
+    Bits(u64),
+    One(u32),
+    Wide(usize),
+}
+
+impl Holders {
+    fn single(id: u32) -> Self {
+        match id < INLINE {
+            true => Holders(1 << id),
+            false => Holders(ONE | u64::from(id)),
+        }
+    }
+    fn form(self) -> Form {
+        if self.0 >> 63 == 0 {
+            Form::Bits(self.0)
+        } else if self.0 & TAG == ONE {
+            Form::One(self.0 as u32)
+        } else {
+            Form::Wide(self.0 as u32 as usize)
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    hash: u64,
+    holders: Holders,
+}
+
+/// The out-of-line sets of `Holders`.
+#[derive(Debug, Default)]
+struct Wide {
+    sets: Vec<u64>,
+    free: Vec<u32>,
+    /// Words per set: one bit for every endpoint id.
+    words: usize,
+}
+
+impl Wide {
+    /// Word `w` of a block's holders as a bitset.
+    #[inline]
+    fn word(&self, h: Holders, w: usize) -> u64 {
+        match h.form() {
+            Form::Bits(b) => match w {
+                0 => b,
+                _ => 0,
+            },
+            Form::One(id) => match id as usize / 64 == w {
+                true => 1 << (id % 64),
+                false => 0,
+            },
+            Form::Wide(ix) => self.sets[ix * self.words + w],
+        }
+    }
+
+    /// Adds `id` to `h`; false if it was there.
+    fn add(&mut self, h: &mut Holders, id: u32) -> bool {
+        let bit = 1u64 << (id % 64);
+        // A second holder the inline form cannot take: a set out of line.
+        let mut widen = |held: &[u32], bits: u64| {
+            let words = self.words;
+            let ix = match self.free.pop() {
+                Some(ix) => ix as usize,
+                None => {
+                    self.sets.resize(self.sets.len() + words, 0);
+                    self.sets.len() / words - 1
+                }
+            };
+            let set = &mut self.sets[ix * words..(ix + 1) * words];
+            set[0] = bits;
+            for &p in held.iter().chain([&id]) {
+                set[p as usize / 64] |= 1 << (p % 64);
+            }
+            Holders(WIDE | ix as u64)
+        };
+        match h.form() {
+            Form::Bits(b) if id < INLINE => {
+                *h = Holders(b | bit);
+                b & bit == 0
+            }
+            Form::Bits(0) => {
+                *h = Holders::single(id);
+                true
+            }
+            Form::Bits(b) => {
+                *h = widen(&[], b);
+                true
+            }
+            Form::One(one) if one == id => false,
+            Form::One(one) => {
+                *h = widen(&[one], 0);
+                true
+            }
+            Form::Wide(ix) => {
+                let w = &mut self.sets[ix * self.words + id as usize / 64];
+                let new = *w & bit == 0;
+                *w |= bit;
+                new
+            }
+        }
+    }
+
+    /// Removes `id` from `h` (`DEAD` when none is left); false if it was
+    /// not there.
+    fn remove(&mut self, h: &mut Holders, id: u32) -> bool {
+        let bit = 1u64 << (id % 64);
+        match h.form() {
+            Form::Bits(b) => {
+                if id >= INLINE || b & bit == 0 {
+                    return false;
+                }
+                *h = Holders(b & !bit);
+            }
+            Form::One(one) => {
+                if one != id {
+                    return false;
+                }
+                *h = DEAD;
+            }
+            Form::Wide(ix) => {
+                let words = self.words;
+                let set = &mut self.sets[ix * words..(ix + 1) * words];
+                let w = id as usize / 64;
+                if set[w] & bit == 0 {
+                    return false;
+                }
+                set[w] &= !bit;
+                // Back inline when the set fits there (it keeps one holder
+                // at least: an out-of-line set has two).
+                let count: u32 = set.iter().map(|w| w.count_ones()).sum();
+                let narrow = match set.iter().skip(1).all(|&w| w == 0) && set[0] >> 63 == 0 {
+                    true => Some(Holders(set[0])),
+                    false if count == 1 => set.iter().enumerate().find_map(|(w, &bits)| {
+                        (bits != 0).then(|| Holders::single(64 * w as u32 + bits.trailing_zeros()))
+                    }),
+                    false => None,
+                };
+                if let Some(narrow) = narrow {
+                    set.fill(0);
+                    self.free.push(ix as u32);
+                    *h = narrow;
+                }
+            }
+        }
+        true
+    }
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Table {
+    /// The blocks in the order first stored; dead ones included.
+    slab: Vec<Slot>,
+    /// The slots of the live blocks, by their hash.
+    index: HashTable<u32>,
+    dead: usize,
+    wide: Wide,
+}
+
+impl Table {
+    /// Makes room for endpoint ids below `endpoints`.
+    pub(super) fn grow(&mut self, endpoints: usize) {
+        let w = &mut self.wide;
+        let words = endpoints.div_ceil(64).max(1);
+        if words <= w.words {
+            return;
+        }
+        let old = w.words.max(1);
+        let mut sets = vec![0; w.sets.len() / old * words];
+        for (s, set) in w.sets.chunks_exact(old).enumerate() {
+            sets[s * words..s * words + set.len()].copy_from_slice(set);
+        }
+        w.sets = sets;
+        w.words = words;
+    }
+
+    /// Words in an endpoint set of this table (`walk`'s `alive`).
+    pub(super) fn words(&self) -> usize {
+        self.wide.words.max(1)
+    }
+
+    /// Distinct blocks held by some endpoint.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    fn find(&self, hash: u64) -> Option<usize> {
+        let slab = &self.slab;
+        self.index
+            .find(hash, |&s| slab[s as usize].hash == hash)
+            .map(|&s| s as usize)
+    }
+
+    /// Records that endpoint `id` holds block `hash`; false if it did already.
+    /// A new block takes the next slot: the new blocks of one event follow
+    /// each other.
+    pub(super) fn add(&mut self, hash: u64, id: u32) -> bool {
+        if let Some(s) = self.find(hash) {
+            return self.wide.add(&mut self.slab[s].holders, id);
+        }
+        let slot = self.slab.len() as u32;
+        self.slab.push(Slot {
+            hash,
+            holders: Holders::single(id),
+        });
+        let slab = &self.slab;
+        self.index
+            .insert_unique(hash, slot, |&s| slab[s as usize].hash);
+        true
+    }
+
+    /// Records that endpoint `id` no longer holds block `hash` (a block no
+    /// endpoint holds dies); false if it did not hold it.
+    pub(super) fn remove(&mut self, hash: u64, id: u32) -> bool {
+        let Some(s) = self.find(hash) else {
+            return false;
+        };
+        if !self.wide.remove(&mut self.slab[s].holders, id) {
+            return false;
+        }
+        if self.slab[s].holders == DEAD {
+            let slab = &self.slab;
+            if let Ok(e) = self
+                .index
+                .find_entry(hash, |&x| slab[x as usize].hash == hash)
+            {
+                e.remove();
+            }
+            self.dead += 1;
+            if self.dead >= MIN_COMPACT.max(self.slab.len() / 4) {
+                self.compact();
+            }
+        }
+        true
+    }
+
+    /// Drops the dead slots, keeping the live ones in order.
+    fn compact(&mut self) {
+        let mut moved = vec![u32::MAX; self.slab.len()];
+        let mut next = 0u32;
+        for (s, m) in moved.iter_mut().enumerate() {
+            if self.slab[s].holders != DEAD {
+                *m = next;
+                next += 1;
+            }
+        }
+        self.slab.retain(|s| s.holders != DEAD);
+        self.slab.shrink_to(self.slab.len() + self.slab.len() / 4);
+        for s in self.index.iter_mut() {
+            *s = moved[*s as usize];
+        }
+        self.dead = 0;
+    }
+
+    fn holds_slot(&self, s: usize, id: u32) -> bool {
+        self.wide.word(self.slab[s].holders, id as usize / 64) >> (id % 64) & 1 == 1
+    }
+
+    /// Whether endpoint `id` holds block `hash`.
+    #[cfg(test)]
+    pub(super) fn holds(&self, hash: u64, id: u32) -> bool {
+        self.find(hash).is_some_and(|s| self.holds_slot(s, id))
+    }
+
+    /// How many of `hashes` endpoint `id` holds from the first on (each
+    /// block looked for in the slot after the last one first).
+    pub(super) fn leading(&self, hashes: &[u64], id: u32) -> usize {
+        let mut at: Option<usize> = None;
+        for (n, &h) in hashes.iter().enumerate() {
+            let next = at.map(|s| s + 1).filter(|&s| {
+                self.slab
+                    .get(s)
+                    .is_some_and(|x| x.hash == h && x.holders != DEAD)
+            });
+            match next.or_else(|| self.find(h)) {
+                Some(s) if self.holds_slot(s, id) => at = Some(s),
+                _ => return n,
+            }
+        }
+        hashes.len()
+    }
+
+    /// Walks the prompt `ids`' blocks in order while some endpoint of
+    /// `alive` (a bitset of `words()` words, emptied on the way) holds every
+    /// block so far, and calls `settle(id, n)` once per endpoint of `alive`
+    /// that holds the first `n >= 1` blocks and not the next (or there is
+    /// none); the others hold none.
+    pub(super) fn walk(
+        &self,
+        alive: &mut [u64],
+        ids: &[u32],
+        block_size: usize,
+        seed: u64,
+        mut settle: impl FnMut(u32, usize),
+    ) {
+        let mut step = BlockStep::new(block_size, seed);
+        let slab = &self.slab;
+        let blocks = ids.len() / block_size;
+        let block = |n: usize| &ids[n * block_size..(n + 1) * block_size];
+        let mut n = 0;
+        let mut prev = seed;
+        while n < blocks && alive.iter().any(|&a| a != 0) {
+            // Block n by its hash, then the slots after it while they hold
+            // the blocks after it: each checked from the hash in the slot
+            // before, not from the one just computed.
+            let Some(mut s) = self.find(step.hash(prev, block(n))) else {
+                break;
+            };
+            // The holders last kept: `alive` is a subset of them, so a block
+            // with the same holders (most of a run) keeps every endpoint.
+            let mut kept = slab[s].holders;
+            if !self.keep(alive, kept, n, &mut settle) {
+                return;
+            }
+            n += 1;
+            // In chunks: hashing a chunk first, comparing after, leaves the
+            // compiler no equality to put the computed hash in place of the
+            // slot's (which would chain the blocks again).
+            'run: loop {
+                let m = RUN_CHUNK.min(blocks - n).min(slab.len() - 1 - s);
+                let mut next = [0u64; RUN_CHUNK];
+                for (k, h) in next[..m].iter_mut().enumerate() {
+                    *h = step.hash(slab[s + k].hash, block(n + k));
+                }
+                for &h in &next[..m] {
+                    let x = slab[s + 1];
+                    if x.holders == DEAD || x.hash != h {
+                        break 'run;
+                    }
+                    if x.holders != kept {
+                        if !self.keep(alive, x.holders, n, &mut settle) {
+                            return;
+                        }
+                        kept = x.holders;
+                    }
+                    n += 1;
+                    s += 1;
+                }
+                if m < RUN_CHUNK {
+                    break;
+                }
+            }
+            prev = slab[s].hash;
+        }
+        for (w, a) in alive.iter_mut().enumerate() {
+            settle_bits(w, std::mem::take(a), n, &mut settle);
+        }
+    }
+
+    /// Keeps the endpoints of `alive` that hold a block, settling the others
+    /// at `n`; false when none is left.
+    #[inline(always)]
+    fn keep(
+        &self,
+        alive: &mut [u64],
+        holders: Holders,
+        n: usize,
+        settle: &mut impl FnMut(u32, usize),
+    ) -> bool {
+        let mut any = 0;
+        for (w, a) in alive.iter_mut().enumerate() {
+            if *a != 0 {
+                let kept = *a & self.wide.word(holders, w);
+                settle_bits(w, *a & !kept, n, settle);
+                *a = kept;
+                any |= kept;
+            }
+        }
+        any != 0
+    }
+}
+
+/// Settles the endpoints of word `w` of a set at `n` (none at 0).
+#[inline(always)]
+fn settle_bits(w: usize, mut bits: u64, n: usize, settle: &mut impl FnMut(u32, usize)) {
+    if n == 0 {
+        return;
+    }
+    while bits != 0 {
+        settle(64 * w as u32 + bits.trailing_zeros(), n);
+        bits &= bits - 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeSet, HashMap};
+
+    use super::*;
+    use crate::prefix::{block_hashes, Tokens};
+    use crate::rng::Rng;
+
+    fn holders(t: &Table, hash: u64) -> Option<Holders> {
+        t.find(hash).map(|s| t.slab[s].holders)
+    }
+
+    /// The table against a map of sets, on random holds and releases over
+    /// endpoint ids on both sides of the inline bitset's 63 and of a word.
+    #[test]
+    fn the_table_agrees_with_a_map_of_sets() {
+        let mut rng = Rng::new(5);
+        for endpoints in [3u32, 63, 64, 65, 130, 300] {
+            let mut t = Table::default();
+            t.grow(endpoints as usize);
+            let mut model: HashMap<u64, BTreeSet<u32>> = HashMap::new();
+            for step in 0..20_000 {
+                let hash = rng.below(40);
+                let id = match rng.below(4) {
+                    0 => endpoints - 1 - rng.below(2.min(u64::from(endpoints))) as u32,
+                    _ => rng.below(u64::from(endpoints)) as u32,
+                };
+                let set = model.entry(hash).or_default();
+                if rng.below(2) == 0 {
+                    assert_eq!(t.add(hash, id), set.insert(id), "{endpoints} {step}");
+                } else {
+                    assert_eq!(t.remove(hash, id), set.remove(&id), "{endpoints} {step}");
+                }
+                model.retain(|_, s| !s.is_empty());
+                if step % 500 == 0 {
+                    check(&t, &model, endpoints);
+                }
+            }
+            check(&t, &model, endpoints);
+            // Emptied, the table holds nothing, out of line neither.
+            for (hash, set) in std::mem::take(&mut model) {
+                for id in set {
+                    assert!(t.remove(hash, id));
+                }
+            }
+            assert_eq!(t.len(), 0);
+            let w = &t.wide;
+            assert_eq!(w.free.len() * w.words, w.sets.len(), "every set freed");
+            assert!(t.slab.len() < MIN_COMPACT.max(40), "dead slots compacted");
+        }
+    }
+
+    fn check(t: &Table, model: &HashMap<u64, BTreeSet<u32>>, endpoints: u32) {
+        assert_eq!(t.len(), model.len());
+        for hash in 0..40 {
+            let set = model.get(&hash);
+            for id in 0..endpoints {
+                assert_eq!(t.holds(hash, id), set.is_some_and(|s| s.contains(&id)));
+            }
+            // In line whenever it fits: all ids below 63, or a single one.
+            if let (Some(set), Some(h)) = (set, holders(t, hash)) {
+                let fits = set.len() == 1 || set.iter().all(|&id| id < INLINE);
+                assert_eq!(fits, !matches!(h.form(), Form::Wide(_)), "{set:?}");
+            }
+        }
+        // Out-of-line sets are only those in use; dead slots are counted.
+        let live: Vec<&Slot> = t.slab.iter().filter(|s| s.holders != DEAD).collect();
+        assert_eq!(live.len(), t.len());
+        assert_eq!(t.slab.len() - live.len(), t.dead);
+        let used = live
+            .iter()
+            .filter(|s| matches!(s.holders.form(), Form::Wide(_)))
+            .count();
+        assert_eq!(used + t.wide.free.len(), t.wide.sets.len() / t.wide.words);
+    }
+
+    /// A walk settles each endpoint that holds some of the prompt's blocks
+    /// once, with the blocks it holds from the first on, however the blocks lie in the slab (runs,
+    /// scattered, dead slots, re-stored blocks, compactions).
+    #[test]
+    fn a_walk_settles_every_endpoint_with_its_leading_blocks() {
+        const BS: usize = 4;
+        let mut rng = Rng::new(8);
+        for endpoints in [5u32, 64, 200] {
+            for _ in 0..20 {
+                let mut t = Table::default();
+                t.grow(endpoints as usize);
+                let prompt: Vec<u32> = (0..20 * BS as u32).map(|_| rng.below(3) as u32).collect();
+                let seed = rng.next_u64();
+                let hashes = block_hashes(Tokens::Ids(&prompt), BS, seed).expect("h");
+                // Endpoint p holds blocks 0..len[p], then a hole, then more;
+                // added in runs, or in a random order, over noise.
+                let len: Vec<usize> = (0..endpoints).map(|_| rng.below(16) as usize).collect();
+                let mut adds: Vec<(u64, u32)> = Vec::new();
+                for (p, &l) in len.iter().enumerate() {
+                    adds.extend((0..l).chain(l + 1..18).map(|b| (hashes[b], p as u32)));
+                }
+                if rng.below(2) == 0 {
+                    for i in (1..adds.len()).rev() {
+                        adds.swap(i, rng.below(i as u64 + 1) as usize);
+                    }
+                }
+                for (h, p) in adds {
+                    t.add(rng.next_u64(), 0);
+                    t.add(h, p);
+                    // A block dying and coming back: a dead slot of its hash
+                    // before the live one.
+                    if rng.below(8) == 0 {
+                        t.remove(h, p);
+                        t.add(rng.next_u64(), 1);
+                        t.add(h, p);
+                    }
+                }
+                let asked: Vec<u32> = (0..endpoints).filter(|_| rng.below(3) > 0).collect();
+                let mut alive = vec![0u64; t.words()];
+                for &p in &asked {
+                    alive[p as usize / 64] |= 1 << (p % 64);
+                }
+                let mut got = HashMap::new();
+                t.walk(&mut alive, &prompt, BS, seed, |id, n| {
+                    assert!(got.insert(id, n).is_none(), "settled twice")
+                });
+                assert!(alive.iter().all(|&a| a == 0));
+                let want: HashMap<u32, usize> = asked
+                    .iter()
+                    .map(|&p| (p, len[p as usize]))
+                    .filter(|&(_, l)| l > 0)
+                    .collect();
+                assert_eq!(got, want);
+            }
+        }
+    }
+}
