@@ -6,6 +6,7 @@
 
 pub mod admission;
 pub mod assign;
+pub mod autoscale;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
@@ -50,6 +51,8 @@ mod _core {
     use crate::py::admission_lua::{admission_lua, admission_redis_config};
     #[pymodule_export]
     use crate::py::assign::{assign_eval, PyBatchScheduler, PyEndpoint, PyKnnEstimator};
+    #[pymodule_export]
+    use crate::py::autoscale::PyAutoscaler;
     #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]

@@ -55,6 +55,11 @@ def flow_queue():
     return q
 
 
+def autoscaler():
+    pool = {"name": "p", "context": 4096, "max_endpoints": 4, "slo_ttft_s": 1.0}
+    return core.Autoscaler({"pools": [pool]}, [PROFILE], now=0.0)
+
+
 def plan():
     return core.plan(WORKLOAD, 10.0, 1.0, b_short=[4096], gammas=[1.0])
 
@@ -239,6 +244,8 @@ CASES = {
     "AdmissionController.complete.ticket": lambda v: _admitted_complete(1, 1, v),
     "FlowQueue.enqueue.bytes": lambda v: flow_queue().enqueue("spot", "t", None, bytes=v),
     "FlowQueue.cancel.ticket": lambda v: flow_queue().cancel(v),
+    "Autoscaler.observe.prompt_tokens": lambda v: autoscaler().observe("p", v, 1, now=0.0),
+    "Autoscaler.observe.output_tokens": lambda v: autoscaler().observe("p", 1, v, now=0.0),
     "AdmissionController.complete.actual_input": lambda v: _admitted_complete(v, 1),
     "AdmissionController.complete.actual_output": lambda v: _admitted_complete(1, v),
     "AdmissionController.set_capacity.kv_bytes": lambda v: admission().set_capacity(
@@ -431,6 +438,8 @@ UNSIGNED_64 = {
     "Admission.__new__.ticket",
     "AdmissionController.complete.ticket",
     "FlowQueue.cancel.ticket",
+    "Autoscaler.observe.prompt_tokens",
+    "Autoscaler.observe.output_tokens",
     "DataPlane.route_fields.prompt_bytes",
     "DataPlane.route_fields.max_output_tokens",
     "DataPlane.route_fields.prompt_tokens",

@@ -1255,6 +1255,51 @@ class AdmissionController:
     def from_bytes(data: bytes) -> AdmissionController: ...
     def __reduce__(self) -> tuple[Any, tuple[bytes]]: ...
 
+# --- autoscaling from the capacity model (capability 14) ----------------------
+
+@final
+class Autoscaler:
+    """Each pool's desired endpoint count from its live workload (a sliding
+    window per pool and per entitlement), sized by the planner's engine
+    model for the pool's SLO, within its bounds, damped; for benches and
+    evaluations, not re-exported from ``routecore``."""
+
+    def __new__(
+        cls,
+        config: Mapping[str, Any],
+        profiles: Sequence[Profile],
+        now: float | None = None,
+    ) -> Self: ...
+    def observe(
+        self,
+        pool: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        entitlement: str | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Counts a finished request in ``pool`` (and ``entitlement``)."""
+    def observe_many(
+        self,
+        pool: str,
+        prompt_tokens: npt.ArrayLike,
+        output_tokens: npt.ArrayLike,
+        now: npt.ArrayLike,
+        entitlement: str | None = None,
+    ) -> None:
+        """``observe`` for arrays of equal length, all checked first."""
+    def live(
+        self, pool: str, entitlement: str | None = None, now: float | None = None
+    ) -> dict[str, Any]:
+        """The window's requests, rate, token means and percentiles."""
+    def step(
+        self,
+        now: float | None = None,
+        queued: Mapping[str, float] | None = None,
+        promised: Mapping[str, float] | None = None,
+    ) -> list[dict[str, Any]]:
+        """One sizing step: per pool the damped ``endpoints`` and why."""
+
 # --- flow control (capability 12) ---------------------------------------------
 
 #: A request that left a FlowQueue: (ticket, band, outcome, item, waited_s).

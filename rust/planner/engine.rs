@@ -74,6 +74,7 @@
 use super::{Binding, PoolPlan};
 use crate::error::{invalid, Result};
 use crate::queueing::{erlang_c, erlang_c_bound};
+use crate::workload::RangeMoments;
 
 /// Most requests per endpoint for which the closed loop is solved (its cost
 /// is linear in them); above, the open queue, its limit, is used.
@@ -109,6 +110,37 @@ pub struct EngineLoad {
     pub prefill_chunks_q: f64,
     /// The smallest `ceil(L_in / C)` of the pool's requests (a lower bound).
     pub prefill_chunks_min: f64,
+}
+
+impl EngineLoad {
+    /// The load of a mixture of requests from its moments: of
+    /// `k = ceil(L_in / C) + L_out` (`iterations = E[k] - 1`, its squared
+    /// coefficient of variation `Var[k] / E[a]^2`), of `k L_total` and of
+    /// `L_in`, with the `(1 + q) / 2` quantile and the fewest of
+    /// `ceil(L_in / C)`. The planner's sweep and the autoscaler's live
+    /// windows (rust/autoscale/) both build their loads here.
+    pub fn from_moments(
+        k: RangeMoments,
+        kl: RangeMoments,
+        prompt: RangeMoments,
+        prefill_chunks_q: f64,
+        prefill_chunks_min: f64,
+    ) -> Self {
+        let iterations = (k.mean - 1.0).max(0.0);
+        EngineLoad {
+            iterations,
+            iterations_cs2: if iterations > 0.0 {
+                ((k.second - k.mean * k.mean) / (iterations * iterations)).max(0.0)
+            } else {
+                0.0
+            },
+            prompt_mean: prompt.mean,
+            prompt_second: prompt.second,
+            kv_token_iterations: kl.mean,
+            prefill_chunks_q,
+            prefill_chunks_min,
+        }
+    }
 }
 
 /// The steady state of one instance at a per-instance arrival rate.
@@ -455,7 +487,7 @@ pub(super) struct EngineEval {
 }
 
 /// Appends a pool's `(chunks, weight)` pairs to a vector.
-pub(super) type BuildChunks<'a> = &'a dyn Fn(&mut Vec<(u64, f64)>);
+pub type BuildChunks<'a> = &'a dyn Fn(&mut Vec<(u64, f64)>);
 
 /// The chunk distribution of a pool, built on first use (see the module docs).
 pub(super) struct Chunks<'a> {

@@ -33,7 +33,7 @@ mod engine;
 
 use std::sync::Arc;
 
-pub use engine::{engine_state, EngineLoad, EngineShape, EngineState, MAX_LOOP};
+pub use engine::{engine_state, BuildChunks, EngineLoad, EngineShape, EngineState, MAX_LOOP};
 use engine::{size_engine_pool, Chunks, Targets};
 
 use crate::budget::compressible_category;
@@ -537,20 +537,7 @@ impl Ctx<'_> {
     /// What the engine model needs of the mixture `mix`, with the prefill
     /// quantile `chunks_q` (from [`Self::chunks_quantile`]).
     fn engine_load(&self, mix: Mix, chunks_q: f64) -> EngineLoad {
-        let iterations = (mix.k.mean - 1.0).max(0.0);
-        EngineLoad {
-            iterations,
-            iterations_cs2: if iterations > 0.0 {
-                ((mix.k.second - mix.k.mean * mix.k.mean) / (iterations * iterations)).max(0.0)
-            } else {
-                0.0
-            },
-            prompt_mean: mix.prompt.mean,
-            prompt_second: mix.prompt.second,
-            kv_token_iterations: mix.kl.mean,
-            prefill_chunks_q: chunks_q,
-            prefill_chunks_min: 0.0,
-        }
+        EngineLoad::from_moments(mix.k, mix.kl, mix.prompt, chunks_q, 0.0)
     }
 
     /// Sizes a pool at `context` for `arrival_rate` requests of `load` under
@@ -565,24 +552,10 @@ impl Ctx<'_> {
         n_slots: u64,
         hint: Option<u64>,
     ) -> Result<PoolPlan> {
-        let shape = EngineShape {
-            w_s: self.profile.w_s,
-            h_s: self.profile.h_s,
-            chunk: self.profile.c_chunk,
-            n_slots,
-            kv_tokens: n_slots as f64 * context as f64,
-        };
-        let targets = Targets::new(
-            self.cfg.slo_ttft_s,
-            self.cfg.slo_tpot_s.unwrap_or(f64::INFINITY),
-            self.cfg.prefill_quantile,
-        );
-        let pool = PoolPlan {
-            context,
-            n_slots,
-            arrival_rate,
-            cs2: load.iterations_cs2,
-            ..PoolPlan::EMPTY
+        let slo = EngineSlo {
+            ttft_s: self.cfg.slo_ttft_s,
+            tpot_s: self.cfg.slo_tpot_s,
+            quantile: self.cfg.prefill_quantile,
         };
         // The fewest chunks of any of the pool's requests.
         let fewest = sources
@@ -607,8 +580,16 @@ impl Ctx<'_> {
                 out.push(sources.point);
             }
         };
-        let mut chunks = Chunks::new(&build);
-        size_engine_pool(arrival_rate, load, &shape, targets, hint, &mut chunks, pool)
+        size_engine(
+            self.profile,
+            context,
+            n_slots,
+            arrival_rate,
+            load,
+            slo,
+            &build,
+            hint,
+        )
     }
 
     fn cost(&self, short_gpus: u64, long_gpus: u64) -> f64 {
@@ -616,6 +597,55 @@ impl Ctx<'_> {
             * self.profile.price_per_gpu_hour
             * HOURS_PER_YEAR
     }
+}
+
+/// The engine model's targets for one pool: P(TTFT <= `ttft_s`) >=
+/// `quantile`, and the TPOT at most `tpot_s` (None: no TPOT target).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineSlo {
+    pub ttft_s: f64,
+    pub tpot_s: Option<f64>,
+    pub quantile: f64,
+}
+
+/// Sizes one pool of `n_slots`-slot engines of `profile` with a context
+/// window of `context` tokens for `arrival_rate` requests per second of
+/// `load` under the engine model, the search starting at `hint`; `chunks`
+/// appends the pool's `(prefill chunks, weight)` pairs when the search needs
+/// them. The planner's sweep sizes each of its pools here and the autoscaler
+/// (rust/autoscale/) its live pools: one model.
+#[allow(clippy::too_many_arguments)]
+pub fn size_engine(
+    profile: &Profile,
+    context: u64,
+    n_slots: u64,
+    arrival_rate: f64,
+    load: &EngineLoad,
+    slo: EngineSlo,
+    chunks: BuildChunks<'_>,
+    hint: Option<u64>,
+) -> Result<PoolPlan> {
+    let shape = EngineShape {
+        w_s: profile.w_s,
+        h_s: profile.h_s,
+        chunk: profile.c_chunk,
+        n_slots,
+        kv_tokens: n_slots as f64 * context as f64,
+    };
+    let targets = Targets::new(
+        slo.ttft_s,
+        slo.tpot_s.unwrap_or(f64::INFINITY),
+        slo.quantile,
+    );
+    let pool = PoolPlan {
+        context,
+        n_slots,
+        arrival_rate,
+        cs2: load.iterations_cs2,
+        ..PoolPlan::EMPTY
+    };
+    let mut chunks = Chunks::new(chunks);
+    size_engine_pool(arrival_rate, load, &shape, targets, hint, &mut chunks, pool)
 }
 
 /// A search's starting count: the last pool's `(gpus, arrival rate)`.

@@ -6,6 +6,7 @@ pub mod admission;
 #[cfg(feature = "server")]
 pub mod admission_lua;
 pub mod assign;
+pub mod autoscale;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;

@@ -1,0 +1,371 @@
+use super::*;
+use crate::planner::{plan, Binding, PlanConfig};
+use crate::rng::Rng;
+use crate::workload::Workload;
+
+fn pool(min: u64, max: u64) -> PoolScaling {
+    PoolScaling {
+        name: "p".into(),
+        context: 16384,
+        min_endpoints: min,
+        max_endpoints: max,
+        slo_ttft_s: 2.0,
+        slo_tpot_s: Some(0.1),
+        entitlements: vec!["a".into()],
+    }
+}
+
+fn config(pools: Vec<PoolScaling>) -> AutoscaleConfig {
+    AutoscaleConfig {
+        pools,
+        ..AutoscaleConfig::default()
+    }
+}
+
+/// Random chat-like requests: prompts log-uniform up to 8K, outputs up to 1K.
+fn requests(rng: &mut Rng, n: usize) -> Vec<(u64, u64)> {
+    (0..n)
+        .map(|_| {
+            let p = 2f64.powf(4.0 + rng.uniform() * 9.0) as u64;
+            (p, 1 + rng.below(1024))
+        })
+        .collect()
+}
+
+#[test]
+fn window_rate_moments_and_forgetting() {
+    let mut w = LiveWindow::new(60.0, 6, 512, 100.0).expect("ok");
+    // 10 s of nothing counts as one sub-window at least: no division by zero.
+    let l = w.live(100.0, 0.99).expect("ok");
+    assert_eq!((l.requests, l.rate), (0, 0.0));
+    for i in 0..600 {
+        w.observe(100.0 + i as f64 * 0.1, 1000, 100).expect("ok");
+    }
+    let l = w.live(160.0, 0.99).expect("ok");
+    // Epoch 6 began at 160: the first sub-window (100..110) is forgotten.
+    assert_eq!(l.requests, 500);
+    assert!((l.rate - 500.0 / 50.0).abs() < 1e-9, "{l:?}");
+    let k = (1000f64 / 512.0).ceil() + 100.0;
+    assert!((l.k.mean - k).abs() < 1e-12);
+    assert!((l.kl.mean - k * 1100.0).abs() < 1e-9);
+    assert!((l.prompt.second - 1e6).abs() < 1e-6);
+    assert_eq!(l.prefill_chunks_q, 2.0);
+    assert!(l.prompt_tokens.p50 >= 1000 && l.prompt_tokens.p50 <= 1031);
+    // A clock that goes backwards counts in the latest sub-window.
+    w.observe(50.0, 10, 10).expect("ok");
+    assert_eq!(w.live(160.0, 0.99).expect("ok").requests, 501);
+    // A long silence forgets everything.
+    let l = w.live(1000.0, 0.99).expect("ok");
+    assert_eq!((l.requests, l.rate, l.prompt_tokens.p99), (0, 0.0, 0));
+    assert!(w.observe(f64::NAN, 1, 1).is_err());
+    assert!(w.observe(1.0, crate::budget::MAX_TOKENS + 1, 1).is_err());
+}
+
+#[test]
+fn no_traffic_gives_min_endpoints() {
+    let mut a = Autoscaler::new(
+        config(vec![pool(3, 10)]),
+        vec![Profile::llama3_70b_a100()],
+        0.0,
+    )
+    .expect("ok");
+    let d = a
+        .step(
+            10.0,
+            &[PoolDemand {
+                queued_requests: 0.0,
+                promised_tokens_per_s: 1e6,
+            }],
+        )
+        .expect("ok");
+    assert_eq!(d[0].endpoints, 3);
+    assert_eq!(d[0].target.reason, Reason::NoTraffic);
+    assert!(d[0].to_string().contains("no traffic: min 3"), "{}", d[0]);
+}
+
+/// The live window's answer is the planner's for the same requests: the
+/// homogeneous pool of `plan` (one pool at the context, every request).
+#[test]
+fn desired_count_is_the_planners() {
+    let mut rng = Rng::new(3);
+    let profile = Profile::llama3_70b_a100();
+    let mut checked = 0;
+    for case in 0..40 {
+        let n = 200 + rng.below(2000) as usize;
+        let reqs = requests(&mut rng, n);
+        let mut w = LiveWindow::new(60.0, 6, profile.c_chunk, 0.0).expect("ok");
+        for (i, &(p, o)) in reqs.iter().enumerate() {
+            w.observe(i as f64 * 59.0 / reqs.len() as f64, p, o)
+                .expect("ok");
+        }
+        let mut live = w.live(59.99, 0.99).expect("ok");
+        // A random fleet rate: 1 to 2,000 req/s.
+        live.rate = 2f64.powf(rng.uniform() * 11.0);
+        let ttft = 0.5 + 3.0 * rng.uniform();
+        let tpot = 0.02 + 0.1 * rng.uniform();
+        let p = PoolScaling {
+            slo_ttft_s: ttft,
+            slo_tpot_s: Some(tpot),
+            max_endpoints: 1 << 20,
+            ..pool(1, 10)
+        };
+        let t = sizing::target(
+            &p,
+            &profile,
+            0.99,
+            10.0,
+            &live,
+            &|out: &mut Vec<(u64, f64)>| w.chunk_distribution(out),
+            PoolDemand::default(),
+            None,
+        )
+        .expect("ok");
+        let input: Vec<i64> = reqs.iter().map(|r| r.0 as i64).collect();
+        let output: Vec<i64> = reqs.iter().map(|r| r.1 as i64).collect();
+        let wl = Workload::new(&input, &output, None, None).expect("ok");
+        let cfg = PlanConfig {
+            slo_tpot_s: Some(tpot),
+            long_context: p.context,
+            b_short: vec![1024],
+            gammas: vec![1.0],
+            ..PlanConfig::new(live.rate, ttft)
+        };
+        let Ok(planned) = plan(&wl, &profile, &cfg) else {
+            // No fleet meets it: the autoscaler says so too.
+            assert_eq!(t.reason, Reason::SloUnreachable, "case {case}");
+            continue;
+        };
+        let homo = planned.homogeneous.long;
+        if homo.feasible {
+            assert_eq!(t.model_endpoints, homo.gpus, "case {case}: {t:?} {homo:?}");
+            assert_eq!(t.binding, homo.binding, "case {case}");
+            checked += 1;
+        } else {
+            assert_eq!(t.reason, Reason::SloUnreachable, "case {case}");
+        }
+    }
+    assert!(checked >= 20, "{checked}");
+}
+
+#[test]
+fn desired_count_is_monotone_in_rate() {
+    let mut rng = Rng::new(5);
+    let profile = Profile::llama3_70b_a100();
+    for case in 0..30 {
+        let mut w = LiveWindow::new(60.0, 6, profile.c_chunk, 0.0).expect("ok");
+        for (i, (p, o)) in requests(&mut rng, 500).into_iter().enumerate() {
+            w.observe(i as f64 * 0.1, p, o).expect("ok");
+        }
+        let mut live = w.live(50.0, 0.99).expect("ok");
+        let p = PoolScaling {
+            max_endpoints: 1 << 20,
+            ..pool(0, 10)
+        };
+        let mut last = 0;
+        let mut rate = 0.1;
+        while rate < 5000.0 {
+            live.rate = rate;
+            let t = sizing::target(
+                &p,
+                &profile,
+                0.99,
+                10.0,
+                &live,
+                &|out: &mut Vec<(u64, f64)>| w.chunk_distribution(out),
+                PoolDemand::default(),
+                None,
+            )
+            .expect("ok");
+            assert!(t.model_endpoints >= last, "case {case} rate {rate}");
+            last = t.model_endpoints;
+            rate *= 1.0 + rng.uniform();
+        }
+        assert!(last > 1);
+    }
+}
+
+#[test]
+fn queue_and_entitlement_floor_raise_the_rate() {
+    let profile = Profile::llama3_70b_a100();
+    let mut a =
+        Autoscaler::new(config(vec![pool(1, 1000)]), vec![profile.clone()], 0.0).expect("ok");
+    let e = a.entitlement_id(0, "a").expect("ok");
+    for i in 0..600 {
+        a.observe(0, Some(e), i as f64 * 0.1, 2000, 200)
+            .expect("ok");
+    }
+    let base = a.clone().step(60.0, &[]).expect("ok")[0].target;
+    assert!((base.rate - 10.0).abs() < 1e-9, "{base:?}");
+    let queued = a
+        .clone()
+        .step(
+            60.0,
+            &[PoolDemand {
+                queued_requests: 100.0,
+                promised_tokens_per_s: 0.0,
+            }],
+        )
+        .expect("ok")[0]
+        .target;
+    assert!((queued.rate - 20.0).abs() < 1e-9);
+    assert!(queued.model_endpoints >= base.model_endpoints);
+    // 2,200 tokens per request: 220,000 tokens/s promised is 100 req/s.
+    let promised = a
+        .clone()
+        .step(
+            60.0,
+            &[PoolDemand {
+                queued_requests: 0.0,
+                promised_tokens_per_s: 220_000.0,
+            }],
+        )
+        .expect("ok")[0]
+        .target;
+    assert!((promised.rate - 100.0).abs() < 1e-9);
+    assert!(promised.model_endpoints > base.model_endpoints);
+    // The entitlement's own window saw the same requests.
+    let l = a.live(0, Some(e), 60.0).expect("ok");
+    assert_eq!(l.requests, 500);
+    // Bad demand changes nothing.
+    let before = format!("{:?}", a);
+    assert!(a
+        .step(
+            60.0,
+            &[PoolDemand {
+                queued_requests: -1.0,
+                promised_tokens_per_s: 0.0,
+            }],
+        )
+        .is_err());
+    assert!(a.step(60.0, &[PoolDemand::default(); 2]).is_err());
+    assert_eq!(format!("{:?}", a), before);
+}
+
+#[test]
+fn unreachable_slo_says_max_and_names_the_binding() {
+    let profile = Profile::llama3_70b_a100();
+    // TPOT below the iteration's base time W = 8 ms: no count meets it.
+    let p = PoolScaling {
+        slo_tpot_s: Some(0.005),
+        ..pool(1, 7)
+    };
+    let mut a = Autoscaler::new(config(vec![p]), vec![profile], 0.0).expect("ok");
+    for i in 0..100 {
+        a.observe(0, None, i as f64 * 0.1, 500, 50).expect("ok");
+    }
+    let d = a.step(10.0, &[]).expect("ok");
+    assert_eq!(d[0].target.reason, Reason::SloUnreachable);
+    assert_eq!(d[0].target.binding, Binding::Compute);
+    assert_eq!(d[0].target.endpoints, 7);
+    assert!(
+        d[0].to_string()
+            .contains("SLO unreachable: max 7 (binding compute)"),
+        "{}",
+        d[0]
+    );
+}
+
+#[test]
+fn bad_configs_name_the_key() {
+    let profile = Profile::llama3_70b_a100();
+    let cases: Vec<(AutoscaleConfig, &str)> = vec![
+        (
+            config(vec![pool(5, 3)]),
+            "autoscale.pools[0].min_endpoints (5) is above max_endpoints (3)",
+        ),
+        (
+            AutoscaleConfig {
+                period_s: 0.0,
+                ..config(vec![])
+            },
+            "autoscale.period_s must be > 0",
+        ),
+        (
+            AutoscaleConfig {
+                window_s: f64::NAN,
+                ..config(vec![])
+            },
+            "autoscale.window_s must be a finite number",
+        ),
+        (
+            AutoscaleConfig {
+                scale_down_delay_s: -1.0,
+                ..config(vec![])
+            },
+            "autoscale.scale_down_delay_s must be >= 0",
+        ),
+        (
+            config(vec![PoolScaling {
+                slo_ttft_s: -2.0,
+                ..pool(1, 3)
+            }]),
+            "autoscale.pools[0].slo_ttft_s must be > 0",
+        ),
+        (
+            config(vec![PoolScaling {
+                slo_tpot_s: Some(f64::NAN),
+                ..pool(1, 3)
+            }]),
+            "autoscale.pools[0].slo_tpot_s must be a finite number",
+        ),
+        (
+            config(vec![pool(0, 0)]),
+            "autoscale.pools[0].max_endpoints must be in [1,",
+        ),
+        (
+            config(vec![pool(1, 3), pool(1, 3)]),
+            "autoscale.pools[1].name",
+        ),
+    ];
+    for (cfg, want) in cases {
+        let err = Autoscaler::new(cfg.clone(), vec![profile.clone(); cfg.pools.len()], 0.0)
+            .expect_err(want)
+            .to_string();
+        assert!(err.contains(want), "{err} lacks {want}");
+    }
+    let err = AutoscaleConfig::from_value(serde_json::json!({"period_s": 10, "perod": 1}))
+        .expect_err("typo");
+    assert!(err.to_string().contains("perod"), "{err}");
+    let ok = AutoscaleConfig::from_value(serde_json::json!(
+        {"pools": [{"name": "s", "context": 8192, "max_endpoints": 4, "slo_ttft_s": 1}]}
+    ))
+    .expect("ok");
+    assert_eq!((ok.period_s, ok.pools[0].min_endpoints), (10.0, 1));
+}
+
+/// Rust alone: the cost of one observed request (the window rotating as
+/// time moves) and of one step over eight pools. Prints, never asserts.
+/// `cargo test --release --lib -- --ignored --nocapture autoscale_timing`
+#[test]
+#[ignore]
+fn autoscale_timing() {
+    let profile = Profile::llama3_70b_a100();
+    let pools: Vec<PoolScaling> = (0..8)
+        .map(|i| PoolScaling {
+            name: format!("p{i}"),
+            max_endpoints: 1 << 20,
+            ..pool(1, 10)
+        })
+        .collect();
+    let mut a = Autoscaler::new(config(pools), vec![profile; 8], 0.0).expect("ok");
+    let mut rng = Rng::new(1);
+    let reqs = requests(&mut rng, 1 << 16);
+    let n = 10_000_000usize;
+    let start = std::time::Instant::now();
+    for k in 0..n {
+        let (p, o) = reqs[k & 0xffff];
+        // 1,600 req/s per pool: the window turns over many times.
+        a.observe(k % 8, None, k as f64 / 12_800.0, p, o)
+            .expect("ok");
+    }
+    let ns = start.elapsed().as_nanos() as f64 / n as f64;
+    println!("observe: {ns:.1} ns per request");
+    let now = n as f64 / 12_800.0;
+    let rounds = 2_000;
+    let start = std::time::Instant::now();
+    for r in 0..rounds {
+        std::hint::black_box(a.step(now + r as f64 * 1e-6, &[]).expect("ok"));
+    }
+    let us = start.elapsed().as_secs_f64() * 1e6 / rounds as f64;
+    println!("step, 8 pools: {us:.1} us");
+}
