@@ -160,6 +160,13 @@ def add_slo(p: argparse.ArgumentParser) -> None:
         help=f"P99 TTFT target, seconds (default {DEFAULT_SLO_TTFT_S:g}): the planner's target "
         "and each simulated request's SLO",
     )
+    add_slo_tpot(p)
+    for old, new in (("--slo-ms", "--slo-ttft"), ("--slo-tpot-ms", "--slo-tpot")):
+        p.add_argument(old, action=_milliseconds_replaced(new), help=argparse.SUPPRESS)
+
+
+def add_slo_tpot(p: argparse.ArgumentParser) -> None:
+    """``--slo-tpot``, in seconds (every command that has an SLO)."""
     p.add_argument(
         "--slo-tpot",
         type=positive_float,
@@ -167,8 +174,6 @@ def add_slo(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"TPOT target, seconds (default {DEFAULT_SLO_TPOT_S:g})",
     )
-    for old, new in (("--slo-ms", "--slo-ttft"), ("--slo-tpot-ms", "--slo-tpot")):
-        p.add_argument(old, action=_milliseconds_replaced(new), help=argparse.SUPPRESS)
 
 
 def _milliseconds_replaced(new: str) -> type[argparse.Action]:

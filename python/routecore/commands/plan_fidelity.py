@@ -13,10 +13,10 @@ import time
 
 from routecore._json import dumps
 from routecore.commands._args import (
-    DEFAULT_SLO_TPOT_S,
     add_json,
     add_quiet,
     add_seed,
+    add_slo_tpot,
     positive_float,
     positive_int,
 )
@@ -63,13 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a P99 TTFT target, seconds, repeatable (default: "
         f"{', '.join(f'{s:g}' for s in FIDELITY_SLOS)})",
     )
-    p.add_argument(
-        "--slo-tpot",
-        type=positive_float,
-        default=DEFAULT_SLO_TPOT_S,
-        metavar="SECONDS",
-        help=f"TPOT target, seconds (default {DEFAULT_SLO_TPOT_S:g})",
-    )
+    add_slo_tpot(p)
     p.add_argument(
         "--fleet",
         action="append",
