@@ -11,7 +11,9 @@ system prompts, 100k blocks stored) at 8, 64 and 256 endpoints:
   prompt (``leading_blocks``, a uint32 array): a new prompt on a shared
   system prompt, and one an engine holds whole;
 - EndpointPicker.pick with ``precise-prefix+queue+kv`` at 64 endpoints on a
-  prompt one engine holds whole.
+  prompt one engine holds whole; beside it ``rank`` (starts nothing, so
+  records nothing) and the prompt's block hashes for the approximate index
+  alone (``block_hashes``), which every started pick records.
 
 The Rust-only side by side with Dynamo's radix trees is benches/kv-dynamo.
 
@@ -29,7 +31,7 @@ import pytest
 import zmq
 
 from benches.kv_workload import Workload, generate
-from routecore import EndpointPicker, KvEventIndex
+from routecore import EndpointPicker, KvEventIndex, block_hashes
 from routecore._baselines import kv as baseline
 from routecore._baselines import pick as pick_baseline
 from tests.mock_kv_publisher import bind, wait_for
@@ -210,6 +212,20 @@ def test_pick_precise_64_routecore(benchmark):
     w = workload(64)[0]
     p = scraped(EndpointPicker(w.endpoints, preset=PRECISE, kv_index=f.index), w.endpoints)
     assert benchmark(p.pick, w.served[-1], now=0.0) in w.endpoints
+
+
+@pytest.mark.benchmark(group="EndpointPicker.pick, precise-prefix+queue+kv, 64 endpoints, 8K")
+def test_pick_precise_64_rank_routecore(benchmark):
+    f, _ = fed(64)
+    w = workload(64)[0]
+    p = scraped(EndpointPicker(w.endpoints, preset=PRECISE, kv_index=f.index), w.endpoints)
+    assert len(benchmark(p.rank, w.served[-1], now=0.0)) == len(w.endpoints)
+
+
+@pytest.mark.benchmark(group="EndpointPicker.pick, precise-prefix+queue+kv, 64 endpoints, 8K")
+def test_pick_precise_64_hashing_routecore(benchmark):
+    w = workload(64)[0]
+    assert len(benchmark(block_hashes, w.served[-1], 16)) == len(w.served[-1]) // 16
 
 
 @pytest.mark.benchmark(group="EndpointPicker.pick, precise-prefix+queue+kv, 64 endpoints, 8K")

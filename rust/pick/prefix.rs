@@ -382,6 +382,32 @@ mod tests {
         assert_eq!(p.pick_one(&with_ids, &states), Ok(Some(1)));
     }
 
+    /// The KV index answers for every endpoint, so the pick reads no block
+    /// hash; starting the request still records all of its blocks in the
+    /// approximate index (the fallback for a later request): the hashes are
+    /// needed for every started pick, not only to score.
+    #[test]
+    fn a_pick_the_kv_index_answers_whole_still_records_the_blocks() {
+        let prompt: Vec<u32> = (0..48).collect();
+        let hashes = block_hashes(Tokens::Ids(&prompt), 16, 0).expect("hashes");
+        let kv = kv_with("e1", &prompt, None);
+        let mut p = pipeline(&kv);
+        let states = vec![EndpointState::default(); 3];
+        let r = request(&hashes, Some(&prompt));
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(1)));
+        p.started(&r, 1).expect("started");
+        let held = p
+            .prefix()
+            .map(|s| lock(s.index()).match_prefix(&hashes, 0.0))
+            .expect("a prefix scorer");
+        assert_eq!(held, Ok(vec![("e1".to_owned(), 3)]));
+        // Every stream goes down: the approximate index alone scores.
+        for n in names() {
+            kv.set_connected(&n, false).expect("endpoint");
+        }
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(1)));
+    }
+
     /// An endpoint whose KV events start after the picker's first pick is
     /// scored from them from then on.
     #[test]
