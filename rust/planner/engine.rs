@@ -1134,6 +1134,11 @@ mod tests {
         };
         let p = never(2.0, 0.008);
         assert!(!p.feasible && p.binding == Binding::Compute);
+        // Reported as solved at its count, though the search left the counts
+        // that miss the TPOT unsolved.
+        let at = engine_state(50.0 / p.gpus as f64, p.gpus, &l, &shape(64));
+        assert!(at.occupancy.is_finite(), "{at:?}");
+        assert_eq!((p.occupancy, p.utilization), (at.occupancy, at.utilization));
         // 10% of the prompts need 8 chunks or more: 8.5 W > 0.06 s.
         let p = never(0.06, 1.0);
         assert!(!p.feasible && p.binding == Binding::Prefill);
