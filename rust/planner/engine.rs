@@ -241,6 +241,19 @@ pub fn engine_state(
     load: &EngineLoad,
     shape: &EngineShape,
 ) -> EngineState {
+    solve_state(
+        iteration_state(rate, load, shape),
+        rate,
+        endpoints,
+        load,
+        shape,
+    )
+}
+
+/// The first part of [`engine_state`], in O(1): the iteration time and the
+/// prefill budget's utilization, every other figure `+inf` (unsolved). The
+/// search's TPOT check needs no more.
+fn iteration_state(rate: f64, load: &EngineLoad, shape: &EngineShape) -> EngineState {
     let c = shape.chunk as f64;
     // t = W + H r (E[a] + rho_p / 2) t with rho_p = r E[L_in] t / C: the
     // quadratic A t^2 - B t + W = 0, its smaller root (none: saturated).
@@ -257,18 +270,30 @@ pub fn engine_state(
     } else {
         shape.w_s / b
     };
-    let x1 = load.prompt_mean * t / c;
-    let x2 = load.prompt_second * (t / c).powi(2);
-    let rho_p = rate * x1;
-    let mut state = EngineState {
+    EngineState {
         t_iter_s: t,
         occupancy: f64::INFINITY,
         utilization: f64::INFINITY,
-        prefill_utilization: rho_p,
+        prefill_utilization: rate * (load.prompt_mean * t / c),
         kv_utilization: f64::INFINITY,
         prefill_wait_s: f64::INFINITY,
         prefill_busy: 1.0,
-    };
+    }
+}
+
+/// The rest of [`engine_state`] from its [`iteration_state`]: the closed
+/// loop (or the open queue), the occupancy and the KV held.
+fn solve_state(
+    mut state: EngineState,
+    rate: f64,
+    endpoints: u64,
+    load: &EngineLoad,
+    shape: &EngineShape,
+) -> EngineState {
+    let (c, t) = (shape.chunk as f64, state.t_iter_s);
+    let x1 = load.prompt_mean * t / c;
+    let x2 = load.prompt_second * (t / c).powi(2);
+    let rho_p = state.prefill_utilization;
     if !(rho_p < 1.0 && t.is_finite()) {
         return state;
     }
@@ -530,27 +555,46 @@ impl<'a> Chunks<'a> {
     }
 }
 
-/// The slot wait of `gpus` endpoints of `slots` slots each held `1 / mu`
-/// seconds by `arrival_rate` requests per second (see the module docs), with
-/// `p` the probability of waiting at all (Erlang C, or its O(1) upper bound
-/// when `exact` is false: a screen that errs high, and saves the O(sqrt c)
-/// series near saturation).
-fn slot_wait(gpus: u64, slots: u64, mu: f64, arrival_rate: f64, exact: bool) -> Result<Wait> {
-    let servers = gpus
-        .checked_mul(slots)
-        .ok_or_else(|| invalid("fleet size overflows"))?;
-    let offered = arrival_rate / mu;
-    let rho = offered / servers as f64;
-    let bound = erlang_c_bound(servers as f64, offered).min(1.0);
-    let p = if offered <= 0.0 || bound < 1e-12 {
-        0.0
-    } else if exact {
-        erlang_c(servers, offered)?
-    } else {
-        bound
-    };
-    let drain = (1.0 - rho.powf(gpus as f64)) * slots as f64 * mu;
-    Ok(Wait::from_mean(p / drain, p))
+/// The slot queue of `gpus` endpoints of `slots` slots each held `1 / mu`
+/// seconds by `arrival_rate` requests per second (see the module docs): what
+/// the screen's wait and the exact one share, computed once per evaluation.
+struct SlotWait {
+    servers: u64,
+    offered: f64,
+    /// Erlang C's upper bound, at most 1.
+    bound: f64,
+    /// The rate at which a waiting request's queue drains.
+    drain: f64,
+}
+
+impl SlotWait {
+    fn new(gpus: u64, slots: u64, mu: f64, arrival_rate: f64) -> Result<Self> {
+        let servers = gpus
+            .checked_mul(slots)
+            .ok_or_else(|| invalid("fleet size overflows"))?;
+        let offered = arrival_rate / mu;
+        let rho = offered / servers as f64;
+        Ok(Self {
+            servers,
+            offered,
+            bound: erlang_c_bound(servers as f64, offered).min(1.0),
+            drain: (1.0 - rho.powf(gpus as f64)) * slots as f64 * mu,
+        })
+    }
+
+    /// The wait, with `p` the probability of waiting at all: Erlang C, or its
+    /// O(1) upper bound when `exact` is false (a screen that errs high, and
+    /// saves the O(sqrt c) series near saturation).
+    fn wait(&self, exact: bool) -> Result<Wait> {
+        let p = if self.offered <= 0.0 || self.bound < 1e-12 {
+            0.0
+        } else if exact {
+            erlang_c(self.servers, self.offered)?
+        } else {
+            self.bound
+        };
+        Ok(Wait::from_mean(p / self.drain, p))
+    }
 }
 
 /// Evaluates `gpus` engines receiving `arrival_rate` (spread evenly, as
@@ -565,7 +609,7 @@ pub(super) fn engine_eval(
     chunks: &mut Chunks<'_>,
 ) -> Result<EngineEval> {
     let rate = arrival_rate / gpus as f64;
-    let state = engine_state(rate, gpus, load, shape);
+    let state = iteration_state(rate, load, shape);
     let t = state.t_iter_s;
     let mut eval = EngineEval {
         state,
@@ -577,10 +621,14 @@ pub(super) fn engine_eval(
         ttft_q_s: f64::INFINITY,
         fails: None,
     };
+    // The TPOT needs only the iteration time: a count that misses it is
+    // left unsolved (see `size_engine_pool` for the one that is reported).
     if !t.is_finite() || tpot_quantile(t, shape, targets.z) > targets.tpot_s {
         eval.fails = Some(Binding::Compute);
         return Ok(eval);
     }
+    let state = solve_state(state, rate, gpus, load, shape);
+    eval.state = state;
     if state.prefill_utilization >= 1.0 {
         eval.fails = Some(Binding::Prefill);
         return Ok(eval);
@@ -596,13 +644,10 @@ pub(super) fn engine_eval(
     }
     // Slot-time per request K / r: each slot frees at mu = r / K.
     let mu = rate / state.occupancy;
-    let slot = |exact| {
-        if state.occupancy > 0.0 {
-            slot_wait(gpus, shape.n_slots, mu, arrival_rate, exact)
-        } else {
-            Ok(Wait::NONE)
-        }
-    };
+    let queue = (state.occupancy > 0.0)
+        .then(|| SlotWait::new(gpus, shape.n_slots, mu, arrival_rate))
+        .transpose()?;
+    let slot = |exact| queue.as_ref().map_or(Ok(Wait::NONE), |q| q.wait(exact));
     let prefill = Wait::from_mean(state.prefill_wait_s, state.prefill_busy);
     let r = (1.0 - targets.quantile) / 2.0;
     let screen = |wait: TotalWait, eval: &mut EngineEval| {
@@ -752,15 +797,19 @@ pub(super) fn size_engine_pool(
             arrival_rate * load.prompt_mean * shape.w_s / shape.chunk as f64,
         ))
         .min(1e15) as u64;
-    // The search's evaluations, kept: the answer's and its neighbour's are
-    // among them.
-    let mut seen: Vec<(u64, EngineEval)> = Vec::with_capacity(32);
+    // Of the search's evaluations, the fewest GPUs that passed and the most
+    // that failed: the answer's and its neighbour's are these two.
+    let mut seen: [Option<(u64, EngineEval)>; 2] = [None, None];
     let mut eval = |n: u64, chunks: &mut Chunks<'_>| -> Result<EngineEval> {
-        if let Some((_, e)) = seen.iter().find(|(m, _)| *m == n) {
+        if let Some((_, e)) = seen.iter().flatten().find(|(m, _)| *m == n) {
             return Ok(*e);
         }
         let e = engine_eval(arrival_rate, n, load, shape, targets, chunks)?;
-        seen.push((n, e));
+        let passed = e.fails.is_none();
+        let kept = &mut seen[usize::from(!passed)];
+        if kept.is_none_or(|(m, _)| if passed { n < m } else { n > m }) {
+            *kept = Some((n, e));
+        }
         Ok(e)
     };
     let found = match never {
@@ -770,7 +819,11 @@ pub(super) fn size_engine_pool(
         })?,
     };
     let n = found.unwrap_or(bad + 1);
-    let e = eval(n, chunks)?;
+    let mut e = eval(n, chunks)?;
+    if found.is_none() {
+        // Reported as it stands, even where it fails the TPOT (unsolved).
+        e.state = engine_state(arrival_rate / n as f64, n, load, shape);
+    }
     // No count below MAX_GPUS meets the SLO: what fails at the stability bound.
     let never = never.or_else(|| found.is_none().then(|| e.fails.unwrap_or(Binding::Prefill)));
     pool.gpus = n;
@@ -1081,6 +1134,11 @@ mod tests {
         };
         let p = never(2.0, 0.008);
         assert!(!p.feasible && p.binding == Binding::Compute);
+        // Reported as solved at its count, though the search left the counts
+        // that miss the TPOT unsolved.
+        let at = engine_state(50.0 / p.gpus as f64, p.gpus, &l, &shape(64));
+        assert!(at.occupancy.is_finite(), "{at:?}");
+        assert_eq!((p.occupancy, p.utilization), (at.occupancy, at.utilization));
         // 10% of the prompts need 8 chunks or more: 8.5 W > 0.06 s.
         let p = never(0.06, 1.0);
         assert!(!p.feasible && p.binding == Binding::Prefill);
