@@ -21,6 +21,23 @@ class Health(http.server.BaseHTTPRequestHandler):
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 """
 
+#: vLLM's way to fail on a taken port: the engine core's ZeroMQ error, then a
+#: long traceback of the API server, so the error is far from the log's end.
+BURIED = (
+    """
+import socket, sys
+probe = socket.socket()
+try:
+    probe.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError as e:
+    print(e)
+    print("\\n".join(f"the API server's traceback, line {i}" for i in range(100)))
+    sys.exit(1)
+probe.close()
+"""
+    + SERVE
+)
+
 
 class StandIn(VllmEngine):
     """Runs ``script`` (argv[1]: the port) instead of vLLM; its ports are
@@ -59,6 +76,17 @@ def test_an_engine_whose_port_was_taken_starts_again_on_fresh_ports(tmp_path):
             assert engine.port != port and engine.healthy()
             first = (tmp_path / f"vllm-{port}.log").read_text()
             assert "Address already in use" in first
+        finally:
+            engine.stop()
+
+
+def test_a_taken_port_far_above_the_logs_end_starts_again(tmp_path):
+    with listening() as taken:
+        port = taken.getsockname()[1]
+        engine = StandIn(tmp_path, script=BURIED, ports=[port])
+        try:
+            start_all([engine])
+            assert engine.port != port and engine.healthy()
         finally:
             engine.stop()
 

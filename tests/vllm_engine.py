@@ -74,6 +74,9 @@ class VllmEngine:
         self.record_headers = record_headers
         self.headers_log = workdir / "received-headers.jsonl"
         self.proc: subprocess.Popen[bytes] | None = None
+        #: Where the last start's output begins in :attr:`log` (a restart on
+        #: the same ports appends to it).
+        self.log_start = 0
         self.new_ports()
 
     def new_ports(self) -> None:
@@ -162,6 +165,7 @@ class VllmEngine:
         """Starts the engine (returns at once; see :meth:`wait_ready`)."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_start = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 self.command(),
@@ -188,8 +192,12 @@ class VllmEngine:
         return self
 
     def port_taken(self) -> bool:
-        """Whether the engine exited because an address it binds was in use."""
-        return "address already in use" in self.tail().lower()
+        """Whether the engine exited because an address it binds was in use:
+        anywhere in its last start's output (the engine core's ZeroMQ error
+        comes well before the API server's traceback that ends the log)."""
+        with self.log.open("rb") as log:
+            log.seek(self.log_start)
+            return b"address already in use" in log.read().lower()
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
