@@ -15,6 +15,26 @@ fn pool(min: u64, max: u64) -> PoolScaling {
     }
 }
 
+/// The sizing of `pool` for `live` (window `w`'s chunks), no queue, no floor.
+fn target_of(
+    pool: &PoolScaling,
+    profile: &Profile,
+    live: &LiveWorkload,
+    w: &LiveWindow,
+) -> sizing::Target {
+    sizing::target(
+        pool,
+        profile,
+        0.99,
+        10.0,
+        live,
+        &|out: &mut Vec<(u64, f64)>| w.chunk_distribution(out),
+        PoolDemand::default(),
+        None,
+    )
+    .expect("ok")
+}
+
 fn config(pools: Vec<PoolScaling>) -> AutoscaleConfig {
     AutoscaleConfig {
         pools,
@@ -109,17 +129,7 @@ fn desired_count_is_the_planners() {
             max_endpoints: 1 << 20,
             ..pool(1, 10)
         };
-        let t = sizing::target(
-            &p,
-            &profile,
-            0.99,
-            10.0,
-            &live,
-            &|out: &mut Vec<(u64, f64)>| w.chunk_distribution(out),
-            PoolDemand::default(),
-            None,
-        )
-        .expect("ok");
+        let t = target_of(&p, &profile, &live, &w);
         let input: Vec<i64> = reqs.iter().map(|r| r.0 as i64).collect();
         let output: Vec<i64> = reqs.iter().map(|r| r.1 as i64).collect();
         let wl = Workload::new(&input, &output, None, None).expect("ok");
@@ -165,17 +175,7 @@ fn desired_count_is_monotone_in_rate() {
         let mut rate = 0.1;
         while rate < 5000.0 {
             live.rate = rate;
-            let t = sizing::target(
-                &p,
-                &profile,
-                0.99,
-                10.0,
-                &live,
-                &|out: &mut Vec<(u64, f64)>| w.chunk_distribution(out),
-                PoolDemand::default(),
-                None,
-            )
-            .expect("ok");
+            let t = target_of(&p, &profile, &live, &w);
             assert!(t.model_endpoints >= last, "case {case} rate {rate}");
             last = t.model_endpoints;
             rate *= 1.0 + rng.uniform();
