@@ -286,6 +286,9 @@ def test_a_redis_outage_is_one_warning_a_recovery_line_and_counted(
     )
     try:
         assert routed(server.target)
+        # Its release reaches Redis after the answer: before the fault, so
+        # every failure counted below is a refused request's.
+        wait_for(lambda: _reservations(redis_server.url)["in_flight"] == 0, 10, "the release")
         probe = redis.Redis.from_url(redis_server.url)
         if fault == "killed":
             redis_server.kill()
