@@ -233,19 +233,22 @@ def admission(concurrency: int = 3, tokens_per_s: float = 1e6, **extra) -> dict:
                 "concurrency": concurrency,
             }
         ],
-        "entitlements": [
-            {
-                "name": "demo-std",
-                "tenant": "demo",
-                "quota": "gpu",
-                "service_class": "guaranteed",
-                "slo_target_ms": 1000.0,
-                "tokens_per_s": tokens_per_s,
-                "kv_bytes": 10**12,
-                "concurrency": concurrency,
-            }
-        ],
+        "entitlements": [entitlement("demo", concurrency, tokens_per_s)],
         **extra,
+    }
+
+
+def entitlement(tenant: str, concurrency: int, tokens_per_s: float) -> dict:
+    """``tenant``'s guaranteed entitlement ``{tenant}-std`` on the quota "gpu"."""
+    return {
+        "name": f"{tenant}-std",
+        "tenant": tenant,
+        "quota": "gpu",
+        "service_class": "guaranteed",
+        "slo_target_ms": 1000.0,
+        "tokens_per_s": tokens_per_s,
+        "kv_bytes": 10**12,
+        "concurrency": concurrency,
     }
 
 

@@ -18,7 +18,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from server_fixtures import base_config, converse, stream_all, wait_settled
+from server_fixtures import base_config, converse, entitlement, stream_all, wait_settled
 
 from routecore._core import DataPlane
 from routecore.server.envoy_client import buffered, chat_body, http_headers, usage_body
@@ -33,22 +33,12 @@ OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR
 def two_tenants(concurrency: int = 4, tokens_per_s: float = 1e6) -> dict:
     """Tenants a (no entitlement) and b (``concurrency`` requests at once,
     ``tokens_per_s``), and the config overrides that serve them."""
-    b = {
-        "name": "b-std",
-        "tenant": "b",
-        "quota": "gpu",
-        "service_class": "guaranteed",
-        "slo_target_ms": 1000.0,
-        "tokens_per_s": tokens_per_s,
-        "kv_bytes": 10**12,
-        "concurrency": concurrency,
-    }
     return {
         "admission": {
             "quotas": [
                 {"name": "gpu", "tokens_per_s": 1e9, "kv_bytes": 10**13, "concurrency": 1000}
             ],
-            "entitlements": [b],
+            "entitlements": [entitlement("b", concurrency, tokens_per_s)],
         },
         "tenants": [
             {"name": "a", "api_keys": [KEY_A]},
