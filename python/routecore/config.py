@@ -357,7 +357,9 @@ def _flow_control(raw: Any) -> FlowControlConfig:
     if not isinstance(enabled, bool):
         raise ConfigError(f"flow_control.enabled: expected true or false, got {enabled!r}")
     where = "flow_control.saturation"
-    sat = _section(f.get("saturation"), where, {"detector", "max_waiting", "max_kv_usage", "max_in_flight"})
+    sat = _section(
+        f.get("saturation"), where, {"detector", "max_waiting", "max_kv_usage", "max_in_flight"}
+    )
     d = FlowControlConfig
     sat_fields = {
         "detector": _str(sat, "detector", where, d.detector, FLOW_DETECTORS),
@@ -372,7 +374,9 @@ def _flow_control(raw: Any) -> FlowControlConfig:
     except ValueError as e:
         msg = str(e)
         raise ConfigError(
-            "flow_control" + msg[len("flow") :] if msg.startswith("flow") else f"flow_control: {msg}"
+            "flow_control" + msg[len("flow") :]
+            if msg.startswith("flow")
+            else f"flow_control: {msg}"
         ) from None
     return FlowControlConfig(queue=queue if enabled else None, **sat_fields)
 

@@ -473,3 +473,131 @@ impl Drop for Waiting<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn spec() -> FlowSpec {
+        let queue = FlowConfig::from_json(
+            r#"{"bands": [{"name": "guaranteed", "share": 1000}, {"name": "elastic", "share": 100},
+                          {"name": "spot", "share": 1}], "max_requests": 100000}"#,
+        )
+        .expect("config");
+        FlowSpec {
+            queue,
+            saturation: SaturationConfig::default(),
+        }
+    }
+
+    fn flow() -> PoolFlow {
+        let mut registry = Registry::default();
+        PoolFlow::new(&spec(), "p", &FlowMetrics::register(&mut registry)).expect("flow")
+    }
+
+    fn arrival(names: &[String], k: u64) -> Arrival<'_> {
+        Arrival {
+            bytes: 1000,
+            cost: (100 + k % 3900) as f64,
+            ..Arrival::new((k % 3) as usize, &names[(k % 100) as usize])
+        }
+    }
+
+    #[test]
+    fn a_go_not_taken_gives_its_place_back_and_a_cancel_counts_once() {
+        let f = flow();
+        let open = AtomicBool::new(false);
+        let Entry::Wait(mut w) = f
+            .enter(Arrival::new(0, "a"), |_| false, &open, 0.0)
+            .expect("e")
+        else {
+            panic!("waits")
+        };
+        assert_eq!((f.len(), f.pending()), (1, 0));
+        // Let out, then dropped before it took its turn (its client left).
+        assert_eq!(f.pump(|_| true, 1.0).expect("pump"), 1);
+        assert_eq!((f.len(), f.pending()), (0, 1));
+        assert_eq!(w.rx.try_recv().ok(), Some(Exit::Go));
+        // A Go already read: done by `exit`; here it is put back as unread.
+        w.done = false;
+        let (tx, rx) = oneshot::channel();
+        tx.send(Exit::Go).expect("send");
+        w.rx = rx;
+        drop(w);
+        assert_eq!(f.pending(), 0, "its place given back");
+        // Dropped while waiting: out of the queue, once.
+        let Entry::Wait(w) = f
+            .enter(Arrival::new(2, "b"), |_| false, &open, 2.0)
+            .expect("e")
+        else {
+            panic!("waits")
+        };
+        assert_eq!(f.len(), 1);
+        drop(w);
+        assert_eq!((f.len(), f.pending()), (0, 0));
+        assert_eq!(f.pump(|_| true, 3.0).expect("pump"), 0);
+        let m = &f.metrics[2];
+        assert_eq!((m.requests.get(), m.outcomes[3].get()), (0.0, 1.0));
+        // Nothing waits and the pool has room: on at once, no queue touched.
+        assert!(matches!(
+            f.enter(Arrival::new(0, "a"), |_| true, &open, 4.0),
+            Ok(Entry::Now)
+        ));
+        // Shut: a request that would wait is refused.
+        open.store(true, AtomicOrdering::Release);
+        assert!(matches!(
+            f.enter(Arrival::new(0, "a"), |_| false, &open, 5.0),
+            Ok(Entry::Closed)
+        ));
+    }
+
+    /// `cargo test --release --features server --lib -- --ignored --nocapture pool_flow_timing`
+    #[test]
+    #[ignore]
+    fn pool_flow_timing() {
+        let names: Vec<String> = (0..100).map(|i| format!("tenant-{i}")).collect();
+        let open = AtomicBool::new(false);
+        let n = 200_000u64;
+        // The fast path: nothing waits, the pool has room.
+        let f = flow();
+        let start = std::time::Instant::now();
+        for k in 0..n {
+            let e = f
+                .enter(arrival(&names, k), |_| true, &open, 0.0)
+                .expect("enter");
+            assert!(matches!(e, Entry::Now));
+        }
+        let ns = start.elapsed().as_nanos() as f64 / n as f64;
+        println!("room, nothing waiting: {ns:.0} ns per request");
+        for waiting in [0u64, 10_000] {
+            let f = flow();
+            let mut held = Vec::with_capacity((waiting + n) as usize);
+            for k in 0..waiting {
+                match f.enter(arrival(&names, k), |_| false, &open, 0.0) {
+                    Ok(Entry::Wait(w)) => held.push(w),
+                    _ => panic!("waits"),
+                }
+            }
+            // Each request waits, then one is let out and told (its oneshot).
+            let start = std::time::Instant::now();
+            for k in waiting..waiting + n {
+                let Ok(Entry::Wait(w)) = f.enter(arrival(&names, k), |_| false, &open, 0.0) else {
+                    panic!("waits")
+                };
+                held.push(w);
+                let once = Cell::new(true);
+                assert_eq!(f.pump(|_| once.replace(false), 0.0).expect("pump"), 1);
+            }
+            let ns = start.elapsed().as_nanos() as f64 / n as f64;
+            println!("enqueue + dispatch + wake, {waiting} waiting: {ns:.0} ns per request");
+            assert_eq!(f.pending(), n);
+            drop(held);
+            assert_eq!(
+                (f.pending(), f.len()),
+                (0, 0),
+                "every Go given back, the rest cancelled"
+            );
+        }
+    }
+}
