@@ -126,6 +126,10 @@ async def queued(server: Running, channel, key: dict[str, str]) -> Stream:
     s = Stream(channel)
     await s.send(key)
     await until(lambda: waiting(server) == before + 1, "the request to wait")
+    # Waiting, it asks Envoy to wait longer for the answer, first thing.
+    resp = await asyncio.wait_for(s.call.read(), 5)
+    assert is_timeout_override(resp), resp
+    s.overrides.append(resp.override_message_timeout.ToTimedelta().total_seconds())
     return s
 
 
