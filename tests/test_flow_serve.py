@@ -10,20 +10,27 @@ wait. ``demo`` is guaranteed and ``cheap`` spot.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
 import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy_proxy import shipped_config
+from mock_engine import MockEngine
 from server_fixtures import (
     Running,
     Spawned,
     admission,
     base_config,
     entitlement,
+    free_port,
     wait_settled,
 )
 
@@ -337,3 +344,64 @@ def test_flow_control_section_errors_name_the_key(tmp_path):
     off = parse_config(flow_config(enabled=False))
     assert '"flow_control": null' in off.spec_json()
     assert parse_config(base_config()).flow_control.queue is None
+
+
+def test_behind_envoy_a_wait_outlasts_its_message_timeout_and_a_hang_up_leaves_the_queue(
+    serve, envoy
+):
+    """A real Envoy (the shipped envoy.yaml, its message timeout cut to 0.5 s)
+    before one mock engine that takes 1.5 s an answer: a request that waits
+    longer than Envoy's message timeout is served (routecore extended it),
+    and one whose client hangs up while it waits leaves the queue at once."""
+    engine = MockEngine(service_s=1.5).start()
+    try:
+        config = flow_config()
+        config["pools"] = [{"name": "short", "max_context": 8192, "endpoints": [engine.address]}]
+        server = serve(**config)
+        proxy = shipped_config("envoy.yaml", free_port(), [server.target], [engine.address])
+        (listener,) = proxy["static_resources"]["listeners"]
+        filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        (ext_proc,) = [f for f in filters if f["name"] == "envoy.filters.http.ext_proc"]
+        ext_proc["typed_config"]["message_timeout"] = "0.5s"
+        url = envoy(proxy).url + "/v1/chat/completions"
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+        def post(key: dict[str, str], timeout: float) -> int:
+            headers = {**key, "content-type": "application/json"}
+            req = urllib.request.Request(url, body.encode(), headers)
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        statuses: list[int] = []
+        threads = [threading.Thread(target=lambda: statuses.append(post(GOLD, 30)))]
+        threads[0].start()
+        wait_until(lambda: engine_busy(server) == 1)
+        threads.append(threading.Thread(target=lambda: statuses.append(post(GOLD, 30))))
+        threads[1].start()
+        wait_until(lambda: waiting(server) == 1)
+        # A client that gives up while its request waits.
+        with pytest.raises(OSError):
+            post(SPOT, 0.3)
+        wait_until(lambda: flow_metric(server, "flow_outcomes", "spot", "cancelled") == 1)
+        assert flow_metric(server, "flow_queue_requests", "spot") == 0
+        for t in threads:
+            t.join(timeout=30)
+        assert statuses == [200, 200]
+        assert flow_metric(server, "flow_outcomes", "guaranteed", "dispatched") == 1
+        wait_settled(server)
+    finally:
+        engine.close()
+
+
+def engine_busy(server: Running) -> int:
+    return sum(sum(loads.values()) for loads in server.server.plane.in_flight()["chooser"].values())
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
