@@ -223,14 +223,17 @@ impl Steps for Request<'_> {
             Key::Ids(t) => 4 * t.len() as u64,
             Key::None => 0,
         };
+        let band = flow.band_of(key);
         let arrival = Arrival {
             bytes,
             cost: (self.est.0 + self.est.1).max(1) as f64,
-            ..Arrival::new(flow.band_of(key), user)
+            ..Arrival::new(band, user)
         };
         let closed = &self.shared.flow_closed;
         let name = &engine.spec.pools[pool].name;
-        let waiting = match flow.enter(arrival, engine.room(pool), closed, self.now)? {
+        // Admission may have waited (Redis): the queue's clock is read now.
+        let now = self.shared.now();
+        let waiting = match flow.enter(arrival, engine.room(pool), closed, now)? {
             Entry::Now => return Ok(()),
             Entry::Wait(w) => w,
             Entry::Closed => {
@@ -257,13 +260,12 @@ impl Steps for Request<'_> {
             }
         };
         if let Some(notice) = &self.ask.hints.on_wait {
-            let band = flow.band_of(key);
             let _ = notice
                 .0
                 .send(flow.ttl(band) + crate::serve::flow::WAIT_MARGIN);
         }
         // Room may have appeared since the others were queued.
-        engine.pump(pool, self.now);
+        engine.pump(pool, now);
         match waiting.exit().await {
             Exit::Go => {
                 self.let_out = true;
