@@ -12,6 +12,18 @@ every ``complete`` raises for the same mistake.
 If a step refuses (the router rejects, admission throttles, no endpoint is
 healthy), what the earlier steps took is given back and ``RequestRefused``
 says which step refused, with the HTTP status a gateway would answer.
+
+Flow control in process (``acquire(..., wait=seconds)``): a request that
+admission refuses with 429 (a quota or an entitlement at its limit) or that
+finds no endpoint (503) holds nothing and waits in the dispatcher's
+``FlowQueue`` (the Rust discipline of the data plane and the simulator:
+bands per service class, fairness across entitlements, a TTL) instead of
+being refused; each lease released dispatches the next waiter by the
+discipline, which runs the steps again. After ``wait`` seconds (or the
+band's TTL, or when a higher band displaces it from a full queue) it is
+refused with ``step="queue"``, 429 and a Retry-After. A waiter that is
+interrupted (KeyboardInterrupt, any exception in its thread) leaves the
+queue and holds nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from typing import Any
 from routecore._core import (
     Admission,
     EndpointPicker,
+    FlowQueue,
     NotInFlightError,
     RouteDecision,
     TokenBudgetRouter,
@@ -41,8 +54,10 @@ class RequestRefused(Exception):
 
     ``step``: ``"route"`` (no pool holds it, 413), ``"admission"`` (the
     admission decision's status: 401, 403, 413, 429 or 503, with
-    ``retry_after_s``) or ``"endpoint"`` (no endpoint passes the health and
-    subset filters, 503)."""
+    ``retry_after_s``), ``"endpoint"`` (no endpoint passes the health and
+    subset filters, 503) or ``"queue"`` (``acquire(wait=...)``: 429 with
+    ``retry_after_s`` after waiting its time, its band's TTL, or displaced;
+    or the queue's refusal when it is full)."""
 
     def __init__(
         self, step: str, status: int, reason: str, retry_after_s: float | None = None
@@ -180,13 +195,17 @@ class Dispatcher:
     ``EndpointPicker`` for every request, or a mapping from pool name to the
     picker of that pool's endpoints; ``admission``: an ``AdmissionBackend``
     (``InMemoryAdmission``, ``RedisAdmission``). Each part is optional; give
-    at least one."""
+    at least one. ``flow``: the queue of ``acquire(wait=...)``, the data
+    plane's ``flow`` mapping (bands, fairness, ordering, limits, TTL); None:
+    one band per service class with the paper's weights as shares and the
+    token-pool debt fairness."""
 
     def __init__(
         self,
         router: TokenBudgetRouter | None = None,
         pickers: EndpointPicker | Mapping[str, EndpointPicker] | None = None,
         admission: AdmissionBackend | None = None,
+        flow: Mapping[str, Any] | None = None,
     ) -> None:
         if router is None and pickers is None and admission is None:
             raise ValueError("give a router, pickers or admission")
@@ -202,6 +221,11 @@ class Dispatcher:
             self._by_pool = pickers
         else:
             self._for_all = pickers
+        self.queue = FlowQueue(flow)
+        # Guards the queue's waiters and the count of leases held.
+        self._turns = threading.Condition()
+        self._leases = 0
+        self._turning = 0  # waiters dispatched whose try is not over
 
     def acquire(
         self,
@@ -215,6 +239,8 @@ class Dispatcher:
         fairness_id: str | None = None,
         session: str | None = None,
         now: float | None = None,
+        wait: float | None = None,
+        service_class: str | None = None,
     ) -> Lease:
         """Routes (``prompt_bytes``, ``category``, ``max_output_tokens``), admits
         (``entitlement`` with the input estimate and ``max_output_tokens``) and
@@ -223,7 +249,114 @@ class Dispatcher:
         length of ``tokens`` when it is ``str`` or ``bytes``; ``input_tokens``
         to the router's estimate (needed for admission without a router).
         Raises ``RequestRefused`` (nothing held) when a step refuses, and bad
-        arguments raise as each part does, also with nothing held."""
+        arguments raise as each part does, also with nothing held.
+
+        ``wait`` (seconds, > 0; needs ``now`` None): when admission refuses
+        with 429 or no endpoint is found, wait up to that long in the
+        dispatcher's queue (see the module docs) in the band of
+        ``service_class`` (a service class or objective; None: the default
+        band), the entitlement (else ``fairness_id``) as its flow, weighted by
+        the entitlement's priority; blocks the calling thread."""
+        args = dict(
+            max_output_tokens=max_output_tokens,
+            prompt_bytes=prompt_bytes,
+            category=category,
+            input_tokens=input_tokens,
+            entitlement=entitlement,
+            tokens=tokens,
+            fairness_id=fairness_id,
+            session=session,
+            now=now,
+        )
+        if wait is None:
+            return self._acquire_now(**args)
+        if isinstance(wait, bool) or not (isinstance(wait, (int, float)) and 0 < wait < math.inf):
+            raise ValueError(f"wait must be a finite number of seconds > 0, got {wait!r}")
+        if now is not None:
+            raise ValueError("wait needs now=None: waiting runs on routecore.monotonic")
+        band = self.queue.band_of(service_class)
+        deadline = monotonic() + wait
+        turn = False  # dispatched from the queue, its try not over yet
+        while True:
+            try:
+                return self._acquire_now(**args)
+            except RequestRefused as refused:
+                if not _may_wait(refused):
+                    raise
+            finally:
+                if turn:
+                    turn = False
+                    with self._turns:
+                        self._turning -= 1
+            cost = float(max((input_tokens or 0) + max_output_tokens, 1))
+            weight = 1.0
+            if self.admission is not None and entitlement is not None:
+                weight = max(self.admission.priority(entitlement), MIN_WEIGHT)
+            self._wait_turn(band, entitlement or fairness_id or "default", cost, weight, deadline)
+            turn = True
+
+    def _wait_turn(self, band: str, flow: str, cost: float, weight: float, deadline: float) -> None:
+        """Waits in the queue until a release dispatches this waiter (returns),
+        or raises ``RequestRefused`` (refused by the full queue, displaced,
+        expired, or ``deadline`` passed); leaves the queue on any exception."""
+        waiter = _Waiter()
+        with self._turns:
+            ticket, status, retry, displaced = self.queue.enqueue(
+                band, flow, waiter, cost=cost, weight=weight
+            )
+            self._settle(displaced)
+            if ticket is None:
+                raise RequestRefused("queue", 429, status, retry)
+            try:
+                while waiter.outcome is None:
+                    left = deadline - monotonic()
+                    if left <= 0:
+                        self.queue.cancel(ticket)
+                        waiter.outcome = "expired"
+                        break
+                    self._turns.wait(min(left, POLL_S))
+                    self._settle(self.queue.expire())
+                    if waiter.outcome is None and self._leases == self._turning == 0:
+                        # Nothing in flight will release: try the next one now.
+                        self._dispatch_next()
+            except BaseException:
+                if waiter.outcome is None:
+                    self.queue.cancel(ticket)
+                elif waiter.outcome == "dispatched":
+                    self._turning -= 1
+                    self._dispatch_next()  # its turn goes to the next waiter
+                raise
+        if waiter.outcome != "dispatched":
+            raise RequestRefused("queue", 429, waiter.outcome, self.queue.retry_after_s(band))
+
+    def _settle(self, left: list[Any]) -> None:
+        """Tells the waiters that left the queue (expired, displaced) why."""
+        for _, _, outcome, waiter, _ in left:
+            waiter.outcome = outcome
+            self._turning += outcome == "dispatched"
+        if left:
+            self._turns.notify_all()
+
+    def _dispatch_next(self) -> None:
+        """Gives the next waiter by the discipline its turn (under ``_turns``)."""
+        left = self.queue.dispatch()
+        if left is not None:
+            self._settle([left])
+
+    def _acquire_now(
+        self,
+        *,
+        max_output_tokens: int,
+        prompt_bytes: int | None,
+        category: str,
+        input_tokens: int | None,
+        entitlement: str | None,
+        tokens: Any,
+        fairness_id: str | None,
+        session: str | None,
+        now: float | None,
+    ) -> Lease:
+        """The steps once, at once (``acquire`` without ``wait``)."""
         if self.admission is not None and entitlement is None:
             raise ValueError("entitlement is needed with admission")
         held = _Held(max_output_tokens, fairness_id, now)
@@ -262,8 +395,10 @@ class Dispatcher:
                 if held.endpoint is None:
                     raise RequestRefused("endpoint", 503, "no-endpoint")
         except BaseException:
-            self._give_back(held, (0, 0), 0.0, now)
+            self._give_back(held, (0, 0), 0.0, now, counted=False)
             raise
+        with self._turns:
+            self._leases += 1
         return Lease(self, held)
 
     def _picker(self, decision: RouteDecision | None) -> EndpointPicker | None:
@@ -274,10 +409,28 @@ class Dispatcher:
         return self._by_pool[decision.pool]
 
     def _give_back(
-        self, held: _Held, usage: tuple[int, int], latency_s: float, now: float | None
+        self,
+        held: _Held,
+        usage: tuple[int, int],
+        latency_s: float,
+        now: float | None,
+        counted: bool = True,
     ) -> None:
         """Releases what ``held`` holds (endpoint, admission, pool), every part
-        attempted, the first error raised after."""
+        attempted, the first error raised after; a lease's release
+        (``counted``) then gives the next waiter of the queue its turn."""
+        try:
+            self._release_parts(held, usage, latency_s, now)
+        finally:
+            if counted:
+                with self._turns:
+                    self._leases -= 1
+                    if len(self.queue):
+                        self._dispatch_next()
+
+    def _release_parts(
+        self, held: _Held, usage: tuple[int, int], latency_s: float, now: float | None
+    ) -> None:
         steps: list[Callable[[], object]] = []
         picker = self._picker(held.decision)
         endpoint = held.endpoint
@@ -309,6 +462,30 @@ class Dispatcher:
                 first = first or e
         if first is not None:
             raise first
+
+
+#: The longest a waiter sleeps before it checks the TTLs and, when no lease
+#: is held (nothing will release), tries the next request itself.
+POLL_S = 0.05
+#: The queue's weight floor: equation 1's debt factor goes to 0 and below
+#: for an entitlement served 25% above its baseline; a flow's weight is > 0.
+MIN_WEIGHT = 1e-3
+
+
+class _Waiter:
+    """One ``acquire(wait=...)`` in the queue; ``outcome`` is set (under the
+    dispatcher's ``_turns``) when it leaves: dispatched, expired, displaced."""
+
+    __slots__ = ("outcome",)
+
+    def __init__(self) -> None:
+        self.outcome: str | None = None
+
+
+def _may_wait(refused: RequestRefused) -> bool:
+    """A refusal that capacity appearing can lift: admission's 429 (a quota
+    or entitlement at its limit) or no endpoint (503)."""
+    return (refused.step, refused.status) in (("admission", 429), ("endpoint", 503))
 
 
 def _tokens(what: str, value: int) -> int:
