@@ -1338,7 +1338,7 @@ class FlowQueue:
     def stats(self, band: str) -> dict[str, int]: ...
 
 def flow_eval(
-    experiment: int, policy: str, scale: float = 1.0, ttl_s: float = 30.0, seed: int = 1
+    experiment: int, policy: str, scale: float = 1.0, ttl_s: float = 30.0, seed: int = 0
 ) -> dict[str, Any]: ...
 
 # --- precise prefix routing from KV events (capability 11) --------------------

@@ -32,7 +32,7 @@ fn group<'py>(py: Python<'py>, g: &GroupSummary) -> PyResult<Bound<'py, PyDict>>
 /// second: ``t``, ``slots``, ``running``, ``queued``, ``occupancy`` per
 /// tenant, ``jain``).
 #[pyfunction]
-#[pyo3(signature = (experiment, policy, scale=1.0, ttl_s=30.0, seed=1))]
+#[pyo3(signature = (experiment, policy, scale=1.0, ttl_s=30.0, seed=0))]
 pub fn flow_eval<'py>(
     py: Python<'py>,
     #[pyo3(from_py_with = int_arg)] experiment: i64,

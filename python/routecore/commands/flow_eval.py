@@ -12,7 +12,7 @@ from typing import Any
 from routecore import _json
 from routecore._core import flow_eval
 from routecore.commands import _plot
-from routecore.commands._args import add_json, add_plot, add_quiet, positive_float, random_seed
+from routecore.commands._args import add_json, add_plot, add_quiet, add_seed, positive_float
 
 NAME = "flow-eval"
 HELP = (
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="longest wait in the queue before the refusal (default 30)",
     )
-    p.add_argument("--seed", type=random_seed, default=1, help="workload seed (default 1)")
+    add_seed(p, "workload seed")
     add_plot(p, "queue length and Jain's index over time, per policy")
     add_json(p)
     add_quiet(p)
