@@ -276,10 +276,13 @@ class Dispatcher:
             raise ValueError("wait needs now=None: waiting runs on routecore.monotonic")
         band = self.queue.band_of(service_class)
         deadline = monotonic() + wait
+        with self._turns:  # others waiting: queue behind them, not past them
+            behind = len(self.queue) > 0 or self._turning > 0
         turn = False  # dispatched from the queue, its try not over yet
         while True:
             try:
-                return self._acquire_now(**args)
+                if not behind:
+                    return self._acquire_now(**args)
             except RequestRefused as refused:
                 if not _may_wait(refused):
                     raise
@@ -288,6 +291,7 @@ class Dispatcher:
                     turn = False
                     with self._turns:
                         self._turning -= 1
+            behind = False
             cost = float(max((input_tokens or 0) + max_output_tokens, 1))
             weight = 1.0
             if self.admission is not None and entitlement is not None:
