@@ -6,6 +6,7 @@ holds nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -162,3 +163,29 @@ def test_waiters_are_served_in_the_pure_queues_dispatch_order(arrivals):
     expected = [pure.dispatch(now=1.0)[3] for _ in arrivals]
     assert served == expected
     assert in_flight(d) == 0 and len(d.queue) == 0
+
+
+def test_acquire_async_waits_without_blocking_the_loop_and_a_cancel_leaves_the_queue():
+    async def scenario():
+        d = dispatcher()
+        holder = take(d, "holder")
+        waiting = asyncio.create_task(
+            d.acquire_async(input_tokens=10, max_output_tokens=10, entitlement="t0", wait=10.0)
+        )
+        cancelled = asyncio.create_task(
+            d.acquire_async(input_tokens=10, max_output_tokens=10, entitlement="t1", wait=10.0)
+        )
+        while len(d.queue) < 2:
+            await asyncio.sleep(0.005)  # the loop runs while both wait
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert len(d.queue) == 1 and d.queue.stats("elastic")["cancelled"] == 1
+        holder.release()  # the waiter gets the slot
+        lease = await asyncio.wait_for(waiting, 10)
+        assert lease.admission is not None and lease.admission.admitted
+        assert in_flight(d) == 1
+        lease.release()
+        assert in_flight(d) == 0 and len(d.queue) == 0
+
+    asyncio.run(scenario())

@@ -23,15 +23,20 @@ discipline, which runs the steps again. After ``wait`` seconds (or the
 band's TTL, or when a higher band displaces it from a full queue) it is
 refused with ``step="queue"``, 429 and a Retry-After. A waiter that is
 interrupted (KeyboardInterrupt, any exception in its thread) leaves the
-queue and holds nothing.
+queue and holds nothing. ``acquire_async(..., wait=seconds)`` is the same
+for asyncio: it waits without blocking the loop, and a cancelled task leaves
+the queue.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import math
 import operator
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -270,9 +275,83 @@ class Dispatcher:
         )
         if wait is None:
             return self._acquire_now(**args)
+        steps = self._waiting(args, wait, service_class)
+        try:
+            waiter = next(steps)
+            while True:
+                try:
+                    with self._turns:
+                        while not self._poll(waiter):
+                            self._turns.wait(POLL_S)
+                except BaseException as e:  # KeyboardInterrupt: leave the queue
+                    waiter = steps.throw(e)
+                else:
+                    waiter = next(steps)
+        except StopIteration as done:
+            lease: Lease = done.value
+            return lease
+
+    async def acquire_async(
+        self,
+        *,
+        max_output_tokens: int,
+        wait: float,
+        prompt_bytes: int | None = None,
+        category: str = "prose",
+        input_tokens: int | None = None,
+        entitlement: str | None = None,
+        tokens: Any = None,
+        fairness_id: str | None = None,
+        session: str | None = None,
+        service_class: str | None = None,
+    ) -> Lease:
+        """``acquire(..., wait=wait)`` for asyncio: waits in the same queue
+        without blocking the event loop; a cancelled task (``task.cancel()``,
+        ``asyncio.timeout``) leaves the queue and holds nothing."""
+        args = dict(
+            max_output_tokens=max_output_tokens,
+            prompt_bytes=prompt_bytes,
+            category=category,
+            input_tokens=input_tokens,
+            entitlement=entitlement,
+            tokens=tokens,
+            fairness_id=fairness_id,
+            session=session,
+            now=None,
+        )
+        loop = asyncio.get_running_loop()
+        steps = self._waiting(args, wait, service_class)
+        try:
+            waiter = next(steps)
+            while True:
+                woken = asyncio.Event()
+                waiter.wake = functools.partial(loop.call_soon_threadsafe, woken.set)
+                try:
+                    while True:
+                        with self._turns:
+                            if self._poll(waiter):
+                                break
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(woken.wait(), POLL_S)
+                except BaseException as e:  # cancelled: leave the queue
+                    waiter = steps.throw(e)
+                else:
+                    waiter = next(steps)
+        except StopIteration as done:
+            lease: Lease = done.value
+            return lease
+
+    def _waiting(
+        self, args: dict[str, Any], wait: float, service_class: str | None
+    ) -> Generator[_Waiter, None, Lease]:
+        """The loop of ``acquire(wait=...)``, for a blocking or an asyncio
+        driver: tries the steps and, while they refuse for capacity, yields the
+        waiter it queued for the driver to wait on (``_poll`` says when it has
+        left the queue); an exception thrown in leaves the queue; returns the
+        lease."""
         if isinstance(wait, bool) or not (isinstance(wait, (int, float)) and 0 < wait < math.inf):
             raise ValueError(f"wait must be a finite number of seconds > 0, got {wait!r}")
-        if now is not None:
+        if args["now"] is not None:
             raise ValueError("wait needs now=None: waiting runs on routecore.monotonic")
         band = self.queue.band_of(service_class)
         deadline = monotonic() + wait
@@ -292,52 +371,58 @@ class Dispatcher:
                     with self._turns:
                         self._turning -= 1
             behind = False
-            cost = float(max((input_tokens or 0) + max_output_tokens, 1))
+            entitlement = args["entitlement"]
+            cost = float(max((args["input_tokens"] or 0) + args["max_output_tokens"], 1))
             weight = 1.0
             if self.admission is not None and entitlement is not None:
                 weight = max(self.admission.priority(entitlement), MIN_WEIGHT)
-            self._wait_turn(band, entitlement or fairness_id or "default", cost, weight, deadline)
-            turn = True
-
-    def _wait_turn(self, band: str, flow: str, cost: float, weight: float, deadline: float) -> None:
-        """Waits in the queue until a release dispatches this waiter (returns),
-        or raises ``RequestRefused`` (refused by the full queue, displaced,
-        expired, or ``deadline`` passed); leaves the queue on any exception."""
-        waiter = _Waiter()
-        with self._turns:
-            ticket, status, retry, displaced = self.queue.enqueue(
-                band, flow, waiter, cost=cost, weight=weight
-            )
-            self._settle(displaced)
+            flow = entitlement or args["fairness_id"] or "default"
+            waiter = _Waiter(deadline)
+            with self._turns:
+                ticket, status, retry, displaced = self.queue.enqueue(
+                    band, flow, waiter, cost=cost, weight=weight
+                )
+                self._settle(displaced)
             if ticket is None:
                 raise RequestRefused("queue", 429, status, retry)
+            waiter.ticket = ticket
             try:
-                while waiter.outcome is None:
-                    left = deadline - monotonic()
-                    if left <= 0:
-                        self.queue.cancel(ticket)
-                        waiter.outcome = "expired"
-                        break
-                    self._turns.wait(min(left, POLL_S))
-                    self._settle(self.queue.expire())
-                    if waiter.outcome is None and self._leases == self._turning == 0:
-                        # Nothing in flight will release: try the next one now.
-                        self._dispatch_next()
+                yield waiter
             except BaseException:
-                if waiter.outcome is None:
-                    self.queue.cancel(ticket)
-                elif waiter.outcome == "dispatched":
-                    self._turning -= 1
-                    self._dispatch_next()  # its turn goes to the next waiter
+                with self._turns:
+                    if waiter.outcome is None:
+                        self.queue.cancel(ticket)
+                    elif waiter.outcome == "dispatched":
+                        self._turning -= 1
+                        self._dispatch_next()  # its turn goes to the next waiter
                 raise
-        if waiter.outcome != "dispatched":
-            raise RequestRefused("queue", 429, waiter.outcome, self.queue.retry_after_s(band))
+            if waiter.outcome != "dispatched":
+                raise RequestRefused(
+                    "queue", 429, str(waiter.outcome), self.queue.retry_after_s(band)
+                )
+            turn = True
+
+    def _poll(self, waiter: _Waiter) -> bool:
+        """Under ``_turns``: whether ``waiter`` has left the queue, after
+        expiring what is due, ending its wait at its deadline and, when no
+        lease is held (nothing will release), giving the next waiter its turn."""
+        if waiter.outcome is None:
+            self._settle(self.queue.expire())
+        if waiter.outcome is None and monotonic() >= waiter.deadline:
+            self.queue.cancel(waiter.ticket)
+            waiter.outcome = "expired"
+        if waiter.outcome is None and self._leases == self._turning == 0:
+            self._dispatch_next()
+        return waiter.outcome is not None
 
     def _settle(self, left: list[Any]) -> None:
-        """Tells the waiters that left the queue (expired, displaced) why."""
+        """Tells the waiters that left the queue (dispatched, expired,
+        displaced) why, and wakes them."""
         for _, _, outcome, waiter, _ in left:
             waiter.outcome = outcome
             self._turning += outcome == "dispatched"
+            if waiter.wake is not None:
+                waiter.wake()
         if left:
             self._turns.notify_all()
 
@@ -478,12 +563,16 @@ MIN_WEIGHT = 1e-3
 
 class _Waiter:
     """One ``acquire(wait=...)`` in the queue; ``outcome`` is set (under the
-    dispatcher's ``_turns``) when it leaves: dispatched, expired, displaced."""
+    dispatcher's ``_turns``) when it leaves: dispatched, expired, displaced;
+    ``wake`` (an asyncio driver's) is called then."""
 
-    __slots__ = ("outcome",)
+    __slots__ = ("deadline", "outcome", "ticket", "wake")
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.ticket = 0
         self.outcome: str | None = None
+        self.wake: Callable[[], object] | None = None
 
 
 def _may_wait(refused: RequestRefused) -> bool:
