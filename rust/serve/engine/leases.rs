@@ -160,6 +160,8 @@ impl Engine {
             fail("chooser", e);
         }
         m.in_flight[lease.endpoint].dec();
+        // Capacity appeared: the pool's queue may let a request out.
+        self.pump(lease.pool, now);
         if let Some(ticket) = lease.ticket {
             let actual = usage.unwrap_or((lease.est_input_tokens, 0));
             let latency = lease.started.elapsed().as_secs_f64();
