@@ -102,6 +102,17 @@ impl AutoscaleConfig {
         Ok(cfg)
     }
 
+    /// The damping its keys describe.
+    pub fn damping(&self) -> super::Damping {
+        super::Damping {
+            scale_down_delay_s: self.scale_down_delay_s,
+            max_step_up: self.max_step_up,
+            max_step_up_percent: self.max_step_up_percent,
+            max_step_down: self.max_step_down,
+            max_step_down_percent: self.max_step_down_percent,
+        }
+    }
+
     /// Seconds over which queued requests count as arriving.
     pub fn queue_drain_s(&self) -> f64 {
         self.queue_drain_s.unwrap_or(self.period_s)
