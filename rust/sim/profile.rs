@@ -394,7 +394,7 @@ impl RateProfile {
     /// Poisson arrivals in `[0, duration_s]` (seeded).
     pub fn poisson(&self, duration_s: f64, seed: u64) -> Result<Vec<f64>> {
         positive("duration", duration_s)?;
-        let mut rng = Rng::new(seed ^ 0x5EED_0F_A11_7A7E);
+        let mut rng = Rng::new(seed ^ 0x0005_EED0_FA11_7A7E);
         let mut s = 0.0;
         let epochs = std::iter::from_fn(move || {
             s += rng.exponential(1.0);
@@ -453,11 +453,11 @@ mod tests {
     #[test]
     fn specs_parse_to_their_profiles() {
         assert_eq!(
-            RateProfile::parse("step:500@0,2000@600").unwrap(),
+            RateProfile::parse("step:500@0,2000@600").expect("ok"),
             RateProfile::Steps(vec![(0.0, 500.0), (600.0, 2000.0)])
         );
         assert_eq!(
-            RateProfile::parse("diurnal:low=1,high=3,period=100").unwrap(),
+            RateProfile::parse("diurnal:low=1,high=3,period=100").expect("ok"),
             RateProfile::Diurnal {
                 low: 1.0,
                 high: 3.0,
@@ -465,7 +465,7 @@ mod tests {
             }
         );
         assert_eq!(
-            RateProfile::parse("burst:base=1,peak=5,at=10,length=2,every=20").unwrap(),
+            RateProfile::parse("burst:base=1,peak=5,at=10,length=2,every=20").expect("ok"),
             RateProfile::Burst {
                 base: 1.0,
                 peak: 5.0,
@@ -494,7 +494,7 @@ mod tests {
             ("diurnal:lo=1,high=5,period=10", "unknown key"),
             ("burst:base=1,peak=5,at=0,length=10,every=5", "above length"),
         ] {
-            let e = RateProfile::parse(spec).unwrap_err().to_string();
+            let e = RateProfile::parse(spec).expect_err("refused").to_string();
             assert!(e.contains(says), "{spec}: {e}");
         }
     }
@@ -508,7 +508,7 @@ mod tests {
             "burst:base=100,peak=400,at=30,length=15,every=50",
             "burst:base=100,peak=400,at=30,length=15",
         ] {
-            let p = RateProfile::parse(spec).unwrap();
+            let p = RateProfile::parse(spec).expect("ok");
             let dt = 0.001;
             let mut sum = 0.0;
             for k in 0..300_000 {
@@ -527,19 +527,19 @@ mod tests {
 
     #[test]
     fn rates_by_hand() {
-        let d = RateProfile::parse("diurnal:low=100,high=300,period=200").unwrap();
+        let d = RateProfile::parse("diurnal:low=100,high=300,period=200").expect("ok");
         assert_eq!(d.rate(0.0), 100.0);
         assert!((d.rate(100.0) - 300.0).abs() < 1e-9);
         assert!((d.rate(50.0) - 200.0).abs() < 1e-9);
         assert!((d.peak(1000.0) - 300.0).abs() < 1e-9);
-        let b = RateProfile::parse("burst:base=1,peak=5,at=10,length=2,every=20").unwrap();
+        let b = RateProfile::parse("burst:base=1,peak=5,at=10,length=2,every=20").expect("ok");
         assert_eq!(
             (b.rate(9.9), b.rate(10.0), b.rate(11.9), b.rate(12.0)),
             (1.0, 5.0, 5.0, 1.0)
         );
         assert_eq!(b.rate(31.0), 5.0);
         assert_eq!(b.rises(55.0), vec![10.0, 30.0, 50.0]);
-        let s = RateProfile::parse("step:500@0,2000@600,100@900").unwrap();
+        let s = RateProfile::parse("step:500@0,2000@600,100@900").expect("ok");
         assert_eq!(
             (s.rate(599.0), s.rate(600.0), s.rate(1e6)),
             (500.0, 2000.0, 100.0)
@@ -552,8 +552,8 @@ mod tests {
     /// count within 4 standard deviations, and times increase.
     #[test]
     fn poisson_arrivals_follow_the_profile() {
-        let p = RateProfile::parse("step:200@0,1000@50").unwrap();
-        let t = p.poisson(100.0, 3).unwrap();
+        let p = RateProfile::parse("step:200@0,1000@50").expect("ok");
+        let t = p.poisson(100.0, 3).expect("ok");
         assert!(t.windows(2).all(|w| w[1] >= w[0]));
         assert!(t.iter().all(|&x| (0.0..=100.0).contains(&x)));
         let before = t.iter().filter(|&&x| x < 50.0).count() as f64;
@@ -570,8 +570,8 @@ mod tests {
     #[test]
     fn a_scaled_trace_keeps_its_gaps() {
         let trace = [10.0, 10.5, 12.0, 12.25, 14.0];
-        let flat = RateProfile::parse("step:2@0").unwrap();
-        let t = flat.scaled_trace(&trace, 4.1).unwrap();
+        let flat = RateProfile::parse("step:2@0").expect("ok");
+        let t = flat.scaled_trace(&trace, 4.1).expect("ok");
         // Unit epochs 0, 0.5, 2, 2.25, 4 (span 4 over 4 gaps), then copy two
         // from 5; at rate 2 each is halved.
         let want = [0.0, 0.25, 1.0, 1.125, 2.0, 2.5, 2.75, 3.5, 3.625];
@@ -579,8 +579,8 @@ mod tests {
         for (a, b) in t.iter().zip(want) {
             assert!((a - b).abs() < 1e-9, "{t:?}");
         }
-        let step = RateProfile::parse("step:1@0,10@100").unwrap();
-        let t = step.scaled_trace(&trace, 200.0).unwrap();
+        let step = RateProfile::parse("step:1@0,10@100").expect("ok");
+        let t = step.scaled_trace(&trace, 200.0).expect("ok");
         assert!(
             (t.len() as f64 - step.cumulative(200.0)).abs() <= 2.0,
             "{}",
@@ -590,15 +590,15 @@ mod tests {
 
     #[test]
     fn timestamps_that_go_backwards_are_refused() {
-        let p = RateProfile::parse("step:2@0").unwrap();
+        let p = RateProfile::parse("step:2@0").expect("ok");
         let e = p
             .scaled_trace(&[0.0, 2.0, 1.0], 10.0)
-            .unwrap_err()
+            .expect_err("refused")
             .to_string();
         assert!(e.contains("go backwards at row 2"), "{e}");
         let e = p
             .scaled_trace(&[0.0, f64::NAN], 10.0)
-            .unwrap_err()
+            .expect_err("refused")
             .to_string();
         assert!(e.contains("finite"), "{e}");
         assert!(p.scaled_trace(&[1.0, 1.0], 10.0).is_err());

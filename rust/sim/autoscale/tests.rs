@@ -21,8 +21,7 @@ impl Policy for Scripted {
         Ok(self
             .0
             .iter()
-            .filter(|(t, _)| *t <= now)
-            .last()
+            .rfind(|(t, _)| *t <= now)
             .map_or(0, |&(_, n)| n))
     }
 }
@@ -240,15 +239,15 @@ fn the_sizer_is_the_autoscalers_model_and_grows_with_the_rate() {
     let cfg = autoscale_config(500);
     let profile = Profile::llama3_70b_a100();
     let reqs = azure_like(2000, 1);
-    let mut sizer = Sizer::new(&cfg, &profile, &reqs).unwrap();
+    let mut sizer = Sizer::new(&cfg, &profile, &reqs).expect("ok");
     let mut last = 0;
     for rate in [1.0, 10.0, 50.0, 200.0] {
-        let n = sizer.endpoints(rate).unwrap();
+        let n = sizer.endpoints(rate).expect("ok");
         assert!(n >= last, "{rate}: {n} < {last}");
         last = n;
         // The autoscaler fed the same requests over one window of 60 s at
         // this rate sizes the same (same code).
-        let mut a = Autoscaler::new(cfg.clone(), vec![profile.clone()], 0.0).unwrap();
+        let mut a = Autoscaler::new(cfg.clone(), vec![profile.clone()], 0.0).expect("ok");
         let m = (rate * 60.0) as usize;
         for k in 0..m {
             let q = &reqs[k % reqs.len()];
@@ -259,9 +258,9 @@ fn the_sizer_is_the_autoscalers_model_and_grows_with_the_rate() {
                 q.input_tokens,
                 q.output_tokens,
             )
-            .unwrap();
+            .expect("ok");
         }
-        let d = a.step(60.0, &[]).unwrap();
+        let d = a.step(60.0, &[]).expect("ok");
         let target = d[0].target.endpoints;
         assert!(
             target.abs_diff(n) <= (n / 10).max(1),
@@ -276,14 +275,14 @@ fn hindsight_sees_the_step_coming() {
     let cfg = autoscale_config(500);
     let profile = Profile::llama3_70b_a100();
     let reqs = azure_like(2000, 2);
-    let rates = RateProfile::parse("step:10@0,100@100").unwrap();
-    let mut sizer = Sizer::new(&cfg, &profile, &reqs).unwrap();
+    let rates = RateProfile::parse("step:10@0,100@100").expect("ok");
+    let mut sizer = Sizer::new(&cfg, &profile, &reqs).expect("ok");
     let (low, high) = (
-        sizer.endpoints(10.0).unwrap(),
-        sizer.endpoints(100.0).unwrap(),
+        sizer.endpoints(10.0).expect("ok"),
+        sizer.endpoints(100.0).expect("ok"),
     );
     assert!(high > low);
-    let mut h = Hindsight::new(sizer, rates, 40.0).unwrap();
+    let mut h = Hindsight::new(sizer, rates, 40.0).expect("ok");
     let st = FleetState {
         ready: 1,
         starting: 0,
@@ -294,20 +293,20 @@ fn hindsight_sees_the_step_coming() {
         max_num_seqs: 8,
     };
     let pool = &cfg.pools[0];
-    assert_eq!(h.desired(50.0, pool, &st).unwrap(), low);
+    assert_eq!(h.desired(50.0, pool, &st).expect("ok"), low);
     assert_eq!(
-        h.desired(60.0, pool, &st).unwrap(),
+        h.desired(60.0, pool, &st).expect("ok"),
         high,
         "100 s is within 60 + 40"
     );
-    assert_eq!(h.desired(200.0, pool, &st).unwrap(), high);
+    assert_eq!(h.desired(200.0, pool, &st).expect("ok"), high);
 }
 
 #[test]
 fn the_saturation_rule_by_hand() {
     let mut cfg = autoscale_config(100);
     cfg.scale_down_delay_s = 30.0;
-    let mut p = Saturation::new(SaturationRule::default(), &cfg, 20).unwrap();
+    let mut p = Saturation::new(SaturationRule::default(), &cfg, 20).expect("ok");
     let pool = &cfg.pools[0];
     let st = |running: u64, waiting: u64, kv: f64| FleetState {
         ready: 20,
@@ -319,19 +318,19 @@ fn the_saturation_rule_by_hand() {
         max_num_seqs: 10,
     };
     // Slots 170 of 200 held: 0.85 >= 0.8, up by 10 % of 20.
-    assert_eq!(p.desired(10.0, pool, &st(170, 0, 0.1)).unwrap(), 22);
+    assert_eq!(p.desired(10.0, pool, &st(170, 0, 0.1)).expect("ok"), 22);
     // KV-cache use alone.
-    assert_eq!(p.desired(20.0, pool, &st(10, 0, 0.9)).unwrap(), 25);
+    assert_eq!(p.desired(20.0, pool, &st(10, 0, 0.9)).expect("ok"), 25);
     // Requests waiting: 2 per endpoint.
-    assert_eq!(p.desired(30.0, pool, &st(10, 50, 0.1)).unwrap(), 28);
+    assert_eq!(p.desired(30.0, pool, &st(10, 50, 0.1)).expect("ok"), 28);
     // Between the thresholds: stays.
-    assert_eq!(p.desired(40.0, pool, &st(150, 0, 0.1)).unwrap(), 28);
+    assert_eq!(p.desired(40.0, pool, &st(150, 0, 0.1)).expect("ok"), 28);
     // Below 0.5 with nothing waiting: down, but only after the delay.
-    assert_eq!(p.desired(50.0, pool, &st(20, 0, 0.1)).unwrap(), 28);
-    assert_eq!(p.desired(70.0, pool, &st(20, 0, 0.1)).unwrap(), 28);
-    assert_eq!(p.desired(80.0, pool, &st(20, 0, 0.1)).unwrap(), 25);
+    assert_eq!(p.desired(50.0, pool, &st(20, 0, 0.1)).expect("ok"), 28);
+    assert_eq!(p.desired(70.0, pool, &st(20, 0, 0.1)).expect("ok"), 28);
+    assert_eq!(p.desired(80.0, pool, &st(20, 0, 0.1)).expect("ok"), 25);
     // Low but something waits: no scale-down.
-    assert_eq!(p.desired(90.0, pool, &st(20, 1, 0.1)).unwrap(), 25);
+    assert_eq!(p.desired(90.0, pool, &st(20, 1, 0.1)).expect("ok"), 25);
     let bad = SaturationRule {
         down: 0.9,
         ..SaturationRule::default()
@@ -346,14 +345,14 @@ fn the_saturation_rule_by_hand() {
 fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
     let cfg = autoscale_config(500);
     let profile = Profile::llama3_70b_a100();
-    let mut m = ModelBased::new(cfg.clone(), profile.clone(), 5).unwrap();
-    let mut a = Autoscaler::new(cfg.clone(), vec![profile.clone()], 0.0).unwrap();
-    a.set_current(0, 5).unwrap();
+    let mut m = ModelBased::new(cfg.clone(), profile.clone(), 5).expect("ok");
+    let mut a = Autoscaler::new(cfg.clone(), vec![profile.clone()], 0.0).expect("ok");
+    a.set_current(0, 5).expect("ok");
     for (k, q) in azure_like(600, 3).iter().enumerate() {
         let t = k as f64 / 20.0;
-        m.observe(t, q.input_tokens, q.output_tokens).unwrap();
+        m.observe(t, q.input_tokens, q.output_tokens).expect("ok");
         a.observe(0, None, t, q.input_tokens, q.output_tokens)
-            .unwrap();
+            .expect("ok");
     }
     let st = |waiting| FleetState {
         ready: 5,
@@ -369,15 +368,15 @@ fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
         queued_requests: 300.0,
         promised_tokens_per_s: 0.0,
     };
-    let want = a.step(30.0, &[demand]).unwrap()[0].endpoints;
-    assert_eq!(m.desired(30.0, pool, &st(300)).unwrap(), want);
-    let mut quiet = ModelBased::new(cfg.clone(), profile, 5).unwrap();
+    let want = a.step(30.0, &[demand]).expect("ok")[0].endpoints;
+    assert_eq!(m.desired(30.0, pool, &st(300)).expect("ok"), want);
+    let mut quiet = ModelBased::new(cfg.clone(), profile, 5).expect("ok");
     for (k, q) in azure_like(600, 3).iter().enumerate() {
         quiet
             .observe(k as f64 / 20.0, q.input_tokens, q.output_tokens)
-            .unwrap();
+            .expect("ok");
     }
-    assert!(quiet.desired(30.0, pool, &st(0)).unwrap() < want);
+    assert!(quiet.desired(30.0, pool, &st(0)).expect("ok") < want);
     // Out of bounds: refused.
     assert!(ModelBased::new(cfg, Profile::llama3_70b_a100(), 501).is_err());
 }
@@ -394,7 +393,7 @@ fn a_fixed_fleet_stays() {
 fn bad_runs_are_refused() {
     let reqs = requests(&[1.0, 100.0], 10, 10);
     let cfg = config(1, 10.0, 5.0, 50.0);
-    let e = run(&reqs, &cfg, &mut Fixed(1), &AtomicU64::new(0)).unwrap_err();
+    let e = run(&reqs, &cfg, &mut Fixed(1), &AtomicU64::new(0)).expect_err("refused");
     assert!(e.to_string().contains("after the horizon"), "{e}");
     let mut c = config(1, 10.0, 5.0, 50.0);
     c.scaling = scaling(5, 3);
@@ -402,7 +401,7 @@ fn bad_runs_are_refused() {
     let c = config(1, 0.0, 5.0, 50.0);
     assert!(run(&[], &c, &mut Fixed(1), &AtomicU64::new(0)).is_err());
     let reqs = requests(&[2.0, 1.0], 10, 10);
-    let e = run(&reqs, &cfg, &mut Fixed(1), &AtomicU64::new(0)).unwrap_err();
+    let e = run(&reqs, &cfg, &mut Fixed(1), &AtomicU64::new(0)).expect_err("refused");
     assert!(e.to_string().contains("sorted"), "{e}");
 }
 
