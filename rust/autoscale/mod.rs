@@ -251,6 +251,7 @@ impl Autoscaler {
                 &live,
                 &chunks,
                 d,
+                self.cfg.forecast_s,
                 state.hint,
             )?);
         }

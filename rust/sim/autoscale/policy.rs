@@ -143,6 +143,7 @@ impl Sizer {
             &live,
             &|out: &mut Vec<(u64, f64)>| out.extend_from_slice(chunks),
             PoolDemand::default(),
+            None,
             self.hint,
         )?;
         if t.model_endpoints > 0 {
