@@ -294,10 +294,14 @@ impl Policy for Saturation {
     }
 }
 
-/// routecore's policy: the data plane's [`Autoscaler`] in the loop.
+/// routecore's policy: the data plane's [`Autoscaler`] in the loop. Until
+/// its window is `window_s` old it keeps the count it started with (a fleet
+/// that starts empty finishes few requests in its first seconds: a young
+/// window would read a rising rate that is not there).
 #[derive(Debug, Clone)]
 pub struct ModelBased {
     autoscaler: Autoscaler,
+    current: u64,
 }
 
 impl ModelBased {
@@ -312,7 +316,10 @@ impl ModelBased {
         }
         let mut autoscaler = Autoscaler::new(cfg, vec![profile], 0.0)?;
         autoscaler.set_current(0, current)?;
-        Ok(Self { autoscaler })
+        Ok(Self {
+            autoscaler,
+            current,
+        })
     }
 }
 
@@ -330,7 +337,11 @@ impl Policy for ModelBased {
             queued_requests: state.waiting as f64,
             promised_tokens_per_s: 0.0,
         };
+        if now < self.autoscaler.config().window_s {
+            return Ok(self.current);
+        }
         let d = self.autoscaler.step(now, &[demand])?;
-        Ok(d[0].endpoints)
+        self.current = d[0].endpoints;
+        Ok(self.current)
     }
 }

@@ -368,15 +368,17 @@ fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
         queued_requests: 300.0,
         promised_tokens_per_s: 0.0,
     };
-    let want = a.step(30.0, &[demand]).expect("ok")[0].endpoints;
-    assert_eq!(m.desired(30.0, pool, &st(300)).expect("ok"), want);
+    // A window younger than its 60 s: the count it started with.
+    assert_eq!(m.desired(30.0, pool, &st(300)).expect("ok"), 5);
+    let want = a.step(60.0, &[demand]).expect("ok")[0].endpoints;
+    assert_eq!(m.desired(60.0, pool, &st(300)).expect("ok"), want);
     let mut quiet = ModelBased::new(cfg.clone(), profile, 5).expect("ok");
     for (k, q) in azure_like(600, 3).iter().enumerate() {
         quiet
             .observe(k as f64 / 20.0, q.input_tokens, q.output_tokens)
             .expect("ok");
     }
-    assert!(quiet.desired(30.0, pool, &st(0)).expect("ok") < want);
+    assert!(quiet.desired(60.0, pool, &st(0)).expect("ok") < want);
     // Out of bounds: refused.
     assert!(ModelBased::new(cfg, Profile::llama3_70b_a100(), 501).is_err());
 }
