@@ -22,6 +22,7 @@ from routecore.commands import (
     calibration_study,
     client,
     compress,
+    flow_eval,
     init_config,
     pick_eval,
     plan,
@@ -49,6 +50,8 @@ COMMANDS.append(bench)
 COMMANDS.append(plan_fidelity)
 # Autoscaling policies in the simulator (issue 26).
 COMMANDS.append(autoscale_sim)
+# Flow control in simulation (issue 32).
+COMMANDS.append(flow_eval)
 
 
 class UsageError(Exception):

@@ -27,6 +27,7 @@
 pub mod autoscale;
 pub mod cache;
 pub mod engine;
+pub mod flow;
 pub mod prefix_workload;
 pub mod profile;
 pub mod router;
