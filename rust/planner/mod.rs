@@ -29,11 +29,14 @@
 //!   priced as long-pool GPUs. Requests longer than `long_context` fit no
 //!   pool; they are counted in the long pool's traffic as if they did.
 
+pub mod disagg;
 mod engine;
 
 use std::sync::Arc;
 
-pub use engine::{engine_state, BuildChunks, EngineLoad, EngineShape, EngineState, MAX_LOOP};
+pub use engine::{
+    engine_state, BuildChunks, EngineLoad, EngineShape, EngineState, TtftShift, MAX_LOOP,
+};
 use engine::{size_engine_pool, Chunks, Targets};
 
 use crate::budget::compressible_category;
@@ -625,6 +628,22 @@ pub fn size_engine(
     chunks: BuildChunks<'_>,
     hint: Option<u64>,
 ) -> Result<PoolPlan> {
+    let pool = (context, n_slots, arrival_rate);
+    size_engine_shifted(profile, pool, load, slo, TtftShift::NONE, chunks, hint)
+}
+
+/// [`size_engine`] for a pool `(context, n_slots, arrival_rate)` whose
+/// requests' TTFT holds `shift` beyond its own waits and prefill (a
+/// disaggregated prefill pool: the KV transfer and the decode side).
+pub fn size_engine_shifted(
+    profile: &Profile,
+    (context, n_slots, arrival_rate): (u64, u64, f64),
+    load: &EngineLoad,
+    slo: EngineSlo,
+    shift: TtftShift,
+    chunks: BuildChunks<'_>,
+    hint: Option<u64>,
+) -> Result<PoolPlan> {
     let shape = EngineShape {
         w_s: profile.w_s,
         h_s: profile.h_s,
@@ -632,11 +651,14 @@ pub fn size_engine(
         n_slots,
         kv_tokens: n_slots as f64 * context as f64,
     };
-    let targets = Targets::new(
-        slo.ttft_s,
-        slo.tpot_s.unwrap_or(f64::INFINITY),
-        slo.quantile,
-    );
+    let targets = Targets {
+        shift,
+        ..Targets::new(
+            slo.ttft_s,
+            slo.tpot_s.unwrap_or(f64::INFINITY),
+            slo.quantile,
+        )
+    };
     let pool = PoolPlan {
         context,
         n_slots,

@@ -25,6 +25,7 @@
 //! the two columns compare the same quantity.
 
 pub mod cache;
+pub mod disagg;
 pub mod engine;
 pub mod prefix_workload;
 pub mod router;
