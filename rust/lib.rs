@@ -64,6 +64,10 @@ mod _core {
         PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
     };
     #[pymodule_export]
+    use crate::py::disagg::{
+        plan_disaggregated, simulate_disaggregated, PyDisaggPlan, PyDisaggReport,
+    };
+    #[pymodule_export]
     use crate::py::flow::PyFlowQueue;
     #[cfg(feature = "kv-events")]
     #[pymodule_export]

@@ -11,6 +11,7 @@ pub mod budget;
 pub mod calibrate;
 pub mod classify;
 pub mod compress;
+pub mod disagg;
 pub mod flow;
 #[cfg(feature = "kv-events")]
 pub mod kv;
