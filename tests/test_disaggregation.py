@@ -177,3 +177,32 @@ def test_simulate_cli_refuses_a_split_with_no_prefill_endpoint(capsys):
             "--rate", "20", "--duration", "2", "--no-verify", "--quiet"]  # fmt: skip
     assert main(args) == 2
     assert "needs a prefill pool" in capsys.readouterr().err
+
+
+def planner_against_simulation(capsys, trace, rate, duration, decider="always"):
+    """``simulate --disaggregated`` with verification: per pool, planned
+    against the smallest count the simulator accepts."""
+    args = ["simulate", "--disaggregated", "--trace", trace, "--rate", str(rate),
+            "--duration", str(duration), "--slo-ttft", "1", "--decider", decider,
+            "--fleet", "homogeneous", "--quiet", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = strict_json(capsys.readouterr().out)
+    (fleet,) = out["fleets"]
+    assert fleet["slo_attainment"] >= 0.99
+    return [(p["name"], p["gpus_planned"], p["gpus"]) for p in fleet["pools"]]
+
+
+def test_the_planned_pd_fleet_is_the_simulated_minimum(capsys):
+    """A reduced check of the planner against the simulator (Azure code, 100
+    req/s, 30 s): each pool's planned GPUs within 5 % (or one GPU) of the
+    smallest count meeting the SLO for 99 % of the requests."""
+    for name, planned, verified in planner_against_simulation(capsys, "azure-code", 100, 30):
+        assert abs(planned - verified) <= max(1, 0.05 * verified), (name, planned, verified)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trace", ["azure-code", "azure-conversation"])
+def test_the_planned_pd_fleet_is_the_simulated_minimum_at_scale(capsys, trace):
+    """The same at 1,000 req/s over 120 s (docs/planner.md's table)."""
+    for name, planned, verified in planner_against_simulation(capsys, trace, 1000, 120):
+        assert abs(planned - verified) <= max(1, 0.05 * verified), (name, planned, verified)

@@ -47,6 +47,8 @@ DEFAULT_CONTEXT = 65536
 #: The default link per GPU: 25 GB/s (one 200 Gb/s NIC).
 DEFAULT_BANDWIDTH_GBS = 25.0
 DEFAULT_LATENCY_S = 0.002
+#: A pool's verification search stops at this many times its planned size.
+MAX_VERIFY_FACTOR = 4
 
 
 def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
@@ -247,19 +249,24 @@ def verify(
     fleet: Fleet, trace: Trace, profile: Profile, args: argparse.Namespace, slots: int
 ) -> DisaggReport:
     """Per pool, the smallest GPU count with which the fleet's measured
-    requests meet both SLOs at least ``--verify-target`` of the time, the
-    other pool at its planned size: bisection with the simulator
-    (``routecore.commands.simulate.Bisection``: gallop from the plan by 3 %,
-    then bisect), at most ``--verify-rounds`` runs per pool. Both searches
-    end, the fleet is set to both minima and run once more."""
+    requests meet both SLOs at least ``--verify-target`` of the time: by
+    bisection with the simulator (``routecore.commands.simulate.Bisection``:
+    gallop from the plan by 3 %, then bisect), at most ``--verify-rounds``
+    runs per pool, one pool at a time: decode first (prefill at its planned
+    size), then prefill (decode at the size found), then decode again if it
+    never met the SLO the first time. A search that reaches
+    ``MAX_VERIFY_FACTOR`` times its plan stops there (the other pool binds).
+    Returns the run at the sizes found."""
     from routecore.commands.simulate import Bisection
 
-    pools = ["prefill", "decode"] if fleet.prefill > 0 and fleet.decider != "never" else ["decode"]
-    found = {}
-    for name in pools:
+    order = ["decode", "prefill", "decode"] if fleet.prefill > 0 else ["decode"]
+    met: dict[str, bool] = {}
+    for name in order:
+        if met.get(name):
+            continue
         planned = getattr(fleet, name)
         search = Bisection(planned)
-        gpus = planned
+        gpus, cap = planned, MAX_VERIFY_FACTOR * planned + 1
         for round_ in range(args.verify_rounds + 1):
             setattr(fleet, name, gpus)
             meets = attainment(simulate(fleet, trace, profile, args, slots), args)
@@ -267,12 +274,12 @@ def verify(
             if search.done or round_ == args.verify_rounds:
                 break
             gpus = search.next_probe()
+            if gpus > cap:
+                break
             if not args.quiet:
                 print(f"verify {fleet.name}: {name} {gpus}", file=sys.stderr)
-        found[name] = search.ok if search.ok is not None else gpus
-        setattr(fleet, name, planned)
-    for name, gpus in found.items():
-        setattr(fleet, name, gpus)
+        met[name] = search.ok is not None
+        setattr(fleet, name, search.ok if search.ok is not None else planned)
     return simulate(fleet, trace, profile, args, slots)
 
 
