@@ -44,7 +44,7 @@
 use super::{size_engine, size_engine_shifted, EngineLoad, EngineSlo, PoolPlan, TtftShift};
 use crate::error::{invalid, non_negative, positive, Result};
 use crate::profile::Profile;
-use crate::workload::{RangeMoments, Workload};
+use crate::workload::{RangeMoments, ServiceTable, Workload};
 
 /// The default link: one 200 Gb/s NIC per GPU, 25 GB/s.
 pub const DEFAULT_BANDWIDTH_BYTES_S: f64 = 25e9;
@@ -188,20 +188,22 @@ impl Acc {
 }
 
 /// The engine-model loads of the three pools and the chunk histogram of the
-/// prompts, from the workload's requests (outputs of 0 tokens count as 1).
+/// prompts, from the workload's requests (outputs of 0 tokens count as 1);
+/// the chunk counts' histogram, quantile and fewest from the workload's
+/// cached [`ServiceTable`] (its wavelet matrix), the moments in one pass.
 struct Loads {
     aggregated: EngineLoad,
     prefill: EngineLoad,
     decode: EngineLoad,
-    /// `(ceil(L_in / C), weight)`, ascending, weights summing to 1.
+    /// `(ceil(L_in / C), weight)`, ascending.
     chunks: Vec<(u64, f64)>,
 }
 
 impl Loads {
-    fn new(w: &Workload, chunk: u64, quantile: f64) -> Self {
+    fn new(w: &Workload, table: &ServiceTable, quantile: f64) -> Self {
+        let chunk = table.c_chunk;
         // [k, k L_total, L_in] of the aggregated, prefill and decode requests.
         let mut acc: [[Acc; 3]; 3] = Default::default();
-        let mut chunks = Vec::with_capacity(w.len());
         let weights = w.weights();
         for (i, (&p, &o)) in w.input_tokens().iter().zip(w.output_tokens()).enumerate() {
             let (wt, o) = (weights[i], o.max(1));
@@ -217,31 +219,12 @@ impl Loads {
                 a[1].add(wt, k as f64 * kv_tokens);
                 a[2].add(wt, prompt as f64);
             }
-            chunks.push((ch, wt));
         }
-        chunks.sort_by_key(|&(k, _)| k);
-        chunks.dedup_by(|b, a| {
-            let same = a.0 == b.0;
-            if same {
-                a.1 += b.1;
-            }
-            same
-        });
-        let total: f64 = chunks.iter().map(|&(_, w)| w).sum();
-        for c in &mut chunks {
-            c.1 /= total;
-        }
-        let fewest = chunks.first().map_or(0, |&(k, _)| k) as f64;
-        let mut cum = 0.0;
-        let target = (1.0 + quantile) / 2.0;
-        let q = chunks
-            .iter()
-            .find(|&&(_, p)| {
-                cum += p;
-                cum >= target - 1e-12
-            })
-            .or(chunks.last())
-            .map_or(0, |&(k, _)| k) as f64;
+        let all = w.span(0.0, f64::INFINITY);
+        let mut chunks = Vec::new();
+        table.prefill_chunks_histogram(all, 1.0, &mut chunks);
+        let q = table.prefill_chunks_quantile(all, (1.0 + quantile) / 2.0) as f64;
+        let fewest = table.prefill_chunks_min(all) as f64;
         let load = |a: &[Acc; 3], q: f64, fewest: f64| {
             EngineLoad::from_moments(a[0].moments(), a[1].moments(), a[2].moments(), q, fewest)
         };
@@ -280,7 +263,7 @@ pub fn plan_disagg(w: &Workload, profile: &Profile, cfg: &DisaggConfig) -> Resul
     let c = profile.c_chunk;
     let (slo, rate, context) = (cfg.slo, cfg.arrival_rate, cfg.context);
     let slots = profile.slots(context)?;
-    let loads = Loads::new(w, c, slo.quantile);
+    let loads = Loads::new(w, w.service_table(c)?.as_ref(), slo.quantile);
     let hist = |out: &mut Vec<(u64, f64)>| out.extend_from_slice(&loads.chunks);
     let aggregated = size_engine(
         profile,

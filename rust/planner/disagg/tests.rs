@@ -89,7 +89,8 @@ fn ttft_and_tpot_by_hand() {
     );
     let t_p = (b - (b * b - 4.0 * a * p.w_s).sqrt()) / (2.0 * a);
     assert!((d.prefill.t_iter_s - t_p).abs() < 1e-12, "{d:?}");
-    let load = Loads::new(&w, p.c_chunk, 0.99).prefill;
+    let table = w.service_table(p.c_chunk).expect("table");
+    let load = Loads::new(&w, &table, 0.99).prefill;
     let state = engine_state(r, d.prefill.gpus, &load, &shape(slots));
     assert_eq!(state.t_iter_s, d.prefill.t_iter_s);
     // TTFT = waits + own prefill (2 + 1/2) t_p + transfer of 1,024 tokens +
