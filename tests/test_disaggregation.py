@@ -206,3 +206,15 @@ def test_the_planned_pd_fleet_is_the_simulated_minimum_at_scale(capsys, trace):
     """The same at 1,000 req/s over 120 s (docs/planner.md's table)."""
     for name, planned, verified in planner_against_simulation(capsys, trace, 1000, 120):
         assert abs(planned - verified) <= max(1, 0.05 * verified), (name, planned, verified)
+
+
+def test_the_defaults_agree():
+    """One link default for the planner, the simulator and the command line."""
+    from inspect import signature
+
+    from routecore import disaggregation
+
+    for f in (plan_disaggregated, simulate_disaggregated):
+        params = signature(f).parameters
+        assert params["bandwidth_bytes_s"].default == disaggregation.DEFAULT_BANDWIDTH_GBS * 1e9
+        assert params["latency_s"].default == disaggregation.DEFAULT_LATENCY_S

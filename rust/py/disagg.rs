@@ -5,9 +5,7 @@ use pyo3::types::PyDict;
 
 use super::sim::{pool_dict, PySimPool};
 use super::{float_array, int_arg, int_array, set_fields};
-use crate::planner::disagg::{
-    plan_disagg, DisaggConfig, DisaggPlan, Transfer, DEFAULT_BANDWIDTH_BYTES_S, DEFAULT_LATENCY_S,
-};
+use crate::planner::disagg::{plan_disagg, DisaggConfig, DisaggPlan, Transfer};
 use crate::planner::{EngineSlo, PoolPlan};
 use crate::profile::Profile;
 use crate::py::profile::PyProfile;
@@ -157,8 +155,8 @@ impl PyDisaggPlan {
 #[pyfunction]
 #[pyo3(signature = (
     workload, arrival_rate, slo_ttft_s, profile=None, *, slo_tpot_s=None, quantile=0.99,
-    context=65536, bytes_per_token=None, bandwidth_bytes_s=DEFAULT_BANDWIDTH_BYTES_S,
-    latency_s=DEFAULT_LATENCY_S
+    context=65536, bytes_per_token=None, bandwidth_bytes_s=25e9,
+    latency_s=0.002
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan_disaggregated(
@@ -295,8 +293,8 @@ impl PyDisaggReport {
 #[pyfunction]
 #[pyo3(signature = (arrival_s, input_tokens, output_tokens, decode, prefill=None, *,
                     decider="always", threshold=0, bytes_per_token=40960.0,
-                    bandwidth_bytes_s=DEFAULT_BANDWIDTH_BYTES_S,
-                    latency_s=DEFAULT_LATENCY_S, arrivals="trace", rate=None, seed=0,
+                    bandwidth_bytes_s=25e9,
+                    latency_s=0.002, arrivals="trace", rate=None, seed=0,
                     warmup=0.2))]
 #[allow(clippy::too_many_arguments)]
 pub fn simulate_disaggregated(
