@@ -110,6 +110,8 @@ def test_plan_aggregated_one_candidate_routecore(benchmark):
     plan(w, 1000.0, 2.0, b_short=[4096], gammas=[1.0], slo_tpot_s=0.08)
     r = benchmark(plan, w, 1000.0, 2.0, b_short=[4096], gammas=[1.0], slo_tpot_s=0.08)
     assert r.homogeneous.gpus > 0
+
+
 PAPER = "plan, paper model: Azure trace, 15 B_short x 11 gamma"
 
 
