@@ -218,3 +218,13 @@ def test_the_defaults_agree():
         params = signature(f).parameters
         assert params["bandwidth_bytes_s"].default == disaggregation.DEFAULT_BANDWIDTH_GBS * 1e9
         assert params["latency_s"].default == disaggregation.DEFAULT_LATENCY_S
+
+
+def test_plan_cli_marks_pools_that_miss_the_slo(capsys):
+    """A TTFT no fleet meets: every pool is marked, and the verdict says so."""
+    assert main(["plan", "--disaggregated", "--slo-ttft", "0.01"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(line.endswith("(misses the SLO)") for line in lines[3:6])
+    assert lines[-1] == "neither fleet meets the SLO"
+    assert main(["plan", "--disaggregated", "--rate", "200"]) == 0
+    assert "misses" not in capsys.readouterr().out

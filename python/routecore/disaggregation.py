@@ -124,15 +124,15 @@ def plan(w: Workload, profile: Profile, args: argparse.Namespace, context: int) 
     )  # fmt: skip
 
 
-def plan_rows(d: DisaggPlan) -> list[tuple[str, int, str, float, float, float]]:
-    """(pool, GPUs, binding, t_iter s, P99 TTFT s, utilization) per pool."""
+def plan_rows(d: DisaggPlan) -> list[tuple[str, int, str, float, float, float, bool]]:
+    """(pool, GPUs, binding, t_iter s, P99 TTFT s, utilization, feasible) per pool."""
     return [
         ("prefill", d.n_prefill, d.binding_prefill, d.t_iter_prefill_s, d.p99_ttft_prefill_s,
-         d.prefill_utilization_prefill),
+         d.prefill_utilization_prefill, d.feasible_prefill),
         ("decode", d.n_decode, d.binding_decode, d.t_iter_decode_s, d.p99_ttft_decode_s,
-         d.utilization_decode),
+         d.utilization_decode, d.feasible_decode),
         ("aggregated (both)", d.n_aggregated, d.binding_aggregated, d.t_iter_aggregated_s,
-         d.p99_ttft_aggregated_s, d.utilization_aggregated),
+         d.p99_ttft_aggregated_s, d.utilization_aggregated, d.feasible_aggregated),
     ]  # fmt: skip
 
 
@@ -155,9 +155,11 @@ def verdict(d: DisaggPlan) -> str:
 def format_plan(d: DisaggPlan, header: str) -> str:
     head = f"{'pool':<18} {'GPUs':>6} {'binding':>8} {'t_iter ms':>9} {'TTFT99 ms':>9} {'util':>6}"
     lines = [header, head, "-" * len(head)]
-    for name, gpus, binding, t, ttft, util in plan_rows(d):
+    for name, gpus, binding, t, ttft, util, feasible in plan_rows(d):
+        flag = "" if feasible else "  (misses the SLO)"
         lines.append(
             f"{name:<18} {gpus:>6} {binding:>8} {t * 1e3:>9.1f} {ttft * 1e3:>9.0f} {util:>6.1%}"
+            f"{flag}"
         )
     lines.append(
         f"KV transfer of the P{50 * (1 + 0.99):g} prompt {d.transfer_q_s * 1e3:.1f} ms; "
