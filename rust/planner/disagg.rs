@@ -279,17 +279,17 @@ pub fn plan_disagg(w: &Workload, profile: &Profile, cfg: &DisaggConfig) -> Resul
     let miss = 1.0 - slo.quantile;
     let decode_slo = EngineSlo {
         ttft_s: slo.ttft_s * DECODE_TTFT_SHARE,
-        tpot_s: slo.tpot_s,
-        quantile: 1.0 - DECODE_TAIL_SHARE * miss,
+        ..slo
     };
+    let decode_ttft = (1.0 - DECODE_TAIL_SHARE * miss, TtftShift::NONE);
     let one = |out: &mut Vec<(u64, f64)>| out.push((1, 1.0));
-    let decode = size_engine(
+    let pool = (context, slots, rate);
+    let decode = size_engine_shifted(
         profile,
-        context,
-        slots,
-        rate,
+        pool,
         &loads.decode,
         decode_slo,
+        decode_ttft,
         &one,
         None,
     )?;
@@ -299,16 +299,16 @@ pub fn plan_disagg(w: &Workload, profile: &Profile, cfg: &DisaggConfig) -> Resul
         per_chunk_s: per_chunk,
     };
     let prefill_slo = EngineSlo {
-        ttft_s: slo.ttft_s,
         tpot_s: None,
-        quantile: 1.0 - (1.0 - DECODE_TAIL_SHARE) * miss,
+        ..slo
     };
+    let prefill_ttft = (1.0 - (1.0 - DECODE_TAIL_SHARE) * miss, shift);
     let prefill = size_engine_shifted(
         profile,
-        (context, slots, rate),
+        pool,
         &loads.prefill,
         prefill_slo,
-        shift,
+        prefill_ttft,
         &hist,
         None,
     )?;

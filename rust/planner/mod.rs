@@ -629,18 +629,21 @@ pub fn size_engine(
     hint: Option<u64>,
 ) -> Result<PoolPlan> {
     let pool = (context, n_slots, arrival_rate);
-    size_engine_shifted(profile, pool, load, slo, TtftShift::NONE, chunks, hint)
+    let ttft = (slo.quantile, TtftShift::NONE);
+    size_engine_shifted(profile, pool, load, slo, ttft, chunks, hint)
 }
 
 /// [`size_engine`] for a pool `(context, n_slots, arrival_rate)` whose
-/// requests' TTFT holds `shift` beyond its own waits and prefill (a
-/// disaggregated prefill pool: the KV transfer and the decode side).
+/// requests' TTFT is met at its own quantile and holds `shift` beyond the
+/// pool's own waits and prefill, `ttft = (quantile, shift)` (a side of a
+/// disaggregated fleet: the TTFT's miss budget split between the sides, the
+/// KV transfer and the other side added); `slo.quantile` is the TPOT's.
 pub fn size_engine_shifted(
     profile: &Profile,
     (context, n_slots, arrival_rate): (u64, u64, f64),
     load: &EngineLoad,
     slo: EngineSlo,
-    shift: TtftShift,
+    (ttft_quantile, shift): (f64, TtftShift),
     chunks: BuildChunks<'_>,
     hint: Option<u64>,
 ) -> Result<PoolPlan> {
@@ -653,6 +656,7 @@ pub fn size_engine_shifted(
     };
     let targets = Targets {
         shift,
+        quantile: ttft_quantile,
         ..Targets::new(
             slo.ttft_s,
             slo.tpot_s.unwrap_or(f64::INFINITY),

@@ -146,9 +146,9 @@ fn aggregated_is_chosen_when_cheaper() {
     let d = plan_disagg(&long_prompts, &p, &config(50.0, 1.0, 0.1)).expect("plan");
     assert!(d.feasible && d.gpus < d.aggregated.gpus, "{d:?}");
     assert!(!d.aggregated_cheaper);
-    // The binding resource per side: the prefill budget, the decode's TPOT.
+    // The binding resource per side: the prefill budget, the decode's slots.
     assert_eq!(d.prefill.binding, crate::planner::Binding::Prefill, "{d:?}");
-    assert_eq!(d.decode.binding, crate::planner::Binding::Compute, "{d:?}");
+    assert_eq!(d.decode.binding, crate::planner::Binding::Slot, "{d:?}");
     assert_eq!(
         d.aggregated.binding,
         crate::planner::Binding::Prefill,
@@ -202,4 +202,23 @@ fn random_plans_meet_their_bounds() {
         assert!(fast.prefill.gpus <= d.prefill.gpus, "{fast:?} vs {d:?}");
         assert_eq!(fast.decode, d.decode);
     }
+}
+
+/// The decode pool's TPOT is checked at the SLO's quantile, whatever share of
+/// the TTFT's miss budget its side gets: a TPOT-bound decode pool is the
+/// aggregated engine model's pool of the same decode-only requests.
+#[test]
+fn the_decode_tpot_is_checked_at_the_slos_quantile() {
+    let p = profile();
+    // Short prompts, long replies, a tight TPOT and a loose TTFT.
+    let w = workload(&[(16, 400), (16, 600)], 10);
+    let cfg = config(300.0, 30.0, 0.03);
+    let d = plan_disagg(&w, &p, &cfg).expect("plan");
+    assert_eq!(d.decode.binding, crate::planner::Binding::Compute, "{d:?}");
+    let table = w.service_table(p.c_chunk).expect("table");
+    let load = Loads::new(&w, &table, 0.99).decode;
+    let one = |out: &mut Vec<(u64, f64)>| out.push((1, 1.0));
+    let slots = p.slots(16384).expect("slots");
+    let alone = size_engine(&p, 16384, slots, 300.0, &load, cfg.slo, &one, None).expect("pool");
+    assert_eq!(d.decode.gpus, alone.gpus, "{d:?}");
 }
