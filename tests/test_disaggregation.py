@@ -39,7 +39,7 @@ def test_the_plan_names_its_pools_and_the_cheaper_fleet():
     assert d.gpus == d.n_prefill + d.n_decode
     assert (d.binding_prefill, d.binding_decode, d.binding_aggregated) == (
         "prefill",
-        "compute",
+        "slot",
         "prefill",
     )
     assert d.choice == "disaggregated" and d.gpus < d.n_aggregated
