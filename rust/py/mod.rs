@@ -13,6 +13,7 @@ pub mod classify;
 pub mod compress;
 pub mod disagg;
 pub mod flow;
+pub mod flow_sim;
 #[cfg(feature = "kv-events")]
 pub mod kv;
 #[cfg(feature = "server")]

@@ -27,6 +27,7 @@
 pub mod cache;
 pub mod disagg;
 pub mod engine;
+pub mod flow;
 pub mod prefix_workload;
 pub mod router;
 pub mod timing;
