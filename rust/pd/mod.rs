@@ -163,6 +163,45 @@ impl Decider {
     }
 }
 
+/// A pool's `disaggregation` config: its decider by name, and the
+/// decider's threshold.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DisaggregationSpec {
+    pub decider: String,
+    #[serde(default)]
+    pub threshold: Option<f64>,
+}
+
+/// The roles of a pool's endpoints, in order: `role` for each, or its
+/// entry in `per_endpoint` (whose names must be endpoints of the pool).
+pub fn pool_roles(
+    pool: &str,
+    endpoints: &[String],
+    role: Role,
+    per_endpoint: &std::collections::HashMap<String, Role>,
+) -> Result<Vec<Role>> {
+    if let Some(name) = per_endpoint.keys().find(|k| !endpoints.contains(k)) {
+        return Err(invalid(format!(
+            "pool {pool:?}: roles names {name:?}, not an endpoint of the pool"
+        )));
+    }
+    Ok(endpoints
+        .iter()
+        .map(|e| per_endpoint.get(e).copied().unwrap_or(role))
+        .collect())
+}
+
+/// A pool's decider: the one its spec names, else `never` when every
+/// endpoint is `both` (an aggregated pool) and `always` when roles split it.
+pub fn pool_decider(spec: Option<&DisaggregationSpec>, roles: &[Role]) -> Result<Decider> {
+    match spec {
+        Some(s) => Decider::new(&s.decider, s.threshold),
+        None if roles.iter().all(|&r| r == Role::Both) => Ok(Decider::Never),
+        None => Ok(Decider::Always),
+    }
+}
+
 /// Checks a pool's roles for `decider`: some endpoint must decode, and a
 /// pool that can split (`decider` not `never`) with `decode` endpoints
 /// needs an endpoint that prefills. An empty pool passes (filled later).

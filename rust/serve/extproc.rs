@@ -87,6 +87,11 @@ use crate::error::Result;
 /// The header and `envoy.lb` key of the endpoints to try, in order:
 /// `ip:port,ip:port,...` (the chosen endpoint, then its fallbacks).
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The prefill endpoint of a split request, `ip:port`, for llm-d's routing
+/// sidecar beside the decode engine (which sends the prefill there, then
+/// decodes locally). routecore sets it on a split request and removes it
+/// from every other: a client's is never trusted.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 /// The `envoy.lb` key of the endpoint that served, in the response's metadata.
 pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 /// The filter-metadata namespace and key of the subset hint.
@@ -491,13 +496,21 @@ impl Conversation {
 
     /// A mutation of the request's headers: `set` (without what the
     /// configuration strips), and the key header and `server.strip_headers`
-    /// removed.
+    /// removed, and [`PREFILLER_HEADER`] unless `set` sets it.
     fn mutation(&self, mut set: Vec<HeaderValueOption>) -> HeaderMutation {
         let strip = &self.engine.strip_headers;
         set.retain(|h| h.header.as_ref().is_none_or(|h| !strip.contains(&h.key)));
+        let mut remove_headers = strip.clone();
+        let sets = |key: &str| {
+            set.iter()
+                .any(|h| h.header.as_ref().is_some_and(|h| h.key == key))
+        };
+        if !sets(PREFILLER_HEADER) {
+            remove_headers.push(PREFILLER_HEADER.into());
+        }
         HeaderMutation {
             set_headers: set,
-            remove_headers: strip.clone(),
+            remove_headers,
         }
     }
 
@@ -596,6 +609,9 @@ impl Conversation {
             header(DESTINATION_HEADER, destination.as_bytes()),
             header(POOL_HEADER, routed.pool.as_bytes()),
         ];
+        if let Some(p) = &routed.prefill_endpoint {
+            set_headers.push(header(PREFILLER_HEADER, p.as_bytes()));
+        }
         if let Some(b) = &routed.body {
             set_headers.push(header("content-length", b.len().to_string().as_bytes()));
         }

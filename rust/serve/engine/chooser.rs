@@ -8,8 +8,9 @@ use super::*;
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Choice {
     /// The chosen endpoint first, then the fallbacks; the chosen one is
-    /// counted in flight, and what the prefix plugin recorded for it.
-    Ranked(Vec<usize>, Recorded),
+    /// counted in flight, and what the prefix plugin recorded for it; the
+    /// prefill endpoint of a split request (counted in flight too).
+    Ranked(Vec<usize>, Recorded, Option<usize>),
     /// No endpoint is healthy (or in the subset hint).
     NoEndpoint,
 }
@@ -23,6 +24,9 @@ pub(super) struct PoolState {
     /// when the probe's list is another one).
     pub(super) adapters: Vec<Arc<Vec<String>>>,
     pub(super) ranked: Vec<usize>,
+    /// The pool's prefill/decode split (None: every endpoint is `both`
+    /// and never split).
+    pub(super) split: Option<crate::pd::Split>,
 }
 
 /// Picks the endpoint inside one pool: the endpoint-picker pipeline of
@@ -70,6 +74,17 @@ impl Chooser {
         };
         let mut pipeline = Pipeline::from_specs(&specs, &pool.endpoints, &config)?;
         pipeline.prepare()?;
+        let roles = crate::pd::pool_roles(&pool.name, &pool.endpoints, pool.role, &pool.roles)?;
+        let decider = crate::pd::pool_decider(pool.disaggregation.as_ref(), &roles)?;
+        let split = if decider == crate::pd::Decider::Never
+            && roles.iter().all(|&r| r == crate::pd::Role::Both)
+        {
+            None
+        } else {
+            Some(crate::pd::Split::new(
+                &pool.name, &pipeline, roles, decider,
+            )?)
+        };
         let prefix = pipeline
             .prefix()
             .map(|p| (p.config().block_size, p.config().seed));
@@ -86,6 +101,7 @@ impl Chooser {
                 seen: vec![0; n],
                 adapters: vec![Arc::default(); n],
                 ranked: Vec::new(),
+                split,
             }),
         })
     }
@@ -185,18 +201,32 @@ impl Chooser {
             now,
         };
         let mut ranked = std::mem::take(&mut st.ranked);
-        let picked = st.pipeline.pick(&req, &st.states, &mut ranked);
-        let out = picked.and_then(|()| {
-            let Some(&chosen) = ranked.first() else {
-                return Ok(Choice::NoEndpoint);
-            };
-            let recorded = st.pipeline.started_recorded(&req, chosen)?;
-            let s = &mut st.states[chosen];
-            s.in_flight += 1;
-            s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
-            ranked.truncate(1 + self.fallbacks);
-            Ok(Choice::Ranked(ranked.clone(), recorded))
-        });
+        let out = match st.split.as_mut() {
+            Some(split) => split
+                .pick(&mut st.pipeline, &req, &mut st.states, &mut ranked)
+                .map(|pair| match pair {
+                    None => Choice::NoEndpoint,
+                    Some(pair) => {
+                        ranked.truncate(1 + self.fallbacks);
+                        let prefill = pair.prefill.map(|(p, _)| p);
+                        Choice::Ranked(ranked.clone(), pair.recorded, prefill)
+                    }
+                }),
+            None => st
+                .pipeline
+                .pick(&req, &st.states, &mut ranked)
+                .and_then(|()| {
+                    let Some(&chosen) = ranked.first() else {
+                        return Ok(Choice::NoEndpoint);
+                    };
+                    let recorded = st.pipeline.started_recorded(&req, chosen)?;
+                    let s = &mut st.states[chosen];
+                    s.in_flight += 1;
+                    s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+                    ranked.truncate(1 + self.fallbacks);
+                    Ok(Choice::Ranked(ranked.clone(), recorded, None))
+                }),
+        };
         st.ranked = ranked;
         out
     }
@@ -226,6 +256,29 @@ impl Chooser {
         };
         st.pipeline
             .completed_request(&req, endpoint, actual.0, actual.1)
+    }
+
+    /// A split request's prefill on `endpoint` ended (its lease ended: the
+    /// prefill ran before the decode answered): out of flight, the prefill
+    /// pipeline told.
+    pub(super) fn release_prefill(&self, endpoint: usize, est: (u64, u64), now: f64) -> Result<()> {
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        let Some(split) = st.split.as_mut() else {
+            return Err(invalid("a prefill released on a pool that does not split"));
+        };
+        let req = PickRequest {
+            input_tokens: est.0,
+            output_tokens: est.1,
+            now,
+            ..PickRequest::default()
+        };
+        split.prefill_done(&req, endpoint, est.0, &mut st.states)
+    }
+
+    /// The endpoints' roles (None: every endpoint is `both`, never split).
+    pub fn roles(&self) -> Option<Vec<crate::pd::Role>> {
+        lock(&self.state).split.as_ref().map(|s| s.roles().to_vec())
     }
 
     /// A request counted on `from` was served by `to`: its in-flight count
