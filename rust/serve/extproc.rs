@@ -1375,6 +1375,63 @@ mod tests {
         );
     }
 
+    /// The header mutation of a request's answer.
+    fn mutation_of(r: &ProcessingResponse) -> HeaderMutation {
+        let common = match r.response.as_ref() {
+            Some(Answer::RequestBody(b)) => b.response.clone(),
+            Some(Answer::RequestHeaders(h)) => h.response.clone(),
+            _ => None,
+        };
+        common
+            .and_then(|c| c.header_mutation)
+            .expect("a header mutation")
+    }
+
+    #[tokio::test]
+    async fn a_split_request_names_its_prefill_endpoint_and_a_clients_header_is_removed() {
+        let sent: &[u8] = b"10.6.6.6:1";
+        for split in [false, true] {
+            let mut spec = spec();
+            if split {
+                spec.pools[0].roles = [("10.0.0.2:8000".to_string(), crate::pd::Role::Prefill)]
+                    .into_iter()
+                    .collect();
+            }
+            let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+            let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+            let engine = Engine::build(spec, &shared, None).expect("engine");
+            let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+            let pairs = [("x-api-key", KEY), (PREFILLER_HEADER, sent)];
+            let first = c.handle(&headers(&pairs, true, false)).await.expect("ok");
+            let out = c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+            let m = mutation_of(&out[0]);
+            let set: Vec<(String, Vec<u8>)> = m
+                .set_headers
+                .iter()
+                .filter_map(|h| h.header.as_ref())
+                .filter(|h| h.key == PREFILLER_HEADER)
+                .map(|h| (h.key.clone(), h.raw_value.clone()))
+                .collect();
+            let removed = m.remove_headers.iter().any(|h| h == PREFILLER_HEADER);
+            if split {
+                assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.1:8000"));
+                let want = (PREFILLER_HEADER.to_string(), b"10.0.0.2:8000".to_vec());
+                assert_eq!((set, removed), (vec![want], false));
+            } else {
+                assert_eq!(
+                    (set, removed),
+                    (vec![], true),
+                    "a client's header is removed"
+                );
+            }
+            // The headers' answer already removes the client's header.
+            if let Some(r) = first.first() {
+                let m = mutation_of(r);
+                assert!(m.remove_headers.iter().any(|h| h == PREFILLER_HEADER));
+            }
+        }
+    }
+
     fn served_by(mut req: ProcessingRequest, endpoint: &str) -> ProcessingRequest {
         use envoy_types::pb::envoy::config::core::v3::Metadata;
         let lb = Struct {
