@@ -25,9 +25,11 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use crate::endpoint::EndpointState;
+use crate::endpoint::{complete_one, EndpointState};
+use crate::error::Error;
 use crate::error::{finite, invalid, Result};
 use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, Recorded};
+use crate::snapshot::{Reader, Writer};
 
 /// What an endpoint does in a disaggregated pool: the word of llm-d's
 /// `llm-d.ai/role` label (`prefill-decode` is `both`).
@@ -176,14 +178,13 @@ pub struct DisaggregationSpec {
 /// The roles of a pool's endpoints, in order: `role` for each, or its
 /// entry in `per_endpoint` (whose names must be endpoints of the pool).
 pub fn pool_roles(
-    pool: &str,
     endpoints: &[String],
     role: Role,
     per_endpoint: &std::collections::HashMap<String, Role>,
 ) -> Result<Vec<Role>> {
     if let Some(name) = per_endpoint.keys().find(|k| !endpoints.contains(k)) {
         return Err(invalid(format!(
-            "pool {pool:?}: roles names {name:?}, not an endpoint of the pool"
+            "roles names {name:?}, not an endpoint of the pool"
         )));
     }
     Ok(endpoints
@@ -205,21 +206,21 @@ pub fn pool_decider(spec: Option<&DisaggregationSpec>, roles: &[Role]) -> Result
 /// Checks a pool's roles for `decider`: some endpoint must decode, and a
 /// pool that can split (`decider` not `never`) with `decode` endpoints
 /// needs an endpoint that prefills. An empty pool passes (filled later).
-pub fn check_roles(pool: &str, roles: &[Role], decider: Decider) -> Result<()> {
+pub fn check_roles(roles: &[Role], decider: Decider) -> Result<()> {
     if roles.is_empty() {
         return Ok(());
     }
     if !roles.iter().any(|r| r.decodes()) {
         return Err(invalid(format!(
-            "pool {pool:?}: every endpoint is a prefill endpoint; none can serve a request \
+            "every endpoint is a prefill endpoint: none can serve a request \
              (give one the role decode or both)"
         )));
     }
     let decode_only = roles.contains(&Role::Decode);
     if decider != Decider::Never && decode_only && !roles.iter().any(|r| r.prefills()) {
         return Err(invalid(format!(
-            "pool {pool:?} has decode endpoints and no prefill endpoint, and its decider \
-             {:?} may split requests (add a prefill endpoint or use the decider never)",
+            "decode endpoints and no prefill endpoint, and the decider {:?} may split \
+             requests (add a prefill endpoint or use the decider never)",
             decider.name()
         )));
     }
@@ -291,15 +292,15 @@ impl Split {
     /// The split of a pool served by `decode` (whose endpoints `roles`
     /// follows in order). `decode` must have the `subset-hint` filter: the
     /// roles are applied through it.
-    pub fn new(pool: &str, decode: &Pipeline, roles: Vec<Role>, decider: Decider) -> Result<Self> {
+    pub fn new(decode: &Pipeline, roles: Vec<Role>, decider: Decider) -> Result<Self> {
         if roles.len() != decode.endpoints().len() {
             return Err(invalid(format!(
-                "pool {pool:?}: {} roles for {} endpoints",
+                "{} roles for {} endpoints",
                 roles.len(),
                 decode.endpoints().len()
             )));
         }
-        check_roles(pool, &roles, decider)?;
+        check_roles(&roles, decider)?;
         if !decode.specs().iter().any(|s| s.name == "subset-hint") {
             return Err(invalid(
                 "disaggregation needs the subset-hint filter in the pool's pipeline",
@@ -327,6 +328,15 @@ impl Split {
         })
     }
 
+    /// [`Split::new`], or None for a pool that never splits (every
+    /// endpoint `both`, the decider `never`).
+    pub fn of_pool(decode: &Pipeline, roles: Vec<Role>, decider: Decider) -> Result<Option<Self>> {
+        if decider == Decider::Never && roles.iter().all(|&r| r == Role::Both) {
+            return Ok(None);
+        }
+        Self::new(decode, roles, decider).map(Some)
+    }
+
     pub fn roles(&self) -> &[Role] {
         &self.roles
     }
@@ -335,6 +345,41 @@ impl Split {
     }
     pub fn prefill_pipeline(&self) -> &Pipeline {
         &self.prefill
+    }
+
+    /// Writes the roles and the decider (the prefill pipeline learns
+    /// nothing of its own: its prefix index is the decode pipeline's).
+    pub fn write(&self, w: &mut Writer) {
+        w.u64(self.roles.len() as u64);
+        for r in &self.roles {
+            w.str(r.as_str());
+        }
+        let threshold = match self.decider {
+            Decider::UncachedTokens { threshold } => Some(threshold as f64),
+            Decider::PrefillLoad { threshold } => Some(threshold),
+            Decider::Always | Decider::Never => None,
+        };
+        w.str(self.decider.name());
+        match threshold {
+            Some(t) => w.u8(1).f64(t),
+            None => w.u8(0),
+        };
+    }
+
+    /// Reads what `write` wrote, for `decode` (restored before it).
+    pub fn read(r: &mut Reader<'_>, decode: &Pipeline) -> Result<Self> {
+        let n = r.count(1)?;
+        let roles = (0..n)
+            .map(|_| Role::parse(&r.str()?).map_err(|e| Error::Snapshot(e.to_string())))
+            .collect::<Result<Vec<_>>>()?;
+        let name = r.str()?;
+        let threshold = match r.u8()? {
+            0 => None,
+            1 => Some(r.f64()?),
+            b => return Err(Error::Snapshot(format!("bad threshold flag {b}"))),
+        };
+        let decider = Decider::new(&name, threshold)?;
+        Self::new(decode, roles, decider)
     }
 
     /// Places a request (see the module docs): the decode endpoint ranked
@@ -402,8 +447,9 @@ impl Split {
     }
 
     /// A request's prefill on `endpoint` ended (its decode is released on
-    /// the decode pipeline): one less in flight, the prefill plugins told
-    /// (`req`: the request as picked; the prefill used `input_tokens`).
+    /// the decode pipeline): one less in flight (`NotInFlight` when none
+    /// is, nothing changed), the prefill plugins told (`req`: the request
+    /// as picked; the prefill used `input_tokens`).
     pub fn prefill_done(
         &mut self,
         req: &PickRequest<'_>,
@@ -411,12 +457,17 @@ impl Split {
         input_tokens: u64,
         states: &mut [EndpointState],
     ) -> Result<()> {
+        finite("now", req.now)?;
+        let names = self.prefill.endpoints().names();
+        let (Some(name), Some(s)) = (names.get(endpoint), states.get_mut(endpoint)) else {
+            return Err(invalid(format!(
+                "endpoint index {endpoint} out of range for {} endpoints",
+                names.len()
+            )));
+        };
+        complete_one(s, name)?;
         self.prefill
-            .completed_request(req, endpoint, input_tokens, 0)?;
-        if let Some(s) = states.get_mut(endpoint) {
-            s.in_flight = s.in_flight.saturating_sub(1);
-        }
-        Ok(())
+            .completed_request(req, endpoint, input_tokens, 0)
     }
 }
 

@@ -74,23 +74,23 @@ fn a_bad_decider_is_refused_with_its_reason() {
 #[test]
 fn roles_that_leave_a_pool_unable_to_serve_are_refused() {
     let always = Decider::Always;
-    let e = check_roles("p", &roles(&["prefill", "prefill"]), Decider::Never);
+    let e = check_roles(&roles(&["prefill", "prefill"]), Decider::Never);
     assert!(e
         .expect_err("no decode")
         .to_string()
         .contains("none can serve"));
-    let e = check_roles("p", &roles(&["decode", "decode"]), always);
+    let e = check_roles(&roles(&["decode", "decode"]), always);
     assert!(e
         .expect_err("no prefill")
         .to_string()
         .contains("no prefill endpoint"));
     // Aggregated by decision, decode endpoints alone serve.
-    check_roles("p", &roles(&["decode", "decode"]), Decider::Never).expect("never");
-    check_roles("p", &roles(&["decode", "both"]), always).expect("both prefills");
-    check_roles("p", &roles(&["prefill", "decode"]), always).expect("split");
-    check_roles("p", &[], always).expect("empty pool");
+    check_roles(&roles(&["decode", "decode"]), Decider::Never).expect("never");
+    check_roles(&roles(&["decode", "both"]), always).expect("both prefills");
+    check_roles(&roles(&["prefill", "decode"]), always).expect("split");
+    check_roles(&[], always).expect("empty pool");
     let p = pipeline(2);
-    let e = Split::new("p", &p, roles(&["both"]), always).expect_err("count");
+    let e = Split::new(&p, roles(&["both"]), always).expect_err("count");
     assert!(e.to_string().contains("1 roles for 2 endpoints"));
 }
 
@@ -98,7 +98,7 @@ fn roles_that_leave_a_pool_unable_to_serve_are_refused() {
 fn decode_is_picked_among_decoders_and_prefill_among_prefillers_both_started() {
     let r = roles(&["prefill", "decode", "decode", "prefill"]);
     let mut decode = pipeline(4);
-    let mut split = Split::new("p", &decode, r, Decider::Always).expect("split");
+    let mut split = Split::new(&decode, r, Decider::Always).expect("split");
     let mut states = vec![EndpointState::default(); 4];
     let mut ranked = Vec::new();
     let mut seen = Vec::new();
@@ -130,7 +130,7 @@ fn uncached_tokens_decider_splits_a_new_prompt_and_keeps_a_cached_one_local() {
     let r = roles(&["decode", "prefill"]);
     let mut decode = pipeline(2);
     let decider = Decider::new("uncached-tokens", Some(8.0)).expect("decider");
-    let mut split = Split::new("p", &decode, r, decider).expect("split");
+    let mut split = Split::new(&decode, r, decider).expect("split");
     let mut states = vec![EndpointState::default(); 2];
     let mut ranked = Vec::new();
     let hashes = [1, 2, 3, 4];
@@ -154,7 +154,7 @@ fn prefill_load_decider_keeps_the_prefill_local_when_the_prefill_tier_is_busy() 
     let r = roles(&["decode", "prefill"]);
     let mut decode = pipeline(2);
     let decider = Decider::new("prefill-load", Some(2.0)).expect("decider");
-    let mut split = Split::new("p", &decode, r, decider).expect("split");
+    let mut split = Split::new(&decode, r, decider).expect("split");
     let mut states = vec![EndpointState::default(); 2];
     states[1].waiting = Some(2.0);
     states[1].running = Some(0.0);
@@ -171,7 +171,7 @@ fn prefill_load_decider_keeps_the_prefill_local_when_the_prefill_tier_is_busy() 
 fn no_healthy_prefill_endpoint_leaves_the_request_aggregated_on_its_decoder() {
     let r = roles(&["decode", "prefill", "prefill"]);
     let mut decode = pipeline(3);
-    let mut split = Split::new("p", &decode, r, Decider::Always).expect("split");
+    let mut split = Split::new(&decode, r, Decider::Always).expect("split");
     let mut states = vec![EndpointState::default(); 3];
     states[1].healthy = false;
     states[2].healthy = false;
@@ -188,7 +188,7 @@ fn no_healthy_prefill_endpoint_leaves_the_request_aggregated_on_its_decoder() {
 fn no_decoder_left_changes_nothing() {
     let r = roles(&["decode", "prefill"]);
     let mut decode = pipeline(2);
-    let mut split = Split::new("p", &decode, r, Decider::Always).expect("split");
+    let mut split = Split::new(&decode, r, Decider::Always).expect("split");
     let mut states = vec![EndpointState::default(); 2];
     states[0].healthy = false;
     let before = (decode.to_bytes(), states.clone());
@@ -213,7 +213,7 @@ fn no_decoder_left_changes_nothing() {
 fn a_released_pair_gives_back_both_endpoints() {
     let r = roles(&["decode", "prefill"]);
     let mut decode = pipeline(2);
-    let mut split = Split::new("p", &decode, r, Decider::Always).expect("split");
+    let mut split = Split::new(&decode, r, Decider::Always).expect("split");
     let mut states = vec![EndpointState::default(); 2];
     let mut ranked = Vec::new();
     let req = request(&[1], 4);

@@ -74,17 +74,8 @@ impl Chooser {
         };
         let mut pipeline = Pipeline::from_specs(&specs, &pool.endpoints, &config)?;
         pipeline.prepare()?;
-        let roles = crate::pd::pool_roles(&pool.name, &pool.endpoints, pool.role, &pool.roles)?;
-        let decider = crate::pd::pool_decider(pool.disaggregation.as_ref(), &roles)?;
-        let split = if decider == crate::pd::Decider::Never
-            && roles.iter().all(|&r| r == crate::pd::Role::Both)
-        {
-            None
-        } else {
-            Some(crate::pd::Split::new(
-                &pool.name, &pipeline, roles, decider,
-            )?)
-        };
+        let split = Self::split(pool, &pipeline)
+            .map_err(|e| invalid(format!("pools: {:?}: {e}", pool.name)))?;
         let prefix = pipeline
             .prefix()
             .map(|p| (p.config().block_size, p.config().seed));
@@ -104,6 +95,18 @@ impl Chooser {
                 split,
             }),
         })
+    }
+
+    /// The pool's prefill/decode split from its roles and decider (None:
+    /// every endpoint `both`, never split).
+    fn split(
+        pool: &crate::serve::config::PoolSpec,
+        pipeline: &Pipeline,
+    ) -> Result<Option<crate::pd::Split>> {
+        use crate::pd::{pool_decider, pool_roles, Split};
+        let roles = pool_roles(&pool.endpoints, pool.role, &pool.roles)?;
+        let decider = pool_decider(pool.disaggregation.as_ref(), &roles)?;
+        Split::of_pool(pipeline, roles, decider)
     }
 
     /// Copies what the probes know into the states (lock-free reads); a new
