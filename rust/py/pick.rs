@@ -354,6 +354,16 @@ pub(crate) fn plugin_spec(d: &Bound<'_, PyAny>) -> PyResult<PluginSpec> {
 /// The index is not in snapshots: ``from_bytes(data, kv_index=...)``
 /// restores such a picker, and pickling one is a TypeError.
 ///
+/// Prefill/decode disaggregation (docs/disaggregation.md): ``roles`` maps
+/// endpoints to ``"prefill"``, ``"decode"`` or ``"both"`` (the default), and
+/// ``decider`` (``"always"``, ``"never"``, ``"uncached-tokens"`` or
+/// ``"prefill-load"``, the last two with a ``threshold``; default ``never``
+/// when every endpoint is ``both``, else ``always``) says when a request is
+/// prefilled apart; ``pick_pair`` places it (decode, then prefill) and
+/// ``completed_prefill`` ends its prefill. ValueError for roles that leave
+/// no endpoint able to decode, or decode endpoints with none to prefill
+/// while the decider may split.
+///
 /// ``pick`` returns the chosen endpoint and counts the request started
 /// there (``None`` when no endpoint is healthy); ``rank`` returns every
 /// candidate, best first, and starts nothing; ``completed`` ends a request.
