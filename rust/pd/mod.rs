@@ -211,10 +211,10 @@ pub fn check_roles(roles: &[Role], decider: Decider) -> Result<()> {
         return Ok(());
     }
     if !roles.iter().any(|r| r.decodes()) {
-        return Err(invalid(format!(
+        return Err(invalid(
             "every endpoint is a prefill endpoint: none can serve a request \
-             (give one the role decode or both)"
-        )));
+             (give one the role decode or both)",
+        ));
     }
     let decode_only = roles.contains(&Role::Decode);
     if decider != Decider::Never && decode_only && !roles.iter().any(|r| r.prefills()) {

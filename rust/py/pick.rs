@@ -205,6 +205,9 @@ impl Inner {
     }
 }
 
+/// A request's decode endpoint and its prefill endpoint (None: not split).
+type Pair = (Py<PyString>, Option<Py<PyString>>);
+
 /// The split of a picker's endpoints: `roles` by endpoint name (the rest
 /// `both`) and the decider by name; None when nothing can split.
 fn split_of(
@@ -521,7 +524,7 @@ impl PyEndpointPicker {
         #[pyo3(from_py_with = int_arg)] input_tokens: u64,
         #[pyo3(from_py_with = int_arg)] output_tokens: u64,
         now: Option<f64>,
-    ) -> PyResult<Option<(Py<PyString>, Option<Py<PyString>>)>> {
+    ) -> PyResult<Option<Pair>> {
         let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
         let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
         let hashes = self.hashes(py, t, hashes)?;
