@@ -8,7 +8,15 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from server_fixtures import SHORT, base_config, converse, in_flight, wait_settled
+from mock_engine import MockEngine
+from server_fixtures import (
+    SHORT,
+    base_config,
+    converse,
+    in_flight,
+    wait_for,
+    wait_settled,
+)
 
 from routecore import Dispatcher, EndpointPicker, NotInFlightError
 from routecore.config import ConfigError, parse_config
@@ -164,3 +172,37 @@ def test_a_split_request_cut_off_releases_both_endpoints(serve):
     r = split_server(serve)
     converse(r.target, KEY, chat_body("hi"))  # no response: the stream is cut
     assert not any(wait_settled(r).values()), in_flight(r)
+
+
+def test_a_dead_prefill_endpoint_leaves_requests_aggregated_on_their_decoder(serve):
+    """The prefill engine dies while a split request is in flight: that
+    request's end releases both endpoints once, and once the scraper finds
+    the engine down, requests are served aggregated on the decode endpoint
+    (no sidecar header), never refused."""
+    decode, prefill = MockEngine().start(), MockEngine().start()
+    try:
+        pool = {
+            "name": "short",
+            "max_context": 8192,
+            "endpoints": [decode.address, prefill.address],
+            "roles": {decode.address: "decode", prefill.address: "prefill"},
+        }
+        r = serve(
+            scrape={"enabled": True, "interval_s": 0.05, "unhealthy_after": 3},
+            pools=[pool, {**base_config()["pools"][1], "endpoints": [decode.address]}],
+        )
+        wait_for(lambda: r.server.plane.endpoints()["short"][prefill.address]["healthy"])
+        held = r.server.plane.route_body(chat_body("hi", max_tokens=10))
+        assert held["admitted"]
+        prefill.stop()
+        state = r.server.plane.endpoints
+        wait_for(lambda: not state()["short"][prefill.address]["healthy"], what="unhealthy")
+        conv = converse(r.target, KEY, chat_body("hi"), [usage_body(10, 2)])
+        assert conv.endpoints == [decode.address]
+        assert PREFILLER not in conv.routing_headers
+        assert r.metric("disaggregated", "short") == 1
+        r.server.plane.finish(held["request_id"], 10, 5)
+        assert not any(wait_settled(r).values())
+    finally:
+        decode.close()
+        prefill.close()
