@@ -5,14 +5,18 @@ endpoint in llm-d's ``x-prefiller-host-port``; a client's never trusted)."""
 
 from __future__ import annotations
 
+import json
 import pickle
+import urllib.request
 
 import pytest
+from envoy_proxy import shipped_config
 from mock_engine import MockEngine
 from server_fixtures import (
     SHORT,
     base_config,
     converse,
+    free_port,
     in_flight,
     wait_for,
     wait_settled,
@@ -203,6 +207,40 @@ def test_a_dead_prefill_endpoint_leaves_requests_aggregated_on_their_decoder(ser
         assert r.metric("disaggregated", "short") == 1
         r.server.plane.finish(held["request_id"], 10, 5)
         assert not any(wait_settled(r).values())
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-full-duplex.yaml"])
+def test_through_envoy_the_decode_engine_gets_the_prefill_endpoint_never_a_clients(
+    name, serve, envoy
+):
+    """Through the shipped Envoy files: a split request reaches the decode
+    engine (where llm-d's sidecar runs) with routecore's
+    ``x-prefiller-host-port``; with the decider ``never`` it reaches it with
+    none, whatever the client sent (about 2 s)."""
+    decode, prefill = MockEngine().start(), MockEngine().start()
+    try:
+        for decider, want in (("always", prefill.address), ("never", None)):
+            pool = {
+                "name": "short",
+                "max_context": 8192,
+                "endpoints": [decode.address, prefill.address],
+                "roles": {prefill.address: "prefill"},
+                "disaggregation": {"decider": decider},
+            }
+            r = serve(pools=[pool])
+            config = shipped_config(name, free_port(), [r.target], pool["endpoints"])
+            gw = envoy(config)
+            body = json.dumps(json.loads(chat_body("hello", max_tokens=4))).encode()
+            headers = {**KEY, "content-type": "application/json", PREFILLER: "10.6.6.6:1"}
+            req = urllib.request.Request(gw.url + "/v1/chat/completions", body, headers)
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert resp.status == 200
+            seen = decode.requests[-1]
+            assert seen.get(PREFILLER) == want, (decider, seen)
+            assert prefill.requests == [], "Envoy sends to the decode endpoint only"
     finally:
         decode.close()
         prefill.close()
