@@ -9,6 +9,7 @@ import json
 import pickle
 import urllib.request
 
+import grpc
 import pytest
 from envoy_proxy import shipped_config
 from mock_engine import MockEngine
@@ -25,6 +26,8 @@ from server_fixtures import (
 from routecore import Dispatcher, EndpointPicker, NotInFlightError
 from routecore.config import ConfigError, parse_config
 from routecore.server.envoy_client import chat_body, header_map, usage_body
+from routecore.server.gen import routecore_pb2 as rc
+from routecore.server.gen import routecore_pb2_grpc as rc_grpc
 
 KEY = {"x-api-key": "demo-key"}
 PREFILLER = "x-prefiller-host-port"
@@ -244,3 +247,26 @@ def test_through_envoy_the_decode_engine_gets_the_prefill_endpoint_never_a_clien
     finally:
         decode.close()
         prefill.close()
+
+
+def test_the_routecore_api_returns_the_prefill_endpoint_and_feedback_releases_both(serve):
+    """A caller that sends the upstream requests itself (its own router)
+    gets both endpoints from RouteCore.Route; its Feedback releases both."""
+    r = split_server(serve)
+    with grpc.insecure_channel(r.api_target) as channel:
+        stub = rc_grpc.RouteCoreStub(channel)
+        routed = stub.Route(rc.RouteRequest(body=chat_body("hi"), api_key="demo-key"))
+        assert (routed.endpoint, routed.prefill_endpoint) == (SHORT[0], SHORT[1])
+        assert in_flight(r)["chooser:short"] == 2
+        stub.Feedback(
+            rc.FeedbackRequest(
+                request_id=routed.request_id,
+                prompt_tokens=10,
+                completion_tokens=2,
+                api_key="demo-key",
+            )
+        )
+    assert not any(wait_settled(r).values())
+    unsplit = split_server(serve, {"decider": "never"})
+    out = unsplit.server.plane.route_body(chat_body("hi"))
+    assert (out["endpoint"], out["prefill_endpoint"]) == (SHORT[0], None)
