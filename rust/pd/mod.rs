@@ -414,7 +414,7 @@ impl Split {
         };
         let uncached_tokens = req.input_tokens.saturating_sub(cached as u64);
         let recorded = decode.started_recorded(&phase, d)?;
-        start(&mut states[d]);
+        states[d].start_one();
         self.prefill_sub.clear();
         self.prefill_sub.extend(
             (0..roles.len())
@@ -440,7 +440,7 @@ impl Split {
         };
         if let Some(p) = self.prefill.pick_one(&phase, states)? {
             let recorded = self.prefill.started_recorded(&phase, p)?;
-            start(&mut states[p]);
+            states[p].start_one();
             pair.prefill = Some((p, recorded));
         }
         Ok(Some(pair))
@@ -469,13 +469,6 @@ impl Split {
         self.prefill
             .completed_request(req, endpoint, input_tokens, 0)
     }
-}
-
-/// One more request in flight on an endpoint, and dispatched since its
-/// last scrape.
-fn start(s: &mut EndpointState) {
-    s.in_flight += 1;
-    s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
 }
 
 #[cfg(test)]

@@ -199,7 +199,7 @@ impl Inner {
         let chosen = pipeline.pick_one(&req, states)?;
         if let (Some(e), true) = (chosen, start) {
             pipeline.started(&req, e)?;
-            count_start(&mut states[e]);
+            states[e].start_one();
         }
         Ok(chosen)
     }
@@ -274,11 +274,6 @@ fn fixed(inner: &Inner) -> Result<()> {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn count_start(s: &mut EndpointState) {
-    s.in_flight += 1;
-    s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
 }
 
 /// A Python scalar as a JSON value (plugin parameters).
@@ -800,7 +795,7 @@ impl PyEndpointPicker {
             ..
         } = &mut *inner;
         pipeline.started(&args.request(hashes, None), e)?;
-        count_start(&mut states[e]);
+        states[e].start_one();
         Ok(())
     }
 

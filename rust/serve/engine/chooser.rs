@@ -223,9 +223,7 @@ impl Chooser {
                         return Ok(Choice::NoEndpoint);
                     };
                     let recorded = st.pipeline.started_recorded(&req, chosen)?;
-                    let s = &mut st.states[chosen];
-                    s.in_flight += 1;
-                    s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+                    st.states[chosen].start_one();
                     ranked.truncate(1 + self.fallbacks);
                     Ok(Choice::Ranked(ranked.clone(), recorded, None))
                 }),
@@ -279,11 +277,6 @@ impl Chooser {
         split.prefill_done(&req, endpoint, est.0, &mut st.states)
     }
 
-    /// The endpoints' roles (None: every endpoint is `both`, never split).
-    pub fn roles(&self) -> Option<Vec<crate::pd::Role>> {
-        lock(&self.state).split.as_ref().map(|s| s.roles().to_vec())
-    }
-
     /// A request counted on `from` was served by `to`: its in-flight count
     /// and what the prefix plugin recorded move (see `Pipeline::moved`).
     pub(super) fn moved(
@@ -298,9 +291,7 @@ impl Chooser {
         let s = &mut st.states[from];
         s.in_flight = s.in_flight.saturating_sub(1);
         s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_sub(1);
-        let s = &mut st.states[to];
-        s.in_flight += 1;
-        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+        st.states[to].start_one();
         Ok(())
     }
 
