@@ -20,6 +20,9 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
     kv_events: {block_size, seed, capacity_blocks, stale_after_s, max_message_bytes,
                 max_batch_events, max_batch_blocks,
                 endpoints: {"ip:port": {zmq, topic, replay}}}
+    flow_control: {enabled, bands: [{name, share, max_requests, max_bytes, ttl_s, fairness,
+                   ordering}], classes, default_band, max_requests, max_bytes, ttl_s,
+                   saturation: {detector, max_waiting, max_kv_usage, max_in_flight}}
 """
 
 from __future__ import annotations
@@ -32,7 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from routecore._core import MAX_TOKENS, EndpointPicker, Entitlement, Pool, Quota, Tokenizer
+from routecore._core import (
+    MAX_TOKENS,
+    EndpointPicker,
+    Entitlement,
+    FlowQueue,
+    Pool,
+    Quota,
+    Tokenizer,
+)
 from routecore.admission import (
     FAILURE_MODES,
     MAX_BOUND,
@@ -314,6 +325,85 @@ class KvEventsConfig:
         }
 
 
+# -- flow_control ------------------------------------------------------------
+
+#: Flow control's bands when ``flow_control.bands`` is not given: one per
+#: service class of the token-pool paper, its class weight as its share,
+#: shared among flows by the token-pool debt (``routecore.FlowQueue()``'s).
+FLOW_BANDS = tuple(
+    {"name": name, "share": share, "fairness": "debt"}
+    for name, share in (
+        ("dedicated", 1000.0),
+        ("guaranteed", 1000.0),
+        ("elastic", 100.0),
+        ("spot", 1.0),
+        ("preemptible", 0.1),
+    )
+)
+FLOW_DETECTORS = ("utilization", "concurrency")
+FLOW_QUEUE_KEYS = {"bands", "classes", "default_band", "max_requests", "max_bytes", "ttl_s"}
+
+
+@dataclass(frozen=True)
+class FlowControlConfig:
+    """``flow_control``: a saturated pool holds requests in priority bands
+    instead of refusing them or sending them to a saturated engine (see
+    docs/server.md, "Flow control"). None queue: off."""
+
+    #: The queue of each pool, as ``routecore.FlowQueue`` takes it (checked).
+    queue: dict[str, Any] | None = None
+    #: When a pool has room: the GIE's utilization detector by default.
+    detector: str = "utilization"
+    max_waiting: float = 5.0
+    max_kv_usage: float = 0.8
+    max_in_flight: int = 100
+
+    def spec(self) -> dict[str, Any] | None:
+        if self.queue is None:
+            return None
+        return {
+            "queue": self.queue,
+            "saturation": {
+                "detector": self.detector,
+                "max_waiting": self.max_waiting,
+                "max_kv_usage": self.max_kv_usage,
+                "max_in_flight": self.max_in_flight,
+            },
+        }
+
+
+def _flow_control(raw: Any) -> FlowControlConfig:
+    """``flow_control``, checked by the queue itself (errors name the key:
+    ``flow_control.bands[1].max_requests``); absent or ``enabled: false``: off."""
+    f = _section(raw, "flow_control", FLOW_QUEUE_KEYS | {"enabled", "saturation"})
+    enabled = f.get("enabled", raw is not None)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"flow_control.enabled: expected true or false, got {enabled!r}")
+    where = "flow_control.saturation"
+    sat = _section(
+        f.get("saturation"), where, {"detector", "max_waiting", "max_kv_usage", "max_in_flight"}
+    )
+    d = FlowControlConfig
+    sat_fields = {
+        "detector": _str(sat, "detector", where, d.detector, FLOW_DETECTORS),
+        "max_waiting": _float(sat, "max_waiting", where, 0.0, 1e9, d.max_waiting),
+        "max_kv_usage": _float(sat, "max_kv_usage", where, 0.0, 1.0, d.max_kv_usage),
+        "max_in_flight": _int(sat, "max_in_flight", where, 1, 1 << 30, d.max_in_flight),
+    }
+    queue = {k: v for k, v in f.items() if k in FLOW_QUEUE_KEYS}
+    queue.setdefault("bands", [dict(b) for b in FLOW_BANDS])
+    try:
+        FlowQueue(queue)
+    except ValueError as e:
+        msg = str(e)
+        raise ConfigError(
+            "flow_control" + msg[len("flow") :]
+            if msg.startswith("flow")
+            else f"flow_control: {msg}"
+        ) from None
+    return FlowControlConfig(queue=queue if enabled else None, **sat_fields)
+
+
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig
@@ -325,6 +415,7 @@ class Config:
     models: tuple[ModelConfig, ...] = ()
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:
@@ -419,6 +510,7 @@ class Config:
                     for m in self.models
                 ],
                 "kv_events": self.kv_events.spec(),
+                "flow_control": self.flow_control.spec(),
             }
         )
 
@@ -908,6 +1000,7 @@ def parse_config(raw: Any) -> Config:
             "tenants",
             "models",
             "kv_events",
+            "flow_control",
         },
     )
     scrape = _scrape(top.get("scrape"))
@@ -1015,6 +1108,16 @@ def parse_config(raw: Any) -> Config:
         objectives=_objectives(r.get("objectives")),
     )
     admission = _admission(top.get("admission"))
+    flow_control = _flow_control(top.get("flow_control"))
+    if (
+        flow_control.queue is not None
+        and flow_control.detector == "utilization"
+        and not scrape.enabled
+    ):
+        raise ConfigError(
+            "flow_control.saturation.detector: utilization reads the scraped queue and KV use, "
+            "and scrape.enabled is false (every request would wait): use concurrency"
+        )
     return Config(
         server=server,
         limits=limits,
@@ -1025,6 +1128,7 @@ def parse_config(raw: Any) -> Config:
         models=_models(_list(top, "models", "config")),
         scrape=scrape,
         kv_events=_kv_events(top.get("kv_events"), pools),
+        flow_control=flow_control,
     )
 
 

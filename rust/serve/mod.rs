@@ -8,6 +8,7 @@ pub mod admission;
 pub mod config;
 pub mod engine;
 pub mod extproc;
+pub mod flow;
 pub mod front;
 pub mod kv_events;
 pub mod limits;

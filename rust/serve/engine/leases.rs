@@ -166,6 +166,8 @@ impl Engine {
             }
             m.in_flight[p].dec();
         }
+        // Capacity appeared: the pool's queue may let a request out.
+        self.pump(lease.pool, now);
         if let Some(ticket) = lease.ticket {
             let actual = usage.unwrap_or((lease.est_input_tokens, 0));
             let latency = lease.started.elapsed().as_secs_f64();
