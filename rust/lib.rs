@@ -20,6 +20,7 @@ pub mod kv;
 #[cfg(test)]
 mod layout;
 pub mod openai;
+pub mod pd;
 pub mod pick;
 pub mod pipeline;
 pub mod planner;

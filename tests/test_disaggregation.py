@@ -1,230 +1,272 @@
-"""Prefill/decode disaggregation in the planner and the simulator (issue 25,
-planning): ``plan_disaggregated``, ``simulate_disaggregated`` and the
-``--disaggregated`` modes of ``routecore plan`` and ``routecore simulate``."""
+"""Prefill/decode disaggregation, the routing half (docs/disaggregation.md):
+roles and deciders in config, the picker's decode-then-prefill pair, the
+lease that holds both endpoints, and the ext_proc wire format (the prefill
+endpoint in llm-d's ``x-prefiller-host-port``; a client's never trusted)."""
+
+from __future__ import annotations
 
 import json
-import math
+import pickle
+import urllib.request
 
-import numpy as np
+import grpc
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from routecore import (
-    Profile,
-    SimPool,
-    Workload,
-    plan,
-    plan_disaggregated,
-    simulate_disaggregated,
+from envoy_proxy import shipped_config
+from mock_engine import MockEngine
+from server_fixtures import (
+    SHORT,
+    base_config,
+    converse,
+    free_port,
+    in_flight,
+    wait_for,
+    wait_settled,
 )
-from routecore.cli import main
 
-PROFILE = Profile.llama3_70b_a100()
-LONG_PROMPTS = Workload([8000, 12000] * 10, [300, 200] * 10)
-MIXED = Workload([200, 1500, 3000, 6000, 800] * 20, [300, 150, 40, 20, 600] * 20)
+from routecore import Dispatcher, EndpointPicker, NotInFlightError
+from routecore.config import ConfigError, parse_config
+from routecore.server.envoy_client import chat_body, header_map, usage_body
+from routecore.server.gen import routecore_pb2 as rc
+from routecore.server.gen import routecore_pb2_grpc as rc_grpc
 
-
-def strict_json(text):
-    """json.loads refusing NaN and Infinity, as any parser but Python's does."""
-
-    def refuse(name):
-        raise ValueError(f"not JSON: {name}")
-
-    return json.loads(text, parse_constant=refuse)
+KEY = {"x-api-key": "demo-key"}
+PREFILLER = "x-prefiller-host-port"
+ROLES = {"d0": "decode", "d1": "decode", "p0": "prefill", "p1": "prefill"}
 
 
-def test_the_plan_names_its_pools_and_the_cheaper_fleet():
-    d = plan_disaggregated(LONG_PROMPTS, 50.0, 1.0, slo_tpot_s=0.1, context=16384)
-    assert d.gpus == d.n_prefill + d.n_decode
-    assert (d.binding_prefill, d.binding_decode, d.binding_aggregated) == (
-        "prefill",
-        "slot",
-        "prefill",
+def split_picker(**kw) -> EndpointPicker:
+    return EndpointPicker(list(ROLES), "least-request", roles=ROLES, **kw)
+
+
+def test_pairs_put_decode_on_decoders_and_prefill_on_prefillers_both_counted():
+    p = split_picker()
+    assert (p.roles, p.decider) == (list(ROLES.values()), "always")
+    pairs = [p.pick_pair(input_tokens=10, now=0.0) for _ in range(4)]
+    assert {d for d, _ in pairs} == {"d0", "d1"}
+    assert {f for _, f in pairs} == {"p0", "p1"}
+    assert p.in_flight == [2, 2, 2, 2]
+    for d, f in pairs:
+        p.completed_prefill(f, 10, now=1.0)
+        p.completed(d, 10, 3, now=1.0)
+    assert p.in_flight == [0, 0, 0, 0]
+    with pytest.raises(NotInFlightError):
+        p.completed_prefill("p0", now=2.0)
+
+
+def test_the_uncached_tokens_decider_splits_only_what_the_decoder_lacks():
+    names = ["d", "p"]
+    p = EndpointPicker(
+        names, "prefix", roles={"p": "prefill"}, decider="uncached-tokens", threshold=8
     )
-    assert d.choice == "disaggregated" and d.gpus < d.n_aggregated
-    # The aggregated pool is the engine model's homogeneous fleet.
-    homo = plan(LONG_PROMPTS, 50.0, 1.0, slo_tpot_s=0.1, long_context=16384, b_short=[4096])
-    assert d.n_aggregated == homo.homogeneous.gpus
-    # The TTFT bound holds the transfer of the P99.5 prompt (12,000 tokens in
-    # 24 chunks of 512): 2 ms + 40 KiB x 12,288 / 25 GB/s.
-    assert d.transfer_q_s == pytest.approx(0.002 + 40960 * 12288 / 25e9, rel=1e-12)
-    assert d.p99_ttft_prefill_s <= 1.0
-    # At a trickle one aggregated GPU beats a prefill and a decode GPU.
-    low = plan_disaggregated(MIXED, 0.5, 2.0, slo_tpot_s=0.08, context=16384)
-    assert (low.n_aggregated, low.gpus, low.choice) == (1, 2, "aggregated")
-    assert set(d.as_dict()) >= {"n_prefill", "n_decode", "choice", "binding_decode"}
+    prompt = "the same long system prompt " * 8
+    first = p.pick_pair(prompt, input_tokens=len(prompt), now=0.0)
+    again = p.pick_pair(prompt, input_tokens=len(prompt), now=1.0)
+    assert first == ("d", "p")
+    assert again == ("d", None), "its prompt is cached on the decoder"
+    # A picker without roles pairs its pick with no prefill endpoint.
+    assert EndpointPicker(names, "least-request").pick_pair(now=0.0) == ("d", None)
 
 
-@settings(max_examples=30, deadline=None)
-@given(
-    rate=st.floats(1.0, 3000.0),
-    factor=st.floats(1.05, 4.0),
-    bandwidth=st.floats(1e9, 1e11),
+def test_a_split_pickers_snapshot_keeps_its_roles_and_decider():
+    p = split_picker(decider="prefill-load", threshold=3)
+    p.pick_pair(now=0.0)
+    for q in (EndpointPicker.from_bytes(p.to_bytes()), pickle.loads(pickle.dumps(p))):
+        assert (q.roles, q.decider, q.in_flight) == (p.roles, "prefill-load", p.in_flight)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"roles": {"a": "decode", "b": "decode"}}, "no prefill endpoint"),
+        ({"roles": {"a": "prefill", "b": "prefill"}}, "none can serve"),
+        ({"roles": {"c": "prefill"}}, "not an endpoint of the pool"),
+        ({"roles": {"a": "prefill-decode"}}, "unknown role"),
+        ({"decider": "sometimes"}, "unknown decider"),
+        ({"decider": "uncached-tokens"}, "needs a threshold"),
+        ({"threshold": 3.0}, "needs a decider"),
+    ],
 )
-def test_more_traffic_never_needs_fewer_gpus_and_a_faster_link_never_more(rate, factor, bandwidth):
-    def at(r, bw):
-        return plan_disaggregated(
-            MIXED, r, 1.5, slo_tpot_s=0.06, context=16384, bandwidth_bytes_s=bw
+def test_bad_roles_and_deciders_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        EndpointPicker(["a", "b"], "least-request", **kw)
+    p = EndpointPicker(["a", "b"], "least-request", roles={"b": "prefill"})
+    with pytest.raises(ValueError, match="keeps its endpoints"):
+        p.add_endpoint("c")
+
+
+def test_a_lease_holds_both_endpoints_and_releases_both_once():
+    picker = split_picker()
+    d = Dispatcher(pickers=picker)
+    lease = d.acquire(max_output_tokens=5, input_tokens=20, now=0.0)
+    assert lease.endpoint in ("d0", "d1")
+    assert lease.prefill_endpoint in ("p0", "p1")
+    assert "prefill_endpoint=" in repr(lease)
+    assert sum(picker.in_flight) == 2
+    lease.release(20, 5, now=1.0)
+    assert picker.in_flight == [0, 0, 0, 0]
+    with pytest.raises(NotInFlightError):
+        lease.release()
+    with Dispatcher(pickers=EndpointPicker(["a"], "least-request")).acquire(
+        max_output_tokens=5, input_tokens=1
+    ) as plain:
+        assert plain.prefill_endpoint is None
+
+
+def pool(**keys) -> dict:
+    return {"name": "short", "max_context": 8192, "endpoints": list(SHORT), **keys}
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"role": "decode"}, r"pools\[0\]: decode endpoints and no prefill endpoint"),
+        ({"role": "prefill"}, r"pools\[0\]: every endpoint is a prefill endpoint"),
+        ({"role": "mixed"}, r"pools\[0\]\.role: expected one of"),
+        ({"roles": {"10.0.0.9:1": "prefill"}}, r"pools\[0\]\.roles: '10.0.0.9:1' is not an"),
+        ({"roles": {SHORT[0]: "p"}}, r"pools\[0\]\.roles\.127.0.0.1:8001: expected one of"),
+        ({"disaggregation": {"decider": "x"}}, r"disaggregation\.decider: expected one of"),
+        ({"disaggregation": {"decider": "prefill-load"}}, "needs a threshold"),
+        ({"disaggregation": {"decider": "always", "k": 1}}, r"disaggregation\.k: unknown key"),
+    ],
+)
+def test_bad_disaggregation_config_names_the_key(keys, message):
+    raw = base_config(pools=[pool(**keys)])
+    raw["server"]["default_pool"] = "short"
+    with pytest.raises(ConfigError, match=message):
+        parse_config(raw)
+
+
+def split_server(serve, decider: dict | None = None):
+    keys = {"role": "decode", "roles": {SHORT[1]: "prefill"}}
+    if decider is not None:
+        keys["disaggregation"] = decider
+    pools = base_config()["pools"]
+    pools[0].update(keys)
+    return serve(pools=pools)
+
+
+def test_envoy_gets_the_decode_endpoint_and_the_prefill_one_in_the_sidecar_header(serve):
+    r = split_server(serve)
+    headers = {**KEY, PREFILLER: "10.6.6.6:1"}
+    conv = converse(r.target, headers, chat_body("hi"), [usage_body(10, 2)])
+    routed = conv.routing_headers
+    assert conv.endpoints == [SHORT[0]]
+    assert routed[PREFILLER] == SHORT[1], "the client's value is overwritten"
+    assert r.metric("disaggregated", "short") == 1
+    assert not any(wait_settled(r).values())
+
+
+def test_an_unsplit_request_has_a_clients_sidecar_header_removed(serve):
+    r = split_server(serve, {"decider": "never"})
+    headers = {**KEY, PREFILLER: "10.6.6.6:1"}
+    conv = converse(r.target, headers, chat_body("hi"), [usage_body(10, 2)])
+    assert conv.endpoints == [SHORT[0]]
+    removed = set()
+    for resp in conv.responses:
+        kind = resp.WhichOneof("response")
+        if kind in ("request_headers", "request_body"):
+            mutation = getattr(resp, kind).response.header_mutation
+            assert PREFILLER not in header_map(mutation)
+            removed.update(mutation.remove_headers)
+    assert PREFILLER in removed
+    assert r.metric("disaggregated", "short") == 0
+
+
+def test_a_split_request_cut_off_releases_both_endpoints(serve):
+    """A stream that ends before the response (the prefill endpoint died
+    mid-handoff and the sidecar gave up, or the client left) releases the
+    decode and the prefill endpoint once."""
+    r = split_server(serve)
+    converse(r.target, KEY, chat_body("hi"))  # no response: the stream is cut
+    assert not any(wait_settled(r).values()), in_flight(r)
+
+
+def test_a_dead_prefill_endpoint_leaves_requests_aggregated_on_their_decoder(serve):
+    """The prefill engine dies while a split request is in flight: that
+    request's end releases both endpoints once, and once the scraper finds
+    the engine down, requests are served aggregated on the decode endpoint
+    (no sidecar header), never refused."""
+    decode, prefill = MockEngine().start(), MockEngine().start()
+    try:
+        pool = {
+            "name": "short",
+            "max_context": 8192,
+            "endpoints": [decode.address, prefill.address],
+            "roles": {decode.address: "decode", prefill.address: "prefill"},
+        }
+        r = serve(
+            scrape={"enabled": True, "interval_s": 0.05, "unhealthy_after": 3},
+            pools=[pool, {**base_config()["pools"][1], "endpoints": [decode.address]}],
         )
-
-    a, b = at(rate, bandwidth), at(rate * factor, bandwidth)
-    assert (b.n_prefill, b.n_decode, b.n_aggregated) >= (a.n_prefill, a.n_decode, a.n_aggregated)
-    assert b.n_prefill >= a.n_prefill and b.n_decode >= a.n_decode
-    fast = at(rate, bandwidth * 4)
-    assert fast.n_prefill <= a.n_prefill and fast.n_decode == a.n_decode
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"bandwidth_bytes_s": 0.0}, "bandwidth_bytes_s"),
-        ({"bandwidth_bytes_s": -1e9}, "bandwidth_bytes_s"),
-        ({"bandwidth_bytes_s": math.nan}, "bandwidth_bytes_s"),
-        ({"latency_s": math.nan}, "latency_s"),
-        ({"bytes_per_token": -1.0}, "bytes_per_token"),
-        ({"quantile": 1.0}, "quantile"),
-        ({"context": 4096}, "exceeds the context"),
-    ],
-)
-def test_bad_plans_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        plan_disaggregated(MIXED, 10.0, 1.0, slo_tpot_s=0.08, **kwargs)
-    with pytest.raises(ValueError, match="arrival_rate"):
-        plan_disaggregated(MIXED, math.nan, 1.0)
+        wait_for(lambda: r.server.plane.endpoints()["short"][prefill.address]["healthy"])
+        held = r.server.plane.route_body(chat_body("hi", max_tokens=10))
+        assert held["admitted"]
+        prefill.stop()
+        state = r.server.plane.endpoints
+        wait_for(lambda: not state()["short"][prefill.address]["healthy"], what="unhealthy")
+        conv = converse(r.target, KEY, chat_body("hi"), [usage_body(10, 2)])
+        assert conv.endpoints == [decode.address]
+        assert PREFILLER not in conv.routing_headers
+        assert r.metric("disaggregated", "short") == 1
+        r.server.plane.finish(held["request_id"], 10, 5)
+        assert not any(wait_settled(r).values())
+    finally:
+        decode.close()
+        prefill.close()
 
 
-def pool(name, n):
-    return SimPool(name, n, 8192, 16)
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-full-duplex.yaml"])
+def test_through_envoy_the_decode_engine_gets_the_prefill_endpoint_never_a_clients(
+    name, serve, envoy
+):
+    """Through the shipped Envoy files: a split request reaches the decode
+    engine (where llm-d's sidecar runs) with routecore's
+    ``x-prefiller-host-port``; with the decider ``never`` it reaches it with
+    none, whatever the client sent (about 2 s)."""
+    decode, prefill = MockEngine().start(), MockEngine().start()
+    try:
+        for decider, want in (("always", prefill.address), ("never", None)):
+            pool = {
+                "name": "short",
+                "max_context": 8192,
+                "endpoints": [decode.address, prefill.address],
+                "roles": {prefill.address: "prefill"},
+                "disaggregation": {"decider": decider},
+            }
+            r = serve(pools=[pool])
+            config = shipped_config(name, free_port(), [r.target], pool["endpoints"])
+            gw = envoy(config)
+            body = json.dumps(json.loads(chat_body("hello", max_tokens=4))).encode()
+            headers = {**KEY, "content-type": "application/json", PREFILLER: "10.6.6.6:1"}
+            req = urllib.request.Request(gw.url + "/v1/chat/completions", body, headers)
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert resp.status == 200
+            seen = decode.requests[-1]
+            assert seen.get(PREFILLER) == want, (decider, seen)
+            assert prefill.requests == [], "Envoy sends to the decode endpoint only"
+    finally:
+        decode.close()
+        prefill.close()
 
 
-def test_one_request_by_hand():
-    """3 prefill iterations of W + H, the transfer, then 10 decode iterations."""
-    t = 0.008 + 0.00065
-    r = simulate_disaggregated(
-        [0.0], [1200], [10], pool("decode", 1), pool("prefill", 1), bytes_per_token=40960.0,
-        bandwidth_bytes_s=25e9, latency_s=0.002, warmup=0.0,
-    )  # fmt: skip
-    transfer = 0.002 + 40960 * 1200 / 25e9
-    assert r.ttft[0] == pytest.approx(4 * t + transfer, rel=1e-12)
-    assert r.e2e[0] == pytest.approx(13 * t + transfer, rel=1e-12)
-    assert bool(r.disaggregated[0]) and [p["name"] for p in r.pools] == ["prefill", "decode"]
-
-
-def test_the_conditional_decider_splits_long_prompts_only():
-    inputs = np.array([3000, 300] * 50)
-    arrival = np.arange(100) * 0.05
-    r = simulate_disaggregated(
-        arrival, inputs, np.full(100, 20), pool("decode", 2), pool("prefill", 1),
-        decider="conditional", threshold=1000, warmup=0.0,
-    )  # fmt: skip
-    assert (r.disaggregated == (inputs > 1000)).all()
-    assert np.isfinite(r.e2e).all()
-    assert r.pools[0]["requests"] == 50 and r.pools[1]["requests"] == 100
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"prefill": None}, "needs a prefill pool"),
-        ({"bandwidth_bytes_s": 0.0}, "bandwidth_bytes_s"),
-        ({"decider": "sometimes"}, "decider"),
-    ],
-)
-def test_bad_fleets_are_refused(kwargs, message):
-    args = {"prefill": pool("prefill", 1), "warmup": 0.0, **kwargs}
-    with pytest.raises(ValueError, match=message):
-        simulate_disaggregated([0.0], [100], [10], pool("decode", 1), **args)
-    with pytest.raises(ValueError, match="output_tokens"):
-        simulate_disaggregated([0.0], [100], [0], pool("decode", 1), pool("prefill", 1))
-
-
-def test_plan_cli_json_is_strict(capsys):
-    args = ["plan", "--disaggregated", "--rate", "200", "--slo-ttft", "1", "--json"]
-    assert main(args) == 0
-    out = strict_json(capsys.readouterr().out)
-    d = plan_disaggregated(Workload.azure_2023(), 200.0, 1.0, slo_tpot_s=0.08)
-    assert out["plan"] == strict_json(json.dumps(d.as_dict()))
-    assert out["transfer"]["bandwidth_bytes_s"] == 25e9
-    assert out["verdict"].startswith(d.choice)
-
-
-def test_plan_cli_table_names_the_binding_resources(capsys):
-    assert main(["plan", "--disaggregated", "--rate", "200", "--kv-bandwidth", "50"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    d = plan_disaggregated(
-        Workload.azure_2023(), 200.0, 2.0, slo_tpot_s=0.08, bandwidth_bytes_s=50e9
-    )
-    assert "KV link 50 GB/s" in lines[0]
-    prefill, decode = lines[3].split(), lines[4].split()
-    assert prefill[:3] == ["prefill", str(d.n_prefill), d.binding_prefill]
-    assert decode[:3] == ["decode", str(d.n_decode), d.binding_decode]
-
-
-@pytest.mark.parametrize(
-    "flag",
-    [["--kv-bandwidth", "0"], ["--kv-bandwidth", "-5"], ["--kv-bandwidth", "nan"],
-     ["--kv-latency", "-1"], ["--kv-latency", "inf"], ["--kv-bytes-per-token", "-1"]],
-)  # fmt: skip
-def test_plan_cli_refuses_bad_links(flag, capsys):
-    assert main(["plan", "--disaggregated", *flag]) == 2
-    err = capsys.readouterr().err
-    assert flag[0] in err and "expected a finite number" in err
-
-
-def test_simulate_cli_refuses_a_split_with_no_prefill_endpoint(capsys):
-    args = ["simulate", "--disaggregated", "--prefill-gpus", "0", "--decider", "always",
-            "--rate", "20", "--duration", "2", "--no-verify", "--quiet"]  # fmt: skip
-    assert main(args) == 2
-    assert "needs a prefill pool" in capsys.readouterr().err
-
-
-def planner_against_simulation(capsys, trace, rate, duration, decider="always"):
-    """``simulate --disaggregated`` with verification: per pool, planned
-    against the smallest count the simulator accepts."""
-    args = ["simulate", "--disaggregated", "--trace", trace, "--rate", str(rate),
-            "--duration", str(duration), "--slo-ttft", "1", "--decider", decider,
-            "--fleet", "homogeneous", "--quiet", "--json"]  # fmt: skip
-    assert main(args) == 0
-    out = strict_json(capsys.readouterr().out)
-    (fleet,) = out["fleets"]
-    assert fleet["slo_attainment"] >= 0.99
-    return [(p["name"], p["gpus_planned"], p["gpus"]) for p in fleet["pools"]]
-
-
-def test_the_planned_pd_fleet_is_the_simulated_minimum(capsys):
-    """A reduced check of the planner against the simulator (Azure code, 100
-    req/s, 30 s): each pool's planned GPUs within 5 % (or one GPU) of the
-    smallest count meeting the SLO for 99 % of the requests."""
-    for name, planned, verified in planner_against_simulation(capsys, "azure-code", 100, 30):
-        assert abs(planned - verified) <= max(1, 0.05 * verified), (name, planned, verified)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("trace", ["azure-code", "azure-conversation"])
-def test_the_planned_pd_fleet_is_the_simulated_minimum_at_scale(capsys, trace):
-    """The same at 1,000 req/s over 120 s (docs/planner.md's table)."""
-    for name, planned, verified in planner_against_simulation(capsys, trace, 1000, 120):
-        assert abs(planned - verified) <= max(1, 0.05 * verified), (name, planned, verified)
-
-
-def test_the_defaults_agree():
-    """One link default for the planner, the simulator and the command line."""
-    from inspect import signature
-
-    from routecore import disaggregation
-
-    for f in (plan_disaggregated, simulate_disaggregated):
-        params = signature(f).parameters
-        assert params["bandwidth_bytes_s"].default == disaggregation.DEFAULT_BANDWIDTH_GBS * 1e9
-        assert params["latency_s"].default == disaggregation.DEFAULT_LATENCY_S
-
-
-def test_plan_cli_marks_pools_that_miss_the_slo(capsys):
-    """A TTFT no fleet meets: every pool is marked, and the verdict says so."""
-    assert main(["plan", "--disaggregated", "--slo-ttft", "0.01"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert all(line.endswith("(misses the SLO)") for line in lines[3:6])
-    assert lines[-1] == "neither fleet meets the SLO"
-    assert main(["plan", "--disaggregated", "--rate", "200"]) == 0
-    assert "misses" not in capsys.readouterr().out
+def test_the_routecore_api_returns_the_prefill_endpoint_and_feedback_releases_both(serve):
+    """A caller that sends the upstream requests itself (its own router)
+    gets both endpoints from RouteCore.Route; its Feedback releases both."""
+    r = split_server(serve)
+    with grpc.insecure_channel(r.api_target) as channel:
+        stub = rc_grpc.RouteCoreStub(channel)
+        routed = stub.Route(rc.RouteRequest(body=chat_body("hi"), api_key="demo-key"))
+        assert (routed.endpoint, routed.prefill_endpoint) == (SHORT[0], SHORT[1])
+        assert in_flight(r)["chooser:short"] == 2
+        stub.Feedback(
+            rc.FeedbackRequest(
+                request_id=routed.request_id,
+                prompt_tokens=10,
+                completion_tokens=2,
+                api_key="demo-key",
+            )
+        )
+    assert not any(wait_settled(r).values())
+    unsplit = split_server(serve, {"decider": "never"})
+    out = unsplit.server.plane.route_body(chat_body("hi"))
+    assert (out["endpoint"], out["prefill_endpoint"]) == (SHORT[0], None)

@@ -45,6 +45,13 @@ def picker():
     return p
 
 
+def split_picker():
+    """A picker with a prefill in flight on ``p`` (prefill/decode roles)."""
+    p = core.EndpointPicker(["d", "p"], preset="least-request", roles={"p": "prefill"})
+    p.pick_pair(now=0.0)
+    return p
+
+
 def scheduler():
     return core.BatchScheduler([ENDPOINT])
 
@@ -162,6 +169,13 @@ CASES = {
     "EndpointPicker.__new__.seed": lambda v: core.EndpointPicker(["a"], seed=v),
     "EndpointPicker.pick.input_tokens": lambda v: picker().pick(input_tokens=v, now=0.0),
     "EndpointPicker.pick.output_tokens": lambda v: picker().pick(output_tokens=v, now=0.0),
+    "EndpointPicker.pick_pair.input_tokens": lambda v: picker().pick_pair(input_tokens=v, now=0.0),
+    "EndpointPicker.pick_pair.output_tokens": lambda v: picker().pick_pair(
+        output_tokens=v, now=0.0
+    ),
+    "EndpointPicker.completed_prefill.input_tokens": lambda v: split_picker().completed_prefill(
+        "p", v, now=1.0
+    ),
     "EndpointPicker.rank.input_tokens": lambda v: picker().rank(input_tokens=v, now=0.0),
     "EndpointPicker.rank.output_tokens": lambda v: picker().rank(output_tokens=v, now=0.0),
     "EndpointPicker.started.input_tokens": lambda v: picker().started("e0", input_tokens=v),
@@ -428,6 +442,9 @@ UNSIGNED_64 = {
     "EndpointPicker.__new__.seed",
     "EndpointPicker.pick.input_tokens",
     "EndpointPicker.pick.output_tokens",
+    "EndpointPicker.pick_pair.input_tokens",
+    "EndpointPicker.pick_pair.output_tokens",
+    "EndpointPicker.completed_prefill.input_tokens",
     "EndpointPicker.rank.input_tokens",
     "EndpointPicker.rank.output_tokens",
     "EndpointPicker.started.input_tokens",

@@ -465,9 +465,33 @@ class EndpointPicker:
         plugins: list[dict[str, Any]] | None = None,
         seed: int = 0,
         kv_index: KvEventIndex | None = None,
+        *,
+        roles: dict[str, Literal["prefill", "decode", "both"]] | None = None,
+        decider: Literal["always", "never", "uncached-tokens", "prefill-load"] | None = None,
+        threshold: float | None = None,
     ) -> Self: ...
     @staticmethod
     def presets() -> list[str]: ...
+    def pick_pair(
+        self,
+        tokens: npt.ArrayLike | bytes | str | None = None,
+        *,
+        hashes: npt.NDArray[np.uint64] | None = None,
+        adapter: str | None = None,
+        subset: list[str] | None = None,
+        fairness_id: str | None = None,
+        session: str | None = None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        now: float | None = None,
+    ) -> tuple[str, str | None] | None: ...
+    def completed_prefill(
+        self, endpoint: str, input_tokens: int = 0, *, now: float | None = None
+    ) -> None: ...
+    @property
+    def roles(self) -> list[Literal["prefill", "decode", "both"]] | None: ...
+    @property
+    def decider(self) -> Literal["always", "never", "uncached-tokens", "prefill-load"]: ...
     def pick(
         self,
         tokens: npt.ArrayLike | bytes | str | None = None,
