@@ -225,6 +225,9 @@ pub struct Spec {
     /// KV-event sources (None: no precise prefix index).
     #[serde(default)]
     pub kv_events: Option<KvEventsSpec>,
+    /// Autoscaling from the capacity model (None: off).
+    #[serde(default)]
+    pub autoscale: Option<super::autoscale::AutoscaleSpec>,
 }
 
 impl Spec {
@@ -263,6 +266,9 @@ impl Spec {
                     )));
                 }
             }
+        }
+        if let Some(a) = &spec.autoscale {
+            a.check(&spec.pools)?;
         }
         Ok(spec)
     }
