@@ -334,10 +334,19 @@ fn serve_autoscale_timing() {
     }
     let now = n as f64 / 12_800.0;
     let rounds = 2_000;
-    let start = std::time::Instant::now();
-    for r in 0..rounds {
-        s.step(now + r as f64 * 1e-6, &Held(0.0)).expect("step");
+    for round in 0..2 {
+        let start = std::time::Instant::now();
+        for r in 0..rounds {
+            std::hint::black_box(pure.step(now + r as f64 * 1e-6, &[]).expect("step"));
+        }
+        let bare = start.elapsed().as_secs_f64() * 1e6 / rounds as f64;
+        let start = std::time::Instant::now();
+        for r in 0..rounds {
+            s.step(now + r as f64 * 1e-6, &Held(0.0)).expect("step");
+        }
+        let wired = start.elapsed().as_secs_f64() * 1e6 / rounds as f64;
+        println!(
+            "round {round}: step, 8 pools: {bare:.1} us pure, {wired:.1} us with the gauges published"
+        );
     }
-    let us = start.elapsed().as_secs_f64() * 1e6 / rounds as f64;
-    println!("step, 8 pools, gauges published: {us:.1} us");
 }
