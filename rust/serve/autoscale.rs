@@ -189,57 +189,42 @@ impl Gauges {
         g
     }
 
-    fn publish(&self, d: &Desired) {
-        let t = &d.target;
-        let pool = || PoolLabel {
-            pool: d.pool.clone(),
-        };
-        self.desired.get_or_create(&pool()).set(d.endpoints as f64);
-        self.target.get_or_create(&pool()).set(t.endpoints as f64);
-        self.model
-            .get_or_create(&pool())
-            .set(t.model_endpoints as f64);
-        for (source, v) in [
-            ("sized", t.rate),
-            ("observed", t.observed_rate),
-            ("queued", t.queued_rate),
-            ("promised", t.promised_rate),
-        ] {
-            let l = RateLabels {
-                pool: d.pool.clone(),
-                source: source.into(),
-            };
-            self.rate.get_or_create(&l).set(v);
-        }
-        for (family, p) in [
-            (&self.prompt_tokens, t.prompt_tokens),
-            (&self.output_tokens, t.output_tokens),
-        ] {
-            for (q, v) in [("0.5", p.p50), ("0.99", p.p99)] {
-                let l = QuantileLabels {
-                    pool: d.pool.clone(),
+    /// `pool`'s series, looked up once (made when missing).
+    fn pool(&self, pool: &str) -> PoolGauges {
+        let p = || pool.to_owned();
+        let one = |f: &Family<PoolLabel, FGauge>| f.get_or_create_owned(&PoolLabel { pool: p() });
+        let quantiles = |f: &Family<QuantileLabels, FGauge>| {
+            QUANTILES.map(|q| {
+                f.get_or_create_owned(&QuantileLabels {
+                    pool: p(),
                     quantile: q.into(),
-                };
-                family.get_or_create(&l).set(v as f64);
-            }
-        }
-        for b in BINDINGS {
-            let l = ResourceLabels {
-                pool: d.pool.clone(),
-                resource: b.name().into(),
-            };
-            self.binding
-                .get_or_create(&l)
-                .set(f64::from(u8::from(b == t.binding)));
-        }
-        for r in REASONS {
-            let l = ReasonLabels {
-                pool: d.pool.clone(),
-                reason: r.name().into(),
-            };
-            self.reason
-                .get_or_create(&l)
-                .set(f64::from(u8::from(r == t.reason)));
+                })
+            })
+        };
+        PoolGauges {
+            desired: one(&self.desired),
+            target: one(&self.target),
+            model: one(&self.model),
+            rate: RATE_SOURCES.map(|source| {
+                self.rate.get_or_create_owned(&RateLabels {
+                    pool: p(),
+                    source: source.into(),
+                })
+            }),
+            prompt_tokens: quantiles(&self.prompt_tokens),
+            output_tokens: quantiles(&self.output_tokens),
+            binding: BINDINGS.map(|b| {
+                self.binding.get_or_create_owned(&ResourceLabels {
+                    pool: p(),
+                    resource: b.name().into(),
+                })
+            }),
+            reason: REASONS.map(|r| {
+                self.reason.get_or_create_owned(&ReasonLabels {
+                    pool: p(),
+                    reason: r.name().into(),
+                })
+            }),
         }
     }
 
@@ -253,6 +238,50 @@ impl Gauges {
         self.output_tokens.clear();
         self.binding.clear();
         self.reason.clear();
+    }
+}
+
+const RATE_SOURCES: [&str; 4] = ["sized", "observed", "queued", "promised"];
+const QUANTILES: [&str; 2] = ["0.5", "0.99"];
+
+/// One pool's series of [`Gauges`].
+struct PoolGauges {
+    desired: FGauge,
+    target: FGauge,
+    model: FGauge,
+    /// By [`RATE_SOURCES`].
+    rate: [FGauge; 4],
+    /// By [`QUANTILES`].
+    prompt_tokens: [FGauge; 2],
+    output_tokens: [FGauge; 2],
+    /// By [`BINDINGS`] and [`REASONS`]: 1 for the one that holds.
+    binding: [FGauge; 5],
+    reason: [FGauge; 5],
+}
+
+impl PoolGauges {
+    fn publish(&self, d: &Desired) {
+        let t = &d.target;
+        self.desired.set(d.endpoints as f64);
+        self.target.set(t.endpoints as f64);
+        self.model.set(t.model_endpoints as f64);
+        let rates = [t.rate, t.observed_rate, t.queued_rate, t.promised_rate];
+        for (g, v) in self.rate.iter().zip(rates) {
+            g.set(v);
+        }
+        for (gauges, p) in [
+            (&self.prompt_tokens, t.prompt_tokens),
+            (&self.output_tokens, t.output_tokens),
+        ] {
+            gauges[0].set(p.p50 as f64);
+            gauges[1].set(p.p99 as f64);
+        }
+        for (g, b) in self.binding.iter().zip(BINDINGS) {
+            g.set(f64::from(u8::from(b == t.binding)));
+        }
+        for (g, r) in self.reason.iter().zip(REASONS) {
+            g.set(f64::from(u8::from(r == t.reason)));
+        }
     }
 }
 
@@ -289,7 +318,8 @@ pub struct Scaling {
     /// By data-plane pool, then tenant: the tenant's entitlement's window.
     entitlements: Vec<Vec<Option<usize>>>,
     published: Arc<Mutex<Published>>,
-    gauges: Arc<Gauges>,
+    /// By autoscaler pool: its series.
+    gauges: Vec<PoolGauges>,
 }
 
 impl Scaling {
@@ -310,9 +340,21 @@ impl Scaling {
             None => {
                 let a = Autoscaler::new(spec.config.clone(), spec.profiles.clone(), now)?;
                 gauges.clear();
+                // Until its first step, a pool runs its minimum (its damper's start).
+                for p in &spec.config.pools {
+                    let g = gauges.pool(&p.name);
+                    g.desired.set(p.min_endpoints as f64);
+                    g.target.set(p.min_endpoints as f64);
+                }
                 (Arc::new(Mutex::new(a)), Arc::default())
             }
         };
+        let gauges = spec
+            .config
+            .pools
+            .iter()
+            .map(|p| gauges.pool(&p.name))
+            .collect();
         let cfg = &spec.config;
         let plane_pools: Vec<usize> = cfg
             .pools
@@ -394,8 +436,12 @@ impl Scaling {
         let mut published = lock(&self.published);
         published.at_max.resize(desired.len(), None);
         let mut changed = Vec::new();
-        for (d, was) in desired.iter().zip(published.at_max.iter_mut()) {
-            self.gauges.publish(d);
+        for ((d, was), g) in desired
+            .iter()
+            .zip(published.at_max.iter_mut())
+            .zip(&self.gauges)
+        {
+            g.publish(d);
             let is = at_max(d);
             if is == *was {
                 continue;

@@ -228,6 +228,11 @@ fn a_reload_with_the_same_section_keeps_the_windows_and_another_starts_afresh() 
     let first = scaling(2.0, &metrics);
     first.observe(0, None, 1.0, 2000, 200);
     first.step(1.5, &Held(0.0)).expect("step");
+    let reason = format!(
+        "routecore_pool_scaling_reason{{pool=\"p\",reason=\"{}\"}} 1.0",
+        first.last()[0].target.reason.name()
+    );
+    assert!(metrics.text().contains(&reason));
     let s = spec(autoscale(2.0)).expect("spec");
     let a = s.autoscale.as_ref().expect("autoscale");
     let gauges = Arc::clone(&metrics.autoscale);
@@ -252,7 +257,12 @@ fn a_reload_with_the_same_section_keeps_the_windows_and_another_starts_afresh() 
             .requests,
         0
     );
-    assert!(!metrics.text().contains("routecore_pool_desired_endpoints{"));
+    // Its series start afresh: the minimum until the first step, the
+    // previous model count and reasons gone.
+    let text = metrics.text();
+    assert!(text.contains("routecore_pool_desired_endpoints{pool=\"p\"} 1.0\n"));
+    assert!(text.contains("routecore_pool_model_endpoints{pool=\"p\"} 0.0\n"));
+    assert!(!text.contains(&reason));
 }
 
 #[test]
