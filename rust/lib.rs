@@ -65,6 +65,8 @@ mod _core {
     };
     #[pymodule_export]
     use crate::py::flow::PyFlowQueue;
+    #[pymodule_export]
+    use crate::py::flow_sim::flow_eval;
     #[cfg(feature = "kv-events")]
     #[pymodule_export]
     use crate::py::kv::PyKvEventIndex;

@@ -1337,6 +1337,10 @@ class FlowQueue:
     def retry_after_s(self, band: str, now: float | None = None) -> float: ...
     def stats(self, band: str) -> dict[str, int]: ...
 
+def flow_eval(
+    experiment: int, policy: str, scale: float = 1.0, ttl_s: float = 30.0, seed: int = 0
+) -> dict[str, Any]: ...
+
 # --- precise prefix routing from KV events (capability 11) --------------------
 
 @final

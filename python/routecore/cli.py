@@ -21,6 +21,7 @@ from routecore.commands import (
     calibration_study,
     client,
     compress,
+    flow_eval,
     init_config,
     pick_eval,
     plan,
@@ -46,6 +47,8 @@ COMMANDS.append(init_config)
 COMMANDS.append(bench)
 # The planner's fidelity grid (issue 27).
 COMMANDS.append(plan_fidelity)
+# Flow control in simulation (issue 32).
+COMMANDS.append(flow_eval)
 
 
 class UsageError(Exception):

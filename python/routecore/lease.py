@@ -12,14 +12,31 @@ every ``complete`` raises for the same mistake.
 If a step refuses (the router rejects, admission throttles, no endpoint is
 healthy), what the earlier steps took is given back and ``RequestRefused``
 says which step refused, with the HTTP status a gateway would answer.
+
+Flow control in process (``acquire(..., wait=seconds)``): a request that
+admission refuses with 429 (a quota or an entitlement at its limit) or that
+finds no endpoint (503) holds nothing and waits in the dispatcher's
+``FlowQueue`` (the Rust discipline of the data plane and the simulator:
+bands per service class, fairness across entitlements, a TTL) instead of
+being refused; each lease released dispatches the next waiter by the
+discipline, which runs the steps again. After ``wait`` seconds (or the
+band's TTL, or when a higher band displaces it from a full queue) it is
+refused with ``step="queue"``, 429 and a Retry-After. A waiter that is
+interrupted (KeyboardInterrupt, any exception in its thread) leaves the
+queue and holds nothing. ``acquire_async(..., wait=seconds)`` is the same
+for asyncio: it waits without blocking the loop, and a cancelled task leaves
+the queue.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import math
 import operator
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -27,6 +44,7 @@ from typing import Any
 from routecore._core import (
     Admission,
     EndpointPicker,
+    FlowQueue,
     NotInFlightError,
     RouteDecision,
     TokenBudgetRouter,
@@ -41,8 +59,10 @@ class RequestRefused(Exception):
 
     ``step``: ``"route"`` (no pool holds it, 413), ``"admission"`` (the
     admission decision's status: 401, 403, 413, 429 or 503, with
-    ``retry_after_s``) or ``"endpoint"`` (no endpoint passes the health and
-    subset filters, 503)."""
+    ``retry_after_s``), ``"endpoint"`` (no endpoint passes the health and
+    subset filters, 503) or ``"queue"`` (``acquire(wait=...)``: 429 with
+    ``retry_after_s`` after waiting its time, its band's TTL, or displaced;
+    or the queue's refusal when it is full)."""
 
     def __init__(
         self, step: str, status: int, reason: str, retry_after_s: float | None = None
@@ -180,13 +200,17 @@ class Dispatcher:
     ``EndpointPicker`` for every request, or a mapping from pool name to the
     picker of that pool's endpoints; ``admission``: an ``AdmissionBackend``
     (``InMemoryAdmission``, ``RedisAdmission``). Each part is optional; give
-    at least one."""
+    at least one. ``flow``: the queue of ``acquire(wait=...)``, the data
+    plane's ``flow`` mapping (bands, fairness, ordering, limits, TTL); None:
+    one band per service class with the paper's weights as shares and the
+    token-pool debt fairness."""
 
     def __init__(
         self,
         router: TokenBudgetRouter | None = None,
         pickers: EndpointPicker | Mapping[str, EndpointPicker] | None = None,
         admission: AdmissionBackend | None = None,
+        flow: Mapping[str, Any] | None = None,
     ) -> None:
         if router is None and pickers is None and admission is None:
             raise ValueError("give a router, pickers or admission")
@@ -202,6 +226,11 @@ class Dispatcher:
             self._by_pool = pickers
         else:
             self._for_all = pickers
+        self.queue = FlowQueue(flow)
+        # Guards the queue's waiters and the count of leases held.
+        self._turns = threading.Condition()
+        self._leases = 0
+        self._turning = 0  # waiters dispatched whose try is not over
 
     def acquire(
         self,
@@ -215,6 +244,8 @@ class Dispatcher:
         fairness_id: str | None = None,
         session: str | None = None,
         now: float | None = None,
+        wait: float | None = None,
+        service_class: str | None = None,
     ) -> Lease:
         """Routes (``prompt_bytes``, ``category``, ``max_output_tokens``), admits
         (``entitlement`` with the input estimate and ``max_output_tokens``) and
@@ -223,7 +254,198 @@ class Dispatcher:
         length of ``tokens`` when it is ``str`` or ``bytes``; ``input_tokens``
         to the router's estimate (needed for admission without a router).
         Raises ``RequestRefused`` (nothing held) when a step refuses, and bad
-        arguments raise as each part does, also with nothing held."""
+        arguments raise as each part does, also with nothing held.
+
+        ``wait`` (seconds, > 0; needs ``now`` None): when admission refuses
+        with 429 or no endpoint is found, wait up to that long in the
+        dispatcher's queue (see the module docs) in the band of
+        ``service_class`` (a service class or objective; None: the default
+        band), the entitlement (else ``fairness_id``) as its flow, weighted by
+        the entitlement's priority; blocks the calling thread."""
+        args = dict(
+            max_output_tokens=max_output_tokens,
+            prompt_bytes=prompt_bytes,
+            category=category,
+            input_tokens=input_tokens,
+            entitlement=entitlement,
+            tokens=tokens,
+            fairness_id=fairness_id,
+            session=session,
+            now=now,
+        )
+        if wait is None:
+            return self._acquire_now(**args)
+        steps = self._waiting(args, wait, service_class)
+        try:
+            waiter = next(steps)
+            while True:
+                try:
+                    with self._turns:
+                        while not self._poll(waiter):
+                            self._turns.wait(POLL_S)
+                except BaseException as e:  # KeyboardInterrupt: leave the queue
+                    waiter = steps.throw(e)
+                else:
+                    waiter = next(steps)
+        except StopIteration as done:
+            lease: Lease = done.value
+            return lease
+
+    async def acquire_async(
+        self,
+        *,
+        max_output_tokens: int,
+        wait: float,
+        prompt_bytes: int | None = None,
+        category: str = "prose",
+        input_tokens: int | None = None,
+        entitlement: str | None = None,
+        tokens: Any = None,
+        fairness_id: str | None = None,
+        session: str | None = None,
+        service_class: str | None = None,
+    ) -> Lease:
+        """``acquire(..., wait=wait)`` for asyncio: waits in the same queue
+        without blocking the event loop; a cancelled task (``task.cancel()``,
+        ``asyncio.timeout``) leaves the queue and holds nothing."""
+        args = dict(
+            max_output_tokens=max_output_tokens,
+            prompt_bytes=prompt_bytes,
+            category=category,
+            input_tokens=input_tokens,
+            entitlement=entitlement,
+            tokens=tokens,
+            fairness_id=fairness_id,
+            session=session,
+            now=None,
+        )
+        loop = asyncio.get_running_loop()
+        steps = self._waiting(args, wait, service_class)
+        try:
+            waiter = next(steps)
+            while True:
+                woken = asyncio.Event()
+                waiter.wake = functools.partial(loop.call_soon_threadsafe, woken.set)
+                try:
+                    while True:
+                        with self._turns:
+                            if self._poll(waiter):
+                                break
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(woken.wait(), POLL_S)
+                except BaseException as e:  # cancelled: leave the queue
+                    waiter = steps.throw(e)
+                else:
+                    waiter = next(steps)
+        except StopIteration as done:
+            lease: Lease = done.value
+            return lease
+
+    def _waiting(
+        self, args: dict[str, Any], wait: float, service_class: str | None
+    ) -> Generator[_Waiter, None, Lease]:
+        """The loop of ``acquire(wait=...)``, for a blocking or an asyncio
+        driver: tries the steps and, while they refuse for capacity, yields the
+        waiter it queued for the driver to wait on (``_poll`` says when it has
+        left the queue); an exception thrown in leaves the queue; returns the
+        lease."""
+        if isinstance(wait, bool) or not (isinstance(wait, (int, float)) and 0 < wait < math.inf):
+            raise ValueError(f"wait must be a finite number of seconds > 0, got {wait!r}")
+        if args["now"] is not None:
+            raise ValueError("wait needs now=None: waiting runs on routecore.monotonic")
+        band = self.queue.band_of(service_class)
+        deadline = monotonic() + wait
+        with self._turns:  # others waiting: queue behind them, not past them
+            behind = len(self.queue) > 0 or self._turning > 0
+        turn = False  # dispatched from the queue, its try not over yet
+        while True:
+            try:
+                if not behind:
+                    return self._acquire_now(**args)
+            except RequestRefused as refused:
+                if not _may_wait(refused):
+                    raise
+            finally:
+                if turn:
+                    turn = False
+                    with self._turns:
+                        self._turning -= 1
+            behind = False
+            entitlement = args["entitlement"]
+            cost = float(max((args["input_tokens"] or 0) + args["max_output_tokens"], 1))
+            weight = 1.0
+            if self.admission is not None and entitlement is not None:
+                weight = max(self.admission.priority(entitlement), MIN_WEIGHT)
+            flow = entitlement or args["fairness_id"] or "default"
+            waiter = _Waiter(deadline)
+            with self._turns:
+                ticket, status, retry, displaced = self.queue.enqueue(
+                    band, flow, waiter, cost=cost, weight=weight
+                )
+                self._settle(displaced)
+            if ticket is None:
+                raise RequestRefused("queue", 429, status, retry)
+            waiter.ticket = ticket
+            try:
+                yield waiter
+            except BaseException:
+                with self._turns:
+                    if waiter.outcome is None:
+                        self.queue.cancel(ticket)
+                    elif waiter.outcome == "dispatched":
+                        self._turning -= 1
+                        self._dispatch_next()  # its turn goes to the next waiter
+                raise
+            if waiter.outcome != "dispatched":
+                raise RequestRefused(
+                    "queue", 429, str(waiter.outcome), self.queue.retry_after_s(band)
+                )
+            turn = True
+
+    def _poll(self, waiter: _Waiter) -> bool:
+        """Under ``_turns``: whether ``waiter`` has left the queue, after
+        expiring what is due, ending its wait at its deadline and, when no
+        lease is held (nothing will release), giving the next waiter its turn."""
+        if waiter.outcome is None:
+            self._settle(self.queue.expire())
+        if waiter.outcome is None and monotonic() >= waiter.deadline:
+            self.queue.cancel(waiter.ticket)
+            waiter.outcome = "expired"
+        if waiter.outcome is None and self._leases == self._turning == 0:
+            self._dispatch_next()
+        return waiter.outcome is not None
+
+    def _settle(self, left: list[Any]) -> None:
+        """Tells the waiters that left the queue (dispatched, expired,
+        displaced) why, and wakes them."""
+        for _, _, outcome, waiter, _ in left:
+            waiter.outcome = outcome
+            self._turning += outcome == "dispatched"
+            if waiter.wake is not None:
+                waiter.wake()
+        if left:
+            self._turns.notify_all()
+
+    def _dispatch_next(self) -> None:
+        """Gives the next waiter by the discipline its turn (under ``_turns``)."""
+        left = self.queue.dispatch()
+        if left is not None:
+            self._settle([left])
+
+    def _acquire_now(
+        self,
+        *,
+        max_output_tokens: int,
+        prompt_bytes: int | None,
+        category: str,
+        input_tokens: int | None,
+        entitlement: str | None,
+        tokens: Any,
+        fairness_id: str | None,
+        session: str | None,
+        now: float | None,
+    ) -> Lease:
+        """The steps once, at once (``acquire`` without ``wait``)."""
         if self.admission is not None and entitlement is None:
             raise ValueError("entitlement is needed with admission")
         held = _Held(max_output_tokens, fairness_id, now)
@@ -262,8 +484,10 @@ class Dispatcher:
                 if held.endpoint is None:
                     raise RequestRefused("endpoint", 503, "no-endpoint")
         except BaseException:
-            self._give_back(held, (0, 0), 0.0, now)
+            self._give_back(held, (0, 0), 0.0, now, counted=False)
             raise
+        with self._turns:
+            self._leases += 1
         return Lease(self, held)
 
     def _picker(self, decision: RouteDecision | None) -> EndpointPicker | None:
@@ -274,10 +498,28 @@ class Dispatcher:
         return self._by_pool[decision.pool]
 
     def _give_back(
-        self, held: _Held, usage: tuple[int, int], latency_s: float, now: float | None
+        self,
+        held: _Held,
+        usage: tuple[int, int],
+        latency_s: float,
+        now: float | None,
+        counted: bool = True,
     ) -> None:
         """Releases what ``held`` holds (endpoint, admission, pool), every part
-        attempted, the first error raised after."""
+        attempted, the first error raised after; a lease's release
+        (``counted``) then gives the next waiter of the queue its turn."""
+        try:
+            self._release_parts(held, usage, latency_s, now)
+        finally:
+            if counted:
+                with self._turns:
+                    self._leases -= 1
+                    if len(self.queue):
+                        self._dispatch_next()
+
+    def _release_parts(
+        self, held: _Held, usage: tuple[int, int], latency_s: float, now: float | None
+    ) -> None:
         steps: list[Callable[[], object]] = []
         picker = self._picker(held.decision)
         endpoint = held.endpoint
@@ -309,6 +551,34 @@ class Dispatcher:
                 first = first or e
         if first is not None:
             raise first
+
+
+#: The longest a waiter sleeps before it checks the TTLs and, when no lease
+#: is held (nothing will release), tries the next request itself.
+POLL_S = 0.05
+#: The queue's weight floor: equation 1's debt factor goes to 0 and below
+#: for an entitlement served 25% above its baseline; a flow's weight is > 0.
+MIN_WEIGHT = 1e-3
+
+
+class _Waiter:
+    """One ``acquire(wait=...)`` in the queue; ``outcome`` is set (under the
+    dispatcher's ``_turns``) when it leaves: dispatched, expired, displaced;
+    ``wake`` (an asyncio driver's) is called then."""
+
+    __slots__ = ("deadline", "outcome", "ticket", "wake")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.ticket = 0
+        self.outcome: str | None = None
+        self.wake: Callable[[], object] | None = None
+
+
+def _may_wait(refused: RequestRefused) -> bool:
+    """A refusal that capacity appearing can lift: admission's 429 (a quota
+    or entitlement at its limit) or no endpoint (503)."""
+    return (refused.step, refused.status) in (("admission", 429), ("endpoint", 503))
 
 
 def _tokens(what: str, value: int) -> int:

@@ -26,6 +26,7 @@
 
 pub mod cache;
 pub mod engine;
+pub mod flow;
 pub mod prefix_workload;
 pub mod router;
 pub mod timing;
