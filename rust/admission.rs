@@ -838,6 +838,45 @@ impl AdmissionController {
             None => latency_s,
         });
 
+        self.give_back(i, ticket, actual);
+        let e = &mut self.ents[i];
+        let mean = self.quotas[e.quota].mean_slo_ms;
+        e.priority = priority_weight(
+            e.spec.service_class,
+            e.spec.slo_target_ms,
+            mean,
+            e.burst,
+            e.debt,
+        );
+        Ok(())
+    }
+
+    /// Ends an admitted request that was never served (it left flow
+    /// control's queue: expired, displaced, cancelled, drained): its slot
+    /// and its window charge are given back, and nothing is learned (the
+    /// served rate, debt, burst, latency and priority stay as they were).
+    /// `NotInFlight` for a ticket not in flight.
+    pub fn release(&mut self, ticket: u64, now: f64) -> Result<()> {
+        finite("now", now)?;
+        let i = (ticket & (MAX_ENTITLEMENTS as u64 - 1)) as usize;
+        if self
+            .ents
+            .get(i)
+            .is_none_or(|e| !e.in_flight.contains_key(&ticket))
+        {
+            return Err(not_in_flight(format!(
+                "release: ticket {ticket} is not in flight"
+            )));
+        }
+        self.tick(now)?;
+        self.give_back(i, ticket, 0);
+        Ok(())
+    }
+
+    /// Takes `ticket` of entitlement `i` out of flight, its window charge
+    /// set to `actual` tokens.
+    fn give_back(&mut self, i: usize, ticket: u64, actual: u64) {
+        let e = &mut self.ents[i];
         if let Some(req) = e.in_flight.remove(&ticket) {
             e.tokens_in_flight -= req.tokens;
             e.kv_in_flight -= req.kv;
@@ -849,15 +888,6 @@ impl AdmissionController {
             quota.in_flight -= 1;
             quota.kv_in_flight -= req.kv;
         }
-        let mean = self.quotas[e.quota].mean_slo_ms;
-        e.priority = priority_weight(
-            e.spec.service_class,
-            e.spec.slo_target_ms,
-            mean,
-            e.burst,
-            e.debt,
-        );
-        Ok(())
     }
 
     /// The preemptible requests to terminate now: in every quota holding more
@@ -1125,6 +1155,36 @@ mod tests {
             60.0,
         )
         .expect("controller")
+    }
+
+    #[test]
+    fn a_release_gives_back_the_slot_and_charge_and_learns_nothing() {
+        // Guaranteed has a baseline: a completion with no usage raises its
+        // debt (it was served nothing); a release (the request never
+        // reached an endpoint) leaves every learned value as it was.
+        let mut c = AdmissionController::new(
+            vec![quota(4)],
+            vec![ent("g", "guaranteed", 1000.0, 100.0, 2, "bound")],
+            4096,
+            60.0,
+        )
+        .expect("controller");
+        let served = ticket(&mut c, "g", 100, 50, 0.0);
+        c.complete(served, 100, 50, 0.5, 1.0).expect("complete");
+        let before = c.stats("g").expect("stats");
+        let t = ticket(&mut c, "g", 1000, 1000, 2.0);
+        assert_eq!(c.stats("g").expect("stats").window_tokens, 150 + 2000);
+        assert_eq!(c.quota_in_flight("p").expect("p"), 1);
+        c.release(t, 3.0).expect("release");
+        let after = c.stats("g").expect("stats");
+        assert_eq!(after, before, "nothing learned, nothing charged");
+        assert_eq!(c.quota_in_flight("p").expect("p"), 0);
+        assert!(c.release(t, 3.0).is_err(), "twice: not in flight");
+        assert!(c.complete(t, 0, 0, 0.0, 3.0).is_err());
+        // What a completion with no usage would have done instead.
+        let t = ticket(&mut c, "g", 1000, 1000, 4.0);
+        c.complete(t, 0, 0, 0.0, 5.0).expect("complete");
+        assert!(c.stats("g").expect("stats").debt > after.debt);
     }
 
     #[test]

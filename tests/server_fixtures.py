@@ -59,9 +59,12 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples/routecore.yaml"
 
 
 def example_without_engines(directory: Path) -> Path:
-    """examples/routecore.yaml with scraping off (nothing listens at its endpoints)."""
+    """examples/routecore.yaml with scraping off (nothing listens at its
+    endpoints), flow control's detector the one that needs no scrape (as
+    ``routecore init-config --no-scrape`` writes it)."""
     config = yaml.safe_load(EXAMPLE.read_text())
     config["scrape"] = {"enabled": False}
+    config["flow_control"]["saturation"]["detector"] = "concurrency"
     path = directory / "example.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

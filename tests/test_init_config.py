@@ -58,6 +58,7 @@ def test_the_default_metrics_port_is_not_prometheus_own(tmp_path):
 
 
 def test_no_scrape_writes_the_example_with_scraping_off_and_nothing_else(tmp_path):
+    """Scraping off, and flow control's detector the one that needs no scrape."""
     pytest.importorskip("yaml")
     import yaml
 
@@ -68,7 +69,9 @@ def test_no_scrape_writes_the_example_with_scraping_off_and_nothing_else(tmp_pat
     assert load_config(tmp_path / "routecore.yaml").scrape.enabled is False
     example = yaml.safe_load((EXAMPLES / "routecore.yaml").read_text())
     example["scrape"]["enabled"] = False
+    example["flow_control"]["saturation"]["detector"] = "concurrency"
     assert yaml.safe_load(written) == example
+    assert load_config(tmp_path / "routecore.yaml").flow_control.queue is not None
     assert "# A complete routecore serve" in written  # the comments are kept
     assert (tmp_path / "envoy.yaml").read_bytes() == (EXAMPLES / "envoy.yaml").read_bytes()
 
@@ -83,3 +86,14 @@ def test_fail_open_writes_the_fail_open_envoy_configuration_as_envoy_yaml(tmp_pa
     assert main(["init-config", str(tmp_path), "--force"]) == 0
     written = (tmp_path / "envoy.yaml").read_bytes()
     assert b"failure_mode_allow: false" in written
+
+
+def test_the_written_config_turns_flow_control_on_with_its_thresholds(tmp_path):
+    pytest.importorskip("yaml")
+    from routecore.config import load_config
+
+    assert main(["init-config", str(tmp_path)]) == 0
+    flow = load_config(tmp_path / "routecore.yaml").flow_control
+    assert flow.queue is not None and flow.queue["ttl_s"] == 30
+    assert (flow.detector, flow.max_waiting, flow.max_kv_usage) == ("utilization", 5.0, 0.8)
+    assert '"flow_control": {"queue"' in load_config(tmp_path / "routecore.yaml").spec_json()

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from envoy_proxy import Envoy, shipped_config
-from realstack import KEYS, MAX_BODY_BYTES, Stack
+from realstack import KEYS, MAX_BODY_BYTES, Stack, wait_scraped
 from server_fixtures import Spawned, free_port, wait_for
 from tiny_model import BOS, EOS, MODEL_NAME, TEMPLATE
 from vllm_engine import BLOCK_SIZE, VllmEngine
@@ -505,3 +505,98 @@ def test_a_request_to_a_just_killed_engine_is_retried_and_counted_where_served(
         replica.wait_gauge_zero(10)  # released once, where it was counted
     finally:
         replica.stop()
+
+
+# -- flow control ---------------------------------------------------------------
+
+
+def test_a_burst_over_capacity_is_served_for_the_guaranteed_tenant_while_spot_waits_or_is_shed(
+    stack: Stack, envoy: Callable[..., Envoy]
+) -> None:
+    """A replica with flow control (one request per engine at a time: the
+    concurrency detector) behind its own Envoy, whose message timeout (0.5 s)
+    is shorter than the waits: routecore extends it while a request waits
+    (override_message_timeout, up to the shipped max_message_timeout). A
+    burst three times the fleet's capacity: every guaranteed request is
+    served (no 429), spot ones wait or are shed (429 with Retry-After at
+    their band's TTL), and every count returns to zero."""
+    config = copy.deepcopy(stack.config)
+    config["admission"] = {
+        "backend": "memory",
+        "quotas": [{"name": "fleet", "tokens_per_s": 1e6, "kv_bytes": 10**12, "concurrency": 64}],
+        "entitlements": [
+            {
+                "name": f"{tenant}-std",
+                "tenant": tenant,
+                "quota": "fleet",
+                "service_class": cls,
+                "slo_target_ms": 5000.0,
+                "tokens_per_s": 1e6,
+                "kv_bytes": 10**12,
+                "concurrency": 32,
+            }
+            for tenant, cls in (("demo", "guaranteed"), ("tight", "spot"))
+        ],
+    }
+    config["flow_control"] = {
+        "ttl_s": 60,
+        "bands": [{"name": "guaranteed", "share": 1000}, {"name": "spot", "ttl_s": 0.5}],
+        "saturation": {"detector": "concurrency", "max_in_flight": 1},
+    }
+    replica = Spawned(stack.workdir / "routecore-flow.yaml", config)
+    try:
+        engines = [e.address for e in stack.engines if e.healthy()]
+        wait_scraped(replica, engines)
+        proxy = shipped_config("envoy.yaml", free_port(), [replica.target], engines)
+        (listener,) = proxy["static_resources"]["listeners"]
+        http_filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        (ext_proc,) = [f for f in http_filters if f["name"] == "envoy.filters.http.ext_proc"]
+        assert ext_proc["typed_config"]["max_message_timeout"] == "61s"
+        ext_proc["typed_config"]["message_timeout"] = "0.5s"
+        url = envoy(proxy).url
+        n = 3 * len(engines)
+        body = chat("tell the router a story", max_tokens=64, ignore_eos=True)
+        answers: dict[str, list[Answer]] = {"demo": [], "tight": []}
+
+        def one(tenant: str) -> None:
+            answers[tenant].append(send(url, body, KEYS[tenant]))
+
+        threads = [
+            threading.Thread(target=one, args=(tenant,))
+            for _ in range(n)
+            for tenant in ("demo", "tight")
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        gold = [a.status for a in answers["demo"]]
+        assert gold == [200] * n, [a.body for a in answers["demo"] if a.status != 200]
+        spot = answers["tight"]
+        assert {a.status for a in spot} <= {200, 429}
+        for a in spot:
+            if a.status == 429:
+                assert a.json()["error"]["type"] == "saturated"
+                assert float(a.headers["retry-after"]) >= 1
+        # Guaranteed requests waited past Envoy's own message timeout, and
+        # were served: routecore extended it.
+        count = replica.metric("routecore_flow_wait_seconds_count", band="guaranteed")
+        quick = replica.metric("routecore_flow_wait_seconds_bucket", band="guaranteed", le="0.5")
+        assert count > quick, "no guaranteed request waited longer than 0.5 s"
+
+        def settled() -> bool:
+            return (
+                replica.metric("routecore_flow_queue_requests") == 0
+                and replica.metric("routecore_flow_queue_bytes") == 0
+                and replica.metric("routecore_in_flight") == 0
+            )
+
+        wait_for(settled, what="every count back to zero")
+        left = replica.metric("routecore_flow_outcomes_total", outcome="dispatched")
+        shed = sum(a.status == 429 for a in spot)
+        expired = replica.metric("routecore_flow_outcomes_total", outcome="expired")
+        assert expired == shed
+        assert left + expired <= 2 * n
+    finally:
+        log = replica.stop()
+    assert "release-failed" not in log

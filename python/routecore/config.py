@@ -23,6 +23,9 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
                 max_step_up_percent, max_step_down, max_step_down_percent, queue_drain_s,
                 pools: [{name, min_endpoints, max_endpoints, slo_ttft_s, slo_tpot_s,
                          profile, context, entitlements}]}
+    flow_control: {enabled, bands: [{name, share, max_requests, max_bytes, ttl_s, fairness,
+                   ordering}], classes, default_band, max_requests, max_bytes, ttl_s,
+                   saturation: {detector, max_waiting, max_kv_usage, max_in_flight}}
 """
 
 from __future__ import annotations
@@ -36,7 +39,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from routecore._core import MAX_TOKENS, Autoscaler, Entitlement, Pool, Profile, Quota, Tokenizer
+from routecore._core import (
+    MAX_TOKENS,
+    Autoscaler,
+    Entitlement,
+    FlowQueue,
+    Pool,
+    Profile,
+    Quota,
+    Tokenizer,
+)
 from routecore.admission import (
     FAILURE_MODES,
     MAX_BOUND,
@@ -305,6 +317,85 @@ class KvEventsConfig:
         }
 
 
+# -- flow_control ------------------------------------------------------------
+
+#: Flow control's bands when ``flow_control.bands`` is not given: one per
+#: service class of the token-pool paper, its class weight as its share,
+#: shared among flows by the token-pool debt (``routecore.FlowQueue()``'s).
+FLOW_BANDS = tuple(
+    {"name": name, "share": share, "fairness": "debt"}
+    for name, share in (
+        ("dedicated", 1000.0),
+        ("guaranteed", 1000.0),
+        ("elastic", 100.0),
+        ("spot", 1.0),
+        ("preemptible", 0.1),
+    )
+)
+FLOW_DETECTORS = ("utilization", "concurrency")
+FLOW_QUEUE_KEYS = {"bands", "classes", "default_band", "max_requests", "max_bytes", "ttl_s"}
+
+
+@dataclass(frozen=True)
+class FlowControlConfig:
+    """``flow_control``: a saturated pool holds requests in priority bands
+    instead of refusing them or sending them to a saturated engine (see
+    docs/server.md, "Flow control"). None queue: off."""
+
+    #: The queue of each pool, as ``routecore.FlowQueue`` takes it (checked).
+    queue: dict[str, Any] | None = None
+    #: When a pool has room: the GIE's utilization detector by default.
+    detector: str = "utilization"
+    max_waiting: float = 5.0
+    max_kv_usage: float = 0.8
+    max_in_flight: int = 100
+
+    def spec(self) -> dict[str, Any] | None:
+        if self.queue is None:
+            return None
+        return {
+            "queue": self.queue,
+            "saturation": {
+                "detector": self.detector,
+                "max_waiting": self.max_waiting,
+                "max_kv_usage": self.max_kv_usage,
+                "max_in_flight": self.max_in_flight,
+            },
+        }
+
+
+def _flow_control(raw: Any) -> FlowControlConfig:
+    """``flow_control``, checked by the queue itself (errors name the key:
+    ``flow_control.bands[1].max_requests``); absent or ``enabled: false``: off."""
+    f = _section(raw, "flow_control", FLOW_QUEUE_KEYS | {"enabled", "saturation"})
+    enabled = f.get("enabled", raw is not None)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"flow_control.enabled: expected true or false, got {enabled!r}")
+    where = "flow_control.saturation"
+    sat = _section(
+        f.get("saturation"), where, {"detector", "max_waiting", "max_kv_usage", "max_in_flight"}
+    )
+    d = FlowControlConfig
+    sat_fields = {
+        "detector": _str(sat, "detector", where, d.detector, FLOW_DETECTORS),
+        "max_waiting": _float(sat, "max_waiting", where, 0.0, 1e9, d.max_waiting),
+        "max_kv_usage": _float(sat, "max_kv_usage", where, 0.0, 1.0, d.max_kv_usage),
+        "max_in_flight": _int(sat, "max_in_flight", where, 1, 1 << 30, d.max_in_flight),
+    }
+    queue = {k: v for k, v in f.items() if k in FLOW_QUEUE_KEYS}
+    queue.setdefault("bands", [dict(b) for b in FLOW_BANDS])
+    try:
+        FlowQueue(queue)
+    except ValueError as e:
+        msg = str(e)
+        raise ConfigError(
+            "flow_control" + msg[len("flow") :]
+            if msg.startswith("flow")
+            else f"flow_control: {msg}"
+        ) from None
+    return FlowControlConfig(queue=queue if enabled else None, **sat_fields)
+
+
 @dataclass(frozen=True)
 class AutoscaleConfig:
     """Autoscaling from the capacity model (docs/autoscale.md): on with an
@@ -338,6 +429,7 @@ class Config:
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     autoscale: AutoscaleConfig | None = None
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:
@@ -428,6 +520,7 @@ class Config:
                 ],
                 "kv_events": self.kv_events.spec(),
                 "autoscale": self.autoscale.spec() if self.autoscale else None,
+                "flow_control": self.flow_control.spec(),
             }
         )
 
@@ -975,6 +1068,7 @@ def parse_config(raw: Any) -> Config:
             "models",
             "kv_events",
             "autoscale",
+            "flow_control",
         },
     )
     scrape = _scrape(top.get("scrape"))
@@ -1082,6 +1176,16 @@ def parse_config(raw: Any) -> Config:
         objectives=_objectives(r.get("objectives")),
     )
     admission = _admission(top.get("admission"))
+    flow_control = _flow_control(top.get("flow_control"))
+    if (
+        flow_control.queue is not None
+        and flow_control.detector == "utilization"
+        and not scrape.enabled
+    ):
+        raise ConfigError(
+            "flow_control.saturation.detector: utilization reads the scraped queue and KV use, "
+            "and scrape.enabled is false (every request would wait): use concurrency"
+        )
     return Config(
         server=server,
         limits=limits,
@@ -1093,6 +1197,7 @@ def parse_config(raw: Any) -> Config:
         scrape=scrape,
         kv_events=_kv_events(top.get("kv_events"), pools),
         autoscale=_autoscale(top.get("autoscale"), pools, admission),
+        flow_control=flow_control,
     )
 
 

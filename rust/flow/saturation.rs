@@ -141,7 +141,40 @@ impl SaturationDetector {
 
     /// Whether the pool's queue must hold its requests now.
     pub fn saturated(&self, endpoints: &[EndpointState], quota_at_limit: bool) -> bool {
-        quota_at_limit || self.saturation(endpoints) >= 1.0
+        self.saturated_with(endpoints, 0, quota_at_limit)
+    }
+
+    /// [`SaturationDetector::saturated`] once `pending` requests, let out of
+    /// the queue but not yet counted on an endpoint, have landed: each adds
+    /// at most one request to one endpoint's queue (or its requests in
+    /// flight), so at most `1 / (healthy * limit)` to the mean score.
+    pub fn saturated_with(
+        &self,
+        endpoints: &[EndpointState],
+        pending: u64,
+        quota_at_limit: bool,
+    ) -> bool {
+        if quota_at_limit {
+            return true;
+        }
+        let (sum, n) = endpoints
+            .iter()
+            .filter(|s| s.healthy)
+            .fold((0.0, 0u32), |(sum, n), s| (sum + self.score(s), n + 1));
+        if n == 0 {
+            return true;
+        }
+        let c = &self.config;
+        let landed = if pending == 0 {
+            0.0
+        } else {
+            let per = match c.detector {
+                Detector::Utilization => ratio(1.0, c.max_waiting),
+                Detector::Concurrency => 1.0 / c.max_in_flight as f64,
+            };
+            pending as f64 * per
+        };
+        (sum + landed) / f64::from(n) >= 1.0
     }
 }
 
@@ -215,6 +248,38 @@ mod tests {
         let strict = detector(0.0, 0.8);
         assert!(!strict.saturated(&[scraped(0.0, 0.1)], false));
         assert!(strict.saturated(&[scraped(1.0, 0.1)], false));
+    }
+
+    #[test]
+    fn requests_let_out_but_not_yet_placed_count_as_landed() {
+        // Two endpoints at queues 2 and 3 of 5: mean 0.5. Five requests let
+        // out of the queue fill it: (2 + 3 + 5) / 5 / 2 = 1.
+        let d = SaturationDetector::new(SaturationConfig::default()).expect("detector");
+        let two = [scraped(2.0, 0.1), scraped(3.0, 0.1)];
+        assert!(!d.saturated_with(&two, 4, false));
+        assert!(d.saturated_with(&two, 5, false));
+        assert_eq!(d.saturated_with(&two, 0, false), d.saturated(&two, false));
+        // A zero queue threshold: one landed request is full.
+        let strict = detector(0.0, 0.8);
+        let idle = [scraped(0.0, 0.1)];
+        assert!(!strict.saturated_with(&idle, 0, false));
+        assert!(strict.saturated_with(&idle, 1, false));
+        let c = SaturationDetector::new(SaturationConfig {
+            detector: Detector::Concurrency,
+            max_in_flight: 4,
+            ..SaturationConfig::default()
+        })
+        .expect("detector");
+        let load = EndpointState {
+            in_flight: 2,
+            ..EndpointState::default()
+        };
+        assert!(!c.saturated_with(std::slice::from_ref(&load), 1, false));
+        assert!(c.saturated_with(&[load], 2, false));
+        assert!(
+            c.saturated_with(&[], 0, false),
+            "no endpoint: the waiting room"
+        );
     }
 
     #[test]

@@ -77,10 +77,10 @@ pub trait QueuedDemand {
 }
 
 impl QueuedDemand for super::engine::Engine {
-    /// None yet: flow control's queue (issue 32) is not in the data plane.
-    /// Its per-pool count of held requests goes here.
-    fn queued_requests(&self, _pool: usize) -> f64 {
-        0.0
+    /// The requests waiting in the pool's flow-control queue (issue 32;
+    /// 0 when flow control is off).
+    fn queued_requests(&self, pool: usize) -> f64 {
+        self.flow(pool).map_or(0.0, |f| f.len() as f64)
     }
 }
 

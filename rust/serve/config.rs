@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
+use super::flow::FlowSpec;
 use super::scrape::ScrapeSpec;
 use crate::endpoint::Saturation;
 use crate::error::{invalid, Result};
@@ -228,6 +229,9 @@ pub struct Spec {
     /// Autoscaling from the capacity model (None: off).
     #[serde(default)]
     pub autoscale: Option<super::autoscale::AutoscaleSpec>,
+    /// Flow control's queues (None: a request goes on or is refused at once).
+    #[serde(default)]
+    pub flow_control: Option<FlowSpec>,
 }
 
 impl Spec {
@@ -256,6 +260,9 @@ impl Spec {
             .saturation
             .check()
             .map_err(|e| invalid(format!("router.saturation: {e}")))?;
+        if let Some(flow) = &spec.flow_control {
+            flow.check()?;
+        }
         if let Some(scrape) = &spec.scrape {
             scrape.check()?;
             for p in spec.pools.iter().filter(|p| !p.endpoints.is_empty()) {

@@ -72,11 +72,12 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingResponse, StreamedBodyResponse, TrailersResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
-use futures_util::{FutureExt, Stream};
+use futures_util::{FutureExt, Stream, StreamExt};
 use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::engine::{Engine, Hints, Outcome, Reject, Routed, Shared};
+use super::flow::WaitNotice;
 use super::front::{Door, Routing};
 use super::limits::{
     Buffer, StreamCount, StreamSlot, BODY_TIMEOUT, BUFFERS_FULL, MAX_STREAMS_PER_CONNECTION,
@@ -123,6 +124,18 @@ fn answer(a: Answer) -> ProcessingResponse {
 }
 
 /// A header routecore sets: it replaces any value the client sent.
+/// Asks Envoy to wait `wait` for the answer to the message it sent last
+/// (a request waiting in a flow-control queue).
+pub fn extend_timeout(wait: std::time::Duration) -> ProcessingResponse {
+    ProcessingResponse {
+        override_message_timeout: Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: i64::try_from(wait.as_secs()).unwrap_or(i64::MAX),
+            nanos: i32::try_from(wait.subsec_nanos()).unwrap_or(0),
+        }),
+        ..ProcessingResponse::default()
+    }
+}
+
 fn header(key: &str, value: &[u8]) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
@@ -873,8 +886,17 @@ impl ExternalProcessor for Processor {
         };
         let deadline = tokio::time::Instant::now()
             + std::time::Duration::from_secs_f64(limits.body_timeout_s.min(1e9));
+        let mut conv = Conversation::new(Arc::clone(&engine), Arc::clone(&self.shared));
+        // With flow control, a request that waits in a queue tells Envoy to
+        // extend its message timeout (`max_message_timeout` bounds it): an
+        // answer of its own beside the conversation's, ended with it.
+        let waits = engine.flow(0).is_some().then(|| {
+            let (notice, waits) = tokio::sync::mpsc::unbounded_channel();
+            conv.hints.on_wait = Some(WaitNotice(notice));
+            tokio_stream::wrappers::UnboundedReceiverStream::new(waits)
+        });
         let state = Box::new(StreamState {
-            conv: Conversation::new(Arc::clone(&engine), Arc::clone(&self.shared)),
+            conv,
             inbound: request.into_inner(),
             pending: VecDeque::new(),
             ended: false,
@@ -882,9 +904,14 @@ impl ExternalProcessor for Processor {
             deadline,
             _slot: slot,
         });
-        Ok(Response::new(Box::pin(futures_util::stream::unfold(
-            state, next,
-        ))))
+        let answers = futures_util::stream::unfold(state, next);
+        Ok(Response::new(match waits {
+            Some(waits) => Box::pin(futures_util::stream::select(
+                answers,
+                waits.map(|wait| Ok(extend_timeout(wait))),
+            )),
+            None => Box::pin(answers),
+        }))
     }
 }
 

@@ -124,6 +124,8 @@ pub struct Metrics {
     pub kv: Arc<super::kv_events::metrics::KvCollector>,
     /// The autoscaler's gauges (`serve::autoscale`).
     pub autoscale: Arc<super::autoscale::Gauges>,
+    /// Flow control's queues (`serve::flow`).
+    pub flow: super::flow::FlowMetrics,
 }
 
 impl Default for Metrics {
@@ -239,7 +241,9 @@ impl Metrics {
         let kv = Arc::new(super::kv_events::metrics::KvCollector::default());
         #[cfg(feature = "kv-events")]
         registry.register_collector(Box::new(Arc::clone(&kv)));
+        let flow = super::flow::FlowMetrics::register(&mut registry);
         Self {
+            flow,
             registry,
             #[cfg(feature = "kv-events")]
             kv,
@@ -371,6 +375,9 @@ impl Metrics {
                     })
                     .get(),
             ),
+            "flow_queue_requests" | "flow_queue_bytes" | "flow_outcomes" => {
+                self.flow.value(name, labels)
+            }
             "calibration_ratio" => Some(
                 self.calibration_ratio
                     .get_or_create(&CategoryLabel { category: s(0)? })

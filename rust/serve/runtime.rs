@@ -1,6 +1,7 @@
 //! The data plane: tokio runtimes owned by the extension, serving Envoy's
 //! ext_proc and `grpc.health.v1` on tonic, Prometheus metrics on their own
-//! port, and a reaper for requests whose response never came back.
+//! port, a reaper for requests whose response never came back, and the
+//! ticker serving flow control's queues.
 //!
 //! `worker_threads` is the number of shards: each is a current-thread tokio
 //! runtime on a thread of its own, serving the connections it is given
@@ -410,6 +411,7 @@ impl DataPlane {
                 Arc::clone(&current),
                 stopped.clone(),
             ));
+            tokio::spawn(serve_queues_forever(Arc::clone(&shared), stopped.clone()));
             Ok::<_, crate::error::Error>(())
         })?;
         Ok(Self {
@@ -467,6 +469,8 @@ impl DataPlane {
             }
         });
         let _ = self.stop.send(true);
+        // Requests waiting in flow control's queues get their refusal now.
+        self.shared.drain_queues();
         let closing = &self.closing;
         let _ = self.block_on(async {
             let deadline = tokio::time::Instant::now() + grace;
@@ -522,6 +526,19 @@ async fn ready_when_synced(
                 .set_service_status(name, ServingStatus::Serving)
                 .await;
         }
+    }
+}
+
+/// Serves flow control's queues every `flow::TICK`: expiries, and the room a
+/// scrape or a health change shows (a released lease serves its pool's
+/// queue at once).
+async fn serve_queues_forever(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(super::flow::TICK) => {}
+            _ = stop.changed() => return,
+        }
+        shared.serve_queues();
     }
 }
 

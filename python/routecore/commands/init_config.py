@@ -52,6 +52,10 @@ def example(name: str) -> bytes:
 
 #: The line ``--no-scrape`` adds under ``scrape:`` in routecore.yaml.
 NO_SCRAPE = b"  enabled: false        # no engines yet: every endpoint counts as healthy\n"
+#: Flow control's detector line, and what ``--no-scrape`` makes it (nothing
+#: scraped: routecore's own requests in flight per endpoint).
+UTILIZATION = b"    detector: utilization"
+CONCURRENCY = b"    detector: concurrency   # no scrape: own requests in flight (max_in_flight)"
 
 
 def config_file(name: str, scrape: bool, fail_open: bool = False) -> bytes:
@@ -63,9 +67,10 @@ def config_file(name: str, scrape: bool, fail_open: bool = False) -> bytes:
     if scrape:
         return data
     head, sep, tail = data.partition(b"\nscrape:\n")
-    if not sep:
-        raise ValueError("the shipped routecore.yaml has no scrape section")
-    return head + sep + NO_SCRAPE + tail
+    if not sep or UTILIZATION not in tail:
+        raise ValueError("the shipped routecore.yaml has no scrape or flow_control section")
+    detector_line = tail[tail.index(UTILIZATION) :].split(b"\n", 1)[0]
+    return head + sep + NO_SCRAPE + tail.replace(detector_line, CONCURRENCY)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -71,6 +71,12 @@ def header_map(mutation: pb.HeaderMutation) -> dict[str, str]:
     }
 
 
+def is_timeout_override(resp: pb.ProcessingResponse) -> bool:
+    """Whether ``resp`` only asks Envoy to wait longer for the answer
+    (``override_message_timeout``, no answer of its own)."""
+    return resp.WhichOneof("response") is None and resp.HasField("override_message_timeout")
+
+
 @dataclass
 class Conversation:
     """What the processor answered in one conversation."""
@@ -78,6 +84,9 @@ class Conversation:
     responses: list[pb.ProcessingResponse] = field(default_factory=list)
     #: Seconds spent waiting on the processor before the request could go upstream.
     added_s: float = 0.0
+    #: The message timeouts the processor asked for (``override_message_timeout``:
+    #: the request waited in flow control's queue), in seconds.
+    timeout_overrides: list[float] = field(default_factory=list)
 
     @property
     def immediate(self) -> pb.ImmediateResponse | None:
@@ -162,6 +171,13 @@ async def buffered(
     async def exchange(req: pb.ProcessingRequest) -> bool:
         await call.write(req)
         resp = await call.read()
+        # A timeout override is not the answer (Envoy restarts its timer and
+        # keeps waiting for it).
+        while resp is not grpc.aio.EOF and is_timeout_override(resp):
+            conv.timeout_overrides.append(
+                resp.override_message_timeout.ToTimedelta().total_seconds()
+            )
+            resp = await call.read()
         if resp is grpc.aio.EOF:
             return False
         conv.responses.append(resp)

@@ -8,6 +8,11 @@ purge(now)
 if redis.call('HEXISTS', P..':tickets', seq) == 0 then return 0 end
 local est, ent = string.match(info, '^%d+|(%d+)|(.*)$')
 local ek = P..':e:'..ent
+if latency < 0 then -- never served (flow control's queue): give back, learn nothing
+  recharge(ek, seq, -tonumber(est))
+  release(seq)
+  return 1
+end
 local v = redis.call('HMGET', ek, 'served_rate', 'served_at', 'tps', 'kv', 'conc', 'debt',
   'burst', 'latency', 'baseline', 'weight', 'slo', 'kv_in_flight')
 local tps = tonumber(v[3])

@@ -80,6 +80,16 @@ impl MemoryAdmission {
         })
     }
 
+    /// Gives back a ticket never served, learning nothing
+    /// (`AdmissionController::release`).
+    pub fn release(&self, ticket: Ticket) -> bool {
+        let now = monotonic();
+        self.with(|c, renumbered| {
+            let t = renumbered.remove(&ticket.0).unwrap_or(ticket.0);
+            c.release(t, now).is_ok()
+        })
+    }
+
     pub fn evictions(&self) -> Vec<Ticket> {
         let now = monotonic();
         self.with(|c, _| c.evictions(now).unwrap_or_default())

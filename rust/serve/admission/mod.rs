@@ -377,6 +377,17 @@ impl Admission {
         }
     }
 
+    /// Gives back the ticket of a request that was never served (it left
+    /// flow control's queue without reaching an endpoint): no tokens are
+    /// charged and nothing is learned of it (served rate, debt, burst,
+    /// latency). True when this call released the ticket.
+    pub async fn release(&self, ticket: Ticket) -> bool {
+        match self {
+            Admission::Memory(m) => m.release(ticket),
+            Admission::Redis(r) => r.release(ticket).await,
+        }
+    }
+
     /// Preemptible requests to terminate now (see `AdmissionController::evictions`).
     pub async fn evictions(&self) -> Vec<Ticket> {
         match self {

@@ -99,6 +99,10 @@ impl FailureKind {
 /// A completion to replay: ticket number, tokens, latency, time.
 type Replay = (u64, u64, f64, f64);
 
+/// The latency that tells the complete script the request was never served
+/// (`Admission::release`): its charge is given back, nothing learned.
+pub const UNSERVED: f64 = -1.0;
+
 #[derive(Default)]
 struct Pending {
     voids: VecDeque<String>,
@@ -639,6 +643,17 @@ impl RedisAdmission {
     }
 
     pub async fn complete(&self, ticket: Ticket, input: u64, output: u64, latency_s: f64) -> bool {
+        let actual = usage(input) as u64 + usage(output) as u64;
+        self.finish(ticket, actual, latency(latency_s)).await
+    }
+
+    /// Gives back a ticket never served: the complete script with the
+    /// latency [`UNSERVED`] charges nothing and learns nothing.
+    pub async fn release(&self, ticket: Ticket) -> bool {
+        self.finish(ticket, 0, UNSERVED).await
+    }
+
+    async fn finish(&self, ticket: Ticket, actual: u64, latency_s: f64) -> bool {
         // Busy before the ticket leaves `held`: `settled` sees one or the other.
         let _busy = Busy::new(&self.busy);
         if !lock(&self.held).remove(&ticket.0) {
@@ -649,8 +664,6 @@ impl RedisAdmission {
             (ticket.0 % MAX_QUOTAS as u64) as usize,
         );
         let quota = &self.quotas[p];
-        let actual = usage(input) as u64 + usage(output) as u64;
-        let latency_s = latency(latency_s);
         let now = wall_s();
         let call = async {
             let mut c = self.connection().await?;

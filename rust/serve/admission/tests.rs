@@ -699,3 +699,38 @@ fn redis_filled_by_admission_state_recovers_by_itself() {
         });
     }
 }
+
+#[test]
+fn a_release_through_redis_gives_back_the_charge_and_learns_nothing() {
+    let server = RedisServer::start();
+    runtime().block_on(async {
+        let red =
+            Admission::from_spec(&spec(&server.url(), FailureMode::Closed, 1.0)).expect("redis");
+        let learned = || {
+            [
+                "served_rate",
+                "served_at",
+                "debt",
+                "burst",
+                "latency",
+                "priority",
+            ]
+            .map(|f| server.cmd(&["HGET", "rc:{p}:e:g", f]))
+        };
+        // g's budget: 10 tokens/s over a 10 s window, 100 tokens.
+        let a = red.admit("g", 10, Some(50), "r1").await.ticket();
+        assert!(red.complete(a.expect("admitted"), 10, 20, 0.5).await);
+        let before = learned();
+        let b = red.admit("g", 10, Some(50), "r2").await.ticket();
+        let b = b.expect("admitted: 30 + 60 of 100");
+        assert!(red.release(b).await);
+        assert!(!red.release(b).await, "released once");
+        assert_eq!(learned(), before, "nothing learned");
+        assert_eq!(server.in_flight(), 0);
+        // Its 60 tokens left the window: 30 + 60 fits again.
+        let c = red.admit("g", 10, Some(50), "r3").await;
+        assert_eq!(status(&c), (200, "admitted".into()));
+        assert!(red.complete(c.ticket().expect("admitted"), 0, 0, 0.1).await);
+        assert_eq!(red.failures(), 0);
+    });
+}

@@ -142,6 +142,15 @@ impl Chooser {
         candidates.peek().is_some() && candidates.all(|(_, s)| self.saturation.saturated(s))
     }
 
+    /// Whether the pool has room by `flow`'s detector, over the states as
+    /// the picker sees them now (no copy).
+    pub(super) fn room(&self, flow: &crate::serve::flow::PoolFlow) -> bool {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        self.refresh(st);
+        flow.room(&st.states)
+    }
+
     /// Ranks the pool's endpoints for a request and counts the chosen one in
     /// flight (and as dispatched since the last scrape).
     pub(super) fn choose(

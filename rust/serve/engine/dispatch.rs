@@ -2,7 +2,8 @@
 //! [`crate::dispatch`]: route (the pool: the budget's decision, moved to a
 //! pool serving the request's model) -> admit (a valid fairness id, the
 //! saturation gate for sheddable requests, the admission backend) -> queue
-//! (dispatch now; flow control's place) -> pick (the pool's
+//! (flow control: wait in the pool's queue while it has no room; at once
+//! without `flow_control`) -> pick (the pool's
 //! [`Chooser`](super::Chooser): its plugins learn only here) -> lease.
 
 use std::sync::Arc;
@@ -11,12 +12,15 @@ use std::time::Instant;
 use futures_util::FutureExt;
 
 use super::{
-    lock, Ask, Choice, Engine, Lease, Outcome, Reject, Routed, Shared, Ticket, Verdict, ANONYMOUS,
+    lock, Ask, Choice, Engine, Key, Lease, Outcome, Reject, Routed, Shared, Ticket, Verdict,
+    ANONYMOUS,
 };
 use crate::budget::Decision;
 use crate::dispatch::{dispatch, Steps};
 use crate::error::{Error, Result};
+use crate::flow::{Arrival, Refusal};
 use crate::pick::Recorded;
+use crate::serve::flow::{Entry, Exit};
 
 /// How the pool was chosen.
 pub(super) enum Routing {
@@ -47,6 +51,15 @@ struct Admitted {
     scoped: Option<String>,
 }
 
+/// Tells a pool's queue, when dropped, that the request it let out is placed.
+struct Placed<'a>(&'a crate::serve::flow::PoolFlow);
+
+impl Drop for Placed<'_> {
+    fn drop(&mut self) {
+        self.0.placed();
+    }
+}
+
 /// One request's steps on this data plane.
 struct Request<'a> {
     engine: &'a Arc<Engine>,
@@ -59,6 +72,8 @@ struct Request<'a> {
     est: (u64, u64),
     ask: Ask<'a>,
     now: f64,
+    /// Let out of its pool's queue: placed by the pick.
+    let_out: bool,
 }
 
 impl Request<'_> {
@@ -138,7 +153,8 @@ impl Steps for Request<'_> {
             .as_ref()
             .and_then(|o| engine.spec.router.objectives.get(o))
             .is_some_and(|&p| p < 0);
-        if sheddable && engine.choosers[pool].saturated(hints) {
+        // With flow control a sheddable request waits in its band instead.
+        if sheddable && engine.flow(pool).is_none() && engine.choosers[pool].saturated(hints) {
             let message = "every endpoint is saturated; sheddable requests are dropped";
             return Err(self.reject(429, "saturated", message.into(), 0.0));
         }
@@ -178,12 +194,121 @@ impl Steps for Request<'_> {
         })
     }
 
+    /// Flow control: the request waits in its pool's queue while the pool
+    /// has no room (see `serve::flow`). Dropped while it waits (its client
+    /// went away), it leaves the queue; `dispatch` gives back the rest.
+    async fn queue(
+        &mut self,
+        &pool: &usize,
+        admitted: &Admitted,
+    ) -> std::result::Result<(), Refused> {
+        let engine = self.engine;
+        let Some(flow) = engine.flow(pool) else {
+            return Ok(());
+        };
+        let tenant = self.tenant.map(|t| &engine.tenants[t]);
+        let key = self
+            .ask
+            .hints
+            .objective
+            .as_deref()
+            .or(tenant.map(|t| t.service_class.as_str()));
+        let user = admitted
+            .scoped
+            .as_deref()
+            .or(tenant.map(|t| t.name.as_str()))
+            .unwrap_or(ANONYMOUS);
+        let bytes = match self.ask.key {
+            Key::Body(b) => b.len() as u64,
+            Key::Ids(t) => 4 * t.len() as u64,
+            Key::None => 0,
+        };
+        let band = flow.band_of(key);
+        let arrival = Arrival {
+            bytes,
+            cost: (self.est.0 + self.est.1).max(1) as f64,
+            ..Arrival::new(band, user)
+        };
+        let closed = &self.shared.flow_closed;
+        let name = &engine.spec.pools[pool].name;
+        // Admission may have waited (Redis): the queue's clock is read now.
+        let now = self.shared.now();
+        let waiting = match flow.enter(arrival, engine.room(pool), closed, now)? {
+            Entry::Now => return Ok(()),
+            Entry::Wait(w) => w,
+            Entry::Closed => {
+                let message = "routecore is shutting down; retry".into();
+                return Err(self.reject(503, "shutting-down", message, 1.0));
+            }
+            Entry::Refused {
+                reason: Refusal::TooLarge,
+                ..
+            } => {
+                let message =
+                    format!("request of {bytes} bytes is larger than pool {name:?}'s queue");
+                return Err(self.reject(413, "too-large", message, 0.0));
+            }
+            Entry::Refused {
+                reason,
+                retry_after_s,
+            } => {
+                let message = format!(
+                    "pool {name:?} is saturated and its queue is full ({})",
+                    reason.as_str()
+                );
+                return Err(self.reject(429, "queue-full", message, retry_after_s.unwrap_or(0.0)));
+            }
+        };
+        if let Some(notice) = &self.ask.hints.on_wait {
+            let _ = notice
+                .0
+                .send(flow.ttl(band) + crate::serve::flow::WAIT_MARGIN);
+        }
+        // Room may have appeared since the others were queued.
+        engine.pump(pool, now);
+        match waiting.exit().await {
+            Exit::Go => {
+                self.let_out = true;
+                Ok(())
+            }
+            Exit::Expired {
+                retry_after_s,
+                waited_s,
+            } => {
+                // The refusal it would have had without a queue.
+                if engine.choosers[pool].states().iter().any(|s| s.healthy) {
+                    let message = format!(
+                        "waited {waited_s:.1} s in pool {name:?}'s queue; every endpoint is saturated"
+                    );
+                    Err(self.reject(429, "saturated", message, retry_after_s))
+                } else {
+                    let message = format!("pool {name:?} has no healthy endpoint");
+                    Err(self.reject(503, "no-endpoint", message, retry_after_s))
+                }
+            }
+            Exit::Displaced { retry_after_s } => {
+                let message = format!("displaced from pool {name:?}'s queue by a higher band");
+                Err(self.reject(429, "displaced", message, retry_after_s))
+            }
+            Exit::Drained => {
+                let message = "routecore is shutting down; retry".into();
+                Err(self.reject(503, "shutting-down", message, 1.0))
+            }
+        }
+    }
+
     fn pick(
         &mut self,
         &pool: &usize,
         admitted: &Admitted,
     ) -> std::result::Result<(Vec<usize>, Recorded), Refused> {
         let engine = self.engine;
+        // Let out of the queue: counted on its endpoint below (or refused),
+        // so no longer pending once this returns.
+        let _placed = std::mem::take(&mut self.let_out)
+            .then(|| engine.flow(pool))
+            .flatten()
+            .map(Placed);
         let spec = &engine.spec.pools[pool];
         let user = admitted
             .scoped
@@ -215,9 +340,8 @@ impl Steps for Request<'_> {
 
     fn unadmit(&mut self, _pool: &usize, admitted: Admitted) {
         if let Some(ticket) = admitted.ticket {
-            // Never reached an endpoint: nothing used.
-            self.engine
-                .complete_ticket(self.shared, ticket, (0, 0), 0.0);
+            // Never reached an endpoint: nothing charged, nothing learned.
+            self.engine.release_ticket(self.shared, ticket);
         }
     }
 
@@ -251,6 +375,7 @@ impl Engine {
             est,
             ask,
             now: shared.now(),
+            let_out: false,
         };
         let d = match dispatch(&mut steps).await {
             Ok(d) => d,
@@ -316,13 +441,31 @@ impl Engine {
         used: (u64, u64),
         latency_s: f64,
     ) {
+        self.on_admission(shared, move |a| async move {
+            a.complete(ticket, used.0, used.1, latency_s).await;
+        });
+    }
+
+    /// Gives back the ticket of a request that never reached an endpoint
+    /// (refused by a later step, or gone while it waited in the queue):
+    /// nothing charged, nothing learned.
+    pub(super) fn release_ticket(&self, shared: &Shared, ticket: Ticket) {
+        self.on_admission(shared, move |a| async move {
+            a.release(ticket).await;
+        });
+    }
+
+    /// Runs `call` on the admission backend: at once in memory, on the
+    /// runtime for a remote backend.
+    fn on_admission<F, Fut>(&self, shared: &Shared, call: F)
+    where
+        F: FnOnce(Arc<super::Admission>) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         let Some(admission) = self.admission.as_ref() else {
             return;
         };
-        let admission = Arc::clone(admission);
-        let mut done = Box::pin(async move {
-            admission.complete(ticket, used.0, used.1, latency_s).await;
-        });
+        let mut done = Box::pin(call(Arc::clone(admission)));
         // Polled in the runtime's context: the caller may be a Python thread
         // (`DataPlane.finish`), and Redis's future needs the runtime's timers.
         let _runtime = shared.handle.enter();

@@ -58,6 +58,7 @@ use dispatch::Routing;
 mod auth;
 mod chooser;
 mod dispatch;
+mod flow;
 mod leases;
 
 use chooser::Choice;
@@ -202,6 +203,10 @@ pub struct Hints {
     /// The prompt's token ids from the caller: they key the prefix plugins
     /// (precise-prefix included) in place of the body's prompt.
     pub token_ids: Option<Vec<u32>>,
+    /// Told the longest wait when the request starts waiting in a
+    /// flow-control queue (the ext_proc stream extends Envoy's message
+    /// timeout by it).
+    pub on_wait: Option<crate::serve::flow::WaitNotice>,
 }
 
 impl Hints {
@@ -312,6 +317,8 @@ pub struct Shared {
     pub scraper: Scraper,
     /// The precise prefix index fed by the engines' KV events (crate::kv).
     pub kv: Arc<crate::kv::KvIndex>,
+    /// Set at shutdown: no request waits in a flow-control queue any more.
+    flow_closed: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -331,6 +338,7 @@ impl Shared {
             handle,
             faults: Mutex::new(HashSet::new()),
             kv: Arc::default(),
+            flow_closed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -488,6 +496,8 @@ pub struct Engine {
     pub admission: Option<Arc<Admission>>,
     default_pool: usize,
     pool_metrics: Vec<PoolMetrics>,
+    /// Flow control's queue per pool (empty: off).
+    flows: Vec<crate::serve::flow::PoolFlow>,
     timeout: Duration,
     /// The request header carrying the API key, lower case, as bytes.
     pub key_header: Vec<u8>,
@@ -628,6 +638,7 @@ impl Engine {
                     .collect(),
             })
             .collect();
+        let flows = Self::pool_flows(&spec, metrics)?;
         let default_pool = router.pool_index(&spec.server.default_pool)?;
         let timeout = Duration::from_secs_f64(spec.limits.request_timeout_s);
         let key_header = spec.server.key_header.to_ascii_lowercase();
@@ -672,6 +683,7 @@ impl Engine {
             admission,
             default_pool,
             pool_metrics,
+            flows,
             timeout,
             key_header,
             strip_headers,
@@ -982,6 +994,11 @@ mod tests {
     /// `demo` (0) and `other` (1), with this `admission` section; tenant
     /// `name` has the entitlement `name` when the section names one.
     fn plane(policy: &str, admission: serde_json::Value) -> (Arc<Shared>, Arc<Engine>) {
+        plane_of(plane_json(policy, admission))
+    }
+
+    /// The spec of [`plane`], to change before [`plane_of`] builds it.
+    pub(super) fn plane_json(policy: &str, admission: serde_json::Value) -> serde_json::Value {
         let digest = |k: &str| -> String {
             Sha256::digest(k.as_bytes())
                 .iter()
@@ -998,7 +1015,7 @@ mod tests {
             serde_json::json!({"name": name, "key_digests": [digest(name)], "expires_at": null,
                                "service_class": "none", "entitlement": entitled(name)})
         };
-        let json = serde_json::json!({
+        serde_json::json!({
             "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
             "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
                        "request_timeout_s": 30.0, "default_max_tokens": 100,
@@ -1008,7 +1025,11 @@ mod tests {
                        "endpoints": ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]}],
             "tenants": [tenant("demo"), tenant("other")],
             "admission": admission
-        });
+        })
+    }
+
+    /// A data plane of `json` (see [`plane_json`]).
+    pub(super) fn plane_of(json: serde_json::Value) -> (Arc<Shared>, Arc<Engine>) {
         let spec = Spec::from_json(&json.to_string()).expect("spec");
         let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
         let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
