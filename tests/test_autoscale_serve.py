@@ -5,6 +5,7 @@ through the RouteCore API, and the HPA / KEDA examples."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import threading
@@ -285,3 +286,29 @@ def test_the_hpa_and_keda_examples_parse_and_read_the_documented_gauge():
     raw["tenants"] = tenants()
     raw["tenants"][0]["entitlement"] = "team-a-std"
     assert parse_config(raw).autoscale.config["pools"][0]["max_endpoints"] == 40
+
+
+def test_requests_waiting_in_flow_control_are_the_sizings_queued_demand(serve):
+    # Flow control's example (test_flow_serve): two requests placed fill the
+    # short pool; three more wait in its queue.
+    from test_flow_serve import GOLD, flow_config, placed, queued, run
+
+    server = serve(**flow_config(), autoscale=autoscale())
+    plane = server.server.plane
+
+    async def go():
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            full = await placed(ch, 2)
+            waiting = [await queued(server, ch, GOLD) for _ in range(3)]
+            deadline = time.monotonic() + 10
+            while (p := plane.autoscale()[0])["queued_rate"] != 3 / PERIOD_S:
+                assert time.monotonic() < deadline, p
+                await asyncio.sleep(0.05)
+            assert p["rate"] >= p["queued_rate"]
+            for s in full:
+                await s.finish()
+            for s in waiting:
+                await s.read()
+                await s.finish()
+
+    run(go())
