@@ -54,6 +54,8 @@ mod _core {
     #[pymodule_export]
     use crate::py::autoscale::PyAutoscaler;
     #[pymodule_export]
+    use crate::py::autoscale_sim::{autoscale_simulate, PyRateProfile};
+    #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]
     use crate::py::calibrate::PyCalibrator;
@@ -119,6 +121,10 @@ mod _core {
         m.add(
             "INCOMPRESSIBLE_CATEGORIES",
             pyo3::types::PyTuple::new(m.py(), crate::budget::INCOMPRESSIBLE_CATEGORIES)?,
+        )?;
+        m.add(
+            "AUTOSCALE_POLICIES",
+            pyo3::types::PyTuple::new(m.py(), crate::py::autoscale_sim::POLICIES)?,
         )?;
         m.add("MAX_TOKENS", crate::budget::MAX_TOKENS)
     }

@@ -1300,6 +1300,49 @@ class Autoscaler:
     ) -> list[dict[str, Any]]:
         """One sizing step: per pool the damped ``endpoints`` and why."""
 
+# --- autoscaling in the simulator (capability 14) -----------------------------
+
+#: The policies ``autoscale_simulate`` runs: a static fleet at the peak, the
+#: fleet sized in hindsight, the saturation rule and routecore's autoscaler.
+AUTOSCALE_POLICIES: tuple[str, ...]
+
+@final
+class RateProfile:
+    """A request rate over time from a spec (``step:500@0,2000@600``,
+    ``diurnal:low=,high=,period=``, ``burst:base=,peak=,at=,length=[,every=]``)."""
+
+    def __new__(cls, spec: str) -> Self: ...
+    @property
+    def spec(self) -> str: ...
+    def rate(self, t: float) -> float:
+        """The rate at ``t`` seconds, requests per second."""
+    def cumulative(self, t: float) -> float:
+        """The expected requests in ``[0, t]``."""
+    def peak(self, until: float) -> float:
+        """The highest rate in ``[0, until]``."""
+    def rises(self, until: float) -> list[float]:
+        """The times in ``(0, until)`` where the rate jumps up."""
+    def arrivals(
+        self, duration_s: float, *, seed: int = 0, trace_s: npt.ArrayLike | None = None
+    ) -> npt.NDArray[np.float64]:
+        """Poisson arrivals following the rate, or a trace's timestamps scaled to it."""
+
+def autoscale_simulate(
+    arrival_s: npt.ArrayLike,
+    input_tokens: npt.ArrayLike,
+    output_tokens: npt.ArrayLike,
+    profile: Profile,
+    config: Mapping[str, Any],
+    *,
+    rate_profile: RateProfile,
+    policy: str,
+    horizon_s: float,
+    startup_s: float = 60.0,
+    saturation: Mapping[str, float] | None = None,
+    dispatch: str | Sequence[Mapping[str, Any]] | None = None,
+    progress: Callable[[int, int], object] | None = None,
+) -> dict[str, Any]: ...
+
 # --- flow control (capability 12) ---------------------------------------------
 
 #: A request that left a FlowQueue: (ticket, band, outcome, item, waited_s).

@@ -21,7 +21,7 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
                 endpoints: {"ip:port": {zmq, topic, replay}}}
     autoscale: {period_s, window_s, sub_windows, quantile, scale_down_delay_s, max_step_up,
                 max_step_up_percent, max_step_down, max_step_down_percent, queue_drain_s,
-                pools: [{name, min_endpoints, max_endpoints, slo_ttft_s, slo_tpot_s,
+                forecast_s, pools: [{name, min_endpoints, max_endpoints, slo_ttft_s, slo_tpot_s,
                          profile, context, entitlements}]}
     flow_control: {enabled, bands: [{name, share, max_requests, max_bytes, ttl_s, fairness,
                    ordering}], classes, default_band, max_requests, max_bytes, ttl_s,
@@ -921,6 +921,7 @@ AUTOSCALE_NUMBERS = (
     "max_step_down",
     "max_step_down_percent",
     "queue_drain_s",
+    "forecast_s",
 )
 AUTOSCALE_POOL_NUMBERS = ("min_endpoints", "max_endpoints", "slo_ttft_s", "slo_tpot_s", "context")
 

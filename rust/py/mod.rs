@@ -7,6 +7,7 @@ pub mod admission;
 pub mod admission_lua;
 pub mod assign;
 pub mod autoscale;
+pub mod autoscale_sim;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;

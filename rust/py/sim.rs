@@ -453,19 +453,32 @@ pub fn simulate(
             )))
         }
     };
+    let report = with_progress(py, n as u64, progress.as_ref(), |done| {
+        set_arrivals(&mut requests, arrivals, seed)?;
+        let mut router = make_router(kind, &config)?;
+        run_simulation(&requests, &blocks, &config, router.as_mut(), done)
+    })?;
+    Ok(PySimReport { report })
+}
+
+/// Runs `work` on its own thread without the interpreter lock, calling
+/// ``progress(done, total)`` about ten times a second from this thread with
+/// the count `work` stores in its counter, and once at the end. A callback
+/// that raises stops the reports; its error is raised after the work.
+pub(crate) fn with_progress<T: Send>(
+    py: Python<'_>,
+    total: u64,
+    progress: Option<&Py<PyAny>>,
+    work: impl FnOnce(&AtomicU64) -> crate::error::Result<T> + Send,
+) -> PyResult<T> {
     let done = AtomicU64::new(0);
     let (result, callback_error) = py.detach(|| {
         std::thread::scope(|s| {
             let (tx, rx) = std::sync::mpsc::channel();
             let done = &done;
             s.spawn(move || {
-                let mut run = || -> crate::error::Result<SimReport> {
-                    set_arrivals(&mut requests, arrivals, seed)?;
-                    let mut router = make_router(kind, &config)?;
-                    run_simulation(&requests, &blocks, &config, router.as_mut(), done)
-                };
                 // The receiver outlives this thread inside the scope.
-                let _ = tx.send(run());
+                let _ = tx.send(work(done));
             });
             let mut callback_error = None;
             loop {
@@ -477,26 +490,26 @@ pub fn simulate(
                         return (Err(lost), callback_error);
                     }
                 }
-                if let (Some(cb), None) = (&progress, &callback_error) {
+                if let (Some(cb), None) = (progress, &callback_error) {
                     let d = done.load(Ordering::Relaxed);
-                    callback_error = Python::attach(|py| cb.call1(py, (d, n)).err());
+                    callback_error = Python::attach(|py| cb.call1(py, (d, total)).err());
                 }
             }
         })
     });
-    let report = result?;
+    let out = result?;
     if let Some(e) = callback_error {
         return Err(e);
     }
-    if let Some(cb) = &progress {
-        cb.call1(py, (n, n))?;
+    if let Some(cb) = progress {
+        cb.call1(py, (total, total))?;
     }
-    Ok(PySimReport { report })
+    Ok(out)
 }
 
 /// An endpoint picker's plugin specs: a preset name (default
 /// "least-request") or a list of ``{"name": ..., "weight": ..., **params}``.
-fn picker_specs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<PluginSpec>> {
+pub(crate) fn picker_specs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<PluginSpec>> {
     let Some(obj) = obj else {
         return Ok(preset_specs("least-request")?);
     };
