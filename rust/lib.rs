@@ -66,6 +66,10 @@ mod _core {
         PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
     };
     #[pymodule_export]
+    use crate::py::disagg::{
+        plan_disaggregated, simulate_disaggregated, PyDisaggPlan, PyDisaggReport,
+    };
+    #[pymodule_export]
     use crate::py::flow::PyFlowQueue;
     #[pymodule_export]
     use crate::py::flow_sim::flow_eval;

@@ -220,6 +220,18 @@ CASES = {
     "simulate.seed": lambda v: core.simulate(
         [0.0], [100], [10], [core.SimPool("p", 1, 4096, 8)], seed=v
     ),
+    "plan_disaggregated.context": lambda v: core.plan_disaggregated(WORKLOAD, 10.0, 1.0, context=v),
+    **{
+        f"simulate_disaggregated.{name}": lambda v, name=name: core.simulate_disaggregated(
+            [0.0],
+            [100],
+            [10],
+            core.SimPool("d", 1, 4096, 8),
+            core.SimPool("p", 1, 4096, 8),
+            **{name: v},
+        )  # fmt: skip
+        for name in ("threshold", "seed")
+    },
     **{
         f"PrefixWorkload.__new__.{name}": keyword(core.PrefixWorkload, {"requests": 10}, name)
         for name in ("requests", "sessions", "system_prompts", "seed")
@@ -439,6 +451,9 @@ UNSIGNED_64 = {
     "plan.b_short",
     "plan.long_context",
     "simulate.seed",
+    "plan_disaggregated.context",
+    "simulate_disaggregated.threshold",
+    "simulate_disaggregated.seed",
     "PrefixWorkload.__new__.seed",
     "Admission.__new__.ticket",
     "AdmissionController.complete.ticket",
@@ -518,6 +533,7 @@ VALID = {
     "Plan.candidate.b_short": 4096,
     "plan.b_short": 4096,
     "plan.long_context": 65536,
+    "plan_disaggregated.context": 65536,
     "SimPool.__new__.max_context": 4096,
     "SimPool.__new__.kv_blocks": 10_000,
     "SimPool.__new__.chunk": 512,
