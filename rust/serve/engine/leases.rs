@@ -160,13 +160,14 @@ impl Engine {
             fail("chooser", e);
         }
         m.in_flight[lease.endpoint].dec();
-        // Capacity appeared: the pool's queue may let a request out.
-        self.pump(lease.pool, now);
         if let Some(ticket) = lease.ticket {
             let actual = usage.unwrap_or((lease.est_input_tokens, 0));
             let latency = lease.started.elapsed().as_secs_f64();
             self.complete_ticket(shared, ticket, actual, latency);
         }
+        // Capacity appeared (an endpoint's slot, and its quota once the
+        // ticket is completed): the pool's queue may let a request out.
+        self.pump(lease.pool, now);
         if let Err(e) = shared
             .fault("finish")
             .and_then(|()| self.learn(lease.learn, usage, shared))
