@@ -18,7 +18,7 @@ use super::{
 use crate::budget::Decision;
 use crate::dispatch::{dispatch, Steps};
 use crate::error::{Error, Result};
-use crate::flow::{Arrival, Refusal};
+use crate::flow::{Arrival, Refusal, MIN_WEIGHT};
 use crate::pick::Recorded;
 use crate::serve::flow::{Entry, Exit};
 
@@ -292,6 +292,7 @@ impl Steps for Request<'_> {
         // Admission may have waited (Redis): the queue's clock is read now.
         let started = self.shared.now();
         let ttl = flow.ttl(band);
+        let entitlement = self.entitlement();
         let mut attempt = 0u32;
         loop {
             let user = admitted
@@ -299,12 +300,22 @@ impl Steps for Request<'_> {
                 .as_deref()
                 .or(tenant.map(|t| t.name.as_str()))
                 .unwrap_or(ANONYMOUS);
-            let arrival = Arrival {
-                bytes,
-                cost: (self.est.0 + self.est.1).max(1) as f64,
-                ..Arrival::new(band, user)
-            };
             let now = self.shared.now();
+            let arrival = || {
+                // The token-pool terms: the entitlement's priority `w_e` as
+                // its flow's weight (debt fairness), its SLO as a deadline.
+                let (w, slo_s) = match (engine.admission.as_ref(), entitlement) {
+                    (Some(a), Some(ent)) => a.flow_terms(ent),
+                    _ => (None, None),
+                };
+                Arrival {
+                    bytes,
+                    cost: (self.est.0 + self.est.1).max(1) as f64,
+                    weight: w.map_or(1.0, |w| w.max(MIN_WEIGHT)),
+                    deadline: slo_s.map(|s| started + s),
+                    ..Arrival::new(band, user)
+                }
+            };
             // A quota at its limit is no room, whatever the endpoints say.
             let quota_room = admitted.reserve.is_none();
             let room = engine.room(pool);

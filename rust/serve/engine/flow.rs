@@ -293,6 +293,65 @@ mod tests {
         assert_eq!(held(&shared, &engine), (0, 0, vec![0; 4], 0, 0, 0));
     }
 
+    /// Both tenants elastic, in one band with debt fairness: `demo` with a
+    /// 100 ms SLO, `other` with 10 s, so `demo`'s priority `w_e` is higher.
+    fn debt_plane() -> (Arc<Shared>, Arc<Engine>) {
+        let quota = serde_json::json!({"name": "q", "tokens_per_s": 1e9, "kv_bytes": 1_i64 << 40,
+                                       "concurrency": 1000});
+        let entitlement = |name: &str, slo_ms: f64| {
+            serde_json::json!({"name": name, "tenant": name, "quota": "q",
+                               "service_class": "elastic", "slo_target_ms": slo_ms,
+                               "tokens_per_s": 1e8, "kv_bytes": 1_i64 << 38, "concurrency": 1000})
+        };
+        let admission = serde_json::json!({"quotas": [quota], "entitlements": [
+            entitlement("demo", 100.0), entitlement("other", 10_000.0)]});
+        let mut json = plane_json("least-request", admission);
+        json["tenants"][0]["service_class"] = "elastic".into();
+        json["tenants"][1]["service_class"] = "elastic".into();
+        json["flow_control"] = serde_json::json!({
+            "queue": {"bands": [{"name": "elastic", "fairness": "debt"}]},
+            "saturation": {"detector": "concurrency", "max_in_flight": 1}});
+        plane_of(json)
+    }
+
+    #[tokio::test]
+    async fn with_debt_fairness_the_entitlement_of_higher_priority_goes_first() {
+        let (shared, engine) = debt_plane();
+        let admission = engine.admission.as_ref().expect("admission");
+        let (w_demo, w_other) = (
+            admission.flow_terms("demo").0.expect("w"),
+            admission.flow_terms("other").0.expect("w"),
+        );
+        assert!(w_demo > 2.0 * w_other, "{w_demo} {w_other}");
+        let placed = fill(&engine).await;
+        let mut waiting = Vec::new();
+        for tenant in [1, 1, 0, 0] {
+            waiting.push((tenant, send(&engine, tenant)));
+            settle().await;
+        }
+        // One slot at a time: the order the queue lets them out.
+        let mut order = Vec::new();
+        let mut ids: Vec<u128> = placed.iter().map(|p| p.id).collect();
+        for _ in 0..4 {
+            assert!(shared.release(ids.remove(0), None));
+            settle().await;
+            let k = waiting
+                .iter()
+                .position(|(_, h)| h.is_finished())
+                .expect("one let out");
+            let (tenant, h) = waiting.remove(k);
+            order.push(tenant);
+            ids.push(outcome(h).await.expect("placed").id);
+        }
+        // Equal weights alternate (1, 0, 1, 0); the token-pool weights let
+        // the flow of higher priority take two turns for the other's one.
+        assert_eq!(order, vec![1, 0, 0, 1]);
+        for id in ids {
+            assert!(shared.release(id, None));
+        }
+        assert_eq!(held(&shared, &engine), (0, 0, vec![0; 4], 0, 0, 0));
+    }
+
     #[tokio::test]
     async fn ttl_expiry_is_the_refusal_it_would_have_had_with_retry_after() {
         let (shared, engine) = flow_plane(serde_json::json!({"bands": bands(), "ttl_s": 0.05}));
