@@ -361,13 +361,17 @@ impl Steps for Request<'_> {
             }
             // The TTL counts from the first wait; the queue's own expiry
             // ends the first, this bound the next ones.
-            let left = ttl.saturating_sub(Duration::from_secs_f64((now - started).max(0.0)));
-            let exit = match tokio::time::timeout(left, waiting.exit()).await {
-                Ok(exit) => exit,
-                Err(_) => Exit::Expired {
-                    retry_after_s: ttl.as_secs_f64(),
-                    waited_s: self.shared.now() - started,
-                },
+            let exit = if attempt == 0 {
+                waiting.exit().await
+            } else {
+                let left = ttl.saturating_sub(Duration::from_secs_f64((now - started).max(0.0)));
+                match tokio::time::timeout(left, waiting.exit()).await {
+                    Ok(exit) => exit,
+                    Err(_) => Exit::Expired {
+                        retry_after_s: ttl.as_secs_f64(),
+                        waited_s: self.shared.now() - started,
+                    },
+                }
             };
             match exit {
                 Exit::Go => {
