@@ -20,6 +20,7 @@ pub mod kv;
 #[cfg(test)]
 mod layout;
 pub mod openai;
+pub mod pd;
 pub mod pick;
 pub mod pipeline;
 pub mod planner;
@@ -54,6 +55,8 @@ mod _core {
     #[pymodule_export]
     use crate::py::autoscale::PyAutoscaler;
     #[pymodule_export]
+    use crate::py::autoscale_sim::{autoscale_simulate, PyRateProfile};
+    #[pymodule_export]
     use crate::py::budget::{PyPool, PyRouteDecision, PyTokenBudgetRouter};
     #[pymodule_export]
     use crate::py::calibrate::PyCalibrator;
@@ -62,6 +65,10 @@ mod _core {
     #[pymodule_export]
     use crate::py::compress::{
         PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
+    };
+    #[pymodule_export]
+    use crate::py::disagg::{
+        plan_disaggregated, simulate_disaggregated, PyDisaggPlan, PyDisaggReport,
     };
     #[pymodule_export]
     use crate::py::flow::PyFlowQueue;
@@ -119,6 +126,10 @@ mod _core {
         m.add(
             "INCOMPRESSIBLE_CATEGORIES",
             pyo3::types::PyTuple::new(m.py(), crate::budget::INCOMPRESSIBLE_CATEGORIES)?,
+        )?;
+        m.add(
+            "AUTOSCALE_POLICIES",
+            pyo3::types::PyTuple::new(m.py(), crate::py::autoscale_sim::POLICIES)?,
         )?;
         m.add("MAX_TOKENS", crate::budget::MAX_TOKENS)
     }

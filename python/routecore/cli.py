@@ -17,6 +17,7 @@ from routecore._extras import MissingExtra, pyplot
 from routecore.commands import (
     admission_scenario,
     assign_eval,
+    autoscale_sim,
     bench,
     calibration_study,
     client,
@@ -47,6 +48,8 @@ COMMANDS.append(init_config)
 COMMANDS.append(bench)
 # The planner's fidelity grid (issue 27).
 COMMANDS.append(plan_fidelity)
+# Autoscaling policies in the simulator (issue 26).
+COMMANDS.append(autoscale_sim)
 # Flow control in simulation (issue 32).
 COMMANDS.append(flow_eval)
 

@@ -48,6 +48,11 @@ pub struct AutoscaleConfig {
     /// Requests held by flow control count as arriving over this many
     /// seconds (default: `period_s`): the queue is drained within a period.
     pub queue_drain_s: Option<f64>,
+    /// Size for the rate expected this many seconds ahead (an endpoint's
+    /// start-up plus a period is the horizon a decision must cover): the
+    /// window's rate moved by its trend from the window's middle to
+    /// `forecast_s` past now. None (default): the window's rate as it is.
+    pub forecast_s: Option<f64>,
     pub pools: Vec<PoolScaling>,
 }
 
@@ -64,6 +69,7 @@ impl Default for AutoscaleConfig {
             max_step_down: 4,
             max_step_down_percent: 50.0,
             queue_drain_s: None,
+            forecast_s: None,
             pools: Vec::new(),
         }
     }
@@ -100,6 +106,17 @@ impl AutoscaleConfig {
             serde_json::from_value(value).map_err(|e| invalid(format!("autoscale: {e}")))?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The damping its keys describe.
+    pub fn damping(&self) -> super::Damping {
+        super::Damping {
+            scale_down_delay_s: self.scale_down_delay_s,
+            max_step_up: self.max_step_up,
+            max_step_up_percent: self.max_step_up_percent,
+            max_step_down: self.max_step_down,
+            max_step_down_percent: self.max_step_down_percent,
+        }
     }
 
     /// Seconds over which queued requests count as arriving.
@@ -157,6 +174,9 @@ impl AutoscaleConfig {
         }
         if let Some(d) = self.queue_drain_s {
             positive(&key("queue_drain_s"), d)?;
+        }
+        if let Some(f) = self.forecast_s {
+            crate::error::non_negative(&key("forecast_s"), f)?;
         }
         if self.pools.len() > MAX_POOLS {
             return Err(invalid(format!(

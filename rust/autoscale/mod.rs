@@ -87,13 +87,7 @@ impl Autoscaler {
                 profile,
             });
         }
-        let damping = Damping {
-            scale_down_delay_s: cfg.scale_down_delay_s,
-            max_step_up: cfg.max_step_up,
-            max_step_up_percent: cfg.max_step_up_percent,
-            max_step_down: cfg.max_step_down,
-            max_step_down_percent: cfg.max_step_down_percent,
-        };
+        let damping = cfg.damping();
         Ok(Self {
             cfg,
             damping,
@@ -103,6 +97,21 @@ impl Autoscaler {
 
     pub fn config(&self) -> &AutoscaleConfig {
         &self.cfg
+    }
+
+    /// Pool `pool` runs `endpoints` now (a fleet already running, or a
+    /// restart, resumes from its size instead of `min_endpoints`): damping
+    /// counts from it. Within the pool's bounds.
+    pub fn set_current(&mut self, pool: usize, endpoints: u64) -> Result<()> {
+        let p = self.pool_cfg(pool)?;
+        if !(p.min_endpoints..=p.max_endpoints).contains(&endpoints) {
+            return Err(invalid(format!(
+                "pool {:?}: {endpoints} endpoints is outside [{}, {}]",
+                p.name, p.min_endpoints, p.max_endpoints
+            )));
+        }
+        self.pools[pool].damper = Damper::new(endpoints);
+        Ok(())
     }
 
     /// The dense id of pool `name`.
@@ -242,6 +251,7 @@ impl Autoscaler {
                 &live,
                 &chunks,
                 d,
+                self.cfg.forecast_s,
                 state.hint,
             )?);
         }

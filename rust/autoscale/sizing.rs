@@ -5,7 +5,9 @@
 //! one endpoint of the pool's profile).
 //!
 //! The rate sized for is `max(observed + queued / queue_drain_s, promised)`:
-//! the window's arrival rate, plus the requests flow control holds drained
+//! the window's arrival rate (with `forecast_s`, the rate its trend reaches
+//! `forecast_s` past now: `rate + trend (span / 2 + forecast_s)`, at least
+//! 0), plus the requests flow control holds drained
 //! within `queue_drain_s`, and at least the entitlements' promised tokens
 //! per second over the window's mean tokens per request (the paper's nominal
 //! cost `n_in + n_out`). With no traffic in the window there is no token
@@ -82,6 +84,10 @@ pub struct Target {
     pub binding: Binding,
     /// The rates: observed in the window, from the queue, promised, sized for.
     pub observed_rate: f64,
+    /// The window's trend (req/s per s) and the rate it forecasts (the
+    /// observed rate without `forecast_s`).
+    pub trend: f64,
+    pub forecast_rate: f64,
     pub queued_rate: f64,
     pub promised_rate: f64,
     pub rate: f64,
@@ -93,8 +99,9 @@ pub struct Target {
 }
 
 /// Sizes one pool for its live workload `live` (`chunks`: its window's
-/// [`super::LiveWindow::chunk_distribution`]) and demand; `hint` (the last
-/// model count) only speeds the search.
+/// [`super::LiveWindow::chunk_distribution`]) and demand, the rate forecast
+/// `forecast_s` ahead when given; `hint` (the last model count) only speeds
+/// the search.
 #[allow(clippy::too_many_arguments)]
 pub fn target(
     pool: &PoolScaling,
@@ -104,9 +111,14 @@ pub fn target(
     live: &LiveWorkload,
     chunks: BuildChunks<'_>,
     demand: PoolDemand,
+    forecast_s: Option<f64>,
     hint: Option<u64>,
 ) -> Result<Target> {
     let observed_rate = live.rate;
+    let forecast_rate = match forecast_s {
+        Some(ahead) => (live.rate + live.trend * (live.span_s / 2.0 + ahead)).max(0.0),
+        None => live.rate,
+    };
     let queued_rate = demand.queued_requests / queue_drain_s;
     let mean_tokens = live.mean_tokens();
     let promised_rate = if mean_tokens > 0.0 {
@@ -114,13 +126,15 @@ pub fn target(
     } else {
         0.0
     };
-    let rate = (observed_rate + queued_rate).max(promised_rate);
+    let rate = (forecast_rate + queued_rate).max(promised_rate);
     let mut t = Target {
         endpoints: pool.min_endpoints,
         model_endpoints: 0,
         reason: Reason::NoTraffic,
         binding: Binding::None,
         observed_rate,
+        trend: live.trend,
+        forecast_rate,
         queued_rate,
         promised_rate,
         rate,

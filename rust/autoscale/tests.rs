@@ -31,6 +31,7 @@ fn target_of(
         &|out: &mut Vec<(u64, f64)>| w.chunk_distribution(out),
         PoolDemand::default(),
         None,
+        None,
     )
     .expect("ok")
 }
@@ -368,4 +369,74 @@ fn autoscale_timing() {
     }
     let us = start.elapsed().as_secs_f64() * 1e6 / rounds as f64;
     println!("step, 8 pools: {us:.1} us");
+}
+
+/// A ramp from 10 to 70 req/s over a 60 s window: the trend is its slope,
+/// and `forecast_s` sizes for the rate the ramp reaches that far past now.
+#[test]
+fn the_forecast_follows_the_windows_trend() {
+    let mut w = LiveWindow::new(60.0, 6, 512, 0.0).expect("ok");
+    let mut t = 0.0;
+    while t < 60.0 {
+        w.observe(t, 1000, 100).expect("ok");
+        t += 1.0 / (10.0 + t);
+    }
+    // Just before 60 s: the window still holds its first sub-window.
+    let live = w.live(59.999, 0.99).expect("ok");
+    assert!((live.trend - 1.0).abs() < 0.05, "{}", live.trend);
+    assert!((live.rate - 40.0).abs() < 1.0, "{}", live.rate);
+    let pool = PoolScaling {
+        name: "p".into(),
+        context: 8192,
+        min_endpoints: 1,
+        max_endpoints: 1000,
+        slo_ttft_s: 2.0,
+        slo_tpot_s: None,
+        entitlements: Vec::new(),
+    };
+    let profile = Profile::llama3_70b_a100();
+    let chunks = |out: &mut Vec<(u64, f64)>| w.chunk_distribution(out);
+    let size = |forecast| {
+        sizing::target(
+            &pool,
+            &profile,
+            0.99,
+            10.0,
+            &live,
+            &chunks,
+            PoolDemand::default(),
+            forecast,
+            None,
+        )
+        .expect("ok")
+    };
+    let now = size(None);
+    let ahead = size(Some(30.0));
+    assert_eq!(now.forecast_rate, now.observed_rate);
+    assert!(
+        (ahead.forecast_rate - 100.0).abs() < 3.0,
+        "{}",
+        ahead.forecast_rate
+    );
+    assert!(ahead.endpoints > now.endpoints);
+    // A falling window forecasts down, never below 0.
+    let mut w = LiveWindow::new(60.0, 6, 512, 0.0).expect("ok");
+    for k in 0..300 {
+        w.observe(k as f64 / 10.0, 1000, 100).expect("ok");
+    }
+    let live = w.live(60.0, 0.99).expect("ok");
+    assert!(live.trend < 0.0);
+    let t = sizing::target(
+        &pool,
+        &profile,
+        0.99,
+        10.0,
+        &live,
+        &chunks,
+        PoolDemand::default(),
+        Some(600.0),
+        None,
+    )
+    .expect("ok");
+    assert_eq!(t.forecast_rate, 0.0);
 }

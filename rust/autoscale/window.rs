@@ -109,6 +109,10 @@ pub struct LiveWorkload {
     pub span_s: f64,
     /// `requests / span_s`, requests per second.
     pub rate: f64,
+    /// How fast the rate moves, requests per second per second: the
+    /// least-squares slope of the sub-windows' rates over their midpoints
+    /// (sub-windows under half full left out; 0 with fewer than two).
+    pub trend: f64,
     /// Moments of `k = ceil(L_in / C) + L_out`, of `k L_total` and of `L_in`
     /// (weight: the request count), as the planner's `EngineLoad` takes them.
     pub k: RangeMoments,
@@ -264,6 +268,7 @@ impl LiveWindow {
             requests: s.n as u64,
             span_s,
             rate: s.n / span_s,
+            trend: self.trend(),
             k: moments(s.k, s.k2),
             kl: moments(s.kl, 0.0),
             prompt: moments(s.prompt, s.prompt2),
@@ -273,6 +278,33 @@ impl LiveWindow {
             prefill_chunks_q: self.totals.chunks.quantile((1.0 + quantile) / 2.0) as f64,
             prefill_chunks_min: self.totals.chunks.quantile(0.0) as f64,
         })
+    }
+
+    /// The slope of the sub-windows' rates (see [`LiveWorkload::trend`]).
+    fn trend(&self) -> f64 {
+        let n = self.slots.len() as u64;
+        let (mut sw, mut st, mut sr, mut stt, mut str_) = (0.0f64, 0.0, 0.0, 0.0, 0.0);
+        for e in self.epoch.saturating_sub(n - 1)..=self.epoch {
+            let start = self.start_s + e as f64 * self.sub_s;
+            let covered = (self.last_s.min(start + self.sub_s) - start).max(0.0);
+            if covered < self.sub_s / 2.0 {
+                continue;
+            }
+            let (t, r) = (
+                start + covered / 2.0,
+                self.slots[(e % n) as usize].sums.n / covered,
+            );
+            sw += 1.0;
+            st += t;
+            sr += r;
+            stt += t * t;
+            str_ += t * r;
+        }
+        let var = stt - st * st / sw.max(1.0);
+        if sw < 2.0 || var <= 0.0 {
+            return 0.0;
+        }
+        (str_ - st * sr / sw) / var
     }
 
     /// Appends the window's `(prefill chunks, count)` pairs (the planner's

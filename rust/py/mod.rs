@@ -7,10 +7,12 @@ pub mod admission;
 pub mod admission_lua;
 pub mod assign;
 pub mod autoscale;
+pub mod autoscale_sim;
 pub mod budget;
 pub mod calibrate;
 pub mod classify;
 pub mod compress;
+pub mod disagg;
 pub mod flow;
 pub mod flow_sim;
 #[cfg(feature = "kv-events")]

@@ -17,7 +17,7 @@ use crate::sim::prefix_workload::{generate, PrefixWorkload, PrefixWorkloadConfig
 use crate::sim::timing::LinearTiming;
 use crate::sim::{
     make_router, percentile, set_arrivals, simulate as run_simulation, Arrivals, Category,
-    PoolConfig, RequestBlocks, RouterKind, SimConfig, SimReport, SimRequest,
+    PoolConfig, PoolReport, RequestBlocks, RouterKind, SimConfig, SimReport, SimRequest,
 };
 
 /// A pool of identical simulated endpoints (vLLM engines).
@@ -30,7 +30,7 @@ use crate::sim::{
 /// token-budget router's budget for the pool (defaults to ``max_context``).
 #[pyclass(frozen, name = "SimPool", module = "routecore")]
 pub struct PySimPool {
-    inner: PoolConfig,
+    pub(crate) inner: PoolConfig,
     w: f64,
     h: f64,
 }
@@ -234,29 +234,7 @@ impl PySimReport {
     /// tokens over the prefill budget), preemptions, rejections, compressed.
     #[getter]
     fn pools<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        self.report
-            .pools
-            .iter()
-            .map(|p| {
-                let d = PyDict::new(py);
-                d.set_item("name", &p.name)?;
-                d.set_item("endpoints", p.endpoints)?;
-                d.set_item("gpus", p.gpus)?;
-                d.set_item("max_context", p.max_context)?;
-                d.set_item("requests", p.requests)?;
-                d.set_item("utilization_simulated", p.utilization_simulated)?;
-                d.set_item("utilization_model", p.utilization_model)?;
-                d.set_item(
-                    "prefill_utilization_simulated",
-                    p.prefill_utilization_simulated,
-                )?;
-                d.set_item("prefill_utilization_model", p.prefill_utilization_model)?;
-                d.set_item("preemptions", p.preemptions)?;
-                d.set_item("rejections", p.rejections)?;
-                d.set_item("compressed", p.compressed)?;
-                Ok(d)
-            })
-            .collect()
+        self.report.pools.iter().map(|p| pool_dict(py, p)).collect()
     }
     /// ``{metric: {"p50", "p90", "p99", "mean"}}`` for ttft, tpot, e2e and
     /// queue_wait over the measured requests that were served.
@@ -295,6 +273,27 @@ impl PySimReport {
             r.makespan
         )
     }
+}
+
+/// One pool's figures as a dict (``SimReport.pools``, ``DisaggReport.pools``).
+pub(crate) fn pool_dict<'py>(py: Python<'py>, p: &PoolReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("name", &p.name)?;
+    d.set_item("endpoints", p.endpoints)?;
+    d.set_item("gpus", p.gpus)?;
+    d.set_item("max_context", p.max_context)?;
+    d.set_item("requests", p.requests)?;
+    d.set_item("utilization_simulated", p.utilization_simulated)?;
+    d.set_item("utilization_model", p.utilization_model)?;
+    d.set_item(
+        "prefill_utilization_simulated",
+        p.prefill_utilization_simulated,
+    )?;
+    d.set_item("prefill_utilization_model", p.prefill_utilization_model)?;
+    d.set_item("preemptions", p.preemptions)?;
+    d.set_item("rejections", p.rejections)?;
+    d.set_item("compressed", p.compressed)?;
+    Ok(d)
 }
 
 /// Simulates a fleet of pools serving a workload, with a router in front.
@@ -453,19 +452,32 @@ pub fn simulate(
             )))
         }
     };
+    let report = with_progress(py, n as u64, progress.as_ref(), |done| {
+        set_arrivals(&mut requests, arrivals, seed)?;
+        let mut router = make_router(kind, &config)?;
+        run_simulation(&requests, &blocks, &config, router.as_mut(), done)
+    })?;
+    Ok(PySimReport { report })
+}
+
+/// Runs `work` on its own thread without the interpreter lock, calling
+/// ``progress(done, total)`` about ten times a second from this thread with
+/// the count `work` stores in its counter, and once at the end. A callback
+/// that raises stops the reports; its error is raised after the work.
+pub(crate) fn with_progress<T: Send>(
+    py: Python<'_>,
+    total: u64,
+    progress: Option<&Py<PyAny>>,
+    work: impl FnOnce(&AtomicU64) -> crate::error::Result<T> + Send,
+) -> PyResult<T> {
     let done = AtomicU64::new(0);
     let (result, callback_error) = py.detach(|| {
         std::thread::scope(|s| {
             let (tx, rx) = std::sync::mpsc::channel();
             let done = &done;
             s.spawn(move || {
-                let mut run = || -> crate::error::Result<SimReport> {
-                    set_arrivals(&mut requests, arrivals, seed)?;
-                    let mut router = make_router(kind, &config)?;
-                    run_simulation(&requests, &blocks, &config, router.as_mut(), done)
-                };
                 // The receiver outlives this thread inside the scope.
-                let _ = tx.send(run());
+                let _ = tx.send(work(done));
             });
             let mut callback_error = None;
             loop {
@@ -477,26 +489,26 @@ pub fn simulate(
                         return (Err(lost), callback_error);
                     }
                 }
-                if let (Some(cb), None) = (&progress, &callback_error) {
+                if let (Some(cb), None) = (progress, &callback_error) {
                     let d = done.load(Ordering::Relaxed);
-                    callback_error = Python::attach(|py| cb.call1(py, (d, n)).err());
+                    callback_error = Python::attach(|py| cb.call1(py, (d, total)).err());
                 }
             }
         })
     });
-    let report = result?;
+    let out = result?;
     if let Some(e) = callback_error {
         return Err(e);
     }
-    if let Some(cb) = &progress {
-        cb.call1(py, (n, n))?;
+    if let Some(cb) = progress {
+        cb.call1(py, (total, total))?;
     }
-    Ok(PySimReport { report })
+    Ok(out)
 }
 
 /// An endpoint picker's plugin specs: a preset name (default
 /// "least-request") or a list of ``{"name": ..., "weight": ..., **params}``.
-fn picker_specs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<PluginSpec>> {
+pub(crate) fn picker_specs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<PluginSpec>> {
     let Some(obj) = obj else {
         return Ok(preset_specs("least-request")?);
     };

@@ -24,10 +24,13 @@
 //! arrival rate over the requests the pool actually served in the window, so
 //! the two columns compare the same quantity.
 
+pub mod autoscale;
 pub mod cache;
+pub mod disagg;
 pub mod engine;
 pub mod flow;
 pub mod prefix_workload;
+pub mod profile;
 pub mod router;
 pub mod timing;
 

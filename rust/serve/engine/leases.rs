@@ -160,6 +160,12 @@ impl Engine {
             fail("chooser", e);
         }
         m.in_flight[lease.endpoint].dec();
+        if let Some(p) = lease.prefill {
+            if let Err(e) = self.choosers[lease.pool].release_prefill(p, est, now) {
+                fail("prefill", e);
+            }
+            m.in_flight[p].dec();
+        }
         if let Some(ticket) = lease.ticket {
             let actual = usage.unwrap_or((lease.est_input_tokens, 0));
             let latency = lease.started.elapsed().as_secs_f64();
