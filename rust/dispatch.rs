@@ -44,11 +44,12 @@ pub trait Steps {
     ) -> impl Future<Output = Result<Self::Admitted, Self::Refused>>;
     /// The queue's place, after admission and before the pick: flow control
     /// holds the request here until its pool has room (refusing it on
-    /// expiry or displacement). Today every request is dispatched at once.
+    /// expiry or displacement; it may give back and take again what
+    /// admission holds). Today every request is dispatched at once.
     fn queue(
         &mut self,
         _pool: &Self::Pool,
-        _admitted: &Self::Admitted,
+        _admitted: &mut Self::Admitted,
     ) -> impl Future<Output = Result<(), Self::Refused>> {
         std::future::ready(Ok(()))
     }
@@ -107,7 +108,7 @@ pub async fn dispatch<S: Steps>(steps: &mut S) -> Result<Dispatched<S>, S::Refus
     };
     let admitted = taken.steps.admit(pool).await?;
     let admitted = taken.admitted.insert(admitted);
-    taken.steps.queue(pool, admitted).await?;
+    taken.steps.queue(pool, &mut *admitted).await?;
     let picked = taken.steps.pick(pool, admitted)?;
     let (Some(pool), Some(admitted)) = (taken.pool.take(), taken.admitted.take()) else {
         unreachable!("set above")
@@ -166,7 +167,11 @@ mod tests {
         fn admit(&mut self, _: &u32) -> impl Future<Output = Result<u32, &'static str>> {
             std::future::ready(self.step("admit"))
         }
-        fn queue(&mut self, _: &u32, _: &u32) -> impl Future<Output = Result<(), &'static str>> {
+        fn queue(
+            &mut self,
+            _: &u32,
+            _: &mut u32,
+        ) -> impl Future<Output = Result<(), &'static str>> {
             let r = self.step("queue").map(|_| ());
             let wait = self.wait_in_queue;
             async move {
@@ -340,7 +345,7 @@ mod tests {
                 Err(a.status)
             })
         }
-        fn queue(&mut self, _: &(), _: &Option<u64>) -> impl Future<Output = Result<(), u16>> {
+        fn queue(&mut self, _: &(), _: &mut Option<u64>) -> impl Future<Output = Result<(), u16>> {
             let cancel = self.ask.cancel;
             async move {
                 if cancel {

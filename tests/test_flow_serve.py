@@ -31,6 +31,9 @@ from server_fixtures import (
     base_config,
     entitlement,
     free_port,
+    redis_admission,
+    redis_in_flight,
+    wait_redis_settled,
     wait_settled,
 )
 
@@ -47,10 +50,12 @@ SPOT = {"x-api-key": "cheap-key"}
 TTL = 30.0
 
 
-def flow_config(**flow) -> dict:
-    """``base_config`` with flow control on (``flow`` over the defaults)."""
-    adm = admission(concurrency=8)
-    adm["entitlements"].append({**entitlement("cheap", 8, 1e6), "service_class": "spot"})
+def flow_config(adm: dict | None = None, cheap: int = 8, **flow) -> dict:
+    """``base_config`` with flow control on (``flow`` over the defaults),
+    admission ``adm`` (in memory, 8 slots by default) and ``cheap``'s
+    concurrency."""
+    adm = adm or admission(concurrency=8)
+    adm["entitlements"].append({**entitlement("cheap", cheap, 1e6), "service_class": "spot"})
     return base_config(
         admission=adm,
         tenants=[
@@ -185,13 +190,11 @@ def test_a_client_gone_while_queued_leaves_at_once_and_holds_nothing(serve):
         async with grpc.aio.insecure_channel(server.target) as ch:
             full = await placed(ch, 2)
             gone = await queued(server, ch, SPOT)
-            assert server.server.plane.in_flight()["admission"] == 3
+            # Waiting, it holds no quota: only dispatched requests do.
+            assert server.server.plane.in_flight()["admission"] == 2
             gone.call.cancel()
             await until(lambda: waiting(server) == 0, "the queue to empty")
-            await until(
-                lambda: server.server.plane.in_flight()["admission"] == 2,
-                "its admission to be given back",
-            )
+            assert server.server.plane.in_flight()["admission"] == 2
             assert flow_metric(server, "flow_outcomes", "spot", "cancelled") == 1
             # The next request takes the room, not the one that left.
             nxt = await queued(server, ch, GOLD)
@@ -203,6 +206,43 @@ def test_a_client_gone_while_queued_leaves_at_once_and_holds_nothing(serve):
     run(go())
     wait_settled(server)
     assert flow_metric(server, "flow_outcomes", "spot", "dispatched") == 0
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_a_quota_at_its_limit_waits_and_goes_on_when_its_entitlement_releases(
+    serve, backend, request
+):
+    if backend == "redis":
+        url = request.getfixturevalue("redis_server").url
+        adm = redis_admission(url, "closed", concurrency=1)
+    else:
+        adm = admission(concurrency=1)
+    # The quota holds one request; the pool has room for two.
+    server = serve(**flow_config(adm, cheap=1))
+
+    def quota_in_flight() -> int:
+        if backend == "redis":
+            return redis_in_flight(url)
+        return server.server.plane.in_flight()["admission"]
+
+    async def go():
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            first = Stream(ch)
+            await first.send(SPOT)
+            assert status(await first.read())[0] == 200
+            # Its quota full: it waits (no 429 quota-contention), holding none.
+            second = await queued(server, ch, SPOT)
+            assert quota_in_flight() == 1
+            await first.finish()
+            assert status(await second.read())[0] == 200
+            await second.finish()
+
+    run(go())
+    wait_settled(server)
+    assert waiting(server) == 0
+    assert server.metric("rejections", "spot", "quota-contention") == 0
+    if backend == "redis":
+        wait_redis_settled(url)
 
 
 def test_ttl_expiry_is_the_refusal_it_would_have_had_with_retry_after(serve):

@@ -1378,6 +1378,8 @@ class FlowQueue:
     flows, FCFS or earliest deadline inside a flow); for benches and
     evaluations, not re-exported from ``routecore``."""
 
+    #: The floor of a flow's weight (the token-pool priority ``w_e``).
+    MIN_WEIGHT: ClassVar[float]
     def __new__(cls, config: Mapping[str, Any] | None = None) -> Self: ...
     @property
     def bands(self) -> list[str]: ...

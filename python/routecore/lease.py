@@ -570,9 +570,8 @@ class Dispatcher:
 #: The longest a waiter sleeps before it checks the TTLs and, when no lease
 #: is held (nothing will release), tries the next request itself.
 POLL_S = 0.05
-#: The queue's weight floor: equation 1's debt factor goes to 0 and below
-#: for an entitlement served 25% above its baseline; a flow's weight is > 0.
-MIN_WEIGHT = 1e-3
+#: The queue's weight floor (one constant in Rust: ``flow::MIN_WEIGHT``).
+MIN_WEIGHT = FlowQueue.MIN_WEIGHT
 
 
 class _Waiter:

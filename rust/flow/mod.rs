@@ -33,6 +33,6 @@ pub use config::{
 };
 pub use queue::{
     Arrival, BandStats, Enqueued, FlowQueue, Left, Outcome, Outcomes, Refusal, Ticket,
-    WaitHistogram, RATE_WINDOW_S, WAIT_BUCKETS_S,
+    WaitHistogram, MIN_WEIGHT, RATE_WINDOW_S, WAIT_BUCKETS_S,
 };
 pub use saturation::{Detector, SaturationConfig, SaturationDetector, DEFAULT_MAX_IN_FLIGHT};

@@ -99,6 +99,13 @@ impl<'a> Arrival<'a> {
     }
 }
 
+/// The weight floor of a flow's arrival: equation 1's debt factor
+/// `1 + a_debt d_e` goes to 0 and below for an entitlement served 25% above
+/// its baseline, and a flow's weight must stay > 0. Every front end floors
+/// the token-pool priority `w_e` with it (the data plane, the Python
+/// `Dispatcher`, the simulator).
+pub const MIN_WEIGHT: f64 = 1e-3;
+
 /// How a request left the queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {

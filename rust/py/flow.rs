@@ -65,6 +65,10 @@ fn all_left(q: &FlowQueue<Py<PyAny>>, out: Vec<Left<Py<PyAny>>>) -> Vec<PyLeft> 
 
 #[pymethods]
 impl PyFlowQueue {
+    /// The floor of a flow's weight (the token-pool priority `w_e`).
+    #[classattr]
+    const MIN_WEIGHT: f64 = crate::flow::MIN_WEIGHT;
+
     #[new]
     #[pyo3(signature = (config=None))]
     fn new(config: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {

@@ -327,10 +327,12 @@ impl PoolFlow {
 
     /// A request arrives. `room` reads the pool's endpoints (the chooser's
     /// states) and says whether it has room; it is asked under the queue's
-    /// lock, so that no request passes one that waits.
-    pub fn enter<'a>(
+    /// lock, so that no request passes one that waits. `arrival` is built
+    /// only when the request must wait (its weight and deadline are looked
+    /// up then, not on the fast path).
+    pub fn enter<'a, 'b>(
         &'a self,
-        arrival: Arrival<'_>,
+        arrival: impl FnOnce() -> Arrival<'b>,
         room: impl Fn(&Self) -> bool,
         closed: &AtomicBool,
         now: f64,
@@ -342,6 +344,7 @@ impl PoolFlow {
         if closed.load(AtomicOrdering::Acquire) {
             return Ok(Entry::Closed);
         }
+        let arrival = arrival();
         let (tx, rx) = oneshot::channel();
         let mut displaced = lock(&self.scratch);
         let entry = match q.enqueue(arrival, tx, now, &mut displaced)? {
@@ -509,7 +512,7 @@ mod tests {
         let f = flow();
         let open = AtomicBool::new(false);
         let Entry::Wait(mut w) = f
-            .enter(Arrival::new(0, "a"), |_| false, &open, 0.0)
+            .enter(|| Arrival::new(0, "a"), |_| false, &open, 0.0)
             .expect("e")
         else {
             panic!("waits")
@@ -528,7 +531,7 @@ mod tests {
         assert_eq!(f.pending(), 0, "its place given back");
         // Dropped while waiting: out of the queue, once.
         let Entry::Wait(w) = f
-            .enter(Arrival::new(2, "b"), |_| false, &open, 2.0)
+            .enter(|| Arrival::new(2, "b"), |_| false, &open, 2.0)
             .expect("e")
         else {
             panic!("waits")
@@ -541,13 +544,13 @@ mod tests {
         assert_eq!((m.requests.get(), m.outcomes[3].get()), (0.0, 1.0));
         // Nothing waits and the pool has room: on at once, no queue touched.
         assert!(matches!(
-            f.enter(Arrival::new(0, "a"), |_| true, &open, 4.0),
+            f.enter(|| Arrival::new(0, "a"), |_| true, &open, 4.0),
             Ok(Entry::Now)
         ));
         // Shut: a request that would wait is refused.
         open.store(true, AtomicOrdering::Release);
         assert!(matches!(
-            f.enter(Arrival::new(0, "a"), |_| false, &open, 5.0),
+            f.enter(|| Arrival::new(0, "a"), |_| false, &open, 5.0),
             Ok(Entry::Closed)
         ));
     }
@@ -564,7 +567,7 @@ mod tests {
         let start = std::time::Instant::now();
         for k in 0..n {
             let e = f
-                .enter(arrival(&names, k), |_| true, &open, 0.0)
+                .enter(|| arrival(&names, k), |_| true, &open, 0.0)
                 .expect("enter");
             assert!(matches!(e, Entry::Now));
         }
@@ -574,7 +577,7 @@ mod tests {
             let f = flow();
             let mut held = Vec::with_capacity((waiting + n) as usize);
             for k in 0..waiting {
-                match f.enter(arrival(&names, k), |_| false, &open, 0.0) {
+                match f.enter(|| arrival(&names, k), |_| false, &open, 0.0) {
                     Ok(Entry::Wait(w)) => held.push(w),
                     _ => panic!("waits"),
                 }
@@ -582,7 +585,8 @@ mod tests {
             // Each request waits, then one is let out and told (its oneshot).
             let start = std::time::Instant::now();
             for k in waiting..waiting + n {
-                let Ok(Entry::Wait(w)) = f.enter(arrival(&names, k), |_| false, &open, 0.0) else {
+                let Ok(Entry::Wait(w)) = f.enter(|| arrival(&names, k), |_| false, &open, 0.0)
+                else {
                     panic!("waits")
                 };
                 held.push(w);

@@ -60,10 +60,6 @@ pub const PREFILL_RATE: f64 = 150.0;
 /// Tokens (prompt and output) one slot serves per second when prompts and
 /// outputs are equally long on average.
 pub const SLOT_TOKENS_PER_S: f64 = 2.0 / (1.0 / PREFILL_RATE + 1.0 / SLOT_RATE);
-/// The queue's weight floor: equation 1's debt factor `1 + a_debt d_e` goes
-/// to 0 and below for an entitlement served 25% above its baseline, and a
-/// flow's weight must stay > 0.
-pub const MIN_WEIGHT: f64 = 1e-3;
 /// Jain's index that counts as fair.
 pub const FAIR_JAIN: f64 = 0.9;
 const QUOTA: &str = "pool";
@@ -581,7 +577,10 @@ impl<'s> Sim<'s> {
             return self.steps(k, now);
         }
         let ent = &t.entitlement;
-        let weight = self.admission.priority(&ent.name)?.max(MIN_WEIGHT);
+        let weight = self
+            .admission
+            .priority(&ent.name)?
+            .max(crate::flow::MIN_WEIGHT);
         let class = ent.service_class.as_str();
         let Some(queue) = self.queue.as_mut() else {
             unreachable!("checked above")

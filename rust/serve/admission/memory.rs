@@ -90,6 +90,18 @@ impl MemoryAdmission {
         })
     }
 
+    /// Flow control's terms of `entitlement`: its priority `w_e` and its
+    /// SLO target in seconds.
+    pub fn flow_terms(&self, entitlement: &str) -> (Option<f64>, Option<f64>) {
+        self.with(|c, _| {
+            let slo_s = c
+                .entitlements()
+                .find(|e| e.name == entitlement)
+                .map(|e| e.slo_target_ms / 1e3);
+            (c.priority(entitlement).ok(), slo_s)
+        })
+    }
+
     pub fn evictions(&self) -> Vec<Ticket> {
         let now = monotonic();
         self.with(|c, _| c.evictions(now).unwrap_or_default())

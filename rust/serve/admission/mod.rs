@@ -398,6 +398,17 @@ impl Admission {
 
     /// Requests in flight: exact in memory; for Redis, this instance's
     /// reservations not yet completed.
+    /// Flow control's terms for a request of `entitlement` (its arrival's
+    /// weight and deadline in the queue): its token-pool priority `w_e`
+    /// (None: not known; Redis: the last one its admit script returned) and
+    /// its SLO target in seconds.
+    pub fn flow_terms(&self, entitlement: &str) -> (Option<f64>, Option<f64>) {
+        match self {
+            Admission::Memory(m) => m.flow_terms(entitlement),
+            Admission::Redis(r) => r.flow_terms(entitlement),
+        }
+    }
+
     pub fn in_flight(&self) -> u64 {
         match self {
             Admission::Memory(m) => m.in_flight(),

@@ -235,6 +235,9 @@ pub struct RedisAdmission {
     /// Admits and completions under way.
     busy: AtomicUsize,
     flush_timeout: Duration,
+    /// Per entitlement: its SLO target (s) and the last priority `w_e` the
+    /// admit script returned (f64 bits; 0: none yet), for flow control.
+    flow_terms: HashMap<String, (f64, AtomicU64)>,
 }
 
 fn positive_setting(what: &str, v: f64) -> Result<f64, Error> {
@@ -302,6 +305,10 @@ impl RedisAdmission {
                 swept: Mutex::new(None),
             })
             .collect();
+        let flow_terms = ents
+            .iter()
+            .map(|e| (e.name.clone(), (e.slo_target_ms / 1e3, AtomicU64::new(0))))
+            .collect();
         let quota_of = ents
             .iter()
             .filter_map(|e| {
@@ -338,7 +345,19 @@ impl RedisAdmission {
             held: Mutex::new(HashSet::new()),
             busy: AtomicUsize::new(0),
             flush_timeout: Duration::from_secs_f64(r.flush_timeout_s),
+            flow_terms,
         })
+    }
+
+    /// Flow control's terms of `entitlement`: the last priority the admit
+    /// script returned for it and its SLO target in seconds.
+    pub fn flow_terms(&self, entitlement: &str) -> (Option<f64>, Option<f64>) {
+        self.flow_terms
+            .get(entitlement)
+            .map_or((None, None), |(slo_s, w)| {
+                let w = f64::from_bits(w.load(Ordering::Relaxed));
+                ((w > 0.0).then_some(w), Some(*slo_s))
+            })
     }
 
     /// Counts failures in `metrics` too (`routecore_faults_total{source="redis", kind}`).
@@ -605,7 +624,7 @@ impl RedisAdmission {
         if let Some(suppressed) = self.full.end() {
             tracing::info!(suppressed, "redis-writable");
         }
-        let [status, reason, retry, seq, _priority] = out.as_slice() else {
+        let [status, reason, retry, seq, priority] = out.as_slice() else {
             // 'void' (a request id used twice) or 'unconfigured' twice.
             self.failed(FailureKind::Reply);
             return self.lost(p, rid, &sent);
@@ -614,6 +633,13 @@ impl RedisAdmission {
             self.failed(FailureKind::Reply);
             return self.lost(p, rid, &sent);
         };
+        if let (Some((_, w)), Ok(priority)) =
+            (self.flow_terms.get(entitlement), priority.parse::<f64>())
+        {
+            if priority.is_finite() && priority > 0.0 {
+                w.store(priority.to_bits(), Ordering::Relaxed);
+            }
+        }
         if status != 200 {
             return Verdict::Refused {
                 status,

@@ -7,7 +7,7 @@
 //! [`Chooser`](super::Chooser): its plugins learn only here) -> lease.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 
@@ -18,7 +18,7 @@ use super::{
 use crate::budget::Decision;
 use crate::dispatch::{dispatch, Steps};
 use crate::error::{Error, Result};
-use crate::flow::{Arrival, Refusal};
+use crate::flow::{Arrival, Refusal, MIN_WEIGHT};
 use crate::pick::Recorded;
 use crate::serve::flow::{Entry, Exit};
 
@@ -49,6 +49,17 @@ struct Admitted {
     request_id: String,
     /// The VTC user when it is not the tenant's name ([`Engine::vtc_user`]).
     scoped: Option<String>,
+    /// Its quota is still to be taken when it is let out of its pool's
+    /// queue: the admission refusal that made it wait (its quota at its
+    /// limit), or an empty reason when it gave its ticket back to wait (a
+    /// quota counts only dispatched requests).
+    reserve: Option<String>,
+}
+
+/// Admission refusals that flow control turns into a wait: the quota at its
+/// limit (the entitlement's concurrency, or the shared quota's).
+fn quota_at_limit(status: u16, reason: &str) -> bool {
+    status == 429 && matches!(reason, "concurrency" | "quota-contention")
 }
 
 /// Tells a pool's queue, when dropped, that the request it let out is placed.
@@ -73,10 +84,59 @@ struct Request<'a> {
     ask: Ask<'a>,
     now: f64,
     /// Let out of its pool's queue: placed by the pick.
-    let_out: bool,
+    let_out: Option<Placed<'a>>,
 }
 
-impl Request<'_> {
+impl<'a> Request<'a> {
+    /// The entitlement admission is asked for (None: not accounted).
+    fn entitlement(&self) -> Option<&'a str> {
+        let engine = self.engine;
+        self.tenant
+            .and_then(|t| engine.tenants[t].entitlement.as_deref())
+            .filter(|e| engine.entitlement_live(e, self.shared))
+    }
+
+    /// Takes the quota of a request let out of its pool's queue (`reserve`):
+    /// Ok(None) when admitted (or not accounted), Ok(Some(reason)) when the
+    /// quota is still at its limit (it waits again), Err for any other
+    /// refusal.
+    async fn reserve(
+        &mut self,
+        admitted: &mut Admitted,
+        attempt: u32,
+    ) -> std::result::Result<Option<String>, Refused> {
+        let (Some(admission), Some(ent)) = (self.engine.admission.as_ref(), self.entitlement())
+        else {
+            return Ok(None);
+        };
+        self.shared.fault("admission")?;
+        // A fresh id per try: a remote backend's retry-by-id must not find
+        // the ticket given back before the wait.
+        let request_id = format!("{}:{attempt}", admitted.request_id);
+        let (est_in, est_out) = self.est;
+        let verdict = admission
+            .admit_detached(&self.shared.handle, ent, est_in, est_out, &request_id)
+            .await;
+        match verdict {
+            Verdict::Admitted { ticket } => {
+                admitted.ticket = ticket;
+                Ok(None)
+            }
+            Verdict::Refused { status, reason, .. } if quota_at_limit(status, &reason) => {
+                Ok(Some(reason))
+            }
+            Verdict::Refused {
+                status,
+                reason,
+                retry_after_s,
+            } => {
+                let message = format!("not admitted: {reason}");
+                let retry = retry_after_s.unwrap_or(0.0);
+                Err(self.reject(status, &reason, message, retry))
+            }
+        }
+    }
+
     fn reject(&self, status: u16, reason: &str, message: String, retry: f64) -> Refused {
         Refused::Reject(
             self.engine
@@ -161,10 +221,8 @@ impl Steps for Request<'_> {
         let id = shared.ids.next();
         let request_id = shared.request_id(id);
         let mut ticket = None;
-        let entitlement = self
-            .tenant
-            .and_then(|t| engine.tenants[t].entitlement.as_deref())
-            .filter(|e| engine.entitlement_live(e, shared));
+        let mut reserve = None;
+        let entitlement = self.entitlement();
         if let (Some(admission), Some(ent), true) =
             (engine.admission.as_ref(), entitlement, self.admit)
         {
@@ -175,6 +233,12 @@ impl Steps for Request<'_> {
                 .await;
             match verdict {
                 Verdict::Admitted { ticket: t } => ticket = t,
+                // With flow control, a quota at its limit waits in the queue.
+                Verdict::Refused { status, reason, .. }
+                    if engine.flow(pool).is_some() && quota_at_limit(status, &reason) =>
+                {
+                    reserve = Some(reason);
+                }
                 Verdict::Refused {
                     status,
                     reason,
@@ -191,16 +255,20 @@ impl Steps for Request<'_> {
             id,
             request_id,
             scoped,
+            reserve,
         })
     }
 
     /// Flow control: the request waits in its pool's queue while the pool
-    /// has no room (see `serve::flow`). Dropped while it waits (its client
-    /// went away), it leaves the queue; `dispatch` gives back the rest.
+    /// has no room or its quota is at its limit (see `serve::flow`), holding
+    /// no quota while it waits: it gives its ticket back and takes it again
+    /// when let out, waiting again (within its TTL) while its quota is still
+    /// at its limit. Dropped while it waits (its client went away), it
+    /// leaves the queue; `dispatch` gives back the rest.
     async fn queue(
         &mut self,
         &pool: &usize,
-        admitted: &Admitted,
+        admitted: &mut Admitted,
     ) -> std::result::Result<(), Refused> {
         let engine = self.engine;
         let Some(flow) = engine.flow(pool) else {
@@ -213,86 +281,148 @@ impl Steps for Request<'_> {
             .objective
             .as_deref()
             .or(tenant.map(|t| t.service_class.as_str()));
-        let user = admitted
-            .scoped
-            .as_deref()
-            .or(tenant.map(|t| t.name.as_str()))
-            .unwrap_or(ANONYMOUS);
         let bytes = match self.ask.key {
             Key::Body(b) => b.len() as u64,
             Key::Ids(t) => 4 * t.len() as u64,
             Key::None => 0,
         };
         let band = flow.band_of(key);
-        let arrival = Arrival {
-            bytes,
-            cost: (self.est.0 + self.est.1).max(1) as f64,
-            ..Arrival::new(band, user)
-        };
         let closed = &self.shared.flow_closed;
         let name = &engine.spec.pools[pool].name;
         // Admission may have waited (Redis): the queue's clock is read now.
-        let now = self.shared.now();
-        let waiting = match flow.enter(arrival, engine.room(pool), closed, now)? {
-            Entry::Now => return Ok(()),
-            Entry::Wait(w) => w,
-            Entry::Closed => {
-                let message = "routecore is shutting down; retry".into();
-                return Err(self.reject(503, "shutting-down", message, 1.0));
-            }
-            Entry::Refused {
-                reason: Refusal::TooLarge,
-                ..
-            } => {
-                let message =
-                    format!("request of {bytes} bytes is larger than pool {name:?}'s queue");
-                return Err(self.reject(413, "too-large", message, 0.0));
-            }
-            Entry::Refused {
-                reason,
-                retry_after_s,
-            } => {
-                let message = format!(
-                    "pool {name:?} is saturated and its queue is full ({})",
-                    reason.as_str()
-                );
-                return Err(self.reject(429, "queue-full", message, retry_after_s.unwrap_or(0.0)));
-            }
-        };
-        if let Some(notice) = &self.ask.hints.on_wait {
-            let _ = notice
-                .0
-                .send(flow.ttl(band) + crate::serve::flow::WAIT_MARGIN);
-        }
-        // Room may have appeared since the others were queued.
-        engine.pump(pool, now);
-        match waiting.exit().await {
-            Exit::Go => {
-                self.let_out = true;
-                Ok(())
-            }
-            Exit::Expired {
-                retry_after_s,
-                waited_s,
-            } => {
-                // The refusal it would have had without a queue.
-                if engine.choosers[pool].states().iter().any(|s| s.healthy) {
-                    let message = format!(
-                        "waited {waited_s:.1} s in pool {name:?}'s queue; every endpoint is saturated"
-                    );
-                    Err(self.reject(429, "saturated", message, retry_after_s))
-                } else {
-                    let message = format!("pool {name:?} has no healthy endpoint");
-                    Err(self.reject(503, "no-endpoint", message, retry_after_s))
+        let started = self.shared.now();
+        let ttl = flow.ttl(band);
+        let entitlement = self.entitlement();
+        let mut attempt = 0u32;
+        loop {
+            let user = admitted
+                .scoped
+                .as_deref()
+                .or(tenant.map(|t| t.name.as_str()))
+                .unwrap_or(ANONYMOUS);
+            let now = self.shared.now();
+            let arrival = || {
+                // The token-pool terms: the entitlement's priority `w_e` as
+                // its flow's weight (debt fairness), its SLO as a deadline.
+                let (w, slo_s) = match (engine.admission.as_ref(), entitlement) {
+                    (Some(a), Some(ent)) => a.flow_terms(ent),
+                    _ => (None, None),
+                };
+                Arrival {
+                    bytes,
+                    cost: (self.est.0 + self.est.1).max(1) as f64,
+                    weight: w.map_or(1.0, |w| w.max(MIN_WEIGHT)),
+                    deadline: slo_s.map(|s| started + s),
+                    ..Arrival::new(band, user)
                 }
+            };
+            // A quota at its limit is no room, whatever the endpoints say.
+            let quota_room = admitted.reserve.is_none();
+            let room = engine.room(pool);
+            let waiting = match flow.enter(arrival, |f| quota_room && room(f), closed, now)? {
+                Entry::Now => return Ok(()),
+                Entry::Wait(w) => w,
+                Entry::Closed => {
+                    let message = "routecore is shutting down; retry".into();
+                    return Err(self.reject(503, "shutting-down", message, 1.0));
+                }
+                Entry::Refused {
+                    reason: Refusal::TooLarge,
+                    ..
+                } => {
+                    let message =
+                        format!("request of {bytes} bytes is larger than pool {name:?}'s queue");
+                    return Err(self.reject(413, "too-large", message, 0.0));
+                }
+                Entry::Refused {
+                    reason,
+                    retry_after_s,
+                } => {
+                    let message = format!(
+                        "pool {name:?} is saturated and its queue is full ({})",
+                        reason.as_str()
+                    );
+                    let retry = retry_after_s.unwrap_or(0.0);
+                    return Err(self.reject(429, "queue-full", message, retry));
+                }
+            };
+            // A waiting request holds no quota: only dispatched ones count.
+            if let Some(ticket) = admitted.ticket.take() {
+                engine.release_ticket(self.shared, ticket);
+                admitted.reserve = Some(String::new());
             }
-            Exit::Displaced { retry_after_s } => {
-                let message = format!("displaced from pool {name:?}'s queue by a higher band");
-                Err(self.reject(429, "displaced", message, retry_after_s))
+            if attempt == 0 {
+                if let Some(notice) = &self.ask.hints.on_wait {
+                    let _ = notice.0.send(ttl + crate::serve::flow::WAIT_MARGIN);
+                }
+                // Room may have appeared since the others were queued (not
+                // on a second wait: its quota, not the pool, held it back).
+                engine.pump(pool, now);
             }
-            Exit::Drained => {
-                let message = "routecore is shutting down; retry".into();
-                Err(self.reject(503, "shutting-down", message, 1.0))
+            // The TTL counts from the first wait; the queue's own expiry
+            // ends the first, this bound the next ones.
+            let exit = if attempt == 0 {
+                waiting.exit().await
+            } else {
+                let left = ttl.saturating_sub(Duration::from_secs_f64((now - started).max(0.0)));
+                match tokio::time::timeout(left, waiting.exit()).await {
+                    Ok(exit) => exit,
+                    Err(_) => Exit::Expired {
+                        retry_after_s: ttl.as_secs_f64(),
+                        waited_s: self.shared.now() - started,
+                    },
+                }
+            };
+            match exit {
+                Exit::Go => {
+                    let placed = Placed(flow);
+                    if admitted.reserve.take().is_none() {
+                        self.let_out = Some(placed);
+                        return Ok(());
+                    }
+                    attempt += 1;
+                    match self.reserve(admitted, attempt).await? {
+                        None => {
+                            self.let_out = Some(placed);
+                            return Ok(());
+                        }
+                        // Still at its limit: it waits again (its place
+                        // given back when `placed` drops).
+                        Some(reason) => admitted.reserve = Some(reason),
+                    }
+                }
+                Exit::Expired {
+                    retry_after_s,
+                    waited_s,
+                } => {
+                    // The refusal it would have had without a queue.
+                    return Err(match admitted.reserve.as_deref() {
+                        Some(reason) if !reason.is_empty() => {
+                            let message = format!(
+                                "not admitted: {reason} (waited {waited_s:.1} s in pool {name:?}'s queue)"
+                            );
+                            self.reject(429, reason, message, retry_after_s)
+                        }
+                        _ if engine.choosers[pool].states().iter().any(|s| s.healthy) => {
+                            let message = format!(
+                                "waited {waited_s:.1} s in pool {name:?}'s queue; every endpoint is saturated"
+                            );
+                            self.reject(429, "saturated", message, retry_after_s)
+                        }
+                        _ => {
+                            let message = format!("pool {name:?} has no healthy endpoint");
+                            self.reject(503, "no-endpoint", message, retry_after_s)
+                        }
+                    });
+                }
+                Exit::Displaced { retry_after_s } => {
+                    let message = format!("displaced from pool {name:?}'s queue by a higher band");
+                    return Err(self.reject(429, "displaced", message, retry_after_s));
+                }
+                Exit::Drained => {
+                    let message = "routecore is shutting down; retry".into();
+                    return Err(self.reject(503, "shutting-down", message, 1.0));
+                }
             }
         }
     }
@@ -305,10 +435,7 @@ impl Steps for Request<'_> {
         let engine = self.engine;
         // Let out of the queue: counted on its endpoint below (or refused),
         // so no longer pending once this returns.
-        let _placed = std::mem::take(&mut self.let_out)
-            .then(|| engine.flow(pool))
-            .flatten()
-            .map(Placed);
+        let _placed = self.let_out.take();
         let spec = &engine.spec.pools[pool];
         let user = admitted
             .scoped
@@ -375,7 +502,7 @@ impl Engine {
             est,
             ask,
             now: shared.now(),
-            let_out: false,
+            let_out: None,
         };
         let d = match dispatch(&mut steps).await {
             Ok(d) => d,

@@ -95,8 +95,13 @@ mod tests {
     /// `other` (1) spot, both with an entitlement of one quota; `flow` is
     /// the queue's section.
     fn flow_plane(flow: serde_json::Value) -> (Arc<Shared>, Arc<Engine>) {
+        flow_plane_with(flow, 1000)
+    }
+
+    /// `flow_plane` with the quota's concurrency set to `concurrency`.
+    fn flow_plane_with(flow: serde_json::Value, concurrency: u64) -> (Arc<Shared>, Arc<Engine>) {
         let quota = serde_json::json!({"name": "q", "tokens_per_s": 1e9, "kv_bytes": 1_i64 << 40,
-                                       "concurrency": 1000});
+                                       "concurrency": concurrency});
         let entitlement = |name: &str, class: &str| {
             serde_json::json!({"name": name, "tenant": name, "quota": "q",
                                "service_class": class, "slo_target_ms": 1000.0,
@@ -179,8 +184,9 @@ mod tests {
         settle().await;
         assert_eq!(engine.flow(0).expect("flow").len(), 3);
         assert!(spot.iter().all(|h| !h.is_finished()) && !gold.is_finished());
-        // Counted while waiting: admitted and in the pool, on no endpoint.
-        assert_eq!(held(&shared, &engine), (7, 7, vec![1; 4], 3, 0, 4));
+        // Counted in the pool while waiting, on no endpoint, and not in its
+        // quota: only dispatched requests hold one.
+        assert_eq!(held(&shared, &engine), (7, 4, vec![1; 4], 3, 0, 4));
         assert_eq!(gauge(&shared, "flow_queue_requests", "spot"), 2.0);
 
         // A release is room for one: guaranteed first, though it came last.
@@ -188,7 +194,7 @@ mod tests {
         settle().await;
         assert!(gold.is_finished() && spot.iter().all(|h| !h.is_finished()));
         let gold = outcome(gold).await.expect("placed");
-        assert_eq!(held(&shared, &engine), (6, 6, vec![1; 4], 2, 0, 4));
+        assert_eq!(held(&shared, &engine), (6, 4, vec![1; 4], 2, 0, 4));
         for p in &placed[1..] {
             assert!(shared.release(p.id, None));
         }
@@ -211,7 +217,7 @@ mod tests {
         let placed = fill(&engine).await;
         let waiting = send(&engine, 1);
         settle().await;
-        assert_eq!(held(&shared, &engine), (5, 5, vec![1; 4], 1, 0, 4));
+        assert_eq!(held(&shared, &engine), (5, 4, vec![1; 4], 1, 0, 4));
         waiting.abort();
         settle().await;
         assert_eq!(held(&shared, &engine), (4, 4, vec![1; 4], 0, 0, 4));
@@ -222,6 +228,126 @@ mod tests {
         assert_eq!(held(&shared, &engine), (3, 3, vec![0, 1, 1, 1], 0, 0, 3));
         for p in &placed[1..] {
             assert!(shared.release(p.id, None));
+        }
+        assert_eq!(held(&shared, &engine), (0, 0, vec![0; 4], 0, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_quota_at_its_limit_waits_and_the_release_of_its_entitlement_lets_it_out() {
+        // The quota holds one request; the pool has room for four.
+        let (shared, engine) = flow_plane_with(serde_json::json!({"bands": bands()}), 1);
+        let first = engine
+            .route_body(BODY, Some(1), &Hints::default())
+            .await
+            .expect("ok")
+            .expect("placed at once");
+        let second = send(&engine, 1);
+        settle().await;
+        assert!(
+            !second.is_finished(),
+            "waits instead of a 429 quota-contention"
+        );
+        // It waits holding no quota, though its pool has room.
+        assert_eq!(held(&shared, &engine), (2, 1, vec![1, 0, 0, 0], 1, 0, 1));
+        // A guaranteed request still passes (its priority is above the spot
+        // one in flight): a quota at its limit holds only those it refuses.
+        let demo = engine
+            .route_body(BODY, Some(0), &Hints::default())
+            .await
+            .expect("ok");
+        let demo = match demo {
+            Ok(r) => r,
+            Err(rej) => panic!("demo waits behind other's quota: {rej:?}"),
+        };
+        assert!(shared.release(demo.id, None));
+        settle().await;
+        assert!(!second.is_finished(), "its quota is still at its limit");
+        // Its entitlement's release frees the quota: it is let out, admitted.
+        assert!(shared.release(first.id, Some((10, 5))));
+        settle().await;
+        let second = outcome(second).await.expect("placed");
+        assert_eq!(held(&shared, &engine), (1, 1, vec![1, 0, 0, 0], 0, 0, 1));
+        assert!(shared.release(second.id, None));
+        assert_eq!(held(&shared, &engine), (0, 0, vec![0; 4], 0, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_quota_at_its_limit_until_the_ttl_is_refused_as_admission_would_have() {
+        let flow = serde_json::json!({"bands": bands(), "ttl_s": 0.05});
+        let (shared, engine) = flow_plane_with(flow, 1);
+        let first = engine
+            .route_body(BODY, Some(1), &Hints::default())
+            .await
+            .expect("ok")
+            .expect("placed at once");
+        let second = send(&engine, 1);
+        settle().await;
+        assert!(!second.is_finished(), "waits");
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        shared.serve_queues();
+        let rej = outcome(second).await.expect_err("expired");
+        assert_eq!((rej.status, rej.reason.as_str()), (429, "quota-contention"));
+        assert!(rej.retry_after_s > 0.0, "{rej:?}");
+        assert_eq!(held(&shared, &engine), (1, 1, vec![1, 0, 0, 0], 0, 0, 1));
+        assert!(shared.release(first.id, None));
+        assert_eq!(held(&shared, &engine), (0, 0, vec![0; 4], 0, 0, 0));
+    }
+
+    /// Both tenants elastic, in one band with debt fairness: `demo` with a
+    /// 100 ms SLO, `other` with 10 s, so `demo`'s priority `w_e` is higher.
+    fn debt_plane() -> (Arc<Shared>, Arc<Engine>) {
+        let quota = serde_json::json!({"name": "q", "tokens_per_s": 1e9, "kv_bytes": 1_i64 << 40,
+                                       "concurrency": 1000});
+        let entitlement = |name: &str, slo_ms: f64| {
+            serde_json::json!({"name": name, "tenant": name, "quota": "q",
+                               "service_class": "elastic", "slo_target_ms": slo_ms,
+                               "tokens_per_s": 1e8, "kv_bytes": 1_i64 << 38, "concurrency": 1000})
+        };
+        let admission = serde_json::json!({"quotas": [quota], "entitlements": [
+            entitlement("demo", 100.0), entitlement("other", 10_000.0)]});
+        let mut json = plane_json("least-request", admission);
+        json["tenants"][0]["service_class"] = "elastic".into();
+        json["tenants"][1]["service_class"] = "elastic".into();
+        json["flow_control"] = serde_json::json!({
+            "queue": {"bands": [{"name": "elastic", "fairness": "debt"}]},
+            "saturation": {"detector": "concurrency", "max_in_flight": 1}});
+        plane_of(json)
+    }
+
+    #[tokio::test]
+    async fn with_debt_fairness_the_entitlement_of_higher_priority_goes_first() {
+        let (shared, engine) = debt_plane();
+        let admission = engine.admission.as_ref().expect("admission");
+        let (w_demo, w_other) = (
+            admission.flow_terms("demo").0.expect("w"),
+            admission.flow_terms("other").0.expect("w"),
+        );
+        assert!(w_demo > 2.0 * w_other, "{w_demo} {w_other}");
+        let placed = fill(&engine).await;
+        let mut waiting = Vec::new();
+        for tenant in [1, 1, 0, 0] {
+            waiting.push((tenant, send(&engine, tenant)));
+            settle().await;
+        }
+        // One slot at a time: the order the queue lets them out.
+        let mut order = Vec::new();
+        let mut ids: Vec<u128> = placed.iter().map(|p| p.id).collect();
+        for _ in 0..4 {
+            assert!(shared.release(ids.remove(0), None));
+            settle().await;
+            let k = waiting
+                .iter()
+                .position(|(_, h)| h.is_finished())
+                .expect("one let out");
+            let (tenant, h) = waiting.remove(k);
+            order.push(tenant);
+            ids.push(outcome(h).await.expect("placed").id);
+        }
+        // Equal weights alternate (1, 0, 1, 0); the token-pool weights let
+        // the flow of higher priority take two turns for the other's one.
+        assert_eq!(order, vec![1, 0, 0, 1]);
+        for id in ids {
+            assert!(shared.release(id, None));
         }
         assert_eq!(held(&shared, &engine), (0, 0, vec![0; 4], 0, 0, 0));
     }

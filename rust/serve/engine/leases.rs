@@ -172,12 +172,13 @@ impl Engine {
         if let Some(s) = &self.autoscale {
             s.observe(lease.pool, lease.tenant, now, actual.0, actual.1);
         }
-        // Capacity appeared: the pool's queue may let a request out.
-        self.pump(lease.pool, now);
         if let Some(ticket) = lease.ticket {
             let latency = lease.started.elapsed().as_secs_f64();
             self.complete_ticket(shared, ticket, actual, latency);
         }
+        // Capacity appeared (an endpoint's slot, and its quota once the
+        // ticket is completed): the pool's queue may let a request out.
+        self.pump(lease.pool, now);
         if let Err(e) = shared
             .fault("finish")
             .and_then(|()| self.learn(lease.learn, usage, shared))
