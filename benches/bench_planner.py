@@ -1,7 +1,8 @@
 """Queueing and the FleetOpt planner: routecore beside the Python planner of
 the same models (routecore/_baselines/planner.py: the trace's sort and prefix
 sums in NumPy, the sweep in Python), same run: the engine model (the default)
-and the paper's Eq. 3-4.
+and the paper's Eq. 3-4, and the disaggregated plan (prefill, decode and
+aggregated pools; the twin's ``plan_disagg``).
 
 Two ways to time a plan, each on both sides:
 
@@ -94,12 +95,35 @@ ENGINE = "plan, engine model: Azure trace, 15 B_short x 11 gamma"
 DISAGG = "engine model, Azure trace at 1,000 req/s: a P/D plan beside the aggregated"
 
 
+def baseline_disagg():
+    """The twin's disaggregated plan of the trace's arrays (its loads built
+    in NumPy on every call, as routecore's from the warm workload)."""
+    return baseline.plan_disagg(INPUTS, OUTPUTS, 1000.0, 2.0, 0.08)
+
+
+def test_disagg_baseline_agrees_with_routecore():
+    """The same three pools and the same TTFT bounds (the decode side's is
+    shifted into the prefill pool's)."""
+    d = plan_disaggregated(workload(), 1000.0, 2.0, slo_tpot_s=0.08)
+    n_agg, n_pre, n_dec, dec_ttft, pre_ttft = baseline_disagg()
+    assert (n_agg, n_pre, n_dec) == (d.n_aggregated, d.n_prefill, d.n_decode)
+    assert dec_ttft == pytest.approx(d.p99_ttft_decode_s, rel=1e-9)
+    assert pre_ttft == pytest.approx(d.p99_ttft_prefill_s, rel=1e-9)
+
+
 @pytest.mark.benchmark(group=DISAGG)
 def test_plan_disaggregated_routecore(benchmark):
     """Prefill, decode and aggregated pools (issue 25), warm workload."""
     w = workload()
     d = benchmark(plan_disaggregated, w, 1000.0, 2.0, slo_tpot_s=0.08)
     assert d.gpus == d.n_prefill + d.n_decode
+
+
+@pytest.mark.benchmark(group=DISAGG)
+def test_plan_disaggregated_python(benchmark):
+    """The twin: the three loads in NumPy, the sizing in Python floats."""
+    n_agg, n_pre, n_dec, _, _ = benchmark.pedantic(baseline_disagg, rounds=5)
+    assert min(n_agg, n_pre, n_dec) > 0
 
 
 @pytest.mark.benchmark(group=DISAGG)

@@ -57,8 +57,20 @@ pub fn restore<T>(
     what: &str,
     read: impl FnOnce(&mut Reader<'_>) -> Result<T>,
 ) -> Result<T> {
-    let mut r = Reader::new(bytes, magic, version, what)?;
-    let value = read(&mut r).map_err(|e| match e {
+    restore_since(bytes, magic, version..=version, what, |r, _| read(r))
+}
+
+/// `restore` for an object whose older snapshot versions still load: any
+/// version in `versions`, given to `read` (which reads that version's fields).
+pub fn restore_since<T>(
+    bytes: &[u8],
+    magic: &[u8; 4],
+    versions: std::ops::RangeInclusive<u16>,
+    what: &str,
+    read: impl FnOnce(&mut Reader<'_>, u16) -> Result<T>,
+) -> Result<T> {
+    let (mut r, version) = Reader::versioned(bytes, magic, versions, what)?;
+    let value = read(&mut r, version).map_err(|e| match e {
         Error::Snapshot(_) => e,
         other => err(other.to_string()),
     })?;
@@ -77,16 +89,31 @@ fn err(msg: impl Into<String>) -> Error {
 impl<'a> Reader<'a> {
     /// Checks the magic and that the version is one this build reads.
     pub fn new(bytes: &'a [u8], magic: &[u8; 4], version: u16, what: &str) -> Result<Self> {
+        Ok(Self::versioned(bytes, magic, version..=version, what)?.0)
+    }
+
+    /// Checks the magic and that the version is in `versions`; returns it.
+    pub fn versioned(
+        bytes: &'a [u8],
+        magic: &[u8; 4],
+        versions: std::ops::RangeInclusive<u16>,
+        what: &str,
+    ) -> Result<(Self, u16)> {
         if bytes.len() < 6 || &bytes[..4] != magic {
             return Err(err(format!("not a {what} snapshot (bad magic)")));
         }
         let v = u16::from_le_bytes([bytes[4], bytes[5]]);
-        if v != version {
+        if !versions.contains(&v) {
+            let reads = if versions.start() == versions.end() {
+                versions.start().to_string()
+            } else {
+                format!("{} to {}", versions.start(), versions.end())
+            };
             return Err(err(format!(
-                "{what} snapshot version {v} is not supported (this build reads {version})"
+                "{what} snapshot version {v} is not supported (this build reads {reads})"
             )));
         }
-        Ok(Self { rest: &bytes[6..] })
+        Ok((Self { rest: &bytes[6..] }, v))
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.rest.len() < n {

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import pickle
 import urllib.request
+from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from envoy_proxy import shipped_config
 from mock_engine import MockEngine
@@ -53,6 +55,23 @@ def test_pairs_put_decode_on_decoders_and_prefill_on_prefillers_both_counted():
         p.completed_prefill("p0", now=2.0)
 
 
+def test_pick_rank_and_pick_many_on_a_split_picker_place_requests_on_decoders_only():
+    p = split_picker()
+    # The prefillers are idle and the decoders busy: least-request alone
+    # would pick a prefiller.
+    for _ in range(3):
+        p.started("d0")
+        p.started("d1")
+    assert set(p.rank(now=0.0)) == {"d0", "d1"}
+    assert p.pick(now=0.0) in {"d0", "d1"}
+    chosen = p.pick_many(input_tokens=np.full(4, 10), now=0.0)
+    assert {p.endpoints[i] for i in chosen} == {"d0", "d1"}
+    assert p.in_flight[2:] == [0, 0], "nothing prefilled: the requests are whole"
+    # A subset naming only prefillers leaves no candidate.
+    assert p.rank(subset=["p0", "p1"], now=0.0) == []
+    assert p.pick(subset=["p0", "d1"], now=0.0) == "d1"
+
+
 def test_the_uncached_tokens_decider_splits_only_what_the_decoder_lacks():
     names = ["d", "p"]
     p = EndpointPicker(
@@ -72,6 +91,27 @@ def test_a_split_pickers_snapshot_keeps_its_roles_and_decider():
     p.pick_pair(now=0.0)
     for q in (EndpointPicker.from_bytes(p.to_bytes()), pickle.loads(pickle.dumps(p))):
         assert (q.roles, q.decider, q.in_flight) == (p.roles, "prefill-load", p.in_flight)
+
+
+def test_a_version_1_snapshot_from_before_roles_still_loads_every_endpoint_both():
+    # Written by the build before roles (tests/fixtures/snapshots/README.md).
+    data = (Path(__file__).parent / "fixtures/snapshots/endpoint_picker_v1.bin").read_bytes()
+    assert data[4:6] == b"\x01\x00"
+    p = EndpointPicker.from_bytes(data)
+    assert (p.endpoints, p.preset) == (["e0", "e1", "e2"], "prefix+queue+kv")
+    assert p.in_flight == [2, 0, 0]
+    assert (p.roles, p.decider) == (None, "never")
+    e1 = p.state("e1")
+    assert (e1["waiting"], e1["running"], e1["kv_usage"]) == (2.0, 3.0, 0.5)
+    assert p.state("e2")["healthy"] is False
+    # The learned prefix is kept: the shared prompt goes back to e0, unsplit.
+    assert p.pick_pair("the shared system prompt " * 40, now=3.0) == ("e0", None)
+    # Saved again, it is a version 2 snapshot that loads the same.
+    again = p.to_bytes()
+    assert again[4:6] == b"\x02\x00"
+    assert EndpointPicker.from_bytes(again).in_flight == [3, 0, 0]
+    with pytest.raises(ValueError, match="version 3 is not supported"):
+        EndpointPicker.from_bytes(data[:4] + b"\x03\x00" + data[6:])
 
 
 @pytest.mark.parametrize(

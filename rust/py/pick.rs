@@ -15,11 +15,13 @@ use crate::kv::KvIndex;
 use crate::pd::{Decider, Role, Split};
 use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, PRESETS};
 use crate::prefix::{block_hashes_into, block_hashes_many, check_offsets, Tokens};
-use crate::snapshot::{restore, Reader, Writer};
+use crate::snapshot::{restore_since, Reader, Writer};
 
 /// The default preset (the GIE's default scorers plus prefix match).
 const DEFAULT_PRESET: &str = "prefix+queue+kv";
 const MAGIC: &[u8; 4] = b"RCPK";
+/// Version 2 added the prefill/decode split; version 1 (no split) still
+/// loads, as a picker whose endpoints are all `both`.
 const SNAPSHOT_VERSION: u16 = 2;
 
 struct Inner {
@@ -179,6 +181,23 @@ impl Inner {
 
     fn endpoint(&self, name: &str) -> Result<usize> {
         self.pipeline.endpoints().index(name)
+    }
+
+    /// On a picker with roles, `pick`, `rank` and `pick_many` place a
+    /// request whole (never split): only endpoints that decode (`decode`,
+    /// `both`) are candidates, within the request's subset, as in
+    /// `pick_pair`'s decode phase.
+    fn whole<'a>(&self, mut a: Args<'a>) -> Args<'a> {
+        if let Some(split) = &self.split {
+            let roles = split.roles();
+            let allowed = |i: &usize| a.subset.as_ref().is_none_or(|s| s.contains(i));
+            a.subset = Some(
+                (0..roles.len())
+                    .filter(|i| roles[*i].decodes() && allowed(i))
+                    .collect(),
+            );
+        }
+        a
     }
 
     fn check(&self, a: &Args<'_>) -> Result<()> {
@@ -358,7 +377,10 @@ pub(crate) fn plugin_spec(d: &Bound<'_, PyAny>) -> PyResult<PluginSpec> {
 /// ``"prefill-load"``, the last two with a ``threshold``; default ``never``
 /// when every endpoint is ``both``, else ``always``) says when a request is
 /// prefilled apart; ``pick_pair`` places it (decode, then prefill) and
-/// ``completed_prefill`` ends its prefill. ValueError for roles that leave
+/// ``completed_prefill`` ends its prefill; ``pick``, ``rank`` and
+/// ``pick_many`` place a request whole, on the endpoints that decode.
+/// ``add_endpoint`` / ``remove_endpoint`` are refused (ValueError) on a
+/// picker with roles. ValueError for roles that leave
 /// no endpoint able to decode, or decode endpoints with none to prefill
 /// while the decider may split.
 ///
@@ -483,14 +505,14 @@ impl PyEndpointPicker {
         let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
         let hashes = self.hashes(py, t, hashes)?;
         let mut inner = self.inner();
-        let args = Args::of_call(
+        let args = inner.whole(Args::of_call(
             &inner,
             adapter,
             subset,
             (fairness_id, session),
             (input_tokens, output_tokens),
             now,
-        )?;
+        )?);
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
         let chosen = inner.pick(&args, ids_of(t), true)?;
         Ok(chosen.map(|e| inner.names[e].clone_ref(py)))
@@ -626,14 +648,14 @@ impl PyEndpointPicker {
         let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
         let hashes = self.hashes(py, t, hashes)?;
         let mut inner = self.inner();
-        let args = Args::of_call(
+        let args = inner.whole(Args::of_call(
             &inner,
             adapter,
             subset,
             (fairness_id, session),
             (input_tokens, output_tokens),
             now,
-        )?;
+        )?);
         inner.check(&args)?;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
         let Inner {
@@ -726,7 +748,7 @@ impl PyEndpointPicker {
             let mut inner = self.inner();
             let mut batch = Vec::with_capacity(n);
             for i in 0..n {
-                let args = Args {
+                let args = inner.whole(Args {
                     adapter: None,
                     subset: None,
                     fairness_id: fairness_ids.as_ref().map(|f| f[i].as_str()),
@@ -734,7 +756,7 @@ impl PyEndpointPicker {
                     input_tokens: count(&ins, i, "input_tokens")?,
                     output_tokens: count(&outs, i, "output_tokens")?,
                     now,
-                };
+                });
                 inner.check(&args)?;
                 batch.push(args);
             }
@@ -989,7 +1011,7 @@ impl PyEndpointPicker {
             ..PickConfig::default()
         };
         type Read = (Option<String>, Pipeline, Vec<EndpointState>, Option<Split>);
-        let read = |r: &mut Reader<'_>| -> Result<Read> {
+        let read = |r: &mut Reader<'_>, version: u16| -> Result<Read> {
             let preset = match r.u8()? {
                 0 => None,
                 1 => Some(r.str()?),
@@ -999,7 +1021,7 @@ impl PyEndpointPicker {
             let states = (0..pipeline.endpoints().len())
                 .map(|_| EndpointState::read(r))
                 .collect::<Result<Vec<_>>>()?;
-            let split = match r.u8()? {
+            let split = match if version >= 2 { r.u8()? } else { 0 } {
                 0 => None,
                 1 => Some(Split::read(r, &pipeline)?),
                 b => return Err(Error::Snapshot(format!("bad split flag {b}"))),
@@ -1007,7 +1029,7 @@ impl PyEndpointPicker {
             Ok((preset, pipeline, states, split))
         };
         let (preset, pipeline, states, split) =
-            restore(data, MAGIC, SNAPSHOT_VERSION, "endpoint picker", read)?;
+            restore_since(data, MAGIC, 1..=SNAPSHOT_VERSION, "endpoint picker", read)?;
         check_kv_index(&pipeline, config.kv_index.as_ref())?;
         let mut inner = Inner::new(pipeline, preset, py);
         inner.states = states;

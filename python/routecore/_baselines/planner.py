@@ -375,35 +375,46 @@ def slot_wait(gpus, slots, mu, lam, exact):
     return wait_of(p / drain, p)
 
 
-def engine_ok(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99):
-    """Whether n GPUs meet every constraint of the engine model."""
+def engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99, shift=(0.0, 0.0)):
+    """(whether n GPUs meet every constraint of the engine model, the TTFT's
+    union-bound quantile at the last screen). ``quantile`` is the TTFT's (the
+    TPOT's is 0.99); ``shift`` = (offset, per chunk) is what the TTFT holds
+    after this pool's prefill (a disaggregated prefill pool's transfer and
+    decode side): ``(k + 1/2) (t + per_chunk) + offset``."""
     q, fewest, hist = load[4:]
+    offset, per_chunk = shift
     rate = lam / n
     t, occ, rho_p, kv, wait, busy = engine_state(rate, n, load, n_slots, ctx, w, h, c)
     if not math.isfinite(t) or t + h * NORMAL_Z * math.sqrt(max((t - w) / h, 0.0)) > tpot:
-        return False
+        return False, math.inf
     if rho_p >= 1 or not occ < n_slots or kv >= 1:
-        return False
+        return False, math.inf
     mu = rate / occ if occ > 0 else 0.0
     prefill = wait_of(wait, busy)
     r = (1 - quantile) / 2
 
+    def after(k):
+        return (k + 0.5) * (t + per_chunk) + offset
+
     def slot(exact):
         return slot_wait(n, n_slots, mu, lam, exact) if occ > 0 else (0.0, 0.0)
 
-    def passes(sw):
-        return wait_quantile(sw, r / 2) + wait_quantile(prefill, r / 2) + (q + 0.5) * t <= slo
+    def ttft_q(sw):
+        return wait_quantile(sw, r / 2) + wait_quantile(prefill, r / 2) + after(q)
 
     rough = slot(False)
-    if passes(rough):
-        return True
+    ttft = ttft_q(rough)
+    if ttft <= slo:
+        return True, ttft
     exact = slot(True)
-    if exact != rough and passes(exact):
-        return True
+    if exact != rough:
+        ttft = ttft_q(exact)
+        if ttft <= slo:
+            return True, ttft
     allowed = 1 - quantile
-    if survival(exact, prefill, slo - (max(fewest, 1) + 0.5) * t) > allowed:
-        return False
-    return miss(exact, prefill, hist, t, slo) <= allowed
+    if survival(exact, prefill, slo - after(max(fewest, 1))) > allowed:
+        return False, ttft
+    return miss(exact, prefill, hist, t + per_chunk, slo - offset) <= allowed, ttft
 
 
 def smallest_ok(bad, start, ok):
@@ -431,21 +442,28 @@ def smallest_ok(bad, start, ok):
     return hi
 
 
-def size_engine(lam, load, n_slots, ctx, w, h, c, slo, tpot, hint):
+def size_engine(lam, load, n_slots, ctx, w, h, c, slo, tpot, hint, quantile=0.99,
+                shift=(0.0, 0.0)):  # fmt: skip
+    """The smallest GPU count meeting ``engine_eval`` (TTFT ``quantile`` and
+    ``shift`` as there)."""
     if lam <= 0 or load is None:
         return 0
     a, p, _, _, q, _, hist = load
+    offset, per_chunk = shift
     room = 1 - w / tpot
     bad = int(
         min(max(math.floor(lam * h * a / max(room, 1e-12)), math.floor(lam * p * w / c), 0), 1e15)
     )
-    alone = (q + 0.5) * w > slo and sum(x for k, x in hist if slo - (k + 0.5) * w < 0) > 1 - 0.99
+    budget, tt = slo - offset, w + per_chunk
+    alone = (q + 0.5) * tt + offset > slo and sum(
+        x for k, x in hist if budget - (k + 0.5) * tt < 0
+    ) > 1 - quantile
     if room <= 0 or alone:
         return bad + 1  # no count serves it: sized at the stability bound
     found = smallest_ok(
         bad,
         hint or bad + 1,
-        lambda n: engine_ok(lam, n, load, n_slots, ctx, w, h, c, slo, tpot),
+        lambda n: engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile, shift)[0],
     )
     return bad + 1 if found is None else found
 
@@ -486,3 +504,60 @@ def plan_engine(t, lam, slo, tpot, *, b_short, gammas, w=0.008, h=0.00065,
             long_hint = nl
             out[(b, g)] = (ns, nl)
     return homo, out
+
+
+def disagg_loads(inputs, outputs, c_chunk, quantile=0.99):
+    """The engine-model loads (as ``engine_load``'s) of the aggregated, the
+    prefill and the decode pools of a disaggregated fleet, in NumPy: every
+    request on one pool (k = ceil(L_in / C) + L_out), its prompt alone with
+    one output token (k = ceil(L_in / C) + 1, KV L_in + 1), its decode alone
+    (k = 1 + L_out, one prompt token, KV L_total); outputs of 0 count as 1."""
+    p = np.asarray(inputs, dtype=np.int64)
+    o = np.maximum(np.asarray(outputs, dtype=np.int64), 1)
+    ch = -(-p // c_chunk)
+    rank = max(0, math.ceil((1 + quantile) / 2 * len(p)) - 1)
+    q, fewest = int(np.partition(ch, rank)[rank]), int(ch.min())
+    ks, cs = np.unique(ch, return_counts=True)
+    hist = list(zip(ks.tolist(), (cs / len(p)).tolist()))
+    pf = p.astype(float)
+
+    def load(k, kv_tokens, prompt, q, fewest, hist):
+        k = k.astype(float)
+        return (max(float(k.mean()) - 1, 0.0), float(prompt.mean()),
+                float((prompt * prompt).mean()), float((k * kv_tokens).mean()), q, fewest,
+                hist)  # fmt: skip
+
+    one = np.ones_like(pf)
+    return (
+        load(ch + o, (p + o).astype(float), pf, q, fewest, hist),
+        load(ch + 1, (p + 1).astype(float), pf, q, fewest, hist),
+        load(1 + o, (p + o).astype(float), one, 1, 1, [(1, 1.0)]),
+    )
+
+
+def plan_disagg(inputs, outputs, lam, slo, tpot, *, quantile=0.99, c_chunk=512, w=0.008,
+                h=0.00065, kv_bytes=40 * 2**30, per_token=40 * 1024, context=65536,
+                bandwidth=25e9, latency=0.002, decode_tail_share=0.25,
+                decode_ttft_share=0.25):  # fmt: skip
+    """The disaggregated plan of ``routecore.plan_disaggregated``: the decode
+    pool sized first for TPOT and its share of the TTFT (``decode_ttft_share``
+    of the target at the quantile ``1 - decode_tail_share (1 - q)``), then the
+    prefill pool for the whole TTFT at ``1 - (1 - decode_tail_share) (1 - q)``
+    with the KV transfer (``per_token`` bytes a token over ``bandwidth``, plus
+    ``latency``) and the decode side's TTFT bound shifted in; the aggregated
+    pool beside them. Returns (aggregated GPUs, prefill GPUs, decode GPUs,
+    the decode side's TTFT bound, the prefill pool's TTFT bound)."""
+    n_slots = slots(kv_bytes, per_token, context)
+    agg, pre, dec = disagg_loads(inputs, outputs, c_chunk, quantile)
+    pool = (n_slots, context, w, h, c_chunk)
+    n_agg = size_engine(lam, agg, *pool, slo, tpot, None, quantile)
+    miss_budget = 1 - quantile
+    dec_slo, dec_q = slo * decode_ttft_share, 1 - decode_tail_share * miss_budget
+    n_dec = size_engine(lam, dec, *pool, dec_slo, tpot, None, dec_q)
+    dec_ttft = engine_eval(lam, n_dec, dec, *pool, dec_slo, tpot, dec_q)[1]
+    per_chunk = per_token * c_chunk / bandwidth
+    shift = (latency - 0.5 * per_chunk + dec_ttft, per_chunk)
+    pre_q = 1 - (1 - decode_tail_share) * miss_budget
+    n_pre = size_engine(lam, pre, *pool, slo, math.inf, None, pre_q, shift)
+    pre_ttft = engine_eval(lam, n_pre, pre, *pool, slo, math.inf, pre_q, shift)[1]
+    return n_agg, n_pre, n_dec, dec_ttft, pre_ttft

@@ -145,18 +145,22 @@ impl Chooser {
         })
     }
 
-    /// Whether every healthy endpoint the request may go to is saturated
-    /// (false when there is none: that is the pick's 503).
+    /// Whether every healthy endpoint the request may be placed on (in its
+    /// subset hint; in a split pool, the endpoints that decode) is
+    /// saturated (false when there is none: that is the pick's 503).
     pub(super) fn saturated(&self, hints: &Hints) -> bool {
         let mut guard = lock(&self.state);
         let st = &mut *guard;
         self.refresh(st);
         let subset = self.subset(st, hints);
+        let decodes = |i: usize| st.split.as_ref().is_none_or(|sp| sp.roles()[i].decodes());
         let mut candidates = st
             .states
             .iter()
             .enumerate()
-            .filter(|(i, s)| s.healthy && subset.as_ref().is_none_or(|sub| sub.contains(i)))
+            .filter(|&(i, s)| {
+                s.healthy && decodes(i) && subset.as_ref().is_none_or(|sub| sub.contains(&i))
+            })
             .peekable();
         candidates.peek().is_some() && candidates.all(|(_, s)| self.saturation.saturated(s))
     }

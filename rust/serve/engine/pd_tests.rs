@@ -129,3 +129,23 @@ async fn roles_that_leave_no_prefill_endpoint_are_refused_at_build() {
     assert!(e.to_string().contains("not an endpoint of the pool"), "{e}");
     build(serde_json::json!({ENDPOINTS[1]: "prefill"})).expect("split pool");
 }
+
+#[tokio::test]
+async fn the_sheddable_gate_looks_at_the_endpoints_a_request_decodes_on() {
+    let (_shared, engine) = split_plane(serde_json::json!({"decider": "always"}), 30.0);
+    let chooser = &engine.choosers[0];
+    let queues = |waiting: [f64; 4]| {
+        let mut st = chooser.state.lock().expect("state");
+        for (s, w) in st.states.iter_mut().zip(waiting) {
+            s.waiting = Some(w);
+        }
+    };
+    let busy = crate::endpoint::Saturation::default().max_waiting + 1.0;
+    // Both decoders saturated, the prefillers idle: no decode endpoint is
+    // left for the request, so a sheddable one is shed.
+    queues([busy, busy, 0.0, 0.0]);
+    assert!(chooser.saturated(&Hints::default()));
+    // The prefillers saturated, a decoder with room: not saturated.
+    queues([busy, 0.0, busy, busy]);
+    assert!(!chooser.saturated(&Hints::default()));
+}
