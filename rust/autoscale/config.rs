@@ -6,7 +6,7 @@
 //! {"period_s": 10, "window_s": 60, "sub_windows": 6,
 //!  "scale_down_delay_s": 300, "max_step_up": 4, "max_step_up_percent": 100,
 //!  "max_step_down": 4, "max_step_down_percent": 50,
-//!  "forecast_s": 70, "max_forecast_ratio": 1.5, "queue_drain_s": 70,
+//!  "forecast_s": 70, "max_forecast_ratio": 2, "queue_drain_s": 70,
 //!  "pools": [{"name": "short", "context": 8192, "min_endpoints": 1,
 //!             "max_endpoints": 40, "slo_ttft_s": 1.0, "slo_tpot_s": 0.05,
 //!             "entitlements": ["team-a", "team-b"]}]}
@@ -58,7 +58,7 @@ pub struct AutoscaleConfig {
     /// `forecast_s` past now. None (default): the window's rate as it is.
     pub forecast_s: Option<f64>,
     /// The forecast is at most this multiple of the newest sub-window's
-    /// rate (default 1.5): a step looks like a steep trend, which
+    /// rate (default 2): a step looks like a steep trend, which
     /// extrapolated would size for a rate that never comes.
     pub max_forecast_ratio: f64,
     pub pools: Vec<PoolScaling>,
@@ -78,7 +78,7 @@ impl Default for AutoscaleConfig {
             max_step_down_percent: 50.0,
             queue_drain_s: None,
             forecast_s: None,
-            max_forecast_ratio: 1.5,
+            max_forecast_ratio: 2.0,
             pools: Vec::new(),
         }
     }

@@ -462,6 +462,7 @@ fn a_step_is_sized_for_a_bounded_forecast_and_the_backlog_over_the_horizon() {
     let cfg = AutoscaleConfig {
         window_s: 30.0,
         forecast_s: Some(70.0),
+        max_forecast_ratio: 1.5,
         pools: vec![PoolScaling {
             max_endpoints: 1000,
             entitlements: Vec::new(),
