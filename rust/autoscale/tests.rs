@@ -296,6 +296,20 @@ fn bad_configs_name_the_key() {
             "autoscale.scale_down_delay_s must be >= 0",
         ),
         (
+            AutoscaleConfig {
+                max_forecast_ratio: 0.5,
+                ..config(vec![])
+            },
+            "autoscale.max_forecast_ratio must be >= 1, got 0.5",
+        ),
+        (
+            AutoscaleConfig {
+                max_forecast_ratio: f64::INFINITY,
+                ..config(vec![])
+            },
+            "autoscale.max_forecast_ratio must be >= 1, got inf",
+        ),
+        (
             config(vec![PoolScaling {
                 slo_ttft_s: -2.0,
                 ..pool(1, 3)
