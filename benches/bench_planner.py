@@ -17,7 +17,7 @@ Run: .venv/bin/python -m pytest benches/bench_planner.py
 
 import pytest
 
-from routecore import Profile, Workload, erlang_c, plan
+from routecore import Profile, Workload, erlang_c, plan, plan_disaggregated
 from routecore._baselines import planner as baseline
 
 AZURE = Workload.azure_2023()
@@ -91,6 +91,27 @@ def test_baseline_agrees_with_routecore():
 
 
 ENGINE = "plan, engine model: Azure trace, 15 B_short x 11 gamma"
+DISAGG = "engine model, Azure trace at 1,000 req/s: a P/D plan beside the aggregated"
+
+
+@pytest.mark.benchmark(group=DISAGG)
+def test_plan_disaggregated_routecore(benchmark):
+    """Prefill, decode and aggregated pools (issue 25), warm workload."""
+    w = workload()
+    d = benchmark(plan_disaggregated, w, 1000.0, 2.0, slo_tpot_s=0.08)
+    assert d.gpus == d.n_prefill + d.n_decode
+
+
+@pytest.mark.benchmark(group=DISAGG)
+def test_plan_aggregated_one_candidate_routecore(benchmark):
+    """``plan`` with one (B_short, gamma) candidate: its homogeneous pool and
+    one two-pool fleet, warm workload."""
+    w = workload()
+    plan(w, 1000.0, 2.0, b_short=[4096], gammas=[1.0], slo_tpot_s=0.08)
+    r = benchmark(plan, w, 1000.0, 2.0, b_short=[4096], gammas=[1.0], slo_tpot_s=0.08)
+    assert r.homogeneous.gpus > 0
+
+
 PAPER = "plan, paper model: Azure trace, 15 B_short x 11 gamma"
 
 

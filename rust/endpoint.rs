@@ -68,6 +68,13 @@ impl Default for EndpointState {
 }
 
 impl EndpointState {
+    /// A request dispatched here: one more in flight, and dispatched since
+    /// the last scrape.
+    pub fn start_one(&mut self) {
+        self.in_flight += 1;
+        self.dispatched_since_scrape = self.dispatched_since_scrape.saturating_add(1);
+    }
+
     /// The requests an endpoint holds, the one load measure of the picker
     /// (least-request, the prefix guards, VTC's utilization): the engine's
     /// `waiting + running` plus the dispatches since that scrape when both

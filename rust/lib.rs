@@ -20,6 +20,7 @@ pub mod kv;
 #[cfg(test)]
 mod layout;
 pub mod openai;
+pub mod pd;
 pub mod pick;
 pub mod pipeline;
 pub mod planner;
@@ -64,6 +65,10 @@ mod _core {
     #[pymodule_export]
     use crate::py::compress::{
         PyCompressionResult, PyCompressionSummary, PyCompressor, PyRequestCompression,
+    };
+    #[pymodule_export]
+    use crate::py::disagg::{
+        plan_disaggregated, simulate_disaggregated, PyDisaggPlan, PyDisaggReport,
     };
     #[pymodule_export]
     use crate::py::flow::PyFlowQueue;

@@ -284,6 +284,12 @@ def removed(answer: pb.ProcessingResponse) -> list[str]:
     return list(getattr(answer, kind).response.header_mutation.remove_headers)
 
 
+#: What every request's header mutation removes: the key header, the listed
+#: headers, and llm-d's sidecar header (routecore's own, set only on a
+#: request its pool splits: docs/disaggregation.md).
+STRIPPED = ["x-api-key", "x-internal-trace", "x-routecore-pool", "x-prefiller-host-port"]
+
+
 @pytest.mark.parametrize("mode", ["buffered", "duplex"])
 def test_the_key_header_and_the_listed_headers_are_removed_before_the_engine(serve, mode):
     s = serve(
@@ -300,7 +306,7 @@ def test_the_key_header_and_the_listed_headers_are_removed_before_the_engine(ser
         conv = converse(s.target, headers, chat_body("hi"), [usage_body(1, 1)])
         first, routing = conv.responses[0], conv.routing
         assert first.HasField("request_headers")
-        assert removed(first) == ["x-api-key", "x-internal-trace", "x-routecore-pool"]
+        assert removed(first) == STRIPPED
     else:
         config = pb.ProcessingRequest(
             request_headers=http_headers(headers),
@@ -311,7 +317,7 @@ def test_the_key_header_and_the_listed_headers_are_removed_before_the_engine(ser
         )
         routing = stream_all(s.target, [config, body])[0]
         assert routing.HasField("request_headers")
-    assert removed(routing) == ["x-api-key", "x-internal-trace", "x-routecore-pool"]
+    assert removed(routing) == STRIPPED
     kind = routing.WhichOneof("response")
     set_headers = getattr(routing, kind).response.header_mutation.set_headers
     assert [h.header.key for h in set_headers] == ["x-gateway-destination-endpoint"]
@@ -325,8 +331,8 @@ def test_the_key_header_is_removed_by_default(serve):
         tenants=[{"name": "demo", "api_keys": ["Bearer demo-key"]}],
     )
     conv = converse(s.target, {"Authorization": "Bearer demo-key"}, chat_body("hi"), [])
-    assert removed(conv.responses[0]) == ["authorization"]
-    assert removed(conv.routing) == ["authorization"]
+    assert removed(conv.responses[0]) == ["authorization", "x-prefiller-host-port"]
+    assert removed(conv.routing) == ["authorization", "x-prefiller-host-port"]
     assert "x-routecore-pool" in conv.routing_headers
     wait_settled(s)
 

@@ -45,6 +45,13 @@ def picker():
     return p
 
 
+def split_picker():
+    """A picker with a prefill in flight on ``p`` (prefill/decode roles)."""
+    p = core.EndpointPicker(["d", "p"], preset="least-request", roles={"p": "prefill"})
+    p.pick_pair(now=0.0)
+    return p
+
+
 def scheduler():
     return core.BatchScheduler([ENDPOINT])
 
@@ -162,6 +169,13 @@ CASES = {
     "EndpointPicker.__new__.seed": lambda v: core.EndpointPicker(["a"], seed=v),
     "EndpointPicker.pick.input_tokens": lambda v: picker().pick(input_tokens=v, now=0.0),
     "EndpointPicker.pick.output_tokens": lambda v: picker().pick(output_tokens=v, now=0.0),
+    "EndpointPicker.pick_pair.input_tokens": lambda v: picker().pick_pair(input_tokens=v, now=0.0),
+    "EndpointPicker.pick_pair.output_tokens": lambda v: picker().pick_pair(
+        output_tokens=v, now=0.0
+    ),
+    "EndpointPicker.completed_prefill.input_tokens": lambda v: split_picker().completed_prefill(
+        "p", v, now=1.0
+    ),
     "EndpointPicker.rank.input_tokens": lambda v: picker().rank(input_tokens=v, now=0.0),
     "EndpointPicker.rank.output_tokens": lambda v: picker().rank(output_tokens=v, now=0.0),
     "EndpointPicker.started.input_tokens": lambda v: picker().started("e0", input_tokens=v),
@@ -220,6 +234,18 @@ CASES = {
     "simulate.seed": lambda v: core.simulate(
         [0.0], [100], [10], [core.SimPool("p", 1, 4096, 8)], seed=v
     ),
+    "plan_disaggregated.context": lambda v: core.plan_disaggregated(WORKLOAD, 10.0, 1.0, context=v),
+    **{
+        f"simulate_disaggregated.{name}": lambda v, name=name: core.simulate_disaggregated(
+            [0.0],
+            [100],
+            [10],
+            core.SimPool("d", 1, 4096, 8),
+            core.SimPool("p", 1, 4096, 8),
+            **{name: v},
+        )  # fmt: skip
+        for name in ("threshold", "seed")
+    },
     **{
         f"PrefixWorkload.__new__.{name}": keyword(core.PrefixWorkload, {"requests": 10}, name)
         for name in ("requests", "sessions", "system_prompts", "seed")
@@ -416,6 +442,9 @@ UNSIGNED_64 = {
     "EndpointPicker.__new__.seed",
     "EndpointPicker.pick.input_tokens",
     "EndpointPicker.pick.output_tokens",
+    "EndpointPicker.pick_pair.input_tokens",
+    "EndpointPicker.pick_pair.output_tokens",
+    "EndpointPicker.completed_prefill.input_tokens",
     "EndpointPicker.rank.input_tokens",
     "EndpointPicker.rank.output_tokens",
     "EndpointPicker.started.input_tokens",
@@ -439,6 +468,9 @@ UNSIGNED_64 = {
     "plan.b_short",
     "plan.long_context",
     "simulate.seed",
+    "plan_disaggregated.context",
+    "simulate_disaggregated.threshold",
+    "simulate_disaggregated.seed",
     "PrefixWorkload.__new__.seed",
     "Admission.__new__.ticket",
     "AdmissionController.complete.ticket",
@@ -518,6 +550,7 @@ VALID = {
     "Plan.candidate.b_short": 4096,
     "plan.b_short": 4096,
     "plan.long_context": 65536,
+    "plan_disaggregated.context": 65536,
     "SimPool.__new__.max_context": 4096,
     "SimPool.__new__.kv_blocks": 10_000,
     "SimPool.__new__.chunk": 512,

@@ -465,9 +465,33 @@ class EndpointPicker:
         plugins: list[dict[str, Any]] | None = None,
         seed: int = 0,
         kv_index: KvEventIndex | None = None,
+        *,
+        roles: dict[str, Literal["prefill", "decode", "both"]] | None = None,
+        decider: Literal["always", "never", "uncached-tokens", "prefill-load"] | None = None,
+        threshold: float | None = None,
     ) -> Self: ...
     @staticmethod
     def presets() -> list[str]: ...
+    def pick_pair(
+        self,
+        tokens: npt.ArrayLike | bytes | str | None = None,
+        *,
+        hashes: npt.NDArray[np.uint64] | None = None,
+        adapter: str | None = None,
+        subset: list[str] | None = None,
+        fairness_id: str | None = None,
+        session: str | None = None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        now: float | None = None,
+    ) -> tuple[str, str | None] | None: ...
+    def completed_prefill(
+        self, endpoint: str, input_tokens: int = 0, *, now: float | None = None
+    ) -> None: ...
+    @property
+    def roles(self) -> list[Literal["prefill", "decode", "both"]] | None: ...
+    @property
+    def decider(self) -> Literal["always", "never", "uncached-tokens", "prefill-load"]: ...
     def pick(
         self,
         tokens: npt.ArrayLike | bytes | str | None = None,
@@ -1504,3 +1528,99 @@ class DataPlane:
         """The Prometheus exposition text."""
     def inject_fault(self, phase: str) -> None:
         """Makes one phase of the next request fail (tests of the failure paths)."""
+
+# --- Prefill/decode disaggregation: planning and simulation (issue 25) ---
+
+@final
+class DisaggPlan:
+    """A prefill/decode fleet beside the aggregated one, from ``plan_disaggregated``."""
+
+    n_prefill: int
+    n_decode: int
+    n_aggregated: int
+    gpus: int
+    feasible: bool
+    choice: str
+    slots: int
+    context: int
+    arrival_rate: float
+    transfer_q_s: float
+    feasible_prefill: bool
+    feasible_decode: bool
+    feasible_aggregated: bool
+    binding_prefill: str
+    binding_decode: str
+    binding_aggregated: str
+    t_iter_prefill_s: float
+    t_iter_decode_s: float
+    t_iter_aggregated_s: float
+    utilization_prefill: float
+    utilization_decode: float
+    utilization_aggregated: float
+    prefill_utilization_prefill: float
+    prefill_utilization_decode: float
+    prefill_utilization_aggregated: float
+    kv_utilization_prefill: float
+    kv_utilization_decode: float
+    kv_utilization_aggregated: float
+    p99_wait_prefill_s: float
+    p99_wait_decode_s: float
+    p99_wait_aggregated_s: float
+    p99_ttft_prefill_s: float
+    p99_ttft_decode_s: float
+    p99_ttft_aggregated_s: float
+    def as_dict(self) -> dict[str, Any]: ...
+
+def plan_disaggregated(
+    workload: Workload,
+    arrival_rate: float,
+    slo_ttft_s: float,
+    profile: Profile | None = None,
+    *,
+    slo_tpot_s: float | None = None,
+    quantile: float = 0.99,
+    context: int = 65536,
+    bytes_per_token: float | None = None,
+    bandwidth_bytes_s: float = 25e9,
+    latency_s: float = 0.002,
+) -> DisaggPlan: ...
+
+@final
+class DisaggReport:
+    """The outcome of ``simulate_disaggregated``."""
+
+    @property
+    def ttft(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def tpot(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def e2e(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def disaggregated(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def measured(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def window(self) -> tuple[float, float]: ...
+    @property
+    def makespan(self) -> float: ...
+    @property
+    def pools(self) -> list[dict[str, Any]]: ...
+    def summary(self) -> dict[str, dict[str, float]]: ...
+
+def simulate_disaggregated(
+    arrival_s: npt.ArrayLike,
+    input_tokens: npt.ArrayLike,
+    output_tokens: npt.ArrayLike,
+    decode: SimPool,
+    prefill: SimPool | None = None,
+    *,
+    decider: str = "always",
+    threshold: int = 0,
+    bytes_per_token: float = 40960.0,
+    bandwidth_bytes_s: float = 25e9,
+    latency_s: float = 0.002,
+    arrivals: str = "trace",
+    rate: float | None = None,
+    seed: int = 0,
+    warmup: float = 0.2,
+) -> DisaggReport: ...

@@ -13,7 +13,8 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
              max_series, engines: {KIND: {waiting, running, kv_usage, adapters}}}
     admission: {backend, quotas, entitlements, default_max_tokens, window_s, redis}
     pools: [{name, max_context, budget, queue_limit, endpoints: ["ip:port", ...], engine,
-             models, adapters}]
+             models, adapters, role, roles: {"ip:port": ROLE},
+             disaggregation: {decider, threshold}}]
     tenants: [{name, api_keys: [...], expires_at, entitlement}]
     models: [{name, tokenizer, chat_template, bos_token, eos_token}]
     kv_events: {block_size, seed, capacity_blocks, stale_after_s, max_message_bytes,
@@ -34,7 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from routecore._core import MAX_TOKENS, Entitlement, FlowQueue, Pool, Quota, Tokenizer
+from routecore._core import (
+    MAX_TOKENS,
+    EndpointPicker,
+    Entitlement,
+    FlowQueue,
+    Pool,
+    Quota,
+    Tokenizer,
+)
 from routecore.admission import (
     FAILURE_MODES,
     MAX_BOUND,
@@ -43,6 +52,13 @@ from routecore.admission import (
     admission_from_config,
     check_renamed,
 )
+
+#: What an endpoint does in a prefill/decode disaggregated pool (``role``,
+#: ``roles``): llm-d's ``llm-d.ai/role`` words, ``both`` for its ``prefill-decode``.
+ROLES = ("prefill", "decode", "both")
+#: Whether a request is prefilled apart (``disaggregation.decider``), see
+#: docs/disaggregation.md; ``uncached-tokens`` and ``prefill-load`` take a ``threshold``.
+DECIDERS = ("always", "never", "uncached-tokens", "prefill-load")
 
 #: How the endpoint inside a pool is picked (``router.policy``): the endpoint
 #: picker's presets, see docs/picker.md.
@@ -213,6 +229,13 @@ class PoolConfig:
     #: empty: any model. A model no pool serves is a 404.
     models: tuple[str, ...] = ()
     adapters: tuple[str, ...] = ()
+    #: Prefill/decode disaggregation: every endpoint's role (``role``, or its
+    #: entry in ``roles``), and the decider with its threshold (None: ``never``
+    #: when every endpoint is ``both``, else ``always``).
+    role: str = "both"
+    roles: dict[str, str] = field(default_factory=dict)
+    decider: str | None = None
+    threshold: float | None = None
 
     def to_pool(self) -> Pool:
         """The core's :class:`routecore.Pool` (which checks budget <= max_context)."""
@@ -457,6 +480,11 @@ class Config:
                         "engine": p.engine,
                         "models": list(p.models),
                         "adapters": list(p.adapters),
+                        "role": p.role,
+                        "roles": p.roles,
+                        "disaggregation": None
+                        if p.decider is None
+                        else {"decider": p.decider, "threshold": p.threshold},
                     }
                     for p in self.pools
                 ],
@@ -676,7 +704,7 @@ def _pools(raw_list: list[Any], engines: dict[str, Any]) -> tuple[PoolConfig, ..
     keys = {"name", "max_context", "budget", "queue_limit", "endpoints", "engine"}
     for i, raw in enumerate(raw_list):
         where = f"pools[{i}]"
-        raw = _section(raw, where, keys | {"models", "adapters"})
+        raw = _section(raw, where, keys | {"models", "adapters", "role", "roles", "disaggregation"})
         name = _str(raw, "name", where, "")
         if not name or name in seen:
             raise ConfigError(f"{where}.name: expected a unique non-empty name, got {name!r}")
@@ -696,13 +724,44 @@ def _pools(raw_list: list[Any], engines: dict[str, Any]) -> tuple[PoolConfig, ..
             engine=_str(raw, "engine", where, "vllm", tuple(engines)),
             models=_names(raw, "models", where),
             adapters=_names(raw, "adapters", where),
+            **_disaggregation(raw, where, endpoints),
         )
         try:
             pool.to_pool()
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from e
+        if pool.endpoints:
+            try:  # The core's checks of the roles and the decider (docs/disaggregation.md).
+                EndpointPicker(
+                    list(pool.endpoints),
+                    "least-request",
+                    roles={e: pool.roles.get(e, pool.role) for e in pool.endpoints},
+                    decider=pool.decider,
+                    threshold=pool.threshold,
+                )
+            except ValueError as e:
+                raise ConfigError(f"{where}: {e}") from e
         pools.append(pool)
     return tuple(pools)
+
+
+def _disaggregation(raw: dict[str, Any], where: str, endpoints: list[str]) -> dict[str, Any]:
+    """A pool's ``role``, ``roles`` and ``disaggregation`` keys."""
+    roles = _mapping(raw.get("roles"), f"{where}.roles")
+    for name in roles:
+        if name not in endpoints:
+            raise ConfigError(f"{where}.roles: {name!r} is not an endpoint of the pool")
+        _str(roles, name, f"{where}.roles", "both", ROLES)
+    d = _section(raw.get("disaggregation"), f"{where}.disaggregation", {"decider", "threshold"})
+    decider = None
+    if d:
+        decider = _str(d, "decider", f"{where}.disaggregation", "", DECIDERS)
+    return {
+        "role": _str(raw, "role", where, "both", ROLES),
+        "roles": dict(roles),
+        "decider": decider,
+        "threshold": _float(d, "threshold", f"{where}.disaggregation", 0.0, 1e12, None),
+    }
 
 
 def _tenants(raw_list: list[Any], admission: AdmissionConfig) -> tuple[TenantConfig, ...]:

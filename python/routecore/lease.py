@@ -86,13 +86,17 @@ class _Held:
     decision: RouteDecision | None = None
     admission: Admission | None = None
     endpoint: str | None = None
+    prefill_endpoint: str | None = None
 
 
 class Lease:
     """What one request holds, released together exactly once.
 
     ``decision`` / ``pool``: the token-budget decision and pool (None without
-    a router); ``endpoint``: the chosen endpoint (None without a picker);
+    a router); ``endpoint``: the chosen endpoint (None without a picker), the
+    decode endpoint of a request split by its picker's roles, whose prefill
+    endpoint is ``prefill_endpoint`` (None when not split; both are released
+    together);
     ``admission``: the admission decision (None without admission);
     ``input_tokens`` / ``max_output_tokens``: the estimates it was taken with.
     Report what the request really used with ``record_usage`` (or pass it to
@@ -119,6 +123,10 @@ class Lease:
     @property
     def endpoint(self) -> str | None:
         return self._held.endpoint
+
+    @property
+    def prefill_endpoint(self) -> str | None:
+        return self._held.prefill_endpoint
 
     @property
     def admission(self) -> Admission | None:
@@ -190,7 +198,9 @@ class Lease:
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
-        return f"Lease(pool={self.pool!r}, endpoint={self.endpoint!r}, {state})"
+        prefill = self.prefill_endpoint
+        split = "" if prefill is None else f", prefill_endpoint={prefill!r}"
+        return f"Lease(pool={self.pool!r}, endpoint={self.endpoint!r}{split}, {state})"
 
 
 class Dispatcher:
@@ -473,7 +483,7 @@ class Dispatcher:
                 held.admission = admission
             picker = self._picker(held.decision)
             if picker is not None:
-                held.endpoint = picker.pick(
+                pair = picker.pick_pair(
                     tokens,
                     fairness_id=fairness_id,
                     session=session,
@@ -481,8 +491,9 @@ class Dispatcher:
                     output_tokens=max_output_tokens,
                     now=now,
                 )
-                if held.endpoint is None:
+                if pair is None:
                     raise RequestRefused("endpoint", 503, "no-endpoint")
+                held.endpoint, held.prefill_endpoint = pair
         except BaseException:
             self._give_back(held, (0, 0), 0.0, now, counted=False)
             raise
@@ -505,8 +516,8 @@ class Dispatcher:
         now: float | None,
         counted: bool = True,
     ) -> None:
-        """Releases what ``held`` holds (endpoint, admission, pool), every part
-        attempted, the first error raised after; a lease's release
+        """Releases what ``held`` holds (endpoint, prefill endpoint, admission,
+        pool), every part attempted, the first error raised after; a lease's release
         (``counted``) then gives the next waiter of the queue its turn."""
         try:
             self._release_parts(held, usage, latency_s, now)
@@ -535,6 +546,9 @@ class Dispatcher:
                     now=now,
                 )
             )
+        prefill = held.prefill_endpoint
+        if picker is not None and prefill is not None:
+            steps.append(lambda: picker.completed_prefill(prefill, held.input_tokens, now=now))
         backend = self.admission
         ticket = None if held.admission is None else held.admission.ticket
         if backend is not None and ticket is not None:

@@ -348,6 +348,19 @@ impl Pipeline {
         })
     }
 
+    /// The leading blocks of `req`'s prompt the prefix index holds for
+    /// `endpoint` (0 without a prefix scorer; see `PrefixScorer::held`).
+    pub fn prefix_held(&mut self, req: &PickRequest<'_>, endpoint: usize) -> Result<usize> {
+        self.check_index(endpoint)?;
+        let names = self.endpoints.names();
+        for (s, _) in &mut self.scorers {
+            if let Scorer::Prefix(p) = s {
+                return p.held(req.hashes, names, endpoint, req.now);
+            }
+        }
+        Ok(0)
+    }
+
     /// Whether a `precise-prefix` scorer reads `PickConfig::kv_index`.
     pub fn wants_kv_index(&self) -> bool {
         self.specs.iter().any(|s| s.name == presets::PRECISE_PREFIX)

@@ -88,9 +88,39 @@ impl PrefixScorer {
     pub fn index(&self) -> &Arc<Mutex<PrefixIndex>> {
         &self.index
     }
+    /// The engines' KV-event index a precise scorer reads (None: approximate).
+    pub fn kv(&self) -> Option<&Arc<KvIndex>> {
+        self.kv.as_ref()
+    }
     /// The leading blocks `endpoint` held at the last pick.
     pub fn matched(&self, endpoint: usize) -> usize {
         self.matched.get(endpoint).copied().unwrap_or(0)
+    }
+
+    /// The leading blocks of `hashes` that routecore's own index holds for
+    /// `endpoint` (what it placed there and what it learned), now: the
+    /// cached part of a prompt on one endpoint (the P/D decider's).
+    pub fn held(
+        &mut self,
+        hashes: &[u64],
+        names: &[String],
+        endpoint: usize,
+        now: f64,
+    ) -> Result<usize> {
+        let index = Arc::clone(&self.index);
+        let mut index = lock(&index);
+        self.ensure_ids(&mut index, names)?;
+        self.matched.clear();
+        self.matched.resize(names.len(), 0);
+        index.match_into(
+            hashes,
+            now,
+            &self.slot_of,
+            &mut self.matched,
+            &mut self.found,
+        );
+        self.found_gen = index.slots_gen();
+        Ok(self.matched.get(endpoint).copied().unwrap_or(0))
     }
 
     /// Interns the endpoints in the index (a no-op while their ids hold).

@@ -339,6 +339,9 @@ pub(super) struct Targets {
     pub quantile: f64,
     /// `normal_quantile(quantile)`, for the TPOT quantile.
     pub z: f64,
+    /// What the TTFT holds beyond this pool's waits and prefill (see
+    /// [`TtftShift`]); none for a pool that serves the whole request.
+    pub shift: TtftShift,
 }
 
 impl Targets {
@@ -348,8 +351,36 @@ impl Targets {
             tpot_s,
             quantile,
             z: normal_quantile(quantile),
+            shift: TtftShift::NONE,
         }
     }
+
+    /// The time a request of `k` prefill chunks spends in its own prefill
+    /// and after it, with iteration time `t`: `(k + 1/2) (t + per_chunk) +
+    /// offset`.
+    fn after_wait(&self, k: f64, t: f64) -> f64 {
+        (k + 0.5) * (t + self.shift.per_chunk_s) + self.shift.offset_s
+    }
+}
+
+/// Time a request's TTFT holds after this pool's prefill, in the form the
+/// TTFT test can carry through the chunk distribution: `offset_s` plus
+/// `per_chunk_s` per prefill chunk (with `k` chunks, `(k + 1/2) per_chunk_s
+/// + offset_s`). A disaggregated prefill pool ([`super::disagg`]) adds the KV
+/// transfer, linear in the prompt (`per_chunk_s = C b / B` bounds it from
+/// above, a prompt of `k` chunks having at most `k C` tokens) and the decode
+/// side's first token (`offset_s`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TtftShift {
+    pub offset_s: f64,
+    pub per_chunk_s: f64,
+}
+
+impl TtftShift {
+    pub const NONE: TtftShift = TtftShift {
+        offset_s: 0.0,
+        per_chunk_s: 0.0,
+    };
 }
 
 /// The `q` quantile of the iteration time a decoding sequence sees, given
@@ -653,7 +684,7 @@ pub(super) fn engine_eval(
     let screen = |wait: TotalWait, eval: &mut EngineEval| {
         eval.wait = wait;
         eval.wait_q_s = wait.quantile_bound(r);
-        eval.ttft_q_s = eval.wait_q_s + (load.prefill_chunks_q + 0.5) * t;
+        eval.ttft_q_s = eval.wait_q_s + targets.after_wait(load.prefill_chunks_q, t);
         eval.ttft_q_s <= targets.ttft_s
     };
     // The union bound with Erlang C's upper bound first, then with Erlang C.
@@ -678,11 +709,16 @@ pub(super) fn engine_eval(
     };
     let allowed = 1.0 - targets.quantile;
     // Every request prefills at least its pool's fewest chunks.
-    if wait.survival(targets.ttft_s - (load.prefill_chunks_min.max(1.0) + 0.5) * t) > allowed {
+    let fewest = targets.after_wait(load.prefill_chunks_min.max(1.0), t);
+    if wait.survival(targets.ttft_s - fewest) > allowed {
         eval.fails = Some(binding);
         return Ok(eval);
     }
-    if wait.miss(chunks.get(), t, targets.ttft_s) > allowed {
+    let (tt, budget) = (
+        t + targets.shift.per_chunk_s,
+        targets.ttft_s - targets.shift.offset_s,
+    );
+    if wait.miss(chunks.get(), tt, budget) > allowed {
         eval.fails = Some(binding);
     }
     Ok(eval)
@@ -775,8 +811,12 @@ pub(super) fn size_engine_pool(
             slot: Wait::NONE,
             prefill: Wait::NONE,
         };
-        (load.prefill_chunks_q + 0.5) * shape.w_s > targets.ttft_s
-            && none.miss(chunks.get(), shape.w_s, targets.ttft_s) > 1.0 - targets.quantile
+        let (tt, budget) = (
+            shape.w_s + targets.shift.per_chunk_s,
+            targets.ttft_s - targets.shift.offset_s,
+        );
+        targets.after_wait(load.prefill_chunks_q, shape.w_s) > targets.ttft_s
+            && none.miss(chunks.get(), tt, budget) > 1.0 - targets.quantile
     };
     let never = if compute_room <= 0.0 {
         Some(Binding::Compute)

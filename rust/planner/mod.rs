@@ -29,11 +29,14 @@
 //!   priced as long-pool GPUs. Requests longer than `long_context` fit no
 //!   pool; they are counted in the long pool's traffic as if they did.
 
+pub mod disagg;
 mod engine;
 
 use std::sync::Arc;
 
-pub use engine::{engine_state, BuildChunks, EngineLoad, EngineShape, EngineState, MAX_LOOP};
+pub use engine::{
+    engine_state, BuildChunks, EngineLoad, EngineShape, EngineState, TtftShift, MAX_LOOP,
+};
 use engine::{size_engine_pool, Chunks, Targets};
 
 use crate::budget::compressible_category;
@@ -625,6 +628,25 @@ pub fn size_engine(
     chunks: BuildChunks<'_>,
     hint: Option<u64>,
 ) -> Result<PoolPlan> {
+    let pool = (context, n_slots, arrival_rate);
+    let ttft = (slo.quantile, TtftShift::NONE);
+    size_engine_shifted(profile, pool, load, slo, ttft, chunks, hint)
+}
+
+/// [`size_engine`] for a pool `(context, n_slots, arrival_rate)` whose
+/// requests' TTFT is met at its own quantile and holds `shift` beyond the
+/// pool's own waits and prefill, `ttft = (quantile, shift)` (a side of a
+/// disaggregated fleet: the TTFT's miss budget split between the sides, the
+/// KV transfer and the other side added); `slo.quantile` is the TPOT's.
+pub fn size_engine_shifted(
+    profile: &Profile,
+    (context, n_slots, arrival_rate): (u64, u64, f64),
+    load: &EngineLoad,
+    slo: EngineSlo,
+    (ttft_quantile, shift): (f64, TtftShift),
+    chunks: BuildChunks<'_>,
+    hint: Option<u64>,
+) -> Result<PoolPlan> {
     let shape = EngineShape {
         w_s: profile.w_s,
         h_s: profile.h_s,
@@ -632,11 +654,15 @@ pub fn size_engine(
         n_slots,
         kv_tokens: n_slots as f64 * context as f64,
     };
-    let targets = Targets::new(
-        slo.ttft_s,
-        slo.tpot_s.unwrap_or(f64::INFINITY),
-        slo.quantile,
-    );
+    let targets = Targets {
+        shift,
+        quantile: ttft_quantile,
+        ..Targets::new(
+            slo.ttft_s,
+            slo.tpot_s.unwrap_or(f64::INFINITY),
+            slo.quantile,
+        )
+    };
     let pool = PoolPlan {
         context,
         n_slots,

@@ -12,6 +12,7 @@ pub mod budget;
 pub mod calibrate;
 pub mod classify;
 pub mod compress;
+pub mod disagg;
 pub mod flow;
 pub mod flow_sim;
 #[cfg(feature = "kv-events")]

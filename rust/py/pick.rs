@@ -12,6 +12,7 @@ use crate::budget::MAX_TOKENS;
 use crate::endpoint::{complete_one, EndpointState};
 use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::kv::KvIndex;
+use crate::pd::{Decider, Role, Split};
 use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, PRESETS};
 use crate::prefix::{block_hashes_into, block_hashes_many, check_offsets, Tokens};
 use crate::snapshot::{restore, Reader, Writer};
@@ -19,7 +20,7 @@ use crate::snapshot::{restore, Reader, Writer};
 /// The default preset (the GIE's default scorers plus prefix match).
 const DEFAULT_PRESET: &str = "prefix+queue+kv";
 const MAGIC: &[u8; 4] = b"RCPK";
-const SNAPSHOT_VERSION: u16 = 1;
+const SNAPSHOT_VERSION: u16 = 2;
 
 struct Inner {
     pipeline: Pipeline,
@@ -29,6 +30,8 @@ struct Inner {
     names: Vec<Py<PyString>>,
     /// Scratch: the current request's block hashes.
     hashes: Vec<u64>,
+    /// The prefill/decode split (None: every endpoint `both`, never split).
+    split: Option<Split>,
 }
 
 /// One request's arguments, checked.
@@ -163,6 +166,7 @@ impl Inner {
             preset,
             names,
             hashes: Vec::new(),
+            split: None,
         }
     }
 
@@ -195,10 +199,36 @@ impl Inner {
         let chosen = pipeline.pick_one(&req, states)?;
         if let (Some(e), true) = (chosen, start) {
             pipeline.started(&req, e)?;
-            count_start(&mut states[e]);
+            states[e].start_one();
         }
         Ok(chosen)
     }
+}
+
+/// A request's decode endpoint and its prefill endpoint (None: not split).
+type Pair = (Py<PyString>, Option<Py<PyString>>);
+
+/// The split of a picker's endpoints: `roles` by endpoint name (the rest
+/// `both`) and the decider by name; None when nothing can split.
+fn split_of(
+    pipeline: &Pipeline,
+    roles: Option<std::collections::HashMap<String, String>>,
+    decider: Option<&str>,
+    threshold: Option<f64>,
+) -> Result<Option<Split>> {
+    let roles = roles
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(e, r)| Ok((e, Role::parse(&r)?)))
+        .collect::<Result<std::collections::HashMap<_, _>>>()?;
+    let names = pipeline.endpoints().names();
+    let roles = crate::pd::pool_roles(names, Role::Both, &roles)?;
+    let decider = match decider {
+        Some(d) => Decider::new(d, threshold)?,
+        None if threshold.is_some() => return Err(invalid("a threshold needs a decider")),
+        None => crate::pd::pool_decider(None, &roles)?,
+    };
+    Split::of_pool(pipeline, roles, decider)
 }
 
 impl PyEndpointPicker {
@@ -231,13 +261,19 @@ impl PyEndpointPicker {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+/// A picker with roles keeps its endpoints (their roles are fixed at
+/// construction): ValueError.
+fn fixed(inner: &Inner) -> Result<()> {
+    match inner.split {
+        Some(_) => Err(invalid(
+            "a picker with roles keeps its endpoints: build a new one with their roles",
+        )),
+        None => Ok(()),
+    }
 }
 
-fn count_start(s: &mut EndpointState) {
-    s.in_flight += 1;
-    s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A Python scalar as a JSON value (plugin parameters).
@@ -316,6 +352,16 @@ pub(crate) fn plugin_spec(d: &Bound<'_, PyAny>) -> PyResult<PluginSpec> {
 /// The index is not in snapshots: ``from_bytes(data, kv_index=...)``
 /// restores such a picker, and pickling one is a TypeError.
 ///
+/// Prefill/decode disaggregation (docs/disaggregation.md): ``roles`` maps
+/// endpoints to ``"prefill"``, ``"decode"`` or ``"both"`` (the default), and
+/// ``decider`` (``"always"``, ``"never"``, ``"uncached-tokens"`` or
+/// ``"prefill-load"``, the last two with a ``threshold``; default ``never``
+/// when every endpoint is ``both``, else ``always``) says when a request is
+/// prefilled apart; ``pick_pair`` places it (decode, then prefill) and
+/// ``completed_prefill`` ends its prefill. ValueError for roles that leave
+/// no endpoint able to decode, or decode endpoints with none to prefill
+/// while the decider may split.
+///
 /// ``pick`` returns the chosen endpoint and counts the request started
 /// there (``None`` when no endpoint is healthy); ``rank`` returns every
 /// candidate, best first, and starts nothing; ``completed`` ends a request.
@@ -353,7 +399,8 @@ fn subset_indices(inner: &Inner, subset: Option<Vec<String>>) -> Result<Option<V
 #[pymethods]
 impl PyEndpointPicker {
     #[new]
-    #[pyo3(signature = (endpoints, preset=None, plugins=None, seed=0, kv_index=None))]
+    #[pyo3(signature = (endpoints, preset=None, plugins=None, seed=0, kv_index=None, *, roles=None, decider=None, threshold=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         endpoints: Vec<String>,
@@ -361,6 +408,9 @@ impl PyEndpointPicker {
         plugins: Option<&Bound<'_, PyList>>,
         #[pyo3(from_py_with = int_arg)] seed: u64,
         kv_index: Option<&Bound<'_, PyAny>>,
+        roles: Option<std::collections::HashMap<String, String>>,
+        decider: Option<&str>,
+        threshold: Option<f64>,
     ) -> PyResult<Self> {
         if endpoints.is_empty() {
             return Err(PyValueError::new_err("endpoints must not be empty"));
@@ -387,7 +437,9 @@ impl PyEndpointPicker {
             }
         };
         check_kv_index(&pipeline, config.kv_index.as_ref())?;
-        let inner = Inner::new(pipeline, preset, py);
+        let split = split_of(&pipeline, roles, decider, threshold)?;
+        let mut inner = Inner::new(pipeline, preset, py);
+        inner.split = split;
         Ok(Self {
             block: inner.block(),
             inner: Mutex::new(inner),
@@ -442,6 +494,113 @@ impl PyEndpointPicker {
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
         let chosen = inner.pick(&args, ids_of(t), true)?;
         Ok(chosen.map(|e| inner.names[e].clone_ref(py)))
+    }
+
+    /// Places one request on a pool split by roles (prefill/decode
+    /// disaggregation): the decode endpoint (among ``decode`` and ``both``
+    /// endpoints, by the picker's plugins), then the decider, then the
+    /// prefill endpoint (among ``prefill`` and ``both``, the decode one
+    /// excepted). Returns ``(decode, prefill)``, ``prefill`` None when the
+    /// request is not split, both counted started; ``None`` when no
+    /// endpoint can decode it. On a picker without roles it is ``pick``'s
+    /// endpoint and None. Same arguments as ``pick``; end the prefill with
+    /// ``completed_prefill`` and the decode with ``completed``.
+    #[pyo3(signature = (tokens=None, *, hashes=None, adapter=None, subset=None, fairness_id=None, session=None, input_tokens=0, output_tokens=0, now=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn pick_pair(
+        &self,
+        py: Python<'_>,
+        tokens: Option<&Bound<'_, PyAny>>,
+        hashes: Option<&Bound<'_, PyAny>>,
+        adapter: Option<&str>,
+        subset: Option<Vec<String>>,
+        fairness_id: Option<&str>,
+        session: Option<&str>,
+        #[pyo3(from_py_with = int_arg)] input_tokens: u64,
+        #[pyo3(from_py_with = int_arg)] output_tokens: u64,
+        now: Option<f64>,
+    ) -> PyResult<Option<Pair>> {
+        let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
+        let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
+        let hashes = self.hashes(py, t, hashes)?;
+        let mut inner = self.inner();
+        let args = Args::of_call(
+            &inner,
+            adapter,
+            subset,
+            (fairness_id, session),
+            (input_tokens, output_tokens),
+            now,
+        )?;
+        self.give_back(std::mem::replace(&mut inner.hashes, hashes));
+        if inner.split.is_none() {
+            let chosen = inner.pick(&args, ids_of(t), true)?;
+            return Ok(chosen.map(|e| (inner.names[e].clone_ref(py), None)));
+        }
+        let Inner {
+            pipeline,
+            states,
+            hashes,
+            split: Some(split),
+            names,
+            ..
+        } = &mut *inner
+        else {
+            unreachable!("checked above")
+        };
+        let req = args.request(hashes, ids_of(t));
+        let mut ranked = Vec::new();
+        let pair = split.pick(pipeline, &req, states, &mut ranked)?;
+        Ok(pair.map(|p| {
+            let prefill = p.prefill.map(|(e, _)| names[e].clone_ref(py));
+            (names[p.decode].clone_ref(py), prefill)
+        }))
+    }
+
+    /// Ends a split request's prefill on ``endpoint`` (``NotInFlightError``
+    /// when none is in flight there; ValueError on a picker without roles):
+    /// one less in flight, the prefill plugins told (it used
+    /// ``input_tokens``).
+    #[pyo3(signature = (endpoint, input_tokens=0, *, now=None))]
+    fn completed_prefill(
+        &self,
+        endpoint: &str,
+        #[pyo3(from_py_with = int_arg)] input_tokens: u64,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let mut inner = self.inner();
+        let e = inner.endpoint(endpoint)?;
+        let input_tokens = tokens_arg("input_tokens", input_tokens)?;
+        let now = finite("now", now_or_monotonic(now))?;
+        let Inner { states, split, .. } = &mut *inner;
+        let split = split
+            .as_mut()
+            .ok_or_else(|| invalid("this picker has no roles: nothing is prefilled apart"))?;
+        let req = PickRequest {
+            input_tokens,
+            now,
+            ..PickRequest::default()
+        };
+        split.prefill_done(&req, e, input_tokens, states)?;
+        Ok(())
+    }
+
+    /// Each endpoint's role (``"prefill"``, ``"decode"`` or ``"both"``), in
+    /// endpoint order; ``None`` without roles (every endpoint ``both``).
+    #[getter]
+    fn roles(&self) -> Option<Vec<&'static str>> {
+        let inner = self.inner();
+        let split = inner.split.as_ref()?;
+        Some(split.roles().iter().map(|r| r.as_str()).collect())
+    }
+
+    /// The decider's name (``"never"`` without roles).
+    #[getter]
+    fn decider(&self) -> &'static str {
+        self.inner()
+            .split
+            .as_ref()
+            .map_or("never", |s| s.decider().name())
     }
 
     /// Every candidate endpoint for one request, best first (the chosen one
@@ -636,7 +795,7 @@ impl PyEndpointPicker {
             ..
         } = &mut *inner;
         pipeline.started(&args.request(hashes, None), e)?;
-        count_start(&mut states[e]);
+        states[e].start_one();
         Ok(())
     }
 
@@ -733,6 +892,7 @@ impl PyEndpointPicker {
     /// Adds an endpoint (healthy, idle, nothing cached).
     fn add_endpoint(&self, py: Python<'_>, endpoint: &str) -> PyResult<()> {
         let mut inner = self.inner();
+        fixed(&inner)?;
         inner.pipeline.add_endpoint(endpoint)?;
         inner.states.push(EndpointState::default());
         inner.names.push(PyString::new(py, endpoint).unbind());
@@ -743,6 +903,7 @@ impl PyEndpointPicker {
     /// of it; later endpoints move down one index.
     fn remove_endpoint(&self, endpoint: &str) -> PyResult<()> {
         let mut inner = self.inner();
+        fixed(&inner)?;
         let i = inner.pipeline.remove_endpoint(endpoint)?;
         inner.states.remove(i);
         inner.names.remove(i);
@@ -804,6 +965,12 @@ impl PyEndpointPicker {
         for s in &inner.states {
             s.write(&mut w);
         }
+        match &inner.split {
+            Some(split) => split.write(w.u8(1)),
+            None => {
+                w.u8(0);
+            }
+        }
         PyBytes::new(py, &w.finish())
     }
 
@@ -821,7 +988,8 @@ impl PyEndpointPicker {
             kv_index: kv_index_arg(kv_index)?,
             ..PickConfig::default()
         };
-        let read = |r: &mut Reader<'_>| -> Result<(Option<String>, Pipeline, Vec<EndpointState>)> {
+        type Read = (Option<String>, Pipeline, Vec<EndpointState>, Option<Split>);
+        let read = |r: &mut Reader<'_>| -> Result<Read> {
             let preset = match r.u8()? {
                 0 => None,
                 1 => Some(r.str()?),
@@ -831,13 +999,19 @@ impl PyEndpointPicker {
             let states = (0..pipeline.endpoints().len())
                 .map(|_| EndpointState::read(r))
                 .collect::<Result<Vec<_>>>()?;
-            Ok((preset, pipeline, states))
+            let split = match r.u8()? {
+                0 => None,
+                1 => Some(Split::read(r, &pipeline)?),
+                b => return Err(Error::Snapshot(format!("bad split flag {b}"))),
+            };
+            Ok((preset, pipeline, states, split))
         };
-        let (preset, pipeline, states) =
+        let (preset, pipeline, states, split) =
             restore(data, MAGIC, SNAPSHOT_VERSION, "endpoint picker", read)?;
         check_kv_index(&pipeline, config.kv_index.as_ref())?;
         let mut inner = Inner::new(pipeline, preset, py);
         inner.states = states;
+        inner.split = split;
         Ok(Self {
             block: inner.block(),
             inner: Mutex::new(inner),

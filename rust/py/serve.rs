@@ -37,6 +37,7 @@ fn outcome_dict<'py>(py: Python<'py>, outcome: Outcome) -> PyResult<Bound<'py, P
             d.set_item("request_id", r.request_id)?;
             d.set_item("pool", r.pool)?;
             d.set_item("endpoint", r.endpoint)?;
+            d.set_item("prefill_endpoint", r.prefill_endpoint)?;
             d.set_item("est_input_tokens", r.est_input_tokens)?;
             d.set_item("est_output_tokens", r.est_output_tokens)?;
             d.set_item("spilled", r.spilled)?;

@@ -17,7 +17,7 @@ use crate::sim::prefix_workload::{generate, PrefixWorkload, PrefixWorkloadConfig
 use crate::sim::timing::LinearTiming;
 use crate::sim::{
     make_router, percentile, set_arrivals, simulate as run_simulation, Arrivals, Category,
-    PoolConfig, RequestBlocks, RouterKind, SimConfig, SimReport, SimRequest,
+    PoolConfig, PoolReport, RequestBlocks, RouterKind, SimConfig, SimReport, SimRequest,
 };
 
 /// A pool of identical simulated endpoints (vLLM engines).
@@ -30,7 +30,7 @@ use crate::sim::{
 /// token-budget router's budget for the pool (defaults to ``max_context``).
 #[pyclass(frozen, name = "SimPool", module = "routecore")]
 pub struct PySimPool {
-    inner: PoolConfig,
+    pub(crate) inner: PoolConfig,
     w: f64,
     h: f64,
 }
@@ -234,29 +234,7 @@ impl PySimReport {
     /// tokens over the prefill budget), preemptions, rejections, compressed.
     #[getter]
     fn pools<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        self.report
-            .pools
-            .iter()
-            .map(|p| {
-                let d = PyDict::new(py);
-                d.set_item("name", &p.name)?;
-                d.set_item("endpoints", p.endpoints)?;
-                d.set_item("gpus", p.gpus)?;
-                d.set_item("max_context", p.max_context)?;
-                d.set_item("requests", p.requests)?;
-                d.set_item("utilization_simulated", p.utilization_simulated)?;
-                d.set_item("utilization_model", p.utilization_model)?;
-                d.set_item(
-                    "prefill_utilization_simulated",
-                    p.prefill_utilization_simulated,
-                )?;
-                d.set_item("prefill_utilization_model", p.prefill_utilization_model)?;
-                d.set_item("preemptions", p.preemptions)?;
-                d.set_item("rejections", p.rejections)?;
-                d.set_item("compressed", p.compressed)?;
-                Ok(d)
-            })
-            .collect()
+        self.report.pools.iter().map(|p| pool_dict(py, p)).collect()
     }
     /// ``{metric: {"p50", "p90", "p99", "mean"}}`` for ttft, tpot, e2e and
     /// queue_wait over the measured requests that were served.
@@ -295,6 +273,27 @@ impl PySimReport {
             r.makespan
         )
     }
+}
+
+/// One pool's figures as a dict (``SimReport.pools``, ``DisaggReport.pools``).
+pub(crate) fn pool_dict<'py>(py: Python<'py>, p: &PoolReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("name", &p.name)?;
+    d.set_item("endpoints", p.endpoints)?;
+    d.set_item("gpus", p.gpus)?;
+    d.set_item("max_context", p.max_context)?;
+    d.set_item("requests", p.requests)?;
+    d.set_item("utilization_simulated", p.utilization_simulated)?;
+    d.set_item("utilization_model", p.utilization_model)?;
+    d.set_item(
+        "prefill_utilization_simulated",
+        p.prefill_utilization_simulated,
+    )?;
+    d.set_item("prefill_utilization_model", p.prefill_utilization_model)?;
+    d.set_item("preemptions", p.preemptions)?;
+    d.set_item("rejections", p.rejections)?;
+    d.set_item("compressed", p.compressed)?;
+    Ok(d)
 }
 
 /// Simulates a fleet of pools serving a workload, with a router in front.

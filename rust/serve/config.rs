@@ -142,6 +142,14 @@ pub struct PoolSpec {
     pub models: Vec<String>,
     #[serde(default)]
     pub adapters: Vec<String>,
+    /// Prefill/decode disaggregation (`crate::pd`): every endpoint's role
+    /// (`role`, or its entry in `roles`) and the decider.
+    #[serde(default)]
+    pub role: crate::pd::Role,
+    #[serde(default)]
+    pub roles: HashMap<String, crate::pd::Role>,
+    #[serde(default)]
+    pub disaggregation: Option<crate::pd::DisaggregationSpec>,
 }
 
 impl PoolSpec {

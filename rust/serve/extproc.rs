@@ -88,6 +88,11 @@ use crate::error::Result;
 /// The header and `envoy.lb` key of the endpoints to try, in order:
 /// `ip:port,ip:port,...` (the chosen endpoint, then its fallbacks).
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The prefill endpoint of a split request, `ip:port`, for llm-d's routing
+/// sidecar beside the decode engine (which sends the prefill there, then
+/// decodes locally). routecore sets it on a split request and removes it
+/// from every other: a client's is never trusted.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 /// The `envoy.lb` key of the endpoint that served, in the response's metadata.
 pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 /// The filter-metadata namespace and key of the subset hint.
@@ -504,13 +509,21 @@ impl Conversation {
 
     /// A mutation of the request's headers: `set` (without what the
     /// configuration strips), and the key header and `server.strip_headers`
-    /// removed.
+    /// removed, and [`PREFILLER_HEADER`] unless `set` sets it.
     fn mutation(&self, mut set: Vec<HeaderValueOption>) -> HeaderMutation {
         let strip = &self.engine.strip_headers;
         set.retain(|h| h.header.as_ref().is_none_or(|h| !strip.contains(&h.key)));
+        let mut remove_headers = strip.clone();
+        let sets = |key: &str| {
+            set.iter()
+                .any(|h| h.header.as_ref().is_some_and(|h| h.key == key))
+        };
+        if !sets(PREFILLER_HEADER) {
+            remove_headers.push(PREFILLER_HEADER.into());
+        }
         HeaderMutation {
             set_headers: set,
-            remove_headers: strip.clone(),
+            remove_headers,
         }
     }
 
@@ -609,6 +622,9 @@ impl Conversation {
             header(DESTINATION_HEADER, destination.as_bytes()),
             header(POOL_HEADER, routed.pool.as_bytes()),
         ];
+        if let Some(p) = &routed.prefill_endpoint {
+            set_headers.push(header(PREFILLER_HEADER, p.as_bytes()));
+        }
         if let Some(b) = &routed.body {
             set_headers.push(header("content-length", b.len().to_string().as_bytes()));
         }
@@ -1384,6 +1400,63 @@ mod tests {
             1,
             "no other key (v0.3's -fallback is gone)"
         );
+    }
+
+    /// The header mutation of a request's answer.
+    fn mutation_of(r: &ProcessingResponse) -> HeaderMutation {
+        let common = match r.response.as_ref() {
+            Some(Answer::RequestBody(b)) => b.response.clone(),
+            Some(Answer::RequestHeaders(h)) => h.response.clone(),
+            _ => None,
+        };
+        common
+            .and_then(|c| c.header_mutation)
+            .expect("a header mutation")
+    }
+
+    #[tokio::test]
+    async fn a_split_request_names_its_prefill_endpoint_and_a_clients_header_is_removed() {
+        let sent: &[u8] = b"10.6.6.6:1";
+        for split in [false, true] {
+            let mut spec = spec();
+            if split {
+                spec.pools[0].roles = [("10.0.0.2:8000".to_string(), crate::pd::Role::Prefill)]
+                    .into_iter()
+                    .collect();
+            }
+            let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+            let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+            let engine = Engine::build(spec, &shared, None).expect("engine");
+            let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+            let pairs = [("x-api-key", KEY), (PREFILLER_HEADER, sent)];
+            let first = c.handle(&headers(&pairs, true, false)).await.expect("ok");
+            let out = c.handle(&body(&chat("hi"), true, false)).await.expect("ok");
+            let m = mutation_of(&out[0]);
+            let set: Vec<(String, Vec<u8>)> = m
+                .set_headers
+                .iter()
+                .filter_map(|h| h.header.as_ref())
+                .filter(|h| h.key == PREFILLER_HEADER)
+                .map(|h| (h.key.clone(), h.raw_value.clone()))
+                .collect();
+            let removed = m.remove_headers.iter().any(|h| h == PREFILLER_HEADER);
+            if split {
+                assert_eq!(routed_to(&out[0]).as_deref(), Some("10.0.0.1:8000"));
+                let want = (PREFILLER_HEADER.to_string(), b"10.0.0.2:8000".to_vec());
+                assert_eq!((set, removed), (vec![want], false));
+            } else {
+                assert_eq!(
+                    (set, removed),
+                    (vec![], true),
+                    "a client's header is removed"
+                );
+            }
+            // The headers' answer already removes the client's header.
+            if let Some(r) = first.first() {
+                let m = mutation_of(r);
+                assert!(m.remove_headers.iter().any(|h| h == PREFILLER_HEADER));
+            }
+        }
     }
 
     fn served_by(mut req: ProcessingRequest, endpoint: &str) -> ProcessingRequest {

@@ -104,6 +104,8 @@ pub struct Metrics {
     registry: Registry,
     pub decisions: Family<PoolLabel, FCounter>,
     pub spillovers: Family<PoolLabel, FCounter>,
+    /// Requests prefilled on another endpoint than their decode one (`crate::pd`).
+    pub disaggregated: Family<PoolLabel, FCounter>,
     pub rejections: Family<RejectionLabels, FCounter>,
     pub calibration_ratio: Family<CategoryLabel, FGauge>,
     pub decision_seconds: Histogram,
@@ -146,6 +148,12 @@ impl Metrics {
             "routecore_spillovers",
             "Requests spilled off their target pool",
             spillovers.clone(),
+        );
+        let disaggregated = Family::default();
+        registry.register(
+            "routecore_disaggregated",
+            "Requests split: prefilled on another endpoint than their decode endpoint, per pool",
+            disaggregated.clone(),
         );
         let rejections = Family::default();
         registry.register(
@@ -246,6 +254,7 @@ impl Metrics {
             kv,
             decisions,
             spillovers,
+            disaggregated,
             rejections,
             calibration_ratio,
             decision_seconds,
@@ -345,6 +354,7 @@ impl Metrics {
         match name {
             "decisions" => pool(&self.decisions),
             "spillovers" => pool(&self.spillovers),
+            "disaggregated" => pool(&self.disaggregated),
             "timeouts" => pool(&self.timeouts),
             "absurd_usage" => pool(&self.absurd_usage),
             "protocol_errors" => Some(self.protocol_errors.get()),

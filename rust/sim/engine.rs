@@ -102,6 +102,10 @@ struct Seq {
     /// The request's blocks (prompt and output): `hashes[start..end]` of the
     /// blocks the caller passes to `step`.
     hashes: (usize, usize),
+    /// Its prompt's KV was computed elsewhere and transferred here (a
+    /// disaggregated decode, [`super::disagg`]): admitted with all of it but
+    /// the last token in place, until a preemption drops it.
+    transferred: bool,
 }
 
 /// A planned run of identical decode iterations.
@@ -187,7 +191,18 @@ impl Endpoint {
             prefilled: 0,
             blocks: 0,
             hashes,
+            transferred: false,
         });
+    }
+
+    /// Queues a request whose prompt's KV arrives with it (see
+    /// [`Seq::transferred`]): its first iteration computes the prompt's last
+    /// token and samples the first output token.
+    pub fn enqueue_transferred(&mut self, request: usize, input: u64, output: u64) {
+        self.enqueue(request, input, output, (0, 0));
+        if let Some(s) = self.waiting.back_mut() {
+            s.transferred = true;
+        }
     }
 
     fn preempt_last(&mut self) {
@@ -195,6 +210,7 @@ impl Endpoint {
             self.free_blocks += s.blocks;
             s.blocks = 0;
             s.prefilled = 0;
+            s.transferred = false;
             s.prompt = s.input + s.generated;
             self.waiting.push_front(s);
             self.preemptions += 1;
@@ -224,7 +240,11 @@ impl Endpoint {
                 s.blocks = need;
                 let prompt_blocks = full_blocks(&s, s.prompt);
                 let hit = self.cache.lookup(&blocks.hashes[prompt_blocks]) as u64;
-                s.prefilled = (hit * BLOCK_TOKENS).min(s.prompt - 1);
+                s.prefilled = if s.transferred {
+                    s.prompt.saturating_sub(1)
+                } else {
+                    (hit * BLOCK_TOKENS).min(s.prompt - 1)
+                };
                 self.pending.push(Event::Admitted {
                     request: s.request,
                     time: now,

@@ -26,6 +26,7 @@
 
 pub mod autoscale;
 pub mod cache;
+pub mod disagg;
 pub mod engine;
 pub mod flow;
 pub mod prefix_workload;

@@ -21,6 +21,9 @@ from routecore._baselines.budget import TokenBudgetRouter
 
 #: The tenant's key header, removed before the request leaves for an engine.
 KEY_HEADER = "x-api-key"
+#: What every answer removes: the key and llm-d's sidecar header (a client's
+#: is never trusted: docs/disaggregation.md).
+REMOVED = [KEY_HEADER, "x-prefiller-host-port"]
 
 
 def header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -36,7 +39,7 @@ def routing_mutation(pool: str, endpoint: str) -> pb.HeaderMutation:
             header("x-gateway-destination-endpoint", endpoint),
             header("x-routecore-pool", pool),
         ],
-        remove_headers=[KEY_HEADER],
+        remove_headers=REMOVED,
     )
 
 
@@ -65,9 +68,7 @@ class Processor:
                 )
                 digest = hashlib.sha256(key).digest()
                 assert any(hmac.compare_digest(digest, d) for d in self.keys)
-                strip = pb.CommonResponse(
-                    header_mutation=pb.HeaderMutation(remove_headers=[KEY_HEADER])
-                )
+                strip = pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=REMOVED))
                 out.append(
                     pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=strip))
                 )

@@ -6,7 +6,7 @@ import argparse
 import math
 from typing import Any
 
-from routecore import profiles
+from routecore import disaggregation, profiles
 from routecore._core import Candidate, Plan, Profile, Workload, plan
 from routecore._extras import pyplot
 from routecore._json import dumps
@@ -111,6 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_seed(p, "verification seed")
     add_json(p, "the plan as JSON")
     add_plot(p, "the savings of each B_short and gamma")
+    disaggregation.add_transfer_arguments(p)
 
 
 def load_inputs(args: argparse.Namespace) -> tuple[Workload, Profile]:
@@ -323,6 +324,8 @@ def describe(args: argparse.Namespace, profile: Profile) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.disaggregated:
+        return disaggregation.run_plan(args, *load_inputs(args))
     result = run_plan(args)
     verification = verify_plan(result, args) if args.verify else None
     if args.json:

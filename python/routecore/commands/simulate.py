@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from routecore import profiles
+from routecore import disaggregation, profiles
 from routecore._core import (
     INCOMPRESSIBLE_CATEGORIES,
     EndpointPicker,
@@ -46,6 +46,7 @@ from routecore.commands._args import (
     proper_fraction,
     token_count,
 )
+from routecore.planning import fidelity_workload
 
 NAME = "simulate"
 HELP = (
@@ -105,8 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace",
         default="azure-2023",
-        help="'azure-2023' (the shipped trace) or a CSV with ContextTokens and "
-        "GeneratedTokens columns (default azure-2023)",
+        help="'azure-2023' (the shipped trace), one of its categories ('azure-code', "
+        "'azure-conversation') or a CSV with ContextTokens and GeneratedTokens columns "
+        "(default azure-2023)",
     )
     p.add_argument("--rate", type=positive_float, default=1000.0, help="requests/s (default 1000)")
     p.add_argument(
@@ -200,11 +202,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json(p)
     add_plot(p, "the TTFT, TPOT and latency CDFs with the SLOs and the utilization per pool")
     add_quiet(p)
+    disaggregation.add_transfer_arguments(p)
+    disaggregation.add_simulate_arguments(p)
 
 
 def load_trace(spec: str) -> Workload:
     if spec == "azure-2023":
         return Workload.azure_2023()
+    if spec in ("azure-code", "azure-conversation"):
+        return fidelity_workload(spec)
     return Workload.from_csv(spec)
 
 
@@ -647,6 +653,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--duration and --rate must be > 0")
     n = math.ceil(args.rate * args.duration)
     trace = trace_arrays(w, n, args.arrivals, args.seed)
+    if args.disaggregated:
+        return disaggregation.compare(args, w, profile, trace)
     fleets = plan_fleets(w, profile, args)
     reports: dict[str, SimReport] = {}
     for fleet in fleets:

@@ -134,6 +134,7 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
             admission=pb.Admission(admitted=True, status=200),
             compress_target_tokens=outcome["compress_target_tokens"],
             compressed_body=outcome["body"] or b"",
+            prefill_endpoint=outcome["prefill_endpoint"] or "",
         )
 
     @guarded

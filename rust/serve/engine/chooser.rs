@@ -8,8 +8,9 @@ use super::*;
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Choice {
     /// The chosen endpoint first, then the fallbacks; the chosen one is
-    /// counted in flight, and what the prefix plugin recorded for it.
-    Ranked(Vec<usize>, Recorded),
+    /// counted in flight, and what the prefix plugin recorded for it; the
+    /// prefill endpoint of a split request (counted in flight too).
+    Ranked(Vec<usize>, Recorded, Option<usize>),
     /// No endpoint is healthy (or in the subset hint).
     NoEndpoint,
 }
@@ -23,6 +24,9 @@ pub(super) struct PoolState {
     /// when the probe's list is another one).
     pub(super) adapters: Vec<Arc<Vec<String>>>,
     pub(super) ranked: Vec<usize>,
+    /// The pool's prefill/decode split (None: every endpoint is `both`
+    /// and never split).
+    pub(super) split: Option<crate::pd::Split>,
 }
 
 /// Picks the endpoint inside one pool: the endpoint-picker pipeline of
@@ -70,6 +74,8 @@ impl Chooser {
         };
         let mut pipeline = Pipeline::from_specs(&specs, &pool.endpoints, &config)?;
         pipeline.prepare()?;
+        let split = Self::split(pool, &pipeline)
+            .map_err(|e| invalid(format!("pools: {:?}: {e}", pool.name)))?;
         let prefix = pipeline
             .prefix()
             .map(|p| (p.config().block_size, p.config().seed));
@@ -86,8 +92,21 @@ impl Chooser {
                 seen: vec![0; n],
                 adapters: vec![Arc::default(); n],
                 ranked: Vec::new(),
+                split,
             }),
         })
+    }
+
+    /// The pool's prefill/decode split from its roles and decider (None:
+    /// every endpoint `both`, never split).
+    fn split(
+        pool: &crate::serve::config::PoolSpec,
+        pipeline: &Pipeline,
+    ) -> Result<Option<crate::pd::Split>> {
+        use crate::pd::{pool_decider, pool_roles, Split};
+        let roles = pool_roles(&pool.endpoints, pool.role, &pool.roles)?;
+        let decider = pool_decider(pool.disaggregation.as_ref(), &roles)?;
+        Split::of_pool(pipeline, roles, decider)
     }
 
     /// Copies what the probes know into the states (lock-free reads); a new
@@ -194,18 +213,30 @@ impl Chooser {
             now,
         };
         let mut ranked = std::mem::take(&mut st.ranked);
-        let picked = st.pipeline.pick(&req, &st.states, &mut ranked);
-        let out = picked.and_then(|()| {
-            let Some(&chosen) = ranked.first() else {
-                return Ok(Choice::NoEndpoint);
-            };
-            let recorded = st.pipeline.started_recorded(&req, chosen)?;
-            let s = &mut st.states[chosen];
-            s.in_flight += 1;
-            s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
-            ranked.truncate(1 + self.fallbacks);
-            Ok(Choice::Ranked(ranked.clone(), recorded))
-        });
+        let out = match st.split.as_mut() {
+            Some(split) => split
+                .pick(&mut st.pipeline, &req, &mut st.states, &mut ranked)
+                .map(|pair| match pair {
+                    None => Choice::NoEndpoint,
+                    Some(pair) => {
+                        ranked.truncate(1 + self.fallbacks);
+                        let prefill = pair.prefill.map(|(p, _)| p);
+                        Choice::Ranked(ranked.clone(), pair.recorded, prefill)
+                    }
+                }),
+            None => st
+                .pipeline
+                .pick(&req, &st.states, &mut ranked)
+                .and_then(|()| {
+                    let Some(&chosen) = ranked.first() else {
+                        return Ok(Choice::NoEndpoint);
+                    };
+                    let recorded = st.pipeline.started_recorded(&req, chosen)?;
+                    st.states[chosen].start_one();
+                    ranked.truncate(1 + self.fallbacks);
+                    Ok(Choice::Ranked(ranked.clone(), recorded, None))
+                }),
+        };
         st.ranked = ranked;
         out
     }
@@ -237,6 +268,24 @@ impl Chooser {
             .completed_request(&req, endpoint, actual.0, actual.1)
     }
 
+    /// A split request's prefill on `endpoint` ended (its lease ended: the
+    /// prefill ran before the decode answered): out of flight, the prefill
+    /// pipeline told.
+    pub(super) fn release_prefill(&self, endpoint: usize, est: (u64, u64), now: f64) -> Result<()> {
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        let Some(split) = st.split.as_mut() else {
+            return Err(invalid("a prefill released on a pool that does not split"));
+        };
+        let req = PickRequest {
+            input_tokens: est.0,
+            output_tokens: est.1,
+            now,
+            ..PickRequest::default()
+        };
+        split.prefill_done(&req, endpoint, est.0, &mut st.states)
+    }
+
     /// A request counted on `from` was served by `to`: its in-flight count
     /// and what the prefix plugin recorded move (see `Pipeline::moved`).
     pub(super) fn moved(
@@ -251,9 +300,7 @@ impl Chooser {
         let s = &mut st.states[from];
         s.in_flight = s.in_flight.saturating_sub(1);
         s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_sub(1);
-        let s = &mut st.states[to];
-        s.in_flight += 1;
-        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_add(1);
+        st.states[to].start_one();
         Ok(())
     }
 

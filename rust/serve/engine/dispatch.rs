@@ -88,7 +88,7 @@ impl Request<'_> {
 impl Steps for Request<'_> {
     type Pool = usize;
     type Admitted = Admitted;
-    type Picked = (Vec<usize>, Recorded);
+    type Picked = (Vec<usize>, Recorded, Option<usize>);
     type Refused = Refused;
 
     fn route(&mut self) -> std::result::Result<usize, Refused> {
@@ -301,7 +301,7 @@ impl Steps for Request<'_> {
         &mut self,
         &pool: &usize,
         admitted: &Admitted,
-    ) -> std::result::Result<(Vec<usize>, Recorded), Refused> {
+    ) -> std::result::Result<(Vec<usize>, Recorded, Option<usize>), Refused> {
         let engine = self.engine;
         // Let out of the queue: counted on its endpoint below (or refused),
         // so no longer pending once this returns.
@@ -330,7 +330,7 @@ impl Steps for Request<'_> {
             )
         })?;
         match chosen {
-            Choice::Ranked(ranked, recorded) => Ok((ranked, recorded)),
+            Choice::Ranked(ranked, recorded, prefill) => Ok((ranked, recorded, prefill)),
             Choice::NoEndpoint => {
                 let message = format!("pool {:?} has no healthy endpoint", spec.name);
                 Err(self.reject(503, "no-endpoint", message, 0.0))
@@ -383,7 +383,7 @@ impl Engine {
             Err(Refused::Error(e)) => return Err(e),
         };
         let (pool, endpoint) = (d.pool, d.picked.0[0]);
-        let (ranked, recorded) = d.picked;
+        let (ranked, recorded, prefill) = d.picked;
         let admitted = d.admitted;
         let started = Instant::now();
         let lease = Lease {
@@ -399,12 +399,17 @@ impl Engine {
             deadline: started + self.timeout,
             ticket: admitted.ticket,
             recorded,
+            prefill,
         };
         // 128 random bits: two ids in flight at once never meet (2^-128 a pair).
         lock(&shared.leases).insert(admitted.id, (Arc::clone(self), lease));
         let m = &self.pool_metrics[pool];
         m.decisions.inc();
         m.in_flight[endpoint].inc();
+        if let Some(p) = prefill {
+            m.in_flight[p].inc();
+            m.disaggregated.inc();
+        }
         let (spilled, reason, compress_target_tokens) = match &routing {
             Routing::Decided(d) => (
                 d.spilled,
@@ -423,6 +428,7 @@ impl Engine {
             pool: self.spec.pools[pool].name.clone(),
             endpoint: names[endpoint].clone(),
             fallbacks: ranked[1..].iter().map(|&i| names[i].clone()).collect(),
+            prefill_endpoint: prefill.map(|p| names[p].clone()),
             est_input_tokens: est.0,
             est_output_tokens: est.1,
             spilled,

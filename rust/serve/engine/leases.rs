@@ -160,6 +160,12 @@ impl Engine {
             fail("chooser", e);
         }
         m.in_flight[lease.endpoint].dec();
+        if let Some(p) = lease.prefill {
+            if let Err(e) = self.choosers[lease.pool].release_prefill(p, est, now) {
+                fail("prefill", e);
+            }
+            m.in_flight[p].dec();
+        }
         // Capacity appeared: the pool's queue may let a request out.
         self.pump(lease.pool, now);
         if let Some(ticket) = lease.ticket {

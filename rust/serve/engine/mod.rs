@@ -59,6 +59,8 @@ mod chooser;
 mod dispatch;
 mod flow;
 mod leases;
+#[cfg(test)]
+mod pd_tests;
 
 use chooser::Choice;
 pub use chooser::Chooser;
@@ -98,6 +100,9 @@ pub struct Routed {
     pub endpoint: String,
     /// Endpoints Envoy may retry on, best first (after `endpoint`).
     pub fallbacks: Vec<String>,
+    /// The prefill endpoint of a request split by its pool's decider
+    /// (`endpoint` decodes it); None: served on `endpoint` alone.
+    pub prefill_endpoint: Option<String>,
     pub est_input_tokens: u64,
     pub est_output_tokens: u64,
     pub spilled: bool,
@@ -132,6 +137,8 @@ pub struct Lease {
     /// What the prefix plugin recorded for `endpoint`, moved with the lease
     /// when another endpoint serves the request ([`Shared::served`]).
     recorded: Recorded,
+    /// The prefill endpoint of a split request, released with the lease.
+    prefill: Option<usize>,
 }
 
 /// What the endpoint picker reads of a request's prompt: the prefix plugin
@@ -235,6 +242,7 @@ struct Tenant {
 struct PoolMetrics {
     decisions: FCounter,
     spillovers: FCounter,
+    disaggregated: FCounter,
     timeouts: FCounter,
     absurd_usage: FCounter,
     in_flight: Vec<FGauge>,
@@ -626,6 +634,7 @@ impl Engine {
             .map(|p| PoolMetrics {
                 decisions: Metrics::pool(&metrics.decisions, &p.name),
                 spillovers: Metrics::pool(&metrics.spillovers, &p.name),
+                disaggregated: Metrics::pool(&metrics.disaggregated, &p.name),
                 timeouts: Metrics::pool(&metrics.timeouts, &p.name),
                 absurd_usage: Metrics::pool(&metrics.absurd_usage, &p.name),
                 in_flight: p

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0froutecore.proto\x12\x0croutecore.v1\"k\n\x0fMeasuredRequest\x12\x14\n\x0cprompt_bytes\x18\x01 \x01(\x04\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\"\x80\x01\n\x0cRouteRequest\x12\x0e\n\x04\x62ody\x18\x01 \x01(\x0cH\x00\x12\x31\n\x08measured\x18\x02 \x01(\x0b\x32\x1d.routecore.v1.MeasuredRequestH\x00\x12\x0f\n\x07\x61pi_key\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\rB\t\n\x07request\"T\n\tAdmission\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x15\n\rretry_after_s\x18\x04 \x01(\x01\"\x98\x02\n\rRouteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x18\n\x10\x65st_input_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x65st_output_tokens\x18\x05 \x01(\x04\x12\x18\n\x10\x65st_total_tokens\x18\x06 \x01(\x04\x12\x0f\n\x07spilled\x18\x07 \x01(\x08\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12*\n\tadmission\x18\t \x01(\x0b\x32\x17.routecore.v1.Admission\x12\x1e\n\x16\x63ompress_target_tokens\x18\n \x01(\x04\x12\x17\n\x0f\x63ompressed_body\x18\x0b \x01(\x0c\"{\n\x0f\x46\x65\x65\x64\x62\x61\x63kRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x04\x12\x11\n\tlatency_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x61pi_key\x18\x05 \x01(\t\"\x12\n\x10\x46\x65\x65\x64\x62\x61\x63kResponse\"\"\n\x0bPlanRequest\x12\x13\n\x0bparams_json\x18\x01 \x01(\t\"!\n\x0cPlanResponse\x12\x11\n\tplan_json\x18\x01 \x01(\t2\xd7\x01\n\tRouteCore\x12@\n\x05Route\x12\x1a.routecore.v1.RouteRequest\x1a\x1b.routecore.v1.RouteResponse\x12I\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x1d.routecore.v1.FeedbackRequest\x1a\x1e.routecore.v1.FeedbackResponse\x12=\n\x04Plan\x12\x19.routecore.v1.PlanRequest\x1a\x1a.routecore.v1.PlanResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0froutecore.proto\x12\x0croutecore.v1\"k\n\x0fMeasuredRequest\x12\x14\n\x0cprompt_bytes\x18\x01 \x01(\x04\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\x12\x19\n\x11max_output_tokens\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\"\x80\x01\n\x0cRouteRequest\x12\x0e\n\x04\x62ody\x18\x01 \x01(\x0cH\x00\x12\x31\n\x08measured\x18\x02 \x01(\x0b\x32\x1d.routecore.v1.MeasuredRequestH\x00\x12\x0f\n\x07\x61pi_key\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\rB\t\n\x07request\"T\n\tAdmission\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x15\n\rretry_after_s\x18\x04 \x01(\x01\"\xb2\x02\n\rRouteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x18\n\x10\x65st_input_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x65st_output_tokens\x18\x05 \x01(\x04\x12\x18\n\x10\x65st_total_tokens\x18\x06 \x01(\x04\x12\x0f\n\x07spilled\x18\x07 \x01(\x08\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12*\n\tadmission\x18\t \x01(\x0b\x32\x17.routecore.v1.Admission\x12\x1e\n\x16\x63ompress_target_tokens\x18\n \x01(\x04\x12\x17\n\x0f\x63ompressed_body\x18\x0b \x01(\x0c\x12\x18\n\x10prefill_endpoint\x18\x0c \x01(\t\"{\n\x0f\x46\x65\x65\x64\x62\x61\x63kRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x04\x12\x11\n\tlatency_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x61pi_key\x18\x05 \x01(\t\"\x12\n\x10\x46\x65\x65\x64\x62\x61\x63kResponse\"\"\n\x0bPlanRequest\x12\x13\n\x0bparams_json\x18\x01 \x01(\t\"!\n\x0cPlanResponse\x12\x11\n\tplan_json\x18\x01 \x01(\t2\xd7\x01\n\tRouteCore\x12@\n\x05Route\x12\x1a.routecore.v1.RouteRequest\x1a\x1b.routecore.v1.RouteResponse\x12I\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x1d.routecore.v1.FeedbackRequest\x1a\x1e.routecore.v1.FeedbackResponse\x12=\n\x04Plan\x12\x19.routecore.v1.PlanRequest\x1a\x1a.routecore.v1.PlanResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,15 +38,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMISSION']._serialized_start=273
   _globals['_ADMISSION']._serialized_end=357
   _globals['_ROUTERESPONSE']._serialized_start=360
-  _globals['_ROUTERESPONSE']._serialized_end=640
-  _globals['_FEEDBACKREQUEST']._serialized_start=642
-  _globals['_FEEDBACKREQUEST']._serialized_end=765
-  _globals['_FEEDBACKRESPONSE']._serialized_start=767
-  _globals['_FEEDBACKRESPONSE']._serialized_end=785
-  _globals['_PLANREQUEST']._serialized_start=787
-  _globals['_PLANREQUEST']._serialized_end=821
-  _globals['_PLANRESPONSE']._serialized_start=823
-  _globals['_PLANRESPONSE']._serialized_end=856
-  _globals['_ROUTECORE']._serialized_start=859
-  _globals['_ROUTECORE']._serialized_end=1074
+  _globals['_ROUTERESPONSE']._serialized_end=666
+  _globals['_FEEDBACKREQUEST']._serialized_start=668
+  _globals['_FEEDBACKREQUEST']._serialized_end=791
+  _globals['_FEEDBACKRESPONSE']._serialized_start=793
+  _globals['_FEEDBACKRESPONSE']._serialized_end=811
+  _globals['_PLANREQUEST']._serialized_start=813
+  _globals['_PLANREQUEST']._serialized_end=847
+  _globals['_PLANRESPONSE']._serialized_start=849
+  _globals['_PLANRESPONSE']._serialized_end=882
+  _globals['_ROUTECORE']._serialized_start=885
+  _globals['_ROUTECORE']._serialized_end=1100
 # @@protoc_insertion_point(module_scope)

@@ -43,7 +43,7 @@ class Admission(_message.Message):
     def __init__(self, admitted: _Optional[bool] = ..., status: _Optional[int] = ..., reason: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("request_id", "pool", "endpoint", "est_input_tokens", "est_output_tokens", "est_total_tokens", "spilled", "reason", "admission", "compress_target_tokens", "compressed_body")
+    __slots__ = ("request_id", "pool", "endpoint", "est_input_tokens", "est_output_tokens", "est_total_tokens", "spilled", "reason", "admission", "compress_target_tokens", "compressed_body", "prefill_endpoint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class RouteResponse(_message.Message):
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     COMPRESS_TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_BODY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     pool: str
     endpoint: str
@@ -66,7 +67,8 @@ class RouteResponse(_message.Message):
     admission: Admission
     compress_target_tokens: int
     compressed_body: bytes
-    def __init__(self, request_id: _Optional[str] = ..., pool: _Optional[str] = ..., endpoint: _Optional[str] = ..., est_input_tokens: _Optional[int] = ..., est_output_tokens: _Optional[int] = ..., est_total_tokens: _Optional[int] = ..., spilled: _Optional[bool] = ..., reason: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ..., compress_target_tokens: _Optional[int] = ..., compressed_body: _Optional[bytes] = ...) -> None: ...
+    prefill_endpoint: str
+    def __init__(self, request_id: _Optional[str] = ..., pool: _Optional[str] = ..., endpoint: _Optional[str] = ..., est_input_tokens: _Optional[int] = ..., est_output_tokens: _Optional[int] = ..., est_total_tokens: _Optional[int] = ..., spilled: _Optional[bool] = ..., reason: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ..., compress_target_tokens: _Optional[int] = ..., compressed_body: _Optional[bytes] = ..., prefill_endpoint: _Optional[str] = ...) -> None: ...
 
 class FeedbackRequest(_message.Message):
     __slots__ = ("request_id", "prompt_tokens", "completion_tokens", "latency_s", "api_key")
