@@ -33,6 +33,15 @@ def test_conversation_routecore(benchmark, size):
 
 @pytest.mark.parametrize("size", [1_000, 40_000])
 @pytest.mark.benchmark(group="ext_proc: one whole conversation over loopback gRPC")
+def test_conversation_routecore_autoscaled(benchmark, size):
+    """With an ``autoscale`` section: each conversation's end observed into
+    its pool's live window (issue 26)."""
+    with routecore_processor(autoscale=True) as target:
+        run_conversations(benchmark, target, size)
+
+
+@pytest.mark.parametrize("size", [1_000, 40_000])
+@pytest.mark.benchmark(group="ext_proc: one whole conversation over loopback gRPC")
 def test_conversation_plain_python(benchmark, size):
     with python_processor() as target:
         run_conversations(benchmark, target, size)

@@ -15,10 +15,15 @@
 //!   `mu_gpu = n_slots / E[S]`, `Cs^2 = Var[S] / E[S]^2`, exact over the
 //!   workload range (prefix sums, see `workload`).
 
+use serde::Deserialize;
+
 use crate::error::{invalid, non_negative, positive, Result};
 use crate::workload::{RangeMoments, Span, Workload};
 
-#[derive(Debug, Clone, PartialEq)]
+/// Deserialized from the constructor's fields (`routecore.Profile.fields()`,
+/// all of them: the data plane's spec carries each pool's profile so).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Profile {
     pub name: String,
     pub layers: u32,

@@ -1524,6 +1524,9 @@ class DataPlane:
         """What the endpoint picker knows of each endpoint, by pool."""
     def metric(self, name: str, *labels: str) -> float | None:
         """A metric's current value by name (without ``routecore_``) and labels."""
+    def autoscale(self) -> list[dict[str, Any]] | None:
+        """The autoscaler's last step, one dict a scaled pool (as
+        ``Autoscaler.step``); None when autoscaling is off."""
     def metrics_text(self) -> str:
         """The Prometheus exposition text."""
     def inject_fault(self, phase: str) -> None:

@@ -20,6 +20,10 @@ repeats an API key. See ``examples/routecore.yaml`` for a complete file::
     kv_events: {block_size, seed, capacity_blocks, stale_after_s, max_message_bytes,
                 max_batch_events, max_batch_blocks,
                 endpoints: {"ip:port": {zmq, topic, replay}}}
+    autoscale: {period_s, window_s, sub_windows, quantile, scale_down_delay_s, max_step_up,
+                max_step_up_percent, max_step_down, max_step_down_percent, queue_drain_s,
+                forecast_s, pools: [{name, min_endpoints, max_endpoints, slo_ttft_s, slo_tpot_s,
+                         profile, context, entitlements}]}
     flow_control: {enabled, bands: [{name, share, max_requests, max_bytes, ttl_s, fairness,
                    ordering}], classes, default_band, max_requests, max_bytes, ttl_s,
                    saturation: {detector, max_waiting, max_kv_usage, max_in_flight}}
@@ -30,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +42,12 @@ from typing import Any
 
 from routecore._core import (
     MAX_TOKENS,
+    Autoscaler,
     EndpointPicker,
     Entitlement,
     FlowQueue,
     Pool,
+    Profile,
     Quota,
     Tokenizer,
 )
@@ -52,6 +59,7 @@ from routecore.admission import (
     admission_from_config,
     check_renamed,
 )
+from routecore.profiles import DEFAULT_PRESET, PRESETS, profile_from_dict
 
 #: What an endpoint does in a prefill/decode disaggregated pool (``role``,
 #: ``roles``): llm-d's ``llm-d.ai/role`` words, ``both`` for its ``prefill-decode``.
@@ -405,6 +413,27 @@ def _flow_control(raw: Any) -> FlowControlConfig:
 
 
 @dataclass(frozen=True)
+class AutoscaleConfig:
+    """Autoscaling from the capacity model (docs/autoscale.md): on with an
+    ``autoscale`` section naming at least one pool."""
+
+    #: The section as the core's autoscaler takes it (``profile`` taken out,
+    #: ``context`` filled in from the pool), checked by building one.
+    config: dict[str, Any]
+    #: One engine profile per scaled pool, in order.
+    profiles: tuple[Profile, ...]
+    #: Per scaled pool: its entitlements' ``tokens_per_s`` summed (the sizing's floor).
+    promised_tokens_per_s: tuple[float, ...]
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "profiles": [p.fields() for p in self.profiles],
+            "promised_tokens_per_s": list(self.promised_tokens_per_s),
+        }
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig
     limits: Limits
@@ -415,6 +444,7 @@ class Config:
     models: tuple[ModelConfig, ...] = ()
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    autoscale: AutoscaleConfig | None = None
     flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
 
     def pool(self, name: str) -> PoolConfig:
@@ -510,6 +540,7 @@ class Config:
                     for m in self.models
                 ],
                 "kv_events": self.kv_events.spec(),
+                "autoscale": self.autoscale.spec() if self.autoscale else None,
                 "flow_control": self.flow_control.spec(),
             }
         )
@@ -930,6 +961,95 @@ def _metric_names(raw: Any, where: str, base: dict[str, Any] | None) -> dict[str
     return out
 
 
+#: The ``autoscale`` keys: numbers (the core checks their ranges, naming the key).
+AUTOSCALE_NUMBERS = (
+    "period_s",
+    "window_s",
+    "sub_windows",
+    "quantile",
+    "scale_down_delay_s",
+    "max_step_up",
+    "max_step_up_percent",
+    "max_step_down",
+    "max_step_down_percent",
+    "queue_drain_s",
+    "forecast_s",
+)
+AUTOSCALE_POOL_NUMBERS = ("min_endpoints", "max_endpoints", "slo_ttft_s", "slo_tpot_s", "context")
+
+
+#: The ``autoscale`` keys that are counts.
+AUTOSCALE_COUNTS = {
+    "sub_windows",
+    "max_step_up",
+    "max_step_down",
+    "min_endpoints",
+    "max_endpoints",
+    "context",
+}
+
+
+def _numbers(raw: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    for k in keys:
+        v = raw.get(k)
+        if v is None:
+            continue
+        if k in AUTOSCALE_COUNTS:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{where}.{k}: expected an integer >= 0, got {v!r}")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"{where}.{k}: expected a finite number, got {v!r}")
+
+
+def _autoscale(
+    raw: Any, pools: tuple[PoolConfig, ...], admission: AdmissionConfig
+) -> AutoscaleConfig | None:
+    """The ``autoscale`` section (None when absent): each pool a pool of the
+    file, its profile a preset name or a mapping of Profile fields, its
+    entitlements admission's; the rest checked by building the core's
+    autoscaler, whose errors name the key."""
+    if raw is None:
+        return None
+    a = dict(_section(raw, "autoscale", {*AUTOSCALE_NUMBERS, "pools"}))
+    _numbers(a, AUTOSCALE_NUMBERS, "autoscale")
+    rates = {e["name"]: float(e["tokens_per_s"]) for e in admission.spec.get("entitlements", ())}
+    out, profiles, promised = [], [], []
+    for i, item in enumerate(_list(a, "pools", "autoscale")):
+        where = f"autoscale.pools[{i}]"
+        keys = {*AUTOSCALE_POOL_NUMBERS, "name", "profile", "entitlements"}
+        p = dict(_section(item, where, keys))
+        _numbers(p, AUTOSCALE_POOL_NUMBERS, where)
+        name = _str(p, "name", where, "", [q.name for q in pools])
+        profile = p.pop("profile", DEFAULT_PRESET)
+        try:
+            if isinstance(profile, str):
+                if profile not in PRESETS:
+                    raise ValueError(f"expected one of {sorted(PRESETS)} or a mapping")
+                profile = PRESETS[profile]()
+            elif isinstance(profile, dict):
+                profile = profile_from_dict(profile)
+            else:
+                raise ValueError("expected a preset name or a mapping of Profile fields")
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"{where}.profile: {e}") from e
+        entitlements = _names(p, "entitlements", where)
+        for e in entitlements:
+            if e not in rates:
+                raise ConfigError(f"{where}.entitlements: {e!r} is not an admission entitlement")
+        p.setdefault("context", next(q.max_context for q in pools if q.name == name))
+        out.append(p)
+        profiles.append(profile)
+        promised.append(sum(rates[e] for e in entitlements))
+    if not out:
+        raise ConfigError("autoscale.pools: name at least one pool")
+    config = {**a, "pools": out}
+    try:
+        Autoscaler(config, profiles, now=0.0)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(str(e)) from e
+    return AutoscaleConfig(config, tuple(profiles), tuple(promised))
+
+
 def _scrape(raw: Any) -> ScrapeConfig:
     s = _section(
         raw,
@@ -1000,6 +1120,7 @@ def parse_config(raw: Any) -> Config:
             "tenants",
             "models",
             "kv_events",
+            "autoscale",
             "flow_control",
         },
     )
@@ -1128,6 +1249,7 @@ def parse_config(raw: Any) -> Config:
         models=_models(_list(top, "models", "config")),
         scrape=scrape,
         kv_events=_kv_events(top.get("kv_events"), pools),
+        autoscale=_autoscale(top.get("autoscale"), pools, admission),
         flow_control=flow_control,
     )
 

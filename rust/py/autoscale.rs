@@ -66,7 +66,7 @@ fn live_dict<'py>(py: Python<'py>, l: &LiveWorkload) -> PyResult<Bound<'py, PyDi
     Ok(d)
 }
 
-fn desired_dict<'py>(py: Python<'py>, d: &Desired) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn desired_dict<'py>(py: Python<'py>, d: &Desired) -> PyResult<Bound<'py, PyDict>> {
     let t = &d.target;
     let out = PyDict::new(py);
     out.set_item("pool", &d.pool)?;

@@ -393,6 +393,21 @@ impl PyDataPlane {
         self.inner.shared.metrics.value(name, &labels)
     }
 
+    /// The autoscaler's last sizing step (``autoscale`` of the
+    /// configuration), one dict a scaled pool as ``Autoscaler.step`` returns
+    /// them (``endpoints`` is the desired count, damped); None when
+    /// autoscaling is off, ``[]`` before the first step.
+    fn autoscale<'py>(&self, py: Python<'py>) -> PyResult<Option<Vec<Bound<'py, PyDict>>>> {
+        let Some(s) = self.inner.engine().autoscale.clone() else {
+            return Ok(None);
+        };
+        s.last()
+            .iter()
+            .map(|d| super::autoscale::desired_dict(py, d))
+            .collect::<PyResult<_>>()
+            .map(Some)
+    }
+
     /// The Prometheus exposition text (what the metrics port serves).
     fn metrics_text(&self) -> String {
         self.inner.shared.metrics.text()

@@ -234,6 +234,9 @@ pub struct Spec {
     /// KV-event sources (None: no precise prefix index).
     #[serde(default)]
     pub kv_events: Option<KvEventsSpec>,
+    /// Autoscaling from the capacity model (None: off).
+    #[serde(default)]
+    pub autoscale: Option<super::autoscale::AutoscaleSpec>,
     /// Flow control's queues (None: a request goes on or is refused at once).
     #[serde(default)]
     pub flow_control: Option<FlowSpec>,
@@ -278,6 +281,9 @@ impl Spec {
                     )));
                 }
             }
+        }
+        if let Some(a) = &spec.autoscale {
+            a.check(&spec.pools)?;
         }
         Ok(spec)
     }

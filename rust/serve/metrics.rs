@@ -124,6 +124,8 @@ pub struct Metrics {
     /// The KV-event metrics, read from the precise prefix index at each scrape.
     #[cfg(feature = "kv-events")]
     pub kv: Arc<super::kv_events::metrics::KvCollector>,
+    /// The autoscaler's gauges (`serve::autoscale`).
+    pub autoscale: Arc<super::autoscale::Gauges>,
     /// Flow control's queues (`serve::flow`).
     pub flow: super::flow::FlowMetrics,
 }
@@ -242,6 +244,7 @@ impl Metrics {
              accumulated, response bodies read for their usage)",
             buffered_bytes.clone(),
         );
+        let autoscale = Arc::new(super::autoscale::Gauges::register(&mut registry));
         #[cfg(feature = "kv-events")]
         let kv = Arc::new(super::kv_events::metrics::KvCollector::default());
         #[cfg(feature = "kv-events")]
@@ -269,6 +272,7 @@ impl Metrics {
             endpoint_healthy,
             endpoint_transitions,
             buffered_bytes,
+            autoscale,
         }
     }
 

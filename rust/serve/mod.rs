@@ -5,6 +5,7 @@
 //! Python is the control plane (configuration, signals, the RouteCore API).
 
 pub mod admission;
+pub mod autoscale;
 pub mod config;
 pub mod engine;
 pub mod extproc;

@@ -402,6 +402,10 @@ impl DataPlane {
                     stopped.clone(),
                 ));
             }
+            tokio::spawn(super::autoscale::autoscale_forever(
+                Arc::clone(&current),
+                stopped.clone(),
+            ));
             tokio::spawn(reap_forever(
                 Arc::clone(&shared),
                 Arc::clone(&current),

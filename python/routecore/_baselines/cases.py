@@ -304,12 +304,19 @@ def conversation_messages(text_bytes: int) -> list:
 
 
 @contextmanager
-def routecore_processor() -> Iterator[str]:
-    """routecore's data plane on a free loopback port, in this process: its target."""
+def routecore_processor(autoscale: bool = False) -> Iterator[str]:
+    """routecore's data plane on a free loopback port, in this process: its
+    target. ``autoscale``: with both pools scaled (docs/autoscale.md)."""
     from routecore._core import DataPlane
     from routecore.config import parse_config
 
-    plane = DataPlane.start(parse_config(SERVER_CONFIG).spec_json(), worker_threads=1)
+    config = dict(SERVER_CONFIG)
+    if autoscale:
+        pools = [
+            {"name": p["name"], "max_endpoints": 100, "slo_ttft_s": 2.0} for p in config["pools"]
+        ]
+        config["autoscale"] = {"pools": pools}
+    plane = DataPlane.start(parse_config(config).spec_json(), worker_threads=1)
     try:
         yield f"127.0.0.1:{plane.port}"
     finally:

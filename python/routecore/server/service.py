@@ -23,7 +23,9 @@ Feedback for a request that is not its caller's in flight with
 (the usage is ignored and counted). Any other unexpected failure is
 ``INTERNAL`` with no detail. ``Plan`` runs the FleetOpt planner
 (``routecore.plan``) off the event loop; bad, too deep or out-of-range
-parameters are ``INVALID_ARGUMENT``.
+parameters are ``INVALID_ARGUMENT``. ``Autoscale`` answers each scaled
+pool's desired endpoint count from the data plane's last sizing step
+(``FAILED_PRECONDITION`` when the configuration has no ``autoscale``).
 """
 
 from __future__ import annotations
@@ -170,6 +172,39 @@ class RouteCoreService(pb_grpc.RouteCoreServicer):
         except (ValueError, KeyError, TypeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan: {e}")
         return pb.PlanResponse(plan_json=dumps(plan_json(result)))
+
+    @guarded
+    async def Autoscale(self, request: pb.AutoscaleRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        caller = self.plane.authenticate(self.api_key(context))
+        if not caller["authenticated"]:
+            await self.refuse(context, caller)
+        pools = self.plane.autoscale()
+        if pools is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "autoscale: off (no autoscale section)"
+            )
+        return pb.AutoscaleResponse(
+            pools=[
+                pb.PoolAutoscale(
+                    pool=d["pool"],
+                    desired_endpoints=d["endpoints"],
+                    target_endpoints=d["target"],
+                    model_endpoints=d["model_endpoints"],
+                    reason=d["reason"],
+                    binding=d["binding"],
+                    rate=d["rate"],
+                    observed_rate=d["observed_rate"],
+                    queued_rate=d["queued_rate"],
+                    promised_rate=d["promised_rate"],
+                    prompt_tokens_p50=d["prompt_p50"],
+                    prompt_tokens_p99=d["prompt_p99"],
+                    output_tokens_p50=d["output_p50"],
+                    output_tokens_p99=d["output_p99"],
+                    explanation=d["explanation"],
+                )
+                for d in pools
+            ]
+        )
 
 
 PLAN_OPTIONS = {

@@ -166,10 +166,15 @@ impl Engine {
             }
             m.in_flight[p].dec();
         }
+        // Without a usage: the prompt's count (exact with a tokenizer, else
+        // the calibrated estimate) and no output, as admission charges it.
+        let actual = usage.unwrap_or((lease.est_input_tokens, 0));
+        if let Some(s) = &self.autoscale {
+            s.observe(lease.pool, lease.tenant, now, actual.0, actual.1);
+        }
         // Capacity appeared: the pool's queue may let a request out.
         self.pump(lease.pool, now);
         if let Some(ticket) = lease.ticket {
-            let actual = usage.unwrap_or((lease.est_input_tokens, 0));
             let latency = lease.started.elapsed().as_secs_f64();
             self.complete_ticket(shared, ticket, actual, latency);
         }

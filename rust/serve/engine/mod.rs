@@ -45,6 +45,7 @@ use crate::prefix::{block_hashes, Tokens};
 use crate::tokenize::{Encoded, SpecialTokens, Tokenized, Tokenizer};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
+use super::autoscale::Scaling;
 use super::config::{digest_from_hex, FailureMode, Spec};
 use super::front::Fields;
 use super::limits::Overload;
@@ -515,6 +516,8 @@ pub struct Engine {
     entitlements: HashSet<String>,
     /// Its number among the engines of its data plane, in build order.
     number: u64,
+    /// The autoscaler (`autoscale` of the configuration; None: off).
+    pub autoscale: Option<Arc<Scaling>>,
     shared: Weak<Shared>,
 }
 
@@ -657,6 +660,23 @@ impl Engine {
         }
         let key_header = key_header.into_bytes();
         let media = MediaTokens::new(int(spec.limits.image_tokens), int(spec.limits.audio_tokens))?;
+        let autoscale = spec
+            .autoscale
+            .as_ref()
+            .map(|a| {
+                let previous = previous.and_then(|p| p.autoscale.as_deref());
+                let gauges = Arc::clone(&shared.metrics.autoscale);
+                Scaling::new(
+                    a,
+                    &spec.pools,
+                    &spec.tenants,
+                    gauges,
+                    previous,
+                    shared.now(),
+                )
+                .map(Arc::new)
+            })
+            .transpose()?;
         shared
             .overload
             .set_max_buffered(spec.limits.max_buffered_bytes);
@@ -678,6 +698,7 @@ impl Engine {
             strip_headers,
             entitlements,
             number: shared.built.fetch_add(1, Ordering::Relaxed) + 1,
+            autoscale,
             shared: Arc::downgrade(shared),
         });
         // The endpoints that stay keep their probes (health, values); the

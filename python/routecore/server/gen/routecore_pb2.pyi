@@ -99,3 +99,47 @@ class PlanResponse(_message.Message):
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     plan_json: str
     def __init__(self, plan_json: _Optional[str] = ...) -> None: ...
+
+class AutoscaleRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolAutoscale(_message.Message):
+    __slots__ = ("pool", "desired_endpoints", "target_endpoints", "model_endpoints", "reason", "binding", "rate", "observed_rate", "queued_rate", "promised_rate", "prompt_tokens_p50", "prompt_tokens_p99", "output_tokens_p50", "output_tokens_p99", "explanation")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BINDING_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_RATE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_RATE_FIELD_NUMBER: _ClassVar[int]
+    PROMISED_RATE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_P50_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_P99_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_P50_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_P99_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    desired_endpoints: int
+    target_endpoints: int
+    model_endpoints: int
+    reason: str
+    binding: str
+    rate: float
+    observed_rate: float
+    queued_rate: float
+    promised_rate: float
+    prompt_tokens_p50: int
+    prompt_tokens_p99: int
+    output_tokens_p50: int
+    output_tokens_p99: int
+    explanation: str
+    def __init__(self, pool: _Optional[str] = ..., desired_endpoints: _Optional[int] = ..., target_endpoints: _Optional[int] = ..., model_endpoints: _Optional[int] = ..., reason: _Optional[str] = ..., binding: _Optional[str] = ..., rate: _Optional[float] = ..., observed_rate: _Optional[float] = ..., queued_rate: _Optional[float] = ..., promised_rate: _Optional[float] = ..., prompt_tokens_p50: _Optional[int] = ..., prompt_tokens_p99: _Optional[int] = ..., output_tokens_p50: _Optional[int] = ..., output_tokens_p99: _Optional[int] = ..., explanation: _Optional[str] = ...) -> None: ...
+
+class AutoscaleResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolAutoscale]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolAutoscale, _Mapping]]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class RouteCoreStub:
                 request_serializer=routecore__pb2.PlanRequest.SerializeToString,
                 response_deserializer=routecore__pb2.PlanResponse.FromString,
                 _registered_method=True)
+        self.Autoscale = channel.unary_unary(
+                '/routecore.v1.RouteCore/Autoscale',
+                request_serializer=routecore__pb2.AutoscaleRequest.SerializeToString,
+                response_deserializer=routecore__pb2.AutoscaleResponse.FromString,
+                _registered_method=True)
 
 
 class RouteCoreServicer:
@@ -89,6 +94,15 @@ class RouteCoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Autoscale(self, request, context):
+        """Autoscaling: each scaled pool's desired endpoint count from the last
+        sizing step, and what explains it (docs/autoscale.md). FAILED_PRECONDITION
+        when the configuration has no autoscale section.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouteCoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +120,11 @@ def add_RouteCoreServicer_to_server(servicer, server):
                     servicer.Plan,
                     request_deserializer=routecore__pb2.PlanRequest.FromString,
                     response_serializer=routecore__pb2.PlanResponse.SerializeToString,
+            ),
+            'Autoscale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Autoscale,
+                    request_deserializer=routecore__pb2.AutoscaleRequest.FromString,
+                    response_serializer=routecore__pb2.AutoscaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -194,6 +213,33 @@ class RouteCore:
             '/routecore.v1.RouteCore/Plan',
             routecore__pb2.PlanRequest.SerializeToString,
             routecore__pb2.PlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Autoscale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/routecore.v1.RouteCore/Autoscale',
+            routecore__pb2.AutoscaleRequest.SerializeToString,
+            routecore__pb2.AutoscaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

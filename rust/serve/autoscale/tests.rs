@@ -1,0 +1,362 @@
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use super::*;
+use crate::calibrate::Calibrator;
+use crate::serve::config::Spec;
+use crate::serve::engine::{Engine, Hints, Shared};
+use crate::serve::metrics::Metrics;
+
+fn profile_json() -> Value {
+    let p = Profile::llama3_70b_a100();
+    json!({"name": p.name, "layers": p.layers, "kv_heads": p.kv_heads,
+           "head_dim": p.head_dim, "dtype_bytes": p.dtype_bytes,
+           "tensor_parallel": p.tensor_parallel, "gpu_memory_bytes": p.gpu_memory_bytes,
+           "utilization": p.utilization, "model_memory_bytes": p.model_memory_bytes,
+           "w_s": p.w_s, "h_s": p.h_s, "c_chunk": p.c_chunk,
+           "price_per_gpu_hour": p.price_per_gpu_hour, "h_ref_tokens": p.h_ref_tokens})
+}
+
+/// The `autoscale` section: pool `p` scaled within [1, 3] for `slo_ttft_s`,
+/// entitlement `gold` kept apart, 100 promised tokens/s.
+fn autoscale(slo_ttft_s: f64) -> Value {
+    json!({
+        "config": {"period_s": 1.0, "window_s": 10.0, "sub_windows": 2,
+                   "scale_down_delay_s": 5.0,
+                   "pools": [{"name": "p", "context": 8192, "min_endpoints": 1,
+                              "max_endpoints": 3, "slo_ttft_s": slo_ttft_s,
+                              "entitlements": ["gold"]}]},
+        "profiles": [profile_json()],
+        "promised_tokens_per_s": [100.0],
+    })
+}
+
+fn digest(k: &str) -> String {
+    Sha256::digest(k.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A data plane spec of pools `p` (scaled) and `q` (not), tenants `demo`
+/// (entitlement `gold`) and `other` (none), with this `autoscale` section.
+fn spec(autoscale: Value) -> Result<Spec> {
+    let tenant = |name: &str, entitlement: Option<&str>| {
+        json!({"name": name, "key_digests": [digest(name)], "expires_at": null,
+               "service_class": "none", "entitlement": entitlement})
+    };
+    let pool = |name: &str| {
+        json!({"name": name, "max_context": 8192, "budget": null, "queue_limit": null,
+               "endpoints": ["10.0.0.1:1", "10.0.0.2:1"]})
+    };
+    let json = json!({
+        "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
+        "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
+                   "request_timeout_s": 30.0, "default_max_tokens": 100,
+                   "image_tokens": 765, "audio_tokens": 750},
+        "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
+        "pools": [pool("p"), pool("q")],
+        "tenants": [tenant("demo", Some("gold")), tenant("other", None)],
+        "admission": null,
+        "autoscale": autoscale,
+    });
+    Spec::from_json(&json.to_string())
+}
+
+fn scaling(slo_ttft_s: f64, metrics: &Metrics) -> Scaling {
+    let s = spec(autoscale(slo_ttft_s)).expect("spec");
+    let a = s.autoscale.as_ref().expect("autoscale");
+    Scaling::new(
+        a,
+        &s.pools,
+        &s.tenants,
+        Arc::clone(&metrics.autoscale),
+        None,
+        0.0,
+    )
+    .expect("scaling")
+}
+
+struct Held(f64);
+
+impl QueuedDemand for Held {
+    fn queued_requests(&self, pool: usize) -> f64 {
+        if pool == 0 {
+            self.0
+        } else {
+            0.0
+        }
+    }
+}
+
+#[tokio::test]
+async fn every_lease_that_ends_is_observed_with_its_usage_or_its_estimate() {
+    let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+    let engine = Engine::build(spec(autoscale(2.0)).expect("spec"), &shared, None).expect("engine");
+    let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}"#;
+    let mut estimated = 0;
+    for i in 0..6 {
+        // demo (tenant 0, entitlement gold) then other (tenant 1).
+        let r = engine
+            .route_body(body, Some(i % 2), &Hints::default())
+            .await;
+        let routed = r.expect("ok").expect("routed");
+        estimated = routed.est_input_tokens;
+        let usage = (i < 4).then_some((20, 10));
+        assert!(shared.release(routed.id, usage));
+    }
+    let s = engine.autoscale.as_ref().expect("autoscale on");
+    let now = shared.now();
+    let mut a = lock(&s.autoscaler);
+    let pool = a.live(0, None, now).expect("live");
+    assert_eq!(pool.requests, 6);
+    // 4 with usage (20 prompt, 10 output), 2 without: the estimate, no output.
+    assert_eq!(
+        pool.prompt.mean,
+        (4.0 * 20.0 + 2.0 * estimated as f64) / 6.0
+    );
+    assert_eq!(pool.output_mean, 40.0 / 6.0);
+    let gold = a.live(0, Some(0), now).expect("live");
+    assert_eq!(gold.requests, 3, "demo's requests only");
+}
+
+#[test]
+fn a_pool_without_scaling_is_not_observed() {
+    let metrics = Metrics::new();
+    let s = scaling(2.0, &metrics);
+    assert!(s.observe(0, Some(0), 1.0, 2000, 200));
+    assert!(
+        !s.observe(1, Some(0), 1.0, 2000, 200),
+        "pool q is not scaled"
+    );
+    assert!(
+        !s.observe(0, None, 1.0, u64::MAX, 200),
+        "beyond the token bound"
+    );
+    assert!(!s.observe(9, None, 1.0, 2000, 200));
+    assert_eq!(
+        lock(&s.autoscaler)
+            .live(0, None, 1.0)
+            .expect("live")
+            .requests,
+        1
+    );
+}
+
+#[test]
+fn a_step_publishes_the_gauges_and_the_queued_demand_reaches_the_sizing() {
+    let metrics = Metrics::new();
+    let s = scaling(2.0, &metrics);
+    assert!(s.last().is_empty());
+    // No traffic: min endpoints.
+    s.step(0.5, &Held(0.0)).expect("step");
+    let d = &s.last()[0];
+    assert_eq!((d.endpoints, d.target.reason), (1, Reason::NoTraffic));
+    for i in 0..100 {
+        assert!(s.observe(0, None, 1.0 + f64::from(i) / 100.0, 2000, 200));
+    }
+    s.step(2.0, &Held(30.0)).expect("step");
+    let d = &s.last()[0];
+    assert_eq!(d.target.queued_rate, 30.0, "30 held over a 1 s period");
+    assert_eq!(d.target.rate, d.target.observed_rate + 30.0);
+    assert!(d.target.promised_rate > 0.0);
+    let text = metrics.text();
+    let line = |l: &str| text.lines().any(|x| x == l);
+    assert!(line(&format!(
+        "routecore_pool_desired_endpoints{{pool=\"p\"}} {:?}",
+        d.endpoints as f64
+    )));
+    assert!(line(&format!(
+        "routecore_pool_model_endpoints{{pool=\"p\"}} {:?}",
+        d.target.model_endpoints as f64
+    )));
+    assert!(line(
+        "routecore_pool_arrival_rate{pool=\"p\",source=\"queued\"} 30.0"
+    ));
+    assert!(line(&format!(
+        "routecore_pool_binding{{pool=\"p\",resource=\"{}\"}} 1.0",
+        d.target.binding.name()
+    )));
+    assert!(line(&format!(
+        "routecore_pool_prompt_tokens{{pool=\"p\",quantile=\"0.5\"}} {:?}",
+        d.target.prompt_tokens.p50 as f64
+    )));
+    assert!(line(&format!(
+        "routecore_pool_scaling_reason{{pool=\"p\",reason=\"{}\"}} 1.0",
+        d.target.reason.name()
+    )));
+    assert!(!text.contains("pool=\"q\""), "q is not scaled");
+    // A queue that is not a count changes nothing.
+    let before = s.last();
+    assert!(s.step(3.0, &Held(f64::NAN)).is_err());
+    assert_eq!(s.last(), before);
+}
+
+#[test]
+fn an_slo_no_fleet_meets_says_max_and_warns_once_per_change() {
+    let metrics = Metrics::new();
+    let s = scaling(1e-6, &metrics);
+    for i in 0..100 {
+        s.observe(0, None, f64::from(i) / 100.0, 2000, 200);
+    }
+    let changed = s.step(1.0, &Held(0.0)).expect("step");
+    let d = s.last()[0].clone();
+    assert_eq!(d.target.reason, Reason::SloUnreachable);
+    assert_eq!((d.target.endpoints, d.endpoints), (3, 3));
+    assert_eq!(changed, vec![("p".to_owned(), at_max(&d))]);
+    assert_ne!(
+        d.target.binding,
+        Binding::None,
+        "names the binding constraint"
+    );
+    assert!(
+        s.step(2.0, &Held(0.0)).expect("step").is_empty(),
+        "logged once"
+    );
+    // The traffic leaves the window: back to min, one more change.
+    let changed = s.step(30.0, &Held(0.0)).expect("step");
+    assert_eq!(changed, vec![("p".to_owned(), None)]);
+    assert!(s.step(31.0, &Held(0.0)).expect("step").is_empty());
+}
+
+#[test]
+fn a_reload_with_the_same_section_keeps_the_windows_and_another_starts_afresh() {
+    let metrics = Metrics::new();
+    let first = scaling(2.0, &metrics);
+    first.observe(0, None, 1.0, 2000, 200);
+    first.step(1.5, &Held(0.0)).expect("step");
+    let reason = format!(
+        "routecore_pool_scaling_reason{{pool=\"p\",reason=\"{}\"}} 1.0",
+        first.last()[0].target.reason.name()
+    );
+    assert!(metrics.text().contains(&reason));
+    let s = spec(autoscale(2.0)).expect("spec");
+    let a = s.autoscale.as_ref().expect("autoscale");
+    let gauges = Arc::clone(&metrics.autoscale);
+    let same = Scaling::new(a, &s.pools, &s.tenants, gauges, Some(&first), 2.0).expect("same");
+    assert_eq!(same.last(), first.last());
+    assert_eq!(
+        lock(&same.autoscaler)
+            .live(0, None, 2.0)
+            .expect("live")
+            .requests,
+        1
+    );
+    let s = spec(autoscale(3.0)).expect("spec");
+    let a = s.autoscale.as_ref().expect("autoscale");
+    let gauges = Arc::clone(&metrics.autoscale);
+    let other = Scaling::new(a, &s.pools, &s.tenants, gauges, Some(&first), 2.0).expect("other");
+    assert!(other.last().is_empty());
+    assert_eq!(
+        lock(&other.autoscaler)
+            .live(0, None, 2.0)
+            .expect("live")
+            .requests,
+        0
+    );
+    // Its series start afresh: the minimum until the first step, the
+    // previous model count and reasons gone.
+    let text = metrics.text();
+    assert!(text.contains("routecore_pool_desired_endpoints{pool=\"p\"} 1.0\n"));
+    assert!(text.contains("routecore_pool_model_endpoints{pool=\"p\"} 0.0\n"));
+    assert!(!text.contains(&reason));
+}
+
+#[test]
+fn a_bad_section_is_refused_naming_the_key() {
+    let err = |a: Value| spec(a).map(|_| ()).expect_err("refused").to_string();
+    let mut a = autoscale(2.0);
+    a["config"]["pools"][0]["min_endpoints"] = json!(5);
+    assert!(err(a).contains("autoscale.pools[0].min_endpoints (5) is above max_endpoints (3)"));
+    let mut a = autoscale(2.0);
+    a["config"]["period_s"] = json!(0.0);
+    assert!(err(a).contains("autoscale.period_s"));
+    let mut a = autoscale(2.0);
+    a["config"]["pools"][0]["name"] = json!("nope");
+    assert!(err(a).contains("autoscale.pools[0].name: unknown pool \"nope\""));
+    let mut a = autoscale(2.0);
+    a["profiles"] = json!([]);
+    assert!(err(a).contains("1 pools but 0 profiles"));
+    let mut a = autoscale(2.0);
+    a["promised_tokens_per_s"] = json!([1.0, 2.0]);
+    assert!(err(a).contains("promised rates"));
+}
+
+/// The data plane's share, Rust alone: one observed request through
+/// [`Scaling::observe`] (the pool and entitlement look-ups, the lock, the
+/// window) beside the pure [`Autoscaler::observe`] in the same run, and one
+/// [`Scaling::step`] of eight pools with its gauges published. Prints,
+/// never asserts.
+/// `cargo test --release --features server --lib -- --ignored --nocapture serve_autoscale_timing`
+#[test]
+#[ignore]
+fn serve_autoscale_timing() {
+    let names: Vec<String> = (0..8).map(|i| format!("p{i}")).collect();
+    let pools: Vec<PoolSpec> = names
+        .iter()
+        .map(|n| {
+            serde_json::from_value(json!({"name": n, "max_context": 8192, "budget": null,
+                                          "queue_limit": null, "endpoints": ["10.0.0.1:1"]}))
+            .expect("pool")
+        })
+        .collect();
+    let tenants: Vec<TenantSpec> = vec![serde_json::from_value(json!({
+        "name": "demo", "key_digests": [], "expires_at": null,
+        "service_class": "none", "entitlement": "gold"}))
+    .expect("tenant")];
+    let spec: AutoscaleSpec = serde_json::from_value(json!({
+        "config": {"pools": names.iter().map(|n| json!({
+            "name": n, "context": 8192, "max_endpoints": 1 << 20, "slo_ttft_s": 1.5,
+            "slo_tpot_s": 0.08, "entitlements": ["gold"]})).collect::<Vec<_>>()},
+        "profiles": vec![profile_json(); 8],
+    }))
+    .expect("spec");
+    let metrics = Metrics::new();
+    let gauges = Arc::clone(&metrics.autoscale);
+    let s = Scaling::new(&spec, &pools, &tenants, gauges, None, 0.0).expect("scaling");
+    let mut pure = Autoscaler::new(spec.config.clone(), spec.profiles.clone(), 0.0).expect("ok");
+    let n = 4_000_000usize;
+    let req = |k: usize| {
+        (
+            k % 8,
+            k as f64 / 12_800.0,
+            256 + (k % 4096) as u64,
+            1 + (k % 700) as u64,
+        )
+    };
+    for round in 0..2 {
+        let start = std::time::Instant::now();
+        for k in 0..n {
+            let (p, t, i, o) = req(k);
+            std::hint::black_box(pure.observe(p, Some(0), t, i, o).is_ok());
+        }
+        let bare = start.elapsed().as_nanos() as f64 / n as f64;
+        let start = std::time::Instant::now();
+        for k in 0..n {
+            let (p, t, i, o) = req(k);
+            std::hint::black_box(s.observe(p, Some(0), t, i, o));
+        }
+        let wired = start.elapsed().as_nanos() as f64 / n as f64;
+        println!("round {round}: observe {bare:.1} ns pure, {wired:.1} ns in the data plane");
+    }
+    let now = n as f64 / 12_800.0;
+    let rounds = 2_000;
+    for round in 0..2 {
+        let start = std::time::Instant::now();
+        for r in 0..rounds {
+            std::hint::black_box(pure.step(now + r as f64 * 1e-6, &[]).expect("step"));
+        }
+        let bare = start.elapsed().as_secs_f64() * 1e6 / rounds as f64;
+        let start = std::time::Instant::now();
+        for r in 0..rounds {
+            s.step(now + r as f64 * 1e-6, &Held(0.0)).expect("step");
+        }
+        let wired = start.elapsed().as_secs_f64() * 1e6 / rounds as f64;
+        println!(
+            "round {round}: step, 8 pools: {bare:.1} us pure, {wired:.1} us with the gauges published"
+        );
+    }
+}
