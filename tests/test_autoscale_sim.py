@@ -163,3 +163,18 @@ def test_the_default_experiments(capsys: pytest.CaptureFixture[str]) -> None:
         assert by["hindsight"]["gpu_hours"] < by["static"]["gpu_hours"]
         assert by["hindsight"]["attainment"] >= 0.99 and by["static"]["attainment"] >= 0.99
         assert set(e["goal"]) >= {"meets_slo", "within_10_percent_of_hindsight"}
+    # The step no longer drives routecore to the pool's bound of 1,000
+    # endpoints (its bounded forecast and the queue drained over the
+    # forecast's horizon).
+    (steps,) = [e for e in result["experiments"] if e["name"] == "step"]
+    step = {p["policy"]: p for p in steps["policies"]}
+    assert step["routecore"]["peak_endpoints"] < 1000
+
+
+def test_a_forecast_ratio_below_1_is_refused_naming_the_key(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*SMALL, "--policy", "routecore", "--max-forecast-ratio", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "autoscale.max_forecast_ratio must be >= 1, got 0.5" in err, err
+    assert "Traceback" not in err

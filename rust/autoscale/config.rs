@@ -6,6 +6,7 @@
 //! {"period_s": 10, "window_s": 60, "sub_windows": 6,
 //!  "scale_down_delay_s": 300, "max_step_up": 4, "max_step_up_percent": 100,
 //!  "max_step_down": 4, "max_step_down_percent": 50,
+//!  "forecast_s": 70, "max_forecast_ratio": 2, "queue_drain_s": 70,
 //!  "pools": [{"name": "short", "context": 8192, "min_endpoints": 1,
 //!             "max_endpoints": 40, "slo_ttft_s": 1.0, "slo_tpot_s": 0.05,
 //!             "entitlements": ["team-a", "team-b"]}]}
@@ -45,14 +46,21 @@ pub struct AutoscaleConfig {
     /// Most endpoints removed per step (defaults 4 and 50 %).
     pub max_step_down: u64,
     pub max_step_down_percent: f64,
-    /// Requests held by flow control count as arriving over this many
-    /// seconds (default: `period_s`): the queue is drained within a period.
+    /// Requests held by flow control are work to drain over this many
+    /// seconds, sized as that much more rate (default: `forecast_s` when it
+    /// is longer than a period, else `period_s`: endpoints started now serve
+    /// the backlog only once ready, so it is spread over the horizon a
+    /// decision covers, not over one period).
     pub queue_drain_s: Option<f64>,
     /// Size for the rate expected this many seconds ahead (an endpoint's
     /// start-up plus a period is the horizon a decision must cover): the
     /// window's rate moved by its trend from the window's middle to
     /// `forecast_s` past now. None (default): the window's rate as it is.
     pub forecast_s: Option<f64>,
+    /// The forecast is at most this multiple of the newest sub-window's
+    /// rate (default 2): a step looks like a steep trend, which
+    /// extrapolated would size for a rate that never comes.
+    pub max_forecast_ratio: f64,
     pub pools: Vec<PoolScaling>,
 }
 
@@ -70,6 +78,7 @@ impl Default for AutoscaleConfig {
             max_step_down_percent: 50.0,
             queue_drain_s: None,
             forecast_s: None,
+            max_forecast_ratio: 2.0,
             pools: Vec::new(),
         }
     }
@@ -119,9 +128,18 @@ impl AutoscaleConfig {
         }
     }
 
-    /// Seconds over which queued requests count as arriving.
+    /// Seconds over which queued requests are drained.
     pub fn queue_drain_s(&self) -> f64 {
-        self.queue_drain_s.unwrap_or(self.period_s)
+        self.queue_drain_s
+            .unwrap_or(self.period_s.max(self.forecast_s.unwrap_or(0.0)))
+    }
+
+    /// The forecast its keys describe (None without `forecast_s`).
+    pub fn forecast(&self) -> Option<super::Forecast> {
+        self.forecast_s.map(|ahead_s| super::Forecast {
+            ahead_s,
+            max_ratio: self.max_forecast_ratio,
+        })
     }
 
     /// Checks every key; the error names the first one out of range.
@@ -177,6 +195,12 @@ impl AutoscaleConfig {
         }
         if let Some(f) = self.forecast_s {
             crate::error::non_negative(&key("forecast_s"), f)?;
+        }
+        if !(self.max_forecast_ratio.is_finite() && self.max_forecast_ratio >= 1.0) {
+            return Err(invalid(format!(
+                "autoscale.max_forecast_ratio must be >= 1, got {}",
+                self.max_forecast_ratio
+            )));
         }
         if self.pools.len() > MAX_POOLS {
             return Err(invalid(format!(

@@ -23,7 +23,7 @@ mod tests;
 pub use config::{AutoscaleConfig, PoolScaling};
 pub use damping::{Damper, Damping};
 pub use histogram::LogHistogram;
-pub use sizing::{Desired, PoolDemand, Reason, Target};
+pub use sizing::{Desired, Forecast, PoolDemand, Reason, Target};
 pub use window::{LiveWindow, LiveWorkload, Percentiles};
 
 use crate::error::{invalid, unknown, Result};
@@ -251,7 +251,7 @@ impl Autoscaler {
                 &live,
                 &chunks,
                 d,
-                self.cfg.forecast_s,
+                self.cfg.forecast(),
                 state.hint,
             )?);
         }

@@ -5,13 +5,16 @@
 //! one endpoint of the pool's profile).
 //!
 //! The rate sized for is `max(observed + queued / queue_drain_s, promised)`:
-//! the window's arrival rate (with `forecast_s`, the rate its trend reaches
-//! `forecast_s` past now: `rate + trend (span / 2 + forecast_s)`, at least
-//! 0), plus the requests flow control holds drained
-//! within `queue_drain_s`, and at least the entitlements' promised tokens
-//! per second over the window's mean tokens per request (the paper's nominal
-//! cost `n_in + n_out`). With no traffic in the window there is no token
-//! distribution to size from: the pool gets `min_endpoints`.
+//! the window's arrival rate (with a [`Forecast`], the rate its trend
+//! reaches `ahead_s` past now: `rate + trend (span / 2 + ahead_s)`, at
+//! least 0 and at most `max_ratio` times the newest sub-window's rate, so a
+//! step read as a steep trend is not extrapolated into a runaway), plus the
+//! requests flow control holds, as work drained over `queue_drain_s` (the
+//! horizon new endpoints need to be ready and serve it), and at least the
+//! entitlements' promised tokens per second over the window's mean tokens
+//! per request (the paper's nominal cost `n_in + n_out`). With no traffic in
+//! the window there is no token distribution to size from: the pool gets
+//! `min_endpoints`.
 
 use std::fmt;
 
@@ -42,6 +45,24 @@ impl PoolDemand {
             self.promised_tokens_per_s,
         )?;
         Ok(())
+    }
+}
+
+/// How far ahead a sizing step forecasts the rate, and the bound on it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Forecast {
+    /// Seconds past now.
+    pub ahead_s: f64,
+    /// The forecast is at most this multiple of the newest sub-window's rate.
+    pub max_ratio: f64,
+}
+
+impl Forecast {
+    /// The rate `live`'s trend reaches `ahead_s` past now, within
+    /// `[0, max_ratio * live.newest_rate]`.
+    pub fn rate(&self, live: &LiveWorkload) -> f64 {
+        let extrapolated = live.rate + live.trend * (live.span_s / 2.0 + self.ahead_s);
+        extrapolated.min(self.max_ratio * live.newest_rate).max(0.0)
     }
 }
 
@@ -100,7 +121,7 @@ pub struct Target {
 
 /// Sizes one pool for its live workload `live` (`chunks`: its window's
 /// [`super::LiveWindow::chunk_distribution`]) and demand, the rate forecast
-/// `forecast_s` ahead when given; `hint` (the last model count) only speeds
+/// as `forecast` says when given; `hint` (the last model count) only speeds
 /// the search.
 #[allow(clippy::too_many_arguments)]
 pub fn target(
@@ -111,14 +132,11 @@ pub fn target(
     live: &LiveWorkload,
     chunks: BuildChunks<'_>,
     demand: PoolDemand,
-    forecast_s: Option<f64>,
+    forecast: Option<Forecast>,
     hint: Option<u64>,
 ) -> Result<Target> {
     let observed_rate = live.rate;
-    let forecast_rate = match forecast_s {
-        Some(ahead) => (live.rate + live.trend * (live.span_s / 2.0 + ahead)).max(0.0),
-        None => live.rate,
-    };
+    let forecast_rate = forecast.map_or(live.rate, |f| f.rate(live));
     let queued_rate = demand.queued_requests / queue_drain_s;
     let mean_tokens = live.mean_tokens();
     let promised_rate = if mean_tokens > 0.0 {

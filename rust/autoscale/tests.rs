@@ -296,6 +296,20 @@ fn bad_configs_name_the_key() {
             "autoscale.scale_down_delay_s must be >= 0",
         ),
         (
+            AutoscaleConfig {
+                max_forecast_ratio: 0.5,
+                ..config(vec![])
+            },
+            "autoscale.max_forecast_ratio must be >= 1, got 0.5",
+        ),
+        (
+            AutoscaleConfig {
+                max_forecast_ratio: f64::INFINITY,
+                ..config(vec![])
+            },
+            "autoscale.max_forecast_ratio must be >= 1, got inf",
+        ),
+        (
             config(vec![PoolScaling {
                 slo_ttft_s: -2.0,
                 ..pool(1, 3)
@@ -396,7 +410,7 @@ fn the_forecast_follows_the_windows_trend() {
     };
     let profile = Profile::llama3_70b_a100();
     let chunks = |out: &mut Vec<(u64, f64)>| w.chunk_distribution(out);
-    let size = |forecast| {
+    let size = |ahead: Option<f64>| {
         sizing::target(
             &pool,
             &profile,
@@ -405,7 +419,10 @@ fn the_forecast_follows_the_windows_trend() {
             &live,
             &chunks,
             PoolDemand::default(),
-            forecast,
+            ahead.map(|ahead_s| Forecast {
+                ahead_s,
+                max_ratio: 2.0,
+            }),
             None,
         )
         .expect("ok")
@@ -434,9 +451,90 @@ fn the_forecast_follows_the_windows_trend() {
         &live,
         &chunks,
         PoolDemand::default(),
-        Some(600.0),
+        Some(Forecast {
+            ahead_s: 600.0,
+            max_ratio: 1.5,
+        }),
         None,
     )
     .expect("ok");
     assert_eq!(t.forecast_rate, 0.0);
+}
+
+/// A step from 500 to 2,000 req/s 10 s before a decision (at 129.999 s,
+/// while the window still holds its first sub-window), with 20,000
+/// requests queued behind it: the least-squares trend over the 30 s window
+/// is 1,500 x 20 / 437.5 = 68.6 req/s per s, which extrapolated 70 s past
+/// the window's middle (15 s back) reads as 1,000 + 68.6 x 85 = 6,829 req/s.
+/// The forecast is bounded by 1.5 x the newest sub-window's 2,000 req/s and
+/// the backlog is drained over the decision's horizon (the forecast's
+/// 70 s): the count is the planner's for 3,000 + 20,000 / 70 req/s, far
+/// below the pool's bound of 1,000 endpoints it reached before (the
+/// backlog drained within a 10 s period added 2,000 req/s on its own).
+#[test]
+fn a_step_is_sized_for_a_bounded_forecast_and_the_backlog_over_the_horizon() {
+    let cfg = AutoscaleConfig {
+        window_s: 30.0,
+        forecast_s: Some(70.0),
+        max_forecast_ratio: 1.5,
+        pools: vec![PoolScaling {
+            max_endpoints: 1000,
+            entitlements: Vec::new(),
+            ..pool(1, 1000)
+        }],
+        ..AutoscaleConfig::default()
+    };
+    assert_eq!(cfg.queue_drain_s(), 70.0);
+    let profile = Profile::llama3_70b_a100();
+    let mut a = Autoscaler::new(cfg, vec![profile.clone()], 0.0).expect("ok");
+    let mut w = LiveWindow::new(30.0, 6, profile.c_chunk, 0.0).expect("ok");
+    let mut t = 100.0;
+    while t < 130.0 {
+        a.observe(0, None, t, 2000, 200).expect("ok");
+        w.observe(t, 2000, 200).expect("ok");
+        t += if t < 120.0 { 1.0 / 500.0 } else { 1.0 / 2000.0 };
+    }
+    let live = w.live(129.999, 0.99).expect("ok");
+    assert!((live.trend - 68.57).abs() < 0.5, "{}", live.trend);
+    assert!(
+        (live.newest_rate - 2000.0).abs() < 1.0,
+        "{}",
+        live.newest_rate
+    );
+    let queued = 20_000.0;
+    let [d] = <[Desired; 1]>::try_from(
+        a.step(
+            129.999,
+            &[PoolDemand {
+                queued_requests: queued,
+                promised_tokens_per_s: 0.0,
+            }],
+        )
+        .expect("ok"),
+    )
+    .expect("one pool");
+    let rate = 1.5 * live.newest_rate + queued / 70.0;
+    assert!((d.target.rate - rate).abs() < 1e-6 * rate, "{:?}", d.target);
+    let by_hand = target_of(&pool(1, 1000), &profile, &LiveWorkload { rate, ..live }, &w);
+    assert_eq!(d.target.model_endpoints, by_hand.model_endpoints);
+    assert!(
+        d.target.model_endpoints < 1000,
+        "{}",
+        d.target.model_endpoints
+    );
+    let at_new_rate = target_of(
+        &pool(1, 1000),
+        &profile,
+        &LiveWorkload {
+            rate: 2000.0,
+            ..live
+        },
+        &w,
+    );
+    assert!(
+        (d.target.model_endpoints as f64) < 1.8 * at_new_rate.model_endpoints as f64,
+        "{} vs {} at 2,000 req/s",
+        d.target.model_endpoints,
+        at_new_rate.model_endpoints
+    );
 }

@@ -113,6 +113,9 @@ pub struct LiveWorkload {
     /// least-squares slope of the sub-windows' rates over their midpoints
     /// (sub-windows under half full left out; 0 with fewer than two).
     pub trend: f64,
+    /// The rate of the newest sub-window at least half full (the window's
+    /// rate when none is): the current rate a forecast is bounded by.
+    pub newest_rate: f64,
     /// Moments of `k = ceil(L_in / C) + L_out`, of `k L_total` and of `L_in`
     /// (weight: the request count), as the planner's `EngineLoad` takes them.
     pub k: RangeMoments,
@@ -264,11 +267,14 @@ impl LiveWindow {
                 RangeMoments::EMPTY
             }
         };
+        let (trend, newest) = self.trend();
+        let rate = s.n / span_s;
         Ok(LiveWorkload {
             requests: s.n as u64,
             span_s,
-            rate: s.n / span_s,
-            trend: self.trend(),
+            rate,
+            trend,
+            newest_rate: newest.unwrap_or(rate),
             k: moments(s.k, s.k2),
             kl: moments(s.kl, 0.0),
             prompt: moments(s.prompt, s.prompt2),
@@ -280,10 +286,12 @@ impl LiveWindow {
         })
     }
 
-    /// The slope of the sub-windows' rates (see [`LiveWorkload::trend`]).
-    fn trend(&self) -> f64 {
+    /// The slope of the sub-windows' rates (see [`LiveWorkload::trend`])
+    /// and the newest counted sub-window's rate.
+    fn trend(&self) -> (f64, Option<f64>) {
         let n = self.slots.len() as u64;
         let (mut sw, mut st, mut sr, mut stt, mut str_) = (0.0f64, 0.0, 0.0, 0.0, 0.0);
+        let mut newest = None;
         for e in self.epoch.saturating_sub(n - 1)..=self.epoch {
             let start = self.start_s + e as f64 * self.sub_s;
             let covered = (self.last_s.min(start + self.sub_s) - start).max(0.0);
@@ -294,6 +302,7 @@ impl LiveWindow {
                 start + covered / 2.0,
                 self.slots[(e % n) as usize].sums.n / covered,
             );
+            newest = Some(r);
             sw += 1.0;
             st += t;
             sr += r;
@@ -302,9 +311,9 @@ impl LiveWindow {
         }
         let var = stt - st * st / sw.max(1.0);
         if sw < 2.0 || var <= 0.0 {
-            return 0.0;
+            return (0.0, newest);
         }
-        (str_ - st * sr / sw) / var
+        ((str_ - st * sr / sw) / var, newest)
     }
 
     /// Appends the window's `(prefill chunks, count)` pairs (the planner's

@@ -20,9 +20,9 @@ use crate::py::profile::PyProfile;
 /// ``config`` is the ``autoscale`` mapping (``period_s``, ``window_s``,
 /// ``sub_windows``, ``quantile``, ``scale_down_delay_s``, ``max_step_up``,
 /// ``max_step_up_percent``, ``max_step_down``, ``max_step_down_percent``,
-/// ``queue_drain_s``, ``pools``: each with ``name``, ``context``,
-/// ``min_endpoints``, ``max_endpoints``, ``slo_ttft_s``, ``slo_tpot_s``,
-/// ``entitlements``); ``profiles`` one engine profile per pool. ``now``
+/// ``queue_drain_s``, ``forecast_s``, ``max_forecast_ratio``, ``pools``:
+/// each with ``name``, ``context``, ``min_endpoints``, ``max_endpoints``,
+/// ``slo_ttft_s``, ``slo_tpot_s``, ``entitlements``); ``profiles`` one engine profile per pool. ``now``
 /// (seconds) defaults to ``monotonic()``. Bad input raises ValueError (an
 /// unknown pool or entitlement KeyError) and changes nothing.
 ///

@@ -154,9 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scale-down-delay",
         type=non_negative_float,
-        default=120.0,
+        default=60.0,
         metavar="SECONDS",
-        help="the damping's scale-down delay of the saturation rule and routecore (default 120)",
+        help="the damping's scale-down delay of the saturation rule and routecore (default 60)",
     )
     p.add_argument(
         "--forecast",
@@ -170,8 +170,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--queue-drain",
         type=positive_float,
         metavar="SECONDS",
-        help="routecore counts the requests waiting in the engines as arriving over this "
-        "many seconds (default: --period)",
+        help="routecore drains the requests waiting in the engines over this many seconds "
+        "(default: the forecast's horizon, at least --period)",
+    )
+    p.add_argument(
+        "--max-forecast-ratio",
+        type=float,
+        default=2.0,
+        metavar="RATIO",
+        help="routecore's forecast is at most this multiple of its window's newest "
+        "sub-window rate (default 2; >= 1)",
     )
     p.add_argument(
         "--max-endpoints",
@@ -221,6 +229,7 @@ def autoscale_config(args: argparse.Namespace) -> dict[str, Any]:
         "scale_down_delay_s": args.scale_down_delay,
         "forecast_s": forecast or None,
         "queue_drain_s": args.queue_drain,
+        "max_forecast_ratio": args.max_forecast_ratio,
         "pools": [
             {
                 "name": "pool",
