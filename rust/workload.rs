@@ -633,12 +633,12 @@ impl Workload {
 
 /// Per-chunk-size prefix sums over the sorted order of a workload, per
 /// category: `w k`, `w k L`, `w k^2`, `w k^2 L`, `w k^2 L^2`, `w L_in`,
-/// `w L_in^2` with `k = ceil(L_in / C_chunk) + L_out` and `L = L_total`; and a weighted
+/// `w L_in^2`, `w L_out`, `w L_out^2` with `k = ceil(L_in / C_chunk) + L_out` and `L = L_total`; and a weighted
 /// wavelet matrix over the prefill chunk counts `ceil(L_in / C_chunk)`.
 #[derive(Debug)]
 pub struct ServiceTable {
     pub c_chunk: u64,
-    sums: Vec<Vec<[f64; 7]>>,
+    sums: Vec<Vec<[f64; 9]>>,
     chunks: WaveletMatrix,
     /// The fewest chunks of the first `i` requests, and of those from `i`
     /// on (`u64::MAX` for none): a pool's prefix or tail span in O(1).
@@ -651,9 +651,9 @@ impl ServiceTable {
         let n = w.len();
         let mut sums = vec![Vec::with_capacity(n + 1); w.category_channels()];
         for s in sums.iter_mut() {
-            s.push([0.0; 7]);
+            s.push([0.0; 9]);
         }
-        let mut acc = vec![[0.0f64; 7]; w.category_channels()];
+        let mut acc = vec![[0.0f64; 9]; w.category_channels()];
         let mut prefill = Vec::with_capacity(n);
         let mut weights = Vec::with_capacity(n);
         for &i in &w.order {
@@ -671,6 +671,9 @@ impl ServiceTable {
             let p = w.input[i] as f64;
             a[5] += wt * p;
             a[6] += wt * p * p;
+            let o = w.output[i] as f64;
+            a[7] += wt * o;
+            a[8] += wt * o * o;
             for (s, a) in sums.iter_mut().zip(&acc) {
                 s.push(*a);
             }
@@ -722,6 +725,24 @@ impl ServiceTable {
     /// Moments of the prompt length `L_in` over a span and one category
     /// channel (`mean` = E[L_in], `second` = E[L_in^2]).
     pub fn prompt_moments(&self, w: &Workload, span: Span, category: usize) -> RangeMoments {
+        self.length_moments(w, span, category, 5)
+    }
+
+    /// Moments of the output length `L_out` over a span and one category
+    /// channel (`mean` = E[L_out], `second` = E[L_out^2]).
+    pub fn output_moments(&self, w: &Workload, span: Span, category: usize) -> RangeMoments {
+        self.length_moments(w, span, category, 7)
+    }
+
+    /// The moments of the length whose `w x` and `w x^2` sums are columns
+    /// `col` and `col + 1`.
+    fn length_moments(
+        &self,
+        w: &Workload,
+        span: Span,
+        category: usize,
+        col: usize,
+    ) -> RangeMoments {
         let c = &w.cum_weight_by_category[category];
         let weight = c[span.end] - c[span.start];
         if weight <= 0.0 {
@@ -730,8 +751,8 @@ impl ServiceTable {
         let s = &self.sums[category];
         RangeMoments {
             weight,
-            mean: (s[span.end][5] - s[span.start][5]) / weight,
-            second: (s[span.end][6] - s[span.start][6]) / weight,
+            mean: (s[span.end][col] - s[span.start][col]) / weight,
+            second: (s[span.end][col + 1] - s[span.start][col + 1]) / weight,
         }
     }
 
