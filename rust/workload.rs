@@ -394,8 +394,7 @@ impl Workload {
     /// How many requests have `L_total <= x`: a binary search inside the
     /// bucket of `x`.
     fn at_most(&self, x: f64) -> usize {
-        // Also NaN: no request.
-        if !(x >= 0.0) {
+        if x.is_nan() || x < 0.0 {
             return 0;
         }
         // Saturates at u64::MAX for x beyond u64.
