@@ -1263,6 +1263,35 @@ mod tests {
         assert!(p.feasible, "{p:?}");
     }
 
+    /// The search's evaluation, which fails counts on Erlang C's lower bound
+    /// where that already decides, gives the verdict and the binding of the
+    /// full evaluation for every count, and the same figures where it passes.
+    #[test]
+    fn bounded_fails_decide_as_the_exact_evaluation() {
+        let l = load();
+        let mut bounded = 0;
+        for slots in [4, 16, 64, 256] {
+            for rate in [20.0, 200.0, 2000.0] {
+                for ttft in [0.2, 0.5, 1.0, 3.0] {
+                    let (s, tg) = (shape(slots), targets(ttft, 1.0));
+                    let mut chunks = Chunks::new(&dist);
+                    for n in 1..300 {
+                        let full = engine_eval(rate, n, &l, &s, tg, &mut chunks).expect("ok");
+                        let quick = evaluate(rate, n, &l, &s, tg, &mut chunks, true).expect("ok");
+                        assert_eq!(quick.fails, full.fails, "{slots} {rate} {ttft} {n}");
+                        if full.fails.is_none() {
+                            assert_eq!(quick, full);
+                        } else if quick != full {
+                            bounded += 1;
+                        }
+                    }
+                }
+            }
+        }
+        // The lower bound decided some of them (the path is exercised).
+        assert!(bounded > 0);
+    }
+
     /// The screens agree with the miss share: a count the union bound passes
     /// meets the SLO outright, a count failed because one-chunk requests miss
     /// does not.
