@@ -1128,6 +1128,75 @@ mod tests {
         assert!((short.occupancy - at.occupancy).abs() < 1e-9 * at.occupancy);
     }
 
+    /// The warm sweep of `benches/bench_planner.py` in Rust alone (no Python
+    /// call), min and median of 3,000: the engine model on the Azure trace
+    /// with its categories and without (the bench's workload), and the paper
+    /// model. The trace is read from the CSV `ROUTECORE_AZURE_CSV` names:
+    /// `gzip -dc python/routecore/data/azure-llm-2023/azure_llm_2023.csv.gz >
+    /// /tmp/azure.csv; ROUTECORE_AZURE_CSV=/tmp/azure.csv cargo test --release
+    /// --lib -- --ignored --nocapture planner_sweep_timing`.
+    #[test]
+    #[ignore]
+    fn planner_sweep_timing() {
+        let Ok(path) = std::env::var("ROUTECORE_AZURE_CSV") else {
+            eprintln!("ROUTECORE_AZURE_CSV is not set: nothing timed");
+            return;
+        };
+        let text = std::fs::read_to_string(path).expect("the trace");
+        let cols = crate::workload::CsvColumns {
+            input: "ContextTokens",
+            output: "GeneratedTokens",
+            arrival: None,
+            category: Some("category"),
+        };
+        let labelled = Workload::from_csv_text(&text, &cols).expect("csv");
+        let as_i64 = |v: &[u64]| v.iter().map(|&x| x as i64).collect::<Vec<_>>();
+        let (inputs, outputs) = (
+            as_i64(labelled.input_tokens()),
+            as_i64(labelled.output_tokens()),
+        );
+        let bench = Workload::new(&inputs, &outputs, None, None).expect("workload");
+        let sweep = |ttft| PlanConfig {
+            b_short: DEFAULT_B_SHORT.to_vec(),
+            gammas: (10..=20).map(|k| k as f64 / 10.0).collect(),
+            ..PlanConfig::new(1000.0, ttft)
+        };
+        let engine = PlanConfig {
+            slo_tpot_s: Some(0.08),
+            ..sweep(2.0)
+        };
+        let paper = PlanConfig {
+            model: ServiceModel::Paper,
+            ..sweep(0.5)
+        };
+        let a100 = Profile::llama3_70b_a100();
+        let h_ref = Profile {
+            h_ref_tokens: Some(8192),
+            ..a100.clone()
+        };
+        for (name, w, profile, cfg) in [
+            (
+                "engine, the trace with its categories",
+                &labelled,
+                &a100,
+                &engine,
+            ),
+            ("engine, the bench's workload", &bench, &a100, &engine),
+            ("paper, the bench's workload", &bench, &h_ref, &paper),
+        ] {
+            plan(w, profile, cfg).expect("plan");
+            let mut took: Vec<f64> = (0..3000)
+                .map(|_| {
+                    let start = std::time::Instant::now();
+                    std::hint::black_box(plan(w, profile, cfg).expect("plan"));
+                    start.elapsed().as_secs_f64() * 1e6
+                })
+                .collect();
+            took.sort_by(f64::total_cmp);
+            println!("{name}: min {:.1} us, median {:.1} us", took[0], took[1500]);
+        }
+    }
+
     #[test]
     fn utilization_floor_is_exact() {
         assert_eq!(utilization_floor(85.0, 1.0, 0.85), 100);
