@@ -258,7 +258,8 @@ impl Chooser {
         let mut st = lock(&self.state);
         let st = &mut *st;
         if let Some(s) = st.states.get_mut(endpoint) {
-            s.in_flight = s.in_flight.saturating_sub(1);
+            // Released exactly once per counted request (leases.rs).
+            s.finish_one();
         }
         let actual = usage.unwrap_or((est.0, 0));
         let req = PickRequest {
