@@ -4,8 +4,25 @@
 //! picker and ties to the first, it is the least-loaded endpoint, first on
 //! ties.
 
-use super::{lower_is_better, Ctx};
+use super::plugin::{scorer_without_params, Describe, Kind, Needs, Scorer};
+use super::{lower_is_better, Ctx, PickRequest};
+use crate::error::Result;
 
-pub fn score(ctx: &Ctx<'_>, out: &mut [f64]) {
-    lower_is_better(out, |k| ctx.states[ctx.cand[k]].load());
+pub const PLUGIN: Describe = Describe {
+    name: "least-request",
+    kind: Kind::Scorer,
+    needs: Needs::SCRAPED,
+    build: scorer_without_params::<LeastRequest>,
+    shared: None,
+    resolve: None,
+};
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LeastRequest;
+
+impl Scorer for LeastRequest {
+    fn score(&mut self, _: &PickRequest<'_>, ctx: &Ctx<'_>, out: &mut [f64]) -> Result<()> {
+        lower_is_better(out, |k| ctx.states[ctx.cand[k]].load());
+        Ok(())
+    }
 }

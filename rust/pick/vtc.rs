@@ -11,10 +11,27 @@
 //! user with no tokens. `started` charges the estimate, `completed` corrects
 //! it to the usage.
 
-use super::{Ctx, PickRequest};
+use serde_json::Value;
+
+use super::plugin::{params, Built, Describe, Kind, Needs, Scorer};
+use super::{Ctx, PickConfig, PickRequest, Recorded};
 use crate::error::Result;
 use crate::snapshot::{Reader, Writer};
 use crate::vtc::{Fairness, VtcConfig};
+
+/// Its parameters are [`VtcConfig`]'s fields.
+pub const PLUGIN: Describe = Describe {
+    name: "vtc",
+    kind: Kind::Scorer,
+    needs: Needs::SCRAPED,
+    build,
+    shared: None,
+    resolve: None,
+};
+
+fn build(p: &Value, _: &PickConfig) -> Result<Built> {
+    Ok(Built::Scorer(Box::new(VtcScorer::new(params(p)?)?)))
+}
 
 #[derive(Debug, Clone)]
 pub struct VtcScorer {
@@ -40,8 +57,10 @@ impl VtcScorer {
         self.fairness.advance(now);
         self.fairness.tokens(user)
     }
+}
 
-    pub(super) fn score(&mut self, req: &PickRequest<'_>, ctx: &Ctx<'_>, out: &mut [f64]) {
+impl Scorer for VtcScorer {
+    fn score(&mut self, req: &PickRequest<'_>, ctx: &Ctx<'_>, out: &mut [f64]) -> Result<()> {
         self.fairness.advance(req.now);
         let c = *self.fairness.config();
         let n = ctx.names.len();
@@ -57,9 +76,16 @@ impl VtcScorer {
                 1.0
             };
         }
+        Ok(())
     }
 
-    pub(super) fn started(&mut self, req: &PickRequest<'_>) {
+    fn started(
+        &mut self,
+        req: &PickRequest<'_>,
+        _: &[String],
+        _: usize,
+        _: Option<&mut Recorded>,
+    ) -> Result<()> {
         if let Some(user) = req.fairness_id {
             self.fairness.advance(req.now);
             let cost = self
@@ -67,14 +93,10 @@ impl VtcScorer {
                 .cost(req.input_tokens as f64, req.output_tokens as f64);
             self.fairness.charge(user, cost);
         }
+        Ok(())
     }
 
-    pub(super) fn completed(
-        &mut self,
-        req: &PickRequest<'_>,
-        input_tokens: u64,
-        output_tokens: u64,
-    ) {
+    fn completed(&mut self, req: &PickRequest<'_>, input_tokens: u64, output_tokens: u64) {
         if let Some(user) = req.fairness_id {
             self.fairness.advance(req.now);
             let delta = self.fairness.cost(
@@ -85,11 +107,11 @@ impl VtcScorer {
         }
     }
 
-    pub(super) fn write(&self, w: &mut Writer) {
+    fn write(&self, w: &mut Writer) {
         self.fairness.write(w);
     }
 
-    pub(super) fn read(&mut self, r: &mut Reader<'_>) -> Result<()> {
+    fn read(&mut self, r: &mut Reader<'_>, _: usize) -> Result<()> {
         self.fairness = Fairness::read(r)?;
         Ok(())
     }
