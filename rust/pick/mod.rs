@@ -180,7 +180,6 @@ pub struct Pipeline {
     cursor: usize,
     // Scratch, reused by every pick.
     cand: Vec<usize>,
-    kept: Vec<usize>,
     total: Vec<f64>,
     tmp: Vec<f64>,
     order: Vec<usize>,
@@ -234,7 +233,6 @@ impl Pipeline {
             picks: 0,
             cursor: 0,
             cand: Vec::new(),
-            kept: Vec::new(),
             total: Vec::new(),
             tmp: Vec::new(),
             order: Vec::new(),
@@ -375,17 +373,11 @@ impl Pipeline {
         self.cand.clear();
         self.cand.extend(0..states.len());
         for (f, soft) in &self.filters {
-            self.kept.clear();
-            self.kept.extend(
-                self.cand
-                    .iter()
-                    .copied()
-                    .filter(|&i| f.keep(req, i, &states[i])),
-            );
-            if self.kept.is_empty() && *soft {
+            let kept = f.count(req, &self.cand, states);
+            if kept == self.cand.len() || (kept == 0 && *soft) {
                 continue;
             }
-            std::mem::swap(&mut self.cand, &mut self.kept);
+            f.retain(req, &mut self.cand, states);
         }
         let m = self.cand.len();
         if m == 0 {

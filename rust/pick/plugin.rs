@@ -15,9 +15,20 @@ use crate::error::{invalid, Result};
 use crate::snapshot::{Reader, Writer};
 
 /// Keeps a subset of the candidates (pure: the same answer for the same
-/// request and state).
+/// request and state). The pipeline calls the provided methods, once per
+/// filter and pick, each a loop over `keep` compiled for the filter.
 pub trait Filter: Debug + Send + Sync + CloneFilter {
     fn keep(&self, req: &PickRequest<'_>, i: usize, s: &EndpointState) -> bool;
+    /// How many of the candidates `cand` it keeps.
+    fn count(&self, req: &PickRequest<'_>, cand: &[usize], states: &[EndpointState]) -> usize {
+        cand.iter()
+            .filter(|&&i| self.keep(req, i, &states[i]))
+            .count()
+    }
+    /// Keeps those of `cand` it keeps.
+    fn retain(&self, req: &PickRequest<'_>, cand: &mut Vec<usize>, states: &[EndpointState]) {
+        cand.retain(|&i| self.keep(req, i, &states[i]));
+    }
 }
 
 /// Gives each candidate a score in [0, 1] (higher is better). A stateful
