@@ -144,3 +144,53 @@ impl Scorer for SessionAffinity {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::EndpointState;
+
+    fn scores(a: &mut SessionAffinity, session: Option<&str>, cand: &[usize]) -> Vec<f64> {
+        let names: Vec<String> = (0..4).map(|i| format!("e{i}")).collect();
+        let states = vec![EndpointState::default(); 4];
+        let ctx = Ctx {
+            names: &names,
+            states: &states,
+            cand,
+        };
+        let req = PickRequest {
+            session,
+            ..PickRequest::default()
+        };
+        let mut out = vec![0.5; cand.len()];
+        a.score(&req, &ctx, &mut out).expect("score");
+        out
+    }
+
+    fn start(a: &mut SessionAffinity, session: &str, endpoint: usize) {
+        let req = PickRequest {
+            session: Some(session),
+            ..PickRequest::default()
+        };
+        a.started(&req, &[], endpoint, None).expect("started");
+    }
+
+    #[test]
+    fn binds_the_last_endpoint_forgets_the_oldest_and_follows_removals() {
+        let mut a = SessionAffinity::new(2).expect("affinity");
+        assert_eq!(scores(&mut a, Some("s"), &[0, 1]), [0.0, 0.0]);
+        start(&mut a, "s", 1);
+        start(&mut a, "s", 2);
+        assert_eq!(scores(&mut a, Some("s"), &[0, 1, 2]), [0.0, 0.0, 1.0]);
+        assert_eq!(scores(&mut a, None, &[2]), [0.0], "no session");
+        start(&mut a, "t", 3);
+        start(&mut a, "u", 0); // past max_sessions: "s" is forgotten
+        assert_eq!(scores(&mut a, Some("s"), &[2]), [0.0]);
+        assert_eq!(scores(&mut a, Some("t"), &[3]), [1.0]);
+        a.removed(1, "e1").expect("removed");
+        assert_eq!(scores(&mut a, Some("t"), &[2]), [1.0], "moved down one");
+        a.removed(2, "e2").expect("removed");
+        assert_eq!(scores(&mut a, Some("t"), &[0, 1, 2]), [0.0, 0.0, 0.0]);
+        assert!(SessionAffinity::new(0).is_err());
+    }
+}

@@ -116,3 +116,57 @@ impl Scorer for VtcScorer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::EndpointState;
+
+    #[test]
+    fn scores_the_fairness_and_load_cost_and_charges_the_user() {
+        let names: Vec<String> = (0..3).map(|i| format!("e{i}")).collect();
+        let mut states = vec![EndpointState::default(); 3];
+        states[1].in_flight = 50;
+        states[2].in_flight = 200;
+        let ctx = Ctx {
+            names: &names,
+            states: &states,
+            cand: &[0, 1, 2],
+        };
+        let Built::Scorer(mut v) =
+            build(&serde_json::json!({}), &PickConfig::default()).expect("defaults")
+        else {
+            panic!("a scorer")
+        };
+        let req = PickRequest {
+            fairness_id: Some("a"),
+            input_tokens: 1000,
+            output_tokens: 500,
+            ..PickRequest::default()
+        };
+        let close = |got: [f64; 3], want: [f64; 3]| {
+            assert!(
+                got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-12),
+                "{got:?}"
+            );
+        };
+        // A user without tokens: ideal endpoint 0; max cost 1 * 2 + 1 * 1.
+        let mut out = [0.0; 3];
+        v.score(&req, &ctx, &mut out).expect("score");
+        close(out, [1.0, 1.0 - 1.5 / 3.0, 0.0]);
+        // Charged 1000 + 2 * 500 = 2000 tokens, the only user: ideal 1.
+        v.started(&req, &names, 0, None).expect("started");
+        v.score(&req, &ctx, &mut out).expect("score");
+        close(out, [1.0 - 1.0 / 3.0, 1.0 - 0.5 / 3.0, 1.0 - 2.0 / 3.0]);
+        // The usage was 1000 in, 0 out: the charge is corrected to 1000.
+        v.completed(&req, 1000, 0);
+        let vtc = v.as_any_mut().downcast_mut::<VtcScorer>().expect("vtc");
+        assert_eq!(vtc.tokens("a", 0.0), 1000.0);
+        let err =
+            build(&serde_json::json!({"window": 60}), &PickConfig::default()).expect_err("unknown");
+        assert!(
+            err.to_string().starts_with("window: unknown parameter"),
+            "{err}"
+        );
+    }
+}
