@@ -1,26 +1,26 @@
-//! The presets: lists of plugin specs with weights (the plugins and their
-//! parameters are in the registry, `registry.rs`, and their own files).
+//! The presets: lists of plugins with weights, by name (the plugins and
+//! their parameters are in the registry, `registry.rs`, and their own
+//! files). Each starts with the base filters: health, the subset hint, the
+//! adapter.
 
 use super::PluginSpec;
 use crate::error::{invalid, Result};
 
-/// The presets, by name.
-pub const PRESETS: [&str; 9] = [
-    "random",
-    "round-robin",
-    "least-request",
-    "queue+kv",
-    "prefix",
-    "prefix+queue+kv",
-    "precise-prefix",
-    "precise-prefix+queue+kv",
-    "vtc",
-];
+/// One preset: its plugins (name, weight) after the base filters, and the
+/// max-score picker's ties (None: the plugins end with their own picker).
+struct Preset {
+    name: &'static str,
+    plugins: &'static [(&'static str, f64)],
+    ties: Option<&'static str>,
+}
 
-/// The filters of every preset: health, the subset hint, the adapter.
-const BASE_FILTERS: [&str; 3] = ["healthy", "subset-hint", "serves-adapter"];
+/// The GIE's saturation filter and its default scorers (queue depth and
+/// KV use, weight 2 each).
+const SATURATION: (&str, f64) = ("saturation", 1.0);
+const QUEUE: (&str, f64) = ("queue-depth", 2.0);
+const KV: (&str, f64) = ("kv-usage", 2.0);
 
-/// The plugin specs of a preset:
+/// The presets:
 ///
 /// - `random`, `round-robin`: the base filters and that picker;
 /// - `least-request`: the least-request scorer, ties to the first;
@@ -33,49 +33,88 @@ const BASE_FILTERS: [&str; 3] = ["healthy", "subset-hint", "serves-adapter"];
 /// - `precise-prefix`, `precise-prefix+queue+kv`: `prefix` and
 ///   `prefix+queue+kv` with the precise-prefix scorer in place of prefix;
 /// - `vtc` (`VtcRouter`): the vtc scorer, ties to the first.
+const TABLE: [Preset; 9] = [
+    Preset {
+        name: "random",
+        plugins: &[("random", 1.0)],
+        ties: None,
+    },
+    Preset {
+        name: "round-robin",
+        plugins: &[("round-robin", 1.0)],
+        ties: None,
+    },
+    Preset {
+        name: "least-request",
+        plugins: &[("least-request", 1.0)],
+        ties: Some("first"),
+    },
+    Preset {
+        name: "queue+kv",
+        plugins: &[SATURATION, QUEUE, KV],
+        ties: Some("random"),
+    },
+    Preset {
+        name: "prefix",
+        plugins: &[("prefix", 1.0)],
+        ties: Some("least-request"),
+    },
+    Preset {
+        name: "prefix+queue+kv",
+        plugins: &[SATURATION, ("prefix", 3.0), QUEUE, KV],
+        ties: Some("random"),
+    },
+    Preset {
+        name: "precise-prefix",
+        plugins: &[("precise-prefix", 1.0)],
+        ties: Some("least-request"),
+    },
+    Preset {
+        name: "precise-prefix+queue+kv",
+        plugins: &[SATURATION, ("precise-prefix", 3.0), QUEUE, KV],
+        ties: Some("random"),
+    },
+    Preset {
+        name: "vtc",
+        plugins: &[("vtc", 1.0)],
+        ties: Some("first"),
+    },
+];
+
+/// The presets' names, in the table's order.
+pub const PRESETS: [&str; TABLE.len()] = {
+    let mut names = [""; TABLE.len()];
+    let mut i = 0;
+    while i < TABLE.len() {
+        names[i] = TABLE[i].name;
+        i += 1;
+    }
+    names
+};
+
+/// The filters of every preset: health, the subset hint, the adapter.
+const BASE_FILTERS: [&str; 3] = ["healthy", "subset-hint", "serves-adapter"];
+
+/// The plugin specs of a preset (see [`TABLE`]); an unknown name is refused
+/// with the known ones.
 pub fn preset_specs(name: &str) -> Result<Vec<PluginSpec>> {
-    let ties = |t: &str| PluginSpec::with("max-score", 1.0, serde_json::json!({ "ties": t }));
-    let mut specs: Vec<PluginSpec> = BASE_FILTERS
-        .iter()
-        .map(|f| PluginSpec::new(f, 1.0))
+    let preset = TABLE.iter().find(|p| p.name == name).ok_or_else(|| {
+        invalid(format!(
+            "unknown preset {name:?} (presets: {})",
+            PRESETS.join(", ")
+        ))
+    })?;
+    let base = BASE_FILTERS.iter().map(|&f| (f, 1.0));
+    let mut specs: Vec<PluginSpec> = base
+        .chain(preset.plugins.iter().copied())
+        .map(|(n, w)| PluginSpec::new(n, w))
         .collect();
-    let rest = match name {
-        "random" => vec![PluginSpec::new("random", 1.0)],
-        "round-robin" => vec![PluginSpec::new("round-robin", 1.0)],
-        "least-request" => vec![PluginSpec::new("least-request", 1.0), ties("first")],
-        "queue+kv" => vec![
-            PluginSpec::new("saturation", 1.0),
-            PluginSpec::new("queue-depth", 2.0),
-            PluginSpec::new("kv-usage", 2.0),
-            ties("random"),
-        ],
-        "prefix" => vec![PluginSpec::new("prefix", 1.0), ties("least-request")],
-        "prefix+queue+kv" => vec![
-            PluginSpec::new("saturation", 1.0),
-            PluginSpec::new("prefix", 3.0),
-            PluginSpec::new("queue-depth", 2.0),
-            PluginSpec::new("kv-usage", 2.0),
-            ties("random"),
-        ],
-        "precise-prefix" => vec![
-            PluginSpec::new("precise-prefix", 1.0),
-            ties("least-request"),
-        ],
-        "precise-prefix+queue+kv" => vec![
-            PluginSpec::new("saturation", 1.0),
-            PluginSpec::new("precise-prefix", 3.0),
-            PluginSpec::new("queue-depth", 2.0),
-            PluginSpec::new("kv-usage", 2.0),
-            ties("random"),
-        ],
-        "vtc" => vec![PluginSpec::new("vtc", 1.0), ties("first")],
-        _ => {
-            return Err(invalid(format!(
-                "unknown preset {name:?} (presets: {})",
-                PRESETS.join(", ")
-            )))
-        }
-    };
-    specs.extend(rest);
+    if let Some(t) = preset.ties {
+        specs.push(PluginSpec::with(
+            "max-score",
+            1.0,
+            serde_json::json!({ "ties": t }),
+        ));
+    }
     Ok(specs)
 }
