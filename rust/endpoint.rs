@@ -84,10 +84,16 @@ impl EndpointState {
     /// saturated (2 endpoints, a queue limit of 5 and a 50 ms scrape would
     /// cap the pool at 200 requests a second).
     pub fn finish_one(&mut self) -> Option<()> {
-        self.in_flight = self.in_flight.checked_sub(1)?;
-        let in_flight = u32::try_from(self.in_flight).unwrap_or(u32::MAX);
-        self.dispatched_since_scrape = self.dispatched_since_scrape.min(in_flight);
+        self.set_in_flight_to(self.in_flight.checked_sub(1)?);
         Some(())
+    }
+
+    /// `n` requests in flight here, the dispatches since the scrape kept at
+    /// most that many (see [`EndpointState::finish_one`]).
+    pub fn set_in_flight_to(&mut self, n: u64) {
+        self.in_flight = n;
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        self.dispatched_since_scrape = self.dispatched_since_scrape.min(n);
     }
 
     /// The requests an endpoint holds, the one load measure of the picker
@@ -235,7 +241,7 @@ pub fn check_in_flight(states: &[EndpointState], counts: &[i64]) -> Result<()> {
 pub fn set_in_flight(states: &mut [EndpointState], counts: &[i64]) -> Result<()> {
     check_in_flight(states, counts)?;
     for (s, &c) in states.iter_mut().zip(counts) {
-        s.in_flight = c as u64;
+        s.set_in_flight_to(c as u64);
     }
     Ok(())
 }

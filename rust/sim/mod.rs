@@ -741,7 +741,9 @@ impl<'a> Fleet<'a> {
             if self.config.scrape_interval <= 0.0 {
                 self.scrape(i);
             }
-            self.states[i].in_flight = self.endpoints[i].load() as u64;
+            // As the data plane's release does: a dispatch since the scrape
+            // that ended waits in no queue.
+            self.states[i].set_in_flight_to(self.endpoints[i].load() as u64);
         }
         let r = &self.requests[k];
         let blocks = self.blocks;
