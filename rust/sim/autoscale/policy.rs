@@ -64,6 +64,11 @@ impl FleetState {
 pub trait Policy {
     fn name(&self) -> &'static str;
 
+    /// A request arrived at `now`.
+    fn arrive(&mut self, _now: f64) -> Result<()> {
+        Ok(())
+    }
+
     /// A request of `prompt` and `output` tokens finished at `now`.
     fn observe(&mut self, _now: f64, _prompt: u64, _output: u64) -> Result<()> {
         Ok(())
@@ -326,6 +331,10 @@ impl ModelBased {
 impl Policy for ModelBased {
     fn name(&self) -> &'static str {
         "routecore"
+    }
+
+    fn arrive(&mut self, now: f64) -> Result<()> {
+        self.autoscaler.arrive(0, None, now)
     }
 
     fn observe(&mut self, now: f64, prompt: u64, output: u64) -> Result<()> {
