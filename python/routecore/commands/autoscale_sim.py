@@ -182,6 +182,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sub-window rate (default 2; >= 1)",
     )
     p.add_argument(
+        "--max-step-up-percent",
+        type=non_negative_float,
+        default=1000.0,
+        metavar="PERCENT",
+        help="routecore adds at most this percentage of its count (or 4) per decision "
+        "(default 1000: a step's count in one decision, not a doubling a period)",
+    )
+    p.add_argument(
         "--max-endpoints",
         type=positive_int,
         default=1000,
@@ -230,6 +238,7 @@ def autoscale_config(args: argparse.Namespace) -> dict[str, Any]:
         "forecast_s": forecast or None,
         "queue_drain_s": args.queue_drain,
         "max_forecast_ratio": args.max_forecast_ratio,
+        "max_step_up_percent": args.max_step_up_percent,
         "pools": [
             {
                 "name": "pool",

@@ -299,14 +299,14 @@ impl Policy for Saturation {
     }
 }
 
-/// routecore's policy: the data plane's [`Autoscaler`] in the loop. Until
-/// its window is `window_s` old it keeps the count it started with (a fleet
-/// that starts empty finishes few requests in its first seconds: a young
-/// window would read a rising rate that is not there).
+/// routecore's policy: the data plane's [`Autoscaler`] in the loop, told of
+/// every arrival and every finished request, deciding from the first period
+/// as the data plane does (its window's rate is the arrivals': a young
+/// window reads the rate that comes, not the few requests a fleet has
+/// finished yet).
 #[derive(Debug, Clone)]
 pub struct ModelBased {
     autoscaler: Autoscaler,
-    current: u64,
 }
 
 impl ModelBased {
@@ -321,10 +321,7 @@ impl ModelBased {
         }
         let mut autoscaler = Autoscaler::new(cfg, vec![profile], 0.0)?;
         autoscaler.set_current(0, current)?;
-        Ok(Self {
-            autoscaler,
-            current,
-        })
+        Ok(Self { autoscaler })
     }
 }
 
@@ -346,11 +343,7 @@ impl Policy for ModelBased {
             queued_requests: state.waiting as f64,
             promised_tokens_per_s: 0.0,
         };
-        if now < self.autoscaler.config().window_s {
-            return Ok(self.current);
-        }
         let d = self.autoscaler.step(now, &[demand])?;
-        self.current = d[0].endpoints;
-        Ok(self.current)
+        Ok(d[0].endpoints)
     }
 }

@@ -368,8 +368,9 @@ fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
         queued_requests: 300.0,
         promised_tokens_per_s: 0.0,
     };
-    // A window younger than its 60 s: the count it started with.
-    assert_eq!(m.desired(30.0, pool, &st(300)).expect("ok"), 5);
+    // From the first decision on, the autoscaler's count.
+    let first = a.step(30.0, &[demand]).expect("ok")[0].endpoints;
+    assert_eq!(m.desired(30.0, pool, &st(300)).expect("ok"), first);
     let want = a.step(60.0, &[demand]).expect("ok")[0].endpoints;
     assert_eq!(m.desired(60.0, pool, &st(300)).expect("ok"), want);
     let mut quiet = ModelBased::new(cfg.clone(), profile, 5).expect("ok");
