@@ -436,7 +436,26 @@ fn the_forecast_follows_the_windows_trend() {
         ahead.forecast_rate
     );
     assert!(ahead.endpoints > now.endpoints);
-    // A falling window forecasts down, never below 0.
+    // A ramp down from 70 to 10 req/s: its line is at 10 req/s now and
+    // would reach -20 in 30 s; the count covers now, the highest rate
+    // until the endpoints it starts are ready.
+    let mut down = LiveWindow::new(60.0, 6, 512, 0.0).expect("ok");
+    let mut t = 0.0;
+    while t < 60.0 {
+        down.observe(t, 1000, 100).expect("ok");
+        t += 1.0 / (70.0 - t);
+    }
+    let falling = down.live(59.999, 0.99).expect("ok");
+    assert!((falling.trend + 1.0).abs() < 0.05, "{}", falling.trend);
+    let f = Forecast {
+        ahead_s: 30.0,
+        max_ratio: 2.0,
+    };
+    let at_now = falling.rate + falling.trend * falling.span_s / 2.0;
+    assert!((at_now - 10.0).abs() < 1.0, "{at_now}");
+    assert_eq!(f.rate(&falling), at_now);
+    // A window that fell silent forecasts 0 (its newest sub-window's rate
+    // bounds it).
     let mut w = LiveWindow::new(60.0, 6, 512, 0.0).expect("ok");
     for k in 0..300 {
         w.observe(k as f64 / 10.0, 1000, 100).expect("ok");
