@@ -154,9 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scale-down-delay",
         type=non_negative_float,
-        default=60.0,
+        default=30.0,
         metavar="SECONDS",
-        help="the damping's scale-down delay of the saturation rule and routecore (default 60)",
+        help="the damping's scale-down delay of the saturation rule and routecore (default 30)",
     )
     p.add_argument(
         "--forecast",
