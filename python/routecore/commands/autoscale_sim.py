@@ -424,7 +424,10 @@ def plot(result: dict[str, Any], runs: list[dict[str, Any]], path: str) -> None:
         slo.set_ylabel("requests within TTFT and TPOT (%)")
         slo.grid(alpha=0.3)
         for rise in e["rises_s"]:
-            slo.axvspan(rise, rise + result["startup_s"], color="0.9", zorder=0)
+            # Left out of the attainment: until the first decision after the
+            # rise has its endpoints ready (ScaleConfig::excluded_until).
+            first = (math.floor(rise / result["period_s"]) + 1) * result["period_s"]
+            slo.axvspan(rise, first + result["startup_s"], color="0.9", zorder=0)
     handles, labels = axes[1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=9)
     _plot.save(fig, path)
