@@ -974,6 +974,7 @@ AUTOSCALE_NUMBERS = (
     "max_step_down_percent",
     "queue_drain_s",
     "forecast_s",
+    "max_forecast_ratio",
 )
 AUTOSCALE_POOL_NUMBERS = ("min_endpoints", "max_endpoints", "slo_ttft_s", "slo_tpot_s", "context")
 
