@@ -376,6 +376,15 @@ impl Metrics {
                     })
                     .get(),
             ),
+            "pd_fallbacks" => Some(
+                self.pd
+                    .fallbacks
+                    .get_or_create(&super::pd_send::FallbackLabels {
+                        pool: s(0)?,
+                        reason: s(1)?,
+                    })
+                    .get(),
+            ),
             "failures" => Some(
                 self.failures
                     .get_or_create(&ModeLabel { mode: s(0)? })
