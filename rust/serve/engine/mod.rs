@@ -518,6 +518,8 @@ pub struct Engine {
     number: u64,
     /// The autoscaler (`autoscale` of the configuration; None: off).
     pub autoscale: Option<Arc<Scaling>>,
+    /// How each pool's split requests travel (`serve::pd_send`).
+    pub handoffs: Vec<crate::serve::pd_send::PoolHandoff>,
     shared: Weak<Shared>,
 }
 
@@ -648,6 +650,11 @@ impl Engine {
             })
             .collect();
         let flows = Self::pool_flows(&spec, metrics)?;
+        let handoffs = spec
+            .pools
+            .iter()
+            .map(|p| crate::serve::pd_send::PoolHandoff::new(p, &metrics.pd))
+            .collect();
         let default_pool = router.pool_index(&spec.server.default_pool)?;
         let timeout = Duration::from_secs_f64(spec.limits.request_timeout_s);
         let key_header = spec.server.key_header.to_ascii_lowercase();
@@ -698,6 +705,7 @@ impl Engine {
             strip_headers,
             entitlements,
             number: shared.built.fetch_add(1, Ordering::Relaxed) + 1,
+            handoffs,
             autoscale,
             shared: Arc::downgrade(shared),
         });
@@ -708,6 +716,7 @@ impl Engine {
                 p.configure(s);
             }
         }
+        shared.metrics.pd.set_roles(&engine.spec.pools);
         shared.register(&engine);
         Ok(engine)
     }
