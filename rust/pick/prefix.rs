@@ -162,7 +162,13 @@ impl PrefixScorer {
             self.kv_cand.clear();
             self.kv_cand
                 .extend(ctx.cand.iter().map(|&c| self.kv_ids[c]));
-            let blocks = kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held);
+            // The prompt is hashed once for both indexes where their
+            // chains agree.
+            let c = &self.config;
+            let blocks = match req.hashes_of_ids && kv.keys_like(c.block_size, c.seed, req.adapter) {
+                true => kv.match_hashes(req.hashes, &self.kv_cand, &mut self.kv_held),
+                false => kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held),
+            };
             for ((o, p), held) in out.iter_mut().zip(&mut self.precise).zip(&self.kv_held) {
                 if let Some(held) = *held {
                     *o = share(held, blocks);
