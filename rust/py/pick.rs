@@ -818,6 +818,7 @@ impl PyEndpointPicker {
             input_tokens: tokens_arg("input_tokens", input_tokens)?,
             output_tokens: tokens_arg("output_tokens", output_tokens)?,
             now: now_or_monotonic(now),
+            hashes_of_ids: false,
         };
         inner.check(&args)?;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
@@ -857,6 +858,7 @@ impl PyEndpointPicker {
             input_tokens: tokens_arg("est_input_tokens", est_input_tokens)?,
             output_tokens: tokens_arg("est_output_tokens", est_output_tokens)?,
             now: now_or_monotonic(now),
+            hashes_of_ids: false,
         };
         tokens_arg("input_tokens", input_tokens)?;
         tokens_arg("output_tokens", output_tokens)?;
