@@ -395,11 +395,14 @@ impl Table {
         let blocks = prompt.blocks();
         let mut n = 0;
         let mut prev = prompt.seed();
+        // Block n's hash when the last run computed it already.
+        let mut known = None;
         while n < blocks && alive.iter().any(|&a| a != 0) {
             // Block n by its hash, then the slots after it while they hold
             // the blocks after it: each checked from the hash in the slot
             // before, not from the one just computed.
-            let Some(mut s) = self.find(prompt.hash(prev, n)) else {
+            let hash = known.take().unwrap_or_else(|| prompt.hash(prev, n));
+            let Some(mut s) = self.find(hash) else {
                 break;
             };
             // The holders last kept: `alive` is a subset of them, so a block
@@ -411,9 +414,13 @@ impl Table {
             n += 1;
             // In chunks: hashing a chunk first, comparing after, leaves the
             // compiler no equality to put the computed hash in place of the
-            // slot's (which would chain the blocks again).
+            // slot's (which would chain the blocks again). The chunks grow
+            // from 1 block to `RUN_CHUNK` along a run, so a short run hashes
+            // few blocks past its end; the first one past it is block n's
+            // hash, kept for the lookup that follows.
+            let mut chunk = 1;
             'run: loop {
-                let m = RUN_CHUNK.min(blocks - n).min(slab.len() - 1 - s);
+                let m = chunk.min(blocks - n).min(slab.len() - 1 - s);
                 let mut next = [0u64; RUN_CHUNK];
                 for (k, h) in next[..m].iter_mut().enumerate() {
                     *h = prompt.hash(slab[s + k].hash, n + k);
@@ -421,6 +428,7 @@ impl Table {
                 for &h in &next[..m] {
                     let x = slab[s + 1];
                     if x.holders == DEAD || x.hash != h {
+                        known = Some(h);
                         break 'run;
                     }
                     if x.holders != kept {
@@ -432,9 +440,10 @@ impl Table {
                     n += 1;
                     s += 1;
                 }
-                if m < RUN_CHUNK {
+                if m < chunk {
                     break;
                 }
+                chunk = (2 * chunk).min(RUN_CHUNK);
             }
             prev = slab[s].hash;
         }
