@@ -196,7 +196,15 @@ pub fn p99_wait(servers: u64, service_rate: f64, cs2: f64, arrival_rate: f64) ->
 /// `B = P(X = c) / P(X <= c) <= 2 P(X = c)`, since the Poisson median is at
 /// most `ceil(A) <= c` so `P(X <= c) >= 1/2`.
 pub(crate) fn erlang_c_bound(c: f64, a: f64) -> f64 {
-    2.0 * ln_poisson_pmf(c, a).exp() / (1.0 - a / c)
+    erlang_c_bounds(c, a).1
+}
+
+/// Erlang C bracketed in O(1) for 0 < A < c, from one Poisson pmf: the
+/// upper bound of [`erlang_c_bound`], and below it `C >= pmf / (1 - rho (1 -
+/// pmf))` (C increases with B, and `B = P(X = c) / P(X <= c) >= P(X = c)`).
+pub(crate) fn erlang_c_bounds(c: f64, a: f64) -> (f64, f64) {
+    let (pmf, rho) = (ln_poisson_pmf(c, a).exp(), a / c);
+    (pmf / (1.0 - rho * (1.0 - pmf)), 2.0 * pmf / (1.0 - rho))
 }
 
 fn wait_from_c(c: f64, drain: f64, cs2: f64) -> f64 {
@@ -402,6 +410,20 @@ mod tests {
             let a = rho * c as f64;
             let exact = erlang_c(c, a).expect("ok");
             assert!(exact <= erlang_c_bound(c as f64, a), "C({c}, {a})");
+            let (lower, upper) = erlang_c_bounds(c as f64, a);
+            assert_eq!(upper, erlang_c_bound(c as f64, a));
+            assert!(lower <= exact && exact <= upper, "C({c}, {a})");
+        }
+        // Lightly loaded, few servers: B is nearly P(X = c) and the lower
+        // bound nearly exact; near saturation it is within a few times.
+        for &(c, rho, within) in &[(2u64, 0.05, 1.01), (50, 0.5, 1.2), (4000, 0.99, 8.0)] {
+            let a = rho * c as f64;
+            let exact = erlang_c(c, a).expect("ok");
+            let (lower, _) = erlang_c_bounds(c as f64, a);
+            assert!(
+                lower <= exact && exact <= within * lower,
+                "C({c}, {a}) {lower}"
+            );
         }
     }
 

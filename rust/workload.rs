@@ -46,6 +46,12 @@ pub struct Workload {
     /// Request indices sorted by total tokens (stable).
     order: Vec<u32>,
     sorted_total: Vec<u64>,
+    /// `buckets[j]`: how many of `sorted_total` are below `j << bucket_shift`
+    /// (at most [`MAX_BUCKETS`] + 1 of them): a span's ends are searched in
+    /// one bucket, not the whole trace (the planner's sweep asks for about
+    /// 200 of them).
+    bucket_shift: u32,
+    buckets: Vec<u32>,
     /// Prefix sums of weight over `order`, length n + 1.
     cum_weight: Vec<f64>,
     /// Prefix sums of weight per category over `order`, each length n + 1.
@@ -53,6 +59,28 @@ pub struct Workload {
     /// Prefix sums of weight * total tokens over `order`.
     cum_tokens: Vec<f64>,
     tables: Mutex<Vec<Arc<ServiceTable>>>,
+}
+
+/// Most buckets of a workload's span index (see [`Workload`]).
+const MAX_BUCKETS: u64 = 4096;
+
+/// The span index of sorted totals: the shift that makes at most
+/// [`MAX_BUCKETS`] buckets, and how many totals lie below each bucket's start
+/// (one more entry, past the largest total).
+fn buckets(sorted_total: &[u64]) -> (u32, Vec<u32>) {
+    let max = sorted_total.last().copied().unwrap_or(0);
+    let shift = (u64::BITS - (max / MAX_BUCKETS).leading_zeros()).min(63);
+    let count = (max >> shift) as usize + 2;
+    let mut buckets = Vec::with_capacity(count);
+    let mut below = 0usize;
+    for j in 0..count as u64 {
+        let start = j.saturating_mul(1 << shift);
+        while below < sorted_total.len() && sorted_total[below] < start {
+            below += 1;
+        }
+        buckets.push(below as u32);
+    }
+    (shift, buckets)
 }
 
 /// The weighted moments of one range of a workload.
@@ -211,6 +239,7 @@ impl Workload {
         let mut order: Vec<u32> = (0..n as u32).collect();
         order.sort_by_key(|&i| total[i as usize]);
         let sorted_total: Vec<u64> = order.iter().map(|&i| total[i as usize]).collect();
+        let (bucket_shift, buckets) = buckets(&sorted_total);
         let n_cat = category_names.len().max(1);
         let mut cum_weight = Vec::with_capacity(n + 1);
         let mut cum_tokens = Vec::with_capacity(n + 1);
@@ -242,6 +271,8 @@ impl Workload {
             category,
             order,
             sorted_total,
+            bucket_shift,
+            buckets,
             cum_weight,
             cum_weight_by_category: by_cat,
             cum_tokens,
@@ -344,22 +375,36 @@ impl Workload {
 
     /// The requests with `lo < L_total <= hi`, as a span of the sorted order.
     pub fn span(&self, lo: f64, hi: f64) -> Span {
-        let start = self.sorted_total.partition_point(|&t| (t as f64) <= lo);
-        let end = self.sorted_total.partition_point(|&t| (t as f64) <= hi);
+        let start = self.at_most(lo);
         Span {
             start,
-            end: end.max(start),
+            end: self.at_most(hi).max(start),
         }
     }
 
     /// The span `lo < L_total <= hi` given that `from` requests (in sorted
-    /// order) are known to have `L_total <= lo`: one binary search over the rest.
+    /// order) are known to have `L_total <= lo`.
     pub fn span_from(&self, from: usize, hi: f64) -> Span {
-        let rest = &self.sorted_total[from.min(self.len())..];
         Span {
             start: from,
-            end: from + rest.partition_point(|&t| (t as f64) <= hi),
+            end: self.at_most(hi).max(from.min(self.len())),
         }
+    }
+
+    /// How many requests have `L_total <= x`: a binary search inside the
+    /// bucket of `x`.
+    fn at_most(&self, x: f64) -> usize {
+        if x.is_nan() || x < 0.0 {
+            return 0;
+        }
+        // Saturates at u64::MAX for x beyond u64.
+        let j = (x.floor() as u64 >> self.bucket_shift) as usize;
+        let bucket = |k: Option<usize>| k.and_then(|k| self.buckets.get(k)).copied();
+        let (Some(lo), Some(hi)) = (bucket(Some(j)), bucket(j.checked_add(1))) else {
+            return self.len();
+        };
+        let (lo, hi) = (lo as usize, hi as usize);
+        lo + self.sorted_total[lo..hi].partition_point(|&t| (t as f64) <= x)
     }
 
     /// Weight of a span divided by the total weight.
@@ -587,12 +632,12 @@ impl Workload {
 
 /// Per-chunk-size prefix sums over the sorted order of a workload, per
 /// category: `w k`, `w k L`, `w k^2`, `w k^2 L`, `w k^2 L^2`, `w L_in`,
-/// `w L_in^2` with `k = ceil(L_in / C_chunk) + L_out` and `L = L_total`; and a weighted
+/// `w L_in^2`, `w L_out`, `w L_out^2` with `k = ceil(L_in / C_chunk) + L_out` and `L = L_total`; and a weighted
 /// wavelet matrix over the prefill chunk counts `ceil(L_in / C_chunk)`.
 #[derive(Debug)]
 pub struct ServiceTable {
     pub c_chunk: u64,
-    sums: Vec<Vec<[f64; 7]>>,
+    sums: Vec<Vec<[f64; 9]>>,
     chunks: WaveletMatrix,
     /// The fewest chunks of the first `i` requests, and of those from `i`
     /// on (`u64::MAX` for none): a pool's prefix or tail span in O(1).
@@ -605,9 +650,9 @@ impl ServiceTable {
         let n = w.len();
         let mut sums = vec![Vec::with_capacity(n + 1); w.category_channels()];
         for s in sums.iter_mut() {
-            s.push([0.0; 7]);
+            s.push([0.0; 9]);
         }
-        let mut acc = vec![[0.0f64; 7]; w.category_channels()];
+        let mut acc = vec![[0.0f64; 9]; w.category_channels()];
         let mut prefill = Vec::with_capacity(n);
         let mut weights = Vec::with_capacity(n);
         for &i in &w.order {
@@ -625,6 +670,9 @@ impl ServiceTable {
             let p = w.input[i] as f64;
             a[5] += wt * p;
             a[6] += wt * p * p;
+            let o = w.output[i] as f64;
+            a[7] += wt * o;
+            a[8] += wt * o * o;
             for (s, a) in sums.iter_mut().zip(&acc) {
                 s.push(*a);
             }
@@ -676,6 +724,24 @@ impl ServiceTable {
     /// Moments of the prompt length `L_in` over a span and one category
     /// channel (`mean` = E[L_in], `second` = E[L_in^2]).
     pub fn prompt_moments(&self, w: &Workload, span: Span, category: usize) -> RangeMoments {
+        self.length_moments(w, span, category, 5)
+    }
+
+    /// Moments of the output length `L_out` over a span and one category
+    /// channel (`mean` = E[L_out], `second` = E[L_out^2]).
+    pub fn output_moments(&self, w: &Workload, span: Span, category: usize) -> RangeMoments {
+        self.length_moments(w, span, category, 7)
+    }
+
+    /// The moments of the length whose `w x` and `w x^2` sums are columns
+    /// `col` and `col + 1`.
+    fn length_moments(
+        &self,
+        w: &Workload,
+        span: Span,
+        category: usize,
+        col: usize,
+    ) -> RangeMoments {
         let c = &w.cum_weight_by_category[category];
         let weight = c[span.end] - c[span.start];
         if weight <= 0.0 {
@@ -684,8 +750,8 @@ impl ServiceTable {
         let s = &self.sums[category];
         RangeMoments {
             weight,
-            mean: (s[span.end][5] - s[span.start][5]) / weight,
-            second: (s[span.end][6] - s[span.start][6]) / weight,
+            mean: (s[span.end][col] - s[span.start][col]) / weight,
+            second: (s[span.end][col + 1] - s[span.start][col + 1]) / weight,
         }
     }
 
@@ -886,6 +952,49 @@ mod tests {
         assert_eq!((s.end - s.start), 3);
         assert_eq!(w.span_from(1, 10.0), s);
         assert!((w.mean_tokens(s) - 8.0).abs() < 1e-12);
+    }
+
+    /// The bucketed search counts what a scan of the totals counts, at and
+    /// between bucket edges, for small and large totals (shift 0 and > 0).
+    #[test]
+    fn spans_by_bucket_match_a_scan() {
+        let mut rng = crate::rng::Rng::new(7);
+        for top in [1u64, 50, 4095, 4096, 9000, 70_000, 3_000_000] {
+            let inputs: Vec<i64> = (0..500).map(|_| 1 + rng.below(top) as i64).collect();
+            let outputs: Vec<i64> = (0..500).map(|_| rng.below(4) as i64).collect();
+            let w = Workload::new(&inputs, &outputs, None, None).expect("valid");
+            assert!(w.buckets.len() as u64 <= MAX_BUCKETS + 1);
+            let totals: Vec<u64> = inputs
+                .iter()
+                .zip(&outputs)
+                .map(|(a, b)| (a + b) as u64)
+                .collect();
+            let scan = |x: f64| totals.iter().filter(|&&t| (t as f64) <= x).count();
+            let edge = 1u64 << w.bucket_shift;
+            let mut xs = vec![f64::NEG_INFINITY, -1.0, 0.0, f64::NAN, f64::INFINITY, 1e300];
+            for &t in totals.iter().take(60) {
+                let b = t / edge * edge;
+                for x in [
+                    t,
+                    t.saturating_sub(1),
+                    t + 1,
+                    b,
+                    b.saturating_sub(1),
+                    b + edge,
+                ] {
+                    xs.extend([x as f64, x as f64 + 0.5, x as f64 - 0.25]);
+                }
+            }
+            for x in xs {
+                assert_eq!(w.span(f64::NEG_INFINITY, x).end, scan(x), "top {top} x {x}");
+                let s = w.span(x, x + 1.5 * edge as f64);
+                assert_eq!(
+                    (s.start, s.end),
+                    (scan(x), scan(x + 1.5 * edge as f64).max(scan(x)))
+                );
+                assert_eq!(w.span_from(s.start, x + 1.5 * edge as f64), s);
+            }
+        }
     }
 
     #[test]

@@ -35,7 +35,7 @@ from server_fixtures import free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 #: Seconds Envoy gets to be ready (it is ready in well under a second here).
-READY_S = 30.0
+READY_S = 60.0
 #: The access log's fields (``access_log=True``), Envoy's command operators.
 ACCESS_LOG = {
     "test_id": "%REQ(x-test-id)%",
@@ -195,7 +195,7 @@ class Envoy:
         *lines, _partial = self.access_log.read_text().split("\n")
         return [json.loads(line) for line in lines]
 
-    def entry(self, test_id: str, timeout: float = 10.0) -> dict:
+    def entry(self, test_id: str, timeout: float = 30.0) -> dict:
         """The access-log entry of the request sent with ``x-test-id: test_id``
         (Envoy writes it when the request ends)."""
         deadline = time.monotonic() + timeout

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from envoy_proxy import Envoy, shipped_config
-from realstack import KEYS, MAX_BODY_BYTES, Stack, wait_scraped
+from realstack import KEYS, MAX_BODY_BYTES, SLOW_S, Stack, wait_scraped
 from server_fixtures import Spawned, free_port, wait_for
 from tiny_model import BOS, EOS, MODEL_NAME, TEMPLATE
 from vllm_engine import BLOCK_SIZE, VllmEngine
@@ -116,7 +116,7 @@ def cache_on(stack: Stack, engine: VllmEngine, content: str) -> int:
         lambda: all(
             known_blocks(r, engine.address) >= b + blocks for r, b in zip(stack.replicas, before)
         ),
-        10,
+        SLOW_S,
         f"{blocks} new blocks of {engine.address} known to every replica",
     )
     return blocks
@@ -281,7 +281,17 @@ def test_over_concurrency_is_429_with_retry_after(stack: Stack) -> None:
     t = threading.Thread(target=lambda: holding.append(send(stack.url, long, KEYS["tight"])))
     t.start()
     try:
-        wait_for(lambda: sum(e.metric("vllm:num_requests_running") for e in stack.engines) > 0)
+        wait_for(
+            lambda: (
+                sum(e.metric("vllm:num_requests_running") for e in stack.engines) > 0
+                or bool(holding)
+            ),
+            SLOW_S,
+            "the held stream running on an engine",
+        )
+        assert not holding, (
+            f"the held stream ended at once: {holding[0].status}, {holding[0].body!r}"
+        )
         answer = send(stack.url, chat("hello", max_tokens=2), KEYS["tight"])
         assert answer.status == 429, answer.body
         assert float(answer.headers["retry-after"]) > 0
@@ -290,7 +300,9 @@ def test_over_concurrency_is_429_with_retry_after(stack: Stack) -> None:
         t.join(timeout=120)
     assert holding[0].status == 200
     # The slot is free again once the stream ended.
-    wait_for(lambda: send(stack.url, chat("hello", max_tokens=2), KEYS["tight"]).status == 200)
+    wait_for(
+        lambda: send(stack.url, chat("hello", max_tokens=2), KEYS["tight"]).status == 200, SLOW_S
+    )
 
 
 def without_key_removal(config: dict) -> dict:
@@ -365,7 +377,7 @@ def test_a_late_replica_learns_the_engines_caches_by_replay(stack: Stack) -> Non
     late = Spawned(stack.workdir / "late.yaml", stack.config)
     try:
         # What the running replicas learned live, the late one learns by replay.
-        wait_for(lambda: known_blocks(late, target.address) >= known, 15, "replayed blocks")
+        wait_for(lambda: known_blocks(late, target.address) >= known, SLOW_S, "replayed blocks")
     finally:
         late.stop()
 
@@ -415,7 +427,8 @@ def test_a_killed_engine_stops_being_chosen(stack: Stack) -> None:
     result: list[Answer] = []
     t = threading.Thread(target=lambda: result.append(send(stack.url, long, test_id="cut")))
     t.start()
-    wait_for(lambda: victim.metric("vllm:num_requests_running") > 0)
+    wait_for(lambda: victim.metric("vllm:num_requests_running") > 0 or bool(result), SLOW_S)
+    assert not result, f"the stream ended before the engine was killed: {result[0].status}"
     victim.kill()
     t.join(timeout=60)
     assert stack.envoy.entry("cut")["upstream"] == victim.address
@@ -423,10 +436,10 @@ def test_a_killed_engine_stops_being_chosen(stack: Stack) -> None:
     for r in stack.replicas:
         wait_for(
             lambda r=r: r.metric("routecore_endpoint_healthy", endpoint=victim.address) == 0,
-            10,
+            SLOW_S,
             "the dead engine marked unhealthy",
         )
-        r.wait_gauge_zero(10)  # the cut stream released what it held
+        r.wait_gauge_zero(SLOW_S)  # the cut stream released what it held
     ids = [f"after-kill-{uuid.uuid4()}" for _ in range(6)]
     for i, test_id in enumerate(ids):
         # Its cached prompt too: the dead engine is never chosen.
@@ -471,7 +484,7 @@ def test_a_request_to_a_just_killed_engine_is_retried_and_counted_where_served(
         assert first.status == 200, first.body
         victim = stack.engine(gw.entry("first")["upstream"])
         blocks = first.json()["usage"]["prompt_tokens"] // BLOCK_SIZE
-        wait_for(lambda: known_blocks(replica, victim.address) >= blocks, 10, "KV events")
+        wait_for(lambda: known_blocks(replica, victim.address) >= blocks, SLOW_S, "KV events")
         assert send(gw.url, chat(content, max_tokens=1), test_id="second").status == 200
         assert gw.entry("second")["upstream"] == victim.address
         victim.kill()
@@ -591,7 +604,7 @@ def test_a_burst_over_capacity_is_served_for_the_guaranteed_tenant_while_spot_wa
                 and replica.metric("routecore_in_flight") == 0
             )
 
-        wait_for(settled, what="every count back to zero")
+        wait_for(settled, SLOW_S, "every count back to zero")
         left = replica.metric("routecore_flow_outcomes_total", outcome="dispatched")
         shed = sum(a.status == 429 for a in spot)
         expired = replica.metric("routecore_flow_outcomes_total", outcome="expired")

@@ -73,7 +73,7 @@
 
 use super::{Binding, PoolPlan};
 use crate::error::{invalid, Result};
-use crate::queueing::{erlang_c, erlang_c_bound};
+use crate::queueing::{erlang_c, erlang_c_bounds};
 use crate::workload::RangeMoments;
 
 /// Most requests per endpoint for which the closed loop is solved (its cost
@@ -588,14 +588,27 @@ impl<'a> Chunks<'a> {
 
 /// The slot queue of `gpus` endpoints of `slots` slots each held `1 / mu`
 /// seconds by `arrival_rate` requests per second (see the module docs): what
-/// the screen's wait and the exact one share, computed once per evaluation.
+/// the screens' waits and the exact one share, computed once per evaluation.
 struct SlotWait {
     servers: u64,
     offered: f64,
-    /// Erlang C's upper bound, at most 1.
+    /// Erlang C's O(1) lower and upper bounds, at most 1; both 0 when no
+    /// request waits (the upper bound below 1e-12).
+    lower: f64,
     bound: f64,
-    /// The rate at which a waiting request's queue drains.
+    /// The rate at which a waiting request's queue drains (0 when none waits).
     drain: f64,
+}
+
+/// Which probability of waiting for a slot [`SlotWait::wait`] uses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum SlotP {
+    /// Erlang C's O(1) lower bound: a screen that errs low.
+    Lower,
+    /// Its O(1) upper bound: a screen that errs high.
+    Upper,
+    /// Erlang C (the O(sqrt c) series near saturation).
+    Exact,
 }
 
 impl SlotWait {
@@ -605,24 +618,33 @@ impl SlotWait {
             .ok_or_else(|| invalid("fleet size overflows"))?;
         let offered = arrival_rate / mu;
         let rho = offered / servers as f64;
+        let (lower, upper) = if offered > 0.0 {
+            erlang_c_bounds(servers as f64, offered)
+        } else {
+            (0.0, 0.0)
+        };
+        let waits = upper >= 1e-12;
         Ok(Self {
             servers,
             offered,
-            bound: erlang_c_bound(servers as f64, offered).min(1.0),
-            drain: (1.0 - rho.powf(gpus as f64)) * slots as f64 * mu,
+            lower: if waits { lower.min(1.0) } else { 0.0 },
+            bound: if waits { upper.min(1.0) } else { 0.0 },
+            // rho^n only where some request waits.
+            drain: if waits {
+                (1.0 - rho.powf(gpus as f64)) * slots as f64 * mu
+            } else {
+                0.0
+            },
         })
     }
 
-    /// The wait, with `p` the probability of waiting at all: Erlang C, or its
-    /// O(1) upper bound when `exact` is false (a screen that errs high, and
-    /// saves the O(sqrt c) series near saturation).
-    fn wait(&self, exact: bool) -> Result<Wait> {
-        let p = if self.offered <= 0.0 || self.bound < 1e-12 {
-            0.0
-        } else if exact {
-            erlang_c(self.servers, self.offered)?
-        } else {
-            self.bound
+    /// The wait, with `p` the probability of waiting at all as `which` says.
+    fn wait(&self, which: SlotP) -> Result<Wait> {
+        let p = match which {
+            _ if self.bound <= 0.0 => return Ok(Wait::NONE),
+            SlotP::Lower => self.lower,
+            SlotP::Upper => self.bound,
+            SlotP::Exact => erlang_c(self.servers, self.offered)?,
         };
         Ok(Wait::from_mean(p / self.drain, p))
     }
@@ -638,6 +660,24 @@ pub(super) fn engine_eval(
     shape: &EngineShape,
     targets: Targets,
     chunks: &mut Chunks<'_>,
+) -> Result<EngineEval> {
+    evaluate(arrival_rate, gpus, load, shape, targets, chunks, false)
+}
+
+/// [`engine_eval`]; with `bounded_fails`, a count shown to fail with Erlang
+/// C's O(1) lower bound in place of Erlang C (the union bound, the fewest
+/// chunks' test or the miss share already above the target), its binding
+/// clear from the two bounds, fails without the exact series: same verdict
+/// and binding, but its wait figures are the upper bound's. The search
+/// reports figures of passing counts only, so it asks for this.
+fn evaluate(
+    arrival_rate: f64,
+    gpus: u64,
+    load: &EngineLoad,
+    shape: &EngineShape,
+    targets: Targets,
+    chunks: &mut Chunks<'_>,
+    bounded_fails: bool,
 ) -> Result<EngineEval> {
     let rate = arrival_rate / gpus as f64;
     let state = iteration_state(rate, load, shape);
@@ -678,25 +718,63 @@ pub(super) fn engine_eval(
     let queue = (state.occupancy > 0.0)
         .then(|| SlotWait::new(gpus, shape.n_slots, mu, arrival_rate))
         .transpose()?;
-    let slot = |exact| queue.as_ref().map_or(Ok(Wait::NONE), |q| q.wait(exact));
+    let slot = |which| queue.as_ref().map_or(Ok(Wait::NONE), |q| q.wait(which));
     let prefill = Wait::from_mean(state.prefill_wait_s, state.prefill_busy);
     let r = (1.0 - targets.quantile) / 2.0;
+    let union_q = |wait: TotalWait| {
+        let wait_q = wait.quantile_bound(r);
+        (
+            wait_q,
+            wait_q + targets.after_wait(load.prefill_chunks_q, t),
+        )
+    };
     let screen = |wait: TotalWait, eval: &mut EngineEval| {
         eval.wait = wait;
-        eval.wait_q_s = wait.quantile_bound(r);
-        eval.ttft_q_s = eval.wait_q_s + targets.after_wait(load.prefill_chunks_q, t);
+        (eval.wait_q_s, eval.ttft_q_s) = union_q(wait);
         eval.ttft_q_s <= targets.ttft_s
     };
     // The union bound with Erlang C's upper bound first, then with Erlang C.
     let rough = TotalWait {
-        slot: slot(false)?,
+        slot: slot(SlotP::Upper)?,
         prefill,
     };
     if screen(rough, &mut eval) {
         return Ok(eval);
     }
+    let allowed = 1.0 - targets.quantile;
+    // Every request prefills at least its pool's fewest chunks.
+    let fewest = targets.after_wait(load.prefill_chunks_min.max(1.0), t);
+    let (tt, budget) = (
+        t + targets.shift.per_chunk_s,
+        targets.ttft_s - targets.shift.offset_s,
+    );
+    if bounded_fails && rough.slot != Wait::NONE {
+        // Each test grows with the probability of waiting (theta is 1 /
+        // drain whatever it is): above the target at the lower bound (with
+        // a margin for rounding), above it at Erlang C.
+        let low = TotalWait {
+            slot: slot(SlotP::Lower)?,
+            prefill,
+        };
+        let (above, margin) = (|x: f64, y: f64| x > y * (1.0 + 1e-9), 1.0 + 1e-9);
+        let binding = if low.slot.mean() > prefill.mean() * margin {
+            Some(Binding::Slot)
+        } else if rough.slot.mean() * margin < prefill.mean() {
+            Some(Binding::Prefill)
+        } else {
+            None
+        };
+        if let Some(binding) = binding.filter(|_| above(union_q(low).1, targets.ttft_s)) {
+            if above(low.survival(targets.ttft_s - fewest), allowed)
+                || above(low.miss(chunks.get(), tt, budget), allowed)
+            {
+                eval.fails = Some(binding);
+                return Ok(eval);
+            }
+        }
+    }
     let wait = TotalWait {
-        slot: slot(true)?,
+        slot: slot(SlotP::Exact)?,
         prefill,
     };
     if wait != rough && screen(wait, &mut eval) {
@@ -707,17 +785,10 @@ pub(super) fn engine_eval(
     } else {
         Binding::Prefill
     };
-    let allowed = 1.0 - targets.quantile;
-    // Every request prefills at least its pool's fewest chunks.
-    let fewest = targets.after_wait(load.prefill_chunks_min.max(1.0), t);
     if wait.survival(targets.ttft_s - fewest) > allowed {
         eval.fails = Some(binding);
         return Ok(eval);
     }
-    let (tt, budget) = (
-        t + targets.shift.per_chunk_s,
-        targets.ttft_s - targets.shift.offset_s,
-    );
     if wait.miss(chunks.get(), tt, budget) > allowed {
         eval.fails = Some(binding);
     }
@@ -844,7 +915,7 @@ pub(super) fn size_engine_pool(
         if let Some((_, e)) = seen.iter().flatten().find(|(m, _)| *m == n) {
             return Ok(*e);
         }
-        let e = engine_eval(arrival_rate, n, load, shape, targets, chunks)?;
+        let e = evaluate(arrival_rate, n, load, shape, targets, chunks, true)?;
         let passed = e.fails.is_none();
         let kept = &mut seen[usize::from(!passed)];
         if kept.is_none_or(|(m, _)| if passed { n < m } else { n > m }) {
@@ -859,11 +930,16 @@ pub(super) fn size_engine_pool(
         })?,
     };
     let n = found.unwrap_or(bad + 1);
-    let mut e = eval(n, chunks)?;
-    if found.is_none() {
-        // Reported as it stands, even where it fails the TPOT (unsolved).
-        e.state = engine_state(arrival_rate / n as f64, n, load, shape);
-    }
+    let e = if found.is_some() {
+        eval(n, chunks)?
+    } else {
+        // Reported as it stands, its wait figures exact, even where it
+        // fails the TPOT (unsolved).
+        EngineEval {
+            state: engine_state(arrival_rate / n as f64, n, load, shape),
+            ..engine_eval(arrival_rate, n, load, shape, targets, chunks)?
+        }
+    };
     // No count below MAX_GPUS meets the SLO: what fails at the stability bound.
     let never = never.or_else(|| found.is_none().then(|| e.fails.unwrap_or(Binding::Prefill)));
     pool.gpus = n;
@@ -1185,6 +1261,35 @@ mod tests {
         // ... but with only 0.5% of them too long at W the SLO can be met.
         let p = never(0.09, 1.0);
         assert!(p.feasible, "{p:?}");
+    }
+
+    /// The search's evaluation, which fails counts on Erlang C's lower bound
+    /// where that already decides, gives the verdict and the binding of the
+    /// full evaluation for every count, and the same figures where it passes.
+    #[test]
+    fn bounded_fails_decide_as_the_exact_evaluation() {
+        let l = load();
+        let mut bounded = 0;
+        for slots in [4, 16, 64, 256] {
+            for rate in [20.0, 200.0, 2000.0] {
+                for ttft in [0.2, 0.5, 1.0, 3.0] {
+                    let (s, tg) = (shape(slots), targets(ttft, 1.0));
+                    let mut chunks = Chunks::new(&dist);
+                    for n in 1..300 {
+                        let full = engine_eval(rate, n, &l, &s, tg, &mut chunks).expect("ok");
+                        let quick = evaluate(rate, n, &l, &s, tg, &mut chunks, true).expect("ok");
+                        assert_eq!(quick.fails, full.fails, "{slots} {rate} {ttft} {n}");
+                        if full.fails.is_none() {
+                            assert_eq!(quick, full);
+                        } else if quick != full {
+                            bounded += 1;
+                        }
+                    }
+                }
+            }
+        }
+        // The lower bound decided some of them (the path is exercised).
+        assert!(bounded > 0);
     }
 
     /// The screens agree with the miss share: a count the union bound passes

@@ -503,17 +503,22 @@ impl Ctx<'_> {
 
     /// The band's requests after compress-and-route, `weight` of them: each
     /// is cut to `L_total = b` (the compressor's target `T_c = b - L_out`), so
-    /// `L_in' = b - L_out`. From the band's mean output `E[L_out] =
-    /// E[L_total] - E[L_in]` (all categories), taking `L_out` at its mean:
-    /// `L_in' = b - E[L_out]`, `k' = ceil(L_in' / C) + E[L_out]`, `k' L = k' b`
-    /// (second moments of a point mass). Without this the short pool would be
-    /// sized as if compressed prompts were as short as its own. Returns the
-    /// moments and the compressed prompts' chunk count.
+    /// `L_in' = b - L_out`. From the mean output of the requests compressed
+    /// (each category's band weighted by its `p_c`: code, never compressed by
+    /// default, has outputs a tenth of conversation's), taking `L_out` at its
+    /// mean: `L_in' = b - E[L_out]`, `k' = ceil(L_in' / C) + E[L_out]`, `k' L
+    /// = k' b` (second moments of a point mass). Without this the short pool
+    /// would be sized as if compressed prompts were as short as its own.
+    /// Returns the moments and the compressed prompts' chunk count.
     fn compressed_mix(&self, band: Span, b: u64, weight: f64) -> (Mix, u64) {
-        let prompt_all = (0..self.w.category_channels()).fold(RangeMoments::EMPTY, |m, c| {
-            m.merge(self.table.prompt_moments(self.w, band, c))
-        });
-        let out = (self.w.mean_tokens(band) - prompt_all.mean).max(0.0);
+        let out = (0..self.w.category_channels())
+            .fold(RangeMoments::EMPTY, |m, c| {
+                let mut o = self.table.output_moments(self.w, band, c);
+                o.weight *= self.p_c[c];
+                m.merge(o)
+            })
+            .mean
+            .max(0.0);
         let p = (b as f64 - out).max(1.0);
         let chunks = (p / self.profile.c_chunk as f64).ceil();
         let k = chunks + out;
@@ -1059,6 +1064,137 @@ mod tests {
         assert_eq!((c / 1000.0).round(), 5498.0);
         assert!(pool_routing_savings(1.5, 4.0).is_err());
         assert!(g_dual(0.5, 1.0, 0.0, 1.0).is_err());
+    }
+
+    /// The main job's FleetOpt short pool (B = 1,024, gamma 2.0) was planned
+    /// at 89 GPUs where the simulator needs 97: its compressed requests were
+    /// charged the band's mean output over every category, and code (never
+    /// compressed, outputs a tenth of conversation's) pulled it from 353 to
+    /// 286 tokens. The case in small: the short pool's iteration time is the
+    /// engine model's with the compressed requests' own output (300), not the
+    /// band's (155).
+    #[test]
+    fn compressed_requests_cost_their_own_outputs() {
+        let (mut inputs, mut outputs, mut cats) = (Vec::new(), Vec::new(), Vec::new());
+        for (n, input, output, cat) in [
+            (600, 200, 100, "conversation"),
+            (300, 1200, 300, "conversation"),
+            (300, 1400, 10, "code"),
+            (100, 5000, 100, "conversation"),
+        ] {
+            inputs.extend(std::iter::repeat_n(input, n));
+            outputs.extend(std::iter::repeat_n(output, n));
+            cats.extend(std::iter::repeat_n(cat.to_string(), n));
+        }
+        let w = Workload::new(&inputs, &outputs, None, Some(&cats)).expect("valid");
+        let profile = Profile::llama3_70b_a100();
+        let cfg = PlanConfig {
+            b_short: vec![1024],
+            gammas: vec![2.0],
+            slo_tpot_s: Some(0.08),
+            ..PlanConfig::new(200.0, 2.0)
+        };
+        let p = plan(&w, &profile, &cfg).expect("plan");
+        let short = p.candidate(1024, 2.0).expect("candidate").short;
+        // 600 short requests (k = 1 + 100, L_in 200) and 300 compressed to
+        // L_in = 1024 - 300 = 724 (k = 2 + 300); code stays in the long pool.
+        let point = |weight: f64, x: f64| RangeMoments {
+            weight,
+            mean: x,
+            second: x * x,
+        };
+        let mix = |a: f64, b: f64| point(600.0, a).merge(point(300.0, b));
+        let load = EngineLoad::from_moments(
+            mix(101.0, 302.0),
+            mix(101.0 * 300.0, 302.0 * 1024.0),
+            mix(200.0, 724.0),
+            2.0,
+            1.0,
+        );
+        let shape = EngineShape {
+            w_s: profile.w_s,
+            h_s: profile.h_s,
+            chunk: profile.c_chunk,
+            n_slots: short.n_slots,
+            kv_tokens: short.n_slots as f64 * 1024.0,
+        };
+        assert!((short.arrival_rate - 200.0 * 900.0 / 1300.0).abs() < 1e-9);
+        let n = short.gpus;
+        let at = engine_state(short.arrival_rate / n as f64, n, &load, &shape);
+        assert!(
+            (short.t_iter_s - at.t_iter_s).abs() < 1e-12 * at.t_iter_s,
+            "{short:?} vs {at:?}"
+        );
+        assert!((short.occupancy - at.occupancy).abs() < 1e-9 * at.occupancy);
+    }
+
+    /// The warm sweep of `benches/bench_planner.py` in Rust alone (no Python
+    /// call), min and median of 3,000: the engine model on the Azure trace
+    /// with its categories and without (the bench's workload), and the paper
+    /// model. The trace is read from the CSV `ROUTECORE_AZURE_CSV` names:
+    /// `gzip -dc python/routecore/data/azure-llm-2023/azure_llm_2023.csv.gz >
+    /// /tmp/azure.csv; ROUTECORE_AZURE_CSV=/tmp/azure.csv cargo test --release
+    /// --lib -- --ignored --nocapture planner_sweep_timing`.
+    #[test]
+    #[ignore]
+    fn planner_sweep_timing() {
+        let Ok(path) = std::env::var("ROUTECORE_AZURE_CSV") else {
+            eprintln!("ROUTECORE_AZURE_CSV is not set: nothing timed");
+            return;
+        };
+        let text = std::fs::read_to_string(path).expect("the trace");
+        let cols = crate::workload::CsvColumns {
+            input: "ContextTokens",
+            output: "GeneratedTokens",
+            arrival: None,
+            category: Some("category"),
+        };
+        let labelled = Workload::from_csv_text(&text, &cols).expect("csv");
+        let as_i64 = |v: &[u64]| v.iter().map(|&x| x as i64).collect::<Vec<_>>();
+        let (inputs, outputs) = (
+            as_i64(labelled.input_tokens()),
+            as_i64(labelled.output_tokens()),
+        );
+        let bench = Workload::new(&inputs, &outputs, None, None).expect("workload");
+        let sweep = |ttft| PlanConfig {
+            b_short: DEFAULT_B_SHORT.to_vec(),
+            gammas: (10..=20).map(|k| k as f64 / 10.0).collect(),
+            ..PlanConfig::new(1000.0, ttft)
+        };
+        let engine = PlanConfig {
+            slo_tpot_s: Some(0.08),
+            ..sweep(2.0)
+        };
+        let paper = PlanConfig {
+            model: ServiceModel::Paper,
+            ..sweep(0.5)
+        };
+        let a100 = Profile::llama3_70b_a100();
+        let h_ref = Profile {
+            h_ref_tokens: Some(8192),
+            ..a100.clone()
+        };
+        for (name, w, profile, cfg) in [
+            (
+                "engine, the trace with its categories",
+                &labelled,
+                &a100,
+                &engine,
+            ),
+            ("engine, the bench's workload", &bench, &a100, &engine),
+            ("paper, the bench's workload", &bench, &h_ref, &paper),
+        ] {
+            plan(w, profile, cfg).expect("plan");
+            let mut took: Vec<f64> = (0..3000)
+                .map(|_| {
+                    let start = std::time::Instant::now();
+                    std::hint::black_box(plan(w, profile, cfg).expect("plan"));
+                    start.elapsed().as_secs_f64() * 1e6
+                })
+                .collect();
+            took.sort_by(f64::total_cmp);
+            println!("{name}: min {:.1} us, median {:.1} us", took[0], took[1500]);
+        }
     }
 
     #[test]
