@@ -28,7 +28,7 @@ use serde::Deserialize;
 use crate::endpoint::{complete_one, EndpointState};
 use crate::error::Error;
 use crate::error::{finite, invalid, Result};
-use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, Recorded};
+use crate::pick::{Kind, PickConfig, PickRequest, Pipeline, PluginSpec, Recorded};
 use crate::snapshot::{Reader, Writer};
 
 /// What an endpoint does in a disaggregated pool: the word of llm-d's
@@ -228,25 +228,21 @@ pub fn check_roles(roles: &[Role], decider: Decider) -> Result<()> {
 }
 
 /// The prefill pipeline's specs from the decode pipeline's: its filters
-/// (health, subset, adapter, saturation), its prefix scorer (weight 2,
-/// same parameters: it shares the decode pipeline's index), queue depth
-/// and the requests in flight (weight 1 each), the highest total with
-/// ties to the least loaded.
+/// (health, subset, adapter, saturation), its prefix scorer (the scorer
+/// that reads block hashes; weight 2, same parameters: it shares the decode
+/// pipeline's index), queue depth and the requests in flight (weight 1
+/// each), the highest total with ties to the least loaded.
 pub fn prefill_specs(decode: &[PluginSpec]) -> Vec<PluginSpec> {
+    let described = |s: &PluginSpec| crate::pick::describe(&s.name).ok();
     let mut specs: Vec<PluginSpec> = decode
         .iter()
-        .filter(|s| {
-            matches!(
-                s.name.as_str(),
-                "healthy" | "subset-hint" | "serves-adapter" | "saturation"
-            )
-        })
+        .filter(|s| described(s).is_some_and(|d| matches!(d.kind, Kind::Filter { .. })))
         .cloned()
         .collect();
     specs.extend(
         decode
             .iter()
-            .filter(|s| matches!(s.name.as_str(), "prefix" | "precise-prefix"))
+            .filter(|s| described(s).is_some_and(|d| d.needs.hashes))
             .map(|s| PluginSpec::with(&s.name, 2.0, s.params.clone())),
     );
     specs.push(PluginSpec::new("queue-depth", 1.0));

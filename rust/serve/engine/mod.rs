@@ -1214,4 +1214,29 @@ mod tests {
             }
         }
     }
+
+    /// The router section's prefix block size and saturation thresholds
+    /// reach the pool's pipeline through the plugins' own descriptions.
+    #[tokio::test]
+    async fn router_settings_reach_the_plugins_that_take_them() {
+        let mut json = plane_json("precise-prefix+queue+kv", serde_json::Value::Null);
+        json["router"]["prefix_block_size"] = 64.into();
+        json["router"]["saturation"] = serde_json::json!({"max_waiting": 9.0, "max_kv_usage": 0.5});
+        let (_shared, engine) = plane_of(json);
+        let chooser = &engine.choosers[0];
+        assert_eq!(chooser.prefix, Some((64, 0)));
+        let st = lock(&chooser.state);
+        let params = |name: &str| {
+            let spec = st.pipeline.specs().iter().find(|s| s.name == name);
+            spec.expect("in the preset").params.clone()
+        };
+        assert_eq!(
+            params("precise-prefix"),
+            serde_json::json!({"block_size": 64})
+        );
+        assert_eq!(
+            params("saturation"),
+            serde_json::json!({"max_waiting": 9.0, "max_kv_usage": 0.5})
+        );
+    }
 }
