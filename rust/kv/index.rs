@@ -46,12 +46,28 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{invalid, unknown, Result};
 use crate::prefix::{
-    block_hashes, block_hashes_after, block_hashes_into, BlockHasher, Tokens, MAX_BLOCK_SIZE,
-    MAX_CAPACITY_BLOCKS,
+    block_hashes, block_hashes_after, block_hashes_into, BlockHasher, BlockStep, Tokens,
+    MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS,
 };
 
 mod table;
-use table::Table;
+use table::{Hashed, Ids, Prompt, Table};
+
+/// A query's scratch, kept per thread: no allocation per query once the
+/// fleet's size was seen.
+#[derive(Default)]
+struct Scratch {
+    /// Per endpoint id, the blocks the walk settled it at.
+    depth: Vec<u32>,
+    /// The endpoints asked and the walk's live set, a bitset each.
+    masks: Vec<u64>,
+    /// The chain step of the last (block size, seed) asked.
+    step: Option<((usize, u64), BlockStep)>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
 
 /// vLLM's default KV-cache block size, in tokens.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -742,42 +758,84 @@ impl KvIndex {
     ) -> usize {
         let seed = lora_seed(self.config.seed, adapter);
         let bs = self.config.block_size;
+        SCRATCH.with_borrow_mut(|scratch| {
+            let Scratch { depth, masks, step } = scratch;
+            if step.as_ref().is_none_or(|(key, _)| *key != (bs, seed)) {
+                *step = None;
+            }
+            let (_, step) = step.get_or_insert_with(|| ((bs, seed), BlockStep::new(bs, seed)));
+            let mut prompt = Ids {
+                ids: token_ids,
+                block_size: bs,
+                seed,
+                step,
+            };
+            self.match_with(&mut prompt, ids, held, depth, masks);
+        });
+        token_ids.len() / bs
+    }
+
+    /// Whether this index keys a prompt's blocks with the chain of
+    /// `block_hashes(tokens, block_size, seed)` for `adapter`'s requests:
+    /// the same block size, and the adapter's seed (`lora_seed`) equal to
+    /// `seed`. Then `match_hashes` over those hashes answers as
+    /// `match_prompt` over the tokens.
+    pub fn keys_like(&self, block_size: usize, seed: u64, adapter: Option<&str>) -> bool {
+        self.config.block_size == block_size && lora_seed(self.config.seed, adapter) == seed
+    }
+
+    /// `match_prompt` for a prompt hashed already: `hashes` are its chained
+    /// block hashes as this index keys them (`request_hashes`, or any chain
+    /// `keys_like` accepts). Hashes nothing.
+    pub fn match_hashes(
+        &self,
+        hashes: &[u64],
+        ids: &[Option<u32>],
+        held: &mut Vec<Option<usize>>,
+    ) -> usize {
+        SCRATCH.with_borrow_mut(|s| {
+            self.match_with(&mut Hashed(hashes), ids, held, &mut s.depth, &mut s.masks)
+        });
+        hashes.len()
+    }
+
+    fn match_with(
+        &self,
+        prompt: &mut impl Prompt,
+        ids: &[Option<u32>],
+        held: &mut Vec<Option<usize>>,
+        depth: &mut Vec<u32>,
+        masks: &mut Vec<u64>,
+    ) {
         let blocks = self.read_blocks();
         let words = blocks.table.words();
         // The endpoints asked about that are live, and a copy the walk
         // leaves alone.
-        let (mut small, mut large);
-        let (asked, alive): (&mut [u64], &mut [u64]) = match words <= 4 {
-            true => {
-                small = [0u64; 8];
-                small[..2 * words].split_at_mut(words)
-            }
-            false => {
-                large = vec![0u64; 2 * words];
-                large.split_at_mut(words)
-            }
-        };
+        masks.clear();
+        masks.resize(2 * words, 0);
+        let (asked, alive) = masks.split_at_mut(words);
+        depth.resize(depth.len().max(blocks.endpoints), 0);
         for &id in ids
             .iter()
             .flatten()
             .filter(|&&id| (id as usize) < blocks.endpoints)
         {
             asked[id as usize / 64] |= 1 << (id % 64);
+            // The walk writes only those it settles: the others hold none.
+            depth[id as usize] = 0;
         }
         for (w, (a, b)) in asked.iter_mut().zip(alive.iter_mut()).enumerate() {
             *a &= blocks.liveness.live_word(w);
             *b = *a;
         }
-        let mut depth = vec![0u32; blocks.endpoints];
-        blocks.table.walk(alive, token_ids, bs, seed, |id, n| {
-            depth[id as usize] = n as u32
-        });
+        blocks
+            .table
+            .walk(alive, prompt, |id, n| depth[id as usize] = n as u32);
         held.clear();
         held.extend(ids.iter().map(|id| {
             let id = (*id)? as usize;
             (asked.get(id / 64)? >> (id % 64) & 1 == 1).then(|| depth[id] as usize)
         }));
-        token_ids.len() / bs
     }
 
     /// `name`'s blocks (our hashes), sorted: replicas fed the same events agree.

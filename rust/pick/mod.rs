@@ -83,6 +83,10 @@ pub struct PickRequest<'a> {
     pub hashes: &'a [u64],
     /// Token ids when known (tokenizer / caller).
     pub token_ids: Option<&'a [u32]>,
+    /// `hashes` are `token_ids`' block hashes with the prefix plugin's block
+    /// size and seed (computed from them here, not given apart): the
+    /// precise-prefix scorer reads them instead of hashing the ids again.
+    pub hashes_of_ids: bool,
     /// LoRA adapter the request names (its model field); None = base model.
     pub adapter: Option<&'a str>,
     /// Subset hint, resolved to endpoint indices.

@@ -165,7 +165,14 @@ impl PrefixScorer {
             self.kv_cand.clear();
             self.kv_cand
                 .extend(ctx.cand.iter().map(|&c| self.kv_ids[c]));
-            let blocks = kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held);
+            // The prompt is hashed once for both indexes where their
+            // chains agree.
+            let c = &self.config;
+            let blocks = match req.hashes_of_ids && kv.keys_like(c.block_size, c.seed, req.adapter)
+            {
+                true => kv.match_hashes(req.hashes, &self.kv_cand, &mut self.kv_held),
+                false => kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held),
+            };
             for ((o, p), held) in out.iter_mut().zip(&mut self.precise).zip(&self.kv_held) {
                 if let Some(held) = *held {
                     *o = share(held, blocks);
@@ -432,6 +439,7 @@ mod tests {
     use crate::endpoint::EndpointState;
     use crate::kv::{Event, KvConfig, Stored};
     use crate::prefix::{block_hashes, Tokens};
+    use crate::rng::Rng;
 
     const BS: usize = 4;
 
@@ -616,5 +624,108 @@ mod tests {
         kv.apply("e1", 1, &[Ok(Event::Cleared)], 0.0)
             .expect("apply");
         assert_eq!(p.pick_one(&r, &states), Ok(Some(0)), "by load");
+    }
+
+    /// A pick that hands the KV index the prompt's hashes (computed once,
+    /// for both indexes) chooses, records and snapshots exactly as one
+    /// where the KV index hashes the ids itself, on random event streams
+    /// (stores chained to a parent, removals, clears, streams going down)
+    /// and requests with and without an adapter, for a KV index that keys
+    /// blocks like the prefix scorer and one that does not (another seed).
+    #[test]
+    fn hashing_once_for_both_indexes_picks_and_records_as_hashing_twice() {
+        const BS: usize = 16;
+        let names: Vec<String> = (0..5).map(|i| format!("e{i}")).collect();
+        for (case, kv_seed) in [0u64, 0, 0, 9].into_iter().enumerate() {
+            let mut rng = Rng::new(40 + case as u64);
+            let kv = KvIndex::new(KvConfig {
+                block_size: BS,
+                seed: kv_seed,
+                capacity_blocks: 40,
+                ..KvConfig::default()
+            })
+            .expect("kv");
+            for n in &names {
+                kv.add_endpoint(n);
+                kv.set_connected(n, true).expect("endpoint");
+            }
+            let kv = Arc::new(kv);
+            let config = PickConfig {
+                kv_index: Some(Arc::clone(&kv)),
+                ..PickConfig::default()
+            };
+            let preset = "precise-prefix+queue+kv";
+            let mut once = Pipeline::preset(preset, &names, &config).expect("pipeline");
+            let mut twice = Pipeline::preset(preset, &names, &config).expect("pipeline");
+            // Prompts of 1-6 blocks over one of 3 shared first blocks and a
+            // small alphabet, so that they meet again.
+            let prompt = |rng: &mut Rng| -> Vec<u32> {
+                let first = rng.below(3) as u32;
+                let mut p: Vec<u32> = (0..BS as u32).map(|i| 1000 * first + i).collect();
+                p.extend((0..rng.below(6 * BS as u64)).map(|_| rng.below(2) as u32));
+                p
+            };
+            let loras = [None, None, None, Some("sql")];
+            let mut seq = vec![0u64; names.len()];
+            let mut engine_hash = 0u64;
+            let mut states = vec![EndpointState::default(); names.len()];
+            for step in 0..600 {
+                let e = rng.below(names.len() as u64) as usize;
+                let name = &names[e];
+                let event = match rng.below(12) {
+                    0 => Some(Event::Cleared),
+                    1 => Some(Event::Removed {
+                        hashes: (0..3).map(|_| rng.below(engine_hash + 1)).collect(),
+                        medium: None,
+                    }),
+                    2 => {
+                        let up = rng.below(4) > 0;
+                        kv.set_connected(name, up).expect("endpoint");
+                        None
+                    }
+                    3..=6 => {
+                        let p = prompt(&mut rng);
+                        let blocks = p.len() / BS;
+                        let hashes: Vec<u64> =
+                            (0..blocks as u64).map(|k| engine_hash + 1 + k).collect();
+                        engine_hash += blocks as u64;
+                        Some(Event::Stored(Stored {
+                            hashes,
+                            parent: None,
+                            token_ids: p[..blocks * BS].to_vec(),
+                            block_size: BS,
+                            lora: loras[rng.below(4) as usize].map(str::to_owned),
+                            medium: None,
+                        }))
+                    }
+                    _ => {
+                        let p = prompt(&mut rng);
+                        let lora = loras[rng.below(4) as usize];
+                        let hashes = block_hashes(Tokens::Ids(&p), BS, 0).expect("hashes");
+                        let mut r = request(&hashes, Some(&p));
+                        r.adapter = lora;
+                        r.now = step as f64;
+                        states[e].waiting = Some(rng.below(3) as f64);
+                        let separate = twice.pick_one(&r, &states).expect("pick");
+                        r.hashes_of_ids = true;
+                        let shared = once.pick_one(&r, &states).expect("pick");
+                        assert_eq!(shared, separate, "case {case} step {step}");
+                        if let Some(c) = shared {
+                            once.started(&r, c).expect("started");
+                            r.hashes_of_ids = false;
+                            twice.started(&r, c).expect("started");
+                        }
+                        assert_eq!(once.to_bytes(), twice.to_bytes(), "step {step}");
+                        None
+                    }
+                };
+                if let Some(event) = event {
+                    kv.observe(name, seq[e]).expect("seq");
+                    kv.apply(name, seq[e], &[Ok(event)], step as f64)
+                        .expect("apply");
+                    seq[e] += 1;
+                }
+            }
+        }
     }
 }

@@ -45,6 +45,8 @@ struct Args<'a> {
     input_tokens: u64,
     output_tokens: u64,
     now: f64,
+    /// The request's block hashes were computed from its tokens (not given).
+    hashes_of_ids: bool,
 }
 
 impl<'a> Args<'a> {
@@ -65,6 +67,7 @@ impl<'a> Args<'a> {
             input_tokens: tokens_arg("input_tokens", input_tokens)?,
             output_tokens: tokens_arg("output_tokens", output_tokens)?,
             now: now_or_monotonic(now),
+            hashes_of_ids: false,
         })
     }
 
@@ -73,6 +76,7 @@ impl<'a> Args<'a> {
         PickRequest {
             hashes,
             token_ids,
+            hashes_of_ids: self.hashes_of_ids && token_ids.is_some(),
             adapter: self.adapter,
             subset: self.subset.as_deref(),
             fairness_id: self.fairness_id,
@@ -503,9 +507,10 @@ impl PyEndpointPicker {
     ) -> PyResult<Option<Py<PyString>>> {
         let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
         let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
+        let of_ids = hashes.is_none();
         let hashes = self.hashes(py, t, hashes)?;
         let mut inner = self.inner();
-        let args = inner.whole(Args::of_call(
+        let mut args = inner.whole(Args::of_call(
             &inner,
             adapter,
             subset,
@@ -513,6 +518,7 @@ impl PyEndpointPicker {
             (input_tokens, output_tokens),
             now,
         )?);
+        args.hashes_of_ids = of_ids;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
         let chosen = inner.pick(&args, ids_of(t), true)?;
         Ok(chosen.map(|e| inner.names[e].clone_ref(py)))
@@ -544,9 +550,10 @@ impl PyEndpointPicker {
     ) -> PyResult<Option<Pair>> {
         let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
         let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
+        let of_ids = hashes.is_none();
         let hashes = self.hashes(py, t, hashes)?;
         let mut inner = self.inner();
-        let args = Args::of_call(
+        let mut args = Args::of_call(
             &inner,
             adapter,
             subset,
@@ -554,6 +561,7 @@ impl PyEndpointPicker {
             (input_tokens, output_tokens),
             now,
         )?;
+        args.hashes_of_ids = of_ids;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
         if inner.split.is_none() {
             let chosen = inner.pick(&args, ids_of(t), true)?;
@@ -646,9 +654,10 @@ impl PyEndpointPicker {
     ) -> PyResult<Vec<String>> {
         let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
         let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
+        let of_ids = hashes.is_none();
         let hashes = self.hashes(py, t, hashes)?;
         let mut inner = self.inner();
-        let args = inner.whole(Args::of_call(
+        let mut args = inner.whole(Args::of_call(
             &inner,
             adapter,
             subset,
@@ -656,6 +665,7 @@ impl PyEndpointPicker {
             (input_tokens, output_tokens),
             now,
         )?);
+        args.hashes_of_ids = of_ids;
         inner.check(&args)?;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
         let Inner {
@@ -756,6 +766,7 @@ impl PyEndpointPicker {
                     input_tokens: count(&ins, i, "input_tokens")?,
                     output_tokens: count(&outs, i, "output_tokens")?,
                     now,
+                    hashes_of_ids: block.is_some(),
                 });
                 inner.check(&args)?;
                 batch.push(args);
@@ -807,6 +818,7 @@ impl PyEndpointPicker {
             input_tokens: tokens_arg("input_tokens", input_tokens)?,
             output_tokens: tokens_arg("output_tokens", output_tokens)?,
             now: now_or_monotonic(now),
+            hashes_of_ids: false,
         };
         inner.check(&args)?;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
@@ -846,6 +858,7 @@ impl PyEndpointPicker {
             input_tokens: tokens_arg("est_input_tokens", est_input_tokens)?,
             output_tokens: tokens_arg("est_output_tokens", est_output_tokens)?,
             now: now_or_monotonic(now),
+            hashes_of_ids: false,
         };
         tokens_arg("input_tokens", input_tokens)?;
         tokens_arg("output_tokens", output_tokens)?;

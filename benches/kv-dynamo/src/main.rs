@@ -254,6 +254,16 @@ impl<'a> RoutecoreQuery<'a> {
         &self.held
     }
 
+    /// The picker's path since issue 28's second half: the prompt hashed
+    /// once (for the approximate index too), the walk reading the hashes.
+    #[cfg(not(feature = "before"))]
+    fn hash_then_walk(&mut self, prompt: &[u32]) -> &[Option<usize>] {
+        self.kv.request_hashes_into(prompt, None, &mut self.hashes);
+        self.kv
+            .match_hashes(&self.hashes, &self.ids, &mut self.held);
+        &self.held
+    }
+
     fn hash_all(&mut self, prompt: &[u32]) -> usize {
         self.kv.request_hashes_into(prompt, None, &mut self.hashes);
         self.hashes.len()
@@ -448,6 +458,15 @@ fn main() {
             kv
         });
         drop(kv);
+        if std::env::var("APPLY_ONLY").is_ok() {
+            // routecore's apply alone (the A B A B runs against an older build).
+            println!(
+                "routecore KvIndex apply: {:.2} M block-ops/s ({:.1} ms)",
+                ops as f64 / t_rc.as_secs_f64() / 1e6,
+                t_rc.as_secs_f64() * 1e3
+            );
+            continue;
+        }
         let h0 = heap();
         let kv = routecore_index(&w);
         routecore_apply(&w, &kv, &batches);
@@ -556,6 +575,26 @@ fn main() {
                     black_box(q.walk(p));
                 }),
             ));
+            #[cfg(not(feature = "before"))]
+            rows.push((
+                "routecore hash all (chained) + match_hashes (a pick's shared hashes)",
+                time(&mut |p| {
+                    black_box(q.hash_then_walk(p));
+                }),
+            ));
+            #[cfg(not(feature = "before"))]
+            {
+                let hashed: Vec<Vec<u64>> =
+                    prompts.iter().map(|p| kv.request_hashes(p, None)).collect();
+                let mut k = 0;
+                rows.push((
+                    "routecore match_hashes only (hashes given)",
+                    time(&mut |_| {
+                        black_box(kv.match_hashes(&hashed[k % n], &q.ids, &mut q.held));
+                        k += 1;
+                    }),
+                ));
+            }
             rows.push((
                 "routecore hash all + leading_blocks per endpoint",
                 time(&mut |p| {

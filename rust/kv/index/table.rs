@@ -198,6 +198,54 @@ impl Wide {
     }
 }
 
+/// A prompt's blocks as a walk reads them: how many, and the hash of block
+/// `n` when the block before it hashed `prev` (the chain's seed for the
+/// first).
+pub(super) trait Prompt {
+    fn blocks(&self) -> usize;
+    fn seed(&self) -> u64;
+    fn hash(&mut self, prev: u64, n: usize) -> u64;
+}
+
+/// Token ids, hashed as the walk goes (only the blocks it reaches).
+pub(super) struct Ids<'a> {
+    pub(super) ids: &'a [u32],
+    pub(super) block_size: usize,
+    pub(super) seed: u64,
+    pub(super) step: &'a mut BlockStep,
+}
+
+impl Prompt for Ids<'_> {
+    fn blocks(&self) -> usize {
+        self.ids.len() / self.block_size
+    }
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+    #[inline(always)]
+    fn hash(&mut self, prev: u64, n: usize) -> u64 {
+        let bs = self.block_size;
+        self.step.hash(prev, &self.ids[n * bs..(n + 1) * bs])
+    }
+}
+
+/// The prompt's chained block hashes, computed already (the same chain:
+/// block `n`'s hash after `prev` is `hashes[n]` wherever the walk asks).
+pub(super) struct Hashed<'a>(pub(super) &'a [u64]);
+
+impl Prompt for Hashed<'_> {
+    fn blocks(&self) -> usize {
+        self.0.len()
+    }
+    fn seed(&self) -> u64 {
+        0
+    }
+    #[inline(always)]
+    fn hash(&mut self, _prev: u64, n: usize) -> u64 {
+        self.0[n]
+    }
+}
+
 #[derive(Debug, Default)]
 pub(super) struct Table {
     /// The blocks in the order first stored; dead ones included.
@@ -332,30 +380,29 @@ impl Table {
         hashes.len()
     }
 
-    /// Walks the prompt `ids`' blocks in order while some endpoint of
-    /// `alive` (a bitset of `words()` words, emptied on the way) holds every
-    /// block so far, and calls `settle(id, n)` once per endpoint of `alive`
-    /// that holds the first `n >= 1` blocks and not the next (or there is
-    /// none); the others hold none.
+    /// Walks the blocks of `prompt` in order while some endpoint of `alive`
+    /// (a bitset of `words()` words, emptied on the way) holds every block
+    /// so far, and calls `settle(id, n)` once per endpoint of `alive` that
+    /// holds the first `n >= 1` blocks and not the next (or there is none);
+    /// the others hold none.
     pub(super) fn walk(
         &self,
         alive: &mut [u64],
-        ids: &[u32],
-        block_size: usize,
-        seed: u64,
+        prompt: &mut impl Prompt,
         mut settle: impl FnMut(u32, usize),
     ) {
-        let mut step = BlockStep::new(block_size, seed);
         let slab = &self.slab;
-        let blocks = ids.len() / block_size;
-        let block = |n: usize| &ids[n * block_size..(n + 1) * block_size];
+        let blocks = prompt.blocks();
         let mut n = 0;
-        let mut prev = seed;
+        let mut prev = prompt.seed();
+        // Block n's hash when the last run computed it already.
+        let mut known = None;
         while n < blocks && alive.iter().any(|&a| a != 0) {
             // Block n by its hash, then the slots after it while they hold
             // the blocks after it: each checked from the hash in the slot
             // before, not from the one just computed.
-            let Some(mut s) = self.find(step.hash(prev, block(n))) else {
+            let hash = known.take().unwrap_or_else(|| prompt.hash(prev, n));
+            let Some(mut s) = self.find(hash) else {
                 break;
             };
             // The holders last kept: `alive` is a subset of them, so a block
@@ -367,16 +414,21 @@ impl Table {
             n += 1;
             // In chunks: hashing a chunk first, comparing after, leaves the
             // compiler no equality to put the computed hash in place of the
-            // slot's (which would chain the blocks again).
+            // slot's (which would chain the blocks again). The chunks grow
+            // from 1 block to `RUN_CHUNK` along a run, so a short run hashes
+            // few blocks past its end; the first one past it is block n's
+            // hash, kept for the lookup that follows.
+            let mut chunk = 1;
             'run: loop {
-                let m = RUN_CHUNK.min(blocks - n).min(slab.len() - 1 - s);
+                let m = chunk.min(blocks - n).min(slab.len() - 1 - s);
                 let mut next = [0u64; RUN_CHUNK];
                 for (k, h) in next[..m].iter_mut().enumerate() {
-                    *h = step.hash(slab[s + k].hash, block(n + k));
+                    *h = prompt.hash(slab[s + k].hash, n + k);
                 }
                 for &h in &next[..m] {
                     let x = slab[s + 1];
                     if x.holders == DEAD || x.hash != h {
+                        known = Some(h);
                         break 'run;
                     }
                     if x.holders != kept {
@@ -388,9 +440,10 @@ impl Table {
                     n += 1;
                     s += 1;
                 }
-                if m < RUN_CHUNK {
+                if m < chunk {
                     break;
                 }
+                chunk = (2 * chunk).min(RUN_CHUNK);
             }
             prev = slab[s].hash;
         }
@@ -548,22 +601,36 @@ mod tests {
                     }
                 }
                 let asked: Vec<u32> = (0..endpoints).filter(|_| rng.below(3) > 0).collect();
-                let mut alive = vec![0u64; t.words()];
-                for &p in &asked {
-                    alive[p as usize / 64] |= 1 << (p % 64);
-                }
-                let mut got = HashMap::new();
-                t.walk(&mut alive, &prompt, BS, seed, |id, n| {
-                    assert!(got.insert(id, n).is_none(), "settled twice")
-                });
-                assert!(alive.iter().all(|&a| a == 0));
                 let want: HashMap<u32, usize> = asked
                     .iter()
                     .map(|&p| (p, len[p as usize]))
                     .filter(|&(_, l)| l > 0)
                     .collect();
-                assert_eq!(got, want);
+                // Hashing the ids as it goes, or reading their hashes.
+                let mut step = BlockStep::new(BS, seed);
+                let mut ids = Ids {
+                    ids: &prompt,
+                    block_size: BS,
+                    seed,
+                    step: &mut step,
+                };
+                assert_eq!(settled(&t, &asked, &mut ids), want);
+                assert_eq!(settled(&t, &asked, &mut Hashed(&hashes)), want);
             }
         }
+    }
+
+    /// What a walk over `prompt` settles for the endpoints `asked`.
+    fn settled(t: &Table, asked: &[u32], prompt: &mut impl Prompt) -> HashMap<u32, usize> {
+        let mut alive = vec![0u64; t.words()];
+        for &p in asked {
+            alive[p as usize / 64] |= 1 << (p % 64);
+        }
+        let mut got = HashMap::new();
+        t.walk(&mut alive, prompt, |id, n| {
+            assert!(got.insert(id, n).is_none(), "settled twice")
+        });
+        assert!(alive.iter().all(|&a| a == 0));
+        got
     }
 }

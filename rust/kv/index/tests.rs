@@ -690,6 +690,10 @@ impl Fleet {
         let blocks = self.kv.match_prompt(prompt, lora, &ids, &mut held);
         assert_eq!(blocks, hashes.len());
         assert_eq!(held, want, "match_prompt");
+        // The prompt hashed already (the picker's shared hashes): the same.
+        held.clear();
+        assert_eq!(self.kv.match_hashes(&hashes, &ids, &mut held), blocks);
+        assert_eq!(held, want, "match_hashes");
         self.matched += held.iter().flatten().sum::<usize>();
     }
 

@@ -200,6 +200,7 @@ impl Chooser {
         let req = PickRequest {
             hashes: &hashes,
             token_ids,
+            hashes_of_ids: token_ids.is_some() && self.prefix.is_some(),
             adapter,
             subset: subset.as_deref(),
             fairness_id: Some(user),
