@@ -271,17 +271,25 @@ def test_loaded_endpoint_loses_traffic(engines, serve):
     assert busy.address not in chosen
 
 
-def test_dispatches_between_scrapes_spread_a_burst(engines, serve):
+def test_dispatches_between_scrapes_spread_a_burst_while_it_runs(engines, serve):
     es = engines(3)
     scrape = {"interval_s": 3.0, "stale_after": 10}
     r = serve([e.address for e in es], scrape=scrape, router={"policy": "queue+kv"})
     wait_for(lambda: all(s["waiting"] is not None for s in state(r).values()), 10, "a scrape")
-    # Each request ends at once: only the dispatches since the scrape tell
-    # the picker where the burst went (the engines have not reported it yet).
+    plane = r.server.plane
+    # A burst still running: only the dispatches since the scrape tell the
+    # picker where it went (the engines have not reported it yet).
+    burst = [plane.route_body(chat_body(f"burst {i}", max_tokens=10)) for i in range(6)]
     counts = {e.address: 0 for e in es}
-    for i in range(6):
-        counts[route(r, f"burst {i}")["endpoint"]] += 1
+    for out in burst:
+        counts[out["endpoint"]] += 1
     assert sorted(counts.values()) == [2, 2, 2]
+    assert {s["dispatched_since_scrape"] for s in state(r).values()} == {2}
+    # Once they ended they wait in no queue: nothing of them is counted.
+    for out in burst:
+        plane.finish(out["request_id"], 10, 5)
+    assert {s["dispatched_since_scrape"] for s in state(r).values()} == {0}
+    assert {s["in_flight"] for s in state(r).values()} == {0}
 
 
 def test_the_queue_is_read_by_its_exact_name(engines, serve):
