@@ -424,7 +424,11 @@ struct OwnPrefill {
 impl OwnPrefill {
     fn new(t: f64, shape: &EngineShape) -> Self {
         if shape.h_s <= 0.0 {
-            return Self { lo: t, hi: t, f: 0.0 };
+            return Self {
+                lo: t,
+                hi: t,
+                f: 0.0,
+            };
         }
         let n_a = ((t - shape.w_s) / shape.h_s).max(1.0);
         let lo = shape.w_s + shape.h_s * n_a.floor();
@@ -796,18 +800,15 @@ fn evaluate(
     // Every request prefills at least its pool's fewest chunks.
     let fewest = |wait: TotalWait| {
         own.mix(|t| {
-            wait.survival(
-                targets.ttft_s - targets.after_wait(load.prefill_chunks_min.max(1.0), t),
-            )
+            wait.survival(targets.ttft_s - targets.after_wait(load.prefill_chunks_min.max(1.0), t))
         })
     };
     let (per_chunk, budget) = (
         targets.shift.per_chunk_s,
         targets.ttft_s - targets.shift.offset_s,
     );
-    let miss = |wait: TotalWait, dist: &[(u64, f64)]| {
-        own.mix(|t| wait.miss(dist, t + per_chunk, budget))
-    };
+    let miss =
+        |wait: TotalWait, dist: &[(u64, f64)]| own.mix(|t| wait.miss(dist, t + per_chunk, budget));
     if bounded_fails && rough.slot != Wait::NONE {
         // Each test grows with the probability of waiting (theta is 1 /
         // drain whatever it is): above the target at the lower bound (with
@@ -825,8 +826,7 @@ fn evaluate(
             None
         };
         if let Some(binding) = binding.filter(|_| above(union_q(low).1, targets.ttft_s)) {
-            if above(fewest(low), allowed) || above(miss(low, chunks.get()), allowed)
-            {
+            if above(fewest(low), allowed) || above(miss(low, chunks.get()), allowed) {
                 eval.fails = Some(binding);
                 return Ok(eval);
             }
@@ -1293,7 +1293,10 @@ mod tests {
             let own = OwnPrefill::new(ok.state.t_iter_s, &s);
             let mut d = Vec::new();
             dist(&mut d);
-            assert!(own.mix(|t| ok.wait.miss(&d, t, ttft)) <= 0.01 + 1e-12, "{ok:?}");
+            assert!(
+                own.mix(|t| ok.wait.miss(&d, t, ttft)) <= 0.01 + 1e-12,
+                "{ok:?}"
+            );
         }
         // No count meets a TPOT at W, or a TTFT below the prefill alone.
         let never = |ttft, tpot| {
@@ -1400,7 +1403,10 @@ mod tests {
         ] {
             let o = OwnPrefill::new(w + h * n_a, &s);
             assert!((o.lo - (w + h * lo)).abs() < 1e-15, "n_a {n_a}: {o:?}");
-            assert!((o.hi - (w + h * (lo + 1.0))).abs() < 1e-15, "n_a {n_a}: {o:?}");
+            assert!(
+                (o.hi - (w + h * (lo + 1.0))).abs() < 1e-15,
+                "n_a {n_a}: {o:?}"
+            );
             assert!((o.f - f).abs() < 1e-9, "n_a {n_a}: {o:?}");
             // The mean is the pool's t, or the prompt alone at W + H.
             let mean = o.mix(|t| t);
@@ -1441,8 +1447,8 @@ mod tests {
         let one = |out: &mut Vec<(u64, f64)>| out.push((103, 1.0));
         let mut chunks = Chunks::new(&one);
         for rate in [1.0, 1.7, 3.0] {
-            let p = size_engine_pool(rate, &l, &s, tg, None, &mut chunks, PoolPlan::EMPTY)
-                .expect("ok");
+            let p =
+                size_engine_pool(rate, &l, &s, tg, None, &mut chunks, PoolPlan::EMPTY).expect("ok");
             assert!(p.feasible, "{p:?}");
             let n_a = (p.t_iter_s - w) / h;
             assert!(n_a < 2.01, "rate {rate}: {p:?} n_a {n_a}");
