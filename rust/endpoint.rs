@@ -40,7 +40,9 @@ pub struct EndpointState {
     pub healthy: bool,
     /// routecore's own dispatches not completed yet.
     pub in_flight: u64,
-    /// Dispatches since the last scrape, added to `waiting` until the next.
+    /// Dispatches since the last scrape still in flight, added to `waiting`
+    /// until the next scrape (at most `in_flight`: one that ended is in no
+    /// queue).
     pub dispatched_since_scrape: u32,
     /// Engine queue (`vllm:num_requests_waiting`); None = unknown or stale.
     pub waiting: Option<f64>,
@@ -73,6 +75,25 @@ impl EndpointState {
     pub fn start_one(&mut self) {
         self.in_flight += 1;
         self.dispatched_since_scrape = self.dispatched_since_scrape.saturating_add(1);
+    }
+
+    /// A request here ended: one fewer in flight (refused when none is).
+    /// The dispatches since the scrape are kept at most the requests in
+    /// flight: which request ended is not known, but one that ended waits
+    /// in no queue, so counting it would take a pool of fast engines for
+    /// saturated (2 endpoints, a queue limit of 5 and a 50 ms scrape would
+    /// cap the pool at 200 requests a second).
+    pub fn finish_one(&mut self) -> Option<()> {
+        self.set_in_flight_to(self.in_flight.checked_sub(1)?);
+        Some(())
+    }
+
+    /// `n` requests in flight here, the dispatches since the scrape kept at
+    /// most that many (see [`EndpointState::finish_one`]).
+    pub fn set_in_flight_to(&mut self, n: u64) {
+        self.in_flight = n;
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        self.dispatched_since_scrape = self.dispatched_since_scrape.min(n);
     }
 
     /// The requests an endpoint holds, the one load measure of the picker
@@ -220,7 +241,7 @@ pub fn check_in_flight(states: &[EndpointState], counts: &[i64]) -> Result<()> {
 pub fn set_in_flight(states: &mut [EndpointState], counts: &[i64]) -> Result<()> {
     check_in_flight(states, counts)?;
     for (s, &c) in states.iter_mut().zip(counts) {
-        s.in_flight = c as u64;
+        s.set_in_flight_to(c as u64);
     }
     Ok(())
 }
@@ -228,15 +249,11 @@ pub fn set_in_flight(states: &mut [EndpointState], counts: &[i64]) -> Result<()>
 /// Ends one request in flight on endpoint `name` (its state); refused when
 /// none is.
 pub fn complete_one(state: &mut EndpointState, name: &str) -> Result<()> {
-    match state.in_flight.checked_sub(1) {
-        Some(n) => {
-            state.in_flight = n;
-            Ok(())
-        }
-        None => Err(not_in_flight(format!(
+    state.finish_one().ok_or_else(|| {
+        not_in_flight(format!(
             "complete: endpoint {name:?} has no request in flight"
-        ))),
-    }
+        ))
+    })
 }
 
 /// Endpoint names in order, distinct and valid.
@@ -358,5 +375,35 @@ mod tests {
         s.running = Some(3.0);
         s.dispatched_since_scrape = 4;
         assert_eq!((s.load(), s.queue()), (9.0, 6.0));
+    }
+
+    #[test]
+    fn ended_requests_leave_the_dispatches_since_the_scrape() {
+        // Fast engines: each request ends before the next scrape.
+        let mut s = EndpointState {
+            waiting: Some(0.0),
+            running: Some(0.0),
+            ..EndpointState::default()
+        };
+        for _ in 0..100 {
+            s.start_one();
+            s.finish_one().expect("in flight");
+        }
+        assert_eq!((s.dispatched_since_scrape, s.queue()), (0, 0.0));
+        // Two requests from before the scrape, three after: the old ones
+        // ending leave the three counted, the next two ending leave one.
+        s.in_flight = 2;
+        for _ in 0..3 {
+            s.start_one();
+        }
+        s.finish_one().expect("in flight");
+        s.finish_one().expect("in flight");
+        assert_eq!((s.in_flight, s.dispatched_since_scrape), (3, 3));
+        s.finish_one().expect("in flight");
+        s.finish_one().expect("in flight");
+        assert_eq!((s.in_flight, s.dispatched_since_scrape), (1, 1));
+        s.finish_one().expect("in flight");
+        assert_eq!(s.finish_one(), None, "none left");
+        assert_eq!((s.in_flight, s.dispatched_since_scrape), (0, 0));
     }
 }

@@ -55,8 +55,10 @@ pub const MAX_USERS: usize = 10_000_000;
 /// Longest user name, in bytes.
 pub const MAX_USER_NAME_BYTES: usize = 256;
 
-/// The router's settings, with AIBrix's names (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The router's settings, with AIBrix's names (see the module docs); also
+/// the `vtc` scorer's parameters (a missing one takes its default).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct VtcConfig {
     pub window_s: f64,
     pub input_weight: f64,

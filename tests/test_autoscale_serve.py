@@ -312,3 +312,28 @@ def test_requests_waiting_in_flow_control_are_the_sizings_queued_demand(serve):
                 await s.finish()
 
     run(go())
+
+
+def test_the_example_configs_autoscale_section_is_served():
+    """examples/routecore.yaml's ``autoscale`` section: parsed, and the data
+    plane started from it publishes its first step (no traffic: the pool's
+    minimum) under the documented gauge."""
+    from routecore import DataPlane
+    from routecore.config import load_config
+
+    cfg = load_config(ROOT / "examples/routecore.yaml")
+    assert cfg.autoscale is not None
+    (pool,) = cfg.autoscale.spec()["config"]["pools"]
+    assert (pool["name"], pool["context"], pool["max_endpoints"]) == ("short", 8192, 40)
+    assert cfg.autoscale.profiles[0].name == "llama3-70b-a100"
+    plane = DataPlane.start(cfg.spec_json(), port=0, metrics_port=0)
+    try:
+        deadline = time.monotonic() + 20
+        while not plane.autoscale() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (step,) = plane.autoscale()
+        assert (step["pool"], step["endpoints"], step["reason"]) == ("short", 1, "no-traffic")
+        text = plane.metrics_text()
+        assert 'routecore_pool_desired_endpoints{pool="short"} 1.0' in text.splitlines()
+    finally:
+        plane.drain(0.0)

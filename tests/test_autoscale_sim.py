@@ -165,10 +165,16 @@ def test_the_default_experiments(capsys: pytest.CaptureFixture[str]) -> None:
         assert set(e["goal"]) >= {"meets_slo", "within_10_percent_of_hindsight"}
     # The step no longer drives routecore to the pool's bound of 1,000
     # endpoints (its bounded forecast and the queue drained over the
-    # forecast's horizon).
+    # forecast's horizon), and routecore meets the SLO on both (its window
+    # counts arrivals, issue 26's exclusion); on the day within 10% of the
+    # hindsight fleet and under the saturation rule.
+    goals = {e["name"]: e["goal"] for e in result["experiments"]}
     (steps,) = [e for e in result["experiments"] if e["name"] == "step"]
     step = {p["policy"]: p for p in steps["policies"]}
     assert step["routecore"]["peak_endpoints"] < 1000
+    assert goals["step"]["meets_slo"] and goals["day"]["meets_slo"]
+    assert goals["day"]["within_10_percent_of_hindsight"]
+    assert goals["day"]["fewer_gpu_hours_than_saturation"]
 
 
 def test_a_forecast_ratio_below_1_is_refused_naming_the_key(

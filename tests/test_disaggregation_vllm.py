@@ -6,7 +6,10 @@ routing sidecar (the prefill with ``max_tokens: 1`` and ``kv_transfer_params``
 sent to the endpoint in ``x-prefiller-host-port``, its ``kv_transfer_params``
 relayed into the decode request sent to the destination). The decode engine
 loads the prompt's KV instead of computing it, and answers as an aggregated
-run does (greedy). About 2 to 4 minutes here (two engines load)."""
+run does (greedy). Then routecore sends the prefill itself
+(``disaggregation.handoff: vllm``) behind a real Envoy, and falls back to an
+aggregated request when the prefill engine is killed. About 2 to 4 minutes
+here (two engines load, once for the module)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from server_fixtures import base_config, converse
+from envoy_proxy import shipped_config
+from server_fixtures import base_config, converse, free_port, wait_settled
 from tiny_model import MODEL_NAME, build
 from vllm_engine import VllmEngine, engine_installed, start_all
 
@@ -102,3 +106,78 @@ def test_a_split_request_is_prefilled_on_one_engine_and_decoded_on_the_other(eng
     aggregated = complete(prefill, request)
     assert answer["choices"][0]["message"] == aggregated["choices"][0]["message"]
     assert answer["usage"]["completion_tokens"] == 12
+
+
+def routecore_sends(serve, prefill: KvEngine, decode: KvEngine):
+    """routecore serve sending the prefill itself (``handoff: vllm``). The
+    ExampleConnector hands the KV over through its store, so its prefill
+    answer carries no ``kv_transfer_params``: they are not required here
+    (NIXL's are: docs/disaggregation.md)."""
+    pools = base_config()["pools"]
+    pools[0].update(
+        endpoints=[prefill.address, decode.address],
+        roles={prefill.address: "prefill", decode.address: "decode"},
+        disaggregation={
+            "decider": "always",
+            "handoff": "vllm",
+            "require_kv_transfer_params": False,
+        },
+    )
+    return serve(pools=pools)
+
+
+def through(url: str, body: dict) -> dict:
+    """POSTs ``body`` to the gateway at ``url`` with the tenant's key."""
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json", **KEY},
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+FALLBACK_REASONS = ("connect", "status", "timeout", "bad-answer", "no-params")
+
+
+def test_routecore_sends_the_prefill_and_the_decode_engine_loads_its_kv(engines, serve, envoy):
+    prefill, decode = engines
+    r = routecore_sends(serve, prefill, decode)
+    addresses = [prefill.address, decode.address]
+    gw = envoy(shipped_config("envoy.yaml", free_port(), [r.target], addresses))
+    text = "routecore sends the prefill itself, then Envoy the decode. " * 8
+    request = {**json.loads(chat_body(text, max_tokens=12)), "model": MODEL_NAME, "temperature": 0}
+    generated = prefill.metric("vllm:generation_tokens_total")
+    prompts = prefill.metric("vllm:prompt_tokens_total")
+    decoded = decode.metric("vllm:generation_tokens_total")
+    hits = decode.hits()
+    answer = through(gw.url, request)
+    # The prefill engine ran the prompt for one token (max_tokens 1) ...
+    assert prefill.metric("vllm:generation_tokens_total") - generated == 1
+    assert prefill.metric("vllm:prompt_tokens_total") - prompts == answer["usage"]["prompt_tokens"]
+    # ... and the decode engine loaded its KV and decoded the answer.
+    assert decode.hits() == hits + 1, "the decode engine loaded the prompt's KV"
+    assert decode.metric("vllm:generation_tokens_total") - decoded == 12
+    assert answer["usage"]["completion_tokens"] == 12
+    assert all(r.metric("pd_fallbacks", "short", why) == 0 for why in FALLBACK_REASONS)
+    assert not any(wait_settled(r).values()), "both endpoints given back"
+    aggregated = complete(prefill, request)
+    assert answer["choices"][0]["message"] == aggregated["choices"][0]["message"]
+
+
+def test_a_killed_prefill_engine_leaves_the_request_aggregated_and_counted(engines, serve, envoy):
+    """Last in the module: the prefill engine stays dead."""
+    prefill, decode = engines
+    r = routecore_sends(serve, prefill, decode)
+    addresses = [prefill.address, decode.address]
+    gw = envoy(shipped_config("envoy.yaml", free_port(), [r.target], addresses))
+    text = "a prefill engine that dies leaves its requests to the decoder. " * 8
+    request = {**json.loads(chat_body(text, max_tokens=8)), "model": MODEL_NAME, "temperature": 0}
+    reference = complete(prefill, request)
+    prefill.kill()
+    decoded = decode.metric("vllm:generation_tokens_total")
+    answer = through(gw.url, request)
+    assert answer["choices"][0]["message"] == reference["choices"][0]["message"]
+    assert decode.metric("vllm:generation_tokens_total") - decoded == 8
+    assert r.metric("pd_fallbacks", "short", "connect") == 1
+    assert not any(wait_settled(r).values()), "both endpoints given back"

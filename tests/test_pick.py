@@ -332,7 +332,11 @@ def test_snapshots_and_pickling_continue_identically():
         ({"plugins": [{"name": "nope"}]}, "unknown plugin"),
         ({"plugins": [{"name": "least-request", "weight": -1.0}]}, "must be >= 0"),
         ({"plugins": [{"name": "least-request", "weight": math.nan}]}, "finite"),
-        ({"plugins": [{"name": "prefix", "blok_size": 4}]}, "unknown parameter"),
+        (
+            {"plugins": [{"name": "healthy"}, {"name": "prefix", "blok_size": 4}]},
+            r'plugins\[1\] "prefix": blok_size: unknown parameter; expected one of `block_size`',
+        ),
+        ({"plugins": [{"name": "prefix", "block_size": "4"}]}, "block_size: invalid type"),
         ({"plugins": [{"weight": 1.0}]}, "name"),
         ({"plugins": [{"name": "max-score", "ties": "sideways"}]}, "ties"),
         ({"plugins": [{"name": "saturation", "max_kv_usage": 2.0}]}, "max_kv_usage"),

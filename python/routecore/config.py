@@ -67,6 +67,10 @@ ROLES = ("prefill", "decode", "both")
 #: Whether a request is prefilled apart (``disaggregation.decider``), see
 #: docs/disaggregation.md; ``uncached-tokens`` and ``prefill-load`` take a ``threshold``.
 DECIDERS = ("always", "never", "uncached-tokens", "prefill-load")
+#: Who sends a split request's two upstream requests (``disaggregation.handoff``):
+#: ``header`` llm-d's sidecar (``x-prefiller-host-port``), ``vllm`` / ``sglang``
+#: routecore itself, in that engine's handshake (docs/disaggregation.md).
+HANDOFFS = ("header", "vllm", "sglang")
 
 #: How the endpoint inside a pool is picked (``router.policy``): the endpoint
 #: picker's presets, see docs/picker.md.
@@ -244,6 +248,14 @@ class PoolConfig:
     roles: dict[str, str] = field(default_factory=dict)
     decider: str | None = None
     threshold: float | None = None
+    #: How a split request travels (``disaggregation.handoff``, HANDOFFS), how
+    #: long routecore waits for a prefill it sends, whether a vLLM prefill
+    #: answer must carry ``kv_transfer_params``, and the SGLang prefill
+    #: engines' bootstrap port (None: the engines' default).
+    handoff: str = "header"
+    prefill_timeout_s: float = 30.0
+    require_kv_transfer_params: bool = True
+    bootstrap_port: int | None = None
 
     def to_pool(self) -> Pool:
         """The core's :class:`routecore.Pool` (which checks budget <= max_context)."""
@@ -514,7 +526,14 @@ class Config:
                         "roles": p.roles,
                         "disaggregation": None
                         if p.decider is None
-                        else {"decider": p.decider, "threshold": p.threshold},
+                        else {
+                            "decider": p.decider,
+                            "threshold": p.threshold,
+                            "handoff": p.handoff,
+                            "prefill_timeout_s": p.prefill_timeout_s,
+                            "require_kv_transfer_params": p.require_kv_transfer_params,
+                            "bootstrap_port": p.bootstrap_port,
+                        },
                     }
                     for p in self.pools
                 ],
@@ -611,6 +630,13 @@ def _str(raw: dict[str, Any], key: str, where: str, default: str, choices=None) 
     if not isinstance(v, str) or (choices is not None and v not in choices):
         expected = f"one of {list(choices)}" if choices is not None else "a string"
         raise ConfigError(f"{where}.{key}: expected {expected}, got {v!r}")
+    return v
+
+
+def _bool(raw: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    v = raw.get(key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}.{key}: expected true or false, got {v!r}")
     return v
 
 
@@ -783,15 +809,21 @@ def _disaggregation(raw: dict[str, Any], where: str, endpoints: list[str]) -> di
         if name not in endpoints:
             raise ConfigError(f"{where}.roles: {name!r} is not an endpoint of the pool")
         _str(roles, name, f"{where}.roles", "both", ROLES)
-    d = _section(raw.get("disaggregation"), f"{where}.disaggregation", {"decider", "threshold"})
+    here = f"{where}.disaggregation"
+    handoff_keys = {"handoff", "prefill_timeout_s", "require_kv_transfer_params", "bootstrap_port"}
+    d = _section(raw.get("disaggregation"), here, {"decider", "threshold"} | handoff_keys)
     decider = None
     if d:
-        decider = _str(d, "decider", f"{where}.disaggregation", "", DECIDERS)
+        decider = _str(d, "decider", here, "", DECIDERS)
     return {
         "role": _str(raw, "role", where, "both", ROLES),
         "roles": dict(roles),
         "decider": decider,
-        "threshold": _float(d, "threshold", f"{where}.disaggregation", 0.0, 1e12, None),
+        "threshold": _float(d, "threshold", here, 0.0, 1e12, None),
+        "handoff": _str(d, "handoff", here, "header", HANDOFFS),
+        "prefill_timeout_s": _float(d, "prefill_timeout_s", here, 1e-3, 3600.0, 30.0),
+        "require_kv_transfer_params": _bool(d, "require_kv_transfer_params", here, True),
+        "bootstrap_port": _int(d, "bootstrap_port", here, 1, 65535, None),
     }
 
 
@@ -974,6 +1006,7 @@ AUTOSCALE_NUMBERS = (
     "max_step_down_percent",
     "queue_drain_s",
     "forecast_s",
+    "max_forecast_ratio",
 )
 AUTOSCALE_POOL_NUMBERS = ("min_endpoints", "max_endpoints", "slo_ttft_s", "slo_tpot_s", "context")
 

@@ -139,6 +139,26 @@ impl Autoscaler {
             .ok_or_else(|| invalid(format!("pool id {pool} out of range")))
     }
 
+    /// Counts a request arriving at `now` in its pool (and its
+    /// entitlement's window): the rate is the arrivals' once any is counted
+    /// (see [`LiveWindow::arrive`]). Allocation-free; an error changes
+    /// nothing.
+    pub fn arrive(&mut self, pool: usize, entitlement: Option<usize>, now: f64) -> Result<()> {
+        crate::error::finite("now", now)?;
+        let state = self
+            .pools
+            .get_mut(pool)
+            .ok_or_else(|| invalid(format!("pool id {pool} out of range")))?;
+        if let Some(e) = entitlement {
+            state
+                .entitlements
+                .get_mut(e)
+                .ok_or_else(|| invalid(format!("entitlement id {e} out of range")))?
+                .arrive(now)?;
+        }
+        state.live.arrive(now)
+    }
+
     /// Counts a finished request of `prompt` and `output` tokens in its pool
     /// (and its entitlement's window). Allocation-free; an error changes
     /// nothing.

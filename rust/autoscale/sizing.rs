@@ -5,8 +5,9 @@
 //! one endpoint of the pool's profile).
 //!
 //! The rate sized for is `max(observed + queued / queue_drain_s, promised)`:
-//! the window's arrival rate (with a [`Forecast`], the rate its trend
-//! reaches `ahead_s` past now: `rate + trend (span / 2 + ahead_s)`, at
+//! the window's arrival rate (with a [`Forecast`], the highest rate its
+//! trend line reaches from now to `ahead_s` past now: `rate + trend (span /
+//! 2 + ahead_s)` on a rise, `rate + trend span / 2` on a fall, at
 //! least 0 and at most `max_ratio` times the newest sub-window's rate, so a
 //! step read as a steep trend is not extrapolated into a runaway), plus the
 //! requests flow control holds, as work drained over `queue_drain_s` (the
@@ -58,11 +59,16 @@ pub struct Forecast {
 }
 
 impl Forecast {
-    /// The rate `live`'s trend reaches `ahead_s` past now, within
-    /// `[0, max_ratio * live.newest_rate]`.
+    /// The highest rate `live`'s trend line reaches from now to `ahead_s`
+    /// past now (a count must cover every moment until the endpoints it
+    /// starts are ready: on a fall, the rate now), within `[0, max_ratio *
+    /// live.newest_rate]`.
     pub fn rate(&self, live: &LiveWorkload) -> f64 {
-        let extrapolated = live.rate + live.trend * (live.span_s / 2.0 + self.ahead_s);
-        extrapolated.min(self.max_ratio * live.newest_rate).max(0.0)
+        let now = live.rate + live.trend * live.span_s / 2.0;
+        let ahead = now + live.trend * self.ahead_s;
+        now.max(ahead)
+            .min(self.max_ratio * live.newest_rate)
+            .max(0.0)
     }
 }
 

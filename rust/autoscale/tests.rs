@@ -436,7 +436,26 @@ fn the_forecast_follows_the_windows_trend() {
         ahead.forecast_rate
     );
     assert!(ahead.endpoints > now.endpoints);
-    // A falling window forecasts down, never below 0.
+    // A ramp down from 70 to 10 req/s: its line is at 10 req/s now and
+    // would reach -20 in 30 s; the count covers now, the highest rate
+    // until the endpoints it starts are ready.
+    let mut down = LiveWindow::new(60.0, 6, 512, 0.0).expect("ok");
+    let mut t = 0.0;
+    while t < 60.0 {
+        down.observe(t, 1000, 100).expect("ok");
+        t += 1.0 / (70.0 - t);
+    }
+    let falling = down.live(59.999, 0.99).expect("ok");
+    assert!((falling.trend + 1.0).abs() < 0.05, "{}", falling.trend);
+    let f = Forecast {
+        ahead_s: 30.0,
+        max_ratio: 2.0,
+    };
+    let at_now = falling.rate + falling.trend * falling.span_s / 2.0;
+    assert!((at_now - 10.0).abs() < 1.0, "{at_now}");
+    assert_eq!(f.rate(&falling), at_now);
+    // A window that fell silent forecasts 0 (its newest sub-window's rate
+    // bounds it).
     let mut w = LiveWindow::new(60.0, 6, 512, 0.0).expect("ok");
     for k in 0..300 {
         w.observe(k as f64 / 10.0, 1000, 100).expect("ok");
@@ -537,4 +556,56 @@ fn a_step_is_sized_for_a_bounded_forecast_and_the_backlog_over_the_horizon() {
         d.target.model_endpoints,
         at_new_rate.model_endpoints
     );
+}
+
+/// A pool whose endpoints fall behind a step finishes requests at the rate
+/// they serve: sized from its finished requests, it never sees the step.
+/// With arrivals counted (the "arrival rate"), a step from 500 to
+/// 2,000 req/s at 120 s, read at 130 s by a 30 s window (6 parts: it covers
+/// 105-130 s), is 15 s x 500 + 10 s x 2,000 = 27,500 arrivals in 25 s:
+/// 1,100 req/s, while the endpoints still finish 500 req/s.
+#[test]
+fn a_pool_is_sized_for_its_arrivals_not_for_what_its_endpoints_finish() {
+    let cfg = AutoscaleConfig {
+        window_s: 30.0,
+        pools: vec![PoolScaling {
+            entitlements: Vec::new(),
+            ..pool(1, 1000)
+        }],
+        ..AutoscaleConfig::default()
+    };
+    let profile = Profile::llama3_70b_a100();
+    let mut a = Autoscaler::new(cfg, vec![profile.clone()], 0.0).expect("ok");
+    let mut finished_only = a.clone();
+    let mut w = LiveWindow::new(30.0, 6, profile.c_chunk, 0.0).expect("ok");
+    // In time order (a window never goes back): arrivals (true) and the
+    // requests the endpoints finish (false), 500 a second throughout.
+    let mut events: Vec<(f64, bool)> = (0..10_000)
+        .map(|i| (100.0 + f64::from(i) / 500.0, true))
+        .chain((0..20_000).map(|j| (120.0 + f64::from(j) / 2000.0, true)))
+        .chain((0..15_000).map(|i| (100.0 + f64::from(i) / 500.0, false)))
+        .collect();
+    events.sort_by(|a, b| a.0.total_cmp(&b.0));
+    for (t, arrival) in events {
+        if arrival {
+            a.arrive(0, None, t).expect("ok");
+            continue;
+        }
+        for x in [&mut a, &mut finished_only] {
+            x.observe(0, None, t, 2000, 200).expect("ok");
+        }
+        w.observe(t, 2000, 200).expect("ok");
+    }
+    let live = w.live(130.0, 0.99).expect("ok");
+    assert_eq!(live.span_s, 25.0);
+    let [d] = <[Desired; 1]>::try_from(a.step(130.0, &[]).expect("ok")).expect("one pool");
+    assert!((d.target.rate - 1100.0).abs() < 1e-9, "{:?}", d.target);
+    let p = pool(1, 1000);
+    let at = |rate| target_of(&p, &profile, &LiveWorkload { rate, ..live }, &w);
+    assert_eq!(d.target.model_endpoints, at(1100.0).model_endpoints);
+    let [old] =
+        <[Desired; 1]>::try_from(finished_only.step(130.0, &[]).expect("ok")).expect("one pool");
+    assert!((old.target.rate - 500.0).abs() < 1e-9, "{:?}", old.target);
+    assert_eq!(old.target.model_endpoints, at(500.0).model_endpoints);
+    assert!(d.target.model_endpoints > old.target.model_endpoints);
 }

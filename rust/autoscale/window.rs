@@ -31,6 +31,9 @@ pub const MAX_SUB_WINDOWS: usize = 600;
 /// Exact sums over the requests of a sub-window.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Sums {
+    /// Requests arrived ([`LiveWindow::arrive`]).
+    arrivals: f64,
+    /// Requests finished ([`LiveWindow::observe`]) and their sums.
     n: f64,
     k: f64,
     k2: f64,
@@ -42,6 +45,7 @@ struct Sums {
 
 impl Sums {
     fn add(&mut self, o: &Sums) {
+        self.arrivals += o.arrivals;
         self.n += o.n;
         self.k += o.k;
         self.k2 += o.k2;
@@ -102,12 +106,13 @@ impl Percentiles {
 /// distributions.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LiveWorkload {
-    /// Requests in the window.
+    /// Requests finished in the window (the token distributions' count).
     pub requests: u64,
     /// Seconds the window covers now (at least one sub-window, so a burst in
     /// a young window is not read as a huge rate).
     pub span_s: f64,
-    /// `requests / span_s`, requests per second.
+    /// Requests per second: arrivals over `span_s` once the window counts
+    /// arrivals ([`LiveWindow::arrive`]), else `requests / span_s`.
     pub rate: f64,
     /// How fast the rate moves, requests per second per second: the
     /// least-squares slope of the sub-windows' rates over their midpoints
@@ -163,6 +168,9 @@ pub struct LiveWindow {
     epoch: u64,
     slots: Vec<Slot>,
     totals: Hists,
+    /// Whether arrivals are counted: then the rate is theirs, else the
+    /// finished requests'.
+    counts_arrivals: bool,
 }
 
 impl LiveWindow {
@@ -187,6 +195,7 @@ impl LiveWindow {
             epoch: 0,
             slots: vec![Slot::default(); sub_windows],
             totals: Hists::default(),
+            counts_arrivals: false,
         })
     }
 
@@ -203,7 +212,7 @@ impl LiveWindow {
         // all left the window. At most `n` of them.
         for epoch in self.epoch + 1..=e.min(self.epoch + n) {
             let slot = &mut self.slots[(epoch % n) as usize];
-            if slot.sums.n > 0.0 {
+            if slot.sums.n > 0.0 || slot.sums.arrivals > 0.0 {
                 self.totals.add(&slot.hists, true);
                 slot.hists.clear();
                 slot.sums = Sums::default();
@@ -212,8 +221,32 @@ impl LiveWindow {
         self.epoch = e;
     }
 
-    /// Counts one request of `prompt` and `output` tokens at `now` (seconds,
-    /// the caller's monotonic clock). Allocation-free.
+    /// Counts one request arriving at `now` (seconds, the caller's
+    /// monotonic clock): once a window is told of arrivals, its rate is the
+    /// arrivals' (a pool whose endpoints fall behind finishes requests at
+    /// the rate they serve, not at the rate that comes). Allocation-free.
+    pub fn arrive(&mut self, now: f64) -> Result<()> {
+        finite("now", now)?;
+        self.advance(now);
+        let n = self.slots.len() as u64;
+        self.slots[(self.epoch % n) as usize].sums.arrivals += 1.0;
+        self.counts_arrivals = true;
+        Ok(())
+    }
+
+    /// What the rate counts in `s`: arrivals when they are counted, else
+    /// finished requests.
+    fn count(&self, s: &Sums) -> f64 {
+        if self.counts_arrivals {
+            s.arrivals
+        } else {
+            s.n
+        }
+    }
+
+    /// Counts one finished request of `prompt` and `output` tokens at `now`
+    /// (seconds, the caller's monotonic clock): its token counts, and the
+    /// rate while no arrival is counted. Allocation-free.
     pub fn observe(&mut self, now: f64, prompt: u64, output: u64) -> Result<()> {
         check(now, prompt, output)?;
         self.advance(now);
@@ -223,6 +256,7 @@ impl LiveWindow {
         let k = (chunks + output) as f64;
         let (p, total) = (prompt as f64, (prompt + output) as f64);
         slot.sums.add(&Sums {
+            arrivals: 0.0,
             n: 1.0,
             k,
             k2: k * k,
@@ -268,7 +302,7 @@ impl LiveWindow {
             }
         };
         let (trend, newest) = self.trend();
-        let rate = s.n / span_s;
+        let rate = self.count(&s) / span_s;
         Ok(LiveWorkload {
             requests: s.n as u64,
             span_s,
@@ -300,7 +334,7 @@ impl LiveWindow {
             }
             let (t, r) = (
                 start + covered / 2.0,
-                self.slots[(e % n) as usize].sums.n / covered,
+                self.count(&self.slots[(e % n) as usize].sums) / covered,
             );
             newest = Some(r);
             sw += 1.0;

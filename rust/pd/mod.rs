@@ -28,7 +28,7 @@ use serde::Deserialize;
 use crate::endpoint::{complete_one, EndpointState};
 use crate::error::Error;
 use crate::error::{finite, invalid, Result};
-use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, Recorded};
+use crate::pick::{Kind, PickConfig, PickRequest, Pipeline, PluginSpec, Recorded};
 use crate::snapshot::{Reader, Writer};
 
 /// What an endpoint does in a disaggregated pool: the word of llm-d's
@@ -165,14 +165,51 @@ impl Decider {
     }
 }
 
-/// A pool's `disaggregation` config: its decider by name, and the
-/// decider's threshold.
+/// A pool's `disaggregation` config: its decider by name, the decider's
+/// threshold, and how a split request travels ([`handshake::Handoff`]:
+/// with `vllm` and `sglang` routecore sends the prefill itself, waiting at
+/// most `prefill_timeout_s` for it; `require_kv_transfer_params`: a vLLM
+/// prefill answer without them falls back to an aggregated request;
+/// `bootstrap_port`: the SGLang prefill engines' bootstrap server, None
+/// for the engines' default).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DisaggregationSpec {
     pub decider: String,
     #[serde(default)]
     pub threshold: Option<f64>,
+    #[serde(default)]
+    pub handoff: handshake::Handoff,
+    #[serde(default = "default_prefill_timeout")]
+    pub prefill_timeout_s: f64,
+    #[serde(default = "default_true")]
+    pub require_kv_transfer_params: bool,
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+}
+
+/// The longest `prefill_timeout_s` (an hour).
+pub const MAX_PREFILL_TIMEOUT_S: f64 = 3600.0;
+
+fn default_prefill_timeout() -> f64 {
+    30.0
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl DisaggregationSpec {
+    /// Checks what the decider does not: the prefill timeout.
+    pub fn check(&self) -> Result<()> {
+        let t = self.prefill_timeout_s;
+        if !(t.is_finite() && t > 0.0 && t <= MAX_PREFILL_TIMEOUT_S) {
+            return Err(invalid(format!(
+                "prefill_timeout_s must be in (0, {MAX_PREFILL_TIMEOUT_S}], got {t}"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The roles of a pool's endpoints, in order: `role` for each, or its
@@ -195,9 +232,13 @@ pub fn pool_roles(
 
 /// A pool's decider: the one its spec names, else `never` when every
 /// endpoint is `both` (an aggregated pool) and `always` when roles split it.
+/// The spec is checked ([`DisaggregationSpec::check`]).
 pub fn pool_decider(spec: Option<&DisaggregationSpec>, roles: &[Role]) -> Result<Decider> {
     match spec {
-        Some(s) => Decider::new(&s.decider, s.threshold),
+        Some(s) => {
+            s.check()?;
+            Decider::new(&s.decider, s.threshold)
+        }
         None if roles.iter().all(|&r| r == Role::Both) => Ok(Decider::Never),
         None => Ok(Decider::Always),
     }
@@ -228,25 +269,21 @@ pub fn check_roles(roles: &[Role], decider: Decider) -> Result<()> {
 }
 
 /// The prefill pipeline's specs from the decode pipeline's: its filters
-/// (health, subset, adapter, saturation), its prefix scorer (weight 2,
-/// same parameters: it shares the decode pipeline's index), queue depth
-/// and the requests in flight (weight 1 each), the highest total with
-/// ties to the least loaded.
+/// (health, subset, adapter, saturation), its prefix scorer (the scorer
+/// that reads block hashes; weight 2, same parameters: it shares the decode
+/// pipeline's index), queue depth and the requests in flight (weight 1
+/// each), the highest total with ties to the least loaded.
 pub fn prefill_specs(decode: &[PluginSpec]) -> Vec<PluginSpec> {
+    let described = |s: &PluginSpec| crate::pick::describe(&s.name).ok();
     let mut specs: Vec<PluginSpec> = decode
         .iter()
-        .filter(|s| {
-            matches!(
-                s.name.as_str(),
-                "healthy" | "subset-hint" | "serves-adapter" | "saturation"
-            )
-        })
+        .filter(|s| described(s).is_some_and(|d| matches!(d.kind, Kind::Filter { .. })))
         .cloned()
         .collect();
     specs.extend(
         decode
             .iter()
-            .filter(|s| matches!(s.name.as_str(), "prefix" | "precise-prefix"))
+            .filter(|s| described(s).is_some_and(|d| d.needs.hashes))
             .map(|s| PluginSpec::with(&s.name, 2.0, s.params.clone())),
     );
     specs.push(PluginSpec::new("queue-depth", 1.0));
@@ -471,5 +508,6 @@ impl Split {
     }
 }
 
+pub mod handshake;
 #[cfg(test)]
 mod tests;

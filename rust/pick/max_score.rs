@@ -3,8 +3,60 @@
 
 use std::cmp::Ordering;
 
-use super::Ranking;
+use serde_json::{Map, Value};
+
+use super::plugin::{params, Built, Describe, Kind, Needs};
+use super::{PickConfig, Picker, Ranking};
+use crate::error::{invalid, Result};
 use crate::rng::Rng;
+
+pub const PLUGIN: Describe = Describe {
+    name: "max-score",
+    kind: Kind::Picker,
+    needs: Needs::NOTHING,
+    build,
+    shared: None,
+    resolve: Some(resolve),
+};
+
+/// The parameters: `ties` (default `round-robin`) and, for `random` ties,
+/// `seed` (default the pipeline's).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct Params {
+    ties: Option<String>,
+    seed: Option<u64>,
+}
+
+fn build(p: &Value, config: &PickConfig) -> Result<Built> {
+    let p: Params = params(p)?;
+    let ties = match p.ties.as_deref().unwrap_or("round-robin") {
+        "first" => Ties::First,
+        "least-request" => Ties::LeastRequest,
+        "round-robin" => Ties::RoundRobin,
+        "random" => Ties::Random {
+            seed: p.seed.unwrap_or(config.seed),
+        },
+        other => {
+            return Err(invalid(format!(
+                "ties must be first, least-request, round-robin or random, got {other:?}"
+            )))
+        }
+    };
+    if p.seed.is_some() && !matches!(ties, Ties::Random { .. }) {
+        return Err(invalid("seed: unknown parameter (ties random only)"));
+    }
+    Ok(Built::Picker(Picker::MaxScore { ties }))
+}
+
+/// Random ties keep the pipeline's seed in their parameters.
+fn resolve(p: &mut Map<String, Value>, config: &PickConfig) {
+    if p.get("ties").and_then(Value::as_str) == Some("random")
+        && p.get("seed").is_none_or(Value::is_null)
+    {
+        p.insert("seed".into(), Value::from(config.seed));
+    }
+}
 
 /// How the max-score picker orders equal totals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,4 +99,40 @@ pub(super) fn choose(r: &Ranking<'_>) -> usize {
             best
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameters_build_the_tie_order() {
+        let c = PickConfig {
+            seed: 7,
+            ..PickConfig::default()
+        };
+        let ties = |p: Value| match build(&p, &c) {
+            Ok(Built::Picker(Picker::MaxScore { ties })) => Ok(ties),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(ties(serde_json::json!({})), Ok(Ties::RoundRobin));
+        assert_eq!(ties(serde_json::json!({"ties": "first"})), Ok(Ties::First));
+        assert_eq!(
+            ties(serde_json::json!({"ties": "random"})),
+            Ok(Ties::Random { seed: 7 })
+        );
+        assert_eq!(
+            ties(serde_json::json!({"ties": "random", "seed": 3})),
+            Ok(Ties::Random { seed: 3 })
+        );
+        let bad = ties(serde_json::json!({"ties": "last"})).expect_err("bad ties");
+        assert!(bad.starts_with("ties must be"), "{bad}");
+        let bad = ties(serde_json::json!({"ties": "first", "seed": 3})).expect_err("seed");
+        assert!(bad.starts_with("seed: unknown parameter"), "{bad}");
+        let mut m = Map::new();
+        m.insert("ties".into(), "random".into());
+        resolve(&mut m, &c);
+        assert_eq!(m.get("seed"), Some(&Value::from(7)));
+    }
 }

@@ -20,22 +20,32 @@
 //! hooks: [`Pipeline::started`] (a request went to an endpoint) and
 //! [`Pipeline::completed`] (it ended, with its usage); the prefix plugins
 //! also through [`Pipeline::moved`] (another endpoint served it: Envoy
-//! retried it on a fallback). Plugins are enums
-//! dispatched by `match` (no dynamic dispatch, no allocation per pick once
-//! the pipeline has seen its largest pool). Presets are lists of
+//! retried it on a fallback). No allocation per pick once the pipeline has
+//! seen its largest pool.
+//!
+//! Plugins describe themselves: each file holds its name, its parameter
+//! struct (unknown fields refused), what it reads and its tests
+//! ([`plugin::Describe`]); filters and scorers implement the small traits of
+//! `plugin.rs`, pickers are the [`Picker`] enum. One registry
+//! ([`REGISTRY`], `registry.rs`) lists them: names resolve there, its list
+//! is docs/picker.md's plugin table, and the data plane sets the plugins'
+//! shared parameters through it ([`apply_shared`]). Presets are lists of
 //! [`PluginSpec`]s (see `presets.rs`).
 
 mod adapter;
 mod healthy;
 mod kv_usage;
 mod least_request;
+mod lora_affinity;
 mod max_score;
+pub mod plugin;
 mod pool;
 pub mod prefix;
 mod prefix_router;
 mod presets;
 mod queue;
 mod random;
+mod registry;
 mod round_robin;
 mod saturation;
 mod session;
@@ -47,18 +57,20 @@ use std::cmp::Ordering;
 use std::sync::{Arc, Mutex};
 
 pub use max_score::Ties;
+pub use plugin::{Describe, Kind, Needs, Shared};
 pub use pool::Counted;
 pub use prefix_router::{PrefixCacheRouter, PrefixDecision};
 pub use presets::{preset_specs, PRESETS};
+pub use registry::{apply_shared, describe, needs, REGISTRY};
 pub use vtc_router::VtcRouter;
 
-use crate::endpoint::{EndpointSet, EndpointState, Saturation};
+use crate::endpoint::{EndpointSet, EndpointState};
 use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::prefix::PrefixIndex;
 use crate::rng::Rng;
 use crate::snapshot::{restore, Reader, Writer};
+use plugin::{Built, Filter, Scorer};
 use prefix::PrefixScorer;
-use session::SessionAffinity;
 use vtc::VtcScorer;
 
 /// Longest session key, in bytes.
@@ -95,35 +107,6 @@ pub struct Recorded {
     pub added: Vec<u64>,
 }
 
-/// Keeps a subset of the candidates.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Filter {
-    /// Endpoints whose health checks pass (hard).
-    Healthy,
-    /// The request's subset hint, when it has one (hard).
-    SubsetHint,
-    /// Endpoints serving the request's adapter, when it names one (soft: an
-    /// engine can load an adapter it does not hold yet).
-    ServesAdapter,
-    /// Endpoints at or below the queue and KV-cache thresholds (soft).
-    Saturation(Saturation),
-}
-
-impl Filter {
-    fn keep(&self, req: &PickRequest<'_>, i: usize, s: &EndpointState) -> bool {
-        match self {
-            Filter::Healthy => healthy::keep(s),
-            Filter::SubsetHint => subset::keep(req, i),
-            Filter::ServesAdapter => adapter::keep(req, s),
-            Filter::Saturation(t) => !t.saturated(s),
-        }
-    }
-    /// A soft filter that would leave no candidate is skipped.
-    fn soft(&self) -> bool {
-        matches!(self, Filter::ServesAdapter | Filter::Saturation(_))
-    }
-}
-
 /// What a scorer sees: every endpoint's name and state, and the candidates
 /// (endpoint indices) that passed the filters. Scores are written per
 /// candidate, in `cand` order.
@@ -131,85 +114,6 @@ pub struct Ctx<'a> {
     pub names: &'a [String],
     pub states: &'a [EndpointState],
     pub cand: &'a [usize],
-}
-
-/// Gives each candidate a score in [0, 1] (higher is better).
-#[derive(Debug, Clone)]
-pub enum Scorer {
-    LeastRequest,
-    QueueDepth,
-    KvUsage,
-    /// `prefix` and `precise-prefix` (see `prefix.rs`).
-    Prefix(Box<PrefixScorer>),
-    Vtc(Box<VtcScorer>),
-    SessionAffinity(Box<SessionAffinity>),
-}
-
-impl Scorer {
-    fn score(&mut self, req: &PickRequest<'_>, ctx: &Ctx<'_>, out: &mut [f64]) -> Result<()> {
-        match self {
-            Scorer::LeastRequest => least_request::score(ctx, out),
-            Scorer::QueueDepth => queue::score(ctx, out),
-            Scorer::KvUsage => kv_usage::score(ctx, out),
-            Scorer::Prefix(p) => return p.score(req, ctx, out),
-            Scorer::Vtc(v) => v.score(req, ctx, out),
-            Scorer::SessionAffinity(s) => s.score(req, ctx, out),
-        }
-        Ok(())
-    }
-    fn started(
-        &mut self,
-        req: &PickRequest<'_>,
-        names: &[String],
-        endpoint: usize,
-        recorded: Option<&mut Recorded>,
-    ) -> Result<()> {
-        match self {
-            Scorer::Prefix(p) => p.started(req, names, endpoint, recorded),
-            Scorer::Vtc(v) => {
-                v.started(req);
-                Ok(())
-            }
-            Scorer::SessionAffinity(s) => {
-                s.started(req, endpoint);
-                Ok(())
-            }
-            Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => Ok(()),
-        }
-    }
-    fn moved(
-        &mut self,
-        names: &[String],
-        from: usize,
-        to: usize,
-        recorded: &Recorded,
-        now: f64,
-    ) -> Result<()> {
-        match self {
-            Scorer::Prefix(p) => p.moved(names, from, to, recorded, now),
-            _ => Ok(()),
-        }
-    }
-    fn completed(&mut self, req: &PickRequest<'_>, input_tokens: u64, output_tokens: u64) {
-        if let Scorer::Vtc(v) = self {
-            v.completed(req, input_tokens, output_tokens);
-        }
-    }
-    fn removed(&mut self, i: usize, name: &str) -> Result<()> {
-        match self {
-            Scorer::Prefix(p) => p.removed(name),
-            Scorer::SessionAffinity(s) => {
-                s.removed(i);
-                Ok(())
-            }
-            _ => Ok(()),
-        }
-    }
-    fn added(&mut self) {
-        if let Scorer::Prefix(p) = self {
-            p.added();
-        }
-    }
 }
 
 /// Chooses one candidate from the totals.
@@ -266,8 +170,9 @@ pub struct PickConfig {
 pub struct Pipeline {
     specs: Vec<PluginSpec>,
     endpoints: EndpointSet,
-    filters: Vec<Filter>,
-    scorers: Vec<(Scorer, f64)>,
+    /// Each filter, and whether it is soft.
+    filters: Vec<(Box<dyn Filter>, bool)>,
+    scorers: Vec<(Box<dyn Scorer>, f64)>,
     picker: Picker,
     /// Picks made: with the seed, the random draw of the next pick.
     picks: u64,
@@ -300,13 +205,17 @@ impl Pipeline {
         let mut filters = Vec::new();
         let mut scorers = Vec::new();
         let mut picker = None;
-        let specs: Vec<PluginSpec> = specs.iter().map(|s| presets::resolved(s, config)).collect();
-        for spec in &specs {
+        let specs: Vec<PluginSpec> = specs
+            .iter()
+            .map(|s| registry::resolved(s, config))
+            .collect();
+        for (i, spec) in specs.iter().enumerate() {
             let w = non_negative(&format!("weight of {:?}", spec.name), spec.weight)?;
-            match presets::build(spec, config)? {
-                presets::Plugin::Filter(f) => filters.push(f),
-                presets::Plugin::Scorer(s) => scorers.push((s, w)),
-                presets::Plugin::Picker(p) => {
+            let (kind, built) = registry::build(i, spec, config)?;
+            match built {
+                Built::Filter(f) => filters.push((f, kind == Kind::Filter { soft: true })),
+                Built::Scorer(s) => scorers.push((s, w)),
+                Built::Picker(p) => {
                     if picker.replace(p).is_some() {
                         return Err(invalid("a pipeline has at most one picker"));
                     }
@@ -342,10 +251,9 @@ impl Pipeline {
 
     /// The prefix scorer (`prefix` or `precise-prefix`), if the pipeline has one.
     pub fn prefix(&self) -> Option<&PrefixScorer> {
-        self.scorers.iter().find_map(|(s, _)| match s {
-            Scorer::Prefix(p) => Some(&**p),
-            _ => None,
-        })
+        self.scorers
+            .iter()
+            .find_map(|(s, _)| s.as_any().downcast_ref())
     }
 
     /// The leading blocks of `req`'s prompt the prefix index holds for
@@ -353,33 +261,33 @@ impl Pipeline {
     pub fn prefix_held(&mut self, req: &PickRequest<'_>, endpoint: usize) -> Result<usize> {
         self.check_index(endpoint)?;
         let names = self.endpoints.names();
-        for (s, _) in &mut self.scorers {
-            if let Scorer::Prefix(p) = s {
-                return p.held(req.hashes, names, endpoint, req.now);
-            }
+        let prefix = self
+            .scorers
+            .iter_mut()
+            .find_map(|(s, _)| s.as_any_mut().downcast_mut::<PrefixScorer>());
+        match prefix {
+            Some(p) => p.held(req.hashes, names, endpoint, req.now),
+            None => Ok(0),
         }
-        Ok(0)
     }
 
     /// Whether a `precise-prefix` scorer reads `PickConfig::kv_index`.
     pub fn wants_kv_index(&self) -> bool {
-        self.specs.iter().any(|s| s.name == presets::PRECISE_PREFIX)
+        needs(&self.specs).kv_index
     }
 
     /// The VTC scorer, if the pipeline has one.
     pub fn vtc(&self) -> Option<&VtcScorer> {
-        self.scorers.iter().find_map(|(s, _)| match s {
-            Scorer::Vtc(v) => Some(&**v),
-            _ => None,
-        })
+        self.scorers
+            .iter()
+            .find_map(|(s, _)| s.as_any().downcast_ref())
     }
 
     /// The VTC scorer, mutable (its window moves with time).
     pub fn vtc_mut(&mut self) -> Option<&mut VtcScorer> {
-        self.scorers.iter_mut().find_map(|(s, _)| match s {
-            Scorer::Vtc(v) => Some(&mut **v),
-            _ => None,
-        })
+        self.scorers
+            .iter_mut()
+            .find_map(|(s, _)| s.as_any_mut().downcast_mut())
     }
 
     /// Readies the stateful plugins for the current endpoints (the prefix
@@ -388,9 +296,7 @@ impl Pipeline {
     pub fn prepare(&mut self) -> Result<()> {
         let names = self.endpoints.names();
         for (s, _) in &mut self.scorers {
-            if let Scorer::Prefix(p) = s {
-                p.prepare(names)?;
-            }
+            s.prepare(names)?;
         }
         Ok(())
     }
@@ -466,16 +372,12 @@ impl Pipeline {
         out.clear();
         self.cand.clear();
         self.cand.extend(0..states.len());
-        for f in &self.filters {
-            let kept = self
-                .cand
-                .iter()
-                .filter(|&&i| f.keep(req, i, &states[i]))
-                .count();
-            if kept == self.cand.len() || (kept == 0 && f.soft()) {
+        for (f, soft) in &self.filters {
+            let kept = f.count(req, &self.cand, states);
+            if kept == self.cand.len() || (kept == 0 && *soft) {
                 continue;
             }
-            self.cand.retain(|&i| f.keep(req, i, &states[i]));
+            f.retain(req, &mut self.cand, states);
         }
         let m = self.cand.len();
         if m == 0 {
@@ -668,12 +570,7 @@ impl Pipeline {
         self.endpoints.write(w);
         w.u64(self.picks).u64(self.cursor as u64);
         for (s, _) in &self.scorers {
-            match s {
-                Scorer::Prefix(p) => p.write(w),
-                Scorer::Vtc(v) => v.write(w),
-                Scorer::SessionAffinity(a) => a.write(w),
-                Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => {}
-            }
+            s.write(w);
         }
     }
 
@@ -705,12 +602,7 @@ impl Pipeline {
         p.picks = r.u64()?;
         p.cursor = usize::try_from(r.u64()?).unwrap_or(0) % endpoints.len().max(1);
         for (s, _) in &mut p.scorers {
-            match s {
-                Scorer::Prefix(x) => x.read(r)?,
-                Scorer::Vtc(x) => x.read(r)?,
-                Scorer::SessionAffinity(x) => x.read(r, endpoints.len())?,
-                Scorer::LeastRequest | Scorer::QueueDepth | Scorer::KvUsage => {}
-            }
+            s.read(r, endpoints.len())?;
         }
         Ok(p)
     }

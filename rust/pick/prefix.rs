@@ -23,10 +23,13 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::{Ctx, PickRequest, Recorded};
-use crate::error::Result;
+use serde_json::Value;
+
+use super::plugin::{params, Built, Describe, Kind, Needs, Scorer, Shared};
+use super::{Ctx, PickConfig, PickRequest, Recorded};
+use crate::error::{invalid, Result};
 use crate::kv::KvIndex;
-use crate::prefix::{lock, PrefixConfig, PrefixIndex, NO_SLOT};
+use crate::prefix::{lock, PrefixConfig, PrefixIndex, DEFAULT_CAPACITY_BLOCKS, NO_SLOT};
 use crate::snapshot::{Reader, Writer};
 
 #[derive(Debug, Clone)]
@@ -303,6 +306,122 @@ fn share(held: usize, blocks: usize) -> f64 {
         0.0
     } else {
         held as f64 / blocks as f64
+    }
+}
+
+/// The parameters of `prefix` (and of `precise-prefix`, for its approximate
+/// fallback): `block_size` (16), `seed` (0), `imbalance_abs_count` (16),
+/// `std_factor` (2.0), `capacity_blocks` (200,000) and `ttl_s` (none) of a
+/// prefix index it makes (unless `PickConfig::prefix_index` is shared).
+#[derive(Debug, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct Params {
+    block_size: usize,
+    seed: u64,
+    imbalance_abs_count: u64,
+    std_factor: f64,
+    capacity_blocks: usize,
+    ttl_s: Option<f64>,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            seed: 0,
+            imbalance_abs_count: 16,
+            std_factor: 2.0,
+            capacity_blocks: DEFAULT_CAPACITY_BLOCKS,
+            ttl_s: None,
+        }
+    }
+}
+
+pub const PREFIX: Describe = Describe {
+    name: "prefix",
+    kind: Kind::Scorer,
+    needs: Needs {
+        scraped: true,
+        hashes: true,
+        ..Needs::NOTHING
+    },
+    build: |p, config| build(p, config, None),
+    shared: Some(shared),
+    resolve: None,
+};
+
+pub const PRECISE_PREFIX: Describe = Describe {
+    name: "precise-prefix",
+    kind: Kind::Scorer,
+    needs: Needs {
+        scraped: true,
+        hashes: true,
+        token_ids: true,
+        kv_index: true,
+    },
+    build: |p, config| build(p, config, config.kv_index.clone()),
+    shared: Some(shared),
+    resolve: None,
+};
+
+/// The data plane sets the block size of both.
+fn shared(s: &Shared) -> Value {
+    serde_json::json!({ "block_size": s.prefix_block_size })
+}
+
+/// A prefix scorer from its parameters; `kv`: the KV-event index of a
+/// precise one.
+fn build(p: &Value, config: &PickConfig, kv: Option<Arc<KvIndex>>) -> Result<Built> {
+    let p: Params = params(p)?;
+    let imbalance = i64::try_from(p.imbalance_abs_count)
+        .map_err(|_| invalid("imbalance_abs_count is too large"))?;
+    let prefix = PrefixConfig::new(p.block_size, imbalance, p.std_factor, p.seed)?;
+    let index = match &config.prefix_index {
+        Some(ix) => Arc::clone(ix),
+        None => Arc::new(Mutex::new(PrefixIndex::new(p.capacity_blocks, p.ttl_s)?)),
+    };
+    Ok(Built::Scorer(Box::new(PrefixScorer::new(
+        prefix, index, kv,
+    ))))
+}
+
+impl Scorer for PrefixScorer {
+    fn score(&mut self, req: &PickRequest<'_>, ctx: &Ctx<'_>, out: &mut [f64]) -> Result<()> {
+        PrefixScorer::score(self, req, ctx, out)
+    }
+    fn prepare(&mut self, names: &[String]) -> Result<()> {
+        PrefixScorer::prepare(self, names)
+    }
+    fn started(
+        &mut self,
+        req: &PickRequest<'_>,
+        names: &[String],
+        endpoint: usize,
+        recorded: Option<&mut Recorded>,
+    ) -> Result<()> {
+        PrefixScorer::started(self, req, names, endpoint, recorded)
+    }
+    fn moved(
+        &mut self,
+        names: &[String],
+        from: usize,
+        to: usize,
+        recorded: &Recorded,
+        now: f64,
+    ) -> Result<()> {
+        PrefixScorer::moved(self, names, from, to, recorded, now)
+    }
+    fn added(&mut self) {
+        PrefixScorer::added(self);
+    }
+    fn removed(&mut self, _: usize, name: &str) -> Result<()> {
+        PrefixScorer::removed(self, name)
+    }
+    fn write(&self, w: &mut Writer) {
+        PrefixScorer::write(self, w);
+    }
+    fn read(&mut self, r: &mut Reader<'_>, _: usize) -> Result<()> {
+        PrefixScorer::read(self, r)
     }
 }
 

@@ -1,8 +1,42 @@
 //! Picker `random`: a seeded draw weighted by the totals (uniform when they
 //! are all zero, as in a pipeline without scorers).
 
-use super::Ranking;
+use serde_json::{Map, Value};
+
+use super::plugin::{params, Built, Describe, Kind, Needs};
+use super::{PickConfig, Picker, Ranking};
+use crate::error::Result;
 use crate::rng::Rng;
+
+pub const PLUGIN: Describe = Describe {
+    name: "random",
+    kind: Kind::Picker,
+    needs: Needs::NOTHING,
+    build,
+    shared: None,
+    resolve: Some(resolve),
+};
+
+/// The parameters: `seed` (default the pipeline's).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct Params {
+    seed: Option<u64>,
+}
+
+fn build(p: &Value, config: &PickConfig) -> Result<Built> {
+    let p: Params = params(p)?;
+    Ok(Built::Picker(Picker::Random {
+        seed: p.seed.unwrap_or(config.seed),
+    }))
+}
+
+/// The draws' seed is kept in the parameters.
+fn resolve(p: &mut Map<String, Value>, config: &PickConfig) {
+    if p.get("seed").is_none_or(Value::is_null) {
+        p.insert("seed".into(), Value::from(config.seed));
+    }
+}
 
 pub(super) fn choose(r: &Ranking<'_>) -> usize {
     let mut rng = Rng::new(r.draw);
@@ -19,4 +53,57 @@ pub(super) fn choose(r: &Ranking<'_>) -> usize {
     }
     // Rounding left x at or past the last positive total.
     r.total.iter().rposition(|&t| t > 0.0).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::EndpointState;
+    use crate::pick::Ties;
+
+    fn ranking<'a>(
+        total: &'a [f64],
+        cand: &'a [usize],
+        states: &'a [EndpointState],
+        draw: u64,
+    ) -> Ranking<'a> {
+        Ranking {
+            total,
+            cand,
+            states,
+            ties: Ties::First,
+            cursor: 0,
+            n: states.len(),
+            draw,
+        }
+    }
+
+    #[test]
+    fn draws_follow_the_totals_and_never_a_zero() {
+        let states = vec![EndpointState::default(); 3];
+        let cand = [0, 1, 2];
+        let total = [0.0, 3.0, 1.0];
+        let mut hits = [0u32; 3];
+        for draw in 0..4000 {
+            hits[choose(&ranking(&total, &cand, &states, draw))] += 1;
+        }
+        assert_eq!(hits[0], 0, "a zero total is never drawn");
+        // 3:1 expected; 4,000 draws keep the share within a few percent.
+        let share = f64::from(hits[1]) / 4000.0;
+        assert!((share - 0.75).abs() < 0.04, "{hits:?}");
+        let zeros = [0.0; 3];
+        let mut seen = [false; 3];
+        for draw in 0..200 {
+            seen[choose(&ranking(&zeros, &cand, &states, draw))] = true;
+        }
+        assert_eq!(seen, [true; 3], "all zero: uniform");
+        let c = PickConfig {
+            seed: 9,
+            ..PickConfig::default()
+        };
+        assert!(matches!(
+            build(&serde_json::json!({}), &c),
+            Ok(Built::Picker(Picker::Random { seed: 9 }))
+        ));
+    }
 }

@@ -5,9 +5,43 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::{Ctx, PickRequest};
+use serde_json::Value;
+
+use super::plugin::{params, Built, Describe, Kind, Needs, Scorer};
+use super::{Ctx, PickConfig, PickRequest, Recorded};
 use crate::error::{invalid, Error, Result};
 use crate::snapshot::{Reader, Writer};
+
+pub const PLUGIN: Describe = Describe {
+    name: "session-affinity",
+    kind: Kind::Scorer,
+    needs: Needs::NOTHING,
+    build,
+    shared: None,
+    resolve: None,
+};
+
+/// The parameters: `max_sessions`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct Params {
+    max_sessions: usize,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Self {
+            max_sessions: DEFAULT_MAX_SESSIONS,
+        }
+    }
+}
+
+fn build(p: &Value, _: &PickConfig) -> Result<Built> {
+    let p: Params = params(p)?;
+    Ok(Built::Scorer(Box::new(SessionAffinity::new(
+        p.max_sessions,
+    )?)))
+}
 
 /// Default bound on sessions held.
 pub const DEFAULT_MAX_SESSIONS: usize = 100_000;
@@ -36,24 +70,6 @@ impl SessionAffinity {
         })
     }
 
-    pub fn len(&self) -> usize {
-        self.endpoint_of.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.endpoint_of.is_empty()
-    }
-
-    pub(super) fn score(&mut self, req: &PickRequest<'_>, ctx: &Ctx<'_>, out: &mut [f64]) {
-        let bound = req.session.and_then(|s| self.endpoint_of.get(s)).copied();
-        for (o, &i) in out.iter_mut().zip(ctx.cand) {
-            *o = if bound == Some(i) { 1.0 } else { 0.0 };
-        }
-    }
-
-    pub(super) fn started(&mut self, req: &PickRequest<'_>, endpoint: usize) {
-        self.bind(req.session, endpoint);
-    }
-
     fn bind(&mut self, session: Option<&str>, endpoint: usize) {
         let Some(s) = session else { return };
         if let Some(e) = self.endpoint_of.get_mut(s) {
@@ -68,10 +84,31 @@ impl SessionAffinity {
         self.endpoint_of.insert(s.to_owned(), endpoint);
         self.order.push_back(s.to_owned());
     }
+}
+
+impl Scorer for SessionAffinity {
+    fn score(&mut self, req: &PickRequest<'_>, ctx: &Ctx<'_>, out: &mut [f64]) -> Result<()> {
+        let bound = req.session.and_then(|s| self.endpoint_of.get(s)).copied();
+        for (o, &i) in out.iter_mut().zip(ctx.cand) {
+            *o = if bound == Some(i) { 1.0 } else { 0.0 };
+        }
+        Ok(())
+    }
+
+    fn started(
+        &mut self,
+        req: &PickRequest<'_>,
+        _: &[String],
+        endpoint: usize,
+        _: Option<&mut Recorded>,
+    ) -> Result<()> {
+        self.bind(req.session, endpoint);
+        Ok(())
+    }
 
     /// Endpoint `i` was removed: its sessions are unbound, later ones move
     /// down one index.
-    pub(super) fn removed(&mut self, i: usize) {
+    fn removed(&mut self, i: usize, _: &str) -> Result<()> {
         self.endpoint_of.retain(|_, e| *e != i);
         self.order.retain(|s| self.endpoint_of.contains_key(s));
         for e in self.endpoint_of.values_mut() {
@@ -79,16 +116,17 @@ impl SessionAffinity {
                 *e -= 1;
             }
         }
+        Ok(())
     }
 
-    pub(super) fn write(&self, w: &mut Writer) {
+    fn write(&self, w: &mut Writer) {
         w.u64(self.order.len() as u64);
         for s in &self.order {
             w.str(s).u64(self.endpoint_of[s] as u64);
         }
     }
 
-    pub(super) fn read(&mut self, r: &mut Reader<'_>, endpoints: usize) -> Result<()> {
+    fn read(&mut self, r: &mut Reader<'_>, endpoints: usize) -> Result<()> {
         let n = r.count(13)?;
         if n > self.max_sessions {
             return Err(Error::Snapshot(format!("{n} sessions exceed max_sessions")));
@@ -104,5 +142,55 @@ impl SessionAffinity {
             self.bind(Some(&s), e as usize);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::EndpointState;
+
+    fn scores(a: &mut SessionAffinity, session: Option<&str>, cand: &[usize]) -> Vec<f64> {
+        let names: Vec<String> = (0..4).map(|i| format!("e{i}")).collect();
+        let states = vec![EndpointState::default(); 4];
+        let ctx = Ctx {
+            names: &names,
+            states: &states,
+            cand,
+        };
+        let req = PickRequest {
+            session,
+            ..PickRequest::default()
+        };
+        let mut out = vec![0.5; cand.len()];
+        a.score(&req, &ctx, &mut out).expect("score");
+        out
+    }
+
+    fn start(a: &mut SessionAffinity, session: &str, endpoint: usize) {
+        let req = PickRequest {
+            session: Some(session),
+            ..PickRequest::default()
+        };
+        a.started(&req, &[], endpoint, None).expect("started");
+    }
+
+    #[test]
+    fn binds_the_last_endpoint_forgets_the_oldest_and_follows_removals() {
+        let mut a = SessionAffinity::new(2).expect("affinity");
+        assert_eq!(scores(&mut a, Some("s"), &[0, 1]), [0.0, 0.0]);
+        start(&mut a, "s", 1);
+        start(&mut a, "s", 2);
+        assert_eq!(scores(&mut a, Some("s"), &[0, 1, 2]), [0.0, 0.0, 1.0]);
+        assert_eq!(scores(&mut a, None, &[2]), [0.0], "no session");
+        start(&mut a, "t", 3);
+        start(&mut a, "u", 0); // past max_sessions: "s" is forgotten
+        assert_eq!(scores(&mut a, Some("s"), &[2]), [0.0]);
+        assert_eq!(scores(&mut a, Some("t"), &[3]), [1.0]);
+        a.removed(1, "e1").expect("removed");
+        assert_eq!(scores(&mut a, Some("t"), &[2]), [1.0], "moved down one");
+        a.removed(2, "e2").expect("removed");
+        assert_eq!(scores(&mut a, Some("t"), &[0, 1, 2]), [0.0, 0.0, 0.0]);
+        assert!(SessionAffinity::new(0).is_err());
     }
 }

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use super::config::{PoolSpec, TenantSpec};
 use super::extproc::Current;
 use super::metrics::{FGauge, PoolLabel};
-use crate::autoscale::{AutoscaleConfig, Autoscaler, Desired, PoolDemand, Reason};
+use crate::autoscale::{AutoscaleConfig, Autoscaler, Desired, LiveWorkload, PoolDemand, Reason};
 use crate::error::{invalid, Result};
 use crate::planner::Binding;
 use crate::profile::Profile;
@@ -97,6 +97,19 @@ pub struct QuantileLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EntitlementLabels {
+    pub pool: String,
+    pub entitlement: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EntitlementQuantileLabels {
+    pub pool: String,
+    pub entitlement: String,
+    pub quantile: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResourceLabels {
     pub pool: String,
     pub resource: String,
@@ -119,6 +132,9 @@ pub struct Gauges {
     output_tokens: Family<QuantileLabels, FGauge>,
     binding: Family<ResourceLabels, FGauge>,
     reason: Family<ReasonLabels, FGauge>,
+    entitlement_rate: Family<EntitlementLabels, FGauge>,
+    entitlement_prompt_tokens: Family<EntitlementQuantileLabels, FGauge>,
+    entitlement_output_tokens: Family<EntitlementQuantileLabels, FGauge>,
 }
 
 const BINDINGS: [Binding; 5] = [
@@ -186,7 +202,47 @@ impl Gauges {
              slo-unreachable), else 0",
             g.reason.clone(),
         );
+        registry.register(
+            "routecore_entitlement_arrival_rate",
+            "Requests per second of an entitlement a scaled pool lists, in its live window",
+            g.entitlement_rate.clone(),
+        );
+        registry.register(
+            "routecore_entitlement_prompt_tokens",
+            "Prompt tokens per request of an entitlement in its live window, by quantile \
+             (0.5, 0.99)",
+            g.entitlement_prompt_tokens.clone(),
+        );
+        registry.register(
+            "routecore_entitlement_output_tokens",
+            "Output tokens per request of an entitlement in its live window, by quantile \
+             (0.5, 0.99)",
+            g.entitlement_output_tokens.clone(),
+        );
         g
+    }
+
+    /// The series of entitlement `entitlement` of `pool`.
+    fn entitlement(&self, pool: &str, entitlement: &str) -> EntitlementGauges {
+        let quantiles = |f: &Family<EntitlementQuantileLabels, FGauge>| {
+            QUANTILES.map(|q| {
+                f.get_or_create_owned(&EntitlementQuantileLabels {
+                    pool: pool.to_owned(),
+                    entitlement: entitlement.to_owned(),
+                    quantile: q.into(),
+                })
+            })
+        };
+        EntitlementGauges {
+            rate: self
+                .entitlement_rate
+                .get_or_create_owned(&EntitlementLabels {
+                    pool: pool.to_owned(),
+                    entitlement: entitlement.to_owned(),
+                }),
+            prompt_tokens: quantiles(&self.entitlement_prompt_tokens),
+            output_tokens: quantiles(&self.entitlement_output_tokens),
+        }
     }
 
     /// `pool`'s series, looked up once (made when missing).
@@ -225,6 +281,7 @@ impl Gauges {
                     reason: r.name().into(),
                 })
             }),
+            entitlements: Vec::new(),
         }
     }
 
@@ -238,6 +295,30 @@ impl Gauges {
         self.output_tokens.clear();
         self.binding.clear();
         self.reason.clear();
+        self.entitlement_rate.clear();
+        self.entitlement_prompt_tokens.clear();
+        self.entitlement_output_tokens.clear();
+    }
+}
+
+/// One entitlement's series of [`Gauges`]: its live window's inputs.
+struct EntitlementGauges {
+    rate: FGauge,
+    /// By [`QUANTILES`].
+    prompt_tokens: [FGauge; 2],
+    output_tokens: [FGauge; 2],
+}
+
+impl EntitlementGauges {
+    fn publish(&self, live: &LiveWorkload) {
+        self.rate.set(live.rate);
+        for (gauges, p) in [
+            (&self.prompt_tokens, live.prompt_tokens),
+            (&self.output_tokens, live.output_tokens),
+        ] {
+            gauges[0].set(p.p50 as f64);
+            gauges[1].set(p.p99 as f64);
+        }
     }
 }
 
@@ -257,6 +338,8 @@ struct PoolGauges {
     /// By [`BINDINGS`] and [`REASONS`]: 1 for the one that holds.
     binding: [FGauge; 5],
     reason: [FGauge; 5],
+    /// By the pool's entitlements, in order.
+    entitlements: Vec<EntitlementGauges>,
 }
 
 impl PoolGauges {
@@ -353,7 +436,14 @@ impl Scaling {
             .config
             .pools
             .iter()
-            .map(|p| gauges.pool(&p.name))
+            .map(|p| PoolGauges {
+                entitlements: p
+                    .entitlements
+                    .iter()
+                    .map(|e| gauges.entitlement(&p.name, e))
+                    .collect(),
+                ..gauges.pool(&p.name)
+            })
             .collect();
         let cfg = &spec.config;
         let plane_pools: Vec<usize> = cfg
@@ -391,6 +481,17 @@ impl Scaling {
 
     pub fn period(&self) -> Duration {
         Duration::from_secs_f64(self.spec.config.period_s)
+    }
+
+    /// Counts a request of data-plane pool `pool` from `tenant` given its
+    /// lease at `now` (the pool's arrival rate); false when the pool is not
+    /// scaled.
+    pub fn arrive(&self, pool: usize, tenant: Option<usize>, now: f64) -> bool {
+        let Some(Some(p)) = self.pools.get(pool) else {
+            return false;
+        };
+        let e = tenant.and_then(|t| self.entitlements[pool].get(t).copied().flatten());
+        lock(&self.autoscaler).arrive(*p, e, now).is_ok()
     }
 
     /// Counts a finished request of data-plane pool `pool` from `tenant`
@@ -432,7 +533,23 @@ impl Scaling {
                     .unwrap_or(0.0),
             })
             .collect();
-        let desired = lock(&self.autoscaler).step(now, &demand)?;
+        let (desired, entitlements) = {
+            let mut a = lock(&self.autoscaler);
+            let desired = a.step(now, &demand)?;
+            let mut entitlements = Vec::new();
+            for (i, p) in self.spec.config.pools.iter().enumerate() {
+                for e in 0..p.entitlements.len() {
+                    entitlements.push(a.live(i, Some(e), now)?);
+                }
+            }
+            (desired, entitlements)
+        };
+        let mut live = entitlements.iter();
+        for g in self.gauges.iter().flat_map(|g| &g.entitlements) {
+            if let Some(l) = live.next() {
+                g.publish(l);
+            }
+        }
         let mut published = lock(&self.published);
         published.at_max.resize(desired.len(), None);
         let mut changed = Vec::new();

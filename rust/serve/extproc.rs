@@ -82,8 +82,10 @@ use super::front::{Door, Routing};
 use super::limits::{
     Buffer, StreamCount, StreamSlot, BODY_TIMEOUT, BUFFERS_FULL, MAX_STREAMS_PER_CONNECTION,
 };
+use super::pd_send;
 use super::usage::{looks_like_sse, UsageReader};
 use crate::error::Result;
+use crate::pd::handshake::Handoff;
 
 /// The header and `envoy.lb` key of the endpoints to try, in order:
 /// `ip:port,ip:port,...` (the chosen endpoint, then its fallbacks).
@@ -317,6 +319,9 @@ pub struct Conversation {
     hints: Hints,
     /// The served endpoint was read from the response's metadata.
     served: bool,
+    /// The request's `:path`, kept when a pool's split requests are sent by
+    /// routecore (`serve::pd_send`): the prefill goes to the same API.
+    path: Option<Vec<u8>>,
 }
 
 impl Conversation {
@@ -339,6 +344,7 @@ impl Conversation {
             failed: false,
             hints: Hints::default(),
             served: false,
+            path: None,
         }
     }
 
@@ -486,6 +492,9 @@ impl Conversation {
         let first = |names: [&str; 2]| names.into_iter().find_map(text);
         self.hints.objective = first(OBJECTIVE_HEADERS);
         self.hints.fairness_id = first(FAIRNESS_HEADERS);
+        if self.engine.handoffs.iter().any(|h| h.handoff.sends()) {
+            self.path = find_header(headers, b":path").map(<[u8]>::to_vec);
+        }
         let key = find_header(headers, &self.engine.key_header);
         if let Err(rej) = self.door.authenticate(key) {
             return Ok(self.refuse(rej));
@@ -592,11 +601,33 @@ impl Conversation {
 
     async fn route_now(&mut self) -> Vec<ProcessingResponse> {
         self.routed = true;
-        let outcome = self
+        let mut outcome = self
             .door
             .route(Routing::Body(self.body.data()), &self.hints)
             .await;
+        if let Ok(routed) = &mut outcome {
+            self.hand_off(routed).await;
+        }
         self.answer(outcome, true)
+    }
+
+    /// A split request of a pool whose handoff is `vllm` or `sglang`:
+    /// routecore sends its prefill (`serve::pd_send`).
+    async fn hand_off(&mut self, routed: &mut Routed) {
+        let engine = Arc::clone(&self.engine);
+        let pool = engine.spec.pools.iter().position(|p| p.name == routed.pool);
+        let Some(h) = pool.and_then(|i| engine.handoffs.get(i)) else {
+            return;
+        };
+        if routed.prefill_endpoint.is_none() || !h.handoff.sends() {
+            return;
+        }
+        // A stream dropped while the prefill is out releases the lease.
+        self.lease = Some(routed.id);
+        let path = pd_send::request_path(self.path.as_deref());
+        let max = usize::try_from(engine.spec.limits.max_body_bytes).unwrap_or(usize::MAX);
+        let wait = self.hints.on_wait.as_ref();
+        pd_send::hand_off(&self.shared, h, routed, self.body.data(), path, max, wait).await;
     }
 
     fn answer(&mut self, outcome: Outcome, has_body: bool) -> Vec<ProcessingResponse> {
@@ -906,7 +937,9 @@ impl ExternalProcessor for Processor {
         // With flow control, a request that waits in a queue tells Envoy to
         // extend its message timeout (`max_message_timeout` bounds it): an
         // answer of its own beside the conversation's, ended with it.
-        let waits = engine.flow(0).is_some().then(|| {
+        // So does a split request whose prefill routecore sends and awaits.
+        let awaits_prefill = engine.handoffs.iter().any(|h| h.handoff == Handoff::Vllm);
+        let waits = (engine.flow(0).is_some() || awaits_prefill).then(|| {
             let (notice, waits) = tokio::sync::mpsc::unbounded_channel();
             conv.hints.on_wait = Some(WaitNotice(notice));
             tokio_stream::wrappers::UnboundedReceiverStream::new(waits)

@@ -124,6 +124,8 @@ pub struct Metrics {
     /// The KV-event metrics, read from the precise prefix index at each scrape.
     #[cfg(feature = "kv-events")]
     pub kv: Arc<super::kv_events::metrics::KvCollector>,
+    /// Disaggregation: fallbacks of routecore's prefill sender, endpoint roles.
+    pub pd: super::pd_send::PdMetrics,
     /// The autoscaler's gauges (`serve::autoscale`).
     pub autoscale: Arc<super::autoscale::Gauges>,
     /// Flow control's queues (`serve::flow`).
@@ -250,8 +252,10 @@ impl Metrics {
         #[cfg(feature = "kv-events")]
         registry.register_collector(Box::new(Arc::clone(&kv)));
         let flow = super::flow::FlowMetrics::register(&mut registry);
+        let pd = super::pd_send::PdMetrics::register(&mut registry);
         Self {
             flow,
+            pd,
             registry,
             #[cfg(feature = "kv-events")]
             kv,
@@ -368,6 +372,15 @@ impl Metrics {
                 self.rejections
                     .get_or_create(&RejectionLabels {
                         service_class: s(0)?,
+                        reason: s(1)?,
+                    })
+                    .get(),
+            ),
+            "pd_fallbacks" => Some(
+                self.pd
+                    .fallbacks
+                    .get_or_create(&super::pd_send::FallbackLabels {
+                        pool: s(0)?,
                         reason: s(1)?,
                     })
                     .get(),

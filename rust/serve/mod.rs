@@ -16,6 +16,7 @@ pub mod limits;
 pub mod loadgen;
 pub mod logs;
 pub mod metrics;
+pub mod pd_send;
 pub mod runtime;
 pub mod scrape;
 pub mod usage;

@@ -761,11 +761,18 @@ impl Link {
     }
 }
 
-async fn answer(
-    sender: &mut SendRequest<Empty<Bytes>>,
-    request: hyper::Request<Empty<Bytes>>,
+/// One request's answer on `sender`: the body of a 200, at most `max`
+/// bytes (also the prefill sender's, `serve::pd_send`).
+pub(super) async fn answer<B>(
+    sender: &mut SendRequest<B>,
+    request: hyper::Request<B>,
     max: usize,
-) -> std::result::Result<Bytes, Failure> {
+) -> std::result::Result<Bytes, Failure>
+where
+    B: hyper::body::Body + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     sender.ready().await.map_err(|_| Failure::Connect)?;
     let resp = sender
         .send_request(request)

@@ -489,12 +489,12 @@ pub fn make_router(kind: RouterKind, config: &SimConfig) -> Result<Box<dyn Fleet
     })
 }
 
-/// The precise prefix index of a run whose picker has a `precise-prefix`
-/// scorer and whose blocks carry their token ids (None otherwise): keyed
-/// like the endpoints' caches (16-token blocks; its own seed, which need not
+/// The precise prefix index of a run whose picker reads one (a
+/// `precise-prefix` scorer) and whose blocks carry their token ids (None
+/// otherwise): keyed like the endpoints' caches (16-token blocks; its own seed, which need not
 /// be the workload's) and large enough to follow the largest cache.
 fn kv_index(blocks: &RequestBlocks, config: &SimConfig) -> Result<Option<Arc<KvIndex>>> {
-    let precise = config.picker.iter().any(|s| s.name == "precise-prefix");
+    let precise = crate::pick::needs(&config.picker).kv_index;
     if !(precise && blocks.has_tokens()) {
         return Ok(None);
     }
@@ -741,7 +741,9 @@ impl<'a> Fleet<'a> {
             if self.config.scrape_interval <= 0.0 {
                 self.scrape(i);
             }
-            self.states[i].in_flight = self.endpoints[i].load() as u64;
+            // As the data plane's release does: a dispatch since the scrape
+            // that ended waits in no queue.
+            self.states[i].set_in_flight_to(self.endpoints[i].load() as u64);
         }
         let r = &self.requests[k];
         let blocks = self.blocks;

@@ -477,19 +477,31 @@ fn the_prefix_picker_sends_a_repeated_prompt_where_it_is_cached() {
 }
 
 #[test]
-fn between_scrapes_the_picker_counts_its_own_dispatches() {
-    // A one-token request goes to endpoint 0 at t = 0 and is done 8.65 ms
-    // later. Reading the engines at every decision, the next request (t =
-    // 0.5) finds both idle and takes the first; scraped every second, the
-    // picker last saw the engines at t = 0 and counts its dispatch to 0 as
-    // still there, so it takes endpoint 1; scraped every 0.25 s it knows.
-    let work = [req(0.0, 100, 1), req(0.5, 100, 1)];
+fn between_scrapes_the_picker_counts_its_own_dispatches_still_in_flight() {
+    // A request goes to endpoint 0 at t = 0, the next comes at t = 0.5.
+    // Scraped every second, the picker last saw the engines at t = 0, before
+    // its dispatch: it counts that dispatch on endpoint 0 while the request
+    // runs (200 tokens, past t = 0.5), so the next one takes endpoint 1; a
+    // one-token request is done 8.65 ms later, and an ended request waits
+    // in no queue, so the next one takes the first endpoint as when the
+    // engines are read at every decision (or scraped every 0.25 s).
     let mut cfg = config(vec![pool("p", 2, 8192, 16, 4096)], "least-request");
-    for (interval, want) in [(0.0, [0, 0]), (1.0, [0, 1]), (0.25, [0, 0])] {
+    for (output, interval, want) in [
+        (200, 0.0, [0, 1]),
+        (200, 1.0, [0, 1]),
+        (1, 0.0, [0, 0]),
+        (1, 1.0, [0, 0]),
+        (1, 0.25, [0, 0]),
+    ] {
         cfg.scrape_interval = interval;
+        let work = [req(0.0, 100, output), req(0.5, 100, 1)];
         let rep = run(&work, &cfg, RouterKind::Homogeneous);
-        assert_eq!(rep.endpoint, want, "{interval}");
+        assert_eq!(
+            rep.endpoint, want,
+            "{output} tokens, scraped every {interval} s"
+        );
     }
+    let work = [req(0.0, 100, 1), req(0.5, 100, 1)];
     cfg.scrape_interval = f64::NAN;
     let mut router = make_router(RouterKind::Homogeneous, &cfg).expect("router");
     let p = AtomicU64::new(0);

@@ -75,6 +75,25 @@ class EndpointPicker:
         lo, hi = min(values), max(values)
         return [(hi - v) / (hi - lo) if hi > lo else 1.0 for v in values]
 
+    def add_prefix(self, total, hashes, cand, weight):
+        """Adds the prefix scorer's score of each candidate, times ``weight``."""
+        states = [self.states[i] for i in cand]
+        matched = self.index.match(hashes, [self.endpoints[i] for i in cand])
+        loads = [self.load(s) for s in states]
+        if hashes and max(loads) - min(loads) <= self.imbalance:
+            mean = sum(loads) / len(loads)
+            std = (sum((x - mean) ** 2 for x in loads) / len(loads)) ** 0.5
+            limit = mean + self.std_factor * std
+            for k, i in enumerate(cand):
+                m = matched[self.endpoints[i]]
+                if m > 0 and loads[k] <= limit and self.endpoints[i] not in self.held:
+                    total[k] += weight * m / len(hashes)
+        for k, i in enumerate(cand):
+            held = self.held.get(self.endpoints[i])
+            if held is not None and hashes:  # no load guard on what an engine holds
+                m = next((j for j, h in enumerate(hashes) if h not in held), len(hashes))
+                total[k] += weight * m / len(hashes)
+
     def pick(self, tokens=None):
         cand = [i for i, s in enumerate(self.states) if s["healthy"]]
         if self.preset != "prefix":
@@ -87,21 +106,7 @@ class EndpointPicker:
         hashes = []
         if self.index is not None:
             hashes = block_hashes(tokens, self.block_size) if tokens is not None else []
-            matched = self.index.match(hashes, [self.endpoints[i] for i in cand])
-            loads = [self.load(s) for s in states]
-            if hashes and max(loads) - min(loads) <= self.imbalance:
-                mean = sum(loads) / len(loads)
-                std = (sum((x - mean) ** 2 for x in loads) / len(loads)) ** 0.5
-                limit = mean + self.std_factor * std
-                for k, i in enumerate(cand):
-                    m = matched[self.endpoints[i]]
-                    if m > 0 and loads[k] <= limit and self.endpoints[i] not in self.held:
-                        total[k] += self.w["prefix"] * m / len(hashes)
-            for k, i in enumerate(cand):
-                held = self.held.get(self.endpoints[i])
-                if held is not None and hashes:  # no load guard on what an engine holds
-                    m = next((j for j, h in enumerate(hashes) if h not in held), len(hashes))
-                    total[k] += self.w["prefix"] * m / len(hashes)
+            self.add_prefix(total, hashes, cand, self.w["prefix"])
         if self.w["queue"]:
             for k, q in enumerate(self.lower_is_better([self.queue(s) for s in states])):
                 total[k] += self.w["queue"] * q

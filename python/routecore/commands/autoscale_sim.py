@@ -154,9 +154,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scale-down-delay",
         type=non_negative_float,
-        default=60.0,
+        default=30.0,
         metavar="SECONDS",
-        help="the damping's scale-down delay of the saturation rule and routecore (default 60)",
+        help="the damping's scale-down delay of the saturation rule and routecore (default 30)",
     )
     p.add_argument(
         "--forecast",
@@ -180,6 +180,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="RATIO",
         help="routecore's forecast is at most this multiple of its window's newest "
         "sub-window rate (default 2; >= 1)",
+    )
+    p.add_argument(
+        "--max-step-up-percent",
+        type=non_negative_float,
+        default=1000.0,
+        metavar="PERCENT",
+        help="routecore adds at most this percentage of its count (or 4) per decision "
+        "(default 1000: a step's count in one decision, not a doubling a period)",
     )
     p.add_argument(
         "--max-endpoints",
@@ -230,6 +238,7 @@ def autoscale_config(args: argparse.Namespace) -> dict[str, Any]:
         "forecast_s": forecast or None,
         "queue_drain_s": args.queue_drain,
         "max_forecast_ratio": args.max_forecast_ratio,
+        "max_step_up_percent": args.max_step_up_percent,
         "pools": [
             {
                 "name": "pool",
@@ -415,7 +424,10 @@ def plot(result: dict[str, Any], runs: list[dict[str, Any]], path: str) -> None:
         slo.set_ylabel("requests within TTFT and TPOT (%)")
         slo.grid(alpha=0.3)
         for rise in e["rises_s"]:
-            slo.axvspan(rise, rise + result["startup_s"], color="0.9", zorder=0)
+            # Left out of the attainment: until the first decision after the
+            # rise has its endpoints ready (ScaleConfig::excluded_until).
+            first = (math.floor(rise / result["period_s"]) + 1) * result["period_s"]
+            slo.axvspan(rise, first + result["startup_s"], color="0.9", zorder=0)
     handles, labels = axes[1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=9)
     _plot.save(fig, path)

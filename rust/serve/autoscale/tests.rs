@@ -123,6 +123,53 @@ async fn every_lease_that_ends_is_observed_with_its_usage_or_its_estimate() {
     assert_eq!(gold.requests, 3, "demo's requests only");
 }
 
+/// A lease counts as an arrival when it is given (the rate a pool that
+/// falls behind still sees), in its pool's window and its entitlement's;
+/// the entitlement's inputs are on the metrics port after a step.
+#[tokio::test]
+async fn every_lease_given_is_an_arrival_and_the_entitlements_gauges_show_it() {
+    let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+    let engine = Engine::build(spec(autoscale(2.0)).expect("spec"), &shared, None).expect("engine");
+    let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}"#;
+    let mut ids = Vec::new();
+    for tenant in [0, 0, 1] {
+        let r = engine
+            .route_body(body, Some(tenant), &Hints::default())
+            .await;
+        ids.push(r.expect("ok").expect("routed").id);
+    }
+    let s = engine.autoscale.as_ref().expect("autoscale on");
+    let now = shared.now();
+    {
+        let mut a = lock(&s.autoscaler);
+        // None finished yet; 3 arrived (2 of demo's gold) within the first
+        // 5 s sub-window of the 10 s window: 3 / 5 and 2 / 5 req/s.
+        let pool = a.live(0, None, now).expect("live");
+        assert_eq!((pool.requests, pool.rate), (0, 3.0 / 5.0));
+        assert_eq!(a.live(0, Some(0), now).expect("live").rate, 2.0 / 5.0);
+    }
+    for id in ids {
+        assert!(shared.release(id, Some((20, 10))));
+    }
+    s.step(shared.now(), &*engine).expect("step");
+    let text = shared.metrics.text();
+    let line = |l: &str| text.lines().any(|x| x == l);
+    assert!(
+        line(&format!(
+            "routecore_entitlement_arrival_rate{{pool=\"p\",entitlement=\"gold\"}} {:?}",
+            2.0 / 5.0
+        )),
+        "{text}"
+    );
+    assert!(line(
+        "routecore_entitlement_prompt_tokens{pool=\"p\",entitlement=\"gold\",quantile=\"0.5\"} 20.0"
+    ));
+    assert!(line(
+        "routecore_entitlement_output_tokens{pool=\"p\",entitlement=\"gold\",quantile=\"0.99\"} 10.0"
+    ));
+}
+
 #[test]
 fn a_pool_without_scaling_is_not_observed() {
     let metrics = Metrics::new();

@@ -55,19 +55,11 @@ impl Chooser {
         let sat = router.saturation;
         let mut specs =
             preset_specs(&router.policy).map_err(|e| invalid(format!("router.policy: {e}")))?;
-        for s in &mut specs {
-            match s.name.as_str() {
-                "prefix" | "precise-prefix" => {
-                    s.params = serde_json::json!({"block_size": router.prefix_block_size})
-                }
-                "saturation" => {
-                    s.params = serde_json::json!({
-                        "max_waiting": sat.max_waiting, "max_kv_usage": sat.max_kv_usage
-                    })
-                }
-                _ => {}
-            }
-        }
+        let shared = crate::pick::Shared {
+            prefix_block_size: router.prefix_block_size,
+            saturation: sat,
+        };
+        crate::pick::apply_shared(&mut specs, &shared);
         let config = PickConfig {
             kv_index: Some(Arc::clone(kv)),
             ..PickConfig::default()
@@ -258,7 +250,8 @@ impl Chooser {
         let mut st = lock(&self.state);
         let st = &mut *st;
         if let Some(s) = st.states.get_mut(endpoint) {
-            s.in_flight = s.in_flight.saturating_sub(1);
+            // Released exactly once per counted request (leases.rs).
+            s.finish_one();
         }
         let actual = usage.unwrap_or((est.0, 0));
         let req = PickRequest {

@@ -530,6 +530,9 @@ impl Engine {
         };
         // 128 random bits: two ids in flight at once never meet (2^-128 a pair).
         lock(&shared.leases).insert(admitted.id, (Arc::clone(self), lease));
+        if let Some(s) = &self.autoscale {
+            s.arrive(pool, tenant, shared.now());
+        }
         let m = &self.pool_metrics[pool];
         m.decisions.inc();
         m.in_flight[endpoint].inc();

@@ -175,6 +175,35 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn requests_that_ended_before_the_next_scrape_saturate_no_pool() {
+        // The GIE's utilization detector (a queue of 5) over four scraped,
+        // idle engines that answer each request before the next scrape: 40
+        // requests one after another all go on at once. Counting the ended
+        // ones in the queue held the 21st (the pool of fast engines capped
+        // at 4 x 5 requests a scrape).
+        let mut json = plane_json("least-request", serde_json::Value::Null);
+        json["flow_control"] = serde_json::json!({"queue": {"bands": bands()}});
+        let (shared, engine) = plane_of(json);
+        {
+            let mut st = engine.choosers[0].state.lock().expect("state");
+            for s in &mut st.states {
+                (s.waiting, s.running, s.kv_usage) = (Some(0.0), Some(0.0), Some(0.0));
+            }
+        }
+        let hints = Hints::default();
+        for i in 0..40 {
+            let r = engine.route_body(BODY, Some(0), &hints);
+            let r = tokio::time::timeout(std::time::Duration::from_secs(5), r)
+                .await
+                .unwrap_or_else(|_| panic!("request {i} waited in the queue"));
+            let routed = r.expect("ok").expect("placed");
+            assert!(shared.release(routed.id, Some((10, 5))));
+        }
+        let flow = engine.flow(0).expect("flow control");
+        assert_eq!((flow.len(), flow.pending()), (0, 0));
+    }
+
+    #[tokio::test]
     async fn a_full_pool_holds_requests_and_lets_the_higher_band_out_first_on_release() {
         let (shared, engine) = flow_plane(serde_json::json!({"bands": bands()}));
         let placed = fill(&engine).await;

@@ -83,6 +83,32 @@ impl Shared {
         true
     }
 
+    /// The prefill half of the split lease `id` ended before the lease (its
+    /// prefill answered, or it fell back to an aggregated request): the
+    /// prefill endpoint is released now, and not again with the lease.
+    /// False when there is none (not split, released already, or the lease
+    /// is not in flight).
+    pub fn release_prefill(&self, id: u128) -> bool {
+        let (engine, pool, endpoint, est) = {
+            let mut leases = lock(&self.leases);
+            let Some((engine, lease)) = leases.get_mut(&id) else {
+                return false;
+            };
+            let Some(p) = lease.prefill.take() else {
+                return false;
+            };
+            let est = (lease.est_input_tokens, lease.est_output_tokens);
+            (Arc::clone(engine), lease.pool, p, est)
+        };
+        let now = self.now();
+        if let Err(e) = engine.choosers[pool].release_prefill(endpoint, est, now) {
+            tracing::error!(request_id = self.request_id(id), step = "prefill", error = %e, "release-failed");
+        }
+        engine.pool_metrics[pool].in_flight[endpoint].dec();
+        engine.pump(pool, now);
+        true
+    }
+
     /// Lets a RouteCore `Feedback` from the lease's tenant end it (a request
     /// routed through the RouteCore API).
     pub fn accept_feedback(&self, id: u128) {

@@ -518,6 +518,8 @@ pub struct Engine {
     number: u64,
     /// The autoscaler (`autoscale` of the configuration; None: off).
     pub autoscale: Option<Arc<Scaling>>,
+    /// How each pool's split requests travel (`serve::pd_send`).
+    pub handoffs: Vec<crate::serve::pd_send::PoolHandoff>,
     shared: Weak<Shared>,
 }
 
@@ -648,6 +650,11 @@ impl Engine {
             })
             .collect();
         let flows = Self::pool_flows(&spec, metrics)?;
+        let handoffs = spec
+            .pools
+            .iter()
+            .map(|p| crate::serve::pd_send::PoolHandoff::new(p, &metrics.pd))
+            .collect();
         let default_pool = router.pool_index(&spec.server.default_pool)?;
         let timeout = Duration::from_secs_f64(spec.limits.request_timeout_s);
         let key_header = spec.server.key_header.to_ascii_lowercase();
@@ -698,6 +705,7 @@ impl Engine {
             strip_headers,
             entitlements,
             number: shared.built.fetch_add(1, Ordering::Relaxed) + 1,
+            handoffs,
             autoscale,
             shared: Arc::downgrade(shared),
         });
@@ -708,6 +716,7 @@ impl Engine {
                 p.configure(s);
             }
         }
+        shared.metrics.pd.set_roles(&engine.spec.pools);
         shared.register(&engine);
         Ok(engine)
     }
@@ -1213,5 +1222,30 @@ mod tests {
                 assert_eq!(runs[0].1, runs[1].1, "{policy} seed {seed}: after");
             }
         }
+    }
+
+    /// The router section's prefix block size and saturation thresholds
+    /// reach the pool's pipeline through the plugins' own descriptions.
+    #[tokio::test]
+    async fn router_settings_reach_the_plugins_that_take_them() {
+        let mut json = plane_json("precise-prefix+queue+kv", serde_json::Value::Null);
+        json["router"]["prefix_block_size"] = 64.into();
+        json["router"]["saturation"] = serde_json::json!({"max_waiting": 9.0, "max_kv_usage": 0.5});
+        let (_shared, engine) = plane_of(json);
+        let chooser = &engine.choosers[0];
+        assert_eq!(chooser.prefix, Some((64, 0)));
+        let st = lock(&chooser.state);
+        let params = |name: &str| {
+            let spec = st.pipeline.specs().iter().find(|s| s.name == name);
+            spec.expect("in the preset").params.clone()
+        };
+        assert_eq!(
+            params("precise-prefix"),
+            serde_json::json!({"block_size": 64})
+        );
+        assert_eq!(
+            params("saturation"),
+            serde_json::json!({"max_waiting": 9.0, "max_kv_usage": 0.5})
+        );
     }
 }

@@ -54,8 +54,22 @@ pub struct ScaleConfig {
     /// The pool's endpoint picker (e.g. `preset_specs("least-request")`).
     pub picker: Vec<PluginSpec>,
     /// Times the load rises at once (a step, a burst): requests arriving
-    /// within `startup_s` after one are left out of the attainment.
+    /// from one until the first start-up after it ends are left out of the
+    /// attainment ([`ScaleConfig::excluded_until`]).
     pub rises: Vec<f64>,
+}
+
+impl ScaleConfig {
+    /// The end of the first start-up delay after a rise at `rise` (issue 26:
+    /// attainment "excluding the first start-up delay after a step"): the
+    /// first decision that can see the rise is the first one after it (a
+    /// decision at the rise's instant comes before its arrivals), and the
+    /// endpoints it starts are ready `startup_s` later. The same window for
+    /// every policy.
+    pub fn excluded_until(&self, rise: f64) -> f64 {
+        let first_decision = ((rise / self.period_s).floor() + 1.0) * self.period_s;
+        first_decision + self.startup_s
+    }
 }
 
 /// One decision of the policy, and the fleet as it stood after it.
@@ -213,7 +227,7 @@ pub fn run(
                 .map(|r| {
                     cfg.rises
                         .iter()
-                        .any(|&t| r.arrival >= t && r.arrival < t + cfg.startup_s)
+                        .any(|&t| r.arrival >= t && r.arrival < cfg.excluded_until(t))
                 })
                 .collect(),
             ..ScaleReport::default()
@@ -504,6 +518,7 @@ impl Run<'_> {
                     tick += 1;
                 }
                 2 => {
+                    policy.arrive(now)?;
                     self.dispatch(next, now, &mut heap)?;
                     next += 1;
                     if next % 1024 == 0 {

@@ -64,6 +64,11 @@ impl FleetState {
 pub trait Policy {
     fn name(&self) -> &'static str;
 
+    /// A request arrived at `now`.
+    fn arrive(&mut self, _now: f64) -> Result<()> {
+        Ok(())
+    }
+
     /// A request of `prompt` and `output` tokens finished at `now`.
     fn observe(&mut self, _now: f64, _prompt: u64, _output: u64) -> Result<()> {
         Ok(())
@@ -294,14 +299,14 @@ impl Policy for Saturation {
     }
 }
 
-/// routecore's policy: the data plane's [`Autoscaler`] in the loop. Until
-/// its window is `window_s` old it keeps the count it started with (a fleet
-/// that starts empty finishes few requests in its first seconds: a young
-/// window would read a rising rate that is not there).
+/// routecore's policy: the data plane's [`Autoscaler`] in the loop, told of
+/// every arrival and every finished request, deciding from the first period
+/// as the data plane does (its window's rate is the arrivals': a young
+/// window reads the rate that comes, not the few requests a fleet has
+/// finished yet).
 #[derive(Debug, Clone)]
 pub struct ModelBased {
     autoscaler: Autoscaler,
-    current: u64,
 }
 
 impl ModelBased {
@@ -316,16 +321,17 @@ impl ModelBased {
         }
         let mut autoscaler = Autoscaler::new(cfg, vec![profile], 0.0)?;
         autoscaler.set_current(0, current)?;
-        Ok(Self {
-            autoscaler,
-            current,
-        })
+        Ok(Self { autoscaler })
     }
 }
 
 impl Policy for ModelBased {
     fn name(&self) -> &'static str {
         "routecore"
+    }
+
+    fn arrive(&mut self, now: f64) -> Result<()> {
+        self.autoscaler.arrive(0, None, now)
     }
 
     fn observe(&mut self, now: f64, prompt: u64, output: u64) -> Result<()> {
@@ -337,11 +343,7 @@ impl Policy for ModelBased {
             queued_requests: state.waiting as f64,
             promised_tokens_per_s: 0.0,
         };
-        if now < self.autoscaler.config().window_s {
-            return Ok(self.current);
-        }
         let d = self.autoscaler.step(now, &[demand])?;
-        self.current = d[0].endpoints;
-        Ok(self.current)
+        Ok(d[0].endpoints)
     }
 }

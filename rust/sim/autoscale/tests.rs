@@ -368,8 +368,9 @@ fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
         queued_requests: 300.0,
         promised_tokens_per_s: 0.0,
     };
-    // A window younger than its 60 s: the count it started with.
-    assert_eq!(m.desired(30.0, pool, &st(300)).expect("ok"), 5);
+    // From the first decision on, the autoscaler's count.
+    let first = a.step(30.0, &[demand]).expect("ok")[0].endpoints;
+    assert_eq!(m.desired(30.0, pool, &st(300)).expect("ok"), first);
     let want = a.step(60.0, &[demand]).expect("ok")[0].endpoints;
     assert_eq!(m.desired(60.0, pool, &st(300)).expect("ok"), want);
     let mut quiet = ModelBased::new(cfg.clone(), profile, 5).expect("ok");
@@ -407,14 +408,20 @@ fn bad_runs_are_refused() {
     assert!(e.to_string().contains("sorted"), "{e}");
 }
 
-/// Requests arriving within the start-up delay after a rise are left out of
-/// the attainment, and only those.
+/// Requests arriving from a rise until the first start-up after it ends are
+/// left out of the attainment, and only those: a rise at 10 s (a decision's
+/// instant, which comes before the rise's arrivals) is first seen at 20 s,
+/// whose endpoints are ready at 25 s; one at 12 s the same.
 #[test]
-fn the_start_up_after_a_rise_is_excluded() {
-    let mut cfg = config(1, 10.0, 5.0, 30.0);
+fn the_first_start_up_after_a_rise_is_excluded() {
+    let mut cfg = config(1, 10.0, 5.0, 40.0);
+    assert_eq!(cfg.excluded_until(10.0), 25.0);
+    assert_eq!(cfg.excluded_until(12.0), 25.0);
+    assert_eq!(cfg.excluded_until(19.9), 25.0);
     cfg.rises = vec![10.0];
-    let reqs = requests(&[1.0, 9.9, 10.0, 14.9, 15.0, 20.0], 10, 2);
+    let reqs = requests(&[1.0, 9.9, 10.0, 14.9, 15.0, 20.0, 24.9, 25.0, 30.0], 10, 2);
     let r = go(&reqs, &cfg, &mut Fixed(1));
-    assert_eq!(r.excluded, vec![false, false, true, true, false, false]);
+    let out = [false, false, true, true, true, true, true, false, false];
+    assert_eq!(r.excluded, out);
     assert_eq!(r.attainment, 1.0);
 }
