@@ -807,8 +807,21 @@ fn evaluate(
         targets.shift.per_chunk_s,
         targets.ttft_s - targets.shift.offset_s,
     );
-    let miss =
-        |wait: TotalWait, dist: &[(u64, f64)]| own.mix(|t| wait.miss(dist, t + per_chunk, budget));
+    // The larger t_own first: a count whose share meets the target with it
+    // alone meets it over both (the share grows with t), and only the
+    // verdict is used.
+    let miss = |wait: TotalWait, dist: &[(u64, f64)]| {
+        let at = |t: f64| wait.miss(dist, t + per_chunk, budget);
+        if own.f <= 0.0 {
+            return at(own.lo);
+        }
+        let hi = at(own.hi);
+        if hi <= allowed {
+            return hi;
+        }
+        let lo = at(own.lo);
+        lo + own.f * (hi - lo)
+    };
     if bounded_fails && rough.slot != Wait::NONE {
         // Each test grows with the probability of waiting (theta is 1 /
         // drain whatever it is): above the target at the lower bound (with
