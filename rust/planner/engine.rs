@@ -57,12 +57,17 @@
 //!   waits 0.29 s on average, the pooled queue would say 0.08 s.
 //! - **TTFT.** A request waits for the iteration under way (half of one on
 //!   average), for a slot `W_s` and for the prefill server `W_p`, then its own
-//!   `k = ceil(L_in / C)` chunks: `TTFT = W_s + W_p + (k + 1/2) t`. Each wait is
+//!   `k = ceil(L_in / C)` chunks: `TTFT = W_s + W_p + (k + 1/2) t_own`, where
+//!   `t_own = W + H A` is the iteration time of the endpoint least-request
+//!   sends the prompt to, `A` its active sequences, the prompt among them:
+//!   `floor(n_a)` or one more (the endpoints' counts kept within one of each
+//!   other), with mean `n_a` (see [`OwnPrefill`]). Each wait is
 //!   an atom at 0 and an exponential tail with its mean (`W_p`: busy with
 //!   probability `U(K - 1)`, tail mean `wait / U`), and the share of
 //!   requests missing the target `T` is, over the pool's chunk distribution,
-//!   `sum_k p_k P(W_s + W_p > T - (k + 1/2) t)` (the sum of two such waits has a
-//!   closed-form survival). It must be at most `1 - q`.
+//!   `sum_k p_k P(W_s + W_p > T - (k + 1/2) t_own)` over both values of
+//!   `t_own` (the sum of two such waits has a closed-form survival). It must
+//!   be at most `1 - q`; the union bound's screen takes the larger `t_own`.
 //!
 //! Evaluating the last sum needs the chunk histogram of the pool, so a count
 //! is first screened: it passes when the union bound does (the `(1 + q) / 2`
@@ -397,6 +402,54 @@ fn tpot_quantile(t: f64, shape: &EngineShape, z: f64) -> f64 {
     t + shape.h_s * z * n.sqrt()
 }
 
+/// The iteration time of a prompt's own prefill chunks: `W + H A`, with `A`
+/// the sequences active on its endpoint, the prompt itself among them. `A`
+/// is an integer whose mean is the pool's `n_a = (t - W) / H` (at least 1,
+/// the prompt itself): least-request dispatch keeps the endpoints' counts
+/// within about one of each other, so `A` is `floor(n_a)` or one more, the
+/// latter with probability `f = n_a - floor(n_a)`; and the others decode for
+/// far longer than the prompt prefills, so `A` holds during its prefill.
+/// The mean `t` alone charges the longest prompts too little where their
+/// endpoint has one sequence more than the mean; `t + H` charges every
+/// prompt an endpoint it is never sent to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct OwnPrefill {
+    /// `W + H floor(n_a)` (`W + H` for `n_a < 1`) and one sequence more.
+    lo: f64,
+    hi: f64,
+    /// The probability of `hi`.
+    f: f64,
+}
+
+impl OwnPrefill {
+    fn new(t: f64, shape: &EngineShape) -> Self {
+        if shape.h_s <= 0.0 {
+            return Self {
+                lo: t,
+                hi: t,
+                f: 0.0,
+            };
+        }
+        let n_a = ((t - shape.w_s) / shape.h_s).max(1.0);
+        let lo = shape.w_s + shape.h_s * n_a.floor();
+        Self {
+            lo,
+            hi: lo + shape.h_s,
+            f: n_a - n_a.floor(),
+        }
+    }
+
+    /// `(1 - f) g(lo) + f g(hi)`: a share of requests over the two.
+    fn mix(self, g: impl Fn(f64) -> f64) -> f64 {
+        let lo = g(self.lo);
+        if self.f > 0.0 {
+            lo + self.f * (g(self.hi) - lo)
+        } else {
+            lo
+        }
+    }
+}
+
 /// The standard normal `q` quantile for `q` in [0.5, 1) (0 below),
 /// Abramowitz and Stegun 26.2.23 (absolute error < 4.5e-4).
 fn normal_quantile(q: f64) -> f64 {
@@ -700,6 +753,8 @@ fn evaluate(
     }
     let state = solve_state(state, rate, gpus, load, shape);
     eval.state = state;
+    // A prompt's own chunks run at the iteration time of its endpoint.
+    let own = OwnPrefill::new(t, shape);
     if state.prefill_utilization >= 1.0 {
         eval.fails = Some(Binding::Prefill);
         return Ok(eval);
@@ -725,7 +780,7 @@ fn evaluate(
         let wait_q = wait.quantile_bound(r);
         (
             wait_q,
-            wait_q + targets.after_wait(load.prefill_chunks_q, t),
+            wait_q + targets.after_wait(load.prefill_chunks_q, own.hi),
         )
     };
     let screen = |wait: TotalWait, eval: &mut EngineEval| {
@@ -743,11 +798,30 @@ fn evaluate(
     }
     let allowed = 1.0 - targets.quantile;
     // Every request prefills at least its pool's fewest chunks.
-    let fewest = targets.after_wait(load.prefill_chunks_min.max(1.0), t);
-    let (tt, budget) = (
-        t + targets.shift.per_chunk_s,
+    let fewest = |wait: TotalWait| {
+        own.mix(|t| {
+            wait.survival(targets.ttft_s - targets.after_wait(load.prefill_chunks_min.max(1.0), t))
+        })
+    };
+    let (per_chunk, budget) = (
+        targets.shift.per_chunk_s,
         targets.ttft_s - targets.shift.offset_s,
     );
+    // The larger t_own first: a count whose share meets the target with it
+    // alone meets it over both (the share grows with t), and only the
+    // verdict is used.
+    let miss = |wait: TotalWait, dist: &[(u64, f64)]| {
+        let at = |t: f64| wait.miss(dist, t + per_chunk, budget);
+        if own.f <= 0.0 {
+            return at(own.lo);
+        }
+        let hi = at(own.hi);
+        if hi <= allowed {
+            return hi;
+        }
+        let lo = at(own.lo);
+        lo + own.f * (hi - lo)
+    };
     if bounded_fails && rough.slot != Wait::NONE {
         // Each test grows with the probability of waiting (theta is 1 /
         // drain whatever it is): above the target at the lower bound (with
@@ -765,9 +839,7 @@ fn evaluate(
             None
         };
         if let Some(binding) = binding.filter(|_| above(union_q(low).1, targets.ttft_s)) {
-            if above(low.survival(targets.ttft_s - fewest), allowed)
-                || above(low.miss(chunks.get(), tt, budget), allowed)
-            {
+            if above(fewest(low), allowed) || above(miss(low, chunks.get()), allowed) {
                 eval.fails = Some(binding);
                 return Ok(eval);
             }
@@ -785,11 +857,11 @@ fn evaluate(
     } else {
         Binding::Prefill
     };
-    if wait.survival(targets.ttft_s - fewest) > allowed {
+    if fewest(wait) > allowed {
         eval.fails = Some(binding);
         return Ok(eval);
     }
-    if wait.miss(chunks.get(), tt, budget) > allowed {
+    if miss(wait, chunks.get()) > allowed {
         eval.fails = Some(binding);
     }
     Ok(eval)
@@ -855,7 +927,7 @@ pub(super) fn smallest_ok(
 /// needs `H lambda E[a] / n < 1 - W / TPOT`, prefill
 /// `lambda E[L_in] W / (n C) < 1`; no smaller count is tried. A pool that no
 /// GPU count serves (TPOT at or below `W`, or the TTFT target at or below the
-/// prefill of the quantile request alone at `t = W`) is returned infeasible,
+/// prefill of the quantile request alone, at `W + H`) is returned infeasible,
 /// sized at the stability bound, with the binding constraint. Otherwise the
 /// binding constraint is the one that fails with one GPU fewer.
 pub(super) fn size_engine_pool(
@@ -876,17 +948,18 @@ pub(super) fn size_engine_pool(
         return Ok(pool);
     }
     let compute_room = 1.0 - shape.w_s / targets.tpot_s;
-    // Alone, at t = W, with no wait: more than 1 - q of the prompts too long?
+    // Alone, at W + H, with no wait: more than 1 - q of the prompts too long?
     let alone = |chunks: &mut Chunks<'_>| {
         let none = TotalWait {
             slot: Wait::NONE,
             prefill: Wait::NONE,
         };
+        let own = OwnPrefill::new(shape.w_s, shape).lo;
         let (tt, budget) = (
-            shape.w_s + targets.shift.per_chunk_s,
+            own + targets.shift.per_chunk_s,
             targets.ttft_s - targets.shift.offset_s,
         );
-        targets.after_wait(load.prefill_chunks_q, shape.w_s) > targets.ttft_s
+        targets.after_wait(load.prefill_chunks_q, own) > targets.ttft_s
             && none.miss(chunks.get(), tt, budget) > 1.0 - targets.quantile
     };
     let never = if compute_room <= 0.0 {
@@ -948,7 +1021,8 @@ pub(super) fn size_engine_pool(
     pool.prefill_utilization = e.state.prefill_utilization;
     pool.kv_utilization = e.state.kv_utilization;
     pool.t_iter_s = e.state.t_iter_s;
-    pool.prefill_p99_s = (load.prefill_chunks_q + 0.5) * e.state.t_iter_s;
+    pool.prefill_p99_s =
+        (load.prefill_chunks_q + 0.5) * OwnPrefill::new(e.state.t_iter_s, shape).hi;
     pool.p99_wait_s = e.wait_q_s;
     pool.p99_ttft_s = e.ttft_q_s;
     pool.mu_gpu = if e.state.occupancy > 0.0 {
@@ -1229,10 +1303,13 @@ mod tests {
                 assert_eq!(q.gpus, p.gpus);
             }
             // The miss share at the answer, computed outright, is within the SLO.
-            let t = ok.state.t_iter_s;
+            let own = OwnPrefill::new(ok.state.t_iter_s, &s);
             let mut d = Vec::new();
             dist(&mut d);
-            assert!(ok.wait.miss(&d, t, ttft) <= 0.01 + 1e-12, "{ok:?}");
+            assert!(
+                own.mix(|t| ok.wait.miss(&d, t, ttft)) <= 0.01 + 1e-12,
+                "{ok:?}"
+            );
         }
         // No count meets a TPOT at W, or a TTFT below the prefill alone.
         let never = |ttft, tpot| {
@@ -1321,6 +1398,77 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A prompt's own chunks run at `W + H A`, `A` the endpoint's active
+    /// sequences with the prompt: `floor(n_a)` or one more, mean `n_a`.
+    #[test]
+    fn own_prefill_counts_the_prompt_and_its_endpoints_others() {
+        let s = shape(16);
+        let (w, h) = (s.w_s, s.h_s);
+        for (n_a, lo, f) in [
+            (0.0, 1.0, 0.0),
+            (0.4, 1.0, 0.0),
+            (1.0, 1.0, 0.0),
+            (1.99, 1.0, 0.99),
+            (2.55, 2.0, 0.55),
+        ] {
+            let o = OwnPrefill::new(w + h * n_a, &s);
+            assert!((o.lo - (w + h * lo)).abs() < 1e-15, "n_a {n_a}: {o:?}");
+            assert!(
+                (o.hi - (w + h * (lo + 1.0))).abs() < 1e-15,
+                "n_a {n_a}: {o:?}"
+            );
+            assert!((o.f - f).abs() < 1e-9, "n_a {n_a}: {o:?}");
+            // The mean is the pool's t, or the prompt alone at W + H.
+            let mean = o.mix(|t| t);
+            assert!((mean - (w + h * f64::max(n_a, 1.0))).abs() < 1e-15);
+        }
+        let flat = EngineShape { h_s: 0.0, ..s };
+        let o = OwnPrefill::new(0.02, &flat);
+        assert_eq!((o.lo, o.hi, o.f), (0.02, 0.02, 0.0));
+    }
+
+    /// The agent-heavy long pool in small (issue 27: 66 GPUs planned, 81
+    /// needed): prompts of 103 chunks that decode for 13,000 iterations. At
+    /// W = 8 ms, H = 0.65 ms a prompt prefilled beside two others takes
+    /// 103.5 (W + 3 H) = 1.03 s and beside one 0.96 s, so with `n_a`
+    /// between 2 and 3 a share `n_a - 2` of them misses a 1 s TTFT, though
+    /// the mean `t` (up to 9.66 ms at n_a = 2.55) fits their 103.5
+    /// iterations. The planned pool has `n_a` at most 2.01; charged the mean
+    /// `t`, it was planned at n_a about 2.5.
+    #[test]
+    fn long_prompts_prefill_beside_their_endpoints_others() {
+        let prompt = 103.0 * 512.0 - 100.0;
+        let l = EngineLoad {
+            iterations: 13_000.0,
+            iterations_cs2: 0.0,
+            prompt_mean: prompt,
+            prompt_second: prompt * prompt,
+            kv_token_iterations: 13_000.0 * (prompt + 13_000.0),
+            prefill_chunks_q: 103.0,
+            prefill_chunks_min: 103.0,
+        };
+        let s = EngineShape {
+            kv_tokens: 1e12,
+            ..shape(16)
+        };
+        let (w, h) = (s.w_s, s.h_s);
+        assert!(103.5 * (w + 3.0 * h) > 1.0 && 103.5 * (w + 2.55 * h) < 1.0);
+        let tg = targets(1.0, 0.08);
+        let one = |out: &mut Vec<(u64, f64)>| out.push((103, 1.0));
+        let mut chunks = Chunks::new(&one);
+        for rate in [1.0, 1.7, 3.0] {
+            let p =
+                size_engine_pool(rate, &l, &s, tg, None, &mut chunks, PoolPlan::EMPTY).expect("ok");
+            assert!(p.feasible, "{p:?}");
+            let n_a = (p.t_iter_s - w) / h;
+            assert!(n_a < 2.01, "rate {rate}: {p:?} n_a {n_a}");
+            // One GPU fewer fails, on the prefill, where the mean t fits.
+            let fewer = engine_eval(rate, p.gpus - 1, &l, &s, tg, &mut chunks).expect("ok");
+            assert_eq!(fewer.fails, Some(Binding::Prefill));
+            assert!(103.5 * fewer.state.t_iter_s < 1.0, "{fewer:?}");
         }
     }
 }

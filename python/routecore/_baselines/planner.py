@@ -393,8 +393,18 @@ def engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99, s
     prefill = wait_of(wait, busy)
     r = (1 - quantile) / 2
 
-    def after(k):
-        return (k + 0.5) * (t + per_chunk) + offset
+    # A prompt's own chunks: W + H A, A its endpoint's active sequences with
+    # it, floor(n_a) or (with probability f) one more.
+    n_a = max((t - w) / h, 1.0)
+    lo, f = w + h * math.floor(n_a), n_a - math.floor(n_a)
+    hi = lo + h
+
+    def own(g):
+        x = g(lo)
+        return x + f * (g(hi) - x) if f > 0 else x
+
+    def after(k, t_own=hi):
+        return (k + 0.5) * (t_own + per_chunk) + offset
 
     def slot(exact):
         return slot_wait(n, n_slots, mu, lam, exact) if occ > 0 else (0.0, 0.0)
@@ -412,9 +422,9 @@ def engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99, s
         if ttft <= slo:
             return True, ttft
     allowed = 1 - quantile
-    if survival(exact, prefill, slo - after(max(fewest, 1))) > allowed:
+    if own(lambda t: survival(exact, prefill, slo - after(max(fewest, 1), t))) > allowed:
         return False, ttft
-    return miss(exact, prefill, hist, t + per_chunk, slo - offset) <= allowed, ttft
+    return own(lambda t: miss(exact, prefill, hist, t + per_chunk, slo - offset)) <= allowed, ttft
 
 
 def smallest_ok(bad, start, ok):
@@ -454,7 +464,7 @@ def size_engine(lam, load, n_slots, ctx, w, h, c, slo, tpot, hint, quantile=0.99
     bad = int(
         min(max(math.floor(lam * h * a / max(room, 1e-12)), math.floor(lam * p * w / c), 0), 1e15)
     )
-    budget, tt = slo - offset, w + per_chunk
+    budget, tt = slo - offset, w + h + per_chunk  # the prompt alone on its endpoint
     alone = (q + 0.5) * tt + offset > slo and sum(
         x for k, x in hist if budget - (k + 0.5) * tt < 0
     ) > 1 - quantile

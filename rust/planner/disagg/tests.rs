@@ -93,13 +93,16 @@ fn ttft_and_tpot_by_hand() {
     let load = Loads::new(&w, &table, 0.99).prefill;
     let state = engine_state(r, d.prefill.gpus, &load, &shape(slots));
     assert_eq!(state.t_iter_s, d.prefill.t_iter_s);
-    // TTFT = waits + own prefill (2 + 1/2) t_p + transfer of 1,024 tokens +
-    // the decode side (its slot wait and 3/2 t_d).
+    // TTFT = waits + own prefill (2 + 1/2) t_own + transfer of 1,024 tokens
+    // + the decode side (its slot wait and 3/2 of its t_own).
     let transfer = cfg.transfer.delay_s(1024);
     assert_eq!(d.transfer_q_s, transfer);
-    let decode_side = d.decode.p99_wait_s + 1.5 * t_d;
+    // A prompt's own iterations at the larger of its endpoint's two active
+    // counts, floor(n_a) + 1 (n_a at least 1: the prompt itself).
+    let own = |t: f64| p.w_s + p.h_s * (((t - p.w_s) / p.h_s).max(1.0).floor() + 1.0);
+    let decode_side = d.decode.p99_wait_s + 1.5 * own(t_d);
     assert!((d.decode.p99_ttft_s - decode_side).abs() < 1e-12, "{d:?}");
-    let ttft = d.prefill.p99_wait_s + 2.5 * t_p + transfer + decode_side;
+    let ttft = d.prefill.p99_wait_s + 2.5 * own(t_p) + transfer + decode_side;
     assert!((d.prefill.p99_ttft_s - ttft).abs() < 1e-12, "{d:?}");
     assert!(d.prefill.p99_ttft_s <= 1.0);
     // The decode side takes at most its share of the target.
