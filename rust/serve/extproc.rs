@@ -614,12 +614,15 @@ impl Conversation {
     /// A split request of a pool whose handoff is `vllm` or `sglang`:
     /// routecore sends its prefill (`serve::pd_send`).
     async fn hand_off(&mut self, routed: &mut Routed) {
+        if routed.prefill_endpoint.is_none() {
+            return; // not split: nothing to look up
+        }
         let engine = Arc::clone(&self.engine);
         let pool = engine.spec.pools.iter().position(|p| p.name == routed.pool);
         let Some(h) = pool.and_then(|i| engine.handoffs.get(i)) else {
             return;
         };
-        if routed.prefill_endpoint.is_none() || !h.handoff.sends() {
+        if !h.handoff.sends() {
             return;
         }
         // A stream dropped while the prefill is out releases the lease.
