@@ -17,13 +17,15 @@ class SplitPicker(EndpointPicker):
 
     def pick_pair(self, tokens):
         """(decode, prefill) endpoint names; prefill None when none can."""
+        # The prompt hashed once for both phases.
+        hashes = block_hashes(tokens, self.block_size)
         # The decode phase: the pipeline over the endpoints that decode.
         hidden = [i for i, r in enumerate(self.roles) if r == "prefill"]
         kept = [self.states[i]["healthy"] for i in hidden]
         for i in hidden:
             self.states[i]["healthy"] = False
         try:
-            decode = self.pick(tokens)
+            decode = self.pick(tokens, hashes)
         finally:
             for i, h in zip(hidden, kept):
                 self.states[i]["healthy"] = h
@@ -39,7 +41,6 @@ class SplitPicker(EndpointPicker):
         if not cand:
             return decode, None
         states = [self.states[i] for i in cand]
-        hashes = block_hashes(tokens, self.block_size)
         total = [0.0] * len(cand)
         self.add_prefix(total, hashes, cand, 2.0)
         for values in ([self.queue(s) for s in states], [self.load(s) for s in states]):

@@ -94,7 +94,9 @@ class EndpointPicker:
                 m = next((j for j, h in enumerate(hashes) if h not in held), len(hashes))
                 total[k] += weight * m / len(hashes)
 
-    def pick(self, tokens=None):
+    def pick(self, tokens=None, hashes=None):
+        """The chosen endpoint's name; ``hashes``: the prompt's block hashes
+        when the caller has them already (else hashed from ``tokens``)."""
         cand = [i for i, s in enumerate(self.states) if s["healthy"]]
         if self.preset != "prefix":
             kept = [i for i in cand if not self.saturated(self.states[i])]
@@ -103,9 +105,9 @@ class EndpointPicker:
             return None
         states = [self.states[i] for i in cand]
         total = [0.0] * len(cand)
-        hashes = []
         if self.index is not None:
-            hashes = block_hashes(tokens, self.block_size) if tokens is not None else []
+            if hashes is None:
+                hashes = block_hashes(tokens, self.block_size) if tokens is not None else []
             self.add_prefix(total, hashes, cand, self.w["prefix"])
         if self.w["queue"]:
             for k, q in enumerate(self.lower_is_better([self.queue(s) for s in states])):
