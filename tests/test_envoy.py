@@ -37,7 +37,12 @@ from test_vllm_fixtures import shape
 
 KEY = {"x-api-key": "demo-key", "content-type": "application/json"}
 #: Every shipped Envoy file, one per processing mode (README "Envoy's processing modes").
-SHIPPED_FILES = ["envoy.yaml", "envoy-full-duplex.yaml", "envoy-fail-open.yaml"]
+SHIPPED_FILES = [
+    "envoy.yaml",
+    "envoy-full-duplex.yaml",
+    "envoy-fail-open.yaml",
+    "envoy-observe.yaml",
+]
 
 
 def request(url: str, body: dict, headers: dict | None = None, timeout: float = 30.0):
@@ -429,9 +434,10 @@ def test_every_processing_mode_keeps_every_feature(name, engines, serve, envoy):
 
 
 def test_the_usage_filter_learns_every_answer_and_each_end_releases_once(engines, serve, envoy):
-    """examples/envoy.yaml routes on one ext_proc stream and reads the answer
-    on a second, in observability mode (Envoy does not wait for it), which
-    names the request by the id routecore gave it. Through a real Envoy: 120
+    """examples/envoy-observe.yaml routes on one ext_proc stream (which Envoy
+    ends once routed) and reads the answer on a second, in observability mode
+    (Envoy does not wait for it), which names the request by the id routecore
+    gave it and holds it. Through a real Envoy: 120
     JSON answers to 12 clients at once are each learned once and released;
     a stream whose client goes away, one whose engine dies mid-answer and one
     cut by Envoy's death are each released, without usage (about 6 s)."""
@@ -444,7 +450,7 @@ def test_the_usage_filter_learns_every_answer_and_each_end_releases_once(engines
     def learned() -> int:
         return r.run(calibrator.count, "prose")
 
-    gw = envoy(shipped_config("envoy.yaml", free_port(), [r.target], [e.address]))
+    gw = envoy(shipped_config("envoy-observe.yaml", free_port(), [r.target], [e.address]))
     n = 120
     with ThreadPoolExecutor(12) as clients:
         answers = list(clients.map(lambda i: request(gw.url, chat(f"{i} " + "hi " * 40)), range(n)))

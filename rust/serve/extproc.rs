@@ -38,6 +38,15 @@
 //!   endpoint 503, admission 429 with Retry-After, an internal failure under
 //!   `failure_mode: closed` 503) are an ImmediateResponse with a JSON error
 //!   body, and end the stream.
+//! - Observing stream (a second filter in Envoy's `observability_mode`, for a
+//!   routing stream Envoy sends no response body: examples/envoy-observe.yaml):
+//!   the routing answer adds the `routecore` metadata `request_id`; Envoy
+//!   ends the routing stream once routed, which hands the lease over; the
+//!   observing stream's first message (the request's headers) names it by
+//!   that id and holds it from then on, reads the response as below and
+//!   releases it at its end (or at the stream's own end, without usage);
+//!   nothing is answered on it. A lease no observing stream names within
+//!   [`OBSERVER_GRACE`] is reaped.
 //! - Response: the endpoint that served (after Envoy's retries) arrives in the
 //!   `envoy.lb` metadata `x-gateway-destination-endpoint-served`; when it is
 //!   not the chosen one, the lease's accounting moves there once
@@ -231,15 +240,13 @@ fn namespace(name: &str, key: &str, value: String) -> (String, Value) {
 }
 
 /// The routing's dynamic metadata: in `envoy.lb` the endpoints to try (the
-/// same list as the header), in `routecore` the request id (what an
-/// observing filter sends back with the response).
-fn lb_metadata(destination: String, request_id: String) -> Struct {
+/// same list as the header), and in `routecore` the request id when an
+/// observing filter reads the response (it sends the id back with it).
+fn lb_metadata(destination: String, request_id: Option<String>) -> Struct {
+    let lb = namespace(LB_NAMESPACE, DESTINATION_HEADER, destination);
+    let id = request_id.map(|id| namespace(ROUTECORE_NAMESPACE, REQUEST_ID_KEY, id));
     Struct {
-        fields: [
-            namespace(LB_NAMESPACE, DESTINATION_HEADER, destination),
-            namespace(ROUTECORE_NAMESPACE, REQUEST_ID_KEY, request_id),
-        ]
-        .into(),
+        fields: std::iter::once(lb).chain(id).collect(),
     }
 }
 
@@ -749,7 +756,8 @@ impl Conversation {
             clear_route_cache: true,
             ..Default::default()
         };
-        let md = Some(lb_metadata(destination.clone(), routed.request_id.clone()));
+        let id = self.response_elsewhere.then(|| routed.request_id.clone());
+        let md = Some(lb_metadata(destination.clone(), id));
         if !has_body {
             let mut r = answer(Answer::RequestHeaders(HeadersResponse {
                 response: Some(common),
@@ -1523,6 +1531,8 @@ mod tests {
             1,
             "no other key (v0.3's -fallback is gone)"
         );
+        // The response comes back on this stream: no request id for an observer.
+        assert_eq!(md.fields.len(), 1);
     }
 
     /// The header mutation of a request's answer.
