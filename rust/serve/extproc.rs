@@ -123,7 +123,7 @@ pub const POOL_HEADER: &str = "x-routecore-pool";
 pub const LB_NAMESPACE: &str = "envoy.lb";
 /// The dynamic-metadata namespace and key of the request id routecore gives
 /// a routed request: a second ext_proc filter in Envoy's `observability_mode`
-/// (examples/envoy.yaml) forwards it with the response, which routecore reads
+/// (examples/envoy-observe.yaml) forwards it with the response, which routecore reads
 /// without Envoy waiting (see [`Conversation`]'s observer).
 pub const ROUTECORE_NAMESPACE: &str = "routecore";
 pub const REQUEST_ID_KEY: &str = "request_id";
