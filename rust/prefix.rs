@@ -139,20 +139,6 @@ pub fn block_hashes_into(
     Ok(())
 }
 
-/// The chained hashes of `tokens`' full blocks when they follow the block
-/// whose hash is `parent`: the tail of `block_hashes` over the whole prompt.
-pub fn block_hashes_after(
-    parent: u64,
-    tokens: Tokens<'_>,
-    block_size: usize,
-    seed: u64,
-) -> Result<Vec<u64>> {
-    let block_size = check_block_size(block_size)?;
-    let mut out = Vec::with_capacity(tokens.len() / block_size);
-    extend_hashes(tokens, block_size, seed, parent, &mut out);
-    Ok(out)
-}
-
 /// Checks ragged-batch offsets: `offsets[0] == 0`, non-decreasing, last equal
 /// to `len`. Returns them as `usize`.
 pub(crate) fn check_offsets(offsets: &[i64], len: usize) -> Result<Vec<usize>> {
