@@ -265,8 +265,6 @@ struct EndpointKv {
     /// table holds such a block for the endpoint until the last one goes).
     aliases: Keyed<u32>,
     stamp: u64,
-    /// Our hashes of the `BlockStored` being applied (a buffer kept).
-    hashes: Vec<u64>,
     /// A disconnect was seen: an older sequence number next is a restart.
     resync: bool,
     /// When the engine was last heard from (an event or [`KvIndex::heard`]).
@@ -647,13 +645,11 @@ impl KvIndex {
                     skipped.push(skip);
                     return false;
                 }
-                Ok(()) => {
-                    let ours = std::mem::take(&mut e.hashes);
+                Ok(ours) => {
                     let mut blocks = self.write_blocks();
-                    for (&o, &engine) in ours.iter().zip(&s.hashes) {
+                    for (o, &engine) in ours.into_iter().zip(&s.hashes) {
                         e.insert(&mut blocks.table, o, engine);
                     }
-                    e.hashes = ours;
                     // Per event: a large batch never holds more than one
                     // event's blocks past the capacity.
                     e.evict(&mut blocks.table, self.config.capacity_blocks);
@@ -663,9 +659,8 @@ impl KvIndex {
         true
     }
 
-    /// Our hashes of a `BlockStored`'s blocks into `e.hashes`, or why it is
-    /// skipped.
-    fn stored_hashes(&self, e: &mut EndpointKv, s: &Stored) -> std::result::Result<(), Skip> {
+    /// Our hashes of a `BlockStored`'s blocks, or why it is skipped.
+    fn stored_hashes(&self, e: &EndpointKv, s: &Stored) -> std::result::Result<Vec<u64>, Skip> {
         if let Some(m) = s.medium.as_deref().filter(|m| *m != MEDIUM_GPU) {
             return Err(Skip::Medium(m.to_owned()));
         }
@@ -686,9 +681,7 @@ impl KvIndex {
             Some(p) => e.blocks.get(&p).ok_or(Skip::UnknownParent(p))?.0,
         };
         // The block size was checked with the config (at least 1).
-        e.hashes.clear();
-        e.hashes.extend(IdChain::new(&s.token_ids, bs, seed, prev));
-        Ok(())
+        Ok(IdChain::new(&s.token_ids, bs, seed, prev).collect())
     }
 
     /// The stream of `name` connected (true) or dropped (false). Returns
