@@ -151,11 +151,6 @@ impl RequestBlocks {
         !self.tokens.is_empty()
     }
 
-    /// Whether the hashes are the chain of the token ids (see `chained`).
-    pub fn chained(&self) -> bool {
-        self.chained
-    }
-
     fn range(&self, request: usize) -> (usize, usize) {
         (self.offsets[request], self.offsets[request + 1])
     }

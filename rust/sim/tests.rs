@@ -610,7 +610,7 @@ fn the_prompt_hashed_once_picks_as_hashed_twice() {
         ..Default::default()
     };
     let (work, blocks) = prefix_run_input(&wl, true);
-    assert!(blocks.chained(), "the generator's hashes are the chain");
+    assert!(blocks.chained, "the generator's hashes are the chain");
     let with_tokens = |hashes: Vec<u64>| {
         RequestBlocks::new(hashes, blocks.offsets.clone(), work.len())
             .and_then(|b| b.with_tokens(blocks.tokens.clone()))
@@ -633,7 +633,7 @@ fn the_prompt_hashed_once_picks_as_hashed_twice() {
         .flat_map(|w| IdChain::new(&blocks.tokens[w[0] * b..w[1] * b], b, 1, 1))
         .collect();
     let other = with_tokens(seed1.clone());
-    assert!(!other.chained());
+    assert!(!other.chained);
     let lie = RequestBlocks {
         chained: true,
         ..other.clone()
