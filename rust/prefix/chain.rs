@@ -36,9 +36,10 @@ const PRIME_MX1: u64 = 0x1656_6791_9e37_79f9;
 /// hash and ids 0-1) and the avalanche wait for the previous block (about
 /// 10 cycles a block); written to a buffer and read back by the library,
 /// the previous hash waited on store forwarding as well, and how long
-/// depended on how the step was compiled (2.4 to 5.6 us for 512 blocks,
-/// against 1.95 from registers: benches/RESULTS.md, issue 28). Equal to
-/// the library's hash for every seed (`the_step_is_xxh3_for_every_block_size_and_seed`).
+/// depended on how the step was compiled (512 blocks: 2.4 to 5.6 us
+/// through the buffer in the kv-dynamo bench's builds, 2.5 from registers:
+/// benches/RESULTS.md, issue 28). Equal to the library's hash for every
+/// seed (`the_step_is_xxh3_for_every_block_size_and_seed`).
 #[derive(Debug, Clone)]
 struct Keys16 {
     /// `SECRET` with the seed added (even words) or subtracted (odd ones).
