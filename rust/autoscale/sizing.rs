@@ -6,10 +6,11 @@
 //!
 //! The rate sized for is `max(observed + queued / queue_drain_s, promised)`:
 //! the window's arrival rate (with a [`Forecast`], the highest rate its
-//! trend line reaches from now to `ahead_s` past now: `rate + trend (span /
-//! 2 + ahead_s)` on a rise, `rate + trend span / 2` on a fall, at
-//! least 0 and at most `max_ratio` times the newest sub-window's rate, so a
-//! step read as a steep trend is not extrapolated into a runaway), plus the
+//! trend line reaches from now to `ahead_s` past now: `level + trend
+//! ahead_s` on a rise, `level` on a fall, where `level` is the line's rate
+//! now; the line is fitted after a level shift when the window holds one,
+//! so a step is a new level, not a steep ramp ([`super::trend`]); at least
+//! 0 and at most `max_ratio` times the newest sub-window's rate), plus the
 //! requests flow control holds, as work drained over `queue_drain_s` (the
 //! horizon new endpoints need to be ready and serve it), and at least the
 //! entitlements' promised tokens per second over the window's mean tokens
@@ -33,6 +34,10 @@ pub struct PoolDemand {
     pub queued_requests: f64,
     /// The entitlements' promised capacity, tokens per second (a floor).
     pub promised_tokens_per_s: f64,
+    /// Endpoints of the pool ready now, when known: the rest of its count
+    /// is still starting, and a step cancels those its target does not
+    /// need without waiting for the scale-down delay ([`super::Damper`]).
+    pub ready_endpoints: Option<u64>,
 }
 
 impl PoolDemand {
@@ -64,7 +69,7 @@ impl Forecast {
     /// starts are ready: on a fall, the rate now), within `[0, max_ratio *
     /// live.newest_rate]`.
     pub fn rate(&self, live: &LiveWorkload) -> f64 {
-        let now = live.rate + live.trend * live.span_s / 2.0;
+        let now = live.level;
         let ahead = now + live.trend * self.ahead_s;
         now.max(ahead)
             .min(self.max_ratio * live.newest_rate)

@@ -195,6 +195,7 @@ impl PyAutoscaler {
             .map(|n| PoolDemand {
                 queued_requests: get(&queued, n),
                 promised_tokens_per_s: get(&promised, n),
+                ready_endpoints: None,
             })
             .collect();
         let out = a.step(now_or_monotonic(now), &demand)?;

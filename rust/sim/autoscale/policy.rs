@@ -295,7 +295,7 @@ impl Policy for Saturation {
             current
         };
         let target = target.clamp(pool.min_endpoints, pool.max_endpoints);
-        Ok(self.damper.step(now, target, &self.damping))
+        Ok(self.damper.step(now, target, None, &self.damping))
     }
 }
 
@@ -342,6 +342,7 @@ impl Policy for ModelBased {
         let demand = PoolDemand {
             queued_requests: state.waiting as f64,
             promised_tokens_per_s: 0.0,
+            ready_endpoints: Some(state.ready),
         };
         let d = self.autoscaler.step(now, &[demand])?;
         Ok(d[0].endpoints)

@@ -367,6 +367,7 @@ fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
     let demand = crate::autoscale::PoolDemand {
         queued_requests: 300.0,
         promised_tokens_per_s: 0.0,
+        ready_endpoints: Some(5),
     };
     // From the first decision on, the autoscaler's count.
     let first = a.step(30.0, &[demand]).expect("ok")[0].endpoints;
