@@ -67,7 +67,9 @@ impl Damper {
     }
 
     /// The count at `now` toward `target`; `ready` (None: unknown) is how
-    /// many endpoints are ready now, the rest of the count still starting.
+    /// many endpoints are ready now, the rest of the count still starting
+    /// (a caller may pass more: the count starting ones are cancelled down
+    /// to is `max(target, ready)`).
     pub fn step(&mut self, now: f64, target: u64, ready: Option<u64>, d: &Damping) -> u64 {
         if target >= self.current {
             self.down_since = None;
@@ -153,14 +155,14 @@ mod tests {
         };
         let mut m = Damper::new(10);
         assert_eq!(m.step(0.0, 50, Some(10), &d), 50); // 40 start
-        // 10 s on the target is 20: 30 of the 40 starting go at once.
+                                                       // 10 s on the target is 20: 30 of the 40 starting go at once.
         assert_eq!(m.step(10.0, 20, Some(10), &d), 20);
         // Below the ready 10: down to them at once, then the delay.
         assert_eq!(m.step(20.0, 4, Some(10), &d), 10);
         assert_eq!(m.step(30.0, 4, Some(10), &d), 10);
         assert_eq!(m.step(49.0, 4, Some(10), &d), 10);
         assert_eq!(m.step(50.0, 4, Some(10), &d), 8); // 30 s after: the step limit
-        // Unknown readiness: the delay for every endpoint, as before.
+                                                      // Unknown readiness: the delay for every endpoint, as before.
         let mut m = Damper::new(10);
         assert_eq!(m.step(0.0, 50, None, &d), 50);
         assert_eq!(m.step(10.0, 20, None, &d), 50);

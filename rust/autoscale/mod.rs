@@ -289,10 +289,17 @@ impl Autoscaler {
             if t.model_endpoints > 0 {
                 state.hint = Some(t.model_endpoints);
             }
-            let ready = demand.get(i).and_then(|d| d.ready_endpoints);
+            // Starting endpoints are cancelled down to the ready ones and
+            // what the forecast, noise included, still needs.
+            let cancel_to = demand
+                .get(i)
+                .and_then(|d| d.ready_endpoints)
+                .map(|ready| ready.max(t.keep_endpoints));
             out.push(Desired {
                 pool: p.name.clone(),
-                endpoints: state.damper.step(now, t.endpoints, ready, &self.damping),
+                endpoints: state
+                    .damper
+                    .step(now, t.endpoints, cancel_to, &self.damping),
                 target: t,
             });
         }

@@ -69,11 +69,33 @@ impl Forecast {
     /// starts are ready: on a fall, the rate now), within `[0, max_ratio *
     /// live.newest_rate]`.
     pub fn rate(&self, live: &LiveWorkload) -> f64 {
-        let now = live.level;
-        let ahead = now + live.trend * self.ahead_s;
+        self.rate_within(live, 0.0)
+    }
+
+    /// The forecast `z` standard errors of the arrivals' noise above
+    /// ([`super::trend::Noise`]), within the same bounds.
+    fn rate_within(&self, live: &LiveWorkload, z: f64) -> f64 {
+        let now = live.level + z * live.noise.se(0.0);
+        let ahead = live.level + live.trend * self.ahead_s + z * live.noise.se(self.ahead_s);
         now.max(ahead)
             .min(self.max_ratio * live.newest_rate)
             .max(0.0)
+    }
+}
+
+/// How many standard errors of the arrivals' noise above the forecast a
+/// starting endpoint is kept for: one is cancelled only once the rate, 2
+/// sigma high, no longer needs it (a noisy forecast dipping for one step
+/// would otherwise cancel endpoints the next step starts again, each
+/// restart a start-up later).
+pub const KEEP_Z: f64 = 2.0;
+
+/// The rate `live` forecasts (`forecast`, else the window's rate),
+/// `z` standard errors of its noise high.
+fn forecast_at(live: &LiveWorkload, forecast: Option<Forecast>, z: f64) -> f64 {
+    match forecast {
+        Some(f) => f.rate_within(live, z),
+        None => live.rate + z * (live.rate / live.span_s).sqrt(),
     }
 }
 
@@ -109,6 +131,10 @@ impl Reason {
 pub struct Target {
     /// Within `[min_endpoints, max_endpoints]`.
     pub endpoints: u64,
+    /// The count for the forecast [`KEEP_Z`] standard errors of its noise
+    /// high, within the bounds and at least `endpoints`: the endpoints
+    /// still starting beyond it are cancelled at once.
+    pub keep_endpoints: u64,
     /// The engine model's count (0 with no traffic).
     pub model_endpoints: u64,
     pub reason: Reason,
@@ -147,7 +173,7 @@ pub fn target(
     hint: Option<u64>,
 ) -> Result<Target> {
     let observed_rate = live.rate;
-    let forecast_rate = forecast.map_or(live.rate, |f| f.rate(live));
+    let forecast_rate = forecast_at(live, forecast, 0.0);
     let queued_rate = demand.queued_requests / queue_drain_s;
     let mean_tokens = live.mean_tokens();
     let promised_rate = if mean_tokens > 0.0 {
@@ -158,6 +184,7 @@ pub fn target(
     let rate = (forecast_rate + queued_rate).max(promised_rate);
     let mut t = Target {
         endpoints: pool.min_endpoints,
+        keep_endpoints: pool.min_endpoints,
         model_endpoints: 0,
         reason: Reason::NoTraffic,
         binding: Binding::None,
@@ -188,16 +215,19 @@ pub fn target(
         quantile,
     };
     let n_slots = profile.slots(pool.context)?;
-    let plan = size_engine(
-        profile,
-        pool.context,
-        n_slots,
-        rate,
-        &load,
-        slo,
-        chunks,
-        hint,
-    )?;
+    let size = |rate| {
+        size_engine(
+            profile,
+            pool.context,
+            n_slots,
+            rate,
+            &load,
+            slo,
+            chunks,
+            hint,
+        )
+    };
+    let plan = size(rate)?;
     t.model_endpoints = plan.gpus;
     t.binding = plan.binding;
     t.p99_ttft_s = plan.p99_ttft_s;
@@ -210,6 +240,17 @@ pub fn target(
         (pool.min_endpoints, Reason::Min)
     } else {
         (plan.gpus, Reason::Model)
+    };
+    let high = (forecast_at(live, forecast, KEEP_Z) + queued_rate).max(promised_rate);
+    t.keep_endpoints = if high > rate && plan.feasible && t.endpoints < pool.max_endpoints {
+        let keep = size(high)?;
+        if keep.feasible {
+            keep.gpus.clamp(t.endpoints, pool.max_endpoints)
+        } else {
+            pool.max_endpoints
+        }
+    } else {
+        t.endpoints
     };
     Ok(t)
 }

@@ -467,7 +467,10 @@ fn the_forecast_follows_the_windows_trend() {
         w.observe(k as f64 / 10.0, 1000, 100).expect("ok");
     }
     let live = w.live(60.0, 0.99).expect("ok");
-    assert_eq!((live.trend, live.level, live.shift_s), (0.0, 0.0, Some(30.0)));
+    assert_eq!(
+        (live.trend, live.level, live.shift_s),
+        (0.0, 0.0, Some(30.0))
+    );
     let t = sizing::target(
         &pool,
         &profile,
@@ -591,18 +594,30 @@ fn a_step_gives_no_ramp_slope_and_a_ramp_still_does() {
         assert!(live.shift_s.is_some(), "seed {seed}: {live:?}");
         assert_eq!(live.trend, 0.0, "seed {seed}");
         // Bounds: 5 sigma of the Poisson noise (one sub-window: 20 req/s).
-        assert!((live.level - 2000.0).abs() < 100.0, "seed {seed}: {}", live.level);
+        assert!(
+            (live.level - 2000.0).abs() < 100.0,
+            "seed {seed}: {}",
+            live.level
+        );
         // Three or four sub-windows after it: their own (flat) slope.
         let later = poisson_window(&mut rng, step, 95.0, 142.0);
         assert!(later.shift_s.is_some(), "seed {seed}");
         assert!(later.trend.abs() < 12.0, "seed {seed}: {}", later.trend);
-        assert!((later.level - 2000.0).abs() < 120.0, "seed {seed}: {}", later.level);
+        assert!(
+            (later.level - 2000.0).abs() < 120.0,
+            "seed {seed}: {}",
+            later.level
+        );
         let slope = 4.0 + 4.0 * rng.uniform();
         let ramp = |t: f64| 200.0 + slope * (t - 95.0);
         let live = poisson_window(&mut rng, ramp, 95.0, 130.0);
         assert_eq!(live.shift_s, None, "seed {seed}: {live:?}");
         // 4 sigma: the slope of five sub-windows at <= 480 req/s, 0.62.
-        assert!((live.trend - slope).abs() < 2.5, "seed {seed}: {} vs {slope}", live.trend);
+        assert!(
+            (live.trend - slope).abs() < 2.5,
+            "seed {seed}: {} vs {slope}",
+            live.trend
+        );
         assert!(
             (live.level - ramp(130.0)).abs() < 40.0,
             "seed {seed}: {} vs {}",
@@ -660,8 +675,9 @@ fn a_pool_is_sized_for_its_arrivals_not_for_what_its_endpoints_finish() {
 
 /// The endpoints a step starts that the next target no longer needs are
 /// cancelled at that step while they are still starting (the demand says
-/// how many are ready); the ready ones wait for the scale-down delay, and
-/// without readiness every endpoint does.
+/// how many are ready), down to what the rate 2 sigma of its noise high
+/// needs; the ready ones wait for the scale-down delay, and without
+/// readiness every endpoint does.
 #[test]
 fn starting_endpoints_are_cancelled_at_once_ready_ones_wait_the_delay() {
     let cfg = AutoscaleConfig {
@@ -693,12 +709,13 @@ fn starting_endpoints_are_cancelled_at_once_ready_ones_wait_the_delay() {
             a.observe(0, None, t, 2000, 200).expect("ok");
         }
         let low = a.step(30.0, &demand(ready)).expect("ok").remove(0);
-        (high, low.target.endpoints, low.endpoints)
+        (high, low.target, low.endpoints)
     };
     let (high, target, _) = go(None);
-    assert!(target + 2 < high, "{target} vs {high}");
-    // 1 ready, the rest starting: down to the target at once.
-    assert_eq!(go(Some(1)), (high, target, target));
+    assert!(target.keep_endpoints >= target.endpoints, "{target:?}");
+    assert!(target.keep_endpoints + 2 < high, "{target:?} vs {high}");
+    // 1 ready, the rest starting: down to what the noisy rate keeps, at once.
+    assert_eq!(go(Some(1)).2, target.keep_endpoints);
     // All ready but one: the ready ones wait.
     assert_eq!(go(Some(high - 1)).2, high - 1);
     assert_eq!(go(None).2, high);

@@ -67,6 +67,8 @@ pub struct Trend {
     /// Where the level shift is, when one is found: the start of the
     /// first sub-window after it.
     pub shift_s: Option<f64>,
+    /// How much the line moves with the arrivals' noise.
+    pub noise: Noise,
 }
 
 impl Trend {
@@ -74,6 +76,33 @@ impl Trend {
     /// slope from the segment's middle to now.
     pub fn level(&self) -> f64 {
         self.rate + self.slope * self.span_s / 2.0
+    }
+}
+
+/// The standard error of the trend line's value under Poisson arrivals
+/// (each fitted sub-window's rate of variance `rate / sub_s`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Noise {
+    /// The variance of one sub-window's rate, and of the segment's rate.
+    pub point_var: f64,
+    pub rate_var: f64,
+    /// With a slope: the fitted sub-windows, their midpoints' mean before
+    /// now (seconds) and their sum of squares about it (0: no slope).
+    pub n: f64,
+    pub back_s: f64,
+    pub sxx: f64,
+}
+
+impl Noise {
+    /// The standard error of the line's rate `ahead_s` past now: of the
+    /// least-squares line's prediction there, or of the level without a
+    /// slope.
+    pub fn se(&self, ahead_s: f64) -> f64 {
+        if self.sxx <= 0.0 {
+            return self.rate_var.sqrt();
+        }
+        let x = self.back_s + ahead_s;
+        (self.point_var * (1.0 / self.n + x * x / self.sxx)).sqrt()
     }
 }
 
@@ -193,10 +222,29 @@ pub fn estimate(subs: &[SubWindow], now: f64, sub_s: f64) -> Trend {
         .map(|s| s.count)
         .sum();
     let span_s = (now - from).max(min_span);
+    let rate = if span_s > 0.0 { count / span_s } else { 0.0 };
+    let mut noise = Noise {
+        point_var: rate / sub_s,
+        rate_var: if span_s > 0.0 { rate / span_s } else { 0.0 },
+        ..Noise::default()
+    };
+    let fitted: Vec<f64> = full
+        .iter()
+        .filter(|s| s.start_s >= from)
+        .map(SubWindow::mid)
+        .collect();
+    if b != 0.0 && fitted.len() >= 2 {
+        let n = fitted.len() as f64;
+        let mean = fitted.iter().sum::<f64>() / n;
+        noise.n = n;
+        noise.back_s = now - mean;
+        noise.sxx = fitted.iter().map(|t| (t - mean) * (t - mean)).sum();
+    }
     Trend {
         slope: b,
-        rate: if span_s > 0.0 { count / span_s } else { 0.0 },
+        rate,
         span_s,
         shift_s: cut.map(|_| from),
+        noise,
     }
 }

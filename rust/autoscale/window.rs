@@ -24,7 +24,7 @@ use crate::error::{finite, invalid, positive, Result};
 use crate::workload::RangeMoments;
 
 use super::histogram::LogHistogram;
-use super::trend::{self, SubWindow, Trend};
+use super::trend::{self, Noise, SubWindow, Trend};
 
 /// Most sub-windows of one window.
 pub const MAX_SUB_WINDOWS: usize = 600;
@@ -128,6 +128,8 @@ pub struct LiveWorkload {
     /// Where a level shift (a step) in the window is, when one is found:
     /// the start of the first sub-window after it.
     pub shift_s: Option<f64>,
+    /// How far the trend line moves with the arrivals' Poisson noise.
+    pub noise: Noise,
     /// The rate of the newest sub-window at least half full (the window's
     /// rate when none is): the current rate a forecast is bounded by.
     pub newest_rate: f64,
@@ -320,6 +322,7 @@ impl LiveWindow {
             trend: trend.slope,
             level: trend.level(),
             shift_s: trend.shift_s,
+            noise: trend.noise,
             newest_rate: newest.unwrap_or(rate),
             k: moments(s.k, s.k2),
             kl: moments(s.kl, 0.0),
