@@ -39,6 +39,10 @@ pub struct FleetState {
     /// Requests waiting in the engines' queues (and at the router while no
     /// endpoint is ready).
     pub waiting: u64,
+    /// Of them, those held at the router (any endpoint may take them).
+    pub held: u64,
+    /// Endpoints (ready or draining) with requests waiting in their queue.
+    pub backlogged: u64,
     /// Requests the engines run.
     pub running: u64,
     /// Mean KV-cache use of the ready endpoints, in [0, 1].
@@ -307,6 +311,9 @@ impl Policy for Saturation {
 #[derive(Debug, Clone)]
 pub struct ModelBased {
     autoscaler: Autoscaler,
+    /// Requests per second one endpoint serves within the SLO, by the last
+    /// sizing (its rate over the model's count); None before one.
+    per_endpoint_rate: Option<f64>,
 }
 
 impl ModelBased {
@@ -321,7 +328,10 @@ impl ModelBased {
         }
         let mut autoscaler = Autoscaler::new(cfg, vec![profile], 0.0)?;
         autoscaler.set_current(0, current)?;
-        Ok(Self { autoscaler })
+        Ok(Self {
+            autoscaler,
+            per_endpoint_rate: None,
+        })
     }
 }
 
@@ -338,13 +348,28 @@ impl Policy for ModelBased {
         self.autoscaler.observe(0, None, now, prompt, output)
     }
 
+    /// The queued demand is the requests held at the router and those
+    /// waiting in the engines, the latter at most what their endpoints
+    /// serve over the queue's horizon: a request queued in an endpoint is
+    /// served by it alone, so endpoints started for it would serve none of
+    /// it (the data plane's flow-control queue is at the router, where any
+    /// endpoint takes from it).
     fn desired(&mut self, now: f64, _: &PoolScaling, state: &FleetState) -> Result<u64> {
+        let in_engines = state.waiting.saturating_sub(state.held) as f64;
+        let drain_s = self.autoscaler.config().queue_drain_s();
+        let in_engines = self.per_endpoint_rate.map_or(in_engines, |mu| {
+            in_engines.min(state.backlogged as f64 * mu * drain_s)
+        });
         let demand = PoolDemand {
-            queued_requests: state.waiting as f64,
+            queued_requests: state.held as f64 + in_engines,
             promised_tokens_per_s: 0.0,
             ready_endpoints: Some(state.ready),
         };
         let d = self.autoscaler.step(now, &[demand])?;
+        let t = &d[0].target;
+        if t.model_endpoints > 0 {
+            self.per_endpoint_rate = Some(t.rate / t.model_endpoints as f64);
+        }
         Ok(d[0].endpoints)
     }
 }
