@@ -24,7 +24,7 @@ use crate::error::{non_negative, Result};
 use crate::planner::{size_engine, Binding, BuildChunks, EngineLoad, EngineSlo};
 use crate::profile::Profile;
 
-use super::config::PoolScaling;
+use super::config::{PoolScaling, MAX_ENDPOINTS};
 use super::window::{LiveWorkload, Percentiles};
 
 /// What a sizing step is told beside the live window.
@@ -34,6 +34,11 @@ pub struct PoolDemand {
     pub queued_requests: f64,
     /// The entitlements' promised capacity, tokens per second (a floor).
     pub promised_tokens_per_s: f64,
+    /// Endpoints that serve no new request over the queue's horizon, busy
+    /// with a backlog queued in them (only they can serve it): added to
+    /// the model's count, rounded (0 in the data plane, whose queue is at
+    /// the router).
+    pub busy_endpoints: f64,
     /// Endpoints of the pool ready now, when known: the rest of its count
     /// is still starting, and a step cancels those its target does not
     /// need without waiting for the scale-down delay ([`super::Damper`]).
@@ -49,6 +54,10 @@ impl PoolDemand {
         non_negative(
             &format!("promised_tokens_per_s of pool {pool:?}"),
             self.promised_tokens_per_s,
+        )?;
+        non_negative(
+            &format!("busy_endpoints of pool {pool:?}"),
+            self.busy_endpoints,
         )?;
         Ok(())
     }
@@ -232,20 +241,24 @@ pub fn target(
     t.binding = plan.binding;
     t.p99_ttft_s = plan.p99_ttft_s;
     t.t_iter_s = plan.t_iter_s;
+    let busy = demand.busy_endpoints.round().min(MAX_ENDPOINTS as f64) as u64;
+    let count = plan.gpus.saturating_add(busy);
     (t.endpoints, t.reason) = if !plan.feasible {
         (pool.max_endpoints, Reason::SloUnreachable)
-    } else if plan.gpus > pool.max_endpoints {
+    } else if count > pool.max_endpoints {
         (pool.max_endpoints, Reason::Max)
-    } else if plan.gpus < pool.min_endpoints {
+    } else if count < pool.min_endpoints {
         (pool.min_endpoints, Reason::Min)
     } else {
-        (plan.gpus, Reason::Model)
+        (count, Reason::Model)
     };
     let high = (forecast_at(live, forecast, KEEP_Z) + queued_rate).max(promised_rate);
     t.keep_endpoints = if high > rate && plan.feasible && t.endpoints < pool.max_endpoints {
         let keep = size(high)?;
         if keep.feasible {
-            keep.gpus.clamp(t.endpoints, pool.max_endpoints)
+            keep.gpus
+                .saturating_add(busy)
+                .clamp(t.endpoints, pool.max_endpoints)
         } else {
             pool.max_endpoints
         }

@@ -96,6 +96,7 @@ fn no_traffic_gives_min_endpoints() {
             &[PoolDemand {
                 queued_requests: 0.0,
                 promised_tokens_per_s: 1e6,
+                busy_endpoints: 0.0,
                 ready_endpoints: None,
             }],
         )
@@ -205,6 +206,7 @@ fn queue_and_entitlement_floor_raise_the_rate() {
             &[PoolDemand {
                 queued_requests: 100.0,
                 promised_tokens_per_s: 0.0,
+                busy_endpoints: 0.0,
                 ready_endpoints: None,
             }],
         )
@@ -220,6 +222,7 @@ fn queue_and_entitlement_floor_raise_the_rate() {
             &[PoolDemand {
                 queued_requests: 0.0,
                 promised_tokens_per_s: 220_000.0,
+                busy_endpoints: 0.0,
                 ready_endpoints: None,
             }],
         )
@@ -238,6 +241,7 @@ fn queue_and_entitlement_floor_raise_the_rate() {
             &[PoolDemand {
                 queued_requests: -1.0,
                 promised_tokens_per_s: 0.0,
+                busy_endpoints: 0.0,
                 ready_endpoints: None,
             }],
         )
@@ -533,6 +537,7 @@ fn a_step_is_a_new_level_not_a_ramp() {
             &[PoolDemand {
                 queued_requests: queued,
                 promised_tokens_per_s: 0.0,
+                busy_endpoints: 0.0,
                 ready_endpoints: None,
             }],
         )

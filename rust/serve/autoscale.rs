@@ -551,6 +551,7 @@ impl Scaling {
             .enumerate()
             .map(|(i, &p)| PoolDemand {
                 queued_requests: signals.queued_requests(p),
+                busy_endpoints: 0.0,
                 ready_endpoints: if self.readiness[i] {
                     signals.ready_endpoints(p)
                 } else {

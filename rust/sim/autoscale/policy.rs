@@ -348,21 +348,28 @@ impl Policy for ModelBased {
         self.autoscaler.observe(0, None, now, prompt, output)
     }
 
-    /// The queued demand is the requests held at the router and those
-    /// waiting in the engines, the latter at most what their endpoints
-    /// serve over the queue's horizon: a request queued in an endpoint is
-    /// served by it alone, so endpoints started for it would serve none of
-    /// it (the data plane's flow-control queue is at the router, where any
-    /// endpoint takes from it).
+    /// The queued demand is the requests held at the router (any endpoint
+    /// takes them); those queued in an engine are served by it alone, so
+    /// endpoints started for them would serve none of them: the endpoints
+    /// holding them are busy instead, each for its share of the backlog
+    /// over what one endpoint serves in the queue's horizon, at most the
+    /// endpoints that hold one (before the first sizing, with no rate per
+    /// endpoint known, they count as queued). The data plane's
+    /// flow-control queue is at the router.
     fn desired(&mut self, now: f64, _: &PoolScaling, state: &FleetState) -> Result<u64> {
         let in_engines = state.waiting.saturating_sub(state.held) as f64;
         let drain_s = self.autoscaler.config().queue_drain_s();
-        let in_engines = self.per_endpoint_rate.map_or(in_engines, |mu| {
-            in_engines.min(state.backlogged as f64 * mu * drain_s)
-        });
+        let (queued, busy) = match self.per_endpoint_rate {
+            Some(mu) => (
+                state.held as f64,
+                (in_engines / (mu * drain_s)).min(state.backlogged as f64),
+            ),
+            None => (state.waiting as f64, 0.0),
+        };
         let demand = PoolDemand {
-            queued_requests: state.held as f64 + in_engines,
+            queued_requests: queued,
             promised_tokens_per_s: 0.0,
+            busy_endpoints: busy,
             ready_endpoints: Some(state.ready),
         };
         let d = self.autoscaler.step(now, &[demand])?;

@@ -373,6 +373,7 @@ fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
     let demand = crate::autoscale::PoolDemand {
         queued_requests: 300.0,
         promised_tokens_per_s: 0.0,
+        busy_endpoints: 0.0,
         ready_endpoints: Some(5),
     };
     // From the first decision on, the autoscaler's count.
@@ -407,7 +408,8 @@ fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
                 .expect("ok");
         }
         m.desired(30.0, pool, &st(0)).expect("ok");
-        m.desired(60.0, pool, &in_engines(waiting, held)).expect("ok")
+        m.desired(60.0, pool, &in_engines(waiting, held))
+            .expect("ok")
     };
     let capped = queued(1_000_000, 0);
     assert!(capped > queued(0, 0), "{capped}");
