@@ -230,6 +230,22 @@ fn queue_and_entitlement_floor_raise_the_rate() {
         .target;
     assert!((promised.rate - 100.0).abs() < 1e-9);
     assert!(promised.model_endpoints > base.model_endpoints);
+    // Busy endpoints (a backlog of their own) add to the model's count,
+    // rounded; the model's count itself is the rate's.
+    let busy = a
+        .clone()
+        .step(
+            60.0,
+            &[PoolDemand {
+                busy_endpoints: 20.4,
+                ..PoolDemand::default()
+            }],
+        )
+        .expect("ok")[0]
+        .target;
+    assert_eq!(busy.model_endpoints, base.model_endpoints);
+    assert_eq!(busy.endpoints, base.endpoints + 20);
+    assert_eq!(busy.reason, Reason::Model);
     // The entitlement's own window saw the same requests.
     let l = a.live(0, Some(e), 60.0).expect("ok");
     assert_eq!(l.requests, 500);
@@ -246,6 +262,11 @@ fn queue_and_entitlement_floor_raise_the_rate() {
             }],
         )
         .is_err());
+    let busy = PoolDemand {
+        busy_endpoints: f64::NAN,
+        ..PoolDemand::default()
+    };
+    assert!(a.step(60.0, &[busy]).is_err());
     assert!(a.step(60.0, &[PoolDemand::default(); 2]).is_err());
     assert_eq!(format!("{:?}", a), before);
 }

@@ -388,9 +388,10 @@ fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
             .expect("ok");
     }
     assert!(quiet.desired(60.0, pool, &st(0)).expect("ok") < want);
-    // Requests queued in the engines count up to what their endpoints
-    // serve over the queue's horizon: twice the backlog in the same 20
-    // endpoints asks for no more, while held at the router it does.
+    // Requests queued in the engines make their endpoints busy, at most
+    // the 20 that hold them: twice the backlog in the same 20 endpoints
+    // asks for no more, while held at the router (any endpoint takes
+    // them) it does.
     let in_engines = |waiting, held| FleetState {
         waiting,
         held,
