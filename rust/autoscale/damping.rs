@@ -153,16 +153,17 @@ mod tests {
             max_step_down: 2,
             max_step_down_percent: 0.0,
         };
+        // 40 start; 10 s on, the target is 20: 30 of the 40 go at once.
         let mut m = Damper::new(10);
-        assert_eq!(m.step(0.0, 50, Some(10), &d), 50); // 40 start
-                                                       // 10 s on the target is 20: 30 of the 40 starting go at once.
+        assert_eq!(m.step(0.0, 50, Some(10), &d), 50);
         assert_eq!(m.step(10.0, 20, Some(10), &d), 20);
         // Below the ready 10: down to them at once, then the delay.
         assert_eq!(m.step(20.0, 4, Some(10), &d), 10);
         assert_eq!(m.step(30.0, 4, Some(10), &d), 10);
         assert_eq!(m.step(49.0, 4, Some(10), &d), 10);
-        assert_eq!(m.step(50.0, 4, Some(10), &d), 8); // 30 s after: the step limit
-                                                      // Unknown readiness: the delay for every endpoint, as before.
+        // 30 s after: down by the step limit.
+        assert_eq!(m.step(50.0, 4, Some(10), &d), 8);
+        // Unknown readiness: the delay for every endpoint, as before.
         let mut m = Damper::new(10);
         assert_eq!(m.step(0.0, 50, None, &d), 50);
         assert_eq!(m.step(10.0, 20, None, &d), 50);
