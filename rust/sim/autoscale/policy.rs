@@ -12,8 +12,10 @@
 //!   waiting, damped as HPA damps any metric;
 //! - [`ModelBased`]: routecore's [`Autoscaler`], the same code the data plane
 //!   runs: every finished request observed, the pool sized every period by
-//!   the planner's engine model from the live window (the requests waiting
-//!   in the engines counting as the queued demand), damped.
+//!   the planner's engine model from the live window (the requests held at
+//!   the router as queued demand, those queued in an engine making its
+//!   endpoint busy; the ready endpoints told, so the starting ones a lower
+//!   forecast no longer needs are cancelled), damped.
 
 use std::collections::HashMap;
 
