@@ -921,9 +921,23 @@ pub(super) fn smallest_ok(
     Ok(Some(hi))
 }
 
+/// Where a pool's search starts.
+#[derive(Debug)]
+pub(super) enum Start<'a> {
+    /// At this count (None: just above the stability bound).
+    At(Option<u64>),
+    /// Near the last pool of a sweep, `(its count, its stability bound)`:
+    /// the count scaled by this pool's bound over that one (each plus one),
+    /// which follows a neighbouring candidate's pool better than its rate
+    /// (compute- and prefill-bound pools keep their count's ratio to the
+    /// bound as the traffic's mix moves); this pool's pair is left in its
+    /// place for the next.
+    Near(&'a mut Option<(u64, u64)>),
+}
+
 /// Sizes one pool under the engine model: the smallest GPU count meeting
 /// every constraint of [`engine_eval`] (each eases as GPUs are added), by
-/// [`smallest_ok`] from `hint`. Necessary counts from stability: compute
+/// [`smallest_ok`] from `start`. Necessary counts from stability: compute
 /// needs `H lambda E[a] / n < 1 - W / TPOT`, prefill
 /// `lambda E[L_in] W / (n C) < 1`; no smaller count is tried. A pool that no
 /// GPU count serves (TPOT at or below `W`, or the TTFT target at or below the
@@ -935,7 +949,7 @@ pub(super) fn size_engine_pool(
     load: &EngineLoad,
     shape: &EngineShape,
     targets: Targets,
-    hint: Option<u64>,
+    start: Start<'_>,
     chunks: &mut Chunks<'_>,
     mut pool: PoolPlan,
 ) -> Result<PoolPlan> {
@@ -996,6 +1010,13 @@ pub(super) fn size_engine_pool(
         }
         Ok(e)
     };
+    let hint = match &start {
+        Start::At(hint) => *hint,
+        Start::Near(last) => last.map(|(n, b)| {
+            let scaled = n as f64 * (bad as f64 + 1.0) / (b as f64 + 1.0);
+            scaled.round().min(MAX_GPUS as f64) as u64
+        }),
+    };
     let found = match never {
         Some(_) => None,
         None => smallest_ok(bad, hint.unwrap_or(bad + 1), |n| {
@@ -1003,6 +1024,9 @@ pub(super) fn size_engine_pool(
         })?,
     };
     let n = found.unwrap_or(bad + 1);
+    if let Start::Near(last) = start {
+        *last = Some((n, bad));
+    }
     let e = if found.is_some() {
         eval(n, chunks)?
     } else {
@@ -1288,8 +1312,16 @@ mod tests {
             let s = shape(slots);
             let tg = targets(ttft, tpot);
             let mut chunks = Chunks::new(&dist);
-            let p =
-                size_engine_pool(rate, &l, &s, tg, None, &mut chunks, PoolPlan::EMPTY).expect("ok");
+            let p = size_engine_pool(
+                rate,
+                &l,
+                &s,
+                tg,
+                Start::At(None),
+                &mut chunks,
+                PoolPlan::EMPTY,
+            )
+            .expect("ok");
             assert!(p.feasible && p.gpus > 1, "{p:?}");
             let ok = engine_eval(rate, p.gpus, &l, &s, tg, &mut chunks).expect("ok");
             assert_eq!(ok.fails, None);
@@ -1297,9 +1329,16 @@ mod tests {
             assert_eq!(fewer.fails, Some(p.binding));
             // Any starting hint gives the same count.
             for hint in [1, p.gpus / 3, p.gpus + 17, 10 * p.gpus] {
-                let q =
-                    size_engine_pool(rate, &l, &s, tg, Some(hint), &mut chunks, PoolPlan::EMPTY)
-                        .expect("ok");
+                let q = size_engine_pool(
+                    rate,
+                    &l,
+                    &s,
+                    tg,
+                    Start::At(Some(hint)),
+                    &mut chunks,
+                    PoolPlan::EMPTY,
+                )
+                .expect("ok");
                 assert_eq!(q.gpus, p.gpus);
             }
             // The miss share at the answer, computed outright, is within the SLO.
@@ -1319,7 +1358,7 @@ mod tests {
                 &l,
                 &shape(64),
                 targets(ttft, tpot),
-                None,
+                Start::At(None),
                 &mut chunks,
                 PoolPlan::EMPTY,
             )
@@ -1460,8 +1499,16 @@ mod tests {
         let one = |out: &mut Vec<(u64, f64)>| out.push((103, 1.0));
         let mut chunks = Chunks::new(&one);
         for rate in [1.0, 1.7, 3.0] {
-            let p =
-                size_engine_pool(rate, &l, &s, tg, None, &mut chunks, PoolPlan::EMPTY).expect("ok");
+            let p = size_engine_pool(
+                rate,
+                &l,
+                &s,
+                tg,
+                Start::At(None),
+                &mut chunks,
+                PoolPlan::EMPTY,
+            )
+            .expect("ok");
             assert!(p.feasible, "{p:?}");
             let n_a = (p.t_iter_s - w) / h;
             assert!(n_a < 2.01, "rate {rate}: {p:?} n_a {n_a}");
