@@ -1505,13 +1505,14 @@ mod tests {
     }
 
     /// A prompt alone on its endpoint starts at once (the simulator starts an
-    /// iteration for it when it arrives, `rust/sim/mod.rs`): its TTFT is `k (W
-    /// + H)`, with no half iteration before it. Prompts of exactly 10 chunks
-    /// take 10 x 8.65 = 86.5 ms alone at W = 8 ms, H = 0.65 ms, and 10.5 x
-    /// 9.3 = 97.7 ms beside one other sequence (half an iteration under way,
-    /// one more `H`): a TTFT of 88 ms is met when at most 1% of the prompts
-    /// find another sequence on their endpoint, `n_a <= 1.01`. Charged `(k +
-    /// 1/2) (W + H)` = 90.8 ms alone, no count met it at all.
+    /// iteration for it when it arrives, `rust/sim/mod.rs`): its TTFT is
+    /// `k (W + H)`, with no half iteration before it. Prompts of exactly 10
+    /// chunks take 10 x 8.65 = 86.5 ms alone at W = 8 ms, H = 0.65 ms, and
+    /// 10.5 x 9.3 = 97.7 ms beside one other sequence (half an iteration
+    /// under way, one more `H`): a TTFT of 88 ms is met when at most 1% of
+    /// the prompts find another sequence on their endpoint, `n_a <= 1.01`.
+    /// Charged half an iteration alone too, 10.5 x 8.65 = 90.8 ms, no count
+    /// met it at all.
     #[test]
     fn a_prompt_alone_on_its_endpoint_waits_for_no_iteration() {
         let prompt = 10.0 * 512.0 - 100.0;
