@@ -5,14 +5,16 @@
 //! Events are request arrivals and iteration ends. An arrival goes through
 //! the data plane's steps ([`crate::dispatch`]): routed to a pool, admitted
 //! (rejected if `L_in + L_out` exceeds the pool's `max_context`, never
-//! truncated: the admission step's place), then dispatched to an endpoint of the pool by the pool's
-//! picker ([`crate::pick::PoolPicker`], the server's) and queued there;
-//! an idle endpoint starts iterating. The picker sees every endpoint's
-//! [`crate::endpoint::EndpointState`] as a metrics scraper fills it: the engine's waiting and
-//! running requests and KV-cache use (read at every decision, or at every
-//! `scrape_interval` with the dispatches since added), routecore's own
-//! requests in flight; it starts every dispatch (with the prompt's block
-//! hashes) and completes every request once (with the usage).
+//! truncated: the admission step's place; a rejected request gives the router
+//! its pool count back and teaches its calibrator nothing), then dispatched
+//! to an endpoint of the pool by the pool's picker
+//! ([`crate::pick::PoolPicker`], the server's) and queued there; an idle
+//! endpoint starts iterating. The picker sees every endpoint's
+//! [`crate::endpoint::EndpointState`] as a metrics scraper fills it: the
+//! engine's waiting and running requests and KV-cache use (read at every
+//! decision, or at every `scrape_interval` with the dispatches since added),
+//! routecore's own requests in flight; it starts every dispatch (with the
+//! prompt's block hashes) and completes every request once (with the usage).
 //! The first `warmup` fraction of requests (by arrival) is left out of the
 //! latency figures and of utilization, which is measured over the window from
 //! the first measured arrival to the last arrival.
@@ -571,7 +573,7 @@ impl Steps for Arrival<'_, '_> {
         };
         if self.fleet.config.pools.get(routed.pool).is_none() {
             let message = format!("router chose pool {} of none", routed.pool);
-            self.router.complete(&self.request, routed)?;
+            self.router.unroute(routed)?;
             return Err(invalid(message).into());
         }
         rep.pool[k] = routed.pool as i64;
@@ -595,7 +597,7 @@ impl Steps for Arrival<'_, '_> {
     fn unadmit(&mut self, _: &Routed, _: ()) {}
 
     fn unroute(&mut self, routed: Routed) {
-        if let Err(e) = self.router.complete(&self.request, routed) {
+        if let Err(e) = self.router.unroute(routed) {
             self.failed.get_or_insert(e);
         }
     }
