@@ -224,7 +224,7 @@ impl PoolPicker {
     ) -> Result<()> {
         let Some(split) = self.split.as_mut() else {
             return Err(invalid(
-                "a prefill completed on a pool that does not split: nothing is prefilled apart",
+                "this picker has no roles: nothing is prefilled apart",
             ));
         };
         split.prefill_done(req, endpoint, input_tokens, &mut self.states)

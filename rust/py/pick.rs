@@ -551,9 +551,6 @@ impl PyEndpointPicker {
         let e = inner.endpoint(endpoint)?;
         let input_tokens = tokens_arg("input_tokens", input_tokens)?;
         let now = finite("now", now_or_monotonic(now))?;
-        if inner.picker.split().is_none() {
-            return Err(invalid("this picker has no roles: nothing is prefilled apart").into());
-        }
         let req = PickRequest {
             input_tokens,
             now,
