@@ -332,3 +332,181 @@ impl PoolPicker {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+    use crate::pick::split::{Decider, Role};
+    use crate::pick::{preset_specs, PluginSpec};
+    use crate::prefix::block_hashes;
+
+    /// A picker over `n` endpoints with the VTC scorer and the prefix
+    /// scorer (4-token blocks), least-request ties, and roles when given.
+    fn picker(n: usize, roles: Option<Vec<Role>>) -> PoolPicker {
+        let mut specs = preset_specs("prefix").expect("preset");
+        for s in &mut specs {
+            if s.name == "prefix" {
+                s.params = serde_json::json!({"block_size": 4, "seed": 9});
+            }
+        }
+        let last = specs.len() - 1;
+        specs.insert(last, PluginSpec::new("vtc", 1.0));
+        let names: Vec<String> = (0..n).map(|i| format!("e{i}")).collect();
+        let pipeline = Pipeline::from_specs(&specs, &names, &PickConfig::default()).expect("ok");
+        let split = roles.map(|r| Split::new(&pipeline, r, Decider::Always).expect("split"));
+        PoolPicker::with_split(pipeline, split)
+    }
+
+    fn request(hashes: &[u64]) -> PickRequest<'_> {
+        PickRequest {
+            hashes,
+            fairness_id: Some("u"),
+            input_tokens: 16,
+            output_tokens: 8,
+            now: 1.0,
+            ..PickRequest::default()
+        }
+    }
+
+    fn snapshot(p: &PoolPicker) -> Vec<u8> {
+        let mut w = Writer::new(b"TEST", 1);
+        p.write(&mut w);
+        w.finish()
+    }
+
+    #[test]
+    fn the_prompt_is_hashed_with_the_prefix_plugins_block_size_and_seed() {
+        let p = picker(2, None);
+        assert_eq!(p.block(), Some((4, 9)));
+        let tokens = Tokens::Ids(&[1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        let mut out = vec![42];
+        PoolPicker::hash_prompt(p.block(), tokens, &mut out).expect("hashes");
+        assert_eq!(out, block_hashes(tokens, 4, 9).expect("hashes"));
+        assert_eq!(out.len(), 2);
+        PoolPicker::hash_prompt(None, tokens, &mut out).expect("none");
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn a_request_is_started_once_and_completed_once() {
+        let mut p = picker(2, None);
+        let hashes = [1, 2, 3];
+        let e = p
+            .start(&request(&hashes))
+            .expect("ok")
+            .expect("an endpoint");
+        assert_eq!(p.running()[e], 1);
+        assert_eq!(p.states[e].dispatched_since_scrape, 1);
+        let charged = p.pipeline.vtc_mut().expect("vtc").tokens("u", 1.0);
+        assert!(charged > 0.0);
+        p.complete(e, &request(&hashes), 16, 8).expect("in flight");
+        assert_eq!(p.running(), [0, 0]);
+        assert_eq!(p.states[e].dispatched_since_scrape, 0);
+        // A second completion is refused and changes nothing (VTC's charge
+        // included).
+        let before = snapshot(&p);
+        let again = p.complete(e, &request(&hashes), 0, 0);
+        assert!(matches!(again, Err(Error::NotInFlight(_))), "{again:?}");
+        assert_eq!(snapshot(&p), before);
+        assert!(p.complete(2, &request(&hashes), 0, 0).is_err());
+        let bad = PickRequest {
+            now: f64::NAN,
+            ..request(&hashes)
+        };
+        assert!(p.complete(e, &bad, 0, 0).is_err());
+        assert_eq!(snapshot(&p), before);
+    }
+
+    #[test]
+    fn place_ranks_the_fallbacks_and_records_what_the_prefix_index_learned() {
+        let mut p = picker(3, None);
+        let hashes = [7, 8];
+        let pair = p.place(&request(&hashes)).expect("ok").expect("placed");
+        assert_eq!(pair.prefill, None);
+        assert_eq!(pair.recorded.hashes, hashes);
+        let mut ranked = p.ranked().to_vec();
+        assert_eq!(ranked[0], pair.decode);
+        ranked.sort_unstable();
+        assert_eq!(ranked, [0, 1, 2]);
+        assert_eq!(p.running()[pair.decode], 1);
+        // Served by a fallback: the count and the recorded blocks move.
+        let to = (pair.decode + 1) % 3;
+        p.moved(pair.decode, to, &pair.recorded, 2.0)
+            .expect("moved");
+        let mut want = vec![0; 3];
+        want[to] = 1;
+        assert_eq!(p.running(), want);
+        let held = |p: &mut PoolPicker, e| p.pipeline.prefix_held(&request(&hashes), e);
+        assert_eq!(held(&mut p, to).expect("held"), 2);
+        assert_eq!(held(&mut p, pair.decode).expect("held"), 0);
+    }
+
+    #[test]
+    fn a_split_pool_places_decode_then_prefill_and_keeps_its_endpoints() {
+        let roles = vec![Role::Prefill, Role::Decode, Role::Both];
+        let mut p = picker(3, Some(roles));
+        assert!(!p.decodes(0) && p.decodes(1) && p.decodes(2));
+        assert_eq!(p.whole(None), Some(vec![1, 2]));
+        assert_eq!(p.whole(Some(vec![0, 2])), Some(vec![2]));
+        let pair = p.place(&request(&[1])).expect("ok").expect("placed");
+        let (prefill, _) = pair.prefill.clone().expect("split: the decider is always");
+        assert!([1, 2].contains(&pair.decode) && prefill != pair.decode);
+        assert!(p.ranked().iter().all(|&i| i != 0), "{:?}", p.ranked());
+        p.complete_prefill(prefill, &request(&[1]), 16)
+            .expect("in flight");
+        let again = p.complete_prefill(prefill, &request(&[1]), 16);
+        assert!(matches!(again, Err(Error::NotInFlight(_))), "{again:?}");
+        p.complete(pair.decode, &request(&[1]), 16, 8)
+            .expect("in flight");
+        assert_eq!(p.running(), [0, 0, 0]);
+        assert!(p.add_endpoint("e3").is_err());
+        assert!(p.remove_endpoint("e0").is_err());
+        assert_eq!(p.names().len(), 3);
+        let mut whole = picker(2, None);
+        assert!(whole.complete_prefill(0, &request(&[1]), 16).is_err());
+        assert_eq!(whole.whole(None), None);
+        assert_eq!(whole.add_endpoint("e2").expect("added"), 2);
+        assert_eq!((whole.names().len(), whole.states.len()), (3, 3));
+        assert_eq!(whole.remove_endpoint("e0").expect("removed"), 0);
+        assert_eq!(whole.names(), ["e1", "e2"]);
+    }
+
+    #[test]
+    fn saturation_is_judged_over_the_healthy_endpoints_a_request_may_decode_on() {
+        let sat = Saturation::default();
+        let busy = Some(sat.max_waiting + 1.0);
+        let mut p = picker(3, Some(vec![Role::Prefill, Role::Decode, Role::Decode]));
+        for s in &mut p.states {
+            s.waiting = busy;
+        }
+        assert!(p.saturated(None, &sat));
+        p.states[0].waiting = Some(0.0); // a prefill endpoint with room
+        assert!(p.saturated(None, &sat));
+        p.states[2].waiting = Some(0.0);
+        assert!(!p.saturated(None, &sat));
+        assert!(p.saturated(Some(&[0, 1]), &sat));
+        p.states[1].healthy = false;
+        assert!(
+            !p.saturated(Some(&[0, 1]), &sat),
+            "no candidate: the pick's 503"
+        );
+    }
+
+    #[test]
+    fn a_snapshot_round_trips_the_pipeline_the_states_and_the_split() {
+        for roles in [None, Some(vec![Role::Prefill, Role::Decode])] {
+            let mut p = picker(2, roles);
+            p.place(&request(&[3, 4])).expect("ok").expect("placed");
+            p.states[1].waiting = Some(2.0);
+            let bytes = snapshot(&p);
+            let mut r = Reader::new(&bytes, b"TEST", 1, "pool picker").expect("header");
+            let q = PoolPicker::read(&mut r, &PickConfig::default(), true).expect("read");
+            assert_eq!(snapshot(&q), bytes);
+            assert_eq!(
+                q.split().map(|s| s.roles().to_vec()),
+                p.split().map(|s| s.roles().to_vec())
+            );
+        }
+    }
+}
