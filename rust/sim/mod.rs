@@ -784,9 +784,7 @@ impl<'a> Fleet<'a> {
             // chain as the prefix plugin hashes (its block size, seed 0).
             hashes_of_ids: !routed.compressed
                 && blocks.chained
-                && self.pickers[pool].prefix().is_some_and(|p| {
-                    (p.config().block_size, p.config().seed) == (engine::BLOCK_TOKENS as usize, 0)
-                }),
+                && self.pickers[pool].block() == Some((engine::BLOCK_TOKENS as usize, 0)),
             input_tokens: routed.input_tokens,
             output_tokens: r.output_tokens,
             now: r.arrival,
