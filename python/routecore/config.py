@@ -767,9 +767,9 @@ RANGES: dict[str, dict[str, Rule]] = {
 }
 
 
-def _number(raw: dict[str, Any], key: str, where: str, section: str, default: Any) -> Any:
-    """``raw[key]`` checked by its rule in ``RANGES[section]``; missing: ``default``
-    (``REQUIRED``: an error; None: null is allowed too)."""
+def _read(raw: dict[str, Any], key: str, where: str, rule: Rule, default: Any) -> Any:
+    """``raw[key]`` checked by ``rule``; missing: ``default`` (``REQUIRED``: an
+    error; None: null is allowed too)."""
     if key not in raw:
         if default is REQUIRED:
             raise ConfigError(f"{where}.{key}: required")
@@ -777,11 +777,15 @@ def _number(raw: dict[str, Any], key: str, where: str, section: str, default: An
     v = raw[key]
     if v is None and default is None:
         return None
-    rules = RANGES[section]
-    rule = rules.get(key) or rules["*"]
     if isinstance(v, bool) or not rule.ok(v):
         raise ConfigError(f"{where}.{key}: expected {rule.expected()}, got {v!r}")
     return rule.value(v)
+
+
+def _number(raw: dict[str, Any], key: str, where: str, section: str, default: Any) -> Any:
+    """``raw[key]`` checked by its rule in ``RANGES[section]`` (``*``: any key)."""
+    rules = RANGES[section]
+    return _read(raw, key, where, rules.get(key) or rules["*"], default)
 
 
 def _numbers(
@@ -790,10 +794,8 @@ def _numbers(
     """Every number of ``RANGES[section]`` in ``raw``, checked, by key: missing,
     the one in ``given``, else ``defaults``' attribute of that name (None: optional)."""
     return {
-        key: _number(
-            raw, key, where, section, given[key] if key in given else getattr(defaults, key, None)
-        )
-        for key in RANGES[section]
+        key: _read(raw, key, where, rule, given.get(key, getattr(defaults, key, None)))
+        for key, rule in RANGES[section].items()
     }
 
 

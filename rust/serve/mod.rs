@@ -9,6 +9,7 @@ pub mod autoscale;
 pub mod config;
 pub mod engine;
 pub mod extproc;
+pub mod failure;
 pub mod flow;
 pub mod front;
 pub mod kv_events;
