@@ -34,12 +34,6 @@ const KNOWN: &[(&str, &str, &str)] = &[
          sender that imports the engine: the family moves below",
     ),
     (
-        "serve::metrics",
-        "serve::flow",
-        "`Metrics` composes `flow::FlowMetrics` while flow counts with \
-         `metrics::{FCounter, FGauge}`: the primitives move to a leaf",
-    ),
-    (
         "serve::config",
         "serve::autoscale",
         "`AutoscaleSpec` lives in the autoscale actor (which imports the \

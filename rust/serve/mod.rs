@@ -7,6 +7,7 @@
 pub mod admission;
 pub mod autoscale;
 pub mod config;
+pub mod counters;
 pub mod engine;
 pub mod extproc;
 pub mod failure;
