@@ -36,6 +36,7 @@ import hmac
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -599,79 +600,42 @@ def _section(raw: Any, where: str, allowed: set[str]) -> dict[str, Any]:
 REQUIRED = object()
 
 
-# -- numbers: one validator per kind, every range in the table RANGES ----------
+# -- numbers: one rule per number, every range in the table RANGES -----------
 
 
 @dataclass(frozen=True)
-class Int:
-    """An integer in ``[lo, hi]``."""
+class Rule:
+    """What a number of the file may be: its types, its range and the words
+    an error says of it; a float rule reads an integer as a float."""
 
-    lo: int
-    hi: int
-
-    def expected(self) -> str:
-        return f"an integer in [{self.lo}, {self.hi}]"
-
-    def ok(self, v: Any) -> bool:
-        return isinstance(v, int) and self.lo <= v <= self.hi
-
-    def value(self, v: Any) -> Any:
-        return v
-
-
-@dataclass(frozen=True)
-class Num:
-    """A number (an integer or a float, read as a float) in ``[lo, hi]``."""
-
+    types: tuple[type, ...]
     lo: float
     hi: float
-
-    def expected(self) -> str:
-        return f"a number in [{self.lo}, {self.hi}]"
-
-    def ok(self, v: Any) -> bool:
-        return isinstance(v, (int, float)) and self.lo <= v <= self.hi
-
-    def value(self, v: Any) -> Any:
-        return float(v)
+    expected: str
+    as_float: bool = False
 
 
-@dataclass(frozen=True)
-class Count:
-    """An integer >= 0 whose range a core checks (naming the key)."""
-
-    def expected(self) -> str:
-        return "an integer >= 0"
-
-    def ok(self, v: Any) -> bool:
-        return isinstance(v, int) and v >= 0
-
-    def value(self, v: Any) -> Any:
-        return v
+def integer(lo: int, hi: int) -> Rule:
+    """An integer in ``[lo, hi]``."""
+    return Rule((int,), lo, hi, f"an integer in [{lo}, {hi}]")
 
 
-@dataclass(frozen=True)
-class Finite:
-    """A finite number whose range a core checks (naming the key)."""
-
-    def expected(self) -> str:
-        return "a finite number"
-
-    def ok(self, v: Any) -> bool:
-        return isinstance(v, (int, float)) and math.isfinite(v)
-
-    def value(self, v: Any) -> Any:
-        return v
+def number(lo: float, hi: float) -> Rule:
+    """A number (an integer or a float, read as a float) in ``[lo, hi]``."""
+    return Rule((int, float), lo, hi, f"a number in [{lo}, {hi}]", as_float=True)
 
 
-Rule = Int | Num | Count | Finite
+#: An integer >= 0 whose range a core checks (naming the key): autoscale's counts.
+COUNT = Rule((int,), 0, math.inf, "an integer >= 0")
+#: A finite number whose range a core checks (naming the key).
+FINITE = Rule((int, float), -sys.float_info.max, sys.float_info.max, "a finite number")
 
 #: A TCP port to connect to (an endpoint's, a ZeroMQ peer's, a bootstrap port).
-PORT = Int(1, 65535)
+PORT = integer(1, 65535)
 #: A port to listen on (0: any free one).
-LISTEN_PORT = Int(0, 65535)
+LISTEN_PORT = integer(0, 65535)
 #: When an endpoint is saturated: ``router.saturation`` and ``flow_control.saturation``.
-SATURATION: dict[str, Rule] = {"max_waiting": Num(0.0, 1e9), "max_kv_usage": Num(0.0, 1.0)}
+SATURATION: dict[str, Rule] = {"max_waiting": number(0.0, 1e9), "max_kv_usage": number(0.0, 1.0)}
 
 #: Every number of the file by section (``pools`` for each ``pools[i]``): its
 #: kind and range, written once. A section's numbers are read in this order.
@@ -680,89 +644,89 @@ RANGES: dict[str, dict[str, Rule]] = {
         "port": LISTEN_PORT,
         "api_port": LISTEN_PORT,
         "metrics_port": LISTEN_PORT,
-        "grace_s": Num(0.0, 86400.0),
-        "worker_threads": Int(1, 256),
+        "grace_s": number(0.0, 86400.0),
+        "worker_threads": integer(1, 256),
     },
     "limits": {
-        "max_body_bytes": Int(1, 64 << 20),
-        "max_message_bytes": Int(1024, 256 << 20),
-        "request_timeout_s": Num(0.001, 86400.0),
-        "default_max_tokens": Int(1, MAX_TOKENS),
-        "image_tokens": Int(0, MAX_TOKENS),
-        "audio_tokens": Int(0, MAX_TOKENS),
-        "tokenize_inline_bytes": Int(0, 1 << 40),
-        "body_timeout_s": Num(0.001, 86400.0),
-        "max_buffered_bytes": Int(1, 1 << 40),
-        "max_streams_per_connection": Int(1, 1 << 20),
-        "max_connections": Int(1, 1 << 20),
+        "max_body_bytes": integer(1, 64 << 20),
+        "max_message_bytes": integer(1024, 256 << 20),
+        "request_timeout_s": number(0.001, 86400.0),
+        "default_max_tokens": integer(1, MAX_TOKENS),
+        "image_tokens": integer(0, MAX_TOKENS),
+        "audio_tokens": integer(0, MAX_TOKENS),
+        "tokenize_inline_bytes": integer(0, 1 << 40),
+        "body_timeout_s": number(0.001, 86400.0),
+        "max_buffered_bytes": integer(1, 1 << 40),
+        "max_streams_per_connection": integer(1, 1 << 20),
+        "max_connections": integer(1, 1 << 20),
     },
     "router": {
-        "compress_band": Num(1.0, 100.0),
-        "prefix_block_size": Int(1, 1 << 20),
-        "fallbacks": Int(0, 64),
+        "compress_band": number(1.0, 100.0),
+        "prefix_block_size": integer(1, 1 << 20),
+        "fallbacks": integer(0, 64),
     },
     "router.saturation": SATURATION,
     # Any objective name: its priority.
-    "router.objectives": {"*": Int(-1000, 1000)},
+    "router.objectives": {"*": integer(-1000, 1000)},
     "scrape": {
-        "interval_s": Num(0.001, 3600.0),
-        "timeout_s": Num(0.001, 60.0),
-        "unhealthy_after": Int(1, 1000),
-        "stale_after": Int(1, 1000),
-        "max_page_bytes": Int(1024, 1 << 30),
-        "max_series": Int(1, 10_000_000),
+        "interval_s": number(0.001, 3600.0),
+        "timeout_s": number(0.001, 60.0),
+        "unhealthy_after": integer(1, 1000),
+        "stale_after": integer(1, 1000),
+        "max_page_bytes": integer(1024, 1 << 30),
+        "max_series": integer(1, 10_000_000),
     },
-    "admission": {"default_max_tokens": Int(1, MAX_TOKENS), "window_s": Num(0.001, 86400.0)},
+    "admission": {"default_max_tokens": integer(1, MAX_TOKENS), "window_s": number(0.001, 86400.0)},
     "admission.redis": {
-        "lease_s": Num(0.001, 1e6),
-        "unavailable_retry_s": Num(0.001, 3600.0),
-        "socket_timeout_s": Num(0.001, 60.0),
-        "max_window_entries": Int(1, MAX_BOUND),
-        "max_window_entries_per_quota": Int(1, MAX_BOUND),
-        "max_void_markers": Int(1, MAX_BOUND),
-        "flush_timeout_s": Num(0.0, 3600.0),
+        "lease_s": number(0.001, 1e6),
+        "unavailable_retry_s": number(0.001, 3600.0),
+        "socket_timeout_s": number(0.001, 60.0),
+        "max_window_entries": integer(1, MAX_BOUND),
+        "max_window_entries_per_quota": integer(1, MAX_BOUND),
+        "max_void_markers": integer(1, MAX_BOUND),
+        "flush_timeout_s": number(0.0, 3600.0),
     },
     "pools": {
-        "max_context": Int(1, MAX_TOKENS),
-        "budget": Int(1, MAX_TOKENS),
-        "queue_limit": Int(0, 1 << 30),
+        "max_context": integer(1, MAX_TOKENS),
+        "budget": integer(1, MAX_TOKENS),
+        "queue_limit": integer(0, 1 << 30),
     },
     "pools.disaggregation": {
-        "threshold": Num(0.0, 1e12),
-        "prefill_timeout_s": Num(1e-3, 3600.0),
+        "threshold": number(0.0, 1e12),
+        "prefill_timeout_s": number(1e-3, 3600.0),
         "bootstrap_port": PORT,
     },
-    "tenants": {"expires_at": Num(0.0, 1e11)},
+    "tenants": {"expires_at": number(0.0, 1e11)},
     "kv_events": {
-        "block_size": Int(1, 1 << 16),
-        "seed": Int(0, (1 << 64) - 1),
-        "capacity_blocks": Int(1, 1 << 26),
-        "stale_after_s": Num(0.001, 86400.0),
-        "max_message_bytes": Int(1 << 10, 1 << 30),
-        "max_batch_events": Int(1, 1 << 24),
-        "max_batch_blocks": Int(1, 1 << 24),
+        "block_size": integer(1, 1 << 16),
+        "seed": integer(0, (1 << 64) - 1),
+        "capacity_blocks": integer(1, 1 << 26),
+        "stale_after_s": number(0.001, 86400.0),
+        "max_message_bytes": integer(1 << 10, 1 << 30),
+        "max_batch_events": integer(1, 1 << 24),
+        "max_batch_blocks": integer(1, 1 << 24),
     },
-    "flow_control.saturation": {**SATURATION, "max_in_flight": Int(1, 1 << 30)},
+    "flow_control.saturation": {**SATURATION, "max_in_flight": integer(1, 1 << 30)},
     "autoscale": {
-        "period_s": Finite(),
-        "window_s": Finite(),
-        "sub_windows": Count(),
-        "quantile": Finite(),
-        "scale_down_delay_s": Finite(),
-        "max_step_up": Count(),
-        "max_step_up_percent": Finite(),
-        "max_step_down": Count(),
-        "max_step_down_percent": Finite(),
-        "queue_drain_s": Finite(),
-        "forecast_s": Finite(),
-        "max_forecast_ratio": Finite(),
+        "period_s": FINITE,
+        "window_s": FINITE,
+        "sub_windows": COUNT,
+        "quantile": FINITE,
+        "scale_down_delay_s": FINITE,
+        "max_step_up": COUNT,
+        "max_step_up_percent": FINITE,
+        "max_step_down": COUNT,
+        "max_step_down_percent": FINITE,
+        "queue_drain_s": FINITE,
+        "forecast_s": FINITE,
+        "max_forecast_ratio": FINITE,
     },
     "autoscale.pools": {
-        "min_endpoints": Count(),
-        "max_endpoints": Count(),
-        "slo_ttft_s": Finite(),
-        "slo_tpot_s": Finite(),
-        "context": Count(),
+        "min_endpoints": COUNT,
+        "max_endpoints": COUNT,
+        "slo_ttft_s": FINITE,
+        "slo_tpot_s": FINITE,
+        "context": COUNT,
     },
 }
 
@@ -777,9 +741,9 @@ def _read(raw: dict[str, Any], key: str, where: str, rule: Rule, default: Any) -
     v = raw[key]
     if v is None and default is None:
         return None
-    if isinstance(v, bool) or not rule.ok(v):
-        raise ConfigError(f"{where}.{key}: expected {rule.expected()}, got {v!r}")
-    return rule.value(v)
+    if isinstance(v, bool) or not isinstance(v, rule.types) or not rule.lo <= v <= rule.hi:
+        raise ConfigError(f"{where}.{key}: expected {rule.expected}, got {v!r}")
+    return float(v) if rule.as_float else v
 
 
 def _number(raw: dict[str, Any], key: str, where: str, section: str, default: Any) -> Any:
@@ -792,9 +756,11 @@ def _numbers(
     raw: dict[str, Any], where: str, section: str, defaults: Any = None, **given: Any
 ) -> dict[str, Any]:
     """Every number of ``RANGES[section]`` in ``raw``, checked, by key: missing,
-    the one in ``given``, else ``defaults``' attribute of that name (None: optional)."""
+    the one in ``given``, else the default of the dataclass ``defaults`` (None:
+    optional)."""
+    base = vars(defaults) if defaults is not None else {}
     return {
-        key: _read(raw, key, where, rule, given.get(key, getattr(defaults, key, None)))
+        key: _read(raw, key, where, rule, given[key] if key in given else base.get(key))
         for key, rule in RANGES[section].items()
     }
 
@@ -814,9 +780,14 @@ def _bool(raw: dict[str, Any], key: str, where: str, default: bool) -> bool:
     return v
 
 
+def _is_port(text: str) -> bool:
+    """``text`` is a TCP port to connect to, in decimal (:data:`PORT`)."""
+    return text.isdigit() and PORT.lo <= int(text) <= PORT.hi
+
+
 def _endpoint(v: Any, where: str) -> str:
     host, sep, port = v.rpartition(":") if isinstance(v, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not PORT.ok(int(port)):
+    if not sep or not host or not _is_port(port):
         raise ConfigError(f"{where}: expected 'ip:port', got {v!r}")
     return v
 
@@ -868,8 +839,7 @@ def _zmq(raw: dict[str, Any], key: str, where: str, required: bool) -> str | Non
         or not v.startswith("tcp://")
         or not sep
         or not host
-        or not port.isdigit()
-        or not PORT.ok(int(port))
+        or not _is_port(port)
     ):
         raise ConfigError(f"{where}.{key}: expected a ZeroMQ address 'tcp://host:port', got {v!r}")
     return v
