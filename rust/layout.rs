@@ -10,9 +10,10 @@
 //!   prefix of the path), seen from their closest common parent (so
 //!   `serve/engine/dispatch.rs` naming `super::super::front::Door` is
 //!   `serve::engine -> serve::front`); a module naming its own parent or
-//!   child is not an edge. The circles known today are listed in [`KNOWN`]
-//!   by the import that closes each, with who removes it; any other circle
-//!   fails, and so does an entry that no longer closes one.
+//!   child is not an edge, and a module's tests count as the module. The
+//!   circles known today are listed in [`KNOWN`] by the import that closes
+//!   each, with its way out; any other circle fails, and so does an entry
+//!   that no longer closes one.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::Path;
@@ -50,8 +51,9 @@ const KNOWN: &[(&str, &str, &str)] = &[
     (
         "serve::pd_send",
         "serve::extproc",
-        "the prefill sender names ext_proc's `Current` while ext_proc calls \
-         it (issue 24's area)",
+        "the prefill sender's tests drive a whole ext_proc conversation \
+         (`extproc::Conversation`) while ext_proc calls the sender: that test \
+         goes beside ext_proc's (issue 24's area)",
     ),
     (
         "serve::autoscale",
