@@ -759,10 +759,13 @@ def _numbers(
     the one in ``given``, else the default of the dataclass ``defaults`` (None:
     optional)."""
     base = vars(defaults) if defaults is not None else {}
-    return {
-        key: _read(raw, key, where, rule, given[key] if key in given else base.get(key))
-        for key, rule in RANGES[section].items()
-    }
+    out = {}
+    for key, rule in RANGES[section].items():
+        default = given[key] if key in given else base.get(key)
+        out[key] = (
+            _read(raw, key, where, rule, default) if key in raw or default is REQUIRED else default
+        )
+    return out
 
 
 def _str(raw: dict[str, Any], key: str, where: str, default: str, choices=None) -> str:
