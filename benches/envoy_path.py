@@ -294,7 +294,7 @@ http {{
             resources = config["static_resources"]
             manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
             manager["http_filters"] = [
-                f for f in manager["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
+                f for f in manager["http_filters"] if "ext_proc" not in f["typed_config"]["@type"]
             ]
             resources["clusters"] = [c for c in resources["clusters"] if c["name"] == "engines"]
             resources["clusters"][0].pop("load_balancing_policy")  # round robin

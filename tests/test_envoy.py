@@ -37,7 +37,12 @@ from test_vllm_fixtures import shape
 
 KEY = {"x-api-key": "demo-key", "content-type": "application/json"}
 #: Every shipped Envoy file, one per processing mode (README "Envoy's processing modes").
-SHIPPED_FILES = ["envoy.yaml", "envoy-full-duplex.yaml", "envoy-fail-open.yaml"]
+SHIPPED_FILES = [
+    "envoy.yaml",
+    "envoy-full-duplex.yaml",
+    "envoy-fail-open.yaml",
+    "envoy-observe.yaml",
+]
 
 
 def request(url: str, body: dict, headers: dict | None = None, timeout: float = 30.0):
@@ -426,3 +431,51 @@ def test_every_processing_mode_keeps_every_feature(name, engines, serve, envoy):
         wait_for(lambda n=n: r.run(calibrator.count, "prose") == n, what="usage learned")
         wait_settled(r)
     assert len(short.requests) == 3
+
+
+def test_the_usage_filter_learns_every_answer_and_each_end_releases_once(engines, serve, envoy):
+    """examples/envoy-observe.yaml routes on one ext_proc stream (which Envoy
+    ends once routed) and reads the answer on a second, in observability mode
+    (Envoy does not wait for it), which names the request by the id routecore
+    gave it and holds it. Through a real Envoy: 120
+    JSON answers to 12 clients at once are each learned once and released;
+    a stream whose client goes away, one whose engine dies mid-answer and one
+    cut by Envoy's death are each released, without usage (about 6 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    (e,) = engines(1, token_s=0.2)
+    r = serve(pools=one_pool([e.address]))
+    calibrator = r.engine.router.calibrator
+
+    def learned() -> int:
+        return r.run(calibrator.count, "prose")
+
+    gw = envoy(shipped_config("envoy-observe.yaml", free_port(), [r.target], [e.address]))
+    n = 120
+    with ThreadPoolExecutor(12) as clients:
+        answers = list(clients.map(lambda i: request(gw.url, chat(f"{i} " + "hi " * 40)), range(n)))
+    assert [s for s, _, _ in answers] == [200] * n
+    wait_for(lambda: learned() == n, what="every usage learned")
+    wait_settled(r)
+    assert learned() == n
+
+    def stream_cut(cut, proxy: str = gw.url) -> None:
+        """A 40-token stream (8 s), cut by ``cut()`` once its first event is in."""
+        host, port = proxy.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps(chat("long", 40, True)), KEY)
+        answer = conn.getresponse()
+        assert answer.status == 200 and answer.read(6) == b"data: "
+        wait_for(lambda: in_flight(r)["leases"] == 1, what="the stream in flight")
+        cut(conn)
+        conn.close()
+        wait_settled(r, timeout=10)  # released ...
+        assert learned() == n  # ... without usage
+
+    stream_cut(lambda conn: conn.sock.close())  # the client goes away
+    stream_cut(lambda conn: e.stop())  # the engine dies
+    e.start()
+    wait_for(lambda: request(gw.url, chat("back"))[0] == 200, what="the engine back")
+    wait_for(lambda: learned() == n + 1, what="its usage learned")
+    n += 1
+    stream_cut(lambda conn: gw.stop())  # Envoy dies

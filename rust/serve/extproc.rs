@@ -38,6 +38,15 @@
 //!   endpoint 503, admission 429 with Retry-After, an internal failure under
 //!   `failure_mode: closed` 503) are an ImmediateResponse with a JSON error
 //!   body, and end the stream.
+//! - Observing stream (a second filter in Envoy's `observability_mode`, for a
+//!   routing stream Envoy sends no response body: examples/envoy-observe.yaml):
+//!   the routing answer adds the `routecore` metadata `request_id`; Envoy
+//!   ends the routing stream once routed, which hands the lease over; the
+//!   observing stream's first message (the request's headers) names it by
+//!   that id and holds it from then on, reads the response as below and
+//!   releases it at its end (or at the stream's own end, without usage);
+//!   nothing is answered on it. A lease no observing stream names within
+//!   [`OBSERVER_GRACE`] is reaped.
 //! - Response: the endpoint that served (after Envoy's retries) arrives in the
 //!   `envoy.lb` metadata `x-gateway-destination-endpoint-served`; when it is
 //!   not the chosen one, the lease's accounting moves there once
@@ -112,8 +121,19 @@ pub const FAIRNESS_HEADERS: [&str; 2] = [
 ];
 pub const POOL_HEADER: &str = "x-routecore-pool";
 pub const LB_NAMESPACE: &str = "envoy.lb";
+/// The dynamic-metadata namespace and key of the request id routecore gives
+/// a routed request: a second ext_proc filter in Envoy's `observability_mode`
+/// (examples/envoy-observe.yaml) forwards it with the response, which routecore reads
+/// without Envoy waiting (see [`Conversation`]'s observer).
+pub const ROUTECORE_NAMESPACE: &str = "routecore";
+pub const REQUEST_ID_KEY: &str = "request_id";
 /// Size of the streamed_response chunks a body is sent back in (as the GIE does).
 pub const BODY_CHUNK: usize = 62_000;
+
+/// How long a request whose routing stream ended waits for the observing
+/// filter's stream to name it (it does within milliseconds; without one, the
+/// reaper releases it after this).
+pub const OBSERVER_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 const FULL_DUPLEX: i32 = BodySendMode::FullDuplexStreamed as i32;
 const STREAMED: i32 = BodySendMode::Streamed as i32;
@@ -202,26 +222,47 @@ pub fn immediate(rej: &Reject) -> ProcessingResponse {
     }))
 }
 
-/// The `envoy.lb` dynamic metadata: the endpoints to try, the same list as
-/// the header.
-fn lb_metadata(destination: &str) -> Struct {
+/// A namespace of dynamic metadata holding one string.
+fn namespace(name: &str, key: &str, value: String) -> (String, Value) {
     let inner = Struct {
         fields: [(
-            DESTINATION_HEADER.to_string(),
+            key.to_string(),
             Value {
-                kind: Some(Kind::StringValue(destination.into())),
+                kind: Some(Kind::StringValue(value)),
             },
         )]
         .into(),
     };
+    let value = Value {
+        kind: Some(Kind::StructValue(inner)),
+    };
+    (name.to_string(), value)
+}
+
+/// The routing's dynamic metadata: in `envoy.lb` the endpoints to try (the
+/// same list as the header), and in `routecore` the request id when an
+/// observing filter reads the response (it sends the id back with it).
+fn lb_metadata(destination: String, request_id: Option<String>) -> Struct {
+    let lb = namespace(LB_NAMESPACE, DESTINATION_HEADER, destination);
+    let id = request_id.map(|id| namespace(ROUTECORE_NAMESPACE, REQUEST_ID_KEY, id));
     Struct {
-        fields: [(
-            LB_NAMESPACE.to_string(),
-            Value {
-                kind: Some(Kind::StructValue(inner)),
-            },
-        )]
-        .into(),
+        fields: std::iter::once(lb).chain(id).collect(),
+    }
+}
+
+/// A string of a message's forwarded metadata (`namespace` / `key`).
+fn metadata_str<'a>(req: &'a ProcessingRequest, namespace: &str, key: &str) -> Option<&'a str> {
+    let md = req.metadata_context.as_ref()?;
+    match md
+        .filter_metadata
+        .get(namespace)?
+        .fields
+        .get(key)?
+        .kind
+        .as_ref()?
+    {
+        Kind::StringValue(s) => Some(s.trim()),
+        _ => None,
     }
 }
 
@@ -275,18 +316,13 @@ pub fn subset_hint(req: &ProcessingRequest) -> Option<Vec<String>> {
 
 /// The endpoint that served, from a response message's `envoy.lb` metadata.
 pub fn served_endpoint(req: &ProcessingRequest) -> Option<&str> {
-    let md = req.metadata_context.as_ref()?;
-    match md
-        .filter_metadata
-        .get(LB_NAMESPACE)?
-        .fields
-        .get(SERVED_KEY)?
-        .kind
-        .as_ref()?
-    {
-        Kind::StringValue(s) => Some(s.trim()),
-        _ => None,
-    }
+    metadata_str(req, LB_NAMESPACE, SERVED_KEY)
+}
+
+/// The request id routecore gave the request, from a message's `routecore`
+/// metadata (an observing filter's).
+pub fn observed_request_id(req: &ProcessingRequest) -> Option<&str> {
+    metadata_str(req, ROUTECORE_NAMESPACE, REQUEST_ID_KEY)
 }
 
 /// The state of one ext_proc stream (one HTTP request and its response).
@@ -322,6 +358,15 @@ pub struct Conversation {
     /// The request's `:path`, kept when a pool's split requests are sent by
     /// routecore (`serve::pd_send`): the prefill goes to the same API.
     path: Option<Vec<u8>>,
+    /// The stream of an observing filter (Envoy's `observability_mode`):
+    /// `lease` is the one named by the request id in its messages'
+    /// `routecore` metadata, which this stream ends (at the response's end,
+    /// with its usage; at its own, without).
+    observer: bool,
+    /// Envoy sends this stream no response body (`response_body_mode:
+    /// NONE`): an observing filter reads the response, and this stream's end
+    /// hands the lease over to it ([`Shared::hand_over`]).
+    response_elsewhere: bool,
 }
 
 impl Conversation {
@@ -345,6 +390,8 @@ impl Conversation {
             hints: Hints::default(),
             served: false,
             path: None,
+            observer: false,
+            response_elsewhere: false,
         }
     }
 
@@ -356,14 +403,20 @@ impl Conversation {
     ) -> std::result::Result<Vec<ProcessingResponse>, ProtocolError> {
         self.check_order(req.request.as_ref())?;
         if self.failed {
-            return Ok(self.passthrough(req.request.as_ref()));
+            return Ok(if self.observer {
+                Vec::new()
+            } else {
+                self.passthrough(req.request.as_ref())
+            });
         }
         let handled = AssertUnwindSafe(self.dispatch(req)).catch_unwind().await;
-        Ok(match handled {
+        let out = match handled {
             Ok(Ok(out)) => out,
             Ok(Err(e)) => self.fail(req.request.as_ref(), &e.to_string()),
             Err(_) => self.fail(req.request.as_ref(), "panic"),
-        })
+        };
+        // An observing filter reads no answer.
+        Ok(if self.observer { Vec::new() } else { out })
     }
 
     fn check_order(&mut self, msg: Option<&Msg>) -> std::result::Result<(), ProtocolError> {
@@ -384,6 +437,9 @@ impl Conversation {
     }
 
     async fn dispatch(&mut self, req: &ProcessingRequest) -> Result<Vec<ProcessingResponse>> {
+        if req.observability_mode {
+            return self.observe(req);
+        }
         if self.hints.subset.is_none() {
             self.hints.subset = subset_hint(req);
         }
@@ -394,6 +450,7 @@ impl Conversation {
                 pc.request_body_mode
             };
             self.response_mode = pc.response_body_mode;
+            self.response_elsewhere = pc.response_body_mode == BodySendMode::None as i32;
             self.defer_headers = self.request_mode == FULL_DUPLEX
                 || (self.request_mode == STREAMED
                     && pc.send_body_without_waiting_for_header_response);
@@ -426,6 +483,38 @@ impl Conversation {
             }
             None => Ok(Vec::new()),
         }
+    }
+
+    /// A message of an observing filter: Envoy sent it without waiting and
+    /// reads no answer, so none is sent. The first one (the request's
+    /// headers, sent once routecore's answer let the request go on) names
+    /// the lease, which this stream then owns (a stream naming none in
+    /// flight ends there); the response is read as on a routing stream, and
+    /// its end releases the lease with its usage and ends this stream.
+    fn observe(&mut self, req: &ProcessingRequest) -> Result<Vec<ProcessingResponse>> {
+        if !self.observer {
+            self.observer = true;
+            self.routed = true; // nothing to route on this stream
+            let shared = &self.shared;
+            self.lease = observed_request_id(req)
+                .and_then(|id| shared.parse_id(id))
+                .filter(|&id| shared.observe(id));
+        }
+        if self.responding && !self.served {
+            self.read_served(req);
+        }
+        match req.request.as_ref() {
+            Some(Msg::ResponseHeaders(h)) => {
+                self.on_response_headers(h)?;
+            }
+            Some(Msg::ResponseBody(b)) => {
+                self.on_response_body(&b.body, b.end_of_stream)?;
+            }
+            Some(Msg::ResponseTrailers(_)) => self.finish(),
+            _ => {}
+        }
+        self.done = self.lease.is_none();
+        Ok(Vec::new())
     }
 
     /// The first response message naming the endpoint that served moves the
@@ -667,7 +756,8 @@ impl Conversation {
             clear_route_cache: true,
             ..Default::default()
         };
-        let md = Some(lb_metadata(&destination));
+        let id = self.response_elsewhere.then(|| routed.request_id.clone());
+        let md = Some(lb_metadata(destination.clone(), id));
         if !has_body {
             let mut r = answer(Answer::RequestHeaders(HeadersResponse {
                 response: Some(common),
@@ -793,10 +883,15 @@ impl Conversation {
         }
     }
 
-    /// The stream ended: a request still in flight is released without usage.
+    /// The stream ended: a request still in flight is released without
+    /// usage, or handed over to the observing filter that reads its response.
     pub fn close(&mut self) {
         if let Some(id) = self.lease.take() {
-            self.shared.release(id, None);
+            if self.response_elsewhere && !self.observer {
+                self.shared.hand_over(id, OBSERVER_GRACE);
+            } else {
+                self.shared.release(id, None);
+            }
         }
     }
 }
@@ -1436,6 +1531,8 @@ mod tests {
             1,
             "no other key (v0.3's -fallback is gone)"
         );
+        // The response comes back on this stream: no request id for an observer.
+        assert_eq!(md.fields.len(), 1);
     }
 
     /// The header mutation of a request's answer.
@@ -1632,6 +1729,171 @@ mod tests {
         assert_eq!(v["error"]["message"], "The model `gpt-9` does not exist.");
         assert_eq!(engine.router().in_flight(0).expect("pool"), 1);
         assert_eq!(engine.router().in_flight(1).expect("pool"), 1);
+    }
+
+    /// A routing stream as examples/envoy.yaml opens it (the request body
+    /// STREAMED without waiting, the response not sent): routed on its one
+    /// chunk; the request id of its answer's `routecore` metadata.
+    async fn routed_without_response(
+        engine: &Arc<Engine>,
+        shared: &Arc<Shared>,
+        text: &str,
+    ) -> (Conversation, String, String) {
+        let mut c = Conversation::new(Arc::clone(engine), Arc::clone(shared));
+        let mut h = headers(&[("x-api-key", KEY)], true, false);
+        h.protocol_config = Some(ProtocolConfiguration {
+            request_body_mode: STREAMED,
+            send_body_without_waiting_for_header_response: true,
+            ..Default::default()
+        });
+        c.handle(&h).await.expect("ok");
+        let out = c.handle(&body(&chat(text), true, false)).await.expect("ok");
+        let listed = routed_to(&out[0]).expect("routed");
+        let md = out[0].dynamic_metadata.as_ref().expect("metadata");
+        let Some(Kind::StructValue(ns)) = md.fields[ROUTECORE_NAMESPACE].kind.as_ref() else {
+            panic!("no routecore namespace")
+        };
+        let Some(Kind::StringValue(id)) = ns.fields[REQUEST_ID_KEY].kind.as_ref() else {
+            panic!("no request id")
+        };
+        let chosen = listed.split(',').next().expect("one").to_string();
+        (c, id.clone(), chosen)
+    }
+
+    /// A message of the observing filter: sent without waiting, with the
+    /// request id and the served endpoint forwarded in its metadata.
+    fn observed(mut req: ProcessingRequest, id: &str, served: &str) -> ProcessingRequest {
+        use envoy_types::pb::envoy::config::core::v3::Metadata;
+        let fields = [
+            namespace(LB_NAMESPACE, SERVED_KEY, served.into()),
+            namespace(ROUTECORE_NAMESPACE, REQUEST_ID_KEY, id.into()),
+        ];
+        let filter_metadata = fields
+            .into_iter()
+            .map(|(name, v)| match v.kind {
+                Some(Kind::StructValue(s)) => (name, s),
+                _ => unreachable!(),
+            })
+            .collect();
+        req.metadata_context = Some(Metadata {
+            filter_metadata,
+            ..Default::default()
+        });
+        req.observability_mode = true;
+        req
+    }
+
+    /// The observing filter's first message: the request's headers, sent
+    /// once routecore's answer let the request go on.
+    fn observed_headers(id: &str) -> ProcessingRequest {
+        observed(
+            headers(&[(":path", b"/v1/chat/completions")], true, false),
+            id,
+            "",
+        )
+    }
+
+    #[tokio::test]
+    async fn an_observer_learns_the_usage_and_releases_once_without_answering() {
+        let (shared, engine) = plane();
+        let at = |e: &str| usize::from(e == "10.0.0.2:8000");
+        for observer_first in [false, true] {
+            let (router, id, chosen) =
+                routed_without_response(&engine, &shared, &"hello ".repeat(80)).await;
+            let other = if at(&chosen) == 0 {
+                "10.0.0.2:8000"
+            } else {
+                "10.0.0.1:8000"
+            };
+            assert_eq!(engine.choosers[0].loads()[at(&chosen)], 1);
+            let mut observer = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+            // Envoy ends the routing stream once it expects nothing more of
+            // it, about when the observer's stream opens: either order.
+            if observer_first {
+                observer.handle(&observed_headers(&id)).await.expect("ok");
+                drop(router);
+            } else {
+                drop(router);
+                observer.handle(&observed_headers(&id)).await.expect("ok");
+            }
+            assert_eq!(shared.lease_count(), 1, "the observer holds it");
+            std::thread::sleep(OBSERVER_GRACE);
+            assert_eq!(shared.reap(), 0, "named in time: not reaped");
+            // SSE, its headers skipped: told by its first bytes; Envoy retried
+            // on the other endpoint, which the messages name.
+            let events = [
+                &b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n"[..],
+                b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":120,\"completion_tokens\":1}}\n\n",
+                b"data: [DONE]\n\n",
+            ];
+            for (i, e) in events.iter().enumerate() {
+                let end = i + 1 == events.len();
+                let out = observer
+                    .handle(&observed(body(e, end, true), &id, other))
+                    .await
+                    .expect("ok");
+                assert!(out.is_empty(), "an observer is never answered");
+                if !end {
+                    assert_eq!(shared.lease_count(), 1);
+                    assert_eq!(engine.choosers[0].loads()[at(other)], 1, "moved");
+                    assert!(!observer.done);
+                }
+            }
+            assert!(observer.done, "the response ended: the stream ends");
+            assert_eq!(shared.lease_count(), 0);
+            drop(observer);
+            assert_eq!(engine.choosers[0].loads(), vec![0, 0]);
+            assert_eq!(engine.router().in_flight(0).expect("pool"), 0);
+        }
+        let learned = shared.calibrator.read().expect("cal").stats("prose").count;
+        assert_eq!(learned, 2, "each usage once");
+    }
+
+    #[tokio::test]
+    async fn an_observer_s_end_releases_and_an_unnamed_lease_is_reaped_after_the_grace() {
+        let (shared, engine) = plane();
+        let learned = || shared.calibrator.read().expect("cal").stats("prose").count;
+        let usage = br#"{"usage":{"prompt_tokens":120,"completion_tokens":2}}"#;
+        // The client went away (or the engine died, or Envoy) before the
+        // response's end: the observer's stream ends, and releases.
+        let (router, id, chosen) = routed_without_response(&engine, &shared, "cut").await;
+        drop(router);
+        let mut observer = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        observer.handle(&observed_headers(&id)).await.expect("ok");
+        observer
+            .handle(&observed(body(&usage[..9], false, true), &id, &chosen))
+            .await
+            .expect("ok");
+        assert_eq!(shared.lease_count(), 1);
+        drop(observer);
+        assert_eq!(shared.lease_count(), 0);
+        assert_eq!(engine.choosers[0].loads(), vec![0, 0]);
+        // No observing filter: the lease waits for one during the grace, then
+        // the reaper releases it; an observer coming after finds nothing.
+        let (router, id, chosen) = routed_without_response(&engine, &shared, "bye").await;
+        drop(router);
+        assert_eq!(shared.reap(), 0);
+        assert_eq!(shared.lease_count(), 1);
+        std::thread::sleep(OBSERVER_GRACE);
+        assert_eq!(shared.reap(), 1);
+        assert_eq!(engine.choosers[0].loads(), vec![0, 0]);
+        assert_eq!(engine.router().in_flight(0).expect("pool"), 0);
+        let mut late = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+        late.handle(&observed(body(usage, true, true), &id, &chosen))
+            .await
+            .expect("ok");
+        assert!(late.done);
+        // An observer naming no request (or not one of routecore's ids) ends at once.
+        for md in ["", "not-an-id"] {
+            let mut stray = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+            let out = stray
+                .handle(&observed(body(usage, false, true), md, &chosen))
+                .await
+                .expect("ok");
+            assert!(out.is_empty() && stray.done);
+        }
+        assert_eq!(learned(), 0);
+        assert_eq!(shared.lease_count(), 0);
     }
 
     #[test]

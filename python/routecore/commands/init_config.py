@@ -15,8 +15,9 @@ HELP = (
 #: The files written, shipped in the wheel (the same bytes as examples/ in the repository).
 FILES = ("routecore.yaml", "envoy.yaml")
 #: The shipped files: the fail-open Envoy configuration (written as envoy.yaml with
-#: --fail-open) and the full-duplex one (the endpoint-picker protocol's streaming mode).
-SHIPPED = (*FILES, "envoy-fail-open.yaml", "envoy-full-duplex.yaml")
+#: --fail-open), the full-duplex one (the endpoint-picker protocol's streaming mode)
+#: and the observing one (the response read without Envoy waiting: one replica).
+SHIPPED = (*FILES, "envoy-fail-open.yaml", "envoy-full-duplex.yaml", "envoy-observe.yaml")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

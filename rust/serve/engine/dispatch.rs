@@ -527,6 +527,8 @@ impl Engine {
             ticket: admitted.ticket,
             recorded,
             prefill,
+            observed: false,
+            awaited: None,
         };
         // 128 random bits: two ids in flight at once never meet (2^-128 a pair).
         lock(&shared.leases).insert(admitted.id, (Arc::clone(self), lease));

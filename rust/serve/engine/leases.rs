@@ -117,14 +117,43 @@ impl Shared {
         }
     }
 
-    /// Releases every lease past its deadline; returns how many.
+    /// An observing filter's stream (Envoy's `observability_mode`, which
+    /// reads the response without Envoy waiting) names the lease `id`: from
+    /// now on its end, or the response's, ends the lease. False when the
+    /// lease is not in flight.
+    pub fn observe(&self, id: u128) -> bool {
+        let mut leases = lock(&self.leases);
+        let Some((_, lease)) = leases.get_mut(&id) else {
+            return false;
+        };
+        lease.observed = true;
+        lease.awaited = None;
+        true
+    }
+
+    /// The routing stream of lease `id` ended before the response, which
+    /// Envoy does not send it (Envoy 1.40 closes that stream once it expects
+    /// nothing more of it): the lease is left to the observing filter's
+    /// stream, which names it at once ([`Shared::observe`]); one that has not
+    /// within `grace` is released by the reaper (no observing filter: the
+    /// response is never read).
+    pub fn hand_over(&self, id: u128, grace: std::time::Duration) {
+        if let Some((_, lease)) = lock(&self.leases).get_mut(&id) {
+            if !lease.observed {
+                lease.awaited = Some(Instant::now() + grace);
+            }
+        }
+    }
+
+    /// Releases every lease past its deadline, or left to an observing
+    /// filter that did not name it in time; returns how many.
     pub fn reap(&self) -> usize {
         let now = Instant::now();
         let expired: Vec<(u128, Arc<Engine>, Lease)> = {
             let mut leases = lock(&self.leases);
             let ids: Vec<u128> = leases
                 .iter()
-                .filter(|(_, (_, l))| l.deadline <= now)
+                .filter(|(_, (_, l))| l.deadline <= now || l.awaited.is_some_and(|t| t <= now))
                 .map(|(id, _)| *id)
                 .collect();
             ids.into_iter()

@@ -140,6 +140,13 @@ pub struct Lease {
     recorded: Recorded,
     /// The prefill endpoint of a split request, released with the lease.
     prefill: Option<usize>,
+    /// An observing filter's stream named it ([`Shared::observe`]): that
+    /// stream ends it.
+    observed: bool,
+    /// Its routing stream ended before the response, which an observing
+    /// filter reads: released by the reaper if none names it by then
+    /// ([`Shared::hand_over`]).
+    awaited: Option<Instant>,
 }
 
 /// What the endpoint picker reads of a request's prompt: the prefix plugin
@@ -380,7 +387,8 @@ impl Shared {
         format!("{id:032x}")
     }
 
-    fn parse_id(&self, request_id: &str) -> Option<u128> {
+    /// The lease id of a request id ([`Shared::request_id`]); None when it is not one.
+    pub fn parse_id(&self, request_id: &str) -> Option<u128> {
         let hex = request_id.as_bytes();
         if hex.len() != 32 || !hex.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
             return None;
