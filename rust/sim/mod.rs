@@ -48,6 +48,7 @@ use crate::error::{invalid, non_negative, positive, Result};
 use crate::kv::{KvConfig, KvIndex};
 use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec};
 use crate::planner::{engine_state, EngineLoad, EngineShape, EngineState};
+use crate::prefix::IdChain;
 use crate::rng::Rng;
 
 use engine::{blocks_for, Endpoint, EngineLimits, Event};
@@ -81,6 +82,11 @@ pub struct RequestBlocks {
     pub hashes: Vec<u64>,
     pub offsets: Vec<usize>,
     pub tokens: Vec<u32>,
+    /// Every request's hashes are the chained hashes of its tokens
+    /// (`block_hashes(tokens, BLOCK_TOKENS, 0)`): a pick then hands them to
+    /// the precise-prefix scorer as the tokens' hashes
+    /// (`PickRequest::hashes_of_ids`), which hashes the prompt no more.
+    chained: bool,
 }
 
 impl RequestBlocks {
@@ -105,10 +111,13 @@ impl RequestBlocks {
             hashes,
             offsets,
             tokens: Vec::new(),
+            chained: false,
         })
     }
 
-    /// The same with the blocks' token ids, `BLOCK_TOKENS` per hash.
+    /// The same with the blocks' token ids, `BLOCK_TOKENS` per hash. Checks
+    /// whether the hashes are the tokens' chain (one pass over the tokens,
+    /// instead of one per pick).
     pub fn with_tokens(mut self, tokens: Vec<u32>) -> Result<Self> {
         let want = self.hashes.len() * engine::BLOCK_TOKENS as usize;
         if tokens.len() != want {
@@ -118,6 +127,11 @@ impl RequestBlocks {
                 tokens.len()
             )));
         }
+        let b = engine::BLOCK_TOKENS as usize;
+        self.chained = self.offsets.windows(2).all(|w| {
+            IdChain::new(&tokens[w[0] * b..w[1] * b], b, 0, 0)
+                .eq(self.hashes[w[0]..w[1]].iter().copied())
+        });
         self.tokens = tokens;
         Ok(self)
     }
@@ -128,6 +142,7 @@ impl RequestBlocks {
             hashes: Vec::new(),
             offsets: vec![0; requests + 1],
             tokens: Vec::new(),
+            chained: false,
         }
     }
 
@@ -765,6 +780,13 @@ impl<'a> Fleet<'a> {
             } else {
                 blocks.prompt_tokens(k, routed.input_tokens)
             },
+            // The hashes serve both prefix indexes when they are the tokens'
+            // chain as the prefix plugin hashes (its block size, seed 0).
+            hashes_of_ids: !routed.compressed
+                && blocks.chained
+                && self.pickers[pool].prefix().is_some_and(|p| {
+                    (p.config().block_size, p.config().seed) == (engine::BLOCK_TOKENS as usize, 0)
+                }),
             input_tokens: routed.input_tokens,
             output_tokens: r.output_tokens,
             now: r.arrival,

@@ -594,6 +594,67 @@ fn without_token_ids_precise_prefix_picks_as_the_approximate_prefix() {
     }
 }
 
+/// A prompt hashed once: the workload's hashes are its tokens' chain, so a
+/// pick hands them to the precise-prefix scorer as the tokens' hashes; it
+/// picks as when the scorer hashed the tokens again. Hashes of another
+/// chain are not handed over (the picks are those of the true chain), and
+/// a false claim that they are the chain is believed (the scorer reads
+/// the given hashes: the once path is taken).
+#[test]
+fn the_prompt_hashed_once_picks_as_hashed_twice() {
+    let wl = super::prefix_workload::PrefixWorkloadConfig {
+        requests: 600,
+        rate: 4.0,
+        sessions: 32,
+        seed: 3,
+        ..Default::default()
+    };
+    let (work, blocks) = prefix_run_input(&wl, true);
+    assert!(blocks.chained, "the generator's hashes are the chain");
+    let with_tokens = |hashes: Vec<u64>| {
+        RequestBlocks::new(hashes, blocks.offsets.clone(), work.len())
+            .and_then(|b| b.with_tokens(blocks.tokens.clone()))
+            .expect("blocks")
+    };
+    assert_eq!(
+        with_tokens(blocks.hashes.clone()),
+        blocks,
+        "checked as the chain"
+    );
+    let twice = RequestBlocks {
+        chained: false,
+        ..blocks.clone()
+    };
+    // The same blocks hashed from seed 1: another chain, never handed over.
+    let b = engine::BLOCK_TOKENS as usize;
+    let seed1: Vec<u64> = blocks
+        .offsets
+        .windows(2)
+        .flat_map(|w| IdChain::new(&blocks.tokens[w[0] * b..w[1] * b], b, 1, 1))
+        .collect();
+    let other = with_tokens(seed1.clone());
+    assert!(!other.chained);
+    let lie = RequestBlocks {
+        chained: true,
+        ..other.clone()
+    };
+    let pools = || vec![pool("p", 4, 16384, 16, 1024)];
+    for preset in ["precise-prefix", "precise-prefix+queue+kv"] {
+        let run = |b: &RequestBlocks| {
+            run_with_blocks(&work, b, &config(pools(), preset), RouterKind::Homogeneous)
+        };
+        let once = run(&blocks);
+        for (what, rep) in [
+            ("hashed twice", run(&twice)),
+            ("another chain", run(&other)),
+        ] {
+            assert_eq!(once.endpoint, rep.endpoint, "{preset}: {what}");
+            assert_eq!(once.cached_tokens, rep.cached_tokens, "{preset}: {what}");
+        }
+        assert_ne!(once.endpoint, run(&lie).endpoint, "{preset}: believed");
+    }
+}
+
 /// Engines too small to hold every prefix: the approximate index still
 /// believes an endpoint holds what was routed to it after the engine evicted
 /// it; the index fed by the engines' events knows, so precise routing serves
