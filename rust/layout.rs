@@ -1,17 +1,88 @@
-//! The layout's import rules, read from the `use` lines and paths of
-//! `rust/` (comments left out): only the data plane (`serve/`) and the
-//! binding layer (`py/`, which wraps the data plane for Python) name
-//! `crate::serve`; only `py/` and the `#[pymodule]` in `lib.rs` name pyo3;
-//! and no circle of imports between the top-level modules runs through
-//! `kv`, `pick` or `serve` (the pure index, the picker and the data plane).
+//! The layout's import rules, read from the paths the code of `rust/` names
+//! (`crate::...`, `super::...`, `self::...`, with their `use` groups;
+//! comments and literals left out):
+//!
+//! - only the data plane (`serve/`) and the binding layer (`py/`, which
+//!   wraps the data plane for Python) name `crate::serve`; only `py/` and
+//!   the `#[pymodule]` in `lib.rs` name pyo3;
+//! - no circle of imports between modules, at any depth: a file's module
+//!   depends on the module a path it names resolves to (the longest module
+//!   prefix of the path), seen from their closest common parent (so
+//!   `serve/engine/dispatch.rs` naming `super::super::front::Door` is
+//!   `serve::engine -> serve::front`); a module naming its own parent or
+//!   child is not an edge, and a module's tests count as the module. The
+//!   circles known today are listed in [`KNOWN`] by the import that closes
+//!   each, with its way out; any other circle fails, and so does an entry
+//!   that no longer closes one.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::Path;
 
-/// Each source file (relative to `rust/`) and its text without comments;
-/// this file, whose tests name what they look for, left out.
-fn sources() -> Vec<(String, String)> {
-    fn walk(dir: &Path, root: &Path, out: &mut Vec<(String, String)>) {
+/// Imports that close a circle known today (from, to), each with why it is
+/// still there and how it goes. The check removes them before it looks for
+/// circles, and fails when one no longer closes a circle.
+const KNOWN: &[(&str, &str, &str)] = &[
+    (
+        "serve::metrics",
+        "serve::autoscale",
+        "`Metrics` composes `autoscale::Gauges`, defined in the actor that \
+         imports the engine: the gauges move below (issue 26's area)",
+    ),
+    (
+        "serve::metrics",
+        "serve::pd_send",
+        "`Metrics` composes `pd_send::PdMetrics`, defined beside the prefill \
+         sender that imports the engine: the family moves below",
+    ),
+    (
+        "serve::config",
+        "serve::autoscale",
+        "`AutoscaleSpec` lives in the autoscale actor (which imports the \
+         engine): it moves below, beside the pure `crate::autoscale` config \
+         (issue 26's area)",
+    ),
+    (
+        "serve::pd_send",
+        "serve::engine",
+        "the prefill sender takes the engine's `Routed` and `Shared`, and the \
+         engine holds the pools' `PoolHandoff`: the handoff state moves below \
+         the engine",
+    ),
+    (
+        "serve::pd_send",
+        "serve::extproc",
+        "the prefill sender's tests drive a whole ext_proc conversation \
+         (`extproc::Conversation`) while ext_proc calls the sender: that test \
+         goes beside ext_proc's (issue 24's area)",
+    ),
+    (
+        "serve::autoscale",
+        "serve::engine",
+        "the autoscale actor reads the engine (`impl QueuedDemand for \
+         Engine`, ext_proc's `Current`) while the engine holds its `Scaling` \
+         (issue 26's area)",
+    ),
+    (
+        "serve::autoscale",
+        "serve::extproc",
+        "the autoscale actor reads ext_proc's `Current` (issue 26's area)",
+    ),
+];
+
+/// A module path (`["serve", "engine"]`; the crate root is empty).
+type Module = Vec<String>;
+
+/// A source file (relative to `rust/`), its module and its tokens.
+struct Source {
+    file: String,
+    module: Module,
+    tokens: Vec<String>,
+}
+
+/// Every source file under `rust/`; this file, whose tests name what they
+/// look for, left out.
+fn sources() -> Vec<Source> {
+    fn walk(dir: &Path, root: &Path, out: &mut Vec<Source>) {
         let mut entries: Vec<_> = std::fs::read_dir(dir)
             .expect("rust/ is readable")
             .map(|e| e.expect("an entry").path())
@@ -23,7 +94,7 @@ fn sources() -> Vec<(String, String)> {
             } else if path.extension().is_some_and(|e| e == "rs") && !path.ends_with("layout.rs") {
                 let text = std::fs::read_to_string(&path).expect("a source file");
                 let rel = path.strip_prefix(root).expect("under rust/");
-                out.push((rel.to_string_lossy().replace('\\', "/"), code(&text)));
+                out.push(source(&rel.to_string_lossy().replace('\\', "/"), &text));
             }
         }
     }
@@ -33,88 +104,310 @@ fn sources() -> Vec<(String, String)> {
     out
 }
 
-/// The text without `//` comments (doc comments name modules freely).
-fn code(text: &str) -> String {
-    text.lines()
-        .map(|l| match l.find("//") {
-            Some(i) if !l[..i].contains('"') => &l[..i],
-            _ => l,
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+fn source(file: &str, text: &str) -> Source {
+    Source {
+        file: file.to_owned(),
+        module: module_of(file),
+        tokens: tokens(text),
+    }
 }
 
-/// The top-level module a file belongs to (`kv/index.rs` -> `kv`).
-fn top(file: &str) -> &str {
-    let first = file.split('/').next().unwrap_or(file);
-    first.strip_suffix(".rs").unwrap_or(first)
+/// The module a file defines (`serve/engine/mod.rs` -> `serve::engine`,
+/// `lib.rs` -> the root).
+fn module_of(file: &str) -> Module {
+    let mut parts: Module = file
+        .strip_suffix(".rs")
+        .unwrap_or(file)
+        .split('/')
+        .map(str::to_owned)
+        .collect();
+    if parts.last().is_some_and(|p| p == "mod") || parts == ["lib"] {
+        parts.pop();
+    }
+    parts
 }
 
-/// The top-level modules `text` names as `crate::<module>`.
-fn imports(text: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    for (i, _) in text.match_indices("crate::") {
-        let rest = &text[i + "crate::".len()..];
-        let name: String = rest
-            .chars()
-            .take_while(|c| c.is_alphanumeric() || *c == '_')
-            .collect();
-        if !name.is_empty() {
-            out.insert(name);
+/// The identifiers, `::` and punctuation of `text`, without comments,
+/// string, byte and char literals (lifetimes are left as `'` and a name).
+fn tokens(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < text.len() {
+        let rest = &text[i..];
+        let c = rest.chars().next().unwrap_or(' ');
+        if rest.starts_with("//") {
+            i += rest.find('\n').unwrap_or(rest.len());
+        } else if rest.starts_with("/*") {
+            i += rest.find("*/").map_or(rest.len(), |e| e + 2);
+        } else if let Some(n) = literal(rest) {
+            i += n;
+        } else if c.is_alphabetic() || c == '_' {
+            let n = rest
+                .find(|ch: char| !(ch.is_alphanumeric() || ch == '_'))
+                .unwrap_or(rest.len());
+            out.push(rest[..n].to_owned());
+            i += n;
+        } else if rest.starts_with("::") {
+            out.push("::".to_owned());
+            i += 2;
+        } else {
+            if !c.is_whitespace() {
+                out.push(c.to_string());
+            }
+            i += c.len_utf8();
         }
     }
     out
 }
 
-/// Files that break the rules on who names `serve` and pyo3.
-fn misplaced(files: &[(String, String)]) -> Vec<String> {
-    let mut bad = Vec::new();
-    for (file, text) in files {
-        let module = top(file);
-        if module != "serve" && module != "py" && imports(text).contains("serve") {
-            bad.push(format!("{file} imports crate::serve"));
+/// The length of the string, raw string or char literal `rest` starts
+/// with (a `b` prefix included), if it starts with one.
+fn literal(rest: &str) -> Option<usize> {
+    let prefix = usize::from(rest.starts_with('b'));
+    let body = &rest[prefix..];
+    let len = if let Some(raw) = body.strip_prefix('r') {
+        let hashes = raw.len() - raw.trim_start_matches('#').len();
+        let quoted = raw[hashes..].strip_prefix('"')?;
+        let close = format!("\"{}", "#".repeat(hashes));
+        1 + hashes + 1 + quoted.find(&close)? + close.len()
+    } else if let Some(quoted) = body.strip_prefix('"') {
+        let mut escaped = false;
+        let end = quoted.char_indices().find(|&(_, ch)| {
+            let end = ch == '"' && !escaped;
+            escaped = ch == '\\' && !escaped;
+            end
+        })?;
+        1 + end.0 + 1
+    } else if let Some(quoted) = body.strip_prefix('\'') {
+        let mut chars = quoted.char_indices();
+        let (_, first) = chars.next()?;
+        if first == '\\' {
+            1 + 2 + quoted.get(2..)?.find('\'')? + 1
+        } else if chars.next().is_some_and(|(_, ch)| ch == '\'') {
+            1 + first.len_utf8() + 1
+        } else {
+            return None; // a lifetime or a label
         }
-        if module != "py" && file != "lib.rs" && text.contains("pyo3") {
-            bad.push(format!("{file} imports pyo3"));
-        }
-    }
-    bad
+    } else {
+        return None;
+    };
+    Some(prefix + len)
 }
 
-/// The import graph between top-level modules.
-fn graph(files: &[(String, String)]) -> BTreeMap<String, BTreeSet<String>> {
+fn is_name(token: &str) -> bool {
+    token
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_alphabetic() || c == '_')
+}
+
+/// The paths of the use tree at `t[i..]` under `path`, into `out`; returns
+/// the index after it (`a::{b::C, d as e, self}`, `a::*`).
+fn use_tree(t: &[String], mut i: usize, mut path: Module, out: &mut Vec<Module>) -> usize {
+    loop {
+        match t.get(i).map(String::as_str) {
+            Some("{") => {
+                i += 1;
+                while t.get(i).is_some_and(|x| x != "}") {
+                    let next = use_tree(t, i, path.clone(), out);
+                    i = if next == i { i + 1 } else { next };
+                    if t.get(i).is_some_and(|x| x == ",") {
+                        i += 1;
+                    }
+                }
+                return i + 1;
+            }
+            Some(name) if is_name(name) => {
+                if name != "self" {
+                    path.push(name.to_owned());
+                }
+                i += 1;
+                if t.get(i).is_some_and(|x| x == "::") {
+                    i += 1;
+                    continue;
+                }
+                if t.get(i).is_some_and(|x| x == "as") {
+                    i += 2;
+                }
+                out.push(path);
+                return i;
+            }
+            Some("*") => {
+                out.push(path);
+                return i + 1;
+            }
+            _ => {
+                out.push(path);
+                return i;
+            }
+        }
+    }
+}
+
+/// The absolute paths a source names through `crate::`, `super::` and
+/// `self::` (inline modules, such as `mod tests { use super::*; }`, taken
+/// into account).
+fn paths(src: &Source) -> Vec<Module> {
+    let t = &src.tokens;
+    let mut out = Vec::new();
+    // The inline modules the cursor is in, with the brace depth each opened at.
+    let mut inline: Vec<(String, usize)> = Vec::new();
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < t.len() {
+        let word = t[i].as_str();
+        let next = |k: usize| t.get(i + k).map(String::as_str);
+        match word {
+            "mod" if next(1).is_some_and(is_name) && next(2) == Some("{") => {
+                inline.push((t[i + 1].clone(), depth));
+                i += 2;
+                continue;
+            }
+            "{" => depth += 1,
+            "}" => {
+                depth = depth.saturating_sub(1);
+                if inline.last().is_some_and(|&(_, d)| d == depth) {
+                    inline.pop();
+                }
+            }
+            "crate" | "super" | "self" if next(1) == Some("::") && (i == 0 || t[i - 1] != "::") => {
+                let mut base: Module = Vec::new();
+                if word != "crate" {
+                    base.clone_from(&src.module);
+                    base.extend(inline.iter().map(|(name, _)| name.clone()));
+                }
+                let mut j = i;
+                while t
+                    .get(j)
+                    .is_some_and(|x| x == "super" || x == "self" || x == "crate")
+                    && t.get(j + 1).is_some_and(|x| x == "::")
+                {
+                    if t[j] == "super" {
+                        base.pop();
+                    }
+                    j += 2;
+                }
+                i = use_tree(t, j, base, &mut out);
+                continue;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    out
+}
+
+/// The longest module prefix of `path` (a path names an item of that module).
+fn resolve<'a>(path: &[String], modules: &'a BTreeSet<Module>) -> Option<&'a Module> {
+    (0..=path.len()).rev().find_map(|n| modules.get(&path[..n]))
+}
+
+/// The import graph between sibling modules, at every depth.
+fn graph(files: &[Source]) -> BTreeMap<String, BTreeSet<String>> {
+    let modules: BTreeSet<Module> = files.iter().map(|s| s.module.clone()).collect();
     let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for (file, text) in files {
-        let module = top(file);
-        let to: Vec<String> = imports(text).into_iter().filter(|m| m != module).collect();
-        g.entry(module.to_owned()).or_default().extend(to);
+    for src in files {
+        for path in paths(src) {
+            let Some(to) = resolve(&path, &modules) else {
+                continue;
+            };
+            let from = &src.module;
+            let common = from.iter().zip(to).take_while(|(a, b)| a == b).count();
+            if common == from.len() || common == to.len() {
+                continue; // itself, a parent or a child
+            }
+            g.entry(from[..=common].join("::"))
+                .or_default()
+                .insert(to[..=common].join("::"));
+        }
     }
     g
 }
 
-/// The modules reachable from `from` (itself excluded unless on a circle).
-fn reachable(g: &BTreeMap<String, BTreeSet<String>>, from: &str) -> BTreeSet<String> {
-    let mut seen = BTreeSet::new();
-    let mut stack: Vec<&str> = g
-        .get(from)
-        .into_iter()
-        .flatten()
-        .map(|s| s.as_str())
-        .collect();
-    while let Some(m) = stack.pop() {
-        if seen.insert(m.to_owned()) {
-            stack.extend(g.get(m).into_iter().flatten().map(|s| s.as_str()));
+/// A shortest path from `from` to `to` in `g` (both ends included).
+fn path_between(
+    g: &BTreeMap<String, BTreeSet<String>>,
+    from: &str,
+    to: &str,
+) -> Option<Vec<String>> {
+    let mut before: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut queue = VecDeque::from([from]);
+    while let Some(m) = queue.pop_front() {
+        for n in g.get(m).into_iter().flatten() {
+            if n == to {
+                let mut out = vec![to.to_owned(), m.to_owned()];
+                let mut at = m;
+                while let Some(&p) = before.get(at) {
+                    out.push(p.to_owned());
+                    at = p;
+                }
+                out.reverse();
+                return Some(out);
+            }
+            if n != from && !before.contains_key(n.as_str()) {
+                before.insert(n, m);
+                queue.push_back(n);
+            }
         }
     }
-    seen
+    None
 }
 
-/// The circles through `module`: the modules it reaches that reach it back.
-fn circle(g: &BTreeMap<String, BTreeSet<String>>, module: &str) -> BTreeSet<String> {
-    reachable(g, module)
-        .into_iter()
-        .filter(|m| reachable(g, m).contains(module))
-        .collect()
+/// Every circle of `g`, one per edge that closes one, as
+/// `a -> b -> ... -> a` (the shortest circle through that edge).
+fn circles(g: &BTreeMap<String, BTreeSet<String>>) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for (from, tos) in g {
+        for to in tos {
+            if let Some(back) = path_between(g, to, from) {
+                let mut circle = vec![from.clone()];
+                circle.extend(back);
+                // The same circle from each of its edges: name it from its least module.
+                let n = circle.len() - 1;
+                let start = (0..n).min_by_key(|&k| &circle[k]).unwrap_or(0);
+                let turned: Vec<&str> = (0..=n).map(|k| circle[(start + k) % n].as_str()).collect();
+                out.insert(turned.join(" -> "));
+            }
+        }
+    }
+    out
+}
+
+/// The circles of the graph without the known imports, and the known
+/// imports that no longer close a circle.
+fn unknown_circles(files: &[Source]) -> (BTreeSet<String>, Vec<String>) {
+    let full = graph(files);
+    let mut g = full.clone();
+    let mut stale = Vec::new();
+    for &(from, to, _) in KNOWN {
+        let closes = full.get(from).is_some_and(|t| t.contains(to))
+            && path_between(&full, to, from).is_some();
+        if !closes {
+            stale.push(format!("{from} -> {to}"));
+        }
+        if let Some(t) = g.get_mut(from) {
+            t.remove(to);
+        }
+    }
+    (circles(&g), stale)
+}
+
+/// Files that break the rules on who names `serve` and pyo3.
+fn misplaced(files: &[Source]) -> Vec<String> {
+    let mut bad = Vec::new();
+    for src in files {
+        let top = src.module.first().map_or("", String::as_str);
+        let names_serve = paths(src)
+            .iter()
+            .any(|p| p.first().is_some_and(|m| m == "serve"));
+        if top != "serve" && top != "py" && names_serve {
+            bad.push(format!("{} imports crate::serve", src.file));
+        }
+        if top != "py" && src.file != "lib.rs" && src.tokens.iter().any(|t| t == "pyo3") {
+            bad.push(format!("{} imports pyo3", src.file));
+        }
+    }
+    bad
 }
 
 #[test]
@@ -123,39 +416,74 @@ fn only_the_data_plane_and_the_bindings_name_serve_and_only_the_bindings_pyo3() 
 }
 
 #[test]
-fn no_import_circle_runs_through_kv_pick_or_serve() {
-    let g = graph(&sources());
-    for module in ["kv", "pick", "serve"] {
-        assert!(g.contains_key(module), "{module} is a module");
-        assert_eq!(
-            circle(&g, module),
-            BTreeSet::new(),
-            "circle through {module}"
-        );
+fn no_import_circle_between_modules_but_the_known_ones() {
+    let files = sources();
+    let g = graph(&files);
+    for module in ["kv", "pick", "serve", "serve::engine", "serve::front"] {
+        assert!(g.contains_key(module), "{module} is a module that imports");
     }
+    let (circles, stale) = unknown_circles(&files);
+    assert_eq!(circles, BTreeSet::new(), "import circles");
+    assert_eq!(
+        stale,
+        Vec::<String>::new(),
+        "known imports that close no circle"
+    );
 }
 
 #[test]
 fn the_rules_see_what_they_check() {
-    let files = |v: &[(&str, &str)]| -> Vec<(String, String)> {
-        v.iter().map(|(f, t)| (f.to_string(), code(t))).collect()
-    };
+    let files =
+        |v: &[(&str, &str)]| -> Vec<Source> { v.iter().map(|(f, t)| source(f, t)).collect() };
     let bad = files(&[
+        ("lib.rs", "mod kv; mod serve; mod prefix; mod pick; mod budget; mod compress;"),
         ("kv/mod.rs", "use crate::serve::config::KvEventsSpec;"),
-        ("serve/x.rs", "use crate::serve::y; use crate::kv;"),
+        ("serve/mod.rs", "pub mod config; pub mod engine; pub mod front;"),
+        ("serve/config.rs", "pub struct Spec;"),
+        ("serve/engine/mod.rs", "use super::config::Spec; mod tests { use super::*; }"),
+        (
+            "serve/engine/dispatch.rs",
+            "fn f() { let s = \"super::front::x\"; let c = '\"'; super::super::front::go::<u8>(); }",
+        ),
+        ("serve/front.rs", "use crate::{kv, serve::{config::Spec, engine::{self as e}}};"),
         ("pick/a.rs", "use pyo3::prelude::*;"),
         (
             "prefix.rs",
-            "// crate::serve in a comment; pyo3 too\nuse crate::pick::X;",
+            "// crate::serve in a comment; pyo3 too\nuse crate::pick::X; /* crate::serve */",
         ),
-        ("pick/mod.rs", "use crate::prefix::Y;"),
+        ("pick/mod.rs", "pub mod a; use crate::prefix::Y; const S: &str = r#\"pyo3 \"crate::serve\"\"#;"),
+        ("budget.rs", "fn f<'a>(x: &'a str) -> char { let _ = crate::compress::MAX; 'b' }"),
+        ("compress.rs", "pub const MAX: u64 = 1; use crate::budget::f;"),
     ]);
     assert_eq!(
         misplaced(&bad),
         ["kv/mod.rs imports crate::serve", "pick/a.rs imports pyo3"]
     );
-    let g = graph(&bad);
     let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
-    assert_eq!(circle(&g, "kv"), names(&["kv", "serve"]));
-    assert_eq!(circle(&g, "pick"), names(&["pick", "prefix"]));
+    assert_eq!(
+        circles(&graph(&bad)),
+        names(&[
+            "budget -> compress -> budget",
+            "kv -> serve -> kv",
+            "pick -> prefix -> pick",
+            "serve::engine -> serve::front -> serve::engine",
+        ])
+    );
+    // The engine's `mod tests { use super::*; }` names the engine itself,
+    // not `serve`; a circle through one known import is not reported.
+    let g = graph(&bad);
+    assert_eq!(
+        g["serve::engine"],
+        names(&["serve::config", "serve::front"])
+    );
+    assert_eq!(
+        g["serve::front"],
+        names(&["serve::config", "serve::engine"])
+    );
+    let mut without = g.clone();
+    without
+        .get_mut("serve::front")
+        .expect("front")
+        .remove("serve::engine");
+    assert!(!circles(&without).iter().any(|c| c.contains("serve::front")));
 }

@@ -36,6 +36,7 @@ import hmac
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -396,19 +397,13 @@ def _flow_control(raw: Any) -> FlowControlConfig:
     """``flow_control``, checked by the queue itself (errors name the key:
     ``flow_control.bands[1].max_requests``); absent or ``enabled: false``: off."""
     f = _section(raw, "flow_control", FLOW_QUEUE_KEYS | {"enabled", "saturation"})
-    enabled = f.get("enabled", raw is not None)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"flow_control.enabled: expected true or false, got {enabled!r}")
+    enabled = _bool(f, "enabled", "flow_control", raw is not None)
     where = "flow_control.saturation"
-    sat = _section(
-        f.get("saturation"), where, {"detector", "max_waiting", "max_kv_usage", "max_in_flight"}
-    )
+    sat = _section(f.get("saturation"), where, {"detector", *RANGES[where]})
     d = FlowControlConfig
     sat_fields = {
         "detector": _str(sat, "detector", where, d.detector, FLOW_DETECTORS),
-        "max_waiting": _float(sat, "max_waiting", where, 0.0, 1e9, d.max_waiting),
-        "max_kv_usage": _float(sat, "max_kv_usage", where, 0.0, 1.0, d.max_kv_usage),
-        "max_in_flight": _int(sat, "max_in_flight", where, 1, 1 << 30, d.max_in_flight),
+        **_numbers(sat, where, where, d),
     }
     queue = {k: v for k, v in f.items() if k in FLOW_QUEUE_KEYS}
     queue.setdefault("bands", [dict(b) for b in FLOW_BANDS])
@@ -605,24 +600,172 @@ def _section(raw: Any, where: str, allowed: set[str]) -> dict[str, Any]:
 REQUIRED = object()
 
 
-def _int(raw: dict[str, Any], key: str, where: str, lo: int, hi: int, default: Any) -> Any:
-    if default is REQUIRED and key not in raw:
-        raise ConfigError(f"{where}.{key}: required")
-    v = raw.get(key, default)
-    if v is None and default is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ConfigError(f"{where}.{key}: expected an integer in [{lo}, {hi}], got {v!r}")
-    return v
+# -- numbers: one rule per number, every range in the table RANGES -----------
 
 
-def _float(raw: dict[str, Any], key: str, where: str, lo: float, hi: float, default: Any) -> Any:
-    v = raw.get(key, default)
+@dataclass(frozen=True)
+class Rule:
+    """What a number of the file may be: its types, its range and the words
+    an error says of it; a float rule reads an integer as a float."""
+
+    types: tuple[type, ...]
+    lo: float
+    hi: float
+    expected: str
+    as_float: bool = False
+
+
+def integer(lo: int, hi: int) -> Rule:
+    """An integer in ``[lo, hi]``."""
+    return Rule((int,), lo, hi, f"an integer in [{lo}, {hi}]")
+
+
+def number(lo: float, hi: float) -> Rule:
+    """A number (an integer or a float, read as a float) in ``[lo, hi]``."""
+    return Rule((int, float), lo, hi, f"a number in [{lo}, {hi}]", as_float=True)
+
+
+#: An integer >= 0 whose range a core checks (naming the key): autoscale's counts.
+COUNT = Rule((int,), 0, math.inf, "an integer >= 0")
+#: A finite number whose range a core checks (naming the key).
+FINITE = Rule((int, float), -sys.float_info.max, sys.float_info.max, "a finite number")
+
+#: A TCP port to connect to (an endpoint's, a ZeroMQ peer's, a bootstrap port).
+PORT = integer(1, 65535)
+#: A port to listen on (0: any free one).
+LISTEN_PORT = integer(0, 65535)
+#: When an endpoint is saturated: ``router.saturation`` and ``flow_control.saturation``.
+SATURATION: dict[str, Rule] = {"max_waiting": number(0.0, 1e9), "max_kv_usage": number(0.0, 1.0)}
+
+#: Every number of the file by section (``pools`` for each ``pools[i]``): its
+#: kind and range, written once. A section's numbers are read in this order.
+RANGES: dict[str, dict[str, Rule]] = {
+    "server": {
+        "port": LISTEN_PORT,
+        "api_port": LISTEN_PORT,
+        "metrics_port": LISTEN_PORT,
+        "grace_s": number(0.0, 86400.0),
+        "worker_threads": integer(1, 256),
+    },
+    "limits": {
+        "max_body_bytes": integer(1, 64 << 20),
+        "max_message_bytes": integer(1024, 256 << 20),
+        "request_timeout_s": number(0.001, 86400.0),
+        "default_max_tokens": integer(1, MAX_TOKENS),
+        "image_tokens": integer(0, MAX_TOKENS),
+        "audio_tokens": integer(0, MAX_TOKENS),
+        "tokenize_inline_bytes": integer(0, 1 << 40),
+        "body_timeout_s": number(0.001, 86400.0),
+        "max_buffered_bytes": integer(1, 1 << 40),
+        "max_streams_per_connection": integer(1, 1 << 20),
+        "max_connections": integer(1, 1 << 20),
+    },
+    "router": {
+        "compress_band": number(1.0, 100.0),
+        "prefix_block_size": integer(1, 1 << 20),
+        "fallbacks": integer(0, 64),
+    },
+    "router.saturation": SATURATION,
+    # Any objective name: its priority.
+    "router.objectives": {"*": integer(-1000, 1000)},
+    "scrape": {
+        "interval_s": number(0.001, 3600.0),
+        "timeout_s": number(0.001, 60.0),
+        "unhealthy_after": integer(1, 1000),
+        "stale_after": integer(1, 1000),
+        "max_page_bytes": integer(1024, 1 << 30),
+        "max_series": integer(1, 10_000_000),
+    },
+    "admission": {"default_max_tokens": integer(1, MAX_TOKENS), "window_s": number(0.001, 86400.0)},
+    "admission.redis": {
+        "lease_s": number(0.001, 1e6),
+        "unavailable_retry_s": number(0.001, 3600.0),
+        "socket_timeout_s": number(0.001, 60.0),
+        "max_window_entries": integer(1, MAX_BOUND),
+        "max_window_entries_per_quota": integer(1, MAX_BOUND),
+        "max_void_markers": integer(1, MAX_BOUND),
+        "flush_timeout_s": number(0.0, 3600.0),
+    },
+    "pools": {
+        "max_context": integer(1, MAX_TOKENS),
+        "budget": integer(1, MAX_TOKENS),
+        "queue_limit": integer(0, 1 << 30),
+    },
+    "pools.disaggregation": {
+        "threshold": number(0.0, 1e12),
+        "prefill_timeout_s": number(1e-3, 3600.0),
+        "bootstrap_port": PORT,
+    },
+    "tenants": {"expires_at": number(0.0, 1e11)},
+    "kv_events": {
+        "block_size": integer(1, 1 << 16),
+        "seed": integer(0, (1 << 64) - 1),
+        "capacity_blocks": integer(1, 1 << 26),
+        "stale_after_s": number(0.001, 86400.0),
+        "max_message_bytes": integer(1 << 10, 1 << 30),
+        "max_batch_events": integer(1, 1 << 24),
+        "max_batch_blocks": integer(1, 1 << 24),
+    },
+    "flow_control.saturation": {**SATURATION, "max_in_flight": integer(1, 1 << 30)},
+    "autoscale": {
+        "period_s": FINITE,
+        "window_s": FINITE,
+        "sub_windows": COUNT,
+        "quantile": FINITE,
+        "scale_down_delay_s": FINITE,
+        "max_step_up": COUNT,
+        "max_step_up_percent": FINITE,
+        "max_step_down": COUNT,
+        "max_step_down_percent": FINITE,
+        "queue_drain_s": FINITE,
+        "forecast_s": FINITE,
+        "max_forecast_ratio": FINITE,
+    },
+    "autoscale.pools": {
+        "min_endpoints": COUNT,
+        "max_endpoints": COUNT,
+        "slo_ttft_s": FINITE,
+        "slo_tpot_s": FINITE,
+        "context": COUNT,
+    },
+}
+
+
+def _read(raw: dict[str, Any], key: str, where: str, rule: Rule, default: Any) -> Any:
+    """``raw[key]`` checked by ``rule``; missing: ``default`` (``REQUIRED``: an
+    error; None: null is allowed too)."""
+    if key not in raw:
+        if default is REQUIRED:
+            raise ConfigError(f"{where}.{key}: required")
+        return default
+    v = raw[key]
     if v is None and default is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise ConfigError(f"{where}.{key}: expected a number in [{lo}, {hi}], got {v!r}")
-    return float(v)
+    if isinstance(v, bool) or not isinstance(v, rule.types) or not rule.lo <= v <= rule.hi:
+        raise ConfigError(f"{where}.{key}: expected {rule.expected}, got {v!r}")
+    return float(v) if rule.as_float else v
+
+
+def _number(raw: dict[str, Any], key: str, where: str, section: str, default: Any) -> Any:
+    """``raw[key]`` checked by its rule in ``RANGES[section]`` (``*``: any key)."""
+    rules = RANGES[section]
+    return _read(raw, key, where, rules.get(key) or rules["*"], default)
+
+
+def _numbers(
+    raw: dict[str, Any], where: str, section: str, defaults: Any = None, **given: Any
+) -> dict[str, Any]:
+    """Every number of ``RANGES[section]`` in ``raw``, checked, by key: missing,
+    the one in ``given``, else the default of the dataclass ``defaults`` (None:
+    optional)."""
+    base = vars(defaults) if defaults is not None else {}
+    out = {}
+    for key, rule in RANGES[section].items():
+        default = given[key] if key in given else base.get(key)
+        out[key] = (
+            _read(raw, key, where, rule, default) if key in raw or default is REQUIRED else default
+        )
+    return out
 
 
 def _str(raw: dict[str, Any], key: str, where: str, default: str, choices=None) -> str:
@@ -640,9 +783,14 @@ def _bool(raw: dict[str, Any], key: str, where: str, default: bool) -> bool:
     return v
 
 
+def _is_port(text: str) -> bool:
+    """``text`` is a TCP port to connect to, in decimal (:data:`PORT`)."""
+    return text.isdigit() and PORT.lo <= int(text) <= PORT.hi
+
+
 def _endpoint(v: Any, where: str) -> str:
     host, sep, port = v.rpartition(":") if isinstance(v, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not sep or not host or not _is_port(port):
         raise ConfigError(f"{where}: expected 'ip:port', got {v!r}")
     return v
 
@@ -694,28 +842,14 @@ def _zmq(raw: dict[str, Any], key: str, where: str, required: bool) -> str | Non
         or not v.startswith("tcp://")
         or not sep
         or not host
-        or not port.isdigit()
-        or not 1 <= int(port) <= 65535
+        or not _is_port(port)
     ):
         raise ConfigError(f"{where}.{key}: expected a ZeroMQ address 'tcp://host:port', got {v!r}")
     return v
 
 
 def _kv_events(raw: Any, pools: tuple[PoolConfig, ...]) -> KvEventsConfig:
-    k = _section(
-        raw,
-        "kv_events",
-        {
-            "block_size",
-            "seed",
-            "capacity_blocks",
-            "stale_after_s",
-            "max_message_bytes",
-            "max_batch_events",
-            "max_batch_blocks",
-            "endpoints",
-        },
-    )
+    k = _section(raw, "kv_events", {*RANGES["kv_events"], "endpoints"})
     endpoints = k.get("endpoints", {})
     if not isinstance(endpoints, dict):
         raise ConfigError(
@@ -739,18 +873,8 @@ def _kv_events(raw: Any, pools: tuple[PoolConfig, ...]) -> KvEventsConfig:
                 replay=_zmq(src, "replay", where, required=False),
             )
         )
-    d = KvEventsConfig()
     return KvEventsConfig(
-        block_size=_int(k, "block_size", "kv_events", 1, 1 << 16, d.block_size),
-        seed=_int(k, "seed", "kv_events", 0, (1 << 64) - 1, d.seed),
-        capacity_blocks=_int(k, "capacity_blocks", "kv_events", 1, 1 << 26, d.capacity_blocks),
-        stale_after_s=_float(k, "stale_after_s", "kv_events", 0.001, 86400.0, None),
-        max_message_bytes=_int(
-            k, "max_message_bytes", "kv_events", 1 << 10, 1 << 30, d.max_message_bytes
-        ),
-        max_batch_events=_int(k, "max_batch_events", "kv_events", 1, 1 << 24, d.max_batch_events),
-        max_batch_blocks=_int(k, "max_batch_blocks", "kv_events", 1, 1 << 24, d.max_batch_blocks),
-        sources=tuple(sources),
+        **_numbers(k, "kv_events", "kv_events", KvEventsConfig), sources=tuple(sources)
     )
 
 
@@ -758,7 +882,7 @@ def _pools(raw_list: list[Any], engines: dict[str, Any]) -> tuple[PoolConfig, ..
     if not raw_list:
         raise ConfigError("pools: at least one pool is required")
     pools, seen = [], set()
-    keys = {"name", "max_context", "budget", "queue_limit", "endpoints", "engine"}
+    keys = {"name", *RANGES["pools"], "endpoints", "engine"}
     for i, raw in enumerate(raw_list):
         where = f"pools[{i}]"
         raw = _section(raw, where, keys | {"models", "adapters", "role", "roles", "disaggregation"})
@@ -774,9 +898,7 @@ def _pools(raw_list: list[Any], engines: dict[str, Any]) -> tuple[PoolConfig, ..
             raise ConfigError(f"{where}.endpoints: an endpoint is listed twice")
         pool = PoolConfig(
             name=name,
-            max_context=_int(raw, "max_context", where, 1, MAX_TOKENS, REQUIRED),
-            budget=_int(raw, "budget", where, 1, MAX_TOKENS, None),
-            queue_limit=_int(raw, "queue_limit", where, 0, 1 << 30, None),
+            **_numbers(raw, where, "pools", PoolConfig, max_context=REQUIRED),
             endpoints=tuple(endpoints),
             engine=_str(raw, "engine", where, "vllm", tuple(engines)),
             models=_names(raw, "models", where),
@@ -810,8 +932,8 @@ def _disaggregation(raw: dict[str, Any], where: str, endpoints: list[str]) -> di
             raise ConfigError(f"{where}.roles: {name!r} is not an endpoint of the pool")
         _str(roles, name, f"{where}.roles", "both", ROLES)
     here = f"{where}.disaggregation"
-    handoff_keys = {"handoff", "prefill_timeout_s", "require_kv_transfer_params", "bootstrap_port"}
-    d = _section(raw.get("disaggregation"), here, {"decider", "threshold"} | handoff_keys)
+    keys = {"decider", "handoff", "require_kv_transfer_params", *RANGES["pools.disaggregation"]}
+    d = _section(raw.get("disaggregation"), here, keys)
     decider = None
     if d:
         decider = _str(d, "decider", here, "", DECIDERS)
@@ -819,11 +941,9 @@ def _disaggregation(raw: dict[str, Any], where: str, endpoints: list[str]) -> di
         "role": _str(raw, "role", where, "both", ROLES),
         "roles": dict(roles),
         "decider": decider,
-        "threshold": _float(d, "threshold", here, 0.0, 1e12, None),
         "handoff": _str(d, "handoff", here, "header", HANDOFFS),
-        "prefill_timeout_s": _float(d, "prefill_timeout_s", here, 1e-3, 3600.0, 30.0),
         "require_kv_transfer_params": _bool(d, "require_kv_transfer_params", here, True),
-        "bootstrap_port": _int(d, "bootstrap_port", here, 1, 65535, None),
+        **_numbers(d, here, "pools.disaggregation", PoolConfig),
     }
 
 
@@ -858,7 +978,7 @@ def _tenants(raw_list: list[Any], admission: AdmissionConfig) -> tuple[TenantCon
             TenantConfig(
                 name=name,
                 key_digests=tuple(tenant_digests),
-                expires_at=_float(raw, "expires_at", where, 0.0, 1e11, None),
+                expires_at=_number(raw, "expires_at", where, "tenants", None),
                 service_class=admission.service_classes.get(entitlement, "none"),
                 entitlement=entitlement,
             )
@@ -916,13 +1036,18 @@ def _redis(raw: dict[str, Any]) -> None:
     if "prefix" in raw and not _str(raw, "prefix", where, ""):
         raise ConfigError(f"{where}.prefix: must not be empty")
     _str(raw, "failure_mode", where, "closed", FAILURE_MODES)
-    _float(raw, "lease_s", where, 0.001, 1e6, 300.0)
-    _float(raw, "unavailable_retry_s", where, 0.001, 3600.0, 1.0)
-    _float(raw, "socket_timeout_s", where, 0.001, 60.0, 0.5)
-    _int(raw, "max_window_entries", where, 1, MAX_BOUND, 1024)
-    _int(raw, "max_window_entries_per_quota", where, 1, MAX_BOUND, 16384)
-    _int(raw, "max_void_markers", where, 1, MAX_BOUND, 1024)
-    _float(raw, "flush_timeout_s", where, 0.0, 3600.0, 5.0)
+    _numbers(
+        raw,
+        where,
+        where,
+        lease_s=300.0,
+        unavailable_retry_s=1.0,
+        socket_timeout_s=0.5,
+        max_window_entries=1024,
+        max_window_entries_per_quota=16384,
+        max_void_markers=1024,
+        flush_timeout_s=5.0,
+    )
 
 
 def _renamed(raw: dict[str, Any], where: str) -> None:
@@ -963,8 +1088,7 @@ def _admission(raw: Any) -> AdmissionConfig:
     if backend == "redis" and not redis.get("url"):
         raise ConfigError("admission.redis.url: required when admission.backend is 'redis'")
     _redis(redis)
-    _int(a, "default_max_tokens", "admission", 1, MAX_TOKENS, 4096)
-    _float(a, "window_s", "admission", 0.001, 86400.0, 60.0)
+    _numbers(a, "admission", "admission", default_max_tokens=4096, window_s=60.0)
     try:  # cross-references (an entitlement's quota) are checked by a trial build in memory
         if classes:
             admission_from_config({**a, "backend": "memory"}).close()
@@ -993,47 +1117,6 @@ def _metric_names(raw: Any, where: str, base: dict[str, Any] | None) -> dict[str
     return out
 
 
-#: The ``autoscale`` keys: numbers (the core checks their ranges, naming the key).
-AUTOSCALE_NUMBERS = (
-    "period_s",
-    "window_s",
-    "sub_windows",
-    "quantile",
-    "scale_down_delay_s",
-    "max_step_up",
-    "max_step_up_percent",
-    "max_step_down",
-    "max_step_down_percent",
-    "queue_drain_s",
-    "forecast_s",
-    "max_forecast_ratio",
-)
-AUTOSCALE_POOL_NUMBERS = ("min_endpoints", "max_endpoints", "slo_ttft_s", "slo_tpot_s", "context")
-
-
-#: The ``autoscale`` keys that are counts.
-AUTOSCALE_COUNTS = {
-    "sub_windows",
-    "max_step_up",
-    "max_step_down",
-    "min_endpoints",
-    "max_endpoints",
-    "context",
-}
-
-
-def _numbers(raw: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
-    for k in keys:
-        v = raw.get(k)
-        if v is None:
-            continue
-        if k in AUTOSCALE_COUNTS:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{where}.{k}: expected an integer >= 0, got {v!r}")
-        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ConfigError(f"{where}.{k}: expected a finite number, got {v!r}")
-
-
 def _autoscale(
     raw: Any, pools: tuple[PoolConfig, ...], admission: AdmissionConfig
 ) -> AutoscaleConfig | None:
@@ -1043,15 +1126,15 @@ def _autoscale(
     autoscaler, whose errors name the key."""
     if raw is None:
         return None
-    a = dict(_section(raw, "autoscale", {*AUTOSCALE_NUMBERS, "pools"}))
-    _numbers(a, AUTOSCALE_NUMBERS, "autoscale")
+    a = dict(_section(raw, "autoscale", {*RANGES["autoscale"], "pools"}))
+    _numbers(a, "autoscale", "autoscale")
     rates = {e["name"]: float(e["tokens_per_s"]) for e in admission.spec.get("entitlements", ())}
     out, profiles, promised = [], [], []
     for i, item in enumerate(_list(a, "pools", "autoscale")):
         where = f"autoscale.pools[{i}]"
-        keys = {*AUTOSCALE_POOL_NUMBERS, "name", "profile", "entitlements"}
+        keys = {*RANGES["autoscale.pools"], "name", "profile", "entitlements"}
         p = dict(_section(item, where, keys))
-        _numbers(p, AUTOSCALE_POOL_NUMBERS, where)
+        _numbers(p, where, "autoscale.pools")
         name = _str(p, "name", where, "", [q.name for q in pools])
         profile = p.pop("profile", DEFAULT_PRESET)
         try:
@@ -1084,38 +1167,15 @@ def _autoscale(
 
 
 def _scrape(raw: Any) -> ScrapeConfig:
-    s = _section(
-        raw,
-        "scrape",
-        {
-            "enabled",
-            "interval_s",
-            "timeout_s",
-            "unhealthy_after",
-            "stale_after",
-            "max_page_bytes",
-            "max_series",
-            "engines",
-        },
-    )
-    enabled = s.get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"scrape.enabled: expected true or false, got {enabled!r}")
+    s = _section(raw, "scrape", {"enabled", *RANGES["scrape"], "engines"})
+    enabled = _bool(s, "enabled", "scrape", True)
     engines = dict(ENGINE_METRICS)
     for kind, names in _section(
         s.get("engines"), "scrape.engines", set(s.get("engines") or {})
     ).items():
         engines[kind] = _metric_names(names, f"scrape.engines.{kind}", ENGINE_METRICS.get(kind))
-    d = ScrapeConfig
     return ScrapeConfig(
-        enabled=enabled,
-        interval_s=_float(s, "interval_s", "scrape", 0.001, 3600.0, d.interval_s),
-        timeout_s=_float(s, "timeout_s", "scrape", 0.001, 60.0, d.timeout_s),
-        unhealthy_after=_int(s, "unhealthy_after", "scrape", 1, 1000, d.unhealthy_after),
-        stale_after=_int(s, "stale_after", "scrape", 1, 1000, d.stale_after),
-        max_page_bytes=_int(s, "max_page_bytes", "scrape", 1024, 1 << 30, d.max_page_bytes),
-        max_series=_int(s, "max_series", "scrape", 1, 10_000_000, d.max_series),
-        engines=engines,
+        enabled=enabled, **_numbers(s, "scrape", "scrape", ScrapeConfig), engines=engines
     )
 
 
@@ -1134,7 +1194,7 @@ def _mapping(raw: Any, where: str) -> dict[str, Any]:
 def _objectives(raw: Any) -> dict[str, int]:
     objectives = _mapping(raw, "router.objectives")
     for name in objectives:
-        _int(objectives, name, "router.objectives", -1000, 1000, REQUIRED)
+        _number(objectives, name, "router.objectives", "router.objectives", REQUIRED)
     return dict(objectives)
 
 
@@ -1162,84 +1222,29 @@ def parse_config(raw: Any) -> Config:
         top.get("server"),
         "server",
         {
-            "port",
-            "api_port",
-            "metrics_port",
+            *RANGES["server"],
             "host",
             "key_header",
             "strip_headers",
             "failure_mode",
             "default_pool",
-            "grace_s",
             "state_file",
-            "worker_threads",
         },
     )
     pools = _pools(_list(top, "pools", "config"), scrape.engines)
     server = ServerConfig(
-        port=_int(s, "port", "server", 0, 65535, ServerConfig.port),
-        api_port=_int(s, "api_port", "server", 0, 65535, ServerConfig.api_port),
-        metrics_port=_int(s, "metrics_port", "server", 0, 65535, ServerConfig.metrics_port),
+        **_numbers(s, "server", "server", ServerConfig),
         host=_str(s, "host", "server", ServerConfig.host),
         key_header=_str(s, "key_header", "server", ServerConfig.key_header).lower(),
         strip_headers=_header_names(s, "strip_headers", "server"),
         failure_mode=_str(s, "failure_mode", "server", "closed", FAILURE_MODES),
         default_pool=_str(s, "default_pool", "server", pools[0].name, [p.name for p in pools]),
-        grace_s=_float(s, "grace_s", "server", 0.0, 86400.0, None),
         state_file=_str(s, "state_file", "server", ""),
-        worker_threads=_int(s, "worker_threads", "server", 1, 256, ServerConfig.worker_threads),
     )
     if not server.key_header:
         raise ConfigError("server.key_header: must not be empty")
-    lim = _section(
-        top.get("limits"),
-        "limits",
-        {
-            "max_body_bytes",
-            "max_message_bytes",
-            "request_timeout_s",
-            "default_max_tokens",
-            "image_tokens",
-            "audio_tokens",
-            "tokenize_inline_bytes",
-            "body_timeout_s",
-            "max_buffered_bytes",
-            "max_streams_per_connection",
-            "max_connections",
-        },
-    )
-    limits = Limits(
-        max_body_bytes=_int(lim, "max_body_bytes", "limits", 1, 64 << 20, Limits.max_body_bytes),
-        max_message_bytes=_int(
-            lim, "max_message_bytes", "limits", 1024, 256 << 20, Limits.max_message_bytes
-        ),
-        request_timeout_s=_float(
-            lim, "request_timeout_s", "limits", 0.001, 86400.0, Limits.request_timeout_s
-        ),
-        default_max_tokens=_int(
-            lim, "default_max_tokens", "limits", 1, MAX_TOKENS, Limits.default_max_tokens
-        ),
-        image_tokens=_int(lim, "image_tokens", "limits", 0, MAX_TOKENS, Limits.image_tokens),
-        audio_tokens=_int(lim, "audio_tokens", "limits", 0, MAX_TOKENS, Limits.audio_tokens),
-        tokenize_inline_bytes=_int(
-            lim, "tokenize_inline_bytes", "limits", 0, 1 << 40, Limits.tokenize_inline_bytes
-        ),
-        body_timeout_s=_float(
-            lim, "body_timeout_s", "limits", 0.001, 86400.0, Limits.body_timeout_s
-        ),
-        max_buffered_bytes=_int(
-            lim, "max_buffered_bytes", "limits", 1, 1 << 40, Limits.max_buffered_bytes
-        ),
-        max_streams_per_connection=_int(
-            lim,
-            "max_streams_per_connection",
-            "limits",
-            1,
-            1 << 20,
-            Limits.max_streams_per_connection,
-        ),
-        max_connections=_int(lim, "max_connections", "limits", 1, 1 << 20, Limits.max_connections),
-    )
+    lim = _section(top.get("limits"), "limits", set(RANGES["limits"]))
+    limits = Limits(**_numbers(lim, "limits", "limits", Limits))
     if limits.max_buffered_bytes < limits.max_body_bytes:
         raise ConfigError(
             "limits.max_buffered_bytes: must be at least limits.max_body_bytes "
@@ -1250,15 +1255,11 @@ def parse_config(raw: Any) -> Config:
         "router",
         {"policy", "compress_band", "prefix_block_size", "fallbacks", "saturation", "objectives"},
     )
-    sat = _section(r.get("saturation"), "router.saturation", {"max_waiting", "max_kv_usage"})
-    d = RouterConfig
+    sat = _section(r.get("saturation"), "router.saturation", set(SATURATION))
     router = RouterConfig(
         policy=_str(r, "policy", "router", RouterConfig.policy, tuple(POLICIES)),
-        compress_band=_float(r, "compress_band", "router", 1.0, 100.0, None),
-        prefix_block_size=_int(r, "prefix_block_size", "router", 1, 1 << 20, 128),
-        fallbacks=_int(r, "fallbacks", "router", 0, 64, d.fallbacks),
-        max_waiting=_float(sat, "max_waiting", "router.saturation", 0.0, 1e9, d.max_waiting),
-        max_kv_usage=_float(sat, "max_kv_usage", "router.saturation", 0.0, 1.0, d.max_kv_usage),
+        **_numbers(r, "router", "router", RouterConfig),
+        **_numbers(sat, "router.saturation", "router.saturation", RouterConfig),
         objectives=_objectives(r.get("objectives")),
     )
     admission = _admission(top.get("admission"))

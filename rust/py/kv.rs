@@ -12,7 +12,8 @@ use tokio::sync::watch;
 use crate::kv::{KvConfig, KvIndex};
 use crate::prefix::Tokens;
 use crate::py::{int_arg, TokenArg};
-use crate::serve::kv_events::subscriber::{spawn, PeerLimits, Source};
+use crate::serve::kv_events::subscriber::{spawn, PeerLimits};
+use crate::serve::kv_events::KvSourceSpec;
 
 /// The precise prefix index: what each endpoint's engine holds in its KV
 /// cache, built from the engine's KV-cache events (vLLM's ZeroMQ publisher:
@@ -106,7 +107,7 @@ impl PyKvEventIndex {
         let rt = guard
             .as_ref()
             .ok_or_else(|| PyRuntimeError::new_err("the KvEventIndex is closed"))?;
-        let source = Source {
+        let source = KvSourceSpec {
             endpoint: endpoint.to_owned(),
             zmq: zmq.to_owned(),
             topic: topic.to_owned(),

@@ -9,8 +9,8 @@ use crate::py::calibrate::PyCalibrator;
 use crate::py::int_arg;
 use crate::py::tokenize::PyTokenizer;
 use crate::serve::config::Spec;
-use crate::serve::engine::{Caller, Hints, Outcome, Reject};
-use crate::serve::front::{authenticate_once, feedback_once, route_once, Fields, Routing};
+use crate::serve::engine::{Caller, Fields, Hints, Outcome, Reject};
+use crate::serve::front::{authenticate_once, feedback_once, route_once, Routing};
 use crate::serve::runtime::{DataPlane, Listen};
 
 /// The data plane of ``routecore serve``: Envoy's ext_proc (and

@@ -2,38 +2,33 @@
 //! produces from a validated `routecore serve` file (`routecore.config`).
 //! Python validates and names the bad key; this side only re-checks what the
 //! cores check anyway (pools, policies) and refuses anything malformed.
+//!
+//! [`Spec`] composes the sections: the engine's own (`server`, `router`,
+//! `pools`, `tenants`, `models`) are here, every other one lives beside the
+//! module it configures and checks itself there (`limits`:
+//! [`LimitsSpec`] in `serve::limits`; `scrape`: `serve::scrape`;
+//! `kv_events`: `serve::kv_events`; `autoscale`: `serve::autoscale`;
+//! `flow_control`: `serve::flow`; `admission`: `serve::admission`, read
+//! from its JSON value), and the one [`FailureMode`] in `serve::failure`
+//! (a leaf: the front door and admission read it). A module a section's
+//! type lives in never imports this one back, but the autoscale actor and
+//! the prefill sender, which read [`PoolSpec`] and [`TenantSpec`] (both
+//! import the engine as well; `rust/layout.rs` lists their circles).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde::Deserialize;
 
+use super::autoscale::AutoscaleSpec;
+use super::failure::FailureMode;
 use super::flow::FlowSpec;
+use super::kv_events::KvEventsSpec;
+use super::limits::LimitsSpec;
 use super::scrape::ScrapeSpec;
 use crate::endpoint::Saturation;
 use crate::error::{invalid, Result};
 use crate::tokenize::Tokenizer;
-
-/// What a failure does to a request, the one enum of `server.failure_mode`
-/// (routing failed) and `admission.redis.failure_mode` (the backend
-/// failed): `Open` lets it through unaccounted (the default pool without
-/// admission; admitted without a ticket), `Closed` refuses it with 503.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FailureMode {
-    Open,
-    #[default]
-    Closed,
-}
-
-impl FailureMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailureMode::Open => "open",
-            FailureMode::Closed => "closed",
-        }
-    }
-}
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -45,57 +40,6 @@ pub struct ServerSpec {
     /// beside the key header (which always is), lower case.
     #[serde(default)]
     pub strip_headers: Vec<String>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LimitsSpec {
-    pub max_body_bytes: u64,
-    pub max_message_bytes: u64,
-    pub request_timeout_s: f64,
-    pub default_max_tokens: u64,
-    /// Tokens charged per image and per audio part of a request.
-    pub image_tokens: u64,
-    pub audio_tokens: u64,
-    /// Bodies at least this long are tokenized off the async worker.
-    #[serde(default = "default_tokenize_inline_bytes")]
-    pub tokenize_inline_bytes: u64,
-    /// What a client can make the data plane hold (`serve::limits`): the
-    /// time from a stream's opening to its routing, the bytes all streams
-    /// buffer together, streams per connection, connections.
-    #[serde(default = "default_body_timeout_s")]
-    pub body_timeout_s: f64,
-    #[serde(default = "default_max_buffered_bytes")]
-    pub max_buffered_bytes: u64,
-    #[serde(default = "default_max_streams_per_connection")]
-    pub max_streams_per_connection: u64,
-    #[serde(default = "default_max_connections")]
-    pub max_connections: u64,
-}
-
-// The defaults of `routecore.config.Limits` (the Python side fills them in).
-fn default_body_timeout_s() -> f64 {
-    60.0
-}
-
-fn default_max_buffered_bytes() -> u64 {
-    256 << 20
-}
-
-fn default_max_streams_per_connection() -> u64 {
-    1024
-}
-
-fn default_max_connections() -> u64 {
-    64
-}
-
-/// Below this, tokenizing inline costs less than handing it to another
-/// thread (benches/RESULTS.md, "Tokenizing off the worker").
-pub const TOKENIZE_INLINE_BYTES: u64 = 512;
-
-fn default_tokenize_inline_bytes() -> u64 {
-    TOKENIZE_INLINE_BYTES
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -190,31 +134,6 @@ pub struct ModelSpec {
     pub loaded: Option<Arc<Tokenizer>>,
 }
 
-/// One endpoint's KV-event source (`kv_events.endpoints` of the config).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KvSourceSpec {
-    pub endpoint: String,
-    pub zmq: String,
-    pub topic: String,
-    pub replay: Option<String>,
-}
-
-/// The precise prefix index and its subscribers (`kv_events`).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KvEventsSpec {
-    pub block_size: usize,
-    pub seed: u64,
-    pub capacity_blocks: usize,
-    pub stale_after_s: Option<f64>,
-    /// What a peer may send (`kv_events::subscriber::PeerLimits`).
-    pub max_message_bytes: u64,
-    pub max_batch_events: usize,
-    pub max_batch_blocks: usize,
-    pub sources: Vec<KvSourceSpec>,
-}
-
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Spec {
@@ -236,7 +155,7 @@ pub struct Spec {
     pub kv_events: Option<KvEventsSpec>,
     /// Autoscaling from the capacity model (None: off).
     #[serde(default)]
-    pub autoscale: Option<super::autoscale::AutoscaleSpec>,
+    pub autoscale: Option<AutoscaleSpec>,
     /// Flow control's queues (None: a request goes on or is refused at once).
     #[serde(default)]
     pub flow_control: Option<FlowSpec>,
@@ -256,14 +175,7 @@ impl Spec {
                 spec.server.default_pool
             )));
         }
-        for (name, s) in [
-            ("request_timeout_s", spec.limits.request_timeout_s),
-            ("body_timeout_s", spec.limits.body_timeout_s),
-        ] {
-            if !(s.is_finite() && s > 0.0) {
-                return Err(invalid(format!("limits.{name} must be > 0")));
-            }
-        }
+        spec.limits.check()?;
         spec.router
             .saturation
             .check()

@@ -38,7 +38,7 @@ use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use tokio::sync::oneshot;
 
-use super::metrics::{FCounter, FGauge};
+use super::counters::{FCounter, FGauge};
 use crate::endpoint::EndpointState;
 use crate::error::{invalid, Result};
 use crate::flow::{

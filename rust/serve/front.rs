@@ -32,8 +32,8 @@ use std::time::Instant;
 
 use futures_util::FutureExt;
 
-use super::config::FailureMode;
-use super::engine::{Caller, Engine, Hints, Outcome, Reject, Shared, MAX_REQUEST_ID_BYTES};
+use super::engine::{Caller, Engine, Fields, Hints, Outcome, Reject, Shared, MAX_REQUEST_ID_BYTES};
+use super::failure::FailureMode;
 use super::usage::Usage;
 use crate::error::{invalid, Result};
 
@@ -46,18 +46,6 @@ pub enum Routing<'a> {
     Body(&'a [u8]),
     /// A request's measured fields.
     Fields(Fields<'a>),
-}
-
-/// A request described by its measured fields: `prompt_tokens` when known
-/// exactly, else `prompt_bytes` of `category`; `token_ids` key the prefix
-/// policy.
-#[derive(Debug, Clone, Copy)]
-pub struct Fields<'a> {
-    pub prompt_bytes: u64,
-    pub category: &'a str,
-    pub max_output_tokens: u64,
-    pub prompt_tokens: Option<u64>,
-    pub token_ids: Option<&'a [u32]>,
 }
 
 impl Reject {

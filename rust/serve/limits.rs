@@ -38,6 +38,74 @@ use tonic::Status;
 use super::logs::{Occurrence, Repeats};
 use super::metrics::{FGauge, Metrics};
 
+/// The `limits` section of the data plane's spec.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSpec {
+    pub max_body_bytes: u64,
+    pub max_message_bytes: u64,
+    pub request_timeout_s: f64,
+    pub default_max_tokens: u64,
+    /// Tokens charged per image and per audio part of a request.
+    pub image_tokens: u64,
+    pub audio_tokens: u64,
+    /// Bodies at least this long are tokenized off the async worker.
+    #[serde(default = "default_tokenize_inline_bytes")]
+    pub tokenize_inline_bytes: u64,
+    /// What a client can make the data plane hold (`serve::limits`): the
+    /// time from a stream's opening to its routing, the bytes all streams
+    /// buffer together, streams per connection, connections.
+    #[serde(default = "default_body_timeout_s")]
+    pub body_timeout_s: f64,
+    #[serde(default = "default_max_buffered_bytes")]
+    pub max_buffered_bytes: u64,
+    #[serde(default = "default_max_streams_per_connection")]
+    pub max_streams_per_connection: u64,
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u64,
+}
+
+// The defaults of `routecore.config.Limits` (the Python side fills them in).
+fn default_body_timeout_s() -> f64 {
+    60.0
+}
+
+fn default_max_buffered_bytes() -> u64 {
+    256 << 20
+}
+
+fn default_max_streams_per_connection() -> u64 {
+    1024
+}
+
+fn default_max_connections() -> u64 {
+    64
+}
+
+/// Below this, tokenizing inline costs less than handing it to another
+/// thread (benches/RESULTS.md, "Tokenizing off the worker").
+pub const TOKENIZE_INLINE_BYTES: u64 = 512;
+
+fn default_tokenize_inline_bytes() -> u64 {
+    TOKENIZE_INLINE_BYTES
+}
+
+impl LimitsSpec {
+    /// The timeouts are positive and finite (the other limits are
+    /// unsigned; Python checked their ranges).
+    pub fn check(&self) -> crate::error::Result<()> {
+        for (name, s) in [
+            ("request_timeout_s", self.request_timeout_s),
+            ("body_timeout_s", self.body_timeout_s),
+        ] {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(crate::error::invalid(format!("limits.{name} must be > 0")));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The limits' names, as in the configuration and the metric's `kind`.
 pub const BODY_TIMEOUT: &str = "body_timeout_s";
 pub const MAX_BUFFERED_BYTES: &str = "max_buffered_bytes";

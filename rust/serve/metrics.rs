@@ -2,7 +2,6 @@
 //! server had, served on their own port by a small HTTP/1 listener.
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -12,19 +11,16 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+pub use super::counters::{FCounter, FGauge};
+
 /// Decision latency buckets, in seconds (50 us to 50 ms).
 pub const LATENCY_BUCKETS: [f64; 9] = [5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2];
-
-pub type FCounter = Counter<f64, AtomicU64>;
-pub type FGauge = Gauge<f64, AtomicU64>;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolLabel {

@@ -7,8 +7,10 @@
 pub mod admission;
 pub mod autoscale;
 pub mod config;
+pub mod counters;
 pub mod engine;
 pub mod extproc;
+pub mod failure;
 pub mod flow;
 pub mod front;
 pub mod kv_events;

@@ -20,9 +20,12 @@
 
 use std::collections::HashMap;
 
-use super::engine::BLOCK_TOKENS;
 use crate::kv::index::MEDIUM_GPU;
 use crate::kv::{Event, Stored};
+
+/// Tokens per KV block (vLLM's default block size), the cache's unit (the
+/// engine re-exports it: `sim::engine::BLOCK_TOKENS`).
+pub const BLOCK_TOKENS: u64 = 16;
 
 const NONE: u32 = u32::MAX;
 

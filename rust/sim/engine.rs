@@ -50,11 +50,9 @@
 use std::collections::VecDeque;
 
 use super::cache::PrefixCache;
+pub use super::cache::BLOCK_TOKENS;
 use super::timing::{Batch, TimingModel};
 use super::RequestBlocks;
-
-/// Tokens per KV block (vLLM's default block size).
-pub const BLOCK_TOKENS: u64 = 16;
 
 /// KV blocks that hold `tokens` tokens.
 pub fn blocks_for(tokens: u64) -> u64 {

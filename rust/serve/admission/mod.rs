@@ -29,7 +29,7 @@ use crate::budget::MAX_TOKENS;
 use crate::error::{invalid, Error};
 use crate::serve::metrics::Metrics;
 
-pub use crate::serve::config::FailureMode;
+pub use crate::serve::failure::FailureMode;
 pub use memory::MemoryAdmission;
 pub use redis::RedisAdmission;
 

@@ -46,8 +46,8 @@ use crate::tokenize::{Encoded, SpecialTokens, Tokenized, Tokenizer};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
 use super::autoscale::Scaling;
-use super::config::{digest_from_hex, FailureMode, Spec};
-use super::front::Fields;
+use super::config::{digest_from_hex, Spec};
+use super::failure::FailureMode;
 use super::limits::Overload;
 use super::logs::{Occurrence, Repeats};
 use super::metrics::{FCounter, FGauge, Metrics};
@@ -228,6 +228,18 @@ impl Hints {
     fn key<'a>(&'a self, prompt: Key<'a>) -> Key<'a> {
         self.token_ids.as_deref().map_or(prompt, Key::Ids)
     }
+}
+
+/// A request described by its measured fields: `prompt_tokens` when known
+/// exactly, else `prompt_bytes` of `category`; `token_ids` key the prefix
+/// policy.
+#[derive(Debug, Clone, Copy)]
+pub struct Fields<'a> {
+    pub prompt_bytes: u64,
+    pub category: &'a str,
+    pub max_output_tokens: u64,
+    pub prompt_tokens: Option<u64>,
+    pub token_ids: Option<&'a [u32]>,
 }
 
 /// What the endpoint choice reads of one request.

@@ -14,9 +14,36 @@ pub mod subscriber;
 
 use std::sync::Arc;
 
-use super::config::KvEventsSpec;
 use crate::error::Result;
 use crate::kv::{KvConfig, KvIndex};
+
+/// One endpoint's KV-event source (`kv_events.endpoints` of the config),
+/// what its subscriber connects to.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvSourceSpec {
+    pub endpoint: String,
+    /// The engine's PUB address, e.g. `tcp://10.0.0.5:5557`.
+    pub zmq: String,
+    pub topic: String,
+    /// The engine's replay ROUTER address; None: gaps are not recovered.
+    pub replay: Option<String>,
+}
+
+/// The precise prefix index and its subscribers (`kv_events`).
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventsSpec {
+    pub block_size: usize,
+    pub seed: u64,
+    pub capacity_blocks: usize,
+    pub stale_after_s: Option<f64>,
+    /// What a peer may send (`kv_events::subscriber::PeerLimits`).
+    pub max_message_bytes: u64,
+    pub max_batch_events: usize,
+    pub max_batch_blocks: usize,
+    pub sources: Vec<KvSourceSpec>,
+}
 
 /// The data plane's index from the spec's `kv_events` (an empty default
 /// index without: every endpoint then scores by the approximate index).
@@ -42,7 +69,7 @@ pub fn subscribe(
     stop: &tokio::sync::watch::Receiver<bool>,
     faults: Faults,
 ) -> Result<()> {
-    use subscriber::{check, spawn, PeerLimits, Source};
+    use subscriber::{check, spawn, PeerLimits};
     let Some(spec) = spec else { return Ok(()) };
     let limits = PeerLimits {
         max_message_bytes: spec.max_message_bytes,
@@ -50,18 +77,8 @@ pub fn subscribe(
         max_batch_blocks: spec.max_batch_blocks,
     }
     .check()?;
-    let sources: Vec<Source> = spec
-        .sources
-        .iter()
-        .map(|s| Source {
-            endpoint: s.endpoint.clone(),
-            zmq: s.zmq.clone(),
-            topic: s.topic.clone(),
-            replay: s.replay.clone(),
-        })
-        .collect();
-    sources.iter().try_for_each(check)?;
-    spawn(runtime, index, &sources, limits, &faults, stop);
+    spec.sources.iter().try_for_each(check)?;
+    spawn(runtime, index, &spec.sources, limits, &faults, stop);
     Ok(())
 }
 

@@ -36,20 +36,9 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 
 use super::decode::{decode_batch, decode_seq, Limits};
 use super::guard::{self, Ended, Guard};
-use super::Faults;
+use super::{Faults, KvSourceSpec};
 use crate::kv::index::{KvIndex, Seq, Skip};
 use crate::serve::logs::{Occurrence, Repeats};
-
-/// One endpoint's event source (the serve config's `kv_events` of an endpoint).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Source {
-    pub endpoint: String,
-    /// The engine's PUB address, e.g. `tcp://10.0.0.5:5557`.
-    pub zmq: String,
-    pub topic: String,
-    /// The engine's replay ROUTER address; None: gaps are not recovered.
-    pub replay: Option<String>,
-}
 
 /// vLLM's largest practical step (2^20 new tokens at block size 16) stores
 /// 2^16 blocks and may evict as many, one `BlockRemoved` each: about 9.5 MB
@@ -117,7 +106,7 @@ impl PeerLimits {
 
 /// Checks a source's addresses (`tcp://host:port`, a host to connect to):
 /// a clear error naming the key, before any task starts.
-pub fn check(source: &Source) -> crate::error::Result<()> {
+pub fn check(source: &KvSourceSpec) -> crate::error::Result<()> {
     for (key, addr) in [
         ("zmq", Some(&source.zmq)),
         ("replay", source.replay.as_ref()),
@@ -160,7 +149,7 @@ const MAX_REPLAY_BATCHES: usize = 1 << 20;
 pub fn spawn(
     runtime: &tokio::runtime::Handle,
     index: &Arc<KvIndex>,
-    sources: &[Source],
+    sources: &[KvSourceSpec],
     limits: PeerLimits,
     faults: &Faults,
     stop: &watch::Receiver<bool>,
@@ -198,7 +187,7 @@ struct Replayed {
 
 struct Subscriber {
     index: Arc<KvIndex>,
-    source: Source,
+    source: KvSourceSpec,
     limits: PeerLimits,
     batch: Limits,
     faults: Faults,
@@ -633,7 +622,7 @@ mod tests {
 
     #[test]
     fn addresses_to_connect_to_are_checked() {
-        let source = |zmq: &str| Source {
+        let source = |zmq: &str| KvSourceSpec {
             endpoint: "e".into(),
             zmq: zmq.into(),
             topic: String::new(),
