@@ -24,12 +24,19 @@ pub const MODES: [u32; 2] = [0o600, 0o660];
 #[derive(Debug)]
 pub struct SocketFile {
     path: PathBuf,
-    ino: u64,
+    /// Its inode and status-change time (an inode number alone is reused by
+    /// the next file made).
+    id: (u64, i64, i64),
+}
+
+fn id(m: &std::fs::Metadata) -> (u64, i64, i64) {
+    (m.ino(), m.ctime(), m.ctime_nsec())
 }
 
 impl Drop for SocketFile {
     fn drop(&mut self) {
-        let ours = std::fs::symlink_metadata(&self.path).is_ok_and(|m| m.ino() == self.ino);
+        let ours = std::fs::symlink_metadata(&self.path)
+            .is_ok_and(|m| m.file_type().is_socket() && id(&m) == self.id);
         if ours {
             let _ = std::fs::remove_file(&self.path);
         }
@@ -68,15 +75,14 @@ pub fn bind(path: &Path, mode: u32) -> Result<(UnixListener, SocketFile)> {
         Err(e) => return Err(fail(e.to_string())),
     }
     let listener = UnixListener::bind(path).map_err(|e| fail(format!("cannot listen: {e}")))?;
-    let ino = std::fs::symlink_metadata(path)
-        .map_err(|e| fail(e.to_string()))?
-        .ino();
-    let file = SocketFile {
+    let mut file = SocketFile {
         path: path.to_path_buf(),
-        ino,
+        id: std::fs::symlink_metadata(path).map_or((0, 0, 0), |m| id(&m)),
     };
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .map_err(|e| fail(format!("cannot set its mode: {e}")))?;
+    // The mode changed its status-change time.
+    file.id = id(&std::fs::symlink_metadata(path).map_err(|e| fail(e.to_string()))?);
     listener
         .set_nonblocking(true)
         .map_err(|e| fail(format!("cannot listen: {e}")))?;
