@@ -246,14 +246,14 @@ mod tests {
     /// VTC, session affinity) over counted endpoints, the admission layer,
     /// and the router's count of requests in the pool.
     struct Parts {
-        picker: crate::pick::Counted,
+        picker: crate::pick::PoolPicker,
         admission: crate::admission::AdmissionController,
         routed: u64,
     }
 
     fn new_parts() -> Parts {
         use crate::admission::{AdmissionController, Entitlement, Quota};
-        use crate::pick::{Counted, PickConfig, Pipeline, PluginSpec};
+        use crate::pick::{PickConfig, Pipeline, PluginSpec, PoolPicker};
         let specs = [
             PluginSpec::new("healthy", 1.0),
             PluginSpec::with("prefix", 1.0, serde_json::json!({"block_size": 4})),
@@ -286,7 +286,7 @@ mod tests {
         )
         .expect("admission");
         Parts {
-            picker: Counted::new(pipeline),
+            picker: PoolPicker::new(pipeline),
             admission,
             routed: 0,
         }
@@ -377,13 +377,12 @@ mod tests {
     /// ticket, the pool count.
     fn end(parts: &mut Parts, ask: &Ask, taken: (Option<u64>, usize), usage: (u64, u64)) {
         let (ticket, endpoint) = taken;
-        let name = parts.picker.names()[endpoint].clone();
-        let e = parts.picker.complete(&name).expect("in flight");
         let mut pick = ask.pick_request();
         pick.now += 0.5;
-        let p = &mut parts.picker.pipeline;
-        p.completed_request(&pick, e, usage.0, usage.1)
-            .expect("completed");
+        parts
+            .picker
+            .complete(endpoint, &pick, usage.0, usage.1)
+            .expect("in flight");
         if let Some(t) = ticket {
             let (i, o) = (usage.0 as i64, usage.1 as i64);
             parts
@@ -477,8 +476,14 @@ mod tests {
                     end(req.parts, &req.ask, taken, usage);
                 }
                 let mid = kept(&parts);
-                let name = parts.picker.names()[held_endpoint].clone();
-                parts.picker.complete(&name).expect("held");
+                let done = crate::pick::PickRequest {
+                    now: 100.0,
+                    ..Default::default()
+                };
+                parts
+                    .picker
+                    .complete(held_endpoint, &done, 10, 10)
+                    .expect("held");
                 if let Some(t) = held_ticket {
                     parts
                         .admission

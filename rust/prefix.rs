@@ -80,12 +80,11 @@ fn check_block_size(block_size: usize) -> Result<usize> {
     Ok(block_size)
 }
 
-/// Appends the chained hashes of `tokens`' full blocks to `out`, the first
-/// chained to `prev` (`seed` for a prompt's first block).
-fn extend_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64, prev: u64, out: &mut Vec<u64>) {
+/// Appends the chained hashes of a prompt's full blocks to `out`.
+fn extend_hashes(tokens: Tokens<'_>, block_size: usize, seed: u64, out: &mut Vec<u64>) {
     match tokens {
-        Tokens::Ids(ids) => out.extend(IdChain::new(ids, block_size, seed, prev)),
-        Tokens::Bytes(bytes) => chain(bytes.chunks_exact(block_size), block_size, seed, prev, out),
+        Tokens::Ids(ids) => out.extend(IdChain::new(ids, block_size, seed, seed)),
+        Tokens::Bytes(bytes) => chain(bytes.chunks_exact(block_size), block_size, seed, out),
     }
 }
 
@@ -94,9 +93,9 @@ fn chain<'a>(
     blocks: impl Iterator<Item = &'a [u8]>,
     block_bytes: usize,
     seed: u64,
-    mut prev: u64,
     out: &mut Vec<u64>,
 ) {
+    let mut prev = seed;
     // Two buffers: block i + 1 is copied in while block i is hashed, as
     // only the first 8 bytes wait for the previous hash.
     let mut bufs = [vec![0u8; 8 + block_bytes], vec![0u8; 8 + block_bytes]];
@@ -135,22 +134,8 @@ pub fn block_hashes_into(
     let block_size = check_block_size(block_size)?;
     out.clear();
     out.reserve(tokens.len() / block_size);
-    extend_hashes(tokens, block_size, seed, seed, out);
+    extend_hashes(tokens, block_size, seed, out);
     Ok(())
-}
-
-/// The chained hashes of `tokens`' full blocks when they follow the block
-/// whose hash is `parent`: the tail of `block_hashes` over the whole prompt.
-pub fn block_hashes_after(
-    parent: u64,
-    tokens: Tokens<'_>,
-    block_size: usize,
-    seed: u64,
-) -> Result<Vec<u64>> {
-    let block_size = check_block_size(block_size)?;
-    let mut out = Vec::with_capacity(tokens.len() / block_size);
-    extend_hashes(tokens, block_size, seed, parent, &mut out);
-    Ok(out)
 }
 
 /// Checks ragged-batch offsets: `offsets[0] == 0`, non-decreasing, last equal
@@ -182,13 +167,7 @@ pub fn block_hashes_many(
     let mut out = Vec::with_capacity(offsets.len());
     out.push(0);
     for w in offsets.windows(2) {
-        extend_hashes(
-            tokens.slice(w[0], w[1]),
-            block_size,
-            seed,
-            seed,
-            &mut hashes,
-        );
+        extend_hashes(tokens.slice(w[0], w[1]), block_size, seed, &mut hashes);
         out.push(hashes.len() as i64);
     }
     Ok((hashes, out))

@@ -74,6 +74,22 @@ class RequestRefused(Exception):
         self.retry_after_s = retry_after_s
 
 
+@dataclass(frozen=True)
+class _Ask:
+    """One request's arguments to the steps (``acquire``'s keywords but
+    ``wait`` and ``service_class``), gathered once by each driver."""
+
+    max_output_tokens: int
+    prompt_bytes: int | None
+    category: str
+    input_tokens: int | None
+    entitlement: str | None
+    tokens: Any
+    fairness_id: str | None
+    session: str | None
+    now: float | None
+
+
 @dataclass
 class _Held:
     """What one request holds (filled as ``acquire``'s steps succeed) and the
@@ -272,20 +288,20 @@ class Dispatcher:
         ``service_class`` (a service class or objective; None: the default
         band), the entitlement (else ``fairness_id``) as its flow, weighted by
         the entitlement's priority; blocks the calling thread."""
-        args = dict(
-            max_output_tokens=max_output_tokens,
-            prompt_bytes=prompt_bytes,
-            category=category,
-            input_tokens=input_tokens,
-            entitlement=entitlement,
-            tokens=tokens,
-            fairness_id=fairness_id,
-            session=session,
-            now=now,
+        ask = _Ask(
+            max_output_tokens,
+            prompt_bytes,
+            category,
+            input_tokens,
+            entitlement,
+            tokens,
+            fairness_id,
+            session,
+            now,
         )
         if wait is None:
-            return self._acquire_now(**args)
-        steps = self._waiting(args, wait, service_class)
+            return self._acquire_now(ask)
+        steps = self._waiting(ask, wait, service_class)
         try:
             waiter = next(steps)
             while True:
@@ -318,19 +334,19 @@ class Dispatcher:
         """``acquire(..., wait=wait)`` for asyncio: waits in the same queue
         without blocking the event loop; a cancelled task (``task.cancel()``,
         ``asyncio.timeout``) leaves the queue and holds nothing."""
-        args = dict(
-            max_output_tokens=max_output_tokens,
-            prompt_bytes=prompt_bytes,
-            category=category,
-            input_tokens=input_tokens,
-            entitlement=entitlement,
-            tokens=tokens,
-            fairness_id=fairness_id,
-            session=session,
-            now=None,
+        ask = _Ask(
+            max_output_tokens,
+            prompt_bytes,
+            category,
+            input_tokens,
+            entitlement,
+            tokens,
+            fairness_id,
+            session,
+            None,
         )
         loop = asyncio.get_running_loop()
-        steps = self._waiting(args, wait, service_class)
+        steps = self._waiting(ask, wait, service_class)
         try:
             waiter = next(steps)
             while True:
@@ -352,7 +368,7 @@ class Dispatcher:
             return lease
 
     def _waiting(
-        self, args: dict[str, Any], wait: float, service_class: str | None
+        self, ask: _Ask, wait: float, service_class: str | None
     ) -> Generator[_Waiter, None, Lease]:
         """The loop of ``acquire(wait=...)``, for a blocking or an asyncio
         driver: tries the steps and, while they refuse for capacity, yields the
@@ -361,7 +377,7 @@ class Dispatcher:
         lease."""
         if isinstance(wait, bool) or not (isinstance(wait, (int, float)) and 0 < wait < math.inf):
             raise ValueError(f"wait must be a finite number of seconds > 0, got {wait!r}")
-        if args["now"] is not None:
+        if ask.now is not None:
             raise ValueError("wait needs now=None: waiting runs on routecore.monotonic")
         band = self.queue.band_of(service_class)
         deadline = monotonic() + wait
@@ -371,7 +387,7 @@ class Dispatcher:
         while True:
             try:
                 if not behind:
-                    return self._acquire_now(**args)
+                    return self._acquire_now(ask)
             except RequestRefused as refused:
                 if not _may_wait(refused):
                     raise
@@ -381,12 +397,12 @@ class Dispatcher:
                     with self._turns:
                         self._turning -= 1
             behind = False
-            entitlement = args["entitlement"]
-            cost = float(max((args["input_tokens"] or 0) + args["max_output_tokens"], 1))
+            entitlement = ask.entitlement
+            cost = float(max((ask.input_tokens or 0) + ask.max_output_tokens, 1))
             weight = 1.0
             if self.admission is not None and entitlement is not None:
                 weight = max(self.admission.priority(entitlement), MIN_WEIGHT)
-            flow = entitlement or args["fairness_id"] or "default"
+            flow = entitlement or ask.fairness_id or "default"
             waiter = _Waiter(deadline)
             with self._turns:
                 ticket, status, retry, displaced = self.queue.enqueue(
@@ -442,28 +458,18 @@ class Dispatcher:
         if left is not None:
             self._settle([left])
 
-    def _acquire_now(
-        self,
-        *,
-        max_output_tokens: int,
-        prompt_bytes: int | None,
-        category: str,
-        input_tokens: int | None,
-        entitlement: str | None,
-        tokens: Any,
-        fairness_id: str | None,
-        session: str | None,
-        now: float | None,
-    ) -> Lease:
+    def _acquire_now(self, ask: _Ask) -> Lease:
         """The steps once, at once (``acquire`` without ``wait``)."""
+        max_output_tokens, entitlement, now = ask.max_output_tokens, ask.entitlement, ask.now
+        prompt_bytes, input_tokens = ask.prompt_bytes, ask.input_tokens
         if self.admission is not None and entitlement is None:
             raise ValueError("entitlement is needed with admission")
-        held = _Held(max_output_tokens, fairness_id, now)
+        held = _Held(max_output_tokens, ask.fairness_id, now)
         try:
             if self.router is not None:
                 if prompt_bytes is None:
-                    prompt_bytes = _text_length(tokens)
-                decision = self.router.route(prompt_bytes, category, max_output_tokens)
+                    prompt_bytes = _text_length(ask.tokens)
+                decision = self.router.route(prompt_bytes, ask.category, max_output_tokens)
                 if decision.rejected:
                     raise RequestRefused("route", 413, decision.reason)
                 held.decision = decision
@@ -484,9 +490,9 @@ class Dispatcher:
             picker = self._picker(held.decision)
             if picker is not None:
                 pair = picker.pick_pair(
-                    tokens,
-                    fairness_id=fairness_id,
-                    session=session,
+                    ask.tokens,
+                    fairness_id=ask.fairness_id,
+                    session=ask.session,
                     input_tokens=held.input_tokens,
                     output_tokens=max_output_tokens,
                     now=now,

@@ -7,10 +7,15 @@
 //! Rules, each step (`target` already within min / max):
 //! - target >= count: the run of lower targets ends; count rises to
 //!   `min(target, count + up)`.
-//! - target < count: the run starts (or goes on) and remembers its highest
-//!   target; once it has lasted `delay`, count falls to
+//! - target < count, when the caller knows how many of the count are
+//!   `ready`: the others are still starting, and those the target does not
+//!   need are cancelled at once (count falls to `max(target, ready)`: an
+//!   endpoint that serves nothing yet costs its start-up for nothing, and
+//!   cancelling it takes no capacity away); no step limit, no delay.
+//! - target still < count: the run starts (or goes on) and remembers its
+//!   highest target; once it has lasted `delay`, count falls to
 //!   `max(highest, count - down)`; a run that reaches its highest ends, so
-//!   going lower again waits another delay.
+//!   going lower again waits another delay. Ready endpoints always wait.
 
 /// The step limits and the delay.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -61,13 +66,26 @@ impl Damper {
         self.current
     }
 
-    /// The count at `now` toward `target`.
-    pub fn step(&mut self, now: f64, target: u64, d: &Damping) -> u64 {
+    /// The count at `now` toward `target`; `ready` (None: unknown) is how
+    /// many endpoints are ready now, the rest of the count still starting
+    /// (a caller may pass more: the count starting ones are cancelled down
+    /// to is `max(target, ready)`).
+    pub fn step(&mut self, now: f64, target: u64, ready: Option<u64>, d: &Damping) -> u64 {
         if target >= self.current {
             self.down_since = None;
             let up = d.up(self.current);
             self.current = target.min(self.current.saturating_add(up));
             return self.current;
+        }
+        if let Some(ready) = ready {
+            self.current = self.current.min(target.max(ready));
+            if target == self.current {
+                self.down_since = None;
+                return self.current;
+            }
+            // The run's highest target asked for more than is now counted:
+            // what it held was starting.
+            self.down_peak = self.down_peak.min(self.current);
         }
         let since = match self.down_since {
             Some(t) => {
@@ -106,14 +124,14 @@ mod tests {
             max_step_down_percent: 0.0,
         };
         let mut m = Damper::new(1);
-        assert_eq!(m.step(0.0, 10, &d), 3);
-        assert_eq!(m.step(10.0, 10, &d), 5);
-        assert_eq!(m.step(20.0, 4, &d), 5); // run starts
-        assert_eq!(m.step(30.0, 1, &d), 5);
-        assert_eq!(m.step(40.0, 2, &d), 5);
-        assert_eq!(m.step(50.0, 1, &d), 4); // 30 s after the run began: to its highest, 4
-        assert_eq!(m.step(60.0, 1, &d), 4); // a new run: another delay
-        assert_eq!(m.step(90.0, 1, &d), 1);
+        assert_eq!(m.step(0.0, 10, None, &d), 3);
+        assert_eq!(m.step(10.0, 10, None, &d), 5);
+        assert_eq!(m.step(20.0, 4, None, &d), 5); // run starts
+        assert_eq!(m.step(30.0, 1, None, &d), 5);
+        assert_eq!(m.step(40.0, 2, None, &d), 5);
+        assert_eq!(m.step(50.0, 1, None, &d), 4); // 30 s after the run began: to its highest, 4
+        assert_eq!(m.step(60.0, 1, None, &d), 4); // a new run: another delay
+        assert_eq!(m.step(90.0, 1, None, &d), 1);
         // Percent limits: 100 % of 10 is 10.
         let p = Damping {
             max_step_up: 1,
@@ -121,11 +139,44 @@ mod tests {
             ..d
         };
         let mut m = Damper::new(10);
-        assert_eq!(m.step(0.0, 100, &p), 20);
+        assert_eq!(m.step(0.0, 100, None, &p), 20);
+    }
+
+    /// Endpoints still starting that the target no longer needs are
+    /// cancelled at once; the ready ones keep the delay.
+    #[test]
+    fn starting_endpoints_are_cancelled_first_ready_ones_wait() {
+        let d = Damping {
+            scale_down_delay_s: 30.0,
+            max_step_up: 100,
+            max_step_up_percent: 0.0,
+            max_step_down: 2,
+            max_step_down_percent: 0.0,
+        };
+        // 40 start; 10 s on, the target is 20: 30 of the 40 go at once.
+        let mut m = Damper::new(10);
+        assert_eq!(m.step(0.0, 50, Some(10), &d), 50);
+        assert_eq!(m.step(10.0, 20, Some(10), &d), 20);
+        // Below the ready 10: down to them at once, then the delay.
+        assert_eq!(m.step(20.0, 4, Some(10), &d), 10);
+        assert_eq!(m.step(30.0, 4, Some(10), &d), 10);
+        assert_eq!(m.step(49.0, 4, Some(10), &d), 10);
+        // 30 s after: down by the step limit.
+        assert_eq!(m.step(50.0, 4, Some(10), &d), 8);
+        // Unknown readiness: the delay for every endpoint, as before.
+        let mut m = Damper::new(10);
+        assert_eq!(m.step(0.0, 50, None, &d), 50);
+        assert_eq!(m.step(10.0, 20, None, &d), 50);
+        assert_eq!(m.step(40.0, 20, None, &d), 48);
+        // More ready than counted (the fleet is ahead): nothing cancelled.
+        let mut m = Damper::new(10);
+        assert_eq!(m.step(0.0, 4, Some(12), &d), 10);
     }
 
     /// Random targets: never more than the step limit either way, never
-    /// down within the delay of the last target at or above the count.
+    /// down within the delay of the last target at or above the count,
+    /// but for starting endpoints (the count above the ready ones), which
+    /// fall to the target at once.
     #[test]
     fn steps_and_delay_hold_on_random_targets() {
         let mut rng = Rng::new(11);
@@ -144,15 +195,18 @@ mod tests {
                 now += 1.0 + rng.below(20) as f64;
                 let target = rng.below(120);
                 let before = m.current();
-                let after = m.step(now, target, &d);
+                let ready = (rng.below(2) == 0).then(|| rng.below(before + 10));
+                let after = m.step(now, target, ready, &d);
+                // What the delay and the step limit hold: the ready ones.
+                let held = ready.map_or(before, |r| before.min(r.max(target)));
                 if target >= before {
                     last_not_lower = now;
                     assert!(after >= before && after <= target, "case {case}");
                     assert!(after - before <= d.up(before), "case {case}");
                 } else {
-                    assert!(after <= before && after >= target, "case {case}");
-                    assert!(before - after <= d.down(before), "case {case}");
-                    if after < before {
+                    assert!(after <= held && after >= target, "case {case}");
+                    assert!(held - after <= d.down(held), "case {case}");
+                    if after < held {
                         assert!(now - last_not_lower >= d.scale_down_delay_s, "case {case}");
                     }
                 }

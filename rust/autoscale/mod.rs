@@ -15,6 +15,7 @@ pub mod config;
 pub mod damping;
 pub mod histogram;
 pub mod sizing;
+pub mod trend;
 pub mod window;
 
 #[cfg(test)]
@@ -241,7 +242,9 @@ impl Autoscaler {
     }
 
     /// One sizing step at `now`: every pool's desired count, damped, with
-    /// its explanation. `demand` has one entry per pool (empty: none). An
+    /// its explanation. `demand` has one entry per pool (empty: none); a
+    /// pool whose ready endpoints it gives has those of its count still
+    /// starting cancelled as soon as its target no longer needs them. An
     /// error (bad demand, a `now` that is not a number) changes nothing.
     pub fn step(&mut self, now: f64, demand: &[PoolDemand]) -> Result<Vec<Desired>> {
         crate::error::finite("now", now)?;
@@ -276,13 +279,27 @@ impl Autoscaler {
             )?);
         }
         let mut out = Vec::with_capacity(targets.len());
-        for ((state, p), t) in self.pools.iter_mut().zip(&self.cfg.pools).zip(targets) {
+        for (i, ((state, p), t)) in self
+            .pools
+            .iter_mut()
+            .zip(&self.cfg.pools)
+            .zip(targets)
+            .enumerate()
+        {
             if t.model_endpoints > 0 {
                 state.hint = Some(t.model_endpoints);
             }
+            // Starting endpoints are cancelled down to the ready ones and
+            // what the forecast, noise included, still needs.
+            let cancel_to = demand
+                .get(i)
+                .and_then(|d| d.ready_endpoints)
+                .map(|ready| ready.max(t.keep_endpoints));
             out.push(Desired {
                 pool: p.name.clone(),
-                endpoints: state.damper.step(now, t.endpoints, &self.damping),
+                endpoints: state
+                    .damper
+                    .step(now, t.endpoints, cancel_to, &self.damping),
                 target: t,
             });
         }

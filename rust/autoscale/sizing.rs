@@ -6,10 +6,11 @@
 //!
 //! The rate sized for is `max(observed + queued / queue_drain_s, promised)`:
 //! the window's arrival rate (with a [`Forecast`], the highest rate its
-//! trend line reaches from now to `ahead_s` past now: `rate + trend (span /
-//! 2 + ahead_s)` on a rise, `rate + trend span / 2` on a fall, at
-//! least 0 and at most `max_ratio` times the newest sub-window's rate, so a
-//! step read as a steep trend is not extrapolated into a runaway), plus the
+//! trend line reaches from now to `ahead_s` past now: `level + trend
+//! ahead_s` on a rise, `level` on a fall, where `level` is the line's rate
+//! now; the line is fitted after a level shift when the window holds one,
+//! so a step is a new level, not a steep ramp ([`super::trend`]); at least
+//! 0 and at most `max_ratio` times the newest sub-window's rate), plus the
 //! requests flow control holds, as work drained over `queue_drain_s` (the
 //! horizon new endpoints need to be ready and serve it), and at least the
 //! entitlements' promised tokens per second over the window's mean tokens
@@ -23,7 +24,7 @@ use crate::error::{non_negative, Result};
 use crate::planner::{size_engine, Binding, BuildChunks, EngineLoad, EngineSlo};
 use crate::profile::Profile;
 
-use super::config::PoolScaling;
+use super::config::{PoolScaling, MAX_ENDPOINTS};
 use super::window::{LiveWorkload, Percentiles};
 
 /// What a sizing step is told beside the live window.
@@ -33,6 +34,15 @@ pub struct PoolDemand {
     pub queued_requests: f64,
     /// The entitlements' promised capacity, tokens per second (a floor).
     pub promised_tokens_per_s: f64,
+    /// Endpoints that serve no new request over the queue's horizon, busy
+    /// with a backlog queued in them (only they can serve it): added to
+    /// the model's count, rounded (0 in the data plane, whose queue is at
+    /// the router).
+    pub busy_endpoints: f64,
+    /// Endpoints of the pool ready now, when known: the rest of its count
+    /// is still starting, and a step cancels those its target does not
+    /// need without waiting for the scale-down delay ([`super::Damper`]).
+    pub ready_endpoints: Option<u64>,
 }
 
 impl PoolDemand {
@@ -44,6 +54,10 @@ impl PoolDemand {
         non_negative(
             &format!("promised_tokens_per_s of pool {pool:?}"),
             self.promised_tokens_per_s,
+        )?;
+        non_negative(
+            &format!("busy_endpoints of pool {pool:?}"),
+            self.busy_endpoints,
         )?;
         Ok(())
     }
@@ -64,11 +78,33 @@ impl Forecast {
     /// starts are ready: on a fall, the rate now), within `[0, max_ratio *
     /// live.newest_rate]`.
     pub fn rate(&self, live: &LiveWorkload) -> f64 {
-        let now = live.rate + live.trend * live.span_s / 2.0;
-        let ahead = now + live.trend * self.ahead_s;
+        self.rate_within(live, 0.0)
+    }
+
+    /// The forecast `z` standard errors of the arrivals' noise above
+    /// ([`super::trend::Noise`]), within the same bounds.
+    fn rate_within(&self, live: &LiveWorkload, z: f64) -> f64 {
+        let now = live.level + z * live.noise.se(0.0);
+        let ahead = live.level + live.trend * self.ahead_s + z * live.noise.se(self.ahead_s);
         now.max(ahead)
             .min(self.max_ratio * live.newest_rate)
             .max(0.0)
+    }
+}
+
+/// How many standard errors of the arrivals' noise above the forecast a
+/// starting endpoint is kept for: one is cancelled only once the rate, 2
+/// sigma high, no longer needs it (a noisy forecast dipping for one step
+/// would otherwise cancel endpoints the next step starts again, each
+/// restart a start-up later).
+pub const KEEP_Z: f64 = 2.0;
+
+/// The rate `live` forecasts (`forecast`, else the window's rate),
+/// `z` standard errors of its noise high.
+fn forecast_at(live: &LiveWorkload, forecast: Option<Forecast>, z: f64) -> f64 {
+    match forecast {
+        Some(f) => f.rate_within(live, z),
+        None => live.rate + z * (live.rate / live.span_s).sqrt(),
     }
 }
 
@@ -104,6 +140,10 @@ impl Reason {
 pub struct Target {
     /// Within `[min_endpoints, max_endpoints]`.
     pub endpoints: u64,
+    /// The count for the forecast [`KEEP_Z`] standard errors of its noise
+    /// high, within the bounds and at least `endpoints`: the endpoints
+    /// still starting beyond it are cancelled at once.
+    pub keep_endpoints: u64,
     /// The engine model's count (0 with no traffic).
     pub model_endpoints: u64,
     pub reason: Reason,
@@ -142,7 +182,7 @@ pub fn target(
     hint: Option<u64>,
 ) -> Result<Target> {
     let observed_rate = live.rate;
-    let forecast_rate = forecast.map_or(live.rate, |f| f.rate(live));
+    let forecast_rate = forecast_at(live, forecast, 0.0);
     let queued_rate = demand.queued_requests / queue_drain_s;
     let mean_tokens = live.mean_tokens();
     let promised_rate = if mean_tokens > 0.0 {
@@ -153,6 +193,7 @@ pub fn target(
     let rate = (forecast_rate + queued_rate).max(promised_rate);
     let mut t = Target {
         endpoints: pool.min_endpoints,
+        keep_endpoints: pool.min_endpoints,
         model_endpoints: 0,
         reason: Reason::NoTraffic,
         binding: Binding::None,
@@ -183,28 +224,46 @@ pub fn target(
         quantile,
     };
     let n_slots = profile.slots(pool.context)?;
-    let plan = size_engine(
-        profile,
-        pool.context,
-        n_slots,
-        rate,
-        &load,
-        slo,
-        chunks,
-        hint,
-    )?;
+    let size = |rate| {
+        size_engine(
+            profile,
+            pool.context,
+            n_slots,
+            rate,
+            &load,
+            slo,
+            chunks,
+            hint,
+        )
+    };
+    let plan = size(rate)?;
     t.model_endpoints = plan.gpus;
     t.binding = plan.binding;
     t.p99_ttft_s = plan.p99_ttft_s;
     t.t_iter_s = plan.t_iter_s;
+    let busy = demand.busy_endpoints.round().min(MAX_ENDPOINTS as f64) as u64;
+    let count = plan.gpus.saturating_add(busy);
     (t.endpoints, t.reason) = if !plan.feasible {
         (pool.max_endpoints, Reason::SloUnreachable)
-    } else if plan.gpus > pool.max_endpoints {
+    } else if count > pool.max_endpoints {
         (pool.max_endpoints, Reason::Max)
-    } else if plan.gpus < pool.min_endpoints {
+    } else if count < pool.min_endpoints {
         (pool.min_endpoints, Reason::Min)
     } else {
-        (plan.gpus, Reason::Model)
+        (count, Reason::Model)
+    };
+    let high = (forecast_at(live, forecast, KEEP_Z) + queued_rate).max(promised_rate);
+    t.keep_endpoints = if high > rate && plan.feasible && t.endpoints < pool.max_endpoints {
+        let keep = size(high)?;
+        if keep.feasible {
+            keep.gpus
+                .saturating_add(busy)
+                .clamp(t.endpoints, pool.max_endpoints)
+        } else {
+            pool.max_endpoints
+        }
+    } else {
+        t.endpoints
     };
     Ok(t)
 }

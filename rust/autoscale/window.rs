@@ -24,6 +24,7 @@ use crate::error::{finite, invalid, positive, Result};
 use crate::workload::RangeMoments;
 
 use super::histogram::LogHistogram;
+use super::trend::{self, Noise, SubWindow, Trend};
 
 /// Most sub-windows of one window.
 pub const MAX_SUB_WINDOWS: usize = 600;
@@ -116,8 +117,19 @@ pub struct LiveWorkload {
     pub rate: f64,
     /// How fast the rate moves, requests per second per second: the
     /// least-squares slope of the sub-windows' rates over their midpoints
-    /// (sub-windows under half full left out; 0 with fewer than two).
+    /// (sub-windows under half full left out; 0 with fewer than two), over
+    /// the sub-windows since a level shift when there is one (0 until three
+    /// of them: [`super::trend`]).
     pub trend: f64,
+    /// The rate the trend line reads now: the rate of the window (or of
+    /// the sub-windows since a level shift) moved by `trend` from their
+    /// middle to now.
+    pub level: f64,
+    /// Where a level shift (a step) in the window is, when one is found:
+    /// the start of the first sub-window after it.
+    pub shift_s: Option<f64>,
+    /// How far the trend line moves with the arrivals' Poisson noise.
+    pub noise: Noise,
     /// The rate of the newest sub-window at least half full (the window's
     /// rate when none is): the current rate a forecast is bounded by.
     pub newest_rate: f64,
@@ -307,7 +319,10 @@ impl LiveWindow {
             requests: s.n as u64,
             span_s,
             rate,
-            trend,
+            trend: trend.slope,
+            level: trend.level(),
+            shift_s: trend.shift_s,
+            noise: trend.noise,
             newest_rate: newest.unwrap_or(rate),
             k: moments(s.k, s.k2),
             kl: moments(s.kl, 0.0),
@@ -320,34 +335,26 @@ impl LiveWindow {
         })
     }
 
-    /// The slope of the sub-windows' rates (see [`LiveWorkload::trend`])
+    /// The trend of the sub-windows' rates ([`super::trend::estimate`])
     /// and the newest counted sub-window's rate.
-    fn trend(&self) -> (f64, Option<f64>) {
+    fn trend(&self) -> (Trend, Option<f64>) {
         let n = self.slots.len() as u64;
-        let (mut sw, mut st, mut sr, mut stt, mut str_) = (0.0f64, 0.0, 0.0, 0.0, 0.0);
-        let mut newest = None;
-        for e in self.epoch.saturating_sub(n - 1)..=self.epoch {
-            let start = self.start_s + e as f64 * self.sub_s;
-            let covered = (self.last_s.min(start + self.sub_s) - start).max(0.0);
-            if covered < self.sub_s / 2.0 {
-                continue;
-            }
-            let (t, r) = (
-                start + covered / 2.0,
-                self.count(&self.slots[(e % n) as usize].sums) / covered,
-            );
-            newest = Some(r);
-            sw += 1.0;
-            st += t;
-            sr += r;
-            stt += t * t;
-            str_ += t * r;
-        }
-        let var = stt - st * st / sw.max(1.0);
-        if sw < 2.0 || var <= 0.0 {
-            return (0.0, newest);
-        }
-        ((str_ - st * sr / sw) / var, newest)
+        let subs: Vec<SubWindow> = (self.epoch.saturating_sub(n - 1)..=self.epoch)
+            .map(|e| {
+                let start_s = self.start_s + e as f64 * self.sub_s;
+                SubWindow {
+                    start_s,
+                    covered_s: (self.last_s.min(start_s + self.sub_s) - start_s).max(0.0),
+                    count: self.count(&self.slots[(e % n) as usize].sums),
+                }
+            })
+            .collect();
+        let newest = subs
+            .iter()
+            .rev()
+            .find(|s| s.covered_s >= self.sub_s / 2.0)
+            .map(|s| s.count / s.covered_s);
+        (trend::estimate(&subs, self.last_s, self.sub_s), newest)
     }
 
     /// Appends the window's `(prefill chunks, count)` pairs (the planner's

@@ -38,16 +38,15 @@
 //! no block the engine does not hold (it under-reports the older ones).
 
 use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use foldhash::quality::RandomState;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{invalid, unknown, Result};
 use crate::prefix::{
-    block_hashes, block_hashes_after, block_hashes_into, BlockHasher, BlockStep, Tokens,
-    MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS,
+    block_hashes_into, BlockStep, IdChain, Tokens, MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS,
 };
 
 mod table;
@@ -243,15 +242,28 @@ impl Liveness {
     }
 }
 
+/// An endpoint's maps are keyed by what its KV publisher sends (engine
+/// block hashes) or computes from it (our hashes of its token ids): they
+/// hash under per-process random seeds (foldhash's quality `RandomState`:
+/// folded 64x64-bit multiplies of the key with the seeds, then one more to
+/// spread every bit over the low ones, the bucket), so a publisher that
+/// cannot see the seeds cannot choose keys that collide and make a probe
+/// walk all of them, as it could with the identity hash (block hashes are
+/// well mixed only if the publisher is honest). foldhash's fast variant
+/// left keys that differ only in their high bits in a third of the buckets
+/// (`keys_that_share_their_low_bits_spread_once_keyed`); SipHash, std's
+/// default, guards as well at several times the cost per block.
+type Keyed<V> = HashMap<u64, V, RandomState>;
+
 #[derive(Debug, Default)]
 struct EndpointKv {
     /// Its id in the table.
     id: u32,
     /// Engine hash -> (our hash, store stamp): the blocks it holds.
-    blocks: HashMap<u64, (u64, u64)>,
+    blocks: Keyed<(u64, u64)>,
     /// Our hashes held under more than one engine hash: how many more (the
     /// table holds such a block for the endpoint until the last one goes).
-    aliases: HashMap<u64, u32, BuildHasherDefault<BlockHasher>>,
+    aliases: Keyed<u32>,
     stamp: u64,
     /// A disconnect was seen: an older sequence number next is a restart.
     resync: bool,
@@ -288,6 +300,10 @@ impl EndpointKv {
     }
     /// One engine hash naming `ours` is gone.
     fn release(&mut self, t: &mut Table, ours: u64) {
+        if self.aliases.is_empty() {
+            t.remove(ours, self.id);
+            return;
+        }
         match self.aliases.get_mut(&ours) {
             Some(1) => {
                 self.aliases.remove(&ours);
@@ -631,8 +647,8 @@ impl KvIndex {
                 }
                 Ok(ours) => {
                     let mut blocks = self.write_blocks();
-                    for (o, engine) in ours.into_iter().zip(&s.hashes) {
-                        e.insert(&mut blocks.table, o, *engine);
+                    for (o, &engine) in ours.into_iter().zip(&s.hashes) {
+                        e.insert(&mut blocks.table, o, engine);
                     }
                     // Per event: a large batch never holds more than one
                     // event's blocks past the capacity.
@@ -660,15 +676,12 @@ impl KvIndex {
             )));
         }
         let seed = lora_seed(self.config.seed, s.lora.as_deref());
-        let tokens = Tokens::Ids(&s.token_ids);
-        let hashes = match s.parent {
-            None => block_hashes(tokens, bs, seed),
-            Some(p) => {
-                let (parent, _) = *e.blocks.get(&p).ok_or(Skip::UnknownParent(p))?;
-                block_hashes_after(parent, tokens, bs, seed)
-            }
+        let prev = match s.parent {
+            None => seed,
+            Some(p) => e.blocks.get(&p).ok_or(Skip::UnknownParent(p))?.0,
         };
-        hashes.map_err(|err| Skip::Malformed(err.to_string()))
+        // The block size was checked with the config (at least 1).
+        Ok(IdChain::new(&s.token_ids, bs, seed, prev).collect())
     }
 
     /// The stream of `name` connected (true) or dropped (false). Returns

@@ -49,6 +49,7 @@ mod registry;
 mod round_robin;
 mod saturation;
 mod session;
+pub mod split;
 mod subset;
 pub mod vtc;
 mod vtc_router;
@@ -58,7 +59,7 @@ use std::sync::{Arc, Mutex};
 
 pub use max_score::Ties;
 pub use plugin::{Describe, Kind, Needs, Shared};
-pub use pool::Counted;
+pub use pool::PoolPicker;
 pub use prefix_router::{PrefixCacheRouter, PrefixDecision};
 pub use presets::{preset_specs, PRESETS};
 pub use registry::{apply_shared, describe, needs, REGISTRY};

@@ -21,7 +21,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::prefix::PrefixScorer;
-use super::{preset_specs, Counted, PickConfig, PickRequest, Pipeline, PluginSpec};
+use super::{preset_specs, PickConfig, PickRequest, Pipeline, PluginSpec, PoolPicker};
 use crate::endpoint::{check_in_flight, set_in_flight};
 use crate::error::{finite, invalid, Error, Result};
 use crate::prefix::{check_offsets, lock, PrefixConfig, PrefixIndex, MAX_BLOCK_SIZE};
@@ -57,7 +57,7 @@ impl PrefixDecision {
 #[derive(Debug)]
 pub struct PrefixCacheRouter {
     config: PrefixConfig,
-    on: Counted,
+    on: PoolPicker,
 }
 
 impl PrefixCacheRouter {
@@ -74,7 +74,7 @@ impl PrefixCacheRouter {
         let pipeline = Pipeline::from_specs(&prefix_preset(&config), endpoints, &pick)?;
         Ok(Self {
             config,
-            on: Counted::new(pipeline),
+            on: PoolPicker::new(pipeline),
         })
     }
 
@@ -153,7 +153,7 @@ impl PrefixCacheRouter {
     }
 
     pub fn add_endpoint(&mut self, name: &str) -> Result<()> {
-        self.on.add_endpoint(name)
+        self.on.add_endpoint(name).map(drop)
     }
 
     /// Removes an endpoint from the router and its blocks from the index.
@@ -163,7 +163,8 @@ impl PrefixCacheRouter {
 
     /// Ends one running request on `name`; refused when none is running.
     pub fn complete(&mut self, name: &str) -> Result<()> {
-        self.on.complete(name).map(drop)
+        let e = self.on.index(name)?;
+        self.on.complete(e, &PickRequest::default(), 0, 0)
     }
 
     pub fn set_running(&mut self, counts: &[i64]) -> Result<()> {
@@ -202,7 +203,7 @@ impl PrefixCacheRouter {
             return Err(Error::Snapshot("bad settings".into()));
         }
         let config = PrefixConfig::new(block_size as usize, imbalance as i64, std_factor, seed)?;
-        let (names, running) = Counted::read_counts(r)?;
+        let (names, running) = PoolPicker::read_counts(r)?;
         let index = PrefixIndex::read(r)?;
         let mut router = Self::new(&names, config, Arc::new(Mutex::new(index)))?;
         router.on.restore_running(&running);

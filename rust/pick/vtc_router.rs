@@ -1,7 +1,7 @@
 //! The VTC router (AIBrix's `vtc-basic`, see `crate::vtc`), beside the
 //! picker it wraps.
 
-use super::{preset_specs, Counted, PickConfig, PickRequest, Pipeline};
+use super::{preset_specs, PickConfig, PickRequest, Pipeline, PoolPicker};
 use crate::endpoint::set_in_flight;
 use crate::error::{finite, invalid, Result};
 use crate::snapshot::{restore, Reader, Writer};
@@ -14,7 +14,7 @@ const SNAPSHOT_VERSION: u16 = 2;
 /// alone, ties to the first) over named endpoints and their running counts.
 #[derive(Debug, Clone)]
 pub struct VtcRouter {
-    on: Counted,
+    on: PoolPicker,
 }
 
 impl PartialEq for VtcRouter {
@@ -34,7 +34,7 @@ impl VtcRouter {
         }
         let pipeline = Pipeline::from_specs(&specs, endpoints, &PickConfig::default())?;
         Ok(Self {
-            on: Counted::new(pipeline),
+            on: PoolPicker::new(pipeline),
         })
     }
 
@@ -152,7 +152,7 @@ impl VtcRouter {
         let eo = check_tokens("est_output_tokens", est_output_tokens)?;
         let i = check_tokens("input_tokens", input_tokens)?;
         let o = check_tokens("output_tokens", output_tokens)?;
-        let e = self.on.complete(endpoint)?;
+        let e = self.on.index(endpoint)?;
         let req = PickRequest {
             fairness_id: Some(user),
             input_tokens: ei as u64,
@@ -160,13 +160,11 @@ impl VtcRouter {
             now,
             ..PickRequest::default()
         };
-        self.on
-            .pipeline
-            .completed_request(&req, e, i as u64, o as u64)
+        self.on.complete(e, &req, i as u64, o as u64)
     }
 
     pub fn add_endpoint(&mut self, name: &str) -> Result<()> {
-        self.on.add_endpoint(name)
+        self.on.add_endpoint(name).map(drop)
     }
     pub fn remove_endpoint(&mut self, name: &str) -> Result<()> {
         self.on.remove_endpoint(name).map(drop)
@@ -188,7 +186,7 @@ impl VtcRouter {
     }
 
     fn read(r: &mut Reader<'_>) -> Result<Self> {
-        let (names, running) = Counted::read_counts(r)?;
+        let (names, running) = PoolPicker::read_counts(r)?;
         let fairness = Fairness::read(r)?;
         let mut router = Self::new(&names, *fairness.config())?;
         router.on.restore_running(&running);

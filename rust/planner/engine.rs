@@ -361,10 +361,17 @@ impl Targets {
     }
 
     /// The time a request of `k` prefill chunks spends in its own prefill
-    /// and after it, with iteration time `t`: `(k + 1/2) (t + per_chunk) +
-    /// offset`.
-    fn after_wait(&self, k: f64, t: f64) -> f64 {
-        (k + 0.5) * (t + self.shift.per_chunk_s) + self.shift.offset_s
+    /// and after it, with iteration time `t`, `half` of an iteration under
+    /// way before it (see [`OwnPrefill`]): `(k + half) t + (k + 1/2)
+    /// per_chunk + offset`.
+    fn after_wait(&self, k: f64, t: f64, half: f64) -> f64 {
+        (k + half) * (t + self.shift.per_chunk_s) + self.budget_cut(half) + self.shift.offset_s
+    }
+
+    /// `(1/2 - half) per_chunk`: the transfer's half chunk that `(k + half)
+    /// (t + per_chunk)` leaves out.
+    fn budget_cut(&self, half: f64) -> f64 {
+        (0.5 - half) * self.shift.per_chunk_s
     }
 }
 
@@ -412,6 +419,14 @@ fn tpot_quantile(t: f64, shape: &EngineShape, z: f64) -> f64 {
 /// The mean `t` alone charges the longest prompts too little where their
 /// endpoint has one sequence more than the mean; `t + H` charges every
 /// prompt an endpoint it is never sent to.
+///
+/// Before its first chunk a prompt waits for the iteration under way, half
+/// of one on average, on a busy endpoint (`A >= 2`: others run there); an
+/// idle endpoint (`A = 1`, the prompt alone) starts an iteration for it at
+/// once, as the simulator's does, so its TTFT is `k t_own`, not `(k + 1/2)
+/// t_own` (issue 27: charging the half iteration there over-sized the
+/// agent-heavy pools at 0.5 s by 7-12%). `half` is that wait in iterations:
+/// 1/2 for `hi` (never alone), 0 or 1/2 for `lo`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct OwnPrefill {
     /// `W + H floor(n_a)` (`W + H` for `n_a < 1`) and one sequence more.
@@ -419,7 +434,14 @@ struct OwnPrefill {
     hi: f64,
     /// The probability of `hi`.
     f: f64,
+    /// The half iteration before `lo`'s first chunk: 0 when `lo` is the
+    /// prompt alone.
+    lo_half: f64,
 }
+
+/// The iteration under way that a prompt on a busy endpoint waits for, in
+/// iterations (see [`OwnPrefill`]).
+const BUSY_HALF: f64 = 0.5;
 
 impl OwnPrefill {
     fn new(t: f64, shape: &EngineShape) -> Self {
@@ -428,6 +450,7 @@ impl OwnPrefill {
                 lo: t,
                 hi: t,
                 f: 0.0,
+                lo_half: BUSY_HALF,
             };
         }
         let n_a = ((t - shape.w_s) / shape.h_s).max(1.0);
@@ -436,14 +459,16 @@ impl OwnPrefill {
             lo,
             hi: lo + shape.h_s,
             f: n_a - n_a.floor(),
+            lo_half: if n_a < 2.0 { 0.0 } else { BUSY_HALF },
         }
     }
 
-    /// `(1 - f) g(lo) + f g(hi)`: a share of requests over the two.
-    fn mix(self, g: impl Fn(f64) -> f64) -> f64 {
-        let lo = g(self.lo);
+    /// `(1 - f) g(lo, lo_half) + f g(hi, 1/2)`: a share of requests over
+    /// the two, `g` of the iteration time and the half iteration before it.
+    fn mix(self, g: impl Fn(f64, f64) -> f64) -> f64 {
+        let lo = g(self.lo, self.lo_half);
         if self.f > 0.0 {
-            lo + self.f * (g(self.hi) - lo)
+            lo + self.f * (g(self.hi, BUSY_HALF) - lo)
         } else {
             lo
         }
@@ -536,13 +561,13 @@ impl TotalWait {
         self.slot.quantile(r / 2.0) + self.prefill.quantile(r / 2.0)
     }
 
-    /// The share of requests whose TTFT, `W + (k + 1/2) t`, exceeds `ttft`
+    /// The share of requests whose TTFT, `W + (k + half) t`, exceeds `ttft`
     /// over the chunk distribution `chunks` (`(k, probability)`, ascending).
     /// Each exponential term is a geometric sequence in `k`: it is updated by
     /// multiplication from the largest `k` that fits down, so no term
     /// underflows before it is negligible.
-    fn miss(self, chunks: &[(u64, f64)], t: f64, ttft: f64) -> f64 {
-        let fits = |k: u64| ttft - (k as f64 + 0.5) * t;
+    fn miss(self, chunks: &[(u64, f64)], t: f64, ttft: f64, half: f64) -> f64 {
+        let fits = |k: u64| ttft - (k as f64 + half) * t;
         let split = chunks.partition_point(|&(k, _)| fits(k) >= 0.0);
         let mut miss: f64 = chunks[split..].iter().map(|&(_, p)| p).sum();
         let Some(&(top, _)) = chunks[..split].last() else {
@@ -780,7 +805,7 @@ fn evaluate(
         let wait_q = wait.quantile_bound(r);
         (
             wait_q,
-            wait_q + targets.after_wait(load.prefill_chunks_q, own.hi),
+            wait_q + targets.after_wait(load.prefill_chunks_q, own.hi, BUSY_HALF),
         )
     };
     let screen = |wait: TotalWait, eval: &mut EngineEval| {
@@ -799,8 +824,9 @@ fn evaluate(
     let allowed = 1.0 - targets.quantile;
     // Every request prefills at least its pool's fewest chunks.
     let fewest = |wait: TotalWait| {
-        own.mix(|t| {
-            wait.survival(targets.ttft_s - targets.after_wait(load.prefill_chunks_min.max(1.0), t))
+        own.mix(|t, half| {
+            let after = targets.after_wait(load.prefill_chunks_min.max(1.0), t, half);
+            wait.survival(targets.ttft_s - after)
         })
     };
     let (per_chunk, budget) = (
@@ -811,15 +837,17 @@ fn evaluate(
     // alone meets it over both (the share grows with t), and only the
     // verdict is used.
     let miss = |wait: TotalWait, dist: &[(u64, f64)]| {
-        let at = |t: f64| wait.miss(dist, t + per_chunk, budget);
+        let at = |t: f64, half: f64| {
+            wait.miss(dist, t + per_chunk, budget - targets.budget_cut(half), half)
+        };
         if own.f <= 0.0 {
-            return at(own.lo);
+            return at(own.lo, own.lo_half);
         }
-        let hi = at(own.hi);
+        let hi = at(own.hi, BUSY_HALF);
         if hi <= allowed {
             return hi;
         }
-        let lo = at(own.lo);
+        let lo = at(own.lo, own.lo_half);
         lo + own.f * (hi - lo)
     };
     if bounded_fails && rough.slot != Wait::NONE {
@@ -921,9 +949,23 @@ pub(super) fn smallest_ok(
     Ok(Some(hi))
 }
 
+/// Where a pool's search starts.
+#[derive(Debug)]
+pub(super) enum Start<'a> {
+    /// At this count (None: just above the stability bound).
+    At(Option<u64>),
+    /// Near the last pool of a sweep, `(its count, its stability bound)`:
+    /// the count scaled by this pool's bound over that one (each plus one),
+    /// which follows a neighbouring candidate's pool better than its rate
+    /// (compute- and prefill-bound pools keep their count's ratio to the
+    /// bound as the traffic's mix moves); this pool's pair is left in its
+    /// place for the next.
+    Near(&'a mut Option<(u64, u64)>),
+}
+
 /// Sizes one pool under the engine model: the smallest GPU count meeting
 /// every constraint of [`engine_eval`] (each eases as GPUs are added), by
-/// [`smallest_ok`] from `hint`. Necessary counts from stability: compute
+/// [`smallest_ok`] from `start`. Necessary counts from stability: compute
 /// needs `H lambda E[a] / n < 1 - W / TPOT`, prefill
 /// `lambda E[L_in] W / (n C) < 1`; no smaller count is tried. A pool that no
 /// GPU count serves (TPOT at or below `W`, or the TTFT target at or below the
@@ -935,7 +977,7 @@ pub(super) fn size_engine_pool(
     load: &EngineLoad,
     shape: &EngineShape,
     targets: Targets,
-    hint: Option<u64>,
+    start: Start<'_>,
     chunks: &mut Chunks<'_>,
     mut pool: PoolPlan,
 ) -> Result<PoolPlan> {
@@ -954,13 +996,13 @@ pub(super) fn size_engine_pool(
             slot: Wait::NONE,
             prefill: Wait::NONE,
         };
-        let own = OwnPrefill::new(shape.w_s, shape).lo;
+        let own = OwnPrefill::new(shape.w_s, shape);
         let (tt, budget) = (
-            own + targets.shift.per_chunk_s,
-            targets.ttft_s - targets.shift.offset_s,
+            own.lo + targets.shift.per_chunk_s,
+            targets.ttft_s - targets.shift.offset_s - targets.budget_cut(own.lo_half),
         );
-        targets.after_wait(load.prefill_chunks_q, own) > targets.ttft_s
-            && none.miss(chunks.get(), tt, budget) > 1.0 - targets.quantile
+        targets.after_wait(load.prefill_chunks_q, own.lo, own.lo_half) > targets.ttft_s
+            && none.miss(chunks.get(), tt, budget, own.lo_half) > 1.0 - targets.quantile
     };
     let never = if compute_room <= 0.0 {
         Some(Binding::Compute)
@@ -996,6 +1038,13 @@ pub(super) fn size_engine_pool(
         }
         Ok(e)
     };
+    let hint = match &start {
+        Start::At(hint) => *hint,
+        Start::Near(last) => last.map(|(n, b)| {
+            let scaled = n as f64 * (bad as f64 + 1.0) / (b as f64 + 1.0);
+            scaled.round().min(MAX_GPUS as f64) as u64
+        }),
+    };
     let found = match never {
         Some(_) => None,
         None => smallest_ok(bad, hint.unwrap_or(bad + 1), |n| {
@@ -1003,6 +1052,9 @@ pub(super) fn size_engine_pool(
         })?,
     };
     let n = found.unwrap_or(bad + 1);
+    if let Start::Near(last) = start {
+        *last = Some((n, bad));
+    }
     let e = if found.is_some() {
         eval(n, chunks)?
     } else {
@@ -1252,11 +1304,13 @@ mod tests {
             }
             let chunks = [(1u64, 0.5), (3, 0.3), (8, 0.15), (40, 0.05)];
             for (t, ttft) in [(0.02, 0.5), (0.05, 1.0), (0.013, 0.3)] {
-                let direct: f64 = chunks
-                    .iter()
-                    .map(|&(k, q)| q * w.survival(ttft - (k as f64 + 0.5) * t))
-                    .sum();
-                assert!((w.miss(&chunks, t, ttft) - direct).abs() < 1e-12);
+                for half in [0.0, 0.5] {
+                    let direct: f64 = chunks
+                        .iter()
+                        .map(|&(k, q)| q * w.survival(ttft - (k as f64 + half) * t))
+                        .sum();
+                    assert!((w.miss(&chunks, t, ttft, half) - direct).abs() < 1e-12);
+                }
             }
             // The union bound's quantile holds.
             for r in [0.005, 0.05] {
@@ -1288,8 +1342,16 @@ mod tests {
             let s = shape(slots);
             let tg = targets(ttft, tpot);
             let mut chunks = Chunks::new(&dist);
-            let p =
-                size_engine_pool(rate, &l, &s, tg, None, &mut chunks, PoolPlan::EMPTY).expect("ok");
+            let p = size_engine_pool(
+                rate,
+                &l,
+                &s,
+                tg,
+                Start::At(None),
+                &mut chunks,
+                PoolPlan::EMPTY,
+            )
+            .expect("ok");
             assert!(p.feasible && p.gpus > 1, "{p:?}");
             let ok = engine_eval(rate, p.gpus, &l, &s, tg, &mut chunks).expect("ok");
             assert_eq!(ok.fails, None);
@@ -1297,9 +1359,16 @@ mod tests {
             assert_eq!(fewer.fails, Some(p.binding));
             // Any starting hint gives the same count.
             for hint in [1, p.gpus / 3, p.gpus + 17, 10 * p.gpus] {
-                let q =
-                    size_engine_pool(rate, &l, &s, tg, Some(hint), &mut chunks, PoolPlan::EMPTY)
-                        .expect("ok");
+                let q = size_engine_pool(
+                    rate,
+                    &l,
+                    &s,
+                    tg,
+                    Start::At(Some(hint)),
+                    &mut chunks,
+                    PoolPlan::EMPTY,
+                )
+                .expect("ok");
                 assert_eq!(q.gpus, p.gpus);
             }
             // The miss share at the answer, computed outright, is within the SLO.
@@ -1307,7 +1376,7 @@ mod tests {
             let mut d = Vec::new();
             dist(&mut d);
             assert!(
-                own.mix(|t| ok.wait.miss(&d, t, ttft)) <= 0.01 + 1e-12,
+                own.mix(|t, half| ok.wait.miss(&d, t, ttft, half)) <= 0.01 + 1e-12,
                 "{ok:?}"
             );
         }
@@ -1319,7 +1388,7 @@ mod tests {
                 &l,
                 &shape(64),
                 targets(ttft, tpot),
-                None,
+                Start::At(None),
                 &mut chunks,
                 PoolPlan::EMPTY,
             )
@@ -1390,10 +1459,10 @@ mod tests {
                             continue;
                         }
                         if e.ttft_q_s <= ttft {
-                            assert!(e.wait.miss(&d, t, ttft) <= 0.01 + 1e-12);
+                            assert!(e.wait.miss(&d, t, ttft, BUSY_HALF) <= 0.01 + 1e-12);
                         }
                         if e.wait.survival(ttft - 2.5 * t) > 0.01 {
-                            assert!(e.wait.miss(&d, t, ttft) > 0.01);
+                            assert!(e.wait.miss(&d, t, ttft, BUSY_HALF) > 0.01);
                         }
                     }
                 }
@@ -1407,14 +1476,17 @@ mod tests {
     fn own_prefill_counts_the_prompt_and_its_endpoints_others() {
         let s = shape(16);
         let (w, h) = (s.w_s, s.h_s);
-        for (n_a, lo, f) in [
-            (0.0, 1.0, 0.0),
-            (0.4, 1.0, 0.0),
-            (1.0, 1.0, 0.0),
-            (1.99, 1.0, 0.99),
-            (2.55, 2.0, 0.55),
+        for (n_a, lo, f, lo_half) in [
+            (0.0, 1.0, 0.0, 0.0),
+            (0.4, 1.0, 0.0, 0.0),
+            (1.0, 1.0, 0.0, 0.0),
+            (1.99, 1.0, 0.99, 0.0),
+            (2.01, 2.0, 0.01, 0.5),
+            (2.55, 2.0, 0.55, 0.5),
         ] {
             let o = OwnPrefill::new(w + h * n_a, &s);
+            // Alone (A = 1) no iteration is under way; beside others, half of one.
+            assert_eq!(o.lo_half, lo_half, "n_a {n_a}: {o:?}");
             assert!((o.lo - (w + h * lo)).abs() < 1e-15, "n_a {n_a}: {o:?}");
             assert!(
                 (o.hi - (w + h * (lo + 1.0))).abs() < 1e-15,
@@ -1422,12 +1494,62 @@ mod tests {
             );
             assert!((o.f - f).abs() < 1e-9, "n_a {n_a}: {o:?}");
             // The mean is the pool's t, or the prompt alone at W + H.
-            let mean = o.mix(|t| t);
+            let mean = o.mix(|t, _| t);
+            let half = o.mix(|_, half| half);
+            assert!((half - (lo_half + f * (0.5 - lo_half))).abs() < 1e-15);
             assert!((mean - (w + h * f64::max(n_a, 1.0))).abs() < 1e-15);
         }
         let flat = EngineShape { h_s: 0.0, ..s };
         let o = OwnPrefill::new(0.02, &flat);
-        assert_eq!((o.lo, o.hi, o.f), (0.02, 0.02, 0.0));
+        assert_eq!((o.lo, o.hi, o.f, o.lo_half), (0.02, 0.02, 0.0, 0.5));
+    }
+
+    /// A prompt alone on its endpoint starts at once (the simulator starts an
+    /// iteration for it when it arrives, `rust/sim/mod.rs`): its TTFT is
+    /// `k (W + H)`, with no half iteration before it. Prompts of exactly 10
+    /// chunks take 10 x 8.65 = 86.5 ms alone at W = 8 ms, H = 0.65 ms, and
+    /// 10.5 x 9.3 = 97.7 ms beside one other sequence (half an iteration
+    /// under way, one more `H`): a TTFT of 88 ms is met when at most 1% of
+    /// the prompts find another sequence on their endpoint, `n_a <= 1.01`.
+    /// Charged half an iteration alone too, 10.5 x 8.65 = 90.8 ms, no count
+    /// met it at all.
+    #[test]
+    fn a_prompt_alone_on_its_endpoint_waits_for_no_iteration() {
+        let prompt = 10.0 * 512.0 - 100.0;
+        let l = EngineLoad {
+            iterations: 11.0,
+            iterations_cs2: 0.0,
+            prompt_mean: prompt,
+            prompt_second: prompt * prompt,
+            kv_token_iterations: 11.0 * (prompt + 2.0),
+            prefill_chunks_q: 10.0,
+            prefill_chunks_min: 10.0,
+        };
+        let s = shape(16);
+        let (w, h) = (s.w_s, s.h_s);
+        assert!(10.0 * (w + h) < 0.088 && 10.5 * (w + h) > 0.088);
+        let tg = targets(0.088, 1.0);
+        let one = |out: &mut Vec<(u64, f64)>| out.push((10, 1.0));
+        for rate in [0.5, 5.0, 50.0] {
+            let mut chunks = Chunks::new(&one);
+            let p = size_engine_pool(
+                rate,
+                &l,
+                &s,
+                tg,
+                Start::At(None),
+                &mut chunks,
+                PoolPlan::EMPTY,
+            )
+            .expect("ok");
+            assert!(p.feasible, "rate {rate}: {p:?}");
+            let n_a = (p.t_iter_s - w) / h;
+            assert!(n_a <= 1.01, "rate {rate}: n_a {n_a}, {p:?}");
+            if p.gpus > 1 {
+                let fewer = engine_eval(rate, p.gpus - 1, &l, &s, tg, &mut chunks).expect("ok");
+                assert!(fewer.fails.is_some(), "rate {rate}: {fewer:?}");
+            }
+        }
     }
 
     /// The agent-heavy long pool in small (issue 27: 66 GPUs planned, 81
@@ -1460,8 +1582,16 @@ mod tests {
         let one = |out: &mut Vec<(u64, f64)>| out.push((103, 1.0));
         let mut chunks = Chunks::new(&one);
         for rate in [1.0, 1.7, 3.0] {
-            let p =
-                size_engine_pool(rate, &l, &s, tg, None, &mut chunks, PoolPlan::EMPTY).expect("ok");
+            let p = size_engine_pool(
+                rate,
+                &l,
+                &s,
+                tg,
+                Start::At(None),
+                &mut chunks,
+                PoolPlan::EMPTY,
+            )
+            .expect("ok");
             assert!(p.feasible, "{p:?}");
             let n_a = (p.t_iter_s - w) / h;
             assert!(n_a < 2.01, "rate {rate}: {p:?} n_a {n_a}");

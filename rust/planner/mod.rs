@@ -37,7 +37,7 @@ use std::sync::Arc;
 pub use engine::{
     engine_state, BuildChunks, EngineLoad, EngineShape, EngineState, TtftShift, MAX_LOOP,
 };
-use engine::{size_engine_pool, Chunks, Targets};
+use engine::{size_engine_pool, Chunks, Start, Targets};
 
 use crate::budget::compressible_category;
 use crate::error::{invalid, non_negative, positive, Result};
@@ -549,7 +549,7 @@ impl Ctx<'_> {
     }
 
     /// Sizes a pool at `context` for `arrival_rate` requests of `load` under
-    /// the engine model, the search starting at `hint`; `sources` give its
+    /// the engine model, the search starting at `start`; `sources` give its
     /// chunk histogram when the search needs it.
     fn size_engine(
         &self,
@@ -558,7 +558,7 @@ impl Ctx<'_> {
         sources: Sources,
         context: u64,
         n_slots: u64,
-        hint: Option<u64>,
+        start: Start<'_>,
     ) -> Result<PoolPlan> {
         let slo = EngineSlo {
             ttft_s: self.cfg.slo_ttft_s,
@@ -588,16 +588,9 @@ impl Ctx<'_> {
                 out.push(sources.point);
             }
         };
-        size_engine(
-            self.profile,
-            context,
-            n_slots,
-            arrival_rate,
-            load,
-            slo,
-            &build,
-            hint,
-        )
+        let pool = (context, n_slots, arrival_rate);
+        let ttft = (slo.quantile, TtftShift::NONE);
+        size_engine_from(self.profile, pool, load, slo, ttft, &build, start)
     }
 
     fn cost(&self, short_gpus: u64, long_gpus: u64) -> f64 {
@@ -645,12 +638,26 @@ pub fn size_engine(
 /// KV transfer and the other side added); `slo.quantile` is the TPOT's.
 pub fn size_engine_shifted(
     profile: &Profile,
+    pool: (u64, u64, f64),
+    load: &EngineLoad,
+    slo: EngineSlo,
+    ttft: (f64, TtftShift),
+    chunks: BuildChunks<'_>,
+    hint: Option<u64>,
+) -> Result<PoolPlan> {
+    let start = Start::At(hint);
+    size_engine_from(profile, pool, load, slo, ttft, chunks, start)
+}
+
+/// [`size_engine_shifted`] with the search starting at `start`.
+fn size_engine_from(
+    profile: &Profile,
     (context, n_slots, arrival_rate): (u64, u64, f64),
     load: &EngineLoad,
     slo: EngineSlo,
     (ttft_quantile, shift): (f64, TtftShift),
     chunks: BuildChunks<'_>,
-    hint: Option<u64>,
+    start: Start<'_>,
 ) -> Result<PoolPlan> {
     let shape = EngineShape {
         w_s: profile.w_s,
@@ -676,11 +683,16 @@ pub fn size_engine_shifted(
         ..PoolPlan::EMPTY
     };
     let mut chunks = Chunks::new(chunks);
-    size_engine_pool(arrival_rate, load, &shape, targets, hint, &mut chunks, pool)
+    size_engine_pool(
+        arrival_rate,
+        load,
+        &shape,
+        targets,
+        start,
+        &mut chunks,
+        pool,
+    )
 }
-
-/// A search's starting count: the last pool's `(gpus, arrival rate)`.
-type Hint = Option<(u64, f64)>;
 
 /// The moments the engine model needs of a mixture of requests: of
 /// `k = ceil(L_in / C) + L_out`, of `k L_total` and of `L_in`.
@@ -820,7 +832,8 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             ctx.chunks_quantile(everything),
         );
         let all = Sources::span(everything);
-        ctx.size_engine(lam, &load, all, cfg.long_context, ctx.long_slots, None)?
+        let start = Start::At(None);
+        ctx.size_engine(lam, &load, all, cfg.long_context, ctx.long_slots, start)?
     } else {
         let (a0, a1) = profile.service_coefficients(ctx.long_slots);
         let m_all = ctx.table.moments_all(w, everything, a0, a1);
@@ -874,18 +887,9 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
 
     let (la0, la1) = profile.service_coefficients(ctx.long_slots);
     let mut sweep = Vec::with_capacity(b_list.len() * gammas.len());
-    // Neighbouring candidates need similar counts: each search starts at the
-    // last count scaled by the rate, `(gpus, rate)` kept (see `scaled`).
-    let (mut short_hint, mut long_hint): (Hint, Hint) = (None, None);
-    let scaled = |hint: Hint, rate: f64| {
-        hint.map(|(n, r)| {
-            if r > 0.0 {
-                (n as f64 * rate / r).round() as u64
-            } else {
-                n
-            }
-        })
-    };
+    // Neighbouring candidates need similar counts: each search starts near
+    // the last pool's of its kind (see `Start::Near`).
+    let (mut short_last, mut long_last) = (None, None);
     // With p_c = 1 the long pool is its tail alone: equal tails, equal pools.
     let mut long_cache: Option<(Span, f64, PoolPlan)> = None;
     for &b in &b_list {
@@ -968,9 +972,8 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                         sources.point = (chunks, weight);
                     }
                     let load = ctx.engine_load(mix, chunks_q);
-                    let hint = scaled(short_hint, lam_s);
-                    let p = ctx.size_engine(lam_s, &load, sources, b, n_short, hint)?;
-                    short_hint = Some((p.gpus, lam_s));
+                    let start = Start::Near(&mut short_last);
+                    let p = ctx.size_engine(lam_s, &load, sources, b, n_short, start)?;
                     short_cache = Some((lam_s, p));
                     p
                 }
@@ -989,9 +992,8 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                         point: (0, 0.0),
                     };
                     let (context, slots) = (cfg.long_context, ctx.long_slots);
-                    let hint = scaled(long_hint, lam_l);
-                    let p = ctx.size_engine(lam_l, &load, sources, context, slots, hint)?;
-                    long_hint = Some((p.gpus, lam_l));
+                    let start = Start::Near(&mut long_last);
+                    let p = ctx.size_engine(lam_l, &load, sources, context, slots, start)?;
                     if ctx.p_c.iter().all(|&pc| pc >= 1.0) {
                         long_cache = Some((tail, lam_l, p));
                     }
@@ -1195,6 +1197,130 @@ mod tests {
             took.sort_by(f64::total_cmp);
             println!("{name}: min {:.1} us, median {:.1} us", took[0], took[1500]);
         }
+    }
+
+    /// The identity check of a change that must not move a figure: every
+    /// field of every candidate (`{:?}` of an `f64` round-trips its bits) of
+    /// 72 engine plans, the Azure trace with its categories, its code
+    /// requests, an LMSYS-like and the agent-heavy CDF (the fidelity grid's,
+    /// python/routecore/planning.py) at 100 / 1,000 / 3,000 req/s, TTFT 0.5
+    /// / 1 / 2 s, TPOT 80 ms or none, written to the file
+    /// `ROUTECORE_PLAN_DUMP` names; run before and after, then `cmp` the two:
+    /// `ROUTECORE_AZURE_CSV=/tmp/azure.csv ROUTECORE_PLAN_DUMP=/tmp/after.txt
+    /// cargo test --release --lib -- --ignored planner_fleets_dump`.
+    #[test]
+    #[ignore]
+    fn planner_fleets_dump() {
+        use std::fmt::Write;
+        let (Ok(csv), Ok(out)) = (
+            std::env::var("ROUTECORE_AZURE_CSV"),
+            std::env::var("ROUTECORE_PLAN_DUMP"),
+        ) else {
+            eprintln!("ROUTECORE_AZURE_CSV or ROUTECORE_PLAN_DUMP is not set: nothing dumped");
+            return;
+        };
+        let text = std::fs::read_to_string(csv).expect("the trace");
+        let cols = crate::workload::CsvColumns {
+            input: "ContextTokens",
+            output: "GeneratedTokens",
+            arrival: None,
+            category: Some("category"),
+        };
+        let azure = Workload::from_csv_text(&text, &cols).expect("csv");
+        let code_id = azure
+            .category_names()
+            .iter()
+            .position(|n| n == "code")
+            .expect("code") as u32;
+        let (mut inputs, mut outputs) = (Vec::new(), Vec::new());
+        for (i, &c) in azure.category_ids().iter().enumerate() {
+            if c == code_id {
+                inputs.push(azure.input_tokens()[i] as i64);
+                outputs.push(azure.output_tokens()[i] as i64);
+            }
+        }
+        let code = Workload::new(&inputs, &outputs, None, None).expect("code");
+        let lmsys = Workload::from_cdf(
+            &[
+                (64, 0.06769873079356836),
+                (128, 0.19040573377734155),
+                (256, 0.39756593427258413),
+                (512, 0.639490480802875),
+                (768, 0.7635820862646214),
+                (1024, 0.8349337097107752),
+                (1536, 0.909),
+                (2048, 0.9441497962961394),
+                (3072, 0.9744935919576142),
+                (4096, 0.9863550584620481),
+                (6144, 0.9948874360919426),
+                (8192, 0.9976292897973289),
+                (12288, 0.9992759079282141),
+                (16384, 0.9997100502271707),
+                (24576, 0.9999281237262816),
+                (32768, 0.9999752096917729),
+                (49152, 0.9999950276101246),
+                (65536, 1.0),
+            ],
+            0.8,
+        )
+        .expect("lmsys");
+        let agent = Workload::from_cdf(
+            &[
+                (64, 0.0),
+                (128, 0.0),
+                (256, 0.00007),
+                (512, 0.00407),
+                (768, 0.02237),
+                (1024, 0.05757),
+                (1536, 0.15871),
+                (2048, 0.26459),
+                (3072, 0.43163),
+                (4096, 0.53802),
+                (6144, 0.65987),
+                (8192, 0.74042),
+                (12288, 0.85213),
+                (16384, 0.91717),
+                (24576, 0.97282),
+                (32768, 0.99046),
+                (49152, 0.99849),
+                (65536, 1.0),
+            ],
+            0.8,
+        )
+        .expect("agent-heavy");
+        let profile = Profile::llama3_70b_a100();
+        let mut dump = String::new();
+        for (name, w) in [
+            ("azure", &azure),
+            ("code", &code),
+            ("lmsys", &lmsys),
+            ("agent", &agent),
+        ] {
+            for rate in [100.0, 1000.0, 3000.0] {
+                for ttft in [0.5, 1.0, 2.0] {
+                    for tpot in [Some(0.08), None] {
+                        let cfg = PlanConfig {
+                            slo_tpot_s: tpot,
+                            ..PlanConfig::new(rate, ttft)
+                        };
+                        let _ = writeln!(dump, "{name} {rate} {ttft} {tpot:?}");
+                        match plan(w, &profile, &cfg) {
+                            Ok(p) => {
+                                let _ = writeln!(dump, "{:?}", p.homogeneous);
+                                let _ = writeln!(dump, "{:?} {:?}", p.best, p.pool_routing);
+                                for c in &p.sweep {
+                                    let _ = writeln!(dump, "{c:?}");
+                                }
+                            }
+                            Err(e) => {
+                                let _ = writeln!(dump, "{e}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        std::fs::write(out, dump).expect("written");
     }
 
     #[test]

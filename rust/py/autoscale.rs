@@ -195,6 +195,8 @@ impl PyAutoscaler {
             .map(|n| PoolDemand {
                 queued_requests: get(&queued, n),
                 promised_tokens_per_s: get(&promised, n),
+                busy_endpoints: 0.0,
+                ready_endpoints: None,
             })
             .collect();
         let out = a.step(now_or_monotonic(now), &demand)?;

@@ -9,12 +9,12 @@ use super::{
     detach_if, hash_array, int_arg, int_array, now_or_monotonic, reduce, TokenArg, DETACH_TOKENS,
 };
 use crate::budget::MAX_TOKENS;
-use crate::endpoint::{complete_one, EndpointState};
+use crate::endpoint::EndpointState;
 use crate::error::{finite, invalid, non_negative, Error, Result};
 use crate::kv::KvIndex;
 use crate::pd::{Decider, Role, Split};
-use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, PRESETS};
-use crate::prefix::{block_hashes_into, block_hashes_many, check_offsets, Tokens};
+use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, PoolPicker, PRESETS};
+use crate::prefix::{block_hashes_many, check_offsets, Tokens};
 use crate::snapshot::{restore_since, Reader, Writer};
 
 /// The default preset (the GIE's default scorers plus prefix match).
@@ -24,16 +24,15 @@ const MAGIC: &[u8; 4] = b"RCPK";
 /// loads, as a picker whose endpoints are all `both`.
 const SNAPSHOT_VERSION: u16 = 2;
 
+/// The pool picker (pipeline, states, P/D split) and what Python needs
+/// beside it.
 struct Inner {
-    pipeline: Pipeline,
-    states: Vec<EndpointState>,
+    picker: PoolPicker,
     preset: Option<String>,
     /// The endpoint names as Python strings (returned without a copy).
     names: Vec<Py<PyString>>,
     /// Scratch: the current request's block hashes.
     hashes: Vec<u64>,
-    /// The prefill/decode split (None: every endpoint `both`, never split).
-    split: Option<Split>,
 }
 
 /// One request's arguments, checked.
@@ -158,33 +157,22 @@ fn tokens_arg(what: &str, v: u64) -> Result<u64> {
 }
 
 impl Inner {
-    fn new(pipeline: Pipeline, preset: Option<String>, py: Python<'_>) -> Self {
-        let n = pipeline.endpoints().len();
-        let names = pipeline
-            .endpoints()
+    fn new(picker: PoolPicker, preset: Option<String>, py: Python<'_>) -> Self {
+        let names = picker
             .names()
             .iter()
             .map(|s| PyString::new(py, s).unbind())
             .collect();
         Self {
-            pipeline,
-            states: vec![EndpointState::default(); n],
+            picker,
             preset,
             names,
             hashes: Vec::new(),
-            split: None,
         }
     }
 
-    /// The prefix plugin's block size and hash seed, if it has one.
-    fn block(&self) -> Option<(usize, u64)> {
-        self.pipeline
-            .prefix()
-            .map(|p| (p.config().block_size, p.config().seed))
-    }
-
     fn endpoint(&self, name: &str) -> Result<usize> {
-        self.pipeline.endpoints().index(name)
+        self.picker.index(name)
     }
 
     /// On a picker with roles, `pick`, `rank` and `pick_many` place a
@@ -192,39 +180,19 @@ impl Inner {
     /// `both`) are candidates, within the request's subset, as in
     /// `pick_pair`'s decode phase.
     fn whole<'a>(&self, mut a: Args<'a>) -> Args<'a> {
-        if let Some(split) = &self.split {
-            let roles = split.roles();
-            let allowed = |i: &usize| a.subset.as_ref().is_none_or(|s| s.contains(i));
-            a.subset = Some(
-                (0..roles.len())
-                    .filter(|i| roles[*i].decodes() && allowed(i))
-                    .collect(),
-            );
-        }
+        a.subset = self.picker.whole(a.subset.take());
         a
     }
 
     fn check(&self, a: &Args<'_>) -> Result<()> {
-        let req = a.request(&[], None);
-        self.pipeline.check(&req, &self.states)
+        self.picker.check(&a.request(&[], None))
     }
 
     /// Picks for one request (its block hashes in `self.hashes`, its token
-    /// ids); `start` counts it started on the chosen one.
-    fn pick(&mut self, a: &Args<'_>, ids: Option<&[u32]>, start: bool) -> Result<Option<usize>> {
-        let Inner {
-            pipeline,
-            states,
-            hashes,
-            ..
-        } = self;
-        let req = a.request(hashes, ids);
-        let chosen = pipeline.pick_one(&req, states)?;
-        if let (Some(e), true) = (chosen, start) {
-            pipeline.started(&req, e)?;
-            states[e].start_one();
-        }
-        Ok(chosen)
+    /// ids) and starts it on the chosen endpoint.
+    fn start(&mut self, a: &Args<'_>, ids: Option<&[u32]>) -> Result<Option<usize>> {
+        let Inner { picker, hashes, .. } = self;
+        picker.start(&a.request(hashes, ids))
     }
 }
 
@@ -268,12 +236,12 @@ impl PyEndpointPicker {
         if let Some(h) = hashes {
             return hash_array(h);
         }
-        let (Some(t), Some((size, seed))) = (tokens, self.block) else {
+        let (Some(t), Some(_)) = (tokens, self.block) else {
             return Ok(Vec::new());
         };
         let mut out = std::mem::take(&mut *lock(&self.spare));
         detach_if(py, t.len() >= DETACH_TOKENS, || {
-            block_hashes_into(t, size, seed, &mut out)
+            PoolPicker::hash_prompt(self.block, t, &mut out)
         })?;
         Ok(out)
     }
@@ -281,17 +249,6 @@ impl PyEndpointPicker {
     /// Gives a hash buffer back for the next call.
     fn give_back(&self, buf: Vec<u64>) {
         *lock(&self.spare) = buf;
-    }
-}
-
-/// A picker with roles keeps its endpoints (their roles are fixed at
-/// construction): ValueError.
-fn fixed(inner: &Inner) -> Result<()> {
-    match inner.split {
-        Some(_) => Err(invalid(
-            "a picker with roles keeps its endpoints: build a new one with their roles",
-        )),
-        None => Ok(()),
     }
 }
 
@@ -464,10 +421,9 @@ impl PyEndpointPicker {
         };
         check_kv_index(&pipeline, config.kv_index.as_ref())?;
         let split = split_of(&pipeline, roles, decider, threshold)?;
-        let mut inner = Inner::new(pipeline, preset, py);
-        inner.split = split;
+        let inner = Inner::new(PoolPicker::with_split(pipeline, split), preset, py);
         Ok(Self {
-            block: inner.block(),
+            block: inner.picker.block(),
             inner: Mutex::new(inner),
             spare: Mutex::new(Vec::new()),
         })
@@ -520,7 +476,7 @@ impl PyEndpointPicker {
         )?);
         args.hashes_of_ids = of_ids;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
-        let chosen = inner.pick(&args, ids_of(t), true)?;
+        let chosen = inner.start(&args, ids_of(t))?;
         Ok(chosen.map(|e| inner.names[e].clone_ref(py)))
     }
 
@@ -563,24 +519,17 @@ impl PyEndpointPicker {
         )?;
         args.hashes_of_ids = of_ids;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
-        if inner.split.is_none() {
-            let chosen = inner.pick(&args, ids_of(t), true)?;
+        if inner.picker.split().is_none() {
+            let chosen = inner.start(&args, ids_of(t))?;
             return Ok(chosen.map(|e| (inner.names[e].clone_ref(py), None)));
         }
         let Inner {
-            pipeline,
-            states,
+            picker,
             hashes,
-            split: Some(split),
             names,
             ..
-        } = &mut *inner
-        else {
-            unreachable!("checked above")
-        };
-        let req = args.request(hashes, ids_of(t));
-        let mut ranked = Vec::new();
-        let pair = split.pick(pipeline, &req, states, &mut ranked)?;
+        } = &mut *inner;
+        let pair = picker.place(&args.request(hashes, ids_of(t)))?;
         Ok(pair.map(|p| {
             let prefill = p.prefill.map(|(e, _)| names[e].clone_ref(py));
             (names[p.decode].clone_ref(py), prefill)
@@ -602,16 +551,12 @@ impl PyEndpointPicker {
         let e = inner.endpoint(endpoint)?;
         let input_tokens = tokens_arg("input_tokens", input_tokens)?;
         let now = finite("now", now_or_monotonic(now))?;
-        let Inner { states, split, .. } = &mut *inner;
-        let split = split
-            .as_mut()
-            .ok_or_else(|| invalid("this picker has no roles: nothing is prefilled apart"))?;
         let req = PickRequest {
             input_tokens,
             now,
             ..PickRequest::default()
         };
-        split.prefill_done(&req, e, input_tokens, states)?;
+        inner.picker.complete_prefill(e, &req, input_tokens)?;
         Ok(())
     }
 
@@ -620,7 +565,7 @@ impl PyEndpointPicker {
     #[getter]
     fn roles(&self) -> Option<Vec<&'static str>> {
         let inner = self.inner();
-        let split = inner.split.as_ref()?;
+        let split = inner.picker.split()?;
         Some(split.roles().iter().map(|r| r.as_str()).collect())
     }
 
@@ -628,8 +573,8 @@ impl PyEndpointPicker {
     #[getter]
     fn decider(&self) -> &'static str {
         self.inner()
-            .split
-            .as_ref()
+            .picker
+            .split()
             .map_or("never", |s| s.decider().name())
     }
 
@@ -668,15 +613,10 @@ impl PyEndpointPicker {
         args.hashes_of_ids = of_ids;
         inner.check(&args)?;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
-        let Inner {
-            pipeline,
-            states,
-            hashes,
-            ..
-        } = &mut *inner;
+        let Inner { picker, hashes, .. } = &mut *inner;
         let mut out = Vec::new();
-        pipeline.pick(&args.request(hashes, ids_of(t)), states, &mut out)?;
-        let names = pipeline.endpoints().names();
+        picker.rank(&args.request(hashes, ids_of(t)), &mut out)?;
+        let names = picker.names();
         Ok(out.into_iter().map(|e| names[e].clone()).collect())
     }
 
@@ -771,7 +711,7 @@ impl PyEndpointPicker {
                 inner.check(&args)?;
                 batch.push(args);
             }
-            inner.pipeline.prepare()?;
+            inner.picker.pipeline.prepare()?;
             // Checked above with the hashes' offsets.
             let ids = |i: usize| {
                 let o = offsets.as_deref()?;
@@ -782,7 +722,7 @@ impl PyEndpointPicker {
                 let h = &hashes[hash_offsets[i] as usize..hash_offsets[i + 1] as usize];
                 inner.hashes.clear();
                 inner.hashes.extend_from_slice(h);
-                out.push(inner.pick(args, ids(i), true)?.map_or(-1, |e| e as i64));
+                out.push(inner.start(args, ids(i))?.map_or(-1, |e| e as i64));
             }
             Ok(out)
         })?;
@@ -822,14 +762,8 @@ impl PyEndpointPicker {
         };
         inner.check(&args)?;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
-        let Inner {
-            pipeline,
-            states,
-            hashes,
-            ..
-        } = &mut *inner;
-        pipeline.started(&args.request(hashes, None), e)?;
-        states[e].start_one();
+        let Inner { picker, hashes, .. } = &mut *inner;
+        picker.started(&args.request(hashes, None), e)?;
         Ok(())
     }
 
@@ -863,13 +797,9 @@ impl PyEndpointPicker {
         tokens_arg("input_tokens", input_tokens)?;
         tokens_arg("output_tokens", output_tokens)?;
         inner.check(&args)?;
-        complete_one(&mut inner.states[e], endpoint)?;
-        inner.pipeline.completed_request(
-            &args.request(&[], None),
-            e,
-            input_tokens,
-            output_tokens,
-        )?;
+        inner
+            .picker
+            .complete(e, &args.request(&[], None), input_tokens, output_tokens)?;
         Ok(())
     }
 
@@ -902,7 +832,7 @@ impl PyEndpointPicker {
                 )));
             }
         }
-        let s = &mut inner.states[e];
+        let s = &mut inner.picker.states[e];
         if waiting.is_some() || running.is_some() || kv_usage.is_some() {
             s.dispatched_since_scrape = 0;
         }
@@ -921,15 +851,13 @@ impl PyEndpointPicker {
     /// (``None``: unknown) and ``adapters``.
     fn state<'py>(&self, py: Python<'py>, endpoint: &str) -> PyResult<Bound<'py, PyDict>> {
         let inner = self.inner();
-        state_dict(py, &inner.states[inner.endpoint(endpoint)?])
+        state_dict(py, &inner.picker.states[inner.endpoint(endpoint)?])
     }
 
     /// Adds an endpoint (healthy, idle, nothing cached).
     fn add_endpoint(&self, py: Python<'_>, endpoint: &str) -> PyResult<()> {
         let mut inner = self.inner();
-        fixed(&inner)?;
-        inner.pipeline.add_endpoint(endpoint)?;
-        inner.states.push(EndpointState::default());
+        inner.picker.add_endpoint(endpoint)?;
         inner.names.push(PyString::new(py, endpoint).unbind());
         Ok(())
     }
@@ -938,9 +866,7 @@ impl PyEndpointPicker {
     /// of it; later endpoints move down one index.
     fn remove_endpoint(&self, endpoint: &str) -> PyResult<()> {
         let mut inner = self.inner();
-        fixed(&inner)?;
-        let i = inner.pipeline.remove_endpoint(endpoint)?;
-        inner.states.remove(i);
+        let i = inner.picker.remove_endpoint(endpoint)?;
         inner.names.remove(i);
         Ok(())
     }
@@ -948,13 +874,13 @@ impl PyEndpointPicker {
     /// The endpoints, in order (the indices ``pick_many`` returns).
     #[getter]
     fn endpoints(&self) -> Vec<String> {
-        self.inner().pipeline.endpoints().names().to_vec()
+        self.inner().picker.names().to_vec()
     }
 
     /// Requests in flight per endpoint (started, not completed).
     #[getter]
     fn in_flight(&self) -> Vec<u64> {
-        self.inner().states.iter().map(|s| s.in_flight).collect()
+        self.inner().picker.running()
     }
 
     /// The preset's name (``None`` when built from plugins).
@@ -968,6 +894,7 @@ impl PyEndpointPicker {
     fn plugins<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let specs: Vec<serde_json::Value> = self
             .inner()
+            .picker
             .pipeline
             .specs()
             .iter()
@@ -996,16 +923,7 @@ impl PyEndpointPicker {
             Some(p) => w.u8(1).str(p),
             None => w.u8(0),
         };
-        inner.pipeline.write(&mut w);
-        for s in &inner.states {
-            s.write(&mut w);
-        }
-        match &inner.split {
-            Some(split) => split.write(w.u8(1)),
-            None => {
-                w.u8(0);
-            }
-        }
+        inner.picker.write(&mut w);
         PyBytes::new(py, &w.finish())
     }
 
@@ -1023,39 +941,27 @@ impl PyEndpointPicker {
             kv_index: kv_index_arg(kv_index)?,
             ..PickConfig::default()
         };
-        type Read = (Option<String>, Pipeline, Vec<EndpointState>, Option<Split>);
-        let read = |r: &mut Reader<'_>, version: u16| -> Result<Read> {
+        let read = |r: &mut Reader<'_>, version: u16| -> Result<(Option<String>, PoolPicker)> {
             let preset = match r.u8()? {
                 0 => None,
                 1 => Some(r.str()?),
                 b => return Err(Error::Snapshot(format!("bad preset flag {b}"))),
             };
-            let pipeline = Pipeline::read(r, &config)?;
-            let states = (0..pipeline.endpoints().len())
-                .map(|_| EndpointState::read(r))
-                .collect::<Result<Vec<_>>>()?;
-            let split = match if version >= 2 { r.u8()? } else { 0 } {
-                0 => None,
-                1 => Some(Split::read(r, &pipeline)?),
-                b => return Err(Error::Snapshot(format!("bad split flag {b}"))),
-            };
-            Ok((preset, pipeline, states, split))
+            Ok((preset, PoolPicker::read(r, &config, version >= 2)?))
         };
-        let (preset, pipeline, states, split) =
+        let (preset, picker) =
             restore_since(data, MAGIC, 1..=SNAPSHOT_VERSION, "endpoint picker", read)?;
-        check_kv_index(&pipeline, config.kv_index.as_ref())?;
-        let mut inner = Inner::new(pipeline, preset, py);
-        inner.states = states;
-        inner.split = split;
+        check_kv_index(&picker.pipeline, config.kv_index.as_ref())?;
+        let inner = Inner::new(picker, preset, py);
         Ok(Self {
-            block: inner.block(),
+            block: inner.picker.block(),
             inner: Mutex::new(inner),
             spare: Mutex::new(Vec::new()),
         })
     }
 
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        if slf.get().inner().pipeline.wants_kv_index() {
+        if slf.get().inner().picker.pipeline.wants_kv_index() {
             return Err(PyTypeError::new_err(
                 "an EndpointPicker with a kv_index cannot be pickled (its KvEventIndex is \
                  live: subscribers on the engines); use to_bytes() and \
@@ -1069,11 +975,11 @@ impl PyEndpointPicker {
         let inner = self.inner();
         let how = match &inner.preset {
             Some(p) => format!("preset={p:?}"),
-            None => format!("plugins={}", inner.pipeline.specs().len()),
+            None => format!("plugins={}", inner.picker.pipeline.specs().len()),
         };
         format!(
             "EndpointPicker(endpoints={:?}, {how})",
-            inner.pipeline.endpoints().names()
+            inner.picker.names()
         )
     }
 }

@@ -70,17 +70,28 @@ impl AutoscaleSpec {
     }
 }
 
-/// What flow control holds for a pool: the queued-demand input of every
-/// sizing step, by the data plane's pool index.
-pub trait QueuedDemand {
+/// What the data plane knows of a pool at a sizing step, by its pool
+/// index: the demand flow control holds, and its endpoints' readiness.
+pub trait PoolSignals {
     fn queued_requests(&self, pool: usize) -> f64;
+
+    /// The pool's endpoints that are ready (None: not known).
+    fn ready_endpoints(&self, _pool: usize) -> Option<u64> {
+        None
+    }
 }
 
-impl QueuedDemand for super::engine::Engine {
+impl PoolSignals for super::engine::Engine {
     /// The requests waiting in the pool's flow-control queue (issue 32;
     /// 0 when flow control is off).
     fn queued_requests(&self, pool: usize) -> f64 {
         self.flow(pool).map_or(0.0, |f| f.len() as f64)
+    }
+
+    /// Its healthy endpoints (scraped, answering).
+    fn ready_endpoints(&self, pool: usize) -> Option<u64> {
+        let states = self.choosers.get(pool)?.states();
+        Some(states.iter().filter(|s| s.healthy).count() as u64)
     }
 }
 
@@ -398,6 +409,11 @@ pub struct Scaling {
     pools: Vec<Option<usize>>,
     /// By autoscaler pool: the data plane's pool index.
     plane_pools: Vec<usize>,
+    /// By autoscaler pool: whether its endpoints' health is its readiness
+    /// (the pool lists an address for every endpoint it may run, at least
+    /// `max_endpoints`; one address in front of many, a Service, says
+    /// nothing of how many are ready).
+    readiness: Vec<bool>,
     /// By data-plane pool, then tenant: the tenant's entitlement's window.
     entitlements: Vec<Vec<Option<usize>>>,
     published: Arc<Mutex<Published>>,
@@ -451,6 +467,12 @@ impl Scaling {
             .iter()
             .filter_map(|p| pools.iter().position(|q| q.name == p.name))
             .collect();
+        let readiness = cfg
+            .pools
+            .iter()
+            .zip(&plane_pools)
+            .map(|(p, &i)| pools[i].endpoints.len() as u64 >= p.max_endpoints)
+            .collect();
         let mut by_plane = vec![None; pools.len()];
         for (i, &p) in plane_pools.iter().enumerate() {
             by_plane[p] = Some(i);
@@ -473,6 +495,7 @@ impl Scaling {
             autoscaler,
             pools: by_plane,
             plane_pools,
+            readiness,
             entitlements,
             published,
             gauges,
@@ -514,17 +537,26 @@ impl Scaling {
             .is_ok()
     }
 
-    /// One sizing step at `now` for every pool, with the demand `queue`
-    /// holds; publishes the gauges and [`Self::last`], and logs a warning
-    /// for each pool that came to be held at its maximum (or changed why),
-    /// once per change. Returns the pools whose warning state changed.
-    pub fn step(&self, now: f64, queue: &dyn QueuedDemand) -> Result<Vec<(String, AtMax)>> {
+    /// One sizing step at `now` for every pool, with the demand `signals`
+    /// hold and, where a pool's endpoints' health is their readiness, its
+    /// ready endpoints (those of its count still starting are cancelled
+    /// once its target no longer needs them); publishes the gauges and
+    /// [`Self::last`], and logs a warning for each pool that came to be
+    /// held at its maximum (or changed why), once per change. Returns the
+    /// pools whose warning state changed.
+    pub fn step(&self, now: f64, signals: &dyn PoolSignals) -> Result<Vec<(String, AtMax)>> {
         let demand: Vec<PoolDemand> = self
             .plane_pools
             .iter()
             .enumerate()
             .map(|(i, &p)| PoolDemand {
-                queued_requests: queue.queued_requests(p),
+                queued_requests: signals.queued_requests(p),
+                busy_endpoints: 0.0,
+                ready_endpoints: if self.readiness[i] {
+                    signals.ready_endpoints(p)
+                } else {
+                    None
+                },
                 promised_tokens_per_s: self
                     .spec
                     .promised_tokens_per_s

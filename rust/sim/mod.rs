@@ -5,14 +5,16 @@
 //! Events are request arrivals and iteration ends. An arrival goes through
 //! the data plane's steps ([`crate::dispatch`]): routed to a pool, admitted
 //! (rejected if `L_in + L_out` exceeds the pool's `max_context`, never
-//! truncated: the admission step's place), then dispatched to an endpoint of the pool by the pool's
-//! endpoint picker ([`crate::pick::Pipeline`], the server's) and queued there;
-//! an idle endpoint starts iterating. The picker sees every endpoint's
-//! [`EndpointState`] as a metrics scraper fills it: the engine's waiting and
-//! running requests and KV-cache use (read at every decision, or at every
-//! `scrape_interval` with the dispatches since added), routecore's own
-//! requests in flight; it is told of every dispatch (`started`, with the
-//! prompt's block hashes) and completion (`completed`, with the usage).
+//! truncated: the admission step's place; a rejected request gives the router
+//! its pool count back and teaches its calibrator nothing), then dispatched
+//! to an endpoint of the pool by the pool's picker
+//! ([`crate::pick::PoolPicker`], the server's) and queued there; an idle
+//! endpoint starts iterating. The picker sees every endpoint's
+//! [`crate::endpoint::EndpointState`] as a metrics scraper fills it: the
+//! engine's waiting and running requests and KV-cache use (read at every
+//! decision, or at every `scrape_interval` with the dispatches since added),
+//! routecore's own requests in flight; it starts every dispatch (with the
+//! prompt's block hashes) and completes every request once (with the usage).
 //! The first `warmup` fraction of requests (by arrival) is left out of the
 //! latency figures and of utilization, which is measured over the window from
 //! the first measured arrival to the last arrival.
@@ -43,11 +45,12 @@ use std::sync::Arc;
 
 use crate::budget::{Pool, MAX_TOKENS};
 use crate::dispatch::{dispatch_now, Steps};
-use crate::endpoint::{EndpointState, MAX_ENDPOINTS};
+use crate::endpoint::MAX_ENDPOINTS;
 use crate::error::{invalid, non_negative, positive, Result};
 use crate::kv::{KvConfig, KvIndex};
-use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec};
+use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, PoolPicker};
 use crate::planner::{engine_state, EngineLoad, EngineShape, EngineState};
+use crate::prefix::IdChain;
 use crate::rng::Rng;
 
 use engine::{blocks_for, Endpoint, EngineLimits, Event};
@@ -81,6 +84,11 @@ pub struct RequestBlocks {
     pub hashes: Vec<u64>,
     pub offsets: Vec<usize>,
     pub tokens: Vec<u32>,
+    /// Every request's hashes are the chained hashes of its tokens
+    /// (`block_hashes(tokens, BLOCK_TOKENS, 0)`): a pick then hands them to
+    /// the precise-prefix scorer as the tokens' hashes
+    /// (`PickRequest::hashes_of_ids`), which hashes the prompt no more.
+    chained: bool,
 }
 
 impl RequestBlocks {
@@ -105,10 +113,13 @@ impl RequestBlocks {
             hashes,
             offsets,
             tokens: Vec::new(),
+            chained: false,
         })
     }
 
-    /// The same with the blocks' token ids, `BLOCK_TOKENS` per hash.
+    /// The same with the blocks' token ids, `BLOCK_TOKENS` per hash. Checks
+    /// whether the hashes are the tokens' chain (one pass over the tokens,
+    /// instead of one per pick).
     pub fn with_tokens(mut self, tokens: Vec<u32>) -> Result<Self> {
         let want = self.hashes.len() * engine::BLOCK_TOKENS as usize;
         if tokens.len() != want {
@@ -118,6 +129,11 @@ impl RequestBlocks {
                 tokens.len()
             )));
         }
+        let b = engine::BLOCK_TOKENS as usize;
+        self.chained = self.offsets.windows(2).all(|w| {
+            IdChain::new(&tokens[w[0] * b..w[1] * b], b, 0, 0)
+                .eq(self.hashes[w[0]..w[1]].iter().copied())
+        });
         self.tokens = tokens;
         Ok(self)
     }
@@ -128,6 +144,7 @@ impl RequestBlocks {
             hashes: Vec::new(),
             offsets: vec![0; requests + 1],
             tokens: Vec::new(),
+            chained: false,
         }
     }
 
@@ -571,7 +588,7 @@ impl Steps for Arrival<'_, '_> {
         };
         if self.fleet.config.pools.get(routed.pool).is_none() {
             let message = format!("router chose pool {} of none", routed.pool);
-            self.router.complete(&self.request, routed)?;
+            self.router.unroute(routed)?;
             return Err(invalid(message).into());
         }
         rep.pool[k] = routed.pool as i64;
@@ -595,7 +612,7 @@ impl Steps for Arrival<'_, '_> {
     fn unadmit(&mut self, _: &Routed, _: ()) {}
 
     fn unroute(&mut self, routed: Routed) {
-        if let Err(e) = self.router.complete(&self.request, routed) {
+        if let Err(e) = self.router.unroute(routed) {
             self.failed.get_or_insert(e);
         }
     }
@@ -610,16 +627,15 @@ struct Fleet<'a> {
     first: Vec<usize>,
     pool_of: Vec<usize>,
     version: Vec<u64>,
-    /// Each pool's endpoint picker.
-    pickers: Vec<Pipeline>,
+    /// Each pool's picker, with what it knows of the pool's endpoints
+    /// (their states, in the pool's order).
+    pickers: Vec<PoolPicker>,
     /// Every endpoint's name, as the pickers and the KV index know it.
     names: Vec<String>,
     /// The precise prefix index the endpoints' KV-cache events feed, and the
     /// next event batch's sequence number per endpoint (see [`Fleet::publish`]).
     kv: Option<Arc<KvIndex>>,
     kv_seq: Vec<u64>,
-    /// What the pickers know of every endpoint.
-    states: Vec<EndpointState>,
     /// The next scrape is the `scrapes`-th multiple of the interval.
     scrapes: u64,
     /// The session key of the request being picked, as text.
@@ -651,7 +667,8 @@ impl<'a> Fleet<'a> {
                 kv_index: kv.clone(),
                 ..PickConfig::default()
             };
-            pickers.push(Pipeline::from_specs(&config.picker, &names, &pick)?);
+            let pipeline = Pipeline::from_specs(&config.picker, &names, &pick)?;
+            pickers.push(PoolPicker::new(pipeline));
             for name in names {
                 let mut endpoint = Endpoint::new(pool.limits(config.fast_forward));
                 if let Some(kv) = &kv {
@@ -680,7 +697,6 @@ impl<'a> Fleet<'a> {
             endpoints,
             first,
             version: vec![0; pool_of.len()],
-            states: vec![EndpointState::default(); pool_of.len()],
             kv_seq: vec![0; pool_of.len()],
             pool_of,
             pickers,
@@ -712,7 +728,9 @@ impl<'a> Fleet<'a> {
 
     /// Reads endpoint `i`'s metrics into its state, as a scrape does.
     fn scrape(&mut self, i: usize) {
-        let (e, st) = (&self.endpoints[i], &mut self.states[i]);
+        let pool = self.pool_of[i];
+        let st = &mut self.pickers[pool].states[i - self.first[pool]];
+        let e = &self.endpoints[i];
         st.waiting = Some(e.waiting() as f64);
         st.running = Some(e.running() as f64);
         st.kv_usage = Some(e.kv_usage());
@@ -737,13 +755,10 @@ impl<'a> Fleet<'a> {
     /// The endpoint of `pool` for request `k`, from the pool's picker.
     fn dispatch(&mut self, pool: usize, k: usize, routed: Routed) -> Result<usize> {
         let (lo, hi) = (self.first[pool], self.first[pool + 1]);
-        for i in lo..hi {
-            if self.config.scrape_interval <= 0.0 {
+        if self.config.scrape_interval <= 0.0 {
+            for i in lo..hi {
                 self.scrape(i);
             }
-            // As the data plane's release does: a dispatch since the scrape
-            // that ended waits in no queue.
-            self.states[i].set_in_flight_to(self.endpoints[i].load() as u64);
         }
         let r = &self.requests[k];
         let blocks = self.blocks;
@@ -765,17 +780,19 @@ impl<'a> Fleet<'a> {
             } else {
                 blocks.prompt_tokens(k, routed.input_tokens)
             },
+            // The hashes serve both prefix indexes when they are the tokens'
+            // chain as the prefix plugin hashes (its block size, seed 0).
+            hashes_of_ids: !routed.compressed
+                && blocks.chained
+                && self.pickers[pool].block() == Some((engine::BLOCK_TOKENS as usize, 0)),
             input_tokens: routed.input_tokens,
             output_tokens: r.output_tokens,
             now: r.arrival,
             ..PickRequest::default()
         };
-        let picker = &mut self.pickers[pool];
-        let j = picker
-            .pick_one(&req, &self.states[lo..hi])?
+        let j = self.pickers[pool]
+            .start(&req)?
             .ok_or_else(|| invalid(format!("the picker of pool {pool} chose no endpoint")))?;
-        picker.started(&req, j)?;
-        self.states[lo + j].dispatched_since_scrape += 1;
         Ok(lo + j)
     }
 
@@ -882,11 +899,15 @@ impl<'a> Fleet<'a> {
                 rep.makespan = rep.makespan.max(time);
                 if let Some(routed) = self.routed[request] {
                     let j = rep.endpoint[request] as usize;
-                    self.pickers[routed.pool].completed(
+                    let done = PickRequest {
+                        now: time,
+                        ..PickRequest::default()
+                    };
+                    self.pickers[routed.pool].complete(
                         j,
+                        &done,
                         routed.input_tokens,
                         r.output_tokens,
-                        time,
                     )?;
                     router.complete(r, routed)?;
                 }

@@ -34,8 +34,13 @@ pub struct Routed {
 pub trait FleetRouter {
     /// The pool for a request (None: rejected by the router).
     fn route(&mut self, request: &SimRequest) -> Result<Option<Routed>>;
-    /// A routed request left its pool (finished, or rejected by the pool).
+    /// A routed request finished in its pool: it leaves the pool's count,
+    /// and the router learns from its usage.
     fn complete(&mut self, request: &SimRequest, routed: Routed) -> Result<()>;
+    /// A routed request a later step refused (admission: too long for the
+    /// pool's context) leaves the pool's count; it ran nowhere, so nothing
+    /// is learned from it (the data plane's refusals have no usage either).
+    fn unroute(&mut self, routed: Routed) -> Result<()>;
 }
 
 /// Everything to pool 0.
@@ -51,6 +56,9 @@ impl FleetRouter for Homogeneous {
         }))
     }
     fn complete(&mut self, _: &SimRequest, _: Routed) -> Result<()> {
+        Ok(())
+    }
+    fn unroute(&mut self, _: Routed) -> Result<()> {
         Ok(())
     }
 }
@@ -133,6 +141,9 @@ impl FleetRouter for TokenBudgetRouting {
         }))
     }
 
+    fn unroute(&mut self, routed: Routed) -> Result<()> {
+        self.router.complete(routed.pool)
+    }
     fn complete(&mut self, request: &SimRequest, routed: Routed) -> Result<()> {
         self.router.complete(routed.pool)?;
         let bytes = self.prompt_bytes(request, routed.input_tokens);

@@ -594,6 +594,67 @@ fn without_token_ids_precise_prefix_picks_as_the_approximate_prefix() {
     }
 }
 
+/// A prompt hashed once: the workload's hashes are its tokens' chain, so a
+/// pick hands them to the precise-prefix scorer as the tokens' hashes; it
+/// picks as when the scorer hashed the tokens again. Hashes of another
+/// chain are not handed over (the picks are those of the true chain), and
+/// a false claim that they are the chain is believed (the scorer reads
+/// the given hashes: the once path is taken).
+#[test]
+fn the_prompt_hashed_once_picks_as_hashed_twice() {
+    let wl = super::prefix_workload::PrefixWorkloadConfig {
+        requests: 600,
+        rate: 4.0,
+        sessions: 32,
+        seed: 3,
+        ..Default::default()
+    };
+    let (work, blocks) = prefix_run_input(&wl, true);
+    assert!(blocks.chained, "the generator's hashes are the chain");
+    let with_tokens = |hashes: Vec<u64>| {
+        RequestBlocks::new(hashes, blocks.offsets.clone(), work.len())
+            .and_then(|b| b.with_tokens(blocks.tokens.clone()))
+            .expect("blocks")
+    };
+    assert_eq!(
+        with_tokens(blocks.hashes.clone()),
+        blocks,
+        "checked as the chain"
+    );
+    let twice = RequestBlocks {
+        chained: false,
+        ..blocks.clone()
+    };
+    // The same blocks hashed from seed 1: another chain, never handed over.
+    let b = engine::BLOCK_TOKENS as usize;
+    let seed1: Vec<u64> = blocks
+        .offsets
+        .windows(2)
+        .flat_map(|w| IdChain::new(&blocks.tokens[w[0] * b..w[1] * b], b, 1, 1))
+        .collect();
+    let other = with_tokens(seed1.clone());
+    assert!(!other.chained);
+    let lie = RequestBlocks {
+        chained: true,
+        ..other.clone()
+    };
+    let pools = || vec![pool("p", 4, 16384, 16, 1024)];
+    for preset in ["precise-prefix", "precise-prefix+queue+kv"] {
+        let run = |b: &RequestBlocks| {
+            run_with_blocks(&work, b, &config(pools(), preset), RouterKind::Homogeneous)
+        };
+        let once = run(&blocks);
+        for (what, rep) in [
+            ("hashed twice", run(&twice)),
+            ("another chain", run(&other)),
+        ] {
+            assert_eq!(once.endpoint, rep.endpoint, "{preset}: {what}");
+            assert_eq!(once.cached_tokens, rep.cached_tokens, "{preset}: {what}");
+        }
+        assert_ne!(once.endpoint, run(&lie).endpoint, "{preset}: believed");
+    }
+}
+
 /// Engines too small to hold every prefix: the approximate index still
 /// believes an endpoint holds what was routed to it after the engine evicted
 /// it; the index fed by the engines' events knows, so precise routing serves
@@ -624,4 +685,119 @@ fn under_cache_pressure_precise_prefix_hits_more_than_the_approximate_index() {
         precise > approx,
         "precise {precise} vs approximate {approx}"
     );
+}
+
+/// Nothing a refused request touched stays changed (the step order of
+/// `crate::dispatch`: route, admit, pick): over random mixes of requests,
+/// some of which admission refuses (a dense prompt the token-budget
+/// router's estimate sends to the short pool, too long for its context),
+/// every other request is served exactly as in a run that never saw the
+/// refused ones: same pool, endpoint, cached tokens and latencies. The
+/// router's pool counts, its calibrator (which learns from answered
+/// requests only), the picker's prefix index, sessions and counts are what
+/// the later requests read, so any trace left would move them.
+#[test]
+fn a_refused_request_leaves_no_trace_in_the_fleet() {
+    let mut cfg = config(
+        vec![
+            PoolConfig::new(
+                "short",
+                2,
+                1536,
+                8,
+                4096,
+                512,
+                1,
+                Some(1024),
+                Arc::new(LinearTiming::new(W, H).expect("timing")),
+            )
+            .expect("pool"),
+            pool("long", 2, 16384, 8, 4096),
+        ],
+        "prefix+queue+kv",
+    );
+    cfg.categories.push(Category {
+        name: "dense".into(),
+        bytes_per_token: 2.0,
+        compressible: false,
+    });
+    let last = cfg.picker.len() - 1;
+    cfg.picker
+        .insert(last, PluginSpec::new("session-affinity", 1.0));
+    cfg.scrape_interval = 0.05;
+    let mut refusals = 0;
+    for seed in 0..20u64 {
+        let mut rng = crate::rng::Rng::new(seed);
+        let mut t = 0.0;
+        let mut work = Vec::new();
+        let mut prompts = Vec::new();
+        for k in 0..60u64 {
+            t += 0.02 * rng.uniform();
+            let dense = rng.below(3) == 0;
+            // Dense prompts of 1,300 to 1,700 tokens: the cold calibrator
+            // (4 bytes a token) estimates half, so they go short, where
+            // those over 1,536 tokens with their output do not fit.
+            let input = if dense {
+                1300 + rng.below(400)
+            } else {
+                16 * (4 + rng.below(40))
+            };
+            work.push(SimRequest {
+                category: usize::from(dense),
+                session: Some(rng.below(6)),
+                ..req(t, input, 1 + rng.below(40))
+            });
+            // Eight leading blocks shared with a quarter of the others.
+            let shared = rng.below(4);
+            let block = |b: u64| {
+                if b < 8 {
+                    shared << 16 | b
+                } else {
+                    (k + 1) << 32 | b
+                }
+            };
+            prompts.push((0..input / 16).map(block).collect::<Vec<u64>>());
+        }
+        let kind = RouterKind::TokenBudget;
+        let all = run_with_blocks(&work, &blocks_of(&prompts), &cfg, kind);
+        let kept: Vec<usize> = (0..work.len()).filter(|&k| !all.rejected[k]).collect();
+        refusals += work.len() - kept.len();
+        let only: Vec<SimRequest> = kept.iter().map(|&k| work[k]).collect();
+        let only_prompts: Vec<Vec<u64>> = kept.iter().map(|&k| prompts[k].clone()).collect();
+        let alone = run_with_blocks(&only, &blocks_of(&only_prompts), &cfg, kind);
+        // The router learns from served requests only: without the refused
+        // ones, the others are routed (and admitted) alike.
+        assert!(
+            alone.rejected.iter().all(|r| !r),
+            "seed {seed}: refused alone"
+        );
+        let bits = |v: &[f64], k: usize| v[k].to_bits();
+        for (j, &k) in kept.iter().enumerate() {
+            let a = &all;
+            let b = &alone;
+            assert_eq!(
+                (
+                    a.pool[k],
+                    a.endpoint[k],
+                    a.cached_tokens[k],
+                    a.compressed[k]
+                ),
+                (
+                    b.pool[j],
+                    b.endpoint[j],
+                    b.cached_tokens[j],
+                    b.compressed[j]
+                ),
+                "seed {seed}, request {k}"
+            );
+            for (x, y) in [
+                (&a.ttft, &b.ttft),
+                (&a.e2e, &b.e2e),
+                (&a.queue_wait, &b.queue_wait),
+            ] {
+                assert_eq!(bits(x, k), bits(y, j), "seed {seed}, request {k}");
+            }
+        }
+    }
+    assert!(refusals >= 20, "the mixes refuse requests: {refusals}");
 }

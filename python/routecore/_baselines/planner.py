@@ -323,17 +323,17 @@ def survival(s, pw, y):
     return s[0] * (1 - pw[0]) * es + pw[0] * (1 - s[0]) * ep + s[0] * pw[0] * both
 
 
-def miss(s, pw, hist, t, ttft):
-    """The share of requests whose W + (k + 1/2) t exceeds ttft over the chunk
+def miss(s, pw, hist, t, ttft, half=0.5):
+    """The share of requests whose W + (k + half) t exceeds ttft over the chunk
     histogram, the exponentials stepped from the largest k that fits down."""
     split = 0
-    while split < len(hist) and ttft - (hist[split][0] + 0.5) * t >= 0:
+    while split < len(hist) and ttft - (hist[split][0] + half) * t >= 0:
         split += 1
     total = sum(prob for _, prob in hist[split:])
     if split == 0:
         return total
     top = hist[split - 1][0]
-    y0 = ttft - (top + 0.5) * t
+    y0 = ttft - (top + half) * t
 
     def start(wt):
         return (math.exp(-y0 / wt[1]), math.exp(-t / wt[1])) if wt[0] > 0 else (0.0, 0.0)
@@ -350,7 +350,7 @@ def miss(s, pw, hist, t, ttft):
         if not both:
             sm = 0.0
         elif equal:
-            sm = (1 + (ttft - (k + 0.5) * t) / s[1]) * es
+            sm = (1 + (ttft - (k + half) * t) / s[1]) * es
         else:
             sm = (s[1] * es - pw[1] * ep) / (s[1] - pw[1])
         total += prob * (s[0] * (1 - pw[0]) * es + pw[0] * (1 - s[0]) * ep + s[0] * pw[0] * sm)
@@ -394,17 +394,18 @@ def engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99, s
     r = (1 - quantile) / 2
 
     # A prompt's own chunks: W + H A, A its endpoint's active sequences with
-    # it, floor(n_a) or (with probability f) one more.
+    # it, floor(n_a) or (with probability f) one more; alone (A = 1) it waits
+    # for no iteration under way, beside others for half of one.
     n_a = max((t - w) / h, 1.0)
     lo, f = w + h * math.floor(n_a), n_a - math.floor(n_a)
-    hi = lo + h
+    hi, lo_half = lo + h, (0.0 if n_a < 2 else 0.5)
 
     def own(g):
-        x = g(lo)
-        return x + f * (g(hi) - x) if f > 0 else x
+        x = g(lo, lo_half)
+        return x + f * (g(hi, 0.5) - x) if f > 0 else x
 
-    def after(k, t_own=hi):
-        return (k + 0.5) * (t_own + per_chunk) + offset
+    def after(k, t_own=hi, half=0.5):
+        return (k + half) * (t_own + per_chunk) + (0.5 - half) * per_chunk + offset
 
     def slot(exact):
         return slot_wait(n, n_slots, mu, lam, exact) if occ > 0 else (0.0, 0.0)
@@ -422,9 +423,14 @@ def engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99, s
         if ttft <= slo:
             return True, ttft
     allowed = 1 - quantile
-    if own(lambda t: survival(exact, prefill, slo - after(max(fewest, 1), t))) > allowed:
+    first = max(fewest, 1)
+    if own(lambda t, half: survival(exact, prefill, slo - after(first, t, half))) > allowed:
         return False, ttft
-    return own(lambda t: miss(exact, prefill, hist, t + per_chunk, slo - offset)) <= allowed, ttft
+    return own(
+        lambda t, half: miss(
+            exact, prefill, hist, t + per_chunk, slo - offset - (0.5 - half) * per_chunk, half
+        )
+    ) <= allowed, ttft
 
 
 def smallest_ok(bad, start, ok):
@@ -464,10 +470,12 @@ def size_engine(lam, load, n_slots, ctx, w, h, c, slo, tpot, hint, quantile=0.99
     bad = int(
         min(max(math.floor(lam * h * a / max(room, 1e-12)), math.floor(lam * p * w / c), 0), 1e15)
     )
-    budget, tt = slo - offset, w + h + per_chunk  # the prompt alone on its endpoint
-    alone = (q + 0.5) * tt + offset > slo and sum(
-        x for k, x in hist if budget - (k + 0.5) * tt < 0
-    ) > 1 - quantile
+    # The prompt alone on its endpoint: no iteration under way, its own chunks at W + H.
+    budget, tt = slo - offset - 0.5 * per_chunk, w + h + per_chunk
+    alone = (
+        q * tt + 0.5 * per_chunk + offset > slo
+        and sum(x for k, x in hist if budget - k * tt < 0) > 1 - quantile
+    )
     if room <= 0 or alone:
         return bad + 1  # no count serves it: sized at the stability bound
     found = smallest_ok(

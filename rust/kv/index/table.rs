@@ -17,6 +17,12 @@
 //! slot until enough are dead to compact the slab (in order, so runs stay
 //! runs).
 //!
+//! `index` hashes a block hash again, under a per-process random seed
+//! (foldhash): our block hashes are xxh3 of token ids a KV publisher chose,
+//! with a seed it may know, so it could grind token ids whose hashes share
+//! their low bits (the bucket) and make every probe walk them all; keyed,
+//! it cannot tell which do.
+//!
 //! A block's holders take 8 bytes (`Holders`): the endpoints of ids below 63
 //! as a bitset; else a single endpoint by its id; else a set out of line, in
 //! `wide` (`words` 64-bit words per set, one bit per endpoint id). A fleet
@@ -24,6 +30,10 @@
 //! blocks several endpoints hold do, one set per block shared by all its
 //! holders.
 
+use std::hash::BuildHasher;
+
+use foldhash::quality::RandomState;
+use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
 
 use crate::prefix::BlockStep;
@@ -250,10 +260,11 @@ impl Prompt for Hashed<'_> {
 pub(super) struct Table {
     /// The blocks in the order first stored; dead ones included.
     slab: Vec<Slot>,
-    /// The slots of the live blocks, by their hash.
+    /// The slots of the live blocks, by their hash (keyed by `keys`).
     index: HashTable<u32>,
     dead: usize,
     wide: Wide,
+    keys: RandomState,
 }
 
 impl Table {
@@ -287,45 +298,68 @@ impl Table {
     fn find(&self, hash: u64) -> Option<usize> {
         let slab = &self.slab;
         self.index
-            .find(hash, |&s| slab[s as usize].hash == hash)
+            .find(self.keys.hash_one(hash), |&s| slab[s as usize].hash == hash)
             .map(|&s| s as usize)
     }
 
     /// Records that endpoint `id` holds block `hash`; false if it did already.
     /// A new block takes the next slot: the new blocks of one event follow
-    /// each other.
+    /// each other. One probe of `index`.
     pub(super) fn add(&mut self, hash: u64, id: u32) -> bool {
-        if let Some(s) = self.find(hash) {
-            return self.wide.add(&mut self.slab[s].holders, id);
+        if self.index.len() == self.index.capacity() {
+            self.grow_index();
         }
-        let slot = self.slab.len() as u32;
-        self.slab.push(Slot {
-            hash,
-            holders: Holders::single(id),
-        });
-        let slab = &self.slab;
-        self.index
-            .insert_unique(hash, slot, |&s| slab[s as usize].hash);
-        true
+        let (slab, keys) = (&mut self.slab, &self.keys);
+        let entry = self.index.entry(
+            keys.hash_one(hash),
+            |&s| slab[s as usize].hash == hash,
+            |&s| keys.hash_one(slab[s as usize].hash),
+        );
+        match entry {
+            Entry::Occupied(e) => self.wide.add(&mut slab[*e.get() as usize].holders, id),
+            Entry::Vacant(e) => {
+                e.insert(slab.len() as u32);
+                slab.push(Slot {
+                    hash,
+                    holders: Holders::single(id),
+                });
+                true
+            }
+        }
+    }
+
+    /// Makes `index` room for as many blocks again, rebuilt from the slab
+    /// in slot order: hashbrown's own rehash reads each entry's block hash
+    /// from the slab in bucket order, a cache miss per block (a quarter of
+    /// apply's time at 256 endpoints).
+    fn grow_index(&mut self) {
+        let (slab, keys) = (&self.slab, &self.keys);
+        let mut index = HashTable::with_capacity((2 * self.index.len()).max(64));
+        for (s, x) in slab.iter().enumerate().filter(|(_, x)| x.holders != DEAD) {
+            index.insert_unique(keys.hash_one(x.hash), s as u32, |&s| {
+                keys.hash_one(slab[s as usize].hash)
+            });
+        }
+        self.index = index;
     }
 
     /// Records that endpoint `id` no longer holds block `hash` (a block no
-    /// endpoint holds dies); false if it did not hold it.
+    /// endpoint holds dies); false if it did not hold it. One probe of
+    /// `index`.
     pub(super) fn remove(&mut self, hash: u64, id: u32) -> bool {
-        let Some(s) = self.find(hash) else {
+        let slab = &mut self.slab;
+        let Ok(e) = self
+            .index
+            .find_entry(self.keys.hash_one(hash), |&s| slab[s as usize].hash == hash)
+        else {
             return false;
         };
-        if !self.wide.remove(&mut self.slab[s].holders, id) {
+        let s = *e.get() as usize;
+        if !self.wide.remove(&mut slab[s].holders, id) {
             return false;
         }
-        if self.slab[s].holders == DEAD {
-            let slab = &self.slab;
-            if let Ok(e) = self
-                .index
-                .find_entry(hash, |&x| slab[x as usize].hash == hash)
-            {
-                e.remove();
-            }
+        if slab[s].holders == DEAD {
+            e.remove();
             self.dead += 1;
             if self.dead >= MIN_COMPACT.max(self.slab.len() / 4) {
                 self.compact();
@@ -561,6 +595,23 @@ mod tests {
             .filter(|s| matches!(s.holders.form(), Form::Wide(_)))
             .count();
         assert_eq!(used + t.wide.free.len(), t.wide.sets.len() / t.wide.words);
+    }
+
+    /// Keys a publisher chose to share their low bits (the bucket of an
+    /// identity hash, hashbrown's) spread over the buckets once keyed: the
+    /// table's index and an endpoint's maps alike.
+    #[test]
+    fn keys_that_share_their_low_bits_spread_once_keyed() {
+        let table = Table::default();
+        let endpoint = super::super::EndpointKv::default();
+        let hashes: [&dyn Fn(u64) -> u64; 2] = [&|k| table.keys.hash_one(k), &|k| {
+            endpoint.blocks.hasher().hash_one(k)
+        }];
+        for hash in hashes {
+            let buckets: BTreeSet<u64> = (1..=4096u64).map(|i| hash(i << 40) & 4095).collect();
+            // 4,096 keys thrown into 4,096 buckets at random fill 63% of them.
+            assert!(buckets.len() > 2400, "{} buckets", buckets.len());
+        }
     }
 
     /// A walk settles each endpoint that holds some of the prompt's blocks

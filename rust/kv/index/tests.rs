@@ -1,4 +1,5 @@
 use super::*;
+use crate::prefix::block_hashes;
 use crate::rng::Rng;
 
 const BS: usize = 2;
@@ -68,7 +69,7 @@ fn stored_blocks_are_keyed_by_our_chained_hashes_of_their_tokens() {
 fn hashes_after_a_parent_are_the_tail_of_the_whole_chain() {
     let t: Vec<u32> = (0..12).collect();
     let whole = block_hashes(Tokens::Ids(&t), 3, 5).expect("h");
-    let tail = block_hashes_after(whole[1], Tokens::Ids(&t[6..]), 3, 5).expect("h");
+    let tail: Vec<u64> = IdChain::new(&t[6..], 3, 5, whole[1]).collect();
     assert_eq!(tail, whole[2..].to_vec());
 }
 
@@ -424,10 +425,8 @@ fn the_index_follows_an_engine_cache_exactly_and_replicas_agree() {
 mod old {
     use std::collections::HashMap;
 
-    use super::super::{
-        block_hashes, block_hashes_after, lora_seed, Event, KvConfig, Skip, Stored, Tokens,
-        MEDIUM_GPU,
-    };
+    use super::super::{lora_seed, Event, KvConfig, Skip, Stored, MEDIUM_GPU};
+    use crate::prefix::IdChain;
 
     #[derive(Debug, Default)]
     pub struct Endpoint {
@@ -550,15 +549,11 @@ mod old {
                 )));
             }
             let seed = lora_seed(c.seed, s.lora.as_deref());
-            let tokens = Tokens::Ids(&s.token_ids);
-            let hashes = match s.parent {
-                None => block_hashes(tokens, bs, seed),
-                Some(p) => {
-                    let parent = *self.ours.get(&p).ok_or(Skip::UnknownParent(p))?;
-                    block_hashes_after(parent, tokens, bs, seed)
-                }
+            let prev = match s.parent {
+                None => seed,
+                Some(p) => *self.ours.get(&p).ok_or(Skip::UnknownParent(p))?,
             };
-            hashes.map_err(|err| Skip::Malformed(err.to_string()))
+            Ok(IdChain::new(&s.token_ids, bs, seed, prev).collect())
         }
         pub fn leading_blocks(&self, hashes: &[u64]) -> Option<usize> {
             self.live().then(|| {

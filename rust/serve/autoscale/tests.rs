@@ -81,7 +81,7 @@ fn scaling(slo_ttft_s: f64, metrics: &Metrics) -> Scaling {
 
 struct Held(f64);
 
-impl QueuedDemand for Held {
+impl PoolSignals for Held {
     fn queued_requests(&self, pool: usize) -> f64 {
         if pool == 0 {
             self.0
@@ -267,6 +267,46 @@ fn an_slo_no_fleet_meets_says_max_and_warns_once_per_change() {
     let changed = s.step(30.0, &Held(0.0)).expect("step");
     assert_eq!(changed, vec![("p".to_owned(), None)]);
     assert!(s.step(31.0, &Held(0.0)).expect("step").is_empty());
+}
+
+/// One endpoint ready, whatever else the pool runs.
+struct OneReady;
+
+impl PoolSignals for OneReady {
+    fn queued_requests(&self, _: usize) -> f64 {
+        0.0
+    }
+
+    fn ready_endpoints(&self, _: usize) -> Option<u64> {
+        Some(1)
+    }
+}
+
+/// A pool that lists an address for every endpoint it may run (2 of at
+/// most 2) reads its endpoints' health as their readiness: the endpoints
+/// its count asked for that are not ready yet are cancelled as soon as the
+/// target falls, without the scale-down delay. A pool listing fewer (2 of
+/// at most 3: one address in front of several) cannot tell, and waits.
+#[test]
+fn starting_endpoints_are_cancelled_where_the_pool_lists_every_endpoint() {
+    for (max, want) in [(2, 1), (3, 3)] {
+        let mut section = autoscale(1e-6);
+        section["config"]["pools"][0]["max_endpoints"] = json!(max);
+        let s = spec(section).expect("spec");
+        let metrics = Metrics::new();
+        let a = s.autoscale.as_ref().expect("autoscale");
+        let gauges = Arc::clone(&metrics.autoscale);
+        let s = Scaling::new(a, &s.pools, &s.tenants, gauges, None, 0.0).expect("scaling");
+        for i in 0..100 {
+            s.observe(0, None, f64::from(i) / 100.0, 2000, 200);
+        }
+        s.step(1.0, &OneReady).expect("step");
+        assert_eq!(s.last()[0].endpoints, max, "an SLO no count meets: max");
+        // The traffic left the window: the target is 1, 5 s of delay.
+        s.step(30.0, &OneReady).expect("step");
+        let d = &s.last()[0];
+        assert_eq!((d.target.endpoints, d.endpoints), (1, want), "max {max}");
+    }
 }
 
 #[test]

@@ -1,6 +1,6 @@
-//! The endpoint choice inside one pool: the pool picker's pipeline over
-//! the endpoints' states, fed by their probes and by this data plane's own
-//! dispatches.
+//! The endpoint choice inside one pool: the pool picker
+//! ([`crate::pick::PoolPicker`]) behind the pool's lock, its endpoints'
+//! states fed by their probes and by this data plane's own dispatches.
 
 use super::*;
 
@@ -16,24 +16,20 @@ pub(super) enum Choice {
 }
 
 pub(super) struct PoolState {
-    pub(super) pipeline: Pipeline,
-    pub(super) states: Vec<EndpointState>,
+    pub(super) picker: PoolPicker,
     /// The probe sequence number each state was last refreshed from.
     pub(super) seen: Vec<u64>,
     /// The probe's adapter list each state copied last (copied again only
     /// when the probe's list is another one).
     pub(super) adapters: Vec<Arc<Vec<String>>>,
-    pub(super) ranked: Vec<usize>,
-    /// The pool's prefill/decode split (None: every endpoint is `both`
-    /// and never split).
-    pub(super) split: Option<crate::pd::Split>,
 }
 
-/// Picks the endpoint inside one pool: the endpoint-picker pipeline of
-/// `router.policy` (`crate::pick`) over one [`EndpointState`] per endpoint,
+/// Picks the endpoint inside one pool: the pool picker of `router.policy`
+/// (`crate::pick::PoolPicker`) over one [`EndpointState`] per endpoint,
 /// fed by the endpoints' probes (health, queue, KV use, adapters: see
 /// `scrape`) and by this data plane's own dispatches (in flight, and since
-/// the last scrape).
+/// the last scrape); the chooser adds the probes, the lock and the
+/// fallbacks' count.
 pub struct Chooser {
     pub(super) endpoints: Vec<String>,
     /// One per endpoint; empty when the endpoints are not scraped.
@@ -68,23 +64,18 @@ impl Chooser {
         pipeline.prepare()?;
         let split = Self::split(pool, &pipeline)
             .map_err(|e| invalid(format!("pools: {:?}: {e}", pool.name)))?;
-        let prefix = pipeline
-            .prefix()
-            .map(|p| (p.config().block_size, p.config().seed));
+        let picker = PoolPicker::with_split(pipeline, split);
         let n = pool.endpoints.len();
         Ok(Self {
             endpoints: pool.endpoints.clone(),
             probes,
-            prefix,
+            prefix: picker.block(),
             fallbacks: router.fallbacks,
             saturation: sat,
             state: Mutex::new(PoolState {
-                pipeline,
-                states: vec![EndpointState::default(); n],
+                picker,
                 seen: vec![0; n],
                 adapters: vec![Arc::default(); n],
-                ranked: Vec::new(),
-                split,
             }),
         })
     }
@@ -110,7 +101,7 @@ impl Chooser {
         let now = Instant::now();
         for (i, p) in self.probes.iter().enumerate() {
             let r = p.reading(now);
-            let s = &mut st.states[i];
+            let s = &mut st.picker.states[i];
             s.healthy = r.healthy;
             s.waiting = r.waiting;
             s.running = r.running;
@@ -132,7 +123,7 @@ impl Chooser {
         hints.subset.as_ref().map(|names| {
             names
                 .iter()
-                .filter_map(|n| st.pipeline.endpoints().index(n).ok())
+                .filter_map(|n| st.picker.index(n).ok())
                 .collect()
         })
     }
@@ -145,16 +136,7 @@ impl Chooser {
         let st = &mut *guard;
         self.refresh(st);
         let subset = self.subset(st, hints);
-        let decodes = |i: usize| st.split.as_ref().is_none_or(|sp| sp.roles()[i].decodes());
-        let mut candidates = st
-            .states
-            .iter()
-            .enumerate()
-            .filter(|&(i, s)| {
-                s.healthy && decodes(i) && subset.as_ref().is_none_or(|sub| sub.contains(&i))
-            })
-            .peekable();
-        candidates.peek().is_some() && candidates.all(|(_, s)| self.saturation.saturated(s))
+        st.picker.saturated(subset.as_deref(), &self.saturation)
     }
 
     /// Whether the pool has room by `flow`'s detector, over the states as
@@ -163,7 +145,7 @@ impl Chooser {
         let mut guard = lock(&self.state);
         let st = &mut *guard;
         self.refresh(st);
-        flow.room(&st.states)
+        flow.room(&st.picker.states)
     }
 
     /// Ranks the pool's endpoints for a request and counts the chosen one in
@@ -188,11 +170,14 @@ impl Chooser {
             (_, Some(Prompt::Ids(t))) => Some(t.as_slice()),
             _ => None,
         };
-        let hashes = match (self.prefix, token_ids, &read) {
-            (Some((size, seed)), Some(t), _) => block_hashes(Tokens::Ids(t), size, seed)?,
-            (Some((size, seed)), None, Some(prompt)) => block_hashes(prompt.tokens(), size, seed)?,
-            _ => Vec::new(),
-        };
+        let mut hashes = Vec::new();
+        match (token_ids, &read) {
+            (Some(t), _) => PoolPicker::hash_prompt(self.prefix, Tokens::Ids(t), &mut hashes)?,
+            (None, Some(prompt)) => {
+                PoolPicker::hash_prompt(self.prefix, prompt.tokens(), &mut hashes)?
+            }
+            (None, None) => {}
+        }
         let mut guard = lock(&self.state);
         let st = &mut *guard;
         self.refresh(st);
@@ -209,33 +194,16 @@ impl Chooser {
             output_tokens: est.1,
             now,
         };
-        let mut ranked = std::mem::take(&mut st.ranked);
-        let out = match st.split.as_mut() {
-            Some(split) => split
-                .pick(&mut st.pipeline, &req, &mut st.states, &mut ranked)
-                .map(|pair| match pair {
-                    None => Choice::NoEndpoint,
-                    Some(pair) => {
-                        ranked.truncate(1 + self.fallbacks);
-                        let prefill = pair.prefill.map(|(p, _)| p);
-                        Choice::Ranked(ranked.clone(), pair.recorded, prefill)
-                    }
-                }),
-            None => st
-                .pipeline
-                .pick(&req, &st.states, &mut ranked)
-                .and_then(|()| {
-                    let Some(&chosen) = ranked.first() else {
-                        return Ok(Choice::NoEndpoint);
-                    };
-                    let recorded = st.pipeline.started_recorded(&req, chosen)?;
-                    st.states[chosen].start_one();
-                    ranked.truncate(1 + self.fallbacks);
-                    Ok(Choice::Ranked(ranked.clone(), recorded, None))
-                }),
+        let Some(pair) = st.picker.place(&req)? else {
+            return Ok(Choice::NoEndpoint);
         };
-        st.ranked = ranked;
-        out
+        let ranked = st.picker.ranked();
+        let ranked = ranked[..ranked.len().min(1 + self.fallbacks)].to_vec();
+        Ok(Choice::Ranked(
+            ranked,
+            pair.recorded,
+            pair.prefill.map(|(p, _)| p),
+        ))
     }
 
     /// A request on `endpoint` ended (with its usage when known): out of
@@ -248,12 +216,6 @@ impl Chooser {
         usage: Option<Usage>,
         now: f64,
     ) -> Result<()> {
-        let mut st = lock(&self.state);
-        let st = &mut *st;
-        if let Some(s) = st.states.get_mut(endpoint) {
-            // Released exactly once per counted request (leases.rs).
-            s.finish_one();
-        }
         let actual = usage.unwrap_or((est.0, 0));
         let req = PickRequest {
             fairness_id: Some(user),
@@ -262,26 +224,25 @@ impl Chooser {
             now,
             ..PickRequest::default()
         };
-        st.pipeline
-            .completed_request(&req, endpoint, actual.0, actual.1)
+        // Released exactly once per counted request (leases.rs).
+        lock(&self.state)
+            .picker
+            .complete(endpoint, &req, actual.0, actual.1)
     }
 
     /// A split request's prefill on `endpoint` ended (its lease ended: the
     /// prefill ran before the decode answered): out of flight, the prefill
     /// pipeline told.
     pub(super) fn release_prefill(&self, endpoint: usize, est: (u64, u64), now: f64) -> Result<()> {
-        let mut st = lock(&self.state);
-        let st = &mut *st;
-        let Some(split) = st.split.as_mut() else {
-            return Err(invalid("a prefill released on a pool that does not split"));
-        };
         let req = PickRequest {
             input_tokens: est.0,
             output_tokens: est.1,
             now,
             ..PickRequest::default()
         };
-        split.prefill_done(&req, endpoint, est.0, &mut st.states)
+        lock(&self.state)
+            .picker
+            .complete_prefill(endpoint, &req, est.0)
     }
 
     /// A request counted on `from` was served by `to`: its in-flight count
@@ -293,29 +254,19 @@ impl Chooser {
         recorded: &Recorded,
         now: f64,
     ) -> Result<()> {
-        let mut st = lock(&self.state);
-        st.pipeline.moved(from, to, recorded, now)?;
-        let s = &mut st.states[from];
-        s.in_flight = s.in_flight.saturating_sub(1);
-        s.dispatched_since_scrape = s.dispatched_since_scrape.saturating_sub(1);
-        st.states[to].start_one();
-        Ok(())
+        lock(&self.state).picker.moved(from, to, recorded, now)
     }
 
     /// Requests in flight per endpoint.
     pub fn loads(&self) -> Vec<u64> {
-        lock(&self.state)
-            .states
-            .iter()
-            .map(|s| s.in_flight)
-            .collect()
+        lock(&self.state).picker.running()
     }
 
     /// The endpoints' states as the picker sees them now.
     pub fn states(&self) -> Vec<EndpointState> {
         let mut st = lock(&self.state);
         self.refresh(&mut st);
-        st.states.clone()
+        st.picker.states.clone()
     }
 
     pub fn endpoints(&self) -> &[String] {

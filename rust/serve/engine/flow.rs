@@ -186,7 +186,7 @@ mod tests {
         let (shared, engine) = plane_of(json);
         {
             let mut st = engine.choosers[0].state.lock().expect("state");
-            for s in &mut st.states {
+            for s in &mut st.picker.states {
                 (s.waiting, s.running, s.kv_usage) = (Some(0.0), Some(0.0), Some(0.0));
             }
         }

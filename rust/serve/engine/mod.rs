@@ -39,9 +39,9 @@ use crate::compress::Compressor;
 use crate::endpoint::EndpointState;
 use crate::error::{invalid, Error, Result};
 use crate::openai::{MediaTokens, ParsedRequest};
-use crate::pick::{preset_specs, PickConfig, PickRequest, Pipeline, Recorded};
+use crate::pick::{preset_specs, PickConfig, PickRequest, Pipeline, PoolPicker, Recorded};
 use crate::pipeline::route_request;
-use crate::prefix::{block_hashes, Tokens};
+use crate::prefix::Tokens;
 use crate::tokenize::{Encoded, SpecialTokens, Tokenized, Tokenizer};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
@@ -974,6 +974,7 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::prefix::block_hashes;
 
     fn hashes(body: &[u8]) -> Vec<u64> {
         let prompt = prompt_of(body).expect("a request");
@@ -1131,12 +1132,13 @@ mod tests {
     fn kept(engine: &Engine, prompts: &[Vec<u8>], now: f64) -> String {
         let mut st = lock(&engine.choosers[0].state);
         let st = &mut *st;
-        let loads: Vec<u64> = st.states.iter().map(|s| s.in_flight).collect();
+        let loads: Vec<u64> = st.picker.states.iter().map(|s| s.in_flight).collect();
         let charges = st
+            .picker
             .pipeline
             .vtc_mut()
             .map(|v| ["demo", "other"].map(|u| v.tokens(u, now)));
-        let held = st.pipeline.prefix().map(|p| {
+        let held = st.picker.pipeline.prefix().map(|p| {
             let mut index = lock(p.index()).clone();
             let (size, seed) = (p.config().block_size, p.config().seed);
             let held: Vec<_> = prompts
@@ -1244,7 +1246,7 @@ mod tests {
         assert_eq!(chooser.prefix, Some((64, 0)));
         let st = lock(&chooser.state);
         let params = |name: &str| {
-            let spec = st.pipeline.specs().iter().find(|s| s.name == name);
+            let spec = st.picker.pipeline.specs().iter().find(|s| s.name == name);
             spec.expect("in the preset").params.clone()
         };
         assert_eq!(

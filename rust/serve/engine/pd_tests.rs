@@ -136,7 +136,7 @@ async fn the_sheddable_gate_looks_at_the_endpoints_a_request_decodes_on() {
     let chooser = &engine.choosers[0];
     let queues = |waiting: [f64; 4]| {
         let mut st = chooser.state.lock().expect("state");
-        for (s, w) in st.states.iter_mut().zip(waiting) {
+        for (s, w) in st.picker.states.iter_mut().zip(waiting) {
             s.waiting = Some(w);
         }
     };

@@ -291,6 +291,8 @@ impl Run<'_> {
             starting: 0,
             draining: 0,
             waiting: self.held.len() as u64,
+            held: self.held.len() as u64,
+            backlogged: 0,
             running: 0,
             kv_usage: 0.0,
             max_num_seqs: self.cfg.pool.max_num_seqs as u64,
@@ -307,6 +309,7 @@ impl Run<'_> {
             }
             st.waiting += s.engine.waiting() as u64;
             st.running += s.engine.running() as u64;
+            st.backlogged += u64::from(s.engine.waiting() > 0);
         }
         if st.ready > 0 {
             st.kv_usage /= st.ready as f64;

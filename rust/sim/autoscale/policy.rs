@@ -12,8 +12,10 @@
 //!   waiting, damped as HPA damps any metric;
 //! - [`ModelBased`]: routecore's [`Autoscaler`], the same code the data plane
 //!   runs: every finished request observed, the pool sized every period by
-//!   the planner's engine model from the live window (the requests waiting
-//!   in the engines counting as the queued demand), damped.
+//!   the planner's engine model from the live window (the requests held at
+//!   the router as queued demand, those queued in an engine making its
+//!   endpoint busy; the ready endpoints told, so the starting ones a lower
+//!   forecast no longer needs are cancelled), damped.
 
 use std::collections::HashMap;
 
@@ -39,6 +41,10 @@ pub struct FleetState {
     /// Requests waiting in the engines' queues (and at the router while no
     /// endpoint is ready).
     pub waiting: u64,
+    /// Of them, those held at the router (any endpoint may take them).
+    pub held: u64,
+    /// Endpoints (ready or draining) with requests waiting in their queue.
+    pub backlogged: u64,
     /// Requests the engines run.
     pub running: u64,
     /// Mean KV-cache use of the ready endpoints, in [0, 1].
@@ -295,7 +301,7 @@ impl Policy for Saturation {
             current
         };
         let target = target.clamp(pool.min_endpoints, pool.max_endpoints);
-        Ok(self.damper.step(now, target, &self.damping))
+        Ok(self.damper.step(now, target, None, &self.damping))
     }
 }
 
@@ -307,6 +313,9 @@ impl Policy for Saturation {
 #[derive(Debug, Clone)]
 pub struct ModelBased {
     autoscaler: Autoscaler,
+    /// Requests per second one endpoint serves within the SLO, by the last
+    /// sizing (its rate over the model's count); None before one.
+    per_endpoint_rate: Option<f64>,
 }
 
 impl ModelBased {
@@ -321,7 +330,10 @@ impl ModelBased {
         }
         let mut autoscaler = Autoscaler::new(cfg, vec![profile], 0.0)?;
         autoscaler.set_current(0, current)?;
-        Ok(Self { autoscaler })
+        Ok(Self {
+            autoscaler,
+            per_endpoint_rate: None,
+        })
     }
 }
 
@@ -338,12 +350,35 @@ impl Policy for ModelBased {
         self.autoscaler.observe(0, None, now, prompt, output)
     }
 
+    /// The queued demand is the requests held at the router (any endpoint
+    /// takes them); those queued in an engine are served by it alone, so
+    /// endpoints started for them would serve none of them: the endpoints
+    /// holding them are busy instead, each for its share of the backlog
+    /// over what one endpoint serves in the queue's horizon, at most the
+    /// endpoints that hold one (before the first sizing, with no rate per
+    /// endpoint known, they count as queued). The data plane's
+    /// flow-control queue is at the router.
     fn desired(&mut self, now: f64, _: &PoolScaling, state: &FleetState) -> Result<u64> {
+        let in_engines = state.waiting.saturating_sub(state.held) as f64;
+        let drain_s = self.autoscaler.config().queue_drain_s();
+        let (queued, busy) = match self.per_endpoint_rate {
+            Some(mu) => (
+                state.held as f64,
+                (in_engines / (mu * drain_s)).min(state.backlogged as f64),
+            ),
+            None => (state.waiting as f64, 0.0),
+        };
         let demand = PoolDemand {
-            queued_requests: state.waiting as f64,
+            queued_requests: queued,
             promised_tokens_per_s: 0.0,
+            busy_endpoints: busy,
+            ready_endpoints: Some(state.ready),
         };
         let d = self.autoscaler.step(now, &[demand])?;
+        let t = &d[0].target;
+        if t.model_endpoints > 0 {
+            self.per_endpoint_rate = Some(t.rate / t.model_endpoints as f64);
+        }
         Ok(d[0].endpoints)
     }
 }

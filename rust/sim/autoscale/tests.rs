@@ -288,6 +288,8 @@ fn hindsight_sees_the_step_coming() {
         starting: 0,
         draining: 0,
         waiting: 0,
+        held: 0,
+        backlogged: 0,
         running: 0,
         kv_usage: 0.0,
         max_num_seqs: 8,
@@ -313,6 +315,8 @@ fn the_saturation_rule_by_hand() {
         starting: 0,
         draining: 0,
         waiting,
+        held: 0,
+        backlogged: 0,
         running,
         kv_usage: kv,
         max_num_seqs: 10,
@@ -359,6 +363,8 @@ fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
         starting: 0,
         draining: 0,
         waiting,
+        held: waiting,
+        backlogged: 0,
         running: 0,
         kv_usage: 0.0,
         max_num_seqs: 8,
@@ -367,19 +373,49 @@ fn the_model_policy_is_the_autoscaler_with_the_engines_queue_as_demand() {
     let demand = crate::autoscale::PoolDemand {
         queued_requests: 300.0,
         promised_tokens_per_s: 0.0,
+        busy_endpoints: 0.0,
+        ready_endpoints: Some(5),
     };
     // From the first decision on, the autoscaler's count.
     let first = a.step(30.0, &[demand]).expect("ok")[0].endpoints;
     assert_eq!(m.desired(30.0, pool, &st(300)).expect("ok"), first);
     let want = a.step(60.0, &[demand]).expect("ok")[0].endpoints;
     assert_eq!(m.desired(60.0, pool, &st(300)).expect("ok"), want);
-    let mut quiet = ModelBased::new(cfg.clone(), profile, 5).expect("ok");
+    let mut quiet = ModelBased::new(cfg.clone(), profile.clone(), 5).expect("ok");
     for (k, q) in azure_like(600, 3).iter().enumerate() {
         quiet
             .observe(k as f64 / 20.0, q.input_tokens, q.output_tokens)
             .expect("ok");
     }
     assert!(quiet.desired(60.0, pool, &st(0)).expect("ok") < want);
+    // Requests queued in the engines make their endpoints busy, at most
+    // the 20 that hold them: twice the backlog in the same 20 endpoints
+    // asks for no more, while held at the router (any endpoint takes
+    // them) it does.
+    let in_engines = |waiting, held| FleetState {
+        waiting,
+        held,
+        backlogged: 20,
+        ..st(0)
+    };
+    let queued = |waiting, held| {
+        let undamped = AutoscaleConfig {
+            max_step_up_percent: 1e6,
+            ..cfg.clone()
+        };
+        let mut m = ModelBased::new(undamped, profile.clone(), 5).expect("ok");
+        for (k, q) in azure_like(600, 3).iter().enumerate() {
+            m.observe(k as f64 / 20.0, q.input_tokens, q.output_tokens)
+                .expect("ok");
+        }
+        m.desired(30.0, pool, &st(0)).expect("ok");
+        m.desired(60.0, pool, &in_engines(waiting, held))
+            .expect("ok")
+    };
+    let capped = queued(1_000_000, 0);
+    assert!(capped > queued(0, 0), "{capped}");
+    assert_eq!(queued(2_000_000, 0), capped);
+    assert!(queued(1_000_000, 1_000_000) > capped);
     // Out of bounds: refused.
     assert!(ModelBased::new(cfg, Profile::llama3_70b_a100(), 501).is_err());
 }
