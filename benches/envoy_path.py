@@ -61,7 +61,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from envoy_proxy import EXAMPLES, Envoy, shipped_config  # noqa: E402
+from envoy_proxy import EXAMPLES, Envoy, on_socket, shipped_config  # noqa: E402
 from server_fixtures import Spawned, free_port  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm"
@@ -319,10 +319,15 @@ http {{
             # requests/s and holds the rest (the path then saturates at about
             # 200/s whatever the proxy). Raised so that the path is measured.
             config["flow_control"]["saturation"]["max_waiting"] = 1e6
+            # ext_proc on a Unix socket too, for the files that reach it so
+            # (envoy-uds.yaml): one routecore serves every mode of the run.
+            sock = self.dir / "ext_proc.sock"
+            config["server"]["unix_socket"] = str(sock)
             self.routecore = Spawned(self.dir / "routecore.yaml", config, "--log-level", "warning")
             for mode in modes:
                 port = free_port()
-                cfg = shipped_config(mode, port, [self.routecore.target], engines)
+                target = f"unix:{sock}" if on_socket(mode) else self.routecore.target
+                cfg = shipped_config(mode, port, [target], engines)
                 envoy = Envoy(cfg, self.dir, concurrency=2)
                 self.envoys.append(envoy)
                 name = "envoy-routecore" + ("" if mode == modes[0] else f":{mode}")

@@ -71,9 +71,25 @@ def socket_address(address: str) -> dict:
     return {"socket_address": {"address": host, "port_value": int(port)}}
 
 
+def address(a: str) -> dict:
+    """``host:port``, or ``unix:PATH`` (a Unix socket: an Envoy ``pipe``), as an
+    Envoy address."""
+    if a.startswith("unix:"):
+        return {"pipe": {"path": a.removeprefix("unix:")}}
+    return socket_address(a)
+
+
+def on_socket(name: str) -> bool:
+    """Whether ``examples/<name>`` reaches routecore over a Unix socket (a ``pipe``)."""
+    clusters = yaml.safe_load((EXAMPLES / name).read_text())["static_resources"]["clusters"]
+    (routecore,) = (c for c in clusters if c["name"] == "routecore")
+    (group,) = routecore["load_assignment"]["endpoints"]
+    return any("pipe" in e["endpoint"]["address"] for e in group["lb_endpoints"])
+
+
 def _endpoints(cluster: dict, addresses: list[str]) -> None:
     cluster["load_assignment"]["endpoints"] = [
-        {"lb_endpoints": [{"endpoint": {"address": socket_address(a)}} for a in addresses]}
+        {"lb_endpoints": [{"endpoint": {"address": address(a)}} for a in addresses]}
     ]
 
 
@@ -81,7 +97,8 @@ def shipped_config(
     name: str, port: int, routecore: list[str], engines: list[str] | None = None
 ) -> dict:
     """``examples/<name>`` with its listener on 127.0.0.1:``port``, its
-    ``routecore`` cluster on the ``routecore`` addresses and its ``engines``
+    ``routecore`` cluster on the ``routecore`` addresses (``unix:PATH`` for a
+    Unix socket) and its ``engines``
     cluster on ``engines`` (None: as shipped); nothing else changes."""
     config = yaml.safe_load((EXAMPLES / name).read_text())
     resources = config["static_resources"]

@@ -9,21 +9,27 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
+import socket
+import stat
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import yaml
-from envoy_proxy import EXAMPLES, envoy_binary, shipped_config
+from envoy_proxy import EXAMPLES, envoy_binary, on_socket, shipped_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mock_engine import MockEngine
 from server_fixtures import (
+    Running,
     Spawned,
     admission,
     base_config,
@@ -35,6 +41,8 @@ from server_fixtures import (
 )
 from test_vllm_fixtures import shape
 
+from routecore.config import ConfigError
+
 KEY = {"x-api-key": "demo-key", "content-type": "application/json"}
 #: Every shipped Envoy file, one per processing mode (README "Envoy's processing modes").
 SHIPPED_FILES = [
@@ -42,6 +50,7 @@ SHIPPED_FILES = [
     "envoy-full-duplex.yaml",
     "envoy-fail-open.yaml",
     "envoy-observe.yaml",
+    "envoy-uds.yaml",
 ]
 
 
@@ -376,8 +385,60 @@ def test_the_readme_envoy_block_runs(tmp_path, monkeypatch, engines, envoy):
         server.stop()
 
 
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    """A directory with a short path for Unix sockets (a socket's path holds at
+    most 107 bytes; pytest's tmp_path may be longer)."""
+    with tempfile.TemporaryDirectory(prefix="rc-") as d:
+        yield Path(d)
+
+
+def grpc_liveness(target: str) -> int:
+    """The data plane's ``liveness`` health status at ``target``. (gRPC's C core
+    sends a ``unix:`` target's path as the ``:authority``, which the server's
+    HTTP/2 refuses: a client names an authority of its own, as Envoy does.)"""
+    options = [("grpc.default_authority", "localhost")]
+    with grpc.insecure_channel(target, options=options) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5).status
+
+
+def test_the_unix_socket_replaces_a_stale_one_and_is_removed_at_shutdown(serve, socket_dir):
+    """``server.unix_socket``: a stale socket at the path (its process gone) is
+    replaced, the socket gets its mode and serves ext_proc's gRPC (the TCP port
+    too), and is gone after shutdown; a missing directory, a socket another
+    server holds, a path that is not a socket and a bad mode are refused by
+    name, and a refused start leaves what was there (about 2 s)."""
+    path = socket_dir / "ext_proc.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()  # the file stays: a process killed before it could remove it
+    config = base_config(server={"unix_socket": str(path), "unix_socket_mode": 0o660})
+    r = Running(socket_dir / "routecore.yaml", config)
+    try:
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert grpc_liveness(f"unix:{path}") == serving
+        assert grpc_liveness(r.target) == serving
+        with pytest.raises(OSError, match="another process is listening"):
+            serve(server={"unix_socket": str(path)})
+        assert grpc_liveness(f"unix:{path}") == serving, "the running server keeps its socket"
+    finally:
+        r.stop()
+    assert not path.exists()
+    with pytest.raises(OSError, match=r"directory .*missing does not exist"):
+        serve(server={"unix_socket": str(socket_dir / "missing" / "s.sock")})
+    path.write_text("not a socket")
+    with pytest.raises(OSError, match="exists and is not a socket"):
+        serve(server={"unix_socket": str(path)})
+    assert path.read_text() == "not a socket"
+    with pytest.raises(ConfigError, match=r"server\.unix_socket_mode: expected one of"):
+        serve(server={"unix_socket": str(socket_dir / "s.sock"), "unix_socket_mode": "0666"})
+
+
 @pytest.mark.parametrize("name", SHIPPED_FILES)
-def test_every_processing_mode_keeps_every_feature(name, engines, serve, envoy):
+def test_every_processing_mode_keeps_every_feature(name, engines, serve, envoy, socket_dir):
     """Through each shipped Envoy file: a borderline prompt reaches the short
     pool's engine compressed (the body rewritten, a Content-Length that fits
     it: the engine parses it), a JSON and an SSE answer each teach the
@@ -388,7 +449,9 @@ def test_every_processing_mode_keeps_every_feature(name, engines, serve, envoy):
     short, long = engines(2)
     prompts: list[str] = []
     short.listeners.append(lambda served: prompts.append(served.prompt))
+    sock = socket_dir / "ext_proc.sock"
     r = serve(
+        server={"unix_socket": str(sock)} if on_socket(name) else {},
         pools=[
             {"name": "short", "max_context": 8192, "endpoints": [short.address]},
             {"name": "long", "max_context": 65536, "endpoints": [long.address]},
@@ -398,7 +461,8 @@ def test_every_processing_mode_keeps_every_feature(name, engines, serve, envoy):
         tenants=tenants(),
     )
     addresses = [short.address, long.address]
-    gw = envoy(shipped_config(name, free_port(), [r.target], addresses))
+    target = f"unix:{sock}" if on_socket(name) else r.target
+    gw = envoy(shipped_config(name, free_port(), [target], addresses))
     document = distinct_sentences(450)  # about 8,400 tokens: compressed into short's 8K
     body = {
         "model": "m",

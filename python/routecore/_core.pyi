@@ -1459,10 +1459,14 @@ class DataPlane:
         log_level: int = 20,
         *,
         tokenizers: dict[str, Tokenizer] | None = None,
+        unix_socket: str | os.PathLike[str] | None = None,
+        unix_socket_mode: int = 0o600,
     ) -> DataPlane:
         """Starts serving ``spec_json`` (``Config.spec_json()``) with the models'
-        ``tokenizers`` handed over loaded (``Config.tokenizers()``); ValueError for a
-        bad spec or a port that cannot be bound."""
+        ``tokenizers`` handed over loaded (``Config.tokenizers()``), ext_proc on the
+        ``unix_socket`` path too (``unix_socket_mode`` 0o600 or 0o660; a stale socket
+        replaced, the file removed at the drain); ValueError for a bad spec, a port or
+        a socket that cannot be bound."""
     @property
     def port(self) -> int:
         """The gRPC port (ext_proc and health)."""

@@ -4,7 +4,7 @@ Every error names the bad key (``pools[1].endpoints[0]: ...``) and never
 repeats an API key. See ``examples/routecore.yaml`` for a complete file::
 
     server: {port, api_port, metrics_port, host, key_header, strip_headers, failure_mode,
-             default_pool, grace_s, state_file, worker_threads}
+             default_pool, grace_s, state_file, worker_threads, unix_socket, unix_socket_mode}
     limits: {max_body_bytes, max_message_bytes, request_timeout_s, default_max_tokens,
              image_tokens, audio_tokens, tokenize_inline_bytes, body_timeout_s,
              max_buffered_bytes, max_streams_per_connection, max_connections}
@@ -137,6 +137,12 @@ class ServerConfig:
     state_file: str = ""
     #: Threads of the data plane's runtime.
     worker_threads: int = 2
+    #: ext_proc also on this Unix socket ("": TCP only), for an Envoy on the same
+    #: host (examples/envoy-uds.yaml): its directory must exist; a stale socket
+    #: there is replaced; removed at shutdown.
+    unix_socket: str = ""
+    #: The socket's permissions: "0600" (routecore's user) or "0660" (and its group).
+    unix_socket_mode: str = "0600"
 
 
 @dataclass(frozen=True)
@@ -1229,8 +1235,12 @@ def parse_config(raw: Any) -> Config:
             "failure_mode",
             "default_pool",
             "state_file",
+            "unix_socket",
+            "unix_socket_mode",
         },
     )
+    if type(s.get("unix_socket_mode")) is int:  # YAML reads an unquoted 0660 as octal
+        s = {**s, "unix_socket_mode": f"0{s['unix_socket_mode']:o}"}
     pools = _pools(_list(top, "pools", "config"), scrape.engines)
     server = ServerConfig(
         **_numbers(s, "server", "server", ServerConfig),
@@ -1240,6 +1250,8 @@ def parse_config(raw: Any) -> Config:
         failure_mode=_str(s, "failure_mode", "server", "closed", FAILURE_MODES),
         default_pool=_str(s, "default_pool", "server", pools[0].name, [p.name for p in pools]),
         state_file=_str(s, "state_file", "server", ""),
+        unix_socket=_str(s, "unix_socket", "server", ""),
+        unix_socket_mode=_str(s, "unix_socket_mode", "server", "0600", ["0600", "0660"]),
     )
     if not server.key_header:
         raise ConfigError("server.key_header: must not be empty")

@@ -115,10 +115,13 @@ impl PyDataPlane {
     /// Python logging level ``log_level``. ``tokenizers`` hands over the
     /// spec's models' tokenizers already loaded (model name -> Tokenizer:
     /// ``Config.tokenizers()``), so their files are read once; a model not
-    /// given is loaded from its spec. ValueError for a bad spec or a port
-    /// that cannot be bound.
+    /// given is loaded from its spec. ``unix_socket``: ext_proc is served on
+    /// this Unix socket path too (a stale socket there is replaced; the file
+    /// gets ``unix_socket_mode``, 0o600 or 0o660, and is removed at the
+    /// drain). ValueError for a bad spec, a port or socket that cannot be
+    /// bound.
     #[staticmethod]
-    #[pyo3(signature = (spec_json, host="127.0.0.1", port=0, metrics_port=None, worker_threads=2, calibrator=None, log_level=20, *, tokenizers=None))]
+    #[pyo3(signature = (spec_json, host="127.0.0.1", port=0, metrics_port=None, worker_threads=2, calibrator=None, log_level=20, *, tokenizers=None, unix_socket=None, unix_socket_mode=0o600))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
@@ -130,6 +133,8 @@ impl PyDataPlane {
         calibrator: Option<&[u8]>,
         #[pyo3(from_py_with = int_arg)] log_level: u8,
         tokenizers: Option<HashMap<String, Bound<'_, PyTokenizer>>>,
+        unix_socket: Option<std::path::PathBuf>,
+        #[pyo3(from_py_with = int_arg)] unix_socket_mode: u32,
     ) -> PyResult<Self> {
         if !(1..=256).contains(&worker_threads) {
             return Err(crate::error::invalid(format!(
@@ -148,6 +153,7 @@ impl PyDataPlane {
             port,
             metrics_port,
             worker_threads,
+            unix_socket: unix_socket.map(|p| (p, unix_socket_mode)),
         };
         let inner = py.detach(|| DataPlane::start(spec, calibrator, &listen))?;
         Ok(Self { inner })

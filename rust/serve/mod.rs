@@ -21,4 +21,5 @@ pub mod metrics;
 pub mod pd_send;
 pub mod runtime;
 pub mod scrape;
+pub mod unix_socket;
 pub mod usage;

@@ -20,6 +20,8 @@
 //! stream.
 
 use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
+use std::os::unix::net::UnixStream as StdUnixStream;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -29,7 +31,7 @@ use std::time::Duration;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use futures_util::StreamExt;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -42,6 +44,7 @@ use super::engine::{Engine, Shared};
 use super::extproc::{current, Current, Processor};
 use super::limits::{Bounded, Overload, StreamCount, MAX_CONNECTIONS};
 use super::metrics;
+use super::unix_socket::{self, SocketFile};
 use crate::calibrate::Calibrator;
 use crate::error::{invalid, Result};
 
@@ -72,6 +75,8 @@ pub struct Listen {
     /// None: no metrics listener.
     pub metrics_port: Option<u16>,
     pub worker_threads: usize,
+    /// ext_proc on this Unix socket too (`server.unix_socket`), with this mode.
+    pub unix_socket: Option<(PathBuf, u32)>,
 }
 
 /// One current-thread runtime and the thread that drives it.
@@ -133,9 +138,52 @@ impl Drop for Open {
     }
 }
 
+/// An accepted connection on its way to a shard.
+enum Accepted {
+    Tcp(StdStream),
+    Unix(StdUnixStream),
+}
+
+/// A connection's socket, registered with its shard's reactor.
+enum Io {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Io {
+    fn from_std(accepted: Accepted) -> std::io::Result<Self> {
+        match accepted {
+            Accepted::Tcp(s) => TcpStream::from_std(s).map(Self::Tcp),
+            Accepted::Unix(s) => UnixStream::from_std(s).map(Self::Unix),
+        }
+    }
+}
+
+/// The listeners ext_proc is served on.
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
+impl Listener {
+    async fn accept(&self) -> std::io::Result<Accepted> {
+        match self {
+            Self::Tcp(l) => {
+                let (stream, _) = l.accept().await?;
+                let _ = stream.set_nodelay(true);
+                stream.into_std().map(Accepted::Tcp)
+            }
+            Self::Unix(l) => {
+                let (stream, _) = l.accept().await?;
+                stream.into_std().map(Accepted::Unix)
+            }
+        }
+    }
+}
+
 /// A connection served by a shard.
 struct Conn {
-    io: TcpStream,
+    io: Io,
     _open: Open,
     /// Its open ext_proc streams (`limits.max_streams_per_connection`).
     streams: StreamCount,
@@ -156,7 +204,10 @@ impl AsyncRead for Conn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        match &mut self.io {
+            Io::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Io::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
     }
 }
 
@@ -166,7 +217,10 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        match &mut self.io {
+            Io::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Io::Unix(s) => Pin::new(s).poll_write(cx, buf),
+        }
     }
 
     fn poll_write_vectored(
@@ -174,32 +228,45 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        match &mut self.io {
+            Io::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Io::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
+        match &self.io {
+            Io::Tcp(s) => s.is_write_vectored(),
+            Io::Unix(s) => s.is_write_vectored(),
+        }
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
+        match &mut self.io {
+            Io::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Io::Unix(s) => Pin::new(s).poll_flush(cx),
+        }
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
+        match &mut self.io {
+            Io::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Io::Unix(s) => Pin::new(s).poll_shutdown(cx),
+        }
     }
 }
 
-/// Where the acceptor hands a shard its connections.
+/// Where the acceptors hand a shard its connections.
+#[derive(Clone)]
 struct Inbox {
-    send: mpsc::UnboundedSender<(StdStream, Open)>,
+    send: mpsc::UnboundedSender<(Accepted, Open)>,
     open: Arc<AtomicUsize>,
 }
 
 /// Accepts connections and gives each to the shard with the fewest open;
 /// past `limits.max_connections` open, a new one is closed at once.
 async fn accept_forever(
-    listener: TcpListener,
+    listener: Listener,
     inboxes: Vec<Inbox>,
     current: Current,
     overload: Arc<Overload>,
@@ -211,7 +278,7 @@ async fn accept_forever(
             _ = stop.wait_for(|s| *s) => return,
         };
         let stream = match accepted {
-            Ok((stream, _)) => stream,
+            Ok(stream) => stream,
             Err(e) => {
                 // Out of descriptors and the like: try again shortly.
                 tracing::warn!(error = %e, "accept-failed");
@@ -228,10 +295,6 @@ async fn accept_forever(
             overload.reached(MAX_CONNECTIONS);
             continue; // dropped: closed
         }
-        let _ = stream.set_nodelay(true);
-        let Ok(stream) = stream.into_std() else {
-            continue;
-        };
         let Some(inbox) = inboxes
             .iter()
             .min_by_key(|i| i.open.load(Ordering::Relaxed))
@@ -249,6 +312,8 @@ pub struct DataPlane {
     pub current: Current,
     pub port: u16,
     pub metrics_port: Option<u16>,
+    /// The ext_proc socket's file, removed when the data plane stops.
+    socket_file: Mutex<Option<SocketFile>>,
     stop: watch::Sender<bool>,
     servers: Mutex<Vec<JoinHandle<()>>>,
     /// Ends the streams still open when the drain's grace runs out.
@@ -307,6 +372,11 @@ impl DataPlane {
         let engine = Engine::build(spec, &shared, None)?;
         let current: Current = Arc::new(RwLock::new(engine));
         let grpc = bind(&listen.host, listen.port)?;
+        let socket = listen
+            .unix_socket
+            .as_ref()
+            .map(|(path, mode)| unix_socket::bind(path, *mode))
+            .transpose()?;
         let port = grpc
             .local_addr()
             .map_err(|e| invalid(e.to_string()))?
@@ -342,14 +412,14 @@ impl DataPlane {
         let mut inboxes = Vec::new();
         let mut servers = Vec::new();
         for shard in shards {
-            let (send, receive) = mpsc::unbounded_channel::<(StdStream, Open)>();
+            let (send, receive) = mpsc::unbounded_channel::<(Accepted, Open)>();
             inboxes.push(Inbox {
                 send,
                 open: Arc::new(AtomicUsize::new(0)),
             });
             // Registered with the reactor of the shard that polls it.
             let incoming = UnboundedReceiverStream::new(receive).map(|(stream, open)| {
-                TcpStream::from_std(stream).map(|io| Conn {
+                Io::from_std(stream).map(|io| Conn {
                     io,
                     _open: open,
                     streams: StreamCount::default(),
@@ -369,6 +439,7 @@ impl DataPlane {
             }));
         }
         let draining = Arc::new(tokio::sync::Mutex::new(false));
+        let (socket, socket_file) = socket.map_or((None, None), |(l, f)| (Some(l), Some(f)));
         first.block_on(async {
             health
                 .set_service_status(LIVENESS, ServingStatus::Serving)
@@ -386,8 +457,19 @@ impl DataPlane {
             ));
             let grpc =
                 TcpListener::from_std(grpc).map_err(|e| invalid(format!("cannot listen: {e}")))?;
+            if let Some(l) = socket {
+                let l = UnixListener::from_std(l)
+                    .map_err(|e| invalid(format!("cannot listen: {e}")))?;
+                tokio::spawn(accept_forever(
+                    Listener::Unix(l),
+                    inboxes.clone(),
+                    Arc::clone(&current),
+                    Arc::clone(&shared.overload),
+                    stopped.clone(),
+                ));
+            }
             tokio::spawn(accept_forever(
-                grpc,
+                Listener::Tcp(grpc),
                 inboxes,
                 Arc::clone(&current),
                 Arc::clone(&shared.overload),
@@ -420,6 +502,7 @@ impl DataPlane {
             current,
             port,
             metrics_port,
+            socket_file: Mutex::new(socket_file),
             stop,
             closing,
             servers: Mutex::new(servers),
@@ -469,6 +552,13 @@ impl DataPlane {
             }
         });
         let _ = self.stop.send(true);
+        // A new connection finds no socket file rather than a closed listener.
+        drop(
+            self.socket_file
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
         // Requests waiting in flow control's queues get their refusal now.
         self.shared.drain_queues();
         let closing = &self.closing;

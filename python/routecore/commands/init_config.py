@@ -16,8 +16,15 @@ HELP = (
 FILES = ("routecore.yaml", "envoy.yaml")
 #: The shipped files: the fail-open Envoy configuration (written as envoy.yaml with
 #: --fail-open), the full-duplex one (the endpoint-picker protocol's streaming mode)
-#: and the observing one (the response read without Envoy waiting: one replica).
-SHIPPED = (*FILES, "envoy-fail-open.yaml", "envoy-full-duplex.yaml", "envoy-observe.yaml")
+#: the observing one (the response read without Envoy waiting: one replica) and the
+#: Unix-socket one (routecore on the same host).
+SHIPPED = (
+    *FILES,
+    "envoy-fail-open.yaml",
+    "envoy-full-duplex.yaml",
+    "envoy-observe.yaml",
+    "envoy-uds.yaml",
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

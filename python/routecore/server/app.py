@@ -98,6 +98,8 @@ class Server:
                 self.calibrator_state,
                 logger.getEffectiveLevel(),
                 tokenizers=self.config.tokenizers(),
+                unix_socket=s.unix_socket or None,
+                unix_socket_mode=int(s.unix_socket_mode, 8),
             )
         except ValueError as e:
             raise OSError(str(e)) from e
@@ -132,6 +134,7 @@ class Server:
             port=self.port,
             api_port=self.api_port,
             metrics_port=self.metrics_port,
+            unix_socket=s.unix_socket or None,
             pools=[p.name for p in self.config.pools],
             tenants=len(self.config.tenants),
         )
