@@ -901,24 +901,32 @@ fn evaluate(
 pub const MAX_GPUS: u64 = 1 << 50;
 
 /// The smallest `n > bad` with `ok(n)`, for `ok` monotone in `n` (false
-/// up to some count, true from it on): galloping from `start` (steps 1, 2,
-/// 4, ... down while it holds, up while it fails) until the answer is
+/// up to some count, true from it on): galloping from `start` (steps 1, 1,
+/// 2, 4, ... down while it holds, up while it fails) until the answer is
 /// bracketed, then bisection; None when no `n` below [`MAX_GPUS`] holds. A
 /// good `start` (the neighbouring candidate's count) costs a handful of
-/// evaluations.
+/// evaluations: two when it is the answer or one below, three when one
+/// above (the first step is taken twice: most starts are off by one).
 pub(super) fn smallest_ok(
     mut bad: u64,
     start: u64,
     mut ok: impl FnMut(u64) -> Result<bool>,
 ) -> Result<Option<u64>> {
     let mut hi = start.max(bad + 1);
-    let mut step = 1u64;
+    // The steps 1, 1, 2, 4, ...: `grow` from the second on.
+    let (mut step, mut grow) = (1u64, false);
+    let mut next = |step: &mut u64| {
+        if grow {
+            *step = step.saturating_mul(2);
+        }
+        grow = true;
+    };
     if ok(hi)? {
         while hi - bad > 1 {
             let probe = hi - step.min(hi - bad - 1);
             if ok(probe)? {
                 hi = probe;
-                step = step.saturating_mul(2);
+                next(&mut step);
             } else {
                 bad = probe;
                 break;
@@ -935,7 +943,7 @@ pub(super) fn smallest_ok(
                 break;
             }
             bad = hi;
-            step = step.saturating_mul(2);
+            next(&mut step);
         }
     }
     while hi - bad > 1 {
@@ -1109,6 +1117,14 @@ mod tests {
                     .expect("ok");
                     assert_eq!(n, Some(threshold), "bad {bad} start {start}");
                     assert!(calls <= 20, "{calls} evaluations");
+                    // A start at the answer or one off: the answer and one
+                    // fewer, and one evaluation more from above.
+                    let near = [(threshold, 2), (threshold - 1, 2), (threshold + 1, 3)];
+                    if let Some(&(_, most)) = near.iter().find(|&&(s, _)| s == start) {
+                        if start > bad && bad + 1 < threshold {
+                            assert!(calls <= most, "start {start}: {calls} evaluations");
+                        }
+                    }
                 }
             }
         }
