@@ -21,10 +21,22 @@ POOLS = (("short", 8192), ("long", 65536))
 ENDPOINTS = 8
 
 
+def queue_kv_ties_first() -> list:
+    """The ``queue+kv`` preset breaking ties to the first endpoint, as the twin."""
+    plugins = EndpointPicker(["x"], preset="queue+kv").plugins
+    for p in plugins:
+        if p["name"] == "max-score":
+            p.pop("seed", None)
+            p["ties"] = "first"
+    return plugins
+
+
 def routecore_dispatcher(native: bool = True) -> Dispatcher:
     router = TokenBudgetRouter([Pool(name, ctx) for name, ctx in POOLS])
     pickers = {
-        name: EndpointPicker([f"{name}-{i}" for i in range(ENDPOINTS)], preset="queue+kv")
+        name: EndpointPicker(
+            [f"{name}-{i}" for i in range(ENDPOINTS)], plugins=queue_kv_ties_first()
+        )
         for name, _ in POOLS
     }
     d = Dispatcher(router, pickers, InMemoryAdmission(ADMISSION_QUOTAS, ENTITLEMENTS))
