@@ -320,3 +320,48 @@ def test_dispatch_steps_release_checks_everything_before_giving_back():
     assert router.in_flight("short") == 0
     with pytest.raises(NotInFlightError):
         steps.release(decision, None, None, None, None, n, 10, 0, 0, 0.0, None)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 4000), st.integers(0, 3)), max_size=30))
+def test_a_split_pool_s_pairs_are_the_same_on_both_paths(steps):
+    """Prefill/decode roles (``uncached-tokens`` splits long prompts only):
+    the same decode and prefill endpoints, both released, on either path."""
+    roles = {"d0": "decode", "d1": "decode", "p0": "prefill", "b0": "both"}
+    runs = []
+    for native in (True, False):
+        plugins = [{"name": "subset-hint"}, *PLUGINS]
+        picker = EndpointPicker(
+            list(roles), plugins=plugins, roles=roles, decider="uncached-tokens", threshold=500
+        )
+        d = Dispatcher(pickers=picker)
+        assert d._native is not None
+        if not native:
+            d._native = None
+        runs.append((d, picker, []))
+    for t, (acquire_one, tokens, k) in enumerate(steps, start=1):
+        got = []
+        for d, picker, held in runs:
+            if acquire_one or not held:
+                lease = d.acquire(
+                    max_output_tokens=8,
+                    input_tokens=tokens,
+                    tokens=prompt(40, k),
+                    fairness_id=f"u{k}",
+                    now=float(t),
+                )
+                held.append(lease)
+                got.append(fields(lease))
+            else:
+                held.pop(k % len(held)).release(tokens, 3, now=float(t))
+                got.append(None)
+            got.append(picker.to_bytes())
+        assert got[:2] == got[2:]
+    for d, picker, held in runs:
+        for lease in held:
+            lease.release(now=100.0)
+        assert picker.in_flight == [0, 0, 0, 0]
+        long = d.acquire(max_output_tokens=8, input_tokens=4000, now=101.0)
+        assert long.prefill_endpoint is not None  # a long prompt is split
+        long.release(now=102.0)
+    assert runs[0][1].to_bytes() == runs[1][1].to_bytes()
