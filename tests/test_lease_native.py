@@ -365,3 +365,28 @@ def test_a_split_pool_s_pairs_are_the_same_on_both_paths(steps):
         assert long.prefill_endpoint is not None  # a long prompt is split
         long.release(now=102.0)
     assert runs[0][1].to_bytes() == runs[1][1].to_bytes()
+
+
+def test_threads_acquiring_and_releasing_at_once_leave_nothing_held():
+    """Eight threads through the Rust steps at once (each part locks itself):
+    every lease released once, every count back to zero."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = parts(native=True)
+
+    def worker(w: int) -> int:
+        served = 0
+        for i in range(200):
+            out = acquire(d, 1.0, "open", i % 3, w)
+            if not isinstance(out, tuple):
+                out.release(out.input_tokens, 3, now=2.0)
+                served += 1
+        return served
+
+    with ThreadPoolExecutor(8) as pool:
+        served = sum(pool.map(worker, range(8)))
+    assert served == 8 * 200  # short and long prompts: every one served
+    assert isinstance(d.admission, InMemoryAdmission) and isinstance(d.pickers, dict)
+    assert learned(d)[0] == [0, 0, 0]
+    assert [p.in_flight for p in d.pickers.values()] == [[0, 0], [0, 0]]
+    assert d.admission.quota_in_flight("q") == 0
