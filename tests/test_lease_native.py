@@ -6,6 +6,7 @@ step; a refused request leaves no trace; bad input holds nothing."""
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import given, settings
@@ -370,8 +371,6 @@ def test_a_split_pool_s_pairs_are_the_same_on_both_paths(steps):
 def test_threads_acquiring_and_releasing_at_once_leave_nothing_held():
     """Eight threads through the Rust steps at once (each part locks itself):
     every lease released once, every count back to zero."""
-    from concurrent.futures import ThreadPoolExecutor
-
     d = parts(native=True)
 
     def worker(w: int) -> int:
