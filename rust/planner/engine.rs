@@ -441,8 +441,8 @@ fn tpot_quantile(t: f64, shape: &EngineShape, z: f64) -> f64 {
 ///
 /// The first screen (every request at the instantaneous quantile) decides
 /// most counts; `t >= T` fails (half the requests or more miss); between,
-/// the share's lower bound (`erfcx(x) <= 1 / (x sqrt(pi))`, no `erfcx`
-/// needed) fails most of the rest before the exact share is computed.
+/// a lower bound of the share (one exponential, see
+/// [`DecodeMiss::lower`]) fails most of the rest before the share itself.
 fn tpot_met(t: f64, load: &EngineLoad, shape: &EngineShape, targets: &Targets) -> bool {
     if !t.is_finite() {
         return false;
@@ -450,26 +450,30 @@ fn tpot_met(t: f64, load: &EngineLoad, shape: &EngineShape, targets: &Targets) -
     if tpot_quantile(t, shape, targets.z) <= targets.tpot_s {
         return true;
     }
-    if t >= targets.tpot_s {
-        return false;
-    }
+    t < targets.tpot_s && tpot_share_met(t, load, shape, targets)
+}
+
+/// The share's tests of [`tpot_met`], out of line: few counts need them.
+#[inline(never)]
+fn tpot_share_met(t: f64, load: &EngineLoad, shape: &EngineShape, targets: &Targets) -> bool {
     let miss = DecodeMiss::new(t, load, shape, targets.tpot_s);
     miss.lower() <= targets.tpot_allowed && miss.share() <= targets.tpot_allowed
 }
 
 /// The share of requests whose TPOT misses the target (see [`tpot_met`]):
-/// `Phi^c(d) - g sum_i p_i erfcx(sqrt(c_i)) / sqrt(2 c_i)`, `g = (d / 2)
-/// e^(-d^2 / 2)`, over decode phases `i` exponential of mean `mu_i`, weight
-/// `p_i`, `c_i = 3 tau / mu_i + d^2 / 2`. Over one such phase, substituting
-/// `s = 1 + m / (3 tau)` and integrating by parts, `E[Phi^c(d sqrt(1 + m /
-/// (3 tau)))] = Phi^c(d) - g erfcx(sqrt(c)) / sqrt(2 c)` (`e^beta erfc` of
-/// the integral joined in `erfcx` so that neither overflows): `Phi^c(d)` as
-/// `mu -> 0` (every decode short), 0 as `mu -> inf`.
+/// `Phi^c(d) - (d / 2) phi(d) sum_i p_i sqrt(pi / c_i) erfcx(sqrt(c_i))`
+/// (`phi` the normal density) over decode phases `i` exponential of mean
+/// `mu_i`, weight `p_i`, `c_i = 3 tau / mu_i + d^2 / 2`. Over one such
+/// phase, substituting `s = 1 + m / (3 tau)` and integrating by parts,
+/// `E[Phi^c(d sqrt(1 + m / (3 tau)))] = Phi^c(d) - d e^beta erfc(sqrt(c))
+/// / (2 sqrt(2 c))`, the exponential and erfc joined in `erfcx` so that
+/// neither overflows: `Phi^c(d)` as `mu -> 0` (every decode short), 0 as
+/// `mu -> inf`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct DecodeMiss {
-    /// `Phi^c(d)` and `g`.
-    survival: f64,
-    g: f64,
+    /// The margin `d` and `phi(d)`.
+    d: f64,
+    density: f64,
     /// `(p_i, c_i)`; a phase of weight 0 contributes nothing.
     phases: [(f64, f64); 2],
 }
@@ -510,40 +514,41 @@ impl DecodeMiss {
 
     /// At margin `d` over phases `(p_i, beta_i = 3 tau / mu_i)`.
     fn from_phases(d: f64, betas: [(f64, f64); 2]) -> Self {
-        if !d.is_finite() {
-            return Self {
-                survival: 0.0,
-                g: 0.0,
-                phases: [(0.0, f64::INFINITY); 2],
-            };
-        }
         Self {
-            survival: normal_survival(d),
-            g: 0.5 * d * (-0.5 * d * d).exp(),
+            d,
+            density: (-0.5 * d * d).exp() / (2.0 * std::f64::consts::PI).sqrt(),
             phases: betas.map(|(p, beta)| (p, beta + 0.5 * d * d)),
         }
     }
 
-    /// The share.
-    fn share(&self) -> f64 {
-        let sum: f64 = self
-            .phases
+    /// `sum_i p_i f(c_i)` over the phases that weigh.
+    fn sum(&self, f: impl Fn(f64) -> f64) -> f64 {
+        self.phases
             .iter()
             .filter(|(p, _)| *p > 0.0)
-            .map(|&(p, c)| p * erfcx(c.sqrt()) / (2.0 * c).sqrt())
-            .sum();
-        (self.survival - self.g * sum).clamp(0.0, 1.0)
+            .map(|&(p, c)| p * f(c))
+            .sum()
     }
 
-    /// A lower bound of [`Self::share`] with `erfcx(x) <= 1 / (x sqrt(pi))`.
+    /// The share.
+    fn share(&self) -> f64 {
+        if !self.d.is_finite() {
+            return 0.0;
+        }
+        let pi = std::f64::consts::PI;
+        let tail = self.sum(|c| (pi / c).sqrt() * erfcx(c.sqrt()));
+        (normal_survival(self.d) - 0.5 * self.d * self.density * tail).clamp(0.0, 1.0)
+    }
+
+    /// A lower bound of [`Self::share`], with `erfcx(x) <= 1 / (x sqrt(pi))`
+    /// and Gordon's `Phi^c(d) >= d phi(d) / (1 + d^2)`: `d phi(d) (1 / (1 +
+    /// d^2) - sum_i p_i / (2 c_i))`.
     fn lower(&self) -> f64 {
-        let sum: f64 = self
-            .phases
-            .iter()
-            .filter(|(p, _)| *p > 0.0)
-            .map(|&(p, c)| p / (c * (2.0 * std::f64::consts::PI).sqrt()))
-            .sum();
-        self.survival - self.g * sum
+        if !self.d.is_finite() {
+            return 0.0;
+        }
+        let d = self.d;
+        d * self.density * (1.0 / (1.0 + d * d) - 0.5 * self.sum(|c| 1.0 / c))
     }
 }
 
@@ -1833,10 +1838,7 @@ mod tests {
             // Fewer misses than at the instantaneous quantile, more than none;
             // the screen's bound below.
             assert!(closed < normal_survival(d) && closed > 0.0);
-            assert!(
-                miss.lower() <= closed && miss.lower() > closed - 0.01,
-                "{miss:?}"
-            );
+            assert!(miss.lower() <= closed && miss.lower() > 0.0, "{miss:?}");
         }
         // Its limits: every decode short (Phi^c(d)), every decode long (0),
         // with no overflow on the way.
@@ -1878,10 +1880,8 @@ mod tests {
         };
         let d = (0.08 - 0.06) / (s.h_s * ((0.06 - s.w_s) / s.h_s).sqrt());
         let miss = DecodeMiss::new(0.06, &prefill_only, &s, 0.08);
-        assert_eq!(
-            (miss.share(), miss.lower()),
-            (normal_survival(d), normal_survival(d))
-        );
+        assert_eq!(miss.share(), normal_survival(d));
+        assert!(miss.lower() <= miss.share());
     }
 
     /// Issue 27: a compute-bound pool is sized on the 99th percentile over
