@@ -433,8 +433,8 @@ fn tpot_quantile(t: f64, shape: &EngineShape, z: f64) -> f64 {
 /// sqrt(n_a))`; over decode lengths exponential of mean `mu` the share
 /// integrates in closed form (see [`DecodeMiss`]), and over a
 /// two-phase hyperexponential of the decodes' mean and variance (balanced
-/// means; exponential when the squared coefficient of variation is at most
-/// 1) it is the phases' weighted sum. The decode's moments come from the
+/// means; exponential when the squared coefficient of variation is one or
+/// less) it is the phases' weighted sum. The decode's moments come from the
 /// load: `mu = E[a] - E[L_in] / C - 1` (`a = ceil(L_in / C) + m`, the
 /// rounding taken at its most, so `mu` errs short, which errs high) and
 /// its variance `Var[a]`.
