@@ -657,3 +657,111 @@ async fn reap_forever(shared: Arc<Shared>, current: Current, mut stop: watch::Re
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flow::tests::alloc_count::count;
+    use crate::serve::extproc::tests::{body, chat, headers, spec};
+    use crate::serve::extproc::Conversation;
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProtocolConfiguration};
+
+    /// The messages of one conversation as the shipped examples/envoy.yaml
+    /// sends them: the request's headers and body at once (STREAMED, sent
+    /// without waiting), then the response's body with usage.
+    fn envoy_yaml_conversation() -> [ProcessingRequest; 3] {
+        let mut h = headers(&[("x-api-key", "demo-kéy".as_bytes())], true, false);
+        h.protocol_config = Some(ProtocolConfiguration {
+            request_body_mode: BodySendMode::Streamed as i32,
+            response_body_mode: BodySendMode::Streamed as i32,
+            send_body_without_waiting_for_header_response: true,
+            ..Default::default()
+        });
+        let usage = br#"{"usage":{"prompt_tokens":300,"completion_tokens":50}}"#;
+        [
+            h,
+            body(&chat(&"hello world ".repeat(80)), true, false),
+            body(usage, true, true),
+        ]
+    }
+
+    fn calibrator() -> Calibrator {
+        Calibrator::new(0.95, 1.0, 4.0, 16).expect("calibrator")
+    }
+
+    /// Allocations per conversation, counted on the thread that serves it
+    /// (the one shard: h2, tonic, the service and routecore's conversation
+    /// together) and in routecore's [`Conversation`] alone. A measurement,
+    /// not a bound: `cargo test --release --features server --lib --
+    /// --ignored --nocapture allocations_per_conversation`.
+    #[test]
+    #[ignore]
+    fn allocations_per_conversation() {
+        const N: u64 = 2_000;
+        let listen = Listen {
+            host: "127.0.0.1".into(),
+            port: 0,
+            metrics_port: None,
+            worker_threads: 1,
+            unix_socket: None,
+        };
+        let plane = DataPlane::start(spec(), calibrator(), &listen).expect("start");
+        let shard = plane.shards.lock().expect("shards")[0].runtime.handle().clone();
+        let client = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let messages = envoy_yaml_conversation();
+        let on_shard = client.block_on(async {
+            let target = format!("http://127.0.0.1:{}", plane.port);
+            let mut c = ExternalProcessorClient::connect(target)
+                .await
+                .expect("connect");
+            let mut one = async || {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                tx.send(messages[0].clone()).expect("send");
+                tx.send(messages[1].clone()).expect("send");
+                let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+                let mut answers = c.process(stream).await.expect("process").into_inner();
+                for _ in 0..2 {
+                    answers.message().await.expect("answer").expect("open");
+                }
+                tx.send(messages[2].clone()).expect("send");
+                answers.message().await.expect("answer").expect("open");
+                drop(tx);
+                while answers.message().await.expect("end").is_some() {}
+            };
+            for _ in 0..200 {
+                one().await; // warm: buffers and tables at their size
+            }
+            let before = shard.spawn(async { count() }).await.expect("count");
+            for _ in 0..N {
+                one().await;
+            }
+            let after = shard.spawn(async { count() }).await.expect("count");
+            after - before
+        });
+        // routecore's own part, on this thread.
+        let own = client.block_on(async {
+            let shared = Arc::new(Shared::new(calibrator(), tokio::runtime::Handle::current()));
+            let engine = Engine::build(spec(), &shared, None).expect("engine");
+            let before = count();
+            for _ in 0..N {
+                let mut conv = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+                for m in &messages {
+                    conv.handle(m).await.expect("answered");
+                }
+            }
+            count() - before
+        });
+        plane.drain(0.0);
+        println!(
+            "allocations per conversation (envoy.yaml's messages): {:.1} on the shard \
+             (h2, tonic, the service, routecore), {:.1} in routecore's Conversation",
+            on_shard as f64 / N as f64,
+            own as f64 / N as f64,
+        );
+    }
+}
