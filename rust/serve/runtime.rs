@@ -36,6 +36,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_util::either::Either;
 use tonic::transport::server::Connected;
 use tonic_health::ServingStatus;
 
@@ -145,17 +146,12 @@ enum Accepted {
 }
 
 /// A connection's socket, registered with its shard's reactor.
-enum Io {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-}
+type Io = Either<TcpStream, UnixStream>;
 
-impl Io {
-    fn from_std(accepted: Accepted) -> std::io::Result<Self> {
-        match accepted {
-            Accepted::Tcp(s) => TcpStream::from_std(s).map(Self::Tcp),
-            Accepted::Unix(s) => UnixStream::from_std(s).map(Self::Unix),
-        }
+fn registered(accepted: Accepted) -> std::io::Result<Io> {
+    match accepted {
+        Accepted::Tcp(s) => TcpStream::from_std(s).map(Either::Left),
+        Accepted::Unix(s) => UnixStream::from_std(s).map(Either::Right),
     }
 }
 
@@ -204,10 +200,7 @@ impl AsyncRead for Conn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        match &mut self.io {
-            Io::Tcp(s) => Pin::new(s).poll_read(cx, buf),
-            Io::Unix(s) => Pin::new(s).poll_read(cx, buf),
-        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
     }
 }
 
@@ -217,10 +210,7 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        match &mut self.io {
-            Io::Tcp(s) => Pin::new(s).poll_write(cx, buf),
-            Io::Unix(s) => Pin::new(s).poll_write(cx, buf),
-        }
+        Pin::new(&mut self.io).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -228,31 +218,19 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        match &mut self.io {
-            Io::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Io::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-        }
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
-        match &self.io {
-            Io::Tcp(s) => s.is_write_vectored(),
-            Io::Unix(s) => s.is_write_vectored(),
-        }
+        self.io.is_write_vectored()
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match &mut self.io {
-            Io::Tcp(s) => Pin::new(s).poll_flush(cx),
-            Io::Unix(s) => Pin::new(s).poll_flush(cx),
-        }
+        Pin::new(&mut self.io).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match &mut self.io {
-            Io::Tcp(s) => Pin::new(s).poll_shutdown(cx),
-            Io::Unix(s) => Pin::new(s).poll_shutdown(cx),
-        }
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 
@@ -419,7 +397,7 @@ impl DataPlane {
             });
             // Registered with the reactor of the shard that polls it.
             let incoming = UnboundedReceiverStream::new(receive).map(|(stream, open)| {
-                Io::from_std(stream).map(|io| Conn {
+                registered(stream).map(|io| Conn {
                     io,
                     _open: open,
                     streams: StreamCount::default(),
