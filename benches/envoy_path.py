@@ -554,13 +554,13 @@ def diagnose(stack: Stack, args: argparse.Namespace) -> None:
     body = stack.dir / f"body-{size}.json"
     body.write_bytes(chat_body(size))
     hz = os.sysconf("SC_CLK_TCK")
-    for s in stack.setups:
-        if "routecore" not in s.processes:
-            continue
-        pid = s.processes["routecore"]
-        envoy = next(e for e in stack.envoys if e.url == s.url)
+    setups = [s for s in stack.setups if "routecore" in s.processes]
+    for s in setups:
         drive(s, body, 200, args.warmup)
-        for repeat in range(args.repeats):
+    for repeat in range(args.repeats):
+        for s in setups[repeat % len(setups) :] + setups[: repeat % len(setups)]:
+            pid = s.processes["routecore"]
+            envoy = next(e for e in stack.envoys if e.url == s.url)
             t0, e0 = threads(pid), envoy_stats(envoy)
             r = drive(s, body, rate, args.duration)
             t1, e1 = threads(pid), envoy_stats(envoy)
@@ -568,6 +568,7 @@ def diagnose(stack: Stack, args: argparse.Namespace) -> None:
             cpu = r["cpu"]
             print(
                 f"{s.name} {rate}/s {size} B, repeat {repeat}: {n} answered,"
+                f" p50 {r['latencyPercentiles']['p50'] * 1e3:.3f} ms,"
                 f" envoy {cpu['envoy'] / n * 1e3:.3f} ms/req,"
                 f" routecore {cpu['routecore'] / n * 1e3:.3f} ms/req"
                 f" (+ scrape {cpu['scrape'] / n * 1e3:.3f})"
@@ -591,20 +592,21 @@ def diagnose(stack: Stack, args: argparse.Namespace) -> None:
                 if e1[k] != e0.get(k, 0):
                     d = e1[k] - e0.get(k, 0)
                     print(f"  {k:<60} {d / n:>10.3f}/req {d / streams:>10.3f}/stream")
-        if args.strace:
-            shards = [
-                int(t.name)
-                for t in Path(f"/proc/{pid}/task").glob("*")
-                if (t / "comm").read_text().strip() == SHARD
-            ]
-            counts, got = strace_counts(shards, partial(drive, s, body, rate, args.duration))
-            n = max(sum(v for c, v in got["statusCodeDistribution"].items() if c[0] == "2"), 1)
-            print(
-                f"  shards' syscalls per request ({len(shards)} threads, {n} answered,"
-                " under strace):"
-            )
-            for name, (calls, errors) in sorted(counts.items(), key=lambda kv: -kv[1][0]):
-                print(f"    {name:<16} {calls / n:>8.3f}  errors {errors / n:.3f}")
+    for s in setups if args.strace else []:
+        pid = s.processes["routecore"]
+        shards = [
+            int(t.name)
+            for t in Path(f"/proc/{pid}/task").glob("*")
+            if (t / "comm").read_text().strip() == SHARD
+        ]
+        counts, got = strace_counts(shards, partial(drive, s, body, rate, args.duration))
+        n = max(sum(v for c, v in got["statusCodeDistribution"].items() if c[0] == "2"), 1)
+        print(
+            f"{s.name}: shards' syscalls per request ({len(shards)} threads, {n} answered,"
+            " under strace):"
+        )
+        for name, (calls, errors) in sorted(counts.items(), key=lambda kv: -kv[1][0]):
+            print(f"    {name:<16} {calls / n:>8.3f}  errors {errors / n:.3f}")
 
 
 # --- the table -----------------------------------------------------------

@@ -669,6 +669,32 @@ mod tests {
         Calibrator::new(0.95, 1.0, 4.0, 16).expect("calibrator")
     }
 
+    /// The data plane on a free loopback port, one shard.
+    fn one_shard() -> DataPlane {
+        let listen = Listen {
+            host: "127.0.0.1".into(),
+            port: 0,
+            metrics_port: None,
+            worker_threads: 1,
+            unix_socket: None,
+        };
+        DataPlane::start(spec(), calibrator(), &listen).expect("start")
+    }
+
+    fn client_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
+
+    async fn connect(plane: &DataPlane) -> ExternalProcessorClient<tonic::transport::Channel> {
+        let target = format!("http://127.0.0.1:{}", plane.port);
+        ExternalProcessorClient::connect(target)
+            .await
+            .expect("connect")
+    }
+
     /// Allocations per conversation, counted on the thread that serves it
     /// (the one shard: h2, tonic, the service and routecore's conversation
     /// together) and in routecore's [`Conversation`] alone. A measurement,
@@ -678,25 +704,12 @@ mod tests {
     #[ignore]
     fn allocations_per_conversation() {
         const N: u64 = 2_000;
-        let listen = Listen {
-            host: "127.0.0.1".into(),
-            port: 0,
-            metrics_port: None,
-            worker_threads: 1,
-            unix_socket: None,
-        };
-        let plane = DataPlane::start(spec(), calibrator(), &listen).expect("start");
+        let plane = one_shard();
         let shard = plane.shards.lock().expect("shards")[0].runtime.handle().clone();
-        let client = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let client = client_runtime();
         let messages = envoy_yaml_conversation();
         let on_shard = client.block_on(async {
-            let target = format!("http://127.0.0.1:{}", plane.port);
-            let mut c = ExternalProcessorClient::connect(target)
-                .await
-                .expect("connect");
+            let mut c = connect(&plane).await;
             let mut one = async || {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                 tx.send(messages[0].clone()).expect("send");
