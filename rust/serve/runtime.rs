@@ -705,7 +705,10 @@ mod tests {
     fn allocations_per_conversation() {
         const N: u64 = 2_000;
         let plane = one_shard();
-        let shard = plane.shards.lock().expect("shards")[0].runtime.handle().clone();
+        let shard = plane.shards.lock().expect("shards")[0]
+            .runtime
+            .handle()
+            .clone();
         let client = client_runtime();
         let messages = envoy_yaml_conversation();
         let on_shard = client.block_on(async {
