@@ -646,22 +646,25 @@ mod tests {
     use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
     use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProtocolConfiguration};
 
-    /// The messages of one conversation as the shipped examples/envoy.yaml
-    /// sends them: the request's headers and body at once (STREAMED, sent
-    /// without waiting), then the response's body with usage.
-    fn envoy_yaml_conversation() -> [ProcessingRequest; 3] {
+    /// The messages of one conversation as Envoy sends them with the
+    /// shipped examples/envoy.yaml (seen in its ext_proc counters): the
+    /// request's headers and body at once (STREAMED, sent without waiting),
+    /// then the response's body with usage; each body ends with an empty
+    /// chunk of its own, as Envoy's HTTP/1 codec ends a body with a
+    /// Content-Length. The request's messages are answered together, then
+    /// the response's.
+    fn envoy_yaml_conversation() -> [Vec<ProcessingRequest>; 2] {
         let mut h = headers(&[("x-api-key", "demo-kéy".as_bytes())], true, false);
         h.protocol_config = Some(ProtocolConfiguration {
             request_body_mode: BodySendMode::Streamed as i32,
             response_body_mode: BodySendMode::Streamed as i32,
             send_body_without_waiting_for_header_response: true,
-            ..Default::default()
         });
         let usage = br#"{"usage":{"prompt_tokens":300,"completion_tokens":50}}"#;
+        let request = chat(&"hello world ".repeat(80));
         [
-            h,
-            body(&chat(&"hello world ".repeat(80)), true, false),
-            body(usage, true, true),
+            vec![h, body(&request, false, false), body(b"", true, false)],
+            vec![body(usage, false, true), body(b"", true, true)],
         ]
     }
 
@@ -715,15 +718,21 @@ mod tests {
             let mut c = connect(&plane).await;
             let mut one = async || {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                tx.send(messages[0].clone()).expect("send");
-                tx.send(messages[1].clone()).expect("send");
+                let [request, response] = &messages;
+                request
+                    .iter()
+                    .for_each(|m| tx.send(m.clone()).expect("send"));
                 let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
                 let mut answers = c.process(stream).await.expect("process").into_inner();
-                for _ in 0..2 {
+                for _ in request {
                     answers.message().await.expect("answer").expect("open");
                 }
-                tx.send(messages[2].clone()).expect("send");
-                answers.message().await.expect("answer").expect("open");
+                for m in response {
+                    tx.send(m.clone()).expect("send");
+                }
+                for _ in response {
+                    answers.message().await.expect("answer").expect("open");
+                }
                 drop(tx);
                 while answers.message().await.expect("end").is_some() {}
             };
@@ -744,7 +753,7 @@ mod tests {
             let before = count();
             for _ in 0..N {
                 let mut conv = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
-                for m in &messages {
+                for m in messages.iter().flatten() {
                     conv.handle(m).await.expect("answered");
                 }
             }
