@@ -12,7 +12,9 @@ Setups (each in front of the same fake engines):
   ``worker_threads: 2``, the demo tenant's admission, its tokens/s raised
   1,000-fold so that it admits every request of the run). ``--modes`` adds one
   such setup per other shipped Envoy file (``envoy-routecore:NAME``), all
-  served by the same routecore.
+  served by the same routecore; ``--before DIR`` one more,
+  ``envoy-routecore@before``, served by the routecore package in ``DIR``
+  (another build: a same-run A/B of routecore's code).
 - ``vllm-rr`` / ``vllm-ca``: ``vllm-router`` 0.1.17 (PyPI), round robin / cache
   aware; ``sglang-rr`` / ``sglang-ca``: ``sglang-router`` 0.3.2, the same.
   Each is installed by this script into its own venv under the cache folder.
@@ -39,6 +41,10 @@ requests due were answered 2xx or its p50 passed 20 ms.
 Run (the full run is about 7 setups x 4 rates x 2 bodies x repeats x duration):
     .venv/bin/python benches/envoy_path.py --duration 15 --repeats 3
     .venv/bin/python benches/envoy_path.py --smoke     # about 40 s, every setup once
+    # where routecore's time goes per request (threads' CPU and context
+    # switches, Envoy's ext_proc messages and bytes, the shards' syscalls):
+    .venv/bin/python benches/envoy_path.py --setups envoy-routecore --diagnose --strace \
+        --rates 1000 --bodies 1024 --duration 8 --repeats 2
 """
 
 from __future__ import annotations
