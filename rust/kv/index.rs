@@ -49,7 +49,9 @@ use crate::prefix::{
     block_hashes_into, BlockStep, IdChain, Tokens, MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS,
 };
 
+mod link;
 mod table;
+use link::Links;
 use table::{Hashed, Ids, Prompt, Table};
 
 /// A query's scratch, kept per thread: no allocation per query once the
@@ -62,6 +64,8 @@ struct Scratch {
     masks: Vec<u64>,
     /// The chain step of the last (block size, seed) asked.
     step: Option<((usize, u64), BlockStep)>,
+    /// The links of the last block size asked.
+    links: Option<(usize, Links)>,
 }
 
 thread_local! {
@@ -292,9 +296,10 @@ impl EndpointKv {
         self.last_heard = Some(now);
         Liveness::set(&l.stale, self.id, false) && Liveness::get(&l.connected, self.id)
     }
-    /// The table holds `ours` for this endpoint (once more, if it did).
-    fn hold(&mut self, t: &mut Table, ours: u64) {
-        if !t.add(ours, self.id) {
+    /// The table holds `ours` (of link `link`) for this endpoint (once
+    /// more, if it did).
+    fn hold(&mut self, t: &mut Table, ours: u64, link: u64) {
+        if !t.add(ours, link, self.id) {
             *self.aliases.entry(ours).or_insert(0) += 1;
         }
     }
@@ -314,15 +319,15 @@ impl EndpointKv {
             }
         }
     }
-    fn insert(&mut self, t: &mut Table, ours: u64, engine: u64) {
+    fn insert(&mut self, t: &mut Table, ours: u64, link: u64, engine: u64) {
         self.stamp += 1;
         match self.blocks.insert(engine, (ours, self.stamp)) {
             Some((old, _)) if old == ours => {}
             Some((old, _)) => {
                 self.release(t, old);
-                self.hold(t, ours);
+                self.hold(t, ours, link);
             }
-            None => self.hold(t, ours),
+            None => self.hold(t, ours, link),
         }
     }
     /// Forgets the block the engine names `engine`; false if it held none.
@@ -645,22 +650,38 @@ impl KvIndex {
                     skipped.push(skip);
                     return false;
                 }
-                Ok(ours) => {
+                Ok((ours, parent, seed)) => {
                     let mut blocks = self.write_blocks();
-                    for (o, &engine) in ours.into_iter().zip(&s.hashes) {
-                        e.insert(&mut blocks.table, o, engine);
+                    let t = &mut blocks.table;
+                    // The links chain from the parent's (held by this
+                    // endpoint, so in the table).
+                    let Some(mut link) = parent.map_or(Some(seed), |p| t.link_of(p)) else {
+                        skipped.push(Skip::UnknownParent(s.parent.unwrap_or_default()));
+                        return false;
+                    };
+                    let mut links = Links::new(self.config.block_size);
+                    let ids = s.token_ids.chunks_exact(self.config.block_size);
+                    for ((o, &engine), block) in ours.into_iter().zip(&s.hashes).zip(ids) {
+                        link = links.link(link, block, seed);
+                        e.insert(t, o, link, engine);
                     }
                     // Per event: a large batch never holds more than one
                     // event's blocks past the capacity.
-                    e.evict(&mut blocks.table, self.config.capacity_blocks);
+                    e.evict(t, self.config.capacity_blocks);
                 }
             },
         }
         true
     }
 
-    /// Our hashes of a `BlockStored`'s blocks, or why it is skipped.
-    fn stored_hashes(&self, e: &EndpointKv, s: &Stored) -> std::result::Result<Vec<u64>, Skip> {
+    /// Our hashes of a `BlockStored`'s blocks, the parent's (None: the
+    /// blocks chain from the seed) and the chain's seed, or why it is
+    /// skipped.
+    fn stored_hashes(
+        &self,
+        e: &EndpointKv,
+        s: &Stored,
+    ) -> std::result::Result<(Vec<u64>, Option<u64>, u64), Skip> {
         if let Some(m) = s.medium.as_deref().filter(|m| *m != MEDIUM_GPU) {
             return Err(Skip::Medium(m.to_owned()));
         }
@@ -676,12 +697,13 @@ impl KvIndex {
             )));
         }
         let seed = lora_seed(self.config.seed, s.lora.as_deref());
-        let prev = match s.parent {
-            None => seed,
-            Some(p) => e.blocks.get(&p).ok_or(Skip::UnknownParent(p))?.0,
+        let parent = match s.parent {
+            None => None,
+            Some(p) => Some(e.blocks.get(&p).ok_or(Skip::UnknownParent(p))?.0),
         };
         // The block size was checked with the config (at least 1).
-        Ok(IdChain::new(&s.token_ids, bs, seed, prev).collect())
+        let ours = IdChain::new(&s.token_ids, bs, seed, parent.unwrap_or(seed)).collect();
+        Ok((ours, parent, seed))
     }
 
     /// The stream of `name` connected (true) or dropped (false). Returns
@@ -772,16 +794,26 @@ impl KvIndex {
         let seed = lora_seed(self.config.seed, adapter);
         let bs = self.config.block_size;
         SCRATCH.with_borrow_mut(|scratch| {
-            let Scratch { depth, masks, step } = scratch;
+            let Scratch {
+                depth,
+                masks,
+                step,
+                links,
+            } = scratch;
             if step.as_ref().is_none_or(|(key, _)| *key != (bs, seed)) {
                 *step = None;
             }
+            if links.as_ref().is_none_or(|(size, _)| *size != bs) {
+                *links = None;
+            }
             let (_, step) = step.get_or_insert_with(|| ((bs, seed), BlockStep::new(bs, seed)));
+            let (_, links) = links.get_or_insert_with(|| (bs, Links::new(bs)));
             let mut prompt = Ids {
                 ids: token_ids,
                 block_size: bs,
                 seed,
                 step,
+                links,
             };
             self.match_with(&mut prompt, ids, held, depth, masks);
         });

@@ -170,13 +170,13 @@ impl Chooser {
             (_, Some(Prompt::Ids(t))) => Some(t.as_slice()),
             _ => None,
         };
+        // The token ids when there are, else the body's prompt as read.
+        let tokens = token_ids
+            .map(Tokens::Ids)
+            .or_else(|| read.as_ref().map(Prompt::tokens));
         let mut hashes = Vec::new();
-        match (token_ids, &read) {
-            (Some(t), _) => PoolPicker::hash_prompt(self.prefix, Tokens::Ids(t), &mut hashes)?,
-            (None, Some(prompt)) => {
-                PoolPicker::hash_prompt(self.prefix, prompt.tokens(), &mut hashes)?
-            }
-            (None, None) => {}
+        if let Some(tokens) = tokens {
+            PoolPicker::hash_prompt(self.prefix, tokens, &mut hashes)?;
         }
         let mut guard = lock(&self.state);
         let st = &mut *guard;
