@@ -45,9 +45,7 @@ use foldhash::quality::RandomState;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{invalid, unknown, Result};
-use crate::prefix::{
-    block_hashes_into, BlockStep, IdChain, Tokens, MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS,
-};
+use crate::prefix::{BlockStep, IdChain, MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS};
 
 mod link;
 mod table;
@@ -753,18 +751,57 @@ impl KvIndex {
         out
     }
 
-    /// `request_hashes` into `out` (cleared first; its buffer is reused).
+    /// `request_hashes` into `out` (cleared first; its buffer is reused):
+    /// the chain of `block_hashes(token_ids, block_size, lora_seed)`, with
+    /// the hashes of the blocks the table holds in runs read from it
+    /// instead of chained (see `Table::hashes`).
     pub fn request_hashes_into(
         &self,
         token_ids: &[u32],
         adapter: Option<&str>,
         out: &mut Vec<u64>,
     ) {
+        out.clear();
+        out.reserve(token_ids.len() / self.config.block_size);
+        self.with_prompt(token_ids, adapter, |prompt, _| {
+            self.read_blocks().table.hashes(prompt, out)
+        });
+    }
+
+    /// Calls `f` with the prompt of `token_ids` for `adapter`'s chain (its
+    /// steps from this thread's scratch) and the scratch's depths and masks.
+    fn with_prompt<R>(
+        &self,
+        token_ids: &[u32],
+        adapter: Option<&str>,
+        f: impl FnOnce(&mut Ids<'_>, (&mut Vec<u32>, &mut Vec<u64>)) -> R,
+    ) -> R {
         let seed = lora_seed(self.config.seed, adapter);
-        // The block size was checked with the config: this cannot fail.
-        if block_hashes_into(Tokens::Ids(token_ids), self.config.block_size, seed, out).is_err() {
-            out.clear();
-        }
+        let bs = self.config.block_size;
+        SCRATCH.with_borrow_mut(|scratch| {
+            let Scratch {
+                depth,
+                masks,
+                step,
+                links,
+            } = scratch;
+            if step.as_ref().is_none_or(|(key, _)| *key != (bs, seed)) {
+                *step = None;
+            }
+            if links.as_ref().is_none_or(|(size, _)| *size != bs) {
+                *links = None;
+            }
+            let (_, step) = step.get_or_insert_with(|| ((bs, seed), BlockStep::new(bs, seed)));
+            let (_, links) = links.get_or_insert_with(|| (bs, Links::new(bs)));
+            let mut prompt = Ids {
+                ids: token_ids,
+                block_size: bs,
+                seed,
+                step,
+                links,
+            };
+            f(&mut prompt, (depth, masks))
+        })
     }
 
     /// How many of `hashes` (a request's, from `request_hashes`) `name` holds
@@ -791,33 +828,10 @@ impl KvIndex {
         ids: &[Option<u32>],
         held: &mut Vec<Option<usize>>,
     ) -> usize {
-        let seed = lora_seed(self.config.seed, adapter);
-        let bs = self.config.block_size;
-        SCRATCH.with_borrow_mut(|scratch| {
-            let Scratch {
-                depth,
-                masks,
-                step,
-                links,
-            } = scratch;
-            if step.as_ref().is_none_or(|(key, _)| *key != (bs, seed)) {
-                *step = None;
-            }
-            if links.as_ref().is_none_or(|(size, _)| *size != bs) {
-                *links = None;
-            }
-            let (_, step) = step.get_or_insert_with(|| ((bs, seed), BlockStep::new(bs, seed)));
-            let (_, links) = links.get_or_insert_with(|| (bs, Links::new(bs)));
-            let mut prompt = Ids {
-                ids: token_ids,
-                block_size: bs,
-                seed,
-                step,
-                links,
-            };
-            self.match_with(&mut prompt, ids, held, depth, masks);
+        self.with_prompt(token_ids, adapter, |prompt, (depth, masks)| {
+            self.match_with(prompt, ids, held, depth, masks)
         });
-        token_ids.len() / bs
+        token_ids.len() / self.config.block_size
     }
 
     /// Whether this index keys a prompt's blocks with the chain of

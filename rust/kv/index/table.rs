@@ -450,6 +450,40 @@ impl Table {
         hashes.len()
     }
 
+    /// Appends the chained hashes of `prompt`'s blocks to `out`: along a
+    /// run of slots holding its blocks (each checked by its link from the
+    /// slot before, independent per block), the slots' hashes; elsewhere
+    /// the chain, looking each block up to start a run until one is not
+    /// found (no lookup after that). A slot keeps its hash and link when
+    /// its block dies, so a run goes through dead slots too.
+    pub(super) fn hashes(&self, prompt: &mut Ids<'_>, out: &mut Vec<u64>) {
+        let slab = &self.slab;
+        let mut prev = prompt.seed();
+        // The slot of the block before, while runs are looked for.
+        let mut at: Option<usize> = None;
+        let mut looking = true;
+        for n in 0..prompt.blocks() {
+            let next = at
+                .map(|s| s + 1)
+                .filter(|&s| s < slab.len() && slab[s].link == prompt.run_key(&slab[s - 1], n));
+            prev = match next {
+                Some(s) => {
+                    at = Some(s);
+                    slab[s].hash
+                }
+                None => {
+                    let h = prompt.hash(prev, n);
+                    if looking {
+                        at = self.find(h);
+                        looking = at.is_some();
+                    }
+                    h
+                }
+            };
+            out.push(prev);
+        }
+    }
+
     /// Walks the blocks of `prompt` in order while some endpoint of `alive`
     /// (a bitset of `words()` words, emptied on the way) holds every block
     /// so far, and calls `settle(id, n)` once per endpoint of `alive` that

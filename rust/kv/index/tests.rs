@@ -1,5 +1,5 @@
 use super::*;
-use crate::prefix::block_hashes;
+use crate::prefix::{block_hashes, Tokens};
 use crate::rng::Rng;
 
 const BS: usize = 2;
@@ -673,6 +673,10 @@ impl Fleet {
     /// against the oracle's.
     fn check_query(&mut self, prompt: &[u32], lora: Option<&str>) {
         let hashes = self.kv.request_hashes(prompt, lora);
+        // Read from the table's runs where it holds them, the chain still.
+        let c = self.kv.config();
+        let chain = block_hashes(Tokens::Ids(prompt), c.block_size, lora_seed(c.seed, lora));
+        assert_eq!(Ok(&hashes), chain.as_ref(), "request_hashes");
         let want: Vec<Option<usize>> = self
             .oracle
             .iter()
