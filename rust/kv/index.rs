@@ -10,7 +10,14 @@
 //! table over all endpoints maps our hash to the endpoints holding the block
 //! (`table`), so a query walks the prompt's blocks once for every endpoint
 //! (`match_prompt`), hashing them as it goes: its cost grows with the
-//! prompt's matched length. An endpoint holds a block while its engine holds
+//! prompt's matched length. Along a run of blocks stored side by side the
+//! walk checks each block by its *link* (`link`: a keyed hash of the
+//! block's ids alone, mixed with the link of the block before it, stored
+//! with the block), so the blocks of a run are checked independently of
+//! each other; the chained hash, where each block waits for the previous
+//! one, is computed only where a run ends. The same runs give a prompt's
+//! chained hashes without chaining them (`request_hashes_into`, which a
+//! picker hashes its prompt with). An endpoint holds a block while its engine holds
 //! it under some engine hash (engines that hash extra keys, such as a
 //! multimodal input or a cache salt, may store the same tokens under several).
 //! A LoRA adapter's blocks
@@ -257,16 +264,42 @@ impl Liveness {
 /// default, guards as well at several times the cost per block.
 type Keyed<V> = HashMap<u64, V, RandomState>;
 
+/// An engine's block hash as an endpoint's map keys it, and what the
+/// endpoint holds under it (our hash, and its store stamp): 4-byte aligned,
+/// so that an entry takes 20 bytes rather than 24 (the map holds one per
+/// held block; benches/RESULTS.md, issue 28).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(C, packed(4))]
+struct Engine(u64);
+
+#[derive(Debug, Clone, Copy)]
+#[repr(C, packed(4))]
+struct Held {
+    ours: u64,
+    stamp: u32,
+}
+
+impl Held {
+    fn ours(self) -> u64 {
+        self.ours
+    }
+    fn stamp(self) -> u32 {
+        self.stamp
+    }
+}
+
 #[derive(Debug, Default)]
 struct EndpointKv {
     /// Its id in the table.
     id: u32,
-    /// Engine hash -> (our hash, store stamp): the blocks it holds.
-    blocks: Keyed<(u64, u64)>,
+    /// Engine hash -> our hash and store stamp: the blocks it holds.
+    blocks: HashMap<Engine, Held, RandomState>,
     /// Our hashes held under more than one engine hash: how many more (the
     /// table holds such a block for the endpoint until the last one goes).
     aliases: Keyed<u32>,
-    stamp: u64,
+    /// The last store's stamp (stamps are renumbered from 1 before they
+    /// would pass `u32::MAX`).
+    stamp: u32,
     /// A disconnect was seen: an older sequence number next is a restart.
     resync: bool,
     /// When the engine was last heard from (an event or [`KvIndex::heard`]).
@@ -276,8 +309,8 @@ struct EndpointKv {
 
 impl EndpointKv {
     fn clear(&mut self, t: &mut Table) {
-        for (_, (ours, _)) in self.blocks.drain() {
-            t.remove(ours, self.id);
+        for (_, held) in self.blocks.drain() {
+            t.remove(held.ours(), self.id);
         }
         self.aliases.clear();
         self.stats.clears += 1;
@@ -318,21 +351,45 @@ impl EndpointKv {
         }
     }
     fn insert(&mut self, t: &mut Table, ours: u64, link: u64, engine: u64) {
+        if self.stamp == u32::MAX {
+            self.renumber();
+        }
         self.stamp += 1;
-        match self.blocks.insert(engine, (ours, self.stamp)) {
-            Some((old, _)) if old == ours => {}
-            Some((old, _)) => {
+        let held = Held {
+            ours,
+            stamp: self.stamp,
+        };
+        match self.blocks.insert(Engine(engine), held).map(Held::ours) {
+            Some(old) if old == ours => {}
+            Some(old) => {
                 self.release(t, old);
                 self.hold(t, ours, link);
             }
             None => self.hold(t, ours, link),
         }
     }
+    /// Numbers the stamps 1, 2, ... in their order (the blocks are fewer
+    /// than `MAX_CAPACITY_BLOCKS` plus one event's, far below `u32::MAX`).
+    fn renumber(&mut self) {
+        let mut order: Vec<(u32, u64)> = self
+            .blocks
+            .iter()
+            .map(|(&Engine(e), h)| (h.stamp(), e))
+            .collect();
+        order.sort_unstable();
+        self.stamp = 0;
+        for (_, e) in order {
+            self.stamp += 1;
+            if let Some(h) = self.blocks.get_mut(&Engine(e)) {
+                h.stamp = self.stamp;
+            }
+        }
+    }
     /// Forgets the block the engine names `engine`; false if it held none.
     fn remove(&mut self, t: &mut Table, engine: u64) -> bool {
-        match self.blocks.remove(&engine) {
-            Some((ours, _)) => {
-                self.release(t, ours);
+        match self.blocks.remove(&Engine(engine)) {
+            Some(held) => {
+                self.release(t, held.ours());
                 true
             }
             None => false,
@@ -344,15 +401,15 @@ impl EndpointKv {
             return;
         }
         let keep = capacity - capacity / 8;
-        let mut stamps: Vec<u64> = self.blocks.values().map(|&(_, s)| s).collect();
+        let mut stamps: Vec<u32> = self.blocks.values().map(|h| h.stamp()).collect();
         let cut = stamps.len() - keep;
         let (_, &mut oldest_kept, _) = stamps.select_nth_unstable(cut);
         let before = self.blocks.len();
         let mut gone = Vec::with_capacity(cut);
-        self.blocks.retain(|_, &mut (ours, s)| {
-            let keep = s >= oldest_kept;
+        self.blocks.retain(|_, h| {
+            let keep = h.stamp() >= oldest_kept;
             if !keep {
-                gone.push(ours);
+                gone.push(h.ours());
             }
             keep
         });
@@ -697,7 +754,12 @@ impl KvIndex {
         let seed = lora_seed(self.config.seed, s.lora.as_deref());
         let parent = match s.parent {
             None => None,
-            Some(p) => Some(e.blocks.get(&p).ok_or(Skip::UnknownParent(p))?.0),
+            Some(p) => Some(
+                e.blocks
+                    .get(&Engine(p))
+                    .ok_or(Skip::UnknownParent(p))?
+                    .ours(),
+            ),
         };
         // The block size was checked with the config (at least 1).
         let ours = IdChain::new(&s.token_ids, bs, seed, parent.unwrap_or(seed)).collect();
@@ -900,7 +962,7 @@ impl KvIndex {
     /// `name`'s blocks (our hashes), sorted: replicas fed the same events agree.
     pub fn blocks(&self, name: &str) -> Result<Vec<u64>> {
         let e = self.get(name)?;
-        let mut out: Vec<u64> = lock(&e).blocks.values().map(|&(ours, _)| ours).collect();
+        let mut out: Vec<u64> = lock(&e).blocks.values().map(|h| h.ours()).collect();
         out.sort_unstable();
         out.dedup();
         Ok(out)

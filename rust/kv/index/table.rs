@@ -7,12 +7,14 @@
 //! Blocks sit in `slab` in the order they were first stored, so the blocks
 //! of one `BlockStored` (most of a prompt, or a system prompt) are side by
 //! side. A walk that found block `i` at slot `s` checks slot `s + 1` first:
-//! it holds block `i + 1` when its hash is the chain's next hash after slot
-//! `s`'s hash and the block's tokens. That check reads the previous hash
-//! from the slab instead of waiting for the previous block's hash to be
-//! computed, so the blocks of a run are hashed side by side rather than one
-//! after the other (the chain's latency bounds hashing a whole prompt);
-//! only where the run ends does the walk look the next hash up in `index`.
+//! it holds block `i + 1` when its link (`super::link`) is the link after
+//! slot `s`'s link and the block's tokens (or, with the prompt's hashes
+//! given, when its hash is block `i + 1`'s). That check reads the previous
+//! link from the slab instead of waiting for the previous block's, and a
+//! link hashes the block's ids alone before one mix with it, so the blocks
+//! of a run are checked side by side rather than one after the other (the
+//! chain's latency bounds hashing a whole prompt); only where the run ends
+//! does the walk compute the next chained hash and look it up in `index`.
 //! A block no endpoint holds any more is dead: it leaves `index`, keeps its
 //! slot until enough are dead to compact the slab (in order, so runs stay
 //! runs).
@@ -354,6 +356,11 @@ impl Table {
             Entry::Occupied(e) => self.wide.add(&mut slab[*e.get() as usize].holders, id),
             Entry::Vacant(e) => {
                 e.insert(slab.len() as u32);
+                // By a sixteenth, not by doubling: a slot is 24 bytes, and a
+                // large slab's realloc moves pages rather than copying.
+                if slab.len() == slab.capacity() {
+                    slab.reserve_exact((slab.len() / 16).max(64));
+                }
                 slab.push(Slot {
                     hash,
                     link,
@@ -415,7 +422,7 @@ impl Table {
             }
         }
         self.slab.retain(|s| s.holders != DEAD);
-        self.slab.shrink_to(self.slab.len() + self.slab.len() / 4);
+        self.slab.shrink_to(self.slab.len() + self.slab.len() / 16);
         for s in self.index.iter_mut() {
             *s = moved[*s as usize];
         }

@@ -390,6 +390,37 @@ impl MockEngine {
     }
 }
 
+/// Stamps that would pass `u32::MAX` are renumbered in their order: the
+/// index evicts the same blocks as one whose stamps never came near it.
+#[test]
+fn stamps_renumbered_before_they_overflow_keep_the_eviction_order() {
+    let mut rng = Rng::new(9);
+    let (a, b) = (index(16, None), index(16, None));
+    let mut engine = MockEngine::new(40, BS);
+    for round in 0..200 {
+        if round % 50 == 0 {
+            // Close to the end of the stamps (their order kept).
+            let e = b.get("e").expect("e");
+            let mut e = lock(&e);
+            let base = u32::MAX - 20 - e.stamp;
+            for h in e.blocks.values_mut() {
+                h.stamp += base;
+            }
+            e.stamp += base;
+        }
+        let prompt: Vec<u32> = (0..2 * (1 + rng.below(5) as u32))
+            .map(|_| rng.below(4) as u32)
+            .collect();
+        let mut events = Vec::new();
+        engine.serve(&prompt, None, &mut events);
+        feed(&a, events.clone());
+        feed(&b, events);
+        assert_eq!(a.blocks("e"), b.blocks("e"), "round {round}");
+    }
+    assert!(a.stats("e").expect("e").evicted > 0);
+    assert!(lock(&b.get("e").expect("e")).stamp < 1000, "renumbered");
+}
+
 #[test]
 fn the_index_follows_an_engine_cache_exactly_and_replicas_agree() {
     let mut rng = Rng::new(3);
