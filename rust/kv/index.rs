@@ -17,10 +17,10 @@
 //! each other; the chained hash, where each block waits for the previous
 //! one, is computed only where a run ends. The same runs give a prompt's
 //! chained hashes without chaining them (`request_hashes_into`, which a
-//! picker hashes its prompt with). An endpoint holds a block while its engine holds
-//! it under some engine hash (engines that hash extra keys, such as a
-//! multimodal input or a cache salt, may store the same tokens under several).
-//! A LoRA adapter's blocks
+//! picker hashes its prompt with). An endpoint holds a block while its
+//! engine holds it under some engine hash (engines that hash extra keys,
+//! such as a multimodal input or a cache salt, may store the same tokens
+//! under several). A LoRA adapter's blocks
 //! chain from a seed of their own (`lora_seed`), so a base-model prompt never
 //! matches an adapter's blocks. Each endpoint keeps at most `capacity_blocks`
 //! blocks; past that the least recently stored eighth is forgotten (the index
