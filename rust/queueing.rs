@@ -69,15 +69,29 @@ fn ln_poisson_pmf(c: f64, a: f64) -> f64 {
 /// summed until a term adds less than 1e-17 to it: since `P(X <= c) >= 1/2`
 /// here, that is below the last bit of `P(X <= c)` (and costs no terms at all
 /// when `P(X = c)` is astronomically small, the many-server regime).
+///
+/// Four terms a division: from a term `t` the next four, with `d_j = c + i +
+/// j`, sum to `t a (d_2 d_3 d_4 + a (d_3 d_4 + a (d_4 + a))) / (d_1 d_2 d_3
+/// d_4)` and the fourth is `t a^4 / (d_1 d_2 d_3 d_4)` (no overflow: `d^4 <
+/// 2^170` below [`MAX_SERVERS`]). Both factors are independent of `t`, so the
+/// divisions overlap and one multiply a group waits on the last: near
+/// saturation, where the series is O(sqrt(c)) terms, about four times faster
+/// than a division a term. The group that reaches the stopping term adds its
+/// (smaller) rest, under 3e-17.
 fn poisson_above(c: f64, a: f64, pmf: f64) -> f64 {
-    let (mut term, mut sum, mut i) = (pmf, 0.0, 1.0);
+    let (mut term, mut sum, mut i) = (pmf, 0.0, 0.0);
+    let a4 = (a * a) * (a * a);
     loop {
-        term *= a / (c + i);
-        sum += term;
+        let (d1, d2, d3, d4) = (c + i + 1.0, c + i + 2.0, c + i + 3.0, c + i + 4.0);
+        let (d34, d12) = (d3 * d4, d1 * d2);
+        let inv = 1.0 / (d12 * d34);
+        let group = a * (d2 * d34 + a * (d34 + a * (d4 + a))) * inv;
+        sum += term * group;
+        term *= a4 * inv;
         if term <= 1e-17 {
             return sum;
         }
-        i += 1.0;
+        i += 4.0;
     }
 }
 
@@ -333,6 +347,9 @@ mod tests {
             (50, 40.0),
             (100, 99.0),
             (300, 250.0),
+            // Near saturation: hundreds of the series' terms, four a group.
+            (4000, 3960.0),
+            (20000, 19990.0),
         ] {
             let b = erlang_b(c, a).expect("ok");
             assert!(rel(b, recursion_b(c, a)) < 1e-12, "B({c}, {a})");

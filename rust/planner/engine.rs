@@ -191,12 +191,13 @@ struct Loop {
 /// (D + R(k))`, `R(k + 1) = x1 + X(k) x1 (R(k) + c)` (`c = E[X^2] / (2 E[X]) -
 /// E[X]`) is a Moebius map of `R(k)`, so `R(k) = p / q` with `p' = x1 (1 + k)
 /// p + x1 (D + k c) q`, `q' = p + D q`, and `X(k) >= rate` reads `k q >= rate
-/// (D q + p)`. The figures at the crossing are divided out once.
+/// (D q + p)`. Two steps at a time: `(p, q)` at `k + 2` from `k` by the
+/// product of the two steps' matrices (which does not depend on `(p, q)`, so
+/// it is computed beside the walk), `k + 1`'s from `k` beside it, for its
+/// test: one dependent multiply-add per two steps. The figures at the
+/// crossing are divided out once.
 fn closed_loop(rate: f64, x1: f64, x2: f64, think: f64, max_population: u64) -> Option<Loop> {
     let c = x2 / (2.0 * x1) - x1;
-    // R(1) = x1; (p, q) at k - 1 and k - 2 (q = 0: none, X = 0).
-    let (mut p, mut q) = (x1, 1.0f64);
-    let (mut prev, mut prev2) = ((0.0f64, 0.0f64), (0.0f64, 0.0f64));
     let through = |(p, q): (f64, f64), k: f64| {
         if q > 0.0 {
             let r = p / q;
@@ -205,35 +206,64 @@ fn closed_loop(rate: f64, x1: f64, x2: f64, think: f64, max_population: u64) -> 
             (0.0, 0.0)
         }
     };
-    for k in 1..=max_population {
+    let crosses = |(p, q): (f64, f64), k: f64| k * q >= rate * (think * q + p);
+    // One step's matrix, from k to k + 1: [[a, b], [1, D]].
+    let step = |kf: f64| (x1 * (1.0 + kf), x1 * (think + kf * c));
+    // R(1) = x1; (p, q) at k, k - 1 and k - 2.
+    let (mut now, mut prev, mut prev2) = ((x1, 1.0f64), (0.0f64, 0.0f64), (0.0f64, 0.0f64));
+    let mut k = 1;
+    // The first k where the loop carries `rate`, and (p, q) at k, k - 1, k - 2.
+    let (k, at, prev, prev2) = loop {
+        if k > max_population {
+            return None;
+        }
         let kf = k as f64;
-        if kf * q >= rate * (think * q + p) {
-            let (x, r) = through((p, q), kf);
-            let (xp, rp) = through(prev, kf - 1.0);
-            // U(k - 1) and U(k - 2): an arrival sees the loop without itself
-            // (the arrival theorem).
-            let (u, up) = (xp * x1, through(prev2, kf - 2.0).0 * x1);
-            // Between k - 1 and k, the time at the server interpolated and the
-            // population from Little's law at the rate.
-            let f = if x > xp { (rate - xp) / (x - xp) } else { 1.0 };
-            let at = if k == 1 { r } else { rp + f * (r - rp) };
-            return Some(Loop {
-                population: rate * (think + at),
-                wait: (at - x1).max(0.0),
-                busy: up + f * (u - up),
-            });
+        if crosses(now, kf) {
+            break (k, now, prev, prev2);
         }
-        prev2 = prev;
-        prev = (p, q);
-        (p, q) = (
-            x1 * (1.0 + kf) * p + x1 * (think + kf * c) * q,
-            p + think * q,
+        let ((a0, b0), (a1, b1)) = (step(kf), step(kf + 1.0));
+        let (p, q) = now;
+        let next = (a0 * p + b0 * q, p + think * q);
+        if k < max_population && crosses(next, kf + 1.0) {
+            break (k + 1, next, now, prev);
+        }
+        // The two steps' product [[a1, b1], [1, D]] [[a0, b0], [1, D]].
+        let (m00, m01, m10, m11) = (
+            a1 * a0 + b1,
+            a1 * b0 + b1 * think,
+            a0 + think,
+            b0 + think * think,
         );
-        if !(1e-100..=1e100).contains(&q) {
-            (p, q) = (p / q, 1.0);
+        (prev2, prev) = (now, next);
+        now = (m00 * p + m01 * q, m10 * p + m11 * q);
+        if !(1e-100..=1e100).contains(&now.1) {
+            now = rescaled(now);
         }
-    }
-    None
+        k += 2;
+    };
+    let kf = k as f64;
+    let (x, r) = through(at, kf);
+    let (xp, rp) = through(prev, kf - 1.0);
+    // U(k - 1) and U(k - 2): an arrival sees the loop without itself (the
+    // arrival theorem).
+    let (u, up) = (xp * x1, through(prev2, kf - 2.0).0 * x1);
+    // Between k - 1 and k, the time at the server interpolated and the
+    // population from Little's law at the rate.
+    let f = if x > xp { (rate - xp) / (x - xp) } else { 1.0 };
+    let at = if k == 1 { r } else { rp + f * (r - rp) };
+    Some(Loop {
+        population: rate * (think + at),
+        wait: (at - x1).max(0.0),
+        busy: up + f * (u - up),
+    })
+}
+
+/// `(p / q, 1)`: the same ratio back in range. Rare, so kept out of line:
+/// inlined, the division would be computed (and waited for) at every step.
+#[cold]
+#[inline(never)]
+fn rescaled((p, q): (f64, f64)) -> (f64, f64) {
+    (p / q, 1.0)
 }
 
 /// The steady state of one of `endpoints` continuous-batching engines each
@@ -1061,24 +1091,32 @@ fn evaluate(
 pub const MAX_GPUS: u64 = 1 << 50;
 
 /// The smallest `n > bad` with `ok(n)`, for `ok` monotone in `n` (false
-/// up to some count, true from it on): galloping from `start` (steps 1, 2,
-/// 4, ... down while it holds, up while it fails) until the answer is
+/// up to some count, true from it on): galloping from `start` (steps 1, 1,
+/// 2, 4, ... down while it holds, up while it fails) until the answer is
 /// bracketed, then bisection; None when no `n` below [`MAX_GPUS`] holds. A
 /// good `start` (the neighbouring candidate's count) costs a handful of
-/// evaluations.
+/// evaluations: two when it is the answer or one below, three when one
+/// above (the first step is taken twice: most starts are off by one).
 pub(super) fn smallest_ok(
     mut bad: u64,
     start: u64,
     mut ok: impl FnMut(u64) -> Result<bool>,
 ) -> Result<Option<u64>> {
     let mut hi = start.max(bad + 1);
-    let mut step = 1u64;
+    // The steps 1, 1, 2, 4, ...: `grow` from the second on.
+    let (mut step, mut grow) = (1u64, false);
+    let mut next = |step: &mut u64| {
+        if grow {
+            *step = step.saturating_mul(2);
+        }
+        grow = true;
+    };
     if ok(hi)? {
         while hi - bad > 1 {
             let probe = hi - step.min(hi - bad - 1);
             if ok(probe)? {
                 hi = probe;
-                step = step.saturating_mul(2);
+                next(&mut step);
             } else {
                 bad = probe;
                 break;
@@ -1095,7 +1133,7 @@ pub(super) fn smallest_ok(
                 break;
             }
             bad = hi;
-            step = step.saturating_mul(2);
+            next(&mut step);
         }
     }
     while hi - bad > 1 {
@@ -1269,6 +1307,14 @@ mod tests {
                     .expect("ok");
                     assert_eq!(n, Some(threshold), "bad {bad} start {start}");
                     assert!(calls <= 20, "{calls} evaluations");
+                    // A start at the answer or one off: the answer and one
+                    // fewer, and one evaluation more from above.
+                    let near = [(threshold, 2), (threshold - 1, 2), (threshold + 1, 3)];
+                    if let Some(&(_, most)) = near.iter().find(|&&(s, _)| s == start) {
+                        if start > bad && bad + 1 < threshold {
+                            assert!(calls <= most, "start {start}: {calls} evaluations");
+                        }
+                    }
                 }
             }
         }

@@ -31,6 +31,8 @@
 
 pub mod disagg;
 mod engine;
+#[cfg(test)]
+mod fleets_check;
 
 use std::sync::Arc;
 
@@ -1197,130 +1199,6 @@ mod tests {
             took.sort_by(f64::total_cmp);
             println!("{name}: min {:.1} us, median {:.1} us", took[0], took[1500]);
         }
-    }
-
-    /// The identity check of a change that must not move a figure: every
-    /// field of every candidate (`{:?}` of an `f64` round-trips its bits) of
-    /// 72 engine plans, the Azure trace with its categories, its code
-    /// requests, an LMSYS-like and the agent-heavy CDF (the fidelity grid's,
-    /// python/routecore/planning.py) at 100 / 1,000 / 3,000 req/s, TTFT 0.5
-    /// / 1 / 2 s, TPOT 80 ms or none, written to the file
-    /// `ROUTECORE_PLAN_DUMP` names; run before and after, then `cmp` the two:
-    /// `ROUTECORE_AZURE_CSV=/tmp/azure.csv ROUTECORE_PLAN_DUMP=/tmp/after.txt
-    /// cargo test --release --lib -- --ignored planner_fleets_dump`.
-    #[test]
-    #[ignore]
-    fn planner_fleets_dump() {
-        use std::fmt::Write;
-        let (Ok(csv), Ok(out)) = (
-            std::env::var("ROUTECORE_AZURE_CSV"),
-            std::env::var("ROUTECORE_PLAN_DUMP"),
-        ) else {
-            eprintln!("ROUTECORE_AZURE_CSV or ROUTECORE_PLAN_DUMP is not set: nothing dumped");
-            return;
-        };
-        let text = std::fs::read_to_string(csv).expect("the trace");
-        let cols = crate::workload::CsvColumns {
-            input: "ContextTokens",
-            output: "GeneratedTokens",
-            arrival: None,
-            category: Some("category"),
-        };
-        let azure = Workload::from_csv_text(&text, &cols).expect("csv");
-        let code_id = azure
-            .category_names()
-            .iter()
-            .position(|n| n == "code")
-            .expect("code") as u32;
-        let (mut inputs, mut outputs) = (Vec::new(), Vec::new());
-        for (i, &c) in azure.category_ids().iter().enumerate() {
-            if c == code_id {
-                inputs.push(azure.input_tokens()[i] as i64);
-                outputs.push(azure.output_tokens()[i] as i64);
-            }
-        }
-        let code = Workload::new(&inputs, &outputs, None, None).expect("code");
-        let lmsys = Workload::from_cdf(
-            &[
-                (64, 0.06769873079356836),
-                (128, 0.19040573377734155),
-                (256, 0.39756593427258413),
-                (512, 0.639490480802875),
-                (768, 0.7635820862646214),
-                (1024, 0.8349337097107752),
-                (1536, 0.909),
-                (2048, 0.9441497962961394),
-                (3072, 0.9744935919576142),
-                (4096, 0.9863550584620481),
-                (6144, 0.9948874360919426),
-                (8192, 0.9976292897973289),
-                (12288, 0.9992759079282141),
-                (16384, 0.9997100502271707),
-                (24576, 0.9999281237262816),
-                (32768, 0.9999752096917729),
-                (49152, 0.9999950276101246),
-                (65536, 1.0),
-            ],
-            0.8,
-        )
-        .expect("lmsys");
-        let agent = Workload::from_cdf(
-            &[
-                (64, 0.0),
-                (128, 0.0),
-                (256, 0.00007),
-                (512, 0.00407),
-                (768, 0.02237),
-                (1024, 0.05757),
-                (1536, 0.15871),
-                (2048, 0.26459),
-                (3072, 0.43163),
-                (4096, 0.53802),
-                (6144, 0.65987),
-                (8192, 0.74042),
-                (12288, 0.85213),
-                (16384, 0.91717),
-                (24576, 0.97282),
-                (32768, 0.99046),
-                (49152, 0.99849),
-                (65536, 1.0),
-            ],
-            0.8,
-        )
-        .expect("agent-heavy");
-        let profile = Profile::llama3_70b_a100();
-        let mut dump = String::new();
-        for (name, w) in [
-            ("azure", &azure),
-            ("code", &code),
-            ("lmsys", &lmsys),
-            ("agent", &agent),
-        ] {
-            for rate in [100.0, 1000.0, 3000.0] {
-                for ttft in [0.5, 1.0, 2.0] {
-                    for tpot in [Some(0.08), None] {
-                        let cfg = PlanConfig {
-                            slo_tpot_s: tpot,
-                            ..PlanConfig::new(rate, ttft)
-                        };
-                        let _ = writeln!(dump, "{name} {rate} {ttft} {tpot:?}");
-                        match plan(w, &profile, &cfg) {
-                            Ok(p) => {
-                                let _ = writeln!(dump, "{:?}", p.homogeneous);
-                                let _ = writeln!(dump, "{:?} {:?}", p.best, p.pool_routing);
-                                for c in &p.sweep {
-                                    let _ = writeln!(dump, "{c:?}");
-                                }
-                            }
-                            Err(e) => {
-                                let _ = writeln!(dump, "{e}");
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        std::fs::write(out, dump).expect("written");
     }
 
     #[test]
