@@ -18,9 +18,9 @@
 //!
 //! Stateful plugins (prefix, VTC, session affinity) learn through two
 //! hooks: [`Pipeline::started`] (a request went to an endpoint) and
-//! [`Pipeline::completed`] (it ended, with its usage); the prefix plugins
-//! also through [`Pipeline::moved`] (another endpoint served it: Envoy
-//! retried it on a fallback). No allocation per pick once the pipeline has
+//! [`Pipeline::completed_request`] (it ended, with its usage); the prefix
+//! plugins also through [`Pipeline::moved`] (another endpoint served it:
+//! Envoy retried it on a fallback). No allocation per pick once the pipeline has
 //! seen its largest pool.
 //!
 //! Plugins describe themselves: each file holds its name, its parameter
@@ -502,22 +502,6 @@ impl Pipeline {
             )));
         }
         Ok(())
-    }
-
-    /// A request on `endpoint` ended with this usage (plugins that need
-    /// nothing of the request but its endpoint).
-    pub fn completed(
-        &mut self,
-        endpoint: usize,
-        input_tokens: u64,
-        output_tokens: u64,
-        now: f64,
-    ) -> Result<()> {
-        let req = PickRequest {
-            now,
-            ..PickRequest::default()
-        };
-        self.completed_request(&req, endpoint, input_tokens, output_tokens)
     }
 
     /// A request ended: `req` as it was picked (its fairness id and token
