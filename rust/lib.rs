@@ -71,6 +71,8 @@ mod _core {
         plan_disaggregated, simulate_disaggregated, PyDisaggPlan, PyDisaggReport,
     };
     #[pymodule_export]
+    use crate::py::dispatch::PyDispatchSteps;
+    #[pymodule_export]
     use crate::py::flow::PyFlowQueue;
     #[pymodule_export]
     use crate::py::flow_sim::flow_eval;

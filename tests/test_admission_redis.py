@@ -67,8 +67,12 @@ def test_redis_decides_as_the_rust_controller(redis_server, seed):
         elif op < 0.9 and live:
             ta, tb, tokens = live.pop(rng.randrange(len(live)))
             used, latency = rng.randint(0, tokens), rng.choice([0.2, 1.0, 4.0])
-            assert mem.complete(ta, used, 0, latency, now=now)
-            assert red.complete(tb, used, 0, latency, now=now)
+            if rng.random() < 0.25:  # never served (refused by a later step): nothing learned
+                assert mem.release(ta, now=now)
+                assert red.release(tb, now=now)
+            else:
+                assert mem.complete(ta, used, 0, latency, now=now)
+                assert red.complete(tb, used, 0, latency, now=now)
         elif op < 0.95:
             name, state = rng.choice(names[:-1]), rng.choice(["bound", "bound", "degraded"])
             mem.set_state(name, state)

@@ -271,6 +271,14 @@ CASES = {
     "AdmissionController.admit.input_tokens": lambda v: admission().admit("e", v, 10, 0.0),
     "AdmissionController.admit.max_tokens": lambda v: admission().admit("e", 10, v, 0.0),
     "AdmissionController.complete.ticket": lambda v: _admitted_complete(1, 1, v),
+    "AdmissionController.release.ticket": lambda v: _admitted_release(v),
+    "DispatchSteps.acquire.max_output_tokens": lambda v: _acquired(max_output_tokens=v),
+    "DispatchSteps.acquire.prompt_bytes": lambda v: _acquired(prompt_bytes=v),
+    "DispatchSteps.acquire.input_tokens": lambda v: _acquired(input_tokens=v),
+    **{
+        f"DispatchSteps.release.{name}": lambda v, name=name: _released(**{name: v})
+        for name in ("input_tokens", "max_output_tokens", "actual_input", "actual_output")
+    },
     "FlowQueue.enqueue.bytes": lambda v: flow_queue().enqueue("spot", "t", None, bytes=v),
     "FlowQueue.cancel.ticket": lambda v: flow_queue().cancel(v),
     "Autoscaler.observe.prompt_tokens": lambda v: autoscaler().observe("p", v, 1, now=0.0),
@@ -386,6 +394,35 @@ def _finish(prompt_tokens, completion_tokens, feedback=False):
         plane().finish(routed["request_id"])
 
 
+def _admitted_release(ticket):
+    """`release` on a controller with one request in flight."""
+    c = admission()
+    c.admit("e", 10, 10, 0.0)
+    c.release(ticket, 1.0)
+
+
+def _steps():
+    """``Dispatcher``'s Rust steps over a router, a picker and admission."""
+    picker = core.EndpointPicker(["e0"])
+    return core.DispatchSteps(RuntimeError, budget_router(), picker, admission())
+
+
+def _acquired(max_output_tokens=10, prompt_bytes=10, input_tokens=None, steps=None):
+    """``DispatchSteps.acquire`` of a request of entitlement ``e``."""
+    steps = steps or _steps()
+    args = (max_output_tokens, prompt_bytes, "prose", input_tokens, "e", None, None, None, 0.0)
+    return steps.acquire(*args)
+
+
+def _released(**counts):
+    """``DispatchSteps.release`` of an acquired request with these counts."""
+    steps = _steps()
+    _, decision, admitted, endpoint, prefill = _acquired(steps=steps)
+    args = {"input_tokens": 3, "max_output_tokens": 10, "actual_input": 1, "actual_output": 1}
+    args.update(counts)
+    steps.release(decision, admitted, endpoint, prefill, None, *args.values(), 0.1, 1.0)
+
+
 def _admitted_complete(actual_input, actual_output, ticket=None):
     """`complete` on a controller with one request in flight (its ticket by
     default)."""
@@ -475,6 +512,7 @@ UNSIGNED_64 = {
     "PrefixWorkload.__new__.seed",
     "Admission.__new__.ticket",
     "AdmissionController.complete.ticket",
+    "AdmissionController.release.ticket",
     "FlowQueue.cancel.ticket",
     "Autoscaler.observe.prompt_tokens",
     "Autoscaler.observe.output_tokens",
@@ -559,6 +597,7 @@ VALID = {
     "Admission.__new__.status": 200,
     "AdmissionController.__new__.default_max_tokens": 100,
     "AdmissionController.complete.ticket": admission().admit("e", 10, 10, 0.0).ticket,
+    "AdmissionController.release.ticket": admission().admit("e", 10, 10, 0.0).ticket,
     "FlowQueue.cancel.ticket": 0,
     "DataPlane.start.port": 0,
     "DataPlane.start.metrics_port": 0,

@@ -1254,6 +1254,7 @@ class AdmissionController:
         latency_s: float,
         now: float | None = None,
     ) -> None: ...
+    def release(self, ticket: int, now: float | None = None) -> None: ...
     def evictions(self, now: float | None = None) -> list[int]: ...
     def priority(self, entitlement: str) -> float: ...
     def stats(self, entitlement: str) -> dict[str, float]: ...
@@ -1366,6 +1367,49 @@ def autoscale_simulate(
     dispatch: str | Sequence[Mapping[str, Any]] | None = None,
     progress: Callable[[int, int], object] | None = None,
 ) -> dict[str, Any]: ...
+
+# --- one request's steps (Dispatcher) -----------------------------------------
+
+@final
+class DispatchSteps:
+    """``Dispatcher.acquire``'s steps (route, admit, pick) over Rust parts in
+    one call, and a lease's release; used by ``routecore.Dispatcher``, not
+    re-exported from ``routecore``."""
+
+    def __new__(
+        cls,
+        refused: Callable[[str, int, str, float | None], BaseException],
+        router: TokenBudgetRouter | None = None,
+        pickers: EndpointPicker | Mapping[str, EndpointPicker] | None = None,
+        admission: AdmissionController | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> Self: ...
+    def acquire(
+        self,
+        max_output_tokens: int,
+        prompt_bytes: int | None,
+        category: str,
+        input_tokens: int | None,
+        entitlement: str | None,
+        tokens: Any,
+        fairness_id: str | None,
+        session: str | None,
+        now: float | None,
+    ) -> tuple[int, RouteDecision | None, Admission | None, str | None, str | None]: ...
+    def release(
+        self,
+        decision: RouteDecision | None,
+        admission: Admission | None,
+        endpoint: str | None,
+        prefill_endpoint: str | None,
+        fairness_id: str | None,
+        input_tokens: int,
+        max_output_tokens: int,
+        actual_input: int,
+        actual_output: int,
+        latency_s: float,
+        now: float | None,
+    ) -> None: ...
 
 # --- flow control (capability 12) ---------------------------------------------
 

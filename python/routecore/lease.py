@@ -39,10 +39,11 @@ import threading
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 from routecore._core import (
     Admission,
+    DispatchSteps,
     EndpointPicker,
     FlowQueue,
     NotInFlightError,
@@ -52,6 +53,7 @@ from routecore._core import (
 )
 from routecore.admission import MAX_TOKENS
 from routecore.admission.backend import AdmissionBackend
+from routecore.admission.memory import InMemoryAdmission
 
 
 class RequestRefused(Exception):
@@ -74,10 +76,10 @@ class RequestRefused(Exception):
         self.retry_after_s = retry_after_s
 
 
-@dataclass(frozen=True)
-class _Ask:
+class _Ask(NamedTuple):
     """One request's arguments to the steps (``acquire``'s keywords but
-    ``wait`` and ``service_class``), gathered once by each driver."""
+    ``wait`` and ``service_class``), gathered once by each driver (a tuple:
+    a frozen dataclass costs a microsecond per request)."""
 
     max_output_tokens: int
     prompt_bytes: int | None
@@ -229,7 +231,16 @@ class Dispatcher:
     at least one. ``flow``: the queue of ``acquire(wait=...)``, the data
     plane's ``flow`` mapping (bands, fairness, ordering, limits, TTL); None:
     one band per service class with the paper's weights as shares and the
-    token-pool debt fairness."""
+    token-pool debt fairness.
+
+    The parts are fixed at construction (``router``, ``pickers`` and
+    ``admission`` are read-only). When every part given is routecore's own
+    (a ``TokenBudgetRouter``, ``EndpointPicker`` objects, an
+    ``InMemoryAdmission``), ``acquire`` and a lease's release run in Rust, one
+    call each (the data plane's step order, ``DispatchSteps``); with a
+    ``RedisAdmission`` or any other Python object the same steps run in
+    Python. Both give the same leases and leave the parts in the same
+    state."""
 
     def __init__(
         self,
@@ -240,11 +251,16 @@ class Dispatcher:
     ) -> None:
         if router is None and pickers is None and admission is None:
             raise ValueError("give a router, pickers or admission")
-        if isinstance(pickers, Mapping) and router is None:
-            raise ValueError("pickers per pool need a router to choose the pool")
-        self.router = router
-        self.pickers = pickers
-        self.admission = admission
+        if isinstance(pickers, Mapping):
+            if router is None:
+                raise ValueError("pickers per pool need a router to choose the pool")
+            pools = [p.name for p in router.pools]
+            unknown = [name for name in pickers if name not in pools]
+            if unknown:
+                raise KeyError(f"pickers for pools the router has not: {unknown} (pools: {pools})")
+        self._router = router
+        self._pickers = pickers
+        self._admission = admission
         # Sorted out once (an isinstance on an ABC costs a microsecond per call).
         self._by_pool: Mapping[str, EndpointPicker] | None = None
         self._for_all: EndpointPicker | None = None
@@ -252,11 +268,24 @@ class Dispatcher:
             self._by_pool = pickers
         else:
             self._for_all = pickers
+        self._native = _native_steps(router, pickers, admission)
         self.queue = FlowQueue(flow)
         # Guards the queue's waiters and the count of leases held.
         self._turns = threading.Condition()
         self._leases = 0
         self._turning = 0  # waiters dispatched whose try is not over
+
+    @property
+    def router(self) -> TokenBudgetRouter | None:
+        return self._router
+
+    @property
+    def pickers(self) -> EndpointPicker | Mapping[str, EndpointPicker] | None:
+        return self._pickers
+
+    @property
+    def admission(self) -> AdmissionBackend | None:
+        return self._admission
 
     def acquire(
         self,
@@ -460,26 +489,49 @@ class Dispatcher:
 
     def _acquire_now(self, ask: _Ask) -> Lease:
         """The steps once, at once (``acquire`` without ``wait``)."""
+        if self._admission is not None and ask.entitlement is None:
+            raise ValueError("entitlement is needed with admission")
+        # Checked before any step, on either path: a bad argument holds nothing.
+        if ask.now is not None and not math.isfinite(ask.now):
+            raise ValueError(f"now must be a finite number, got {ask.now}")
+        _tokens("max_output_tokens", ask.max_output_tokens)
+        if ask.input_tokens is not None:
+            _tokens("input_tokens", ask.input_tokens)
+        native = self._native
+        if native is None:
+            held = self._steps(ask)
+        else:
+            held = _Held(
+                ask.max_output_tokens,
+                ask.fairness_id,
+                ask.now,
+                *native.acquire(*ask),  # the same arguments, in the same order
+            )
+        with self._turns:
+            self._leases += 1
+        return Lease(self, held)
+
+    def _steps(self, ask: _Ask) -> _Held:
+        """The steps in Python, for parts that are Python objects (the same
+        order and the same give-back as ``DispatchSteps``)."""
         max_output_tokens, entitlement, now = ask.max_output_tokens, ask.entitlement, ask.now
         prompt_bytes, input_tokens = ask.prompt_bytes, ask.input_tokens
-        if self.admission is not None and entitlement is None:
-            raise ValueError("entitlement is needed with admission")
         held = _Held(max_output_tokens, ask.fairness_id, now)
         try:
-            if self.router is not None:
+            if self._router is not None:
                 if prompt_bytes is None:
                     prompt_bytes = _text_length(ask.tokens)
-                decision = self.router.route(prompt_bytes, ask.category, max_output_tokens)
+                decision = self._router.route(prompt_bytes, ask.category, max_output_tokens)
                 if decision.rejected:
                     raise RequestRefused("route", 413, decision.reason)
                 held.decision = decision
                 if input_tokens is None:
                     input_tokens = decision.est_input_tokens
-            if input_tokens is None and self.admission is not None:
+            if input_tokens is None and self._admission is not None:
                 raise ValueError("input_tokens is needed for admission without a router")
             held.input_tokens = input_tokens or 0
-            if self.admission is not None and entitlement is not None:
-                admission = self.admission.admit(
+            if self._admission is not None and entitlement is not None:
+                admission = self._admission.admit(
                     entitlement, held.input_tokens, max_output_tokens, now
                 )
                 if not admission.admitted:
@@ -501,11 +553,9 @@ class Dispatcher:
                     raise RequestRefused("endpoint", 503, "no-endpoint")
                 held.endpoint, held.prefill_endpoint = pair
         except BaseException:
-            self._give_back(held, (0, 0), 0.0, now, counted=False)
+            self._release_parts(held, None, 0.0, now)
             raise
-        with self._turns:
-            self._leases += 1
-        return Lease(self, held)
+        return held
 
     def _picker(self, decision: RouteDecision | None) -> EndpointPicker | None:
         if self._by_pool is None:
@@ -515,37 +565,54 @@ class Dispatcher:
         return self._by_pool[decision.pool]
 
     def _give_back(
-        self,
-        held: _Held,
-        usage: tuple[int, int],
-        latency_s: float,
-        now: float | None,
-        counted: bool = True,
-    ) -> None:
-        """Releases what ``held`` holds (endpoint, prefill endpoint, admission,
-        pool), every part attempted, the first error raised after; a lease's release
-        (``counted``) then gives the next waiter of the queue its turn."""
-        try:
-            self._release_parts(held, usage, latency_s, now)
-        finally:
-            if counted:
-                with self._turns:
-                    self._leases -= 1
-                    if len(self.queue):
-                        self._dispatch_next()
-
-    def _release_parts(
         self, held: _Held, usage: tuple[int, int], latency_s: float, now: float | None
     ) -> None:
+        """Releases what a lease's ``held`` holds (endpoint, prefill endpoint,
+        admission, pool), every part attempted, the first error raised after;
+        then gives the next waiter of the queue its turn."""
+        try:
+            native = self._native
+            if native is None:
+                self._release_parts(held, usage, latency_s, now)
+            else:
+                native.release(
+                    held.decision,
+                    held.admission,
+                    held.endpoint,
+                    held.prefill_endpoint,
+                    held.fairness_id,
+                    held.input_tokens,
+                    held.max_output_tokens,
+                    usage[0],
+                    usage[1],
+                    latency_s,
+                    now,
+                )
+        finally:
+            with self._turns:
+                self._leases -= 1
+                if len(self.queue):
+                    self._dispatch_next()
+
+    def _release_parts(
+        self, held: _Held, usage: tuple[int, int] | None, latency_s: float, now: float | None
+    ) -> None:
+        """The Python path's give-back: ``usage`` None for a request that was
+        never served (a step refused it): admission is released, nothing
+        learned."""
         steps: list[Callable[[], object]] = []
-        picker = self._picker(held.decision)
+        # Looked up only for a request placed (a pool without a picker is the
+        # KeyError that refused it).
+        placed = held.endpoint is not None or held.prefill_endpoint is not None
+        picker = self._picker(held.decision) if placed else None
         endpoint = held.endpoint
-        if picker is not None and endpoint is not None:
+        if picker is not None and endpoint is not None and usage is not None:
+            served = usage
             steps.append(
                 lambda: picker.completed(
                     endpoint,
-                    usage[0],
-                    usage[1],
+                    served[0],
+                    served[1],
                     fairness_id=held.fairness_id,
                     est_input_tokens=held.input_tokens,
                     est_output_tokens=held.max_output_tokens,
@@ -555,11 +622,15 @@ class Dispatcher:
         prefill = held.prefill_endpoint
         if picker is not None and prefill is not None:
             steps.append(lambda: picker.completed_prefill(prefill, held.input_tokens, now=now))
-        backend = self.admission
+        backend = self._admission
         ticket = None if held.admission is None else held.admission.ticket
         if backend is not None and ticket is not None:
-            steps.append(lambda: backend.complete(ticket, usage[0], usage[1], latency_s, now))
-        router = self.router
+            if usage is None:
+                steps.append(lambda: backend.release(ticket, now))
+            else:
+                served = usage
+                steps.append(lambda: backend.complete(ticket, *served, latency_s, now))
+        router = self._router
         if router is not None and held.decision is not None:
             index = held.decision.index
             steps.append(lambda: router.complete(index))
@@ -592,6 +663,25 @@ class _Waiter:
         self.ticket = 0
         self.outcome: str | None = None
         self.wake: Callable[[], object] | None = None
+
+
+def _native_steps(
+    router: TokenBudgetRouter | None,
+    pickers: EndpointPicker | Mapping[str, EndpointPicker] | None,
+    admission: AdmissionBackend | None,
+) -> DispatchSteps | None:
+    """The steps in Rust over these parts when each is routecore's own (not a
+    subclass, whose methods Python may override); None otherwise."""
+    if router is not None and type(router) is not TokenBudgetRouter:
+        return None
+    each = pickers.values() if isinstance(pickers, Mapping) else [pickers]
+    if any(p is not None and type(p) is not EndpointPicker for p in each):
+        return None
+    if admission is not None and type(admission) is not InMemoryAdmission:
+        return None
+    controller = None if admission is None else admission.controller
+    clock = None if admission is None or admission.clock is monotonic else admission.clock
+    return DispatchSteps(RequestRefused, router, pickers, controller, clock)
 
 
 def _may_wait(refused: RequestRefused) -> bool:

@@ -209,7 +209,7 @@ pub struct PyAdmission {
     #[pyo3(get)]
     retry_after_s: Option<f64>,
     #[pyo3(get)]
-    ticket: Option<u64>,
+    pub(super) ticket: Option<u64>,
     #[pyo3(get)]
     priority: f64,
 }
@@ -329,7 +329,7 @@ pub struct PyAdmissionController {
 }
 
 impl PyAdmissionController {
-    fn lock(&self) -> MutexGuard<'_, AdmissionController> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, AdmissionController> {
         // Every core call checks before it changes: a poisoned state is consistent.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -417,6 +417,20 @@ impl PyAdmissionController {
         Ok(self
             .lock()
             .complete(ticket, actual_input, actual_output, latency_s, now)?)
+    }
+
+    /// Ends an admitted request that was never served (a later step refused
+    /// it, or it left a queue): its slot and its window charge are given
+    /// back and nothing is learned (served rate, debt, burst, latency and
+    /// priority stay as they were). ``NotInFlightError`` for a ticket that is
+    /// not in flight; nothing changes then.
+    #[pyo3(signature = (ticket, now=None))]
+    fn release(
+        &self,
+        #[pyo3(from_py_with = int_arg)] ticket: u64,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        Ok(self.lock().release(ticket, now_or_monotonic(now))?)
     }
 
     /// Tickets of preemptible requests to terminate now because protected

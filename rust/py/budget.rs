@@ -74,7 +74,7 @@ impl PyPool {
 pub struct PyRouteDecision {
     #[pyo3(get)]
     pool: Option<Py<PyString>>,
-    decision: Decision,
+    pub(super) decision: Decision,
 }
 
 #[pymethods]
@@ -175,6 +175,29 @@ impl PyTokenBudgetRouter {
             decision,
         }
     }
+
+    /// `route`'s decision (the request counted in its pool), not yet a
+    /// Python object.
+    pub(super) fn decide(
+        &self,
+        prompt_bytes: i64,
+        category: &str,
+        max_output_tokens: i64,
+    ) -> PyResult<Decision> {
+        let req = Request::new(prompt_bytes, None, max_output_tokens)?;
+        let est = self
+            .inner
+            .read_calibrator()
+            .estimate_tokens(req.prompt_bytes, category);
+        Ok(self
+            .inner
+            .route_with(est, req.max_output_tokens, compressible_category(category)))
+    }
+
+    /// The pool's name as a Python string (no copy).
+    pub(super) fn name(&self, py: Python<'_>, pool: usize) -> Py<PyString> {
+        self.names[pool].clone_ref(py)
+    }
 }
 
 #[pymethods]
@@ -224,16 +247,8 @@ impl PyTokenBudgetRouter {
         category: &str,
         #[pyo3(from_py_with = int_arg)] max_output_tokens: i64,
     ) -> PyResult<PyRouteDecision> {
-        let req = Request::new(prompt_bytes, None, max_output_tokens)?;
-        let est = self
-            .inner
-            .read_calibrator()
-            .estimate_tokens(req.prompt_bytes, category);
-        Ok(self.decision(
-            py,
-            self.inner
-                .route_with(est, req.max_output_tokens, compressible_category(category)),
-        ))
+        let decision = self.decide(prompt_bytes, category, max_output_tokens)?;
+        Ok(self.decision(py, decision))
     }
 
     /// The compress-and-route band gamma, or None when off.

@@ -13,6 +13,7 @@ pub mod calibrate;
 pub mod classify;
 pub mod compress;
 pub mod disagg;
+pub mod dispatch;
 pub mod flow;
 pub mod flow_sim;
 #[cfg(feature = "kv-events")]

@@ -491,7 +491,7 @@ impl PyEndpointPicker {
     /// ``completed_prefill`` and the decode with ``completed``.
     #[pyo3(signature = (tokens=None, *, hashes=None, adapter=None, subset=None, fairness_id=None, session=None, input_tokens=0, output_tokens=0, now=None))]
     #[allow(clippy::too_many_arguments)]
-    fn pick_pair(
+    pub(super) fn pick_pair(
         &self,
         py: Python<'_>,
         tokens: Option<&Bound<'_, PyAny>>,
@@ -541,7 +541,7 @@ impl PyEndpointPicker {
     /// one less in flight, the prefill plugins told (it used
     /// ``input_tokens``).
     #[pyo3(signature = (endpoint, input_tokens=0, *, now=None))]
-    fn completed_prefill(
+    pub(super) fn completed_prefill(
         &self,
         endpoint: &str,
         #[pyo3(from_py_with = int_arg)] input_tokens: u64,
@@ -772,7 +772,7 @@ impl PyEndpointPicker {
     /// corrected from the estimates given at ``pick`` (``est_*``) to it.
     #[pyo3(signature = (endpoint, input_tokens=0, output_tokens=0, *, fairness_id=None, est_input_tokens=0, est_output_tokens=0, now=None))]
     #[allow(clippy::too_many_arguments)]
-    fn completed(
+    pub(super) fn completed(
         &self,
         endpoint: &str,
         #[pyo3(from_py_with = int_arg)] input_tokens: u64,

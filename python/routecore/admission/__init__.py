@@ -13,6 +13,7 @@ Both backends answer::
     # admission.admitted, .status (200/401/403/413/429/503), .reason,
     # .retry_after_s (seconds or None), .ticket (int or None)
     backend.complete(admission.ticket, actual_input, actual_output, latency_s, now=None)
+    backend.release(admission.ticket, now=None)  # instead, when never served: nothing learned
 
 ``now`` defaults to the backend's clock (``routecore.monotonic`` in memory,
 ``time.time`` for Redis, which replicas on several hosts share). ``complete``

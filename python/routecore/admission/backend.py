@@ -59,6 +59,16 @@ class AdmissionBackend:
             raise NotInFlightError("complete: ticket None is not in flight (admitted without one)")
         return self._complete(ticket, actual_input, actual_output, latency_s, self._now(now))
 
+    def release(self, ticket: int | None, now: float | None = None) -> bool:
+        """Ends an admitted request that was never served (a later step
+        refused it, or it left a queue): its slot and its window charge are
+        given back and nothing is learned (served rate, debt, burst, latency
+        and priority stay as they were). ``NotInFlightError`` and the return
+        value as ``complete``."""
+        if ticket is None:
+            raise NotInFlightError("release: ticket None is not in flight (admitted without one)")
+        return self._release(ticket, self._now(now))
+
     def evictions(self, now: float | None = None) -> list[int]:
         """Tickets of preemptible requests to terminate now because protected
         classes need the capacity (lowest priority, then youngest, first).
@@ -85,6 +95,9 @@ class AdmissionBackend:
     def _complete(
         self, ticket: int, actual_input: int, actual_output: int, latency_s: float, now: float
     ) -> bool:
+        raise NotImplementedError
+
+    def _release(self, ticket: int, now: float) -> bool:
         raise NotImplementedError
 
     def _evictions(self, now: float) -> list[int]:

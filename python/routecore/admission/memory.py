@@ -36,6 +36,10 @@ class InMemoryAdmission(AdmissionBackend):
         self.controller.complete(ticket, actual_input, actual_output, latency_s, now)
         return True
 
+    def _release(self, ticket: int, now: float) -> bool:
+        self.controller.release(ticket, now)
+        return True
+
     def _evictions(self, now: float) -> list[int]:
         return self.controller.evictions(now)
 

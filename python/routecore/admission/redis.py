@@ -62,6 +62,10 @@ _log = logging.getLogger("routecore.admission")
 # tests/test_admission_redis.py runs one request sequence through it and the
 # Rust controller.
 _LUA = admission_lua()
+#: The latency that tells the complete script a request was never served
+#: (``release``): its charge is given back, nothing learned (the data plane's
+#: ``UNSERVED`` in rust/serve/admission/redis.rs).
+UNSERVED = -1.0
 
 _STATES = ("pending", "bound", "degraded", "expired")
 _PROTECTED = ("dedicated", "guaranteed")  # never shrunk (Table 1)
@@ -459,11 +463,19 @@ class RedisAdmission(AdmissionBackend):
         actual = _count("actual_input", actual_input, 0) + _count("actual_output", actual_output, 0)
         if not latency_s >= 0 or latency_s == float("inf"):
             raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s}")
+        return self._finish("complete", ticket, actual, float(latency_s), now)
+
+    def _release(self, ticket: int, now: float) -> bool:
+        return self._finish("release", ticket, 0, UNSERVED, now)
+
+    def _finish(self, call: str, ticket: int, actual: int, latency_s: float, now: float) -> bool:
+        """The complete script for ``ticket`` (``latency_s`` ``UNSERVED``: a
+        release), or its replay kept while Redis is unreachable."""
         seq, index = divmod(ticket, MAX_QUOTAS)
         if index >= len(self._quotas):
-            raise NotInFlightError(f"complete: ticket {ticket} is not in flight")
+            raise NotInFlightError(f"{call}: ticket {ticket} is not in flight")
         quota = self._quotas[index]
-        args = (seq, actual, repr(float(latency_s)), repr(now))
+        args = (seq, actual, repr(latency_s), repr(now))
         with self._turn() as mine:
             if mine:
                 try:
@@ -472,11 +484,11 @@ class RedisAdmission(AdmissionBackend):
                         keys=[self._keys[quota]], args=[str(seq), *args[1:]]
                     )
                 except self._redis_errors as e:
-                    self._failed("complete", e)
+                    self._failed(call, e)
                 else:
                     self._succeeded(settled)
                     if not done:  # completed already, or its lease expired
-                        raise NotInFlightError(f"complete: ticket {ticket} is not in flight")
+                        raise NotInFlightError(f"{call}: ticket {ticket} is not in flight")
                     return True
         with self._lock:  # replayed when Redis answers; a replay counts once
             _keep(self._replays[quota], [args])
