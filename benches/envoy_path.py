@@ -12,7 +12,9 @@ Setups (each in front of the same fake engines):
   ``worker_threads: 2``, the demo tenant's admission, its tokens/s raised
   1,000-fold so that it admits every request of the run). ``--modes`` adds one
   such setup per other shipped Envoy file (``envoy-routecore:NAME``), all
-  served by the same routecore.
+  served by the same routecore; ``--before DIR`` one more,
+  ``envoy-routecore@before``, served by the routecore package in ``DIR``
+  (another build: a same-run A/B of routecore's code).
 - ``vllm-rr`` / ``vllm-ca``: ``vllm-router`` 0.1.17 (PyPI), round robin / cache
   aware; ``sglang-rr`` / ``sglang-ca``: ``sglang-router`` 0.3.2, the same.
   Each is installed by this script into its own venv under the cache folder.
@@ -39,6 +41,10 @@ requests due were answered 2xx or its p50 passed 20 ms.
 Run (the full run is about 7 setups x 4 rates x 2 bodies x repeats x duration):
     .venv/bin/python benches/envoy_path.py --duration 15 --repeats 3
     .venv/bin/python benches/envoy_path.py --smoke     # about 40 s, every setup once
+    # where routecore's time goes per request (threads' CPU and context
+    # switches, Envoy's ext_proc messages and bytes, the shards' syscalls):
+    .venv/bin/python benches/envoy_path.py --setups envoy-routecore --diagnose --strace \
+        --rates 1000 --bodies 1024 --duration 8 --repeats 2
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -159,6 +166,28 @@ def scraper_ticks(pid: int) -> int:
     return total
 
 
+def threads(pid: int) -> dict[str, list[int]]:
+    """Per thread name of ``pid``: [threads, clock ticks (user + system),
+    voluntary and involuntary context switches] summed over its threads."""
+    out: dict[str, list[int]] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+            status = (task / "status").read_text()
+        except OSError:
+            continue
+        name, fields = stat.split("(", 1)[1].rsplit(")", 1)
+        switches = dict(
+            line.split(":\t") for line in status.splitlines() if "ctxt_switches" in line
+        )
+        row = out.setdefault(name, [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += sum(int(f) for f in fields.split()[11:13])
+        row[2] += int(switches["voluntary_ctxt_switches"])
+        row[3] += int(switches["nonvoluntary_ctxt_switches"])
+    return out
+
+
 def tree(pid: int) -> list[int]:
     """``pid`` and every process below it."""
     children: dict[int, list[int]] = {}
@@ -222,14 +251,18 @@ class Setup:
 class Stack:
     """Every setup, started on free loopback ports; :meth:`close` stops them."""
 
-    def __init__(self, directory: Path, names: list[str], modes: list[str]) -> None:
+    def __init__(
+        self, directory: Path, names: list[str], modes: list[str], before: Path | None = None
+    ) -> None:
         self.dir = directory
         self.procs: list[subprocess.Popen] = []
         self.envoys: list[Envoy] = []
         self.routecore: Spawned | None = None
+        #: routecore served from ``before`` (--before), stopped with the rest.
+        self.others: list[Spawned] = []
         self.setups: list[Setup] = []
         try:
-            self._start(names, modes)
+            self._start(names, modes, before)
         except BaseException:
             self.close()
             raise
@@ -282,7 +315,7 @@ http {{
         self._spawn("nginx", [nginx(), "-c", str(path), "-e", str(self.dir / "nginx-error.log")])
         return [f"127.0.0.1:{p}" for p in ports]
 
-    def _start(self, names: list[str], modes: list[str]) -> None:
+    def _start(self, names: list[str], modes: list[str], before: Path | None) -> None:
         engines = self._engines()
         probe = chat_body(1024)
         for e in engines:
@@ -325,14 +358,23 @@ http {{
             config["server"]["unix_socket"] = str(sock)
             self.routecore = Spawned(self.dir / "routecore.yaml", config, "--log-level", "warning")
             for mode in modes:
-                port = free_port()
-                target = f"unix:{sock}" if on_socket(mode) else self.routecore.target
-                cfg = shipped_config(mode, port, [target], engines)
-                envoy = Envoy(cfg, self.dir, concurrency=2)
-                self.envoys.append(envoy)
                 name = "envoy-routecore" + ("" if mode == modes[0] else f":{mode}")
-                pids = {"envoy": envoy.proc.pid, "routecore": self.routecore.proc.pid}
-                self.setups.append(Setup(name, envoy.url, pids))
+                self._envoy_routecore(name, mode, self.routecore, sock, engines)
+            if before is not None:
+                # The same, served by the routecore package in ``before`` (an
+                # A/B of routecore's code in one run: same Envoy file, same load).
+                config["server"]["unix_socket"] = str(self.dir / "ext_proc-before.sock")
+                env = os.environ.get("PYTHONPATH")
+                os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(before), env]))
+                try:
+                    other = Spawned(self.dir / "before.yaml", config, "--log-level", "warning")
+                finally:
+                    os.environ.pop("PYTHONPATH")
+                    if env is not None:
+                        os.environ["PYTHONPATH"] = env
+                self.others.append(other)
+                sock = Path(config["server"]["unix_socket"])
+                self._envoy_routecore("envoy-routecore@before", modes[0], other, sock, engines)
         urls = [f"http://{e}" for e in engines]
         for kind in ROUTERS:
             for policy, short in (("round_robin", "rr"), ("cache_aware", "ca")):
@@ -349,11 +391,22 @@ http {{
         for s in self.setups:
             wait_answering(s.url + "/v1/chat/completions", probe, s.name)
 
+    def _envoy_routecore(
+        self, name: str, mode: str, routecore: Spawned, sock: Path, engines: list[str]
+    ) -> None:
+        """Envoy with the shipped file ``mode`` in front of ``routecore``."""
+        target = f"unix:{sock}" if on_socket(mode) else routecore.target
+        envoy = Envoy(shipped_config(mode, free_port(), [target], engines), self.dir, concurrency=2)
+        self.envoys.append(envoy)
+        pids = {"envoy": envoy.proc.pid, "routecore": routecore.proc.pid}
+        self.setups.append(Setup(name, envoy.url, pids))
+
     def close(self) -> None:
         for e in self.envoys:
             e.stop()
-        if self.routecore is not None:
-            self.routecore.stop()
+        for r in [self.routecore, *self.others]:
+            if r is not None:
+                r.stop()
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.terminate()
@@ -460,6 +513,108 @@ def measure(stack: Stack, args: argparse.Namespace) -> list[Run]:
     return runs
 
 
+# --- where routecore's time goes (--diagnose) -----------------------------
+
+#: Envoy's counters read by --diagnose: its ext_proc filter's messages and
+#: streams, and the bytes on its connections to routecore.
+ENVOY_STATS = r"ext_proc\.|cluster\.routecore\.upstream_(cx_(rx|tx)_bytes_total|cx_total|rq_total)"
+#: routecore's data-plane shards (rust/serve/runtime.rs's thread name).
+SHARD = "routecore-dp"
+
+
+def envoy_stats(envoy: Envoy) -> dict[str, int]:
+    stats = json.loads(envoy.admin(f"stats?format=json&filter={ENVOY_STATS}"))["stats"]
+    return {s["name"]: int(s["value"]) for s in stats if "value" in s}
+
+
+def strace_counts(pids: list[int], run) -> tuple[dict[str, tuple[int, int]], dict]:
+    """Syscalls (calls, errors) of the threads ``pids`` while ``run()`` runs
+    (``strace -c``: it slows them; count, never time, with it), and what
+    ``run()`` returned."""
+    out = Path(tempfile.mkstemp(suffix=".strace")[1])
+    argv = ["strace", "-c", "-qq", "-o", str(out)] + [a for p in pids for a in ("-p", str(p))]
+    tracer = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached
+    try:
+        result = run()
+    finally:
+        tracer.send_signal(2)
+        tracer.wait(timeout=30)
+    counts = {}
+    for line in out.read_text().splitlines():
+        f = line.split()
+        if len(f) >= 5 and f[3].isdigit() and not line.startswith("100.00"):
+            errors = int(f[4]) if len(f) == 6 else 0
+            counts[f[-1]] = (int(f[3]), errors)
+    out.unlink()
+    return counts, result
+
+
+def diagnose(stack: Stack, args: argparse.Namespace) -> None:
+    """Per request answered, for each Envoy + routecore setup at the first
+    rate and body: routecore's CPU and context switches per thread name,
+    the ext_proc messages and bytes each way (Envoy's counters) and, with
+    ``--strace``, the shards' syscalls."""
+    assert stack.routecore is not None, "--diagnose needs the envoy-routecore setup"
+    rate, size = args.rates[0], args.bodies[0]
+    body = stack.dir / f"body-{size}.json"
+    body.write_bytes(chat_body(size))
+    hz = os.sysconf("SC_CLK_TCK")
+    setups = [s for s in stack.setups if "routecore" in s.processes]
+    for s in setups:
+        drive(s, body, 200, args.warmup)
+    for repeat in range(args.repeats):
+        for s in setups[repeat % len(setups) :] + setups[: repeat % len(setups)]:
+            pid = s.processes["routecore"]
+            envoy = next(e for e in stack.envoys if e.url == s.url)
+            t0, e0 = threads(pid), envoy_stats(envoy)
+            r = drive(s, body, rate, args.duration)
+            t1, e1 = threads(pid), envoy_stats(envoy)
+            n = max(sum(v for c, v in r["statusCodeDistribution"].items() if c[0] == "2"), 1)
+            cpu = r["cpu"]
+            print(
+                f"{s.name} {rate}/s {size} B, repeat {repeat}: {n} answered,"
+                f" p50 {r['latencyPercentiles']['p50'] * 1e3:.3f} ms,"
+                f" envoy {cpu['envoy'] / n * 1e3:.3f} ms/req,"
+                f" routecore {cpu['routecore'] / n * 1e3:.3f} ms/req"
+                f" (+ scrape {cpu['scrape'] / n * 1e3:.3f})"
+            )
+            print(
+                f"  {'thread':<16} {'n':>3} {'cpu ms/req':>11} {'vol cs/req':>11} {'invol/req':>10}"
+            )
+            for name in sorted(t1, key=lambda k: -(t1[k][1] - t0.get(k, [0, 0])[1])):
+                a, b = t0.get(name, [0, 0, 0, 0]), t1[name]
+                d = [y - x for x, y in zip(a, b)]
+                print(
+                    f"  {name:<16} {b[0]:>3} {d[1] / hz / n * 1e3:>11.4f}"
+                    f" {d[2] / n:>11.3f} {d[3] / n:>10.3f}"
+                )
+            streams = max(
+                e1.get("http.llm.ext_proc.streams_started", 0)
+                - e0.get("http.llm.ext_proc.streams_started", 0),
+                1,
+            )
+            for k in sorted(e1):
+                if e1[k] != e0.get(k, 0):
+                    d = e1[k] - e0.get(k, 0)
+                    print(f"  {k:<60} {d / n:>10.3f}/req {d / streams:>10.3f}/stream")
+    for s in setups if args.strace else []:
+        pid = s.processes["routecore"]
+        shards = [
+            int(t.name)
+            for t in Path(f"/proc/{pid}/task").glob("*")
+            if (t / "comm").read_text().strip() == SHARD
+        ]
+        counts, got = strace_counts(shards, partial(drive, s, body, rate, args.duration))
+        n = max(sum(v for c, v in got["statusCodeDistribution"].items() if c[0] == "2"), 1)
+        print(
+            f"{s.name}: shards' syscalls per request ({len(shards)} threads, {n} answered,"
+            " under strace):"
+        )
+        for name, (calls, errors) in sorted(counts.items(), key=lambda kv: -kv[1][0]):
+            print(f"    {name:<16} {calls / n:>8.3f}  errors {errors / n:.3f}")
+
+
 # --- the table -----------------------------------------------------------
 
 
@@ -539,18 +694,33 @@ def main(argv: list[str] | None = None) -> int:
         default=["envoy.yaml"],
         help="shipped Envoy files for envoy-routecore (the first named plainly)",
     )
+    p.add_argument(
+        "--before",
+        type=Path,
+        help="a folder holding a routecore package built from other code (a copy of"
+        " python/routecore with its _core): one more setup, envoy-routecore@before, served by it",
+    )
     p.add_argument("--json", type=Path, help="write every run here")
     p.add_argument("--smoke", action="store_true", help="every setup once, 2 s at 200/s, 1 KB")
+    p.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="where routecore's time goes per request (first rate and body), no table",
+    )
+    p.add_argument("--strace", action="store_true", help="with --diagnose: the shards' syscalls")
     args = p.parse_args(argv)
     if args.smoke:
         args.duration, args.warmup, args.repeats = 2.0, 0.5, 1
         args.rates, args.bodies = [200], [1024]
     oha()
     with tempfile.TemporaryDirectory(prefix="envoy-path-") as d:
-        stack = Stack(Path(d), args.setups, args.modes)
+        stack = Stack(Path(d), args.setups, args.modes, args.before)
         try:
             names = [s.name for s in stack.setups]
             print("setups:", ", ".join(names), flush=True)
+            if args.diagnose:
+                diagnose(stack, args)
+                return 0
             runs = measure(stack, args)
         finally:
             stack.close()

@@ -347,6 +347,50 @@ def test_planned_pools_match_the_smallest_simulated_fleet(workload, rate):
         assert r.within, fidelity_markdown(rows)
 
 
+def simulated_attainment(rate, slo_tpot_s, gpus, duration_s=200.0):
+    """A compute-bound pool in the simulator: short prompts (20-99 tokens),
+    geometric outputs of mean 40, one 4K pool of the planned size (the
+    pool-routing fleet at B 4,096 holds every request), Poisson arrivals for
+    ``duration_s`` seconds (the first 20 % left out; each decode lasts about
+    3 s, the pool settles within a minute). Returns the planned count and, for
+    each of ``gpus`` (offsets from it), the share of measured requests meeting
+    TTFT 2 s and the TPOT target."""
+    import argparse
+
+    from routecore.commands import simulate as sim
+
+    rng = np.random.default_rng(7)
+    w = Workload(rng.integers(20, 100, 20_000), np.maximum(rng.geometric(1 / 40, 20_000), 1))
+    parser = argparse.ArgumentParser()
+    sim.add_arguments(parser)
+    args = parser.parse_args(
+        ["--rate", str(rate), "--slo-ttft", "2", "--slo-tpot", str(slo_tpot_s), "--seed", "3",
+         "--arrivals", "poisson", "--duration", str(duration_s), "--b-short", "4096",
+         "--fleet", "pool-routing", "--quiet"]
+    )  # fmt: skip
+    (fleet,) = sim.plan_fleets(w, Profile.llama3_70b_a100(), args)
+    (pool,) = fleet.pools
+    assert (pool.max_context, pool.binding) == (4096, "compute")
+    trace = sim.trace_arrays(w, int(rate * duration_s), "poisson", 3)
+    planned, out = pool.gpus, []
+    for offset in gpus:
+        pool.gpus = planned + offset
+        report = sim.run_fleet(fleet, trace, Profile.llama3_70b_a100(), args)
+        out.append(float(sim.slo_met(report, args)[report.measured].mean()))
+    return planned, out
+
+
+@pytest.mark.slow
+def test_a_pool_sized_on_each_requests_mean_tpot_meets_it_in_simulation():
+    """Issue 27: the TPOT constraint is on each request's mean TPOT over its
+    decode (docs/planner.md). A pool it binds meets both SLOs for 99 % of the
+    requests in the simulator at the planned count, and two GPUs fewer do not
+    (one fewer may: the fidelity goal's tolerance of one GPU)."""
+    planned, (at, fewer) = simulated_attainment(1500.0, 0.08, [0, -2])
+    assert planned == 45
+    assert at >= 0.99 > fewer, (at, fewer)
+
+
 # --- the defects of issue 27 ------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ mod heap;
 mod queue;
 mod saturation;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use config::{
     Band, BandConfig, Fairness, FlowConfig, Ordering, DEFAULT_MAX_BYTES, DEFAULT_MAX_REQUESTS,

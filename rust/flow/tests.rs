@@ -11,7 +11,7 @@ use crate::rng::Rng;
 /// Counts this thread's allocations, so that a test can show that the queue
 /// allocates nothing in steady state. A global allocator is one per binary:
 /// it forwards every call to the system allocator unchanged.
-mod alloc_count {
+pub(crate) mod alloc_count {
     use std::alloc::{GlobalAlloc, Layout, System};
     use std::cell::Cell;
 

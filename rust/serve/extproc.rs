@@ -1066,7 +1066,7 @@ impl ExternalProcessor for Processor {
 mod pd_tests;
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::serve::config::Spec;
     use envoy_types::pb::envoy::config::core::v3::HeaderMap;
@@ -1075,7 +1075,7 @@ mod tests {
 
     const KEY: &[u8] = "demo-kéy".as_bytes();
 
-    fn spec() -> Spec {
+    pub(crate) fn spec() -> Spec {
         let digest: String = Sha256::digest(KEY)
             .iter()
             .map(|b| format!("{b:02x}"))
@@ -1106,7 +1106,7 @@ mod tests {
         (shared, engine)
     }
 
-    fn headers(pairs: &[(&str, &[u8])], raw: bool, end: bool) -> ProcessingRequest {
+    pub(crate) fn headers(pairs: &[(&str, &[u8])], raw: bool, end: bool) -> ProcessingRequest {
         let headers = pairs
             .iter()
             .map(|(k, v)| HeaderValue {
@@ -1129,7 +1129,7 @@ mod tests {
         }
     }
 
-    fn body(b: &[u8], end: bool, response: bool) -> ProcessingRequest {
+    pub(crate) fn body(b: &[u8], end: bool, response: bool) -> ProcessingRequest {
         let b = HttpBody {
             body: b.to_vec(),
             end_of_stream: end,
@@ -1145,7 +1145,7 @@ mod tests {
         }
     }
 
-    fn chat(text: &str) -> Vec<u8> {
+    pub(crate) fn chat(text: &str) -> Vec<u8> {
         serde_json::json!({"messages": [{"role": "user", "content": text}], "max_tokens": 10})
             .to_string()
             .into_bytes()

@@ -36,6 +36,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_util::either::Either;
 use tonic::transport::server::Connected;
 use tonic_health::ServingStatus;
 
@@ -145,17 +146,12 @@ enum Accepted {
 }
 
 /// A connection's socket, registered with its shard's reactor.
-enum Io {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-}
+type Io = Either<TcpStream, UnixStream>;
 
-impl Io {
-    fn from_std(accepted: Accepted) -> std::io::Result<Self> {
-        match accepted {
-            Accepted::Tcp(s) => TcpStream::from_std(s).map(Self::Tcp),
-            Accepted::Unix(s) => UnixStream::from_std(s).map(Self::Unix),
-        }
+fn registered(accepted: Accepted) -> std::io::Result<Io> {
+    match accepted {
+        Accepted::Tcp(s) => TcpStream::from_std(s).map(Either::Left),
+        Accepted::Unix(s) => UnixStream::from_std(s).map(Either::Right),
     }
 }
 
@@ -204,10 +200,7 @@ impl AsyncRead for Conn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        match &mut self.io {
-            Io::Tcp(s) => Pin::new(s).poll_read(cx, buf),
-            Io::Unix(s) => Pin::new(s).poll_read(cx, buf),
-        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
     }
 }
 
@@ -217,10 +210,7 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        match &mut self.io {
-            Io::Tcp(s) => Pin::new(s).poll_write(cx, buf),
-            Io::Unix(s) => Pin::new(s).poll_write(cx, buf),
-        }
+        Pin::new(&mut self.io).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -228,31 +218,19 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        match &mut self.io {
-            Io::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Io::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-        }
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
-        match &self.io {
-            Io::Tcp(s) => s.is_write_vectored(),
-            Io::Unix(s) => s.is_write_vectored(),
-        }
+        self.io.is_write_vectored()
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match &mut self.io {
-            Io::Tcp(s) => Pin::new(s).poll_flush(cx),
-            Io::Unix(s) => Pin::new(s).poll_flush(cx),
-        }
+        Pin::new(&mut self.io).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match &mut self.io {
-            Io::Tcp(s) => Pin::new(s).poll_shutdown(cx),
-            Io::Unix(s) => Pin::new(s).poll_shutdown(cx),
-        }
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 
@@ -419,7 +397,7 @@ impl DataPlane {
             });
             // Registered with the reactor of the shard that polls it.
             let incoming = UnboundedReceiverStream::new(receive).map(|(stream, open)| {
-                Io::from_std(stream).map(|io| Conn {
+                registered(stream).map(|io| Conn {
                     io,
                     _open: open,
                     streams: StreamCount::default(),
@@ -655,5 +633,138 @@ async fn reap_forever(shared: Arc<Shared>, current: Current, mut stop: watch::Re
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flow::tests::alloc_count::count;
+    use crate::serve::extproc::tests::{body, chat, headers, spec};
+    use crate::serve::extproc::Conversation;
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProtocolConfiguration};
+
+    /// The messages of one conversation as Envoy sends them with the
+    /// shipped examples/envoy.yaml (seen in its ext_proc counters): the
+    /// request's headers and body at once (STREAMED, sent without waiting),
+    /// then the response's body with usage; each body ends with an empty
+    /// chunk of its own, as Envoy's HTTP/1 codec ends a body with a
+    /// Content-Length. The request's messages are answered together, then
+    /// the response's.
+    fn envoy_yaml_conversation() -> [Vec<ProcessingRequest>; 2] {
+        let mut h = headers(&[("x-api-key", "demo-kéy".as_bytes())], true, false);
+        h.protocol_config = Some(ProtocolConfiguration {
+            request_body_mode: BodySendMode::Streamed as i32,
+            response_body_mode: BodySendMode::Streamed as i32,
+            send_body_without_waiting_for_header_response: true,
+        });
+        let usage = br#"{"usage":{"prompt_tokens":300,"completion_tokens":50}}"#;
+        let request = chat(&"hello world ".repeat(80));
+        [
+            vec![h, body(&request, false, false), body(b"", true, false)],
+            vec![body(usage, false, true), body(b"", true, true)],
+        ]
+    }
+
+    fn calibrator() -> Calibrator {
+        Calibrator::new(0.95, 1.0, 4.0, 16).expect("calibrator")
+    }
+
+    /// The data plane on a free loopback port, one shard.
+    fn one_shard() -> DataPlane {
+        let listen = Listen {
+            host: "127.0.0.1".into(),
+            port: 0,
+            metrics_port: None,
+            worker_threads: 1,
+            unix_socket: None,
+        };
+        DataPlane::start(spec(), calibrator(), &listen).expect("start")
+    }
+
+    fn client_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
+
+    async fn connect(plane: &DataPlane) -> ExternalProcessorClient<tonic::transport::Channel> {
+        let target = format!("http://127.0.0.1:{}", plane.port);
+        ExternalProcessorClient::connect(target)
+            .await
+            .expect("connect")
+    }
+
+    /// Allocations per conversation, counted on the thread that serves it
+    /// (the one shard: h2, tonic, the service and routecore's conversation
+    /// together) and in routecore's [`Conversation`] alone. A measurement,
+    /// not a bound: `cargo test --release --features server --lib --
+    /// --ignored --nocapture allocations_per_conversation`.
+    #[test]
+    #[ignore]
+    fn allocations_per_conversation() {
+        const N: u64 = 2_000;
+        let plane = one_shard();
+        let shard = plane.shards.lock().expect("shards")[0]
+            .runtime
+            .handle()
+            .clone();
+        let client = client_runtime();
+        let messages = envoy_yaml_conversation();
+        let on_shard = client.block_on(async {
+            let mut c = connect(&plane).await;
+            let mut one = async || {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                let [request, response] = &messages;
+                request
+                    .iter()
+                    .for_each(|m| tx.send(m.clone()).expect("send"));
+                let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+                let mut answers = c.process(stream).await.expect("process").into_inner();
+                for _ in request {
+                    answers.message().await.expect("answer").expect("open");
+                }
+                for m in response {
+                    tx.send(m.clone()).expect("send");
+                }
+                for _ in response {
+                    answers.message().await.expect("answer").expect("open");
+                }
+                drop(tx);
+                while answers.message().await.expect("end").is_some() {}
+            };
+            for _ in 0..200 {
+                one().await; // warm: buffers and tables at their size
+            }
+            let before = shard.spawn(async { count() }).await.expect("count");
+            for _ in 0..N {
+                one().await;
+            }
+            let after = shard.spawn(async { count() }).await.expect("count");
+            after - before
+        });
+        // routecore's own part, on this thread.
+        let own = client.block_on(async {
+            let shared = Arc::new(Shared::new(calibrator(), tokio::runtime::Handle::current()));
+            let engine = Engine::build(spec(), &shared, None).expect("engine");
+            let before = count();
+            for _ in 0..N {
+                let mut conv = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
+                for m in messages.iter().flatten() {
+                    conv.handle(m).await.expect("answered");
+                }
+            }
+            count() - before
+        });
+        plane.drain(0.0);
+        println!(
+            "allocations per conversation (envoy.yaml's messages): {:.1} on the shard \
+             (h2, tonic, the service, routecore), {:.1} in routecore's Conversation",
+            on_shard as f64 / N as f64,
+            own as f64 / N as f64,
+        );
     }
 }

@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from itertools import accumulate
 
-from routecore._baselines.planner import size_engine
+from routecore._baselines.planner import iterations_cs2, size_engine
 
 
 class Window:
@@ -68,7 +68,8 @@ class Window:
         q = next(c for (c, _), seen in zip(counts, cum, strict=True) if seen >= target)
         hist = [(c, m / n) for c, m in counts]
         a = max(k / n - 1, 0.0)
-        return rate, (a, p / n, p2 / n, kl / n, q, hist[0][0], hist)
+        cs2 = iterations_cs2(a, k / n, k2 / n)
+        return rate, (a, p / n, p2 / n, kl / n, q, hist[0][0], hist, cs2)
 
 
 def step(windows, pools, profile, now):

@@ -199,11 +199,11 @@ def compressed(t, s, e, b):
 
 def engine_load(t, m, s, e, quantile=0.99, point=None):
     """(E[a], E[L_in], E[L_in^2], E[k L], chunk quantile, fewest chunks,
-    chunk histogram) of mixture ``m`` over s..e, plus the compressed requests'
-    ``point`` (chunks, weight) when given."""
+    chunk histogram, Var[a] / E[a]^2) of mixture ``m`` over s..e, plus the
+    compressed requests' ``point`` (chunks, weight) when given."""
     if m is None:
         return None
-    _, k, _, kl, p, p2 = m
+    _, k, k2, kl, p, p2 = m
     a = max(k - 1, 0.0)
     q = t.chunk_rank(s, e, max(0, math.ceil((1 + quantile) / 2 * (e - s)) - 1)) if e > s else 0
     counts = {}
@@ -219,7 +219,61 @@ def engine_load(t, m, s, e, quantile=0.99, point=None):
     hist = sorted(counts.items())
     total = sum(w for _, w in hist)
     hist = [(k_, w / total) for k_, w in hist]
-    return a, p, p2, kl, q, fewest or 0, hist
+    return a, p, p2, kl, q, fewest or 0, hist, iterations_cs2(a, k, k2)
+
+
+def iterations_cs2(a, k, k2):
+    """Var[a] / E[a]^2 from E[k] and E[k^2] (a = k - 1), 0 when E[a] is 0."""
+    return max((k2 - k * k) / (a * a), 0.0) if a > 0 else 0.0
+
+
+def normal_survival(d):
+    return 0.5 * math.erfc(d / math.sqrt(2))
+
+
+def erfcx(x):
+    """e^(x^2) erfc(x) for x >= 0; the asymptotic series from 25 on."""
+    if x < 25:
+        return math.exp(x * x) * math.erfc(x)
+    y = 1 / (x * x)
+    return (1 - 0.5 * y + 0.75 * y * y) / (x * math.sqrt(math.pi))
+
+
+def exp_decode_miss(d, beta):
+    """E[P(Z > d sqrt(1 + m / (3 tau)))] over m exponential of mean 3 tau / beta."""
+    c = beta + d * d / 2
+    tail = 0.5 * d * math.exp(-d * d / 2) * erfcx(math.sqrt(c)) / math.sqrt(2 * c)
+    return min(max(normal_survival(d) - tail, 0.0), 1.0)
+
+
+def tpot_met(t, load, w, h, c, tpot, allowed=0.01):
+    """At most ``allowed`` of the requests have a TPOT (their decode's mean
+    iteration time) above ``tpot`` at mean iteration time ``t``: the
+    instantaneous quantile first, then the share over the decodes' lengths
+    (a hyperexponential of their mean and variance), each decode's variance
+    n_a / (1 + m / (3 E[a]))."""
+    if not math.isfinite(t):
+        return False
+    n_a = max((t - w) / h, 0.0)
+    if t + h * NORMAL_Z * math.sqrt(n_a) <= tpot:
+        return True
+    if t >= tpot:
+        return False
+    sd = h * math.sqrt(n_a)
+    if sd <= 0:
+        return True
+    d = (tpot - t) / sd
+    a, p, cs2 = load[0], load[1], load[7]
+    mu = a - p / c - 1
+    if mu <= 0:
+        return normal_survival(d) <= allowed
+    cs2 = cs2 * (a / mu) ** 2
+    if cs2 <= 1:
+        return exp_decode_miss(d, 3 * a / mu) <= allowed
+    p1 = 0.5 * (1 + math.sqrt((cs2 - 1) / (cs2 + 1)))
+    p2 = 1 - p1
+    miss = p1 * exp_decode_miss(d, 6 * a * p1 / mu) + p2 * exp_decode_miss(d, 6 * a * p2 / mu)
+    return miss <= allowed
 
 
 # z_0.99 by Abramowitz and Stegun 26.2.23, as routecore computes it.
@@ -381,11 +435,11 @@ def engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99, s
     TPOT's is 0.99); ``shift`` = (offset, per chunk) is what the TTFT holds
     after this pool's prefill (a disaggregated prefill pool's transfer and
     decode side): ``(k + 1/2) (t + per_chunk) + offset``."""
-    q, fewest, hist = load[4:]
+    q, fewest, hist = load[4:7]
     offset, per_chunk = shift
     rate = lam / n
     t, occ, rho_p, kv, wait, busy = engine_state(rate, n, load, n_slots, ctx, w, h, c)
-    if not math.isfinite(t) or t + h * NORMAL_Z * math.sqrt(max((t - w) / h, 0.0)) > tpot:
+    if not tpot_met(t, load, w, h, c, tpot):
         return False, math.inf
     if rho_p >= 1 or not occ < n_slots or kv >= 1:
         return False, math.inf
@@ -464,7 +518,7 @@ def size_engine(lam, load, n_slots, ctx, w, h, c, slo, tpot, hint, quantile=0.99
     ``shift`` as there)."""
     if lam <= 0 or load is None:
         return 0
-    a, p, _, _, q, _, hist = load
+    a, p, _, _, q, _, hist, _ = load
     offset, per_chunk = shift
     room = 1 - w / tpot
     bad = int(
@@ -541,9 +595,10 @@ def disagg_loads(inputs, outputs, c_chunk, quantile=0.99):
 
     def load(k, kv_tokens, prompt, q, fewest, hist):
         k = k.astype(float)
-        return (max(float(k.mean()) - 1, 0.0), float(prompt.mean()),
-                float((prompt * prompt).mean()), float((k * kv_tokens).mean()), q, fewest,
-                hist)  # fmt: skip
+        a = max(float(k.mean()) - 1, 0.0)
+        return (a, float(prompt.mean()), float((prompt * prompt).mean()),
+                float((k * kv_tokens).mean()), q, fewest, hist,
+                iterations_cs2(a, float(k.mean()), float((k * k).mean())))  # fmt: skip
 
     one = np.ones_like(pf)
     return (
