@@ -10,10 +10,17 @@
 //! table over all endpoints maps our hash to the endpoints holding the block
 //! (`table`), so a query walks the prompt's blocks once for every endpoint
 //! (`match_prompt`), hashing them as it goes: its cost grows with the
-//! prompt's matched length. An endpoint holds a block while its engine holds
-//! it under some engine hash (engines that hash extra keys, such as a
-//! multimodal input or a cache salt, may store the same tokens under several).
-//! A LoRA adapter's blocks
+//! prompt's matched length. Along a run of blocks stored side by side the
+//! walk checks each block by its *link* (`link`: a keyed hash of the
+//! block's ids alone, mixed with the link of the block before it, stored
+//! with the block), so the blocks of a run are checked independently of
+//! each other; the chained hash, where each block waits for the previous
+//! one, is computed only where a run ends. The same runs give a prompt's
+//! chained hashes without chaining them (`request_hashes_into`, which a
+//! picker hashes its prompt with). An endpoint holds a block while its
+//! engine holds it under some engine hash (engines that hash extra keys,
+//! such as a multimodal input or a cache salt, may store the same tokens
+//! under several). A LoRA adapter's blocks
 //! chain from a seed of their own (`lora_seed`), so a base-model prompt never
 //! matches an adapter's blocks. Each endpoint keeps at most `capacity_blocks`
 //! blocks; past that the least recently stored eighth is forgotten (the index
@@ -45,11 +52,11 @@ use foldhash::quality::RandomState;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{invalid, unknown, Result};
-use crate::prefix::{
-    block_hashes_into, BlockStep, IdChain, Tokens, MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS,
-};
+use crate::prefix::{BlockStep, IdChain, MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS};
 
+mod link;
 mod table;
+use link::Links;
 use table::{Hashed, Ids, Prompt, Table};
 
 /// A query's scratch, kept per thread: no allocation per query once the
@@ -62,6 +69,8 @@ struct Scratch {
     masks: Vec<u64>,
     /// The chain step of the last (block size, seed) asked.
     step: Option<((usize, u64), BlockStep)>,
+    /// The links of the last block size asked.
+    links: Option<(usize, Links)>,
 }
 
 thread_local! {
@@ -255,16 +264,42 @@ impl Liveness {
 /// default, guards as well at several times the cost per block.
 type Keyed<V> = HashMap<u64, V, RandomState>;
 
+/// An engine's block hash as an endpoint's map keys it, and what the
+/// endpoint holds under it (our hash, and its store stamp): 4-byte aligned,
+/// so that an entry takes 20 bytes rather than 24 (the map holds one per
+/// held block; benches/RESULTS.md, issue 28).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(C, packed(4))]
+struct Engine(u64);
+
+#[derive(Debug, Clone, Copy)]
+#[repr(C, packed(4))]
+struct Held {
+    ours: u64,
+    stamp: u32,
+}
+
+impl Held {
+    fn ours(self) -> u64 {
+        self.ours
+    }
+    fn stamp(self) -> u32 {
+        self.stamp
+    }
+}
+
 #[derive(Debug, Default)]
 struct EndpointKv {
     /// Its id in the table.
     id: u32,
-    /// Engine hash -> (our hash, store stamp): the blocks it holds.
-    blocks: Keyed<(u64, u64)>,
+    /// Engine hash -> our hash and store stamp: the blocks it holds.
+    blocks: HashMap<Engine, Held, RandomState>,
     /// Our hashes held under more than one engine hash: how many more (the
     /// table holds such a block for the endpoint until the last one goes).
     aliases: Keyed<u32>,
-    stamp: u64,
+    /// The last store's stamp (stamps are renumbered from 1 before they
+    /// would pass `u32::MAX`).
+    stamp: u32,
     /// A disconnect was seen: an older sequence number next is a restart.
     resync: bool,
     /// When the engine was last heard from (an event or [`KvIndex::heard`]).
@@ -274,8 +309,8 @@ struct EndpointKv {
 
 impl EndpointKv {
     fn clear(&mut self, t: &mut Table) {
-        for (_, (ours, _)) in self.blocks.drain() {
-            t.remove(ours, self.id);
+        for (_, held) in self.blocks.drain() {
+            t.remove(held.ours(), self.id);
         }
         self.aliases.clear();
         self.stats.clears += 1;
@@ -292,9 +327,10 @@ impl EndpointKv {
         self.last_heard = Some(now);
         Liveness::set(&l.stale, self.id, false) && Liveness::get(&l.connected, self.id)
     }
-    /// The table holds `ours` for this endpoint (once more, if it did).
-    fn hold(&mut self, t: &mut Table, ours: u64) {
-        if !t.add(ours, self.id) {
+    /// The table holds `ours` (of link `link`) for this endpoint (once
+    /// more, if it did).
+    fn hold(&mut self, t: &mut Table, ours: u64, link: u64) {
+        if !t.add(ours, link, self.id) {
             *self.aliases.entry(ours).or_insert(0) += 1;
         }
     }
@@ -314,22 +350,46 @@ impl EndpointKv {
             }
         }
     }
-    fn insert(&mut self, t: &mut Table, ours: u64, engine: u64) {
+    fn insert(&mut self, t: &mut Table, ours: u64, link: u64, engine: u64) {
+        if self.stamp == u32::MAX {
+            self.renumber();
+        }
         self.stamp += 1;
-        match self.blocks.insert(engine, (ours, self.stamp)) {
-            Some((old, _)) if old == ours => {}
-            Some((old, _)) => {
+        let held = Held {
+            ours,
+            stamp: self.stamp,
+        };
+        match self.blocks.insert(Engine(engine), held).map(Held::ours) {
+            Some(old) if old == ours => {}
+            Some(old) => {
                 self.release(t, old);
-                self.hold(t, ours);
+                self.hold(t, ours, link);
             }
-            None => self.hold(t, ours),
+            None => self.hold(t, ours, link),
+        }
+    }
+    /// Numbers the stamps 1, 2, ... in their order (the blocks are fewer
+    /// than `MAX_CAPACITY_BLOCKS` plus one event's, far below `u32::MAX`).
+    fn renumber(&mut self) {
+        let mut order: Vec<(u32, u64)> = self
+            .blocks
+            .iter()
+            .map(|(&Engine(e), h)| (h.stamp(), e))
+            .collect();
+        order.sort_unstable();
+        self.stamp = 0;
+        for (_, e) in order {
+            self.stamp += 1;
+            if let Some(h) = self.blocks.get_mut(&Engine(e)) {
+                h.stamp = self.stamp;
+            }
         }
     }
     /// Forgets the block the engine names `engine`; false if it held none.
     fn remove(&mut self, t: &mut Table, engine: u64) -> bool {
-        match self.blocks.remove(&engine) {
-            Some((ours, _)) => {
-                self.release(t, ours);
+        match self.blocks.remove(&Engine(engine)) {
+            Some(held) => {
+                self.release(t, held.ours());
                 true
             }
             None => false,
@@ -341,15 +401,15 @@ impl EndpointKv {
             return;
         }
         let keep = capacity - capacity / 8;
-        let mut stamps: Vec<u64> = self.blocks.values().map(|&(_, s)| s).collect();
+        let mut stamps: Vec<u32> = self.blocks.values().map(|h| h.stamp()).collect();
         let cut = stamps.len() - keep;
         let (_, &mut oldest_kept, _) = stamps.select_nth_unstable(cut);
         let before = self.blocks.len();
         let mut gone = Vec::with_capacity(cut);
-        self.blocks.retain(|_, &mut (ours, s)| {
-            let keep = s >= oldest_kept;
+        self.blocks.retain(|_, h| {
+            let keep = h.stamp() >= oldest_kept;
             if !keep {
-                gone.push(ours);
+                gone.push(h.ours());
             }
             keep
         });
@@ -645,22 +705,38 @@ impl KvIndex {
                     skipped.push(skip);
                     return false;
                 }
-                Ok(ours) => {
+                Ok((ours, parent, seed)) => {
                     let mut blocks = self.write_blocks();
-                    for (o, &engine) in ours.into_iter().zip(&s.hashes) {
-                        e.insert(&mut blocks.table, o, engine);
+                    let t = &mut blocks.table;
+                    // The links chain from the parent's (held by this
+                    // endpoint, so in the table).
+                    let Some(mut link) = parent.map_or(Some(seed), |p| t.link_of(p)) else {
+                        skipped.push(Skip::UnknownParent(s.parent.unwrap_or_default()));
+                        return false;
+                    };
+                    let mut links = Links::new(self.config.block_size);
+                    let ids = s.token_ids.chunks_exact(self.config.block_size);
+                    for ((o, &engine), block) in ours.into_iter().zip(&s.hashes).zip(ids) {
+                        link = links.link(link, block, seed);
+                        e.insert(t, o, link, engine);
                     }
                     // Per event: a large batch never holds more than one
                     // event's blocks past the capacity.
-                    e.evict(&mut blocks.table, self.config.capacity_blocks);
+                    e.evict(t, self.config.capacity_blocks);
                 }
             },
         }
         true
     }
 
-    /// Our hashes of a `BlockStored`'s blocks, or why it is skipped.
-    fn stored_hashes(&self, e: &EndpointKv, s: &Stored) -> std::result::Result<Vec<u64>, Skip> {
+    /// Our hashes of a `BlockStored`'s blocks, the parent's (None: the
+    /// blocks chain from the seed) and the chain's seed, or why it is
+    /// skipped.
+    fn stored_hashes(
+        &self,
+        e: &EndpointKv,
+        s: &Stored,
+    ) -> std::result::Result<(Vec<u64>, Option<u64>, u64), Skip> {
         if let Some(m) = s.medium.as_deref().filter(|m| *m != MEDIUM_GPU) {
             return Err(Skip::Medium(m.to_owned()));
         }
@@ -676,12 +752,18 @@ impl KvIndex {
             )));
         }
         let seed = lora_seed(self.config.seed, s.lora.as_deref());
-        let prev = match s.parent {
-            None => seed,
-            Some(p) => e.blocks.get(&p).ok_or(Skip::UnknownParent(p))?.0,
+        let parent = match s.parent {
+            None => None,
+            Some(p) => Some(
+                e.blocks
+                    .get(&Engine(p))
+                    .ok_or(Skip::UnknownParent(p))?
+                    .ours(),
+            ),
         };
         // The block size was checked with the config (at least 1).
-        Ok(IdChain::new(&s.token_ids, bs, seed, prev).collect())
+        let ours = IdChain::new(&s.token_ids, bs, seed, parent.unwrap_or(seed)).collect();
+        Ok((ours, parent, seed))
     }
 
     /// The stream of `name` connected (true) or dropped (false). Returns
@@ -731,18 +813,57 @@ impl KvIndex {
         out
     }
 
-    /// `request_hashes` into `out` (cleared first; its buffer is reused).
+    /// `request_hashes` into `out` (cleared first; its buffer is reused):
+    /// the chain of `block_hashes(token_ids, block_size, lora_seed)`, with
+    /// the hashes of the blocks the table holds in runs read from it
+    /// instead of chained (see `Table::hashes`).
     pub fn request_hashes_into(
         &self,
         token_ids: &[u32],
         adapter: Option<&str>,
         out: &mut Vec<u64>,
     ) {
+        out.clear();
+        out.reserve(token_ids.len() / self.config.block_size);
+        self.with_prompt(token_ids, adapter, |prompt, _| {
+            self.read_blocks().table.hashes(prompt, out)
+        });
+    }
+
+    /// Calls `f` with the prompt of `token_ids` for `adapter`'s chain (its
+    /// steps from this thread's scratch) and the scratch's depths and masks.
+    fn with_prompt<R>(
+        &self,
+        token_ids: &[u32],
+        adapter: Option<&str>,
+        f: impl FnOnce(&mut Ids<'_>, (&mut Vec<u32>, &mut Vec<u64>)) -> R,
+    ) -> R {
         let seed = lora_seed(self.config.seed, adapter);
-        // The block size was checked with the config: this cannot fail.
-        if block_hashes_into(Tokens::Ids(token_ids), self.config.block_size, seed, out).is_err() {
-            out.clear();
-        }
+        let bs = self.config.block_size;
+        SCRATCH.with_borrow_mut(|scratch| {
+            let Scratch {
+                depth,
+                masks,
+                step,
+                links,
+            } = scratch;
+            if step.as_ref().is_none_or(|(key, _)| *key != (bs, seed)) {
+                *step = None;
+            }
+            if links.as_ref().is_none_or(|(size, _)| *size != bs) {
+                *links = None;
+            }
+            let (_, step) = step.get_or_insert_with(|| ((bs, seed), BlockStep::new(bs, seed)));
+            let (_, links) = links.get_or_insert_with(|| (bs, Links::new(bs)));
+            let mut prompt = Ids {
+                ids: token_ids,
+                block_size: bs,
+                seed,
+                step,
+                links,
+            };
+            f(&mut prompt, (depth, masks))
+        })
     }
 
     /// How many of `hashes` (a request's, from `request_hashes`) `name` holds
@@ -769,23 +890,10 @@ impl KvIndex {
         ids: &[Option<u32>],
         held: &mut Vec<Option<usize>>,
     ) -> usize {
-        let seed = lora_seed(self.config.seed, adapter);
-        let bs = self.config.block_size;
-        SCRATCH.with_borrow_mut(|scratch| {
-            let Scratch { depth, masks, step } = scratch;
-            if step.as_ref().is_none_or(|(key, _)| *key != (bs, seed)) {
-                *step = None;
-            }
-            let (_, step) = step.get_or_insert_with(|| ((bs, seed), BlockStep::new(bs, seed)));
-            let mut prompt = Ids {
-                ids: token_ids,
-                block_size: bs,
-                seed,
-                step,
-            };
-            self.match_with(&mut prompt, ids, held, depth, masks);
+        self.with_prompt(token_ids, adapter, |prompt, (depth, masks)| {
+            self.match_with(prompt, ids, held, depth, masks)
         });
-        token_ids.len() / bs
+        token_ids.len() / self.config.block_size
     }
 
     /// Whether this index keys a prompt's blocks with the chain of
@@ -854,7 +962,7 @@ impl KvIndex {
     /// `name`'s blocks (our hashes), sorted: replicas fed the same events agree.
     pub fn blocks(&self, name: &str) -> Result<Vec<u64>> {
         let e = self.get(name)?;
-        let mut out: Vec<u64> = lock(&e).blocks.values().map(|&(ours, _)| ours).collect();
+        let mut out: Vec<u64> = lock(&e).blocks.values().map(|h| h.ours()).collect();
         out.sort_unstable();
         out.dedup();
         Ok(out)

@@ -9,15 +9,20 @@
 //! prefill/decode [`Split`]. The request's prompt is hashed once, with the
 //! prefix plugin's block size and seed ([`PoolPicker::hash_prompt`]): the
 //! approximate index and, when the chains agree, the KV-event index
-//! (`KvIndex::match_hashes`) read the same hashes. A request is started
+//! (`KvIndex::match_hashes`) read the same hashes; then the KV index's table
+//! gives the hashes of the blocks it holds (`KvIndex::request_hashes_into`)
+//! instead of the chain computing them one after the other. A request is started
 //! exactly once on the endpoint chosen (plugins told, one more in flight and
 //! dispatched since the scrape) and completed exactly once (one fewer,
 //! `NotInFlight` with nothing changed when none is).
+
+use std::sync::Arc;
 
 use super::split::{Pair, Split};
 use super::{PickConfig, PickRequest, Pipeline, Recorded};
 use crate::endpoint::{complete_one, set_in_flight, EndpointState, Saturation};
 use crate::error::{invalid, Error, Result};
+use crate::kv::KvIndex;
 use crate::prefix::{block_hashes_into, Tokens};
 use crate::snapshot::{Reader, Writer};
 
@@ -74,19 +79,34 @@ impl PoolPicker {
     }
 
     /// A prompt's block hashes into `out` (cleared), with `block` (a
-    /// picker's [`PoolPicker::block`]: nothing without a prefix plugin).
-    /// An associated function, so that a caller can hash a long prompt
-    /// before it takes the picker's lock.
+    /// picker's [`PoolPicker::block`]: nothing without a prefix plugin):
+    /// token ids through `kv` (the picker's [`PoolPicker::kv`]) when it
+    /// keys `adapter`'s blocks with that chain, the same hashes. An
+    /// associated function, so that a caller can hash a long prompt before
+    /// it takes the picker's lock.
     pub fn hash_prompt(
         block: Option<(usize, u64)>,
+        kv: Option<&KvIndex>,
+        adapter: Option<&str>,
         tokens: Tokens<'_>,
         out: &mut Vec<u64>,
     ) -> Result<()> {
         out.clear();
-        match block {
-            Some((size, seed)) => block_hashes_into(tokens, size, seed, out),
-            None => Ok(()),
+        match (block, kv, tokens) {
+            (Some((size, seed)), Some(kv), Tokens::Ids(ids))
+                if kv.keys_like(size, seed, adapter) =>
+            {
+                kv.request_hashes_into(ids, adapter, out);
+                Ok(())
+            }
+            (Some((size, seed)), ..) => block_hashes_into(tokens, size, seed, out),
+            (None, ..) => Ok(()),
         }
+    }
+
+    /// The KV-event index the prefix plugin reads (`precise-prefix`).
+    pub fn kv(&self) -> Option<Arc<KvIndex>> {
+        self.pipeline.prefix().and_then(|p| p.kv()).cloned()
     }
 
     /// Whether endpoint `i` may be a request's decode endpoint (any
@@ -381,11 +401,60 @@ mod tests {
         assert_eq!(p.block(), Some((4, 9)));
         let tokens = Tokens::Ids(&[1, 2, 3, 4, 5, 6, 7, 8, 9]);
         let mut out = vec![42];
-        PoolPicker::hash_prompt(p.block(), tokens, &mut out).expect("hashes");
+        PoolPicker::hash_prompt(p.block(), None, None, tokens, &mut out).expect("hashes");
         assert_eq!(out, block_hashes(tokens, 4, 9).expect("hashes"));
         assert_eq!(out.len(), 2);
-        PoolPicker::hash_prompt(None, tokens, &mut out).expect("none");
+        PoolPicker::hash_prompt(None, None, None, tokens, &mut out).expect("none");
         assert!(out.is_empty());
+    }
+
+    /// Token ids hashed through a KV index (which reads the hashes of the
+    /// blocks it holds from its table) are the chain's hashes, for a base
+    /// prompt and an adapter's; a KV index keyed by another chain (another
+    /// seed) is not used.
+    #[test]
+    fn hashing_through_the_kv_index_gives_the_chains_hashes() {
+        use crate::kv::index::lora_seed;
+        use crate::kv::{Event, KvConfig, Stored};
+        let ids: Vec<u32> = (0..40).map(|i| i % 7).collect();
+        for kv_seed in [9, 0] {
+            let kv = KvIndex::new(KvConfig {
+                block_size: 4,
+                seed: kv_seed,
+                ..KvConfig::default()
+            })
+            .expect("kv");
+            kv.add_endpoint("e");
+            for (seq, lora) in [None, Some("sql")].into_iter().enumerate() {
+                kv.observe("e", seq as u64).expect("seq");
+                let stored = Event::Stored(Stored {
+                    hashes: (0..6).map(|b| b + 10 * seq as u64).collect(),
+                    parent: None,
+                    token_ids: ids[..24].to_vec(),
+                    block_size: 4,
+                    lora: lora.map(str::to_owned),
+                    medium: None,
+                });
+                kv.apply("e", seq as u64, &[Ok(stored)], 0.0)
+                    .expect("apply");
+            }
+            for adapter in [None, Some("sql")] {
+                let seed = lora_seed(kv_seed, adapter);
+                let block = Some((4, seed));
+                let mut out = Vec::new();
+                let tokens = Tokens::Ids(&ids);
+                PoolPicker::hash_prompt(block, Some(&kv), adapter, tokens, &mut out).expect("h");
+                assert_eq!(
+                    out,
+                    block_hashes(tokens, 4, seed).expect("h"),
+                    "{adapter:?}"
+                );
+                // The plugin's chain is another one than the index's.
+                let other = Some((4, seed ^ 1));
+                PoolPicker::hash_prompt(other, Some(&kv), adapter, tokens, &mut out).expect("h");
+                assert_eq!(out, block_hashes(tokens, 4, seed ^ 1).expect("h"));
+            }
+        }
     }
 
     #[test]

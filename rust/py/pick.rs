@@ -231,6 +231,7 @@ impl PyEndpointPicker {
         &self,
         py: Python<'_>,
         tokens: Option<Tokens<'_>>,
+        adapter: Option<&str>,
         hashes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u64>> {
         if let Some(h) = hashes {
@@ -241,7 +242,7 @@ impl PyEndpointPicker {
         };
         let mut out = std::mem::take(&mut *lock(&self.spare));
         detach_if(py, t.len() >= DETACH_TOKENS, || {
-            PoolPicker::hash_prompt(self.block, t, &mut out)
+            PoolPicker::hash_prompt(self.block, self.kv.as_deref(), adapter, t, &mut out)
         })?;
         Ok(out)
     }
@@ -363,6 +364,8 @@ pub struct PyEndpointPicker {
     inner: Mutex<Inner>,
     /// The prefix plugin's block size and hash seed (fixed at construction).
     block: Option<(usize, u64)>,
+    /// The KV-event index it reads (which hashes the token ids it holds).
+    kv: Option<Arc<KvIndex>>,
     /// A spare hash buffer, filled outside the lock and swapped in.
     spare: Mutex<Vec<u64>>,
 }
@@ -424,6 +427,7 @@ impl PyEndpointPicker {
         let inner = Inner::new(PoolPicker::with_split(pipeline, split), preset, py);
         Ok(Self {
             block: inner.picker.block(),
+            kv: inner.picker.kv(),
             inner: Mutex::new(inner),
             spare: Mutex::new(Vec::new()),
         })
@@ -464,7 +468,7 @@ impl PyEndpointPicker {
         let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
         let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
         let of_ids = hashes.is_none();
-        let hashes = self.hashes(py, t, hashes)?;
+        let hashes = self.hashes(py, t, adapter, hashes)?;
         let mut inner = self.inner();
         let mut args = inner.whole(Args::of_call(
             &inner,
@@ -507,7 +511,7 @@ impl PyEndpointPicker {
         let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
         let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
         let of_ids = hashes.is_none();
-        let hashes = self.hashes(py, t, hashes)?;
+        let hashes = self.hashes(py, t, adapter, hashes)?;
         let mut inner = self.inner();
         let mut args = Args::of_call(
             &inner,
@@ -600,7 +604,7 @@ impl PyEndpointPicker {
         let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
         let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
         let of_ids = hashes.is_none();
-        let hashes = self.hashes(py, t, hashes)?;
+        let hashes = self.hashes(py, t, adapter, hashes)?;
         let mut inner = self.inner();
         let mut args = inner.whole(Args::of_call(
             &inner,
@@ -747,7 +751,7 @@ impl PyEndpointPicker {
     ) -> PyResult<()> {
         let arg = tokens.map(|t| TokenArg::new(t, "tokens")).transpose()?;
         let t = arg.as_ref().map(TokenArg::tokens).transpose()?;
-        let hashes = self.hashes(py, t, hashes)?;
+        let hashes = self.hashes(py, t, None, hashes)?;
         let mut inner = self.inner();
         let e = inner.endpoint(endpoint)?;
         let args = Args {
@@ -955,6 +959,7 @@ impl PyEndpointPicker {
         let inner = Inner::new(picker, preset, py);
         Ok(Self {
             block: inner.picker.block(),
+            kv: inner.picker.kv(),
             inner: Mutex::new(inner),
             spare: Mutex::new(Vec::new()),
         })

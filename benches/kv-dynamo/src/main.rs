@@ -255,7 +255,8 @@ impl<'a> RoutecoreQuery<'a> {
     }
 
     /// The picker's path since issue 28's second half: the prompt hashed
-    /// once (for the approximate index too), the walk reading the hashes.
+    /// once (for the approximate index too; since the kv-walk branch, the
+    /// hashes of held runs read from the table), the walk reading them.
     #[cfg(not(feature = "before"))]
     fn hash_then_walk(&mut self, prompt: &[u32]) -> &[Option<usize>] {
         self.kv.request_hashes_into(prompt, None, &mut self.hashes);
@@ -266,6 +267,15 @@ impl<'a> RoutecoreQuery<'a> {
 
     fn hash_all(&mut self, prompt: &[u32]) -> usize {
         self.kv.request_hashes_into(prompt, None, &mut self.hashes);
+        self.hashes.len()
+    }
+
+    /// The chain alone, every block after the one before (`block_hashes`).
+    fn chain(&mut self, prompt: &[u32]) -> usize {
+        let c = self.kv.config();
+        let ids = routecore::prefix::Tokens::Ids(prompt);
+        routecore::prefix::block_hashes_into(ids, c.block_size, c.seed, &mut self.hashes)
+            .expect("block size");
         self.hashes.len()
     }
 }
@@ -577,7 +587,7 @@ fn main() {
             ));
             #[cfg(not(feature = "before"))]
             rows.push((
-                "routecore hash all (chained) + match_hashes (a pick's shared hashes)",
+                "routecore request_hashes + match_hashes (a pick's shared hashes)",
                 time(&mut |p| {
                     black_box(q.hash_then_walk(p));
                 }),
@@ -602,9 +612,15 @@ fn main() {
                 }),
             ));
             rows.push((
-                "routecore hash all 512 blocks only",
+                "routecore request_hashes only (kv-walk: held runs from the table)",
                 time(&mut |p| {
                     black_box(q.hash_all(p));
+                }),
+            ));
+            rows.push((
+                "routecore chained hash alone (block_hashes)",
+                time(&mut |p| {
+                    black_box(q.chain(p));
                 }),
             ));
             let seqs: Vec<_> = prompts.iter().map(|p| dynamo_hash(&w, p)).collect();

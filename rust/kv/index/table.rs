@@ -7,12 +7,14 @@
 //! Blocks sit in `slab` in the order they were first stored, so the blocks
 //! of one `BlockStored` (most of a prompt, or a system prompt) are side by
 //! side. A walk that found block `i` at slot `s` checks slot `s + 1` first:
-//! it holds block `i + 1` when its hash is the chain's next hash after slot
-//! `s`'s hash and the block's tokens. That check reads the previous hash
-//! from the slab instead of waiting for the previous block's hash to be
-//! computed, so the blocks of a run are hashed side by side rather than one
-//! after the other (the chain's latency bounds hashing a whole prompt);
-//! only where the run ends does the walk look the next hash up in `index`.
+//! it holds block `i + 1` when its link (`super::link`) is the link after
+//! slot `s`'s link and the block's tokens (or, with the prompt's hashes
+//! given, when its hash is block `i + 1`'s). That check reads the previous
+//! link from the slab instead of waiting for the previous block's, and a
+//! link hashes the block's ids alone before one mix with it, so the blocks
+//! of a run are checked side by side rather than one after the other (the
+//! chain's latency bounds hashing a whole prompt); only where the run ends
+//! does the walk compute the next chained hash and look it up in `index`.
 //! A block no endpoint holds any more is dead: it leaves `index`, keeps its
 //! slot until enough are dead to compact the slab (in order, so runs stay
 //! runs).
@@ -36,6 +38,7 @@ use foldhash::quality::RandomState;
 use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
 
+use super::link::Links;
 use crate::prefix::BlockStep;
 
 /// Endpoint ids the inline bitset holds: `0..INLINE`.
@@ -84,8 +87,11 @@ impl Holders {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Slot {
+pub(super) struct Slot {
+    /// The block's chained hash (`crate::prefix`'s chain): `index`'s key.
     hash: u64,
+    /// Its link (`super::link`): what a walk checks along a run.
+    link: u64,
     holders: Holders,
 }
 
@@ -208,21 +214,28 @@ impl Wide {
     }
 }
 
-/// A prompt's blocks as a walk reads them: how many, and the hash of block
-/// `n` when the block before it hashed `prev` (the chain's seed for the
-/// first).
+/// A prompt's blocks as a walk reads them: how many; the chained hash of
+/// block `n` when the block before it hashed `prev` (the chain's seed for
+/// the first), to look it up; and along a run, what slot `x` holds when it
+/// holds block `n` after the block in slot `before` (`run_key`, compared
+/// with `key_of(x)`).
 pub(super) trait Prompt {
     fn blocks(&self) -> usize;
     fn seed(&self) -> u64;
     fn hash(&mut self, prev: u64, n: usize) -> u64;
+    fn run_key(&mut self, before: &Slot, n: usize) -> u64;
+    fn key_of(x: &Slot) -> u64;
 }
 
-/// Token ids, hashed as the walk goes (only the blocks it reaches).
+/// Token ids, hashed as the walk goes (only the blocks it reaches): a run
+/// by the blocks' links, independent per block; a lookup by the chained
+/// hash.
 pub(super) struct Ids<'a> {
     pub(super) ids: &'a [u32],
     pub(super) block_size: usize,
     pub(super) seed: u64,
     pub(super) step: &'a mut BlockStep,
+    pub(super) links: &'a mut Links,
 }
 
 impl Prompt for Ids<'_> {
@@ -237,10 +250,21 @@ impl Prompt for Ids<'_> {
         let bs = self.block_size;
         self.step.hash(prev, &self.ids[n * bs..(n + 1) * bs])
     }
+    #[inline(always)]
+    fn run_key(&mut self, before: &Slot, n: usize) -> u64 {
+        let bs = self.block_size;
+        self.links
+            .link(before.link, &self.ids[n * bs..(n + 1) * bs], self.seed)
+    }
+    #[inline(always)]
+    fn key_of(x: &Slot) -> u64 {
+        x.link
+    }
 }
 
 /// The prompt's chained block hashes, computed already (the same chain:
-/// block `n`'s hash after `prev` is `hashes[n]` wherever the walk asks).
+/// block `n`'s hash after `prev` is `hashes[n]` wherever the walk asks); a
+/// run is checked by the slots' hashes.
 pub(super) struct Hashed<'a>(pub(super) &'a [u64]);
 
 impl Prompt for Hashed<'_> {
@@ -253,6 +277,14 @@ impl Prompt for Hashed<'_> {
     #[inline(always)]
     fn hash(&mut self, _prev: u64, n: usize) -> u64 {
         self.0[n]
+    }
+    #[inline(always)]
+    fn run_key(&mut self, _before: &Slot, n: usize) -> u64 {
+        self.0[n]
+    }
+    #[inline(always)]
+    fn key_of(x: &Slot) -> u64 {
+        x.hash
     }
 }
 
@@ -302,10 +334,15 @@ impl Table {
             .map(|&s| s as usize)
     }
 
-    /// Records that endpoint `id` holds block `hash`; false if it did already.
-    /// A new block takes the next slot: the new blocks of one event follow
-    /// each other. One probe of `index`.
-    pub(super) fn add(&mut self, hash: u64, id: u32) -> bool {
+    /// The link of block `hash` (None when no endpoint holds it).
+    pub(super) fn link_of(&self, hash: u64) -> Option<u64> {
+        self.find(hash).map(|s| self.slab[s].link)
+    }
+
+    /// Records that endpoint `id` holds block `hash` (of link `link`);
+    /// false if it did already. A new block takes the next slot: the new
+    /// blocks of one event follow each other. One probe of `index`.
+    pub(super) fn add(&mut self, hash: u64, link: u64, id: u32) -> bool {
         if self.index.len() == self.index.capacity() {
             self.grow_index();
         }
@@ -319,8 +356,14 @@ impl Table {
             Entry::Occupied(e) => self.wide.add(&mut slab[*e.get() as usize].holders, id),
             Entry::Vacant(e) => {
                 e.insert(slab.len() as u32);
+                // By a sixteenth, not by doubling: a slot is 24 bytes, and a
+                // large slab's realloc moves pages rather than copying.
+                if slab.len() == slab.capacity() {
+                    slab.reserve_exact((slab.len() / 16).max(64));
+                }
                 slab.push(Slot {
                     hash,
+                    link,
                     holders: Holders::single(id),
                 });
                 true
@@ -379,7 +422,7 @@ impl Table {
             }
         }
         self.slab.retain(|s| s.holders != DEAD);
-        self.slab.shrink_to(self.slab.len() + self.slab.len() / 4);
+        self.slab.shrink_to(self.slab.len() + self.slab.len() / 16);
         for s in self.index.iter_mut() {
             *s = moved[*s as usize];
         }
@@ -414,28 +457,60 @@ impl Table {
         hashes.len()
     }
 
+    /// Appends the chained hashes of `prompt`'s blocks to `out`: along a
+    /// run of slots holding its blocks (each checked by its link from the
+    /// slot before, independent per block), the slots' hashes; elsewhere
+    /// the chain, looking each block up to start a run until one is not
+    /// found (no lookup after that). A slot keeps its hash and link when
+    /// its block dies, so a run goes through dead slots too.
+    pub(super) fn hashes(&self, prompt: &mut Ids<'_>, out: &mut Vec<u64>) {
+        let slab = &self.slab;
+        let mut prev = prompt.seed();
+        // The slot of the block before, while runs are looked for.
+        let mut at: Option<usize> = None;
+        let mut looking = true;
+        for n in 0..prompt.blocks() {
+            let next = at
+                .map(|s| s + 1)
+                .filter(|&s| s < slab.len() && slab[s].link == prompt.run_key(&slab[s - 1], n));
+            prev = match next {
+                Some(s) => {
+                    at = Some(s);
+                    slab[s].hash
+                }
+                None => {
+                    let h = prompt.hash(prev, n);
+                    if looking {
+                        at = self.find(h);
+                        looking = at.is_some();
+                    }
+                    h
+                }
+            };
+            out.push(prev);
+        }
+    }
+
     /// Walks the blocks of `prompt` in order while some endpoint of `alive`
     /// (a bitset of `words()` words, emptied on the way) holds every block
     /// so far, and calls `settle(id, n)` once per endpoint of `alive` that
     /// holds the first `n >= 1` blocks and not the next (or there is none);
     /// the others hold none.
-    pub(super) fn walk(
+    pub(super) fn walk<P: Prompt>(
         &self,
         alive: &mut [u64],
-        prompt: &mut impl Prompt,
+        prompt: &mut P,
         mut settle: impl FnMut(u32, usize),
     ) {
         let slab = &self.slab;
         let blocks = prompt.blocks();
         let mut n = 0;
         let mut prev = prompt.seed();
-        // Block n's hash when the last run computed it already.
-        let mut known = None;
         while n < blocks && alive.iter().any(|&a| a != 0) {
             // Block n by its hash, then the slots after it while they hold
-            // the blocks after it: each checked from the hash in the slot
-            // before, not from the one just computed.
-            let hash = known.take().unwrap_or_else(|| prompt.hash(prev, n));
+            // the blocks after it: each checked from the slot before (its
+            // link, or its hash), not from the block just checked.
+            let hash = prompt.hash(prev, n);
             let Some(mut s) = self.find(hash) else {
                 break;
             };
@@ -446,23 +521,21 @@ impl Table {
                 return;
             }
             n += 1;
-            // In chunks: hashing a chunk first, comparing after, leaves the
-            // compiler no equality to put the computed hash in place of the
-            // slot's (which would chain the blocks again). The chunks grow
-            // from 1 block to `RUN_CHUNK` along a run, so a short run hashes
-            // few blocks past its end; the first one past it is block n's
-            // hash, kept for the lookup that follows.
+            // In chunks: computing a chunk's keys first, comparing after,
+            // leaves the compiler no equality to put the computed key in
+            // place of the slot's (which would chain the blocks again). The
+            // chunks grow from 1 block to `RUN_CHUNK` along a run, so a
+            // short run computes few keys past its end.
             let mut chunk = 1;
             'run: loop {
                 let m = chunk.min(blocks - n).min(slab.len() - 1 - s);
                 let mut next = [0u64; RUN_CHUNK];
                 for (k, h) in next[..m].iter_mut().enumerate() {
-                    *h = prompt.hash(slab[s + k].hash, n + k);
+                    *h = prompt.run_key(&slab[s + k], n + k);
                 }
                 for &h in &next[..m] {
                     let x = slab[s + 1];
-                    if x.holders == DEAD || x.hash != h {
-                        known = Some(h);
+                    if x.holders == DEAD || P::key_of(&x) != h {
                         break 'run;
                     }
                     if x.holders != kept {
@@ -550,7 +623,7 @@ mod tests {
                 };
                 let set = model.entry(hash).or_default();
                 if rng.below(2) == 0 {
-                    assert_eq!(t.add(hash, id), set.insert(id), "{endpoints} {step}");
+                    assert_eq!(t.add(hash, !hash, id), set.insert(id), "{endpoints} {step}");
                 } else {
                     assert_eq!(t.remove(hash, id), set.remove(&id), "{endpoints} {step}");
                 }
@@ -619,15 +692,25 @@ mod tests {
     /// scattered, dead slots, re-stored blocks, compactions).
     #[test]
     fn a_walk_settles_every_endpoint_with_its_leading_blocks() {
-        const BS: usize = 4;
         let mut rng = Rng::new(8);
-        for endpoints in [5u32, 64, 200] {
+        // Both ways of computing links: 16 ids unrolled, any other size.
+        for (endpoints, bs) in [(5u32, 4usize), (64, 16), (200, 4), (200, 16)] {
+            let mut links = Links::new(bs);
             for _ in 0..20 {
                 let mut t = Table::default();
                 t.grow(endpoints as usize);
-                let prompt: Vec<u32> = (0..20 * BS as u32).map(|_| rng.below(3) as u32).collect();
+                let prompt: Vec<u32> = (0..20 * bs as u32).map(|_| rng.below(3) as u32).collect();
                 let seed = rng.next_u64();
-                let hashes = block_hashes(Tokens::Ids(&prompt), BS, seed).expect("h");
+                let hashes = block_hashes(Tokens::Ids(&prompt), bs, seed).expect("h");
+                let mut link = seed;
+                let link_of: HashMap<u64, u64> = hashes
+                    .iter()
+                    .zip(prompt.chunks_exact(bs))
+                    .map(|(&h, block)| {
+                        link = links.link(link, block, seed);
+                        (h, link)
+                    })
+                    .collect();
                 // Endpoint p holds blocks 0..len[p], then a hole, then more;
                 // added in runs, or in a random order, over noise.
                 let len: Vec<usize> = (0..endpoints).map(|_| rng.below(16) as usize).collect();
@@ -641,14 +724,14 @@ mod tests {
                     }
                 }
                 for (h, p) in adds {
-                    t.add(rng.next_u64(), 0);
-                    t.add(h, p);
+                    t.add(rng.next_u64(), rng.next_u64(), 0);
+                    t.add(h, link_of[&h], p);
                     // A block dying and coming back: a dead slot of its hash
                     // before the live one.
                     if rng.below(8) == 0 {
                         t.remove(h, p);
-                        t.add(rng.next_u64(), 1);
-                        t.add(h, p);
+                        t.add(rng.next_u64(), rng.next_u64(), 1);
+                        t.add(h, link_of[&h], p);
                     }
                 }
                 let asked: Vec<u32> = (0..endpoints).filter(|_| rng.below(3) > 0).collect();
@@ -658,12 +741,13 @@ mod tests {
                     .filter(|&(_, l)| l > 0)
                     .collect();
                 // Hashing the ids as it goes, or reading their hashes.
-                let mut step = BlockStep::new(BS, seed);
+                let mut step = BlockStep::new(bs, seed);
                 let mut ids = Ids {
                     ids: &prompt,
-                    block_size: BS,
+                    block_size: bs,
                     seed,
                     step: &mut step,
+                    links: &mut links,
                 };
                 assert_eq!(settled(&t, &asked, &mut ids), want);
                 assert_eq!(settled(&t, &asked, &mut Hashed(&hashes)), want);

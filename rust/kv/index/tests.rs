@@ -1,5 +1,5 @@
 use super::*;
-use crate::prefix::block_hashes;
+use crate::prefix::{block_hashes, Tokens};
 use crate::rng::Rng;
 
 const BS: usize = 2;
@@ -338,14 +338,16 @@ struct MockEngine {
     lru: Vec<(u64, Vec<u32>)>,
     /// Its hash seed: a restarted engine names blocks anew.
     salt: u64,
+    block_size: usize,
 }
 
 impl MockEngine {
-    fn new(cap: usize) -> Self {
+    fn new(cap: usize, block_size: usize) -> Self {
         Self {
             cap,
             lru: Vec::new(),
             salt: 12345,
+            block_size,
         }
     }
 
@@ -354,7 +356,8 @@ impl MockEngine {
     fn serve(&mut self, prompt: &[u32], lora: Option<&str>, out: &mut Vec<Event>) {
         let mut parent = None;
         let mut run: Option<Stored> = None;
-        for end in (BS..=prompt.len()).step_by(BS) {
+        let bs = self.block_size;
+        for end in (bs..=prompt.len()).step_by(bs) {
             let prefix = prompt[..end].to_vec();
             // Engine hashes: anything unique per prefix and adapter.
             let mut bytes: Vec<u8> = prefix.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -374,12 +377,12 @@ impl MockEngine {
                     hashes: Vec::new(),
                     parent,
                     token_ids: Vec::new(),
-                    block_size: BS,
+                    block_size: bs,
                     lora: lora.map(str::to_owned),
                     medium: Some(MEDIUM_GPU.into()),
                 });
                 s.hashes.push(h);
-                s.token_ids.extend_from_slice(&prompt[end - BS..end]);
+                s.token_ids.extend_from_slice(&prompt[end - bs..end]);
             }
             parent = Some(h);
         }
@@ -387,10 +390,41 @@ impl MockEngine {
     }
 }
 
+/// Stamps that would pass `u32::MAX` are renumbered in their order: the
+/// index evicts the same blocks as one whose stamps never came near it.
+#[test]
+fn stamps_renumbered_before_they_overflow_keep_the_eviction_order() {
+    let mut rng = Rng::new(9);
+    let (a, b) = (index(16, None), index(16, None));
+    let mut engine = MockEngine::new(40, BS);
+    for round in 0..200 {
+        if round % 50 == 0 {
+            // Close to the end of the stamps (their order kept).
+            let e = b.get("e").expect("e");
+            let mut e = lock(&e);
+            let base = u32::MAX - 20 - e.stamp;
+            for h in e.blocks.values_mut() {
+                h.stamp += base;
+            }
+            e.stamp += base;
+        }
+        let prompt: Vec<u32> = (0..2 * (1 + rng.below(5) as u32))
+            .map(|_| rng.below(4) as u32)
+            .collect();
+        let mut events = Vec::new();
+        engine.serve(&prompt, None, &mut events);
+        feed(&a, events.clone());
+        feed(&b, events);
+        assert_eq!(a.blocks("e"), b.blocks("e"), "round {round}");
+    }
+    assert!(a.stats("e").expect("e").evicted > 0);
+    assert!(lock(&b.get("e").expect("e")).stamp < 1000, "renumbered");
+}
+
 #[test]
 fn the_index_follows_an_engine_cache_exactly_and_replicas_agree() {
     let mut rng = Rng::new(3);
-    let mut engine = MockEngine::new(24);
+    let mut engine = MockEngine::new(24, BS);
     let (a, b) = (index(1000, None), index(1000, None));
     for _ in 0..300 {
         let len = 2 * (1 + rng.below(6) as usize);
@@ -588,6 +622,7 @@ struct Fleet {
 
 impl Fleet {
     fn new(n: usize, config: KvConfig, rng: &mut Rng) -> Self {
+        let block_size = config.block_size;
         let kv = KvIndex::new(config).expect("index");
         let names: Vec<String> = (0..n).map(|i| format!("e{i}")).collect();
         let mut oracle = Vec::new();
@@ -601,7 +636,7 @@ impl Fleet {
         Self {
             kv,
             engines: (0..n)
-                .map(|_| MockEngine::new(8 + rng.below(40) as usize))
+                .map(|_| MockEngine::new(8 + rng.below(40) as usize, block_size))
                 .collect(),
             seq: vec![0; n],
             last: vec![None; n],
@@ -669,6 +704,10 @@ impl Fleet {
     /// against the oracle's.
     fn check_query(&mut self, prompt: &[u32], lora: Option<&str>) {
         let hashes = self.kv.request_hashes(prompt, lora);
+        // Read from the table's runs where it holds them, the chain still.
+        let c = self.kv.config();
+        let chain = block_hashes(Tokens::Ids(prompt), c.block_size, lora_seed(c.seed, lora));
+        assert_eq!(Ok(&hashes), chain.as_ref(), "request_hashes");
         let want: Vec<Option<usize>> = self
             .oracle
             .iter()
@@ -722,13 +761,26 @@ impl Fleet {
 /// capacity, clears, engine restarts, reconnects, lost and repeated
 /// batches, bad events and stale streams: the one-table index answers as
 /// the per-endpoint index did (`old`), by one walk and one endpoint at a
-/// time, on fleets on both sides of the inline bitset's 63 endpoints.
+/// time, on fleets on both sides of the inline bitset's 63 endpoints, with
+/// blocks of 16 ids (their links unrolled) and of 2 (the other sizes').
 #[test]
 fn the_table_answers_as_the_per_endpoint_index_did_on_random_streams() {
-    for (case, n) in [1usize, 3, 8, 62, 63, 64, 65, 130].into_iter().enumerate() {
+    let cases = [1usize, 3, 8, 62, 63, 64, 65, 130]
+        .map(|n| (n, BS))
+        .into_iter()
+        .chain([(3, 16), (64, 16), (65, 16)]);
+    for (case, (n, bs)) in cases.enumerate() {
         let mut rng = Rng::new(100 + case as u64);
+        // A token of the prompts below is bs / 2 ids in a block of bs.
+        let widen = |tokens: Vec<u32>| -> Vec<u32> {
+            let w = bs as u32 / 2;
+            tokens
+                .into_iter()
+                .flat_map(|t| (0..w).map(move |j| t * w + j))
+                .collect()
+        };
         let config = KvConfig {
-            block_size: BS,
+            block_size: bs,
             seed: 7,
             capacity_blocks: 4 + rng.below(20) as usize,
             stale_after_s: Some(5.0),
@@ -747,7 +799,7 @@ fn the_table_answers_as_the_per_endpoint_index_did_on_random_streams() {
         let prompt = |rng: &mut Rng| {
             let mut p = systems[rng.below(4) as usize].clone();
             p.extend((0..rng.below(12)).map(|_| rng.below(3) as u32));
-            (p, loras[rng.below(4) as usize])
+            (widen(p), loras[rng.below(4) as usize])
         };
         for step in 0..1500 {
             let p = rng.below(n as u64) as usize;

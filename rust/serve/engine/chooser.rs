@@ -36,6 +36,8 @@ pub struct Chooser {
     pub(super) probes: Vec<Arc<Probe>>,
     /// The prefix plugin's (block size, seed), when the pipeline has one.
     pub(super) prefix: Option<(usize, u64)>,
+    /// The KV-event index it reads, which hashes token ids it holds.
+    pub(super) kv: Option<Arc<crate::kv::KvIndex>>,
     pub(super) fallbacks: usize,
     pub(super) saturation: crate::endpoint::Saturation,
     pub(super) state: Mutex<PoolState>,
@@ -70,6 +72,7 @@ impl Chooser {
             endpoints: pool.endpoints.clone(),
             probes,
             prefix: picker.block(),
+            kv: picker.kv(),
             fallbacks: router.fallbacks,
             saturation: sat,
             state: Mutex::new(PoolState {
@@ -170,13 +173,14 @@ impl Chooser {
             (_, Some(Prompt::Ids(t))) => Some(t.as_slice()),
             _ => None,
         };
+        // The token ids when there are, else the body's prompt as read.
+        let tokens = token_ids
+            .map(Tokens::Ids)
+            .or_else(|| read.as_ref().map(Prompt::tokens));
         let mut hashes = Vec::new();
-        match (token_ids, &read) {
-            (Some(t), _) => PoolPicker::hash_prompt(self.prefix, Tokens::Ids(t), &mut hashes)?,
-            (None, Some(prompt)) => {
-                PoolPicker::hash_prompt(self.prefix, prompt.tokens(), &mut hashes)?
-            }
-            (None, None) => {}
+        if let Some(tokens) = tokens {
+            let kv = self.kv.as_deref();
+            PoolPicker::hash_prompt(self.prefix, kv, adapter, tokens, &mut hashes)?;
         }
         let mut guard = lock(&self.state);
         let st = &mut *guard;
