@@ -2,11 +2,12 @@
 //! are ordered by `Ties`.
 
 use std::cmp::Ordering;
+use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
-use super::plugin::{params, Built, Describe, Kind, Needs};
-use super::{PickConfig, Picker, Ranking};
+use super::plugin::{params, Built, Describe, Kind, Needs, Picker};
+use super::{PickConfig, Ranking};
 use crate::error::{invalid, Result};
 use crate::rng::Rng;
 
@@ -46,7 +47,37 @@ fn build(p: &Value, config: &PickConfig) -> Result<Built> {
     if p.seed.is_some() && !matches!(ties, Ties::Random { .. }) {
         return Err(invalid("seed: unknown parameter (ties random only)"));
     }
-    Ok(Built::Picker(Picker::MaxScore { ties }))
+    Ok(Built::Picker(Arc::new(MaxScore { ties })))
+}
+
+/// The highest total; `ties` orders equal totals (the pipeline's picker
+/// when it names none: ties round-robin).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxScore {
+    pub ties: Ties,
+}
+
+impl Default for MaxScore {
+    fn default() -> Self {
+        Self {
+            ties: Ties::RoundRobin,
+        }
+    }
+}
+
+impl Picker for MaxScore {
+    fn choose(&self, rank: &Ranking<'_>) -> usize {
+        choose(rank)
+    }
+    fn ties(&self) -> Ties {
+        self.ties
+    }
+    fn seed(&self) -> u64 {
+        match self.ties {
+            Ties::Random { seed } => seed,
+            _ => 0,
+        }
+    }
 }
 
 /// Random ties keep the pipeline's seed in their parameters.
@@ -91,7 +122,7 @@ pub(super) fn tie_cmp(r: &Ranking<'_>, a: usize, b: usize) -> Ordering {
 }
 
 /// The position of the best candidate.
-pub(super) fn choose(r: &Ranking<'_>) -> usize {
+fn choose(r: &Ranking<'_>) -> usize {
     (1..r.cand.len()).fold(0, |best, p| {
         if r.cmp(p, best) == Ordering::Less {
             p
@@ -112,7 +143,7 @@ mod tests {
             ..PickConfig::default()
         };
         let ties = |p: Value| match build(&p, &c) {
-            Ok(Built::Picker(Picker::MaxScore { ties })) => Ok(ties),
+            Ok(Built::Picker(p)) => Ok(p.ties()),
             Ok(other) => panic!("{other:?}"),
             Err(e) => Err(e.to_string()),
         };

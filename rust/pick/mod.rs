@@ -18,15 +18,15 @@
 //!
 //! Stateful plugins (prefix, VTC, session affinity) learn through two
 //! hooks: [`Pipeline::started`] (a request went to an endpoint) and
-//! [`Pipeline::completed`] (it ended, with its usage); the prefix plugins
-//! also through [`Pipeline::moved`] (another endpoint served it: Envoy
-//! retried it on a fallback). No allocation per pick once the pipeline has
+//! [`Pipeline::completed_request`] (it ended, with its usage); the prefix
+//! plugins also through [`Pipeline::moved`] (another endpoint served it:
+//! Envoy retried it on a fallback). No allocation per pick once the pipeline has
 //! seen its largest pool.
 //!
 //! Plugins describe themselves: each file holds its name, its parameter
 //! struct (unknown fields refused), what it reads and its tests
 //! ([`plugin::Describe`]); filters and scorers implement the small traits of
-//! `plugin.rs`, pickers are the [`Picker`] enum. One registry
+//! `plugin.rs`, pickers the [`Picker`] trait. One registry
 //! ([`REGISTRY`], `registry.rs`) lists them: names resolve there, its list
 //! is docs/picker.md's plugin table, and the data plane sets the plugins'
 //! shared parameters through it ([`apply_shared`]). Presets are lists of
@@ -58,7 +58,7 @@ use std::cmp::Ordering;
 use std::sync::{Arc, Mutex};
 
 pub use max_score::Ties;
-pub use plugin::{Describe, Kind, Needs, Shared};
+pub use plugin::{Describe, Kind, Needs, Picker, Shared};
 pub use pool::PoolPicker;
 pub use prefix_router::{PrefixCacheRouter, PrefixDecision};
 pub use presets::{preset_specs, PRESETS};
@@ -121,17 +121,6 @@ pub struct Ctx<'a> {
     pub cand: &'a [usize],
 }
 
-/// Chooses one candidate from the totals.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Picker {
-    /// The highest total; `ties` orders equal totals.
-    MaxScore { ties: Ties },
-    /// A draw weighted by the totals (uniform when they are all zero).
-    Random { seed: u64 },
-    /// The next candidate after the last chosen endpoint, scores ignored.
-    RoundRobin,
-}
-
 /// One plugin of a pipeline: its registry name, its weight (scorers) and
 /// its parameters (a JSON object; `null` for none).
 #[derive(Debug, Clone, PartialEq)]
@@ -178,7 +167,7 @@ pub struct Pipeline {
     /// Each filter, and whether it is soft.
     filters: Vec<(Box<dyn Filter>, bool)>,
     scorers: Vec<(Box<dyn Scorer>, f64)>,
-    picker: Picker,
+    picker: Arc<dyn Picker>,
     /// Picks made: with the seed, the random draw of the next pick.
     picks: u64,
     /// The endpoint after the last chosen one (round-robin).
@@ -232,9 +221,7 @@ impl Pipeline {
             endpoints,
             filters,
             scorers,
-            picker: picker.unwrap_or(Picker::MaxScore {
-                ties: Ties::RoundRobin,
-            }),
+            picker: picker.unwrap_or_else(|| Arc::new(max_score::MaxScore::default())),
             picks: 0,
             cursor: 0,
             cand: Vec::new(),
@@ -249,9 +236,6 @@ impl Pipeline {
     }
     pub fn endpoints(&self) -> &EndpointSet {
         &self.endpoints
-    }
-    pub fn picker(&self) -> Picker {
-        self.picker
     }
 
     /// The prefix scorer (`prefix` or `precise-prefix`), if the pipeline has one.
@@ -404,24 +388,17 @@ impl Pipeline {
             }
         }
         let n = states.len();
-        let draw = Rng::new(self.seed().wrapping_add(self.picks)).next_u64();
+        let draw = Rng::new(self.picker.seed().wrapping_add(self.picks)).next_u64();
         let rank = Ranking {
             total: &self.total,
             cand: &self.cand,
             states,
-            ties: match self.picker {
-                Picker::MaxScore { ties } => ties,
-                _ => Ties::First,
-            },
+            ties: self.picker.ties(),
             cursor: self.cursor % n,
             n,
             draw,
         };
-        let chosen = match self.picker {
-            Picker::MaxScore { .. } => max_score::choose(&rank),
-            Picker::Random { .. } => random::choose(&rank),
-            Picker::RoundRobin => round_robin::choose(&rank),
-        };
+        let chosen = self.picker.choose(&rank);
         out.push(self.cand[chosen]);
         if k > 1 {
             self.order.clear();
@@ -437,16 +414,6 @@ impl Pipeline {
         self.picks = self.picks.wrapping_add(1);
         self.cursor = (self.cand[chosen] + 1) % n;
         Ok(())
-    }
-
-    fn seed(&self) -> u64 {
-        match self.picker {
-            Picker::MaxScore {
-                ties: Ties::Random { seed },
-            }
-            | Picker::Random { seed } => seed,
-            _ => 0,
-        }
     }
 
     /// A request went to `endpoint`: the stateful plugins learn it (prefix
@@ -502,22 +469,6 @@ impl Pipeline {
             )));
         }
         Ok(())
-    }
-
-    /// A request on `endpoint` ended with this usage (plugins that need
-    /// nothing of the request but its endpoint).
-    pub fn completed(
-        &mut self,
-        endpoint: usize,
-        input_tokens: u64,
-        output_tokens: u64,
-        now: f64,
-    ) -> Result<()> {
-        let req = PickRequest {
-            now,
-            ..PickRequest::default()
-        };
-        self.completed_request(&req, endpoint, input_tokens, output_tokens)
     }
 
     /// A request ended: `req` as it was picked (its fairness id and token
@@ -614,7 +565,7 @@ impl Pipeline {
 }
 
 /// The totals and tie order of one pick, shared by the pickers.
-pub(crate) struct Ranking<'a> {
+pub struct Ranking<'a> {
     pub total: &'a [f64],
     pub cand: &'a [usize],
     pub states: &'a [EndpointState],

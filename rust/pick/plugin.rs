@@ -5,11 +5,12 @@
 
 use std::any::Any;
 use std::fmt::Debug;
+use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
-use super::{Ctx, PickConfig, PickRequest, Picker, Recorded};
+use super::{Ctx, PickConfig, PickRequest, Ranking, Recorded, Ties};
 use crate::endpoint::EndpointState;
 use crate::error::{invalid, Result};
 use crate::snapshot::{Reader, Writer};
@@ -122,12 +123,29 @@ impl Clone for Box<dyn Scorer> {
     }
 }
 
+/// Chooses one candidate from the totals, the pipeline's last step (at
+/// most one per pipeline). Stateless: the pipeline keeps the count of its
+/// picks and the endpoint after the last one chosen, which [`Ranking`]
+/// hands it (`draw`, `cursor`).
+pub trait Picker: Debug + Send + Sync {
+    /// The position in `rank.cand` of the candidate chosen.
+    fn choose(&self, rank: &Ranking<'_>) -> usize;
+    /// How equal totals are ordered (the fallbacks' ranking too).
+    fn ties(&self) -> Ties {
+        Ties::First
+    }
+    /// The seed of its draws (0: it draws nothing of its own).
+    fn seed(&self) -> u64 {
+        0
+    }
+}
+
 /// A plugin built from its parameters.
 #[derive(Debug)]
 pub enum Built {
     Filter(Box<dyn Filter>),
     Scorer(Box<dyn Scorer>),
-    Picker(Picker),
+    Picker(Arc<dyn Picker>),
 }
 
 /// Where a plugin sits in the pipeline.

@@ -1,10 +1,12 @@
 //! Picker `random`: a seeded draw weighted by the totals (uniform when they
 //! are all zero, as in a pipeline without scorers).
 
+use std::sync::Arc;
+
 use serde_json::{Map, Value};
 
-use super::plugin::{params, Built, Describe, Kind, Needs};
-use super::{PickConfig, Picker, Ranking};
+use super::plugin::{params, Built, Describe, Kind, Needs, Picker};
+use super::{PickConfig, Ranking};
 use crate::error::Result;
 use crate::rng::Rng;
 
@@ -26,9 +28,24 @@ struct Params {
 
 fn build(p: &Value, config: &PickConfig) -> Result<Built> {
     let p: Params = params(p)?;
-    Ok(Built::Picker(Picker::Random {
+    Ok(Built::Picker(Arc::new(Random {
         seed: p.seed.unwrap_or(config.seed),
-    }))
+    })))
+}
+
+/// A draw weighted by the totals (uniform when they are all zero).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Random {
+    seed: u64,
+}
+
+impl Picker for Random {
+    fn choose(&self, rank: &Ranking<'_>) -> usize {
+        choose(rank)
+    }
+    fn seed(&self) -> u64 {
+        self.seed
+    }
 }
 
 /// The draws' seed is kept in the parameters.
@@ -38,7 +55,7 @@ fn resolve(p: &mut Map<String, Value>, config: &PickConfig) {
     }
 }
 
-pub(super) fn choose(r: &Ranking<'_>) -> usize {
+fn choose(r: &Ranking<'_>) -> usize {
     let mut rng = Rng::new(r.draw);
     let sum: f64 = r.total.iter().sum();
     if sum <= 0.0 {
@@ -101,9 +118,9 @@ mod tests {
             seed: 9,
             ..PickConfig::default()
         };
-        assert!(matches!(
-            build(&serde_json::json!({}), &c),
-            Ok(Built::Picker(Picker::Random { seed: 9 }))
-        ));
+        let Ok(Built::Picker(p)) = build(&serde_json::json!({}), &c) else {
+            panic!("a picker");
+        };
+        assert_eq!((p.seed(), p.ties()), (9, Ties::First));
     }
 }

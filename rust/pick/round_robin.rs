@@ -1,10 +1,12 @@
 //! Picker `round-robin`: the first candidate at or after the endpoint that
 //! follows the one chosen last (in endpoint order, wrapping), scores ignored.
 
+use std::sync::Arc;
+
 use serde_json::Value;
 
-use super::plugin::{params, Built, Describe, Kind, Needs, NoParams};
-use super::{PickConfig, Picker, Ranking};
+use super::plugin::{params, Built, Describe, Kind, Needs, NoParams, Picker};
+use super::{PickConfig, Ranking};
 use crate::error::Result;
 
 pub const PLUGIN: Describe = Describe {
@@ -18,10 +20,20 @@ pub const PLUGIN: Describe = Describe {
 
 fn build(p: &Value, _: &PickConfig) -> Result<Built> {
     params::<NoParams>(p)?;
-    Ok(Built::Picker(Picker::RoundRobin))
+    Ok(Built::Picker(Arc::new(RoundRobin)))
 }
 
-pub(super) fn choose(r: &Ranking<'_>) -> usize {
+/// The next candidate after the last chosen endpoint, scores ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RoundRobin;
+
+impl Picker for RoundRobin {
+    fn choose(&self, rank: &Ranking<'_>) -> usize {
+        choose(rank)
+    }
+}
+
+fn choose(r: &Ranking<'_>) -> usize {
     let rot = |i: usize| (i + r.n - r.cursor) % r.n;
     (0..r.cand.len())
         .min_by_key(|&p| rot(r.cand[p]))

@@ -7,8 +7,13 @@
 //!
 //! On when the configuration has an `autoscale` section ([`AutoscaleSpec`]);
 //! a reload with the same section keeps the live windows and the damping.
+//!
+//! Below the engine: it reads the data plane's pools as [`PlanePool`]s and
+//! the engine through [`Scaled`] (which the engine implements), so the
+//! data plane's spec (`serve::config`) and metrics (`serve::metrics`)
+//! compose its section and its gauges without an import circle.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -17,9 +22,7 @@ use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use tokio::sync::watch;
 
-use super::config::{PoolSpec, TenantSpec};
-use super::extproc::Current;
-use super::metrics::{FGauge, PoolLabel};
+use super::counters::{FGauge, PoolLabel};
 use crate::autoscale::{AutoscaleConfig, Autoscaler, Desired, LiveWorkload, PoolDemand, Reason};
 use crate::error::{invalid, Result};
 use crate::planner::Binding;
@@ -38,9 +41,17 @@ pub struct AutoscaleSpec {
     pub promised_tokens_per_s: Vec<f64>,
 }
 
+/// A pool of the data plane as the autoscaler reads it: its name and how
+/// many endpoint addresses it lists.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanePool<'a> {
+    pub name: &'a str,
+    pub endpoints: usize,
+}
+
 impl AutoscaleSpec {
-    /// Checks the section against the data plane's pools.
-    pub fn check(&self, pools: &[PoolSpec]) -> Result<()> {
+    /// Checks the section against the data plane's pools (by name).
+    pub fn check(&self, pools: &[&str]) -> Result<()> {
         self.config.validate()?;
         let n = self.config.pools.len();
         if self.profiles.len() != n {
@@ -59,7 +70,7 @@ impl AutoscaleSpec {
             crate::error::non_negative(&format!("autoscale.promised_tokens_per_s[{i}]"), r)?;
         }
         for (i, p) in self.config.pools.iter().enumerate() {
-            if !pools.iter().any(|q| q.name == p.name) {
+            if !pools.contains(&p.name.as_str()) {
                 return Err(invalid(format!(
                     "autoscale.pools[{i}].name: unknown pool {:?}",
                     p.name
@@ -81,18 +92,10 @@ pub trait PoolSignals {
     }
 }
 
-impl PoolSignals for super::engine::Engine {
-    /// The requests waiting in the pool's flow-control queue (issue 32;
-    /// 0 when flow control is off).
-    fn queued_requests(&self, pool: usize) -> f64 {
-        self.flow(pool).map_or(0.0, |f| f.len() as f64)
-    }
-
-    /// Its healthy endpoints (scraped, answering).
-    fn ready_endpoints(&self, pool: usize) -> Option<u64> {
-        let states = self.choosers.get(pool)?.states();
-        Some(states.iter().filter(|s| s.healthy).count() as u64)
-    }
+/// The running engine as the periodic actor reads it: its autoscaler
+/// (None: no `autoscale` section) and its pools' signals.
+pub trait Scaled: PoolSignals {
+    fn scaling(&self) -> Option<&Scaling>;
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -422,18 +425,20 @@ pub struct Scaling {
 }
 
 impl Scaling {
-    /// The autoscaler of `spec` over the data plane's `pools` and `tenants`
-    /// at `now`; `previous` (a reload) hands over its state when its section
-    /// is the same.
+    /// The autoscaler of `spec` over the data plane's `pools` and its
+    /// tenants (each one's entitlement, in the spec's order) at `now`;
+    /// `previous` (a reload) hands over its state when its section is the
+    /// same.
     pub fn new(
         spec: &AutoscaleSpec,
-        pools: &[PoolSpec],
-        tenants: &[TenantSpec],
+        pools: &[PlanePool<'_>],
+        tenants: &[Option<&str>],
         gauges: Arc<Gauges>,
         previous: Option<&Scaling>,
         now: f64,
     ) -> Result<Self> {
-        spec.check(pools)?;
+        let names: Vec<&str> = pools.iter().map(|p| p.name).collect();
+        spec.check(&names)?;
         let (autoscaler, published) = match previous.filter(|p| p.spec == *spec) {
             Some(p) => (Arc::clone(&p.autoscaler), Arc::clone(&p.published)),
             None => {
@@ -465,13 +470,13 @@ impl Scaling {
         let plane_pools: Vec<usize> = cfg
             .pools
             .iter()
-            .filter_map(|p| pools.iter().position(|q| q.name == p.name))
+            .filter_map(|p| names.iter().position(|&q| q == p.name))
             .collect();
         let readiness = cfg
             .pools
             .iter()
             .zip(&plane_pools)
-            .map(|(p, &i)| pools[i].endpoints.len() as u64 >= p.max_endpoints)
+            .map(|(p, &i)| pools[i].endpoints as u64 >= p.max_endpoints)
             .collect();
         let mut by_plane = vec![None; pools.len()];
         for (i, &p) in plane_pools.iter().enumerate() {
@@ -484,7 +489,7 @@ impl Scaling {
                     .iter()
                     .map(|t| {
                         let p = &cfg.pools[(*scaled)?];
-                        let e = t.entitlement.as_ref()?;
+                        let e = (*t)?;
                         p.entitlements.iter().position(|x| x == e)
                     })
                     .collect()
@@ -621,16 +626,33 @@ impl Scaling {
     pub fn last(&self) -> Vec<Desired> {
         lock(&self.published).desired.clone()
     }
+
+    /// The live window of autoscaler pool `pool` (of its entitlement
+    /// `entitlement`, by index) at `now`, as the tests read it.
+    #[cfg(test)]
+    pub(crate) fn live(
+        &self,
+        pool: usize,
+        entitlement: Option<usize>,
+        now: f64,
+    ) -> Result<LiveWorkload> {
+        lock(&self.autoscaler).live(pool, entitlement, now)
+    }
 }
 
 /// The periodic actor: one sizing step of the current engine's autoscaler
 /// every `period_s` (re-read after each step: a reload may change it);
 /// without an `autoscale` section it looks again every default period.
-pub async fn autoscale_forever(current: Current, mut stop: watch::Receiver<bool>) {
+/// `current` is the engine running now (a reload swaps it: ext_proc's
+/// `Current`).
+pub async fn autoscale_forever<E: Scaled>(
+    current: Arc<RwLock<Arc<E>>>,
+    mut stop: watch::Receiver<bool>,
+) {
     let idle = Duration::from_secs_f64(AutoscaleConfig::default().period_s);
     loop {
-        let engine = super::extproc::current(&current);
-        let period = match &engine.autoscale {
+        let engine = Arc::clone(&current.read().unwrap_or_else(|e| e.into_inner()));
+        let period = match engine.scaling() {
             Some(s) => {
                 let now = crate::clock::monotonic();
                 if let Err(e) = s.step(now, &*engine) {
@@ -649,4 +671,4 @@ pub async fn autoscale_forever(current: Current, mut stop: watch::Receiver<bool>
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

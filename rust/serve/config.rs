@@ -11,9 +11,8 @@
 //! `flow_control`: `serve::flow`; `admission`: `serve::admission`, read
 //! from its JSON value), and the one [`FailureMode`] in `serve::failure`
 //! (a leaf: the front door and admission read it). A module a section's
-//! type lives in never imports this one back, but the autoscale actor and
-//! the prefill sender, which read [`PoolSpec`] and [`TenantSpec`] (both
-//! import the engine as well; `rust/layout.rs` lists their circles).
+//! type lives in never imports this one back (the autoscaler reads the
+//! pools and tenants it needs as `autoscale::PlanePool`s and entitlements).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -195,7 +194,8 @@ impl Spec {
             }
         }
         if let Some(a) = &spec.autoscale {
-            a.check(&spec.pools)?;
+            let names: Vec<&str> = spec.pools.iter().map(|p| p.name.as_str()).collect();
+            a.check(&names)?;
         }
         Ok(spec)
     }

@@ -1063,6 +1063,9 @@ impl ExternalProcessor for Processor {
 }
 
 #[cfg(test)]
+mod pd_tests;
+
+#[cfg(test)]
 pub(crate) mod tests {
     use super::*;
     use crate::serve::config::Spec;

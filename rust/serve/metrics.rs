@@ -17,15 +17,13 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-pub use super::counters::{FCounter, FGauge};
+pub use super::counters::{FCounter, FGauge, PoolLabel};
+pub use pd::{FallbackLabels, PdMetrics};
+
+mod pd;
 
 /// Decision latency buckets, in seconds (50 us to 50 ms).
 pub const LATENCY_BUCKETS: [f64; 9] = [5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2];
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PoolLabel {
-    pub pool: String,
-}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EndpointLabels {
@@ -121,7 +119,7 @@ pub struct Metrics {
     #[cfg(feature = "kv-events")]
     pub kv: Arc<super::kv_events::metrics::KvCollector>,
     /// Disaggregation: fallbacks of routecore's prefill sender, endpoint roles.
-    pub pd: super::pd_send::PdMetrics,
+    pub pd: PdMetrics,
     /// The autoscaler's gauges (`serve::autoscale`).
     pub autoscale: Arc<super::autoscale::Gauges>,
     /// Flow control's queues (`serve::flow`).
@@ -248,7 +246,7 @@ impl Metrics {
         #[cfg(feature = "kv-events")]
         registry.register_collector(Box::new(Arc::clone(&kv)));
         let flow = super::flow::FlowMetrics::register(&mut registry);
-        let pd = super::pd_send::PdMetrics::register(&mut registry);
+        let pd = PdMetrics::register(&mut registry);
         Self {
             flow,
             pd,
@@ -375,7 +373,7 @@ impl Metrics {
             "pd_fallbacks" => Some(
                 self.pd
                     .fallbacks
-                    .get_or_create(&super::pd_send::FallbackLabels {
+                    .get_or_create(&FallbackLabels {
                         pool: s(0)?,
                         reason: s(1)?,
                     })

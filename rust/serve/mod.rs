@@ -13,6 +13,7 @@ pub mod extproc;
 pub mod failure;
 pub mod flow;
 pub mod front;
+pub mod handoff;
 pub mod kv_events;
 pub mod limits;
 pub mod loadgen;

@@ -25,140 +25,17 @@
 //! client's (its API key included) ever does.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
 
-use super::config::PoolSpec;
 use super::engine::{Routed, Shared};
 use super::flow::{WaitNotice, WAIT_MARGIN};
-use super::logs::{Occurrence, Repeats};
-use super::metrics::{FCounter, FGauge};
+use super::handoff::PoolHandoff;
 use super::scrape::{answer, Failure};
-use crate::pd::handshake::{self, Fallback, Handoff, FALLBACKS, MAX_ROOM};
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct FallbackLabels {
-    pub pool: String,
-    pub reason: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RoleLabels {
-    pub pool: String,
-    pub endpoint: String,
-    pub role: String,
-}
-
-/// The disaggregation metrics of the data plane.
-#[derive(Debug, Default)]
-pub struct PdMetrics {
-    pub fallbacks: Family<FallbackLabels, FCounter>,
-    pub roles: Family<RoleLabels, FGauge>,
-}
-
-impl PdMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "routecore_pd_fallbacks",
-            "Split requests served aggregated on their decode endpoint because \
-             routecore could not hand them off, per pool and reason",
-            m.fallbacks.clone(),
-        );
-        registry.register(
-            "routecore_endpoint_role",
-            "1 for each endpoint's prefill/decode role (prefill, decode or both), per pool",
-            m.roles.clone(),
-        );
-        m
-    }
-
-    /// The role gauges of the running configuration's pools (those of a
-    /// previous one are dropped).
-    pub fn set_roles(&self, pools: &[PoolSpec]) {
-        self.roles.clear();
-        for p in pools {
-            for e in &p.endpoints {
-                let role = p.roles.get(e).copied().unwrap_or(p.role);
-                self.roles
-                    .get_or_create(&RoleLabels {
-                        pool: p.name.clone(),
-                        endpoint: e.clone(),
-                        role: role.as_str().into(),
-                    })
-                    .set(1.0);
-            }
-        }
-    }
-}
-
-/// How one pool's split requests travel, with its fallback counters and
-/// log state.
-pub struct PoolHandoff {
-    pool: String,
-    pub handoff: Handoff,
-    timeout: Duration,
-    require_params: bool,
-    bootstrap_port: Option<u16>,
-    fallbacks: Vec<FCounter>,
-    failing: Repeats,
-}
-
-impl PoolHandoff {
-    pub fn new(p: &PoolSpec, metrics: &PdMetrics) -> Self {
-        let d = p.disaggregation.as_ref();
-        Self {
-            pool: p.name.clone(),
-            handoff: d.map_or(Handoff::Header, |d| d.handoff),
-            timeout: Duration::from_secs_f64(d.map_or(30.0, |d| d.prefill_timeout_s)),
-            require_params: d.is_none_or(|d| d.require_kv_transfer_params),
-            bootstrap_port: d.and_then(|d| d.bootstrap_port),
-            fallbacks: FALLBACKS
-                .iter()
-                .map(|r| {
-                    metrics.fallbacks.get_or_create_owned(&FallbackLabels {
-                        pool: p.name.clone(),
-                        reason: (*r).into(),
-                    })
-                })
-                .collect(),
-            failing: Repeats::default(),
-        }
-    }
-
-    fn fell_back(&self, reason: Fallback, prefill: &str, request_id: &str) {
-        self.fallbacks[reason as usize].inc();
-        if let Occurrence::Log { suppressed } = self.failing.occur(Instant::now()) {
-            tracing::warn!(
-                request_id,
-                pool = self.pool.as_str(),
-                endpoint = prefill,
-                reason = reason.as_str(),
-                error = %reason,
-                suppressed,
-                "prefill-fallback"
-            );
-        }
-    }
-
-    fn handed_off(&self, prefill: &str) {
-        if let Some(suppressed) = self.failing.end() {
-            tracing::info!(
-                pool = self.pool.as_str(),
-                endpoint = prefill,
-                suppressed,
-                "prefill-recovered"
-            );
-        }
-    }
-}
+use crate::pd::handshake::{self, Fallback, Handoff, MAX_ROOM};
 
 fn failure(f: Failure) -> Fallback {
     match f {
@@ -345,5 +222,7 @@ fn rand_room() -> u64 {
     u64::from_le_bytes(b) & MAX_ROOM
 }
 
+#[cfg(test)]
+pub(crate) mod support;
 #[cfg(test)]
 mod tests;

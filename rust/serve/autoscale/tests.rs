@@ -1,13 +1,9 @@
 use std::sync::Arc;
 
+use prometheus_client::encoding::text::encode;
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 
 use super::*;
-use crate::calibrate::Calibrator;
-use crate::serve::config::Spec;
-use crate::serve::engine::{Engine, Hints, Shared};
-use crate::serve::metrics::Metrics;
 
 fn profile_json() -> Value {
     let p = Profile::llama3_70b_a100();
@@ -21,7 +17,7 @@ fn profile_json() -> Value {
 
 /// The `autoscale` section: pool `p` scaled within [1, 3] for `slo_ttft_s`,
 /// entitlement `gold` kept apart, 100 promised tokens/s.
-fn autoscale(slo_ttft_s: f64) -> Value {
+pub(crate) fn autoscale(slo_ttft_s: f64) -> Value {
     json!({
         "config": {"period_s": 1.0, "window_s": 10.0, "sub_windows": 2,
                    "scale_down_delay_s": 5.0,
@@ -33,50 +29,52 @@ fn autoscale(slo_ttft_s: f64) -> Value {
     })
 }
 
-fn digest(k: &str) -> String {
-    Sha256::digest(k.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+/// The data plane's pools `p` (scaled) and `q` (not), two addresses each.
+const POOLS: [PlanePool<'static>; 2] = [
+    PlanePool {
+        name: "p",
+        endpoints: 2,
+    },
+    PlanePool {
+        name: "q",
+        endpoints: 2,
+    },
+];
+
+/// The tenants' entitlements: `demo`'s `gold`, `other` none.
+const TENANTS: [Option<&str>; 2] = [Some("gold"), None];
+
+/// The gauges in a registry of their own, and its exposition text.
+struct Exposed {
+    registry: Registry,
+    gauges: Arc<Gauges>,
 }
 
-/// A data plane spec of pools `p` (scaled) and `q` (not), tenants `demo`
-/// (entitlement `gold`) and `other` (none), with this `autoscale` section.
-fn spec(autoscale: Value) -> Result<Spec> {
-    let tenant = |name: &str, entitlement: Option<&str>| {
-        json!({"name": name, "key_digests": [digest(name)], "expires_at": null,
-               "service_class": "none", "entitlement": entitlement})
-    };
-    let pool = |name: &str| {
-        json!({"name": name, "max_context": 8192, "budget": null, "queue_limit": null,
-               "endpoints": ["10.0.0.1:1", "10.0.0.2:1"]})
-    };
-    let json = json!({
-        "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
-        "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                   "request_timeout_s": 30.0, "default_max_tokens": 100,
-                   "image_tokens": 765, "audio_tokens": 750},
-        "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
-        "pools": [pool("p"), pool("q")],
-        "tenants": [tenant("demo", Some("gold")), tenant("other", None)],
-        "admission": null,
-        "autoscale": autoscale,
-    });
-    Spec::from_json(&json.to_string())
+impl Exposed {
+    fn new() -> Self {
+        let mut registry = Registry::default();
+        let gauges = Arc::new(Gauges::register(&mut registry));
+        Self { registry, gauges }
+    }
+
+    fn text(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("text");
+        out
+    }
 }
 
-fn scaling(slo_ttft_s: f64, metrics: &Metrics) -> Scaling {
-    let s = spec(autoscale(slo_ttft_s)).expect("spec");
-    let a = s.autoscale.as_ref().expect("autoscale");
-    Scaling::new(
-        a,
-        &s.pools,
-        &s.tenants,
-        Arc::clone(&metrics.autoscale),
-        None,
-        0.0,
-    )
-    .expect("scaling")
+fn section(a: Value) -> AutoscaleSpec {
+    serde_json::from_value(a).expect("section")
+}
+
+fn scaling_of(a: Value, gauges: &Exposed, previous: Option<&Scaling>, now: f64) -> Result<Scaling> {
+    let gauges = Arc::clone(&gauges.gauges);
+    Scaling::new(&section(a), &POOLS, &TENANTS, gauges, previous, now)
+}
+
+fn scaling(slo_ttft_s: f64, gauges: &Exposed) -> Scaling {
+    scaling_of(autoscale(slo_ttft_s), gauges, None, 0.0).expect("scaling")
 }
 
 struct Held(f64);
@@ -91,88 +89,9 @@ impl PoolSignals for Held {
     }
 }
 
-#[tokio::test]
-async fn every_lease_that_ends_is_observed_with_its_usage_or_its_estimate() {
-    let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-    let engine = Engine::build(spec(autoscale(2.0)).expect("spec"), &shared, None).expect("engine");
-    let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}"#;
-    let mut estimated = 0;
-    for i in 0..6 {
-        // demo (tenant 0, entitlement gold) then other (tenant 1).
-        let r = engine
-            .route_body(body, Some(i % 2), &Hints::default())
-            .await;
-        let routed = r.expect("ok").expect("routed");
-        estimated = routed.est_input_tokens;
-        let usage = (i < 4).then_some((20, 10));
-        assert!(shared.release(routed.id, usage));
-    }
-    let s = engine.autoscale.as_ref().expect("autoscale on");
-    let now = shared.now();
-    let mut a = lock(&s.autoscaler);
-    let pool = a.live(0, None, now).expect("live");
-    assert_eq!(pool.requests, 6);
-    // 4 with usage (20 prompt, 10 output), 2 without: the estimate, no output.
-    assert_eq!(
-        pool.prompt.mean,
-        (4.0 * 20.0 + 2.0 * estimated as f64) / 6.0
-    );
-    assert_eq!(pool.output_mean, 40.0 / 6.0);
-    let gold = a.live(0, Some(0), now).expect("live");
-    assert_eq!(gold.requests, 3, "demo's requests only");
-}
-
-/// A lease counts as an arrival when it is given (the rate a pool that
-/// falls behind still sees), in its pool's window and its entitlement's;
-/// the entitlement's inputs are on the metrics port after a step.
-#[tokio::test]
-async fn every_lease_given_is_an_arrival_and_the_entitlements_gauges_show_it() {
-    let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-    let engine = Engine::build(spec(autoscale(2.0)).expect("spec"), &shared, None).expect("engine");
-    let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}"#;
-    let mut ids = Vec::new();
-    for tenant in [0, 0, 1] {
-        let r = engine
-            .route_body(body, Some(tenant), &Hints::default())
-            .await;
-        ids.push(r.expect("ok").expect("routed").id);
-    }
-    let s = engine.autoscale.as_ref().expect("autoscale on");
-    let now = shared.now();
-    {
-        let mut a = lock(&s.autoscaler);
-        // None finished yet; 3 arrived (2 of demo's gold) within the first
-        // 5 s sub-window of the 10 s window: 3 / 5 and 2 / 5 req/s.
-        let pool = a.live(0, None, now).expect("live");
-        assert_eq!((pool.requests, pool.rate), (0, 3.0 / 5.0));
-        assert_eq!(a.live(0, Some(0), now).expect("live").rate, 2.0 / 5.0);
-    }
-    for id in ids {
-        assert!(shared.release(id, Some((20, 10))));
-    }
-    s.step(shared.now(), &*engine).expect("step");
-    let text = shared.metrics.text();
-    let line = |l: &str| text.lines().any(|x| x == l);
-    assert!(
-        line(&format!(
-            "routecore_entitlement_arrival_rate{{pool=\"p\",entitlement=\"gold\"}} {:?}",
-            2.0 / 5.0
-        )),
-        "{text}"
-    );
-    assert!(line(
-        "routecore_entitlement_prompt_tokens{pool=\"p\",entitlement=\"gold\",quantile=\"0.5\"} 20.0"
-    ));
-    assert!(line(
-        "routecore_entitlement_output_tokens{pool=\"p\",entitlement=\"gold\",quantile=\"0.99\"} 10.0"
-    ));
-}
-
 #[test]
 fn a_pool_without_scaling_is_not_observed() {
-    let metrics = Metrics::new();
+    let metrics = Exposed::new();
     let s = scaling(2.0, &metrics);
     assert!(s.observe(0, Some(0), 1.0, 2000, 200));
     assert!(
@@ -184,18 +103,12 @@ fn a_pool_without_scaling_is_not_observed() {
         "beyond the token bound"
     );
     assert!(!s.observe(9, None, 1.0, 2000, 200));
-    assert_eq!(
-        lock(&s.autoscaler)
-            .live(0, None, 1.0)
-            .expect("live")
-            .requests,
-        1
-    );
+    assert_eq!(s.live(0, None, 1.0).expect("live").requests, 1);
 }
 
 #[test]
 fn a_step_publishes_the_gauges_and_the_queued_demand_reaches_the_sizing() {
-    let metrics = Metrics::new();
+    let metrics = Exposed::new();
     let s = scaling(2.0, &metrics);
     assert!(s.last().is_empty());
     // No traffic: min endpoints.
@@ -244,7 +157,7 @@ fn a_step_publishes_the_gauges_and_the_queued_demand_reaches_the_sizing() {
 
 #[test]
 fn an_slo_no_fleet_meets_says_max_and_warns_once_per_change() {
-    let metrics = Metrics::new();
+    let metrics = Exposed::new();
     let s = scaling(1e-6, &metrics);
     for i in 0..100 {
         s.observe(0, None, f64::from(i) / 100.0, 2000, 200);
@@ -290,13 +203,10 @@ impl PoolSignals for OneReady {
 #[test]
 fn starting_endpoints_are_cancelled_where_the_pool_lists_every_endpoint() {
     for (max, want) in [(2, 1), (3, 3)] {
-        let mut section = autoscale(1e-6);
-        section["config"]["pools"][0]["max_endpoints"] = json!(max);
-        let s = spec(section).expect("spec");
-        let metrics = Metrics::new();
-        let a = s.autoscale.as_ref().expect("autoscale");
-        let gauges = Arc::clone(&metrics.autoscale);
-        let s = Scaling::new(a, &s.pools, &s.tenants, gauges, None, 0.0).expect("scaling");
+        let mut a = autoscale(1e-6);
+        a["config"]["pools"][0]["max_endpoints"] = json!(max);
+        let metrics = Exposed::new();
+        let s = scaling_of(a, &metrics, None, 0.0).expect("scaling");
         for i in 0..100 {
             s.observe(0, None, f64::from(i) / 100.0, 2000, 200);
         }
@@ -311,7 +221,7 @@ fn starting_endpoints_are_cancelled_where_the_pool_lists_every_endpoint() {
 
 #[test]
 fn a_reload_with_the_same_section_keeps_the_windows_and_another_starts_afresh() {
-    let metrics = Metrics::new();
+    let metrics = Exposed::new();
     let first = scaling(2.0, &metrics);
     first.observe(0, None, 1.0, 2000, 200);
     first.step(1.5, &Held(0.0)).expect("step");
@@ -320,30 +230,12 @@ fn a_reload_with_the_same_section_keeps_the_windows_and_another_starts_afresh() 
         first.last()[0].target.reason.name()
     );
     assert!(metrics.text().contains(&reason));
-    let s = spec(autoscale(2.0)).expect("spec");
-    let a = s.autoscale.as_ref().expect("autoscale");
-    let gauges = Arc::clone(&metrics.autoscale);
-    let same = Scaling::new(a, &s.pools, &s.tenants, gauges, Some(&first), 2.0).expect("same");
+    let same = scaling_of(autoscale(2.0), &metrics, Some(&first), 2.0).expect("same");
     assert_eq!(same.last(), first.last());
-    assert_eq!(
-        lock(&same.autoscaler)
-            .live(0, None, 2.0)
-            .expect("live")
-            .requests,
-        1
-    );
-    let s = spec(autoscale(3.0)).expect("spec");
-    let a = s.autoscale.as_ref().expect("autoscale");
-    let gauges = Arc::clone(&metrics.autoscale);
-    let other = Scaling::new(a, &s.pools, &s.tenants, gauges, Some(&first), 2.0).expect("other");
+    assert_eq!(same.live(0, None, 2.0).expect("live").requests, 1);
+    let other = scaling_of(autoscale(3.0), &metrics, Some(&first), 2.0).expect("other");
     assert!(other.last().is_empty());
-    assert_eq!(
-        lock(&other.autoscaler)
-            .live(0, None, 2.0)
-            .expect("live")
-            .requests,
-        0
-    );
+    assert_eq!(other.live(0, None, 2.0).expect("live").requests, 0);
     // Its series start afresh: the minimum until the first step, the
     // previous model count and reasons gone.
     let text = metrics.text();
@@ -354,7 +246,8 @@ fn a_reload_with_the_same_section_keeps_the_windows_and_another_starts_afresh() 
 
 #[test]
 fn a_bad_section_is_refused_naming_the_key() {
-    let err = |a: Value| spec(a).map(|_| ()).expect_err("refused").to_string();
+    let names = POOLS.map(|p| p.name);
+    let err = |a: Value| section(a).check(&names).expect_err("refused").to_string();
     let mut a = autoscale(2.0);
     a["config"]["pools"][0]["min_endpoints"] = json!(5);
     assert!(err(a).contains("autoscale.pools[0].min_endpoints (5) is above max_endpoints (3)"));
@@ -382,18 +275,14 @@ fn a_bad_section_is_refused_naming_the_key() {
 #[ignore]
 fn serve_autoscale_timing() {
     let names: Vec<String> = (0..8).map(|i| format!("p{i}")).collect();
-    let pools: Vec<PoolSpec> = names
+    let pools: Vec<PlanePool<'_>> = names
         .iter()
-        .map(|n| {
-            serde_json::from_value(json!({"name": n, "max_context": 8192, "budget": null,
-                                          "queue_limit": null, "endpoints": ["10.0.0.1:1"]}))
-            .expect("pool")
+        .map(|n| PlanePool {
+            name: n,
+            endpoints: 1,
         })
         .collect();
-    let tenants: Vec<TenantSpec> = vec![serde_json::from_value(json!({
-        "name": "demo", "key_digests": [], "expires_at": null,
-        "service_class": "none", "entitlement": "gold"}))
-    .expect("tenant")];
+    let tenants = [Some("gold")];
     let spec: AutoscaleSpec = serde_json::from_value(json!({
         "config": {"pools": names.iter().map(|n| json!({
             "name": n, "context": 8192, "max_endpoints": 1 << 20, "slo_ttft_s": 1.5,
@@ -401,8 +290,7 @@ fn serve_autoscale_timing() {
         "profiles": vec![profile_json(); 8],
     }))
     .expect("spec");
-    let metrics = Metrics::new();
-    let gauges = Arc::clone(&metrics.autoscale);
+    let gauges = Arc::new(Gauges::register(&mut Registry::default()));
     let s = Scaling::new(&spec, &pools, &tenants, gauges, None, 0.0).expect("scaling");
     let mut pure = Autoscaler::new(spec.config.clone(), spec.profiles.clone(), 0.0).expect("ok");
     let n = 4_000_000usize;

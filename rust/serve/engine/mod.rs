@@ -45,9 +45,10 @@ use crate::prefix::Tokens;
 use crate::tokenize::{Encoded, SpecialTokens, Tokenized, Tokenizer};
 
 use super::admission::{Admission, AdmissionSpec, Ticket, Verdict};
-use super::autoscale::Scaling;
+use super::autoscale::{PlanePool, Scaling};
 use super::config::{digest_from_hex, Spec};
 use super::failure::FailureMode;
+use super::handoff::PoolHandoff;
 use super::limits::Overload;
 use super::logs::{Occurrence, Repeats};
 use super::metrics::{FCounter, FGauge, Metrics};
@@ -56,6 +57,7 @@ use super::usage::{plausible, Usage};
 use dispatch::Routing;
 
 mod auth;
+mod autoscale;
 mod chooser;
 mod dispatch;
 mod flow;
@@ -538,8 +540,8 @@ pub struct Engine {
     number: u64,
     /// The autoscaler (`autoscale` of the configuration; None: off).
     pub autoscale: Option<Arc<Scaling>>,
-    /// How each pool's split requests travel (`serve::pd_send`).
-    pub handoffs: Vec<crate::serve::pd_send::PoolHandoff>,
+    /// How each pool's split requests travel (`serve::pd_send` sends them).
+    pub handoffs: Vec<PoolHandoff>,
     shared: Weak<Shared>,
 }
 
@@ -673,7 +675,7 @@ impl Engine {
         let handoffs = spec
             .pools
             .iter()
-            .map(|p| crate::serve::pd_send::PoolHandoff::new(p, &metrics.pd))
+            .map(|p| PoolHandoff::new(p, &metrics.pd))
             .collect();
         let default_pool = router.pool_index(&spec.server.default_pool)?;
         let timeout = Duration::from_secs_f64(spec.limits.request_timeout_s);
@@ -693,15 +695,20 @@ impl Engine {
             .map(|a| {
                 let previous = previous.and_then(|p| p.autoscale.as_deref());
                 let gauges = Arc::clone(&shared.metrics.autoscale);
-                Scaling::new(
-                    a,
-                    &spec.pools,
-                    &spec.tenants,
-                    gauges,
-                    previous,
-                    shared.now(),
-                )
-                .map(Arc::new)
+                let pools: Vec<PlanePool<'_>> = spec
+                    .pools
+                    .iter()
+                    .map(|p| PlanePool {
+                        name: &p.name,
+                        endpoints: p.endpoints.len(),
+                    })
+                    .collect();
+                let tenants: Vec<Option<&str>> = spec
+                    .tenants
+                    .iter()
+                    .map(|t| t.entitlement.as_deref())
+                    .collect();
+                Scaling::new(a, &pools, &tenants, gauges, previous, shared.now()).map(Arc::new)
             })
             .transpose()?;
         shared
@@ -736,7 +743,15 @@ impl Engine {
                 p.configure(s);
             }
         }
-        shared.metrics.pd.set_roles(&engine.spec.pools);
+        shared
+            .metrics
+            .pd
+            .set_roles(engine.spec.pools.iter().flat_map(|p| {
+                let role = |e: &String| p.roles.get(e).copied().unwrap_or(p.role);
+                p.endpoints
+                    .iter()
+                    .map(move |e| (p.name.as_str(), e.as_str(), role(e)))
+            }));
         shared.register(&engine);
         Ok(engine)
     }

@@ -1,11 +1,14 @@
 use std::sync::Mutex;
+use std::time::Duration;
 
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 
+use super::support::{body, plane, DECODE};
 use super::*;
-use crate::serve::config::Spec;
+use crate::pd::handshake::FALLBACKS;
 use crate::serve::engine::{Engine, Hints};
+use crate::serve::metrics::FallbackLabels;
 
 #[test]
 fn request_paths() {
@@ -67,37 +70,6 @@ async fn mock_engine(status: u16, answer: Value) -> (String, Received) {
 fn dead_address() -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     l.local_addr().expect("address").to_string()
-}
-
-const DECODE: &str = "10.0.0.1:8000";
-
-/// A data plane over one pool: DECODE decodes, `prefill` prefills, every
-/// request is split and handed off by `handoff`.
-fn plane(prefill: &str, disaggregation: Value) -> (Arc<Shared>, Arc<Engine>) {
-    let json = json!({
-        "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
-        "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                   "request_timeout_s": 30.0, "default_max_tokens": 100,
-                   "image_tokens": 765, "audio_tokens": 750},
-        "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
-        "pools": [{"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
-                   "endpoints": [DECODE, prefill], "role": "decode",
-                   "roles": {prefill: "prefill"}, "disaggregation": disaggregation}],
-        "tenants": [],
-        "admission": null
-    });
-    let spec = Spec::from_json(&json.to_string()).expect("spec");
-    let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-    let engine = Engine::build(spec, &shared, None).expect("engine");
-    (shared, engine)
-}
-
-fn body() -> Vec<u8> {
-    json!({"model": "m", "messages": [{"role": "user", "content": "Hello there"}],
-           "max_tokens": 12, "stream": true})
-    .to_string()
-    .into_bytes()
 }
 
 /// Routes one request and hands it off: (the routed request, the lease's
@@ -288,48 +260,4 @@ async fn roles_are_a_gauge_per_endpoint() {
             format!("routecore_endpoint_role{{pool=\"p\",endpoint=\"{e}\",role=\"{role}\"}} 1");
         assert!(text.contains(&line), "{line} in\n{text}");
     }
-}
-
-#[tokio::test]
-async fn a_client_gone_while_the_prefill_is_out_releases_both_endpoints_once() {
-    use crate::serve::extproc::Conversation;
-    use envoy_types::pb::envoy::config::core::v3::HeaderMap;
-    use envoy_types::pb::envoy::service::ext_proc::v3::{
-        processing_request::Request as Msg, HttpBody, HttpHeaders, ProcessingRequest,
-    };
-    // A prefill engine that accepts and never answers.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let prefill = listener.local_addr().expect("address").to_string();
-    let (shared, engine) = plane(&prefill, json!({"decider": "always", "handoff": "vllm"}));
-    let mut conv = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
-    let headers = ProcessingRequest {
-        request: Some(Msg::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap::default()),
-            ..Default::default()
-        })),
-        ..Default::default()
-    };
-    conv.handle(&headers).await.expect("headers");
-    let last = ProcessingRequest {
-        request: Some(Msg::RequestBody(HttpBody {
-            body: body(),
-            end_of_stream: true,
-            ..Default::default()
-        })),
-        ..Default::default()
-    };
-    // The stream ends (Envoy cancels it) while routecore waits for the prefill.
-    let waited = tokio::time::timeout(Duration::from_millis(300), conv.handle(&last)).await;
-    assert!(waited.is_err(), "still waiting for the prefill");
-    assert_eq!(
-        engine.choosers[0].loads(),
-        vec![1, 1],
-        "both held meanwhile"
-    );
-    drop(conv);
-    assert_eq!(engine.choosers[0].loads(), vec![0, 0], "both released");
-    assert_eq!(shared.metrics.in_flight_gauge("p", &prefill).get(), 0.0);
-    drop(listener);
 }

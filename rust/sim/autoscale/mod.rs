@@ -11,7 +11,10 @@
 //! its stop, start-up and drain included, within `[0, horizon_s]`.
 //!
 //! Requests go to the ready endpoints through the pool's endpoint picker
-//! (the server's pipeline, e.g. least-request), each endpoint the
+//! ([`PoolPicker`], the server's, e.g. least-request: it reads each
+//! endpoint's queue, running count and KV use at every pick, as a scrape
+//! just before it would, and starts and completes every request), each
+//! endpoint the
 //! iteration-level engine of [`super::engine`]; with none ready (every
 //! endpoint starting or draining) they wait at the router and go out as
 //! soon as one is. Every request that finishes is told to the policy (the
@@ -28,9 +31,9 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::autoscale::PoolScaling;
-use crate::endpoint::{EndpointState, MAX_ENDPOINTS};
+use crate::endpoint::MAX_ENDPOINTS;
 use crate::error::{invalid, non_negative, positive, Result};
-use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec};
+use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, PoolPicker};
 
 use super::engine::{Endpoint, Event};
 use super::{check_requests, check_sorted, Category, Heap, PoolConfig, RequestBlocks, SimRequest};
@@ -132,9 +135,9 @@ struct Run<'a> {
     cfg: &'a ScaleConfig,
     blocks: RequestBlocks,
     slots: Vec<Slot>,
-    states: Vec<EndpointState>,
     version: Vec<u64>,
-    picker: Pipeline,
+    /// The pool's picker over every slot (a slot not ready is unhealthy).
+    picker: PoolPicker,
     /// Starting endpoints in start order (all take `startup_s`): (ready time, slot).
     starting: VecDeque<(f64, usize)>,
     /// Requests waiting at the router while no endpoint is ready.
@@ -197,7 +200,14 @@ pub fn run(
     }
     let n_slots = s.max_endpoints as usize;
     let names: Vec<String> = (0..n_slots).map(|i| format!("e{i}")).collect();
-    let picker = Pipeline::from_specs(&cfg.picker, &names, &PickConfig::default())?;
+    let mut picker = PoolPicker::new(Pipeline::from_specs(
+        &cfg.picker,
+        &names,
+        &PickConfig::default(),
+    )?);
+    for s in &mut picker.states {
+        s.healthy = false;
+    }
     let n = requests.len();
     let nan = vec![f64::NAN; n];
     let mut run = Run {
@@ -205,13 +215,6 @@ pub fn run(
         cfg,
         blocks: RequestBlocks::none(n),
         slots: Vec::new(),
-        states: vec![
-            EndpointState {
-                healthy: false,
-                ..EndpointState::default()
-            };
-            n_slots
-        ],
         version: vec![0; n_slots],
         picker,
         starting: VecDeque::new(),
@@ -276,7 +279,7 @@ impl Run<'_> {
             _ => {}
         }
         self.slots[i].phase = phase;
-        self.states[i].healthy = phase == Phase::Ready;
+        self.picker.states[i].healthy = phase == Phase::Ready;
     }
 
     /// GPU-seconds of an endpoint from `since` to `end`, within the horizon.
@@ -382,16 +385,17 @@ impl Run<'_> {
     /// Request `k` to a ready endpoint chosen by the picker, at `now`; held
     /// at the router when none is ready.
     fn dispatch(&mut self, k: usize, now: f64, heap: &mut Heap) -> Result<()> {
-        if !self.states.iter().any(|s| s.healthy) {
+        if !self.picker.states.iter().any(|s| s.healthy) {
             self.held.push_back(k);
             return Ok(());
         }
-        for (i, slot) in self.slots.iter().enumerate() {
-            let (e, st) = (&slot.engine, &mut self.states[i]);
+        for (slot, st) in self.slots.iter().zip(&mut self.picker.states) {
+            let e = &slot.engine;
             st.waiting = Some(e.waiting() as f64);
             st.running = Some(e.running() as f64);
             st.kv_usage = Some(e.kv_usage());
             st.in_flight = e.load() as u64;
+            st.dispatched_since_scrape = 0;
         }
         let r = &self.requests[k];
         let req = PickRequest {
@@ -402,9 +406,8 @@ impl Run<'_> {
         };
         let i = self
             .picker
-            .pick_one(&req, &self.states)?
+            .start(&req)?
             .ok_or_else(|| invalid("the picker chose no endpoint"))?;
-        self.picker.started(&req, i)?;
         self.report.endpoint[k] = i as i64;
         self.slots[i]
             .engine
@@ -459,8 +462,12 @@ impl Run<'_> {
                     let tpot = self.report.tpot[request];
                     self.report.met[request] =
                         ttft <= s.slo_ttft_s && !s.slo_tpot_s.is_some_and(|t| tpot > t);
+                    let done = PickRequest {
+                        now: time,
+                        ..PickRequest::default()
+                    };
                     self.picker
-                        .completed(i, r.input_tokens, r.output_tokens, time)?;
+                        .complete(i, &done, r.input_tokens, r.output_tokens)?;
                     policy.observe(time, r.input_tokens, r.output_tokens)?;
                 }
             }

@@ -1,0 +1,43 @@
+//! The data plane of the prefill sender's tests, shared with ext_proc's
+//! (`serve::extproc`'s P/D tests drive a whole conversation through it):
+//! one pool whose every request is split.
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use crate::serve::config::Spec;
+use crate::serve::engine::{Engine, Shared};
+
+/// The decode endpoint.
+pub const DECODE: &str = "10.0.0.1:8000";
+
+/// A data plane over one pool: DECODE decodes, `prefill` prefills, every
+/// request is split and handed off by `handoff`.
+pub fn plane(prefill: &str, disaggregation: Value) -> (Arc<Shared>, Arc<Engine>) {
+    let json = json!({
+        "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
+        "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
+                   "request_timeout_s": 30.0, "default_max_tokens": 100,
+                   "image_tokens": 765, "audio_tokens": 750},
+        "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
+        "pools": [{"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
+                   "endpoints": [DECODE, prefill], "role": "decode",
+                   "roles": {prefill: "prefill"}, "disaggregation": disaggregation}],
+        "tenants": [],
+        "admission": null
+    });
+    let spec = Spec::from_json(&json.to_string()).expect("spec");
+    let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+    let engine = Engine::build(spec, &shared, None).expect("engine");
+    (shared, engine)
+}
+
+/// A streamed chat request.
+pub fn body() -> Vec<u8> {
+    json!({"model": "m", "messages": [{"role": "user", "content": "Hello there"}],
+           "max_tokens": 12, "stream": true})
+    .to_string()
+    .into_bytes()
+}
