@@ -10,21 +10,12 @@
 //!   prefix of the path), seen from their closest common parent (so
 //!   `serve/engine/dispatch.rs` naming `super::super::front::Door` is
 //!   `serve::engine -> serve::front`); a module naming its own parent or
-//!   child is not an edge, and a module's tests count as the module. The
-//!   circles known today are listed in [`KNOWN`] by the import that closes
-//!   each, with its way out; any other circle fails, and so does an entry
-//!   that no longer closes one.
+//!   child is not an edge, and a module's tests count as the module. Any
+//!   circle fails (the last seven moved below what imported them in issue
+//!   30).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::Path;
-
-/// Imports that close a circle known today (from, to), each with why it is
-/// still there and how it goes. The check removes them before it looks for
-/// circles, and fails when one no longer closes a circle. None today: the
-/// last seven (the autoscaler's gauges, spec and actor, the prefill
-/// sender's metrics, handoff state and ext_proc test) moved below what
-/// imported them (issue 30).
-const KNOWN: &[(&str, &str, &str)] = &[];
 
 /// A module path (`["serve", "engine"]`; the crate root is empty).
 type Module = Vec<String>;
@@ -330,25 +321,6 @@ fn circles(g: &BTreeMap<String, BTreeSet<String>>) -> BTreeSet<String> {
     out
 }
 
-/// The circles of the graph without the known imports, and the known
-/// imports that no longer close a circle.
-fn unknown_circles(files: &[Source]) -> (BTreeSet<String>, Vec<String>) {
-    let full = graph(files);
-    let mut g = full.clone();
-    let mut stale = Vec::new();
-    for &(from, to, _) in KNOWN {
-        let closes = full.get(from).is_some_and(|t| t.contains(to))
-            && path_between(&full, to, from).is_some();
-        if !closes {
-            stale.push(format!("{from} -> {to}"));
-        }
-        if let Some(t) = g.get_mut(from) {
-            t.remove(to);
-        }
-    }
-    (circles(&g), stale)
-}
-
 /// Files that break the rules on who names `serve` and pyo3.
 fn misplaced(files: &[Source]) -> Vec<String> {
     let mut bad = Vec::new();
@@ -373,19 +345,13 @@ fn only_the_data_plane_and_the_bindings_name_serve_and_only_the_bindings_pyo3() 
 }
 
 #[test]
-fn no_import_circle_between_modules_but_the_known_ones() {
+fn no_import_circle_between_modules() {
     let files = sources();
     let g = graph(&files);
     for module in ["kv", "pick", "serve", "serve::engine", "serve::front"] {
         assert!(g.contains_key(module), "{module} is a module that imports");
     }
-    let (circles, stale) = unknown_circles(&files);
-    assert_eq!(circles, BTreeSet::new(), "import circles");
-    assert_eq!(
-        stale,
-        Vec::<String>::new(),
-        "known imports that close no circle"
-    );
+    assert_eq!(circles(&g), BTreeSet::new(), "import circles");
 }
 
 #[test]
