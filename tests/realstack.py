@@ -76,7 +76,14 @@ def routecore_config(engines: list[VllmEngine], model_dir: Path, redis_url: str)
         "scrape": {"interval_s": 0.25, "timeout_s": 2.0},
         "admission": {
             "backend": "redis",
-            "redis": {"url": redis_url, "failure_mode": "closed"},
+            # A fresh replica's first admission connects, writes its quotas'
+            # configuration and loads the scripts: several round trips that
+            # share these 2 cores with 3-5 engines. With the default 0.5 s one
+            # timed out during a rolling restart (CI, 2026-11-26) and the
+            # stall guard refused the next three requests (503
+            # admission-unavailable). The bound is the machine's, not the
+            # behaviour's: a stall past it still answers by failure_mode.
+            "redis": {"url": redis_url, "failure_mode": "closed", "socket_timeout_s": 2.0},
             "quotas": [
                 {"name": "fleet", "tokens_per_s": 1e6, "kv_bytes": 10**12, "concurrency": 64}
             ],
