@@ -464,6 +464,8 @@ struct Ctx<'a> {
     table: Arc<ServiceTable>,
     p_c: Vec<f64>,
     long_slots: u64,
+    /// The engine model's targets, the same for every pool of the sweep.
+    targets: Targets,
 }
 
 impl Ctx<'_> {
@@ -562,11 +564,6 @@ impl Ctx<'_> {
         n_slots: u64,
         start: Start<'_>,
     ) -> Result<PoolPlan> {
-        let slo = EngineSlo {
-            ttft_s: self.cfg.slo_ttft_s,
-            tpot_s: self.cfg.slo_tpot_s,
-            quantile: self.cfg.prefill_quantile,
-        };
         // The fewest chunks of any of the pool's requests.
         let fewest = sources
             .spans
@@ -591,8 +588,7 @@ impl Ctx<'_> {
             }
         };
         let pool = (context, n_slots, arrival_rate);
-        let ttft = (slo.quantile, TtftShift::NONE);
-        size_engine_from(self.profile, pool, load, slo, ttft, &build, start)
+        size_engine_from(self.profile, pool, load, self.targets, &build, start)
     }
 
     fn cost(&self, short_gpus: u64, long_gpus: u64) -> f64 {
@@ -648,16 +644,32 @@ pub fn size_engine_shifted(
     hint: Option<u64>,
 ) -> Result<PoolPlan> {
     let start = Start::At(hint);
-    size_engine_from(profile, pool, load, slo, ttft, chunks, start)
+    let targets = engine_targets(slo, ttft);
+    size_engine_from(profile, pool, load, targets, chunks, start)
 }
 
-/// [`size_engine_shifted`] with the search starting at `start`.
+/// The engine model's targets for `slo`, the TTFT met at its own quantile
+/// and holding `shift` beyond the pool's waits and prefill, `ttft =
+/// (quantile, shift)`.
+fn engine_targets(slo: EngineSlo, (quantile, shift): (f64, TtftShift)) -> Targets {
+    Targets {
+        shift,
+        quantile,
+        ..Targets::new(
+            slo.ttft_s,
+            slo.tpot_s.unwrap_or(f64::INFINITY),
+            slo.quantile,
+        )
+    }
+}
+
+/// [`size_engine_shifted`] with the search starting at `start`, its
+/// `targets` from [`engine_targets`].
 fn size_engine_from(
     profile: &Profile,
     (context, n_slots, arrival_rate): (u64, u64, f64),
     load: &EngineLoad,
-    slo: EngineSlo,
-    (ttft_quantile, shift): (f64, TtftShift),
+    targets: Targets,
     chunks: BuildChunks<'_>,
     start: Start<'_>,
 ) -> Result<PoolPlan> {
@@ -667,15 +679,6 @@ fn size_engine_from(
         chunk: profile.c_chunk,
         n_slots,
         kv_tokens: n_slots as f64 * context as f64,
-    };
-    let targets = Targets {
-        shift,
-        quantile: ttft_quantile,
-        ..Targets::new(
-            slo.ttft_s,
-            slo.tpot_s.unwrap_or(f64::INFINITY),
-            slo.quantile,
-        )
     };
     let pool = PoolPlan {
         context,
@@ -805,6 +808,14 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
         table: w.service_table(profile.c_chunk)?,
         p_c,
         long_slots: profile.slots(cfg.long_context)?,
+        targets: engine_targets(
+            EngineSlo {
+                ttft_s: cfg.slo_ttft_s,
+                tpot_s: cfg.slo_tpot_s,
+                quantile: cfg.prefill_quantile,
+            },
+            (cfg.prefill_quantile, TtftShift::NONE),
+        ),
     };
     let lam = cfg.arrival_rate;
     let everything = w.span(f64::NEG_INFINITY, f64::INFINITY);
