@@ -1152,13 +1152,22 @@ pub(super) fn smallest_ok(
 pub(super) enum Start<'a> {
     /// At this count (None: just above the stability bound).
     At(Option<u64>),
-    /// Near the last pool of a sweep, `(its count, its stability bound)`:
-    /// the count scaled by this pool's bound over that one (each plus one),
-    /// which follows a neighbouring candidate's pool better than its rate
-    /// (compute- and prefill-bound pools keep their count's ratio to the
-    /// bound as the traffic's mix moves); this pool's pair is left in its
-    /// place for the next.
-    Near(&'a mut Option<(u64, u64)>),
+    /// Near a neighbouring pool of a sweep: at `ratio` times this pool's
+    /// stability bound plus one, the ratio of a neighbour's count to its
+    /// bound plus one (None: just above the bound), which follows a
+    /// neighbouring candidate's pool better than its rate (compute- and
+    /// prefill-bound pools keep their count's ratio to the bound as the
+    /// traffic's mix moves); this pool's `(count, bound)` is left in
+    /// `found` for the next.
+    Near {
+        ratio: Option<f64>,
+        found: &'a mut (u64, u64),
+    },
+}
+
+/// The ratio a [`Start::Near`] takes from a pool's `(count, bound)`.
+pub(super) fn start_ratio((n, bound): (u64, u64)) -> f64 {
+    n as f64 / (bound as f64 + 1.0)
 }
 
 /// Sizes one pool under the engine model: the smallest GPU count meeting
@@ -1238,10 +1247,9 @@ pub(super) fn size_engine_pool(
     };
     let hint = match &start {
         Start::At(hint) => *hint,
-        Start::Near(last) => last.map(|(n, b)| {
-            let scaled = n as f64 * (bad as f64 + 1.0) / (b as f64 + 1.0);
-            scaled.round().min(MAX_GPUS as f64) as u64
-        }),
+        Start::Near { ratio, .. } => {
+            ratio.map(|r| (r * (bad as f64 + 1.0)).round().min(MAX_GPUS as f64) as u64)
+        }
     };
     let found = match never {
         Some(_) => None,
@@ -1250,8 +1258,8 @@ pub(super) fn size_engine_pool(
         })?,
     };
     let n = found.unwrap_or(bad + 1);
-    if let Start::Near(last) = start {
-        *last = Some((n, bad));
+    if let Start::Near { found, .. } = start {
+        *found = (n, bad);
     }
     let e = if found.is_some() {
         eval(n, chunks)?

@@ -39,7 +39,7 @@ use std::sync::Arc;
 pub use engine::{
     engine_state, BuildChunks, EngineLoad, EngineShape, EngineState, TtftShift, MAX_LOOP,
 };
-use engine::{size_engine_pool, Chunks, Start, Targets};
+use engine::{size_engine_pool, start_ratio, Chunks, Start, Targets};
 
 use crate::budget::compressible_category;
 use crate::error::{invalid, non_negative, positive, Result};
@@ -742,6 +742,86 @@ impl Sources {
     }
 }
 
+/// A long pool of the engine model's sweep, sized for the candidates whose
+/// band ends at `floor(gamma B)` (the homogeneous pool at 0).
+#[derive(Debug, Clone, Copy)]
+struct LongPool {
+    /// Where its tail starts in the sorted order (the tail runs to the end).
+    tail: usize,
+    arrival_rate: f64,
+    /// Its count over its stability bound plus one ([`start_ratio`]).
+    ratio: f64,
+    /// The pool (an index into [`LongPools::alone`]), when it holds its
+    /// tail alone (no share of a band).
+    pool: Option<usize>,
+}
+
+/// The long pools of a sweep sized so far, ascending by their boundary
+/// `floor(gamma B)` (`at`, a vector of its own for the searches): where the
+/// next one's search starts, and the pools that a candidate with the same
+/// tail reuses (candidates of different `B` and `gamma` often cut at the
+/// same point: 768 is 512 x 1.5 and 768 x 1.0).
+struct LongPools {
+    at: Vec<f64>,
+    pools: Vec<LongPool>,
+    alone: Vec<PoolPlan>,
+}
+
+impl LongPools {
+    /// The nearest pools at or below `at` and at or above it.
+    fn around(&self, at: f64) -> (Option<&LongPool>, Option<&LongPool>) {
+        let i = self.at.partition_point(|&a| a < at);
+        let above = self.pools.get(i);
+        let below = if self.at.get(i) == Some(&at) {
+            above
+        } else {
+            i.checked_sub(1).and_then(|j| self.pools.get(j))
+        };
+        (below, above)
+    }
+
+    /// A pool sized alone for the same tail at an arrival rate equal to
+    /// `arrival_rate` but for rounding (the candidates' shares of the
+    /// traffic are sums in different orders): the same requests, the same
+    /// pool. Equal tails are neighbours in the order.
+    fn same(&self, at: f64, tail: usize, arrival_rate: f64) -> Option<PoolPlan> {
+        let (below, above) = self.around(at);
+        [below, above].into_iter().flatten().find_map(|p| {
+            let close = (p.arrival_rate - arrival_rate).abs() <= 1e-12 * arrival_rate;
+            p.pool
+                .filter(|_| p.tail == tail && close)
+                .map(|i| self.alone[i])
+        })
+    }
+
+    /// The start ratio at `at`: interpolated between the nearest pools
+    /// below and above (bracketed from both sides), or the one there is.
+    fn ratio(&self, at: f64) -> Option<f64> {
+        let i = self.at.partition_point(|&a| a < at);
+        match (i.checked_sub(1), self.at.get(i)) {
+            (Some(j), Some(&hi)) if hi > at => {
+                let (lo, f) = (self.at[j], &self.pools);
+                let t = (at - lo) / (hi - lo);
+                Some(f[j].ratio + t * (f[i].ratio - f[j].ratio))
+            }
+            (_, Some(_)) => Some(self.pools[i].ratio),
+            (Some(j), None) => Some(self.pools[j].ratio),
+            (None, None) => None,
+        }
+    }
+
+    /// Adds a pool at `at`, to be reused if `alone` (see [`Self::same`]).
+    fn insert(&mut self, at: f64, mut pool: LongPool, alone: Option<PoolPlan>) {
+        if let Some(p) = alone {
+            pool.pool = Some(self.alone.len());
+            self.alone.push(p);
+        }
+        let i = self.at.partition_point(|&a| a <= at);
+        self.at.insert(i, at);
+        self.pools.insert(i, pool);
+    }
+}
+
 /// The error for an SLO that no fleet meets, naming the binding constraint
 /// of the homogeneous pool (every request, the long context).
 fn no_fleet(pool: &PoolPlan, cfg: &PlanConfig, profile: &Profile) -> crate::error::Error {
@@ -839,13 +919,17 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
     }
 
     // Homogeneous: one pool at the long context holding every request.
+    let mut homo_found = (0, 0);
     let homo_pool = if engine {
         let load = ctx.engine_load(
             ctx.mix(everything, None, 1.0),
             ctx.chunks_quantile(everything),
         );
         let all = Sources::span(everything);
-        let start = Start::At(None);
+        let start = Start::Near {
+            ratio: None,
+            found: &mut homo_found,
+        };
         ctx.size_engine(lam, &load, all, cfg.long_context, ctx.long_slots, start)?
     } else {
         let (a0, a1) = profile.service_coefficients(ctx.long_slots);
@@ -900,11 +984,24 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
 
     let (la0, la1) = profile.service_coefficients(ctx.long_slots);
     let mut sweep = Vec::with_capacity(b_list.len() * gammas.len());
-    // Neighbouring candidates need similar counts: each search starts near
-    // the last pool's of its kind (see `Start::Near`).
-    let (mut short_last, mut long_last) = (None, None);
-    // With p_c = 1 the long pool is its tail alone: equal tails, equal pools.
-    let mut long_cache: Option<(Span, f64, PoolPlan)> = None;
+    // Neighbouring candidates need similar counts (see `Start::Near`): each
+    // short pool's search starts near the last short pool's (the first near
+    // the homogeneous pool's), each long pool's between the long pools of
+    // the nearest boundaries below and above its own.
+    let mut short_last = homo_found;
+    let candidates = b_list.len() * gammas.len() + 1;
+    let mut longs = LongPools {
+        at: Vec::with_capacity(candidates),
+        pools: Vec::with_capacity(candidates),
+        alone: Vec::with_capacity(candidates),
+    };
+    let homo_long = LongPool {
+        tail: 0,
+        arrival_rate: lam,
+        ratio: start_ratio(homo_found),
+        pool: None,
+    };
+    longs.insert(0.0, homo_long, None);
     for &b in &b_list {
         let b_f = b as f64;
         let short_span = w.span(f64::NEG_INFINITY, b_f);
@@ -985,16 +1082,23 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                         sources.point = (chunks, weight);
                     }
                     let load = ctx.engine_load(mix, chunks_q);
-                    let start = Start::Near(&mut short_last);
+                    let start = Start::Near {
+                        ratio: Some(start_ratio(short_last)),
+                        found: &mut short_last,
+                    };
                     let p = ctx.size_engine(lam_s, &load, sources, b, n_short, start)?;
                     short_cache = Some((lam_s, p));
                     p
                 }
             };
+            // A long pool of its tail alone (no share of the band) is the
+            // same for every candidate with the same tail.
+            let alone = kept <= 0.0 && tail.end > tail.start;
+            let reused = mix_long
+                .filter(|_| alone)
+                .and_then(|_| longs.same(gb, tail.start, lam_l));
             let long = match mix_long {
-                Some(_) if long_cache.is_some_and(|(t, l, _)| t == tail && l == lam_l) => {
-                    long_cache.map_or(PoolPlan::EMPTY, |(_, _, p)| p)
-                }
+                Some(_) if reused.is_some() => reused.unwrap_or(PoolPlan::EMPTY),
                 Some(mix) => {
                     let load = ctx.engine_load(mix, ctx.chunks_quantile(long_prefill_span));
                     let sources = Sources {
@@ -1005,11 +1109,19 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                         point: (0, 0.0),
                     };
                     let (context, slots) = (cfg.long_context, ctx.long_slots);
-                    let start = Start::Near(&mut long_last);
+                    let mut found = (0, 0);
+                    let start = Start::Near {
+                        ratio: longs.ratio(gb),
+                        found: &mut found,
+                    };
                     let p = ctx.size_engine(lam_l, &load, sources, context, slots, start)?;
-                    if ctx.p_c.iter().all(|&pc| pc >= 1.0) {
-                        long_cache = Some((tail, lam_l, p));
-                    }
+                    let long = LongPool {
+                        tail: tail.start,
+                        arrival_rate: lam_l,
+                        ratio: start_ratio(found),
+                        pool: None,
+                    };
+                    longs.insert(gb, long, alone.then_some(p));
                     p
                 }
                 None => {
