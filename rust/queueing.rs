@@ -112,9 +112,23 @@ fn check(servers: u64, offered_load: f64) -> Result<()> {
 
 /// `ln(1 / B(c, A))` (>= 0), for c >= 1 and 0 < A.
 fn ln_inv_erlang_b(c: f64, a: f64) -> f64 {
-    let ln_pmf = ln_poisson_pmf(c, a);
+    ln_inv_erlang_b_at(c, a, ln_poisson_pmf(c, a))
+}
+
+/// [`ln_inv_erlang_b`] given `ln_pmf = ln P(X = c)`.
+fn ln_inv_erlang_b_at(c: f64, a: f64, ln_pmf: f64) -> f64 {
     // 1/B = P(X <= c) / P(X = c) = (1 - P(X > c)) / P(X = c).
-    -ln_pmf + (-poisson_above(c, a, ln_pmf.exp())).ln_1p()
+    -ln_pmf + (-poisson_above(c, a, exp_or_zero(ln_pmf))).ln_1p()
+}
+
+/// `e^x`, 0 below -746 without calling `exp` (which returns the same 0 there
+/// by a slow path that flags the underflow): many-server pmfs are far below.
+pub(crate) fn exp_or_zero(x: f64) -> f64 {
+    if x < -746.0 {
+        0.0
+    } else {
+        x.exp()
+    }
 }
 
 /// Erlang B, the blocking probability of M/M/c/c with offered load A = lambda / mu.
@@ -217,8 +231,47 @@ pub(crate) fn erlang_c_bound(c: f64, a: f64) -> f64 {
 /// upper bound of [`erlang_c_bound`], and below it `C >= pmf / (1 - rho (1 -
 /// pmf))` (C increases with B, and `B = P(X = c) / P(X <= c) >= P(X = c)`).
 pub(crate) fn erlang_c_bounds(c: f64, a: f64) -> (f64, f64) {
-    let (pmf, rho) = (ln_poisson_pmf(c, a).exp(), a / c);
-    (pmf / (1.0 - rho * (1.0 - pmf)), 2.0 * pmf / (1.0 - rho))
+    ErlangC::new(c, a).bounds()
+}
+
+/// Erlang C of `c` servers at offered load `a` (0 < A < c) from one Poisson
+/// log-pmf, computed once for its O(1) bounds and, where they do not
+/// decide, the exact value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ErlangC {
+    c: f64,
+    a: f64,
+    ln_pmf: f64,
+}
+
+impl ErlangC {
+    pub(crate) fn new(c: f64, a: f64) -> Self {
+        Self {
+            c,
+            a,
+            ln_pmf: ln_poisson_pmf(c, a),
+        }
+    }
+
+    /// The bounds of [`erlang_c_bounds`].
+    pub(crate) fn bounds(&self) -> (f64, f64) {
+        let (pmf, rho) = (exp_or_zero(self.ln_pmf), self.a / self.c);
+        (pmf / (1.0 - rho * (1.0 - pmf)), 2.0 * pmf / (1.0 - rho))
+    }
+
+    /// [`erlang_c`] of `servers` (`c`), its checks and errors included, the
+    /// same value without the pmf computed again.
+    pub(crate) fn exact(&self, servers: u64) -> Result<f64> {
+        check(servers, self.a)?;
+        if self.a >= self.c {
+            return erlang_c(servers, self.a);
+        }
+        if self.a == 0.0 {
+            return Ok(0.0);
+        }
+        let b = (-ln_inv_erlang_b_at(self.c, self.a, self.ln_pmf)).exp();
+        Ok(c_from_b(b, self.a / self.c))
+    }
 }
 
 fn wait_from_c(c: f64, drain: f64, cs2: f64) -> f64 {

@@ -80,7 +80,7 @@
 
 use super::{Binding, PoolPlan};
 use crate::error::{invalid, Result};
-use crate::queueing::{erlang_c, erlang_c_bounds};
+use crate::queueing::{exp_or_zero, ErlangC};
 use crate::workload::RangeMoments;
 
 /// Most requests per endpoint for which the closed loop is solved (its cost
@@ -546,7 +546,7 @@ impl DecodeMiss {
     fn from_phases(d: f64, betas: [(f64, f64); 2]) -> Self {
         Self {
             d,
-            density: (-0.5 * d * d).exp() / (2.0 * std::f64::consts::PI).sqrt(),
+            density: exp_or_zero(-0.5 * d * d) / (2.0 * std::f64::consts::PI).sqrt(),
             phases: betas.map(|(p, beta)| (p, beta + 0.5 * d * d)),
         }
     }
@@ -629,6 +629,17 @@ struct OwnPrefill {
     lo_half: f64,
 }
 
+/// `x.floor()` for `x >= 1` (NaN and infinities as `floor`), without the
+/// call `floor` is on a CPU without SSE4.1's rounding (the portable build).
+fn floor_at_least_one(x: f64) -> f64 {
+    if x < 4.5e15 {
+        // Truncation is the floor of a positive number, exact below 2^52.
+        (x as u64) as f64
+    } else {
+        x.floor()
+    }
+}
+
 /// The iteration under way that a prompt on a busy endpoint waits for, in
 /// iterations (see [`OwnPrefill`]).
 const BUSY_HALF: f64 = 0.5;
@@ -644,11 +655,12 @@ impl OwnPrefill {
             };
         }
         let n_a = ((t - shape.w_s) / shape.h_s).max(1.0);
-        let lo = shape.w_s + shape.h_s * n_a.floor();
+        let floor = floor_at_least_one(n_a);
+        let lo = shape.w_s + shape.h_s * floor;
         Self {
             lo,
             hi: lo + shape.h_s,
-            f: n_a - n_a.floor(),
+            f: n_a - floor,
             lo_half: if n_a < 2.0 { 0.0 } else { BUSY_HALF },
         }
     }
@@ -730,7 +742,13 @@ impl TotalWait {
             return 1.0;
         }
         let (s, p) = (self.slot, self.prefill);
-        let e = |w: Wait| if w.p > 0.0 { (-y / w.theta).exp() } else { 0.0 };
+        let e = |w: Wait| {
+            if w.p > 0.0 {
+                exp_or_zero(-y / w.theta)
+            } else {
+                0.0
+            }
+        };
         let (es, ep) = (e(s), e(p));
         let both = if s.p > 0.0 && p.p > 0.0 {
             let (a, b) = (s.theta, p.theta);
@@ -768,7 +786,7 @@ impl TotalWait {
         // e^{-y/theta} at the top, and its factor per chunk fewer.
         let start = |w: Wait| {
             if w.p > 0.0 {
-                ((-y0 / w.theta).exp(), (-t / w.theta).exp())
+                (exp_or_zero(-y0 / w.theta), exp_or_zero(-t / w.theta))
             } else {
                 (0.0, 0.0)
             }
@@ -778,9 +796,15 @@ impl TotalWait {
         let both = s.p > 0.0 && p.p > 0.0;
         let equal = both && (s.theta - p.theta).abs() <= 1e-9 * s.theta.max(p.theta);
         for &(kk, prob) in chunks[..split].iter().rev() {
+            // Mostly consecutive counts: powi is a call.
             let gap = (k - kk) as i32;
-            es *= fs.powi(gap);
-            ep *= fp.powi(gap);
+            let (gs, gp) = if gap == 1 {
+                (fs, fp)
+            } else {
+                (fs.powi(gap), fp.powi(gap))
+            };
+            es *= gs;
+            ep *= gp;
             k = kk;
             let sum = if !both {
                 0.0
@@ -859,7 +883,7 @@ impl<'a> Chunks<'a> {
 /// the screens' waits and the exact one share, computed once per evaluation.
 struct SlotWait {
     servers: u64,
-    offered: f64,
+    erlang: ErlangC,
     /// Erlang C's O(1) lower and upper bounds, at most 1; both 0 when no
     /// request waits (the upper bound below 1e-12).
     lower: f64,
@@ -886,15 +910,16 @@ impl SlotWait {
             .ok_or_else(|| invalid("fleet size overflows"))?;
         let offered = arrival_rate / mu;
         let rho = offered / servers as f64;
+        let erlang = ErlangC::new(servers as f64, offered);
         let (lower, upper) = if offered > 0.0 {
-            erlang_c_bounds(servers as f64, offered)
+            erlang.bounds()
         } else {
             (0.0, 0.0)
         };
         let waits = upper >= 1e-12;
         Ok(Self {
             servers,
-            offered,
+            erlang,
             lower: if waits { lower.min(1.0) } else { 0.0 },
             bound: if waits { upper.min(1.0) } else { 0.0 },
             // rho^n only where some request waits.
@@ -912,7 +937,7 @@ impl SlotWait {
             _ if self.bound <= 0.0 => return Ok(Wait::NONE),
             SlotP::Lower => self.lower,
             SlotP::Upper => self.bound,
-            SlotP::Exact => erlang_c(self.servers, self.offered)?,
+            SlotP::Exact => self.erlang.exact(self.servers)?,
         };
         Ok(Wait::from_mean(p / self.drain, p))
     }
@@ -1248,7 +1273,8 @@ pub(super) fn size_engine_pool(
     let hint = match &start {
         Start::At(hint) => *hint,
         Start::Near { ratio, .. } => {
-            ratio.map(|r| (r * (bad as f64 + 1.0)).round().min(MAX_GPUS as f64) as u64)
+            // Rounded half up (`round` is a call without SSE4.1).
+            ratio.map(|r| (r * (bad as f64 + 1.0) + 0.5).min(MAX_GPUS as f64) as u64)
         }
     };
     let found = match never {
