@@ -35,8 +35,10 @@ fn stirlerr(n: f64) -> f64 {
     const S2: f64 = 1.0 / 1260.0;
     const S3: f64 = 1.0 / 1680.0;
     const S4: f64 = 1.0 / 1188.0;
-    let nn = n * n;
-    (S0 - (S1 - (S2 - (S3 - S4 / nn) / nn) / nn) / nn) / n
+    // One division: the series in 1 / n^2 by multiplication.
+    let inv = 1.0 / n;
+    let r = inv * inv;
+    (S0 - (S1 - (S2 - (S3 - S4 * r) * r) * r) * r) * inv
 }
 
 /// `x ln(x / m) + m - x`, without cancellation when x is near m.

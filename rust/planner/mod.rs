@@ -1028,31 +1028,20 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                 start: band.end,
                 end: w.len(),
             };
-            let mut beta = 0.0;
-            let mut moved = 0.0;
-            let mut kept = 0.0;
-            let mut m_long = RangeMoments::EMPTY;
-            let mut mix_long = None;
-            if engine {
-                mix_long = Some(ctx.mix(tail, None, 1.0));
-            } else {
-                m_long = ctx.table.moments_all(w, tail, la0, la1);
-            }
+            let (mut beta, mut moved, mut kept) = (0.0, 0.0, 0.0);
             for (k, &pc) in ctx.p_c.iter().enumerate() {
                 let bk = w.category_fraction(band, k);
                 beta += bk;
                 moved += bk * pc;
                 kept += bk * (1.0 - pc);
-                if pc < 1.0 && bk > 0.0 {
-                    if let Some(m) = mix_long {
-                        mix_long = Some(m.merge(ctx.mix(band, Some(k), 1.0 - pc)));
-                    } else {
-                        let mut mk = ctx.table.moments(w, band, k, la0, la1);
-                        mk.weight *= 1.0 - pc;
-                        m_long = m_long.merge(mk);
-                    }
-                }
             }
+            // The long pool's share of each category's band, `1 - p_c`
+            // (its tail's moments merged with these, in this order).
+            let kept_bands = || {
+                (ctx.p_c.iter().enumerate())
+                    .filter(|&(k, &pc)| pc < 1.0 && w.category_fraction(band, k) > 0.0)
+                    .map(|(k, &pc)| (k, 1.0 - pc))
+            };
             let alpha_prime = (alpha + moved).min(1.0);
             let lam_s = alpha_prime * lam;
             let lam_l = (1.0 - alpha_prime) * lam;
@@ -1094,12 +1083,15 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
             // A long pool of its tail alone (no share of the band) is the
             // same for every candidate with the same tail.
             let alone = kept <= 0.0 && tail.end > tail.start;
-            let reused = mix_long
-                .filter(|_| alone)
-                .and_then(|_| longs.same(gb, tail.start, lam_l));
-            let long = match mix_long {
-                Some(_) if reused.is_some() => reused.unwrap_or(PoolPlan::EMPTY),
-                Some(mix) => {
+            let reused = (engine && alone)
+                .then(|| longs.same(gb, tail.start, lam_l))
+                .flatten();
+            let long = match reused {
+                Some(p) => p,
+                None if engine => {
+                    let mix = kept_bands().fold(ctx.mix(tail, None, 1.0), |m, (k, share)| {
+                        m.merge(ctx.mix(band, Some(k), share))
+                    });
                     let load = ctx.engine_load(mix, ctx.chunks_quantile(long_prefill_span));
                     let sources = Sources {
                         spans: [
@@ -1125,6 +1117,12 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                     p
                 }
                 None => {
+                    let all = ctx.table.moments_all(w, tail, la0, la1);
+                    let m_long = kept_bands().fold(all, |m, (k, share)| {
+                        let mut mk = ctx.table.moments(w, band, k, la0, la1);
+                        mk.weight *= share;
+                        m.merge(mk)
+                    });
                     let long_svc = ctx.service(long_prefill_span, ctx.long_slots, m_long);
                     size_pool(
                         lam_l,
