@@ -858,6 +858,8 @@ impl<'a> Chunks<'a> {
     fn get(&mut self) -> &[(u64, f64)] {
         if !self.built {
             self.built = true;
+            // Room for the distinct counts of most pools, in one allocation.
+            self.dist.reserve(64);
             (self.build)(&mut self.dist);
             self.dist.sort_by_key(|&(k, _)| k);
             self.dist.dedup_by(|b, a| {

@@ -765,12 +765,31 @@ struct LongPools {
     at: Vec<f64>,
     pools: Vec<LongPool>,
     alone: Vec<PoolPlan>,
+    /// Where the last search ended: the sweep's boundaries rise with gamma,
+    /// so the next is a step or two away (a binary search's mispredicted
+    /// branches cost more).
+    cursor: std::cell::Cell<usize>,
 }
 
 impl LongPools {
+    /// The first index whose boundary is not below `at` (`or_equal`: above
+    /// it), walked from the last search's.
+    fn position(&self, at: f64, or_equal: bool) -> usize {
+        let below = |a: f64| a < at || (or_equal && a == at);
+        let mut i = self.cursor.get().min(self.at.len());
+        while i > 0 && !below(self.at[i - 1]) {
+            i -= 1;
+        }
+        while i < self.at.len() && below(self.at[i]) {
+            i += 1;
+        }
+        self.cursor.set(i);
+        i
+    }
+
     /// The nearest pools at or below `at` and at or above it.
     fn around(&self, at: f64) -> (Option<&LongPool>, Option<&LongPool>) {
-        let i = self.at.partition_point(|&a| a < at);
+        let i = self.position(at, false);
         let above = self.pools.get(i);
         let below = if self.at.get(i) == Some(&at) {
             above
@@ -797,7 +816,7 @@ impl LongPools {
     /// The start ratio at `at`: interpolated between the nearest pools
     /// below and above (bracketed from both sides), or the one there is.
     fn ratio(&self, at: f64) -> Option<f64> {
-        let i = self.at.partition_point(|&a| a < at);
+        let i = self.position(at, false);
         match (i.checked_sub(1), self.at.get(i)) {
             (Some(j), Some(&hi)) if hi > at => {
                 let (lo, f) = (self.at[j], &self.pools);
@@ -816,7 +835,7 @@ impl LongPools {
             pool.pool = Some(self.alone.len());
             self.alone.push(p);
         }
-        let i = self.at.partition_point(|&a| a <= at);
+        let i = self.position(at, true);
         self.at.insert(i, at);
         self.pools.insert(i, pool);
     }
@@ -994,6 +1013,7 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
         at: Vec::with_capacity(candidates),
         pools: Vec::with_capacity(candidates),
         alone: Vec::with_capacity(candidates),
+        cursor: std::cell::Cell::new(0),
     };
     let homo_long = LongPool {
         tail: 0,
