@@ -509,4 +509,50 @@ mod tests {
         assert!(p99_wait(1, 0.0, 1.0, 0.5).is_err());
         assert!(p99_wait(1, 1.0, -1.0, 0.5).is_err());
     }
+
+    /// The exact value from the bounds' pmf is `erlang_c`'s, bit for bit,
+    /// with its errors; the bounds bracket it.
+    #[test]
+    fn erlang_c_from_one_pmf_is_erlang_c() {
+        for &c in &[1u64, 2, 15, 16, 17, 100, 2_880, 40_000, 1 << 20] {
+            for &rho in &[1e-3, 0.1, 0.5, 0.85, 0.95, 0.99, 0.9999] {
+                let a = rho * c as f64;
+                let e = ErlangC::new(c as f64, a);
+                let exact = e.exact(c).expect("exact");
+                assert_eq!(
+                    exact.to_bits(),
+                    erlang_c(c, a).expect("C").to_bits(),
+                    "C({c}, {a})"
+                );
+                let (lower, upper) = e.bounds();
+                assert_eq!((lower, upper), erlang_c_bounds(c as f64, a));
+                assert!(
+                    lower <= exact * (1.0 + 1e-12) && exact <= upper,
+                    "C({c}, {a})"
+                );
+            }
+        }
+        assert!(ErlangC::new(10.0, 10.0).exact(10).is_err());
+        assert!(ErlangC::new(10.0, 12.0).exact(10).is_err());
+        assert!(ErlangC::new(0.0, 1.0).exact(0).is_err());
+    }
+
+    /// `exp_or_zero` is `exp` everywhere, the subnormal results near -745
+    /// and the zeros below included.
+    #[test]
+    fn exp_or_zero_is_exp() {
+        let mut x = -800.0;
+        while x < 5.0 {
+            assert_eq!(exp_or_zero(x).to_bits(), x.exp().to_bits(), "{x}");
+            x += if (-750.0..-740.0).contains(&x) {
+                0.001
+            } else {
+                0.37
+            };
+        }
+        assert_eq!(exp_or_zero(-746.0), 0.0);
+        assert!(exp_or_zero(-745.0) > 0.0);
+        assert!(exp_or_zero(f64::NAN).is_nan());
+        assert_eq!(exp_or_zero(f64::NEG_INFINITY), 0.0);
+    }
 }

@@ -1331,6 +1331,25 @@ mod tests {
     use crate::queueing::erlang_b;
 
     #[test]
+    fn floor_at_least_one_is_floor() {
+        for x in [
+            1.0,
+            1.5,
+            2.0 - 1e-15,
+            2.0,
+            3.999_999,
+            1e6 + 0.5,
+            4.5e15 - 0.5,
+            4.5e15,
+            1e300,
+        ] {
+            assert_eq!(floor_at_least_one(x).to_bits(), x.floor().to_bits(), "{x}");
+        }
+        assert_eq!(floor_at_least_one(f64::INFINITY), f64::INFINITY);
+        assert!(floor_at_least_one(f64::NAN).is_nan());
+    }
+
+    #[test]
     fn smallest_ok_matches_a_linear_scan() {
         for threshold in 1..60u64 {
             for start in 0..70u64 {

@@ -1342,6 +1342,51 @@ mod tests {
         }
     }
 
+    /// A sweep's long pools: reused for the same tail at the same rate
+    /// (to rounding) only, each search's start ratio interpolated between
+    /// the nearest boundaries, whatever order they come in.
+    #[test]
+    fn long_pools_by_boundary() {
+        let mut longs = LongPools {
+            at: Vec::new(),
+            pools: Vec::new(),
+            alone: Vec::new(),
+            cursor: std::cell::Cell::new(0),
+        };
+        let pool = |gpus| PoolPlan {
+            gpus,
+            ..PoolPlan::EMPTY
+        };
+        let long = |tail, arrival_rate, ratio| LongPool {
+            tail,
+            arrival_rate,
+            ratio,
+            pool: None,
+        };
+        assert_eq!(longs.ratio(100.0), None);
+        longs.insert(0.0, long(0, 1000.0, 1.5), None);
+        assert_eq!(longs.ratio(512.0), Some(1.5));
+        // Boundaries out of order, as a sweep's rows overlap.
+        longs.insert(1024.0, long(900, 300.0, 1.1), Some(pool(30)));
+        longs.insert(512.0, long(700, 500.0, 1.3), Some(pool(50)));
+        longs.insert(768.0, long(800, 400.0, 1.2), None);
+        assert_eq!(longs.at, [0.0, 512.0, 768.0, 1024.0]);
+        let close = |a: Option<f64>, b: f64| (a.expect("ratio") - b).abs() < 1e-12;
+        assert!(close(longs.ratio(256.0), 1.4));
+        assert!(close(longs.ratio(896.0), 1.15));
+        assert!(close(longs.ratio(768.0), 1.2));
+        assert!(close(longs.ratio(4096.0), 1.1));
+        // The same tail at the same rate but for rounding, at a boundary
+        // that cuts it in the same place (no request between).
+        let near = 500.0 * (1.0 + 1e-15);
+        assert_eq!(longs.same(530.0, 700, near).map(|p| p.gpus), Some(50));
+        assert_eq!(longs.same(1000.0, 900, 300.0).map(|p| p.gpus), Some(30));
+        // Another tail, another rate, or a pool that held a band's share.
+        assert_eq!(longs.same(530.0, 701, 500.0), None);
+        assert_eq!(longs.same(530.0, 700, 500.1), None);
+        assert_eq!(longs.same(768.0, 800, 400.0), None);
+    }
+
     #[test]
     fn utilization_floor_is_exact() {
         assert_eq!(utilization_floor(85.0, 1.0, 0.85), 100);
