@@ -165,13 +165,19 @@ impl PrefixScorer {
             self.kv_cand.clear();
             self.kv_cand
                 .extend(ctx.cand.iter().map(|&c| self.kv_ids[c]));
-            // The prompt is hashed once for both indexes where their
-            // chains agree.
+            // The answers of the walk that hashed the prompt, else the
+            // prompt is hashed once for both indexes where their chains
+            // agree.
             let c = &self.config;
-            let blocks = match req.hashes_of_ids && kv.keys_like(c.block_size, c.seed, req.adapter)
-            {
-                true => kv.match_hashes(req.hashes, &self.kv_cand, &mut self.kv_held),
-                false => kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held),
+            let walked = req
+                .kv_held
+                .and_then(|h| h.held_into(kv, req.adapter, &self.kv_cand, &mut self.kv_held));
+            let blocks = match walked {
+                Some(blocks) => blocks,
+                None if req.hashes_of_ids && kv.keys_like(c.block_size, c.seed, req.adapter) => {
+                    kv.match_hashes(req.hashes, &self.kv_cand, &mut self.kv_held)
+                }
+                None => kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held),
             };
             for ((o, p), held) in out.iter_mut().zip(&mut self.precise).zip(&self.kv_held) {
                 if let Some(held) = *held {
