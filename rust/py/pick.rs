@@ -823,7 +823,7 @@ impl PyEndpointPicker {
         inner.check(&args)?;
         inner
             .picker
-            .complete(e, &args.request(&[], None), input_tokens, output_tokens)?;
+            .complete(e, &args.request(None, None), input_tokens, output_tokens)?;
         Ok(())
     }
 
