@@ -224,6 +224,12 @@ pub(super) trait Prompt {
     fn seed(&self) -> u64;
     fn hash(&mut self, prev: u64, n: usize) -> u64;
     fn run_key(&mut self, before: &Slot, n: usize) -> u64;
+    /// `run_key` of blocks `n..n + out.len()` after the slots `before`.
+    fn run_keys(&mut self, before: &[Slot], n: usize, out: &mut [u64]) {
+        for (k, (o, x)) in out.iter_mut().zip(before).enumerate() {
+            *o = self.run_key(x, n + k);
+        }
+    }
     fn key_of(x: &Slot) -> u64;
 }
 
@@ -255,6 +261,17 @@ impl Prompt for Ids<'_> {
         let bs = self.block_size;
         self.links
             .link(before.link, &self.ids[n * bs..(n + 1) * bs], self.seed)
+    }
+    #[inline(always)]
+    fn run_keys(&mut self, before: &[Slot], n: usize, out: &mut [u64]) {
+        let bs = self.block_size;
+        let mut prevs = [0u64; RUN_CHUNK];
+        let prevs = &mut prevs[..out.len()];
+        for (p, x) in prevs.iter_mut().zip(before) {
+            *p = x.link;
+        }
+        let blocks = &self.ids[n * bs..(n + out.len()) * bs];
+        self.links.links(prevs, blocks, self.seed, out);
     }
     #[inline(always)]
     fn key_of(x: &Slot) -> u64 {
@@ -565,9 +582,7 @@ impl Table {
             'run: loop {
                 let m = chunk.min(blocks - n).min(slab.len() - 1 - s);
                 let mut next = [0u64; RUN_CHUNK];
-                for (k, h) in next[..m].iter_mut().enumerate() {
-                    *h = prompt.run_key(&slab[s + k], n + k);
-                }
+                prompt.run_keys(&slab[s..s + m], n, &mut next[..m]);
                 for &h in &next[..m] {
                     let x = slab[s + 1];
                     if x.holders == DEAD || P::key_of(&x) != h {
