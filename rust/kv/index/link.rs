@@ -12,7 +12,7 @@
 //! shifted by four words (NH-Toeplitz): `sum (m[2j] + k[2j]) * (m[2j+1] +
 //! k[2j+1])` over the 8 pairs, words added mod 2^32, 32x32->64-bit products
 //! summed mod 2^64; two such sums, 16 products a block, which AVX2 does
-//! four at a time (`local_avx2`, chosen at run time: never a build flag)
+//! four at a time (`links_avx2`, chosen at run time: never a build flag)
 //! and `local_portable` one at a time, with the same result. The link is
 //! one folded 64x64-bit product of the two sums with the previous link and
 //! the seed. Other block sizes: xxh3 of the block's ids under a key.
@@ -39,10 +39,9 @@ use crate::prefix::BlockStep;
 /// The block size the unrolled `local` serves (vLLM's default).
 const IDS16: usize = 16;
 
-/// The process's keys: 10 words of 64 bits (the first 2 for the link's
-/// mix, the first for other block sizes' `local`), and NH's 20 words of 32
-/// bits (16 for a block and the shift of 4 for the second sum), stored as
-/// 24 to be read 8 at a time.
+/// The process's keys: 2 words of 64 bits for the link's mix (and other
+/// block sizes' `local`), and NH's 20 words of 32 bits (16 for a block and
+/// the shift of 4 for the second sum), stored as 24 to be read 8 at a time.
 fn keys() -> &'static ([u64; 2], [u32; 24]) {
     static KEYS: OnceLock<([u64; 2], [u32; 24])> = OnceLock::new();
     KEYS.get_or_init(|| {
@@ -232,7 +231,6 @@ mod tests {
                 assert_eq!(one_by_one, portable, "{bs} x {len}");
             }
         }
-        assert_eq!(Links::new(16).avx2, avx2());
     }
 
     /// Links tell blocks, seeds and predecessors apart, at 16 ids and at
