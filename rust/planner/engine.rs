@@ -52,7 +52,9 @@
 //!   ratio `rho^n`, and each of the `floor(Q / n) + 1` departures it needs
 //!   comes at the endpoint's rate `S mu` (its `S` slots' departures, taken as
 //!   Poisson). A geometric number of exponential times is exponential: the
-//!   wait is `C` times an exponential of rate `(1 - rho^n) S mu`. With one
+//!   wait is `C` times an exponential of rate `(1 - rho^n) S mu`, `C`
+//!   taken on the held slots' peaked count (variance `t / W` times its
+//!   mean, see [`count_peakedness`]). With one
 //!   endpoint that is M/M/c's `c mu - lambda`; with many it is much slower
 //!   (the pooled queue drains at `(1 - rho) n S mu`), which the simulator
 //!   shows: at 246 endpoints and 99% of the slots held, a waiting request
@@ -857,18 +859,20 @@ impl<'a> Chunks<'a> {
 /// The peakedness of the held slots' count (its variance over its mean),
 /// `t / W` (issue 27). Every active sequence advances one token an
 /// iteration, so an endpoint of `n` sequences serves `n / t(n)` iterations a
-/// second, `t(n) = W + H n`: a symmetric queue, whose count (of the pool, the
-/// endpoints' kept level by least-request) has the product form `pi(N) ~
+/// second, `t(n) = W + H n`: a symmetric queue, whose count (the pool's,
+/// least-request keeping the endpoints level) has the product form `pi(N) ~
 /// (lambda E[a])^N prod_k t(k / n_gpus) / N!`, insensitive to the lengths'
 /// distribution. Its log's curvature at the mean `N*` (where `lambda E[a]
 /// t = N*`) is `(H / n_gpus) / t - 1 / N* = -W / (t N*)`: a variance of
 /// `N* t / W`, not the Poisson count's `N*` that Erlang C assumes. A
 /// sequence more slows every iteration, which keeps every sequence longer:
-/// the count wanders `t / W` times further (and `t / W` times slower, the
-/// settling of docs/simulator.md), and reaches the slots far more often.
-/// Measured (LMSYS at 1,000 req/s, 600 s): the FleetOpt long pool of 43
-/// GPUs (688 slots, 603 held on average, `t / W` 2.14) has all slots held
-/// on arrival for 0.7% of its requests, where Erlang C says 0.04%.
+/// the count's variance is `t / W` times larger (and it moves `t / W` times
+/// slower, the settling of docs/simulator.md), and it reaches the slots far
+/// more often. Measured (LMSYS at 1,000 req/s, 600 s): the FleetOpt long
+/// pool of 43 GPUs (688 slots, 603 held on average, `t / W` 2.14) has all
+/// slots held on arrival for 0.7% of its requests, where Erlang C on the
+/// Poisson count says 0.04% and on this one 1.2%; the homogeneous pool of
+/// 156 GPUs 12%, against 4.7% and 16% (this errs high by 1.4-1.7 times).
 fn count_peakedness(t: f64, shape: &EngineShape) -> f64 {
     if shape.w_s > 0.0 && t.is_finite() {
         (t / shape.w_s).max(1.0)
