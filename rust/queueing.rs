@@ -24,6 +24,7 @@ const SCAN_VERSION: u16 = 1;
 const LN_SQRT_2PI: f64 = 0.918_938_533_204_672_8;
 
 /// `ln(n!) - (n + 1/2) ln n + n - ln sqrt(2 pi)`: the error of Stirling's formula.
+#[inline(always)]
 fn stirlerr(n: f64) -> f64 {
     if n < 16.0 {
         // ln(n!) by summation is exact to a few ulps at these sizes (n integer).
@@ -42,6 +43,7 @@ fn stirlerr(n: f64) -> f64 {
 }
 
 /// `x ln(x / m) + m - x`, without cancellation when x is near m.
+#[inline(always)]
 fn bd0(x: f64, m: f64) -> f64 {
     if (x - m).abs() < 0.1 * (x + m) {
         let v = (x - m) / (x + m);
@@ -63,6 +65,7 @@ fn bd0(x: f64, m: f64) -> f64 {
 }
 
 /// `ln P(X = c)` for X ~ Poisson(a), c >= 1, a > 0.
+#[inline(always)]
 fn ln_poisson_pmf(c: f64, a: f64) -> f64 {
     -stirlerr(c) - bd0(c, a) - 0.5 * (std::f64::consts::TAU * c).ln()
 }
@@ -80,6 +83,7 @@ fn ln_poisson_pmf(c: f64, a: f64) -> f64 {
 /// saturation, where the series is O(sqrt(c)) terms, about four times faster
 /// than a division a term. The group that reaches the stopping term adds its
 /// (smaller) rest, under 3e-17.
+#[inline(always)]
 fn poisson_above(c: f64, a: f64, pmf: f64) -> f64 {
     let (mut term, mut sum, mut i) = (pmf, 0.0, 0.0);
     let a4 = (a * a) * (a * a);
@@ -118,6 +122,7 @@ fn ln_inv_erlang_b(c: f64, a: f64) -> f64 {
 }
 
 /// [`ln_inv_erlang_b`] given `ln_pmf = ln P(X = c)`.
+#[inline(always)]
 fn ln_inv_erlang_b_at(c: f64, a: f64, ln_pmf: f64) -> f64 {
     // 1/B = P(X <= c) / P(X = c) = (1 - P(X > c)) / P(X = c).
     -ln_pmf + (-poisson_above(c, a, exp_or_zero(ln_pmf))).ln_1p()
@@ -125,6 +130,7 @@ fn ln_inv_erlang_b_at(c: f64, a: f64, ln_pmf: f64) -> f64 {
 
 /// `e^x`, 0 below -746 without calling `exp` (which returns the same 0 there
 /// by a slow path that flags the underflow): many-server pmfs are far below.
+#[inline(always)]
 pub(crate) fn exp_or_zero(x: f64) -> f64 {
     if x < -746.0 {
         0.0
@@ -157,6 +163,7 @@ pub fn erlang_b(servers: u64, offered_load: f64) -> Result<f64> {
     Ok((-ln_inv_erlang_b(c, a)).exp())
 }
 
+#[inline(always)]
 fn c_from_b(b: f64, rho: f64) -> f64 {
     b / (1.0 - rho * (1.0 - b))
 }
@@ -247,6 +254,7 @@ pub(crate) struct ErlangC {
 }
 
 impl ErlangC {
+    #[inline(always)]
     pub(crate) fn new(c: f64, a: f64) -> Self {
         Self {
             c,
@@ -256,6 +264,7 @@ impl ErlangC {
     }
 
     /// The bounds of [`erlang_c_bounds`].
+    #[inline(always)]
     pub(crate) fn bounds(&self) -> (f64, f64) {
         let (pmf, rho) = (exp_or_zero(self.ln_pmf), self.a / self.c);
         (pmf / (1.0 - rho * (1.0 - pmf)), 2.0 * pmf / (1.0 - rho))
@@ -263,6 +272,7 @@ impl ErlangC {
 
     /// [`erlang_c`] of `servers` (`c`), its checks and errors included, the
     /// same value without the pmf computed again.
+    #[inline(always)]
     pub(crate) fn exact(&self, servers: u64) -> Result<f64> {
         check(servers, self.a)?;
         if self.a >= self.c {
@@ -276,6 +286,7 @@ impl ErlangC {
     }
 }
 
+#[inline(always)]
 fn wait_from_c(c: f64, drain: f64, cs2: f64) -> f64 {
     if c <= 0.01 {
         0.0

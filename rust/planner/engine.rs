@@ -198,6 +198,7 @@ struct Loop {
 /// it is computed beside the walk), `k + 1`'s from `k` beside it, for its
 /// test: one dependent multiply-add per two steps. The figures at the
 /// crossing are divided out once.
+#[inline(always)]
 fn closed_loop(rate: f64, x1: f64, x2: f64, think: f64, max_population: u64) -> Option<Loop> {
     let c = x2 / (2.0 * x1) - x1;
     let through = |(p, q): (f64, f64), k: f64| {
@@ -292,6 +293,7 @@ pub fn engine_state(
 /// The first part of [`engine_state`], in O(1): the iteration time and the
 /// prefill budget's utilization, every other figure `+inf` (unsolved). The
 /// search's TPOT check needs no more.
+#[inline(always)]
 fn iteration_state(rate: f64, load: &EngineLoad, shape: &EngineShape) -> EngineState {
     let c = shape.chunk as f64;
     // t = W + H r (E[a] + rho_p / 2) t with rho_p = r E[L_in] t / C: the
@@ -322,6 +324,7 @@ fn iteration_state(rate: f64, load: &EngineLoad, shape: &EngineShape) -> EngineS
 
 /// The rest of [`engine_state`] from its [`iteration_state`]: the closed
 /// loop (or the open queue), the occupancy and the KV held.
+#[inline(always)]
 fn solve_state(
     mut state: EngineState,
     rate: f64,
@@ -438,6 +441,7 @@ impl TtftShift {
 /// `t_q = W + H n_q`. A request's TPOT averages the iterations of its decode,
 /// so its quantile is at most this (equal for two-token outputs): the TPOT
 /// test's first screen (see [`tpot_met`]).
+#[inline(always)]
 fn tpot_quantile(t: f64, shape: &EngineShape, z: f64) -> f64 {
     if shape.h_s <= 0.0 {
         return t;
@@ -475,6 +479,7 @@ fn tpot_quantile(t: f64, shape: &EngineShape, z: f64) -> f64 {
 /// most counts; `t >= T` fails (half the requests or more miss); between,
 /// a lower bound of the share (one exponential, see
 /// [`DecodeMiss::lower`]) fails most of the rest before the share itself.
+#[inline(always)]
 fn tpot_met(t: f64, load: &EngineLoad, shape: &EngineShape, targets: &Targets) -> bool {
     if !t.is_finite() {
         return false;
@@ -585,6 +590,7 @@ impl DecodeMiss {
 }
 
 /// `P(Z > d)` for a standard normal `Z`.
+#[inline(always)]
 fn normal_survival(d: f64) -> f64 {
     0.5 * libm::erfc(d / std::f64::consts::SQRT_2)
 }
@@ -592,6 +598,7 @@ fn normal_survival(d: f64) -> f64 {
 /// `e^(x^2) erfc(x)` for `x >= 0`: directly below 25 (where neither factor
 /// overflows nor underflows), else its asymptotic series to `x^-4`
 /// (relative error below `15 / (8 x^6)`, 8e-9).
+#[inline(always)]
 fn erfcx(x: f64) -> f64 {
     if x < 25.0 {
         (x * x).exp() * libm::erfc(x)
@@ -669,6 +676,7 @@ impl OwnPrefill {
 
     /// `(1 - f) g(lo, lo_half) + f g(hi, 1/2)`: a share of requests over
     /// the two, `g` of the iteration time and the half iteration before it.
+    #[inline(always)]
     fn mix(self, g: impl Fn(f64, f64) -> f64) -> f64 {
         let lo = g(self.lo, self.lo_half);
         if self.f > 0.0 {
@@ -739,6 +747,7 @@ impl TotalWait {
     /// `P(W_s + W_p > y)`: 1 below 0; for `y >= 0` the four cases of which
     /// wait is positive, the last the survival of a sum of two exponentials
     /// (`(a e^{-y/a} - b e^{-y/b}) / (a - b)`, `(1 + y/a) e^{-y/a}` when equal).
+    #[inline(always)]
     fn survival(self, y: f64) -> f64 {
         if y < 0.0 {
             return 1.0;
@@ -767,6 +776,7 @@ impl TotalWait {
 
     /// A `y` with `P(W_s + W_p > y) <= r`: the sum of each wait's `r / 2`
     /// quantile (the union bound).
+    #[inline(always)]
     fn quantile_bound(self, r: f64) -> f64 {
         self.slot.quantile(r / 2.0) + self.prefill.quantile(r / 2.0)
     }
@@ -776,6 +786,7 @@ impl TotalWait {
     /// Each exponential term is a geometric sequence in `k`: it is updated by
     /// multiplication from the largest `k` that fits down, so no term
     /// underflows before it is negligible.
+    #[inline(always)]
     fn miss(self, chunks: &[(u64, f64)], t: f64, ttft: f64, half: f64) -> f64 {
         let fits = |k: u64| ttft - (k as f64 + half) * t;
         let split = chunks.partition_point(|&(k, _)| fits(k) >= 0.0);
@@ -857,6 +868,7 @@ impl<'a> Chunks<'a> {
     }
 
     /// The distribution: ascending chunk counts with probabilities summing to 1.
+    #[inline(always)]
     fn get(&mut self) -> &[(u64, f64)] {
         if !self.built {
             self.built = true;
@@ -899,6 +911,7 @@ impl<'a> Chunks<'a> {
 /// slots held on arrival for 0.7% of its requests, where Erlang C on the
 /// Poisson count says 0.04% and on this one 1.2%; the homogeneous pool of
 /// 156 GPUs 12%, against 4.7% and 16% (this errs high by 1.4-1.7 times).
+#[inline(always)]
 fn count_peakedness(t: f64, shape: &EngineShape) -> f64 {
     if shape.w_s > 0.0 && t.is_finite() {
         (t / shape.w_s).max(1.0)
@@ -937,6 +950,7 @@ impl SlotWait {
     /// [`count_peakedness`]: Erlang C is taken at `round(c / z)` servers and
     /// the offered load scaled alike, so `rho` is kept (Hayward's
     /// approximation for peaked traffic).
+    #[inline(always)]
     fn new(gpus: u64, slots: u64, mu: f64, arrival_rate: f64, peakedness: f64) -> Result<Self> {
         let all = gpus
             .checked_mul(slots)
@@ -966,6 +980,7 @@ impl SlotWait {
     }
 
     /// The wait, with `p` the probability of waiting at all as `which` says.
+    #[inline(always)]
     fn wait(&self, which: SlotP) -> Result<Wait> {
         let p = match which {
             _ if self.bound <= 0.0 => return Ok(Wait::NONE),
@@ -980,6 +995,7 @@ impl SlotWait {
 /// Evaluates `gpus` engines receiving `arrival_rate` (spread evenly, as
 /// least-loaded dispatch does): stability, TPOT, then the TTFT miss share,
 /// screened as the module docs say before the chunk histogram is asked for.
+#[inline(always)]
 pub(super) fn engine_eval(
     arrival_rate: f64,
     gpus: u64,
@@ -997,6 +1013,7 @@ pub(super) fn engine_eval(
 /// clear from the two bounds, fails without the exact series: same verdict
 /// and binding, but its wait figures are the upper bound's. The search
 /// reports figures of passing counts only, so it asks for this.
+#[inline(always)]
 fn evaluate(
     arrival_rate: f64,
     gpus: u64,
@@ -1050,67 +1067,35 @@ fn evaluate(
             SlotWait::new(gpus, shape.n_slots, mu, arrival_rate, peakedness)
         })
         .transpose()?;
-    let slot = |which| queue.as_ref().map_or(Ok(Wait::NONE), |q| q.wait(which));
+    let tests = Tests {
+        load,
+        targets: &targets,
+        own,
+        queue,
+        r: (1.0 - targets.quantile) / 2.0,
+        allowed: 1.0 - targets.quantile,
+        per_chunk: targets.shift.per_chunk_s,
+        budget: targets.ttft_s - targets.shift.offset_s,
+    };
     let prefill = Wait::from_mean(state.prefill_wait_s, state.prefill_busy);
-    let r = (1.0 - targets.quantile) / 2.0;
-    let union_q = |wait: TotalWait| {
-        let wait_q = wait.quantile_bound(r);
-        (
-            wait_q,
-            wait_q + targets.after_wait(load.prefill_chunks_q, own.hi, BUSY_HALF),
-        )
-    };
-    let screen = |wait: TotalWait, eval: &mut EngineEval| {
-        eval.wait = wait;
-        (eval.wait_q_s, eval.ttft_q_s) = union_q(wait);
-        eval.ttft_q_s <= targets.ttft_s
-    };
     // The union bound with Erlang C's upper bound first, then with Erlang C.
     let rough = TotalWait {
-        slot: slot(SlotP::Upper)?,
+        slot: tests.slot(SlotP::Upper)?,
         prefill,
     };
-    if screen(rough, &mut eval) {
+    if tests.screen(rough, &mut eval) {
         return Ok(eval);
     }
-    let allowed = 1.0 - targets.quantile;
-    // Every request prefills at least its pool's fewest chunks.
-    let fewest = |wait: TotalWait| {
-        own.mix(|t, half| {
-            let after = targets.after_wait(load.prefill_chunks_min.max(1.0), t, half);
-            wait.survival(targets.ttft_s - after)
-        })
-    };
-    let (per_chunk, budget) = (
-        targets.shift.per_chunk_s,
-        targets.ttft_s - targets.shift.offset_s,
-    );
-    // The larger t_own first: a count whose share meets the target with it
-    // alone meets it over both (the share grows with t), and only the
-    // verdict is used.
-    let miss = |wait: TotalWait, dist: &[(u64, f64)]| {
-        let at = |t: f64, half: f64| {
-            wait.miss(dist, t + per_chunk, budget - targets.budget_cut(half), half)
-        };
-        if own.f <= 0.0 {
-            return at(own.lo, own.lo_half);
-        }
-        let hi = at(own.hi, BUSY_HALF);
-        if hi <= allowed {
-            return hi;
-        }
-        let lo = at(own.lo, own.lo_half);
-        lo + own.f * (hi - lo)
-    };
+    let allowed = tests.allowed;
     if bounded_fails && rough.slot != Wait::NONE {
         // Each test grows with the probability of waiting (theta is 1 /
         // drain whatever it is): above the target at the lower bound (with
         // a margin for rounding), above it at Erlang C.
         let low = TotalWait {
-            slot: slot(SlotP::Lower)?,
+            slot: tests.slot(SlotP::Lower)?,
             prefill,
         };
-        let (above, margin) = (|x: f64, y: f64| x > y * (1.0 + 1e-9), 1.0 + 1e-9);
+        let margin = 1.0 + 1e-9;
         let binding = if low.slot.mean() > prefill.mean() * margin {
             Some(Binding::Slot)
         } else if rough.slot.mean() * margin < prefill.mean() {
@@ -1118,18 +1103,21 @@ fn evaluate(
         } else {
             None
         };
-        if let Some(binding) = binding.filter(|_| above(union_q(low).1, targets.ttft_s)) {
-            if above(fewest(low), allowed) || above(miss(low, chunks.get()), allowed) {
+        if let Some(binding) = binding {
+            if tests.union_q(low).1 > targets.ttft_s * margin
+                && (tests.fewest(low) > allowed * margin
+                    || tests.miss(low, chunks.get()) > allowed * margin)
+            {
                 eval.fails = Some(binding);
                 return Ok(eval);
             }
         }
     }
     let wait = TotalWait {
-        slot: slot(SlotP::Exact)?,
+        slot: tests.slot(SlotP::Exact)?,
         prefill,
     };
-    if wait != rough && screen(wait, &mut eval) {
+    if wait != rough && tests.screen(wait, &mut eval) {
         return Ok(eval);
     }
     let binding = if wait.slot.mean() > wait.prefill.mean() {
@@ -1137,14 +1125,93 @@ fn evaluate(
     } else {
         Binding::Prefill
     };
-    if fewest(wait) > allowed {
+    if tests.fewest(wait) > allowed {
         eval.fails = Some(binding);
         return Ok(eval);
     }
-    if miss(wait, chunks.get()) > allowed {
+    if tests.miss(wait, chunks.get()) > allowed {
         eval.fails = Some(binding);
     }
     Ok(eval)
+}
+
+/// [`evaluate`]'s tests of one count, as methods forced inline rather than
+/// closures: a closure called from several places is compiled apart, for
+/// the baseline CPU, where `plan`'s x86-64-v3 clone needs it compiled into
+/// itself (`planner::isa`).
+struct Tests<'a> {
+    load: &'a EngineLoad,
+    targets: &'a Targets,
+    own: OwnPrefill,
+    queue: Option<SlotWait>,
+    /// Each half of the union bound's share, `(1 - q) / 2`.
+    r: f64,
+    /// The share allowed to miss, `1 - q`.
+    allowed: f64,
+    per_chunk: f64,
+    budget: f64,
+}
+
+impl Tests<'_> {
+    #[inline(always)]
+    fn slot(&self, which: SlotP) -> Result<Wait> {
+        match &self.queue {
+            Some(q) => q.wait(which),
+            None => Ok(Wait::NONE),
+        }
+    }
+
+    /// The union bound's wait quantile and TTFT.
+    #[inline(always)]
+    fn union_q(&self, wait: TotalWait) -> (f64, f64) {
+        let wait_q = wait.quantile_bound(self.r);
+        let after = self
+            .targets
+            .after_wait(self.load.prefill_chunks_q, self.own.hi, BUSY_HALF);
+        (wait_q, wait_q + after)
+    }
+
+    /// The union bound's verdict, its figures kept in `eval`.
+    #[inline(always)]
+    fn screen(&self, wait: TotalWait, eval: &mut EngineEval) -> bool {
+        eval.wait = wait;
+        (eval.wait_q_s, eval.ttft_q_s) = self.union_q(wait);
+        eval.ttft_q_s <= self.targets.ttft_s
+    }
+
+    /// The share missing the TTFT with the pool's fewest chunks (every
+    /// request prefills at least those).
+    #[inline(always)]
+    fn fewest(&self, wait: TotalWait) -> f64 {
+        let chunks = self.load.prefill_chunks_min.max(1.0);
+        self.own.mix(
+            #[inline(always)]
+            |t, half| wait.survival(self.targets.ttft_s - self.targets.after_wait(chunks, t, half)),
+        )
+    }
+
+    #[inline(always)]
+    fn miss_at(&self, wait: TotalWait, dist: &[(u64, f64)], t: f64, half: f64) -> f64 {
+        let budget = self.budget - self.targets.budget_cut(half);
+        wait.miss(dist, t + self.per_chunk, budget, half)
+    }
+
+    /// The miss share over the chunk distribution, the larger t_own first:
+    /// a count whose share meets the target with it alone meets it over
+    /// both (the share grows with t), and only the verdict is used.
+    #[inline(always)]
+    fn miss(&self, wait: TotalWait, dist: &[(u64, f64)]) -> f64 {
+        let own = self.own;
+        if own.f <= 0.0 {
+            return self.miss_at(wait, dist, own.lo, own.lo_half);
+        }
+        let hi = self.miss_at(wait, dist, own.hi, BUSY_HALF);
+        if hi <= self.allowed {
+            return hi;
+        }
+        let lo = self.miss_at(wait, dist, own.lo, own.lo_half);
+        lo + own.f * (hi - lo)
+    }
 }
 
 /// The most GPUs a pool is searched to (2^50): a pool that needs more, one
@@ -1159,6 +1226,7 @@ pub const MAX_GPUS: u64 = 1 << 50;
 /// good `start` (the neighbouring candidate's count) costs a handful of
 /// evaluations: two when it is the answer or one below, three when one
 /// above (the first step is taken twice: most starts are off by one).
+#[inline(always)]
 pub(super) fn smallest_ok(
     mut bad: u64,
     start: u64,
@@ -1209,6 +1277,43 @@ pub(super) fn smallest_ok(
     Ok(Some(hi))
 }
 
+/// A pool search's [`evaluate`], remembering of its evaluations the fewest
+/// GPUs that passed and the most that failed: the answer's and its
+/// neighbour's are these two. A method forced inline, not a closure (see
+/// [`Tests`]).
+struct Seen<'a> {
+    arrival_rate: f64,
+    load: &'a EngineLoad,
+    shape: &'a EngineShape,
+    targets: Targets,
+    kept: [Option<(u64, EngineEval)>; 2],
+}
+
+impl Seen<'_> {
+    #[inline(always)]
+    fn eval(&mut self, n: u64, chunks: &mut Chunks<'_>) -> Result<EngineEval> {
+        if let Some((_, e)) = self.kept.iter().flatten().find(|(m, _)| *m == n) {
+            return Ok(*e);
+        }
+        let (load, shape) = (self.load, self.shape);
+        let e = evaluate(
+            self.arrival_rate,
+            n,
+            load,
+            shape,
+            self.targets,
+            chunks,
+            true,
+        )?;
+        let passed = e.fails.is_none();
+        let kept = &mut self.kept[usize::from(!passed)];
+        if kept.is_none_or(|(m, _)| if passed { n < m } else { n > m }) {
+            *kept = Some((n, e));
+        }
+        Ok(e)
+    }
+}
+
 /// Where a pool's search starts.
 #[derive(Debug)]
 pub(super) enum Start<'a> {
@@ -1241,6 +1346,7 @@ pub(super) fn start_ratio((n, bound): (u64, u64)) -> f64 {
 /// prefill of the quantile request alone, at `W + H`) is returned infeasible,
 /// sized at the stability bound, with the binding constraint. Otherwise the
 /// binding constraint is the one that fails with one GPU fewer.
+#[inline(always)]
 pub(super) fn size_engine_pool(
     arrival_rate: f64,
     load: &EngineLoad,
@@ -1292,20 +1398,12 @@ pub(super) fn size_engine_pool(
             arrival_rate * load.prompt_mean * shape.w_s / shape.chunk as f64,
         ))
         .min(1e15) as u64;
-    // Of the search's evaluations, the fewest GPUs that passed and the most
-    // that failed: the answer's and its neighbour's are these two.
-    let mut seen: [Option<(u64, EngineEval)>; 2] = [None, None];
-    let mut eval = |n: u64, chunks: &mut Chunks<'_>| -> Result<EngineEval> {
-        if let Some((_, e)) = seen.iter().flatten().find(|(m, _)| *m == n) {
-            return Ok(*e);
-        }
-        let e = evaluate(arrival_rate, n, load, shape, targets, chunks, true)?;
-        let passed = e.fails.is_none();
-        let kept = &mut seen[usize::from(!passed)];
-        if kept.is_none_or(|(m, _)| if passed { n < m } else { n > m }) {
-            *kept = Some((n, e));
-        }
-        Ok(e)
+    let mut seen = Seen {
+        arrival_rate,
+        load,
+        shape,
+        targets,
+        kept: [None, None],
     };
     let hint = match &start {
         Start::At(hint) => *hint,
@@ -1316,16 +1414,19 @@ pub(super) fn size_engine_pool(
     };
     let found = match never {
         Some(_) => None,
-        None => smallest_ok(bad, hint.unwrap_or(bad + 1), |n| {
-            Ok(eval(n, chunks)?.fails.is_none())
-        })?,
+        None => smallest_ok(
+            bad,
+            hint.unwrap_or(bad + 1),
+            #[inline(always)]
+            |n| Ok(seen.eval(n, chunks)?.fails.is_none()),
+        )?,
     };
     let n = found.unwrap_or(bad + 1);
     if let Start::Near { found, .. } = start {
         *found = (n, bad);
     }
     let e = if found.is_some() {
-        eval(n, chunks)?
+        seen.eval(n, chunks)?
     } else {
         // Reported as it stands, its wait figures exact, even where it
         // fails the TPOT (unsolved).
@@ -1355,7 +1456,7 @@ pub(super) fn size_engine_pool(
         pool.feasible = false;
         pool.binding = b;
     } else if n > 1 {
-        pool.binding = eval(n - 1, chunks)?.fails.unwrap_or(Binding::None);
+        pool.binding = seen.eval(n - 1, chunks)?.fails.unwrap_or(Binding::None);
     }
     Ok(pool)
 }

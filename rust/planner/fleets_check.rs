@@ -21,12 +21,14 @@
 //! line: words exactly, integers exactly, other numbers to the same
 //! tolerance (the full check, figure by figure). `ROUTECORE_PLAN_FIXTURE=write`
 //! rewrites the fixture: only for a change meant to move fleets or figures.
+//! The plans are made twice, by the sweep `plan` picks for this CPU and by
+//! the portable one ([`super::Isa`]), whose dumps must be identical.
 
 use std::fmt::Write;
 
 use serde_json::{json, Value};
 
-use super::{plan, Candidate, Plan, PlanConfig, PoolPlan};
+use super::{plan_on, Candidate, Isa, Plan, PlanConfig, PoolPlan};
 use crate::profile::Profile;
 use crate::workload::Workload;
 
@@ -54,7 +56,7 @@ fn azure_csv() -> String {
 }
 
 /// The 72 cases: a name and the plan (or its error).
-fn cases() -> Vec<(String, crate::error::Result<Plan>)> {
+fn cases(isa: Isa) -> Vec<(String, crate::error::Result<Plan>)> {
     let cols = crate::workload::CsvColumns {
         input: "ContextTokens",
         output: "GeneratedTokens",
@@ -140,7 +142,7 @@ fn cases() -> Vec<(String, crate::error::Result<Plan>)> {
                     };
                     out.push((
                         format!("{name} {rate} {ttft} {tpot:?}"),
-                        plan(w, &profile, &cfg),
+                        plan_on(isa, w, &profile, &cfg),
                     ));
                 }
             }
@@ -384,7 +386,10 @@ fn tolerance_keeps_fleets_and_allows_last_bits() {
 #[test]
 #[ignore]
 fn planner_fleets_dump() {
-    let cases = cases();
+    // The sweep this CPU runs (`plan`'s choice), checked below against the
+    // fixture, and the portable build forced: the same dump to the last bit.
+    let portable = dump(&cases(Isa::Portable));
+    let cases = cases(Isa::detect());
     let got: Vec<Value> = cases.iter().map(|(n, r)| fingerprint(n, r)).collect();
     let path = FIXTURE;
     if std::env::var("ROUTECORE_PLAN_FIXTURE").as_deref() == Ok("write") {
@@ -394,6 +399,11 @@ fn planner_fleets_dump() {
         std::fs::write(path, text).expect("fixture written");
     }
     let text = dump(&cases);
+    assert!(
+        text == portable,
+        "{:?} and the portable sweep differ",
+        Isa::detect()
+    );
     if let Ok(out) = std::env::var("ROUTECORE_PLAN_DUMP") {
         std::fs::write(out, &text).expect("dump written");
     }

@@ -33,6 +33,7 @@ pub mod disagg;
 mod engine;
 #[cfg(test)]
 mod fleets_check;
+mod isa;
 
 use std::sync::Arc;
 
@@ -40,6 +41,7 @@ pub use engine::{
     engine_state, BuildChunks, EngineLoad, EngineShape, EngineState, TtftShift, MAX_LOOP,
 };
 use engine::{size_engine_pool, start_ratio, Chunks, Start, Targets};
+pub(crate) use isa::Isa;
 
 use crate::budget::compressible_category;
 use crate::error::{invalid, non_negative, positive, Result};
@@ -478,6 +480,7 @@ impl Ctx<'_> {
 
     /// The engine-model moments of the requests of `span` (of one category
     /// channel, or all), each request weighted by `scale`.
+    #[inline(always)]
     fn mix(&self, span: Span, category: Option<usize>, scale: f64) -> Mix {
         let t = &self.table;
         let (k, kl, prompt) = match category {
@@ -514,6 +517,7 @@ impl Ctx<'_> {
     /// = k' b` (second moments of a point mass). Without this the short pool
     /// would be sized as if compressed prompts were as short as its own.
     /// Returns the moments and the compressed prompts' chunk count.
+    #[inline(always)]
     fn compressed_mix(&self, band: Span, b: u64, weight: f64) -> (Mix, u64) {
         let out = (0..self.w.category_channels())
             .fold(RangeMoments::EMPTY, |m, c| {
@@ -541,6 +545,7 @@ impl Ctx<'_> {
 
     /// The `(1 + q) / 2` quantile of `ceil(L_in / C)` over `span` (see
     /// [`engine_eval`]).
+    #[inline(always)]
     fn chunks_quantile(&self, span: Span) -> f64 {
         let q = self.cfg.prefill_quantile;
         self.table.prefill_chunks_quantile(span, (1.0 + q) / 2.0) as f64
@@ -548,6 +553,7 @@ impl Ctx<'_> {
 
     /// What the engine model needs of the mixture `mix`, with the prefill
     /// quantile `chunks_q` (from [`Self::chunks_quantile`]).
+    #[inline(always)]
     fn engine_load(&self, mix: Mix, chunks_q: f64) -> EngineLoad {
         EngineLoad::from_moments(mix.k, mix.kl, mix.prompt, chunks_q, 0.0)
     }
@@ -555,6 +561,7 @@ impl Ctx<'_> {
     /// Sizes a pool at `context` for `arrival_rate` requests of `load` under
     /// the engine model, the search starting at `start`; `sources` give its
     /// chunk histogram when the search needs it.
+    #[inline(always)]
     fn size_engine(
         &self,
         arrival_rate: f64,
@@ -665,6 +672,7 @@ fn engine_targets(slo: EngineSlo, (quantile, shift): (f64, TtftShift)) -> Target
 
 /// [`size_engine_shifted`] with the search starting at `start`, its
 /// `targets` from [`engine_targets`].
+#[inline(always)]
 fn size_engine_from(
     profile: &Profile,
     (context, n_slots, arrival_rate): (u64, u64, f64),
@@ -874,6 +882,38 @@ fn no_fleet(pool: &PoolPlan, cfg: &PlanConfig, profile: &Profile) -> crate::erro
 /// with requests longer than `long_context`, and when no fleet meets the SLO
 /// (the error names the binding constraint).
 pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
+    plan_on(Isa::detect(), w, profile, cfg)
+}
+
+/// [`plan`] compiled for `isa` (the tests force [`Isa::Portable`]).
+pub(crate) fn plan_on(isa: Isa, w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
+    match isa {
+        Isa::Portable => plan_portable(w, profile, cfg),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::X86V3` is only returned by `Isa::detect` once the CPU
+        // reported every feature `plan_x86_v3` enables (or built by a test
+        // that checked the same), so its instructions exist on this CPU.
+        Isa::X86V3 => unsafe { plan_x86_v3(w, profile, cfg) },
+    }
+}
+
+#[inline(never)]
+fn plan_portable(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
+    plan_body(w, profile, cfg)
+}
+
+/// The same sweep with x86-64-v3's features (`Isa::X86V3`): `plan_body`
+/// and its hot callees, `#[inline(always)]`, are compiled into this function
+/// with them (a function the inliner leaves apart runs the portable code).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
+#[inline(never)]
+fn plan_x86_v3(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
+    plan_body(w, profile, cfg)
+}
+
+#[inline(always)]
+fn plan_body(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
     cfg.validate()?;
     profile.validate()?;
     let names = w.category_names();
@@ -1276,7 +1316,8 @@ mod tests {
     /// The warm sweep of `benches/bench_planner.py` in Rust alone (no Python
     /// call), min and median of 3,000: the engine model on the Azure trace
     /// with its categories and without (the bench's workload), and the paper
-    /// model. The trace is read from the CSV `ROUTECORE_AZURE_CSV` names:
+    /// model; each by the sweep `plan` dispatches to on this CPU and by the
+    /// portable one. The trace is read from the CSV `ROUTECORE_AZURE_CSV` names:
     /// `gzip -dc python/routecore/data/azure-llm-2023/azure_llm_2023.csv.gz >
     /// /tmp/azure.csv; ROUTECORE_AZURE_CSV=/tmp/azure.csv cargo test --release
     /// --lib -- --ignored --nocapture planner_sweep_timing`.
@@ -1329,16 +1370,21 @@ mod tests {
             ("engine, the bench's workload", &bench, &a100, &engine),
             ("paper, the bench's workload", &bench, &h_ref, &paper),
         ] {
-            plan(w, profile, cfg).expect("plan");
-            let mut took: Vec<f64> = (0..3000)
-                .map(|_| {
-                    let start = std::time::Instant::now();
-                    std::hint::black_box(plan(w, profile, cfg).expect("plan"));
-                    start.elapsed().as_secs_f64() * 1e6
-                })
-                .collect();
-            took.sort_by(f64::total_cmp);
-            println!("{name}: min {:.1} us, median {:.1} us", took[0], took[1500]);
+            for (isa, path) in [("dispatched", Isa::detect()), ("portable", Isa::Portable)] {
+                plan_on(path, w, profile, cfg).expect("plan");
+                let mut took: Vec<f64> = (0..3000)
+                    .map(|_| {
+                        let start = std::time::Instant::now();
+                        std::hint::black_box(plan_on(path, w, profile, cfg).expect("plan"));
+                        start.elapsed().as_secs_f64() * 1e6
+                    })
+                    .collect();
+                took.sort_by(f64::total_cmp);
+                println!(
+                    "{name}, {isa}: min {:.1} us, median {:.1} us",
+                    took[0], took[1500]
+                );
+            }
         }
     }
 

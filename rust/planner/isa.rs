@@ -1,0 +1,38 @@
+//! The sweep compiled twice (issue 27): the portable build every x86-64 (and
+//! every other target) runs, and on x86-64 a clone for the CPU features that
+//! make it faster, chosen at run time, once per [`super::plan`] call.
+//!
+//! Nothing in the clone changes a figure: Rust never contracts `a * b + c`
+//! into a fused multiply-add and the planner writes no `mul_add`, so both run
+//! the same IEEE operations in the same order; the features only change how
+//! they are encoded and which need no call (`floor`, `round` inlined with
+//! SSE4.1, ...). The test `planner_fleets_dump` compares both paths' dumps.
+
+/// The instruction sets [`super::plan`] is compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// The target's baseline (SSE2 on x86-64): any CPU.
+    Portable,
+    /// x86-64-v3's AVX2, FMA, BMI1/2 and LZCNT (SSE4.1 / 4.2 and POPCNT
+    /// come with AVX): Intel since Haswell (2013), AMD since Excavator.
+    #[cfg(target_arch = "x86_64")]
+    X86V3,
+}
+
+impl Isa {
+    /// The fastest set this CPU runs. `is_x86_feature_detected!` asks the CPU
+    /// once per process and caches the answer (an atomic load per feature).
+    pub(crate) fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("bmi1")
+            && std::is_x86_feature_detected!("bmi2")
+            && std::is_x86_feature_detected!("lzcnt")
+            && std::is_x86_feature_detected!("popcnt")
+        {
+            return Self::X86V3;
+        }
+        Self::Portable
+    }
+}
