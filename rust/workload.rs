@@ -374,6 +374,8 @@ impl Workload {
     }
 
     /// The requests with `lo < L_total <= hi`, as a span of the sorted order.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn span(&self, lo: f64, hi: f64) -> Span {
         let start = self.at_most(lo);
         Span {
@@ -384,6 +386,8 @@ impl Workload {
 
     /// The span `lo < L_total <= hi` given that `from` requests (in sorted
     /// order) are known to have `L_total <= lo`.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn span_from(&self, from: usize, hi: f64) -> Span {
         Span {
             start: from,
@@ -700,6 +704,8 @@ impl ServiceTable {
 
     /// Moments of `S = k (a0 + a1 L)` over a span and one category channel,
     /// given that channel's weight in the span.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn moments(
         &self,
         w: &Workload,
@@ -766,6 +772,8 @@ impl ServiceTable {
     /// The weighted `q`-quantile of the prefill chunk count over a span: the
     /// smallest `p` such that requests with `ceil(L_in / C) <= p` hold at least
     /// `q` of the span's weight. 0 for an empty span.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn prefill_chunks_quantile(&self, span: Span, q: f64) -> u64 {
         self.chunks.quantile(span.start, span.end, q)
     }
@@ -896,6 +904,8 @@ impl WaveletMatrix {
         }
     }
 
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     fn quantile(&self, mut l: usize, mut r: usize, q: f64) -> u64 {
         let Some(top) = self.levels.first() else {
             return 0;

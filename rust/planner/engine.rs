@@ -1061,12 +1061,18 @@ fn evaluate(
     }
     // Slot-time per request K / r: each slot frees at mu = r / K.
     let mu = rate / state.occupancy;
-    let queue = (state.occupancy > 0.0)
-        .then(|| {
-            let peakedness = count_peakedness(t, shape);
-            SlotWait::new(gpus, shape.n_slots, mu, arrival_rate, peakedness)
-        })
-        .transpose()?;
+    let queue = if state.occupancy > 0.0 {
+        let peakedness = count_peakedness(t, shape);
+        Some(SlotWait::new(
+            gpus,
+            shape.n_slots,
+            mu,
+            arrival_rate,
+            peakedness,
+        )?)
+    } else {
+        None
+    };
     let tests = Tests {
         load,
         targets: &targets,
