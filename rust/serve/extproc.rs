@@ -1068,34 +1068,24 @@ mod pd_tests;
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::serve::config::testing::{plane_json, tenant};
     use crate::serve::config::Spec;
     use envoy_types::pb::envoy::config::core::v3::HeaderMap;
     use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, ProtocolConfiguration};
-    use sha2::{Digest, Sha256};
 
     const KEY: &[u8] = "demo-kéy".as_bytes();
 
     pub(crate) fn spec() -> Spec {
-        let digest: String = Sha256::digest(KEY)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        let json = serde_json::json!({
-            "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "short"},
-            "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                       "request_timeout_s": 30.0, "default_max_tokens": 100,
-                       "image_tokens": 765, "audio_tokens": 750},
-            "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
-            "pools": [
+        let mut json = plane_json(
+            "least-request",
+            serde_json::json!([
                 {"name": "short", "max_context": 8192, "budget": null, "queue_limit": null,
                  "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]},
                 {"name": "long", "max_context": 65536, "budget": null, "queue_limit": null,
                  "endpoints": ["10.0.0.3:8000"]}
-            ],
-            "tenants": [{"name": "demo", "key_digests": [digest], "expires_at": null,
-                         "service_class": "none", "entitlement": null}],
-            "admission": null
-        });
+            ]),
+        );
+        json["tenants"] = serde_json::json!([tenant("demo", KEY, None)]);
         Spec::from_json(&json.to_string()).expect("spec")
     }
 

@@ -30,44 +30,28 @@ mod tests {
     use std::sync::Arc;
 
     use serde_json::{json, Value};
-    use sha2::{Digest, Sha256};
 
     use super::*;
     use crate::calibrate::Calibrator;
     use crate::error::Result;
     use crate::serve::autoscale::tests::autoscale;
+    use crate::serve::config::testing::{plane_json, tenant};
     use crate::serve::config::Spec;
     use crate::serve::engine::{Hints, Shared};
-
-    fn digest(k: &str) -> String {
-        Sha256::digest(k.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    }
 
     /// A data plane spec of pools `p` (scaled) and `q` (not), tenants `demo`
     /// (entitlement `gold`) and `other` (none), with this `autoscale` section.
     fn spec(autoscale: Value) -> Result<Spec> {
-        let tenant = |name: &str, entitlement: Option<&str>| {
-            json!({"name": name, "key_digests": [digest(name)], "expires_at": null,
-                   "service_class": "none", "entitlement": entitlement})
-        };
         let pool = |name: &str| {
             json!({"name": name, "max_context": 8192, "budget": null, "queue_limit": null,
                    "endpoints": ["10.0.0.1:1", "10.0.0.2:1"]})
         };
-        let json = json!({
-            "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
-            "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                       "request_timeout_s": 30.0, "default_max_tokens": 100,
-                       "image_tokens": 765, "audio_tokens": 750},
-            "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
-            "pools": [pool("p"), pool("q")],
-            "tenants": [tenant("demo", Some("gold")), tenant("other", None)],
-            "admission": null,
-            "autoscale": autoscale,
-        });
+        let mut json = plane_json("least-request", json!([pool("p"), pool("q")]));
+        json["tenants"] = json!([
+            tenant("demo", b"demo", Some("gold")),
+            tenant("other", b"other", None)
+        ]);
+        json["autoscale"] = autoscale;
         Spec::from_json(&json.to_string())
     }
 

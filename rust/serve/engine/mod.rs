@@ -1002,6 +1002,7 @@ impl Engine {
 mod tests {
     use super::*;
     use crate::prefix::block_hashes;
+    use crate::serve::config::testing;
 
     fn hashes(body: &[u8]) -> Vec<u64> {
         let prompt = prompt_of(body).expect("a request");
@@ -1053,33 +1054,20 @@ mod tests {
 
     /// The spec of [`plane`], to change before [`plane_of`] builds it.
     pub(super) fn plane_json(policy: &str, admission: serde_json::Value) -> serde_json::Value {
-        let digest = |k: &str| -> String {
-            Sha256::digest(k.as_bytes())
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect()
-        };
-        let entitled = |name: &str| {
-            admission["entitlements"]
-                .as_array()
-                .is_some_and(|es| es.iter().any(|e| e["name"] == name))
-                .then(|| name.to_owned())
-        };
         let tenant = |name: &str| {
-            serde_json::json!({"name": name, "key_digests": [digest(name)], "expires_at": null,
-                               "service_class": "none", "entitlement": entitled(name)})
+            let entitled = admission["entitlements"]
+                .as_array()
+                .is_some_and(|es| es.iter().any(|e| e["name"] == name));
+            testing::tenant(name, name.as_bytes(), entitled.then_some(name))
         };
-        serde_json::json!({
-            "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
-            "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                       "request_timeout_s": 30.0, "default_max_tokens": 100,
-                       "image_tokens": 765, "audio_tokens": 750},
-            "router": {"policy": policy, "compress_band": null, "prefix_block_size": 16},
-            "pools": [{"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
-                       "endpoints": ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]}],
-            "tenants": [tenant("demo"), tenant("other")],
-            "admission": admission
-        })
+        let pools = serde_json::json!([{
+            "name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
+            "endpoints": ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]
+        }]);
+        let mut json = testing::plane_json(policy, pools);
+        json["tenants"] = serde_json::json!([tenant("demo"), tenant("other")]);
+        json["admission"] = admission;
+        json
     }
 
     /// A data plane of `json` (see [`plane_json`]).
