@@ -1070,6 +1070,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::serve::config::testing::{plane_json, tenant};
     use crate::serve::config::Spec;
+    use crate::serve::engine::test_plane;
     use envoy_types::pb::envoy::config::core::v3::HeaderMap;
     use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, ProtocolConfiguration};
 
@@ -1090,10 +1091,7 @@ pub(crate) mod tests {
     }
 
     fn plane() -> (Arc<Shared>, Arc<Engine>) {
-        let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine = Engine::build(spec(), &shared, None).expect("engine");
-        (shared, engine)
+        test_plane(spec())
     }
 
     pub(crate) fn headers(pairs: &[(&str, &[u8])], raw: bool, end: bool) -> ProcessingRequest {
@@ -1550,9 +1548,7 @@ pub(crate) mod tests {
                     .into_iter()
                     .collect();
             }
-            let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-            let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-            let engine = Engine::build(spec, &shared, None).expect("engine");
+            let (shared, engine) = test_plane(spec);
             let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
             let pairs = [("x-api-key", KEY), (PREFILLER_HEADER, sent)];
             let first = c.handle(&headers(&pairs, true, false)).await.expect("ok");
@@ -1614,9 +1610,7 @@ pub(crate) mod tests {
     async fn the_served_endpoint_gets_the_in_flight_count_prefix_and_usage_once() {
         let mut spec = spec();
         spec.router.policy = "prefix".into();
-        let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine = Engine::build(spec, &shared, None).expect("engine");
+        let (shared, engine) = test_plane(spec);
         let prompt = "a long shared system prompt ".repeat(40);
         let route = || async {
             let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
@@ -1688,9 +1682,7 @@ pub(crate) mod tests {
         let mut spec = spec();
         spec.pools[0].models = vec!["m".into()];
         spec.pools[1].adapters = vec!["lora-a".into()];
-        let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine = Engine::build(spec, &shared, None).expect("engine");
+        let (_shared, engine) = test_plane(spec);
         let ask = |model: &str| {
             serde_json::json!({"model": model, "max_tokens": 10,
                                "messages": [{"role": "user", "content": "hi"}]})

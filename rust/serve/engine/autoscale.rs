@@ -27,17 +27,13 @@ impl Scaled for Engine {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use serde_json::{json, Value};
 
-    use super::*;
-    use crate::calibrate::Calibrator;
     use crate::error::Result;
     use crate::serve::autoscale::tests::autoscale;
     use crate::serve::config::testing::{plane_json, tenant};
     use crate::serve::config::Spec;
-    use crate::serve::engine::{Hints, Shared};
+    use crate::serve::engine::{test_plane, Hints};
 
     /// A data plane spec of pools `p` (scaled) and `q` (not), tenants `demo`
     /// (entitlement `gold`) and `other` (none), with this `autoscale` section.
@@ -57,10 +53,7 @@ mod tests {
 
     #[tokio::test]
     async fn every_lease_that_ends_is_observed_with_its_usage_or_its_estimate() {
-        let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine =
-            Engine::build(spec(autoscale(2.0)).expect("spec"), &shared, None).expect("engine");
+        let (shared, engine) = test_plane(spec(autoscale(2.0)).expect("spec"));
         let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}"#;
         let mut estimated = 0;
         for i in 0..6 {
@@ -92,10 +85,7 @@ mod tests {
     /// the entitlement's inputs are on the metrics port after a step.
     #[tokio::test]
     async fn every_lease_given_is_an_arrival_and_the_entitlements_gauges_show_it() {
-        let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine =
-            Engine::build(spec(autoscale(2.0)).expect("spec"), &shared, None).expect("engine");
+        let (shared, engine) = test_plane(spec(autoscale(2.0)).expect("spec"));
         let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}"#;
         let mut ids = Vec::new();
         for tenant in [0, 0, 1] {

@@ -561,6 +561,16 @@ fn signed(what: &str, v: u64) -> Result<i64> {
     i64::try_from(v).map_err(|_| invalid(format!("{what} must be at most {}, got {v}", i64::MAX)))
 }
 
+/// A test data plane of `spec` on the current tokio runtime, with its own
+/// shared state (the calibrator every test plane uses).
+#[cfg(test)]
+pub(crate) fn test_plane(spec: Spec) -> (Arc<Shared>, Arc<Engine>) {
+    let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+    let engine = Engine::build(spec, &shared, None).expect("engine");
+    (shared, engine)
+}
+
 impl Engine {
     /// Builds an engine; `previous` (a reload) hands over in-memory admission state.
     pub fn build(spec: Spec, shared: &Arc<Shared>, previous: Option<&Engine>) -> Result<Arc<Self>> {
@@ -1072,11 +1082,7 @@ mod tests {
 
     /// A data plane of `json` (see [`plane_json`]).
     pub(super) fn plane_of(json: serde_json::Value) -> (Arc<Shared>, Arc<Engine>) {
-        let spec = Spec::from_json(&json.to_string()).expect("spec");
-        let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine = Engine::build(spec, &shared, None).expect("engine");
-        (shared, engine)
+        test_plane(Spec::from_json(&json.to_string()).expect("spec"))
     }
 
     /// Where `demo`'s next request goes after `other` sent 20 heavy

@@ -18,11 +18,7 @@ fn split_plane(decider: serde_json::Value, timeout_s: f64) -> (Arc<Shared>, Arc<
     });
     let mut json = plane_json("prefix+queue+kv", serde_json::json!([pool]));
     json["limits"]["request_timeout_s"] = timeout_s.into();
-    let spec = Spec::from_json(&json.to_string()).expect("spec");
-    let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-    let engine = Engine::build(spec, &shared, None).expect("engine");
-    (shared, engine)
+    test_plane(Spec::from_json(&json.to_string()).expect("spec"))
 }
 
 fn body(k: usize) -> Vec<u8> {

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 use crate::serve::config::testing::plane_json;
 use crate::serve::config::Spec;
-use crate::serve::engine::{Engine, Shared};
+use crate::serve::engine::{test_plane, Engine, Shared};
 
 /// The decode endpoint.
 pub const DECODE: &str = "10.0.0.1:8000";
@@ -20,11 +20,7 @@ pub fn plane(prefill: &str, disaggregation: Value) -> (Arc<Shared>, Arc<Engine>)
                       "endpoints": [DECODE, prefill], "role": "decode",
                       "roles": {prefill: "prefill"}, "disaggregation": disaggregation});
     let json = plane_json("least-request", json!([pool]));
-    let spec = Spec::from_json(&json.to_string()).expect("spec");
-    let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-    let engine = Engine::build(spec, &shared, None).expect("engine");
-    (shared, engine)
+    test_plane(Spec::from_json(&json.to_string()).expect("spec"))
 }
 
 /// A streamed chat request.
