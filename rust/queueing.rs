@@ -35,8 +35,10 @@ fn stirlerr(n: f64) -> f64 {
     const S2: f64 = 1.0 / 1260.0;
     const S3: f64 = 1.0 / 1680.0;
     const S4: f64 = 1.0 / 1188.0;
-    let nn = n * n;
-    (S0 - (S1 - (S2 - (S3 - S4 / nn) / nn) / nn) / nn) / n
+    // One division: the series in 1 / n^2 by multiplication.
+    let inv = 1.0 / n;
+    let r = inv * inv;
+    (S0 - (S1 - (S2 - (S3 - S4 * r) * r) * r) * r) * inv
 }
 
 /// `x ln(x / m) + m - x`, without cancellation when x is near m.
@@ -112,9 +114,23 @@ fn check(servers: u64, offered_load: f64) -> Result<()> {
 
 /// `ln(1 / B(c, A))` (>= 0), for c >= 1 and 0 < A.
 fn ln_inv_erlang_b(c: f64, a: f64) -> f64 {
-    let ln_pmf = ln_poisson_pmf(c, a);
+    ln_inv_erlang_b_at(c, a, ln_poisson_pmf(c, a))
+}
+
+/// [`ln_inv_erlang_b`] given `ln_pmf = ln P(X = c)`.
+fn ln_inv_erlang_b_at(c: f64, a: f64, ln_pmf: f64) -> f64 {
     // 1/B = P(X <= c) / P(X = c) = (1 - P(X > c)) / P(X = c).
-    -ln_pmf + (-poisson_above(c, a, ln_pmf.exp())).ln_1p()
+    -ln_pmf + (-poisson_above(c, a, exp_or_zero(ln_pmf))).ln_1p()
+}
+
+/// `e^x`, 0 below -746 without calling `exp` (which returns the same 0 there
+/// by a slow path that flags the underflow): many-server pmfs are far below.
+pub(crate) fn exp_or_zero(x: f64) -> f64 {
+    if x < -746.0 {
+        0.0
+    } else {
+        x.exp()
+    }
 }
 
 /// Erlang B, the blocking probability of M/M/c/c with offered load A = lambda / mu.
@@ -217,8 +233,47 @@ pub(crate) fn erlang_c_bound(c: f64, a: f64) -> f64 {
 /// upper bound of [`erlang_c_bound`], and below it `C >= pmf / (1 - rho (1 -
 /// pmf))` (C increases with B, and `B = P(X = c) / P(X <= c) >= P(X = c)`).
 pub(crate) fn erlang_c_bounds(c: f64, a: f64) -> (f64, f64) {
-    let (pmf, rho) = (ln_poisson_pmf(c, a).exp(), a / c);
-    (pmf / (1.0 - rho * (1.0 - pmf)), 2.0 * pmf / (1.0 - rho))
+    ErlangC::new(c, a).bounds()
+}
+
+/// Erlang C of `c` servers at offered load `a` (0 < A < c) from one Poisson
+/// log-pmf, computed once for its O(1) bounds and, where they do not
+/// decide, the exact value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ErlangC {
+    c: f64,
+    a: f64,
+    ln_pmf: f64,
+}
+
+impl ErlangC {
+    pub(crate) fn new(c: f64, a: f64) -> Self {
+        Self {
+            c,
+            a,
+            ln_pmf: ln_poisson_pmf(c, a),
+        }
+    }
+
+    /// The bounds of [`erlang_c_bounds`].
+    pub(crate) fn bounds(&self) -> (f64, f64) {
+        let (pmf, rho) = (exp_or_zero(self.ln_pmf), self.a / self.c);
+        (pmf / (1.0 - rho * (1.0 - pmf)), 2.0 * pmf / (1.0 - rho))
+    }
+
+    /// [`erlang_c`] of `servers` (`c`), its checks and errors included, the
+    /// same value without the pmf computed again.
+    pub(crate) fn exact(&self, servers: u64) -> Result<f64> {
+        check(servers, self.a)?;
+        if self.a >= self.c {
+            return erlang_c(servers, self.a);
+        }
+        if self.a == 0.0 {
+            return Ok(0.0);
+        }
+        let b = (-ln_inv_erlang_b_at(self.c, self.a, self.ln_pmf)).exp();
+        Ok(c_from_b(b, self.a / self.c))
+    }
 }
 
 fn wait_from_c(c: f64, drain: f64, cs2: f64) -> f64 {
@@ -453,5 +508,51 @@ mod tests {
         assert_eq!(p99_wait(1, 1.0, 1.0, 1.0), Ok(f64::INFINITY));
         assert!(p99_wait(1, 0.0, 1.0, 0.5).is_err());
         assert!(p99_wait(1, 1.0, -1.0, 0.5).is_err());
+    }
+
+    /// The exact value from the bounds' pmf is `erlang_c`'s, bit for bit,
+    /// with its errors; the bounds bracket it.
+    #[test]
+    fn erlang_c_from_one_pmf_is_erlang_c() {
+        for &c in &[1u64, 2, 15, 16, 17, 100, 2_880, 40_000, 1 << 20] {
+            for &rho in &[1e-3, 0.1, 0.5, 0.85, 0.95, 0.99, 0.9999] {
+                let a = rho * c as f64;
+                let e = ErlangC::new(c as f64, a);
+                let exact = e.exact(c).expect("exact");
+                assert_eq!(
+                    exact.to_bits(),
+                    erlang_c(c, a).expect("C").to_bits(),
+                    "C({c}, {a})"
+                );
+                let (lower, upper) = e.bounds();
+                assert_eq!((lower, upper), erlang_c_bounds(c as f64, a));
+                assert!(
+                    lower <= exact * (1.0 + 1e-12) && exact <= upper,
+                    "C({c}, {a})"
+                );
+            }
+        }
+        assert!(ErlangC::new(10.0, 10.0).exact(10).is_err());
+        assert!(ErlangC::new(10.0, 12.0).exact(10).is_err());
+        assert!(ErlangC::new(0.0, 1.0).exact(0).is_err());
+    }
+
+    /// `exp_or_zero` is `exp` everywhere, the subnormal results near -745
+    /// and the zeros below included.
+    #[test]
+    fn exp_or_zero_is_exp() {
+        let mut x = -800.0;
+        while x < 5.0 {
+            assert_eq!(exp_or_zero(x).to_bits(), x.exp().to_bits(), "{x}");
+            x += if (-750.0..-740.0).contains(&x) {
+                0.001
+            } else {
+                0.37
+            };
+        }
+        assert_eq!(exp_or_zero(-746.0), 0.0);
+        assert!(exp_or_zero(-745.0) > 0.0);
+        assert!(exp_or_zero(f64::NAN).is_nan());
+        assert_eq!(exp_or_zero(f64::NEG_INFINITY), 0.0);
     }
 }

@@ -397,8 +397,9 @@ impl Workload {
         if x.is_nan() || x < 0.0 {
             return 0;
         }
-        // Saturates at u64::MAX for x beyond u64.
-        let j = (x.floor() as u64 >> self.bucket_shift) as usize;
+        // The cast truncates (the floor of x >= 0, without the call `floor`
+        // is on a CPU without SSE4.1) and saturates at u64::MAX beyond u64.
+        let j = (x as u64 >> self.bucket_shift) as usize;
         let bucket = |k: Option<usize>| k.and_then(|k| self.buckets.get(k)).copied();
         let (Some(lo), Some(hi)) = (bucket(Some(j)), bucket(j.checked_add(1))) else {
             return self.len();

@@ -82,7 +82,7 @@
 
 use super::{Binding, PoolPlan};
 use crate::error::{invalid, Result};
-use crate::queueing::{erlang_c, erlang_c_bounds};
+use crate::queueing::{exp_or_zero, ErlangC};
 use crate::workload::RangeMoments;
 
 /// Most requests per endpoint for which the closed loop is solved (its cost
@@ -548,7 +548,7 @@ impl DecodeMiss {
     fn from_phases(d: f64, betas: [(f64, f64); 2]) -> Self {
         Self {
             d,
-            density: (-0.5 * d * d).exp() / (2.0 * std::f64::consts::PI).sqrt(),
+            density: exp_or_zero(-0.5 * d * d) / (2.0 * std::f64::consts::PI).sqrt(),
             phases: betas.map(|(p, beta)| (p, beta + 0.5 * d * d)),
         }
     }
@@ -631,6 +631,17 @@ struct OwnPrefill {
     lo_half: f64,
 }
 
+/// `x.floor()` for `x >= 1` (NaN and infinities as `floor`), without the
+/// call `floor` is on a CPU without SSE4.1's rounding (the portable build).
+fn floor_at_least_one(x: f64) -> f64 {
+    if x < 4.5e15 {
+        // Truncation is the floor of a positive number, exact below 2^52.
+        (x as u64) as f64
+    } else {
+        x.floor()
+    }
+}
+
 /// The iteration under way that a prompt on a busy endpoint waits for, in
 /// iterations (see [`OwnPrefill`]).
 const BUSY_HALF: f64 = 0.5;
@@ -646,11 +657,12 @@ impl OwnPrefill {
             };
         }
         let n_a = ((t - shape.w_s) / shape.h_s).max(1.0);
-        let lo = shape.w_s + shape.h_s * n_a.floor();
+        let floor = floor_at_least_one(n_a);
+        let lo = shape.w_s + shape.h_s * floor;
         Self {
             lo,
             hi: lo + shape.h_s,
-            f: n_a - n_a.floor(),
+            f: n_a - floor,
             lo_half: if n_a < 2.0 { 0.0 } else { BUSY_HALF },
         }
     }
@@ -732,7 +744,13 @@ impl TotalWait {
             return 1.0;
         }
         let (s, p) = (self.slot, self.prefill);
-        let e = |w: Wait| if w.p > 0.0 { (-y / w.theta).exp() } else { 0.0 };
+        let e = |w: Wait| {
+            if w.p > 0.0 {
+                exp_or_zero(-y / w.theta)
+            } else {
+                0.0
+            }
+        };
         let (es, ep) = (e(s), e(p));
         let both = if s.p > 0.0 && p.p > 0.0 {
             let (a, b) = (s.theta, p.theta);
@@ -770,7 +788,7 @@ impl TotalWait {
         // e^{-y/theta} at the top, and its factor per chunk fewer.
         let start = |w: Wait| {
             if w.p > 0.0 {
-                ((-y0 / w.theta).exp(), (-t / w.theta).exp())
+                (exp_or_zero(-y0 / w.theta), exp_or_zero(-t / w.theta))
             } else {
                 (0.0, 0.0)
             }
@@ -780,9 +798,15 @@ impl TotalWait {
         let both = s.p > 0.0 && p.p > 0.0;
         let equal = both && (s.theta - p.theta).abs() <= 1e-9 * s.theta.max(p.theta);
         for &(kk, prob) in chunks[..split].iter().rev() {
+            // Mostly consecutive counts: powi is a call.
             let gap = (k - kk) as i32;
-            es *= fs.powi(gap);
-            ep *= fp.powi(gap);
+            let (gs, gp) = if gap == 1 {
+                (fs, fp)
+            } else {
+                (fs.powi(gap), fp.powi(gap))
+            };
+            es *= gs;
+            ep *= gp;
             k = kk;
             let sum = if !both {
                 0.0
@@ -836,6 +860,8 @@ impl<'a> Chunks<'a> {
     fn get(&mut self) -> &[(u64, f64)] {
         if !self.built {
             self.built = true;
+            // Room for the distinct counts of most pools, in one allocation.
+            self.dist.reserve(64);
             (self.build)(&mut self.dist);
             self.dist.sort_by_key(|&(k, _)| k);
             self.dist.dedup_by(|b, a| {
@@ -886,7 +912,7 @@ fn count_peakedness(t: f64, shape: &EngineShape) -> f64 {
 /// the screens' waits and the exact one share, computed once per evaluation.
 struct SlotWait {
     servers: u64,
-    offered: f64,
+    erlang: ErlangC,
     /// Erlang C's O(1) lower and upper bounds, at most 1; both 0 when no
     /// request waits (the upper bound below 1e-12).
     lower: f64,
@@ -918,15 +944,16 @@ impl SlotWait {
         let rho = arrival_rate / mu / all as f64;
         let servers = ((all as f64 / peakedness.max(1.0)).round() as u64).clamp(1, all);
         let offered = rho * servers as f64;
+        let erlang = ErlangC::new(servers as f64, offered);
         let (lower, upper) = if offered > 0.0 {
-            erlang_c_bounds(servers as f64, offered)
+            erlang.bounds()
         } else {
             (0.0, 0.0)
         };
         let waits = upper >= 1e-12;
         Ok(Self {
             servers,
-            offered,
+            erlang,
             lower: if waits { lower.min(1.0) } else { 0.0 },
             bound: if waits { upper.min(1.0) } else { 0.0 },
             // rho^n only where some request waits.
@@ -944,7 +971,7 @@ impl SlotWait {
             _ if self.bound <= 0.0 => return Ok(Wait::NONE),
             SlotP::Lower => self.lower,
             SlotP::Upper => self.bound,
-            SlotP::Exact => erlang_c(self.servers, self.offered)?,
+            SlotP::Exact => self.erlang.exact(self.servers)?,
         };
         Ok(Wait::from_mean(p / self.drain, p))
     }
@@ -1187,13 +1214,22 @@ pub(super) fn smallest_ok(
 pub(super) enum Start<'a> {
     /// At this count (None: just above the stability bound).
     At(Option<u64>),
-    /// Near the last pool of a sweep, `(its count, its stability bound)`:
-    /// the count scaled by this pool's bound over that one (each plus one),
-    /// which follows a neighbouring candidate's pool better than its rate
-    /// (compute- and prefill-bound pools keep their count's ratio to the
-    /// bound as the traffic's mix moves); this pool's pair is left in its
-    /// place for the next.
-    Near(&'a mut Option<(u64, u64)>),
+    /// Near a neighbouring pool of a sweep: at `ratio` times this pool's
+    /// stability bound plus one, the ratio of a neighbour's count to its
+    /// bound plus one (None: just above the bound), which follows a
+    /// neighbouring candidate's pool better than its rate (compute- and
+    /// prefill-bound pools keep their count's ratio to the bound as the
+    /// traffic's mix moves); this pool's `(count, bound)` is left in
+    /// `found` for the next.
+    Near {
+        ratio: Option<f64>,
+        found: &'a mut (u64, u64),
+    },
+}
+
+/// The ratio a [`Start::Near`] takes from a pool's `(count, bound)`.
+pub(super) fn start_ratio((n, bound): (u64, u64)) -> f64 {
+    n as f64 / (bound as f64 + 1.0)
 }
 
 /// Sizes one pool under the engine model: the smallest GPU count meeting
@@ -1273,10 +1309,10 @@ pub(super) fn size_engine_pool(
     };
     let hint = match &start {
         Start::At(hint) => *hint,
-        Start::Near(last) => last.map(|(n, b)| {
-            let scaled = n as f64 * (bad as f64 + 1.0) / (b as f64 + 1.0);
-            scaled.round().min(MAX_GPUS as f64) as u64
-        }),
+        Start::Near { ratio, .. } => {
+            // Rounded half up (`round` is a call without SSE4.1).
+            ratio.map(|r| (r * (bad as f64 + 1.0) + 0.5).min(MAX_GPUS as f64) as u64)
+        }
     };
     let found = match never {
         Some(_) => None,
@@ -1285,8 +1321,8 @@ pub(super) fn size_engine_pool(
         })?,
     };
     let n = found.unwrap_or(bad + 1);
-    if let Start::Near(last) = start {
-        *last = Some((n, bad));
+    if let Start::Near { found, .. } = start {
+        *found = (n, bad);
     }
     let e = if found.is_some() {
         eval(n, chunks)?
@@ -1327,7 +1363,26 @@ pub(super) fn size_engine_pool(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::queueing::erlang_b;
+    use crate::queueing::{erlang_b, erlang_c};
+
+    #[test]
+    fn floor_at_least_one_is_floor() {
+        for x in [
+            1.0,
+            1.5,
+            2.0 - 1e-15,
+            2.0,
+            3.999_999,
+            1e6 + 0.5,
+            4.5e15 - 0.5,
+            4.5e15,
+            1e300,
+        ] {
+            assert_eq!(floor_at_least_one(x).to_bits(), x.floor().to_bits(), "{x}");
+        }
+        assert_eq!(floor_at_least_one(f64::INFINITY), f64::INFINITY);
+        assert!(floor_at_least_one(f64::NAN).is_nan());
+    }
 
     #[test]
     fn smallest_ok_matches_a_linear_scan() {

@@ -39,7 +39,7 @@ use std::sync::Arc;
 pub use engine::{
     engine_state, BuildChunks, EngineLoad, EngineShape, EngineState, TtftShift, MAX_LOOP,
 };
-use engine::{size_engine_pool, Chunks, Start, Targets};
+use engine::{size_engine_pool, start_ratio, Chunks, Start, Targets};
 
 use crate::budget::compressible_category;
 use crate::error::{invalid, non_negative, positive, Result};
@@ -464,6 +464,8 @@ struct Ctx<'a> {
     table: Arc<ServiceTable>,
     p_c: Vec<f64>,
     long_slots: u64,
+    /// The engine model's targets, the same for every pool of the sweep.
+    targets: Targets,
 }
 
 impl Ctx<'_> {
@@ -562,11 +564,6 @@ impl Ctx<'_> {
         n_slots: u64,
         start: Start<'_>,
     ) -> Result<PoolPlan> {
-        let slo = EngineSlo {
-            ttft_s: self.cfg.slo_ttft_s,
-            tpot_s: self.cfg.slo_tpot_s,
-            quantile: self.cfg.prefill_quantile,
-        };
         // The fewest chunks of any of the pool's requests.
         let fewest = sources
             .spans
@@ -591,8 +588,7 @@ impl Ctx<'_> {
             }
         };
         let pool = (context, n_slots, arrival_rate);
-        let ttft = (slo.quantile, TtftShift::NONE);
-        size_engine_from(self.profile, pool, load, slo, ttft, &build, start)
+        size_engine_from(self.profile, pool, load, self.targets, &build, start)
     }
 
     fn cost(&self, short_gpus: u64, long_gpus: u64) -> f64 {
@@ -648,16 +644,32 @@ pub fn size_engine_shifted(
     hint: Option<u64>,
 ) -> Result<PoolPlan> {
     let start = Start::At(hint);
-    size_engine_from(profile, pool, load, slo, ttft, chunks, start)
+    let targets = engine_targets(slo, ttft);
+    size_engine_from(profile, pool, load, targets, chunks, start)
 }
 
-/// [`size_engine_shifted`] with the search starting at `start`.
+/// The engine model's targets for `slo`, the TTFT met at its own quantile
+/// and holding `shift` beyond the pool's waits and prefill, `ttft =
+/// (quantile, shift)`.
+fn engine_targets(slo: EngineSlo, (quantile, shift): (f64, TtftShift)) -> Targets {
+    Targets {
+        shift,
+        quantile,
+        ..Targets::new(
+            slo.ttft_s,
+            slo.tpot_s.unwrap_or(f64::INFINITY),
+            slo.quantile,
+        )
+    }
+}
+
+/// [`size_engine_shifted`] with the search starting at `start`, its
+/// `targets` from [`engine_targets`].
 fn size_engine_from(
     profile: &Profile,
     (context, n_slots, arrival_rate): (u64, u64, f64),
     load: &EngineLoad,
-    slo: EngineSlo,
-    (ttft_quantile, shift): (f64, TtftShift),
+    targets: Targets,
     chunks: BuildChunks<'_>,
     start: Start<'_>,
 ) -> Result<PoolPlan> {
@@ -667,15 +679,6 @@ fn size_engine_from(
         chunk: profile.c_chunk,
         n_slots,
         kv_tokens: n_slots as f64 * context as f64,
-    };
-    let targets = Targets {
-        shift,
-        quantile: ttft_quantile,
-        ..Targets::new(
-            slo.ttft_s,
-            slo.tpot_s.unwrap_or(f64::INFINITY),
-            slo.quantile,
-        )
     };
     let pool = PoolPlan {
         context,
@@ -736,6 +739,105 @@ impl Sources {
             spans: [(span, 1.0), (span, 0.0)],
             point: (0, 0.0),
         }
+    }
+}
+
+/// A long pool of the engine model's sweep, sized for the candidates whose
+/// band ends at `floor(gamma B)` (the homogeneous pool at 0).
+#[derive(Debug, Clone, Copy)]
+struct LongPool {
+    /// Where its tail starts in the sorted order (the tail runs to the end).
+    tail: usize,
+    arrival_rate: f64,
+    /// Its count over its stability bound plus one ([`start_ratio`]).
+    ratio: f64,
+    /// The pool (an index into [`LongPools::alone`]), when it holds its
+    /// tail alone (no share of a band).
+    pool: Option<usize>,
+}
+
+/// The long pools of a sweep sized so far, ascending by their boundary
+/// `floor(gamma B)` (`at`, a vector of its own for the searches): where the
+/// next one's search starts, and the pools that a candidate with the same
+/// tail reuses (candidates of different `B` and `gamma` often cut at the
+/// same point: 768 is 512 x 1.5 and 768 x 1.0).
+struct LongPools {
+    at: Vec<f64>,
+    pools: Vec<LongPool>,
+    alone: Vec<PoolPlan>,
+    /// Where the last search ended: the sweep's boundaries rise with gamma,
+    /// so the next is a step or two away (a binary search's mispredicted
+    /// branches cost more).
+    cursor: std::cell::Cell<usize>,
+}
+
+impl LongPools {
+    /// The first index whose boundary is not below `at` (`or_equal`: above
+    /// it), walked from the last search's.
+    fn position(&self, at: f64, or_equal: bool) -> usize {
+        let below = |a: f64| a < at || (or_equal && a == at);
+        let mut i = self.cursor.get().min(self.at.len());
+        while i > 0 && !below(self.at[i - 1]) {
+            i -= 1;
+        }
+        while i < self.at.len() && below(self.at[i]) {
+            i += 1;
+        }
+        self.cursor.set(i);
+        i
+    }
+
+    /// The nearest pools at or below `at` and at or above it.
+    fn around(&self, at: f64) -> (Option<&LongPool>, Option<&LongPool>) {
+        let i = self.position(at, false);
+        let above = self.pools.get(i);
+        let below = if self.at.get(i) == Some(&at) {
+            above
+        } else {
+            i.checked_sub(1).and_then(|j| self.pools.get(j))
+        };
+        (below, above)
+    }
+
+    /// A pool sized alone for the same tail at an arrival rate equal to
+    /// `arrival_rate` but for rounding (the candidates' shares of the
+    /// traffic are sums in different orders): the same requests, the same
+    /// pool. Equal tails are neighbours in the order.
+    fn same(&self, at: f64, tail: usize, arrival_rate: f64) -> Option<PoolPlan> {
+        let (below, above) = self.around(at);
+        [below, above].into_iter().flatten().find_map(|p| {
+            let close = (p.arrival_rate - arrival_rate).abs() <= 1e-12 * arrival_rate;
+            p.pool
+                .filter(|_| p.tail == tail && close)
+                .map(|i| self.alone[i])
+        })
+    }
+
+    /// The start ratio at `at`: interpolated between the nearest pools
+    /// below and above (bracketed from both sides), or the one there is.
+    fn ratio(&self, at: f64) -> Option<f64> {
+        let i = self.position(at, false);
+        match (i.checked_sub(1), self.at.get(i)) {
+            (Some(j), Some(&hi)) if hi > at => {
+                let (lo, f) = (self.at[j], &self.pools);
+                let t = (at - lo) / (hi - lo);
+                Some(f[j].ratio + t * (f[i].ratio - f[j].ratio))
+            }
+            (_, Some(_)) => Some(self.pools[i].ratio),
+            (Some(j), None) => Some(self.pools[j].ratio),
+            (None, None) => None,
+        }
+    }
+
+    /// Adds a pool at `at`, to be reused if `alone` (see [`Self::same`]).
+    fn insert(&mut self, at: f64, mut pool: LongPool, alone: Option<PoolPlan>) {
+        if let Some(p) = alone {
+            pool.pool = Some(self.alone.len());
+            self.alone.push(p);
+        }
+        let i = self.position(at, true);
+        self.at.insert(i, at);
+        self.pools.insert(i, pool);
     }
 }
 
@@ -805,6 +907,14 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
         table: w.service_table(profile.c_chunk)?,
         p_c,
         long_slots: profile.slots(cfg.long_context)?,
+        targets: engine_targets(
+            EngineSlo {
+                ttft_s: cfg.slo_ttft_s,
+                tpot_s: cfg.slo_tpot_s,
+                quantile: cfg.prefill_quantile,
+            },
+            (cfg.prefill_quantile, TtftShift::NONE),
+        ),
     };
     let lam = cfg.arrival_rate;
     let everything = w.span(f64::NEG_INFINITY, f64::INFINITY);
@@ -828,13 +938,17 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
     }
 
     // Homogeneous: one pool at the long context holding every request.
+    let mut homo_found = (0, 0);
     let homo_pool = if engine {
         let load = ctx.engine_load(
             ctx.mix(everything, None, 1.0),
             ctx.chunks_quantile(everything),
         );
         let all = Sources::span(everything);
-        let start = Start::At(None);
+        let start = Start::Near {
+            ratio: None,
+            found: &mut homo_found,
+        };
         ctx.size_engine(lam, &load, all, cfg.long_context, ctx.long_slots, start)?
     } else {
         let (a0, a1) = profile.service_coefficients(ctx.long_slots);
@@ -889,11 +1003,25 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
 
     let (la0, la1) = profile.service_coefficients(ctx.long_slots);
     let mut sweep = Vec::with_capacity(b_list.len() * gammas.len());
-    // Neighbouring candidates need similar counts: each search starts near
-    // the last pool's of its kind (see `Start::Near`).
-    let (mut short_last, mut long_last) = (None, None);
-    // With p_c = 1 the long pool is its tail alone: equal tails, equal pools.
-    let mut long_cache: Option<(Span, f64, PoolPlan)> = None;
+    // Neighbouring candidates need similar counts (see `Start::Near`): each
+    // short pool's search starts near the last short pool's (the first near
+    // the homogeneous pool's), each long pool's between the long pools of
+    // the nearest boundaries below and above its own.
+    let mut short_last = homo_found;
+    let candidates = b_list.len() * gammas.len() + 1;
+    let mut longs = LongPools {
+        at: Vec::with_capacity(candidates),
+        pools: Vec::with_capacity(candidates),
+        alone: Vec::with_capacity(candidates),
+        cursor: std::cell::Cell::new(0),
+    };
+    let homo_long = LongPool {
+        tail: 0,
+        arrival_rate: lam,
+        ratio: start_ratio(homo_found),
+        pool: None,
+    };
+    longs.insert(0.0, homo_long, None);
     for &b in &b_list {
         let b_f = b as f64;
         let short_span = w.span(f64::NEG_INFINITY, b_f);
@@ -920,31 +1048,20 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                 start: band.end,
                 end: w.len(),
             };
-            let mut beta = 0.0;
-            let mut moved = 0.0;
-            let mut kept = 0.0;
-            let mut m_long = RangeMoments::EMPTY;
-            let mut mix_long = None;
-            if engine {
-                mix_long = Some(ctx.mix(tail, None, 1.0));
-            } else {
-                m_long = ctx.table.moments_all(w, tail, la0, la1);
-            }
+            let (mut beta, mut moved, mut kept) = (0.0, 0.0, 0.0);
             for (k, &pc) in ctx.p_c.iter().enumerate() {
                 let bk = w.category_fraction(band, k);
                 beta += bk;
                 moved += bk * pc;
                 kept += bk * (1.0 - pc);
-                if pc < 1.0 && bk > 0.0 {
-                    if let Some(m) = mix_long {
-                        mix_long = Some(m.merge(ctx.mix(band, Some(k), 1.0 - pc)));
-                    } else {
-                        let mut mk = ctx.table.moments(w, band, k, la0, la1);
-                        mk.weight *= 1.0 - pc;
-                        m_long = m_long.merge(mk);
-                    }
-                }
             }
+            // The long pool's share of each category's band, `1 - p_c`
+            // (its tail's moments merged with these, in this order).
+            let kept_bands = || {
+                (ctx.p_c.iter().enumerate())
+                    .filter(|&(k, &pc)| pc < 1.0 && w.category_fraction(band, k) > 0.0)
+                    .map(|(k, &pc)| (k, 1.0 - pc))
+            };
             let alpha_prime = (alpha + moved).min(1.0);
             let lam_s = alpha_prime * lam;
             let lam_l = (1.0 - alpha_prime) * lam;
@@ -974,17 +1091,27 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                         sources.point = (chunks, weight);
                     }
                     let load = ctx.engine_load(mix, chunks_q);
-                    let start = Start::Near(&mut short_last);
+                    let start = Start::Near {
+                        ratio: Some(start_ratio(short_last)),
+                        found: &mut short_last,
+                    };
                     let p = ctx.size_engine(lam_s, &load, sources, b, n_short, start)?;
                     short_cache = Some((lam_s, p));
                     p
                 }
             };
-            let long = match mix_long {
-                Some(_) if long_cache.is_some_and(|(t, l, _)| t == tail && l == lam_l) => {
-                    long_cache.map_or(PoolPlan::EMPTY, |(_, _, p)| p)
-                }
-                Some(mix) => {
+            // A long pool of its tail alone (no share of the band) is the
+            // same for every candidate with the same tail.
+            let alone = kept <= 0.0 && tail.end > tail.start;
+            let reused = (engine && alone)
+                .then(|| longs.same(gb, tail.start, lam_l))
+                .flatten();
+            let long = match reused {
+                Some(p) => p,
+                None if engine => {
+                    let mix = kept_bands().fold(ctx.mix(tail, None, 1.0), |m, (k, share)| {
+                        m.merge(ctx.mix(band, Some(k), share))
+                    });
                     let load = ctx.engine_load(mix, ctx.chunks_quantile(long_prefill_span));
                     let sources = Sources {
                         spans: [
@@ -994,14 +1121,28 @@ pub fn plan(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> {
                         point: (0, 0.0),
                     };
                     let (context, slots) = (cfg.long_context, ctx.long_slots);
-                    let start = Start::Near(&mut long_last);
+                    let mut found = (0, 0);
+                    let start = Start::Near {
+                        ratio: longs.ratio(gb),
+                        found: &mut found,
+                    };
                     let p = ctx.size_engine(lam_l, &load, sources, context, slots, start)?;
-                    if ctx.p_c.iter().all(|&pc| pc >= 1.0) {
-                        long_cache = Some((tail, lam_l, p));
-                    }
+                    let long = LongPool {
+                        tail: tail.start,
+                        arrival_rate: lam_l,
+                        ratio: start_ratio(found),
+                        pool: None,
+                    };
+                    longs.insert(gb, long, alone.then_some(p));
                     p
                 }
                 None => {
+                    let all = ctx.table.moments_all(w, tail, la0, la1);
+                    let m_long = kept_bands().fold(all, |m, (k, share)| {
+                        let mut mk = ctx.table.moments(w, band, k, la0, la1);
+                        mk.weight *= share;
+                        m.merge(mk)
+                    });
                     let long_svc = ctx.service(long_prefill_span, ctx.long_slots, m_long);
                     size_pool(
                         lam_l,
@@ -1199,6 +1340,51 @@ mod tests {
             took.sort_by(f64::total_cmp);
             println!("{name}: min {:.1} us, median {:.1} us", took[0], took[1500]);
         }
+    }
+
+    /// A sweep's long pools: reused for the same tail at the same rate
+    /// (to rounding) only, each search's start ratio interpolated between
+    /// the nearest boundaries, whatever order they come in.
+    #[test]
+    fn long_pools_by_boundary() {
+        let mut longs = LongPools {
+            at: Vec::new(),
+            pools: Vec::new(),
+            alone: Vec::new(),
+            cursor: std::cell::Cell::new(0),
+        };
+        let pool = |gpus| PoolPlan {
+            gpus,
+            ..PoolPlan::EMPTY
+        };
+        let long = |tail, arrival_rate, ratio| LongPool {
+            tail,
+            arrival_rate,
+            ratio,
+            pool: None,
+        };
+        assert_eq!(longs.ratio(100.0), None);
+        longs.insert(0.0, long(0, 1000.0, 1.5), None);
+        assert_eq!(longs.ratio(512.0), Some(1.5));
+        // Boundaries out of order, as a sweep's rows overlap.
+        longs.insert(1024.0, long(900, 300.0, 1.1), Some(pool(30)));
+        longs.insert(512.0, long(700, 500.0, 1.3), Some(pool(50)));
+        longs.insert(768.0, long(800, 400.0, 1.2), None);
+        assert_eq!(longs.at, [0.0, 512.0, 768.0, 1024.0]);
+        let close = |a: Option<f64>, b: f64| (a.expect("ratio") - b).abs() < 1e-12;
+        assert!(close(longs.ratio(256.0), 1.4));
+        assert!(close(longs.ratio(896.0), 1.15));
+        assert!(close(longs.ratio(768.0), 1.2));
+        assert!(close(longs.ratio(4096.0), 1.1));
+        // The same tail at the same rate but for rounding, at a boundary
+        // that cuts it in the same place (no request between).
+        let near = 500.0 * (1.0 + 1e-15);
+        assert_eq!(longs.same(530.0, 700, near).map(|p| p.gpus), Some(50));
+        assert_eq!(longs.same(1000.0, 900, 300.0).map(|p| p.gpus), Some(30));
+        // Another tail, another rate, or a pool that held a band's share.
+        assert_eq!(longs.same(530.0, 701, 500.0), None);
+        assert_eq!(longs.same(530.0, 700, 500.1), None);
+        assert_eq!(longs.same(768.0, 800, 400.0), None);
     }
 
     #[test]
