@@ -805,9 +805,21 @@ mod tests {
         );
     }
 
+    /// A data plane of [`redis_spec`].
+    fn redis_plane(url: &str, mode: &str) -> DataPlane {
+        let listen = Listen {
+            host: "127.0.0.1".into(),
+            port: 0,
+            metrics_port: None,
+            worker_threads: 1,
+            unix_socket: None,
+        };
+        DataPlane::start(redis_spec(url, mode), calibrator(), &listen).expect("start")
+    }
+
     /// `spec()` with admission in the Redis at `url` (`failure_mode`
     /// `mode`): tenant `demo` holds entitlement `g` of quota `p`.
-    fn redis_plane(url: &str, mode: &str) -> DataPlane {
+    fn redis_spec(url: &str, mode: &str) -> Spec {
         let mut spec = spec();
         spec.tenants[0].entitlement = Some("g".into());
         spec.admission = Some(serde_json::json!({"backend": "redis",
@@ -817,14 +829,7 @@ mod tests {
                               "service_class": "guaranteed", "slo_target_ms": 1000.0,
                               "tokens_per_s": 1e5, "kv_bytes": 1_i64 << 28, "concurrency": 32}],
             "redis": {"url": url, "prefix": "rc", "failure_mode": mode, "socket_timeout_s": 2.0}}));
-        let listen = Listen {
-            host: "127.0.0.1".into(),
-            port: 0,
-            metrics_port: None,
-            worker_threads: 1,
-            unix_socket: None,
-        };
-        DataPlane::start(spec, calibrator(), &listen).expect("start")
+        spec
     }
 
     /// Whether `plane` reports `readiness` SERVING (gRPC health, as Envoy asks).
@@ -916,6 +921,13 @@ mod tests {
             .query(&mut probe)
             .expect("EXISTS");
         assert_eq!(configured, 1);
+        let (calls, connections) = one_request(&plane, &mut probe);
+        assert_eq!((calls, connections), (admit_alone(), 0));
+        // A reload's new backend is warmed too, before its first request.
+        plane
+            .reload(redis_spec(&server.url(), "closed"))
+            .expect("reload");
+        eventually("warm after the reload", || warm(&plane));
         let (calls, connections) = one_request(&plane, &mut probe);
         assert_eq!((calls, connections), (admit_alone(), 0));
         assert_eq!(failures(&plane), 0);
