@@ -595,13 +595,20 @@ async fn ready_when_synced(
     draining: Arc<tokio::sync::Mutex<bool>>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let (warm_tx, warm) = watch::channel(false);
+    let (warm_tx, mut warm) = watch::channel(false);
     tokio::spawn(warm_admission(Arc::clone(&current), warm_tx, stop.clone()));
-    while !(*warm.borrow() && super::extproc::current(&current).synced()) {
-        tokio::select! {
-            _ = tokio::time::sleep(SYNC_POLL) => {}
-            _ = stop.changed() => return,
+    let synced = async {
+        while !super::extproc::current(&current).synced() {
+            tokio::time::sleep(SYNC_POLL).await;
         }
+    };
+    tokio::select! {
+        (warm, ()) = async { tokio::join!(async { warm.wait_for(|w| *w).await.is_ok() }, synced) } => {
+            if !warm {
+                return; // stopped while warming
+            }
+        }
+        _ = stop.changed() => return,
     }
     let draining = draining.lock().await;
     if !*draining {
