@@ -214,17 +214,20 @@ def test_verify_reports_planned_and_verified(capsys):
 
 def test_plan_fidelity_runs_a_scenario_with_progress(capsys):
     """One small scenario: per pool, planned beside the simulated minimum
-    (which meets the SLO, one GPU fewer does not: simulate's bisection), a
-    progress line per scenario on stderr, the rows as strict JSON."""
+    (which meets the SLO, one GPU fewer does not: simulate's bisection), 600 s
+    of arrivals by default (issue 27), on stderr each simulation's progress
+    and a line per scenario, the rows as strict JSON."""
     args = ["plan-fidelity", "--workload", "azure-code", "--rate", "100", "--slo-ttft", "2",
             "--fleet", "homogeneous", "--json"]  # fmt: skip
     assert main(args) == 0
     out, err = capsys.readouterr()
-    assert err.startswith("[1/1] azure-code 100 req/s TTFT 2 s (") and err.count("\n") == 1
+    *progress, last = err.splitlines()
+    assert last.startswith("[1/1] azure-code 100 req/s TTFT 2 s (")
+    assert "homogeneous    100% of 60000 requests" in progress
     data = json.loads(out)
     (row,) = data["rows"]
     assert (row["workload"], row["fleet"], row["pool"], row["requests"]) == (
-        "azure-code", "homogeneous", "homogeneous", 20_000
+        "azure-code", "homogeneous", "homogeneous", 60_000
     )  # fmt: skip
     assert row["within"] == (abs(row["planned"] - row["simulated"]) <= 1)
     assert data["summary"].startswith(f"{int(row['within'])} of 1 pools within 3% or 1 GPU")

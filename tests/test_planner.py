@@ -334,14 +334,16 @@ def test_engine_model_refuses_length_scaled_h():
 )
 def test_planned_pools_match_the_smallest_simulated_fleet(workload, rate):
     """A CI-sized part of the fidelity grid (``routecore plan-fidelity``; TTFT
-    2 s, TPOT 80 ms, Poisson arrivals, Llama-3-70B / A100): every pool of the
+    2 s, TPOT 80 ms, Poisson arrivals, Llama-3-70B / A100, 120 s of them, the
+    grid's former default: a fifth of its time): every pool of the
     homogeneous and pool-routing fleets within 3 % or 1 GPU of the smallest
     count the simulator accepts."""
     from routecore.planning import fidelity_markdown, fidelity_scenario
 
     rows = fidelity_scenario(
-        workload, rate, 2.0, "llama3_70b_a100", fleets=("homogeneous", "pool-routing")
-    )
+        workload, rate, 2.0, "llama3_70b_a100", duration_s=120.0,
+        fleets=("homogeneous", "pool-routing"),
+    )  # fmt: skip
     assert {r.fleet for r in rows} == {"homogeneous", "pool-routing"}
     for r in rows:
         assert r.within, fidelity_markdown(rows)
@@ -389,6 +391,45 @@ def test_a_pool_sized_on_each_requests_mean_tpot_meets_it_in_simulation():
     planned, (at, fewer) = simulated_attainment(1500.0, 0.08, [0, -2])
     assert planned == 45
     assert at >= 0.99 > fewer, (at, fewer)
+
+
+@pytest.mark.slow
+def test_a_slot_bound_long_pool_meets_its_slo_at_steady_state():
+    """Issue 27: the LMSYS-like workload at 1,000 req/s, TTFT 0.5 s, the
+    FleetOpt fleet's long pool (64K, 16 slots an endpoint, slot-bound, its
+    requests held for 15 s on average and up to minutes), 600 s of Poisson
+    arrivals: its TTFT misses come in bursts when every slot of the pool is
+    held, which the held slots' count reaches far more often than a Poisson
+    count (Erlang C) says: its variance is `t / W` times its mean
+    (``count_peakedness`` in rust/planner/engine.rs). The planned count meets
+    both SLOs for 99 % of the pool's requests, and two GPUs fewer do not (one
+    fewer may: the goal's tolerance). Before, Erlang C on the Poisson count
+    planned this fleet at gamma 1.7 with a long pool of 43 GPUs, which meets
+    them for 98.7 % (44 needed); now gamma 1.8, 76 + 41 GPUs, the long pool
+    99.1 % at 41 and 91.9 % at 39 (its simulated minimum 41)."""
+    import argparse
+
+    from routecore.commands import simulate as sim
+    from routecore.planning import fidelity_workload
+
+    rate, duration = 1000.0, 600.0
+    parser = argparse.ArgumentParser()
+    sim.add_arguments(parser)
+    args = parser.parse_args(
+        ["--rate", str(rate), "--slo-ttft", "0.5", "--slo-tpot", "0.08", "--seed", "42",
+         "--arrivals", "poisson", "--duration", str(duration), "--fleet", "fleetopt", "--quiet"]
+    )  # fmt: skip
+    w = fidelity_workload("lmsys-chat-1m")
+    profile = Profile.llama3_70b_a100()
+    (fleet,) = sim.plan_fleets(w, profile, args)
+    long = fleet.pools[-1]
+    assert (long.name, long.max_context, long.binding) == ("long", 65536, "slot")
+    trace = sim.trace_arrays(w, int(rate * duration), "poisson", 42)
+    planned, met = long.gpus, []
+    for gpus in (planned, planned - 2):
+        long.gpus = gpus
+        met.append(sim.pool_attainment(sim.run_fleet(fleet, trace, profile, args), args)[-1])
+    assert met[0] >= 0.99 > met[1], (planned, met)
 
 
 # --- the defects of issue 27 ------------------------------------------------------

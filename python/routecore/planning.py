@@ -105,10 +105,14 @@ FIDELITY_RATES = (100.0, 1000.0, 3000.0, 10000.0)
 FIDELITY_SLOS = (0.5, 1.0, 2.0)
 FIDELITY_FLEETS = ("homogeneous", "pool-routing", "fleetopt")
 #: Simulated seconds of arrivals per scenario (``rate x`` this many requests,
-#: at least ``FIDELITY_MIN_REQUESTS``): long enough for the long pools to reach
-#: their steady state (see ``routecore simulate --duration``).
-FIDELITY_DURATION_S = 120.0
+#: at least ``FIDELITY_MIN_REQUESTS``, at most ``FIDELITY_MAX_REQUESTS``): a
+#: pool settles over its requests' lifetime times ``t / W`` (docs/simulator.md,
+#: "Planner fidelity"), about two minutes for the compute-bound short pools
+#: at 1,000 req/s and longer for long pools, so 120 s biased their simulated
+#: minima low (issue 27); 600 s is steady state for every pool measured.
+FIDELITY_DURATION_S = 600.0
 FIDELITY_MIN_REQUESTS = 20_000
+FIDELITY_MAX_REQUESTS = 2_000_000
 
 
 def savings_note(result: Plan) -> str:
@@ -220,7 +224,7 @@ def fidelity_scenario(
     slo_tpot_s: float = 0.08,
     seed: int = 42,
     duration_s: float = FIDELITY_DURATION_S,
-    max_requests: int = 1_200_000,
+    max_requests: int = FIDELITY_MAX_REQUESTS,
     fleets: tuple[str, ...] = FIDELITY_FLEETS,
     quiet: bool = True,
 ) -> list[FidelityRow]:

@@ -16,8 +16,9 @@
 //! with the block), so the blocks of a run are checked independently of
 //! each other; the chained hash, where each block waits for the previous
 //! one, is computed only where a run ends. The same runs give a prompt's
-//! chained hashes without chaining them (`request_hashes_into`, which a
-//! picker hashes its prompt with). An endpoint holds a block while its
+//! chained hashes without chaining them (`request_hashes_into`), and a
+//! picker takes them with every live endpoint's answer from one walk
+//! (`walk_prompt`, then `KvHeld::held_into`). An endpoint holds a block while its
 //! engine holds it under some engine hash (engines that hash extra keys,
 //! such as a multimodal input or a cache salt, may store the same tokens
 //! under several). A LoRA adapter's blocks
@@ -57,7 +58,7 @@ use crate::prefix::{BlockStep, IdChain, MAX_BLOCK_SIZE, MAX_CAPACITY_BLOCKS};
 mod link;
 mod table;
 use link::Links;
-use table::{Hashed, Ids, Prompt, Table};
+use table::{Hashed, Ids, Prompt, Stop, Table};
 
 /// A query's scratch, kept per thread: no allocation per query once the
 /// fleet's size was seen.
@@ -467,6 +468,8 @@ struct Blocks {
 #[derive(Debug)]
 pub struct KvIndex {
     config: KvConfig,
+    /// This index's number in the process (what a [`KvHeld`] names).
+    number: u64,
     endpoints: RwLock<HashMap<String, Shared>>,
     blocks: RwLock<Blocks>,
 }
@@ -476,10 +479,72 @@ impl Default for KvIndex {
     fn default() -> Self {
         Self {
             config: KvConfig::default(),
+            number: next_number(),
             endpoints: RwLock::new(HashMap::new()),
             blocks: RwLock::default(),
         }
     }
+}
+
+/// A number no other index of the process has (never 0).
+fn next_number() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// What one walk (`KvIndex::walk_prompt`) found of a prompt: how many of
+/// its leading blocks every endpoint live then holds. `held_into` answers
+/// for a picker's candidates as `match_hashes` did at the walk. Empty (it
+/// answers nothing) until a walk fills it; reused, no allocation per walk
+/// once the fleet's size was seen.
+#[derive(Debug, Clone, Default)]
+pub struct KvHeld {
+    /// The index walked (`KvIndex::number`; 0: none).
+    index: u64,
+    /// The chain's seed: the adapter's.
+    seed: u64,
+    /// The prompt's full blocks.
+    blocks: usize,
+    /// The endpoints live at the walk, a bitset.
+    live: Vec<u64>,
+    /// Per endpoint id, the leading blocks it holds.
+    depth: Vec<u32>,
+}
+
+impl KvHeld {
+    /// Forgets the walk: answers nothing until the next.
+    pub fn clear(&mut self) {
+        self.index = 0;
+    }
+
+    /// When this is `kv`'s walk of a prompt for `adapter`: per endpoint of
+    /// `ids` (from `kv.endpoint_ids`) the leading blocks it held, into
+    /// `held` (cleared first; None for an endpoint not live then or a None
+    /// id), and the prompt's full blocks, as `kv.match_hashes` over the
+    /// prompt's hashes answered at the walk. None (and `held` untouched)
+    /// for another index's walk, another adapter's, or none.
+    pub fn held_into(
+        &self,
+        kv: &KvIndex,
+        adapter: Option<&str>,
+        ids: &[Option<u32>],
+        held: &mut Vec<Option<usize>>,
+    ) -> Option<usize> {
+        if self.index != kv.number || self.seed != lora_seed(kv.config.seed, adapter) {
+            return None;
+        }
+        held_of(&self.live, &self.depth, ids, held);
+        Some(self.blocks)
+    }
+}
+
+/// Per endpoint of `ids`, its depth when it is in `live`.
+fn held_of(live: &[u64], depth: &[u32], ids: &[Option<u32>], held: &mut Vec<Option<usize>>) {
+    held.clear();
+    held.extend(ids.iter().map(|id| {
+        let id = (*id)? as usize;
+        (live.get(id / 64)? >> (id % 64) & 1 == 1).then(|| depth[id] as usize)
+    }));
 }
 
 fn lock(e: &Shared) -> MutexGuard<'_, EndpointKv> {
@@ -490,6 +555,7 @@ impl KvIndex {
     pub fn new(config: KvConfig) -> Result<Self> {
         Ok(Self {
             config: config.check()?,
+            number: next_number(),
             endpoints: RwLock::new(HashMap::new()),
             blocks: RwLock::default(),
         })
@@ -826,7 +892,49 @@ impl KvIndex {
         out.clear();
         out.reserve(token_ids.len() / self.config.block_size);
         self.with_prompt(token_ids, adapter, |prompt, _| {
-            self.read_blocks().table.hashes(prompt, out)
+            let from = Stop::start(prompt.seed);
+            self.read_blocks().table.hashes(prompt, from, out)
+        });
+    }
+
+    /// `request_hashes_into` and `match_prompt` for every live endpoint in
+    /// one walk (what a picker asks before it knows its candidates): the
+    /// prompt's chained hashes into `hashes` (cleared first), and into
+    /// `held` how many of its leading blocks each endpoint live now holds
+    /// (read with `KvHeld::held_into`). The walk reads the hashes of the
+    /// blocks it goes through from the table, and the chain continues
+    /// from where it stopped as `request_hashes_into` does.
+    pub fn walk_prompt(
+        &self,
+        token_ids: &[u32],
+        adapter: Option<&str>,
+        hashes: &mut Vec<u64>,
+        held: &mut KvHeld,
+    ) {
+        hashes.clear();
+        hashes.reserve(token_ids.len() / self.config.block_size);
+        self.with_prompt(token_ids, adapter, |prompt, (_, alive)| {
+            let blocks = self.read_blocks();
+            let words = blocks.table.words();
+            held.live.clear();
+            held.live
+                .extend((0..words).map(|w| blocks.liveness.live_word(w)));
+            // The walk writes only those it settles: the others hold none.
+            held.depth.clear();
+            held.depth.resize(blocks.endpoints, 0);
+            alive.clear();
+            alive.extend_from_slice(&held.live);
+            let depth = &mut held.depth;
+            let stop = blocks.table.walk(
+                alive,
+                prompt,
+                |h| hashes.push(h),
+                |id, n| depth[id as usize] = n as u32,
+            );
+            blocks.table.hashes(prompt, stop, hashes);
+            held.index = self.number;
+            held.seed = prompt.seed;
+            held.blocks = prompt.blocks();
         });
     }
 
@@ -951,12 +1059,8 @@ impl KvIndex {
         }
         blocks
             .table
-            .walk(alive, prompt, |id, n| depth[id as usize] = n as u32);
-        held.clear();
-        held.extend(ids.iter().map(|id| {
-            let id = (*id)? as usize;
-            (asked.get(id / 64)? >> (id % 64) & 1 == 1).then(|| depth[id] as usize)
-        }));
+            .walk(alive, prompt, |_| (), |id, n| depth[id as usize] = n as u32);
+        held_of(asked, depth, ids, held);
     }
 
     /// `name`'s blocks (our hashes), sorted: replicas fed the same events agree.

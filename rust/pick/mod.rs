@@ -67,6 +67,7 @@ pub use vtc_router::VtcRouter;
 
 use crate::endpoint::{EndpointSet, EndpointState};
 use crate::error::{finite, invalid, non_negative, Error, Result};
+use crate::kv::KvHeld;
 use crate::prefix::PrefixIndex;
 use crate::rng::Rng;
 use crate::snapshot::{restore, Reader, Writer};
@@ -88,6 +89,11 @@ pub struct PickRequest<'a> {
     /// size and seed (computed from them here, not given apart): the
     /// precise-prefix scorer reads them instead of hashing the ids again.
     pub hashes_of_ids: bool,
+    /// The KV index's walk of `token_ids` that gave `hashes`
+    /// (`KvIndex::walk_prompt`, done before the picker's lock): the
+    /// precise-prefix scorer reads its endpoints' answers from it instead
+    /// of walking again, when it is its own index's walk for `adapter`.
+    pub kv_held: Option<&'a KvHeld>,
     /// LoRA adapter the request names (its model field); None = base model.
     pub adapter: Option<&'a str>,
     /// Subset hint, resolved to endpoint indices.

@@ -9,9 +9,10 @@
 //! prefill/decode [`Split`]. The request's prompt is hashed once, with the
 //! prefix plugin's block size and seed ([`PoolPicker::hash_prompt`]): the
 //! approximate index and, when the chains agree, the KV-event index
-//! (`KvIndex::match_hashes`) read the same hashes; then the KV index's table
-//! gives the hashes of the blocks it holds (`KvIndex::request_hashes_into`)
-//! instead of the chain computing them one after the other. A request is started
+//! (`KvIndex::match_hashes`) read the same hashes; then one walk of the KV
+//! index's table gives the hashes of the blocks it holds (instead of the
+//! chain computing them one after the other) and every live endpoint's
+//! answer (`KvIndex::walk_prompt`), which the precise-prefix scorer reads. A request is started
 //! exactly once on the endpoint chosen (plugins told, one more in flight and
 //! dispatched since the scrape) and completed exactly once (one fewer,
 //! `NotInFlight` with nothing changed when none is).
@@ -22,7 +23,7 @@ use super::split::{Pair, Split};
 use super::{PickConfig, PickRequest, Pipeline, Recorded};
 use crate::endpoint::{complete_one, set_in_flight, EndpointState, Saturation};
 use crate::error::{invalid, Error, Result};
-use crate::kv::KvIndex;
+use crate::kv::{KvHeld, KvIndex};
 use crate::prefix::{block_hashes_into, Tokens};
 use crate::snapshot::{Reader, Writer};
 
@@ -81,22 +82,24 @@ impl PoolPicker {
     /// A prompt's block hashes into `out` (cleared), with `block` (a
     /// picker's [`PoolPicker::block`]: nothing without a prefix plugin):
     /// token ids through `kv` (the picker's [`PoolPicker::kv`]) when it
-    /// keys `adapter`'s blocks with that chain, the same hashes. An
-    /// associated function, so that a caller can hash a long prompt before
-    /// it takes the picker's lock.
+    /// keys `adapter`'s blocks with that chain, the same hashes, and then
+    /// that walk's answers in `held` (the request's `kv_held`; cleared
+    /// otherwise). An associated function, so that a caller can hash a long
+    /// prompt before it takes the picker's lock.
     pub fn hash_prompt(
         block: Option<(usize, u64)>,
         kv: Option<&KvIndex>,
         adapter: Option<&str>,
         tokens: Tokens<'_>,
-        out: &mut Vec<u64>,
+        (out, held): (&mut Vec<u64>, &mut KvHeld),
     ) -> Result<()> {
         out.clear();
+        held.clear();
         match (block, kv, tokens) {
             (Some((size, seed)), Some(kv), Tokens::Ids(ids))
                 if kv.keys_like(size, seed, adapter) =>
             {
-                kv.request_hashes_into(ids, adapter, out);
+                kv.walk_prompt(ids, adapter, out, held);
                 Ok(())
             }
             (Some((size, seed)), ..) => block_hashes_into(tokens, size, seed, out),
@@ -400,18 +403,20 @@ mod tests {
         let p = picker(2, None);
         assert_eq!(p.block(), Some((4, 9)));
         let tokens = Tokens::Ids(&[1, 2, 3, 4, 5, 6, 7, 8, 9]);
-        let mut out = vec![42];
-        PoolPicker::hash_prompt(p.block(), None, None, tokens, &mut out).expect("hashes");
+        let (mut out, mut held) = (vec![42], KvHeld::default());
+        PoolPicker::hash_prompt(p.block(), None, None, tokens, (&mut out, &mut held))
+            .expect("hashes");
         assert_eq!(out, block_hashes(tokens, 4, 9).expect("hashes"));
         assert_eq!(out.len(), 2);
-        PoolPicker::hash_prompt(None, None, None, tokens, &mut out).expect("none");
+        PoolPicker::hash_prompt(None, None, None, tokens, (&mut out, &mut held)).expect("none");
         assert!(out.is_empty());
     }
 
     /// Token ids hashed through a KV index (which reads the hashes of the
     /// blocks it holds from its table) are the chain's hashes, for a base
-    /// prompt and an adapter's; a KV index keyed by another chain (another
-    /// seed) is not used.
+    /// prompt and an adapter's, and the walk's answers are `match_hashes`'
+    /// over them for that adapter only; a KV index keyed by another chain
+    /// (another seed) is not used and answers nothing.
     #[test]
     fn hashing_through_the_kv_index_gives_the_chains_hashes() {
         use crate::kv::index::lora_seed;
@@ -425,6 +430,7 @@ mod tests {
             })
             .expect("kv");
             kv.add_endpoint("e");
+            kv.set_connected("e", true).expect("e");
             for (seq, lora) in [None, Some("sql")].into_iter().enumerate() {
                 kv.observe("e", seq as u64).expect("seq");
                 let stored = Event::Stored(Stored {
@@ -441,18 +447,29 @@ mod tests {
             for adapter in [None, Some("sql")] {
                 let seed = lora_seed(kv_seed, adapter);
                 let block = Some((4, seed));
-                let mut out = Vec::new();
+                let (mut out, mut held) = (Vec::new(), KvHeld::default());
                 let tokens = Tokens::Ids(&ids);
-                PoolPicker::hash_prompt(block, Some(&kv), adapter, tokens, &mut out).expect("h");
+                PoolPicker::hash_prompt(block, Some(&kv), adapter, tokens, (&mut out, &mut held))
+                    .expect("h");
                 assert_eq!(
                     out,
                     block_hashes(tokens, 4, seed).expect("h"),
                     "{adapter:?}"
                 );
+                let ask = [Some(0), None];
+                let (mut walked, mut want) = (Vec::new(), Vec::new());
+                kv.match_hashes(&out, &ask, &mut want);
+                assert_eq!(want, [Some(6), None]);
+                assert_eq!(held.held_into(&kv, adapter, &ask, &mut walked), Some(10));
+                assert_eq!(walked, want, "{adapter:?}");
+                let other_adapter = adapter.map_or(Some("x"), |_| None);
+                assert_eq!(held.held_into(&kv, other_adapter, &ask, &mut walked), None);
                 // The plugin's chain is another one than the index's.
                 let other = Some((4, seed ^ 1));
-                PoolPicker::hash_prompt(other, Some(&kv), adapter, tokens, &mut out).expect("h");
+                PoolPicker::hash_prompt(other, Some(&kv), adapter, tokens, (&mut out, &mut held))
+                    .expect("h");
                 assert_eq!(out, block_hashes(tokens, 4, seed ^ 1).expect("h"));
+                assert_eq!(held.held_into(&kv, adapter, &ask, &mut walked), None);
             }
         }
     }

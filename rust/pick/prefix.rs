@@ -165,13 +165,19 @@ impl PrefixScorer {
             self.kv_cand.clear();
             self.kv_cand
                 .extend(ctx.cand.iter().map(|&c| self.kv_ids[c]));
-            // The prompt is hashed once for both indexes where their
-            // chains agree.
+            // The answers of the walk that hashed the prompt, else the
+            // prompt is hashed once for both indexes where their chains
+            // agree.
             let c = &self.config;
-            let blocks = match req.hashes_of_ids && kv.keys_like(c.block_size, c.seed, req.adapter)
-            {
-                true => kv.match_hashes(req.hashes, &self.kv_cand, &mut self.kv_held),
-                false => kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held),
+            let walked = req
+                .kv_held
+                .and_then(|h| h.held_into(kv, req.adapter, &self.kv_cand, &mut self.kv_held));
+            let blocks = match walked {
+                Some(blocks) => blocks,
+                None if req.hashes_of_ids && kv.keys_like(c.block_size, c.seed, req.adapter) => {
+                    kv.match_hashes(req.hashes, &self.kv_cand, &mut self.kv_held)
+                }
+                None => kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held),
             };
             for ((o, p), held) in out.iter_mut().zip(&mut self.precise).zip(&self.kv_held) {
                 if let Some(held) = *held {
@@ -437,7 +443,7 @@ mod tests {
     use super::super::{PickConfig, Pipeline};
     use super::*;
     use crate::endpoint::EndpointState;
-    use crate::kv::{Event, KvConfig, Stored};
+    use crate::kv::{Event, KvConfig, KvHeld, Stored};
     use crate::prefix::{block_hashes, Tokens};
     use crate::rng::Rng;
 
@@ -624,6 +630,38 @@ mod tests {
         kv.apply("e1", 1, &[Ok(Event::Cleared)], 0.0)
             .expect("apply");
         assert_eq!(p.pick_one(&r, &states), Ok(Some(0)), "by load");
+    }
+
+    /// A request carrying the walk that hashed its prompt (`kv_held`) is
+    /// scored from that walk: the index as it was then (here, before the
+    /// holder's engine cleared its cache), and only when the walk is the
+    /// scorer's own index's for the request's adapter (another index's
+    /// walk, or the base model's walk for an adapter's request, is not
+    /// read: the index answers as it is now).
+    #[test]
+    fn a_request_with_the_walk_that_hashed_it_is_scored_from_that_walk() {
+        let prompt: Vec<u32> = (0..32).collect();
+        let kv = kv_with("e1", &prompt, None);
+        let other = kv_with("e2", &prompt, None);
+        let mut p = pipeline(&kv);
+        let states = vec![EndpointState::default(); 3];
+        let (mut hashes, mut walked) = (Vec::new(), KvHeld::default());
+        kv.walk_prompt(&prompt, None, &mut hashes, &mut walked);
+        let (mut other_hashes, mut other_walk) = (Vec::new(), KvHeld::default());
+        other.walk_prompt(&prompt, None, &mut other_hashes, &mut other_walk);
+        assert_eq!(hashes, other_hashes);
+        kv.observe("e1", 1).expect("seq");
+        kv.apply("e1", 1, &[Ok(Event::Cleared)], 0.0)
+            .expect("apply");
+        let mut r = request(&hashes, Some(&prompt));
+        r.kv_held = Some(&walked);
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(1)), "the walk's holder");
+        r.kv_held = Some(&other_walk);
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(0)), "not its index's walk");
+        let mut r = request(&hashes, Some(&prompt));
+        r.kv_held = Some(&walked);
+        r.adapter = Some("sql");
+        assert_eq!(p.pick_one(&r, &states), Ok(Some(0)), "another adapter's");
     }
 
     /// A pick that hands the KV index the prompt's hashes (computed once,

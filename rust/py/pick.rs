@@ -11,7 +11,7 @@ use super::{
 use crate::budget::MAX_TOKENS;
 use crate::endpoint::EndpointState;
 use crate::error::{finite, invalid, non_negative, Error, Result};
-use crate::kv::KvIndex;
+use crate::kv::{KvHeld, KvIndex};
 use crate::pd::{Decider, Role, Split};
 use crate::pick::{PickConfig, PickRequest, Pipeline, PluginSpec, PoolPicker, PRESETS};
 use crate::prefix::{block_hashes_many, check_offsets, Tokens};
@@ -32,7 +32,15 @@ struct Inner {
     /// The endpoint names as Python strings (returned without a copy).
     names: Vec<Py<PyString>>,
     /// Scratch: the current request's block hashes.
+    hashes: Hashed,
+}
+
+/// A request's block hashes and, when the KV index hashed its token ids,
+/// that walk's answers (`PoolPicker::hash_prompt`).
+#[derive(Debug, Default)]
+struct Hashed {
     hashes: Vec<u64>,
+    held: KvHeld,
 }
 
 /// One request's arguments, checked.
@@ -70,12 +78,18 @@ impl<'a> Args<'a> {
         })
     }
 
-    /// The request with its block hashes and token ids (`ids_of`).
-    fn request<'h>(&'h self, hashes: &'h [u64], token_ids: Option<&'h [u32]>) -> PickRequest<'h> {
+    /// The request with its block hashes (none: `None`) and token ids
+    /// (`ids_of`).
+    fn request<'h>(
+        &'h self,
+        hashed: Option<&'h Hashed>,
+        token_ids: Option<&'h [u32]>,
+    ) -> PickRequest<'h> {
         PickRequest {
-            hashes,
+            hashes: hashed.map_or(&[], |h| &h.hashes),
             token_ids,
             hashes_of_ids: self.hashes_of_ids && token_ids.is_some(),
+            kv_held: hashed.map(|h| &h.held),
             adapter: self.adapter,
             subset: self.subset.as_deref(),
             fairness_id: self.fairness_id,
@@ -167,7 +181,7 @@ impl Inner {
             picker,
             preset,
             names,
-            hashes: Vec::new(),
+            hashes: Hashed::default(),
         }
     }
 
@@ -185,14 +199,14 @@ impl Inner {
     }
 
     fn check(&self, a: &Args<'_>) -> Result<()> {
-        self.picker.check(&a.request(&[], None))
+        self.picker.check(&a.request(None, None))
     }
 
     /// Picks for one request (its block hashes in `self.hashes`, its token
     /// ids) and starts it on the chosen endpoint.
     fn start(&mut self, a: &Args<'_>, ids: Option<&[u32]>) -> Result<Option<usize>> {
         let Inner { picker, hashes, .. } = self;
-        picker.start(&a.request(hashes, ids))
+        picker.start(&a.request(Some(hashes), ids))
     }
 }
 
@@ -233,22 +247,26 @@ impl PyEndpointPicker {
         tokens: Option<Tokens<'_>>,
         adapter: Option<&str>,
         hashes: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<u64>> {
+    ) -> PyResult<Hashed> {
         if let Some(h) = hashes {
-            return hash_array(h);
+            return Ok(Hashed {
+                hashes: hash_array(h)?,
+                held: KvHeld::default(),
+            });
         }
         let (Some(t), Some(_)) = (tokens, self.block) else {
-            return Ok(Vec::new());
+            return Ok(Hashed::default());
         };
         let mut out = std::mem::take(&mut *lock(&self.spare));
         detach_if(py, t.len() >= DETACH_TOKENS, || {
-            PoolPicker::hash_prompt(self.block, self.kv.as_deref(), adapter, t, &mut out)
+            let Hashed { hashes, held } = &mut out;
+            PoolPicker::hash_prompt(self.block, self.kv.as_deref(), adapter, t, (hashes, held))
         })?;
         Ok(out)
     }
 
     /// Gives a hash buffer back for the next call.
-    fn give_back(&self, buf: Vec<u64>) {
+    fn give_back(&self, buf: Hashed) {
         *lock(&self.spare) = buf;
     }
 }
@@ -367,7 +385,7 @@ pub struct PyEndpointPicker {
     /// The KV-event index it reads (which hashes the token ids it holds).
     kv: Option<Arc<KvIndex>>,
     /// A spare hash buffer, filled outside the lock and swapped in.
-    spare: Mutex<Vec<u64>>,
+    spare: Mutex<Hashed>,
 }
 
 impl PyEndpointPicker {
@@ -429,7 +447,7 @@ impl PyEndpointPicker {
             block: inner.picker.block(),
             kv: inner.picker.kv(),
             inner: Mutex::new(inner),
-            spare: Mutex::new(Vec::new()),
+            spare: Mutex::default(),
         })
     }
 
@@ -533,7 +551,7 @@ impl PyEndpointPicker {
             names,
             ..
         } = &mut *inner;
-        let pair = picker.place(&args.request(hashes, ids_of(t)))?;
+        let pair = picker.place(&args.request(Some(hashes), ids_of(t)))?;
         Ok(pair.map(|p| {
             let prefill = p.prefill.map(|(e, _)| names[e].clone_ref(py));
             (names[p.decode].clone_ref(py), prefill)
@@ -619,7 +637,7 @@ impl PyEndpointPicker {
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
         let Inner { picker, hashes, .. } = &mut *inner;
         let mut out = Vec::new();
-        picker.rank(&args.request(hashes, ids_of(t)), &mut out)?;
+        picker.rank(&args.request(Some(hashes), ids_of(t)), &mut out)?;
         let names = picker.names();
         Ok(out.into_iter().map(|e| names[e].clone()).collect())
     }
@@ -724,8 +742,10 @@ impl PyEndpointPicker {
             let mut out = Vec::with_capacity(n);
             for (i, args) in batch.iter().enumerate() {
                 let h = &hashes[hash_offsets[i] as usize..hash_offsets[i + 1] as usize];
-                inner.hashes.clear();
-                inner.hashes.extend_from_slice(h);
+                let hashed = &mut inner.hashes;
+                hashed.held.clear();
+                hashed.hashes.clear();
+                hashed.hashes.extend_from_slice(h);
                 out.push(inner.start(args, ids(i))?.map_or(-1, |e| e as i64));
             }
             Ok(out)
@@ -767,7 +787,7 @@ impl PyEndpointPicker {
         inner.check(&args)?;
         self.give_back(std::mem::replace(&mut inner.hashes, hashes));
         let Inner { picker, hashes, .. } = &mut *inner;
-        picker.started(&args.request(hashes, None), e)?;
+        picker.started(&args.request(Some(hashes), None), e)?;
         Ok(())
     }
 
@@ -803,7 +823,7 @@ impl PyEndpointPicker {
         inner.check(&args)?;
         inner
             .picker
-            .complete(e, &args.request(&[], None), input_tokens, output_tokens)?;
+            .complete(e, &args.request(None, None), input_tokens, output_tokens)?;
         Ok(())
     }
 
@@ -961,7 +981,7 @@ impl PyEndpointPicker {
             block: inner.picker.block(),
             kv: inner.picker.kv(),
             inner: Mutex::new(inner),
-            spare: Mutex::new(Vec::new()),
+            spare: Mutex::default(),
         })
     }
 

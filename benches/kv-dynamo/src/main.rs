@@ -16,6 +16,8 @@ use dynamo_kv_router::protocols::{
     KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, RouterEvent,
 };
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
+#[cfg(not(feature = "before"))]
+use routecore::kv::KvHeld;
 use routecore::kv::{Event, KvConfig, KvIndex, Seq, Stored};
 use serde_json::Value;
 
@@ -222,6 +224,8 @@ struct RoutecoreQuery<'a> {
     ids: Vec<Option<u32>>,
     hashes: Vec<u64>,
     held: Vec<Option<usize>>,
+    #[cfg(not(feature = "before"))]
+    walked: KvHeld,
 }
 
 impl<'a> RoutecoreQuery<'a> {
@@ -233,6 +237,8 @@ impl<'a> RoutecoreQuery<'a> {
             ids: kv.endpoint_ids(names),
             hashes: Vec::new(),
             held: Vec::new(),
+            #[cfg(not(feature = "before"))]
+            walked: KvHeld::default(),
         }
     }
 
@@ -262,6 +268,19 @@ impl<'a> RoutecoreQuery<'a> {
         self.kv.request_hashes_into(prompt, None, &mut self.hashes);
         self.kv
             .match_hashes(&self.hashes, &self.ids, &mut self.held);
+        &self.held
+    }
+
+    /// The picker's path since issue 28's fifth part: one walk gives the
+    /// prompt's hashes and every live endpoint's answer
+    /// (`KvIndex::walk_prompt`), read for the candidates after.
+    #[cfg(not(feature = "before"))]
+    fn one_walk(&mut self, prompt: &[u32]) -> &[Option<usize>] {
+        self.kv
+            .walk_prompt(prompt, None, &mut self.hashes, &mut self.walked);
+        self.walked
+            .held_into(self.kv, None, &self.ids, &mut self.held)
+            .expect("this index's walk");
         &self.held
     }
 
@@ -530,7 +549,11 @@ fn main() {
         for p in w.queries.iter().chain(&w.served) {
             let each = q.each(p).to_vec();
             #[cfg(not(feature = "before"))]
-            assert_eq!(q.walk(p), each.as_slice());
+            {
+                assert_eq!(q.walk(p), each.as_slice());
+                assert_eq!(q.one_walk(p), each.as_slice());
+                assert_eq!(q.hashes, kv.request_hashes(p, None));
+            }
             let seq = dynamo_hash(&w, p);
             let theirs = [
                 overlaps(&w, &tree.find_matches(seq.clone(), false)),
@@ -590,6 +613,13 @@ fn main() {
                 "routecore request_hashes + match_hashes (a pick's shared hashes)",
                 time(&mut |p| {
                     black_box(q.hash_then_walk(p));
+                }),
+            ));
+            #[cfg(not(feature = "before"))]
+            rows.push((
+                "routecore walk_prompt + held_into (a pick's path: hashes and answers, one walk)",
+                time(&mut |p| {
+                    black_box(q.one_walk(p));
                 }),
             ));
             #[cfg(not(feature = "before"))]

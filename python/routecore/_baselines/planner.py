@@ -413,12 +413,13 @@ def miss(s, pw, hist, t, ttft, half=0.5):
     return total
 
 
-def slot_wait(gpus, slots, mu, lam, exact):
+def slot_wait(gpus, slots, mu, lam, exact, peakedness):
     """The per-endpoint slot wait: Erlang C (or its bound) drained at
-    (1 - rho^n) S mu."""
-    servers = gpus * slots
-    offered = lam / mu
-    rho = offered / servers
+    (1 - rho^n) S mu, taken at round(c / z) servers with rho kept, z the held
+    slots' peakedness t / W (Hayward's approximation)."""
+    rho = lam / mu / (gpus * slots)
+    servers = min(max(math.floor(gpus * slots / max(peakedness, 1.0) + 0.5), 1), gpus * slots)
+    offered = rho * servers
     ln_pmf = -stirlerr(servers) - bd0(servers, offered) - 0.5 * math.log(2 * math.pi * servers)
     bound = min(2 * math.exp(ln_pmf) / (1 - offered / servers), 1.0)
     if offered <= 0 or bound < 1e-12:
@@ -462,7 +463,7 @@ def engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99, s
         return (k + half) * (t_own + per_chunk) + (0.5 - half) * per_chunk + offset
 
     def slot(exact):
-        return slot_wait(n, n_slots, mu, lam, exact) if occ > 0 else (0.0, 0.0)
+        return slot_wait(n, n_slots, mu, lam, exact, max(t / w, 1.0)) if occ > 0 else (0.0, 0.0)
 
     def ttft_q(sw):
         return wait_quantile(sw, r / 2) + wait_quantile(prefill, r / 2) + after(q)

@@ -1,7 +1,8 @@
 """``routecore plan-fidelity``: the planner's fidelity grid. Per scenario
 (workload x rate x TTFT target) and per pool of each fleet, the planned GPUs
 beside the smallest count the simulator accepts (``routecore.planning.
-fidelity_scenario``); one progress line per scenario on stderr; the rows as
+fidelity_scenario``); on stderr each simulation's progress and the
+verification's rounds, and one line per scenario; the rows as
 the README's markdown table (or ``--json``) and a closing summary line."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from routecore.commands._args import (
 from routecore.planning import (
     FIDELITY_DURATION_S,
     FIDELITY_FLEETS,
+    FIDELITY_MAX_REQUESTS,
     FIDELITY_RATES,
     FIDELITY_SLOS,
     FIDELITY_WORKLOADS,
@@ -81,13 +83,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=FIDELITY_DURATION_S,
         help=f"simulated seconds of Poisson arrivals per scenario (default "
-        f"{FIDELITY_DURATION_S:g}; at least 20,000 requests)",
+        f"{FIDELITY_DURATION_S:g}: steady state for the pools near saturation, whose "
+        "minimum 120 s biased low; at least 20,000 requests)",
     )
     p.add_argument(
         "--max-requests",
         type=positive_int,
-        default=1_200_000,
-        help="at most this many requests per scenario (default 1,200,000)",
+        default=FIDELITY_MAX_REQUESTS,
+        help=f"at most this many requests per scenario (default {FIDELITY_MAX_REQUESTS:,}: "
+        "600 s at 3,000 req/s; at 10,000 req/s 200 s)",
     )
     add_seed(p, "arrival and dispatch seed")
     add_json(p, "the rows as JSON")
@@ -117,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 duration_s=args.duration,
                 max_requests=args.max_requests,
                 fleets=tuple(args.fleet or FIDELITY_FLEETS),
+                quiet=args.quiet,
             )
         except ValueError as e:
             # A plan the simulator cannot run (a pool above its endpoint

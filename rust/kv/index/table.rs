@@ -224,6 +224,12 @@ pub(super) trait Prompt {
     fn seed(&self) -> u64;
     fn hash(&mut self, prev: u64, n: usize) -> u64;
     fn run_key(&mut self, before: &Slot, n: usize) -> u64;
+    /// `run_key` of blocks `n..n + out.len()` after the slots `before`.
+    fn run_keys(&mut self, before: &[Slot], n: usize, out: &mut [u64]) {
+        for (k, (o, x)) in out.iter_mut().zip(before).enumerate() {
+            *o = self.run_key(x, n + k);
+        }
+    }
     fn key_of(x: &Slot) -> u64;
 }
 
@@ -257,6 +263,17 @@ impl Prompt for Ids<'_> {
             .link(before.link, &self.ids[n * bs..(n + 1) * bs], self.seed)
     }
     #[inline(always)]
+    fn run_keys(&mut self, before: &[Slot], n: usize, out: &mut [u64]) {
+        let bs = self.block_size;
+        let mut prevs = [0u64; RUN_CHUNK];
+        let prevs = &mut prevs[..out.len()];
+        for (p, x) in prevs.iter_mut().zip(before) {
+            *p = x.link;
+        }
+        let blocks = &self.ids[n * bs..(n + out.len()) * bs];
+        self.links.links(prevs, blocks, self.seed, out);
+    }
+    #[inline(always)]
     fn key_of(x: &Slot) -> u64 {
         x.link
     }
@@ -285,6 +302,34 @@ impl Prompt for Hashed<'_> {
     #[inline(always)]
     fn key_of(x: &Slot) -> u64 {
         x.hash
+    }
+}
+
+/// Where a walk stopped: the blocks it went through (`n`), the hash of the
+/// last of them (the chain's seed before the first) and its slot.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Stop {
+    n: usize,
+    prev: u64,
+    at: Option<usize>,
+}
+
+impl Stop {
+    /// Before the first block of a chain from `seed`.
+    pub(super) fn start(seed: u64) -> Self {
+        Self {
+            n: 0,
+            prev: seed,
+            at: None,
+        }
+    }
+    /// After `n` blocks, the last in slot `s`.
+    fn at(slab: &[Slot], s: usize, n: usize) -> Self {
+        Self {
+            n,
+            prev: slab[s].hash,
+            at: Some(s),
+        }
     }
 }
 
@@ -457,19 +502,22 @@ impl Table {
         hashes.len()
     }
 
-    /// Appends the chained hashes of `prompt`'s blocks to `out`: along a
+    /// Appends the chained hashes of `prompt`'s blocks from block `from.n`
+    /// on to `out` (`from`: where a walk stopped, or the start): along a
     /// run of slots holding its blocks (each checked by its link from the
     /// slot before, independent per block), the slots' hashes; elsewhere
     /// the chain, looking each block up to start a run until one is not
     /// found (no lookup after that). A slot keeps its hash and link when
     /// its block dies, so a run goes through dead slots too.
-    pub(super) fn hashes(&self, prompt: &mut Ids<'_>, out: &mut Vec<u64>) {
+    pub(super) fn hashes(&self, prompt: &mut Ids<'_>, from: Stop, out: &mut Vec<u64>) {
         let slab = &self.slab;
-        let mut prev = prompt.seed();
-        // The slot of the block before, while runs are looked for.
-        let mut at: Option<usize> = None;
+        let Stop {
+            n,
+            mut prev,
+            mut at,
+        } = from;
         let mut looking = true;
-        for n in 0..prompt.blocks() {
+        for n in n..prompt.blocks() {
             let next = at
                 .map(|s| s + 1)
                 .filter(|&s| s < slab.len() && slab[s].link == prompt.run_key(&slab[s - 1], n));
@@ -495,22 +543,25 @@ impl Table {
     /// (a bitset of `words()` words, emptied on the way) holds every block
     /// so far, and calls `settle(id, n)` once per endpoint of `alive` that
     /// holds the first `n >= 1` blocks and not the next (or there is none);
-    /// the others hold none.
+    /// the others hold none. `found` is told the hash of every block the
+    /// walk went through, in order (the slot's, along a run). Returns where
+    /// it stopped.
     pub(super) fn walk<P: Prompt>(
         &self,
         alive: &mut [u64],
         prompt: &mut P,
+        mut found: impl FnMut(u64),
         mut settle: impl FnMut(u32, usize),
-    ) {
+    ) -> Stop {
         let slab = &self.slab;
         let blocks = prompt.blocks();
+        let mut stop = Stop::start(prompt.seed());
         let mut n = 0;
-        let mut prev = prompt.seed();
-        while n < blocks && alive.iter().any(|&a| a != 0) {
+        'walk: while n < blocks && alive.iter().any(|&a| a != 0) {
             // Block n by its hash, then the slots after it while they hold
             // the blocks after it: each checked from the slot before (its
             // link, or its hash), not from the block just checked.
-            let hash = prompt.hash(prev, n);
+            let hash = prompt.hash(stop.prev, n);
             let Some(mut s) = self.find(hash) else {
                 break;
             };
@@ -518,8 +569,9 @@ impl Table {
             // with the same holders (most of a run) keeps every endpoint.
             let mut kept = slab[s].holders;
             if !self.keep(alive, kept, n, &mut settle) {
-                return;
+                break;
             }
+            found(hash);
             n += 1;
             // In chunks: computing a chunk's keys first, comparing after,
             // leaves the compiler no equality to put the computed key in
@@ -530,9 +582,7 @@ impl Table {
             'run: loop {
                 let m = chunk.min(blocks - n).min(slab.len() - 1 - s);
                 let mut next = [0u64; RUN_CHUNK];
-                for (k, h) in next[..m].iter_mut().enumerate() {
-                    *h = prompt.run_key(&slab[s + k], n + k);
-                }
+                prompt.run_keys(&slab[s..s + m], n, &mut next[..m]);
                 for &h in &next[..m] {
                     let x = slab[s + 1];
                     if x.holders == DEAD || P::key_of(&x) != h {
@@ -540,10 +590,12 @@ impl Table {
                     }
                     if x.holders != kept {
                         if !self.keep(alive, x.holders, n, &mut settle) {
-                            return;
+                            stop = Stop::at(slab, s, n);
+                            break 'walk;
                         }
                         kept = x.holders;
                     }
+                    found(x.hash);
                     n += 1;
                     s += 1;
                 }
@@ -552,11 +604,12 @@ impl Table {
                 }
                 chunk = (2 * chunk).min(RUN_CHUNK);
             }
-            prev = slab[s].hash;
+            stop = Stop::at(slab, s, n);
         }
         for (w, a) in alive.iter_mut().enumerate() {
             settle_bits(w, std::mem::take(a), n, &mut settle);
         }
+        stop
     }
 
     /// Keeps the endpoints of `alive` that hold a block, settling the others
@@ -762,9 +815,12 @@ mod tests {
             alive[p as usize / 64] |= 1 << (p % 64);
         }
         let mut got = HashMap::new();
-        t.walk(&mut alive, prompt, |id, n| {
-            assert!(got.insert(id, n).is_none(), "settled twice")
-        });
+        t.walk(
+            &mut alive,
+            prompt,
+            |_| (),
+            |id, n| assert!(got.insert(id, n).is_none(), "settled twice"),
+        );
         assert!(alive.iter().all(|&a| a == 0));
         got
     }

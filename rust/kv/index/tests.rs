@@ -728,6 +728,26 @@ impl Fleet {
         held.clear();
         assert_eq!(self.kv.match_hashes(&hashes, &ids, &mut held), blocks);
         assert_eq!(held, want, "match_hashes");
+        // One walk for the hashes and every live endpoint (a pick's), read
+        // for all of them and for some, in another order.
+        let (mut walked, mut kv_held) = (vec![7], KvHeld::default());
+        self.kv.walk_prompt(prompt, lora, &mut walked, &mut kv_held);
+        assert_eq!(walked, hashes, "walk_prompt's hashes");
+        held.clear();
+        assert_eq!(
+            kv_held.held_into(&self.kv, lora, &ids, &mut held),
+            Some(blocks)
+        );
+        assert_eq!(held, want, "walk_prompt");
+        let some: Vec<Option<u32>> = ids.iter().rev().step_by(2).copied().chain([None]).collect();
+        let want_some: Vec<Option<usize>> = (0..ids.len())
+            .rev()
+            .step_by(2)
+            .map(|k| want[k])
+            .chain([None])
+            .collect();
+        kv_held.held_into(&self.kv, lora, &some, &mut held);
+        assert_eq!(held, want_some, "walk_prompt, some endpoints");
         self.matched += held.iter().flatten().sum::<usize>();
     }
 

@@ -177,10 +177,10 @@ impl Chooser {
         let tokens = token_ids
             .map(Tokens::Ids)
             .or_else(|| read.as_ref().map(Prompt::tokens));
-        let mut hashes = Vec::new();
+        let (mut hashes, mut held) = (Vec::new(), crate::kv::KvHeld::default());
         if let Some(tokens) = tokens {
             let kv = self.kv.as_deref();
-            PoolPicker::hash_prompt(self.prefix, kv, adapter, tokens, &mut hashes)?;
+            PoolPicker::hash_prompt(self.prefix, kv, adapter, tokens, (&mut hashes, &mut held))?;
         }
         let mut guard = lock(&self.state);
         let st = &mut *guard;
@@ -190,6 +190,7 @@ impl Chooser {
             hashes: &hashes,
             token_ids,
             hashes_of_ids: token_ids.is_some() && self.prefix.is_some(),
+            kv_held: Some(&held),
             adapter,
             subset: subset.as_deref(),
             fairness_id: Some(user),
