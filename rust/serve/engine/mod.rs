@@ -348,6 +348,11 @@ pub struct Shared {
     pub kv: Arc<crate::kv::KvIndex>,
     /// Set at shutdown: no request waits in a flow-control queue any more.
     flow_closed: std::sync::atomic::AtomicBool,
+    /// Told when a request starts to wait in a flow-control queue: the
+    /// ticker sleeps on it while every queue is empty.
+    flow_queued: tokio::sync::Notify,
+    /// How many times the ticker served the queues.
+    flow_ticks: AtomicU64,
 }
 
 impl Shared {
@@ -368,6 +373,8 @@ impl Shared {
             faults: Mutex::new(HashSet::new()),
             kv: Arc::default(),
             flow_closed: std::sync::atomic::AtomicBool::new(false),
+            flow_queued: tokio::sync::Notify::new(),
+            flow_ticks: AtomicU64::new(0),
         }
     }
 
