@@ -23,7 +23,7 @@ use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -305,6 +305,8 @@ pub struct DataPlane {
     health: tonic_health::server::HealthReporter,
     /// Set by the drain; readiness is never reported SERVING after it.
     draining: Arc<tokio::sync::Mutex<bool>>,
+    /// Whether `readiness` is reported SERVING (see [`DataPlane::ready`]).
+    ready: Arc<AtomicBool>,
 }
 
 fn bind(host: &str, port: u16) -> Result<StdListener> {
@@ -423,6 +425,7 @@ impl DataPlane {
             }));
         }
         let draining = Arc::new(tokio::sync::Mutex::new(false));
+        let ready = Arc::new(AtomicBool::new(false));
         let (socket, socket_file) = socket.map_or((None, None), |(l, f)| (Some(l), Some(f)));
         first.block_on(async {
             health
@@ -437,6 +440,7 @@ impl DataPlane {
                 Arc::clone(&current),
                 health.clone(),
                 Arc::clone(&draining),
+                Arc::clone(&ready),
                 stopped.clone(),
             ));
             let grpc =
@@ -492,7 +496,15 @@ impl DataPlane {
             servers: Mutex::new(servers),
             health,
             draining,
+            ready,
         })
+    }
+
+    /// Whether the health service reports `readiness` SERVING: the
+    /// endpoints' state is synced and the admission backend warm, and no
+    /// drain has started (the RouteCore API's health follows it).
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
     }
 
     pub fn engine(&self) -> Arc<Engine> {
@@ -534,8 +546,10 @@ impl DataPlane {
         let grace = Duration::from_secs_f64(grace_s.clamp(0.0, 86_400.0));
         let health = self.health.clone();
         let draining = Arc::clone(&self.draining);
+        let ready = Arc::clone(&self.ready);
         let _ = self.block_on(async {
             *draining.lock().await = true;
+            ready.store(false, Ordering::Release);
             for name in SERVICES {
                 health
                     .set_service_status(name, ServingStatus::NotServing)
@@ -593,6 +607,7 @@ async fn ready_when_synced(
     current: Current,
     health: tonic_health::server::HealthReporter,
     draining: Arc<tokio::sync::Mutex<bool>>,
+    ready: Arc<AtomicBool>,
     mut stop: watch::Receiver<bool>,
 ) {
     let (warm_tx, mut warm) = watch::channel(false);
@@ -617,6 +632,7 @@ async fn ready_when_synced(
                 .set_service_status(name, ServingStatus::Serving)
                 .await;
         }
+        ready.store(true, Ordering::Release);
     }
 }
 
@@ -950,12 +966,16 @@ mod tests {
         // be refused.
         eventually("two failed warm-ups", || failures(&plane) >= 2);
         assert!(!ready(&plane), "SERVING while it can only refuse");
+        assert!(!plane.ready());
         server.spawn();
         let mut probe = server.probe().expect("probe");
         eventually("SERVING once Redis is up", || ready(&plane));
+        // What Python reads agrees with what Envoy is told.
+        assert!(plane.ready());
         let (calls, connections) = one_request(&plane, &mut probe);
         assert_eq!((calls, connections), (admit_alone(), 0));
         plane.drain(0.0);
+        assert!(!plane.ready(), "ready after the drain");
     }
 
     #[test]
