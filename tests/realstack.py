@@ -78,14 +78,12 @@ def routecore_config(engines: list[VllmEngine], model_dir: Path, redis_url: str)
         "scrape": {"interval_s": 0.25, "timeout_s": 2.0},
         "admission": {
             "backend": "redis",
-            # The bound is this machine's, not the behaviour's (a stall past
-            # it still answers by failure_mode): Redis shares these 2 cores
-            # with 3-5 engines. With the default 0.5 s a fresh replica's first
-            # admission timed out during the rolling restart (CI, 2026-11-26;
-            # set-up since done before readiness, but Envoy here does not ask
-            # readiness), and even with that warm-up 1 of 2 runs at 0.5 s
-            # still had 2 of 18 streams refused (503 admission-unavailable).
-            "redis": {"url": redis_url, "failure_mode": "closed", "socket_timeout_s": 2.0},
+            # The default socket_timeout_s (0.5 s): a restarted replica is
+            # warmed before readiness, and Envoy (the shipped envoy.yaml)
+            # sends it no stream before that (benches/RESULTS.md, branch
+            # envoy-ready: the rolling restart passed twice at 0.5 s; without
+            # Envoy's health check 1 of 2 runs had 2 of 18 streams refused).
+            "redis": {"url": redis_url, "failure_mode": "closed"},
             "quotas": [
                 {"name": "fleet", "tokens_per_s": 1e6, "kv_bytes": 10**12, "concurrency": 64}
             ],
