@@ -55,16 +55,47 @@ def twin() -> dispatch.Dispatcher:
     return dispatch.Dispatcher(router, pickers, admission_twin())
 
 
-def test_the_twin_dispatches_like_routecore():
-    """Random sizes (both pools), entitlements, held and released leases:
-    the same pool, admission status and endpoint at every step, on both of
-    routecore's paths."""
+def admission_state(d) -> list:
+    """Each entitlement's admission state (in flight, window tokens, served
+    rate, debt, burst, priority) of a routecore ``Dispatcher`` or the twin."""
+    names = [e.name for e in ENTITLEMENTS]
+    if isinstance(d, dispatch.Dispatcher):
+        ents = [d.admission.ents[name] for name in names]
+        return [
+            x
+            for e in ents
+            for x in (len(e.in_flight), e.window_tokens, e.served_rate, e.debt, e.burst, e.priority)
+        ]
+    keys = ("in_flight", "window_tokens", "served_tokens_per_s", "debt", "burst", "priority")
+    return [d.admission.controller.stats(name)[k] for name in names for k in keys]
+
+
+def dispatch_beside_the_twin(outages: float = 0.0) -> int:
+    """Random sizes (both pools), entitlements, held and released leases, and
+    with probability ``outages`` a step that takes a pool's endpoints down or
+    brings them back: the same pool, admission status and endpoint at every
+    step, on both of routecore's paths, and the same admission state after
+    every step. Returns how many requests were refused after admission."""
     rng = random.Random(0)
     runs = [routecore_dispatcher(True), routecore_dispatcher(False)]
     py = twin()
     held: list = []
+    no_endpoint = 0
+
+    def same_admission_state(k):
+        for d in runs:
+            assert admission_state(d) == pytest.approx(admission_state(py), rel=1e-12), k
+
     for k in range(3000):
+        same_admission_state(k)  # after the step before
         now = k * 0.01
+        if outages and rng.random() < outages:
+            pool, healthy = rng.randrange(len(POOLS)), rng.random() < 0.5
+            for i, endpoint in enumerate(py.pickers[pool].endpoints):
+                py.pickers[pool].states[i]["healthy"] = healthy
+                for d in runs:
+                    d.pickers[POOLS[pool][0]].set_state(endpoint, healthy=healthy)
+            continue
         if held and rng.random() < 0.45:
             leases, lease = held.pop(rng.randrange(len(held)))
             usage = (rng.randrange(1, 3000), rng.randrange(1, 300))
@@ -89,11 +120,25 @@ def test_the_twin_dispatches_like_routecore():
             want = (lease[0], lease[2])
         except dispatch.Refused as e:
             want = ("RequestRefused", e.step, e.status)
+            no_endpoint += e.step == "endpoint"
         for g in got:
             have = g if isinstance(g, tuple) else ([p for p, _ in POOLS].index(g.pool), g.endpoint)
             assert have == want, k
         if not isinstance(got[0], tuple):
             held.append((got, lease))
+    same_admission_state("end")
+    return no_endpoint
+
+
+def test_the_twin_dispatches_like_routecore():
+    """Healthy endpoints: every request the twin admits reaches an endpoint."""
+    assert dispatch_beside_the_twin() == 0
+
+
+def test_the_twin_keeps_routecore_admission_state_after_refusals():
+    """Requests refused after admission (their pool's endpoints down) give
+    their ticket back learning nothing, in the twin as in routecore."""
+    assert dispatch_beside_the_twin(outages=0.02) > 100
 
 
 def acquire_release(acquire, release):

@@ -35,6 +35,7 @@ from server_fixtures import (
     base_config,
     free_port,
     in_flight,
+    redis_admission,
     tenants,
     wait_for,
     wait_settled,
@@ -118,6 +119,18 @@ def test_the_shipped_configurations_load_in_envoy_1_40():
             timeout=60,
         )
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_shipped_file_asks_each_replica_s_readiness():
+    """Envoy health-checks routecore's ``readiness`` (gRPC) often enough that a
+    replica is taken back within about a second of SERVING."""
+    for name in SHIPPED_FILES:
+        clusters = yaml.safe_load((EXAMPLES / name).read_text())["static_resources"]["clusters"]
+        (routecore,) = (c for c in clusters if c["name"] == "routecore")
+        (check,) = routecore["health_checks"]
+        assert check["grpc_health_check"] == {"service_name": "readiness"}, name
+        assert check["interval"] == check["no_traffic_interval"] == "0.5s", name
+        assert check["healthy_threshold"] == check["unhealthy_threshold"] == 1, name
 
 
 def test_the_envoy_engines_are_the_routecore_endpoints():
@@ -312,6 +325,50 @@ def test_a_rolling_restart_of_two_replicas_cuts_no_stream(engines, envoy, tmp_pa
     finally:
         for x in replicas:
             x.stop()
+
+
+def test_envoy_sends_no_stream_to_a_replica_not_ready_and_takes_it_back_once_ready(
+    engines, serve, envoy
+):
+    """Two routecore replicas behind envoy.yaml's routecore cluster, one with
+    fail-closed Redis admission and no Redis (NOT_SERVING: it could only
+    refuse): every request goes through the other (Envoy's gRPC health
+    check of ``readiness``); Redis up, the replica serves again within about
+    a second of SERVING (about 5 s)."""
+    from conftest import RedisServer
+
+    (e,) = engines(1)
+    later = RedisServer()  # its port, nothing listening yet
+    ready = serve(pools=one_pool([e.address]), tenants=tenants(), admission=admission())
+    warming = serve(
+        pools=one_pool([e.address]),
+        tenants=tenants(),
+        admission=redis_admission(later.url, "closed"),
+    )
+    wait_for(lambda: ready.server.plane.ready, 10, "the first replica ready")
+    assert not warming.server.plane.ready
+    targets = [ready.target, warming.target]
+    gw = envoy(shipped_config("envoy.yaml", free_port(), targets, [e.address]))
+    statuses = [request(gw.url, chat(f"warming {i}"), KEY)[0] for i in range(8)]
+    assert statuses == [200] * 8
+    assert ready.metric("decisions", "short") == 8
+    assert warming.metric("decisions", "short") == 0
+    assert e.hits["/v1/chat/completions"] == 8
+    later.start()
+    try:
+        wait_for(lambda: warming.server.plane.ready, 30, "the replica ready")
+        serving = time.monotonic()
+
+        def routed_by_both() -> bool:
+            assert request(gw.url, chat("ready"), KEY)[0] == 200
+            return warming.metric("decisions", "short") > 0
+
+        wait_for(routed_by_both, 10, "a stream on the replica back")
+        # The next health check (every 0.5 s) after SERVING, with room for a
+        # busy machine.
+        assert time.monotonic() - serving < 3
+    finally:
+        later.kill()
 
 
 def test_liveness_at_once_readiness_once_the_endpoints_are_synced(engines, serve):

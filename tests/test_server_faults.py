@@ -37,6 +37,7 @@ from server_fixtures import (
     stream_all,
     tenants,
     until,
+    wait_for,
     wait_redis_settled,
     wait_settled,
 )
@@ -643,13 +644,37 @@ def test_serve_starts_without_redis_and_connects_when_it_comes_back(serve, mode)
 
     later = RedisServer()  # its port, nothing listening yet
     s = serve(admission=redis_admission(later.url, mode), tenants=tenants())
+
+    def ready() -> bool:
+        with grpc.insecure_channel(s.target) as channel:
+            request = health_pb2.HealthCheckRequest(service="readiness")
+            answer = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+            return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+    def api_ready() -> bool:
+        # The RouteCore API's port follows the data plane's readiness.
+        with grpc.insecure_channel(s.api_target) as channel:
+            request = health_pb2.HealthCheckRequest(service="routecore.v1.RouteCore")
+            answer = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+            return answer.status == health_pb2.HealthCheckResponse.SERVING
+
     conv = converse(s.target, KEY, chat_body("no redis yet"), [usage_body(2, 1)])
     if mode == "open":
         assert conv.routing is not None
+        # Ready after its first failed warm-up: it serves, unaccounted.
+        wait_for(ready, 30, "ready")
+        wait_for(api_ready, 30, "the API ready")
     else:
         assert conv.immediate.status.code == 503
+        # Not ready while Redis is down: it could only refuse.
+        assert not ready()
+        assert not s.server.plane.ready and not api_ready()
     later.start()
     try:
+        # Ready (fail-closed) once Redis is warm: retried in the background.
+        wait_for(ready, 30, "ready")
+        wait_for(api_ready, 30, "the API ready")
+        assert s.server.plane.ready
 
         async def go():
             async with grpc.aio.insecure_channel(s.target) as channel:

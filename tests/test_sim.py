@@ -193,6 +193,28 @@ def test_bad_input_is_refused(kwargs, match):
         rc.simulate(**base)
 
 
+def test_the_request_arrays_are_read_alike_by_every_simulator():
+    """``simulate`` and ``simulate_disaggregated`` read their request arrays
+    with one helper: a length that differs names the arrays given (and only
+    those), a token count below the simulator's least names its array."""
+    pools = [rc.SimPool("short", 1, 4096, 8)]
+    arrays = dict(arrival_s=[0.0, 0.5], input_tokens=[10, 20], output_tokens=[5, 5])
+    message = "arrival_s, input_tokens, output_tokens and session must have one length, "
+    with pytest.raises(ValueError, match=f"^{message}got 2, 2, 2 and 1$"):
+        rc.simulate(**arrays, pools=pools, session=[1])
+    message = "arrival_s, input_tokens, output_tokens and category must have one length, "
+    with pytest.raises(ValueError, match=f"^{message}got 2, 2, 2 and 3$"):
+        rc.simulate(**arrays, pools=pools, category=[0, 0, 0])
+    decode = rc.SimPool("decode", 1, 4096, 8)
+    with pytest.raises(ValueError, match="^output_tokens must be >= 1, got 0$"):
+        rc.simulate_disaggregated([0.0], [100], [0], decode, decode)
+    with pytest.raises(ValueError, match="^input_tokens must be >= 0, got -3$"):
+        rc.simulate(**{**arrays, "input_tokens": [-3, 5]}, pools=pools)
+    message = "arrival_s, input_tokens and output_tokens must have one length, got 1, 1 and 2"
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        rc.simulate_disaggregated([0.0], [100], [10, 10], decode, decode)
+
+
 def test_pool_pickles_and_reprs():
     p = rc.SimPool("short", 3, 4096, 256, kv_blocks=70_000, chunk=256, w=0.01, h=0.001,
                    gpus_per_endpoint=2, budget=3000)  # fmt: skip

@@ -1517,6 +1517,12 @@ class DataPlane:
     @property
     def metrics_port(self) -> int | None:
         """The metrics port, or None."""
+    @property
+    def ready(self) -> bool:
+        """Whether the data plane reports ``readiness`` SERVING on its gRPC
+        health service (what Envoy asks): every endpoint's state synced and
+        the admission backend warm (a fail-closed Redis admission stays not
+        ready while Redis is down); False again from the start of a drain."""
     def reload(self, spec_json: str, *, tokenizers: dict[str, Tokenizer] | None = None) -> None:
         """Swaps in a new configuration atomically; open streams finish on theirs."""
     def drain(self, grace_s: float) -> None:

@@ -7,8 +7,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::profile::PyProfile;
-use super::sim::{picker_specs, with_progress};
-use super::{float_array, int_arg, int_array, json_arg};
+use super::sim::{picker_specs, sim_requests, with_progress};
+use super::{float_array, int_arg, json_arg};
 use crate::autoscale::AutoscaleConfig;
 use crate::error::invalid;
 use crate::sim::autoscale::policy::{
@@ -18,7 +18,7 @@ use crate::sim::autoscale::{run, Policy, ScaleConfig, ScaleReport};
 use crate::sim::engine::blocks_for;
 use crate::sim::profile::RateProfile;
 use crate::sim::timing::LinearTiming;
-use crate::sim::{PoolConfig, SimRequest};
+use crate::sim::PoolConfig;
 
 /// A request rate over time, from a spec: ``"step:500@0,2000@600"`` (500
 /// req/s from 0 s, 2,000 from 600 s), ``"diurnal:low=500,high=2000,period=1200"``
@@ -137,30 +137,7 @@ pub fn autoscale_simulate<'py>(
     dispatch: Option<&Bound<'py, PyAny>>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let times = float_array(arrival_s, "arrival_s")?;
-    let inputs = int_array(input_tokens, "input_tokens")?;
-    let outputs = int_array(output_tokens, "output_tokens")?;
-    if inputs.len() != times.len() || outputs.len() != times.len() {
-        return Err(PyValueError::new_err(format!(
-            "arrival_s, input_tokens and output_tokens must have one length, got {}, {} and {}",
-            times.len(),
-            inputs.len(),
-            outputs.len()
-        )));
-    }
-    let tokens = |what: &str, v: i64| {
-        u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{what} must be >= 0, got {v}")))
-    };
-    let mut requests = Vec::with_capacity(times.len());
-    for i in 0..times.len() {
-        requests.push(SimRequest {
-            arrival: times[i],
-            input_tokens: tokens("input_tokens", inputs[i])?,
-            output_tokens: tokens("output_tokens", outputs[i])?,
-            category: 0,
-            session: None,
-        });
-    }
+    let requests = sim_requests(arrival_s, input_tokens, output_tokens, None, None, 0)?;
     let cfg = AutoscaleConfig::from_value(json_arg(config, "config")?)?;
     let rule: SaturationRule = match saturation {
         Some(s) => serde_json::from_value(json_arg(s, "saturation")?)

@@ -1,17 +1,17 @@
-use numpy::{IntoPyArray, PyArray1};
+use numpy::PyArray1;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::sim::{pool_dict, PySimPool};
-use super::{float_array, int_arg, int_array, set_fields};
+use super::sim::{pool_dict, sim_requests, PySimPool};
+use super::{int_arg, set_fields};
 use crate::planner::disagg::{plan_disagg, DisaggConfig, DisaggPlan, Transfer};
 use crate::planner::{EngineSlo, PoolPlan};
 use crate::profile::Profile;
 use crate::py::profile::PyProfile;
 use crate::py::workload::PyWorkload;
 use crate::sim::disagg::{simulate_disagg, Decider, DisaggFleet, DisaggReport};
-use crate::sim::{percentile, set_arrivals, Arrivals, SimRequest};
+use crate::sim::{percentile, set_arrivals, Arrivals};
 
 /// A disaggregated fleet (``prefill`` and ``decode`` pools) beside the
 /// aggregated one (every endpoint ``both``), from ``plan_disaggregated``.
@@ -199,35 +199,27 @@ pub struct PyDisaggReport {
     report: DisaggReport,
 }
 
-fn f64s<'py>(py: Python<'py>, xs: &[f64]) -> Bound<'py, PyArray1<f64>> {
-    xs.to_vec().into_pyarray(py)
-}
-
-fn bools<'py>(py: Python<'py>, xs: &[bool]) -> Bound<'py, PyArray1<bool>> {
-    xs.to_vec().into_pyarray(py)
-}
-
 #[pymethods]
 impl PyDisaggReport {
     #[getter]
     fn ttft<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
-        f64s(py, &self.report.ttft)
+        PyArray1::from_slice(py, &self.report.ttft)
     }
     #[getter]
     fn tpot<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
-        f64s(py, &self.report.tpot)
+        PyArray1::from_slice(py, &self.report.tpot)
     }
     #[getter]
     fn e2e<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
-        f64s(py, &self.report.e2e)
+        PyArray1::from_slice(py, &self.report.e2e)
     }
     #[getter]
     fn disaggregated<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
-        bools(py, &self.report.disaggregated)
+        PyArray1::from_slice(py, &self.report.disaggregated)
     }
     #[getter]
     fn measured<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
-        bools(py, &self.report.measured)
+        PyArray1::from_slice(py, &self.report.measured)
     }
     #[getter]
     fn window(&self) -> (f64, f64) {
@@ -314,33 +306,7 @@ pub fn simulate_disaggregated(
     #[pyo3(from_py_with = int_arg)] seed: u64,
     warmup: f64,
 ) -> PyResult<PyDisaggReport> {
-    let times = float_array(arrival_s, "arrival_s")?;
-    let inputs = int_array(input_tokens, "input_tokens")?;
-    let outputs = int_array(output_tokens, "output_tokens")?;
-    let n = times.len();
-    if inputs.len() != n || outputs.len() != n {
-        return Err(PyValueError::new_err(format!(
-            "arrival_s, input_tokens and output_tokens must have one length, got {n}, {} and {}",
-            inputs.len(),
-            outputs.len()
-        )));
-    }
-    let tokens = |what: &str, v: i64| {
-        u64::try_from(v)
-            .ok()
-            .filter(|&v| v >= 1)
-            .ok_or_else(|| PyValueError::new_err(format!("{what} must be >= 1, got {v}")))
-    };
-    let mut requests = Vec::with_capacity(n);
-    for i in 0..n {
-        requests.push(SimRequest {
-            arrival: times[i],
-            input_tokens: tokens("input_tokens", inputs[i])?,
-            output_tokens: tokens("output_tokens", outputs[i])?,
-            category: 0,
-            session: None,
-        });
-    }
+    let mut requests = sim_requests(arrival_s, input_tokens, output_tokens, None, None, 1)?;
     let arrivals = match (arrivals, rate) {
         ("trace", None) => Arrivals::AsGiven,
         ("trace", Some(r)) => Arrivals::Scaled(r),

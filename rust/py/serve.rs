@@ -171,6 +171,15 @@ impl PyDataPlane {
         self.inner.metrics_port
     }
 
+    /// Whether the data plane reports ``readiness`` SERVING on its gRPC
+    /// health service (what Envoy asks): every endpoint's state synced and
+    /// the admission backend warm (a fail-closed Redis admission stays not
+    /// ready while Redis is down); False again from the start of a drain.
+    #[getter]
+    fn ready(&self) -> bool {
+        self.inner.ready()
+    }
+
     /// Swaps in a new configuration atomically: new streams use it, open
     /// ones finish on the one they started with; in-memory admission keeps
     /// its in-flight state. ``tokenizers`` as in :meth:`start`. ValueError

@@ -142,14 +142,6 @@ pub struct PySimReport {
     report: SimReport,
 }
 
-fn f64s<'py>(py: Python<'py>, xs: &[f64]) -> Bound<'py, PyArray1<f64>> {
-    xs.to_vec().into_pyarray(py)
-}
-
-fn bools<'py>(py: Python<'py>, xs: &[bool]) -> Bound<'py, PyArray1<bool>> {
-    xs.to_vec().into_pyarray(py)
-}
-
 impl PySimReport {
     fn measured_values(&self, xs: &[f64]) -> Vec<f64> {
         xs.iter()
@@ -165,22 +157,22 @@ impl PySimReport {
     /// Seconds from arrival to the first output token.
     #[getter]
     fn ttft<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
-        f64s(py, &self.report.ttft)
+        PyArray1::from_slice(py, &self.report.ttft)
     }
     /// Seconds per output token after the first.
     #[getter]
     fn tpot<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
-        f64s(py, &self.report.tpot)
+        PyArray1::from_slice(py, &self.report.tpot)
     }
     /// Seconds from arrival to the last output token.
     #[getter]
     fn e2e<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
-        f64s(py, &self.report.e2e)
+        PyArray1::from_slice(py, &self.report.e2e)
     }
     /// Seconds from arrival to the first admission into a batch.
     #[getter]
     fn queue_wait<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
-        f64s(py, &self.report.queue_wait)
+        PyArray1::from_slice(py, &self.report.queue_wait)
     }
     /// Prompt tokens served from the endpoint's prefix cache when the request
     /// was first admitted (0 when not served or no block hashes were given).
@@ -201,15 +193,15 @@ impl PySimReport {
     }
     #[getter]
     fn measured<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
-        bools(py, &self.report.measured)
+        PyArray1::from_slice(py, &self.report.measured)
     }
     #[getter]
     fn rejected<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
-        bools(py, &self.report.rejected)
+        PyArray1::from_slice(py, &self.report.rejected)
     }
     #[getter]
     fn compressed<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<bool>> {
-        bools(py, &self.report.compressed)
+        PyArray1::from_slice(py, &self.report.compressed)
     }
     /// Requests no pool could hold by the router's estimate.
     #[getter]
@@ -296,6 +288,72 @@ pub(crate) fn pool_dict<'py>(py: Python<'py>, p: &PoolReport) -> PyResult<Bound<
     Ok(d)
 }
 
+/// The simulator's requests from Python arrays of one length: arrival times,
+/// prompt and output tokens (each at least `min_tokens`) and, when given,
+/// each request's category and session; a bad value or a length that
+/// differs is a ValueError naming the argument.
+pub fn sim_requests(
+    arrival_s: &Bound<'_, PyAny>,
+    input_tokens: &Bound<'_, PyAny>,
+    output_tokens: &Bound<'_, PyAny>,
+    category: Option<&Bound<'_, PyAny>>,
+    session: Option<&Bound<'_, PyAny>>,
+    min_tokens: u64,
+) -> PyResult<Vec<SimRequest>> {
+    let times = float_array(arrival_s, "arrival_s")?;
+    let inputs = int_array(input_tokens, "input_tokens")?;
+    let outputs = int_array(output_tokens, "output_tokens")?;
+    let cats = category.map(|c| int_array(c, "category")).transpose()?;
+    let sessions = session.map(|s| int_array(s, "session")).transpose()?;
+    let n = times.len();
+    let lens: Vec<(&str, usize)> = [
+        ("arrival_s", Some(n)),
+        ("input_tokens", Some(inputs.len())),
+        ("output_tokens", Some(outputs.len())),
+        ("category", cats.as_ref().map(Vec::len)),
+        ("session", sessions.as_ref().map(Vec::len)),
+    ]
+    .into_iter()
+    .filter_map(|(name, len)| Some((name, len?)))
+    .collect();
+    if lens.iter().any(|&(_, len)| len != n) {
+        let and = |xs: Vec<String>| {
+            let (last, rest) = xs.split_last().expect("three or more");
+            format!("{} and {last}", rest.join(", "))
+        };
+        let names = lens.iter().map(|(name, _)| name.to_string()).collect();
+        let got = lens.iter().map(|(_, len)| len.to_string()).collect();
+        return Err(PyValueError::new_err(format!(
+            "{} must have one length, got {}",
+            and(names),
+            and(got)
+        )));
+    }
+    let at_least = |what: &str, v: i64, min: u64| {
+        u64::try_from(v)
+            .ok()
+            .filter(|&v| v >= min)
+            .ok_or_else(|| PyValueError::new_err(format!("{what} must be >= {min}, got {v}")))
+    };
+    (0..n)
+        .map(|i| {
+            Ok(SimRequest {
+                arrival: times[i],
+                input_tokens: at_least("input_tokens", inputs[i], min_tokens)?,
+                output_tokens: at_least("output_tokens", outputs[i], min_tokens)?,
+                category: match &cats {
+                    Some(c) => at_least("category", c[i], 0)? as usize,
+                    None => 0,
+                },
+                session: match &sessions {
+                    Some(s) => Some(at_least("session", s[i], 0)?),
+                    None => None,
+                },
+            })
+        })
+        .collect()
+}
+
 /// Simulates a fleet of pools serving a workload, with a router in front.
 ///
 /// The workload: ``arrival_s`` (seconds, sorted), ``input_tokens``,
@@ -357,48 +415,8 @@ pub fn simulate(
     scrape_interval: f64,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<PySimReport> {
-    let times = float_array(arrival_s, "arrival_s")?;
-    let inputs = int_array(input_tokens, "input_tokens")?;
-    let outputs = int_array(output_tokens, "output_tokens")?;
-    let cats = match category {
-        Some(c) => int_array(c, "category")?,
-        None => vec![0; times.len()],
-    };
-    let sessions = match session {
-        Some(s) => Some(int_array(s, "session")?),
-        None => None,
-    };
-    let n = times.len();
-    if inputs.len() != n
-        || outputs.len() != n
-        || cats.len() != n
-        || sessions.as_ref().is_some_and(|s| s.len() != n)
-    {
-        return Err(PyValueError::new_err(format!(
-            "arrival_s, input_tokens, output_tokens, category and session must have one \
-             length, got {n}, {}, {}, {} and {}",
-            inputs.len(),
-            outputs.len(),
-            cats.len(),
-            sessions.as_ref().map_or(n, Vec::len)
-        )));
-    }
-    let nonneg = |what: &str, v: i64| {
-        u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{what} must be >= 0, got {v}")))
-    };
-    let mut requests = Vec::with_capacity(n);
-    for i in 0..n {
-        requests.push(SimRequest {
-            arrival: times[i],
-            input_tokens: nonneg("input_tokens", inputs[i])?,
-            output_tokens: nonneg("output_tokens", outputs[i])?,
-            category: nonneg("category", cats[i])? as usize,
-            session: match &sessions {
-                Some(s) => Some(nonneg("session", s[i])?),
-                None => None,
-            },
-        });
-    }
+    let mut requests = sim_requests(arrival_s, input_tokens, output_tokens, category, session, 0)?;
+    let n = requests.len();
     let has_blocks = blocks.is_some();
     let blocks = match blocks {
         None => RequestBlocks::none(n),
@@ -585,7 +603,7 @@ impl PyPrefixWorkload {
     /// Arrival times, seconds (sorted).
     #[getter]
     fn arrival_s<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
-        f64s(py, &self.inner.arrival_s)
+        PyArray1::from_slice(py, &self.inner.arrival_s)
     }
     #[getter]
     fn input_tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {

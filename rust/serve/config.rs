@@ -29,6 +29,9 @@ use crate::endpoint::Saturation;
 use crate::error::{invalid, Result};
 use crate::tokenize::Tokenizer;
 
+#[cfg(test)]
+pub(crate) mod testing;
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerSpec {

@@ -1068,42 +1068,30 @@ mod pd_tests;
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::serve::config::testing::{plane_json, tenant};
     use crate::serve::config::Spec;
+    use crate::serve::engine::test_plane;
     use envoy_types::pb::envoy::config::core::v3::HeaderMap;
     use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, ProtocolConfiguration};
-    use sha2::{Digest, Sha256};
 
     const KEY: &[u8] = "demo-kéy".as_bytes();
 
     pub(crate) fn spec() -> Spec {
-        let digest: String = Sha256::digest(KEY)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        let json = serde_json::json!({
-            "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "short"},
-            "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                       "request_timeout_s": 30.0, "default_max_tokens": 100,
-                       "image_tokens": 765, "audio_tokens": 750},
-            "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
-            "pools": [
+        let mut json = plane_json(
+            "least-request",
+            serde_json::json!([
                 {"name": "short", "max_context": 8192, "budget": null, "queue_limit": null,
                  "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]},
                 {"name": "long", "max_context": 65536, "budget": null, "queue_limit": null,
                  "endpoints": ["10.0.0.3:8000"]}
-            ],
-            "tenants": [{"name": "demo", "key_digests": [digest], "expires_at": null,
-                         "service_class": "none", "entitlement": null}],
-            "admission": null
-        });
+            ]),
+        );
+        json["tenants"] = serde_json::json!([tenant("demo", KEY, None)]);
         Spec::from_json(&json.to_string()).expect("spec")
     }
 
     fn plane() -> (Arc<Shared>, Arc<Engine>) {
-        let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine = Engine::build(spec(), &shared, None).expect("engine");
-        (shared, engine)
+        test_plane(spec())
     }
 
     pub(crate) fn headers(pairs: &[(&str, &[u8])], raw: bool, end: bool) -> ProcessingRequest {
@@ -1560,9 +1548,7 @@ pub(crate) mod tests {
                     .into_iter()
                     .collect();
             }
-            let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-            let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-            let engine = Engine::build(spec, &shared, None).expect("engine");
+            let (shared, engine) = test_plane(spec);
             let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
             let pairs = [("x-api-key", KEY), (PREFILLER_HEADER, sent)];
             let first = c.handle(&headers(&pairs, true, false)).await.expect("ok");
@@ -1624,9 +1610,7 @@ pub(crate) mod tests {
     async fn the_served_endpoint_gets_the_in_flight_count_prefix_and_usage_once() {
         let mut spec = spec();
         spec.router.policy = "prefix".into();
-        let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine = Engine::build(spec, &shared, None).expect("engine");
+        let (shared, engine) = test_plane(spec);
         let prompt = "a long shared system prompt ".repeat(40);
         let route = || async {
             let mut c = Conversation::new(Arc::clone(&engine), Arc::clone(&shared));
@@ -1698,9 +1682,7 @@ pub(crate) mod tests {
         let mut spec = spec();
         spec.pools[0].models = vec!["m".into()];
         spec.pools[1].adapters = vec!["lora-a".into()];
-        let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine = Engine::build(spec, &shared, None).expect("engine");
+        let (_shared, engine) = test_plane(spec);
         let ask = |model: &str| {
             serde_json::json!({"model": model, "max_tokens": 10,
                                "messages": [{"role": "user", "content": "hi"}]})

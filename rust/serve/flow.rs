@@ -9,9 +9,10 @@
 //! or tenant, until one of:
 //!
 //! - capacity appears: a lease released, a scrape showing room, an endpoint
-//!   turning healthy (the ticker, every [`TICK`]): the queue lets requests
-//!   out in its discipline's order while the pool has room, counting those
-//!   let out but not yet placed as landed ([`PoolFlow::pending`]);
+//!   turning healthy (the ticker, every [`TICK`] while a request waits in
+//!   a queue, asleep otherwise): the queue lets requests out in its
+//!   discipline's order while the pool has room, counting those let out but
+//!   not yet placed as landed ([`PoolFlow::pending`]);
 //! - its band's TTL runs out: the refusal it would have had without a
 //!   queue (429 `saturated`, or 503 `no-endpoint` when the pool has no
 //!   healthy endpoint), with the queue's Retry-After;
@@ -46,8 +47,8 @@ use crate::flow::{
     SaturationDetector, Ticket, WAIT_BUCKETS_S,
 };
 
-/// How often the queues are served without an event: expiries, and room
-/// that only a scrape or a health change shows.
+/// How often the queues are served without an event while a request waits:
+/// expiries, and room that only a scrape or a health change shows.
 pub const TICK: Duration = Duration::from_millis(10);
 
 /// `flow_control` of the data plane's spec (the Python control plane checks

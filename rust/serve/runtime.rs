@@ -1,7 +1,7 @@
 //! The data plane: tokio runtimes owned by the extension, serving Envoy's
 //! ext_proc and `grpc.health.v1` on tonic, Prometheus metrics on their own
 //! port, a reaper for requests whose response never came back, and the
-//! ticker serving flow control's queues.
+//! ticker serving flow control's queues while a request waits in one.
 //!
 //! `worker_threads` is the number of shards: each is a current-thread tokio
 //! runtime on a thread of its own, serving the connections it is given
@@ -23,7 +23,7 @@ use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -43,6 +43,7 @@ use tonic_health::ServingStatus;
 use super::config::Spec;
 use super::engine::{Engine, Shared};
 use super::extproc::{current, Current, Processor};
+use super::failure::FailureMode;
 use super::limits::{Bounded, Overload, StreamCount, MAX_CONNECTIONS};
 use super::metrics;
 use super::unix_socket::{self, SocketFile};
@@ -50,8 +51,9 @@ use crate::calibrate::Calibrator;
 use crate::error::{invalid, Result};
 
 /// The services the health service reports as ready: SERVING once every
-/// endpoint's state is synced (scraped once, or found unhealthy), NOT_SERVING
-/// from the start of a drain ("" is the server as a whole; `readiness` is
+/// endpoint's state is synced (scraped once, or found unhealthy) and the
+/// admission backend is warm (see `warm_admission`), NOT_SERVING from the
+/// start of a drain ("" is the server as a whole; `readiness` is
 /// the Endpoint Picker Protocol's).
 pub const SERVICES: [&str; 4] = [
     "",
@@ -64,6 +66,10 @@ pub const SERVICES: [&str; 4] = [
 pub const LIVENESS: &str = "liveness";
 /// How often readiness looks at the endpoints' state until it is synced.
 const SYNC_POLL: Duration = Duration::from_millis(10);
+/// The first wait before warming the admission backend again, and the
+/// longest (the wait doubles after each failed try).
+const WARM_RETRY: Duration = Duration::from_millis(100);
+const WARM_RETRY_MAX: Duration = Duration::from_secs(2);
 
 /// How long the streams ended past the drain's grace get to send their status.
 const CLOSE_S: Duration = Duration::from_secs(1);
@@ -299,6 +305,8 @@ pub struct DataPlane {
     health: tonic_health::server::HealthReporter,
     /// Set by the drain; readiness is never reported SERVING after it.
     draining: Arc<tokio::sync::Mutex<bool>>,
+    /// Whether `readiness` is reported SERVING (see [`DataPlane::ready`]).
+    ready: Arc<AtomicBool>,
 }
 
 fn bind(host: &str, port: u16) -> Result<StdListener> {
@@ -417,6 +425,7 @@ impl DataPlane {
             }));
         }
         let draining = Arc::new(tokio::sync::Mutex::new(false));
+        let ready = Arc::new(AtomicBool::new(false));
         let (socket, socket_file) = socket.map_or((None, None), |(l, f)| (Some(l), Some(f)));
         first.block_on(async {
             health
@@ -431,6 +440,7 @@ impl DataPlane {
                 Arc::clone(&current),
                 health.clone(),
                 Arc::clone(&draining),
+                Arc::clone(&ready),
                 stopped.clone(),
             ));
             let grpc =
@@ -471,7 +481,7 @@ impl DataPlane {
                 Arc::clone(&current),
                 stopped.clone(),
             ));
-            tokio::spawn(serve_queues_forever(Arc::clone(&shared), stopped.clone()));
+            tokio::spawn(Arc::clone(&shared).serve_queues_forever(stopped.clone()));
             Ok::<_, crate::error::Error>(())
         })?;
         Ok(Self {
@@ -486,7 +496,15 @@ impl DataPlane {
             servers: Mutex::new(servers),
             health,
             draining,
+            ready,
         })
+    }
+
+    /// Whether the health service reports `readiness` SERVING: the
+    /// endpoints' state is synced and the admission backend warm, and no
+    /// drain has started (the RouteCore API's health follows it).
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
     }
 
     pub fn engine(&self) -> Arc<Engine> {
@@ -494,10 +512,17 @@ impl DataPlane {
     }
 
     /// Routes new streams with `spec`; open streams finish on the engine
-    /// they started with. In-memory admission state is carried over.
+    /// they started with. In-memory admission state is carried over; a new
+    /// Redis backend is warmed at once (one try, beside the first requests:
+    /// readiness stays as it is).
     pub fn reload(&self, spec: Spec) -> Result<()> {
         let old = self.engine();
         let engine = Engine::build(spec, &self.shared, Some(&old))?;
+        let shards = self.shards.lock().unwrap_or_else(|e| e.into_inner());
+        if let (Some(a), Some(shard)) = (engine.admission.clone(), shards.first()) {
+            shard.runtime.spawn(async move { a.warm().await });
+        }
+        drop(shards);
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = engine;
         Ok(())
     }
@@ -521,8 +546,10 @@ impl DataPlane {
         let grace = Duration::from_secs_f64(grace_s.clamp(0.0, 86_400.0));
         let health = self.health.clone();
         let draining = Arc::clone(&self.draining);
+        let ready = Arc::clone(&self.ready);
         let _ = self.block_on(async {
             *draining.lock().await = true;
+            ready.store(false, Ordering::Release);
             for name in SERVICES {
                 health
                     .set_service_status(name, ServingStatus::NotServing)
@@ -574,18 +601,29 @@ impl Drop for DataPlane {
 }
 
 /// Reports the ready services SERVING once the endpoints' state is synced
-/// (unless a drain started first).
+/// and the admission backend is warm ([`warm_admission`]), unless a drain
+/// started first.
 async fn ready_when_synced(
     current: Current,
     health: tonic_health::server::HealthReporter,
     draining: Arc<tokio::sync::Mutex<bool>>,
+    ready: Arc<AtomicBool>,
     mut stop: watch::Receiver<bool>,
 ) {
-    while !super::extproc::current(&current).synced() {
-        tokio::select! {
-            _ = tokio::time::sleep(SYNC_POLL) => {}
-            _ = stop.changed() => return,
+    let (warm_tx, mut warm) = watch::channel(false);
+    tokio::spawn(warm_admission(Arc::clone(&current), warm_tx, stop.clone()));
+    let synced = async {
+        while !super::extproc::current(&current).synced() {
+            tokio::time::sleep(SYNC_POLL).await;
         }
+    };
+    tokio::select! {
+        (warm, ()) = async { tokio::join!(async { warm.wait_for(|w| *w).await.is_ok() }, synced) } => {
+            if !warm {
+                return; // stopped while warming
+            }
+        }
+        _ = stop.changed() => return,
     }
     let draining = draining.lock().await;
     if !*draining {
@@ -594,19 +632,41 @@ async fn ready_when_synced(
                 .set_service_status(name, ServingStatus::Serving)
                 .await;
         }
+        ready.store(true, Ordering::Release);
     }
 }
 
-/// Serves flow control's queues every `flow::TICK`: expiries, and the room a
-/// scrape or a health change shows (a released lease serves its pool's
-/// queue at once).
-async fn serve_queues_forever(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+/// Warms the admission backend before readiness (Redis: connected, its
+/// scripts loaded, the quotas configured, so the first requests pay none of
+/// it), retrying with backoff ([`WARM_RETRY`] doubling up to
+/// [`WARM_RETRY_MAX`]) until it is warm. `ready` is set once it is warm, or
+/// under `failure_mode: open` after the first try failed: such a replica
+/// serves as it would in any outage (admitted unaccounted) while the tries
+/// go on; under `closed` it stays NOT_SERVING, since it could only refuse.
+async fn warm_admission(
+    current: Current,
+    ready: watch::Sender<bool>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut backoff = WARM_RETRY;
     loop {
+        let admission = super::extproc::current(&current).admission.clone();
+        let warm = match &admission {
+            Some(a) => a.warm().await,
+            None => true,
+        };
+        let open = admission.is_some_and(|a| a.failure_mode() == Some(FailureMode::Open));
+        if warm || open {
+            ready.send_replace(true);
+        }
+        if warm {
+            return;
+        }
         tokio::select! {
-            _ = tokio::time::sleep(super::flow::TICK) => {}
+            _ = tokio::time::sleep(backoff) => {}
             _ = stop.changed() => return,
         }
-        shared.serve_queues();
+        backoff = (backoff * 2).min(WARM_RETRY_MAX);
     }
 }
 
@@ -766,5 +826,174 @@ mod tests {
             on_shard as f64 / N as f64,
             own as f64 / N as f64,
         );
+    }
+
+    /// A data plane of [`redis_spec`].
+    fn redis_plane(url: &str, mode: &str) -> DataPlane {
+        let listen = Listen {
+            host: "127.0.0.1".into(),
+            port: 0,
+            metrics_port: None,
+            worker_threads: 1,
+            unix_socket: None,
+        };
+        DataPlane::start(redis_spec(url, mode), calibrator(), &listen).expect("start")
+    }
+
+    /// `spec()` with admission in the Redis at `url` (`failure_mode`
+    /// `mode`): tenant `demo` holds entitlement `g` of quota `p`.
+    fn redis_spec(url: &str, mode: &str) -> Spec {
+        let mut spec = spec();
+        spec.tenants[0].entitlement = Some("g".into());
+        spec.admission = Some(serde_json::json!({"backend": "redis",
+            "quotas": [{"name": "p", "tokens_per_s": 1e6, "kv_bytes": 1_i64 << 30,
+                        "concurrency": 64}],
+            "entitlements": [{"name": "g", "tenant": "demo", "quota": "p",
+                              "service_class": "guaranteed", "slo_target_ms": 1000.0,
+                              "tokens_per_s": 1e5, "kv_bytes": 1_i64 << 28, "concurrency": 32}],
+            "redis": {"url": url, "prefix": "rc", "failure_mode": mode, "socket_timeout_s": 2.0}}));
+        spec
+    }
+
+    /// Whether `plane` reports `readiness` SERVING (gRPC health, as Envoy asks).
+    fn ready(plane: &DataPlane) -> bool {
+        use tonic_health::pb::health_check_response::ServingStatus as Status;
+        use tonic_health::pb::health_client::HealthClient;
+        use tonic_health::pb::HealthCheckRequest;
+        client_runtime().block_on(async {
+            let channel =
+                tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", plane.port))
+                    .expect("url")
+                    .connect()
+                    .await
+                    .expect("connect");
+            let mut c = HealthClient::new(channel);
+            let request = HealthCheckRequest {
+                service: "readiness".into(),
+            };
+            let status = c.check(request).await.expect("check").into_inner().status;
+            status == Status::Serving as i32
+        })
+    }
+
+    fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !cond() {
+            assert!(std::time::Instant::now() < deadline, "never: {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the plane's Redis backend is warm.
+    fn warm(plane: &DataPlane) -> bool {
+        match plane.engine().admission.as_deref() {
+            Some(crate::serve::admission::Admission::Redis(r)) => r.warmed(),
+            _ => panic!("Redis admission"),
+        }
+    }
+
+    /// Failed calls to the plane's admission backend so far.
+    fn failures(plane: &DataPlane) -> u64 {
+        plane
+            .engine()
+            .admission
+            .as_ref()
+            .expect("admission")
+            .failures()
+    }
+
+    /// One request of `demo` through the whole step order, released at once;
+    /// the commands Redis ran for it and the connections it accepted meanwhile.
+    fn one_request(
+        plane: &DataPlane,
+        probe: &mut redis::Connection,
+    ) -> (std::collections::BTreeMap<String, u64>, u64) {
+        use crate::serve::admission::tests::{scripting_since, RedisServer};
+        let (calls, connections) = RedisServer::done(probe);
+        let engine = plane.engine();
+        let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}"#;
+        let routed = plane
+            .block_on(engine.route_body(body, Some(0), &crate::serve::engine::Hints::default()))
+            .expect("running")
+            .expect("routed")
+            .expect("admitted");
+        let (after, after_connections) = RedisServer::done(probe);
+        assert!(plane.shared.release(routed.id, None));
+        (
+            scripting_since(&calls, &after),
+            after_connections - connections,
+        )
+    }
+
+    fn admit_alone() -> std::collections::BTreeMap<String, u64> {
+        std::collections::BTreeMap::from([("evalsha".to_owned(), 1)])
+    }
+
+    #[test]
+    fn readiness_waits_for_a_warm_redis_and_the_first_request_pays_no_set_up() {
+        use crate::serve::admission::tests::RedisServer;
+        let server = RedisServer::start();
+        let mut probe = server.probe().expect("probe");
+        let plane = redis_plane(&server.url(), "closed");
+        eventually("SERVING", || ready(&plane));
+        // Reported SERVING only once warm: the quota is configured and the
+        // scripts loaded before any request.
+        assert!(warm(&plane));
+        let configured: i64 = redis::cmd("EXISTS")
+            .arg("rc:{p}:quota")
+            .query(&mut probe)
+            .expect("EXISTS");
+        assert_eq!(configured, 1);
+        let (calls, connections) = one_request(&plane, &mut probe);
+        assert_eq!((calls, connections), (admit_alone(), 0));
+        // A reload's new backend is warmed too, before its first request.
+        plane
+            .reload(redis_spec(&server.url(), "closed"))
+            .expect("reload");
+        eventually("warm after the reload", || warm(&plane));
+        let (calls, connections) = one_request(&plane, &mut probe);
+        assert_eq!((calls, connections), (admit_alone(), 0));
+        assert_eq!(failures(&plane), 0);
+        plane.drain(0.0);
+    }
+
+    #[test]
+    fn redis_down_at_start_fail_closed_is_not_ready_until_it_is_up_and_warm() {
+        use crate::serve::admission::tests::RedisServer;
+        let mut server = RedisServer::not_started();
+        let plane = redis_plane(&server.url(), "closed");
+        // Tried and retried (backoff): not ready, as its requests would all
+        // be refused.
+        eventually("two failed warm-ups", || failures(&plane) >= 2);
+        assert!(!ready(&plane), "SERVING while it can only refuse");
+        assert!(!plane.ready());
+        server.spawn();
+        let mut probe = server.probe().expect("probe");
+        eventually("SERVING once Redis is up", || ready(&plane));
+        // What Python reads agrees with what Envoy is told.
+        assert!(plane.ready());
+        let (calls, connections) = one_request(&plane, &mut probe);
+        assert_eq!((calls, connections), (admit_alone(), 0));
+        plane.drain(0.0);
+        assert!(!plane.ready(), "ready after the drain");
+    }
+
+    #[test]
+    fn redis_down_at_start_fail_open_serves_and_warms_when_it_is_up() {
+        use crate::serve::admission::tests::RedisServer;
+        let mut server = RedisServer::not_started();
+        let plane = redis_plane(&server.url(), "open");
+        // Ready after its first failed warm-up: admitted unaccounted, as in
+        // any outage under fail-open.
+        eventually("SERVING", || ready(&plane));
+        assert!(failures(&plane) >= 1);
+        server.spawn();
+        let mut probe = server.probe().expect("probe");
+        // Warmed in the background, before any request.
+        eventually("warm", || warm(&plane));
+        let (calls, connections) = one_request(&plane, &mut probe);
+        assert_eq!((calls, connections), (admit_alone(), 0));
+        assert!(ready(&plane));
+        plane.drain(0.0);
     }
 }

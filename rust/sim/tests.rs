@@ -43,7 +43,9 @@ fn config(pools: Vec<PoolConfig>, preset: &str) -> SimConfig {
     }
 }
 
-fn req(arrival: f64, input: u64, output: u64) -> SimRequest {
+/// A request of category 0, no session (the simulator's tests' and its
+/// disaggregated half's).
+pub(super) fn req(arrival: f64, input: u64, output: u64) -> SimRequest {
     SimRequest {
         arrival,
         input_tokens: input,

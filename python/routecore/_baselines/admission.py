@@ -102,6 +102,16 @@ class AdmissionController:
         if e.service_class in ("dedicated", "guaranteed", "elastic"):
             e.debt = 0.7 * e.debt + 0.3 * (e.tokens_per_s - e.served_rate) / e.tokens_per_s
         e.latency = latency_s if e.latency is None else 0.7 * e.latency + 0.3 * latency_s
+        self._give_back(e, ticket, actual)
+        self._reprioritise(e)
+
+    def release(self, ticket, now):
+        """Ends an admitted request that was never served: its slot and its
+        window charge are given back, and nothing is learned."""
+        self._give_back(self.tickets.pop(ticket), ticket, 0)
+
+    def _give_back(self, e, ticket, actual):
+        """Takes ``ticket`` out of flight, its window charge set to ``actual``."""
         _, tokens = e.in_flight.pop(ticket)
         e.tokens_in_flight -= tokens
         for charge in reversed(e.window):
@@ -110,4 +120,3 @@ class AdmissionController:
                 charge[2] = actual
                 break
         self.in_flight -= 1
-        self._reprioritise(e)

@@ -38,7 +38,7 @@ class Dispatcher:
                 if endpoint is None:
                     raise Refused("endpoint", 503)
             except BaseException:
-                self.admission.complete(ticket, 0, 0, 0.0, now)
+                self.admission.release(ticket, now)
                 raise
         except BaseException:
             router.in_flight[pool] -= 1

@@ -29,6 +29,8 @@ from routecore.server.service import RouteCoreService
 
 #: The services the RouteCore API port's health service reports on.
 API_SERVICES = ("", "routecore.v1.RouteCore")
+#: How often the API's health looks at the data plane's readiness until it is ready.
+READY_POLL_S = 0.05
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -79,6 +81,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         self._api: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
+        self._ready: asyncio.Task[None] | None = None
 
     @property
     def engine(self) -> Engine:
@@ -127,7 +130,8 @@ class Server:
             raise OSError(f"cannot listen on {address}: {e}") from e
         await self._api.start()
         for name in API_SERVICES:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._ready = asyncio.create_task(self._serving_when_ready(self.plane))
         log(
             logging.INFO,
             "started",
@@ -138,6 +142,14 @@ class Server:
             pools=[p.name for p in self.config.pools],
             tenants=len(self.config.tenants),
         )
+
+    async def _serving_when_ready(self, plane: DataPlane) -> None:
+        """Reports the API SERVING once the data plane is ready (its endpoints'
+        state synced, its admission backend warm), as Envoy is told on its port."""
+        while not plane.ready:
+            await asyncio.sleep(READY_POLL_S)
+        for name in API_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def reload(self) -> bool:
         """Re-reads the configuration file; on error the running one is kept.
@@ -169,6 +181,8 @@ class Server:
             grace = self.config.server.grace_s
         if grace is None:
             grace = self.config.limits.request_timeout_s
+        if self._ready is not None:
+            self._ready.cancel()
         await self.health.enter_graceful_shutdown()
         plane = self.plane
         stops = [self._api.stop(grace)] if self._api is not None else []

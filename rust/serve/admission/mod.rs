@@ -428,6 +428,24 @@ impl Admission {
         }
     }
 
+    /// Readies a remote backend for the first requests (see
+    /// `RedisAdmission::warm`); true when warm (memory: always).
+    pub async fn warm(&self) -> bool {
+        match self {
+            Admission::Memory(_) => true,
+            Admission::Redis(r) => r.warm().await,
+        }
+    }
+
+    /// What a remote backend's calls answer while it is unavailable (None:
+    /// in memory, never unavailable).
+    pub fn failure_mode(&self) -> Option<FailureMode> {
+        match self {
+            Admission::Memory(_) => None,
+            Admission::Redis(r) => Some(r.failure_mode()),
+        }
+    }
+
     /// Settles what a remote backend still has to (lost admits voided, failed
     /// completions replayed); true when nothing is left. The data plane's
     /// reaper calls it every tick, so this happens without new traffic.
@@ -495,4 +513,4 @@ async fn unclaimed(admission: Arc<Admission>, verdict: Verdict, input_tokens: u6
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -1,8 +1,9 @@
 //! The shared backend: quota state in Redis, one atomic Lua script per
 //! operation (`scripts`), through one multiplexed async connection.
 //!
-//! - Construction never connects; the first call does, and a call after a
-//!   connection error or a timeout connects again.
+//! - Construction never connects; [`RedisAdmission::warm`] (the data
+//!   plane, before its readiness) or else the first call does, and a call
+//!   after a connection error or a timeout connects again.
 //! - Every call (connecting, settling, configuring, the script) is bounded by
 //!   `socket_timeout_s`; a failure (no connection, no answer in time, Redis
 //!   full, another error reply) goes through `failure_mode`, is counted by
@@ -167,6 +168,28 @@ struct Scripts {
     sweep: Script,
 }
 
+impl Scripts {
+    /// What this backend runs (`set_state` is the Python backend's alone).
+    const CODES: [&'static str; 5] = [
+        scripts::CONFIGURE,
+        scripts::ADMIT,
+        scripts::COMPLETE,
+        scripts::VOID,
+        scripts::SWEEP,
+    ];
+
+    fn new() -> Self {
+        let [configure, admit, complete, void, sweep] = Self::CODES.map(Script::new);
+        Self {
+            configure,
+            admit,
+            complete,
+            void,
+            sweep,
+        }
+    }
+}
+
 /// Counts a call under way until dropped (what [`RedisAdmission::settled`] waits for).
 struct Busy<'a>(&'a AtomicUsize);
 
@@ -212,6 +235,8 @@ pub struct RedisAdmission {
     connection: Mutex<Option<MultiplexedConnection>>,
     connecting: tokio::sync::Mutex<()>,
     scripts: Scripts,
+    /// [`warm`](Self::warm) loaded the scripts.
+    loaded: AtomicBool,
     quotas: Vec<Quota>,
     quota_of: HashMap<String, usize>,
     default_max_tokens: u64,
@@ -322,13 +347,8 @@ impl RedisAdmission {
             client,
             connection: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
-            scripts: Scripts {
-                configure: Script::new(scripts::CONFIGURE),
-                admit: Script::new(scripts::ADMIT),
-                complete: Script::new(scripts::COMPLETE),
-                void: Script::new(scripts::VOID),
-                sweep: Script::new(scripts::SWEEP),
-            },
+            scripts: Scripts::new(),
+            loaded: AtomicBool::new(false),
             quotas,
             quota_of,
             default_max_tokens: controller.default_max_tokens(),
@@ -384,6 +404,54 @@ impl RedisAdmission {
             .await?;
         *lock(&self.connection) = Some(c.clone());
         Ok(c)
+    }
+
+    /// Makes the first calls pay no set-up: connects, loads every script
+    /// (one round trip) and writes each quota's configuration not yet
+    /// written, each step bounded by `socket_timeout_s` and failing as any
+    /// call does (counted, logged once per outage). True when warm; the
+    /// data plane's readiness waits for it (`serve::runtime`).
+    pub async fn warm(&self) -> bool {
+        if self.warmed() {
+            return true;
+        }
+        let load = async {
+            let mut c = self.connection().await?;
+            let mut pipe = ::redis::pipe();
+            for code in Scripts::CODES {
+                pipe.cmd("SCRIPT").arg("LOAD").arg(code);
+            }
+            let _: Vec<String> = pipe.query_async(&mut c).await?;
+            self.loaded.store(true, Ordering::Release);
+            Ok(c)
+        };
+        let Ok(mut c) = self.bounded(load).await else {
+            return false;
+        };
+        for (p, quota) in self.quotas.iter().enumerate() {
+            if !quota.configured.load(Ordering::Acquire)
+                && self.bounded(self.configure(&mut c, p)).await.is_err()
+            {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Whether the calls pay no set-up now: connected, the scripts loaded
+    /// by [`warm`](Self::warm), every quota configured.
+    pub fn warmed(&self) -> bool {
+        lock(&self.connection).is_some()
+            && self.loaded.load(Ordering::Acquire)
+            && self
+                .quotas
+                .iter()
+                .all(|q| q.configured.load(Ordering::Acquire))
+    }
+
+    /// What admits answer while Redis is unavailable.
+    pub fn failure_mode(&self) -> FailureMode {
+        self.failure_mode
     }
 
     /// Runs `call` within the socket timeout; a failure is counted, and after

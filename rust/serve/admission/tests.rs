@@ -4,6 +4,7 @@
 //! fault through `failure_mode`, no phantom reservation, no over-admission
 //! under concurrency.
 
+use std::collections::BTreeMap;
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -14,7 +15,7 @@ use futures_util::FutureExt;
 use super::{Admission, AdmissionSpec, Backend, FailureMode, Verdict};
 use crate::serve::metrics::Metrics;
 
-struct RedisServer {
+pub(crate) struct RedisServer {
     port: u16,
     child: Option<Child>,
 }
@@ -22,17 +23,22 @@ struct RedisServer {
 impl RedisServer {
     /// Panics when redis-server cannot be started (not installed): a missing
     /// server is a broken setup, never a pass.
-    fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
-        let mut server = Self { port, child: None };
+    pub(crate) fn start() -> Self {
+        let mut server = Self::not_started();
         server.spawn();
         server
     }
 
-    fn spawn(&mut self) {
+    /// A server on a free port, not started yet ([`spawn`](Self::spawn) starts it).
+    pub(crate) fn not_started() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        Self { port, child: None }
+    }
+
+    pub(crate) fn spawn(&mut self) {
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -51,21 +57,51 @@ impl RedisServer {
         panic!("redis-server did not start");
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
-    fn probe(&self) -> redis::RedisResult<redis::Connection> {
+    pub(crate) fn probe(&self) -> redis::RedisResult<redis::Connection> {
         redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(1))
     }
 
-    fn cmd(&self, args: &[&str]) -> redis::Value {
+    pub(crate) fn cmd(&self, args: &[&str]) -> redis::Value {
         let mut c = self.probe().expect("probe");
         let mut cmd = redis::cmd(args[0]);
         for a in &args[1..] {
             cmd.arg(*a);
         }
         cmd.query(&mut c).expect("probe command")
+    }
+
+    /// What Redis has done, read on `c` (the caller's one connection): the
+    /// calls of each command (INFO commandstats, INFO left out) and the
+    /// connections it accepted.
+    pub(crate) fn done(c: &mut redis::Connection) -> (BTreeMap<String, u64>, u64) {
+        let text: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(c)
+            .expect("INFO");
+        let calls = text
+            .lines()
+            .filter_map(|l| {
+                let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+                let calls = rest
+                    .strip_prefix("calls=")?
+                    .split(',')
+                    .next()?
+                    .parse()
+                    .ok()?;
+                (name != "info").then(|| (name.to_owned(), calls))
+            })
+            .collect();
+        let text: String = redis::cmd("INFO").arg("stats").query(c).expect("INFO");
+        let connections = text
+            .lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("total_connections_received");
+        (calls, connections)
     }
 
     /// Requests in flight in quota `p` as Redis counts them.
@@ -240,6 +276,60 @@ fn redis_decides_as_memory() {
         }
         assert_eq!((red.in_flight(), mem.in_flight()), (0, 0));
         assert_eq!(server.in_flight(), 0);
+        assert_eq!(red.failures(), 0);
+    });
+}
+
+/// The scripting commands (EVAL, EVALSHA, SCRIPT LOAD, ...) run between
+/// two readings of [`RedisServer::done`] (Redis counts the commands the
+/// scripts run too: left out).
+pub(crate) fn scripting_since(
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+) -> BTreeMap<String, u64> {
+    after
+        .iter()
+        .filter(|(name, _)| name.starts_with("eval") || name.starts_with("script"))
+        .filter_map(|(name, &n)| {
+            let d = n - before.get(name).copied().unwrap_or(0);
+            (d > 0).then(|| (name.clone(), d))
+        })
+        .collect()
+}
+
+#[test]
+fn a_warm_backend_s_first_admit_is_its_script_alone() {
+    let server = RedisServer::start();
+    let mut probe = server.probe().expect("probe");
+    runtime().block_on(async {
+        let red =
+            Admission::from_spec(&spec(&server.url(), FailureMode::Closed, 2.0)).expect("spec");
+        let (calls, connections) = RedisServer::done(&mut probe);
+        assert!(red.warm().await);
+        let (warmed, warm_connections) = RedisServer::done(&mut probe);
+        assert_eq!(warm_connections, connections + 1);
+        // Every script this backend runs, loaded in one round trip; the one
+        // quota configured.
+        let warming = scripting_since(&calls, &warmed);
+        assert_eq!(warming.get("script|load"), Some(&5), "{warming:?}");
+        assert_eq!(warming.get("evalsha"), Some(&1), "{warming:?}");
+        let configured: i64 = redis::cmd("EXISTS")
+            .arg("rc:{p}:quota")
+            .query(&mut probe)
+            .expect("EXISTS");
+        assert_eq!(configured, 1);
+        let (calls, _) = RedisServer::done(&mut probe);
+        let t = red
+            .admit("g", 1, Some(1), "k1")
+            .await
+            .ticket()
+            .expect("admitted");
+        let (after, after_connections) = RedisServer::done(&mut probe);
+        // The first admit: its script, by its SHA, on the warm connection.
+        assert_eq!(after_connections, warm_connections, "connected again");
+        let first = scripting_since(&calls, &after);
+        assert_eq!(first, BTreeMap::from([("evalsha".to_owned(), 1)]));
+        assert!(red.complete(t, 1, 1, 0.1).await);
         assert_eq!(red.failures(), 0);
     });
 }

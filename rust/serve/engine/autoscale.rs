@@ -27,56 +27,33 @@ impl Scaled for Engine {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use serde_json::{json, Value};
-    use sha2::{Digest, Sha256};
 
-    use super::*;
-    use crate::calibrate::Calibrator;
     use crate::error::Result;
     use crate::serve::autoscale::tests::autoscale;
+    use crate::serve::config::testing::{plane_json, tenant};
     use crate::serve::config::Spec;
-    use crate::serve::engine::{Hints, Shared};
-
-    fn digest(k: &str) -> String {
-        Sha256::digest(k.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    }
+    use crate::serve::engine::{test_plane, Hints};
 
     /// A data plane spec of pools `p` (scaled) and `q` (not), tenants `demo`
     /// (entitlement `gold`) and `other` (none), with this `autoscale` section.
     fn spec(autoscale: Value) -> Result<Spec> {
-        let tenant = |name: &str, entitlement: Option<&str>| {
-            json!({"name": name, "key_digests": [digest(name)], "expires_at": null,
-                   "service_class": "none", "entitlement": entitlement})
-        };
         let pool = |name: &str| {
             json!({"name": name, "max_context": 8192, "budget": null, "queue_limit": null,
                    "endpoints": ["10.0.0.1:1", "10.0.0.2:1"]})
         };
-        let json = json!({
-            "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
-            "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                       "request_timeout_s": 30.0, "default_max_tokens": 100,
-                       "image_tokens": 765, "audio_tokens": 750},
-            "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
-            "pools": [pool("p"), pool("q")],
-            "tenants": [tenant("demo", Some("gold")), tenant("other", None)],
-            "admission": null,
-            "autoscale": autoscale,
-        });
+        let mut json = plane_json("least-request", json!([pool("p"), pool("q")]));
+        json["tenants"] = json!([
+            tenant("demo", b"demo", Some("gold")),
+            tenant("other", b"other", None)
+        ]);
+        json["autoscale"] = autoscale;
         Spec::from_json(&json.to_string())
     }
 
     #[tokio::test]
     async fn every_lease_that_ends_is_observed_with_its_usage_or_its_estimate() {
-        let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine =
-            Engine::build(spec(autoscale(2.0)).expect("spec"), &shared, None).expect("engine");
+        let (shared, engine) = test_plane(spec(autoscale(2.0)).expect("spec"));
         let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}"#;
         let mut estimated = 0;
         for i in 0..6 {
@@ -108,10 +85,7 @@ mod tests {
     /// the entitlement's inputs are on the metrics port after a step.
     #[tokio::test]
     async fn every_lease_given_is_an_arrival_and_the_entitlements_gauges_show_it() {
-        let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine =
-            Engine::build(spec(autoscale(2.0)).expect("spec"), &shared, None).expect("engine");
+        let (shared, engine) = test_plane(spec(autoscale(2.0)).expect("spec"));
         let body = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}"#;
         let mut ids = Vec::new();
         for tenant in [0, 0, 1] {

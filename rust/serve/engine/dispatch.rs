@@ -321,7 +321,10 @@ impl Steps for Request<'_> {
             let room = engine.room(pool);
             let waiting = match flow.enter(arrival, |f| quota_room && room(f), closed, now)? {
                 Entry::Now => return Ok(()),
-                Entry::Wait(w) => w,
+                Entry::Wait(w) => {
+                    self.shared.flow_queued.notify_one();
+                    w
+                }
                 Entry::Closed => {
                     let message = "routecore is shutting down; retry".into();
                     return Err(self.reject(503, "shutting-down", message, 1.0));

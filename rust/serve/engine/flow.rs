@@ -1,11 +1,13 @@
 //! Flow control's queues in the engine (`serve::flow`): one per pool when
 //! `flow_control` is configured, served when capacity appears (a lease
-//! released, the ticker) and drained at shutdown.
+//! released, the ticker while a request waits) and drained at shutdown.
 
 use std::sync::atomic::Ordering as AtomicOrdering;
 
+use tokio::sync::watch;
+
 use super::*;
-use crate::serve::flow::PoolFlow;
+use crate::serve::flow::{PoolFlow, TICK};
 
 impl Engine {
     /// One queue per pool of `spec` (none without `flow_control`).
@@ -59,6 +61,42 @@ impl Shared {
         for engine in self.engines() {
             engine.serve_queues(now);
         }
+    }
+
+    /// Whether a request waits in any engine's queue.
+    fn queued(&self) -> bool {
+        self.engines()
+            .iter()
+            .any(|e| e.flows.iter().any(|f| !f.is_empty()))
+    }
+
+    /// The ticker: serves the queues every [`TICK`] while a request waits
+    /// in one (expiries, and the room a scrape or a health change shows; a
+    /// released lease serves its pool's queue at once), and sleeps while
+    /// every queue is empty until a request starts to wait (`flow_queued`,
+    /// told by the step that queues it), so an idle data plane, or one
+    /// without flow control, never wakes for it.
+    pub async fn serve_queues_forever(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        loop {
+            if !self.queued() {
+                // A request queued since the check left its permit: no wait.
+                tokio::select! {
+                    _ = self.flow_queued.notified() => {}
+                    _ = stop.changed() => return,
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(TICK) => {}
+                _ = stop.changed() => return,
+            }
+            self.flow_ticks.fetch_add(1, AtomicOrdering::Relaxed);
+            self.serve_queues();
+        }
+    }
+
+    /// How many times the ticker has served the queues.
+    pub fn flow_ticks(&self) -> u64 {
+        self.flow_ticks.load(AtomicOrdering::Relaxed)
     }
 
     /// Shutdown: every waiting request is refused (503, retry elsewhere) and
@@ -494,5 +532,41 @@ mod tests {
             assert!(shared.release(id, None));
         }
         assert_eq!(held(&shared, &old), (0, 0, vec![0; 4], 0, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn the_ticker_sleeps_until_a_request_waits_and_still_expires_it() {
+        let flow = serde_json::json!({"bands": bands(), "ttl_s": 0.05});
+        let (shared, engine) = flow_plane(flow);
+        let (stop, stopped) = watch::channel(false);
+        let ticker = tokio::spawn(Arc::clone(&shared).serve_queues_forever(stopped));
+        // Idle, then busy with nothing waiting (the pool has room for each):
+        // ten ticks' time each, not one tick (it ticked every TICK before).
+        tokio::time::sleep(TICK * 10).await;
+        assert_eq!(shared.flow_ticks(), 0, "an idle flow control ticks");
+        let placed = fill(&engine).await;
+        tokio::time::sleep(TICK * 10).await;
+        assert_eq!(shared.flow_ticks(), 0, "requests that never waited woke it");
+        // A request waits in the full pool: the ticker wakes and refuses it
+        // at its TTL, with no release or scrape to serve the queue.
+        let started = std::time::Instant::now();
+        let waiting = send(&engine, 0);
+        let rej = tokio::time::timeout(Duration::from_secs(10), outcome(waiting))
+            .await
+            .expect("its TTL fired")
+            .expect_err("expired");
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        assert_eq!((rej.status, rej.reason.as_str()), (429, "saturated"));
+        let ticks = shared.flow_ticks();
+        assert!(ticks >= 1);
+        // The queue is empty again: it sleeps.
+        tokio::time::sleep(TICK * 10).await;
+        assert_eq!(shared.flow_ticks(), ticks, "ticks with nothing waiting");
+        let _ = stop.send(true);
+        ticker.await.expect("the ticker stops");
+        for p in placed {
+            assert!(shared.release(p.id, None));
+        }
+        assert_eq!(held(&shared, &engine), (0, 0, vec![0; 4], 0, 0, 0));
     }
 }

@@ -348,6 +348,11 @@ pub struct Shared {
     pub kv: Arc<crate::kv::KvIndex>,
     /// Set at shutdown: no request waits in a flow-control queue any more.
     flow_closed: std::sync::atomic::AtomicBool,
+    /// Told when a request starts to wait in a flow-control queue: the
+    /// ticker sleeps on it while every queue is empty.
+    flow_queued: tokio::sync::Notify,
+    /// How many times the ticker served the queues.
+    flow_ticks: AtomicU64,
 }
 
 impl Shared {
@@ -368,6 +373,8 @@ impl Shared {
             faults: Mutex::new(HashSet::new()),
             kv: Arc::default(),
             flow_closed: std::sync::atomic::AtomicBool::new(false),
+            flow_queued: tokio::sync::Notify::new(),
+            flow_ticks: AtomicU64::new(0),
         }
     }
 
@@ -559,6 +566,16 @@ fn int(v: u64) -> i64 {
 /// A measured field as the core's signed argument (beyond i64 is a 400).
 fn signed(what: &str, v: u64) -> Result<i64> {
     i64::try_from(v).map_err(|_| invalid(format!("{what} must be at most {}, got {v}", i64::MAX)))
+}
+
+/// A test data plane of `spec` on the current tokio runtime, with its own
+/// shared state (the calibrator every test plane uses).
+#[cfg(test)]
+pub(crate) fn test_plane(spec: Spec) -> (Arc<Shared>, Arc<Engine>) {
+    let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
+    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
+    let engine = Engine::build(spec, &shared, None).expect("engine");
+    (shared, engine)
 }
 
 impl Engine {
@@ -1002,6 +1019,7 @@ impl Engine {
 mod tests {
     use super::*;
     use crate::prefix::block_hashes;
+    use crate::serve::config::testing;
 
     fn hashes(body: &[u8]) -> Vec<u64> {
         let prompt = prompt_of(body).expect("a request");
@@ -1053,42 +1071,25 @@ mod tests {
 
     /// The spec of [`plane`], to change before [`plane_of`] builds it.
     pub(super) fn plane_json(policy: &str, admission: serde_json::Value) -> serde_json::Value {
-        let digest = |k: &str| -> String {
-            Sha256::digest(k.as_bytes())
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect()
-        };
-        let entitled = |name: &str| {
-            admission["entitlements"]
-                .as_array()
-                .is_some_and(|es| es.iter().any(|e| e["name"] == name))
-                .then(|| name.to_owned())
-        };
         let tenant = |name: &str| {
-            serde_json::json!({"name": name, "key_digests": [digest(name)], "expires_at": null,
-                               "service_class": "none", "entitlement": entitled(name)})
+            let entitled = admission["entitlements"]
+                .as_array()
+                .is_some_and(|es| es.iter().any(|e| e["name"] == name));
+            testing::tenant(name, name.as_bytes(), entitled.then_some(name))
         };
-        serde_json::json!({
-            "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
-            "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                       "request_timeout_s": 30.0, "default_max_tokens": 100,
-                       "image_tokens": 765, "audio_tokens": 750},
-            "router": {"policy": policy, "compress_band": null, "prefix_block_size": 16},
-            "pools": [{"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
-                       "endpoints": ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]}],
-            "tenants": [tenant("demo"), tenant("other")],
-            "admission": admission
-        })
+        let pools = serde_json::json!([{
+            "name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
+            "endpoints": ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"]
+        }]);
+        let mut json = testing::plane_json(policy, pools);
+        json["tenants"] = serde_json::json!([tenant("demo"), tenant("other")]);
+        json["admission"] = admission;
+        json
     }
 
     /// A data plane of `json` (see [`plane_json`]).
     pub(super) fn plane_of(json: serde_json::Value) -> (Arc<Shared>, Arc<Engine>) {
-        let spec = Spec::from_json(&json.to_string()).expect("spec");
-        let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-        let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-        let engine = Engine::build(spec, &shared, None).expect("engine");
-        (shared, engine)
+        test_plane(Spec::from_json(&json.to_string()).expect("spec"))
     }
 
     /// Where `demo`'s next request goes after `other` sent 20 heavy

@@ -2,6 +2,7 @@
 //! holds both endpoints and every path that ends it releases both once.
 
 use super::*;
+use crate::serve::config::testing::plane_json;
 
 const ENDPOINTS: [&str; 4] = ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"];
 
@@ -9,24 +10,15 @@ const ENDPOINTS: [&str; 4] = ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.
 /// the others `decode`, split by `decider`; requests time out after
 /// `timeout_s`.
 fn split_plane(decider: serde_json::Value, timeout_s: f64) -> (Arc<Shared>, Arc<Engine>) {
-    let json = serde_json::json!({
-        "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
-        "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                   "request_timeout_s": timeout_s, "default_max_tokens": 100,
-                   "image_tokens": 765, "audio_tokens": 750},
-        "router": {"policy": "prefix+queue+kv", "compress_band": null, "prefix_block_size": 16},
-        "pools": [{"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
-                   "endpoints": ENDPOINTS, "role": "decode",
-                   "roles": {ENDPOINTS[2]: "prefill", ENDPOINTS[3]: "prefill"},
-                   "disaggregation": decider}],
-        "tenants": [],
-        "admission": null
+    let pool = serde_json::json!({
+        "name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
+        "endpoints": ENDPOINTS, "role": "decode",
+        "roles": {ENDPOINTS[2]: "prefill", ENDPOINTS[3]: "prefill"},
+        "disaggregation": decider
     });
-    let spec = Spec::from_json(&json.to_string()).expect("spec");
-    let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-    let engine = Engine::build(spec, &shared, None).expect("engine");
-    (shared, engine)
+    let mut json = plane_json("prefix+queue+kv", serde_json::json!([pool]));
+    json["limits"]["request_timeout_s"] = timeout_s.into();
+    test_plane(Spec::from_json(&json.to_string()).expect("spec"))
 }
 
 fn body(k: usize) -> Vec<u8> {
@@ -105,17 +97,11 @@ async fn the_uncached_tokens_decider_keeps_a_repeated_prompt_on_its_decoder() {
 #[tokio::test]
 async fn roles_that_leave_no_prefill_endpoint_are_refused_at_build() {
     let json = |roles: serde_json::Value| {
-        serde_json::json!({
-            "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
-            "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                       "request_timeout_s": 30.0, "default_max_tokens": 100,
-                       "image_tokens": 765, "audio_tokens": 750},
-            "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
-            "pools": [{"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
-                       "endpoints": ENDPOINTS[..2], "role": "decode", "roles": roles}],
-            "tenants": [], "admission": null
-        })
-        .to_string()
+        let pool = serde_json::json!({
+            "name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
+            "endpoints": ENDPOINTS[..2], "role": "decode", "roles": roles
+        });
+        plane_json("least-request", serde_json::json!([pool])).to_string()
     };
     let cal = Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
     let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));

@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
+use crate::serve::config::testing::plane_json;
 use crate::serve::config::Spec;
-use crate::serve::engine::{Engine, Shared};
+use crate::serve::engine::{test_plane, Engine, Shared};
 
 /// The decode endpoint.
 pub const DECODE: &str = "10.0.0.1:8000";
@@ -15,23 +16,11 @@ pub const DECODE: &str = "10.0.0.1:8000";
 /// A data plane over one pool: DECODE decodes, `prefill` prefills, every
 /// request is split and handed off by `handoff`.
 pub fn plane(prefill: &str, disaggregation: Value) -> (Arc<Shared>, Arc<Engine>) {
-    let json = json!({
-        "server": {"key_header": "x-api-key", "failure_mode": "closed", "default_pool": "p"},
-        "limits": {"max_body_bytes": 10000, "max_message_bytes": 1 << 20,
-                   "request_timeout_s": 30.0, "default_max_tokens": 100,
-                   "image_tokens": 765, "audio_tokens": 750},
-        "router": {"policy": "least-request", "compress_band": null, "prefix_block_size": 16},
-        "pools": [{"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
-                   "endpoints": [DECODE, prefill], "role": "decode",
-                   "roles": {prefill: "prefill"}, "disaggregation": disaggregation}],
-        "tenants": [],
-        "admission": null
-    });
-    let spec = Spec::from_json(&json.to_string()).expect("spec");
-    let cal = crate::calibrate::Calibrator::new(0.95, 1.0, 4.0, 16).expect("cal");
-    let shared = Arc::new(Shared::new(cal, tokio::runtime::Handle::current()));
-    let engine = Engine::build(spec, &shared, None).expect("engine");
-    (shared, engine)
+    let pool = json!({"name": "p", "max_context": 8192, "budget": null, "queue_limit": null,
+                      "endpoints": [DECODE, prefill], "role": "decode",
+                      "roles": {prefill: "prefill"}, "disaggregation": disaggregation});
+    let json = plane_json("least-request", json!([pool]));
+    test_plane(Spec::from_json(&json.to_string()).expect("spec"))
 }
 
 /// A streamed chat request.

@@ -1,6 +1,7 @@
 use std::sync::Arc;
 
 use super::*;
+use crate::sim::tests::req;
 use crate::sim::timing::LinearTiming;
 
 const W: f64 = 0.008;
@@ -33,16 +34,6 @@ fn fleet(prefill: Option<i64>, decode: i64, decider: Decider) -> DisaggFleet {
     }
 }
 
-fn request(arrival: f64, input: u64, output: u64) -> SimRequest {
-    SimRequest {
-        arrival,
-        input_tokens: input,
-        output_tokens: output,
-        category: 0,
-        session: None,
-    }
-}
-
 /// One request alone: 3 prefill iterations (1,200 tokens in chunks of 512),
 /// the transfer, the decode's first step, then 9 decode steps, each
 /// iteration `W + H` with one sequence; aggregated, no transfer.
@@ -50,7 +41,7 @@ fn request(arrival: f64, input: u64, output: u64) -> SimRequest {
 fn one_request_by_hand() {
     let t = W + H;
     let xfer = 0.002 + 40960.0 * 1200.0 / 25e9;
-    let reqs = [request(0.0, 1200, 10)];
+    let reqs = [req(0.0, 1200, 10)];
     let r = simulate_disagg(&reqs, &fleet(Some(1), 1, Decider::Always)).expect("sim");
     assert!(r.disaggregated[0]);
     assert!((r.ttft[0] - (3.0 * t + xfer + t)).abs() < 1e-12, "{r:?}");
@@ -71,7 +62,7 @@ fn one_request_by_hand() {
 #[test]
 fn conditional_splits_long_prompts() {
     let reqs: Vec<SimRequest> = (0..40)
-        .map(|k| request(k as f64 * 0.05, if k % 2 == 0 { 1500 } else { 300 }, 20))
+        .map(|k| req(k as f64 * 0.05, if k % 2 == 0 { 1500 } else { 300 }, 20))
         .collect();
     let r = simulate_disagg(&reqs, &fleet(Some(1), 2, Decider::Conditional(1000))).expect("sim");
     for (k, q) in reqs.iter().enumerate() {
@@ -92,7 +83,7 @@ fn every_request_finishes() {
     let reqs: Vec<SimRequest> = (0..600)
         .map(|_| {
             t += rng.exponential(40.0);
-            request(t, 1 + rng.below(4000), 1 + rng.below(400))
+            req(t, 1 + rng.below(4000), 1 + rng.below(400))
         })
         .collect();
     for decider in [Decider::Always, Decider::Never, Decider::Conditional(2000)] {
@@ -111,14 +102,14 @@ fn every_request_finishes() {
 
 #[test]
 fn bad_fleets_are_refused() {
-    let reqs = [request(0.0, 100, 10)];
+    let reqs = [req(0.0, 100, 10)];
     // Decode endpoints and no prefill endpoint, with a decider that splits.
     let err = simulate_disagg(&reqs, &fleet(None, 1, Decider::Always)).expect_err("refused");
     assert!(err.to_string().contains("prefill pool"), "{err}");
     let mut f = fleet(Some(1), 1, Decider::Always);
     f.transfer.bandwidth_bytes_s = 0.0;
     assert!(simulate_disagg(&reqs, &f).is_err());
-    let long = [request(0.0, 8000, 500)];
+    let long = [req(0.0, 8000, 500)];
     assert!(simulate_disagg(&long, &fleet(Some(1), 1, Decider::Always)).is_err());
     assert!(Decider::parse("sometimes", 0).is_err());
     assert_eq!(
