@@ -5,8 +5,12 @@
 //! Nothing in the clone changes a figure: Rust never contracts `a * b + c`
 //! into a fused multiply-add and the planner writes no `mul_add`, so both run
 //! the same IEEE operations in the same order; the features only change how
-//! they are encoded and which need no call (`floor`, `round` inlined with
-//! SSE4.1, ...). The test `planner_fleets_dump` compares both paths' dumps.
+//! they are encoded. Measured (benches/RESULTS.md, issue 27): AVX's VEX
+//! encodings carry the gain (three operands, no false dependency on a
+//! register's upper half), not FMA, BMI or POPCNT. Only what is inlined into
+//! the clone gets them: hence the `#[inline(always)]` on the sweep's hot
+//! callees, and methods rather than closures called from several places.
+//! The test `planner_fleets_dump` compares both paths' dumps.
 
 /// The instruction sets [`super::plan`] is compiled for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
