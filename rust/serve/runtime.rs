@@ -734,6 +734,11 @@ mod tests {
 
     /// The data plane on a free loopback port, one shard.
     fn one_shard() -> DataPlane {
+        one_shard_of(spec())
+    }
+
+    /// A data plane of `spec` on a free loopback port, one shard.
+    fn one_shard_of(spec: Spec) -> DataPlane {
         let listen = Listen {
             host: "127.0.0.1".into(),
             port: 0,
@@ -741,7 +746,7 @@ mod tests {
             worker_threads: 1,
             unix_socket: None,
         };
-        DataPlane::start(spec(), calibrator(), &listen).expect("start")
+        DataPlane::start(spec, calibrator(), &listen).expect("start")
     }
 
     fn client_runtime() -> tokio::runtime::Runtime {
@@ -830,14 +835,7 @@ mod tests {
 
     /// A data plane of [`redis_spec`].
     fn redis_plane(url: &str, mode: &str) -> DataPlane {
-        let listen = Listen {
-            host: "127.0.0.1".into(),
-            port: 0,
-            metrics_port: None,
-            worker_threads: 1,
-            unix_socket: None,
-        };
-        DataPlane::start(redis_spec(url, mode), calibrator(), &listen).expect("start")
+        one_shard_of(redis_spec(url, mode))
     }
 
     /// `spec()` with admission in the Redis at `url` (`failure_mode`
