@@ -129,12 +129,14 @@ impl<'a> Request<'a> {
                 status,
                 reason,
                 retry_after_s,
-            } => {
-                let message = format!("not admitted: {reason}");
-                let retry = retry_after_s.unwrap_or(0.0);
-                Err(self.reject(status, &reason, message, retry))
-            }
+            } => Err(self.not_admitted(status, &reason, retry_after_s)),
         }
+    }
+
+    /// Admission's refusal, answered to the client.
+    fn not_admitted(&self, status: u16, reason: &str, retry_after_s: Option<f64>) -> Refused {
+        let message = format!("not admitted: {reason}");
+        self.reject(status, reason, message, retry_after_s.unwrap_or(0.0))
     }
 
     fn reject(&self, status: u16, reason: &str, message: String, retry: f64) -> Refused {
@@ -243,11 +245,7 @@ impl Steps for Request<'_> {
                     status,
                     reason,
                     retry_after_s,
-                } => {
-                    let message = format!("not admitted: {reason}");
-                    let retry = retry_after_s.unwrap_or(0.0);
-                    return Err(self.reject(status, &reason, message, retry));
-                }
+                } => return Err(self.not_admitted(status, &reason, retry_after_s)),
             }
         }
         Ok(Admitted {
