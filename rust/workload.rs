@@ -102,6 +102,8 @@ impl RangeMoments {
     };
 
     /// The moments of the union of two disjoint ranges (the mixture).
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn merge(self, other: RangeMoments) -> RangeMoments {
         let weight = self.weight + other.weight;
         if weight <= 0.0 {
@@ -397,6 +399,8 @@ impl Workload {
 
     /// How many requests have `L_total <= x`: a binary search inside the
     /// bucket of `x`.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     fn at_most(&self, x: f64) -> usize {
         if x.is_nan() || x < 0.0 {
             return 0;
@@ -409,15 +413,19 @@ impl Workload {
             return self.len();
         };
         let (lo, hi) = (lo as usize, hi as usize);
-        lo + self.sorted_total[lo..hi].partition_point(|&t| (t as f64) <= x)
+        lo + partition_point(&self.sorted_total[lo..hi], |&t| (t as f64) <= x)
     }
 
     /// Weight of a span divided by the total weight.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn fraction(&self, span: Span) -> f64 {
         (self.cum_weight[span.end] - self.cum_weight[span.start]) / self.total_weight()
     }
 
     /// Weight fraction of category `category` in a span.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn category_fraction(&self, span: Span, category: usize) -> f64 {
         let c = &self.cum_weight_by_category[category];
         (c[span.end] - c[span.start]) / self.total_weight()
@@ -730,18 +738,24 @@ impl ServiceTable {
 
     /// Moments of the prompt length `L_in` over a span and one category
     /// channel (`mean` = E[L_in], `second` = E[L_in^2]).
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn prompt_moments(&self, w: &Workload, span: Span, category: usize) -> RangeMoments {
         self.length_moments(w, span, category, 5)
     }
 
     /// Moments of the output length `L_out` over a span and one category
     /// channel (`mean` = E[L_out], `second` = E[L_out^2]).
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn output_moments(&self, w: &Workload, span: Span, category: usize) -> RangeMoments {
         self.length_moments(w, span, category, 7)
     }
 
     /// The moments of the length whose `w x` and `w x^2` sums are columns
     /// `col` and `col + 1`.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     fn length_moments(
         &self,
         w: &Workload,
@@ -763,10 +777,15 @@ impl ServiceTable {
     }
 
     /// Moments of `S = k (a0 + a1 L)` over a span, all categories together.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn moments_all(&self, w: &Workload, span: Span, a0: f64, a1: f64) -> RangeMoments {
-        (0..w.category_channels()).fold(RangeMoments::EMPTY, |m, c| {
-            m.merge(self.moments(w, span, c, a0, a1))
-        })
+        // A loop: `Iterator::fold` was compiled apart from the clone.
+        let mut m = RangeMoments::EMPTY;
+        for c in 0..w.category_channels() {
+            m = m.merge(self.moments(w, span, c, a0, a1));
+        }
+        m
     }
 
     /// The weighted `q`-quantile of the prefill chunk count over a span: the
@@ -781,6 +800,8 @@ impl ServiceTable {
     /// The fewest prefill chunks of a span's requests (0 for a span of no
     /// weight): `prefill_chunks_quantile(span, 0.0)`, in O(1) for a prefix or
     /// a tail of the sorted requests.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn prefill_chunks_min(&self, span: Span) -> u64 {
         if span.end <= span.start || self.chunks.weight(span.start, span.end) <= 0.0 {
             0
@@ -796,10 +817,37 @@ impl ServiceTable {
     /// The weighted distribution of the prefill chunk count over a span:
     /// `(chunks, weight)` for each count present, ascending, appended to `out`
     /// with every weight times `scale`.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     pub fn prefill_chunks_histogram(&self, span: Span, scale: f64, out: &mut Vec<(u64, f64)>) {
         self.chunks.histogram(span.start, span.end, scale, out);
     }
 }
+
+/// [`slice::partition_point`] forced inline, so that the planner's x86-64-v3
+/// clone (rust/planner/isa.rs) holds it (std's is compiled apart, for the
+/// baseline CPU): the first index where `pred` is false, `pred` true on a
+/// prefix of `s`; the same bisection as std's (the answer is unique).
+#[inline(always)]
+pub(crate) fn partition_point<T>(s: &[T], mut pred: impl FnMut(&T) -> bool) -> usize {
+    let (mut base, mut size) = (0, s.len());
+    if size == 0 {
+        return 0;
+    }
+    while size > 1 {
+        let half = size / 2;
+        let mid = base + half;
+        if pred(&s[mid]) {
+            base = mid;
+        }
+        size -= half;
+    }
+    base + usize::from(pred(&s[base]))
+}
+
+/// The most levels a [`WaveletMatrix`] has (one per bit of a `u64`): its
+/// histogram's walk holds at most this many halves at once.
+const MAX_LEVELS: usize = 64;
 
 /// A wavelet matrix over non-negative integers with weights: the weighted
 /// quantile of any index range in O(bits) steps (Claude, Navarro and Ordonez,
@@ -862,6 +910,8 @@ impl WaveletMatrix {
     }
 
     /// The weight of the values in `l..r`.
+    // Inlined into the planner's x86-64-v3 clone (rust/planner/isa.rs).
+    #[inline(always)]
     fn weight(&self, l: usize, r: usize) -> f64 {
         self.levels
             .first()
@@ -870,37 +920,47 @@ impl WaveletMatrix {
 
     /// `(value, weight * scale)` of every value in `l..r`, ascending: a walk of
     /// the levels that splits the range into its zero and one halves, O(levels)
-    /// per distinct value.
+    /// per distinct value. Depth first, the halves still to walk on a stack of
+    /// its own (at most one per level, and the two just split): a recursive
+    /// function is never inlined, and this one is, into the planner's x86-64-v3
+    /// clone (rust/planner/isa.rs).
+    #[inline(always)]
     fn histogram(&self, l: usize, r: usize, scale: f64, out: &mut Vec<(u64, f64)>) {
-        fn walk(
-            levels: &[Level],
-            (l, r): (usize, usize),
-            value: u64,
-            scale: f64,
-            out: &mut Vec<(u64, f64)>,
-        ) {
-            let Some((lev, rest)) = levels.split_first() else {
-                return;
-            };
+        let Some(last) = self.levels.len().checked_sub(1) else {
+            return;
+        };
+        if r <= l {
+            return;
+        }
+        // (level, range, value of the bits above): the zero half on top.
+        let mut stack = [(0usize, 0usize, 0usize, 0u64); MAX_LEVELS];
+        stack[0] = (0, l, r, 0);
+        let mut top = 1;
+        while top > 0 {
+            top -= 1;
+            let (depth, l, r, value) = stack[top];
+            let lev = &self.levels[depth];
             let (zl, zr) = (lev.zeros[l] as usize, lev.zeros[r] as usize);
             let w0 = lev.zero_weight[r] - lev.zero_weight[l];
             let w1 = (lev.all_weight[r] - lev.all_weight[l]) - w0;
-            for (bit, (a, b), w) in [
+            let halves = [
                 (0, (zl, zr), w0),
                 (1, (lev.n_zeros + (l - zl), lev.n_zeros + (r - zr)), w1),
-            ] {
-                if b > a && w > 0.0 {
-                    let v = value << 1 | bit;
-                    if rest.is_empty() {
-                        out.push((v, w * scale));
-                    } else {
-                        walk(rest, (a, b), v, scale, out);
+            ];
+            if depth == last {
+                for (bit, (a, b), w) in halves {
+                    if b > a && w > 0.0 {
+                        out.push((value << 1 | bit, w * scale));
+                    }
+                }
+            } else {
+                for (bit, (a, b), w) in halves.into_iter().rev() {
+                    if b > a && w > 0.0 {
+                        stack[top] = (depth + 1, a, b, value << 1 | bit);
+                        top += 1;
                     }
                 }
             }
-        }
-        if r > l {
-            walk(&self.levels, (l, r), 0, scale, out);
         }
     }
 

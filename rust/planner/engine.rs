@@ -83,7 +83,7 @@
 use super::{Binding, PoolPlan};
 use crate::error::{invalid, Result};
 use crate::queueing::{exp_or_zero, ErlangC};
-use crate::workload::RangeMoments;
+use crate::workload::{partition_point, RangeMoments};
 
 /// Most requests per endpoint for which the closed loop is solved (its cost
 /// is linear in them); above, the open queue, its limit, is used.
@@ -654,6 +654,7 @@ fn floor_at_least_one(x: f64) -> f64 {
 const BUSY_HALF: f64 = 0.5;
 
 impl OwnPrefill {
+    #[inline(always)]
     fn new(t: f64, shape: &EngineShape) -> Self {
         if shape.h_s <= 0.0 {
             return Self {
@@ -789,7 +790,7 @@ impl TotalWait {
     #[inline(always)]
     fn miss(self, chunks: &[(u64, f64)], t: f64, ttft: f64, half: f64) -> f64 {
         let fits = |k: u64| ttft - (k as f64 + half) * t;
-        let split = chunks.partition_point(|&(k, _)| fits(k) >= 0.0);
+        let split = partition_point(chunks, |&(k, _)| fits(k) >= 0.0);
         let mut miss: f64 = chunks[split..].iter().map(|&(_, p)| p).sum();
         let Some(&(top, _)) = chunks[..split].last() else {
             return miss;
@@ -850,16 +851,25 @@ pub(super) struct EngineEval {
 /// Appends a pool's `(chunks, weight)` pairs to a vector.
 pub type BuildChunks<'a> = &'a dyn Fn(&mut Vec<(u64, f64)>);
 
-/// The chunk distribution of a pool, built on first use (see the module docs).
-pub(super) struct Chunks<'a> {
-    build: BuildChunks<'a>,
+/// What builds a [`Chunks`]: a function appending a pool's `(chunks,
+/// weight)` pairs to a vector.
+pub(super) trait Build: Fn(&mut Vec<(u64, f64)>) {}
+
+impl<F: Fn(&mut Vec<(u64, f64)>) + ?Sized> Build for F {}
+
+/// The chunk distribution of a pool, built on first use (see the module
+/// docs). Generic over its builder: the sweep's (a closure) is inlined into
+/// `plan`'s x86-64-v3 clone (`planner::isa`), where a call through `&dyn Fn`
+/// is compiled apart.
+pub(super) struct Chunks<B> {
+    build: B,
     dist: Vec<(u64, f64)>,
     built: bool,
 }
 
-impl<'a> Chunks<'a> {
+impl<B: Build> Chunks<B> {
     /// `build` appends `(k, weight)` pairs, in any order and with repeats.
-    pub fn new(build: BuildChunks<'a>) -> Self {
+    pub fn new(build: B) -> Self {
         Self {
             build,
             dist: Vec::new(),
@@ -1002,7 +1012,7 @@ pub(super) fn engine_eval(
     load: &EngineLoad,
     shape: &EngineShape,
     targets: Targets,
-    chunks: &mut Chunks<'_>,
+    chunks: &mut Chunks<impl Build>,
 ) -> Result<EngineEval> {
     evaluate(arrival_rate, gpus, load, shape, targets, chunks, false)
 }
@@ -1020,7 +1030,7 @@ fn evaluate(
     load: &EngineLoad,
     shape: &EngineShape,
     targets: Targets,
-    chunks: &mut Chunks<'_>,
+    chunks: &mut Chunks<impl Build>,
     bounded_fails: bool,
 ) -> Result<EngineEval> {
     let rate = arrival_rate / gpus as f64;
@@ -1297,7 +1307,7 @@ struct Seen<'a> {
 
 impl Seen<'_> {
     #[inline(always)]
-    fn eval(&mut self, n: u64, chunks: &mut Chunks<'_>) -> Result<EngineEval> {
+    fn eval(&mut self, n: u64, chunks: &mut Chunks<impl Build>) -> Result<EngineEval> {
         if let Some((_, e)) = self.kept.iter().flatten().find(|(m, _)| *m == n) {
             return Ok(*e);
         }
@@ -1343,6 +1353,18 @@ pub(super) fn start_ratio((n, bound): (u64, u64)) -> f64 {
     n as f64 / (bound as f64 + 1.0)
 }
 
+/// `v.floor()`, at least 0, and 0 for NaN and infinities: a count below a
+/// stability bound. A function forced inline, not a closure called twice
+/// (see [`Tests`]).
+#[inline(always)]
+fn floor_or_zero(v: f64) -> f64 {
+    if v.is_finite() {
+        v.floor().max(0.0)
+    } else {
+        0.0
+    }
+}
+
 /// Sizes one pool under the engine model: the smallest GPU count meeting
 /// every constraint of [`engine_eval`] (each eases as GPUs are added), by
 /// [`smallest_ok`] from `start`. Necessary counts from stability: compute
@@ -1359,7 +1381,7 @@ pub(super) fn size_engine_pool(
     shape: &EngineShape,
     targets: Targets,
     start: Start<'_>,
-    chunks: &mut Chunks<'_>,
+    chunks: &mut Chunks<impl Build>,
     mut pool: PoolPlan,
 ) -> Result<PoolPlan> {
     if arrival_rate <= 0.0 || load.iterations + load.prompt_mean <= 0.0 {
@@ -1372,7 +1394,7 @@ pub(super) fn size_engine_pool(
     }
     let compute_room = 1.0 - shape.w_s / targets.tpot_s;
     // Alone, at W + H, with no wait: more than 1 - q of the prompts too long?
-    let alone = |chunks: &mut Chunks<'_>| {
+    let alone = |chunks: &mut Chunks<_>| {
         let none = TotalWait {
             slot: Wait::NONE,
             prefill: Wait::NONE,
@@ -1392,15 +1414,8 @@ pub(super) fn size_engine_pool(
     } else {
         None
     };
-    let below = |v: f64| {
-        if v.is_finite() {
-            v.floor().max(0.0)
-        } else {
-            0.0
-        }
-    };
-    let bad = below(arrival_rate * shape.h_s * load.iterations / compute_room.max(1e-12))
-        .max(below(
+    let bad = floor_or_zero(arrival_rate * shape.h_s * load.iterations / compute_room.max(1e-12))
+        .max(floor_or_zero(
             arrival_rate * load.prompt_mean * shape.w_s / shape.chunk as f64,
         ))
         .min(1e15) as u64;
@@ -1739,7 +1754,7 @@ mod tests {
         l: &EngineLoad,
         s: &EngineShape,
         tg: Targets,
-        chunks: &mut Chunks<'_>,
+        chunks: &mut Chunks<impl Build>,
     ) -> (PoolPlan, Option<EngineEval>) {
         let p =
             size_engine_pool(rate, l, s, tg, Start::At(None), chunks, PoolPlan::EMPTY).expect("ok");

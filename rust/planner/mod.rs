@@ -484,13 +484,19 @@ impl Ctx<'_> {
     fn mix(&self, span: Span, category: Option<usize>, scale: f64) -> Mix {
         let t = &self.table;
         let (k, kl, prompt) = match category {
-            None => (
-                t.moments_all(self.w, span, 1.0, 0.0),
-                t.moments_all(self.w, span, 0.0, 1.0),
-                (0..self.w.category_channels()).fold(RangeMoments::EMPTY, |m, c| {
-                    m.merge(t.prompt_moments(self.w, span, c))
-                }),
-            ),
+            None => {
+                // Loops, not `fold`s: `Iterator::fold` was compiled apart from
+                // the x86-64-v3 clone.
+                let mut prompt = RangeMoments::EMPTY;
+                for c in 0..self.w.category_channels() {
+                    prompt = prompt.merge(t.prompt_moments(self.w, span, c));
+                }
+                (
+                    t.moments_all(self.w, span, 1.0, 0.0),
+                    t.moments_all(self.w, span, 0.0, 1.0),
+                    prompt,
+                )
+            }
             Some(c) => (
                 t.moments(self.w, span, c, 1.0, 0.0),
                 t.moments(self.w, span, c, 0.0, 1.0),
@@ -519,14 +525,13 @@ impl Ctx<'_> {
     /// Returns the moments and the compressed prompts' chunk count.
     #[inline(always)]
     fn compressed_mix(&self, band: Span, b: u64, weight: f64) -> (Mix, u64) {
-        let out = (0..self.w.category_channels())
-            .fold(RangeMoments::EMPTY, |m, c| {
-                let mut o = self.table.output_moments(self.w, band, c);
-                o.weight *= self.p_c[c];
-                m.merge(o)
-            })
-            .mean
-            .max(0.0);
+        let mut outputs = RangeMoments::EMPTY;
+        for c in 0..self.w.category_channels() {
+            let mut o = self.table.output_moments(self.w, band, c);
+            o.weight *= self.p_c[c];
+            outputs = outputs.merge(o);
+        }
+        let out = outputs.mean.max(0.0);
         let p = (b as f64 - out).max(1.0);
         let chunks = (p / self.profile.c_chunk as f64).ceil();
         let k = chunks + out;
@@ -571,33 +576,58 @@ impl Ctx<'_> {
         n_slots: u64,
         start: Start<'_>,
     ) -> Result<PoolPlan> {
-        // The fewest chunks of any of the pool's requests.
-        let fewest = sources
-            .spans
-            .iter()
-            .filter(|(span, scale)| *scale > 0.0 && span.end > span.start)
-            .map(|&(span, _)| self.table.prefill_chunks_min(span))
-            .chain((sources.point.1 > 0.0).then_some(sources.point.0))
-            .min()
-            .unwrap_or(0);
+        // The fewest chunks of any of the pool's requests (a loop: the
+        // iterator's `min` was compiled apart from the x86-64-v3 clone).
+        let mut fewest = None;
+        for (span, scale) in sources.spans {
+            if scale > 0.0 && span.end > span.start {
+                let k = self.table.prefill_chunks_min(span);
+                fewest = Some(fewest.map_or(k, |f: u64| f.min(k)));
+            }
+        }
+        if sources.point.1 > 0.0 {
+            fewest = Some(fewest.map_or(sources.point.0, |f| f.min(sources.point.0)));
+        }
+        let fewest = fewest.unwrap_or(0);
         let load = &EngineLoad {
             prefill_chunks_min: fewest as f64,
             ..*load
         };
-        let build = |out: &mut Vec<(u64, f64)>| {
-            for (span, scale) in sources.spans {
-                if scale > 0.0 {
-                    self.table.prefill_chunks_histogram(span, scale, out);
-                }
-            }
-            if sources.point.1 > 0.0 {
-                out.push(sources.point);
-            }
-        };
         let pool = (context, n_slots, arrival_rate);
-        size_engine_from(self.profile, pool, load, self.targets, &build, start)
+        size_engine_from(
+            self.profile,
+            pool,
+            load,
+            self.targets,
+            // Called through `Chunks`' `&dyn Fn`: forced inline where that
+            // call is made direct (in the x86-64-v3 clone, once inlined).
+            #[inline(always)]
+            |out: &mut Vec<(u64, f64)>| {
+                for (span, scale) in sources.spans {
+                    if scale > 0.0 {
+                        self.table.prefill_chunks_histogram(span, scale, out);
+                    }
+                }
+                if sources.point.1 > 0.0 {
+                    out.push(sources.point);
+                }
+            },
+            start,
+        )
     }
 
+    /// The long pool's share of each category's band, `1 - p_c`, for the
+    /// categories present in `band` and not all compressed (the long pool's
+    /// tail moments are merged with these, in this order). A method forced
+    /// inline, not a closure called twice (see [`cheapest`]).
+    #[inline(always)]
+    fn kept_bands(&self, band: Span) -> impl Iterator<Item = (usize, f64)> + '_ {
+        (self.p_c.iter().enumerate())
+            .filter(move |&(k, &pc)| pc < 1.0 && self.w.category_fraction(band, k) > 0.0)
+            .map(|(k, &pc)| (k, 1.0 - pc))
+    }
+
+    #[inline(always)]
     fn cost(&self, short_gpus: u64, long_gpus: u64) -> f64 {
         (short_gpus as f64 + self.cfg.phi * long_gpus as f64)
             * self.profile.price_per_gpu_hour
@@ -678,7 +708,7 @@ fn size_engine_from(
     (context, n_slots, arrival_rate): (u64, u64, f64),
     load: &EngineLoad,
     targets: Targets,
-    chunks: BuildChunks<'_>,
+    chunks: impl Fn(&mut Vec<(u64, f64)>),
     start: Start<'_>,
 ) -> Result<PoolPlan> {
     let shape = EngineShape {
@@ -723,6 +753,7 @@ impl Mix {
         prompt: RangeMoments::EMPTY,
     };
 
+    #[inline(always)]
     fn merge(self, o: Mix) -> Mix {
         Mix {
             k: self.k.merge(o.k),
@@ -782,6 +813,7 @@ struct LongPools {
 impl LongPools {
     /// The first index whose boundary is not below `at` (`or_equal`: above
     /// it), walked from the last search's.
+    #[inline(always)]
     fn position(&self, at: f64, or_equal: bool) -> usize {
         let below = |a: f64| a < at || (or_equal && a == at);
         let mut i = self.cursor.get().min(self.at.len());
@@ -796,6 +828,7 @@ impl LongPools {
     }
 
     /// The nearest pools at or below `at` and at or above it.
+    #[inline(always)]
     fn around(&self, at: f64) -> (Option<&LongPool>, Option<&LongPool>) {
         let i = self.position(at, false);
         let above = self.pools.get(i);
@@ -811,6 +844,7 @@ impl LongPools {
     /// `arrival_rate` but for rounding (the candidates' shares of the
     /// traffic are sums in different orders): the same requests, the same
     /// pool. Equal tails are neighbours in the order.
+    #[inline(always)]
     fn same(&self, at: f64, tail: usize, arrival_rate: f64) -> Option<PoolPlan> {
         let (below, above) = self.around(at);
         [below, above].into_iter().flatten().find_map(|p| {
@@ -823,6 +857,7 @@ impl LongPools {
 
     /// The start ratio at `at`: interpolated between the nearest pools
     /// below and above (bracketed from both sides), or the one there is.
+    #[inline(always)]
     fn ratio(&self, at: f64) -> Option<f64> {
         let i = self.position(at, false);
         match (i.checked_sub(1), self.at.get(i)) {
@@ -838,6 +873,7 @@ impl LongPools {
     }
 
     /// Adds a pool at `at`, to be reused if `alone` (see [`Self::same`]).
+    #[inline(always)]
     fn insert(&mut self, at: f64, mut pool: LongPool, alone: Option<PoolPlan>) {
         if let Some(p) = alone {
             pool.pool = Some(self.alone.len());
@@ -1095,13 +1131,6 @@ fn plan_body(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> 
                 moved += bk * pc;
                 kept += bk * (1.0 - pc);
             }
-            // The long pool's share of each category's band, `1 - p_c`
-            // (its tail's moments merged with these, in this order).
-            let kept_bands = || {
-                (ctx.p_c.iter().enumerate())
-                    .filter(|&(k, &pc)| pc < 1.0 && w.category_fraction(band, k) > 0.0)
-                    .map(|(k, &pc)| (k, 1.0 - pc))
-            };
             let alpha_prime = (alpha + moved).min(1.0);
             let lam_s = alpha_prime * lam;
             let lam_l = (1.0 - alpha_prime) * lam;
@@ -1149,9 +1178,10 @@ fn plan_body(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> 
             let long = match reused {
                 Some(p) => p,
                 None if engine => {
-                    let mix = kept_bands().fold(ctx.mix(tail, None, 1.0), |m, (k, share)| {
-                        m.merge(ctx.mix(band, Some(k), share))
-                    });
+                    let mut mix = ctx.mix(tail, None, 1.0);
+                    for (k, share) in ctx.kept_bands(band) {
+                        mix = mix.merge(ctx.mix(band, Some(k), share));
+                    }
                     let load = ctx.engine_load(mix, ctx.chunks_quantile(long_prefill_span));
                     let sources = Sources {
                         spans: [
@@ -1178,11 +1208,12 @@ fn plan_body(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> 
                 }
                 None => {
                     let all = ctx.table.moments_all(w, tail, la0, la1);
-                    let m_long = kept_bands().fold(all, |m, (k, share)| {
+                    let mut m_long = all;
+                    for (k, share) in ctx.kept_bands(band) {
                         let mut mk = ctx.table.moments(w, band, k, la0, la1);
                         mk.weight *= share;
-                        m.merge(mk)
-                    });
+                        m_long = m_long.merge(mk);
+                    }
                     let long_svc = ctx.service(long_prefill_span, ctx.long_slots, m_long);
                     size_pool(
                         lam_l,
@@ -1210,16 +1241,8 @@ fn plan_body(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> 
             });
         }
     }
-    let cheapest = |only_gamma_one: bool| {
-        sweep
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.feasible && (!only_gamma_one || (c.gamma - 1.0).abs() < 1e-9))
-            .min_by(|(_, a), (_, b)| a.annual_cost_usd.total_cmp(&b.annual_cost_usd))
-            .map(|(i, _)| i)
-    };
-    let best = cheapest(false);
-    let pool_routing = cheapest(true);
+    let best = cheapest(&sweep, false);
+    let pool_routing = cheapest(&sweep, true);
     if best.is_none() && !homogeneous.feasible {
         return Err(no_fleet(&homogeneous.long, cfg, profile));
     }
@@ -1229,6 +1252,19 @@ fn plan_body(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> 
         best,
         pool_routing,
     })
+}
+
+/// The cheapest feasible candidate of `sweep`, by index (`only_gamma_one`:
+/// of those at gamma 1, pool routing). A function forced inline, not a
+/// closure called twice (compiled apart from the x86-64-v3 clone).
+#[inline(always)]
+fn cheapest(sweep: &[Candidate], only_gamma_one: bool) -> Option<usize> {
+    sweep
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.feasible && (!only_gamma_one || (c.gamma - 1.0).abs() < 1e-9))
+        .min_by(|(_, a), (_, b)| a.annual_cost_usd.total_cmp(&b.annual_cost_usd))
+        .map(|(i, _)| i)
 }
 
 #[cfg(test)]
