@@ -1176,6 +1176,57 @@ mod tests {
         }
     }
 
+    /// The histogram's walk at its deepest, a matrix of 64 levels (values
+    /// up to `u64::MAX`): every value of a range, ascending, with its weight
+    /// (prefix sums' differences: to rounding), as a count over the range.
+    #[test]
+    fn histogram_of_64_levels_matches_a_count() {
+        let mut rng = crate::rng::Rng::new(11);
+        let values: Vec<u64> = (0..400u64)
+            .map(|i| {
+                let u = rng.uniform();
+                match i % 4 {
+                    0 => u64::MAX - (u * 8.0) as u64,
+                    1 => (u * 16.0) as u64,
+                    2 => 1 << (u * 63.0) as u32,
+                    _ => (u * 2f64.powi(63)) as u64,
+                }
+            })
+            .collect();
+        let weights: Vec<f64> = (0..400).map(|_| 0.5 + rng.uniform()).collect();
+        let m = WaveletMatrix::new(&values, &weights);
+        assert_eq!(m.levels.len(), MAX_LEVELS);
+        for (l, r) in [(0, 400), (0, 1), (17, 93), (150, 400), (399, 400), (5, 5)] {
+            let mut got = Vec::new();
+            m.histogram(l, r, 3.0, &mut got);
+            let mut want = std::collections::BTreeMap::new();
+            for i in l..r {
+                *want.entry(values[i]).or_insert(0.0) += 3.0 * weights[i];
+            }
+            let got_values: Vec<u64> = got.iter().map(|&(v, _)| v).collect();
+            assert_eq!(got_values, want.keys().copied().collect::<Vec<_>>());
+            for ((_, g), w) in got.iter().zip(want.values()) {
+                assert!((g - w).abs() <= 1e-9 * w, "{l}..{r}: {g} vs {w}");
+            }
+        }
+    }
+
+    /// The inlined `partition_point` is std's: every split of every sorted
+    /// slice up to 40 long, the empty one included.
+    #[test]
+    fn partition_point_is_std() {
+        for n in 0..40u64 {
+            let s: Vec<u64> = (0..n).map(|i| i / 3).collect();
+            for x in 0..=n / 3 + 1 {
+                assert_eq!(
+                    partition_point(&s, |&v| v < x),
+                    s.partition_point(|&v| v < x),
+                    "{n} {x}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn from_cdf_spreads_mass_uniformly() {
         let w = Workload::from_cdf(&[(4, 0.5), (8, 1.0)], 0.8).expect("ok");

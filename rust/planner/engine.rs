@@ -649,6 +649,24 @@ fn floor_at_least_one(x: f64) -> f64 {
     }
 }
 
+/// `x.powi(n)` for `n >= 1`, bit for bit: the loop of compiler-rt's
+/// `__powidf2`, which `powi` calls (a call compiled apart from the x86-64-v3
+/// clone), inlined.
+#[inline(always)]
+fn powi(mut x: f64, mut n: u32) -> f64 {
+    let mut r = 1.0;
+    loop {
+        if n & 1 == 1 {
+            r *= x;
+        }
+        n /= 2;
+        if n == 0 {
+            return r;
+        }
+        x *= x;
+    }
+}
+
 /// The iteration under way that a prompt on a busy endpoint waits for, in
 /// iterations (see [`OwnPrefill`]).
 const BUSY_HALF: f64 = 0.5;
@@ -810,12 +828,12 @@ impl TotalWait {
         let both = s.p > 0.0 && p.p > 0.0;
         let equal = both && (s.theta - p.theta).abs() <= 1e-9 * s.theta.max(p.theta);
         for &(kk, prob) in chunks[..split].iter().rev() {
-            // Mostly consecutive counts: powi is a call.
-            let gap = (k - kk) as i32;
+            // Mostly consecutive counts.
+            let gap = (k - kk) as u32;
             let (gs, gp) = if gap == 1 {
                 (fs, fp)
             } else {
-                (fs.powi(gap), fp.powi(gap))
+                (powi(fs, gap), powi(fp, gap))
             };
             es *= gs;
             ep *= gp;
@@ -966,7 +984,10 @@ impl SlotWait {
             .checked_mul(slots)
             .ok_or_else(|| invalid("fleet size overflows"))?;
         let rho = arrival_rate / mu / all as f64;
-        let servers = ((all as f64 / peakedness.max(1.0)).round() as u64).clamp(1, all);
+        // `clamp(1, all)` (`all >= 1`), whose call is compiled apart.
+        let servers = ((all as f64 / peakedness.max(1.0)).round() as u64)
+            .max(1)
+            .min(all);
         let offered = rho * servers as f64;
         let erlang = ErlangC::new(servers as f64, offered);
         let (lower, upper) = if offered > 0.0 {
@@ -1353,6 +1374,29 @@ pub(super) fn start_ratio((n, bound): (u64, u64)) -> f64 {
     n as f64 / (bound as f64 + 1.0)
 }
 
+/// Alone, at `W + H`, with no wait: more than `1 - q` of the prompts too
+/// long? A function forced inline, not a closure (compiled apart from the
+/// x86-64-v3 clone, see [`Tests`]).
+#[inline(always)]
+fn too_long_alone(
+    load: &EngineLoad,
+    shape: &EngineShape,
+    targets: &Targets,
+    chunks: &mut Chunks<impl Build>,
+) -> bool {
+    let none = TotalWait {
+        slot: Wait::NONE,
+        prefill: Wait::NONE,
+    };
+    let own = OwnPrefill::new(shape.w_s, shape);
+    let (tt, budget) = (
+        own.lo + targets.shift.per_chunk_s,
+        targets.ttft_s - targets.shift.offset_s - targets.budget_cut(own.lo_half),
+    );
+    targets.after_wait(load.prefill_chunks_q, own.lo, own.lo_half) > targets.ttft_s
+        && none.miss(chunks.get(), tt, budget, own.lo_half) > 1.0 - targets.quantile
+}
+
 /// `v.floor()`, at least 0, and 0 for NaN and infinities: a count below a
 /// stability bound. A function forced inline, not a closure called twice
 /// (see [`Tests`]).
@@ -1393,23 +1437,9 @@ pub(super) fn size_engine_pool(
         return Ok(pool);
     }
     let compute_room = 1.0 - shape.w_s / targets.tpot_s;
-    // Alone, at W + H, with no wait: more than 1 - q of the prompts too long?
-    let alone = |chunks: &mut Chunks<_>| {
-        let none = TotalWait {
-            slot: Wait::NONE,
-            prefill: Wait::NONE,
-        };
-        let own = OwnPrefill::new(shape.w_s, shape);
-        let (tt, budget) = (
-            own.lo + targets.shift.per_chunk_s,
-            targets.ttft_s - targets.shift.offset_s - targets.budget_cut(own.lo_half),
-        );
-        targets.after_wait(load.prefill_chunks_q, own.lo, own.lo_half) > targets.ttft_s
-            && none.miss(chunks.get(), tt, budget, own.lo_half) > 1.0 - targets.quantile
-    };
     let never = if compute_room <= 0.0 {
         Some(Binding::Compute)
-    } else if alone(chunks) {
+    } else if too_long_alone(load, shape, &targets, chunks) {
         Some(Binding::Prefill)
     } else {
         None
@@ -1504,6 +1534,18 @@ mod tests {
         }
         assert_eq!(floor_at_least_one(f64::INFINITY), f64::INFINITY);
         assert!(floor_at_least_one(f64::NAN).is_nan());
+    }
+
+    /// The inlined `powi` is `f64::powi` to the last bit.
+    #[test]
+    fn powi_is_powi() {
+        let mut rng = crate::rng::Rng::new(9);
+        for _ in 0..2000 {
+            let x = rng.uniform() * 1.5;
+            let n = 1 + (rng.uniform() * 300.0) as u32;
+            assert_eq!(powi(x, n).to_bits(), x.powi(n as i32).to_bits(), "{x} {n}");
+        }
+        assert_eq!(powi(0.5, 1100), 0.0);
     }
 
     #[test]
