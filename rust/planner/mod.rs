@@ -847,12 +847,15 @@ impl LongPools {
     #[inline(always)]
     fn same(&self, at: f64, tail: usize, arrival_rate: f64) -> Option<PoolPlan> {
         let (below, above) = self.around(at);
-        [below, above].into_iter().flatten().find_map(|p| {
+        // A loop: `find_map`'s closure was compiled apart from the clone.
+        for p in [below, above].into_iter().flatten() {
             let close = (p.arrival_rate - arrival_rate).abs() <= 1e-12 * arrival_rate;
-            p.pool
-                .filter(|_| p.tail == tail && close)
-                .map(|i| self.alone[i])
-        })
+            match p.pool {
+                Some(i) if p.tail == tail && close => return Some(self.alone[i]),
+                _ => {}
+            }
+        }
+        None
     }
 
     /// The start ratio at `at`: interpolated between the nearest pools
@@ -1103,12 +1106,14 @@ fn plan_body(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> 
         let short_span = w.span(f64::NEG_INFINITY, b_f);
         let alpha = w.fraction(short_span);
         let n_short = profile.slots(b)?;
-        let short_mix = engine.then(|| {
-            (
+        let short_mix = if engine {
+            Some((
                 ctx.mix(short_span, None, 1.0),
                 ctx.chunks_quantile(short_span),
-            )
-        });
+            ))
+        } else {
+            None
+        };
         let short_svc = if engine {
             None
         } else {
@@ -1254,17 +1259,23 @@ fn plan_body(w: &Workload, profile: &Profile, cfg: &PlanConfig) -> Result<Plan> 
     })
 }
 
-/// The cheapest feasible candidate of `sweep`, by index (`only_gamma_one`:
-/// of those at gamma 1, pool routing). A function forced inline, not a
-/// closure called twice (compiled apart from the x86-64-v3 clone).
+/// The cheapest feasible candidate of `sweep`, the first of equals, by
+/// index (`only_gamma_one`: of those at gamma 1, pool routing). A function
+/// forced inline, not a closure called twice, and a loop (`min_by` was
+/// compiled apart from the x86-64-v3 clone).
 #[inline(always)]
 fn cheapest(sweep: &[Candidate], only_gamma_one: bool) -> Option<usize> {
-    sweep
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.feasible && (!only_gamma_one || (c.gamma - 1.0).abs() < 1e-9))
-        .min_by(|(_, a), (_, b)| a.annual_cost_usd.total_cmp(&b.annual_cost_usd))
-        .map(|(i, _)| i)
+    let mut best: Option<usize> = None;
+    for (i, c) in sweep.iter().enumerate() {
+        let wanted = c.feasible && (!only_gamma_one || (c.gamma - 1.0).abs() < 1e-9);
+        let cheaper = best.is_none_or(|b| {
+            c.annual_cost_usd.total_cmp(&sweep[b].annual_cost_usd) == std::cmp::Ordering::Less
+        });
+        if wanted && cheaper {
+            best = Some(i);
+        }
+    }
+    best
 }
 
 #[cfg(test)]
