@@ -728,7 +728,16 @@ impl ServiceTable {
             return RangeMoments::EMPTY;
         }
         let s = &self.sums[category];
-        let d: [f64; 5] = std::array::from_fn(|j| s[span.end][j] - s[span.start][j]);
+        // Written out: `array::from_fn`'s closure was compiled apart from
+        // the planner's x86-64-v3 clone.
+        let (hi, lo) = (&s[span.end], &s[span.start]);
+        let d = [
+            hi[0] - lo[0],
+            hi[1] - lo[1],
+            hi[2] - lo[2],
+            hi[3] - lo[3],
+            hi[4] - lo[4],
+        ];
         RangeMoments {
             weight,
             mean: (a0 * d[0] + a1 * d[1]) / weight,

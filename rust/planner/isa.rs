@@ -10,7 +10,15 @@
 //! register's upper half), not FMA, BMI or POPCNT. Only what is inlined into
 //! the clone gets them: hence the `#[inline(always)]` on the sweep's hot
 //! callees, and methods rather than closures called from several places.
-//! The test `planner_fleets_dump` compares both paths' dumps.
+//! LLVM also leaves apart a call through `&dyn Fn` (so the chunk
+//! distribution's builder is a generic), a recursive function (so the
+//! wavelet histogram's walk keeps its own stack), std's `partition_point`,
+//! `powi`'s compiler-rt call and the closures of `fold`, `min_by`,
+//! `find_map`, `is_none_or` and `array::from_fn` (so the sweep writes loops):
+//! `perf record --call-graph dwarf` of `planner_sweep_timing`, its samples
+//! under `plan_x86_v3` tallied by their innermost frame, finds what is left
+//! (benches/RESULTS.md, issue 27). The test `planner_fleets_dump` compares
+//! both paths' dumps.
 
 /// The instruction sets [`super::plan`] is compiled for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1268,9 +1268,13 @@ fn cheapest(sweep: &[Candidate], only_gamma_one: bool) -> Option<usize> {
     let mut best: Option<usize> = None;
     for (i, c) in sweep.iter().enumerate() {
         let wanted = c.feasible && (!only_gamma_one || (c.gamma - 1.0).abs() < 1e-9);
-        let cheaper = best.is_none_or(|b| {
-            c.annual_cost_usd.total_cmp(&sweep[b].annual_cost_usd) == std::cmp::Ordering::Less
-        });
+        // A match: `is_none_or`'s closure was compiled apart too.
+        let cheaper = match best {
+            None => true,
+            Some(b) => {
+                c.annual_cost_usd.total_cmp(&sweep[b].annual_cost_usd) == std::cmp::Ordering::Less
+            }
+        };
         if wanted && cheaper {
             best = Some(i);
         }
