@@ -279,6 +279,19 @@ impl Prompt for Ids<'_> {
     }
 }
 
+impl Ids<'_> {
+    /// Appends the chained hashes of blocks `from..` to `out`, the first
+    /// after `prev`: the chain alone, in a loop of its own (one step a
+    /// block and nothing else, so each waits only for the one before).
+    fn chain_into(&mut self, from: usize, mut prev: u64, out: &mut Vec<u64>) {
+        let (bs, step) = (self.block_size, &mut *self.step);
+        out.extend(self.ids[from * bs..].chunks_exact(bs).map(|block| {
+            prev = step.hash(prev, block);
+            prev
+        }));
+    }
+}
+
 /// The prompt's chained block hashes, computed already (the same chain:
 /// block `n`'s hash after `prev` is `hashes[n]` wherever the walk asks); a
 /// run is checked by the slots' hashes.
@@ -507,8 +520,9 @@ impl Table {
     /// run of slots holding its blocks (each checked by its link from the
     /// slot before, independent per block), the slots' hashes; elsewhere
     /// the chain, looking each block up to start a run until one is not
-    /// found (no lookup after that). A slot keeps its hash and link when
-    /// its block dies, so a run goes through dead slots too.
+    /// found (no lookup after that: the chain alone, `Ids::chain_into`).
+    /// A slot keeps its hash and link when its block dies, so a run goes
+    /// through dead slots too.
     pub(super) fn hashes(&self, prompt: &mut Ids<'_>, from: Stop, out: &mut Vec<u64>) {
         let slab = &self.slab;
         let Stop {
@@ -518,6 +532,9 @@ impl Table {
         } = from;
         let mut looking = true;
         for n in n..prompt.blocks() {
+            if !looking {
+                return prompt.chain_into(n, prev, out);
+            }
             let next = at
                 .map(|s| s + 1)
                 .filter(|&s| s < slab.len() && slab[s].link == prompt.run_key(&slab[s - 1], n));
@@ -528,10 +545,8 @@ impl Table {
                 }
                 None => {
                     let h = prompt.hash(prev, n);
-                    if looking {
-                        at = self.find(h);
-                        looking = at.is_some();
-                    }
+                    at = self.find(h);
+                    looking = at.is_some();
                     h
                 }
             };
