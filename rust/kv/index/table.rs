@@ -319,12 +319,14 @@ impl Prompt for Hashed<'_> {
 }
 
 /// Where a walk stopped: the blocks it went through (`n`), the hash of the
-/// last of them (the chain's seed before the first) and its slot.
+/// last of them (the chain's seed before the first) and its slot; and the
+/// hash of block `n` when the walk looked it up and no block had it.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Stop {
     n: usize,
     prev: u64,
     at: Option<usize>,
+    missed: Option<u64>,
 }
 
 impl Stop {
@@ -334,6 +336,7 @@ impl Stop {
             n: 0,
             prev: seed,
             at: None,
+            missed: None,
         }
     }
     /// After `n` blocks, the last in slot `s`.
@@ -342,6 +345,7 @@ impl Stop {
             n,
             prev: slab[s].hash,
             at: Some(s),
+            missed: None,
         }
     }
 }
@@ -529,7 +533,13 @@ impl Table {
             n,
             mut prev,
             mut at,
+            missed,
         } = from;
+        // Block n was looked up by the walk: the chain alone after it.
+        if let Some(h) = missed {
+            out.push(h);
+            return prompt.chain_into(n + 1, h, out);
+        }
         let mut looking = true;
         for n in n..prompt.blocks() {
             if !looking {
@@ -578,6 +588,7 @@ impl Table {
             // link, or its hash), not from the block just checked.
             let hash = prompt.hash(stop.prev, n);
             let Some(mut s) = self.find(hash) else {
+                stop.missed = Some(hash);
                 break;
             };
             // The holders last kept: `alive` is a subset of them, so a block
