@@ -57,7 +57,7 @@ use crate::prefix::BlockStep;
 const IDS16: usize = 16;
 
 /// The process's keys.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 struct Keys {
     /// The link's mix (and other block sizes' `local`).
     mix: [u64; 2],
@@ -143,7 +143,7 @@ fn mix(a: u64, b: u64) -> u64 {
 /// Computes links for blocks of one size.
 #[derive(Debug, Clone)]
 pub(super) struct Links {
-    keys: Keys,
+    keys: &'static Keys,
     /// Blocks of other sizes than 16: `local` is xxh3 of the block's ids
     /// under a key.
     other: Option<BlockStep>,
@@ -153,7 +153,7 @@ pub(super) struct Links {
 
 impl Links {
     pub(super) fn new(block_size: usize) -> Self {
-        let keys = *keys();
+        let keys = keys();
         Self {
             keys,
             other: (block_size != IDS16).then(|| BlockStep::new(block_size, keys.mix[0])),
@@ -175,7 +175,7 @@ impl Links {
         if self.avx2 && self.other.is_none() {
             let mut out = [0];
             // SAFETY: `avx2` says the CPU has AVX2.
-            unsafe { links_avx2(&self.keys, seed, &[prev], block, &mut out) };
+            unsafe { links_avx2(self.keys, seed, &[prev], block, &mut out) };
             return out[0];
         }
         self.portable(prev, block, seed)
@@ -203,7 +203,7 @@ impl Links {
         #[cfg(target_arch = "x86_64")]
         if self.avx2 && self.other.is_none() {
             // SAFETY: `avx2` says the CPU has AVX2.
-            unsafe { links_avx2(&self.keys, seed, prevs, blocks, out) };
+            unsafe { links_avx2(self.keys, seed, prevs, blocks, out) };
             return;
         }
         let size = blocks.len() / out.len();
