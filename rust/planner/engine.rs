@@ -759,13 +759,21 @@ impl Wait {
     }
 
     /// A `y` with `P(W > y) <= r`, 0 when `p <= r`: `theta ln(p / r)` for one
-    /// exponential; for two, each phase's `r / 2` quantile (the union bound),
-    /// `(theta + queued) ln(2 p / r)`.
+    /// exponential; for two, of means `M > m`, the smaller of two bounds:
+    /// each phase's `r / 2` quantile (the union bound), `(M + m) ln(2 p /
+    /// r)`, and the quantile of `M / (M - m) e^{-y / M}`, which is above the
+    /// survival `(M e^{-y/M} - m e^{-y/m}) / (M - m)`.
     fn quantile(self, r: f64) -> f64 {
         if self.p <= r {
             0.0
         } else if self.queued > 0.0 {
-            (self.theta + self.queued) * (2.0 * self.p / r).ln()
+            let (big, small) = (self.theta.max(self.queued), self.theta.min(self.queued));
+            let union = (big + small) * (2.0 * self.p / r).ln();
+            if big > small {
+                union.min(big * (self.p * big / ((big - small) * r)).ln().max(0.0))
+            } else {
+                union
+            }
         } else {
             self.theta * (self.p / r).ln()
         }
@@ -833,17 +841,10 @@ impl TotalWait {
         Terms { c, theta }
     }
 
-    /// `P(W_s + W_p > y)`: 1 below 0, the [`Self::terms`] from 0 on.
+    /// `P(W_s + W_p > y)` ([`Terms::survival`]).
     #[inline(always)]
     fn survival(self, y: f64) -> f64 {
-        if y < 0.0 {
-            return 1.0;
-        }
-        let terms = self.terms();
-        (0..3)
-            .filter(|&i| terms.c[i] != 0.0)
-            .map(|i| terms.c[i] * exp_or_zero(-y / terms.theta[i]))
-            .sum()
+        self.terms().survival(y)
     }
 
     /// A `y` with `P(W_s + W_p > y) <= r`: the sum of each wait's `r / 2`
@@ -853,20 +854,40 @@ impl TotalWait {
         self.slot.quantile(r / 2.0) + self.prefill.quantile(r / 2.0)
     }
 
+    /// The share of requests missing `ttft` ([`Terms::miss`]).
+    #[inline(always)]
+    fn miss(self, chunks: &[(u64, f64)], t: f64, ttft: f64, half: f64) -> f64 {
+        self.terms().miss(chunks, t, ttft, half)
+    }
+}
+
+impl Terms {
+    /// `P(W_s + W_p > y)`: 1 below 0, the terms' sum from 0 on.
+    #[inline(always)]
+    fn survival(&self, y: f64) -> f64 {
+        if y < 0.0 {
+            return 1.0;
+        }
+        (0..3)
+            .filter(|&i| self.c[i] != 0.0)
+            .map(|i| self.c[i] * exp_or_zero(-y / self.theta[i]))
+            .sum()
+    }
+
     /// The share of requests whose TTFT, `W + (k + half) t`, exceeds `ttft`
     /// over the chunk distribution `chunks` (`(k, probability)`, ascending).
     /// Each exponential term is a geometric sequence in `k`: it is updated by
     /// multiplication from the largest `k` that fits down, so no term
     /// underflows before it is negligible.
     #[inline(always)]
-    fn miss(self, chunks: &[(u64, f64)], t: f64, ttft: f64, half: f64) -> f64 {
+    fn miss(&self, chunks: &[(u64, f64)], t: f64, ttft: f64, half: f64) -> f64 {
         let fits = |k: u64| ttft - (k as f64 + half) * t;
         let split = chunks.partition_point(|&(k, _)| fits(k) >= 0.0);
         let mut miss: f64 = chunks[split..].iter().map(|&(_, p)| p).sum();
         let Some(&(top, _)) = chunks[..split].last() else {
             return miss;
         };
-        let Terms { c, theta } = self.terms();
+        let Terms { c, theta } = *self;
         if c == [0.0; 3] {
             return miss;
         }
@@ -887,12 +908,15 @@ impl TotalWait {
         for &(kk, prob) in chunks[..split].iter().rev() {
             // Mostly consecutive counts: powi is a call.
             let gap = (k - kk) as i32;
-            for i in 0..3 {
-                e[i] *= if gap == 1 { f[i] } else { f[i].powi(gap) };
-            }
+            let g = if gap == 1 {
+                f
+            } else {
+                [f[0].powi(gap), f[1].powi(gap), f[2].powi(gap)]
+            };
+            e = [e[0] * g[0], e[1] * g[1], e[2] * g[2]];
             k = kk;
             miss += prob * (c[0] * e[0] + c[1] * e[1] + c[2] * e[2]);
-            if e.iter().all(|&x| x < 1e-300) {
+            if e[0].max(e[1]).max(e[2]) < 1e-300 {
                 break;
             }
         }
@@ -1261,16 +1285,19 @@ impl Tests<'_> {
     #[inline(always)]
     fn fewest(&self, wait: TotalWait) -> f64 {
         let chunks = self.load.prefill_chunks_min.max(1.0);
+        let terms = wait.terms();
         self.own.mix(
             #[inline(always)]
-            |t, half| wait.survival(self.targets.ttft_s - self.targets.after_wait(chunks, t, half)),
+            |t, half| {
+                terms.survival(self.targets.ttft_s - self.targets.after_wait(chunks, t, half))
+            },
         )
     }
 
     #[inline(always)]
-    fn miss_at(&self, wait: TotalWait, dist: &[(u64, f64)], t: f64, half: f64) -> f64 {
+    fn miss_at(&self, terms: &Terms, dist: &[(u64, f64)], t: f64, half: f64) -> f64 {
         let budget = self.budget - self.targets.budget_cut(half);
-        wait.miss(dist, t + self.per_chunk, budget, half)
+        terms.miss(dist, t + self.per_chunk, budget, half)
     }
 
     /// The miss share over the chunk distribution, the larger t_own first:
@@ -1278,15 +1305,15 @@ impl Tests<'_> {
     /// both (the share grows with t), and only the verdict is used.
     #[inline(always)]
     fn miss(&self, wait: TotalWait, dist: &[(u64, f64)]) -> f64 {
-        let own = self.own;
+        let (own, terms) = (self.own, wait.terms());
         if own.f <= 0.0 {
-            return self.miss_at(wait, dist, own.lo, own.lo_half);
+            return self.miss_at(&terms, dist, own.lo, own.lo_half);
         }
-        let hi = self.miss_at(wait, dist, own.hi, BUSY_HALF);
+        let hi = self.miss_at(&terms, dist, own.hi, BUSY_HALF);
         if hi <= self.allowed {
             return hi;
         }
-        let lo = self.miss_at(wait, dist, own.lo, own.lo_half);
+        let lo = self.miss_at(&terms, dist, own.lo, own.lo_half);
         lo + own.f * (hi - lo)
     }
 }
