@@ -723,6 +723,7 @@ impl Wait {
     };
 
     /// One exponential, from the mean and the probability of waiting at all.
+    #[inline(always)]
     fn from_mean(mean: f64, p: f64) -> Wait {
         Self::prefill(mean, p, f64::INFINITY)
     }
@@ -739,6 +740,7 @@ impl Wait {
     /// req/s, 19 to 22 GPUs: the waits' squared coefficient of variation
     /// 0.51 where they wait, two phases of 53 and 60 ms say 0.50, one
     /// exponential 1; see docs/simulator.md, "Planner fidelity").
+    #[inline(always)]
     fn prefill(mean: f64, p: f64, residual: f64) -> Wait {
         if mean > 0.0 && p > 0.0 {
             let p = p.min(1.0);
@@ -754,25 +756,27 @@ impl Wait {
         }
     }
 
+    #[inline(always)]
     fn mean(self) -> f64 {
         self.p * (self.theta + self.queued)
     }
 
     /// A `y` with `P(W > y) <= r`, 0 when `p <= r`: `theta ln(p / r)` for one
-    /// exponential; for two, of means `M > m`, the smaller of two bounds:
-    /// each phase's `r / 2` quantile (the union bound), `(M + m) ln(2 p /
-    /// r)`, and the quantile of `M / (M - m) e^{-y / M}`, which is above the
-    /// survival `(M e^{-y/M} - m e^{-y/m}) / (M - m)`.
+    /// exponential; for two, of means `M >= m`, each phase's `r / 2`
+    /// quantile (the union bound), `(M + m) ln(2 p / r)`, or where `m <= M /
+    /// 2` the quantile of `M / (M - m) e^{-y / M}` (above the survival `(M
+    /// e^{-y/M} - m e^{-y/m}) / (M - m)`), `M ln(p M / ((M - m) r))`, which is
+    /// then the smaller: `M / (M - m) <= 2`.
+    #[inline(always)]
     fn quantile(self, r: f64) -> f64 {
         if self.p <= r {
             0.0
         } else if self.queued > 0.0 {
             let (big, small) = (self.theta.max(self.queued), self.theta.min(self.queued));
-            let union = (big + small) * (2.0 * self.p / r).ln();
-            if big > small {
-                union.min(big * (self.p * big / ((big - small) * r)).ln().max(0.0))
+            if small <= 0.5 * big {
+                big * (self.p * big / ((big - small) * r)).ln()
             } else {
-                union
+                (big + small) * (2.0 * self.p / r).ln()
             }
         } else {
             self.theta * (self.p / r).ln()
@@ -799,6 +803,7 @@ struct Terms {
 /// The survival of a sum of independent exponentials of distinct means
 /// `theta[i]` for the `i` in `sub`: `sum_i prod_{j != i} theta_i / (theta_i -
 /// theta_j) e^{-y / theta_i}`; its coefficients are added, times `w`, to `c`.
+#[inline(always)]
 fn add_hypoexponential(c: &mut [f64; 3], theta: &[f64; 3], sub: &[usize], w: f64) {
     for &i in sub {
         let ci = sub
@@ -815,6 +820,7 @@ impl TotalWait {
     /// two, so `P(W_s + W_p > y)` is, over which is positive, the survival of
     /// a sum of one to three exponentials (equal means are moved apart by a
     /// part in a million, where the closed form has a removable 0 / 0).
+    #[inline(always)]
     fn terms(self) -> Terms {
         let (s, p) = (self.slot, self.prefill);
         let mut theta = [s.theta, p.theta, p.queued];
@@ -839,12 +845,6 @@ impl TotalWait {
             add_hypoexponential(&mut c, &theta, all, s.p * p.p);
         }
         Terms { c, theta }
-    }
-
-    /// `P(W_s + W_p > y)` ([`Terms::survival`]).
-    #[inline(always)]
-    fn survival(self, y: f64) -> f64 {
-        self.terms().survival(y)
     }
 
     /// A `y` with `P(W_s + W_p > y) <= r`: the sum of each wait's `r / 2`
@@ -1805,9 +1805,9 @@ mod tests {
                     }
                 }
                 assert!(
-                    (w.survival(y) - v).abs() < 1e-6,
+                    (w.terms().survival(y) - v).abs() < 1e-6,
                     "{w:?} y {y}: {} vs {v}",
-                    w.survival(y)
+                    w.terms().survival(y)
                 );
             }
             let chunks = [(1u64, 0.5), (3, 0.3), (8, 0.15), (40, 0.05)];
@@ -1815,7 +1815,7 @@ mod tests {
                 for half in [0.0, 0.5] {
                     let direct: f64 = chunks
                         .iter()
-                        .map(|&(k, q)| q * w.survival(ttft - (k as f64 + half) * t))
+                        .map(|&(k, q)| q * w.terms().survival(ttft - (k as f64 + half) * t))
                         .sum();
                     // Rounding relative to the terms summed (equal means
                     // moved apart have coefficients of about 1e6).
@@ -1826,7 +1826,7 @@ mod tests {
             }
             // The union bound's quantile holds.
             for r in [0.005, 0.05] {
-                assert!(w.survival(w.quantile_bound(r)) <= r + 1e-12);
+                assert!(w.terms().survival(w.quantile_bound(r)) <= r + 1e-12);
             }
         }
     }
@@ -1859,7 +1859,7 @@ mod tests {
         for y in [0.0, 0.05, 0.2, 0.6] {
             let two = st.prefill_busy * (a * (-y / a).exp() - b * (-y / b).exp()) / (a - b);
             let one = st.prefill_busy * (-y / whole).exp();
-            assert!((e.wait.survival(y) - two).abs() < 1e-9, "y {y}");
+            assert!((e.wait.terms().survival(y) - two).abs() < 1e-9, "y {y}");
             // Lighter than one exponential of the same mean in the tail.
             if y >= whole {
                 assert!(two < one, "y {y}: {two} vs {one}");
@@ -2016,7 +2016,7 @@ mod tests {
                         if e.ttft_q_s <= ttft {
                             assert!(e.wait.miss(&d, t, ttft, BUSY_HALF) <= 0.01 + 1e-12);
                         }
-                        if e.wait.survival(ttft - 2.5 * t) > 0.01 {
+                        if e.wait.terms().survival(ttft - 2.5 * t) > 0.01 {
                             assert!(e.wait.miss(&d, t, ttft, BUSY_HALF) > 0.01);
                         }
                     }
