@@ -335,14 +335,15 @@ def test_engine_model_refuses_length_scaled_h():
 def test_planned_pools_match_the_smallest_simulated_fleet(workload, rate):
     """A CI-sized part of the fidelity grid (``routecore plan-fidelity``; TTFT
     2 s, TPOT 80 ms, Poisson arrivals, Llama-3-70B / A100, 120 s of them, the
-    grid's former default: a fifth of its time): every pool of the
+    grid's former default: a fifth of its time, and its former sample,
+    the horizon not extended for a small pool): every pool of the
     homogeneous and pool-routing fleets within 3 % or 1 GPU of the smallest
     count the simulator accepts."""
     from routecore.planning import fidelity_markdown, fidelity_scenario
 
     rows = fidelity_scenario(
         workload, rate, 2.0, "llama3_70b_a100", duration_s=120.0,
-        fleets=("homogeneous", "pool-routing"),
+        min_pool_requests=0, fleets=("homogeneous", "pool-routing"),
     )  # fmt: skip
     assert {r.fleet for r in rows} == {"homogeneous", "pool-routing"}
     for r in rows:
