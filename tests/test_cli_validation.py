@@ -46,6 +46,7 @@ CASES = [
     (["plan-fidelity"], "--slo-ttft", ["-1"]),
     (["plan-fidelity"], "--duration", ["0"]),
     (["plan-fidelity"], "--max-requests", ["0"]),
+    (["plan-fidelity"], "--min-pool-requests", ["-1", "x"]),
     (["plan"], "--verify-duration", ["-1", "inf"]),
     (["plan"], "--seed", ["-1"]),
     (["route"], "--default-max-tokens", ["0", "-1", str(2**31)]),

@@ -249,6 +249,24 @@ def test_plan_fidelity_skips_what_the_simulator_cannot_run(monkeypatch, capsys):
                         "endpoints must be in [1, 4096], got 5332\n")  # fmt: skip
 
 
+def test_fidelity_horizon_extends_a_fleet_until_its_smallest_pool_decides():
+    """Issue 27: 99 % of 79 requests allows no miss, so a pool's check is
+    decided by one request; a fleet whose smallest pool measured fewer than
+    ``least`` requests is run over proportionally more (5 % margin), at most
+    ``most``; pools that served none are left out."""
+    from routecore.planning import FIDELITY_MIN_POOL_REQUESTS, fidelity_horizon
+
+    assert FIDELITY_MIN_POOL_REQUESTS == 1_000
+    assert fidelity_horizon(60_000, [47_900, 79], 1_000, 2_000_000) == 797_469
+    assert 60_000 * 1_000 / 79 * 1.05 == pytest.approx(797_468.35, abs=0.01)
+    assert fidelity_horizon(60_000, [47_900, 79], 1_000, 500_000) == 500_000
+    assert fidelity_horizon(60_000, [47_000, 1_000], 1_000, 2_000_000) == 60_000
+    assert fidelity_horizon(60_000, [48_000, 0], 1_000, 2_000_000) == 60_000
+    assert fidelity_horizon(60_000, [79], 0, 2_000_000) == 60_000
+    # Never fewer than asked, even under a smaller cap.
+    assert fidelity_horizon(60_000, [10], 1_000, 30_000) == 60_000
+
+
 def test_fidelity_summary_and_table_by_hand():
     from routecore.planning import FidelityRow, fidelity_markdown, fidelity_summary
 

@@ -14,10 +14,12 @@ import time
 
 from routecore._json import dumps
 from routecore.commands._args import (
+    MAX_COUNT,
     add_json,
     add_quiet,
     add_seed,
     add_slo_tpot,
+    int_in,
     positive_float,
     positive_int,
 )
@@ -25,6 +27,7 @@ from routecore.planning import (
     FIDELITY_DURATION_S,
     FIDELITY_FLEETS,
     FIDELITY_MAX_REQUESTS,
+    FIDELITY_MIN_POOL_REQUESTS,
     FIDELITY_RATES,
     FIDELITY_SLOS,
     FIDELITY_WORKLOADS,
@@ -93,6 +96,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"at most this many requests per scenario (default {FIDELITY_MAX_REQUESTS:,}: "
         "600 s at 3,000 req/s; at 10,000 req/s 200 s)",
     )
+    p.add_argument(
+        "--min-pool-requests",
+        type=int_in(0, MAX_COUNT),
+        default=FIDELITY_MIN_POOL_REQUESTS,
+        help=f"verify each fleet over at least this many measured requests in its smallest "
+        f"pool (default {FIDELITY_MIN_POOL_REQUESTS:,}: 99%% then allows 10 misses, not "
+        "one), its horizon extended up to --max-requests; 0: --duration alone",
+    )
     add_seed(p, "arrival and dispatch seed")
     add_json(p, "the rows as JSON")
     add_quiet(p)
@@ -120,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 duration_s=args.duration,
                 max_requests=args.max_requests,
+                min_pool_requests=args.min_pool_requests,
                 fleets=tuple(args.fleet or FIDELITY_FLEETS),
                 quiet=args.quiet,
             )
@@ -131,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         rows += got
         if not args.quiet:
             pools = ", ".join(
-                f"{r.fleet} {r.pool} {r.planned}/{r.simulated}{'' if r.within else ' MISS'}"
+                f"{r.fleet} {r.pool} {r.planned}/{r.simulated} ({r.measured} measured)"
+                f"{'' if r.within else ' MISS'}"
                 for r in got
             )
             print(
