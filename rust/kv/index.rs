@@ -64,9 +64,11 @@ use table::{Hashed, Ids, Prompt, Stop, Table};
 /// fleet's size was seen.
 #[derive(Default)]
 struct Scratch {
-    /// Per endpoint id, the blocks the walk settled it at.
+    /// Per endpoint id, the blocks the walk settled it at (read only for
+    /// the endpoints asked, or those a `KvHeld` settled).
     depth: Vec<u32>,
-    /// The endpoints asked and the walk's live set, a bitset each.
+    /// The endpoints asked and the walk's live set, a bitset each (or the
+    /// endpoints a `KvHeld` settled).
     masks: Vec<u64>,
     /// The chain step of the last (block size, seed) asked.
     step: Option<((usize, u64), BlockStep)>,
@@ -493,10 +495,11 @@ fn next_number() -> u64 {
 }
 
 /// What one walk (`KvIndex::walk_prompt`) found of a prompt: how many of
-/// its leading blocks every endpoint live then holds. `held_into` answers
-/// for a picker's candidates as `match_hashes` did at the walk. Empty (it
-/// answers nothing) until a walk fills it; reused, no allocation per walk
-/// once the fleet's size was seen.
+/// its leading blocks every endpoint live then holds, sparse (only the
+/// endpoints holding its first block at least; its size grows with them,
+/// not with the fleet). `held_into` answers for a picker's candidates as
+/// `match_hashes` did at the walk. Empty (it answers nothing) until a walk
+/// fills it; reused, no allocation per walk once the fleet's size was seen.
 #[derive(Debug, Clone, Default)]
 pub struct KvHeld {
     /// The index walked (`KvIndex::number`; 0: none).
@@ -507,8 +510,10 @@ pub struct KvHeld {
     blocks: usize,
     /// The endpoints live at the walk, a bitset.
     live: Vec<u64>,
-    /// Per endpoint id, the leading blocks it holds.
-    depth: Vec<u32>,
+    /// The endpoints that hold the first block at least, in the order the
+    /// walk dropped them: (leading blocks held, word, bits: the ids
+    /// `64 * word + i`), the blocks never decreasing.
+    settled: Vec<(u32, u32, u64)>,
 }
 
 impl KvHeld {
@@ -522,7 +527,8 @@ impl KvHeld {
     /// `held` (cleared first; None for an endpoint not live then or a None
     /// id), and the prompt's full blocks, as `kv.match_hashes` over the
     /// prompt's hashes answered at the walk. None (and `held` untouched)
-    /// for another index's walk, another adapter's, or none.
+    /// for another index's walk, another adapter's, or none. Its cost grows
+    /// with `ids` and the endpoints the walk settled, not with the fleet.
     pub fn held_into(
         &self,
         kv: &KvIndex,
@@ -533,7 +539,34 @@ impl KvHeld {
         if self.index != kv.number || self.seed != lora_seed(kv.config.seed, adapter) {
             return None;
         }
-        held_of(&self.live, &self.depth, ids, held);
+        SCRATCH.with_borrow_mut(|s| {
+            // The settled endpoints' depths, and which they are: only their
+            // entries of `depth` are read.
+            let (depth, some) = (&mut s.depth, &mut s.masks);
+            some.clear();
+            some.resize(self.live.len(), 0);
+            for &(n, w, bits) in &self.settled {
+                some[w as usize] |= bits;
+                table::each_id(w as usize, bits, |id| {
+                    if depth.len() <= id as usize {
+                        depth.resize(id as usize + 1, 0);
+                    }
+                    depth[id as usize] = n;
+                });
+            }
+            held.clear();
+            held.extend(ids.iter().map(|id| {
+                let id = (*id)? as usize;
+                let (w, bit) = (id / 64, 1 << (id % 64));
+                (self.live.get(w)? & bit != 0).then(|| {
+                    if some[w] & bit != 0 {
+                        depth[id] as usize
+                    } else {
+                        0
+                    }
+                })
+            }));
+        });
         Some(self.blocks)
     }
 }
@@ -919,17 +952,16 @@ impl KvIndex {
             held.live.clear();
             held.live
                 .extend((0..words).map(|w| blocks.liveness.live_word(w)));
-            // The walk writes only those it settles: the others hold none.
-            held.depth.clear();
-            held.depth.resize(blocks.endpoints, 0);
+            // Only those it settles: the others hold none.
+            held.settled.clear();
             alive.clear();
             alive.extend_from_slice(&held.live);
-            let depth = &mut held.depth;
+            let settled = &mut held.settled;
             let stop = blocks.table.walk(
                 alive,
                 prompt,
                 |h| hashes.push(h),
-                |id, n| depth[id as usize] = n as u32,
+                |w, bits, n| settled.push((n as u32, w as u32, bits)),
             );
             blocks.table.hashes(prompt, stop, hashes);
             held.index = self.number;
@@ -1057,9 +1089,14 @@ impl KvIndex {
             *a &= blocks.liveness.live_word(w);
             *b = *a;
         }
-        blocks
-            .table
-            .walk(alive, prompt, |_| (), |id, n| depth[id as usize] = n as u32);
+        blocks.table.walk(
+            alive,
+            prompt,
+            |_| (),
+            |w, bits, n| {
+                table::each_id(w, bits, |id| depth[id as usize] = n as u32);
+            },
+        );
         held_of(asked, depth, ids, held);
     }
 

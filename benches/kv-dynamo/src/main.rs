@@ -487,15 +487,6 @@ fn main() {
             kv
         });
         drop(kv);
-        if std::env::var("APPLY_ONLY").is_ok() {
-            // routecore's apply alone (the A B A B runs against an older build).
-            println!(
-                "routecore KvIndex apply: {:.2} M block-ops/s ({:.1} ms)",
-                ops as f64 / t_rc.as_secs_f64() / 1e6,
-                t_rc.as_secs_f64() * 1e3
-            );
-            continue;
-        }
         let h0 = heap();
         let kv = routecore_index(&w);
         routecore_apply(&w, &kv, &batches);
@@ -505,6 +496,16 @@ fn main() {
             .iter()
             .map(|e| kv.stats(e).expect("e").blocks)
             .sum();
+        if std::env::var("APPLY_ONLY").is_ok() {
+            // routecore's apply alone (the A B A B runs against an older build).
+            println!(
+                "routecore KvIndex apply: {:.2} M block-ops/s ({:.1} ms), {:.1} heap bytes / held block",
+                ops as f64 / t_rc.as_secs_f64() / 1e6,
+                t_rc.as_secs_f64() * 1e3,
+                rc_bytes as f64 / held as f64
+            );
+            continue;
+        }
         let (t_rt, tree) = best(rounds, || radix_apply(&w));
         drop(tree);
         let h0 = heap();
@@ -600,94 +601,101 @@ fn main() {
                 })
                 .0
             };
+            // `ONLY=<part of a row's name>` times those rows alone (a profile of one).
+            let only = std::env::var("ONLY").ok();
             let mut rows: Vec<(&str, Duration)> = Vec::new();
+            let mut row = |name: &'static str, f: &mut dyn FnMut(&[u32])| {
+                if only.as_deref().is_none_or(|o| name.contains(o)) {
+                    rows.push((name, time(f)));
+                }
+            };
             #[cfg(not(feature = "before"))]
-            rows.push((
+            row(
                 "routecore match_prompt (hash as it walks, one walk)",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.walk(p));
-                }),
-            ));
+                },
+            );
             #[cfg(not(feature = "before"))]
-            rows.push((
+            row(
                 "routecore request_hashes + match_hashes (a pick's shared hashes)",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.hash_then_walk(p));
-                }),
-            ));
+                },
+            );
             #[cfg(not(feature = "before"))]
-            rows.push((
+            row(
                 "routecore walk_prompt + held_into (a pick's path: hashes and answers, one walk)",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.one_walk(p));
-                }),
-            ));
+                },
+            );
             #[cfg(not(feature = "before"))]
             {
                 let hashed: Vec<Vec<u64>> =
                     prompts.iter().map(|p| kv.request_hashes(p, None)).collect();
                 let mut k = 0;
-                rows.push((
+                row(
                     "routecore match_hashes only (hashes given)",
-                    time(&mut |_| {
+                    &mut |_| {
                         black_box(kv.match_hashes(&hashed[k % n], &q.ids, &mut q.held));
                         k += 1;
-                    }),
-                ));
+                    },
+                );
             }
-            rows.push((
+            row(
                 "routecore hash all + leading_blocks per endpoint",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.each(p));
-                }),
-            ));
-            rows.push((
+                },
+            );
+            row(
                 "routecore request_hashes only (kv-walk: held runs from the table)",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.hash_all(p));
-                }),
-            ));
-            rows.push((
+                },
+            );
+            row(
                 "routecore chained hash alone (block_hashes)",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.chain(p));
-                }),
-            ));
+                },
+            );
             let seqs: Vec<_> = prompts.iter().map(|p| dynamo_hash(&w, p)).collect();
-            rows.push((
+            row(
                 "Dynamo hash + RadixTree.find_matches",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(tree.find_matches(dynamo_hash(&w, p), false));
-                }),
-            ));
-            rows.push((
+                },
+            );
+            row(
                 "Dynamo hash + ConcurrentRadixTreeCompressed.find_matches",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(crtc.backend().find_matches(&dynamo_hash(&w, p), false));
-                }),
-            ));
-            rows.push((
+                },
+            );
+            row(
                 "Dynamo hash only",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(dynamo_hash(&w, p));
-                }),
-            ));
+                },
+            );
             let mut k = 0;
-            rows.push((
+            row(
                 "Dynamo RadixTree.find_matches only (hashes given)",
-                time(&mut |_| {
+                &mut |_| {
                     black_box(tree.find_matches(seqs[k % n].clone(), false));
                     k += 1;
-                }),
-            ));
+                },
+            );
             let mut k = 0;
-            rows.push((
+            row(
                 "Dynamo ConcurrentRadixTreeCompressed.find_matches only",
-                time(&mut |_| {
+                &mut |_| {
                     black_box(crtc.backend().find_matches(&seqs[k % n], false));
                     k += 1;
-                }),
-            ));
+                },
+            );
             for (name, t) in rows {
                 println!("| {name} | {:.2} |", us(t, reps * n));
             }
