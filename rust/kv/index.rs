@@ -540,30 +540,24 @@ impl KvHeld {
             return None;
         }
         SCRATCH.with_borrow_mut(|s| {
-            // The settled endpoints' depths, and which they are: only their
-            // entries of `depth` are read.
+            // The settled endpoints' depths, and which they are: the other
+            // entries of `depth` (left from earlier walks) read as 0.
             let (depth, some) = (&mut s.depth, &mut s.masks);
             some.clear();
             some.resize(self.live.len(), 0);
+            depth.resize(depth.len().max(64 * self.live.len()), 0);
             for &(n, w, bits) in &self.settled {
                 some[w as usize] |= bits;
-                table::each_id(w as usize, bits, |id| {
-                    if depth.len() <= id as usize {
-                        depth.resize(id as usize + 1, 0);
-                    }
-                    depth[id as usize] = n;
-                });
+                table::each_id(w as usize, bits, |id| depth[id as usize] = n);
             }
             held.clear();
             held.extend(ids.iter().map(|id| {
                 let id = (*id)? as usize;
-                let (w, bit) = (id / 64, 1 << (id % 64));
-                (self.live.get(w)? & bit != 0).then(|| {
-                    if some[w] & bit != 0 {
-                        depth[id] as usize
-                    } else {
-                        0
-                    }
+                let (w, b) = (id / 64, id % 64);
+                (self.live.get(w)? >> b & 1 == 1).then(|| {
+                    // Without a branch: settled or not is a coin toss.
+                    let settled = 0u32.wrapping_sub((some[w] >> b & 1) as u32);
+                    (depth[id] & settled) as usize
                 })
             }));
         });

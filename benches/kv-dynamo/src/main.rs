@@ -284,6 +284,16 @@ impl<'a> RoutecoreQuery<'a> {
         &self.held
     }
 
+    /// The walk alone: the prompt's hashes and its sparse answer (the
+    /// endpoints holding its first block at least), as Dynamo's
+    /// `find_matches` answers with the workers that match.
+    #[cfg(not(feature = "before"))]
+    fn walk_alone(&mut self, prompt: &[u32]) -> &KvHeld {
+        self.kv
+            .walk_prompt(prompt, None, &mut self.hashes, &mut self.walked);
+        &self.walked
+    }
+
     fn hash_all(&mut self, prompt: &[u32]) -> usize {
         self.kv.request_hashes_into(prompt, None, &mut self.hashes);
         self.hashes.len()
@@ -380,11 +390,23 @@ fn dynamo_hash(w: &Workload, prompt: &[u32]) -> Vec<dynamo_kv_router::LocalBlock
 
 /// Per endpoint, the overlap Dynamo's scores give (absent: 0).
 fn overlaps(w: &Workload, scores: &dynamo_kv_router::OverlapScores) -> Vec<Option<usize>> {
-    let mut out = vec![Some(0); w.endpoints.len()];
+    let mut out = Vec::new();
+    overlaps_into(scores, w.endpoints.len(), &mut out);
+    out
+}
+
+/// `overlaps` into `out` (its buffer reused): what a picker reads for each
+/// of its candidates, as `KvHeld::held_into` gives it.
+fn overlaps_into(
+    scores: &dynamo_kv_router::OverlapScores,
+    endpoints: usize,
+    out: &mut Vec<Option<usize>>,
+) {
+    out.clear();
+    out.resize(endpoints, Some(0));
     for (worker, &s) in &scores.scores {
         out[worker.worker_id as usize] = Some(s as usize);
     }
-    out
 }
 
 /// Dynamo 1.6.1 keeps blocks a worker removed when another worker's store
@@ -631,6 +653,13 @@ fn main() {
                 },
             );
             #[cfg(not(feature = "before"))]
+            row(
+                "routecore walk_prompt alone (hashes and the sparse answer)",
+                &mut |p| {
+                    black_box(q.walk_alone(p));
+                },
+            );
+            #[cfg(not(feature = "before"))]
             {
                 let hashed: Vec<Vec<u64>> =
                     prompts.iter().map(|p| kv.request_hashes(p, None)).collect();
@@ -672,6 +701,15 @@ fn main() {
                 "Dynamo hash + ConcurrentRadixTreeCompressed.find_matches",
                 &mut |p| {
                     black_box(crtc.backend().find_matches(&dynamo_hash(&w, p), false));
+                },
+            );
+            let mut every = Vec::new();
+            row(
+                "Dynamo hash + ConcurrentRadixTreeCompressed.find_matches + every endpoint's overlap",
+                &mut |p| {
+                    let scores = crtc.backend().find_matches(&dynamo_hash(&w, p), false);
+                    overlaps_into(&scores, w.endpoints.len(), &mut every);
+                    black_box(&every);
                 },
             );
             row(
