@@ -618,6 +618,8 @@ struct Fleet {
     now: f64,
     /// Blocks matched by the queries so far.
     matched: usize,
+    /// The last query's walk, its adapter and every endpoint's answer.
+    walked: Option<(KvHeld, Option<String>, Vec<Option<usize>>)>,
 }
 
 impl Fleet {
@@ -644,6 +646,7 @@ impl Fleet {
             names,
             now: 0.0,
             matched: 0,
+            walked: None,
         }
     }
 
@@ -749,6 +752,12 @@ impl Fleet {
         kv_held.held_into(&self.kv, lora, &some, &mut held);
         assert_eq!(held, want_some, "walk_prompt, some endpoints");
         self.matched += held.iter().flatten().sum::<usize>();
+        // The walk before answers as it did, whatever was walked since.
+        let lora = lora.map(str::to_owned);
+        if let Some((walk, lora, want)) = self.walked.replace((kv_held, lora, want)) {
+            walk.held_into(&self.kv, lora.as_deref(), &ids, &mut held);
+            assert_eq!(held, want, "the walk before");
+        }
     }
 
     /// Each endpoint's blocks and counters against the oracle's, and the
