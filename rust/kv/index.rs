@@ -65,10 +65,9 @@ use table::{Hashed, Ids, Prompt, Stop, Table};
 #[derive(Default)]
 struct Scratch {
     /// Per endpoint id, the blocks the walk settled it at (read only for
-    /// the endpoints asked, or those a `KvHeld` settled).
+    /// the endpoints asked).
     depth: Vec<u32>,
-    /// The endpoints asked and the walk's live set, a bitset each (or the
-    /// endpoints a `KvHeld` settled).
+    /// The endpoints asked and the walk's live set, a bitset each.
     masks: Vec<u64>,
     /// The chain step of the last (block size, seed) asked.
     step: Option<((usize, u64), BlockStep)>,
@@ -495,11 +494,12 @@ fn next_number() -> u64 {
 }
 
 /// What one walk (`KvIndex::walk_prompt`) found of a prompt: how many of
-/// its leading blocks every endpoint live then holds, sparse (only the
-/// endpoints holding its first block at least; its size grows with them,
-/// not with the fleet). `held_into` answers for a picker's candidates as
-/// `match_hashes` did at the walk. Empty (it answers nothing) until a walk
-/// fills it; reused, no allocation per walk once the fleet's size was seen.
+/// its leading blocks every endpoint live then holds, sparse: written only
+/// for the endpoints holding its first block at least (the walk's cost
+/// grows with them, not with the fleet; the others hold none). `held_into`
+/// answers for a picker's candidates as `match_hashes` did at the walk.
+/// Empty (it answers nothing) until a walk fills it; reused, no allocation
+/// per walk once the fleet's size was seen.
 #[derive(Debug, Clone, Default)]
 pub struct KvHeld {
     /// The index walked (`KvIndex::number`; 0: none).
@@ -510,10 +510,11 @@ pub struct KvHeld {
     blocks: usize,
     /// The endpoints live at the walk, a bitset.
     live: Vec<u64>,
-    /// The endpoints that hold the first block at least, in the order the
-    /// walk dropped them: (leading blocks held, word, bits: the ids
-    /// `64 * word + i`), the blocks never decreasing.
-    settled: Vec<(u32, u32, u64)>,
+    /// The endpoints that hold the first block at least, a bitset.
+    some: Vec<u64>,
+    /// Per endpoint id, the leading blocks it holds: written by the walk for
+    /// those of `some` only, the others' entries left from earlier walks.
+    depth: Vec<u32>,
 }
 
 impl KvHeld {
@@ -527,8 +528,7 @@ impl KvHeld {
     /// `held` (cleared first; None for an endpoint not live then or a None
     /// id), and the prompt's full blocks, as `kv.match_hashes` over the
     /// prompt's hashes answered at the walk. None (and `held` untouched)
-    /// for another index's walk, another adapter's, or none. Its cost grows
-    /// with `ids` and the endpoints the walk settled, not with the fleet.
+    /// for another index's walk, another adapter's, or none.
     pub fn held_into(
         &self,
         kv: &KvIndex,
@@ -539,28 +539,16 @@ impl KvHeld {
         if self.index != kv.number || self.seed != lora_seed(kv.config.seed, adapter) {
             return None;
         }
-        SCRATCH.with_borrow_mut(|s| {
-            // The settled endpoints' depths, and which they are: the other
-            // entries of `depth` (left from earlier walks) read as 0.
-            let (depth, some) = (&mut s.depth, &mut s.masks);
-            some.clear();
-            some.resize(self.live.len(), 0);
-            depth.resize(depth.len().max(64 * self.live.len()), 0);
-            for &(n, w, bits) in &self.settled {
-                some[w as usize] |= bits;
-                table::each_id(w as usize, bits, |id| depth[id as usize] = n);
-            }
-            held.clear();
-            held.extend(ids.iter().map(|id| {
-                let id = (*id)? as usize;
-                let (w, b) = (id / 64, id % 64);
-                (self.live.get(w)? >> b & 1 == 1).then(|| {
-                    // Without a branch: settled or not is a coin toss.
-                    let settled = 0u32.wrapping_sub((some[w] >> b & 1) as u32);
-                    (depth[id] & settled) as usize
-                })
-            }));
-        });
+        held.clear();
+        held.extend(ids.iter().map(|id| {
+            let id = (*id)? as usize;
+            let (w, b) = (id / 64, id % 64);
+            (self.live.get(w)? >> b & 1 == 1).then(|| {
+                // Without a branch: settled or not is a coin toss.
+                let settled = 0u32.wrapping_sub((self.some[w] >> b & 1) as u32);
+                (self.depth[id] & settled) as usize
+            })
+        }));
         Some(self.blocks)
     }
 }
@@ -947,15 +935,22 @@ impl KvIndex {
             held.live
                 .extend((0..words).map(|w| blocks.liveness.live_word(w)));
             // Only those it settles: the others hold none.
-            held.settled.clear();
+            held.some.clear();
+            held.some.resize(words, 0);
+            if held.depth.len() < 64 * words {
+                held.depth.resize(64 * words, 0);
+            }
             alive.clear();
             alive.extend_from_slice(&held.live);
-            let settled = &mut held.settled;
+            let (some, depth) = (&mut held.some, &mut held.depth);
             let stop = blocks.table.walk(
                 alive,
                 prompt,
                 |h| hashes.push(h),
-                |w, bits, n| settled.push((n as u32, w as u32, bits)),
+                |w, bits, n| {
+                    some[w] |= bits;
+                    table::each_id(w, bits, |id| depth[id as usize] = n as u32);
+                },
             );
             blocks.table.hashes(prompt, stop, hashes);
             held.index = self.number;

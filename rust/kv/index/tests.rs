@@ -620,6 +620,8 @@ struct Fleet {
     matched: usize,
     /// The last query's walk, its adapter and every endpoint's answer.
     walked: Option<(KvHeld, Option<String>, Vec<Option<usize>>)>,
+    /// The walk before that, to walk again.
+    spare: KvHeld,
 }
 
 impl Fleet {
@@ -647,6 +649,7 @@ impl Fleet {
             now: 0.0,
             matched: 0,
             walked: None,
+            spare: KvHeld::default(),
         }
     }
 
@@ -733,7 +736,8 @@ impl Fleet {
         assert_eq!(held, want, "match_hashes");
         // One walk for the hashes and every live endpoint (a pick's), read
         // for all of them and for some, in another order.
-        let (mut walked, mut kv_held) = (vec![7], KvHeld::default());
+        // A walk reused (what an earlier walk wrote in it must not count).
+        let (mut walked, mut kv_held) = (vec![7], std::mem::take(&mut self.spare));
         self.kv.walk_prompt(prompt, lora, &mut walked, &mut kv_held);
         assert_eq!(walked, hashes, "walk_prompt's hashes");
         held.clear();
@@ -757,6 +761,7 @@ impl Fleet {
         if let Some((walk, lora, want)) = self.walked.replace((kv_held, lora, want)) {
             walk.held_into(&self.kv, lora.as_deref(), &ids, &mut held);
             assert_eq!(held, want, "the walk before");
+            self.spare = walk;
         }
     }
 
