@@ -64,7 +64,8 @@ use table::{Hashed, Ids, Prompt, Stop, Table};
 /// fleet's size was seen.
 #[derive(Default)]
 struct Scratch {
-    /// Per endpoint id, the blocks the walk settled it at.
+    /// Per endpoint id, the blocks the walk settled it at (read only for
+    /// the endpoints asked).
     depth: Vec<u32>,
     /// The endpoints asked and the walk's live set, a bitset each.
     masks: Vec<u64>,
@@ -493,10 +494,12 @@ fn next_number() -> u64 {
 }
 
 /// What one walk (`KvIndex::walk_prompt`) found of a prompt: how many of
-/// its leading blocks every endpoint live then holds. `held_into` answers
-/// for a picker's candidates as `match_hashes` did at the walk. Empty (it
-/// answers nothing) until a walk fills it; reused, no allocation per walk
-/// once the fleet's size was seen.
+/// its leading blocks every endpoint live then holds, sparse: written only
+/// for the endpoints holding its first block at least (the walk's cost
+/// grows with them, not with the fleet; the others hold none). `held_into`
+/// answers for a picker's candidates as `match_hashes` did at the walk.
+/// Empty (it answers nothing) until a walk fills it; reused, no allocation
+/// per walk once the fleet's size was seen.
 #[derive(Debug, Clone, Default)]
 pub struct KvHeld {
     /// The index walked (`KvIndex::number`; 0: none).
@@ -507,7 +510,10 @@ pub struct KvHeld {
     blocks: usize,
     /// The endpoints live at the walk, a bitset.
     live: Vec<u64>,
-    /// Per endpoint id, the leading blocks it holds.
+    /// The endpoints that hold the first block at least, a bitset.
+    some: Vec<u64>,
+    /// Per endpoint id, the leading blocks it holds: written by the walk for
+    /// those of `some` only, the others' entries left from earlier walks.
     depth: Vec<u32>,
 }
 
@@ -533,7 +539,16 @@ impl KvHeld {
         if self.index != kv.number || self.seed != lora_seed(kv.config.seed, adapter) {
             return None;
         }
-        held_of(&self.live, &self.depth, ids, held);
+        held.clear();
+        held.extend(ids.iter().map(|id| {
+            let id = (*id)? as usize;
+            let (w, b) = (id / 64, id % 64);
+            (self.live.get(w)? >> b & 1 == 1).then(|| {
+                // Without a branch: settled or not is a coin toss.
+                let settled = 0u32.wrapping_sub((self.some[w] >> b & 1) as u32);
+                (self.depth[id] & settled) as usize
+            })
+        }));
         Some(self.blocks)
     }
 }
@@ -919,17 +934,23 @@ impl KvIndex {
             held.live.clear();
             held.live
                 .extend((0..words).map(|w| blocks.liveness.live_word(w)));
-            // The walk writes only those it settles: the others hold none.
-            held.depth.clear();
-            held.depth.resize(blocks.endpoints, 0);
+            // Only those it settles: the others hold none.
+            held.some.clear();
+            held.some.resize(words, 0);
+            if held.depth.len() < 64 * words {
+                held.depth.resize(64 * words, 0);
+            }
             alive.clear();
             alive.extend_from_slice(&held.live);
-            let depth = &mut held.depth;
+            let (some, depth) = (&mut held.some, &mut held.depth);
             let stop = blocks.table.walk(
                 alive,
                 prompt,
                 |h| hashes.push(h),
-                |id, n| depth[id as usize] = n as u32,
+                |w, bits, n| {
+                    some[w] |= bits;
+                    table::each_id(w, bits, |id| depth[id as usize] = n as u32);
+                },
             );
             blocks.table.hashes(prompt, stop, hashes);
             held.index = self.number;
@@ -1060,9 +1081,14 @@ impl KvIndex {
             *a &= blocks.liveness.live_word(w);
             *b = *a;
         }
-        blocks
-            .table
-            .walk(alive, prompt, |_| (), |id, n| depth[id as usize] = n as u32);
+        blocks.table.walk(
+            alive,
+            prompt,
+            |_| (),
+            |w, bits, n| {
+                table::each_id(w, bits, |id| depth[id as usize] = n as u32);
+            },
+        );
         held_of(asked, depth, ids, held);
     }
 

@@ -284,6 +284,16 @@ impl<'a> RoutecoreQuery<'a> {
         &self.held
     }
 
+    /// The walk alone: the prompt's hashes and its sparse answer (the
+    /// endpoints holding its first block at least), as Dynamo's
+    /// `find_matches` answers with the workers that match.
+    #[cfg(not(feature = "before"))]
+    fn walk_alone(&mut self, prompt: &[u32]) -> &KvHeld {
+        self.kv
+            .walk_prompt(prompt, None, &mut self.hashes, &mut self.walked);
+        &self.walked
+    }
+
     fn hash_all(&mut self, prompt: &[u32]) -> usize {
         self.kv.request_hashes_into(prompt, None, &mut self.hashes);
         self.hashes.len()
@@ -380,11 +390,23 @@ fn dynamo_hash(w: &Workload, prompt: &[u32]) -> Vec<dynamo_kv_router::LocalBlock
 
 /// Per endpoint, the overlap Dynamo's scores give (absent: 0).
 fn overlaps(w: &Workload, scores: &dynamo_kv_router::OverlapScores) -> Vec<Option<usize>> {
-    let mut out = vec![Some(0); w.endpoints.len()];
+    let mut out = Vec::new();
+    overlaps_into(scores, w.endpoints.len(), &mut out);
+    out
+}
+
+/// `overlaps` into `out` (its buffer reused): what a picker reads for each
+/// of its candidates, as `KvHeld::held_into` gives it.
+fn overlaps_into(
+    scores: &dynamo_kv_router::OverlapScores,
+    endpoints: usize,
+    out: &mut Vec<Option<usize>>,
+) {
+    out.clear();
+    out.resize(endpoints, Some(0));
     for (worker, &s) in &scores.scores {
         out[worker.worker_id as usize] = Some(s as usize);
     }
-    out
 }
 
 /// Dynamo 1.6.1 keeps blocks a worker removed when another worker's store
@@ -487,15 +509,6 @@ fn main() {
             kv
         });
         drop(kv);
-        if std::env::var("APPLY_ONLY").is_ok() {
-            // routecore's apply alone (the A B A B runs against an older build).
-            println!(
-                "routecore KvIndex apply: {:.2} M block-ops/s ({:.1} ms)",
-                ops as f64 / t_rc.as_secs_f64() / 1e6,
-                t_rc.as_secs_f64() * 1e3
-            );
-            continue;
-        }
         let h0 = heap();
         let kv = routecore_index(&w);
         routecore_apply(&w, &kv, &batches);
@@ -505,6 +518,16 @@ fn main() {
             .iter()
             .map(|e| kv.stats(e).expect("e").blocks)
             .sum();
+        if std::env::var("APPLY_ONLY").is_ok() {
+            // routecore's apply alone (the A B A B runs against an older build).
+            println!(
+                "routecore KvIndex apply: {:.2} M block-ops/s ({:.1} ms), {:.1} heap bytes / held block",
+                ops as f64 / t_rc.as_secs_f64() / 1e6,
+                t_rc.as_secs_f64() * 1e3,
+                rc_bytes as f64 / held as f64
+            );
+            continue;
+        }
         let (t_rt, tree) = best(rounds, || radix_apply(&w));
         drop(tree);
         let h0 = heap();
@@ -600,59 +623,74 @@ fn main() {
                 })
                 .0
             };
+            // `ONLY=<part of a row's name>` times those rows alone (a profile of one).
+            let only = std::env::var("ONLY").ok();
             let mut rows: Vec<(&str, Duration)> = Vec::new();
+            let wanted = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
+            let mut row = |name: &'static str, f: &mut dyn FnMut(&[u32])| {
+                if wanted(name) {
+                    rows.push((name, time(f)));
+                }
+            };
             #[cfg(not(feature = "before"))]
-            rows.push((
+            row(
                 "routecore match_prompt (hash as it walks, one walk)",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.walk(p));
-                }),
-            ));
+                },
+            );
             #[cfg(not(feature = "before"))]
-            rows.push((
+            row(
                 "routecore request_hashes + match_hashes (a pick's shared hashes)",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.hash_then_walk(p));
-                }),
-            ));
+                },
+            );
             #[cfg(not(feature = "before"))]
-            rows.push((
+            row(
                 "routecore walk_prompt + held_into (a pick's path: hashes and answers, one walk)",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.one_walk(p));
-                }),
-            ));
+                },
+            );
+            #[cfg(not(feature = "before"))]
+            row(
+                "routecore walk_prompt alone (hashes and the sparse answer)",
+                &mut |p| {
+                    black_box(q.walk_alone(p));
+                },
+            );
             #[cfg(not(feature = "before"))]
             {
                 let hashed: Vec<Vec<u64>> =
                     prompts.iter().map(|p| kv.request_hashes(p, None)).collect();
                 let mut k = 0;
-                rows.push((
+                row(
                     "routecore match_hashes only (hashes given)",
-                    time(&mut |_| {
+                    &mut |_| {
                         black_box(kv.match_hashes(&hashed[k % n], &q.ids, &mut q.held));
                         k += 1;
-                    }),
-                ));
+                    },
+                );
             }
-            rows.push((
+            row(
                 "routecore hash all + leading_blocks per endpoint",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.each(p));
-                }),
-            ));
-            rows.push((
+                },
+            );
+            row(
                 "routecore request_hashes only (kv-walk: held runs from the table)",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.hash_all(p));
-                }),
-            ));
-            rows.push((
+                },
+            );
+            row(
                 "routecore chained hash alone (block_hashes)",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(q.chain(p));
-                }),
-            ));
+                },
+            );
             // The tail: the blocks past the longest match, which a pick's
             // walk chains after it stops, from the last matched block's
             // hash; beside the same step unchained (each block after one
@@ -682,11 +720,14 @@ fn main() {
                 ),
                 ("Dynamo hash of the tail alone", Duration::ZERO),
             ];
-            for (row, (_, t)) in tail_rows.iter_mut().enumerate() {
+            for (kind, (name, t)) in tail_rows.iter_mut().enumerate() {
+                if !wanted(name) {
+                    continue;
+                }
                 *t = time(&mut |_| {
                     let (prev, ids) = tails[k % n];
                     k += 1;
-                    match row {
+                    match kind {
                         0 => {
                             q.hashes.clear();
                             q.hashes
@@ -704,7 +745,7 @@ fn main() {
                     black_box(&q.hashes);
                 });
             }
-            if tail_blocks >= 1.0 {
+            if tail_blocks >= 1.0 && only.is_none() {
                 println!(
                     "tail past the match: {tail_blocks:.0} blocks on average; ns per block: {}",
                     tail_rows
@@ -717,42 +758,51 @@ fn main() {
                         .join(", ")
                 );
             }
-            rows.extend(tail_rows);
             let seqs: Vec<_> = prompts.iter().map(|p| dynamo_hash(&w, p)).collect();
-            rows.push((
+            row(
                 "Dynamo hash + RadixTree.find_matches",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(tree.find_matches(dynamo_hash(&w, p), false));
-                }),
-            ));
-            rows.push((
+                },
+            );
+            row(
                 "Dynamo hash + ConcurrentRadixTreeCompressed.find_matches",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(crtc.backend().find_matches(&dynamo_hash(&w, p), false));
-                }),
-            ));
-            rows.push((
+                },
+            );
+            let mut every = Vec::new();
+            row(
+                "Dynamo hash + ConcurrentRadixTreeCompressed.find_matches + every endpoint's overlap",
+                &mut |p| {
+                    let scores = crtc.backend().find_matches(&dynamo_hash(&w, p), false);
+                    overlaps_into(&scores, w.endpoints.len(), &mut every);
+                    black_box(&every);
+                },
+            );
+            row(
                 "Dynamo hash only",
-                time(&mut |p| {
+                &mut |p| {
                     black_box(dynamo_hash(&w, p));
-                }),
-            ));
+                },
+            );
             let mut k = 0;
-            rows.push((
+            row(
                 "Dynamo RadixTree.find_matches only (hashes given)",
-                time(&mut |_| {
+                &mut |_| {
                     black_box(tree.find_matches(seqs[k % n].clone(), false));
                     k += 1;
-                }),
-            ));
+                },
+            );
             let mut k = 0;
-            rows.push((
+            row(
                 "Dynamo ConcurrentRadixTreeCompressed.find_matches only",
-                time(&mut |_| {
+                &mut |_| {
                     black_box(crtc.backend().find_matches(&seqs[k % n], false));
                     k += 1;
-                }),
-            ));
+                },
+            );
+            rows.extend(tail_rows.into_iter().filter(|(name, _)| wanted(name)));
             for (name, t) in rows {
                 println!("| {name} | {:.2} |", us(t, reps * n));
             }

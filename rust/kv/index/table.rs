@@ -30,7 +30,10 @@
 //! `wide` (`words` 64-bit words per set, one bit per endpoint id). A fleet
 //! of up to 63 endpoints never goes out of line; in a larger one only the
 //! blocks several endpoints hold do, one set per block shared by all its
-//! holders.
+//! holders. An out-of-line set marks whether it equals the set of the slot
+//! before it (`SAME`), kept as blocks are held and released: along a run
+//! of blocks the same endpoints hold (a shared system prompt), a walk then
+//! reads no set, whatever the fleet's size.
 
 use std::hash::BuildHasher;
 
@@ -46,6 +49,9 @@ const INLINE: u32 = 63;
 const TAG: u64 = 0b11 << 62;
 const ONE: u64 = 0b10 << 62;
 const WIDE: u64 = 0b11 << 62;
+/// In an out-of-line `Holders`: the set equals the slot before's (see the
+/// module docs).
+const SAME: u64 = 1 << 61;
 /// Dead slots the slab keeps before it is compacted: a quarter of it, and
 /// this many at least (a few in the tests, so that they compact often).
 const MIN_COMPACT: usize = if cfg!(test) { 4 } else { 1024 };
@@ -74,6 +80,11 @@ impl Holders {
             true => Holders(1 << id),
             false => Holders(ONE | u64::from(id)),
         }
+    }
+    /// An out-of-line set equal to the slot before's.
+    #[inline(always)]
+    fn same(self) -> bool {
+        self.0 & (TAG | SAME) == WIDE | SAME
     }
     fn form(self) -> Form {
         if self.0 >> 63 == 0 {
@@ -389,6 +400,12 @@ impl Table {
         self.index.len()
     }
 
+    /// Slots whose holders are marked `SAME`.
+    #[cfg(test)]
+    pub(super) fn marked(&self) -> usize {
+        self.slab.iter().filter(|x| x.holders.same()).count()
+    }
+
     fn find(&self, hash: u64) -> Option<usize> {
         let slab = &self.slab;
         self.index
@@ -415,7 +432,12 @@ impl Table {
             |&s| keys.hash_one(slab[s as usize].hash),
         );
         match entry {
-            Entry::Occupied(e) => self.wide.add(&mut slab[*e.get() as usize].holders, id),
+            Entry::Occupied(e) => {
+                let s = *e.get() as usize;
+                let added = self.wide.add(&mut slab[s].holders, id);
+                self.mark_around(s);
+                added
+            }
             Entry::Vacant(e) => {
                 e.insert(slab.len() as u32);
                 // By a sixteenth, not by doubling: a slot is 24 bytes, and a
@@ -463,12 +485,14 @@ impl Table {
         if !self.wide.remove(&mut slab[s].holders, id) {
             return false;
         }
-        if slab[s].holders == DEAD {
+        let dead = slab[s].holders == DEAD;
+        if dead {
             e.remove();
             self.dead += 1;
-            if self.dead >= MIN_COMPACT.max(self.slab.len() / 4) {
-                self.compact();
-            }
+        }
+        self.mark_around(s);
+        if dead && self.dead >= MIN_COMPACT.max(self.slab.len() / 4) {
+            self.compact();
         }
         true
     }
@@ -489,6 +513,38 @@ impl Table {
             *s = moved[*s as usize];
         }
         self.dead = 0;
+        // Other slots are side by side now.
+        for s in 0..self.slab.len() {
+            self.mark(s);
+        }
+    }
+
+    /// Marks slots `s` and `s + 1` after slot `s`'s holders changed (none
+    /// to mark while no set is out of line: a fleet of up to 63 endpoints).
+    fn mark_around(&mut self, s: usize) {
+        let w = &self.wide;
+        if w.sets.len() > w.free.len() * w.words {
+            self.mark(s);
+            self.mark(s + 1);
+        }
+    }
+
+    /// Marks slot `s`'s out-of-line set `SAME` when it equals the slot
+    /// before's (an out-of-line one too: a set that fits in line is kept
+    /// there), unmarks it otherwise.
+    fn mark(&mut self, s: usize) {
+        let Some(Form::Wide(ix)) = self.slab.get(s).map(|x| x.holders.form()) else {
+            return;
+        };
+        let same = match s.checked_sub(1).map(|p| self.slab[p].holders.form()) {
+            Some(Form::Wide(before)) => {
+                let (sets, w) = (&self.wide.sets, self.wide.words);
+                sets[ix * w..(ix + 1) * w] == sets[before * w..(before + 1) * w]
+            }
+            _ => false,
+        };
+        let h = &mut self.slab[s].holders.0;
+        *h = if same { *h | SAME } else { *h & !SAME };
     }
 
     fn holds_slot(&self, s: usize, id: u32) -> bool {
@@ -566,9 +622,11 @@ impl Table {
 
     /// Walks the blocks of `prompt` in order while some endpoint of `alive`
     /// (a bitset of `words()` words, emptied on the way) holds every block
-    /// so far, and calls `settle(id, n)` once per endpoint of `alive` that
-    /// holds the first `n >= 1` blocks and not the next (or there is none);
-    /// the others hold none. `found` is told the hash of every block the
+    /// so far, and calls `settle(w, bits, n)` for the endpoints of `alive`
+    /// that hold the first `n >= 1` blocks and not the next (or there is
+    /// none), a word of them at a time (`bits`: ids `64 * w + i`, none
+    /// empty), as they drop out (`n` never decreasing; every endpoint once
+    /// at most); the others hold none. `found` is told the hash of every block the
     /// walk went through, in order (the slot's, along a run). Returns where
     /// it stopped.
     pub(super) fn walk<P: Prompt>(
@@ -576,7 +634,7 @@ impl Table {
         alive: &mut [u64],
         prompt: &mut P,
         mut found: impl FnMut(u64),
-        mut settle: impl FnMut(u32, usize),
+        mut settle: impl FnMut(usize, u64, usize),
     ) -> Stop {
         let slab = &self.slab;
         let blocks = prompt.blocks();
@@ -614,8 +672,11 @@ impl Table {
                     if x.holders == DEAD || P::key_of(&x) != h {
                         break 'run;
                     }
+                    // Slot s + 1 keeps every endpoint when its holders
+                    // are slot s's (a superset of `alive`): the same, or
+                    // an out-of-line set marked `SAME`.
                     if x.holders != kept {
-                        if !self.keep(alive, x.holders, n, &mut settle) {
+                        if !x.holders.same() && !self.keep(alive, x.holders, n, &mut settle) {
                             stop = Stop::at(slab, s, n);
                             break 'walk;
                         }
@@ -646,7 +707,7 @@ impl Table {
         alive: &mut [u64],
         holders: Holders,
         n: usize,
-        settle: &mut impl FnMut(u32, usize),
+        settle: &mut impl FnMut(usize, u64, usize),
     ) -> bool {
         let mut any = 0;
         for (w, a) in alive.iter_mut().enumerate() {
@@ -663,12 +724,17 @@ impl Table {
 
 /// Settles the endpoints of word `w` of a set at `n` (none at 0).
 #[inline(always)]
-fn settle_bits(w: usize, mut bits: u64, n: usize, settle: &mut impl FnMut(u32, usize)) {
-    if n == 0 {
-        return;
+fn settle_bits(w: usize, bits: u64, n: usize, settle: &mut impl FnMut(usize, u64, usize)) {
+    if n > 0 && bits != 0 {
+        settle(w, bits, n);
     }
+}
+
+/// Calls `f(id)` for each endpoint of word `w` of a set (`bits`).
+#[inline(always)]
+pub(super) fn each_id(w: usize, mut bits: u64, mut f: impl FnMut(u32)) {
     while bits != 0 {
-        settle(64 * w as u32 + bits.trailing_zeros(), n);
+        f(64 * w as u32 + bits.trailing_zeros());
         bits &= bits - 1;
     }
 }
@@ -700,11 +766,22 @@ mod tests {
                     0 => endpoints - 1 - rng.below(2.min(u64::from(endpoints))) as u32,
                     _ => rng.below(u64::from(endpoints)) as u32,
                 };
-                let set = model.entry(hash).or_default();
-                if rng.below(2) == 0 {
-                    assert_eq!(t.add(hash, !hash, id), set.insert(id), "{endpoints} {step}");
-                } else {
-                    assert_eq!(t.remove(hash, id), set.remove(&id), "{endpoints} {step}");
+                // One block, or the blocks of a few slots side by side
+                // (as an engine stores and evicts runs: sets equal to the
+                // slot before's).
+                let mut hashes = vec![hash];
+                if rng.below(3) == 0 && !t.slab.is_empty() {
+                    let from = rng.below(t.slab.len() as u64) as usize;
+                    let to = (from + 1 + rng.below(6) as usize).min(t.slab.len());
+                    hashes = t.slab[from..to].iter().map(|x| x.hash).collect();
+                }
+                let add = rng.below(2) == 0;
+                for hash in hashes {
+                    let set = model.entry(hash).or_default();
+                    match add {
+                        true => assert_eq!(t.add(hash, !hash, id), set.insert(id)),
+                        false => assert_eq!(t.remove(hash, id), set.remove(&id)),
+                    }
                 }
                 model.retain(|_, s| !s.is_empty());
                 if step % 500 == 0 {
@@ -725,7 +802,42 @@ mod tests {
         }
     }
 
-    fn check(t: &Table, model: &HashMap<u64, BTreeSet<u32>>, endpoints: u32) {
+    /// Runs of blocks held and released by a few endpoints, as engines
+    /// store and evict a shared prompt: an out-of-line set is marked `SAME`
+    /// exactly while it equals the slot before's (`check`), through holds,
+    /// releases, deaths and compactions.
+    #[test]
+    fn a_set_is_marked_the_same_exactly_while_it_is_the_slot_befores() {
+        let mut rng = Rng::new(9);
+        for endpoints in [65u32, 130, 256] {
+            let mut t = Table::default();
+            t.grow(endpoints as usize);
+            let mut model: HashMap<u64, BTreeSet<u32>> = HashMap::new();
+            let few = [0, 5, 63, 64, endpoints - 1];
+            let mut marked = 0;
+            for step in 0..3000 {
+                let id = few[rng.below(few.len() as u64) as usize];
+                let from = rng.below(12);
+                let to = from + 1 + rng.below(12 - from);
+                let add = rng.below(5) < 3;
+                for hash in from..to {
+                    let set = model.entry(hash).or_default();
+                    match add {
+                        true => assert_eq!(t.add(hash, !hash, id), set.insert(id)),
+                        false => assert_eq!(t.remove(hash, id), set.remove(&id)),
+                    }
+                }
+                model.retain(|_, s| !s.is_empty());
+                if step % 10 == 0 {
+                    marked += check(&t, &model, endpoints);
+                }
+            }
+            assert!(marked > 100, "{endpoints}: {marked} marked");
+        }
+    }
+
+    /// Checks `t` against `model`; returns the slots marked `SAME`.
+    fn check(t: &Table, model: &HashMap<u64, BTreeSet<u32>>, endpoints: u32) -> usize {
         assert_eq!(t.len(), model.len());
         for hash in 0..40 {
             let set = model.get(&hash);
@@ -747,6 +859,21 @@ mod tests {
             .filter(|s| matches!(s.holders.form(), Form::Wide(_)))
             .count();
         assert_eq!(used + t.wide.free.len(), t.wide.sets.len() / t.wide.words);
+        // An out-of-line set is marked `SAME` exactly when it equals the
+        // slot before's.
+        let set = |h: Holders| match h.form() {
+            Form::Wide(ix) => Some(&t.wide.sets[ix * t.wide.words..(ix + 1) * t.wide.words]),
+            _ => None,
+        };
+        let mut marked = 0;
+        for (s, x) in t.slab.iter().enumerate().skip(1) {
+            if let Some(mine) = set(x.holders) {
+                let same = set(t.slab[s - 1].holders) == Some(mine);
+                assert_eq!(x.holders.same(), same, "slot {s}");
+                marked += usize::from(same);
+            }
+        }
+        marked
     }
 
     /// Keys a publisher chose to share their low bits (the bucket of an
@@ -841,11 +968,18 @@ mod tests {
             alive[p as usize / 64] |= 1 << (p % 64);
         }
         let mut got = HashMap::new();
+        let mut last = 0;
         t.walk(
             &mut alive,
             prompt,
             |_| (),
-            |id, n| assert!(got.insert(id, n).is_none(), "settled twice"),
+            |w, bits, n| {
+                assert!(bits != 0 && n >= last.max(1), "in the order they dropped");
+                last = n;
+                each_id(w, bits, |id| {
+                    assert!(got.insert(id, n).is_none(), "settled twice");
+                });
+            },
         );
         assert!(alive.iter().all(|&a| a == 0));
         got
