@@ -523,12 +523,20 @@ impl KvHeld {
         self.index = 0;
     }
 
-    /// When this is `kv`'s walk of a prompt for `adapter`: per endpoint of
-    /// `ids` (from `kv.endpoint_ids`) the leading blocks it held, into
-    /// `held` (cleared first; None for an endpoint not live then or a None
-    /// id), and the prompt's full blocks, as `kv.match_hashes` over the
-    /// prompt's hashes answered at the walk. None (and `held` untouched)
-    /// for another index's walk, another adapter's, or none.
+    /// When this is `kv`'s walk of a prompt for `adapter`: the prompt's full
+    /// blocks, and the walk's answers to read per endpoint
+    /// (`KvWalked::held`), as `kv.match_hashes` over the prompt's hashes
+    /// answered at the walk. None for another index's walk, another
+    /// adapter's, or none.
+    pub fn walked(&self, kv: &KvIndex, adapter: Option<&str>) -> Option<KvWalked<'_>> {
+        (self.index == kv.number && self.seed == lora_seed(kv.config.seed, adapter))
+            .then_some(KvWalked(self))
+    }
+
+    /// `walked`'s answer for each endpoint of `ids` (from
+    /// `kv.endpoint_ids`), into `held` (cleared first), and the prompt's
+    /// full blocks; None (and `held` untouched) when it is not `kv`'s walk
+    /// for `adapter`.
     pub fn held_into(
         &self,
         kv: &KvIndex,
@@ -536,20 +544,37 @@ impl KvHeld {
         ids: &[Option<u32>],
         held: &mut Vec<Option<usize>>,
     ) -> Option<usize> {
-        if self.index != kv.number || self.seed != lora_seed(kv.config.seed, adapter) {
-            return None;
-        }
+        let walked = self.walked(kv, adapter)?;
         held.clear();
-        held.extend(ids.iter().map(|id| {
-            let id = (*id)? as usize;
-            let (w, b) = (id / 64, id % 64);
-            (self.live.get(w)? >> b & 1 == 1).then(|| {
-                // Without a branch: settled or not is a coin toss.
-                let settled = 0u32.wrapping_sub((self.some[w] >> b & 1) as u32);
-                (self.depth[id] & settled) as usize
-            })
-        }));
-        Some(self.blocks)
+        held.extend(ids.iter().map(|&id| walked.held(id)));
+        Some(walked.blocks())
+    }
+}
+
+/// A walk ([`KvHeld`]) known to be the asking index's for the request's
+/// adapter, read one endpoint at a time (a picker's loop over its
+/// candidates, no answer vector between).
+#[derive(Debug, Clone, Copy)]
+pub struct KvWalked<'a>(&'a KvHeld);
+
+impl KvWalked<'_> {
+    /// The prompt's full blocks.
+    pub fn blocks(&self) -> usize {
+        self.0.blocks
+    }
+
+    /// The leading blocks endpoint `id` (from `KvIndex::endpoint_ids`) held
+    /// at the walk; None for an endpoint not live then or a None id.
+    #[inline]
+    pub fn held(&self, id: Option<u32>) -> Option<usize> {
+        let h = self.0;
+        let id = id? as usize;
+        let (w, b) = (id / 64, id % 64);
+        (h.live.get(w)? >> b & 1 == 1).then(|| {
+            // Without a branch: settled or not is a coin toss.
+            let settled = 0u32.wrapping_sub((h.some[w] >> b & 1) as u32);
+            (h.depth[id] & settled) as usize
+        })
     }
 }
 

@@ -6,4 +6,4 @@
 
 pub mod index;
 
-pub use index::{Event, KvConfig, KvHeld, KvIndex, KvStats, Seq, Skip, Stored};
+pub use index::{Event, KvConfig, KvHeld, KvIndex, KvStats, KvWalked, Seq, Skip, Stored};

@@ -162,30 +162,31 @@ impl PrefixScorer {
                 self.kv_ids = kv.endpoint_ids(ctx.names);
                 self.kv_ids_for = Some(count);
             }
-            self.kv_cand.clear();
-            self.kv_cand
-                .extend(ctx.cand.iter().map(|&c| self.kv_ids[c]));
-            // The answers of the walk that hashed the prompt, else the
-            // prompt is hashed once for both indexes where their chains
-            // agree.
-            let c = &self.config;
-            let walked = req
-                .kv_held
-                .and_then(|h| h.held_into(kv, req.adapter, &self.kv_cand, &mut self.kv_held));
-            let blocks = match walked {
-                Some(blocks) => blocks,
-                None if req.hashes_of_ids && kv.keys_like(c.block_size, c.seed, req.adapter) => {
-                    kv.match_hashes(req.hashes, &self.kv_cand, &mut self.kv_held)
+            // The answers of the walk that hashed the prompt, read per
+            // candidate; else the prompt is hashed once for both indexes
+            // where their chains agree.
+            let all = match req.kv_held.and_then(|h| h.walked(kv, req.adapter)) {
+                Some(walked) => {
+                    let ids = &self.kv_ids;
+                    let held = ctx.cand.iter().map(|&c| walked.held(ids[c]));
+                    precise_shares(held, walked.blocks(), out, &mut self.precise)
                 }
-                None => kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held),
+                None => {
+                    self.kv_cand.clear();
+                    self.kv_cand
+                        .extend(ctx.cand.iter().map(|&c| self.kv_ids[c]));
+                    let c = &self.config;
+                    let blocks =
+                        if req.hashes_of_ids && kv.keys_like(c.block_size, c.seed, req.adapter) {
+                            kv.match_hashes(req.hashes, &self.kv_cand, &mut self.kv_held)
+                        } else {
+                            kv.match_prompt(ids, req.adapter, &self.kv_cand, &mut self.kv_held)
+                        };
+                    let held = self.kv_held.iter().copied();
+                    precise_shares(held, blocks, out, &mut self.precise)
+                }
             };
-            for ((o, p), held) in out.iter_mut().zip(&mut self.precise).zip(&self.kv_held) {
-                if let Some(held) = *held {
-                    *o = share(held, blocks);
-                    *p = true;
-                }
-            }
-            if self.precise.iter().all(|&p| p) {
+            if all {
                 return Ok(());
             }
         }
@@ -311,6 +312,28 @@ impl PrefixScorer {
         self.kv_ids_for = None;
         Ok(())
     }
+}
+
+/// Per candidate, the KV index's answer (`held`, in candidate order) as its
+/// share of `blocks` into `out`, marked in `precise`; whether every
+/// candidate was answered.
+fn precise_shares(
+    held: impl Iterator<Item = Option<usize>>,
+    blocks: usize,
+    out: &mut [f64],
+    precise: &mut [bool],
+) -> bool {
+    let mut all = true;
+    for ((o, p), held) in out.iter_mut().zip(precise).zip(held) {
+        match held {
+            Some(held) => {
+                *o = share(held, blocks);
+                *p = true;
+            }
+            None => all = false,
+        }
+    }
+    all
 }
 
 /// `held` of `blocks` leading blocks as a score (0 for an empty prompt).
@@ -669,7 +692,9 @@ mod tests {
     /// where the KV index hashes the ids itself, on random event streams
     /// (stores chained to a parent, removals, clears, streams going down)
     /// and requests with and without an adapter, for a KV index that keys
-    /// blocks like the prefix scorer and one that does not (another seed).
+    /// blocks like the prefix scorer and one that does not (another seed);
+    /// and so does one scored from the KV index's walk of the prompt
+    /// (`kv_held`, read per candidate), with or without a subset hint.
     #[test]
     fn hashing_once_for_both_indexes_picks_and_records_as_hashing_twice() {
         const BS: usize = 16;
@@ -695,6 +720,10 @@ mod tests {
             let preset = "precise-prefix+queue+kv";
             let mut once = Pipeline::preset(preset, &names, &config).expect("pipeline");
             let mut twice = Pipeline::preset(preset, &names, &config).expect("pipeline");
+            // Scored from the KV index's walk of the prompt, read per
+            // candidate (the data plane's path).
+            let mut walked = Pipeline::preset(preset, &names, &config).expect("pipeline");
+            let (mut walk_hashes, mut walk) = (Vec::new(), KvHeld::default());
             // Prompts of 1-6 blocks over one of 3 shared first blocks and a
             // small alphabet, so that they meet again.
             let prompt = |rng: &mut Rng| -> Vec<u32> {
@@ -740,20 +769,31 @@ mod tests {
                         let p = prompt(&mut rng);
                         let lora = loras[rng.below(4) as usize];
                         let hashes = block_hashes(Tokens::Ids(&p), BS, 0).expect("hashes");
+                        // Some of the endpoints as candidates, at times.
+                        let subset: Vec<usize> =
+                            (0..names.len()).filter(|_| rng.below(3) > 0).collect();
                         let mut r = request(&hashes, Some(&p));
                         r.adapter = lora;
                         r.now = step as f64;
+                        r.subset = (rng.below(2) == 0).then_some(&subset[..]);
                         states[e].waiting = Some(rng.below(3) as f64);
                         let separate = twice.pick_one(&r, &states).expect("pick");
                         r.hashes_of_ids = true;
                         let shared = once.pick_one(&r, &states).expect("pick");
                         assert_eq!(shared, separate, "case {case} step {step}");
+                        kv.walk_prompt(&p, lora, &mut walk_hashes, &mut walk);
+                        let mut from_walk = r;
+                        from_walk.kv_held = Some(&walk);
+                        let read = walked.pick_one(&from_walk, &states).expect("pick");
+                        assert_eq!(read, shared, "the walk: case {case} step {step}");
                         if let Some(c) = shared {
                             once.started(&r, c).expect("started");
+                            walked.started(&from_walk, c).expect("started");
                             r.hashes_of_ids = false;
                             twice.started(&r, c).expect("started");
                         }
                         assert_eq!(once.to_bytes(), twice.to_bytes(), "step {step}");
+                        assert_eq!(once.to_bytes(), walked.to_bytes(), "step {step}");
                         None
                     }
                 };

@@ -8,6 +8,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
@@ -17,8 +18,12 @@ use dynamo_kv_router::protocols::{
 };
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
 #[cfg(not(feature = "before"))]
+use routecore::endpoint::EndpointState;
+#[cfg(not(feature = "before"))]
 use routecore::kv::KvHeld;
 use routecore::kv::{Event, KvConfig, KvIndex, Seq, Stored};
+#[cfg(not(feature = "before"))]
+use routecore::pick::{PickConfig, PickRequest, Pipeline};
 use serde_json::Value;
 
 /// The heap in use, to the byte.
@@ -207,6 +212,16 @@ fn routecore_index(w: &Workload) -> KvIndex {
     kv
 }
 
+/// A picker of `precise-prefix` alone over `kv`.
+#[cfg(not(feature = "before"))]
+fn precise_pipeline(kv: &Arc<KvIndex>, names: &[String]) -> Pipeline {
+    let config = PickConfig {
+        kv_index: Some(Arc::clone(kv)),
+        ..PickConfig::default()
+    };
+    Pipeline::preset("precise-prefix", names, &config).expect("pipeline")
+}
+
 fn routecore_apply(w: &Workload, kv: &KvIndex, batches: &Batches) {
     for (e, seq, events) in batches {
         let name = &w.endpoints[*e];
@@ -282,6 +297,24 @@ impl<'a> RoutecoreQuery<'a> {
             .held_into(self.kv, None, &self.ids, &mut self.held)
             .expect("this index's walk");
         &self.held
+    }
+
+    /// `one_walk` read by the precise-prefix scorer inside a pick: the
+    /// endpoint chosen.
+    #[cfg(not(feature = "before"))]
+    fn pick(&mut self, pipe: &mut Pipeline, states: &[EndpointState], prompt: &[u32]) -> usize {
+        self.kv
+            .walk_prompt(prompt, None, &mut self.hashes, &mut self.walked);
+        let req = PickRequest {
+            hashes: &self.hashes,
+            token_ids: Some(prompt),
+            hashes_of_ids: true,
+            kv_held: Some(&self.walked),
+            ..PickRequest::default()
+        };
+        pipe.pick_one(&req, states)
+            .expect("pick")
+            .expect("an endpoint")
     }
 
     /// The walk alone: the prompt's hashes and its sparse answer (the
@@ -513,6 +546,8 @@ fn main() {
         let kv = routecore_index(&w);
         routecore_apply(&w, &kv, &batches);
         let rc_bytes = heap() - h0;
+        // Shared with the precise-prefix scorer of the pick rows.
+        let kv = Arc::new(kv);
         let held: u64 = w
             .endpoints
             .iter()
@@ -565,6 +600,11 @@ fn main() {
         // ways always; Dynamo's where it did not refuse a removal (see
         // `split_then_remove`).
         let mut q = RoutecoreQuery::new(&kv, &w.endpoints);
+        #[cfg(not(feature = "before"))]
+        let (mut pipe, states) = (
+            precise_pipeline(&kv, &w.endpoints),
+            vec![EndpointState::default(); w.endpoints.len()],
+        );
         // Per Dynamo structure: queries where some endpoint's overlap is
         // higher than routecore's (blocks Dynamo kept after their removal),
         // and where some endpoint's is lower (which would be a miss).
@@ -575,6 +615,9 @@ fn main() {
             {
                 assert_eq!(q.walk(p), each.as_slice());
                 assert_eq!(q.one_walk(p), each.as_slice());
+                let longest = each.iter().flatten().max();
+                let chosen = q.pick(&mut pipe, &states, p);
+                assert_eq!(each[chosen].as_ref(), longest, "the pick holds the most");
                 assert_eq!(q.hashes, kv.request_hashes(p, None));
             }
             let seq = dynamo_hash(&w, p);
@@ -654,6 +697,20 @@ fn main() {
                 },
             );
             #[cfg(not(feature = "before"))]
+            // The scorer's own read of the walk (`precise-prefix` alone and
+            // the max-score picker over every endpoint), the request as the
+            // data plane hands it over: the walk's hashes and answers.
+            #[cfg(not(feature = "before"))]
+            {
+                let mut pipe = precise_pipeline(&kv, &w.endpoints);
+                let states = vec![EndpointState::default(); w.endpoints.len()];
+                row(
+                    "routecore walk_prompt + precise-prefix pick_one (the scorer reads the walk)",
+                    &mut |p| {
+                        black_box(q.pick(&mut pipe, &states, p));
+                    },
+                );
+            }
             row(
                 "routecore walk_prompt alone (hashes and the sparse answer)",
                 &mut |p| {
@@ -665,13 +722,10 @@ fn main() {
                 let hashed: Vec<Vec<u64>> =
                     prompts.iter().map(|p| kv.request_hashes(p, None)).collect();
                 let mut k = 0;
-                row(
-                    "routecore match_hashes only (hashes given)",
-                    &mut |_| {
-                        black_box(kv.match_hashes(&hashed[k % n], &q.ids, &mut q.held));
-                        k += 1;
-                    },
-                );
+                row("routecore match_hashes only (hashes given)", &mut |_| {
+                    black_box(kv.match_hashes(&hashed[k % n], &q.ids, &mut q.held));
+                    k += 1;
+                });
             }
             row(
                 "routecore hash all + leading_blocks per endpoint",
@@ -685,12 +739,9 @@ fn main() {
                     black_box(q.hash_all(p));
                 },
             );
-            row(
-                "routecore chained hash alone (block_hashes)",
-                &mut |p| {
-                    black_box(q.chain(p));
-                },
-            );
+            row("routecore chained hash alone (block_hashes)", &mut |p| {
+                black_box(q.chain(p));
+            });
             // The tail: the blocks past the longest match, which a pick's
             // walk chains after it stops, from the last matched block's
             // hash; beside the same step unchained (each block after one
@@ -759,12 +810,9 @@ fn main() {
                 );
             }
             let seqs: Vec<_> = prompts.iter().map(|p| dynamo_hash(&w, p)).collect();
-            row(
-                "Dynamo hash + RadixTree.find_matches",
-                &mut |p| {
-                    black_box(tree.find_matches(dynamo_hash(&w, p), false));
-                },
-            );
+            row("Dynamo hash + RadixTree.find_matches", &mut |p| {
+                black_box(tree.find_matches(dynamo_hash(&w, p), false));
+            });
             row(
                 "Dynamo hash + ConcurrentRadixTreeCompressed.find_matches",
                 &mut |p| {
@@ -780,12 +828,9 @@ fn main() {
                     black_box(&every);
                 },
             );
-            row(
-                "Dynamo hash only",
-                &mut |p| {
-                    black_box(dynamo_hash(&w, p));
-                },
-            );
+            row("Dynamo hash only", &mut |p| {
+                black_box(dynamo_hash(&w, p));
+            });
             let mut k = 0;
             row(
                 "Dynamo RadixTree.find_matches only (hashes given)",
