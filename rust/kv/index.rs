@@ -18,7 +18,7 @@
 //! one, is computed only where a run ends. The same runs give a prompt's
 //! chained hashes without chaining them (`request_hashes_into`), and a
 //! picker takes them with every live endpoint's answer from one walk
-//! (`walk_prompt`, then `KvHeld::held_into`). An endpoint holds a block while its
+//! (`walk_prompt`, then `KvHeld::walked`, read per candidate). An endpoint holds a block while its
 //! engine holds it under some engine hash (engines that hash extra keys,
 //! such as a multimodal input or a cache salt, may store the same tokens
 //! under several). A LoRA adapter's blocks
@@ -496,8 +496,9 @@ fn next_number() -> u64 {
 /// What one walk (`KvIndex::walk_prompt`) found of a prompt: how many of
 /// its leading blocks every endpoint live then holds, sparse: written only
 /// for the endpoints holding its first block at least (the walk's cost
-/// grows with them, not with the fleet; the others hold none). `held_into`
-/// answers for a picker's candidates as `match_hashes` did at the walk.
+/// grows with them, not with the fleet; the others hold none). `walked`
+/// (one candidate at a time) and `held_into` answer for a picker's
+/// candidates as `match_hashes` did at the walk.
 /// Empty (it answers nothing) until a walk fills it; reused, no allocation
 /// per walk once the fleet's size was seen.
 #[derive(Debug, Clone, Default)]
@@ -941,7 +942,7 @@ impl KvIndex {
     /// one walk (what a picker asks before it knows its candidates): the
     /// prompt's chained hashes into `hashes` (cleared first), and into
     /// `held` how many of its leading blocks each endpoint live now holds
-    /// (read with `KvHeld::held_into`). The walk reads the hashes of the
+    /// (read with `KvHeld::walked` or `held_into`). The walk reads the hashes of the
     /// blocks it goes through from the table, and the chain continues
     /// from where it stopped as `request_hashes_into` does.
     pub fn walk_prompt(
