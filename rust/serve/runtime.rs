@@ -683,13 +683,14 @@ async fn reap_forever(shared: Arc<Shared>, current: Current, mut stop: watch::Re
             _ = stop.changed() => return,
         }
         shared.reap();
-        // Lost Redis replies are settled as soon as Redis answers again.
+        // Lost Redis replies are settled as soon as Redis answers again (by
+        // the next call, or here once a period passed without one).
         let mut seen: Vec<usize> = Vec::new();
         for engine in shared.engines() {
             if let Some(a) = engine.admission.as_ref() {
                 if !seen.contains(&(Arc::as_ptr(a) as usize)) {
                     seen.push(Arc::as_ptr(a) as usize);
-                    a.reconcile().await;
+                    a.reconcile_idle(period).await;
                 }
             }
         }
