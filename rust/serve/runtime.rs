@@ -23,7 +23,7 @@ use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -305,8 +305,9 @@ pub struct DataPlane {
     health: tonic_health::server::HealthReporter,
     /// Set by the drain; readiness is never reported SERVING after it.
     draining: Arc<tokio::sync::Mutex<bool>>,
-    /// Whether `readiness` is reported SERVING (see [`DataPlane::ready`]).
-    ready: Arc<AtomicBool>,
+    /// Whether `readiness` is reported SERVING (see [`DataPlane::ready`]);
+    /// [`DataPlane::wait_ready`] waits on its changes.
+    ready: Arc<watch::Sender<bool>>,
 }
 
 fn bind(host: &str, port: u16) -> Result<StdListener> {
@@ -425,7 +426,7 @@ impl DataPlane {
             }));
         }
         let draining = Arc::new(tokio::sync::Mutex::new(false));
-        let ready = Arc::new(AtomicBool::new(false));
+        let ready = Arc::new(watch::Sender::new(false));
         let (socket, socket_file) = socket.map_or((None, None), |(l, f)| (Some(l), Some(f)));
         first.block_on(async {
             health
@@ -504,7 +505,27 @@ impl DataPlane {
     /// endpoints' state is synced and the admission backend warm, and no
     /// drain has started (the RouteCore API's health follows it).
     pub fn ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
+        *self.ready.borrow()
+    }
+
+    /// Waits until the data plane is [ready](Self::ready) (true), or until
+    /// `timeout` passes or it stops first (false): what a control plane
+    /// awaits instead of polling `ready`. The caller is not a runtime thread.
+    pub fn wait_ready(&self, timeout: Option<Duration>) -> bool {
+        let (mut ready, mut stop) = (self.ready.subscribe(), self.stop.subscribe());
+        let wait = async {
+            tokio::select! {
+                r = ready.wait_for(|r| *r) => r.is_ok(),
+                _ = stop.wait_for(|s| *s) => false,
+            }
+        };
+        self.block_on(async {
+            match timeout {
+                Some(t) => tokio::time::timeout(t, wait).await.unwrap_or(false),
+                None => wait.await,
+            }
+        })
+        .unwrap_or(false)
     }
 
     pub fn engine(&self) -> Arc<Engine> {
@@ -549,7 +570,7 @@ impl DataPlane {
         let ready = Arc::clone(&self.ready);
         let _ = self.block_on(async {
             *draining.lock().await = true;
-            ready.store(false, Ordering::Release);
+            ready.send_replace(false);
             for name in SERVICES {
                 health
                     .set_service_status(name, ServingStatus::NotServing)
@@ -607,7 +628,7 @@ async fn ready_when_synced(
     current: Current,
     health: tonic_health::server::HealthReporter,
     draining: Arc<tokio::sync::Mutex<bool>>,
-    ready: Arc<AtomicBool>,
+    ready: Arc<watch::Sender<bool>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let (warm_tx, mut warm) = watch::channel(false);
@@ -632,7 +653,7 @@ async fn ready_when_synced(
                 .set_service_status(name, ServingStatus::Serving)
                 .await;
         }
-        ready.store(true, Ordering::Release);
+        ready.send_replace(true);
     }
 }
 
@@ -966,7 +987,14 @@ mod tests {
         eventually("two failed warm-ups", || failures(&plane) >= 2);
         assert!(!ready(&plane), "SERVING while it can only refuse");
         assert!(!plane.ready());
-        server.spawn();
+        assert!(!plane.wait_ready(Some(Duration::from_millis(100))));
+        // A waiter is woken by the change (the control plane's health).
+        let waiter = std::thread::scope(|s| {
+            let waiter = s.spawn(|| plane.wait_ready(Some(Duration::from_secs(60))));
+            server.spawn();
+            waiter.join().expect("the waiter")
+        });
+        assert!(waiter, "woken when ready");
         let mut probe = server.probe().expect("probe");
         eventually("SERVING once Redis is up", || ready(&plane));
         // What Python reads agrees with what Envoy is told.
@@ -975,6 +1003,7 @@ mod tests {
         assert_eq!((calls, connections), (admit_alone(), 0));
         plane.drain(0.0);
         assert!(!plane.ready(), "ready after the drain");
+        assert!(!plane.wait_ready(None), "a drained plane is not waited for");
     }
 
     #[test]
