@@ -378,7 +378,7 @@ fn the_reaper_adds_no_failed_call_beside_the_requests() {
     let Admission::Redis(r) = &red else {
         panic!("a Redis backend")
     };
-    let idle = Duration::from_millis(300);
+    let idle = Duration::from_secs(1);
     rt.block_on(async {
         assert!(red.warm().await);
         server.kill();
