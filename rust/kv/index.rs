@@ -958,7 +958,10 @@ impl KvIndex {
             if step.as_ref().is_none_or(|(key, _)| *key != (bs, seed)) {
                 *step = None;
             }
-            if links.as_ref().is_none_or(|(size, _)| *size != bs) {
+            if links
+                .as_ref()
+                .is_none_or(|(size, l)| *size != bs || !l.current())
+            {
                 *links = None;
             }
             let (_, step) = step.get_or_insert_with(|| ((bs, seed), BlockStep::new(bs, seed)));

@@ -653,6 +653,71 @@ fn main() {
                     black_box(q.chain(p));
                 }),
             ));
+            // The tail: the blocks past the longest match, which a pick's
+            // walk chains after it stops, from the last matched block's
+            // hash; beside the same step unchained (each block after one
+            // fixed hash: the function without the wait) and Dynamo's hash
+            // of the same ids.
+            let c = kv.config();
+            let bs = c.block_size;
+            let tails: Vec<(u64, &[u32])> = prompts
+                .iter()
+                .map(|p| {
+                    let m = q.each(p).iter().flatten().max().copied().unwrap_or(0);
+                    let prev = m
+                        .checked_sub(1)
+                        .map_or(c.seed, |m| kv.request_hashes(p, None)[m]);
+                    (prev, &p[m * bs..])
+                })
+                .collect();
+            let tail_blocks =
+                tails.iter().map(|(_, t)| t.len() / bs).sum::<usize>() as f64 / n as f64;
+            let mut step = routecore::prefix::BlockStep::new(bs, c.seed);
+            let mut k = 0;
+            let mut tail_rows = [
+                ("routecore chain of the tail alone", Duration::ZERO),
+                (
+                    "routecore the same step unchained, the tail",
+                    Duration::ZERO,
+                ),
+                ("Dynamo hash of the tail alone", Duration::ZERO),
+            ];
+            for (row, (_, t)) in tail_rows.iter_mut().enumerate() {
+                *t = time(&mut |_| {
+                    let (prev, ids) = tails[k % n];
+                    k += 1;
+                    match row {
+                        0 => {
+                            q.hashes.clear();
+                            q.hashes
+                                .extend(routecore::prefix::IdChain::new(ids, bs, c.seed, prev));
+                        }
+                        1 => {
+                            q.hashes.clear();
+                            q.hashes
+                                .extend(ids.chunks_exact(bs).map(|b| step.hash(prev, b)));
+                        }
+                        _ => {
+                            black_box(dynamo_hash(&w, ids));
+                        }
+                    }
+                    black_box(&q.hashes);
+                });
+            }
+            if tail_blocks >= 1.0 {
+                println!(
+                    "tail past the match: {tail_blocks:.0} blocks on average; ns per block: {}",
+                    tail_rows
+                        .iter()
+                        .map(|(name, t)| format!(
+                            "{name} {:.2}",
+                            us(*t, reps * n) * 1e3 / tail_blocks
+                        ))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+            rows.extend(tail_rows);
             let seqs: Vec<_> = prompts.iter().map(|p| dynamo_hash(&w, p)).collect();
             rows.push((
                 "Dynamo hash + RadixTree.find_matches",

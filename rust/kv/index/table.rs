@@ -279,6 +279,19 @@ impl Prompt for Ids<'_> {
     }
 }
 
+impl Ids<'_> {
+    /// Appends the chained hashes of blocks `from..` to `out`, the first
+    /// after `prev`: the chain alone, in a loop of its own (one step a
+    /// block and nothing else, so each waits only for the one before).
+    fn chain_into(&mut self, from: usize, mut prev: u64, out: &mut Vec<u64>) {
+        let (bs, step) = (self.block_size, &mut *self.step);
+        out.extend(self.ids[from * bs..].chunks_exact(bs).map(|block| {
+            prev = step.hash(prev, block);
+            prev
+        }));
+    }
+}
+
 /// The prompt's chained block hashes, computed already (the same chain:
 /// block `n`'s hash after `prev` is `hashes[n]` wherever the walk asks); a
 /// run is checked by the slots' hashes.
@@ -306,12 +319,14 @@ impl Prompt for Hashed<'_> {
 }
 
 /// Where a walk stopped: the blocks it went through (`n`), the hash of the
-/// last of them (the chain's seed before the first) and its slot.
+/// last of them (the chain's seed before the first) and its slot; and the
+/// hash of block `n` when the walk looked it up and no block had it.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Stop {
     n: usize,
     prev: u64,
     at: Option<usize>,
+    missed: Option<u64>,
 }
 
 impl Stop {
@@ -321,6 +336,7 @@ impl Stop {
             n: 0,
             prev: seed,
             at: None,
+            missed: None,
         }
     }
     /// After `n` blocks, the last in slot `s`.
@@ -329,6 +345,7 @@ impl Stop {
             n,
             prev: slab[s].hash,
             at: Some(s),
+            missed: None,
         }
     }
 }
@@ -507,17 +524,27 @@ impl Table {
     /// run of slots holding its blocks (each checked by its link from the
     /// slot before, independent per block), the slots' hashes; elsewhere
     /// the chain, looking each block up to start a run until one is not
-    /// found (no lookup after that). A slot keeps its hash and link when
-    /// its block dies, so a run goes through dead slots too.
+    /// found (no lookup after that: the chain alone, `Ids::chain_into`).
+    /// A slot keeps its hash and link when its block dies, so a run goes
+    /// through dead slots too.
     pub(super) fn hashes(&self, prompt: &mut Ids<'_>, from: Stop, out: &mut Vec<u64>) {
         let slab = &self.slab;
         let Stop {
             n,
             mut prev,
             mut at,
+            missed,
         } = from;
+        // Block n was looked up by the walk: the chain alone after it.
+        if let Some(h) = missed {
+            out.push(h);
+            return prompt.chain_into(n + 1, h, out);
+        }
         let mut looking = true;
         for n in n..prompt.blocks() {
+            if !looking {
+                return prompt.chain_into(n, prev, out);
+            }
             let next = at
                 .map(|s| s + 1)
                 .filter(|&s| s < slab.len() && slab[s].link == prompt.run_key(&slab[s - 1], n));
@@ -528,10 +555,8 @@ impl Table {
                 }
                 None => {
                     let h = prompt.hash(prev, n);
-                    if looking {
-                        at = self.find(h);
-                        looking = at.is_some();
-                    }
+                    at = self.find(h);
+                    looking = at.is_some();
                     h
                 }
             };
@@ -563,6 +588,7 @@ impl Table {
             // link, or its hash), not from the block just checked.
             let hash = prompt.hash(stop.prev, n);
             let Some(mut s) = self.find(hash) else {
+                stop.missed = Some(hash);
                 break;
             };
             // The holders last kept: `alive` is a subset of them, so a block

@@ -782,14 +782,19 @@ impl Fleet {
 /// batches, bad events and stale streams: the one-table index answers as
 /// the per-endpoint index did (`old`), by one walk and one endpoint at a
 /// time, on fleets on both sides of the inline bitset's 63 endpoints, with
-/// blocks of 16 ids (their links unrolled) and of 2 (the other sizes').
+/// blocks of 16 ids (their links unrolled, by AVX2 where the CPU has it and
+/// by the portable path, forced) and of 2 (the other sizes').
 #[test]
 fn the_table_answers_as_the_per_endpoint_index_did_on_random_streams() {
     let cases = [1usize, 3, 8, 62, 63, 64, 65, 130]
-        .map(|n| (n, BS))
+        .map(|n| (n, BS, false))
         .into_iter()
-        .chain([(3, 16), (64, 16), (65, 16)]);
-    for (case, (n, bs)) in cases.enumerate() {
+        .chain([(3, 16, false), (64, 16, false), (65, 16, false)])
+        .chain([(3, 16, true), (65, 16, true)]);
+    for (case, (n, bs, portable)) in cases.enumerate() {
+        // Links made on this thread (the index's and the queries') take
+        // the portable path.
+        super::link::PORTABLE.set(portable);
         let mut rng = Rng::new(100 + case as u64);
         // A token of the prompts below is bs / 2 ids in a block of bs.
         let widen = |tokens: Vec<u32>| -> Vec<u32> {
