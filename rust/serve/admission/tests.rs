@@ -367,6 +367,45 @@ fn construction_never_connects_and_a_killed_redis_goes_through_failure_mode() {
 }
 
 #[test]
+fn the_reaper_adds_no_failed_call_beside_the_requests() {
+    // tests/test_redis_state.py's outage once counted 301 connection faults
+    // for 300 refused requests: the first admit after Redis died went out on
+    // the old connection, so its id waits to be voided, and a reaper tick
+    // tried to settle it amid the refused requests, a failed call of its own.
+    let mut server = RedisServer::start();
+    let rt = runtime();
+    let red = Admission::from_spec(&spec(&server.url(), FailureMode::Closed, 0.5)).expect("redis");
+    let Admission::Redis(r) = &red else {
+        panic!("a Redis backend")
+    };
+    let idle = Duration::from_secs(1);
+    rt.block_on(async {
+        assert!(red.warm().await);
+        server.kill();
+        assert_failed_as(&red.admit("g", 1, Some(1), "k1").await, FailureMode::Closed);
+        assert_eq!(
+            (r.failures(), r.pending()),
+            (1, 1),
+            "sent: its id is voided later"
+        );
+        red.reconcile_idle(idle).await;
+        assert_eq!(r.failures(), 1, "a tick right after a request's call");
+        // Idle: the reaper tries Redis itself, one failed call counted once.
+        tokio::time::sleep(idle).await;
+        red.reconcile_idle(idle).await;
+        assert_eq!((r.failures(), r.pending()), (2, 1));
+        server.spawn();
+        tokio::time::sleep(idle).await;
+        red.reconcile_idle(idle).await;
+        assert_eq!(
+            (r.failures(), r.pending()),
+            (2, 0),
+            "settled once Redis answers"
+        );
+    });
+}
+
+#[test]
 fn error_replies_go_through_failure_mode_and_completions_replay_once() {
     let server = RedisServer::start();
     for mode in [FailureMode::Open, FailureMode::Closed] {
