@@ -669,9 +669,14 @@ def test_serve_starts_without_redis_and_connects_when_it_comes_back(serve, mode)
         # Not ready while Redis is down: it could only refuse.
         assert not ready()
         assert not s.server.plane.ready and not api_ready()
+        assert s.server.plane.wait_ready(0.2) is False  # timed out
+        with pytest.raises(ValueError, match="timeout_s"):
+            s.server.plane.wait_ready(-1.0)
     later.start()
     try:
-        # Ready (fail-closed) once Redis is warm: retried in the background.
+        # Ready (fail-closed) once Redis is warm: retried in the background,
+        # a waiter woken by it.
+        assert s.server.plane.wait_ready(30) is True
         wait_for(ready, 30, "ready")
         wait_for(api_ready, 30, "the API ready")
         assert s.server.plane.ready

@@ -1523,6 +1523,12 @@ class DataPlane:
         health service (what Envoy asks): every endpoint's state synced and
         the admission backend warm (a fail-closed Redis admission stays not
         ready while Redis is down); False again from the start of a drain."""
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Blocks, the GIL released, until the data plane is :attr:`ready`
+        (True), or until ``timeout_s`` passes (None: no limit) or a drain stops
+        it first (False): woken by the change, never polling. Run it in a
+        thread from asyncio (``await asyncio.to_thread(plane.wait_ready)``).
+        ValueError for a negative or NaN ``timeout_s``."""
     def reload(self, spec_json: str, *, tokenizers: dict[str, Tokenizer] | None = None) -> None:
         """Swaps in a new configuration atomically; open streams finish on theirs."""
     def drain(self, grace_s: float) -> None:

@@ -180,6 +180,26 @@ impl PyDataPlane {
         self.inner.ready()
     }
 
+    /// Blocks, the GIL released, until the data plane is :attr:`ready`
+    /// (True), or until ``timeout_s`` passes (None: no limit) or a drain
+    /// stops it first (False): woken by the change, never polling. Run it
+    /// in a thread from asyncio (``await asyncio.to_thread(plane.wait_ready)``).
+    /// ValueError for a negative or NaN ``timeout_s``.
+    #[pyo3(signature = (timeout_s=None))]
+    fn wait_ready(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
+        let timeout = match timeout_s {
+            Some(t) if t.is_nan() || t < 0.0 => {
+                return Err(crate::error::invalid(format!(
+                    "timeout_s must be a number >= 0, got {t}"
+                ))
+                .into())
+            }
+            Some(t) => Some(std::time::Duration::from_secs_f64(t.min(1e9))),
+            None => None,
+        };
+        Ok(py.detach(|| self.inner.wait_ready(timeout)))
+    }
+
     /// Swaps in a new configuration atomically: new streams use it, open
     /// ones finish on the one they started with; in-memory admission keeps
     /// its in-flight state. ``tokenizers`` as in :meth:`start`. ValueError

@@ -98,6 +98,9 @@ pub struct FlowMetrics {
     bytes: Family<BandLabels, FGauge>,
     outcomes: Family<OutcomeLabels, FCounter>,
     waits: Family<BandLabels, Histogram, fn() -> Histogram>,
+    /// Times the ticker served the queues: one per [`TICK`] while a request
+    /// waits in one, none while every queue is empty.
+    pub ticks: FCounter,
 }
 
 impl FlowMetrics {
@@ -107,6 +110,7 @@ impl FlowMetrics {
             bytes: Family::default(),
             outcomes: Family::default(),
             waits: Family::new_with_constructor(wait_histogram),
+            ticks: FCounter::default(),
         };
         registry.register(
             "routecore_flow_queue_requests",
@@ -128,6 +132,12 @@ impl FlowMetrics {
             "routecore_flow_wait_seconds",
             "Time dispatched requests waited in flow control's queue, per pool and band",
             m.waits.clone(),
+        );
+        registry.register(
+            "routecore_flow_ticks",
+            "Times flow control's ticker served the queues: every 10 ms while a request \
+             waits in one, never while none does (x 0.01 s: the time requests waited)",
+            m.ticks.clone(),
         );
         m
     }

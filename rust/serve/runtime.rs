@@ -23,7 +23,7 @@ use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -305,8 +305,9 @@ pub struct DataPlane {
     health: tonic_health::server::HealthReporter,
     /// Set by the drain; readiness is never reported SERVING after it.
     draining: Arc<tokio::sync::Mutex<bool>>,
-    /// Whether `readiness` is reported SERVING (see [`DataPlane::ready`]).
-    ready: Arc<AtomicBool>,
+    /// Whether `readiness` is reported SERVING (see [`DataPlane::ready`]);
+    /// [`DataPlane::wait_ready`] waits on its changes.
+    ready: Arc<watch::Sender<bool>>,
 }
 
 fn bind(host: &str, port: u16) -> Result<StdListener> {
@@ -326,9 +327,31 @@ fn bind(host: &str, port: u16) -> Result<StdListener> {
     Ok(l)
 }
 
+/// glibc's mmap threshold, fixed at its default by [`DataPlane::start`]:
+/// each allocation of 128 KiB or more (request bodies, gRPC messages) is
+/// mapped on its own and given back to the OS when freed. Left dynamic,
+/// glibc raises it to the size of the first such block freed (up to 32 MiB),
+/// so that later ones come from the threads' arenas, where freed memory
+/// stays in RSS: the peak above idle then depended on which thread freed
+/// what (17 to 28 MiB where the documented bound is 30.5 MiB, and once past
+/// it, in `tests/test_stream_limits.py`).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const MMAP_THRESHOLD: libc::c_int = 128 << 10;
+
+fn fix_mmap_threshold() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt sets one of malloc's parameters; it takes any value
+    // or refuses it (returns 0), and is safe to call from any thread.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+    }
+}
+
 impl DataPlane {
-    /// Builds the engine from `spec`, binds the listeners and starts serving.
+    /// Builds the engine from `spec`, binds the listeners and starts serving
+    /// (glibc's mmap threshold fixed for the process, see [`MMAP_THRESHOLD`]).
     pub fn start(spec: Spec, calibrator: Calibrator, listen: &Listen) -> Result<Self> {
+        fix_mmap_threshold();
         let shards = (0..listen.worker_threads.max(1))
             .map(|_| Shard::start())
             .collect::<Result<Vec<_>>>()?;
@@ -425,7 +448,7 @@ impl DataPlane {
             }));
         }
         let draining = Arc::new(tokio::sync::Mutex::new(false));
-        let ready = Arc::new(AtomicBool::new(false));
+        let ready = Arc::new(watch::Sender::new(false));
         let (socket, socket_file) = socket.map_or((None, None), |(l, f)| (Some(l), Some(f)));
         first.block_on(async {
             health
@@ -504,7 +527,27 @@ impl DataPlane {
     /// endpoints' state is synced and the admission backend warm, and no
     /// drain has started (the RouteCore API's health follows it).
     pub fn ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
+        *self.ready.borrow()
+    }
+
+    /// Waits until the data plane is [ready](Self::ready) (true), or until
+    /// `timeout` passes or it stops first (false): what a control plane
+    /// awaits instead of polling `ready`. The caller is not a runtime thread.
+    pub fn wait_ready(&self, timeout: Option<Duration>) -> bool {
+        let (mut ready, mut stop) = (self.ready.subscribe(), self.stop.subscribe());
+        let wait = async {
+            tokio::select! {
+                r = ready.wait_for(|r| *r) => r.is_ok(),
+                _ = stop.wait_for(|s| *s) => false,
+            }
+        };
+        self.block_on(async {
+            match timeout {
+                Some(t) => tokio::time::timeout(t, wait).await.unwrap_or(false),
+                None => wait.await,
+            }
+        })
+        .unwrap_or(false)
     }
 
     pub fn engine(&self) -> Arc<Engine> {
@@ -549,7 +592,7 @@ impl DataPlane {
         let ready = Arc::clone(&self.ready);
         let _ = self.block_on(async {
             *draining.lock().await = true;
-            ready.store(false, Ordering::Release);
+            ready.send_replace(false);
             for name in SERVICES {
                 health
                     .set_service_status(name, ServingStatus::NotServing)
@@ -607,7 +650,7 @@ async fn ready_when_synced(
     current: Current,
     health: tonic_health::server::HealthReporter,
     draining: Arc<tokio::sync::Mutex<bool>>,
-    ready: Arc<AtomicBool>,
+    ready: Arc<watch::Sender<bool>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let (warm_tx, mut warm) = watch::channel(false);
@@ -632,7 +675,7 @@ async fn ready_when_synced(
                 .set_service_status(name, ServingStatus::Serving)
                 .await;
         }
-        ready.store(true, Ordering::Release);
+        ready.send_replace(true);
     }
 }
 
@@ -683,13 +726,14 @@ async fn reap_forever(shared: Arc<Shared>, current: Current, mut stop: watch::Re
             _ = stop.changed() => return,
         }
         shared.reap();
-        // Lost Redis replies are settled as soon as Redis answers again.
+        // Lost Redis replies are settled as soon as Redis answers again (by
+        // the next call, or here once a period passed without one).
         let mut seen: Vec<usize> = Vec::new();
         for engine in shared.engines() {
             if let Some(a) = engine.admission.as_ref() {
                 if !seen.contains(&(Arc::as_ptr(a) as usize)) {
                     seen.push(Arc::as_ptr(a) as usize);
-                    a.reconcile().await;
+                    a.reconcile_idle(period).await;
                 }
             }
         }
@@ -965,7 +1009,14 @@ mod tests {
         eventually("two failed warm-ups", || failures(&plane) >= 2);
         assert!(!ready(&plane), "SERVING while it can only refuse");
         assert!(!plane.ready());
-        server.spawn();
+        assert!(!plane.wait_ready(Some(Duration::from_millis(100))));
+        // A waiter is woken by the change (the control plane's health).
+        let waiter = std::thread::scope(|s| {
+            let waiter = s.spawn(|| plane.wait_ready(Some(Duration::from_secs(60))));
+            server.spawn();
+            waiter.join().expect("the waiter")
+        });
+        assert!(waiter, "woken when ready");
         let mut probe = server.probe().expect("probe");
         eventually("SERVING once Redis is up", || ready(&plane));
         // What Python reads agrees with what Envoy is told.
@@ -974,6 +1025,7 @@ mod tests {
         assert_eq!((calls, connections), (admit_alone(), 0));
         plane.drain(0.0);
         assert!(!plane.ready(), "ready after the drain");
+        assert!(!plane.wait_ready(None), "a drained plane is not waited for");
     }
 
     #[test]

@@ -12,9 +12,11 @@ file, and writes the control plane's log events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
+import threading
 from pathlib import Path
 
 import grpc
@@ -29,8 +31,12 @@ from routecore.server.service import RouteCoreService
 
 #: The services the RouteCore API port's health service reports on.
 API_SERVICES = ("", "routecore.v1.RouteCore")
-#: How often the API's health looks at the data plane's readiness until it is ready.
-READY_POLL_S = 0.05
+
+
+def _settle(future: asyncio.Future[bool], value: bool) -> None:
+    """Sets ``future``'s result unless its waiter was cancelled meanwhile."""
+    if not future.done():
+        future.set_result(value)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -145,9 +151,20 @@ class Server:
 
     async def _serving_when_ready(self, plane: DataPlane) -> None:
         """Reports the API SERVING once the data plane is ready (its endpoints'
-        state synced, its admission backend warm), as Envoy is told on its port."""
-        while not plane.ready:
-            await asyncio.sleep(READY_POLL_S)
+        state synced, its admission backend warm), as Envoy is told on its port:
+        woken by the data plane when it is (or when a drain comes first)."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[bool] = loop.create_future()
+
+        def wait() -> None:
+            ok = plane.wait_ready()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, ready, ok)
+
+        # A daemon thread of its own: a data plane never drained holds up no exit.
+        threading.Thread(target=wait, name="routecore-ready", daemon=True).start()
+        if not await ready:
+            return
         for name in API_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 

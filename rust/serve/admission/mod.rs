@@ -447,12 +447,16 @@ impl Admission {
     }
 
     /// Settles what a remote backend still has to (lost admits voided, failed
-    /// completions replayed); true when nothing is left. The data plane's
-    /// reaper calls it every tick, so this happens without new traffic.
-    pub async fn reconcile(&self) -> bool {
-        match self {
-            Admission::Memory(_) => true,
-            Admission::Redis(r) => r.pending() == 0 || r.reconcile().await,
+    /// completions replayed) once no call has gone to it for `idle`. The
+    /// data plane's reaper calls it every tick, so this happens without new
+    /// traffic; with traffic each call settles a batch before its own work,
+    /// so the reaper adds no call of its own (in an outage, no failure
+    /// beside the requests' own).
+    pub async fn reconcile_idle(&self, idle: std::time::Duration) {
+        if let Admission::Redis(r) = self {
+            if r.pending() > 0 && !r.called_within(idle) {
+                r.reconcile().await;
+            }
         }
     }
 

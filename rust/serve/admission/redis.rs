@@ -259,6 +259,10 @@ pub struct RedisAdmission {
     held: Mutex<HashSet<u64>>,
     /// Admits and completions under way.
     busy: AtomicUsize,
+    /// When a call last went to Redis: nanoseconds after `born`, plus one
+    /// (0: never). Each call settles a batch of what is pending first.
+    last_call: AtomicU64,
+    born: Instant,
     flush_timeout: Duration,
     /// Per entitlement: its SLO target (s) and the last priority `w_e` the
     /// admit script returned (f64 bits; 0: none yet), for flow control.
@@ -364,6 +368,8 @@ impl RedisAdmission {
             probe: tokio::sync::Mutex::new(()),
             held: Mutex::new(HashSet::new()),
             busy: AtomicUsize::new(0),
+            last_call: AtomicU64::new(0),
+            born: Instant::now(),
             flush_timeout: Duration::from_secs_f64(r.flush_timeout_s),
             flow_terms,
         })
@@ -467,6 +473,11 @@ impl RedisAdmission {
         } else {
             None
         };
+        let since_born = self.born.elapsed().as_nanos();
+        self.last_call.store(
+            u64::try_from(since_born).unwrap_or(u64::MAX - 1) + 1,
+            Ordering::Relaxed,
+        );
         let kind = match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(v)) => {
                 self.stalled.store(false, Ordering::Relaxed);
@@ -887,6 +898,19 @@ impl RedisAdmission {
     /// How long a shutdown waits for [`settled`](Self::settled).
     pub fn flush_timeout(&self) -> Duration {
         self.flush_timeout
+    }
+
+    /// Whether a call went to Redis within the last `period` (admits,
+    /// completions and settlements alike; each settles a batch of what is
+    /// pending before its own work).
+    pub fn called_within(&self, period: Duration) -> bool {
+        match self.last_call.load(Ordering::Relaxed) {
+            0 => false,
+            at => {
+                let since = self.born.elapsed().as_nanos();
+                since.saturating_sub(u128::from(at - 1)) < period.as_nanos()
+            }
+        }
     }
 
     /// Settles everything pending on every quota; true when nothing is left.

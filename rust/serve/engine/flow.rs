@@ -89,14 +89,9 @@ impl Shared {
                 _ = tokio::time::sleep(TICK) => {}
                 _ = stop.changed() => return,
             }
-            self.flow_ticks.fetch_add(1, AtomicOrdering::Relaxed);
+            self.metrics.flow.ticks.inc();
             self.serve_queues();
         }
-    }
-
-    /// How many times the ticker has served the queues.
-    pub fn flow_ticks(&self) -> u64 {
-        self.flow_ticks.load(AtomicOrdering::Relaxed)
     }
 
     /// Shutdown: every waiting request is refused (503, retry elsewhere) and
@@ -196,6 +191,15 @@ mod tests {
             .metrics
             .value(name, &["p", band])
             .expect("a flow metric")
+    }
+
+    /// How many times the ticker served the queues, as exported.
+    fn ticks(shared: &Shared) -> f64 {
+        let text = shared.metrics.text();
+        text.lines()
+            .find_map(|l| l.strip_prefix("routecore_flow_ticks_total "))
+            .and_then(|v| v.parse().ok())
+            .expect("routecore_flow_ticks_total exported")
     }
 
     /// What a request path holds: requests in the pool, admission's in
@@ -543,10 +547,10 @@ mod tests {
         // Idle, then busy with nothing waiting (the pool has room for each):
         // ten ticks' time each, not one tick (it ticked every TICK before).
         tokio::time::sleep(TICK * 10).await;
-        assert_eq!(shared.flow_ticks(), 0, "an idle flow control ticks");
+        assert_eq!(ticks(&shared), 0.0, "an idle flow control ticks");
         let placed = fill(&engine).await;
         tokio::time::sleep(TICK * 10).await;
-        assert_eq!(shared.flow_ticks(), 0, "requests that never waited woke it");
+        assert_eq!(ticks(&shared), 0.0, "requests that never waited woke it");
         // A request waits in the full pool: the ticker wakes and refuses it
         // at its TTL, with no release or scrape to serve the queue.
         let started = std::time::Instant::now();
@@ -557,11 +561,11 @@ mod tests {
             .expect_err("expired");
         assert!(started.elapsed() >= Duration::from_millis(50));
         assert_eq!((rej.status, rej.reason.as_str()), (429, "saturated"));
-        let ticks = shared.flow_ticks();
-        assert!(ticks >= 1);
+        let ticked = ticks(&shared);
+        assert!(ticked >= 1.0);
         // The queue is empty again: it sleeps.
         tokio::time::sleep(TICK * 10).await;
-        assert_eq!(shared.flow_ticks(), ticks, "ticks with nothing waiting");
+        assert_eq!(ticks(&shared), ticked, "ticks with nothing waiting");
         let _ = stop.send(true);
         ticker.await.expect("the ticker stops");
         for p in placed {

@@ -351,8 +351,6 @@ pub struct Shared {
     /// Told when a request starts to wait in a flow-control queue: the
     /// ticker sleeps on it while every queue is empty.
     flow_queued: tokio::sync::Notify,
-    /// How many times the ticker served the queues.
-    flow_ticks: AtomicU64,
 }
 
 impl Shared {
@@ -374,7 +372,6 @@ impl Shared {
             kv: Arc::default(),
             flow_closed: std::sync::atomic::AtomicBool::new(false),
             flow_queued: tokio::sync::Notify::new(),
-            flow_ticks: AtomicU64::new(0),
         }
     }
 
