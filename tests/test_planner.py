@@ -394,6 +394,36 @@ def test_a_pool_sized_on_each_requests_mean_tpot_meets_it_in_simulation():
     assert at >= 0.99 > fewer, (at, fewer)
 
 
+def _long_pool_planned_and_two_fewer(workload, fleet_kind, seed):
+    """Plan ``fleet_kind`` for ``workload`` at 1,000 req/s, TTFT 0.5 s, TPOT
+    80 ms, then simulate 600 s of Poisson arrivals (``seed``) with its long
+    pool at the planned count and at two GPUs fewer. Returns the long pool,
+    the fleet's short boundary, the planned count and the long pool's two
+    attainments."""
+    import argparse
+
+    from routecore.commands import simulate as sim
+    from routecore.planning import fidelity_workload
+
+    rate, duration = 1000.0, 600.0
+    parser = argparse.ArgumentParser()
+    sim.add_arguments(parser)
+    args = parser.parse_args(
+        ["--rate", str(rate), "--slo-ttft", "0.5", "--slo-tpot", "0.08", "--seed", str(seed),
+         "--arrivals", "poisson", "--duration", str(duration), "--fleet", fleet_kind, "--quiet"]
+    )  # fmt: skip
+    w = fidelity_workload(workload)
+    profile = Profile.llama3_70b_a100()
+    (fleet,) = sim.plan_fleets(w, profile, args)
+    long = fleet.pools[-1]
+    trace = sim.trace_arrays(w, int(rate * duration), "poisson", seed)
+    planned, met = long.gpus, []
+    for gpus in (planned, planned - 2):
+        long.gpus = gpus
+        met.append(sim.pool_attainment(sim.run_fleet(fleet, trace, profile, args), args)[-1])
+    return long, fleet.b_short, planned, met
+
+
 @pytest.mark.slow
 def test_a_slot_bound_long_pool_meets_its_slo_at_steady_state():
     """Issue 27: the LMSYS-like workload at 1,000 req/s, TTFT 0.5 s, the
@@ -408,28 +438,8 @@ def test_a_slot_bound_long_pool_meets_its_slo_at_steady_state():
     planned this fleet at gamma 1.7 with a long pool of 43 GPUs, which meets
     them for 98.7 % (44 needed); now gamma 1.8, 76 + 41 GPUs, the long pool
     99.1 % at 41 and 91.9 % at 39 (its simulated minimum 41)."""
-    import argparse
-
-    from routecore.commands import simulate as sim
-    from routecore.planning import fidelity_workload
-
-    rate, duration = 1000.0, 600.0
-    parser = argparse.ArgumentParser()
-    sim.add_arguments(parser)
-    args = parser.parse_args(
-        ["--rate", str(rate), "--slo-ttft", "0.5", "--slo-tpot", "0.08", "--seed", "42",
-         "--arrivals", "poisson", "--duration", str(duration), "--fleet", "fleetopt", "--quiet"]
-    )  # fmt: skip
-    w = fidelity_workload("lmsys-chat-1m")
-    profile = Profile.llama3_70b_a100()
-    (fleet,) = sim.plan_fleets(w, profile, args)
-    long = fleet.pools[-1]
+    long, _, planned, met = _long_pool_planned_and_two_fewer("lmsys-chat-1m", "fleetopt", 42)
     assert (long.name, long.max_context, long.binding) == ("long", 65536, "slot")
-    trace = sim.trace_arrays(w, int(rate * duration), "poisson", 42)
-    planned, met = long.gpus, []
-    for gpus in (planned, planned - 2):
-        long.gpus = gpus
-        met.append(sim.pool_attainment(sim.run_fleet(fleet, trace, profile, args), args)[-1])
     assert met[0] >= 0.99 > met[1], (planned, met)
 
 
@@ -444,29 +454,10 @@ def test_a_prefill_bound_long_pool_is_planned_at_its_simulated_minimum():
     rust/planner/engine.rs). The planned count meets both SLOs for 99 % of
     the pool's requests, and two GPUs fewer do not. Before, the exponential
     tail planned 22 GPUs where 20 meet them (99.36 %; 19: 97.35 %)."""
-    import argparse
-
-    from routecore.commands import simulate as sim
-    from routecore.planning import fidelity_workload
-
-    rate, duration = 1000.0, 600.0
-    parser = argparse.ArgumentParser()
-    sim.add_arguments(parser)
-    args = parser.parse_args(
-        ["--rate", str(rate), "--slo-ttft", "0.5", "--slo-tpot", "0.08", "--seed", "0",
-         "--arrivals", "poisson", "--duration", str(duration), "--fleet", "pool-routing",
-         "--quiet"]
-    )  # fmt: skip
-    w = fidelity_workload("azure-conversation")
-    profile = Profile.llama3_70b_a100()
-    (fleet,) = sim.plan_fleets(w, profile, args)
-    long = fleet.pools[-1]
-    assert (long.name, fleet.b_short, long.binding) == ("long", 2048, "prefill")
-    trace = sim.trace_arrays(w, int(rate * duration), "poisson", 0)
-    planned, met = long.gpus, []
-    for gpus in (planned, planned - 2):
-        long.gpus = gpus
-        met.append(sim.pool_attainment(sim.run_fleet(fleet, trace, profile, args), args)[-1])
+    long, b_short, planned, met = _long_pool_planned_and_two_fewer(
+        "azure-conversation", "pool-routing", 0
+    )
+    assert (long.name, b_short, long.binding) == ("long", 2048, "prefill")
     assert met[0] >= 0.99 > met[1], (planned, met)
 
 
