@@ -366,27 +366,23 @@ mod tests {
         };
         let mut avx2 = forced(false, IDS16);
         let mut portable = forced(true, IDS16);
+        let in_chunks = |links: &mut Links, o: &mut [u64]| {
+            let (p, b) = (black_box(&prevs), black_box(&blocks));
+            for ((p, b), o) in p.chunks(8).zip(b.chunks(8 * IDS16)).zip(o.chunks_mut(8)) {
+                links.links(p, b, 7, o);
+            }
+        };
         let nh = avx2.keys.nh;
         let rows = [
             (
                 "AVX2 NH (chunks of 8)",
                 avx2.avx2,
-                time(&mut |o| {
-                    let (p, b) = (black_box(&prevs), black_box(&blocks));
-                    for ((p, b), o) in p.chunks(8).zip(b.chunks(8 * IDS16)).zip(o.chunks_mut(8)) {
-                        avx2.links(p, b, 7, o);
-                    }
-                }),
+                time(&mut |o| in_chunks(&mut avx2, o)),
             ),
             (
                 "portable: four folded products",
                 true,
-                time(&mut |o| {
-                    let (p, b) = (black_box(&prevs), black_box(&blocks));
-                    for ((p, b), o) in p.chunks(8).zip(b.chunks(8 * IDS16)).zip(o.chunks_mut(8)) {
-                        portable.links(p, b, 7, o);
-                    }
-                }),
+                time(&mut |o| in_chunks(&mut portable, o)),
             ),
             (
                 "NH's sums one product at a time (the portable path before)",
