@@ -351,30 +351,70 @@ def engine_state(rate, endpoints, load, n_slots, ctx, w, h, c):
     return t, occ, rho_p, kv / (n_slots * ctx), wait, busy
 
 
-def wait_of(mean, p):
-    """(p, theta): 0 with probability 1 - p, else exponential of mean theta."""
+def wait_of(mean, p, residual=math.inf):
+    """(p, theta, queued): 0 with probability 1 - p, else the sum of two
+    exponentials of means theta and queued (queued 0: one exponential). A
+    prefill wait's first phase is the rest of the prompt being prefilled
+    (``residual``), the second the prompts queued before it."""
     if mean > 0 and p > 0:
         p = min(p, 1.0)
-        return p, mean / p
-    return 0.0, 0.0
+        theta = mean / p
+        first = min(max(residual, 0.0), theta)
+        return p, first, theta - first
+    return 0.0, 0.0, 0.0
 
 
 def wait_quantile(wt, r):
-    p, theta = wt
-    return theta * math.log(p / r) if p > r else 0.0
+    """A y with P(W > y) <= r: one exponential's quantile; for two phases of
+    means M >= m the larger term's quantile where m <= M / 2, else each
+    phase's r / 2 quantile (the union bound)."""
+    p, theta, queued = wt
+    if p <= r:
+        return 0.0
+    if queued > 0:
+        big, small = max(theta, queued), min(theta, queued)
+        if small <= 0.5 * big:
+            return big * math.log(p * big / ((big - small) * r))
+        return (big + small) * math.log(2 * p / r)
+    return theta * math.log(p / r)
+
+
+def terms(s, pw):
+    """(c, theta): P(W_s + W_p > y) = sum_i c_i exp(-y / theta_i) for y >= 0,
+    over the slot's phase and the prefill's two (equal means moved apart by a
+    part in a million)."""
+    theta = [s[1], pw[1], pw[2]]
+    on = [s[0] > 0, pw[0] > 0, pw[0] > 0 and pw[2] > 0]
+    for i in range(1, 3):
+        for j in range(i):
+            if on[i] and on[j] and abs(theta[i] - theta[j]) <= 1e-6 * theta[j]:
+                theta[i] = theta[j] * (1 + 1e-6)
+    c = [0.0, 0.0, 0.0]
+
+    def add(sub, w):
+        for i in sub:
+            ci = 1.0
+            for j in sub:
+                if j != i:
+                    ci = ci * theta[i] / (theta[i] - theta[j])
+            c[i] += w * ci
+
+    prefill = [1, 2] if on[2] else [1]
+    if on[0]:
+        add([0], s[0] * (1 - pw[0]))
+    if on[1]:
+        add(prefill, pw[0] * (1 - s[0]))
+    if on[0] and on[1]:
+        add([0] + prefill, s[0] * pw[0])
+    return c, theta
 
 
 def survival(s, pw, y):
     """P(W_s + W_p > y) of two independent waits."""
     if y < 0:
         return 1.0
-    es = math.exp(-y / s[1]) if s[0] > 0 else 0.0
-    ep = math.exp(-y / pw[1]) if pw[0] > 0 else 0.0
-    both = 0.0
-    if s[0] > 0 and pw[0] > 0:
-        a, b = s[1], pw[1]
-        both = (1 + y / a) * es if abs(a - b) <= 1e-9 * max(a, b) else (a * es - b * ep) / (a - b)
-    return s[0] * (1 - pw[0]) * es + pw[0] * (1 - s[0]) * ep + s[0] * pw[0] * both
+    c, theta = terms(s, pw)
+    return sum(c[i] * math.exp(-y / theta[i]) for i in range(3) if c[i] != 0)
 
 
 def miss(s, pw, hist, t, ttft, half=0.5):
@@ -386,29 +426,20 @@ def miss(s, pw, hist, t, ttft, half=0.5):
     total = sum(prob for _, prob in hist[split:])
     if split == 0:
         return total
+    c, theta = terms(s, pw)
+    if c == [0.0, 0.0, 0.0]:
+        return total
     top = hist[split - 1][0]
     y0 = ttft - (top + half) * t
-
-    def start(wt):
-        return (math.exp(-y0 / wt[1]), math.exp(-t / wt[1])) if wt[0] > 0 else (0.0, 0.0)
-
-    (es, fs), (ep, fp) = start(s), start(pw)
+    e = [math.exp(-y0 / theta[i]) if c[i] != 0 else 0.0 for i in range(3)]
+    f = [math.exp(-t / theta[i]) if c[i] != 0 else 0.0 for i in range(3)]
     k = top
-    both = s[0] > 0 and pw[0] > 0
-    equal = both and abs(s[1] - pw[1]) <= 1e-9 * max(s[1], pw[1])
     for kk, prob in reversed(hist[:split]):
         gap = k - kk
-        es *= fs**gap
-        ep *= fp**gap
+        e = [e[i] * f[i] ** gap for i in range(3)]
         k = kk
-        if not both:
-            sm = 0.0
-        elif equal:
-            sm = (1 + (ttft - (k + half) * t) / s[1]) * es
-        else:
-            sm = (s[1] * es - pw[1] * ep) / (s[1] - pw[1])
-        total += prob * (s[0] * (1 - pw[0]) * es + pw[0] * (1 - s[0]) * ep + s[0] * pw[0] * sm)
-        if es < 1e-300 and ep < 1e-300:
+        total += prob * (c[0] * e[0] + c[1] * e[1] + c[2] * e[2])
+        if max(e) < 1e-300:
             break
     return total
 
@@ -445,7 +476,9 @@ def engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99, s
     if rho_p >= 1 or not occ < n_slots or kv >= 1:
         return False, math.inf
     mu = rate / occ if occ > 0 else 0.0
-    prefill = wait_of(wait, busy)
+    # The rest of the prompt being prefilled: E[X^2] / (2 E[X]), X = L_in t / C.
+    residual = load[2] / (2 * load[1]) * t / c if load[1] > 0 else 0.0
+    prefill = wait_of(wait, busy, residual)
     r = (1 - quantile) / 2
 
     # A prompt's own chunks: W + H A, A its endpoint's active sequences with
@@ -463,7 +496,9 @@ def engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99, s
         return (k + half) * (t_own + per_chunk) + (0.5 - half) * per_chunk + offset
 
     def slot(exact):
-        return slot_wait(n, n_slots, mu, lam, exact, max(t / w, 1.0)) if occ > 0 else (0.0, 0.0)
+        if occ <= 0:
+            return (0.0, 0.0, 0.0)
+        return slot_wait(n, n_slots, mu, lam, exact, max(t / w, 1.0))
 
     def ttft_q(sw):
         return wait_quantile(sw, r / 2) + wait_quantile(prefill, r / 2) + after(q)
