@@ -779,15 +779,7 @@ mod tests {
                     let to = (from + 1 + rng.below(6) as usize).min(t.slab.len());
                     hashes = t.slab[from..to].iter().map(|x| x.hash).collect();
                 }
-                let add = rng.below(2) == 0;
-                for hash in hashes {
-                    let set = model.entry(hash).or_default();
-                    match add {
-                        true => assert_eq!(t.add(hash, !hash, id), set.insert(id)),
-                        false => assert_eq!(t.remove(hash, id), set.remove(&id)),
-                    }
-                }
-                model.retain(|_, s| !s.is_empty());
+                apply(&mut t, &mut model, hashes, id, rng.below(2) == 0);
                 if step % 500 == 0 {
                     check(&t, &model, endpoints);
                 }
@@ -823,21 +815,32 @@ mod tests {
                 let id = few[rng.below(few.len() as u64) as usize];
                 let from = rng.below(12);
                 let to = from + 1 + rng.below(12 - from);
-                let add = rng.below(5) < 3;
-                for hash in from..to {
-                    let set = model.entry(hash).or_default();
-                    match add {
-                        true => assert_eq!(t.add(hash, !hash, id), set.insert(id)),
-                        false => assert_eq!(t.remove(hash, id), set.remove(&id)),
-                    }
-                }
-                model.retain(|_, s| !s.is_empty());
+                apply(&mut t, &mut model, from..to, id, rng.below(5) < 3);
                 if step % 10 == 0 {
                     marked += check(&t, &model, endpoints);
                 }
             }
             assert!(marked > 100, "{endpoints}: {marked} marked");
         }
+    }
+
+    /// Holds (`add`) or releases `hashes` for `id` in `t` and in `model`,
+    /// asserting that each changes `t` exactly when it changes the model.
+    fn apply(
+        t: &mut Table,
+        model: &mut HashMap<u64, BTreeSet<u32>>,
+        hashes: impl IntoIterator<Item = u64>,
+        id: u32,
+        add: bool,
+    ) {
+        for hash in hashes {
+            let set = model.entry(hash).or_default();
+            match add {
+                true => assert_eq!(t.add(hash, !hash, id), set.insert(id)),
+                false => assert_eq!(t.remove(hash, id), set.remove(&id)),
+            }
+        }
+        model.retain(|_, s| !s.is_empty());
     }
 
     /// Checks `t` against `model`; returns the slots marked `SAME`.
