@@ -409,24 +409,25 @@ def terms(s, pw):
     return c, theta
 
 
-def survival(s, pw, y):
-    """P(W_s + W_p > y) of two independent waits."""
+def survival(ct, y):
+    """P(W_s + W_p > y) of two independent waits, from their ``terms``."""
     if y < 0:
         return 1.0
-    c, theta = terms(s, pw)
+    c, theta = ct
     return sum(c[i] * math.exp(-y / theta[i]) for i in range(3) if c[i] != 0)
 
 
-def miss(s, pw, hist, t, ttft, half=0.5):
+def miss(ct, hist, t, ttft, half=0.5):
     """The share of requests whose W + (k + half) t exceeds ttft over the chunk
-    histogram, the exponentials stepped from the largest k that fits down."""
+    histogram (the waits' ``terms`` ``ct``), the exponentials stepped from the
+    largest k that fits down."""
     split = 0
     while split < len(hist) and ttft - (hist[split][0] + half) * t >= 0:
         split += 1
     total = sum(prob for _, prob in hist[split:])
     if split == 0:
         return total
-    c, theta = terms(s, pw)
+    c, theta = ct
     if c == [0.0, 0.0, 0.0]:
         return total
     top = hist[split - 1][0]
@@ -514,12 +515,11 @@ def engine_eval(lam, n, load, n_slots, ctx, w, h, c, slo, tpot, quantile=0.99, s
             return True, ttft
     allowed = 1 - quantile
     first = max(fewest, 1)
-    if own(lambda t, half: survival(exact, prefill, slo - after(first, t, half))) > allowed:
+    ct = terms(exact, prefill)
+    if own(lambda t, half: survival(ct, slo - after(first, t, half))) > allowed:
         return False, ttft
     return own(
-        lambda t, half: miss(
-            exact, prefill, hist, t + per_chunk, slo - offset - (0.5 - half) * per_chunk, half
-        )
+        lambda t, half: miss(ct, hist, t + per_chunk, slo - offset - (0.5 - half) * per_chunk, half)
     ) <= allowed, ttft
 
 
